@@ -1,0 +1,1 @@
+"""Loading phase: BUILD and .bzl files (Starlark) -> a TargetGraph of typed targets."""

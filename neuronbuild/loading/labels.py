@@ -1,0 +1,118 @@
+"""Labels (`//pkg:name`, `:name`, `@neuronbuild//rules:x.bzl`) and target patterns (`//...`, `//pkg/...`, `//pkg:all`)."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+_PKG_RE = re.compile(r"^[A-Za-z0-9_\-.]+(/[A-Za-z0-9_\-.]+)*$")
+_NAME_RE = re.compile(r"^[A-Za-z0-9_\-.+=,@~]+(/[A-Za-z0-9_\-.+=,@~]+)*$")
+BUILTIN_REPO = "neuronbuild"
+
+
+class LabelError(ValueError):
+    """A label or pattern that does not parse; the message is user-facing."""
+
+
+@dataclass(frozen=True, order=True)
+class Label:
+    """A fully qualified label. repo is "" for the main workspace, "neuronbuild" for the shipped rules."""
+
+    package: str
+    name: str
+    repo: str = ""
+
+    def __str__(self) -> str:
+        prefix = f"@{self.repo}" if self.repo else ""
+        return f"{prefix}//{self.package}:{self.name}"
+
+    @property
+    def path(self) -> str:
+        """Workspace-relative path of a file label (e.g. a .bzl file)."""
+        return f"{self.package}/{self.name}" if self.package else self.name
+
+
+def _check_package(pkg: str, text: str) -> None:
+    if pkg and (not _PKG_RE.match(pkg) or any(p in ("..", ".") for p in pkg.split("/"))):
+        raise LabelError(f"invalid package name in label '{text}'")
+
+
+def _check_name(name: str, text: str) -> None:
+    if not name or not _NAME_RE.match(name) or any(p in ("..", ".") for p in name.split("/")):
+        raise LabelError(f"invalid target name in label '{text}'")
+
+
+def parse_label(text: str, current_package: str) -> Label:
+    """Parse `text` relative to `current_package` (for `:name` and bare `name`)."""
+    if not isinstance(text, str) or not text:
+        raise LabelError(f"invalid label {text!r}")
+    repo = ""
+    rest = text
+    if rest.startswith("@"):
+        if "//" not in rest:
+            raise LabelError(f"invalid label '{text}': expected @repo//pkg:name")
+        repo, rest = rest[1:].split("//", 1)
+        rest = "//" + rest
+        if repo != BUILTIN_REPO:
+            raise LabelError(f"unknown repository '@{repo}' in label '{text}' (only @{BUILTIN_REPO} is known)")
+    if rest.startswith("//"):
+        body = rest[2:]
+        if ":" in body:
+            pkg, name = body.split(":", 1)
+        else:
+            pkg = body
+            name = body.rsplit("/", 1)[-1]
+            if not pkg:
+                raise LabelError(f"invalid label '{text}': the root package needs an explicit ':name'")
+    elif rest.startswith(":"):
+        pkg, name = current_package, rest[1:]
+    else:
+        if ":" in rest:
+            raise LabelError(f"invalid label '{text}': did you mean '//{rest}'?")
+        pkg, name = current_package, rest
+    _check_package(pkg, text)
+    _check_name(name, text)
+    return Label(pkg, name, repo)
+
+
+@dataclass(frozen=True)
+class TargetPattern:
+    """`//pkg:name` (one target), `//pkg:all` / `//pkg:*` (a package), `//pkg/...` (a package tree)."""
+
+    package: str
+    name: str | None  # None: every target in the package(s)
+    recursive: bool = False
+
+    def __str__(self) -> str:
+        if self.recursive:
+            return f"//{self.package}/..." if self.package else "//..."
+        return f"//{self.package}:{self.name or 'all'}"
+
+    def matches_package(self, package: str) -> bool:
+        if self.recursive:
+            return not self.package or package == self.package or package.startswith(self.package + "/")
+        return package == self.package
+
+
+def parse_pattern(text: str, cwd_package: str = "") -> TargetPattern:
+    """Parse a command-line target pattern; relative patterns are taken against `cwd_package`."""
+    raw = text
+    if not text.startswith("//"):
+        if text.startswith(":"):
+            text = f"//{cwd_package}{text}"
+        else:
+            text = f"//{cwd_package}/{text}" if cwd_package else f"//{text}"
+    body = text[2:]
+    if body == "..." or body.endswith("/..."):
+        pkg = body[:-3].rstrip("/")
+        _check_package(pkg, raw)
+        return TargetPattern(pkg, None, True)
+    if ":" in body:
+        pkg, name = body.split(":", 1)
+        _check_package(pkg, raw)
+        if name in ("all", "*", "all-targets"):
+            return TargetPattern(pkg, None, False)
+        _check_name(name, raw)
+        return TargetPattern(pkg, name, False)
+    lbl = parse_label(text, cwd_package)
+    return TargetPattern(lbl.package, lbl.name, False)

@@ -1,0 +1,335 @@
+"""Evaluates BUILD files and the .bzl files they load() into Packages of validated Targets."""
+
+from __future__ import annotations
+
+import ast
+import os
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+from neuronbuild.errors import Location, UserInputError
+from neuronbuild.loading.labels import BUILTIN_REPO, Label, LabelError, parse_label
+from neuronbuild.loading.schema import RULES, AttrError, validate_call
+from neuronbuild.loading.starlark_adapter import Frame, Interpreter, StarlarkFailure
+from neuronbuild.loading.targets import Package, Target
+from neuronbuild.workspace import BUILD_FILE, MARKER, OUTPUT_DIR, builtin_rules_dir
+
+
+class _Trap(Exception):
+    """Raised by a native on purpose to learn the call site of the n-th rule call."""
+
+
+@dataclass(frozen=True)
+class _LoadStmt:
+    label: str
+    symbols: tuple[tuple[str, str], ...]  # (local name, name in the .bzl)
+    line: int
+    col: int
+
+
+@dataclass(frozen=True)
+class _SourceFile:
+    display: str  # the name used in messages and in Starlark's filename=
+    path: Path
+    text: str  # with load() lines blanked
+    loads: tuple[_LoadStmt, ...]
+    package: str  # package the file's relative labels resolve against
+    defined: frozenset[str]
+    used: tuple[tuple[str, int, int], ...]  # names read at any level: (name, line, col)
+    stored: frozenset[str]
+
+
+def _parse_source(display: str, path: Path, package: str) -> _SourceFile:
+    try:
+        raw = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise UserInputError("file is not valid UTF-8", Location(display)) from None
+    try:
+        tree = ast.parse(raw, filename=display)
+    except SyntaxError:
+        # Let Starlark produce the authoritative syntax error.
+        interp = Interpreter({}, display)
+        try:
+            interp.exec(raw, display)
+        except StarlarkFailure as e:
+            raise UserInputError(f"syntax error: {e.message}", Location(display, e.line, e.col)) from None
+        raise UserInputError("syntax error", Location(display)) from None
+    lines = raw.split("\n")
+    loads: list[_LoadStmt] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "load":
+            top = any(isinstance(s, ast.Expr) and s.value is node for s in tree.body)
+            loc = Location(display, node.lineno, node.col_offset + 1)
+            if not top:
+                raise UserInputError("load() is only allowed as a top-level statement", loc)
+            if not node.args or not all(isinstance(a, ast.Constant) and isinstance(a.value, str) for a in node.args):
+                raise UserInputError("load() takes a label and symbol names as string literals", loc)
+            if len(node.args) < 2 and not node.keywords:
+                raise UserInputError("load() must name at least one symbol to import", loc)
+            syms: list[tuple[str, str]] = [(str(a.value), str(a.value)) for a in node.args[1:]]  # type: ignore[attr-defined]
+            for kw in node.keywords:
+                if kw.arg is None or not (isinstance(kw.value, ast.Constant) and isinstance(kw.value.value, str)):
+                    raise UserInputError("load() aliases must look like alias = \"symbol\"", loc)
+                syms.append((kw.arg, kw.value.value))
+            for local, _orig in syms:
+                if not local.isidentifier():
+                    raise UserInputError(f"load(): invalid symbol name '{local}'", loc)
+            loads.append(_LoadStmt(str(node.args[0].value), tuple(syms), loc.line, loc.col))  # type: ignore[attr-defined]
+            end = node.end_lineno or node.lineno
+            for i in range(node.lineno - 1, end):
+                lines[i] = ""
+    defined: set[str] = set()
+    for stmt in tree.body:
+        if isinstance(stmt, ast.FunctionDef):
+            defined.add(stmt.name)
+        elif isinstance(stmt, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
+            targets = stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target]
+            for t in targets:
+                for n in ast.walk(t):
+                    if isinstance(n, ast.Name):
+                        defined.add(n.id)
+    used: list[tuple[str, int, int]] = []
+    stored: set[str] = set()
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Name):
+            if isinstance(n.ctx, ast.Load):
+                used.append((n.id, n.lineno, n.col_offset + 1))
+            else:
+                stored.add(n.id)
+        elif isinstance(n, ast.arg):
+            stored.add(n.arg)
+    return _SourceFile(display, path, "\n".join(lines), tuple(loads), package, frozenset(defined), tuple(used),
+                       frozenset(stored))
+
+
+class _PackageContext:
+    """The natives one BUILD file's evaluation sees; records targets in call order."""
+
+    def __init__(self, loader: Loader, package: str, build_file: str, trap_index: int | None = None) -> None:
+        self.loader = loader
+        self.package = package
+        self.build_file = build_file
+        self.trap_index = trap_index
+        self.targets: dict[str, Target] = {}
+        self.index = 0
+        self.error: Exception | None = None
+        self.files: set[str] = {build_file}
+        self.natives: dict[str, Callable[..., Any]] = {kind: self._make_rule(kind) for kind in RULES}
+        self.natives["package_name"] = self._package_name
+
+    def _package_name(self) -> str:
+        return self.package
+
+    def _make_rule(self, kind: str) -> Callable[..., Any]:
+        def rule(*args: Any, **kwargs: Any) -> None:
+            try:
+                self._rule(kind, args, kwargs)
+            except Exception as e:  # noqa: BLE001 - re-raised with its location by the loader
+                self.error = e
+                raise
+            return None
+
+        return rule
+
+    def _rule(self, kind: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        self.index += 1
+        if self.trap_index == self.index:
+            raise _Trap()
+        if args:
+            raise AttrError(f"{kind}() takes keyword arguments only (got {len(args)} positional)")
+        attrs = validate_call(kind, kwargs, self.package)
+        name = attrs["name"]
+        if name in self.targets:
+            raise AttrError(f"duplicate target name '{name}' in package '//{self.package}'")
+        for a in RULES[kind].attrs:
+            if "file" in a.kinds and attrs.get(a.name) is not None:
+                vals = attrs[a.name] if isinstance(attrs[a.name], tuple) else (attrs[a.name],)
+                for lbl in vals:
+                    self.loader.check_source_file(lbl, a.name)
+        label = Label(self.package, name)
+        self.targets[name] = Target(label, kind, MappingProxyType(attrs), self.build_file, self.index)
+
+
+class Loader:
+    """Loads packages of one workspace. Call only on the Starlark thread (see starlark_adapter.run_on_starlark_thread)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.rules_dir = builtin_rules_dir()
+
+    # ---- files -------------------------------------------------------------------------------------------------------
+    def build_file_path(self, package: str) -> Path:
+        return self.root / package / BUILD_FILE if package else self.root / BUILD_FILE
+
+    def has_package(self, package: str) -> bool:
+        return self.build_file_path(package).is_file()
+
+    def check_source_file(self, label: Label, attr: str) -> None:
+        if label.repo:
+            raise AttrError(f"attribute '{attr}': source files must be in this workspace, not '{label}'")
+        path = self.root / label.package / label.name
+        if not path.is_file():
+            raise AttrError(f"attribute '{attr}': source file '{label.path}' does not exist")
+        try:
+            path.resolve().relative_to(self.root.resolve())
+        except ValueError:
+            raise AttrError(f"attribute '{attr}': source file '{label.path}' points outside the workspace") from None
+
+    def find_packages(self, base: str = "") -> list[str]:
+        """Every package at or under `base` (directories with a BUILD file), skipping outputs and hidden dirs."""
+        start = self.root / base if base else self.root
+        found: list[str] = []
+        for dirpath, dirnames, filenames in os.walk(start):
+            rel = Path(dirpath).relative_to(self.root).as_posix()
+            rel = "" if rel == "." else rel
+            if rel and MARKER in filenames:  # a nested workspace is not part of this one
+                dirnames[:] = []
+                continue
+            dirnames[:] = sorted(d for d in dirnames if not d.startswith(".") and d != OUTPUT_DIR
+                                 and not d.startswith("bazel-") and d != "__pycache__")
+            if BUILD_FILE in filenames and (Path(dirpath) / BUILD_FILE).is_file():
+                found.append(rel)
+        return found
+
+    def _bzl_source(self, text: str, current_package: str, loc: Location) -> tuple[str, Path, str]:
+        try:
+            label = parse_label(text, current_package)
+        except LabelError as e:
+            raise UserInputError(f"load(): {e}", loc) from None
+        if not label.name.endswith(".bzl"):
+            raise UserInputError(f"load(): '{text}' is not a .bzl file", loc)
+        if label.repo == BUILTIN_REPO:
+            path = self.rules_dir.joinpath(*label.package.split("/")[1:], label.name) if label.package.startswith(
+                "rules") else self.rules_dir / "__missing__"
+            display = f"@{BUILTIN_REPO}//{label.package}:{label.name}"
+        else:
+            path = self.root / label.package / label.name
+            display = label.path
+        if not path.is_file():
+            raise UserInputError(f"load(): cannot load '{text}': file {display} not found", loc)
+        return display, path, label.package
+
+    # ---- evaluation --------------------------------------------------------------------------------------------------
+    def load_package(self, package: str) -> Package:
+        build_file = (f"{package}/{BUILD_FILE}" if package else BUILD_FILE)
+        ctx = self._evaluate(package, build_file, None)
+        return Package(package, build_file, tuple(ctx.targets.values()), tuple(sorted(ctx.files)))
+
+    def locate(self, target: Target) -> Location:
+        """The call site (in its BUILD file) of the rule call that created `target`."""
+        try:
+            self._evaluate(target.label.package, target.build_file, target.index)
+        except _Located as e:
+            return e.location
+        except UserInputError:
+            pass
+        return Location(target.build_file)
+
+    def _evaluate(self, package: str, build_file: str, trap_index: int | None) -> _PackageContext:
+        path = self.root / build_file
+        src = _parse_source(build_file, path, package)
+        ctx = _PackageContext(self, package, build_file, trap_index)
+        interp = Interpreter(ctx.natives, build_file)
+        executed: dict[str, _SourceFile] = {}
+        imported = self._exec_loads(interp, ctx, src, executed, [])
+        # Names that loaded .bzl files define but this BUILD file did not load are not visible to it.
+        bzl_defined: dict[str, str] = {}
+        for f in executed.values():
+            for n in f.defined:
+                bzl_defined.setdefault(n, f.display)
+        for name, line, col in src.used:
+            if name in bzl_defined and name not in imported and name not in src.stored:
+                raise UserInputError(f"name '{name}' is not defined (it is in {bzl_defined[name]}: load() it)",
+                                     Location(build_file, line, col))
+        for name in src.defined:
+            if name in bzl_defined and name not in imported:
+                raise UserInputError(f"'{name}' shadows a name used by {bzl_defined[name]}; pick another name",
+                                     Location(build_file))
+        self._exec(interp, ctx, src, trap_index)
+        return ctx
+
+    def _exec(self, interp: Interpreter, ctx: _PackageContext, src: _SourceFile, trap_index: int | None) -> None:
+        ctx.error = None
+        try:
+            interp.exec(src.text, src.display)
+        except StarlarkFailure as e:
+            self._raise_located(ctx, src, e, trap_index)
+
+    def _raise_located(self, ctx: _PackageContext, src: _SourceFile, e: StarlarkFailure, trap: int | None) -> None:
+        err = ctx.error
+        ctx.error = None
+        build_frames = [f for f in e.frames if f.path == ctx.build_file]
+        if build_frames:
+            f = build_frames[0]
+            loc = Location(f.path, f.line, f.col)
+        else:
+            loc = Location(e.path, e.line, e.col)
+        if isinstance(err, _Trap):
+            raise _Located(loc)
+        via = _via(e.frames, ctx.build_file)
+        if isinstance(err, (AttrError, UserInputError)):
+            msg = err.message if isinstance(err, UserInputError) else str(err)
+            raise UserInputError(msg + via, loc)
+        if err is not None:
+            raise UserInputError(f"internal error in rule call: {err!r}", loc)
+        if not e.frames:
+            kind = "syntax error: " if "want" in e.message or "got" in e.message else ""
+            raise UserInputError(kind + e.message, Location(e.path, e.line, e.col))
+        raise UserInputError(e.message + via, loc)
+
+    def _exec_loads(self, interp: Interpreter, ctx: _PackageContext, src: _SourceFile,
+                    executed: dict[str, _SourceFile], stack: list[str]) -> set[str]:
+        """Execute src's loaded .bzl files (depth first, once each) and bind the loaded symbols. Returns local names."""
+        imported: set[str] = set()
+        for stmt in src.loads:
+            loc = Location(src.display, stmt.line, stmt.col)
+            display, path, pkg = self._bzl_source(stmt.label, src.package, loc)
+            if display in stack or display == src.display:
+                prefix = stack[stack.index(display):] if display in stack else []
+                cycle = " -> ".join([*prefix, src.display, display])
+                raise UserInputError(f"load cycle: {cycle}", loc)
+            if display not in executed:
+                bzl = _parse_source(display, path, pkg)
+                self._exec_loads(interp, ctx, bzl, executed, [*stack, src.display])
+                for other in executed.values():
+                    clash = bzl.defined & other.defined
+                    if clash:
+                        name = sorted(clash)[0]
+                        raise UserInputError(
+                            f"'{name}' is defined by both {other.display} and {display}: loaded .bzl files share one "
+                            "namespace per BUILD file, rename one", loc)
+                self._exec(interp, ctx, bzl, None)
+                executed[display] = bzl
+                ctx.files.add(display)
+            bzl_file = executed[display]
+            binds = []
+            for local, orig in stmt.symbols:
+                if orig.startswith("_"):
+                    raise UserInputError(f"load(): symbol '{orig}' is private to {display}", loc)
+                if orig not in bzl_file.defined:
+                    raise UserInputError(f"load(): {display} does not define '{orig}'", loc)
+                if local != orig:
+                    binds.append(f"{local} = {orig}")
+                imported.add(local)
+            if binds:
+                alias_src = "\n" * (stmt.line - 1) + "; ".join(binds)
+                self._exec(interp, ctx, _SourceFile(src.display, src.path, alias_src, (), src.package,
+                                                    frozenset(), (), frozenset()), None)
+        return imported
+
+
+class _Located(Exception):
+    def __init__(self, location: Location) -> None:
+        super().__init__(str(location))
+        self.location = location
+
+
+def _via(frames: Iterable[Frame], build_file: str) -> str:
+    inner = [f for f in frames if f.path != build_file]
+    if not inner:
+        return ""
+    f = inner[-1]
+    return f" (in {f.function} at {f.path}:{f.line}:{f.col})"

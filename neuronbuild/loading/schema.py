@@ -1,0 +1,334 @@
+"""The typed attribute schema of every rule kind, in one place, and validation of rule-call attributes against it."""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from neuronbuild.loading.labels import Label, LabelError, parse_label
+
+NEURON_PLATFORMS = ("trn1", "trn2", "trn3", "inf1", "inf2")
+CPU_ISAS = ("native", "x86-64", "x86-64-v2", "x86-64-v3", "x86-64-v4")
+AUTO_CAST = ("none", "matmult", "all")
+DTYPES = ("int64", "int32", "float32", "float16", "bfloat16", "bool")
+_INPUT_RE = re.compile(r"^\s*([a-z0-9]+)\s*\[\s*([A-Za-z_][A-Za-z0-9_]*(\s*,\s*[A-Za-z_][A-Za-z0-9_]*)*)?\s*\]\s*$")
+_ENTRY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$")
+
+
+class AttrError(ValueError):
+    """An attribute value that does not fit the schema; the message is user-facing."""
+
+
+@dataclass(frozen=True)
+class AttrType:
+    """A named attribute type with its checker (raises AttrError, returns the normalised value)."""
+
+    name: str
+    check: Callable[[str, Any, str], Any]  # (attr name, value, current package) -> normalised value
+
+
+def _json_value(attr: str, v: Any, path: str = "") -> Any:
+    where = f"{attr}{path}"
+    if v is None or isinstance(v, (bool, int, str)):
+        return v
+    if isinstance(v, float):
+        if not math.isfinite(v):
+            raise AttrError(f"attribute '{where}' holds a non-finite float")
+        return v
+    if isinstance(v, (list, tuple)):
+        return [_json_value(attr, x, f"{path}[{i}]") for i, x in enumerate(v)]
+    if isinstance(v, dict):
+        out = {}
+        for k, x in v.items():
+            if not isinstance(k, str):
+                raise AttrError(f"attribute '{where}' has a non-string key {k!r}")
+            out[k] = _json_value(attr, x, f"{path}.{k}")
+        return out
+    raise AttrError(f"attribute '{where}' holds a value of unsupported type {type(v).__name__}")
+
+
+def _type_name(v: Any) -> str:
+    return {bool: "bool", int: "int", str: "string", float: "float", list: "list", tuple: "tuple", dict: "dict"}.get(
+        type(v), type(v).__name__
+    )
+
+
+def _string(attr: str, v: Any, pkg: str) -> str:
+    if not isinstance(v, str):
+        raise AttrError(f"attribute '{attr}' must be a string, got {_type_name(v)}")
+    return v
+
+
+def _int(attr: str, v: Any, pkg: str) -> int:
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise AttrError(f"attribute '{attr}' must be an int, got {_type_name(v)}")
+    return v
+
+
+def _float(attr: str, v: Any, pkg: str) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise AttrError(f"attribute '{attr}' must be a number, got {_type_name(v)}")
+    if not math.isfinite(float(v)) or float(v) < 0:
+        raise AttrError(f"attribute '{attr}' must be a finite non-negative number")
+    return float(v)
+
+
+def _string_list(attr: str, v: Any, pkg: str) -> tuple[str, ...]:
+    if not isinstance(v, (list, tuple)) or not all(isinstance(x, str) for x in v):
+        raise AttrError(f"attribute '{attr}' must be a list of strings")
+    return tuple(v)
+
+
+def _label(attr: str, v: Any, pkg: str) -> Label:
+    if not isinstance(v, str):
+        raise AttrError(f"attribute '{attr}' must be a label string, got {_type_name(v)}")
+    try:
+        return parse_label(v, pkg)
+    except LabelError as e:
+        raise AttrError(f"attribute '{attr}': {e}") from None
+
+
+def _label_list(attr: str, v: Any, pkg: str) -> tuple[Label, ...]:
+    if not isinstance(v, (list, tuple)):
+        raise AttrError(f"attribute '{attr}' must be a list of labels, got {_type_name(v)}")
+    out = tuple(_label(attr, x, pkg) for x in v)
+    if len(set(out)) != len(out):
+        raise AttrError(f"attribute '{attr}' lists the same label twice")
+    return out
+
+
+def _json_dict(attr: str, v: Any, pkg: str) -> dict[str, Any]:
+    if not isinstance(v, dict):
+        raise AttrError(f"attribute '{attr}' must be a dict, got {_type_name(v)}")
+    return dict(_json_value(attr, v))
+
+
+def _dims(attr: str, v: Any, pkg: str) -> dict[str, tuple[int, ...]]:
+    if not isinstance(v, dict) or not v:
+        raise AttrError(f"attribute '{attr}' must be a non-empty dict of dimension name -> list of sizes")
+    out: dict[str, tuple[int, ...]] = {}
+    for k, sizes in v.items():
+        if not isinstance(k, str) or not re.match(r"^[A-Za-z_][A-Za-z0-9_]*$", k):
+            raise AttrError(f"attribute '{attr}': invalid dimension name {k!r}")
+        if not isinstance(sizes, (list, tuple)) or not sizes:
+            raise AttrError(f"attribute '{attr}': dimension '{k}' needs a non-empty list of sizes")
+        for s in sizes:
+            if isinstance(s, bool) or not isinstance(s, int) or s < 1:
+                raise AttrError(f"attribute '{attr}': dimension '{k}' sizes must be positive ints, got {s!r}")
+        if len(set(sizes)) != len(sizes):
+            raise AttrError(f"attribute '{attr}': dimension '{k}' lists a size twice")
+        out[k] = tuple(sizes)
+    return out
+
+
+def _shapes(attr: str, v: Any, pkg: str) -> tuple[dict[str, int], ...]:
+    if not isinstance(v, (list, tuple)) or not v:
+        raise AttrError(f"attribute '{attr}' must be a non-empty list of dicts (dimension name -> size)")
+    out = []
+    for i, shape in enumerate(v):
+        if not isinstance(shape, dict) or not shape:
+            raise AttrError(f"attribute '{attr}[{i}]' must be a non-empty dict of dimension name -> size")
+        for k, s in shape.items():
+            if not isinstance(k, str) or isinstance(s, bool) or not isinstance(s, int) or s < 1:
+                raise AttrError(f"attribute '{attr}[{i}]': '{k}' must map to a positive int, got {s!r}")
+        out.append(dict(shape))
+    return tuple(out)
+
+
+def parse_input_spec(spec: str) -> tuple[str, tuple[str, ...]]:
+    """`"int64[batch, seq]"` -> ("int64", ("batch", "seq"))."""
+    m = _INPUT_RE.match(spec)
+    if not m:
+        raise AttrError(f"input spec {spec!r} must look like 'int64[batch, seq]'")
+    dtype = m.group(1)
+    if dtype not in DTYPES:
+        raise AttrError(f"input spec {spec!r}: unknown dtype '{dtype}' (one of {', '.join(DTYPES)})")
+    dims = tuple(d.strip() for d in (m.group(2) or "").split(",") if d.strip())
+    return dtype, dims
+
+
+def _inputs(attr: str, v: Any, pkg: str) -> dict[str, str]:
+    if not isinstance(v, dict) or not v:
+        raise AttrError(f"attribute '{attr}' must be a non-empty dict of input name -> 'dtype[dims]'")
+    for k, spec in v.items():
+        if not isinstance(k, str) or not isinstance(spec, str):
+            raise AttrError(f"attribute '{attr}' must map input names to strings like 'int64[batch, seq]'")
+        try:
+            parse_input_spec(spec)
+        except AttrError as e:
+            raise AttrError(f"attribute '{attr}': {e}") from None
+    return dict(v)
+
+
+STRING = AttrType("string", _string)
+INT = AttrType("int", _int)
+FLOAT = AttrType("float", _float)
+STRING_LIST = AttrType("string_list", _string_list)
+LABEL = AttrType("label", _label)
+LABEL_LIST = AttrType("label_list", _label_list)
+DICT = AttrType("dict", _json_dict)
+DIMS = AttrType("dims", _dims)
+SHAPES = AttrType("shapes", _shapes)
+INPUTS = AttrType("inputs", _inputs)
+
+
+@dataclass(frozen=True)
+class Attr:
+    """One attribute of a rule kind."""
+
+    name: str
+    type: AttrType
+    doc: str
+    required: bool = False
+    default: Any = None
+    choices: tuple[Any, ...] = ()
+    kinds: tuple[str, ...] = ()  # for label attributes: the rule kinds allowed ("file" = a source file)
+
+
+@dataclass(frozen=True)
+class RuleSchema:
+    """A rule kind: its attributes and a one-line description."""
+
+    kind: str
+    doc: str
+    attrs: tuple[Attr, ...]
+    check: Callable[[Mapping[str, Any]], None] | None = field(default=None, compare=False)
+
+    def attr(self, name: str) -> Attr | None:
+        for a in self.attrs:
+            if a.name == name:
+                return a
+        return None
+
+
+_NAME = Attr("name", STRING, "The target's name, unique in its package.", required=True)
+_TAGS = Attr("tags", STRING_LIST, "Free-form tags (e.g. 'manual' keeps a target out of //... and :all).", default=())
+
+
+def _check_model(a: Mapping[str, Any]) -> None:
+    if not _ENTRY_RE.match(a["entry"]):
+        raise AttrError("attribute 'entry' must look like 'module:function' (e.g. 'llama:build_model')")
+    if not a["srcs"]:
+        raise AttrError("attribute 'srcs' must list at least one .py file")
+    for src in a["srcs"]:
+        if not src.name.endswith(".py"):
+            raise AttrError(f"attribute 'srcs': '{src}' is not a .py file")
+
+
+def _check_buckets(a: Mapping[str, Any]) -> None:
+    if (a.get("dims") is None) == (a.get("shapes") is None):
+        raise AttrError("exactly one of 'dims' and 'shapes' must be given")
+
+
+def _check_target(a: Mapping[str, Any]) -> None:
+    if a["platform"] == "cpu":
+        return
+    if a.get("isa") is not None:
+        raise AttrError(f"attribute 'isa' applies to platform 'cpu' only, not '{a['platform']}'")
+
+
+RULES: dict[str, RuleSchema] = {
+    r.kind: r
+    for r in (
+        RuleSchema(
+            "neuron_model",
+            "A torch model: a module factory in Python sources, its config and optional weights.",
+            (
+                _NAME,
+                Attr("srcs", LABEL_LIST, "Python sources of the model (files in this package).", required=True,
+                     kinds=("file",)),
+                Attr("entry", STRING, "'module:function' building the nn.Module from the config dict.", required=True),
+                Attr("config", DICT, "Config dict passed to the factory.", default={}),
+                Attr("inputs", INPUTS, "Positional inputs in order: name -> 'dtype[dim, ...]' (dims named by buckets).",
+                     required=True),
+                Attr("weights", LABEL, "Optional safetensors file; without it the factory's seeded init is used.",
+                     kinds=("file",)),
+                Attr("seed", INT, "torch.manual_seed value used before calling the factory.", default=0),
+                _TAGS,
+            ),
+            _check_model,
+        ),
+        RuleSchema(
+            "neuron_buckets",
+            "Input shapes a graph is compiled for: a cross product (dims) or an explicit list (shapes).",
+            (
+                _NAME,
+                Attr("dims", DIMS, "Dimension name -> list of sizes; the buckets are their cross product."),
+                Attr("shapes", SHAPES, "Explicit list of {dimension name: size} dicts."),
+                _TAGS,
+            ),
+            _check_buckets,
+        ),
+        RuleSchema(
+            "neuron_target",
+            "The platform compiled for: a Neuron platform (trn1, trn2, trn3, inf1, inf2) or 'cpu' with an ISA.",
+            (
+                _NAME,
+                Attr("platform", STRING, "Neuron platform or 'cpu'.", required=True, choices=NEURON_PLATFORMS + ("cpu",)),
+                Attr("isa", STRING, "cpu only: 'native' (this machine's level, resolved) or an x86-64 level.",
+                     choices=CPU_ISAS),
+                _TAGS,
+            ),
+            _check_target,
+        ),
+        RuleSchema(
+            "compiler_options",
+            "A composable set of compiler options; deps merge in order and this target's own values win.",
+            (
+                _NAME,
+                Attr("deps", LABEL_LIST, "Option sets merged first, in order.", default=(), kinds=("compiler_options",)),
+                Attr("opt_level", INT, "Optimisation level (neuronx-cc --optlevel).", choices=(0, 1, 2, 3)),
+                Attr("auto_cast", STRING, "Cast compute to bf16: 'none', 'matmult' or 'all'.", choices=AUTO_CAST),
+                Attr("model_type", STRING, "Model family hint (neuronx-cc --model-type), e.g. 'transformer'."),
+                Attr("flags", STRING_LIST, "Extra compiler flags, appended after the deps' flags."),
+                _TAGS,
+            ),
+        ),
+        RuleSchema(
+            "neuron_compile",
+            "Compile a model for every bucket, for one target, with one option set.",
+            (
+                _NAME,
+                Attr("model", LABEL, "The neuron_model to compile.", required=True, kinds=("neuron_model",)),
+                Attr("buckets", LABEL_LIST, "neuron_buckets targets; their shapes are unioned.", required=True,
+                     kinds=("neuron_buckets",)),
+                Attr("target", LABEL, "The neuron_target compiled for.", required=True, kinds=("neuron_target",)),
+                Attr("options", LABEL, "A compiler_options target (default: no options).", kinds=("compiler_options",)),
+                Attr("tolerance", FLOAT, "Max abs error against eager accepted by `neuronbuild validate`.", default=1e-4),
+                _TAGS,
+            ),
+        ),
+    )
+}
+
+
+def validate_call(kind: str, kwargs: Mapping[str, Any], package: str) -> dict[str, Any]:
+    """Check a rule call's attributes and return them normalised (labels parsed, defaults filled)."""
+    schema = RULES[kind]
+    known = {a.name for a in schema.attrs}
+    for k in kwargs:
+        if k not in known:
+            close = [n for n in sorted(known) if n[:3] == k[:3]]
+            hint = f" (did you mean '{close[0]}'?)" if close else ""
+            raise AttrError(f"{kind}() got an unknown attribute '{k}'{hint}")
+    out: dict[str, Any] = {}
+    for a in schema.attrs:
+        if a.name not in kwargs or kwargs[a.name] is None:
+            if a.required:
+                raise AttrError(f"{kind}() missing required attribute '{a.name}'")
+            out[a.name] = a.default
+            continue
+        value = a.type.check(a.name, kwargs[a.name], package)
+        if a.choices and value not in a.choices:
+            raise AttrError(
+                f"attribute '{a.name}' must be one of {', '.join(repr(c) for c in a.choices)}, got {value!r}"
+            )
+        out[a.name] = value
+    if not re.match(r"^[A-Za-z0-9_\-.+]+$", out["name"]):
+        raise AttrError(f"invalid target name {out['name']!r}")
+    if schema.check is not None:
+        schema.check(out)
+    return out

@@ -1,0 +1,141 @@
+"""Expands target patterns, loads the packages they need (transitively) and checks references, kinds and cycles."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from neuronbuild.errors import Location, UserInputError
+from neuronbuild.loading.labels import Label, LabelError, TargetPattern, parse_pattern
+from neuronbuild.loading.loader import Loader
+from neuronbuild.loading.schema import RULES
+from neuronbuild.loading.starlark_adapter import run_on_starlark_thread
+from neuronbuild.loading.targets import Package, Target
+
+
+@dataclass(frozen=True)
+class TargetGraph:
+    """The loaded targets: every target reachable from the requested ones, and the requested labels in order."""
+
+    root: Path
+    targets: Mapping[Label, Target] = field(hash=False)
+    packages: Mapping[str, Package] = field(hash=False)
+    requested: tuple[Label, ...] = ()
+
+    def label_deps(self, target: Target) -> list[tuple[str, Label]]:
+        """(attribute, label) for every rule-target reference of `target` (source files excluded)."""
+        out: list[tuple[str, Label]] = []
+        for a in RULES[target.kind].attrs:
+            if a.kinds and "file" not in a.kinds and target.attrs.get(a.name) is not None:
+                v = target.attrs[a.name]
+                for lbl in v if isinstance(v, tuple) else (v,):
+                    out.append((a.name, lbl))
+        return out
+
+
+def load_targets(root: Path, patterns: Sequence[str], cwd_package: str = "") -> TargetGraph:
+    """Load everything `patterns` need. Runs the Starlark work on the dedicated Starlark thread."""
+    parsed: list[TargetPattern] = []
+    for p in patterns:
+        try:
+            parsed.append(parse_pattern(p, cwd_package))
+        except LabelError as e:
+            raise UserInputError(f"bad target pattern '{p}': {e}") from None
+    return run_on_starlark_thread(_load, root, parsed)
+
+
+def _load(root: Path, patterns: list[TargetPattern]) -> TargetGraph:
+    loader = Loader(root)
+    packages: dict[str, Package] = {}
+
+    def get_package(name: str) -> Package | None:
+        if name not in packages:
+            if not loader.has_package(name):
+                return None
+            packages[name] = loader.load_package(name)
+        return packages[name]
+
+    requested: list[Label] = []
+    for pat in patterns:
+        if pat.recursive:
+            names = loader.find_packages(pat.package)
+            if not names and not (root / pat.package).is_dir():
+                raise UserInputError(f"no such package '{pat.package}' (pattern '{pat}')")
+        else:
+            names = [pat.package]
+        for name in names:
+            pkg = get_package(name)
+            if pkg is None:
+                raise UserInputError(f"no such package '{name}': no BUILD file in {name or 'the workspace root'}")
+            if pat.name is None:
+                requested.extend(t.label for t in pkg.targets if "manual" not in t.tags)
+            else:
+                if not any(t.label.name == pat.name for t in pkg.targets):
+                    raise UserInputError(f"no such target '//{name}:{pat.name}' (declared in {pkg.build_file})")
+                requested.append(Label(name, pat.name))
+    requested = list(dict.fromkeys(requested))
+
+    targets: dict[Label, Target] = {}
+    for pkg in packages.values():
+        for t in pkg.targets:
+            targets[t.label] = t
+    graph = TargetGraph(root, targets, packages, tuple(requested))
+    # Transitive closure with reference and kind checks.
+    todo = list(requested)
+    seen: set[Label] = set()
+    while todo:
+        lbl = todo.pop()
+        if lbl in seen:
+            continue
+        seen.add(lbl)
+        t = targets[lbl]
+        for attr, dep in graph.label_deps(t):
+            schema_attr = RULES[t.kind].attr(attr)
+            assert schema_attr is not None
+            if dep.repo:
+                raise UserInputError(f"attribute '{attr}': '{dep}' must be a target in this workspace",
+                                     loader.locate(t))
+            if dep not in targets:
+                pkg = get_package(dep.package)
+                if pkg is not None:
+                    for other in pkg.targets:
+                        targets[other.label] = other
+            if dep not in targets:
+                where = "no BUILD file" if not loader.has_package(dep.package) else "not declared there"
+                raise UserInputError(f"attribute '{attr}' of '{lbl}' refers to '{dep}', which does not exist "
+                                     f"({where})", loader.locate(t))
+            kind = targets[dep].kind
+            if kind not in schema_attr.kinds:
+                raise UserInputError(f"attribute '{attr}' of '{lbl}' must be a {' or '.join(schema_attr.kinds)} "
+                                     f"target, but '{dep}' is a {kind}", loader.locate(t))
+            todo.append(dep)
+    _check_cycles(graph, seen, loader)
+    return graph
+
+
+def _check_cycles(graph: TargetGraph, labels: set[Label], loader: Loader) -> None:
+    state: dict[Label, int] = {}
+    stack: list[Label] = []
+
+    def visit(lbl: Label) -> None:
+        state[lbl] = 1
+        stack.append(lbl)
+        for _attr, dep in graph.label_deps(graph.targets[lbl]):
+            if state.get(dep) == 1:
+                cycle = [*stack[stack.index(dep):], dep]
+                raise UserInputError("dependency cycle: " + " -> ".join(str(c) for c in cycle),
+                                     loader.locate(graph.targets[dep]))
+            if state.get(dep) is None:
+                visit(dep)
+        stack.pop()
+        state[lbl] = 2
+
+    for lbl in sorted(labels):
+        if lbl not in state:
+            visit(lbl)
+
+
+def locate(graph: TargetGraph, target: Target) -> Location:
+    """Call site of a target's rule call (re-evaluates its BUILD file; only used on error paths)."""
+    return run_on_starlark_thread(lambda: Loader(graph.root).locate(target))
