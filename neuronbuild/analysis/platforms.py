@@ -1,0 +1,57 @@
+"""Compile targets' platforms: resolving isa='native' to this machine's x86-64 level, and the C++ compiler version."""
+
+from __future__ import annotations
+
+import functools
+import os
+import platform
+import shutil
+import subprocess
+
+_LEVELS = (
+    ("x86-64-v4", {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}),
+    ("x86-64-v3", {"avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe"}),
+    ("x86-64-v2", {"cx16", "lahf_lm", "popcnt", "sse4_1", "sse4_2", "ssse3"}),
+)
+HOST_ISA_ENV = "NEURONBUILD_HOST_ISA"  # overrides detection (testing, or pinning a farm to a lower level)
+
+
+@functools.lru_cache(maxsize=1)
+def host_isa() -> str:
+    """This machine's CPU ISA level (x86-64-v4 ... x86-64), or the machine name on other architectures."""
+    forced = os.environ.get(HOST_ISA_ENV)
+    if forced:
+        return forced
+    machine = platform.machine()
+    if machine not in ("x86_64", "AMD64"):
+        return machine
+    flags: set[str] = set()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    break
+    except OSError:
+        return "x86-64"
+    for name, need in _LEVELS:
+        if need <= flags:
+            return name
+    return "x86-64"
+
+
+def resolve_isa(isa: str | None) -> str:
+    return host_isa() if isa in (None, "native") else str(isa)
+
+
+@functools.lru_cache(maxsize=1)
+def cxx_version() -> str:
+    """Version of the C++ compiler AOTInductor will use (g++ on PATH), or 'none'."""
+    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if not cxx:
+        return "none"
+    try:
+        out = subprocess.run([cxx, "-dumpfullversion", "-dumpversion"], capture_output=True, text=True, timeout=10)
+        return f"{os.path.basename(cxx)} {out.stdout.strip()}"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"

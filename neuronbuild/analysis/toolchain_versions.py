@@ -1,0 +1,28 @@
+"""Versions of the toolchain components that enter fingerprints, read from package metadata (never importing torch)."""
+
+from __future__ import annotations
+
+import functools
+import sys
+from importlib import metadata
+
+from neuronbuild.analysis.platforms import cxx_version
+
+
+@functools.lru_cache(maxsize=None)
+def package_version(name: str) -> str:
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return "not-installed"
+
+
+def trace_toolchain() -> dict[str, str]:
+    return {"python": f"{sys.version_info.major}.{sys.version_info.minor}", "torch": package_version("torch")}
+
+
+def compile_toolchain(platform: str) -> dict[str, str]:
+    tc = trace_toolchain()
+    if platform == "cpu":
+        tc["cxx"] = cxx_version()
+    return tc

@@ -1,0 +1,1 @@
+"""Cache phase: content-addressed blobs (CAS) plus action records, written atomically under file locks."""

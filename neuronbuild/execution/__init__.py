@@ -1,0 +1,1 @@
+"""Execution phase: sandboxes, worker processes, the scheduler that runs missing actions and stores their results."""

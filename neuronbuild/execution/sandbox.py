@@ -1,0 +1,50 @@
+"""Per-action scratch directories holding only the action's declared inputs, plus an output directory."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from neuronbuild.analysis.actions import Action
+from neuronbuild.analysis.digests import digest_file
+from neuronbuild.cache.local import LocalCache
+
+
+class InputChanged(Exception):
+    """A declared source file changed between analysis and execution."""
+
+
+@dataclass(frozen=True)
+class Sandbox:
+    """Where one action runs: `inputs` (its cwd) and `outputs`, removed after the action."""
+
+    base: Path
+    inputs: Path
+    outputs: Path
+
+    def remove(self) -> None:
+        shutil.rmtree(self.base, ignore_errors=True)
+
+
+def prepare(action: Action, root: Path, cache: LocalCache) -> Sandbox:
+    cache.scratch.mkdir(parents=True, exist_ok=True)
+    base = Path(tempfile.mkdtemp(dir=cache.scratch, prefix=f"{action.fingerprint[:12]}-"))
+    sb = Sandbox(base, base / "in", base / "out")
+    sb.inputs.mkdir()
+    sb.outputs.mkdir()
+    for f in action.files:
+        dest = sb.inputs / f.path
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(root / f.path, dest)
+        if digest_file(dest) != f.digest:
+            sb.remove()
+            raise InputChanged(f"input '{f.path}' changed during the build; run the build again")
+    for d in action.dep_inputs:
+        res = cache.lookup(d.action)
+        if res is None or d.output not in res.outputs:
+            sb.remove()
+            raise InputChanged(f"output '{d.output}' of action {d.action[:12]} is missing from the cache")
+        cache.blobs.link_or_copy(res.outputs[d.output].digest, sb.inputs / d.path)
+    return sb

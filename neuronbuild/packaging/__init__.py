@@ -1,0 +1,1 @@
+"""Packaging phase: materialised outputs under neuronbuild-out/ (and, later, deployable bundles)."""
