@@ -9,7 +9,7 @@ from importlib import metadata
 from neuronbuild.analysis.platforms import cxx_version
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def package_version(name: str) -> str:
     try:
         return metadata.version(name)

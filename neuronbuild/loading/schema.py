@@ -280,7 +280,7 @@ RULES: dict[str, RuleSchema] = {
             (
                 _NAME,
                 Attr("deps", LABEL_LIST, "Option sets merged first, in order.", default=(), kinds=("compiler_options",)),
-                Attr("opt_level", INT, "Optimisation level (neuronx-cc --optlevel).", choices=(0, 1, 2, 3)),
+                Attr("opt_level", INT, "Optimisation level (neuronx-cc --optlevel).", choices=(1, 2, 3)),
                 Attr("auto_cast", STRING, "Cast compute to bf16: 'none', 'matmult' or 'all'.", choices=AUTO_CAST),
                 Attr("model_type", STRING, "Model family hint (neuronx-cc --model-type), e.g. 'transformer'."),
                 Attr("flags", STRING_LIST, "Extra compiler flags, appended after the deps' flags."),

@@ -1,0 +1,1 @@
+"""Runtime helpers that load and run built artifacts (AOTInductor packages)."""

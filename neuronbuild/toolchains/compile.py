@@ -1,0 +1,308 @@
+"""The compile step: an exported program -> a canonical AOTInductor package (cpu) or a lowered program (Neuron)."""
+
+from __future__ import annotations
+
+import collections
+import io
+import json
+import tempfile
+import zipfile
+from collections.abc import Iterator, Mapping
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from neuronbuild.toolchains import neuron_flags
+from neuronbuild.toolchains.errors import ToolchainError
+from neuronbuild.toolchains.model_import import example_inputs
+from neuronbuild.toolchains.passes import apply_passes
+from neuronbuild.toolchains.trace import load_program, program_bytes, strip_unstable_meta
+
+CPU_PLATFORM = "cpu"
+# Inductor's working files go to this fixed per-machine dir whatever TORCHINDUCTOR_CACHE_DIR says (restored after),
+# shared by every worker process (inductor takes file locks) and safe to delete at any time. The objects do not name
+# it (-ffile-prefix-map below maps it to /inductor and torch's headers to /torch), so artifact bytes depend neither on
+# the sandbox nor on the cache or venv location; a warm and a fresh cache gave identical packages. The "-1" suffix
+# versions our flag patches. Note: the ISA pin and the flag patch are process-global monkeypatches held for the
+# duration of one compile: compile one graph at a time per process (the worker model), not from several threads.
+INDUCTOR_CACHE_DIR = Path("/tmp/neuronbuild-inductor") / f"torch-{torch.__version__}-1"
+TORCH_DIR = Path(torch.__file__).resolve().parent
+PACKAGE_MODEL_NAME = "model"  # the top folder inside the canonical model.pt2 and the name load_package asks for
+_ZIP_EPOCH = (1980, 1, 1, 0, 0, 0)
+
+
+@dataclass(frozen=True)
+class IsaTarget:
+    """How one x86-64 micro-architecture level maps onto inductor: -march value and the SIMD ISA codegen uses."""
+
+    march: str
+    vec_isa: str | None  # "avx2", "avx512" or None (scalar C++; the compiler may still auto-vectorise to SSE)
+    simdlen: int
+
+
+ISA_TARGETS: dict[str, IsaTarget] = {
+    "x86-64": IsaTarget("x86-64", None, 0),
+    "x86-64-v2": IsaTarget("x86-64-v2", None, 0),
+    "x86-64-v3": IsaTarget("x86-64-v3", "avx2", 256),
+    "x86-64-v4": IsaTarget("x86-64-v4", "avx512", 512),
+}
+
+# Dtypes the Neuron compile path accepts in a lowered graph.
+NEURON_DTYPES = frozenset(
+    {torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8,
+     torch.bool}
+)
+
+
+def run_compile(spec: dict[str, Any], sandbox: Path, out_dir: Path) -> dict[str, Any]:
+    """Compile spec["program"] (relative to sandbox) for spec["platform"] into out_dir; returns JSON-able metadata."""
+    sandbox, out_dir = Path(sandbox), Path(out_dir)
+    platform = str(spec.get("platform", ""))
+    options: Mapping[str, Any] = spec.get("options") or {}
+    ep = load_program(sandbox / str(spec["program"]))
+    args = example_inputs(spec.get("inputs") or {}, spec.get("bucket") or {})
+    _check_inputs(ep, args)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if platform == CPU_PLATFORM:
+        isa = str(spec.get("isa", ""))
+        return compile_cpu(ep, args, isa, options, out_dir)
+    if platform in neuron_flags.NEURON_PLATFORMS:
+        return compile_neuron(ep, args, platform, options, out_dir)
+    raise ToolchainError(f"unknown platform {platform!r} (expected cpu, {', '.join(neuron_flags.NEURON_PLATFORMS)})")
+
+
+def _check_inputs(ep: torch.export.ExportedProgram, args: tuple[torch.Tensor, ...]) -> None:
+    placeholders = {n.name: n for n in ep.graph.nodes if n.op == "placeholder"}
+    expected = [placeholders[s.arg.name].meta.get("val") for s in ep.graph_signature.input_specs
+                if s.kind == torch.export.graph_signature.InputKind.USER_INPUT and hasattr(s.arg, "name")]
+    if len(expected) != len(args):
+        raise ToolchainError(f"the program takes {len(expected)} input(s), the input spec declares {len(args)}")
+    for i, (val, arg) in enumerate(zip(expected, args, strict=True)):
+        if isinstance(val, torch.Tensor) and (tuple(val.shape) != tuple(arg.shape) or val.dtype != arg.dtype):
+            raise ToolchainError(
+                f"input {i}: the program was traced with {str(val.dtype).removeprefix('torch.')}{list(val.shape)}, "
+                f"the spec gives {str(arg.dtype).removeprefix('torch.')}{list(arg.shape)}"
+            )
+
+
+# ---------------------------------------------------------------------------------------------------------------- cpu
+
+
+def compile_cpu(
+    ep: torch.export.ExportedProgram,
+    args: tuple[torch.Tensor, ...],
+    isa: str,
+    options: Mapping[str, Any],
+    out_dir: Path,
+) -> dict[str, Any]:
+    if isa not in ISA_TARGETS:
+        raise ToolchainError(f"unknown cpu isa {isa!r} (expected one of {', '.join(ISA_TARGETS)})")
+    target = ISA_TARGETS[isa]
+    ep = apply_passes(ep, options, args)
+    from torch._inductor import aoti_compile_and_package
+
+    inductor_configs: dict[str, Any] = {
+        "cpp.march": target.march,
+        "cpp.simdlen": target.simdlen,
+        # Kernels read the thread count at run time instead of baking in the build machine's core count.
+        "cpp.dynamic_threads": True,
+        "aot_inductor.package_constants_in_so": True,
+        # Debug line tables carry source paths and make the .so ~25% larger.
+        "aot_inductor.enable_line_tables": False,
+    }
+    with (
+        tempfile.TemporaryDirectory(prefix="neuronbuild-aoti-") as tmp,
+        _pinned_vec_isa(target),
+        _fixed_cache_dir(),
+        _path_free_objects(),
+    ):
+        raw = Path(tmp) / f"{PACKAGE_MODEL_NAME}.pt2"
+        with torch.no_grad():
+            aoti_compile_and_package(ep, package_path=str(raw), inductor_configs=inductor_configs)
+        data = canonical_package(raw.read_bytes())
+    (out_dir / "model.pt2").write_bytes(data)
+    return {"artifact": "model.pt2", "bytes": len(data), "isa": isa}
+
+
+@contextmanager
+def _fixed_cache_dir() -> Iterator[None]:
+    from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
+
+    INDUCTOR_CACHE_DIR.mkdir(parents=True, exist_ok=True)
+    with temporary_cache_dir(str(INDUCTOR_CACHE_DIR)):
+        yield
+
+
+@contextmanager
+def _path_free_objects() -> Iterator[None]:
+    """Add -ffile-prefix-map so __FILE__ strings in the .so name neither the venv (torch headers) nor the cache dir."""
+    from torch._inductor import cpp_builder
+
+    original = cpp_builder._get_optimization_cflags
+    maps = [f"ffile-prefix-map={TORCH_DIR}=/torch", f"ffile-prefix-map={INDUCTOR_CACHE_DIR}=/inductor"]
+
+    def patched(cpp_compiler: str, min_optimize: bool = False) -> tuple[list[str], list[str]]:
+        cflags, ldflags = original(cpp_compiler, min_optimize)
+        return [*cflags, *maps], ldflags
+
+    cpp_builder._get_optimization_cflags = patched
+    try:
+        yield
+    finally:
+        cpp_builder._get_optimization_cflags = original
+
+
+def _pinned_isa_instance(target: IsaTarget) -> Any:
+    from torch._inductor import cpu_vec_isa as v
+
+    if target.vec_isa is None:
+        return v.invalid_vec_isa
+
+    # Subclasses that skip inductor's host probes: the ISA is what the target says, not what this machine has
+    # (the stock pick would take AMX / AVX512-VNNI / AVX512-BF16 extensions when the build machine has them).
+    if target.vec_isa == "avx2":
+
+        class PinnedAVX2(v.VecAVX2):  # type: ignore[misc]
+            def __bool__(self) -> bool:
+                return True
+
+        return PinnedAVX2()
+
+    class PinnedAVX512(v.VecAVX512):  # type: ignore[misc]
+        def __bool__(self) -> bool:  # type: ignore[override]
+            return True
+
+        def is_avx512_bf16_supported(self) -> bool:  # type: ignore[override]
+            return False
+
+        def build_arch_flags(self) -> str:
+            return str(v.VecAVX512._arch_flags)
+
+    return PinnedAVX512()
+
+
+@contextmanager
+def _pinned_vec_isa(target: IsaTarget) -> Iterator[None]:
+    """Make every inductor call site of pick_vec_isa() return the target's ISA for the duration of a compile."""
+    import torch._inductor.compile_fx  # noqa: F401, I001  (import first: cpp_micro_gemm alone hits an import cycle)
+    import torch._inductor.codecache as codecache
+    import torch._inductor.codegen.cpp_micro_gemm as micro_gemm
+    from torch._inductor import cpu_vec_isa
+
+    isa = _pinned_isa_instance(target)
+
+    def pick() -> Any:
+        return isa
+
+    with ExitStack() as stack:
+        for mod in (cpu_vec_isa, codecache, micro_gemm):
+            original = mod.pick_vec_isa
+            stack.callback(setattr, mod, "pick_vec_isa", original)
+            mod.pick_vec_isa = pick  # type: ignore[attr-defined]
+        yield
+
+
+def canonical_package(raw: bytes) -> bytes:
+    """Rewrite an AOTI package zip deterministically: generated C++ sources, build-flag files and serialization_id
+    dropped, top folder renamed to PACKAGE_MODEL_NAME, members sorted, 1980-01-01 timestamps, stored."""
+    members: dict[str, bytes] = {}
+    with zipfile.ZipFile(io.BytesIO(raw)) as zin:
+        for info in zin.infolist():
+            if info.is_dir():
+                continue
+            _, _, rest = info.filename.partition("/")
+            if not rest or _dropped_member(rest):
+                continue
+            members[f"{PACKAGE_MODEL_NAME}/{rest}"] = zin.read(info)
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w", compression=zipfile.ZIP_STORED) as zout:
+        for name in sorted(members):
+            info = zipfile.ZipInfo(name, date_time=_ZIP_EPOCH)
+            info.compress_type = zipfile.ZIP_STORED
+            info.external_attr = 0o644 << 16
+            info.create_system = 3
+            zout.writestr(info, members[name])
+    return out.getvalue()
+
+
+def _dropped_member(rest: str) -> bool:
+    name = rest.rsplit("/", 1)[-1]
+    return (
+        name.endswith((".cpp", ".h"))
+        or name.endswith(("_compile_flags.json", "_linker_flags.json"))
+        or rest == ".data/serialization_id"
+    )
+
+
+# ------------------------------------------------------------------------------------------------------------- neuron
+
+
+def compile_neuron(
+    ep: torch.export.ExportedProgram,
+    args: tuple[torch.Tensor, ...],
+    platform: str,
+    options: Mapping[str, Any],
+    out_dir: Path,
+) -> dict[str, Any]:
+    """The CPU half of a Neuron compile: core-ATen lowering, passes, validation, flags. NEFF needs neuronx-cc."""
+    try:
+        cc_args = neuron_flags.neuronx_cc_args(platform, options)
+    except ValueError as exc:
+        raise ToolchainError(str(exc)) from None
+    ep = ep.run_decompositions()
+    passed = apply_passes(ep, options, args)
+    if passed is not ep:
+        ep = passed.run_decompositions()
+    ops = validate_core_aten(ep)
+    strip_unstable_meta(ep)
+    data = program_bytes(ep)
+    (out_dir / "lowered.pt2").write_bytes(data)
+    flags = {"platform": platform, "neuronx_cc_args": cc_args, "ops": ops}
+    (out_dir / "compile_flags.json").write_text(json.dumps(flags, sort_keys=True, indent=2) + "\n")
+    return {"artifact": "lowered.pt2", "bytes": len(data), "flags": "compile_flags.json", "ops": sum(ops.values())}
+
+
+def validate_core_aten(ep: torch.export.ExportedProgram) -> dict[str, int]:
+    """Op histogram (sorted by name) of a lowered program; ToolchainError on non-core ops or unsupported dtypes."""
+    hist: collections.Counter[str] = collections.Counter()
+    bad_ops: set[str] = set()
+    bad_dtypes: set[str] = set()
+    for node in ep.graph.nodes:
+        if node.op not in ("call_function", "placeholder", "output"):
+            if node.op in ("call_module", "call_method"):
+                bad_ops.add(f"{node.op}:{node.target}")
+            continue
+        val = node.meta.get("val")
+        vals = val if isinstance(val, list | tuple) else [val]
+        for item in vals:
+            if isinstance(item, torch.Tensor) and item.dtype not in NEURON_DTYPES:
+                bad_dtypes.add(str(item.dtype).removeprefix("torch."))
+        if node.op != "call_function":
+            continue
+        target = node.target
+        if isinstance(target, torch._ops.OpOverload):
+            name = str(target)
+            if torch.Tag.core not in target.tags and not _is_view_like_allowed(target):
+                bad_ops.add(name)
+        else:
+            name = getattr(target, "__name__", str(target))
+            if name != "getitem":
+                bad_ops.add(name)
+        hist[name] += 1
+    if bad_ops:
+        listed = sorted(bad_ops)
+        raise ToolchainError(
+            f"graph has {len(listed)} op(s) outside core ATen: {', '.join(listed[:6])}{', ...' if len(listed) > 6 else ''}"
+        )
+    if bad_dtypes:
+        raise ToolchainError(f"graph uses dtype(s) Neuron does not support: {', '.join(sorted(bad_dtypes))}")
+    return dict(sorted(hist.items()))
+
+
+def _is_view_like_allowed(op: Any) -> bool:
+    # Higher-order ops never appear here; a few non-core but trivially lowerable ops may; keep the list explicit.
+    return str(op) in {"aten.sym_size.int", "aten.sym_numel.default", "aten.sym_storage_offset.default"}
+

@@ -1,0 +1,203 @@
+"""Imports a user's model factory from a sandbox, builds the eager nn.Module and makes example inputs."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import re
+import sys
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from neuronbuild.toolchains.errors import ToolchainError
+
+_ENTRY_RE = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*):([A-Za-z_][A-Za-z0-9_]*)$")
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float64": torch.float64,
+    "int64": torch.int64,
+    "int32": torch.int32,
+    "int16": torch.int16,
+    "int8": torch.int8,
+    "uint8": torch.uint8,
+    "bool": torch.bool,
+}
+
+
+def parse_entry(entry: str) -> tuple[str, str]:
+    """'pkg.module:factory' -> ('pkg.module', 'factory'); ToolchainError when malformed."""
+    match = _ENTRY_RE.match(entry) if isinstance(entry, str) else None
+    if match is None:
+        raise ToolchainError(f"bad model entry {entry!r}: expected 'module:function', e.g. 'llama:build_model'")
+    return match.group(1), match.group(2)
+
+
+def _module_file(package_dir: Path, module: str) -> Path:
+    base = package_dir.joinpath(*module.split("."))
+    for candidate in (base.with_suffix(".py"), base / "__init__.py"):
+        if candidate.is_file():
+            return candidate
+    raise ToolchainError(f"model module {module!r} not found under {package_dir.name}/ (looked for {base.name}.py)")
+
+
+def _stable_module_name(package: str, module: str) -> str:
+    # Stable (not random): the name ends up in export metadata (nn_module_stack types), which must not vary run to run.
+    clean = re.sub(r"[^A-Za-z0-9_]", "_", f"{package}__{module}")
+    return f"neuronbuild_user__{clean}"
+
+
+@contextmanager
+def _isolated_import_path(package_dir: Path) -> Iterator[None]:
+    """Put package_dir on sys.path; afterwards drop it and every module imported from under it."""
+    before = set(sys.modules)
+    entry = str(package_dir)
+    sys.path.insert(0, entry)
+    importlib.invalidate_caches()
+    try:
+        yield
+    finally:
+        try:
+            sys.path.remove(entry)
+        except ValueError:
+            pass
+        root = package_dir.resolve()
+        for name in set(sys.modules) - before:
+            mod = sys.modules.get(name)
+            file = getattr(mod, "__file__", None)
+            if name.startswith("neuronbuild_user__") or (file and _is_under(Path(file), root)):
+                sys.modules.pop(name, None)
+        importlib.invalidate_caches()
+
+
+def _is_under(path: Path, root: Path) -> bool:
+    try:
+        path.resolve().relative_to(root)
+    except (ValueError, OSError):
+        return False
+    return True
+
+
+def load_factory(model: Mapping[str, Any], sandbox: Path) -> Callable[..., Any]:
+    """Import the entry module from sandbox/<package> and return its factory (call inside the import context)."""
+    module_name, attr = parse_entry(model.get("entry", ""))
+    package = str(model.get("package", ""))
+    package_dir = (sandbox / package) if package else sandbox
+    path = _module_file(package_dir, module_name)
+    unique = _stable_module_name(package, module_name)
+    spec = importlib.util.spec_from_file_location(unique, path)
+    if spec is None or spec.loader is None:
+        raise ToolchainError(f"cannot import model module {module_name!r} from {path.name}")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[unique] = mod  # dataclasses and friends look the module up while it executes
+    spec.loader.exec_module(mod)
+    factory = getattr(mod, attr, None)
+    if factory is None:
+        raise ToolchainError(f"model module {module_name!r} has no factory {attr!r}")
+    if not callable(factory):
+        raise ToolchainError(f"{module_name}:{attr} is not callable")
+    return factory  # type: ignore[no-any-return]
+
+
+def build_eager_model(model: dict[str, Any], sandbox: Path) -> torch.nn.Module:
+    """Seeded factory(config) -> eval-mode nn.Module, with weights loaded (strict) when the model names a file."""
+    sandbox = Path(sandbox)
+    package = str(model.get("package", ""))
+    package_dir = (sandbox / package) if package else sandbox
+    with _isolated_import_path(package_dir):
+        factory = load_factory(model, sandbox)
+        torch.manual_seed(int(model.get("seed", 0) or 0))
+        module = factory(dict(model.get("config") or {}))
+    if not isinstance(module, torch.nn.Module):
+        raise ToolchainError(f"factory {model.get('entry')} returned {type(module).__name__}, not a torch.nn.Module")
+    module.eval()
+    weights = model.get("weights")
+    if weights:
+        _load_weights(module, sandbox / weights, str(weights))
+    return module
+
+
+def _load_weights(module: torch.nn.Module, path: Path, label: str) -> None:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    if not path.is_file():
+        raise ToolchainError(f"weights file {label} not found")
+    try:
+        state = load_file(str(path))
+    except (SafetensorError, OSError) as exc:
+        raise ToolchainError(f"cannot read weights {label}: {exc}") from None
+    expected = module.state_dict()
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    if missing or unexpected:
+        parts = []
+        if missing:
+            parts.append(f"missing {len(missing)} key(s): {', '.join(missing[:5])}{', ...' if len(missing) > 5 else ''}")
+        if unexpected:
+            more = ", ..." if len(unexpected) > 5 else ""
+            parts.append(f"unexpected {len(unexpected)} key(s): {', '.join(unexpected[:5])}{more}")
+        raise ToolchainError(f"weights {label} do not match the model: {'; '.join(parts)}")
+    bad = [k for k in sorted(state) if tuple(state[k].shape) != tuple(expected[k].shape)]
+    if bad:
+        k = bad[0]
+        raise ToolchainError(
+            f"weights {label} do not match the model: {len(bad)} shape mismatch(es), e.g. {k}: "
+            f"file {list(state[k].shape)} vs model {list(expected[k].shape)}"
+        )
+    module.load_state_dict(state, strict=True)
+
+
+def input_shapes(inputs: Mapping[str, Any], bucket: Mapping[str, Any]) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+    """(name, dtype, shape) per input, in declaration order; dims are bucket names or literal ints."""
+    result = []
+    for name, spec in inputs.items():
+        if not isinstance(spec, Mapping):
+            raise ToolchainError(f"input {name!r}: spec must be a dict with 'dtype' and 'dims'")
+        dtype_name = str(spec.get("dtype", "float32"))
+        if dtype_name not in DTYPES:
+            raise ToolchainError(f"input {name!r}: unknown dtype {dtype_name!r} (known: {', '.join(sorted(DTYPES))})")
+        shape = []
+        for dim in spec.get("dims", ()):
+            if isinstance(dim, int) and not isinstance(dim, bool):
+                size = dim
+            elif isinstance(dim, str) and dim in bucket:
+                size = bucket[dim]
+            else:
+                raise ToolchainError(f"input {name!r}: dim {dim!r} is not in the bucket ({', '.join(sorted(bucket))})")
+            if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+                raise ToolchainError(f"input {name!r}: dim {dim!r} has bad size {size!r}")
+            shape.append(size)
+        result.append((str(name), DTYPES[dtype_name], tuple(shape)))
+    return result
+
+
+def example_inputs(
+    inputs: dict[str, Any],
+    bucket: dict[str, Any],
+    *,
+    seed: int | None = None,
+    config: dict[str, Any] | None = None,
+) -> tuple[torch.Tensor, ...]:
+    """Positional example tensors for a bucket: zeros when seed is None, else seeded random values."""
+    shapes = input_shapes(inputs, bucket)
+    if seed is None:
+        return tuple(torch.zeros(shape, dtype=dtype) for _, dtype, shape in shapes)
+    gen = torch.Generator().manual_seed(int(seed))
+    high = int(config["vocab"]) if config and "vocab" in config else 100
+    out = []
+    for _, dtype, shape in shapes:
+        if dtype == torch.bool:
+            out.append(torch.randint(0, 2, shape, generator=gen).to(torch.bool))
+        elif dtype.is_floating_point:
+            out.append(torch.randn(shape, generator=gen, dtype=torch.float32).to(dtype))
+        else:
+            upper = min(high, 128) if dtype == torch.int8 else min(high, 256) if dtype == torch.uint8 else high
+            out.append(torch.randint(0, upper, shape, generator=gen, dtype=dtype))
+    return tuple(out)

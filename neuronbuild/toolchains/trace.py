@@ -1,0 +1,65 @@
+"""The trace step: export a user model at one bucket's static shape and save it as a byte-stable program.pt2."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from neuronbuild.toolchains.errors import ToolchainError
+from neuronbuild.toolchains.model_import import build_eager_model, example_inputs
+
+# Node metadata that holds source paths, line numbers or process-dependent values ("from_node" provenance records
+# id(graph), a memory address, once a program has been through run_decompositions or a re-export).
+_UNSTABLE_META_KEYS = ("stack_trace", "source_location", "custom", "from_node")
+
+
+def strip_unstable_meta(ep: torch.export.ExportedProgram) -> None:
+    """Drop path/line-dependent node metadata from every graph in the program (in place)."""
+    for gm in ep.graph_module.modules():
+        graph = getattr(gm, "graph", None)
+        if not isinstance(graph, torch.fx.Graph):
+            continue
+        for node in graph.nodes:
+            for key in _UNSTABLE_META_KEYS:
+                node.meta.pop(key, None)
+
+
+def program_bytes(ep: torch.export.ExportedProgram) -> bytes:
+    """Serialise with torch.export.save to memory (the archive's folder name is then fixed, not the file's name)."""
+    strip_unstable_meta(ep)
+    buf = io.BytesIO()
+    torch.export.save(ep, buf)
+    return buf.getvalue()
+
+
+def load_program(path: Path) -> torch.export.ExportedProgram:
+    if not path.is_file():
+        raise ToolchainError(f"program {path.name} not found")
+    return torch.export.load(str(path))
+
+
+def run_trace(spec: dict[str, Any], sandbox: Path, out_dir: Path) -> dict[str, Any]:
+    """Export spec["model"] at spec["bucket"] (zeros example inputs) to out_dir/program.pt2; returns metadata."""
+    sandbox, out_dir = Path(sandbox), Path(out_dir)
+    model_spec = spec["model"]
+    module = build_eager_model(model_spec, sandbox)
+    args = example_inputs(spec.get("inputs") or {}, spec.get("bucket") or {})
+    with torch.no_grad():
+        try:
+            ep = torch.export.export(module, args, strict=False)
+        except (TypeError, ValueError) as exc:
+            # Typically the input spec does not match forward()'s signature.
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise ToolchainError(f"export failed, check the inputs against forward(): {first}") from None
+    data = program_bytes(ep)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "program.pt2").write_bytes(data)
+    n_params = sum(int(p.numel()) for p in module.parameters())
+    return {
+        "nodes": len(ep.graph.nodes),
+        "parameters": n_params,
+        "bytes": len(data),
+    }

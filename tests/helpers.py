@@ -1,0 +1,36 @@
+"""Shared helpers for tests: writing small workspaces and running the CLI in-process or as a subprocess."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+EXAMPLES = REPO / "examples"
+MODEL_SRC = (EXAMPLES / "models" / "llama.py").read_text() if (EXAMPLES / "models" / "llama.py").exists() else ""
+
+
+def write_ws(root: Path, files: dict[str, str]) -> Path:
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "WORKSPACE.neuronbuild").write_text("")
+    for rel, text in files.items():
+        p = root / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(text)
+    return root
+
+
+def copy_example(dest: Path) -> Path:
+    shutil.copytree(EXAMPLES, dest, ignore=shutil.ignore_patterns("neuronbuild-out", "__pycache__"))
+    return dest
+
+
+def run_cli(args: list[str], cwd: Path, env: dict[str, str] | None = None,
+            python_flags: tuple[str, ...] = ()) -> subprocess.CompletedProcess[str]:
+    full_env = dict(os.environ)
+    full_env.update(env or {})
+    return subprocess.run([sys.executable, *python_flags, "-m", "neuronbuild", *args], cwd=cwd, env=full_env,
+                          capture_output=True, text=True, timeout=1800)

@@ -1,0 +1,76 @@
+"""Fingerprints cover what changes an output and nothing else: no absolute paths, no ambient environment."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from helpers import copy_example
+
+from neuronbuild.analysis import platforms
+from neuronbuild.analysis.planner import plan
+from neuronbuild.cache.local import resolve_cache_dir
+from neuronbuild.loading.target_graph import load_targets
+
+
+def _fps(ws: Path) -> dict[str, str]:
+    ag = plan(load_targets(ws, ["//..."]))
+    return {a.describe(): fp for fp, a in ag.actions.items()}
+
+
+def test_same_example_at_two_paths_has_identical_fingerprints(tmp_path: Path) -> None:
+    a = copy_example(tmp_path / "one" / "ws")
+    b = copy_example(tmp_path / "elsewhere" / "deeper" / "checkout")
+    fa, fb = _fps(a), _fps(b)
+    assert len(fa) == 14
+    assert fa == fb
+    ag = plan(load_targets(a, ["//..."]))
+    for action in ag.actions.values():
+        assert str(tmp_path) not in repr(action.record) and str(tmp_path) not in repr(action.spec)
+
+
+def test_ambient_environment_does_not_change_fingerprints(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    ws = copy_example(tmp_path / "ws")
+    before = _fps(ws)
+    monkeypatch.setenv("HOME", "/somewhere/else")
+    monkeypatch.setenv("USER", "someone")
+    monkeypatch.setenv("TORCHINDUCTOR_FOO", "1")
+    monkeypatch.setenv("NEURON_CC_FLAGS", "--bar")
+    assert _fps(ws) == before
+
+
+def test_native_isa_is_resolved_into_the_fingerprint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    ws = copy_example(tmp_path / "ws")
+    base = _fps(ws)
+    monkeypatch.setenv(platforms.HOST_ISA_ENV, "x86-64-v2")
+    platforms.host_isa.cache_clear()
+    try:
+        other = _fps(ws)
+    finally:
+        platforms.host_isa.cache_clear()
+    changed = {k for k in base if base[k] != other.get(k)}
+    assert changed == {k for k in base if k.startswith("Compile") and "/cpu/" in k.replace(" for cpu/", "/cpu/")}
+    assert any("x86-64-v2" in k for k in other)
+
+
+def test_weights_content_enters_the_fingerprint(tmp_path: Path) -> None:
+    ws = copy_example(tmp_path / "ws")
+    before = _fps(ws)
+    w = ws / "models" / "llama_tiny.safetensors"
+    data = bytearray(w.read_bytes())
+    data[-1] ^= 0xFF
+    w.write_bytes(bytes(data))
+    os.utime(w, ns=(1, 1))
+    after = _fps(ws)
+    changed = {k for k in before if before[k] != after[k]}
+    assert changed == {k for k in before if "llama_tiny" in k}
+
+
+def test_cache_dir_resolution(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("NEURONBUILD_CACHE_DIR", str(tmp_path / "env"))
+    assert resolve_cache_dir(str(tmp_path / "flag")) == tmp_path / "flag"
+    assert resolve_cache_dir(None) == tmp_path / "env"
+    monkeypatch.delenv("NEURONBUILD_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert resolve_cache_dir(None) == tmp_path / "xdg" / "neuronbuild"
