@@ -46,5 +46,5 @@ def prepare(action: Action, root: Path, cache: LocalCache) -> Sandbox:
         if res is None or d.output not in res.outputs:
             sb.remove()
             raise InputChanged(f"output '{d.output}' of action {d.action[:12]} is missing from the cache")
-        cache.blobs.link_or_copy(res.outputs[d.output].digest, sb.inputs / d.path)
+        cache.place_blob(res.outputs[d.output].digest, sb.inputs / d.path)
     return sb

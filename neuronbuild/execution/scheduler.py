@@ -13,7 +13,7 @@ from typing import Any
 
 from neuronbuild.analysis.actions import Action
 from neuronbuild.analysis.planner import ActionGraph
-from neuronbuild.cache.action_cache import ActionResult, OutputRef
+from neuronbuild.cache.cas import CorruptBlob
 from neuronbuild.cache.local import LocalCache
 from neuronbuild.execution import sandbox as sandboxes
 
@@ -69,7 +69,12 @@ def needed_actions(ag: ActionGraph, cache: LocalCache) -> tuple[list[Action], li
 
 
 class Scheduler:
-    """Dispatches missing actions to an executor as their inputs become available."""
+    """Dispatches missing actions to an executor as their inputs become available.
+
+    Before executing an action it takes the cache's claim on it; if another build holds the claim, it waits and
+    then reuses that build's result, so concurrent builds execute each action once."""
+
+    POLL_S = 0.2
 
     def __init__(self, root: Path, cache: LocalCache, executor: Any, keep_going: bool = False,
                  report: Callable[[str], None] | None = None) -> None:
@@ -81,77 +86,111 @@ class Scheduler:
 
     def run(self, ag: ActionGraph) -> BuildResult:
         start = time.perf_counter()
-        todo, cached = needed_actions(ag, self.cache)
+        todo, cached_list = needed_actions(ag, self.cache)
+        cached = list(cached_list)
         if not todo:
             return BuildResult(len(ag.actions), (), tuple(cached), (), time.perf_counter() - start)
         waiting = {a.fingerprint: a for a in todo}
         done: set[str] = set(cached)
         executed: list[str] = []
         failures: list[Failure] = []
-        running: dict[Future[dict[str, Any]], tuple[Action, sandboxes.Sandbox, Path]] = {}
+        running: dict[Future[dict[str, Any]], _Running] = {}
         total = len(todo)
         stop = False
         try:
             while waiting or running:
+                blocked = False
                 if not stop:
                     for fp, a in list(waiting.items()):
-                        if all(d in done for d in a.deps):
+                        if not all(d in done for d in a.deps):
+                            continue
+                        if self.cache.lookup(fp) is not None:  # another build finished it meanwhile
                             del waiting[fp]
-                            self._start(a, running, failures)
-                            if failures and not self.keep_going:
+                            done.add(fp)
+                            cached.append(fp)
+                            continue
+                        claim = self.cache.try_claim(fp)
+                        if claim is None:
+                            blocked = True  # another build is executing it: wait for its result
+                            continue
+                        if self.cache.lookup(fp) is not None:
+                            claim.release()
+                            del waiting[fp]
+                            done.add(fp)
+                            cached.append(fp)
+                            continue
+                        del waiting[fp]
+                        started = self._start(a, claim)
+                        if isinstance(started, Failure):
+                            failures.append(started)
+                            if not self.keep_going:
                                 stop = True
                                 break
+                        else:
+                            running[started.future] = started
+                if stop:
+                    waiting.clear()
                 if not running:
+                    if blocked or (waiting and any(all(d in done for d in a.deps) for a in waiting.values())):
+                        time.sleep(self.POLL_S)
+                        continue
                     break
-                finished, _ = wait(list(running), return_when=FIRST_COMPLETED)
+                finished, _ = wait(list(running), timeout=self.POLL_S if blocked else None,
+                                   return_when=FIRST_COMPLETED)
                 for fut in finished:
-                    a, sb, log = running.pop(fut)
+                    r = running.pop(fut)
                     try:
                         res = fut.result()
                     except Exception as e:  # noqa: BLE001 - a dead worker fails its action only
                         res = {"ok": False, "error": f"worker process failed: {type(e).__name__}: {e}",
                                "duration_s": 0.0}
+                    a = r.action
                     if res.get("ok"):
-                        self._store(a, sb, res)
+                        try:
+                            self.cache.store_outputs(a.fingerprint, a.identity, a.record, r.sandbox.outputs,
+                                                     a.outputs, float(res["duration_s"]), res.get("metadata") or {})
+                        except OSError as e:
+                            res = {"ok": False, "error": f"storing outputs failed: {e}"}
+                    if res.get("ok"):
                         done.add(a.fingerprint)
                         executed.append(a.fingerprint)
                         self.report(f"[{len(executed)}/{total}] {a.describe()} ({res['duration_s']:.1f} s)")
                     else:
-                        failures.append(Failure(a, str(res.get("error")), log))
-                        self.report(f"FAILED: {a.describe()}: {res.get('error')} (log: {log})")
+                        failures.append(Failure(a, str(res.get("error")), r.log))
+                        self.cache.record_failure(a.fingerprint, a.identity, a.record, str(res.get("error")), r.log)
+                        self.report(f"FAILED: {a.describe()}: {res.get('error')} (log: {r.log})")
                         if not self.keep_going:
                             stop = True
-                    sb.remove()
+                    r.sandbox.remove()
+                    r.claim.release()
                 if stop:
                     waiting.clear()
         finally:
-            for _a, sb, _log in running.values():
-                sb.remove()
+            for r in running.values():
+                r.sandbox.remove()
+                r.claim.release()
         return BuildResult(len(ag.actions), tuple(executed), tuple(cached), tuple(failures),
                            time.perf_counter() - start)
 
-    def _start(self, a: Action, running: dict[Future[dict[str, Any]], tuple[Action, sandboxes.Sandbox, Path]],
-               failures: list[Failure]) -> None:
+    def _start(self, a: Action, claim: Any) -> _Running | Failure:
         log = self.cache.logs / a.fingerprint[:2] / f"{a.fingerprint}.log"
         log.parent.mkdir(parents=True, exist_ok=True)
         log.write_text(f"# {a.describe()}\n# fingerprint {a.fingerprint}\n", encoding="utf-8")
         try:
             sb = sandboxes.prepare(a, self.root, self.cache)
-        except (sandboxes.InputChanged, OSError) as e:
-            failures.append(Failure(a, str(e), log))
+        except (sandboxes.InputChanged, OSError, CorruptBlob) as e:
+            claim.release()
             self.report(f"FAILED: {a.describe()}: {e}")
-            return
+            return Failure(a, str(e), log)
         spec = json.loads(json.dumps(a.spec))
         fut = self.executor.submit(a.kind, spec, str(sb.inputs), str(sb.outputs), str(log))
-        running[fut] = (a, sb, log)
+        return _Running(a, sb, log, claim, fut)
 
-    def _store(self, a: Action, sb: sandboxes.Sandbox, res: dict[str, Any]) -> None:
-        outputs: dict[str, OutputRef] = {}
-        for name in a.outputs:
-            p = sb.outputs / name
-            if not p.is_file():
-                raise RuntimeError(f"{a.describe()} did not produce its declared output '{name}'")
-            digest, size = self.cache.blobs.put_file(p)
-            outputs[name] = OutputRef(digest, size)
-        self.cache.actions.put(ActionResult(a.fingerprint, a.identity, outputs, a.record, float(res["duration_s"]),
-                                            res.get("metadata") or {}, time.time()))
+
+@dataclass(frozen=True)
+class _Running:
+    action: Action
+    sandbox: sandboxes.Sandbox
+    log: Path
+    claim: Any
+    future: Future[dict[str, Any]]

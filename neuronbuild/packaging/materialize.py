@@ -42,7 +42,7 @@ def materialize(root: Path, ag: ActionGraph, cache: LocalCache, failed: set[str]
                 if old_files.get((bucket.name, name)) == ref.digest and dest.is_file() and \
                         dest.stat().st_size == ref.size:
                     continue
-                cache.blobs.copy_out(ref.digest, dest)
+                cache.copy_blob(ref.digest, dest)
                 written.append(dest)
             buckets.append({
                 "name": bucket.name,

@@ -1,0 +1,37 @@
+"""`neuronbuild build PATTERNS`: load, plan, execute what is missing, materialise outputs."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from neuronbuild.commands.common import add_cache_args
+from neuronbuild.errors import EXIT_BAD_INPUT, EXIT_BUILD_FAILED, EXIT_OK
+
+
+def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    b = sub.add_parser("build", help="build targets (default //...)")
+    b.add_argument("patterns", nargs="*", help="target patterns: //pkg:name, //pkg/..., //pkg:all, //...")
+    b.add_argument("--jobs", "-j", type=int, default=None, help="parallel workers (default: min(8, cores))")
+    b.add_argument("--keep-going", "-k", action="store_true", help="continue independent actions after a failure")
+    add_cache_args(b)
+
+
+def run(args: argparse.Namespace) -> int:
+    from neuronbuild.build import BuildRequest, default_jobs, patterns_or_default, print_report, run_build
+    from neuronbuild.cache.local import resolve_cache_dir
+    from neuronbuild.workspace import find_workspace
+
+    if args.jobs is not None and args.jobs < 1:
+        print("neuronbuild: error: --jobs must be at least 1", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    ws = find_workspace()
+    req = BuildRequest(patterns_or_default(args.patterns), resolve_cache_dir(args.cache_dir),
+                       args.jobs or default_jobs(), args.keep_going)
+    result = run_build(ws, req, print_report)
+    print(result.summary(), flush=True)
+    if result.failures:
+        for f in result.failures:
+            print(f"  FAILED {f.action.describe()}: {f.error}\n    log: {f.log}", file=sys.stderr)
+        return EXIT_BUILD_FAILED
+    return EXIT_OK
