@@ -127,9 +127,9 @@ class _Parser:
         kinds = _FUNCS[name]
         args: list[Any] = []
         for n, k in enumerate(kinds):
-            if k.endswith("?") and self.peek() == ("punct", ")"):
-                break
             if n:
+                if k.endswith("?") and self.peek() != ("punct", ","):
+                    break  # an optional argument left out
                 self.take(",")
             if k.startswith("e"):
                 args.append(self.expr())
@@ -249,8 +249,8 @@ class Evaluator:
         tp = _pattern(text, self.cwd)
         kinds = self.qg.kinds
         if tp.recursive or tp.name is None:
-            return {n for n, k in kinds.items() if k != SOURCE_FILE and n not in self.qg.manual
-                    and tp.matches_package(n[2:].split(":", 1)[0])}
+            # As in Bazel's query (unlike build), patterns include targets tagged "manual".
+            return {n for n, k in kinds.items() if k != SOURCE_FILE and tp.matches_package(n[2:].split(":", 1)[0])}
         s = str(Label(tp.package, tp.name))
         if s in kinds:
             return {s}
