@@ -127,3 +127,25 @@ def test_upgrade_impact_reports_invalidated_fingerprints_and_time(tiny_built: tu
     assert none["total"]["changed"] == 0
     bad = run_cli(["upgrade-impact", "--toolchain", "tensorflow=2", "--cache-dir", str(cache)], ws)
     assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0 and "unknown component" in bad.stderr
+
+
+def test_change_lines_for_each_kind_of_field() -> None:
+    from neuronbuild.analysis.explain import describe_change, diff
+
+    old = {"model": {"srcs": {"m/a.py": "1", "m/c.py": "4"}, "weights": None}, "options": {"model_type": None},
+           "bucket": {"batch": 1, "seq": 512}, "toolchain": {"torch": "2.13.0"}, "target": {"isa": "x86-64-v4"}}
+    new = {"model": {"srcs": {"m/a.py": "2", "m/b.py": "3"}, "weights": {"path": "m/w.safetensors", "digest": "d"}},
+           "options": {"model_type": "transformer"}, "bucket": {"batch": 1, "seq": 1024},
+           "toolchain": {"torch": "2.14.1"}, "target": {"isa": "x86-64-v3"}, "env": {"NEURON_CC_FLAGS": "-O3"}}
+    assert [describe_change(p, o, n, new) for p, o, n in diff(old, new)] == [
+        "bucket: seq 512 -> 1024",
+        "env NEURON_CC_FLAGS: (unset) -> -O3",
+        "src m/a.py: changed", "src m/b.py: added", "src m/c.py: removed",
+        "weights: (none) -> m/w.safetensors",
+        "options.model_type: (none) -> transformer",
+        "target.isa: x86-64-v4 -> x86-64-v3",
+        "toolchain torch: 2.13.0 -> 2.14.1",
+    ]
+    changed_weights = {"model": {"weights": {"path": "m/w.safetensors", "digest": "e"}}}
+    assert [describe_change(p, o, n, changed_weights) for p, o, n in diff(new, changed_weights)
+            if p[0] == "model" and p[1] == "weights"] == ["weights m/w.safetensors: changed"]

@@ -94,7 +94,7 @@ def diff(old: Any, new: Any, path: tuple[str, ...] = ()) -> list[tuple[tuple[str
 
 def _fmt(v: Any) -> str:
     if v is ABSENT or v is None:
-        return "(unset)" if v is ABSENT else "None"
+        return "(unset)" if v is ABSENT else "(none)"
     if isinstance(v, str):
         return v
     return json.dumps(v, sort_keys=True)
@@ -109,6 +109,13 @@ def describe_change(path: tuple[str, ...], old: Any, new: Any, new_record: Mappi
     if path == ("model", "weights", "digest"):
         w = (new_record.get("model") or {}).get("weights") or {}
         return f"weights {w.get('path', '')}: changed".replace("  ", " ")
+    if path == ("model", "weights"):  # weights added or removed
+        def wpath(v: Any) -> str:
+            return str(v.get("path")) if isinstance(v, dict) else _fmt(v)
+
+        return f"weights: {wpath(old)} -> {wpath(new)}"
+    if path == ("model", "weights", "path"):
+        return f"weights: {_fmt(old)} -> {_fmt(new)}"
     if path[:1] == ("bucket",) and len(path) == 2:
         return f"bucket: {path[1]} {_fmt(old)} -> {_fmt(new)}"
     if path[:1] in (("toolchain",), ("env",)) and len(path) == 2:
