@@ -149,3 +149,13 @@ def test_change_lines_for_each_kind_of_field() -> None:
     changed_weights = {"model": {"weights": {"path": "m/w.safetensors", "digest": "e"}}}
     assert [describe_change(p, o, n, changed_weights) for p, o, n in diff(new, changed_weights)
             if p[0] == "model" and p[1] == "weights"] == ["weights m/w.safetensors: changed"]
+
+
+@pytest.mark.parametrize("cmd", [["plan"], ["explain"], ["upgrade-impact", "--toolchain", "torch=2.14.1"]])
+def test_introspection_never_imports_torch(tiny_built: tuple[Path, Path], cmd: list[str]) -> None:
+    ws, cache = tiny_built
+    proc = run_cli([*cmd, "--cache-dir", str(cache)], ws, python_flags=("-X", "importtime"))
+    assert proc.returncode == 0, proc.stderr
+    imported = {line.split("|")[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
+    assert "neuronbuild.analysis.planner" in imported
+    assert not {m for m in imported if m == "torch" or m.startswith("torch.")}
