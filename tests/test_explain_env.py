@@ -8,7 +8,7 @@ from pathlib import Path
 from helpers import run_cli
 from introspect_ws import cli_json, tiny_ws
 
-from neuronbuild.execution.env import action_environment, undeclared_warning
+from neuronbuild.execution.env import COMPILE_AFFECTING, action_environment, undeclared_warning
 
 
 def _fps(ws: Path, cache: Path, *extra: str, env: dict[str, str] | None = None) -> dict[str, str]:
@@ -30,7 +30,10 @@ def test_undeclared_variables_change_no_fingerprint_declared_ones_do(tmp_path: P
     assert _fps(ws, cache, "--action-env", "MY_VAR=2") == two  # NAME=VALUE is the same declaration
 
 
-def test_warns_once_about_undeclared_compile_affecting_variables(tmp_path: Path) -> None:
+def test_warns_once_about_undeclared_compile_affecting_variables(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    for k in list(os.environ):  # e.g. TORCHINDUCTOR_CACHE_DIR, left by in-process torch use in other tests
+        if COMPILE_AFFECTING.match(k):
+            monkeypatch.delenv(k)
     ws, cache = tiny_ws(tmp_path / "ws"), tmp_path / "cache"
     env = {"NEURON_CC_FLAGS": "--optlevel 3", "TORCHINDUCTOR_MAX_AUTOTUNE": "1", "OMP_NUM_THREADS": "3"}
     proc = run_cli(["build", "--dry-run", "--cache-dir", str(cache)], ws, env)
