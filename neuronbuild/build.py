@@ -5,12 +5,13 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from neuronbuild.analysis.plan_settings import PlanSettings
 from neuronbuild.analysis.planner import plan
 from neuronbuild.cache.local import LocalCache
-from neuronbuild.execution.env import action_environment
+from neuronbuild.execution.env import action_environment, undeclared_warning
 from neuronbuild.execution.local_executor import LocalExecutor
 from neuronbuild.execution.scheduler import BuildResult, Scheduler
 from neuronbuild.loading.target_graph import load_targets
@@ -31,13 +32,25 @@ class BuildRequest:
     cache_dir: Path
     jobs: int
     keep_going: bool = False
+    settings: PlanSettings = field(default_factory=PlanSettings)  # --action-env, neuronx-cc
+
+
+def settings_notes(settings: PlanSettings, ag_has_neuron: bool) -> list[str]:
+    """Said once per build: ignored compile-affecting variables, and NEFFs not produced without neuronx-cc."""
+    notes = [w for w in (undeclared_warning(settings.action_env),) if w]
+    if ag_has_neuron and settings.neuronx_cc is None:
+        notes.append("note: no neuronx-cc found (--neuronx-cc PATH, $NEURONX_CC or PATH): Neuron targets get "
+                     "lowered programs only; NEFFs were not produced")
+    return notes
 
 
 def run_build(ws: Workspace, req: BuildRequest, report: Callable[[str], None] | None = None) -> BuildResult:
     graph = load_targets(ws.root, req.patterns, ws.cwd_package)
-    ag = plan(graph)
+    ag = plan(graph, req.settings)
+    for note in settings_notes(req.settings, any(ct.platform != "cpu" for ct in ag.compiles)):
+        (report or print_report)(note)
     cache = LocalCache(req.cache_dir)
-    env = action_environment(cache.toolchain_tmp, cache.root / "home")
+    env = action_environment(cache.toolchain_tmp, cache.root / "home", req.settings.action_env)
     executor = LocalExecutor(req.jobs, env)
     try:
         result = Scheduler(ws.root, cache, executor, req.keep_going, report).run(ag)

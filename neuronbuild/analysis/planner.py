@@ -14,8 +14,8 @@ from neuronbuild.analysis.actions import COMPILE, TRACE, TRACE_OUTPUT, Action, B
 from neuronbuild.analysis.digests import digest_file
 from neuronbuild.analysis.fingerprint import fingerprint
 from neuronbuild.analysis.options import effective_options
+from neuronbuild.analysis.plan_settings import PlanSettings
 from neuronbuild.analysis.platforms import resolve_isa
-from neuronbuild.analysis.toolchain_versions import compile_toolchain, trace_toolchain
 from neuronbuild.errors import UserInputError
 from neuronbuild.loading.labels import Label
 from neuronbuild.loading.schema import parse_input_spec
@@ -24,6 +24,7 @@ from neuronbuild.loading.targets import Target
 
 CPU_OUTPUTS = ("model.pt2",)
 NEURON_OUTPUTS = ("lowered.pt2", "compile_flags.json")
+NEFF_OUTPUT = "model.neff"  # Neuron compiles, when a neuronx-cc is configured
 
 
 @dataclass(frozen=True)
@@ -107,8 +108,13 @@ def _model_record(graph: TargetGraph, model: Target) -> tuple[dict[str, Any], tu
     return record, tuple(files)
 
 
-def plan(graph: TargetGraph) -> ActionGraph:
-    """One trace per (model, bucket), shared by every compile that needs it; one compile per (trace, target, options)."""
+def plan(graph: TargetGraph, settings: PlanSettings | None = None) -> ActionGraph:
+    """One trace per (model, bucket), shared by every compile that needs it; one compile per (trace, target, options).
+
+    `settings` adds declared --action-env values (to every record, when any), the configured neuronx-cc's version
+    (Neuron compiles) and toolchain overrides (what-if plans for explain and upgrade-impact)."""
+    settings = settings or PlanSettings()
+    env_rec = {"env": settings.env_record()} if settings.action_env else {}
     actions: dict[str, Action] = {}
     g = nx.DiGraph()
     compiles: list[CompileTarget] = []
@@ -132,8 +138,8 @@ def plan(graph: TargetGraph) -> ActionGraph:
                 "action": TRACE,
                 "model": model_rec,
                 "bucket": bucket.as_dict(),
-                "toolchain": trace_toolchain(),
-            }
+                "toolchain": settings.trace_toolchain(),
+            } | env_rec
             trace_fp = fingerprint(trace_rec)
             if trace_fp not in actions:
                 spec = {"model": {k: model_rec[k] for k in ("package", "entry", "config", "seed")}
@@ -154,13 +160,16 @@ def plan(graph: TargetGraph) -> ActionGraph:
                 "options": opts,
                 "bucket": bucket.as_dict(),
                 "inputs": model_rec["inputs"],
-                "toolchain": compile_toolchain(platform),
-            }
+                "toolchain": settings.compile_toolchain(platform),
+            } | env_rec
             compile_fp = fingerprint(compile_rec)
             if compile_fp not in actions:
                 spec = {"platform": platform, "isa": isa or None, "options": opts, "inputs": model_rec["inputs"],
                         "bucket": bucket.as_dict(), "program": TRACE_OUTPUT}
                 outputs = CPU_OUTPUTS if platform == "cpu" else NEURON_OUTPUTS
+                if platform != "cpu" and settings.neuronx_cc is not None:
+                    spec["neuronx_cc"] = settings.neuronx_cc.spec()
+                    outputs = (*outputs, NEFF_OUTPUT)
                 actions[compile_fp] = Action(compile_fp, COMPILE, lbl, bucket, compile_rec, spec, (),
                                              (DepInput(trace_fp, TRACE_OUTPUT, TRACE_OUTPUT),), outputs, platform, isa)
                 g.add_edge(trace_fp, compile_fp)

@@ -16,6 +16,7 @@ from typing import Any
 from neuronbuild.cache.action_cache import ActionCache, ActionResult, OutputRef
 from neuronbuild.cache.atomic import atomic_write_bytes
 from neuronbuild.cache.cas import BlobStore
+from neuronbuild.cache.identity_index import IdentityIndex
 
 CACHE_ENV = "NEURONBUILD_CACHE_DIR"
 LAYOUT = "v1"
@@ -73,6 +74,7 @@ class LocalCache:
             outputs[name] = OutputRef(digest, size)
         res = ActionResult(fp, identity, outputs, record, duration_s, dict(metadata), time.time())
         self.actions.put(res)
+        IdentityIndex(self.root).record(res)  # explain/plan/upgrade-impact: this identity's most recent result
         with contextlib.suppress(OSError):
             os.unlink(self.failures / fp[:2] / f"{fp}.json")
         return res

@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from neuronbuild.commands.common import add_cache_args
+from neuronbuild.commands.plan import add_settings_args, settings_from_args
 from neuronbuild.errors import EXIT_BAD_INPUT, EXIT_BUILD_FAILED, EXIT_OK
 
 
@@ -14,7 +15,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     b.add_argument("patterns", nargs="*", help="target patterns: //pkg:name, //pkg/..., //pkg:all, //...")
     b.add_argument("--jobs", "-j", type=int, default=None, help="parallel workers (default: min(8, cores))")
     b.add_argument("--keep-going", "-k", action="store_true", help="continue independent actions after a failure")
+    b.add_argument("--dry-run", action="store_true", help="show what would execute (the `plan` command); run nothing")
     add_cache_args(b)
+    add_settings_args(b)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -25,9 +28,13 @@ def run(args: argparse.Namespace) -> int:
     if args.jobs is not None and args.jobs < 1:
         print("neuronbuild: error: --jobs must be at least 1", file=sys.stderr)
         return EXIT_BAD_INPUT
+    if args.dry_run:
+        from neuronbuild.commands import plan
+
+        return plan.run(args)
     ws = find_workspace()
     req = BuildRequest(patterns_or_default(args.patterns), resolve_cache_dir(args.cache_dir),
-                       args.jobs or default_jobs(), args.keep_going)
+                       args.jobs or default_jobs(), args.keep_going, settings_from_args(args))
     result = run_build(ws, req, print_report)
     print(result.summary(), flush=True)
     if result.failures:

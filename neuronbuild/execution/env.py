@@ -1,15 +1,21 @@
-"""The environment actions run with: an allow-list, never the caller's ambient variables."""
+"""The environment actions run with: an allow-list plus declared --action-env variables, never ambient variables."""
 
 from __future__ import annotations
 
 import os
+import re
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 # Variables passed through from the caller. PATH only locates tools (g++); their versions enter fingerprints.
 PASSTHROUGH = ("PATH",)
+# Caller variables that commonly change compiles; a build warns once when they are set but not declared.
+COMPILE_AFFECTING = re.compile(r"^(NEURON_.*|NEURON_CC_FLAGS|TORCHINDUCTOR_.*|XLA_.*|OMP_NUM_THREADS)$")
 
 
-def action_environment(toolchain_tmp: Path, home: Path) -> dict[str, str]:
+def action_environment(toolchain_tmp: Path, home: Path,
+                       declared: Sequence[tuple[str, str | None]] = ()) -> dict[str, str]:
+    """The allow-list, then declared variables (their names and values are in every fingerprint) on top."""
     env = {k: os.environ[k] for k in PASSTHROUGH if k in os.environ}
     env.setdefault("PATH", "/usr/local/bin:/usr/bin:/bin")
     env.update({
@@ -21,4 +27,21 @@ def action_environment(toolchain_tmp: Path, home: Path) -> dict[str, str]:
         "OMP_NUM_THREADS": "1",  # one worker per core; codegen does not follow this (the toolchain pins threads)
         "AOTI_RUNTIME_CHECK_INPUTS": "1",
     })
+    for name, value in declared:
+        if value is None:
+            env.pop(name, None)
+        else:
+            env[name] = value
     return env
+
+
+def undeclared_warning(declared: Sequence[tuple[str, str | None]],
+                       environ: Mapping[str, str] | None = None) -> str | None:
+    """One warning line naming compile-affecting caller variables that actions will not see, or None."""
+    environ = os.environ if environ is None else environ
+    names = {n for n, _v in declared}
+    ignored = sorted(k for k in environ if COMPILE_AFFECTING.match(k) and k not in names)
+    if not ignored:
+        return None
+    return (f"warning: {', '.join(ignored)} {'is' if len(ignored) == 1 else 'are'} set but not passed to actions; "
+            f"declare with --action-env NAME to use {'it' if len(ignored) == 1 else 'them'} (fingerprinted)")

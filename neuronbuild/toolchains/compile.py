@@ -70,7 +70,12 @@ def run_compile(spec: dict[str, Any], sandbox: Path, out_dir: Path) -> dict[str,
         isa = str(spec.get("isa", ""))
         return compile_cpu(ep, args, isa, options, out_dir)
     if platform in neuron_flags.NEURON_PLATFORMS:
-        return compile_neuron(ep, args, platform, options, out_dir)
+        meta = compile_neuron(ep, args, platform, options, out_dir)
+        if spec.get("neuronx_cc"):  # a configured neuronx-cc: hand the lowered program over for a NEFF
+            from neuronbuild.toolchains.neuronx_cc import run_neuronx_cc
+
+            meta |= run_neuronx_cc(spec["neuronx_cc"], platform, options, out_dir, sandbox / "neuronx-cc-work")
+        return meta
     raise ToolchainError(f"unknown platform {platform!r} (expected cpu, {', '.join(neuron_flags.NEURON_PLATFORMS)})")
 
 

@@ -1,0 +1,72 @@
+"""Time estimates for actions from recorded durations (ActionResult.duration_s), and a wall-time estimate for -j N."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import networkx as nx
+
+from neuronbuild.analysis.actions import Action
+from neuronbuild.analysis.history import History, LatestEntry
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """Seconds one action is expected to take (None: nothing recorded to go by) and where the figure comes from."""
+
+    seconds: float | None
+    source: str
+
+
+def _kind_platform(identity: str) -> tuple[str, str]:
+    kind = identity.split(" ", 1)[0]
+    _, sep, platform = identity.rpartition(" for ")
+    return kind, platform if sep else ""
+
+
+def _mean(entries: Sequence[LatestEntry]) -> float:
+    return sum(e.duration_s for e in entries) / len(entries)
+
+
+class Estimator:
+    """Estimates in order of trust: this fingerprint's own run, the identity's most recent run, the mean of the
+    other buckets of the same label and target, the mean of every recorded action of the same kind and platform."""
+
+    def __init__(self, history: History) -> None:
+        self.history = history
+        self._by_class: dict[tuple[str, str], list[LatestEntry]] | None = None
+
+    def estimate(self, action: Action) -> Estimate:
+        own = self.history.result(action.fingerprint)
+        if own is not None:
+            return Estimate(own.duration_s, "this fingerprint's recorded run")
+        latest = self.history.latest(action.identity)
+        if latest is not None:
+            return Estimate(latest.duration_s, "the last run of this action identity")
+        group = list(self.history.group(action.identity))
+        if group:
+            return Estimate(_mean(group), f"mean of {len(group)} other bucket(s) of this target")
+        if self._by_class is None:
+            self._by_class = {}
+            for e in self.history.entries():
+                self._by_class.setdefault(_kind_platform(e.identity), []).append(e)
+        kind, platform = _kind_platform(action.identity)
+        same = self._by_class.get((kind, platform))
+        if same:
+            where = f" for {platform}" if platform else ""
+            return Estimate(_mean(same), f"mean of {len(same)} recorded {kind} action(s){where}")
+        return Estimate(None, "no recorded duration")
+
+
+def wall_time(graph: nx.DiGraph, todo: Sequence[Action], seconds: Mapping[str, float], jobs: int) -> float:
+    """Greedy list schedule of `todo` on `jobs` workers in dependency order (unknown durations count as 0)."""
+    need = {a.fingerprint for a in todo}
+    finish: dict[str, float] = {}
+    workers = [0.0] * max(1, jobs)
+    for a in todo:  # todo is topologically ordered
+        ready = max((finish[d] for d in graph.predecessors(a.fingerprint) if d in need), default=0.0)
+        i = min(range(len(workers)), key=workers.__getitem__)
+        start = max(ready, workers[i])
+        finish[a.fingerprint] = workers[i] = start + seconds.get(a.fingerprint, 0.0)
+    return max(finish.values(), default=0.0)

@@ -1,0 +1,180 @@
+"""Why an action would execute: no previous result for its identity, or the exact record fields that changed."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from neuronbuild.analysis.actions import COMPILE, Action
+from neuronbuild.analysis.history import History, LatestEntry
+from neuronbuild.analysis.planner import ActionGraph
+
+NEW = "new"  # no previous result for this identity
+CHANGED = "changed"  # fields changed against the identity's most recent result
+OUTPUTS_MISSING = "outputs-missing"  # same fingerprint as the most recent result, but its outputs are gone
+PREVIOUS_EVICTED = "previous-evicted"  # the most recent result's record is gone: nothing to compare with
+
+
+class _Absent:
+    def __repr__(self) -> str:
+        return "(unset)"
+
+
+ABSENT: Any = _Absent()
+
+
+@dataclass(frozen=True)
+class Change:
+    """One changed field of an input record: its path, old and new value (ABSENT when missing on one side)."""
+
+    path: tuple[str, ...]
+    old: Any = field(hash=False, compare=False)
+    new: Any = field(hash=False, compare=False)
+    text: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return {"field": ".".join(self.path), "old": None if self.old is ABSENT else self.old,
+                "new": None if self.new is ABSENT else self.new, "text": self.text}
+
+
+@dataclass(frozen=True)
+class Explanation:
+    """Why one action would execute."""
+
+    action: Action
+    reason: str
+    previous: str | None = None  # fingerprint compared with
+    compared_bucket: str | None = None  # set when compared with another (no longer built) bucket of the same target
+    changes: tuple[Change, ...] = ()
+
+    def summary(self) -> str:
+        if self.reason == NEW:
+            return "no previous result for this action identity"
+        if self.reason == OUTPUTS_MISSING:
+            return "its result is no longer complete in the cache (outputs evicted or deleted)"
+        if self.reason == PREVIOUS_EVICTED:
+            return (f"the most recent result of this identity ({(self.previous or '')[:12]}) is no longer in the "
+                    "cache; nothing to compare with")
+        if self.compared_bucket:
+            return f"no previous result for this bucket; compared with [{self.compared_bucket}], no longer built"
+        return f"changed against the most recent result ({(self.previous or '')[:12]})"
+
+    def lines(self) -> list[str]:
+        out = [f"{self.action.describe()}  ({self.action.fingerprint[:12]})"]
+        if self.reason != CHANGED or self.compared_bucket:
+            out.append(f"  {self.summary()}")
+        out.extend(f"  {c.text}" for c in self.changes)
+        if self.reason == CHANGED and not self.changes:
+            out.append("  (no field differs: the fingerprint scheme changed)")
+        return out
+
+    def to_json(self) -> dict[str, Any]:
+        a = self.action
+        return {"identity": a.identity, "description": a.describe(), "fingerprint": a.fingerprint, "kind": a.kind,
+                "label": str(a.label), "bucket": a.bucket.as_dict(), "platform": a.platform or None,
+                "reason": self.reason, "summary": self.summary(), "previous": self.previous,
+                "compared_bucket": self.compared_bucket, "changes": [c.to_json() for c in self.changes]}
+
+
+def diff(old: Any, new: Any, path: tuple[str, ...] = ()) -> list[tuple[tuple[str, ...], Any, Any]]:
+    """Leaf-level differences of two JSON records: [(path, old, new)], ABSENT for a missing key."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        out: list[tuple[tuple[str, ...], Any, Any]] = []
+        for k in sorted(set(old) | set(new), key=str):
+            out.extend(diff(old.get(k, ABSENT), new.get(k, ABSENT), (*path, str(k))))
+        return out
+    if old is ABSENT and isinstance(new, dict) and new:
+        return diff({}, new, path)
+    if new is ABSENT and isinstance(old, dict) and old:
+        return diff(old, {}, path)
+    return [] if old == new else [(path, old, new)]
+
+
+def _fmt(v: Any) -> str:
+    if v is ABSENT or v is None:
+        return "(unset)" if v is ABSENT else "(none)"
+    if isinstance(v, str):
+        return v
+    return json.dumps(v, sort_keys=True)
+
+
+def describe_change(path: tuple[str, ...], old: Any, new: Any, new_record: Mapping[str, Any]) -> str:
+    """The user-facing line: `options.opt_level: 2 -> 3`, `src models/llama.py: changed`, `bucket: seq 512 -> 1024`,
+    `toolchain torch: 2.13.0 -> 2.14.1`, `env NAME: a -> b`."""
+    status = "added" if old is ABSENT else "removed" if new is ABSENT else "changed"
+    if path[:2] == ("model", "srcs") and len(path) == 3:
+        return f"src {path[2]}: {status}"
+    if path == ("model", "weights", "digest"):
+        w = (new_record.get("model") or {}).get("weights") or {}
+        return f"weights {w.get('path', '')}: changed".replace("  ", " ")
+    if path == ("model", "weights"):  # weights added or removed
+        def wpath(v: Any) -> str:
+            return str(v.get("path")) if isinstance(v, dict) else _fmt(v)
+
+        return f"weights: {wpath(old)} -> {wpath(new)}"
+    if path == ("model", "weights", "path"):
+        return f"weights: {_fmt(old)} -> {_fmt(new)}"
+    if path[:1] == ("bucket",) and len(path) == 2:
+        return f"bucket: {path[1]} {_fmt(old)} -> {_fmt(new)}"
+    if path[:1] in (("toolchain",), ("env",)) and len(path) == 2:
+        return f"{path[0]} {path[1]}: {_fmt(old)} -> {_fmt(new)}"
+    if path == ("trace",):
+        return f"trace: {str(old)[:12]} -> {str(new)[:12]} (the previous trace's record is not in the cache)"
+    return f"{'.'.join(path)}: {_fmt(old)} -> {_fmt(new)}"
+
+
+def record_changes(ag: ActionGraph, action: Action, old: Mapping[str, Any], history: History) -> tuple[Change, ...]:
+    """Changed fields of `action`'s record against `old`. A compile's changed `trace` fingerprint is replaced by the
+    trace record's own changed fields (the cause), when the old trace record is still in the cache."""
+    new = action.record
+    found = diff(dict(old), dict(new))
+    if action.kind == COMPILE and any(p == ("trace",) for p, _o, _n in found):
+        prev_trace = history.result(str(old.get("trace")))
+        new_trace = ag.actions.get(str(new.get("trace")))
+        if prev_trace is not None and new_trace is not None:
+            seen = {p for p, _o, _n in found}
+            found = [c for c in found if c[0] != ("trace",)]
+            found += [c for c in diff(dict(prev_trace.record), dict(new_trace.record)) if c[0] not in seen]
+            found.sort(key=lambda c: c[0])
+    return tuple(Change(p, o, n, describe_change(p, o, n, new)) for p, o, n in found)
+
+
+def _bucket_sibling(action: Action, current: set[str], history: History) -> LatestEntry | None:
+    """The closest bucket of the same label and target that the plan no longer builds (same dimension names,
+    fewest differing sizes, then most recent)."""
+    mine = action.bucket.as_dict()
+    best: tuple[int, float, LatestEntry] | None = None
+    for e in history.group(action.identity):
+        if e.identity in current or set(e.bucket) != set(mine):
+            continue
+        key = (sum(1 for k in mine if e.bucket.get(k) != mine[k]), -e.created, e)
+        if best is None or key[:2] < best[:2]:
+            best = key
+    return best[2] if best else None
+
+
+def explain_action(ag: ActionGraph, action: Action, history: History, current: set[str]) -> Explanation:
+    latest = history.latest(action.identity)
+    compared_bucket = None
+    if latest is None:
+        latest = _bucket_sibling(action, current, history)
+        if latest is None:
+            return Explanation(action, NEW)
+        compared_bucket = ", ".join(f"{k}={latest.bucket[k]}" for k, _v in action.bucket.dims)
+    if latest.fingerprint == action.fingerprint:
+        return Explanation(action, OUTPUTS_MISSING, latest.fingerprint)
+    prev = history.result(latest.fingerprint)
+    if prev is None:
+        if compared_bucket:
+            return Explanation(action, NEW)
+        return Explanation(action, PREVIOUS_EVICTED, latest.fingerprint)
+    return Explanation(action, CHANGED, latest.fingerprint, compared_bucket,
+                       record_changes(ag, action, prev.record, history))
+
+
+def explain(ag: ActionGraph, todo: Sequence[Action], history: History) -> list[Explanation]:
+    """An explanation for every action in `todo` (the actions a build would execute), in the same order."""
+    current = {a.identity for a in ag.actions.values()}
+    return [explain_action(ag, a, history, current) for a in todo]

@@ -1,0 +1,106 @@
+"""The dry-run plan: per compile target, the bucket matrix (cached or to build) and estimated time. Nothing runs."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from neuronbuild.analysis.actions import Action
+from neuronbuild.analysis.estimate import Estimate, Estimator, wall_time
+from neuronbuild.analysis.history import History
+from neuronbuild.analysis.planner import ActionGraph
+
+BUILD = "build"
+CACHED = "cached"
+UNNEEDED = "-"  # a trace whose compiles are all cached is not needed
+
+
+@dataclass(frozen=True)
+class PlanReport:
+    """What `neuronbuild build` would do now: which actions execute (in order), which are cached, estimates."""
+
+    ag: ActionGraph = field(hash=False, compare=False)
+    todo: tuple[Action, ...] = ()
+    cached: frozenset[str] = frozenset()
+    estimates: dict[str, Estimate] = field(default_factory=dict, hash=False, compare=False)
+    jobs: int = 1
+
+    def status(self, fp: str) -> str:
+        if fp in self.cached:
+            return CACHED
+        return BUILD if fp in self.estimates else UNNEEDED  # estimates hold exactly the actions to execute
+
+    @property
+    def serial_s(self) -> float:
+        return sum(e.seconds or 0.0 for e in self.estimates.values())
+
+    @property
+    def unknown(self) -> int:
+        return sum(1 for e in self.estimates.values() if e.seconds is None)
+
+    @property
+    def wall_s(self) -> float:
+        return wall_time(self.ag.graph, self.todo, {fp: e.seconds or 0.0 for fp, e in self.estimates.items()},
+                         self.jobs)
+
+    def _cell(self, fp: str) -> dict[str, Any]:
+        est = self.estimates.get(fp)
+        return {"fingerprint": fp, "status": self.status(fp), "estimate_s": None if est is None else est.seconds}
+
+    def to_json(self) -> dict[str, Any]:
+        targets = []
+        for ct in self.ag.compiles:
+            rows = []
+            for bucket, fp in ct.buckets:
+                trace_fp = str(self.ag.actions[fp].record["trace"])
+                rows.append({"name": bucket.name, "bucket": bucket.as_dict(), "trace": self._cell(trace_fp),
+                             "compile": self._cell(fp)})
+            targets.append({"label": str(ct.label), "platform": ct.platform, "isa": ct.isa or None,
+                            "options": dict(ct.options), "buckets": rows})
+        return {
+            "targets": targets,
+            "execute": [{"fingerprint": a.fingerprint, "identity": a.identity, "description": a.describe(),
+                         "kind": a.kind, "estimate_s": self.estimates[a.fingerprint].seconds,
+                         "estimate_source": self.estimates[a.fingerprint].source} for a in self.todo],
+            "cached": sorted(self.cached),
+            "total": len(self.ag.actions),
+            "estimate": {"serial_s": round(self.serial_s, 3), "wall_s": round(self.wall_s, 3), "jobs": self.jobs,
+                         "unknown": self.unknown},
+        }
+
+    def lines(self) -> list[str]:
+        out: list[str] = []
+        for ct in self.ag.compiles:
+            opts = " ".join(f"{k}={','.join(v) if isinstance(v, list) else v}" for k, v in ct.options.items()
+                            if v not in (None, []))
+            tgt = f"cpu/{ct.isa}" if ct.platform == "cpu" else ct.platform
+            out.append(f"{ct.label}  {tgt}  {opts}".rstrip())
+            width = max([len("bucket"), *(len(str(b)) for b, _fp in ct.buckets)])
+            out.append(f"  {'bucket':<{width}}  {'trace':<7} {'compile':<7} est.")
+            for bucket, fp in ct.buckets:
+                trace_fp = str(self.ag.actions[fp].record["trace"])
+                est = sum((self.estimates[f].seconds or 0.0) for f in (trace_fp, fp) if f in self.estimates)
+                unknown = any(self.estimates[f].seconds is None for f in (trace_fp, fp) if f in self.estimates)
+                if not any(f in self.estimates for f in (trace_fp, fp)):
+                    shown = "-"
+                elif unknown:
+                    shown = f"{est:.1f} s + ?" if est else "?"
+                else:
+                    shown = f"{est:.1f} s"
+                out.append(f"  {str(bucket):<{width}}  {self.status(trace_fp):<7} {self.status(fp):<7} {shown}")
+        n = len(self.todo)
+        line = (f"{len(self.ag.actions)} actions: {n} to execute, {len(self.cached)} cached")
+        if n:
+            line += f"; estimated {self.serial_s:.1f} s of work, ~{self.wall_s:.1f} s wall with -j {self.jobs}"
+            if self.unknown:
+                line += f" ({self.unknown} action(s) without a recorded duration not counted)"
+        out.append(line)
+        return out
+
+
+def plan_report(ag: ActionGraph, todo: Sequence[Action], cached: Sequence[str], history: History,
+                jobs: int) -> PlanReport:
+    """`todo`/`cached` come from the scheduler's own needed_actions(), so the report matches what a build runs."""
+    est = Estimator(history)
+    return PlanReport(ag, tuple(todo), frozenset(cached), {a.fingerprint: est.estimate(a) for a in todo}, jobs)

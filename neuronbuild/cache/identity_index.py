@@ -1,0 +1,93 @@
+"""The identity index: action identity (label + bucket + target) -> the most recent fingerprint stored for it.
+
+Layout: <root>/identities/<h(group)>/<h(identity)>.json, one small file per identity, written atomically when a
+result is stored (last writer wins), so a group (every bucket of one label and target) is one directory listing.
+Losing the index loses only explanations, never results."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+from neuronbuild.analysis.digests import digest_bytes
+from neuronbuild.analysis.history import LatestEntry, PastResult, identity_group
+from neuronbuild.cache.action_cache import ActionCache, ActionResult
+from neuronbuild.cache.atomic import atomic_write_bytes
+
+
+def _h(text: str) -> str:
+    return digest_bytes(text.encode())[:24]
+
+
+class IdentityIndex:
+    """Read and update the index under a cache layout root (<cache>/v1)."""
+
+    def __init__(self, root: Path) -> None:
+        self.dir = root / "identities"
+        self.tmp = root / "tmp"
+
+    def path(self, identity: str) -> Path:
+        return self.dir / _h(identity_group(identity)) / f"{_h(identity)}.json"
+
+    def record(self, res: ActionResult) -> None:
+        """Make `res` its identity's most recent result. Never raises for I/O: the index is advisory."""
+        bucket = res.record.get("bucket") if isinstance(res.record, dict) else None
+        data = json.dumps({"identity": res.identity, "fingerprint": res.fingerprint, "bucket": bucket or {},
+                           "duration_s": round(res.duration_s, 3), "created": round(res.created, 3)},
+                          sort_keys=True).encode()
+        with contextlib.suppress(OSError):
+            atomic_write_bytes(self.path(res.identity), data, self.tmp)
+
+    def _read(self, p: Path) -> LatestEntry | None:
+        try:
+            d = json.loads(p.read_bytes())
+            return LatestEntry(str(d["identity"]), str(d["fingerprint"]), dict(d.get("bucket") or {}),
+                               float(d.get("duration_s", 0.0)), float(d.get("created", 0.0)))
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+    def latest(self, identity: str) -> LatestEntry | None:
+        e = self._read(self.path(identity))
+        return e if e is not None and e.identity == identity else None
+
+    def group(self, identity: str) -> Iterator[LatestEntry]:
+        group = identity_group(identity)
+        d = self.dir / _h(group)
+        for p in sorted(d.glob("*.json")) if d.is_dir() else ():
+            e = self._read(p)
+            if e is not None and identity_group(e.identity) == group:
+                yield e
+
+    def entries(self) -> Iterator[LatestEntry]:
+        for p in sorted(self.dir.glob("*/*.json")) if self.dir.is_dir() else ():
+            e = self._read(p)
+            if e is not None:
+                yield e
+
+
+class CacheHistory:
+    """analysis.history.History over a cache layout root: action records plus the identity index."""
+
+    def __init__(self, root: Path) -> None:
+        self.actions = ActionCache(root)
+        self.index = IdentityIndex(root)
+        self._entries: list[LatestEntry] | None = None
+
+    def result(self, fp: str) -> PastResult | None:
+        res = self.actions.get(fp)
+        if res is None:
+            return None
+        return PastResult(res.fingerprint, res.identity, res.record, res.duration_s, res.created)
+
+    def latest(self, identity: str) -> LatestEntry | None:
+        return self.index.latest(identity)
+
+    def group(self, identity: str) -> list[LatestEntry]:
+        return list(self.index.group(identity))
+
+    def entries(self) -> list[LatestEntry]:
+        if self._entries is None:
+            self._entries = list(self.index.entries())
+        return self._entries

@@ -1,0 +1,39 @@
+"""`neuronbuild explain PATTERNS`: for each action a build would execute, why (new identity, or the changed fields)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from neuronbuild.commands.common import add_cache_args
+from neuronbuild.commands.plan import add_output_arg, add_settings_args
+from neuronbuild.errors import EXIT_OK
+
+
+def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser("explain", help="why each action that would execute is not cached (the fields that changed)")
+    p.add_argument("patterns", nargs="*", help="target patterns (default //...)")
+    add_output_arg(p)
+    add_cache_args(p)
+    add_settings_args(p, what_if=True)
+
+
+def run(args: argparse.Namespace) -> int:
+    from neuronbuild.analysis.explain import explain
+    from neuronbuild.commands.plan import load_plan
+    from neuronbuild.execution.scheduler import needed_actions
+
+    ag, cache, history = load_plan(args)
+    todo, cached = needed_actions(ag, cache)
+    found = explain(ag, todo, history)
+    if args.output == "json":
+        print(json.dumps({"total": len(ag.actions), "cached": len(cached),
+                          "execute": [e.to_json() for e in found]}, indent=1, sort_keys=True))
+        return EXIT_OK
+    for e in found:
+        print("\n".join(e.lines()))
+    if found:
+        print(f"{len(found)} of {len(ag.actions)} actions would execute ({len(cached)} cached)")
+    else:
+        print(f"nothing would execute: all {len(ag.actions)} actions are cached")
+    return EXIT_OK

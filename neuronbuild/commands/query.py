@@ -1,0 +1,31 @@
+"""`neuronbuild query EXPR`: deps, rdeps, kind, attr, filter, labels, somepath, allpaths and set operators."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from neuronbuild.errors import EXIT_OK
+
+
+def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser("query", help="query the target graph, e.g. 'rdeps(//..., //models:llama.py)'")
+    p.add_argument("expr", nargs="+", help="query expression (quote it; words are joined with spaces)")
+    p.add_argument("--output", choices=("label", "json", "graph"), default="label",
+                   help="label (one per line), json, or graph (Graphviz dot)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from neuronbuild.analysis.query import run_query, to_dot, to_json
+    from neuronbuild.workspace import find_workspace
+
+    ws = find_workspace()
+    qg, result = run_query(ws.root, " ".join(args.expr), ws.cwd_package)
+    if args.output == "json":
+        print(json.dumps(to_json(qg, result), indent=1, sort_keys=True))
+    elif args.output == "graph":
+        print(to_dot(qg, result), end="")
+    else:
+        for label in result:
+            print(label)
+    return EXIT_OK

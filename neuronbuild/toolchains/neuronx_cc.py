@@ -1,0 +1,100 @@
+"""The neuronx-cc hand-off: run the configured neuronx-cc on a lowered program and collect its NEFF.
+
+Contract (the real CLI's shape): in a scratch dir next to the sandbox inputs, with the lowered program linked in as
+`lowered.pt2`, run `neuronx-cc compile --framework XLA lowered.pt2 --target <platform> --output model.neff [flags]`,
+flags being the effective options mapped by neuron_flags. Its combined stdout/stderr goes to the action's log; a
+non-zero exit or a missing NEFF fails the action; past the timeout its whole process group is killed and the action
+fails. (Real neuronx-cc takes HLO; this project's lowered program is a torch.export archive. The real compiler cannot
+be installed here: tests run a stand-in that keeps this contract, tests/standins/neuronx-cc.)"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from neuronbuild.toolchains import neuron_flags
+from neuronbuild.toolchains.errors import ToolchainError
+
+PROGRAM = "lowered.pt2"
+NEFF = "model.neff"
+
+
+def neuronx_cc_command(exe: str, platform: str, options: Mapping[str, Any]) -> list[str]:
+    """The argv, relative to the scratch dir: `<exe> compile --framework XLA lowered.pt2 --target P --output ...`."""
+    try:
+        args = neuron_flags.neuronx_cc_args(platform, options)
+    except ValueError as exc:
+        raise ToolchainError(str(exc)) from None
+    assert args[:2] == ["--target", platform]
+    return [exe, "compile", "--framework", "XLA", PROGRAM, "--target", platform, "--output", NEFF, *args[2:]]
+
+
+def _check_version(exe: str, expected: str) -> None:
+    from neuronbuild.analysis.plan_settings import neuronx_cc_version
+    from neuronbuild.errors import UserInputError
+
+    try:
+        got = neuronx_cc_version(exe)
+    except UserInputError as e:
+        raise ToolchainError(e.message) from None
+    if got != expected:
+        raise ToolchainError(f"neuronx-cc at {exe} reports version {got}, but the plan was made with {expected}")
+
+
+def run_neuronx_cc(cc: Mapping[str, Any], platform: str, options: Mapping[str, Any], out_dir: Path,
+                   scratch: Path) -> dict[str, Any]:
+    """Compile out_dir/lowered.pt2 into out_dir/model.neff. `cc` is the plan's {"path", "version", "timeout_s"}."""
+    exe, timeout = str(cc["path"]), float(cc["timeout_s"])
+    _check_version(exe, str(cc["version"]))
+    work = Path(scratch)
+    work.mkdir(parents=True, exist_ok=True)
+    src = out_dir / PROGRAM
+    if (work / PROGRAM).exists():
+        (work / PROGRAM).unlink()
+    try:
+        os.link(src, work / PROGRAM)
+    except OSError:
+        shutil.copyfile(src, work / PROGRAM)
+    cmd = neuronx_cc_command(exe, platform, options)
+    log_path = work / "neuronx-cc.log"
+    timed_out = False
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, cwd=work, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        try:
+            rc = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            rc = proc.wait()
+        finally:
+            if proc.poll() is None:  # interrupted: never leave the compiler running
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    output = log_path.read_text(encoding="utf-8", errors="replace")
+    sys.stdout.write(f"# neuronx-cc: {shlex.join(cmd)}\n{output}")
+    if output and not output.endswith("\n"):
+        sys.stdout.write("\n")
+    sys.stdout.write(f"# neuronx-cc: {'killed after timeout' if timed_out else f'exit status {rc}'}\n")
+    sys.stdout.flush()
+    if timed_out:
+        raise ToolchainError(f"neuronx-cc timed out after {timeout:g} s and was killed (see the action log)")
+    if rc != 0:
+        last = [ln.strip() for ln in output.splitlines() if ln.strip()]
+        raise ToolchainError(f"neuronx-cc exited with status {rc}" + (f": {last[-1]}" if last else ""))
+    neff = work / NEFF
+    if not neff.is_file():
+        raise ToolchainError(f"neuronx-cc exited with status 0 but wrote no {NEFF}")
+    os.replace(neff, out_dir / NEFF)
+    size = (out_dir / NEFF).stat().st_size
+    return {"neff": NEFF, "neff_bytes": size, "neuronx_cc": str(cc["version"])}

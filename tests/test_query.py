@@ -1,0 +1,127 @@
+"""`neuronbuild query` on the example and on a generated multi-package workspace, against hand-computed answers."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from helpers import EXAMPLES, run_cli, write_ws
+
+from neuronbuild.analysis.query import QueryError, load_query_graph, parse_query, patterns_of, run_query
+
+M = "//models:"
+
+
+def _q(root: Path, expr: str) -> set[str]:
+    return set(run_query(root, expr)[1])
+
+
+@pytest.mark.parametrize("expr,expected", [
+    ("deps(//models:llama_trn2)", {"llama_trn2", "llama", "llama.py", "ctx", "tok", "trn2", "fast", "base"}),
+    ("deps(//models:llama_trn2, 1)", {"llama_trn2", "llama", "ctx", "tok", "trn2", "fast"}),
+    ("rdeps(//..., //models:llama.py)", {"llama.py", "llama", "llama_tiny", "llama_trn2", "llama_cpu",
+                                         "llama_tiny_cpu"}),
+    ("rdeps(//models:llama_cpu, //models:llama.py)", {"llama.py", "llama", "llama_cpu"}),
+    ("kind(neuron_compile, //...)", {"llama_trn2", "llama_cpu", "llama_tiny_cpu"}),
+    ("kind('source file', deps(//...))", {"llama.py", "llama_tiny.safetensors"}),
+    ("attr(platform, cpu, //...)", {"cpu"}),
+    ("attr(opt_level, 1, //...)", {"fast"}),
+    ("kind(neuron_compile, rdeps(//..., //tools:cpu_default))", {"llama_cpu"}),
+    ("rdeps(//..., //tools:cpu_default)", {"llama_cpu", "//tools:cpu_default"}),
+    ("kind(neuron_compile, //...) ^ rdeps(//..., //models:tok)", {"llama_trn2", "llama_tiny_cpu"}),
+    ("kind(neuron_compile, //...) - attr(target, trn2, //...)", {"llama_cpu", "llama_tiny_cpu"}),
+    ("set(//models:trn2 //models:cpu) union //models:fast", {"trn2", "cpu", "fast"}),
+    ("allpaths(//models:llama_trn2, //models:base)", {"llama_trn2", "fast", "base"}),
+    ("somepath(//models:llama_tiny_cpu, //models:llama.py)", {"llama_tiny_cpu", "llama_tiny", "llama.py"}),
+    ("labels(buckets, //models:llama_trn2)", {"ctx", "tok"}),
+])
+def test_queries_on_the_example(expr: str, expected: set[str]) -> None:
+    assert _q(EXAMPLES, expr) == {n if n.startswith("//") else f"{M}{n}" for n in expected}
+
+
+def _multi(root: Path) -> Path:
+    """common <- opts/fast; models/a, models/b, models/c; serve/x (a, fast), serve/y (b, base), serve/z (c, manual)."""
+    model = 'neuron_model(name = "{n}", srcs = ["{n}.py"], entry = "{n}:build", inputs = {{"x": "float32[b]"}})\n'
+    return write_ws(root, {
+        "common/BUILD": 'neuron_target(name = "trn2", platform = "trn2")\n'
+                        'compiler_options(name = "base", opt_level = 3)\n'
+                        'neuron_buckets(name = "bk", dims = {"b": [1, 2]})\n',
+        "opts/fast/BUILD": 'compiler_options(name = "fast", deps = ["//common:base"], opt_level = 1)\n',
+        **{f"models/{n}/BUILD": model.format(n=n) for n in "abc"},
+        **{f"models/{n}/{n}.py": "def build(config):\n    pass\n" for n in "abc"},
+        "models/a/unused.py": "",
+        "serve/x/BUILD": 'neuron_compile(name = "x", model = "//models/a:a", buckets = ["//common:bk"], '
+                         'target = "//common:trn2", options = "//opts/fast:fast")\n',
+        "serve/y/BUILD": 'neuron_compile(name = "y", model = "//models/b:b", buckets = ["//common:bk"], '
+                         'target = "//common:trn2", options = "//common:base")\n',
+        "serve/z/BUILD": 'neuron_compile(name = "z", model = "//models/c:c", buckets = ["//common:bk"], '
+                         'target = "//common:trn2", tags = ["manual"])\n',
+    })
+
+
+@pytest.fixture(scope="module")
+def multi(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _multi(tmp_path_factory.mktemp("multi") / "ws")
+
+
+@pytest.mark.parametrize("expr,expected", [
+    ("//serve/...", {"//serve/x:x", "//serve/y:y", "//serve/z:z"}),
+    ("rdeps(//..., //common:base)", {"//common:base", "//opts/fast:fast", "//serve/x:x", "//serve/y:y"}),
+    ("rdeps(//..., //common:base, 1)", {"//common:base", "//opts/fast:fast", "//serve/y:y"}),
+    # Only //serve/... is named: z's model package is loaded through z (a manual target) all the same.
+    ("kind('source file', deps(//serve/...))", {"//models/a:a.py", "//models/b:b.py", "//models/c:c.py"}),
+    ("deps(//serve/z:z)", {"//serve/z:z", "//models/c:c", "//models/c:c.py", "//common:bk", "//common:trn2"}),
+    ("rdeps(//serve/..., //common:trn2) - //common:all", {"//serve/x:x", "//serve/y:y", "//serve/z:z"}),
+    ("attr(opt_level, 3, //...)", {"//common:base"}),
+    ("attr(deps, '//common:base', //...)", {"//opts/fast:fast"}),
+    ("filter('^//models/', deps(//serve/x:x))", {"//models/a:a", "//models/a:a.py"}),
+    ("allpaths(//serve/..., //common:base)", {"//serve/x:x", "//serve/y:y", "//opts/fast:fast", "//common:base"}),
+    ("rdeps(//..., //models/a:unused.py)", set()),  # a file nothing references is outside the universe
+    ("(//serve/x:x + //serve/y:y) ^ rdeps(//..., //opts/fast:fast)", {"//serve/x:x"}),
+    ("//models/... except kind(neuron_model, //models/a:all)", {"//models/b:b", "//models/c:c"}),
+])
+def test_queries_on_a_generated_multi_package_workspace(multi: Path, expr: str, expected: set[str]) -> None:
+    assert _q(multi, expr) == expected
+
+
+def test_output_formats(multi: Path) -> None:
+    proc = run_cli(["query", "deps(//serve/x:x)"], multi)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == sorted(proc.stdout.splitlines()) and len(proc.stdout.splitlines()) == 7
+    items = json.loads(run_cli(["query", "deps(//serve/x:x)", "--output", "json"], multi).stdout)
+    by = {i["label"]: i for i in items}
+    assert by["//serve/x:x"]["kind"] == "neuron_compile" and by["//models/a:a.py"]["kind"] == "source file"
+    assert by["//serve/x:x"]["attrs"]["options"] == "//opts/fast:fast"
+    assert by["//opts/fast:fast"]["deps"] == ["//common:base"]
+    dot = run_cli(["query", "allpaths(//serve/x:x, //common:base)", "--output", "graph"], multi).stdout
+    assert dot.startswith("digraph") and dot.rstrip().endswith("}")
+    edges = {ln.strip() for ln in dot.splitlines() if "->" in ln}
+    assert edges == {'"//serve/x:x" -> "//opts/fast:fast";', '"//opts/fast:fast" -> "//common:base";'}
+
+
+@pytest.mark.parametrize("expr,message", [
+    ("deps(//serve/x:nope)", "no such target or source file '//serve/x:nope'"),
+    ("deps(//serve/x:x", "expected ')'"),
+    ("frobnicate(//...)", "unknown function 'frobnicate'"),
+    ("deps(//..., two)", "depth must be a non-negative integer"),
+    ("kind('(', //...)", "bad regular expression"),
+    ("//... +", "unexpected end of expression"),
+])
+def test_bad_queries_are_one_line_errors(multi: Path, expr: str, message: str) -> None:
+    proc = run_cli(["query", expr], multi)
+    assert proc.returncode == 2
+    assert proc.stderr.count("\n") == 1 and message in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_parser_precedence_is_left_to_right() -> None:
+    node = parse_query("a - b + c")
+    assert node.value == "union" and node.args[0].value == "except"
+    assert patterns_of(parse_query("rdeps(//..., set(//a:b //c:d))")) == ["//...", "//a:b", "//c:d"]
+    with pytest.raises(QueryError):
+        parse_query("")
+
+
+def test_query_graph_is_built_on_networkx(multi: Path) -> None:
+    qg = load_query_graph(multi, ["//..."])
+    assert qg.graph.has_edge("//serve/x:x", "//opts/fast:fast") and qg.kinds["//models/a:a.py"] == "source file"
