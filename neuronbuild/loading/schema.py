@@ -10,7 +10,7 @@ from typing import Any
 
 from neuronbuild.loading.labels import Label, LabelError, parse_label
 
-NEURON_PLATFORMS = ("trn1", "trn2", "trn3", "inf1", "inf2")
+NEURON_PLATFORMS = ("trn1", "trn2", "trn3", "inf2")
 CPU_ISAS = ("native", "x86-64", "x86-64-v2", "x86-64-v3", "x86-64-v4")
 AUTO_CAST = ("none", "matmult", "all")
 DTYPES = ("int64", "int32", "float32", "float16", "bfloat16", "bool")
@@ -264,7 +264,7 @@ RULES: dict[str, RuleSchema] = {
         ),
         RuleSchema(
             "neuron_target",
-            "The platform compiled for: a Neuron platform (trn1, trn2, trn3, inf1, inf2) or 'cpu' with an ISA.",
+            "The platform compiled for: a Neuron platform (trn1, trn2, trn3, inf2) or 'cpu' with an ISA.",
             (
                 _NAME,
                 Attr("platform", STRING, "Neuron platform or 'cpu'.", required=True, choices=NEURON_PLATFORMS + ("cpu",)),
