@@ -22,7 +22,7 @@ from neuronbuild.loading.schema import parse_input_spec
 from neuronbuild.loading.target_graph import TargetGraph, locate
 from neuronbuild.loading.targets import Target
 
-CPU_OUTPUTS = ("model.pt2",)
+CPU_OUTPUTS = ("model.pt2", "constants.safetensors")
 NEURON_OUTPUTS = ("lowered.pt2", "compile_flags.json")
 
 
@@ -107,16 +107,23 @@ def _model_record(graph: TargetGraph, model: Target) -> tuple[dict[str, Any], tu
     return record, tuple(files)
 
 
+def compile_labels(graph: TargetGraph) -> list[Label]:
+    """Requested neuron_compile targets, then those that requested neuron_bundle targets ship (deduplicated)."""
+    out: list[Label] = [lbl for lbl in graph.requested if graph.targets[lbl].kind == "neuron_compile"]
+    for lbl in graph.requested:
+        if graph.targets[lbl].kind == "neuron_bundle":
+            out.extend(src for src in graph.targets[lbl].attrs["srcs"] if src not in out)
+    return out
+
+
 def plan(graph: TargetGraph) -> ActionGraph:
     """One trace per (model, bucket), shared by every compile that needs it; one compile per (trace, target, options)."""
     actions: dict[str, Action] = {}
     g = nx.DiGraph()
     compiles: list[CompileTarget] = []
     model_cache: dict[Label, tuple[dict[str, Any], tuple[FileInput, ...]]] = {}
-    for lbl in graph.requested:
+    for lbl in compile_labels(graph):
         t = graph.targets[lbl]
-        if t.kind != "neuron_compile":
-            continue
         model = graph.targets[t.attrs["model"]]
         target = graph.targets[t.attrs["target"]]
         if model.label not in model_cache:
