@@ -2,4 +2,4 @@
 
 __version__ = "0.1.0"
 # Bumped whenever the meaning of a fingerprint record or a cached output changes.
-FORMAT_VERSION = "nb1"
+FORMAT_VERSION = "nb2"  # nb2: cpu packages without constants + constants.safetensors

@@ -15,6 +15,7 @@ from neuronbuild.execution.env import action_environment, undeclared_warning
 from neuronbuild.execution.local_executor import LocalExecutor
 from neuronbuild.execution.scheduler import BuildResult, Scheduler
 from neuronbuild.loading.target_graph import load_targets
+from neuronbuild.packaging.bundle import build_bundles
 from neuronbuild.packaging.materialize import materialize
 from neuronbuild.workspace import Workspace
 
@@ -56,7 +57,14 @@ def run_build(ws: Workspace, req: BuildRequest, report: Callable[[str], None] | 
         result = Scheduler(ws.root, cache, executor, req.keep_going, report).run(ag)
     finally:
         executor.shutdown(cancel=True)
-    materialize(ws.root, ag, cache, {f.action.fingerprint for f in result.failures})
+    failed = {f.action.fingerprint for f in result.failures}
+    materialize(ws.root, ag, cache, failed)
+    if any(graph.targets[lbl].kind == "neuron_bundle" for lbl in graph.requested):
+        bundles, skipped = build_bundles(ws.root, graph, ag, cache, failed)
+        for b in bundles:
+            (report or print_report)(f"Bundle {b.label}: {b.archive} ({b.size} bytes{'' if b.written else ', up to date'})")
+        for line in skipped:
+            (report or print_report)(line)
     return result
 
 

@@ -22,7 +22,7 @@ from neuronbuild.loading.schema import parse_input_spec
 from neuronbuild.loading.target_graph import TargetGraph, locate
 from neuronbuild.loading.targets import Target
 
-CPU_OUTPUTS = ("model.pt2",)
+CPU_OUTPUTS = ("model.pt2", "constants.safetensors")
 NEURON_OUTPUTS = ("lowered.pt2", "compile_flags.json")
 NEFF_OUTPUT = "model.neff"  # Neuron compiles, when a neuronx-cc is configured
 
@@ -108,6 +108,15 @@ def _model_record(graph: TargetGraph, model: Target) -> tuple[dict[str, Any], tu
     return record, tuple(files)
 
 
+def compile_labels(graph: TargetGraph) -> list[Label]:
+    """Requested neuron_compile targets, then those that requested neuron_bundle targets ship (deduplicated)."""
+    out: list[Label] = [lbl for lbl in graph.requested if graph.targets[lbl].kind == "neuron_compile"]
+    for lbl in graph.requested:
+        if graph.targets[lbl].kind == "neuron_bundle":
+            out.extend(src for src in graph.targets[lbl].attrs["srcs"] if src not in out)
+    return out
+
+
 def plan(graph: TargetGraph, settings: PlanSettings | None = None) -> ActionGraph:
     """One trace per (model, bucket), shared by every compile that needs it; one compile per (trace, target, options).
 
@@ -119,10 +128,8 @@ def plan(graph: TargetGraph, settings: PlanSettings | None = None) -> ActionGrap
     g = nx.DiGraph()
     compiles: list[CompileTarget] = []
     model_cache: dict[Label, tuple[dict[str, Any], tuple[FileInput, ...]]] = {}
-    for lbl in graph.requested:
+    for lbl in compile_labels(graph):
         t = graph.targets[lbl]
-        if t.kind != "neuron_compile":
-            continue
         model = graph.targets[t.attrs["model"]]
         target = graph.targets[t.attrs["target"]]
         if model.label not in model_cache:
@@ -166,7 +173,7 @@ def plan(graph: TargetGraph, settings: PlanSettings | None = None) -> ActionGrap
             if compile_fp not in actions:
                 spec = {"platform": platform, "isa": isa or None, "options": opts, "inputs": model_rec["inputs"],
                         "bucket": bucket.as_dict(), "program": TRACE_OUTPUT}
-                outputs = CPU_OUTPUTS if platform == "cpu" else NEURON_OUTPUTS
+                outputs: tuple[str, ...] = CPU_OUTPUTS if platform == "cpu" else NEURON_OUTPUTS
                 if platform != "cpu" and settings.neuronx_cc is not None:
                     spec["neuronx_cc"] = settings.neuronx_cc.spec()
                     outputs = (*outputs, NEFF_OUTPUT)

@@ -230,6 +230,11 @@ def _check_target(a: Mapping[str, Any]) -> None:
         raise AttrError(f"attribute 'isa' applies to platform 'cpu' only, not '{a['platform']}'")
 
 
+def _check_bundle(a: Mapping[str, Any]) -> None:
+    if not a["srcs"]:
+        raise AttrError("attribute 'srcs' must list at least one neuron_compile target")
+
+
 RULES: dict[str, RuleSchema] = {
     r.kind: r
     for r in (
@@ -300,6 +305,19 @@ RULES: dict[str, RuleSchema] = {
                 Attr("tolerance", FLOAT, "Max abs error against eager accepted by `neuronbuild validate`.", default=1e-4),
                 _TAGS,
             ),
+        ),
+        RuleSchema(
+            "neuron_bundle",
+            "A deployable release archive of compile targets: manifest, artifacts, weights once per model, docs.",
+            (
+                _NAME,
+                Attr("srcs", LABEL_LIST, "The neuron_compile targets shipped in the bundle.", required=True,
+                     kinds=("neuron_compile",)),
+                Attr("compression", STRING, "Archive compression: 'zstd' (<name>.tar.zst) or 'gzip' (<name>.tar.gz).",
+                     default="zstd", choices=("zstd", "gzip")),
+                _TAGS,
+            ),
+            _check_bundle,
         ),
     )
 }

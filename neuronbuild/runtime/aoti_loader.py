@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +11,7 @@ import torch
 import torch.utils._pytree as pytree
 
 MODEL_NAME = "model"
+CONSTANTS_FILE = "constants.safetensors"  # written next to model.pt2 by the cpu compile
 
 
 class LoadedPackage:
@@ -31,18 +32,40 @@ class LoadedPackage:
         return dict(self._loader.get_metadata())
 
 
-def load_package(path: Path) -> Callable[..., Any]:
-    """Load model.pt2 with the C++ package loader (ms, no g++); fall back to torch._inductor.aoti_load_package."""
+def read_constants(path: Path) -> dict[str, torch.Tensor]:
+    """A constants/weights safetensors file as {FQN: tensor} (read into memory, no compiler, no torch._inductor)."""
+    from safetensors.torch import load_file
+
+    return dict(load_file(str(path)))
+
+
+def load_package(path: Path, constants: Mapping[str, torch.Tensor] | None = None) -> Callable[..., Any]:
+    """Load model.pt2 with the C++ package loader (ms, no g++); fall back to torch._inductor.aoti_load_package.
+
+    Packages are built without their weights: `constants` (FQN -> tensor) are loaded before the callable is
+    returned; when not given, the constants.safetensors next to the package is used. The tensors are used in place
+    (not copied), so several buckets of one model share one set of weights; keep them alive and unmodified."""
     # Must be set before the model is loaded: a wrong input shape then raises RuntimeError instead of crashing.
     os.environ["AOTI_RUNTIME_CHECK_INPUTS"] = "1"
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"no AOTInductor package at {path}")
+    if constants is None and (path.parent / CONSTANTS_FILE).is_file():
+        constants = read_constants(path.parent / CONSTANTS_FILE)
     try:
         loader = torch._C._aoti.AOTIModelPackageLoader(str(path), MODEL_NAME, False, 1, -1)
     except (AttributeError, RuntimeError, TypeError):
         from torch._inductor import aoti_load_package
 
-        fallback: Callable[..., Any] = aoti_load_package(str(path))
-        return fallback
+        fallback: Any = aoti_load_package(str(path))
+        if constants is not None:
+            fallback.load_constants(dict(constants), check_full_update=True, user_managed=True)
+        return fallback  # type: ignore[no-any-return]
+    if constants is not None:
+        needed = {str(n) for n in loader.get_constant_fqns()}
+        absent = sorted(needed - set(constants))
+        if absent:
+            # check_full_update would throw too, but a named list is more useful than "not all constants updated".
+            raise RuntimeError(f"{path.name}: constants missing for {len(absent)} weight(s): {', '.join(absent[:5])}")
+        loader.load_constants({k: constants[k] for k in sorted(needed)}, False, True, True)
     return LoadedPackage(loader)

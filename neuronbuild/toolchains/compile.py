@@ -30,7 +30,8 @@ CPU_PLATFORM = "cpu"
 # duration of one compile: compile one graph at a time per process (the worker model), not from several threads.
 INDUCTOR_CACHE_DIR = Path("/tmp/neuronbuild-inductor") / f"torch-{torch.__version__}-1"
 TORCH_DIR = Path(torch.__file__).resolve().parent
-PACKAGE_MODEL_NAME = "model"  # the top folder inside the canonical model.pt2 and the name load_package asks for
+PACKAGE_MODEL_NAME = "model"
+CONSTANTS_FILE = "constants.safetensors"  # the cpu compile's second output: the package's weights by FQN  # the top folder inside the canonical model.pt2 and the name load_package asks for
 _ZIP_EPOCH = (1980, 1, 1, 0, 0, 0)
 
 
@@ -114,7 +115,9 @@ def compile_cpu(
         "cpp.simdlen": target.simdlen,
         # Kernels read the thread count at run time instead of baking in the build machine's core count.
         "cpp.dynamic_threads": True,
-        "aot_inductor.package_constants_in_so": True,
+        # Weights stay out of the package (one constants file per graph, identical across a model's buckets, so the
+        # CAS and bundles store them once); loaders must call load_constants before the first run (else a crash).
+        "aot_inductor.package_constants_in_so": False,
         # Debug line tables carry source paths and make the .so ~25% larger.
         "aot_inductor.enable_line_tables": False,
     }
@@ -128,8 +131,31 @@ def compile_cpu(
         with torch.no_grad():
             aoti_compile_and_package(ep, package_path=str(raw), inductor_configs=inductor_configs)
         data = canonical_package(raw.read_bytes())
+        constants = constants_bytes(ep, _constant_fqns(raw))
     (out_dir / "model.pt2").write_bytes(data)
-    return {"artifact": "model.pt2", "bytes": len(data), "isa": isa}
+    (out_dir / CONSTANTS_FILE).write_bytes(constants)
+    return {"artifact": "model.pt2", "bytes": len(data), "isa": isa, "constants": CONSTANTS_FILE,
+            "constants_bytes": len(constants)}
+
+
+def _constant_fqns(package: Path) -> list[str]:
+    loader = torch._C._aoti.AOTIModelPackageLoader(str(package), PACKAGE_MODEL_NAME, False, 1, -1)
+    return sorted(str(n) for n in loader.get_constant_fqns())
+
+
+def constants_bytes(ep: torch.export.ExportedProgram, fqns: list[str]) -> bytes:
+    """The constants a constants-free package needs (parameters, buffers, lifted constants by FQN) as safetensors.
+
+    Bytes depend only on the tensors (sorted names, no metadata), so every bucket of a model yields the same file."""
+    from safetensors.torch import save
+
+    available: dict[str, torch.Tensor] = {**dict(ep.state_dict), **{k: v for k, v in ep.constants.items()
+                                                                     if isinstance(v, torch.Tensor)}}
+    missing = [n for n in fqns if n not in available]
+    if missing:
+        raise ToolchainError(f"the compiled package needs constant(s) the program does not hold: {', '.join(missing[:5])}")
+    # Clone: tied weights share storage, which safetensors refuses to save.
+    return save({n: available[n].detach().contiguous().clone() for n in fqns})
 
 
 @contextmanager

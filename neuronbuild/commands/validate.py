@@ -1,0 +1,76 @@
+"""`neuronbuild validate PATTERNS`: run every built artifact against eager on seeded inputs, per bucket."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from neuronbuild.commands.common import add_cache_args
+from neuronbuild.errors import EXIT_BUILD_FAILED, EXIT_OK
+
+
+def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    v = sub.add_parser("validate", help="compare built artifacts with the eager model (max abs/rel error per bucket)")
+    v.add_argument("patterns", nargs="*", help="target patterns (default //...); neuron_bundle targets check their srcs")
+    v.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default 0)")
+    add_cache_args(v)
+
+
+def run(args: argparse.Namespace) -> int:
+    import tempfile
+    from pathlib import Path
+    from typing import Any
+
+    from neuronbuild.analysis.planner import plan
+    from neuronbuild.build import patterns_or_default
+    from neuronbuild.cache.local import LocalCache, resolve_cache_dir
+    from neuronbuild.loading.target_graph import load_targets
+    from neuronbuild.workspace import find_workspace
+
+    ws = find_workspace()
+    graph = load_targets(ws.root, patterns_or_default(args.patterns), ws.cwd_package)
+    ag = plan(graph)
+    cache = LocalCache(resolve_cache_dir(args.cache_dir))
+    if not ag.compiles:
+        print("neuronbuild: nothing to validate: the patterns match no neuron_compile target", file=sys.stderr)
+        return EXIT_OK
+
+    from neuronbuild.runtime.validate import compare, eager_model, load_artifact
+
+    failed = 0
+    models: dict[str, Any] = {}
+    print(f"{'target':<28} {'bucket':<16} {'platform':<14} {'max abs':>10} {'max rel':>10} {'tolerance':>10}  result")
+    for ct in ag.compiles:
+        tol = float(graph.targets[ct.label].attrs["tolerance"])
+        plat = f"cpu/{ct.isa}" if ct.platform == "cpu" else f"{ct.platform}*"
+        for bucket, fp in ct.buckets:
+            res = cache.lookup(fp)
+            row = f"{str(ct.label):<28} {bucket.name:<16} {plat:<14}"
+            if res is None:
+                failed += 1
+                print(f"{row} {'-':>10} {'-':>10} {tol:>10.1e}  NOT BUILT (run neuronbuild build {ct.label})")
+                continue
+            trace = ag.actions[str(ag.actions[fp].record["trace"])].record
+            spec = dict(trace["model"])
+            spec["weights"] = spec["weights"]["path"] if spec.get("weights") else None
+            key = repr(sorted(spec.items(), key=lambda kv: kv[0]))
+            if key not in models:
+                models[key] = eager_model(spec, ws.root)
+            with tempfile.TemporaryDirectory(prefix="neuronbuild-validate-") as tmp:
+                files = {}
+                for name, ref in res.outputs.items():
+                    cache.copy_blob(ref.digest, Path(tmp) / name)
+                    files[name] = Path(tmp) / name
+                fn = load_artifact(ct.platform, files)
+                cmp = compare(fn, models[key], spec["inputs"], bucket.as_dict(), spec.get("config") or {}, args.seed)
+            ok = cmp.max_abs <= tol
+            failed += not ok
+            print(f"{row} {cmp.max_abs:>10.2e} {cmp.max_rel:>10.2e} {tol:>10.1e}  {'ok' if ok else 'FAIL'}")
+    if any(ct.platform != "cpu" for ct in ag.compiles):
+        print("* Neuron targets: the lowered program run by torch on CPU (checks the lowering and auto_cast, not "
+              "neuronx-cc)")
+    if failed:
+        print(f"{failed} graph(s) failed validation", file=sys.stderr)
+        return EXIT_BUILD_FAILED
+    print("every graph is within its tolerance")
+    return EXIT_OK

@@ -1,0 +1,40 @@
+"""`neuronbuild verify BUNDLE [--host]`: offline checks that a bundle is intact and that this host can use it."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from neuronbuild.errors import EXIT_BAD_INPUT, EXIT_BUILD_FAILED, EXIT_OK
+
+
+def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    v = sub.add_parser("verify", help="check a bundle's digests and (with --host) that this host can run every graph")
+    v.add_argument("bundle", help="a bundle archive (.tar.zst / .tar.gz)")
+    v.add_argument("--host", action="store_true",
+                   help="also check torch version, CPU ISA (cpu graphs) and Neuron platform (Neuron graphs)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from neuronbuild.packaging.deploy import BundleError, check_bundle
+    from neuronbuild.runtime.host import check_graph, current_host
+
+    try:
+        manifest, _ = check_bundle(Path(args.bundle))
+    except BundleError as e:
+        print(f"neuronbuild: error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    print(f"{manifest.label}: {len(manifest.graphs)} graph(s), {len(manifest.files) + 1} files, every digest matches")
+    if not args.host:
+        return EXIT_OK
+    host = current_host()
+    mismatches = [m for g in manifest.graphs for m in check_graph(g, host)]
+    if mismatches:
+        print(f"this host ({host.describe()}) cannot use {len(mismatches)} graph check(s):", file=sys.stderr)
+        for m in mismatches:
+            print(f"  {m}", file=sys.stderr)
+        return EXIT_BUILD_FAILED
+    print(f"this host ({host.describe()}) can use every graph")
+    return EXIT_OK

@@ -1,0 +1,178 @@
+"""Writes neuron_bundle archives: reproducible tar (+zstd or gzip) of manifest, artifacts, weights and operator docs."""
+
+from __future__ import annotations
+
+import contextlib
+import gzip
+import hashlib
+import io
+import json
+import os
+import re
+import tarfile
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+from neuronbuild.analysis.planner import ActionGraph
+from neuronbuild.cache.atomic import atomic_write_bytes
+from neuronbuild.cache.local import LocalCache
+from neuronbuild.loading.labels import Label
+from neuronbuild.loading.target_graph import TargetGraph
+from neuronbuild.packaging.manifest import BundlePlan, Member, MissingResult, plan_bundle, with_files
+from neuronbuild.runtime.layout import ENV_FILE, MANIFEST, README
+from neuronbuild.workspace import OUTPUT_DIR
+
+ZSTD_LEVEL = 10
+# Long-distance matching over a 128 MiB window (the default decoder limit): repeated weights across Neuron buckets
+# compress away. Single-threaded so the bytes never depend on the machine.
+ZSTD_WINDOW_LOG = 27
+SUFFIX = {"zstd": ".tar.zst", "gzip": ".tar.gz"}
+_CHUNK = 1 << 20
+
+
+@dataclass(frozen=True)
+class BundleOutput:
+    """A written (or already up-to-date) bundle."""
+
+    label: Label
+    archive: Path
+    sha256: str
+    size: int
+    written: bool
+
+
+def bundle_paths(root: Path, label: Label, compression: str) -> tuple[Path, Path, Path]:
+    """(archive, manifest copy, sha256 file) under neuronbuild-out/<package>/."""
+    base = root / OUTPUT_DIR / label.package
+    archive = base / f"{label.name}{SUFFIX[compression]}"
+    return archive, base / f"{label.name}.manifest.json", Path(f"{archive}.sha256")
+
+
+def render_docs(manifest: dict[str, Any]) -> dict[str, bytes]:
+    """README.md and neuronbuild.env rendered from the jinja2 templates (inputs: the manifest only)."""
+    import jinja2
+
+    env = jinja2.Environment(
+        loader=jinja2.FileSystemLoader(str(Path(__file__).resolve().parent / "templates")),
+        undefined=jinja2.StrictUndefined, keep_trailing_newline=True, autoescape=False,
+    )
+    ctx = dict(manifest)
+    ctx["labels"] = list(dict.fromkeys(g["label"] for g in manifest["graphs"]))
+    return {README: env.get_template("README.md.j2").render(**ctx).encode(),
+            ENV_FILE: env.get_template("neuronbuild.env.j2").render(**ctx).encode()}
+
+
+def _tarinfo(path: str, size: int) -> tarfile.TarInfo:
+    info = tarfile.TarInfo(path)
+    info.size = size
+    info.mtime = 0
+    info.mode = 0o644
+    info.uid = info.gid = 0
+    info.uname = info.gname = ""
+    info.type = tarfile.REGTYPE
+    return info
+
+
+@contextlib.contextmanager
+def _compressed(out: IO[bytes], compression: str) -> Iterator[IO[bytes]]:
+    if compression == "gzip":
+        with gzip.GzipFile(filename="", mode="wb", fileobj=out, mtime=0, compresslevel=6) as gz:
+            yield gz  # type: ignore[misc]
+        return
+    import zstandard
+
+    params = zstandard.ZstdCompressionParameters.from_level(
+        ZSTD_LEVEL, window_log=ZSTD_WINDOW_LOG, enable_ldm=True, threads=0)
+    with zstandard.ZstdCompressor(compression_params=params).stream_writer(out, closefd=False) as zw:
+        yield zw  # type: ignore[misc]
+
+
+def write_archive(dest: IO[bytes], manifest_bytes: bytes, members: list[Member], compression: str) -> None:
+    """manifest.json first (deploy reads it before anything else), then members sorted by path."""
+    with _compressed(dest, compression) as stream, \
+            tarfile.open(fileobj=stream, mode="w|", format=tarfile.USTAR_FORMAT) as tar:
+        tar.addfile(_tarinfo(MANIFEST, len(manifest_bytes)), io.BytesIO(manifest_bytes))
+        for m in sorted(members, key=lambda m: m.path):
+            if m.data is not None:
+                tar.addfile(_tarinfo(m.path, m.size), io.BytesIO(m.data))
+            else:
+                assert m.source is not None
+                with open(m.source, "rb") as f:
+                    tar.addfile(_tarinfo(m.path, m.size), f)
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def pin_name(root: Path, label: Label) -> str:
+    """One pin per (workspace, bundle label): rebuilding a bundle moves its pin to the new contents."""
+    ws = hashlib.sha256(str(root).encode()).hexdigest()[:10]
+    return "bundle-" + re.sub(r"[^A-Za-z0-9_.-]", "_", f"{label.package}__{label.name}") + f"-{ws}"
+
+
+def write_pin(cache: LocalCache, name: str, plan: BundlePlan) -> Path:
+    """<cache>/v1/pins/<name>.json = {"fingerprints": [...], "digests": [...]}: what GC must keep for this bundle."""
+    data = json.dumps({"fingerprints": list(plan.fingerprints), "digests": list(plan.blob_digests)},
+                      sort_keys=True, indent=1).encode()
+    dest = cache.root / "pins" / f"{name}.json"
+    if not (dest.is_file() and dest.read_bytes() == data):
+        atomic_write_bytes(dest, data, cache.root / "tmp")
+    return dest
+
+
+def build_bundle(root: Path, graph: TargetGraph, ag: ActionGraph, cache: LocalCache, label: Label) -> BundleOutput:
+    """Write the bundle from cached results (never compiles); skipped when the archive is already up to date."""
+    compression = str(graph.targets[label].attrs["compression"])
+    plan = plan_bundle(graph, ag, cache, label)
+    docs = render_docs(dict(plan.manifest))
+    members = list(plan.members) + [Member(p, hashlib.sha256(b).hexdigest(), len(b), None, b) for p, b in docs.items()]
+    manifest_bytes = with_files(plan.manifest, members)
+    archive, manifest_copy, sha_file = bundle_paths(root, label, compression)
+    write_pin(cache, pin_name(root, label), plan)
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        if manifest_copy.read_bytes() == manifest_bytes:
+            recorded = sha_file.read_text().split()[0]
+            if archive.is_file() and _sha256(archive) == recorded:
+                return BundleOutput(label, archive, recorded, archive.stat().st_size, False)
+    archive.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=archive.parent, prefix=f".{archive.name}.")
+    try:
+        with os.fdopen(fd, "wb") as out:
+            write_archive(out, manifest_bytes, members, compression)
+            out.flush()
+            os.fsync(out.fileno())
+        digest = _sha256(Path(tmp))
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, archive)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    atomic_write_bytes(manifest_copy, manifest_bytes, archive.parent / ".tmp")
+    atomic_write_bytes(sha_file, f"{digest}  {archive.name}\n".encode(), archive.parent / ".tmp")
+    with contextlib.suppress(OSError):
+        (archive.parent / ".tmp").rmdir()
+    return BundleOutput(label, archive, digest, archive.stat().st_size, True)
+
+
+def build_bundles(root: Path, graph: TargetGraph, ag: ActionGraph, cache: LocalCache,
+                  failed: set[str]) -> tuple[list[BundleOutput], list[str]]:
+    """Every requested neuron_bundle whose graphs all built; returns (outputs, one line per skipped bundle)."""
+    outs: list[BundleOutput] = []
+    skipped: list[str] = []
+    for lbl in graph.requested:
+        if graph.targets[lbl].kind != "neuron_bundle":
+            continue
+        try:
+            outs.append(build_bundle(root, graph, ag, cache, lbl))
+        except MissingResult as e:
+            skipped.append(f"bundle {lbl} not written: {e}")
+    return outs, skipped

@@ -1,0 +1,147 @@
+"""Builds a bundle's manifest: every graph with its records, artifacts, weights and toolchain, all path-free."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from neuronbuild import FORMAT_VERSION, __version__
+from neuronbuild.analysis.planner import ActionGraph, CompileTarget
+from neuronbuild.cache.cas import CorruptBlob
+from neuronbuild.cache.local import LocalCache
+from neuronbuild.loading.labels import Label
+from neuronbuild.loading.target_graph import TargetGraph
+from neuronbuild.runtime.layout import BUNDLE_FORMAT
+
+CONSTANTS_OUTPUT = "constants.safetensors"
+_CHUNK = 1 << 20
+
+
+@dataclass(frozen=True)
+class Member:
+    """A file to put in the archive: its path inside the bundle and where its bytes come from."""
+
+    path: str
+    sha256: str
+    size: int
+    source: Path | None = None  # a verified CAS blob ...
+    data: bytes | None = field(default=None, repr=False)  # ... or bytes made here (manifest, templates)
+
+
+@dataclass(frozen=True)
+class BundlePlan:
+    """Everything a bundle holds: the manifest dict and its members (manifest.json excluded)."""
+
+    label: Label
+    manifest: Mapping[str, Any] = field(hash=False)
+    members: tuple[Member, ...] = ()
+    fingerprints: tuple[str, ...] = ()
+    blob_digests: tuple[str, ...] = ()
+
+
+class MissingResult(Exception):
+    """A graph of the bundle is not in the cache (its build failed or was not run)."""
+
+
+def _hash_blob(cache: LocalCache, digest: str) -> tuple[str, int]:
+    """sha256 and size of a CAS blob, verifying its BLAKE3 digest on the way (a corrupt blob is evicted)."""
+    import blake3
+
+    path = cache.blobs.path(digest)
+    sha, b3, size = hashlib.sha256(), blake3.blake3(), 0
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            sha.update(chunk)
+            b3.update(chunk)
+            size += len(chunk)
+    if b3.hexdigest() != digest:
+        cache.blobs.evict(digest)
+        raise CorruptBlob(f"blob {digest[:16]} is corrupt (digest mismatch); evicted")
+    return sha.hexdigest(), size
+
+
+def plan_bundle(graph: TargetGraph, ag: ActionGraph, cache: LocalCache, label: Label) -> BundlePlan:
+    """Collect the bundle's graphs from the cache (never compiles). MissingResult when a graph is not built."""
+    target = graph.targets[label]
+    by_label: dict[Label, CompileTarget] = {ct.label: ct for ct in ag.compiles}
+    hashed: dict[str, tuple[str, int]] = {}
+    members: dict[str, Member] = {}
+    graphs: list[dict[str, Any]] = []
+    fingerprints: list[str] = []
+    weights_models: dict[str, set[str]] = {}
+
+    def add(digest: str, path_for: Any) -> dict[str, Any]:
+        if digest not in hashed:
+            hashed[digest] = _hash_blob(cache, digest)
+        sha, size = hashed[digest]
+        path = path_for(sha)
+        members.setdefault(path, Member(path, sha, size, cache.blobs.path(digest)))
+        return {"path": path, "sha256": sha, "size": size, "blake3": digest}
+
+    for src in target.attrs["srcs"]:
+        ct = by_label[src]
+        compile_t = graph.targets[src]
+        model_label = compile_t.attrs["model"]
+        for bucket, fp in ct.buckets:
+            res = cache.lookup(fp)
+            if res is None:
+                raise MissingResult(f"{src} [{bucket}] is not built")
+            action = ag.actions[fp]
+            trace_fp = str(action.record["trace"])
+            fingerprints += [fp, trace_fp]
+            gdir = f"graphs/{src.package}/{src.name}/{bucket.name}" if src.package else f"graphs/{src.name}/{bucket.name}"
+            artifacts: dict[str, Any] = {}
+            weights = None
+            for name, ref in sorted(res.outputs.items()):
+                if name == CONSTANTS_OUTPUT:
+                    weights = add(ref.digest, lambda sha: f"weights/{sha}.safetensors")
+                    weights_models.setdefault(weights["path"], set()).add(str(model_label))
+                else:
+                    artifacts[name] = add(ref.digest, lambda _sha, name=name, gdir=gdir: f"{gdir}/{name}")
+            graphs.append({
+                "label": str(src),
+                "model": str(model_label),
+                "bucket": bucket.as_dict(),
+                "bucket_name": bucket.name,
+                "target": {"platform": ct.platform, "isa": ct.isa or None},
+                "options": dict(ct.options),
+                "tolerance": float(compile_t.attrs["tolerance"]),
+                "fingerprint": fp,
+                "record": dict(action.record),
+                "trace_record": dict(ag.actions[trace_fp].record),
+                "inputs": dict(action.record["inputs"]),
+                "toolchain": dict(action.record["toolchain"]),
+                "artifacts": artifacts,
+                "weights": weights,
+            })
+    manifest: dict[str, Any] = {
+        "bundle_format": BUNDLE_FORMAT,
+        "neuronbuild": {"version": __version__, "format": FORMAT_VERSION},
+        "label": str(label),
+        "graphs": graphs,
+        "weights": {p: sorted(models) for p, models in sorted(weights_models.items())},
+        "requirements": requirements(graphs),
+    }
+    return BundlePlan(label, manifest, tuple(members[p] for p in sorted(members)), tuple(dict.fromkeys(fingerprints)),
+                      tuple(sorted(hashed)))
+
+
+def requirements(graphs: list[dict[str, Any]]) -> dict[str, Any]:
+    """What a host needs, summarised for operators (verify --host checks each graph)."""
+    return {
+        "torch": sorted({g["toolchain"].get("torch", "") for g in graphs}),
+        "python": sorted({g["toolchain"].get("python", "") for g in graphs}),
+        "cpu_isa": sorted({g["target"]["isa"] for g in graphs if g["target"]["platform"] == "cpu"}),
+        "neuron_platforms": sorted({g["target"]["platform"] for g in graphs if g["target"]["platform"] != "cpu"}),
+    }
+
+
+def with_files(manifest: Mapping[str, Any], members: list[Member]) -> bytes:
+    """The final manifest.json bytes: the manifest plus the digest of every other member."""
+    full = dict(manifest)
+    full["files"] = {m.path: {"sha256": m.sha256, "size": m.size} for m in sorted(members, key=lambda m: m.path)}
+    return (json.dumps(full, sort_keys=True, indent=1) + "\n").encode()

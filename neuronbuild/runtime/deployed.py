@@ -1,0 +1,345 @@
+"""open_cache(): a deployed directory opened for serving, strict (cache-hit-only, checked at open) or lenient.
+
+Never compiles: cpu graphs load through the direct AOTInductor loader, Neuron graphs' lowered programs through
+torch.export.load. Counters follow the Neuron precompile cache (hit, miss, error, save); save stays 0 here because
+production never compiles and therefore never saves."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from neuronbuild.runtime.host import Host, check_graph, current_host
+from neuronbuild.runtime.layout import (
+    Graph,
+    LayoutError,
+    Manifest,
+    Release,
+    parse_manifest,
+    read_manifest,
+    read_releases,
+)
+from neuronbuild.runtime.router import BucketRouter, NoBucketFits, Route
+
+STRICT_ENV = "NEURONBUILD_STRICT"
+REQUIRE_ENV = "NEURONBUILD_REQUIRE"
+log = logging.getLogger("neuronbuild.runtime")
+
+
+@dataclass(frozen=True)
+class Counters:
+    """Graph lookups so far: hit (loaded from the deployed cache), miss (absent or unusable), error (present but
+    failed to load), save (compiled and saved: always 0, production never compiles); eager = calls run eagerly."""
+
+    hit: int = 0
+    miss: int = 0
+    error: int = 0
+    save: int = 0
+    eager: int = 0
+
+    def __str__(self) -> str:
+        return f"hit={self.hit} miss={self.miss} error={self.error} save={self.save} eager_calls={self.eager}"
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def diff_records(expected: Any, deployed: Any, prefix: str = "") -> list[tuple[str, Any, Any]]:
+    """Field-by-field differences [(dotted.path, expected, deployed)] between two records."""
+    if isinstance(expected, Mapping) and isinstance(deployed, Mapping):
+        out: list[tuple[str, Any, Any]] = []
+        for k in sorted(set(expected) | set(deployed)):
+            path = f"{prefix}.{k}" if prefix else str(k)
+            out.extend(diff_records(expected.get(k), deployed.get(k), path))
+        return out
+    return [] if expected == deployed else [(prefix, expected, deployed)]
+
+
+def graph_diff(expected: Graph, deployed: Graph) -> list[tuple[str, Any, Any]]:
+    """Differences between two graphs' input records; a differing trace is explained by its own record."""
+    out = [d for d in diff_records(expected.record, deployed.record) if d[0] != "trace"]
+    if expected.record.get("trace") != deployed.record.get("trace"):
+        out += [(f"trace.{p}", a, b) for p, a, b in diff_records(expected.trace_record, deployed.trace_record)]
+    return out
+
+
+@dataclass(frozen=True)
+class Problem:
+    """Why a required graph cannot be served from this directory."""
+
+    graph: str
+    reason: str
+
+    def __str__(self) -> str:
+        return f"{self.graph}: {self.reason}"
+
+
+class _Slot:
+    """One graph of a model: its manifest entry, release directory and (once loaded) callable."""
+
+    def __init__(self, graph: Graph, release: Release | None) -> None:
+        self.graph = graph
+        self.release = release
+        self.fn: Callable[..., Any] | None = None
+        self.problem: str | None = None
+        self.missed = False  # counted as a miss already
+
+
+class Model:
+    """A compiled model by label: call it with inputs; the router picks the bucket and pads/un-pads."""
+
+    def __init__(self, cache: DeployedCache, label: str, slots: dict[str, _Slot], eager: Callable[..., Any] | None):
+        self._cache = cache
+        self.label = label
+        self._slots = slots
+        first = next(iter(slots.values())).graph
+        self.router = BucketRouter(dict(first.inputs), {n: dict(s.graph.bucket) for n, s in slots.items()})
+        self._eager = eager
+
+    @property
+    def buckets(self) -> dict[str, dict[str, int]]:
+        return {n: dict(s.graph.bucket) for n, s in self._slots.items()}
+
+    def graph(self, bucket_name: str) -> Graph:
+        return self._slots[bucket_name].graph
+
+    def route(self, *args: Any) -> Route:
+        return self.router.route([tuple(a.shape) for a in args])
+
+    def bucket_fn(self, bucket_name: str) -> Callable[..., Any] | None:
+        """The loaded callable of one bucket (exact shapes, no padding), or None when it is a miss."""
+        return self._cache._load(self._slots[bucket_name])
+
+    def __call__(self, *args: Any, pad_value: float = 0) -> Any:
+        try:
+            route = self.route(*args)
+        except NoBucketFits as e:
+            if self._cache.strict or self._eager is None:
+                raise
+            return self._cache._eager_call(self.label, f"no bucket fits ({e})", self._eager, args)
+        fn = self._cache._load(self._slots[route.bucket_name])
+        if fn is None:
+            slot = self._slots[route.bucket_name]
+            if self._eager is None:
+                raise RuntimeError(f"{slot.graph.describe()} is not usable ({slot.problem}) and no eager fallback "
+                                   f"was given")
+            return self._cache._eager_call(self.label, slot.problem or "miss", self._eager, args)
+        out = fn(*self.router.pad(args, route, pad_value))
+        return self.router.unpad(out, route)
+
+
+class DeployedCache:
+    """A deployed directory opened for serving. Use open_cache()."""
+
+    def __init__(self, root: Path, strict: bool, releases: list[Release], host: Host,
+                 eager: Mapping[str, Callable[..., Any]]) -> None:
+        self.root = root
+        self.strict = strict
+        self.host = host
+        self._releases = releases
+        self._eager = dict(eager)
+        self._counts = {"hit": 0, "miss": 0, "error": 0, "save": 0, "eager": 0}
+        self._weights: dict[Path, Any] = {}
+        self._models: dict[str, Model] = {}
+        self._slots: dict[str, dict[str, _Slot]] = {}
+        self.load_ms: float = 0.0
+
+    @property
+    def counters(self) -> Counters:
+        return Counters(**self._counts)
+
+    def labels(self) -> list[str]:
+        seen: dict[str, None] = {}
+        for r in self._releases:
+            for g in r.manifest.graphs:
+                seen.setdefault(g.label, None)
+        return list(seen)
+
+    def model(self, label: str) -> Model:
+        if label not in self._models:
+            slots = self._slots.get(label) or self._select(label, None)[0]
+            if not slots:
+                if self._eager.get(label) is None or self.strict:
+                    raise KeyError(f"{label} is not deployed in {self.root} (deployed: {', '.join(self.labels()) or 'none'})")
+                self._counts["miss"] += 1
+                log.warning("neuronbuild.runtime: miss: %s is not deployed; running it eagerly", label)
+                return _EagerModel(self, label, self._eager[label])  # type: ignore[return-value]
+            self._slots[label] = slots
+            self._models[label] = Model(self, label, slots, self._eager.get(label))
+        return self._models[label]
+
+    # -- resolution ------------------------------------------------------------------------------------------------
+
+    def _select(self, label: str, expected: list[Graph] | None) -> tuple[dict[str, _Slot], list[Problem]]:
+        """The graphs serving `label`: the expected fingerprints, else the newest release holding the label."""
+        problems: list[Problem] = []
+        slots: dict[str, _Slot] = {}
+        by_fp: dict[str, tuple[Graph, Release]] = {}
+        by_key: dict[tuple[str, str], list[Graph]] = {}
+        for r in self._releases:
+            for g in r.manifest.graphs:
+                by_fp.setdefault(g.fingerprint, (g, r))
+                by_key.setdefault(g.key, []).append(g)
+        if expected is None:
+            newest = next((r for r in self._releases if label in r.manifest.labels()), None)
+            if newest is None:
+                return {}, [Problem(label, "not deployed (no release in this directory holds it)")]
+            expected = [g for g in newest.manifest.graphs if g.label == label]
+        for eg in expected:
+            hit = by_fp.get(eg.fingerprint)
+            if hit is None:
+                near = by_key.get(eg.key)
+                if near:
+                    diffs = graph_diff(eg, near[0])
+                    what = "; ".join(f"{p} differs (expected {a!r}, deployed {b!r})" for p, a, b in diffs[:4])
+                    reason = f"missing: a graph with this label and bucket is deployed but was built differently: {what}"
+                else:
+                    reason = "missing: not deployed"
+                slot = _Slot(eg, None)
+                slot.problem = reason
+                problems.append(Problem(eg.describe(), reason))
+            else:
+                slot = _Slot(hit[0], hit[1])
+                for m in check_graph(hit[0], self.host):
+                    slot.problem = f"{m.field} differs (built for {m.built}, this host has {m.here})"
+                    problems.append(Problem(eg.describe(), slot.problem))
+                for ref in [*hit[0].artifacts.values(), *([hit[0].weights] if hit[0].weights else [])]:
+                    p = hit[1].dir / ref.path
+                    if not p.is_file() or p.stat().st_size != ref.size:
+                        slot.problem = f"artifact {ref.path} is missing or damaged in {hit[1].dir}"
+                        problems.append(Problem(eg.describe(), slot.problem))
+            slots[eg.bucket_name] = slot
+        return slots, problems
+
+    # -- loading ---------------------------------------------------------------------------------------------------
+
+    def _weights_for(self, path: Path) -> Any:
+        if path not in self._weights:
+            from neuronbuild.runtime.aoti_loader import read_constants
+
+            self._weights[path] = read_constants(path)
+        return self._weights[path]
+
+    def _load(self, slot: _Slot) -> Callable[..., Any] | None:
+        if slot.fn is not None:
+            return slot.fn
+        if slot.problem is not None or slot.release is None:
+            if not slot.missed:
+                slot.missed = True
+                self._counts["miss"] += 1
+                log.warning("neuronbuild.runtime: miss: %s: %s", slot.graph.describe(), slot.problem or "missing")
+            return None
+        g, rdir = slot.graph, slot.release.dir
+        try:
+            if g.platform == "cpu":
+                from neuronbuild.runtime.aoti_loader import load_package
+
+                weights = self._weights_for(rdir / g.weights.path) if g.weights else None
+                slot.fn = load_package(rdir / g.artifacts["model.pt2"].path, constants=weights or {})
+            else:
+                slot.fn = _load_lowered(rdir / g.artifacts["lowered.pt2"].path)
+        except Exception as e:  # noqa: BLE001 - any load failure is this graph's error
+            self._counts["error"] += 1
+            slot.problem = f"failed to load: {type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+            log.error("neuronbuild.runtime: error: %s: %s", g.describe(), slot.problem)
+            if self.strict:
+                raise RuntimeError(f"strict mode: {g.describe()}: {slot.problem}") from None
+            return None
+        self._counts["hit"] += 1
+        return slot.fn
+
+    def _eager_call(self, label: str, why: str, fn: Callable[..., Any], args: tuple[Any, ...]) -> Any:
+        self._counts["eager"] += 1
+        if self._counts["eager"] == 1 or self._counts["eager"] % 1000 == 0:
+            log.warning("neuronbuild.runtime: %s: running eagerly (%s); %d eager call(s) so far",
+                        label, why, self._counts["eager"])
+        return fn(*args)
+
+
+class _EagerModel:
+    """A non-strict stand-in for a model that is not deployed at all: every call runs the eager fallback."""
+
+    def __init__(self, cache: DeployedCache, label: str, fn: Callable[..., Any]) -> None:
+        self._cache, self.label, self._fn = cache, label, fn
+
+    def __call__(self, *args: Any, **_kw: Any) -> Any:
+        return self._cache._eager_call(self.label, "not deployed", self._fn, args)
+
+
+def _load_lowered(path: Path) -> Callable[..., Any]:
+    """A Neuron graph's lowered program, run by torch on this host's CPU: the stand-in for its NEFF, which needs
+    neuronx-cc (not available here) to produce and the Neuron runtime to execute."""
+    import torch
+
+    module = torch.export.load(str(path)).module()
+
+    def run(*args: Any) -> Any:
+        with torch.no_grad():
+            return module(*args)
+
+    return run
+
+
+def _expected(expect: str | Path | Manifest | Mapping[str, Any] | None) -> Manifest | None:
+    if expect is None or isinstance(expect, Manifest):
+        return expect
+    if isinstance(expect, Mapping):
+        return parse_manifest(expect, "expect")
+    return read_manifest(Path(expect))
+
+
+def open_cache(root: str | Path, strict: bool | None = None, require: Iterable[str] | None = None,
+               expect: str | Path | Manifest | Mapping[str, Any] | None = None,
+               eager: Mapping[str, Callable[..., Any]] | None = None) -> DeployedCache:
+    """Open a directory written by `neuronbuild deploy`.
+
+    strict (default: $NEURONBUILD_STRICT): every required graph must be deployed, intact, match `expect` (a bundle
+    manifest: exact fingerprints) when given, and suit this host; it is loaded now, else one RuntimeError lists
+    every problem, naming the graph and, when a near entry exists, the fields that differ. require (default:
+    $NEURONBUILD_REQUIRE, comma-separated, else the labels of `expect`): labels to check and load at open.
+    Non-strict: problems are logged, graphs load on first use, and a miss runs `eager[label]` when given."""
+    root = Path(root)
+    strict = _env_flag(STRICT_ENV) if strict is None else bool(strict)
+    want = _expected(expect)
+    if require is None:
+        env = [s.strip() for s in os.environ.get(REQUIRE_ENV, "").split(",") if s.strip()]
+        require = env or (want.labels() if want is not None else [])
+    required = list(dict.fromkeys(require))
+    start = time.perf_counter()
+    try:
+        releases = read_releases(root)
+    except LayoutError as e:
+        raise RuntimeError(f"cannot open deployed cache {root}: {e}") from None
+    if not releases and strict:
+        raise RuntimeError(f"strict mode: nothing is deployed in {root} (run `neuronbuild deploy BUNDLE --cache-dir {root}`)")
+    cache = DeployedCache(root, strict, releases, current_host(), eager or {})
+    problems: list[Problem] = []
+    for label in required:
+        expected = [g for g in want.graphs if g.label == label] if want is not None else None
+        if expected == []:
+            problems.append(Problem(label, "required but not in the expected manifest"))
+            continue
+        slots, found = cache._select(label, expected)
+        problems += found
+        if slots:
+            cache._slots[label] = slots
+    if strict and problems:
+        lines = "\n  ".join(str(p) for p in problems)
+        raise RuntimeError(f"strict mode: {len(problems)} problem(s) with the deployed graphs in {root} "
+                           f"(host: {cache.host.describe()}):\n  {lines}")
+    for p in problems:
+        log.warning("neuronbuild.runtime: %s", p)
+    if strict:
+        for label in required:
+            for slot in cache._slots[label].values():
+                cache._load(slot)
+    cache.load_ms = (time.perf_counter() - start) * 1000
+    log.info("neuronbuild.runtime: opened %s (%s, %d release(s), %d graph(s) loaded in %.1f ms): %s",
+             root, "strict" if strict else "lenient", len(releases), cache.counters.hit, cache.load_ms, cache.counters)
+    return cache

@@ -1,0 +1,90 @@
+"""What this host offers (torch version, CPU ISA level, Neuron platform) and whether a built graph can run on it."""
+
+from __future__ import annotations
+
+import os
+import platform
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+
+from neuronbuild.analysis.platforms import host_isa  # stdlib-only module (no build-side dependencies)
+from neuronbuild.runtime.layout import Graph
+
+NEURON_PLATFORM_ENV = "NEURON_PLATFORM_TARGET_OVERRIDE"
+ISA_LEVELS = ("x86-64", "x86-64-v2", "x86-64-v3", "x86-64-v4")
+_NEURON_FAMILIES = ("trn1", "trn2", "trn3", "inf1", "inf2")
+
+
+@dataclass(frozen=True)
+class Host:
+    """The facts a graph's compatibility depends on."""
+
+    torch: str
+    isa: str
+    neuron_platform: str | None  # None: not a Neuron host
+
+    def describe(self) -> str:
+        return f"torch {self.torch}, cpu {self.isa}, neuron {self.neuron_platform or 'none'}"
+
+
+@dataclass(frozen=True)
+class Mismatch:
+    """One reason a graph cannot be used here: the record field that differs, what it was built for, what we have."""
+
+    graph: str
+    field: str
+    built: str
+    here: str
+
+    def __str__(self) -> str:
+        return f"{self.graph}: {self.field} differs (built for {self.built}, this host has {self.here})"
+
+
+def torch_version() -> str:
+    """The installed torch version from package metadata (does not import torch)."""
+    try:
+        return metadata.version("torch")
+    except metadata.PackageNotFoundError:
+        return "not-installed"
+
+
+def neuron_platform() -> str | None:
+    """NEURON_PLATFORM_TARGET_OVERRIDE, else the instance family a Neuron host reports (DMI product name), else None."""
+    forced = os.environ.get(NEURON_PLATFORM_ENV, "").strip()
+    if forced:
+        return forced
+    if not any(Path("/dev").glob("neuron[0-9]*")):
+        return None
+    try:
+        product = Path("/sys/devices/virtual/dmi/id/product_name").read_text().strip()
+    except OSError:
+        return None
+    family = product.split(".", 1)[0]
+    return family if family in _NEURON_FAMILIES else None
+
+
+def current_host() -> Host:
+    return Host(torch_version(), host_isa(), neuron_platform())
+
+
+def _public(version: str) -> str:
+    return version.split("+", 1)[0]
+
+
+def check_graph(g: Graph, host: Host) -> list[Mismatch]:
+    """Every reason `g` cannot run on `host` (empty when it can)."""
+    out: list[Mismatch] = []
+    built_torch = str(g.toolchain.get("torch", ""))
+    if _public(built_torch) != _public(host.torch):
+        out.append(Mismatch(g.describe(), "toolchain.torch", built_torch, host.torch))
+    if g.platform == "cpu":
+        isa = str(g.isa or "")
+        if platform.machine() not in ("x86_64", "AMD64") or host.isa not in ISA_LEVELS:
+            out.append(Mismatch(g.describe(), "target.isa", isa, host.isa))
+        elif isa not in ISA_LEVELS or ISA_LEVELS.index(isa) > ISA_LEVELS.index(host.isa):
+            out.append(Mismatch(g.describe(), "target.isa", isa, host.isa))
+    elif g.platform != host.neuron_platform:
+        out.append(Mismatch(g.describe(), "target.platform", g.platform,
+                            host.neuron_platform or f"no Neuron device (set {NEURON_PLATFORM_ENV} to override)"))
+    return out

@@ -1,0 +1,97 @@
+"""The bucket router: picks the smallest compiled bucket that fits an input's shape, pads inputs and un-pads outputs."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class NoBucketFits(ValueError):
+    """No compiled bucket is large enough for the inputs (or the inputs do not match the model's input spec)."""
+
+
+@dataclass(frozen=True)
+class Route:
+    """The chosen bucket for one call: its name, sizes, and the actual sizes of the named dims."""
+
+    bucket_name: str
+    bucket: Mapping[str, int] = field(hash=False)
+    actual: Mapping[str, int] = field(hash=False)
+
+    @property
+    def padded(self) -> bool:
+        return any(self.actual[d] != self.bucket[d] for d in self.actual)
+
+
+@dataclass(frozen=True)
+class BucketRouter:
+    """Routes positional inputs (declared as name -> {"dtype", "dims"}) to one of `buckets` (name -> sizes)."""
+
+    inputs: Mapping[str, Mapping[str, Any]] = field(hash=False)
+    buckets: Mapping[str, Mapping[str, int]] = field(hash=False)
+
+    def actual_sizes(self, shapes: Sequence[Sequence[int]]) -> dict[str, int]:
+        specs = list(self.inputs.items())
+        if len(shapes) != len(specs):
+            raise NoBucketFits(f"expected {len(specs)} input(s) ({', '.join(self.inputs)}), got {len(shapes)}")
+        actual: dict[str, int] = {}
+        for (name, spec), shape in zip(specs, shapes, strict=True):
+            dims = list(spec.get("dims", ()))
+            if len(shape) != len(dims):
+                raise NoBucketFits(f"input {name!r} has {len(shape)} dims, the model declares {len(dims)} ({dims})")
+            for d, size in zip(dims, shape, strict=True):
+                if isinstance(d, int):
+                    if size != d:
+                        raise NoBucketFits(f"input {name!r}: fixed dim of size {d} got {size}")
+                elif actual.setdefault(d, int(size)) != int(size):
+                    raise NoBucketFits(f"dim {d!r} is {actual[d]} in one input and {size} in {name!r}")
+        return actual
+
+    def route(self, shapes: Sequence[Sequence[int]]) -> Route:
+        """The smallest bucket (fewest padded elements, then declaration order) whose every dim is >= the input's."""
+        actual = self.actual_sizes(shapes)
+        best: tuple[int, str] | None = None
+        for name, sizes in self.buckets.items():
+            if all(sizes.get(d, -1) >= v for d, v in actual.items()):
+                cost = math.prod(sizes[d] for d in actual)
+                if best is None or cost < best[0]:
+                    best = (cost, name)
+        if best is None:
+            have = "; ".join(f"{n} ({', '.join(f'{k}={v}' for k, v in b.items())})" for n, b in self.buckets.items())
+            want = ", ".join(f"{k}={v}" for k, v in actual.items())
+            raise NoBucketFits(f"no bucket fits {want}; compiled buckets: {have}")
+        return Route(best[1], dict(self.buckets[best[1]]), actual)
+
+    def pad(self, args: Sequence[Any], route: Route, pad_value: float = 0) -> list[Any]:
+        """Inputs padded at the end of each named dim up to the bucket's size."""
+        import torch.nn.functional as F
+
+        out = []
+        for (_name, spec), t in zip(self.inputs.items(), args, strict=True):
+            pads: list[int] = []
+            for d, size in reversed(list(zip(spec.get("dims", ()), t.shape, strict=True))):
+                pads += [0, (route.bucket[d] - int(size)) if isinstance(d, str) else 0]
+            out.append(F.pad(t, pads, value=pad_value) if any(pads) else t)
+        return out
+
+    def unpad(self, result: Any, route: Route) -> Any:
+        """Slice padded positions off each output tensor's leading dims that line up with the first input's dims.
+
+        The convention of batch/sequence models (outputs indexed like the primary input, e.g. [batch, seq, vocab]);
+        a leading dim is only sliced when its size equals the padded bucket size."""
+        import torch
+        import torch.utils._pytree as pytree
+
+        first = list(next(iter(self.inputs.values())).get("dims", ()))
+
+        def cut(t: Any) -> Any:
+            if not isinstance(t, torch.Tensor):
+                return t
+            for j, d in enumerate(first):
+                if isinstance(d, str) and t.dim() > j and t.shape[j] == route.bucket[d] != route.actual[d]:
+                    t = t.narrow(j, 0, route.actual[d])
+            return t
+
+        return pytree.tree_map(cut, result) if route.padded else result

@@ -1,0 +1,40 @@
+"""The bucket router on its own: smallest fitting bucket, consistent named dims, padding and un-padding."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from neuronbuild.runtime.router import BucketRouter, NoBucketFits
+
+INPUTS = {"ids": {"dtype": "int64", "dims": ["batch", "seq"]}, "mask": {"dtype": "bool", "dims": ["batch", "seq"]}}
+BUCKETS = {"b1_s128": {"batch": 1, "seq": 128}, "b4_s64": {"batch": 4, "seq": 64}, "b4_s512": {"batch": 4, "seq": 512}}
+
+
+def test_picks_the_smallest_bucket_that_fits() -> None:
+    r = BucketRouter(INPUTS, BUCKETS)
+    assert r.route([(1, 10), (1, 10)]).bucket_name == "b1_s128"  # 128 padded elements < 4 * 64
+    assert r.route([(1, 100), (1, 100)]).bucket_name == "b1_s128"
+    assert r.route([(2, 64), (2, 64)]).bucket_name == "b4_s64"
+    assert r.route([(3, 65), (3, 65)]).bucket_name == "b4_s512"
+    with pytest.raises(NoBucketFits, match="no bucket fits batch=5, seq=1"):
+        r.route([(5, 1), (5, 1)])
+    with pytest.raises(NoBucketFits, match="dim 'seq' is 10 in one input and 11"):
+        r.route([(1, 10), (1, 11)])
+    with pytest.raises(NoBucketFits, match="expected 2 input"):
+        r.route([(1, 10)])
+
+
+def test_pads_inputs_and_unpads_leading_output_dims() -> None:
+    r = BucketRouter(INPUTS, BUCKETS)
+    ids = torch.arange(6).reshape(2, 3)
+    mask = torch.ones(2, 3, dtype=torch.bool)
+    route = r.route([ids.shape, mask.shape])
+    assert route.bucket_name == "b4_s64" and route.padded
+    p_ids, p_mask = r.pad([ids, mask], route)
+    assert p_ids.shape == (4, 64) and p_mask.shape == (4, 64)
+    assert torch.equal(p_ids[:2, :3], ids) and int(p_ids[2:].abs().sum()) == 0 and not bool(p_mask[:, 3:].any())
+    out = {"logits": torch.randn(4, 64, 7), "pooled": torch.randn(4, 7), "other": torch.randn(5)}
+    cut = r.unpad(out, route)
+    assert cut["logits"].shape == (2, 3, 7) and torch.equal(cut["logits"], out["logits"][:2, :3])
+    assert cut["pooled"].shape == (2, 7) and cut["other"].shape == (5,)

@@ -1,0 +1,188 @@
+"""Production start: deploy a bundle, open it strictly in a fresh process without compilers, run every bucket.
+
+Also: strict open failing on a missing graph and on a graph built with other options, the bucket router's padding,
+the lenient eager fallback, and that neuronbuild.runtime imports without the build-side dependencies."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from helpers import REPO, copy_example, run_cli
+
+BUNDLE = Path("neuronbuild-out/models/release.tar.zst")
+CFG = {"vocab": 1000, "hidden": 128, "layers": 2, "heads": 4}
+MODEL_SPEC = {"package": "models", "srcs": ["models/llama.py"], "entry": "llama:build_model", "config": CFG,
+              "weights": None, "seed": 0}
+INPUTS = {"input_ids": {"dtype": "int64", "dims": ["batch", "seq"]}}
+COMPILERS = ("g++", "gcc", "c++", "cc", "clang", "clang++")
+
+STRICT_SCRIPT = r"""
+import json, logging, sys, time
+import torch
+logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+from neuronbuild.runtime import open_cache
+t = time.perf_counter()
+cache = open_cache(sys.argv[1])  # strict and required labels from NEURONBUILD_STRICT / NEURONBUILD_REQUIRE
+open_ms = (time.perf_counter() - t) * 1000
+inputs = torch.load(sys.argv[2])
+outputs = {}
+for key, x in inputs.items():
+    label, bucket = key.split("|")
+    model = cache.model(label)
+    assert model.route(x).bucket_name == bucket, (key, model.route(x))
+    outputs[key] = model(x)
+torch.save(outputs, sys.argv[3])
+c = cache.counters
+print(json.dumps({"hit": c.hit, "miss": c.miss, "error": c.error, "save": c.save, "eager": c.eager,
+                  "open_ms": open_ms}))
+"""
+
+
+@pytest.fixture(scope="module")
+def deployed(built_example, tmp_path_factory: pytest.TempPathFactory) -> Path:  # type: ignore[no-untyped-def]
+    ws, _ = built_example
+    dest = tmp_path_factory.mktemp("serve") / "cache"
+    proc = run_cli(["deploy", str(ws / BUNDLE), "--cache-dir", str(dest)], ws)
+    assert proc.returncode == 0, proc.stderr
+    return dest
+
+
+def _eager(ws: Path):  # type: ignore[no-untyped-def]
+    from neuronbuild.toolchains.model_import import build_eager_model
+
+    return build_eager_model(dict(MODEL_SPEC), ws)
+
+
+def _fake_compilers(d: Path) -> tuple[Path, Path]:
+    """A bin dir whose C/C++ compilers only record that they were run (and fail)."""
+    d.mkdir(parents=True, exist_ok=True)
+    log = d / "compiler-calls.log"
+    for name in COMPILERS:
+        p = d / name
+        p.write_text(f"#!/bin/sh\necho \"{name} $*\" >> '{log}'\nexit 1\n")
+        p.chmod(0o755)
+    return d, log
+
+
+def test_strict_start_in_a_fresh_process_hits_every_bucket_without_compiling(
+        built_example, deployed: Path, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    import torch
+
+    from neuronbuild.toolchains.model_import import example_inputs
+
+    ws, _ = built_example
+    manifest = json.loads((ws / "neuronbuild-out/models/release.manifest.json").read_text())
+    inputs = {f"{g['label']}|{g['bucket_name']}": example_inputs(INPUTS, g["bucket"], seed=11, config=CFG)[0]
+              for g in manifest["graphs"]}
+    torch.save(inputs, tmp_path / "inputs.pt")
+    (tmp_path / "strict.py").write_text(STRICT_SCRIPT)
+    bindir, calls = _fake_compilers(tmp_path / "bin")
+    env = dict(os.environ)
+    # Only the fake compilers and the venv on PATH: not even /usr/bin, where the real ones live.
+    env.update({"PATH": f"{bindir}:{os.path.dirname(sys.executable)}", "CXX": str(bindir / "g++"),
+                "CC": str(bindir / "gcc"), "NEURONBUILD_STRICT": "1",
+                "NEURONBUILD_REQUIRE": "//models:llama_cpu,//models:llama_trn2",
+                "NEURON_PLATFORM_TARGET_OVERRIDE": "trn2", "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"),
+                "TMPDIR": str(tmp_path)})
+    proc = subprocess.run([sys.executable, str(tmp_path / "strict.py"), str(deployed), str(tmp_path / "inputs.pt"),
+                           str(tmp_path / "outputs.pt")], env=env, capture_output=True, text=True, timeout=600,
+                          cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    stats = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert (stats["hit"], stats["miss"], stats["error"], stats["save"], stats["eager"]) == (7, 0, 0, 0, 0)
+    assert "hit=7 miss=0 error=0 save=0" in proc.stderr  # logged at start
+    assert not calls.exists(), calls.read_text()  # no compiler was even attempted
+    # torch.export.load (Neuron graphs' lowered programs) imports inductor, which makes its cache dir; nothing in it.
+    assert not [p for p in (tmp_path / "inductor").rglob("*") if p.is_file()]
+    outputs = torch.load(tmp_path / "outputs.pt")
+    model = _eager(ws)
+    tol = {g["label"]: g["tolerance"] for g in manifest["graphs"]}
+    for key, x in inputs.items():
+        with torch.no_grad():
+            ref = model(x)
+        out = outputs[key]
+        assert out.shape == ref.shape
+        assert float((out - ref).abs().max()) <= tol[key.split("|")[0]], key
+
+
+def test_strict_open_names_a_missing_graph(deployed: Path) -> None:
+    from neuronbuild.runtime import open_cache
+
+    with pytest.raises(RuntimeError) as e:
+        open_cache(deployed, strict=True, require=["//models:llama_cpu", "//models:llama_tiny_cpu"])
+    msg = str(e.value)
+    assert "1 problem(s)" in msg and "//models:llama_tiny_cpu: not deployed" in msg
+    assert "llama_cpu [" not in msg  # the deployed one is fine
+
+
+def test_strict_open_names_the_differing_field_of_a_near_entry(built_example, cache_dir: Path, deployed: Path,
+                                                               tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """The app expects llama_trn2 built with :base options (a lock from another build); the deployed one used :fast."""
+    from neuronbuild.runtime import open_cache
+
+    ws = copy_example(tmp_path / "variant")
+    build = ws / "models" / "BUILD"
+    text = build.read_text()
+    old = 'buckets = [":ctx", ":tok"], target = ":trn2", options = ":fast"'
+    assert old in text
+    build.write_text(text.replace(old, 'buckets = [":tok"], target = ":trn2", options = ":base"')
+                     + '\nneuron_bundle(name = "variant", srcs = [":llama_trn2"])\n')
+    proc = run_cli(["build", "//models:variant", "--cache-dir", str(cache_dir)], ws)
+    assert proc.returncode == 0, proc.stderr
+    assert "1 executed" in proc.stdout  # one trn2 compile; the trace is cached
+    lock = ws / "neuronbuild-out/models/variant.manifest.json"
+    with pytest.raises(RuntimeError) as e:
+        open_cache(deployed, strict=True, expect=lock, require=["//models:llama_trn2"])
+    msg = str(e.value)
+    assert "//models:llama_trn2 [batch=4, seq=1]: missing" in msg
+    assert "options.opt_level differs (expected 2, deployed 1)" in msg
+    assert "options.auto_cast differs (expected 'none', deployed 'matmult')" in msg
+    # Lenient mode opens, logs it, and serves the graph from eager when given a fallback.
+    import torch
+
+    cache = open_cache(deployed, strict=False, expect=lock, require=["//models:llama_trn2"],
+                       eager={"//models:llama_trn2": _eager(built_example[0])})
+    x = torch.zeros(4, 1, dtype=torch.int64)
+    out = cache.model("//models:llama_trn2")(x)
+    assert out.shape == (4, 1, 1000)
+    c = cache.counters
+    assert (c.hit, c.miss, c.eager) == (0, 1, 1)
+
+
+def test_router_pads_to_the_smallest_bucket_and_unpads(built_example, deployed: Path) -> None:  # type: ignore[no-untyped-def]
+    import torch
+
+    from neuronbuild.runtime import NoBucketFits, open_cache
+
+    cache = open_cache(deployed, strict=True, require=["//models:llama_cpu"])
+    model = cache.model("//models:llama_cpu")
+    eager = _eager(built_example[0])
+    gen = torch.Generator().manual_seed(5)
+    for shape, bucket in (((1, 100), "batch1_seq128"), ((3, 1), "batch4_seq1"), ((1, 1), "batch4_seq1")):
+        x = torch.randint(0, 1000, shape, generator=gen)
+        assert model.route(x).bucket_name == bucket
+        out = model(x)
+        with torch.no_grad():
+            ref = eager(x)
+        assert out.shape == ref.shape
+        assert float((out - ref).abs().max()) < 1e-4
+    with pytest.raises(NoBucketFits, match="no bucket fits batch=2, seq=50"):
+        model(torch.zeros(2, 50, dtype=torch.int64))
+    assert cache.counters.hit == 2 and cache.counters.miss == 0
+
+
+def test_runtime_imports_without_build_dependencies_or_torch() -> None:
+    code = ("import sys\n"
+            "for m in ('blake3', 'networkx', 'starlark', 'starlark_go', 'jinja2', 'zstandard'): sys.modules[m] = None\n"
+            "import neuronbuild.runtime as r\n"
+            "assert callable(r.open_cache)\n"
+            "heavy = [m for m in sys.modules if m == 'torch' or m.startswith(('torch.', 'neuronbuild.loading', "
+            "'neuronbuild.cache', 'neuronbuild.execution'))]\n"
+            "assert not heavy, heavy\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert proc.returncode == 0, proc.stderr
