@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from neuronbuild.analysis.planner import plan
-from neuronbuild.cache.local import LocalCache
+from neuronbuild.cache.tiered import open_cache
 from neuronbuild.execution.env import action_environment
 from neuronbuild.execution.local_executor import LocalExecutor
 from neuronbuild.execution.scheduler import BuildResult, Scheduler
@@ -31,19 +31,25 @@ class BuildRequest:
     cache_dir: Path
     jobs: int
     keep_going: bool = False
+    remote_cache: str | None = None  # shared tier: a directory or s3://bucket/prefix
+    remote_cache_readonly: bool = False
+    s3_endpoint_url: str | None = None
 
 
 def run_build(ws: Workspace, req: BuildRequest, report: Callable[[str], None] | None = None) -> BuildResult:
     graph = load_targets(ws.root, req.patterns, ws.cwd_package)
     ag = plan(graph)
-    cache = LocalCache(req.cache_dir)
+    cache = open_cache(req.cache_dir, req.remote_cache, req.remote_cache_readonly, req.s3_endpoint_url, report)
     env = action_environment(cache.toolchain_tmp, cache.root / "home")
     executor = LocalExecutor(req.jobs, env)
     try:
         result = Scheduler(ws.root, cache, executor, req.keep_going, report).run(ag)
     finally:
         executor.shutdown(cancel=True)
-    materialize(ws.root, ag, cache, {f.action.fingerprint for f in result.failures})
+    try:
+        materialize(ws.root, ag, cache, {f.action.fingerprint for f in result.failures})
+    finally:
+        cache.finish(keep=ag.actions)
     return result
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from neuronbuild.commands.cache import add_remote_cache_args
 from neuronbuild.commands.common import add_cache_args
 from neuronbuild.errors import EXIT_BAD_INPUT, EXIT_BUILD_FAILED, EXIT_OK
 
@@ -15,6 +16,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     b.add_argument("--jobs", "-j", type=int, default=None, help="parallel workers (default: min(8, cores))")
     b.add_argument("--keep-going", "-k", action="store_true", help="continue independent actions after a failure")
     add_cache_args(b)
+    add_remote_cache_args(b)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -27,7 +29,8 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_BAD_INPUT
     ws = find_workspace()
     req = BuildRequest(patterns_or_default(args.patterns), resolve_cache_dir(args.cache_dir),
-                       args.jobs or default_jobs(), args.keep_going)
+                       args.jobs or default_jobs(), args.keep_going, args.remote_cache or None,
+                       args.remote_cache_readonly, args.s3_endpoint_url)
     result = run_build(ws, req, print_report)
     print(result.summary(), flush=True)
     if result.failures:
