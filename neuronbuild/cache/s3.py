@@ -21,6 +21,7 @@ from neuronbuild.cache.tier import TierReadOnly, TierUnavailable
 
 LAYOUT = "v1"
 ENDPOINT_ENV = "NEURONBUILD_S3_ENDPOINT_URL"
+MULTIPART_FROM = 1 << 30
 
 
 def parse_url(url: str) -> tuple[str, str]:
@@ -134,8 +135,16 @@ class S3Tier:
             return False
 
     def put_blob(self, digest: str, src: Path) -> None:
-        with open(src, "rb") as f:
-            self._call(True, "put_object", Key=self.blob_key(digest), Body=f)
+        if src.stat().st_size < MULTIPART_FROM:
+            with open(src, "rb") as f:
+                self._call(True, "put_object", Key=self.blob_key(digest), Body=f)
+            return
+        try:  # multipart (objects over 5 GB need it); the object appears atomically when it completes
+            self.client.upload_file(str(src), self.bucket, self.blob_key(digest))
+        except Exception as e:  # noqa: BLE001 - S3UploadFailedError wraps the service error
+            if "AccessDenied" in str(e):
+                raise TierReadOnly(f"{self.url}: {e}") from e
+            raise TierUnavailable(f"{self.url}: {e}") from e
 
     def put_record(self, fp: str, data: bytes) -> None:
         self._call(True, "put_object", Key=self.record_key(fp), Body=data)

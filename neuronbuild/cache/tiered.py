@@ -14,7 +14,7 @@ from typing import Any
 from neuronbuild.cache.action_cache import ActionResult
 from neuronbuild.cache.cas import CorruptBlob
 from neuronbuild.cache.local import Claim, LocalCache
-from neuronbuild.cache.tier import Lease, SharedTier, TierReadOnly, TierUnavailable
+from neuronbuild.cache.tier import Lease, SharedTier, TierReadOnly
 from neuronbuild.errors import UserInputError
 
 
@@ -65,7 +65,7 @@ class TieredCache(LocalCache):
             return fn(*args)
         except TierReadOnly as e:
             self._read_only(e)
-        except (TierUnavailable, OSError) as e:
+        except Exception as e:  # noqa: BLE001 - a shared tier never fails the build
             self._unreachable(e)
         return None
 
@@ -126,7 +126,7 @@ class TieredCache(LocalCache):
         except TierReadOnly as e:
             self._read_only(e)
             return False
-        except (TierUnavailable, OSError) as e:
+        except Exception as e:  # noqa: BLE001 - a shared tier never fails the build
             self._unreachable(e)
             return False
         if size is None:
@@ -191,7 +191,7 @@ class TieredCache(LocalCache):
         except TierReadOnly as e:
             self._read_only(e)
             return local
-        except (TierUnavailable, OSError) as e:
+        except Exception as e:  # noqa: BLE001 - a shared tier never fails the build
             self._unreachable(e)
             return local
         if lease is None:
