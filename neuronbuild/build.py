@@ -10,7 +10,7 @@ from pathlib import Path
 
 from neuronbuild.analysis.plan_settings import PlanSettings
 from neuronbuild.analysis.planner import plan
-from neuronbuild.cache.local import LocalCache
+from neuronbuild.cache.tiered import open_cache
 from neuronbuild.execution.env import action_environment, undeclared_warning
 from neuronbuild.execution.local_executor import LocalExecutor
 from neuronbuild.execution.scheduler import BuildResult, Scheduler
@@ -34,6 +34,9 @@ class BuildRequest:
     jobs: int
     keep_going: bool = False
     settings: PlanSettings = field(default_factory=PlanSettings)  # --action-env, neuronx-cc
+    remote_cache: str | None = None  # shared tier: a directory or s3://bucket/prefix
+    remote_cache_readonly: bool = False
+    s3_endpoint_url: str | None = None
 
 
 def settings_notes(settings: PlanSettings, ag_has_neuron: bool) -> list[str]:
@@ -50,7 +53,7 @@ def run_build(ws: Workspace, req: BuildRequest, report: Callable[[str], None] | 
     ag = plan(graph, req.settings)
     for note in settings_notes(req.settings, any(ct.platform != "cpu" for ct in ag.compiles)):
         (report or print_report)(note)
-    cache = LocalCache(req.cache_dir)
+    cache = open_cache(req.cache_dir, req.remote_cache, req.remote_cache_readonly, req.s3_endpoint_url, report)
     env = action_environment(cache.toolchain_tmp, cache.root / "home", req.settings.action_env)
     executor = LocalExecutor(req.jobs, env)
     try:
@@ -58,13 +61,17 @@ def run_build(ws: Workspace, req: BuildRequest, report: Callable[[str], None] | 
     finally:
         executor.shutdown(cancel=True)
     failed = {f.action.fingerprint for f in result.failures}
-    materialize(ws.root, ag, cache, failed)
-    if any(graph.targets[lbl].kind == "neuron_bundle" for lbl in graph.requested):
-        bundles, skipped = build_bundles(ws.root, graph, ag, cache, failed)
-        for b in bundles:
-            (report or print_report)(f"Bundle {b.label}: {b.archive} ({b.size} bytes{'' if b.written else ', up to date'})")
-        for line in skipped:
-            (report or print_report)(line)
+    try:
+        materialize(ws.root, ag, cache, failed)
+        if any(graph.targets[lbl].kind == "neuron_bundle" for lbl in graph.requested):
+            bundles, skipped = build_bundles(ws.root, graph, ag, cache, failed)
+            for b in bundles:
+                (report or print_report)(
+                    f"Bundle {b.label}: {b.archive} ({b.size} bytes{'' if b.written else ', up to date'})")
+            for line in skipped:
+                (report or print_report)(line)
+    finally:
+        cache.finish(keep=ag.actions)
     return result
 
 

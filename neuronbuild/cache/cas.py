@@ -1,4 +1,8 @@
-"""Content-addressed blob store: <root>/cas/<first two hex>/<blake3 digest>, immutable once written."""
+"""Content-addressed blob store: <root>/cas/<first two hex>/<blake3 digest>, immutable once written, verified on read.
+
+Every read (copy out, link into a sandbox, ingest from another tier) re-hashes the bytes. A blob's last full
+verification is remembered as a stamp <root>/verified/<xx>/<digest> holding its (inode, size, mtime_ns), so a lookup
+can tell cheaply that a blob was modified or truncated since it was last hashed (then it is re-hashed)."""
 
 from __future__ import annotations
 
@@ -6,15 +10,76 @@ import contextlib
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import BinaryIO
 
 import blake3
 
-_CHUNK = 1 << 20
+_CHUNK = 4 << 20
 
 
-class CorruptBlob(Exception):
+class CorruptBlob(OSError):
     """A blob whose bytes no longer match its digest (it has been removed from the store)."""
+
+
+_HASH_POOL = ThreadPoolExecutor(1, thread_name_prefix="neuronbuild-hash")
+
+
+def _hasher() -> blake3.blake3:
+    return blake3.blake3()
+
+
+def _signature(st: os.stat_result) -> str:
+    return f"{st.st_ino} {st.st_size} {st.st_mtime_ns}"
+
+
+def copy_hashing(src: BinaryIO, out: BinaryIO) -> tuple[str, int]:
+    """Copy a stream to another, returning the BLAKE3 digest and size of the bytes copied.
+
+    Each chunk is read once; it is hashed on a helper thread (BLAKE3 releases the GIL) while it is written, so a
+    verified copy costs about as much as a plain one when a second core is free."""
+    h = _hasher()
+    size = 0
+    bufs = (memoryview(bytearray(_CHUNK)), memoryview(bytearray(_CHUNK)))
+    k = 0
+    pending: Future[object] | None = None
+    try:
+        while True:
+            view = bufs[k]
+            n = src.readinto(view) if hasattr(src, "readinto") else _read_into(src, view)
+            if pending is not None:
+                pending.result()
+                pending = None
+            if not n:
+                break
+            pending = _HASH_POOL.submit(h.update, view[:n])
+            out.write(view[:n])
+            size += n
+            k ^= 1
+    finally:
+        if pending is not None:
+            pending.result()
+    return h.hexdigest(), size
+
+
+def _read_into(src: BinaryIO, view: memoryview) -> int:
+    data = src.read(len(view))
+    view[:len(data)] = data
+    return len(data)
+
+
+def hash_file(path: Path) -> tuple[str, int]:
+    h = _hasher()
+    size = 0
+    with open(path, "rb") as f:
+        buf = bytearray(_CHUNK)
+        view = memoryview(buf)
+        while n := f.readinto(view):
+            h.update(view[:n])
+            size += n
+    return h.hexdigest(), size
 
 
 class BlobStore:
@@ -24,55 +89,113 @@ class BlobStore:
         self.root = root
         self.cas = root / "cas"
         self.tmp = root / "tmp"
+        self.stamps = root / "verified"
 
     def path(self, digest: str) -> Path:
         return self.cas / digest[:2] / digest
 
+    def stamp_path(self, digest: str) -> Path:
+        return self.stamps / digest[:2] / digest
+
     def has(self, digest: str) -> bool:
         return self.path(digest).is_file()
 
+    def digests(self) -> Iterator[tuple[str, Path]]:
+        """Every blob in the store (name, path); skips anything that is not a well-formed blob name."""
+        if not self.cas.is_dir():
+            return
+        for sub in sorted(self.cas.iterdir()):
+            if not sub.is_dir():
+                continue
+            for p in sorted(sub.iterdir()):
+                if len(p.name) == 64 and p.name[:2] == sub.name:
+                    yield p.name, p
+
+    def _stage(self) -> tuple[int, str]:
+        self.tmp.mkdir(parents=True, exist_ok=True)
+        return tempfile.mkstemp(dir=self.tmp, prefix=".blob-")
+
+    def _commit(self, tmp: str, digest: str) -> None:
+        dest = self.path(digest)
+        if dest.is_file() and self.check(digest, os.path.getsize(tmp)) == "ok":
+            os.unlink(tmp)
+            with contextlib.suppress(OSError):
+                os.utime(dest)  # recently used: protects it from a concurrent gc's grace period
+            return
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        os.chmod(tmp, 0o444)
+        os.replace(tmp, dest)
+        self._write_stamp(digest)
+
     def put_file(self, src: Path) -> tuple[str, int]:
         """Copy `src` into the store (hashing while copying); returns (digest, size)."""
-        self.tmp.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=self.tmp, prefix=".blob-")
-        h = blake3.blake3()
-        size = 0
+        fd, tmp = self._stage()
         try:
             with os.fdopen(fd, "wb") as out, open(src, "rb") as f:
-                while chunk := f.read(_CHUNK):
-                    h.update(chunk)
-                    out.write(chunk)
-                    size += len(chunk)
+                digest, size = copy_hashing(f, out)
                 out.flush()
                 os.fsync(out.fileno())
-            digest = h.hexdigest()
-            dest = self.path(digest)
-            if dest.is_file():
-                os.unlink(tmp)
-            else:
-                dest.parent.mkdir(parents=True, exist_ok=True)
-                os.chmod(tmp, 0o444)
-                os.replace(tmp, dest)
+            self._commit(tmp, digest)
             return digest, size
         except BaseException:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
             raise
 
+    def ingest(self, src: BinaryIO, digest: str) -> int | None:
+        """Store the bytes of `src` as blob `digest` if they hash to it; None (nothing stored) if they do not."""
+        fd, tmp = self._stage()
+        try:
+            with os.fdopen(fd, "wb") as out:
+                got, size = copy_hashing(src, out)
+                out.flush()
+                os.fsync(out.fileno())
+            if got != digest:
+                os.unlink(tmp)
+                return None
+            self._commit(tmp, digest)
+            return size
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+
+    def check(self, digest: str, size: int | None = None) -> str:
+        """'ok', 'missing' or 'corrupt'. Cheap when the blob is unchanged since its last verification."""
+        try:
+            st = self.path(digest).stat()
+        except OSError:
+            return "missing"
+        if size is not None and st.st_size != size:
+            return "corrupt"
+        try:
+            if self.stamp_path(digest).read_text() == _signature(st):
+                return "ok"
+        except OSError:
+            pass
+        if not self.verify(digest):
+            return "corrupt"
+        self._write_stamp(digest)
+        return "ok"
+
+    def _write_stamp(self, digest: str) -> None:
+        with contextlib.suppress(OSError):
+            sig = _signature(self.path(digest).stat())
+            p = self.stamp_path(digest)
+            p.parent.mkdir(parents=True, exist_ok=True)
+            tmp = p.with_name(f".{p.name}.{os.getpid()}")
+            tmp.write_text(sig)
+            os.replace(tmp, p)
+
     def copy_out(self, digest: str, dest: Path) -> int:
         """Copy a blob to `dest` atomically, verifying its digest on the way; a corrupt blob is evicted."""
         src = self.path(digest)
         dest.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=".nb-")
-        h = blake3.blake3()
-        size = 0
         try:
             with os.fdopen(fd, "wb") as out, open(src, "rb") as f:
-                while chunk := f.read(_CHUNK):
-                    h.update(chunk)
-                    out.write(chunk)
-                    size += len(chunk)
-            if h.hexdigest() != digest:
+                got, size = copy_hashing(f, out)
+            if got != digest:
                 self.evict(digest)
                 raise CorruptBlob(f"blob {digest[:16]} is corrupt (digest mismatch); evicted")
             os.replace(tmp, dest)
@@ -84,23 +207,21 @@ class BlobStore:
 
     def verify(self, digest: str) -> bool:
         try:
-            h = blake3.blake3()
-            with open(self.path(digest), "rb") as f:
-                while chunk := f.read(_CHUNK):
-                    h.update(chunk)
-            return h.hexdigest() == digest
+            return hash_file(self.path(digest))[0] == digest
         except OSError:
             return False
 
     def evict(self, digest: str) -> None:
-        with contextlib.suppress(OSError):
-            os.unlink(self.path(digest))
+        for p in (self.path(digest), self.stamp_path(digest)):
+            with contextlib.suppress(OSError):
+                os.unlink(p)
 
     def link_or_copy(self, digest: str, dest: Path) -> None:
         """Place a verified read-only copy of a blob at `dest` (sandbox inputs)."""
         if not self.verify(digest):
             self.evict(digest)
             raise CorruptBlob(f"blob {digest[:16]} is corrupt (digest mismatch); evicted")
+        self._write_stamp(digest)
         dest.parent.mkdir(parents=True, exist_ok=True)
         try:
             os.link(self.path(digest), dest)

@@ -1,6 +1,7 @@
 """The local cache: where it lives, and the interface the scheduler, sandboxes and materialisation use.
 
-Interface (keep it when adding tiers): lookup, store_outputs, place_blob, copy_blob, record_failure, try_claim."""
+Interface (keep it when adding tiers): lookup, store_outputs, place_blob, copy_blob, record_failure, try_claim,
+finish. TieredCache (cache/tiered.py) adds a shared tier behind the same interface."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ import contextlib
 import fcntl
 import json
 import os
+import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +19,7 @@ from neuronbuild.cache.action_cache import ActionCache, ActionResult, OutputRef
 from neuronbuild.cache.atomic import atomic_write_bytes
 from neuronbuild.cache.cas import BlobStore
 from neuronbuild.cache.identity_index import IdentityIndex
+from neuronbuild.cache.stats import StatsCounter, persist
 
 CACHE_ENV = "NEURONBUILD_CACHE_DIR"
 LAYOUT = "v1"
@@ -38,11 +41,22 @@ def resolve_cache_dir(flag: str | None) -> Path:
     return default_cache_dir()
 
 
-class LocalCache:
-    """A cache directory shared by any number of workspaces and concurrent builds."""
+def _warn(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
 
-    def __init__(self, base: Path) -> None:
+
+class LocalCache:
+    """A cache directory shared by any number of workspaces and concurrent builds.
+
+    Every blob an entry references is checked on lookup (cheaply, see BlobStore.check) and fully re-hashed when read;
+    a corrupt blob is evicted, reported once, and its entry treated as a miss so the action re-runs."""
+
+    def __init__(self, base: Path, report: Callable[[str], None] | None = None) -> None:
         self.base = base
+        self.report = report or _warn
+        self.stats = StatsCounter()
+        self._reported: set[str] = set()
+        self._touched: set[str] = set()
         self.root = base / LAYOUT
         self.blobs = BlobStore(self.root)
         self.actions = ActionCache(self.root)
@@ -52,15 +66,59 @@ class LocalCache:
         self.scratch = self.root / "sandbox"
         self.toolchain_tmp = self.root / "toolchain-tmp"
 
-    def lookup(self, fp: str) -> ActionResult | None:
-        """The cached result of an action, only if every output blob is present."""
+    def warn_once(self, key: str, msg: str) -> None:
+        if key not in self._reported:
+            self._reported.add(key)
+            self.report(msg)
+
+    def corrupt(self, tier: str, digest: str, what: str) -> None:
+        """Count and report (once per blob and tier) a corrupt blob that has been evicted or skipped."""
+        self.stats.errors += 1
+        self.warn_once(f"corrupt:{tier}:{digest}",
+                       f"warning: cache: blob {digest[:16]} ({what}) in the {tier} cache is corrupt; not served")
+
+    def lookup_local(self, fp: str) -> tuple[ActionResult | None, list[str]]:
+        """The local record for `fp` (None if absent or unreadable) and the digests of its missing/corrupt blobs."""
         res = self.actions.get(fp)
         if res is None:
+            return None, []
+        bad: list[str] = []
+        for name, out in res.outputs.items():
+            state = self.blobs.check(out.digest, out.size)
+            if state == "corrupt":
+                self.blobs.evict(out.digest)
+                self.corrupt("local", out.digest, f"output '{name}' of action {fp[:12]}")
+            if state != "ok":
+                bad.append(out.digest)
+        return res, bad
+
+    def lookup(self, fp: str) -> ActionResult | None:
+        """The cached result of an action, only if every output blob is present and intact."""
+        res, bad = self.lookup_local(fp)
+        if res is None or bad:
+            self.stats.miss(fp)
             return None
-        for out in res.outputs.values():
-            if not self.blobs.has(out.digest):
-                return None
+        self._hit(fp, "local")
         return res
+
+    def _hit(self, fp: str, tier: str) -> None:
+        self.stats.hit(fp, tier)
+        if fp not in self._touched:  # record mtime = last use, for LRU garbage collection
+            self._touched.add(fp)
+            with contextlib.suppress(OSError):
+                os.utime(self.actions.path(fp))
+
+    def finish(self, keep: Iterable[str] = ()) -> None:
+        """End of a build: persist this build's counters, then apply the configured automatic size limit."""
+        if not self.stats.empty:
+            with contextlib.suppress(OSError):
+                persist(self.root, self.stats.snapshot(self.shared_url()))
+        from neuronbuild.cache.gc import auto_gc
+
+        auto_gc(self, set(keep))
+
+    def shared_url(self) -> str:
+        return ""
 
     def store_outputs(self, fp: str, identity: str, record: Mapping[str, Any], out_dir: Path,
                       names: Sequence[str], duration_s: float, metadata: Mapping[str, Any]) -> ActionResult:
@@ -75,6 +133,8 @@ class LocalCache:
         res = ActionResult(fp, identity, outputs, record, duration_s, dict(metadata), time.time())
         self.actions.put(res)
         IdentityIndex(self.root).record(res)  # explain/plan/upgrade-impact: this identity's most recent result
+        self.stats.save(fp)
+        self._touched.add(fp)
         with contextlib.suppress(OSError):
             os.unlink(self.failures / fp[:2] / f"{fp}.json")
         return res
@@ -88,14 +148,27 @@ class LocalCache:
         return self.blobs.copy_out(digest, dest)
 
     def record_failure(self, fp: str, identity: str, record: Mapping[str, Any], error: str, log: Path) -> None:
-        """Keep a failure (with its log) for reports; it is never replayed as a result."""
+        """Keep a failure (with its log and toolchain) for reports; it is never replayed as a result."""
         try:
             log_text = log.read_text(encoding="utf-8", errors="replace")[-200_000:]
         except OSError:
             log_text = ""
         data = json.dumps({"fingerprint": fp, "identity": identity, "record": record, "error": error,
-                           "log": log_text, "created": time.time()}, sort_keys=True, indent=1).encode()
-        atomic_write_bytes(self.failures / fp[:2] / f"{fp}.json", data, self.root / "tmp")
+                           "toolchain": record.get("toolchain"), "log": log_text, "created": time.time()},
+                          sort_keys=True, indent=1).encode()
+        with contextlib.suppress(OSError):
+            atomic_write_bytes(self.failure_path(fp), data, self.root / "tmp")
+
+    def failure_path(self, fp: str) -> Path:
+        return self.failures / fp[:2] / f"{fp}.json"
+
+    def failure(self, fp: str) -> dict[str, Any] | None:
+        """The recorded failure of action `fp` (for explain/reports), or None."""
+        try:
+            d = json.loads(self.failure_path(fp).read_bytes())
+        except (OSError, ValueError):
+            return None
+        return d if isinstance(d, dict) else None
 
     def try_claim(self, fp: str) -> Claim | None:
         """Claim the right to execute action `fp`, so concurrent builds execute it once.

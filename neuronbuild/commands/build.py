@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from neuronbuild.commands.cache import add_remote_cache_args
 from neuronbuild.commands.common import add_cache_args
 from neuronbuild.commands.plan import add_settings_args, settings_from_args
 from neuronbuild.errors import EXIT_BAD_INPUT, EXIT_BUILD_FAILED, EXIT_OK
@@ -18,6 +19,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     b.add_argument("--dry-run", action="store_true", help="show what would execute (the `plan` command); run nothing")
     add_cache_args(b)
     add_settings_args(b)
+    add_remote_cache_args(b)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -34,7 +36,9 @@ def run(args: argparse.Namespace) -> int:
         return plan.run(args)
     ws = find_workspace()
     req = BuildRequest(patterns_or_default(args.patterns), resolve_cache_dir(args.cache_dir),
-                       args.jobs or default_jobs(), args.keep_going, settings_from_args(args))
+                       args.jobs or default_jobs(), args.keep_going, settings_from_args(args),
+                       remote_cache=args.remote_cache or None, remote_cache_readonly=args.remote_cache_readonly,
+                       s3_endpoint_url=args.s3_endpoint_url)
     result = run_build(ws, req, print_report)
     print(result.summary(), flush=True)
     if result.failures:

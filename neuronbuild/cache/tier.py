@@ -1,0 +1,50 @@
+"""The shared-tier contract (a shared directory or an S3 bucket) and the errors a tier reports."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import AbstractContextManager
+from pathlib import Path
+from typing import BinaryIO, Protocol
+
+
+class TierUnavailable(Exception):
+    """The shared tier cannot be reached (missing directory, dead endpoint, no credentials...)."""
+
+
+class TierReadOnly(Exception):
+    """The shared tier refused a write (read-only mount, no write permission)."""
+
+
+class Lease(Protocol):
+    """A held execute-once claim on a shared tier."""
+
+    def release(self) -> None: ...
+
+
+class SharedTier(Protocol):
+    """Same layout as the local cache (v1/ac, v1/cas, v1/locks) on shared storage. Records are written after blobs."""
+
+    url: str
+
+    def get_record(self, fp: str) -> bytes | None: ...
+
+    def open_blob(self, digest: str) -> AbstractContextManager[BinaryIO]:
+        """A readable stream of a blob; raises FileNotFoundError when it is absent."""
+        ...
+
+    def has_blob(self, digest: str, size: int) -> bool: ...
+
+    def put_blob(self, digest: str, src: Path) -> None: ...
+
+    def put_record(self, fp: str, data: bytes) -> None: ...
+
+    def evict_blob(self, digest: str) -> None: ...
+
+    def evict_record(self, fp: str) -> None: ...
+
+    def try_claim(self, fp: str) -> Lease | None: ...
+
+    def records(self) -> Iterator[tuple[str, bytes]]: ...
+
+    def blobs(self) -> Iterator[tuple[str, int]]: ...

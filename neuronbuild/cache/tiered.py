@@ -1,0 +1,222 @@
+"""Local cache + optional shared tier behind LocalCache's interface: read local -> shared (copy down), upload results.
+
+A shared tier that fails (unreachable, read-only) costs one warning and is then ignored for the rest of the process;
+it never fails the build. Blobs fetched from it are verified before they enter the local store; a corrupt one is
+evicted from the shared tier (when writable), reported once and treated as a miss."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from neuronbuild.cache.action_cache import ActionResult
+from neuronbuild.cache.cas import CorruptBlob
+from neuronbuild.cache.local import Claim, LocalCache
+from neuronbuild.cache.tier import Lease, SharedTier, TierReadOnly
+from neuronbuild.errors import UserInputError
+
+
+class TieredClaim:
+    """A local claim (flock) plus a lease on the shared tier; releasing releases both."""
+
+    def __init__(self, local: Claim, lease: Lease) -> None:
+        self._local = local
+        self._lease: Lease | None = lease
+
+    def release(self) -> None:
+        if self._lease is not None:
+            with contextlib.suppress(Exception):
+                self._lease.release()
+            self._lease = None
+        self._local.release()
+
+
+class TieredCache(LocalCache):
+    """A LocalCache with a shared tier under it."""
+
+    def __init__(self, base: Path, shared: SharedTier, readonly: bool = False,
+                 report: Callable[[str], None] | None = None) -> None:
+        super().__init__(base, report)
+        self.shared: SharedTier | None = shared
+        self.readonly = readonly
+
+    def shared_url(self) -> str:
+        return self.shared.url if self.shared is not None else ""
+
+    # -- tier failures ------------------------------------------------------------------------------------------
+    def _unreachable(self, e: BaseException) -> None:
+        self.stats.errors += 1
+        self.warn_once("shared-unreachable", f"warning: shared cache {self.shared_url()} is unavailable ({e}); "
+                       "continuing without it")
+        self.shared = None
+
+    def _read_only(self, e: BaseException) -> None:
+        self.warn_once("shared-readonly", f"warning: shared cache {self.shared_url()} is read-only ({e}); "
+                       "results are kept locally only")
+        self.readonly = True
+
+    def _remote(self, fn: Callable[..., Any], *args: Any, write: bool = False) -> Any:
+        """Call the shared tier; None (after one warning) when it is unavailable or refuses a write."""
+        if self.shared is None or (write and self.readonly):
+            return None
+        try:
+            return fn(*args)
+        except TierReadOnly as e:
+            self._read_only(e)
+        except Exception as e:  # noqa: BLE001 - a shared tier never fails the build
+            self._unreachable(e)
+        return None
+
+    # -- reads ----------------------------------------------------------------------------------------------------
+    def lookup(self, fp: str) -> ActionResult | None:
+        res, bad = self.lookup_local(fp)
+        if res is not None and not bad:
+            self._hit(fp, "local")
+            return res
+        fetched = self._fetch_entry(fp, res)
+        if fetched is None:
+            self.stats.miss(fp)
+            return None
+        self._hit(fp, "shared")
+        return fetched
+
+    def _fetch_entry(self, fp: str, local: ActionResult | None) -> ActionResult | None:
+        """Copy an entry down from the shared tier (its record unless we have one, and every blob we lack)."""
+        if self.shared is None:
+            return None
+        res = local
+        if res is None:
+            data = self._remote(self.shared.get_record, fp)
+            if data is None:
+                return None
+            try:
+                res = ActionResult.from_json(data)
+            except (ValueError, KeyError, TypeError):
+                self.stats.errors += 1
+                self.warn_once(f"record:{fp}", f"warning: cache: record {fp[:12]} in the shared cache is "
+                               "unreadable; ignored")
+                return None
+            if res.fingerprint != fp:
+                return None
+        for name, out in res.outputs.items():
+            if self.blobs.check(out.digest, out.size) == "ok":
+                continue
+            if not self._fetch_blob(out.digest, f"output '{name}' of action {fp[:12]}"):
+                return None
+        if local is None:
+            self.actions.put(res)
+        return res
+
+    def _fetch_blob(self, digest: str, what: str) -> bool:
+        """Download a blob into the local store, verifying it; False if absent, corrupt or the tier failed."""
+        shared = self.shared
+        if shared is None:
+            return False
+
+        def fetch() -> int | None:
+            with shared.open_blob(digest) as src:
+                return self.blobs.ingest(src, digest)
+
+        try:
+            size = fetch()
+        except FileNotFoundError:
+            return False
+        except TierReadOnly as e:
+            self._read_only(e)
+            return False
+        except Exception as e:  # noqa: BLE001 - a shared tier never fails the build
+            self._unreachable(e)
+            return False
+        if size is None:
+            self.corrupt("shared", digest, what)
+            if not self.readonly:
+                shared.evict_blob(digest)
+            return False
+        return True
+
+    def place_blob(self, digest: str, dest: Path) -> None:
+        try:
+            super().place_blob(digest, dest)
+        except (CorruptBlob, FileNotFoundError):
+            if not self._fetch_blob(digest, "sandbox input"):
+                raise
+            super().place_blob(digest, dest)
+
+    def copy_blob(self, digest: str, dest: Path) -> int:
+        try:
+            return super().copy_blob(digest, dest)
+        except (CorruptBlob, FileNotFoundError):
+            if not self._fetch_blob(digest, "output"):
+                raise
+            return super().copy_blob(digest, dest)
+
+    # -- writes ---------------------------------------------------------------------------------------------------
+    def store_outputs(self, fp: str, identity: str, record: Mapping[str, Any], out_dir: Path,
+                      names: Sequence[str], duration_s: float, metadata: Mapping[str, Any]) -> ActionResult:
+        res = super().store_outputs(fp, identity, record, out_dir, names, duration_s, metadata)
+        self.upload(res)
+        return res
+
+    def upload(self, res: ActionResult) -> bool:
+        """Blobs first, then the record: a record visible on the shared tier implies its blobs are there."""
+        shared = self.shared
+        if shared is None or self.readonly:
+            return False
+        for out in res.outputs.values():
+            present = self._remote(shared.has_blob, out.digest, out.size)
+            if present is None:
+                return False
+            if not present:
+                self._remote(shared.put_blob, out.digest, self.blobs.path(out.digest), write=True)
+                if self.shared is None or self.readonly:
+                    return False
+        self._remote(shared.put_record, res.fingerprint, res.to_json(), write=True)
+        if self.shared is None or self.readonly:
+            return False
+        self.stats.uploaded.add(res.fingerprint)
+        return True
+
+    def try_claim(self, fp: str) -> Claim | TieredClaim | None:  # type: ignore[override]
+        """Local claim first (cheap, same machine), then the shared tier's lease (other machines)."""
+        local = super().try_claim(fp)
+        if local is None:
+            return None
+        if self.shared is None or self.readonly:
+            return local
+        shared = self.shared
+        try:
+            lease = shared.try_claim(fp)
+        except TierReadOnly as e:
+            self._read_only(e)
+            return local
+        except Exception as e:  # noqa: BLE001 - a shared tier never fails the build
+            self._unreachable(e)
+            return local
+        if lease is None:
+            local.release()
+            return None
+        return TieredClaim(local, lease)
+
+
+def open_shared(url: str, s3_endpoint_url: str | None = None) -> SharedTier:
+    """A shared tier from --remote-cache: s3://bucket/prefix or a directory path."""
+    if url.startswith("s3://"):
+        from neuronbuild.cache.s3 import S3Tier
+
+        try:
+            return S3Tier(url, s3_endpoint_url)
+        except ValueError as e:
+            raise UserInputError(f"--remote-cache: {e}") from e
+    from neuronbuild.cache.shared_fs import SharedDirTier
+
+    return SharedDirTier(Path(url).expanduser().absolute())
+
+
+def open_cache(cache_dir: Path, remote: str | None = None, readonly: bool = False,
+               s3_endpoint_url: str | None = None, report: Callable[[str], None] | None = None) -> LocalCache:
+    """The cache a build uses: local only, or local + shared tier."""
+    if not remote:
+        return LocalCache(cache_dir, report)
+    return TieredCache(cache_dir, open_shared(remote, s3_endpoint_url), readonly, report)

@@ -1,0 +1,215 @@
+"""`neuronbuild cache verify|gc|stats|pin|unpin`: check, bound, inspect and protect the cache."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Any
+
+from neuronbuild.commands.common import add_cache_args
+from neuronbuild.errors import EXIT_BAD_INPUT, EXIT_BUILD_FAILED, EXIT_OK
+
+
+def add_remote_cache_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--remote-cache", default=os.environ.get("NEURONBUILD_REMOTE_CACHE") or None,
+                   metavar="PATH|s3://bucket/prefix",
+                   help="shared cache tier: a shared directory or an S3 prefix (default: $NEURONBUILD_REMOTE_CACHE)")
+    p.add_argument("--remote-cache-readonly", action="store_true",
+                   default=os.environ.get("NEURONBUILD_REMOTE_CACHE_READONLY", "") not in ("", "0"),
+                   help="read from the shared tier but never upload to it")
+    p.add_argument("--s3-endpoint-url", default=None,
+                   help="S3-compatible endpoint for s3:// tiers (default: $NEURONBUILD_S3_ENDPOINT_URL or AWS's)")
+
+
+def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    c = sub.add_parser("cache", help="verify, garbage-collect, inspect or pin the cache")
+    cs = c.add_subparsers(dest="cache_command", required=True)
+    v = cs.add_parser("verify", help="re-hash every blob and check every entry")
+    v.add_argument("--repair", action="store_true", help="remove corrupt blobs and broken entries")
+    g = cs.add_parser("gc", help="evict least recently used entries not referenced by the workspace or pins")
+    g.add_argument("--max-size", help="size cap, e.g. 20G")
+    g.add_argument("--max-age", help="evict entries unused for longer than this, e.g. 30d")
+    g.add_argument("--no-workspace", action="store_true",
+                   help="do not protect the current workspace's targets (pins are still honoured)")
+    s = cs.add_parser("stats", help="entries and bytes per tier, counters of recent builds")
+    s.add_argument("--builds", type=int, default=10, help="how many recent builds to show")
+    p = cs.add_parser("pin", help="protect the actions of targets (default //...) from gc")
+    p.add_argument("name")
+    p.add_argument("patterns", nargs="*")
+    p.add_argument("--fingerprint", action="append", default=[], help="pin this action fingerprint too")
+    u = cs.add_parser("unpin", help="remove a pin")
+    u.add_argument("name")
+    for q in (v, g, s, p, u):
+        add_cache_args(q)
+    for q in (v, s):
+        add_remote_cache_args(q)
+
+
+def _err(msg: str) -> int:
+    print(f"neuronbuild: error: {msg}", file=sys.stderr)
+    return EXIT_BAD_INPUT
+
+
+def run(args: argparse.Namespace) -> int:
+    from neuronbuild.cache.local import LocalCache, resolve_cache_dir
+
+    cache = LocalCache(resolve_cache_dir(args.cache_dir))
+    handler = {"verify": _verify, "gc": _gc, "stats": _stats, "pin": _pin, "unpin": _unpin}[args.cache_command]
+    return handler(cache, args)
+
+
+def _shared(args: argparse.Namespace) -> Any:
+    if not getattr(args, "remote_cache", None):
+        return None
+    from neuronbuild.cache.tiered import open_shared
+
+    return open_shared(args.remote_cache, args.s3_endpoint_url)
+
+
+def _verify(cache: Any, args: argparse.Namespace) -> int:
+    from neuronbuild.cache.shared_fs import SharedDirTier
+    from neuronbuild.cache.tier import TierReadOnly, TierUnavailable
+    from neuronbuild.cache.verify import verify_tier
+
+    tiers: list[tuple[str, Any]] = [("local", SharedDirTier(cache.base))]
+    shared = _shared(args)
+    if shared is not None:
+        tiers.append(("shared", shared))
+    bad = 0
+    for label, tier in tiers:
+        if label == "local" and not cache.base.is_dir():
+            print(f"local {cache.base}: empty (no cache directory)")
+            continue
+        try:
+            rep = verify_tier(tier, args.repair)
+        except (TierUnavailable, TierReadOnly, OSError) as e:
+            print(f"neuronbuild: error: {label} cache {tier.url} is unavailable: {e}", file=sys.stderr)
+            return EXIT_BUILD_FAILED
+        for p in rep.problems:
+            print(f"{label}: {p}")
+        state = "ok" if rep.ok else (f"{len(rep.problems)} problems, removed" if args.repair
+                                     else f"{len(rep.problems)} problems (run with --repair to remove them)")
+        print(f"{label} {rep.tier}: {rep.blobs} blobs, {rep.records} entries verified: {state}")
+        if not rep.ok and not args.repair:
+            bad += 1
+    return EXIT_BUILD_FAILED if bad else EXIT_OK
+
+
+def _workspace_fingerprints(patterns: tuple[str, ...]) -> set[str] | None:
+    """Fingerprints of every action the patterns need in the current workspace; None outside a workspace."""
+    from neuronbuild.analysis.planner import plan
+    from neuronbuild.errors import UserInputError
+    from neuronbuild.loading.target_graph import load_targets
+    from neuronbuild.workspace import find_workspace
+
+    try:
+        ws = find_workspace()
+    except UserInputError:
+        return None
+    ag = plan(load_targets(ws.root, patterns, ws.cwd_package))
+    return set(ag.actions)
+
+
+def _gc(cache: Any, args: argparse.Namespace) -> int:
+    from neuronbuild.cache.gc import collect, parse_age, parse_size
+    from neuronbuild.cache.pins import PinError
+
+    try:
+        max_size = parse_size(args.max_size) if args.max_size else None
+        max_age = parse_age(args.max_age) if args.max_age else None
+    except ValueError as e:
+        return _err(str(e))
+    if max_size is None and max_age is None:
+        return _err("give --max-size and/or --max-age")
+    if not cache.root.is_dir():
+        print("gc: the cache is empty")
+        return EXIT_OK
+    keep: set[str] = set()
+    if not args.no_workspace:
+        fps = _workspace_fingerprints(("//...",))
+        if fps is not None:
+            keep = fps
+            print(f"gc: protecting {len(keep)} actions of the current workspace's targets")
+    try:
+        result = collect(cache, max_size, max_age, keep)
+    except PinError as e:
+        return _err(str(e))
+    print(result.summary())
+    return EXIT_OK
+
+
+def _usage(tier: Any) -> tuple[int, int, int]:
+    blobs = list(tier.blobs())
+    return sum(1 for _ in tier.records()), len(blobs), sum(s for _d, s in blobs)
+
+
+def _stats(cache: Any, args: argparse.Namespace) -> int:
+    from neuronbuild.cache.gc import human
+    from neuronbuild.cache.pins import PinError, load_pins
+    from neuronbuild.cache.shared_fs import SharedDirTier
+    from neuronbuild.cache.stats import recent
+    from neuronbuild.cache.tier import TierReadOnly, TierUnavailable
+
+    entries, nblobs, nbytes = _usage(SharedDirTier(cache.base)) if cache.base.is_dir() else (0, 0, 0)
+    failures = len(list(cache.failures.glob("*/*.json"))) if cache.failures.is_dir() else 0
+    print(f"local  {cache.base}: {entries} entries, {nblobs} blobs, {human(nbytes)}; {failures} recorded failures")
+    shared = _shared(args)
+    if shared is not None:
+        try:
+            entries, nblobs, nbytes = _usage(shared)
+            print(f"shared {shared.url}: {entries} entries, {nblobs} blobs, {human(nbytes)}")
+        except (TierUnavailable, TierReadOnly, OSError) as e:
+            print(f"shared {shared.url}: unavailable ({e})")
+    try:
+        pins = load_pins(cache.root)
+        if pins:
+            print("pins: " + ", ".join(f"{p.name} ({len(p.fingerprints)} actions, {len(p.digests)} blobs)"
+                                       for p in pins))
+    except PinError as e:
+        print(f"pins: {e}")
+    builds = recent(cache.root, max(0, args.builds))
+    if builds:
+        print("recent builds (oldest first):  hits (local+shared)  misses  saves  uploads  errors")
+        import time
+
+        for b in builds:
+            when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(b.started))
+            print(f"  {when}  {b.hits:5d} ({b.hits_local}+{b.hits_shared})  {b.misses:6d}  {b.saves:5d}  "
+                  f"{b.uploads:7d}  {b.errors:6d}" + (f"  [{b.shared}]" if b.shared else ""))
+        tot_h = sum(b.hits for b in builds)
+        tot = tot_h + sum(b.misses for b in builds)
+        if tot:
+            print(f"hit rate over these builds: {100.0 * tot_h / tot:.0f}% ({tot_h}/{tot})")
+    return EXIT_OK
+
+
+def _pin(cache: Any, args: argparse.Namespace) -> int:
+    from neuronbuild.cache.pins import PinError, check_name, write_pin
+
+    try:
+        check_name(args.name)
+    except PinError as e:
+        return _err(str(e))
+    fps = set(args.fingerprint)
+    if args.patterns or not fps:
+        got = _workspace_fingerprints(tuple(args.patterns) or ("//...",))
+        if got is None:
+            return _err("not inside a neuronbuild workspace (give --fingerprint or run inside one)")
+        fps |= got
+    path = write_pin(cache.root, args.name, fps)
+    print(f"pinned {len(fps)} actions as '{args.name}' ({path})")
+    return EXIT_OK
+
+
+def _unpin(cache: Any, args: argparse.Namespace) -> int:
+    from neuronbuild.cache.pins import PinError, remove_pin
+
+    try:
+        found = remove_pin(cache.root, args.name)
+    except PinError as e:
+        return _err(str(e))
+    if not found:
+        return _err(f"no pin named '{args.name}'")
+    print(f"unpinned '{args.name}'")
+    return EXIT_OK
