@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from neuronbuild import incremental
 from neuronbuild.analysis.planner import plan
 from neuronbuild.cache.local import LocalCache
 from neuronbuild.execution.env import action_environment
@@ -33,9 +35,14 @@ class BuildRequest:
     keep_going: bool = False
 
 
-def run_build(ws: Workspace, req: BuildRequest, report: Callable[[str], None] | None = None) -> BuildResult:
-    graph = load_targets(ws.root, req.patterns, ws.cwd_package)
+def run_build(ws: Workspace, req: BuildRequest, report: Callable[[str], None] | None = None,
+              noop_key: str | None = None) -> BuildResult:
+    """With `noop_key` (see neuronbuild.noop), a successful build leaves a stamp that lets the next no-op skip it all."""
+    started = time.time_ns()
+    load_cache = incremental.open_caches(req.cache_dir, ws.root)
+    graph = load_targets(ws.root, req.patterns, ws.cwd_package, load_cache)
     ag = plan(graph)
+    incremental.save_caches(req.cache_dir, ws.root, load_cache)
     cache = LocalCache(req.cache_dir)
     env = action_environment(cache.toolchain_tmp, cache.root / "home")
     executor = LocalExecutor(req.jobs, env)
@@ -44,6 +51,9 @@ def run_build(ws: Workspace, req: BuildRequest, report: Callable[[str], None] | 
     finally:
         executor.shutdown(cancel=True)
     materialize(ws.root, ag, cache, {f.action.fingerprint for f in result.failures})
+    if noop_key is not None:
+        incremental.record_noop(noop_key, ws.root, ws.cwd_package, req.patterns, req.cache_dir, graph, ag, cache,
+                                result.ok, started)
     return result
 
 
