@@ -115,7 +115,8 @@ def section_edit(ws: Path, cache: Path, buckets: int) -> None:
     build(ws, cache)  # make sure everything is cached and stamped
     bfile = ws / gen_monorepo.package_name(0) / "BUILD"
     original = bfile.read_text()
-    n_compiles = len(re.findall(r"neuron_compile\(", original)) or original.count('("')  # direct or via the macro
+    kinds = original.split("kinds = ", 1)[1] if "kinds = " in original else ""
+    n_compiles = len(re.findall(r"neuron_compile\(", original)) or kinds.count('("')  # direct or via the macro
     try:
         gen_monorepo.edit_one_bucket_list(ws, 0, buckets)
         t0 = time.time()
@@ -162,10 +163,11 @@ def section_plan(graphs: int, buckets: int, compiles: int, workdir: Path) -> Non
         "root, cache = Path(sys.argv[1]), Path(sys.argv[2])\n"
         "lc = incremental.open_caches(cache, root)\n"
         "t2 = time.perf_counter()\n"
-        "g = load_targets(root, ['//...'], '', lc)\n"
-        "t3 = time.perf_counter()\n"
-        "ag = plan(g)\n"
-        "t4 = time.perf_counter()\n"
+        "with incremental.analysis_gc():  # as build.py does\n"
+        "    g = load_targets(root, ['//...'], '', lc)\n"
+        "    t3 = time.perf_counter()\n"
+        "    ag = plan(g)\n"
+        "    t4 = time.perf_counter()\n"
         "incremental.save_caches(cache, root, lc)\n"
         "t5 = time.perf_counter()\n"
         "print(json.dumps({'imports': t1 - t0, 'open_caches': t2 - t1, 'load': t3 - t2, 'plan': t4 - t3,\n"

@@ -40,8 +40,9 @@ def run_build(ws: Workspace, req: BuildRequest, report: Callable[[str], None] | 
     """With `noop_key` (see neuronbuild.noop), a successful build leaves a stamp that lets the next no-op skip it all."""
     started = time.time_ns()
     load_cache = incremental.open_caches(req.cache_dir, ws.root)
-    graph = load_targets(ws.root, req.patterns, ws.cwd_package, load_cache)
-    ag = plan(graph)
+    with incremental.analysis_gc():
+        graph = load_targets(ws.root, req.patterns, ws.cwd_package, load_cache)
+        ag = plan(graph)
     incremental.save_caches(req.cache_dir, ws.root, load_cache)
     cache = LocalCache(req.cache_dir)
     env = action_environment(cache.toolchain_tmp, cache.root / "home")

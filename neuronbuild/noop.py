@@ -3,11 +3,11 @@ matches prints its summary without loading, analysis or execution (so without im
 
 The stamp (one file per workspace + request + cache directory, under <cache>/v1/state/) holds:
 - the request key (workspace root, cwd package, patterns and every build flag except --jobs/--keep-going);
-- the environment that can change fingerprints: Python version and executable, os.uname(), neuronbuild's own code
-  (`self_stamp`), the variables in ENV_PREFIXES/ENV_NAMES;
+- the environment that can change fingerprints: Python version, executable and prefix (venv), os.uname(), the CPU flags,
+  neuronbuild's own code (`self_stamp`), the variables in ENV_PREFIXES/ENV_NAMES and any variable a flag names;
 - stat keys (size, mtime_ns, inode, ctime_ns) of every input: BUILD and load()ed .bzl files, the source and weights
   files of every loaded target, and the toolchain: each sys.path entry (installing or upgrading a package rewrites
-  its dist-info directory there), each PATH directory and the resolved compilers (`TOOLS`);
+  its dist-info directory there) and the compilers (`TOOLS`) as PATH resolves them now;
 - the listing signature (subdirectories, BUILD and marker presence) of every directory from the cwd up to the root and,
   when a pattern is recursive, of every directory of the workspace: a new, removed or renamed package is seen;
 - stat keys of every action record and output blob in the cache, and of every materialised output and manifest.
@@ -25,6 +25,7 @@ import hashlib
 import json
 import marshal
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -45,14 +46,27 @@ IGNORED_FLAGS = ("jobs", "keep_going", "command", "directory")
 _SKIP_DIRS = ("neuronbuild-out", "__pycache__")
 
 Key = tuple[int, int, int, int]
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
 def request_key(root: Path, cwd_package: str, patterns: Sequence[str], cache_dir: Path,
                 flags: Mapping[str, Any]) -> str:
     """A canonical string naming one build request; flags that cannot change a no-op's outcome are left out."""
     rest = {k: v for k, v in flags.items() if k not in IGNORED_FLAGS and k not in ("patterns", "cache_dir")}
+    # A flag naming an environment variable (e.g. --action-env NAME) makes that variable's value an input too.
+    named = {w: os.environ[w] for w in _words(rest) if _ENV_NAME.match(w) and w in os.environ}
     return json.dumps({"root": str(root), "cwd": cwd_package, "patterns": list(patterns), "cache": str(cache_dir),
-                       "flags": rest}, sort_keys=True, default=str)
+                       "flags": rest, "named_env": named}, sort_keys=True, default=str)
+
+
+def _words(v: Any) -> list[str]:
+    if isinstance(v, str):
+        return [v.split("=", 1)[0]]
+    if isinstance(v, Mapping):
+        return [w for x in v.items() for w in _words(x)]
+    if isinstance(v, (list, tuple)):
+        return [w for x in v for w in _words(x)]
+    return []
 
 
 def stamp_file(cache_dir: Path, key: str) -> Path:
@@ -61,14 +75,26 @@ def stamp_file(cache_dir: Path, key: str) -> Path:
 
 def environment() -> str:
     env = sorted((k, v) for k, v in os.environ.items() if k.startswith(ENV_PREFIXES) or k in ENV_NAMES)
-    return json.dumps({"python": sys.version, "exe": sys.executable, "uname": list(os.uname()), "env": env,
-                       "code": code_stamp()}, sort_keys=True)
+    return json.dumps({"python": sys.version, "exe": os.path.realpath(sys.executable),
+                       "prefix": sys.prefix, "uname": list(os.uname()), "env": env,
+                       "cpu": _cpu_flags(), "code": code_stamp()}, sort_keys=True)
+
+
+def _cpu_flags() -> str:
+    """The CPU's feature flags (isa = "native" resolves from them), without importing platforms.py's subprocess."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
 
 
 def toolchain_paths() -> list[str]:
     """Paths whose stat keys change when the Python packages or the compilers that builds use change."""
     out = [p for p in sys.path[1:] if p and os.path.isdir(p)]  # [0] is the script's or cwd's directory
-    out += [p for p in os.environ.get("PATH", "").split(os.pathsep) if p and os.path.isdir(p)]
     tools = list(TOOLS) + [os.environ[v] for v in ("CXX", "CC") if os.environ.get(v)]
     for t in tools:
         found = shutil.which(t)

@@ -117,3 +117,17 @@ def test_a_file_hashed_right_after_a_write_is_not_cached(tmp_path: Path) -> None
     f.write_bytes(b"x" * 10)
     digests.digest_file(f)
     assert str(f) not in digests._stat_cache
+
+
+def test_noop_request_key_covers_flags_and_the_variables_they_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    from neuronbuild import noop
+
+    def key(**flags: object) -> str:
+        return noop.request_key(Path("/ws"), "", ["//..."], Path("/cache"), flags)
+
+    monkeypatch.setenv("MY_FLAG_VAR", "1")
+    base = key(action_env=["MY_FLAG_VAR"], jobs=2)
+    assert key(action_env=["MY_FLAG_VAR"], jobs=8, keep_going=True) == base  # cannot change a no-op's outcome
+    assert key(action_env=["MY_FLAG_VAR", "X=1"], jobs=2) != base
+    monkeypatch.setenv("MY_FLAG_VAR", "2")
+    assert key(action_env=["MY_FLAG_VAR"], jobs=2) != base
