@@ -119,11 +119,11 @@ def generate(out: Path, graphs: int, buckets: int, compiles: int) -> int:
     return packages
 
 
-def edit_one_bucket_list(out: Path, i: int = 0, buckets: int = 2) -> str:
-    """Change the largest batch size of package i's bucket set; returns the package edited."""
+def edit_one_bucket_list(out: Path, i: int = 0, buckets: int = 2, new_size: int | None = None) -> str:
+    """Change the largest batch size of package i's bucket set (to new_size, default +10); returns the package."""
     p = out / package_name(i) / "BUILD"
     old = batch_sizes(i, buckets)
-    new = [*old[:-1], old[-1] + 10]
+    new = [*old[:-1], new_size if new_size is not None else old[-1] + 10]
     text = p.read_text()
     before = f'"batch": [{", ".join(map(str, old))}]'
     assert before in text, (before, text)
