@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from neuronbuild import incremental
 from neuronbuild.analysis.plan_settings import PlanSettings
 from neuronbuild.analysis.planner import plan
 from neuronbuild.cache.tiered import open_cache
@@ -48,9 +50,15 @@ def settings_notes(settings: PlanSettings, ag_has_neuron: bool) -> list[str]:
     return notes
 
 
-def run_build(ws: Workspace, req: BuildRequest, report: Callable[[str], None] | None = None) -> BuildResult:
-    graph = load_targets(ws.root, req.patterns, ws.cwd_package)
-    ag = plan(graph, req.settings)
+def run_build(ws: Workspace, req: BuildRequest, report: Callable[[str], None] | None = None,
+              noop_key: str | None = None) -> BuildResult:
+    """With `noop_key` (see neuronbuild.noop), a successful build leaves a stamp that lets the next no-op skip it all."""
+    started = time.time_ns()
+    load_cache = incremental.open_caches(req.cache_dir, ws.root)
+    with incremental.analysis_gc():
+        graph = load_targets(ws.root, req.patterns, ws.cwd_package, load_cache)
+        ag = plan(graph, req.settings)
+    incremental.save_caches(req.cache_dir, ws.root, load_cache)
     for note in settings_notes(req.settings, any(ct.platform != "cpu" for ct in ag.compiles)):
         (report or print_report)(note)
     cache = open_cache(req.cache_dir, req.remote_cache, req.remote_cache_readonly, req.s3_endpoint_url, report)
@@ -72,6 +80,9 @@ def run_build(ws: Workspace, req: BuildRequest, report: Callable[[str], None] | 
                 (report or print_report)(line)
     finally:
         cache.finish(keep=ag.actions)
+    if noop_key is not None:
+        incremental.record_noop(noop_key, ws.root, ws.cwd_package, req.patterns, req.cache_dir, graph, ag, cache,
+                                result.ok, started)
     return result
 
 

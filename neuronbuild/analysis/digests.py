@@ -1,36 +1,106 @@
-"""Content digests (BLAKE3) of files and bytes, with an in-process cache keyed by (path, size, mtime, inode)."""
+"""Content digests (BLAKE3) of files and bytes, with a stat-keyed digest cache kept in process and on disk.
+
+A file's cached digest is reused only while its (path, size, mtime_ns, inode, ctime_ns) are unchanged. ctime cannot be
+set by user tools, so `cp -p`, `touch -d` or `rsync -t` cannot fake an unchanged file. A file modified within RACY_NS of
+being hashed ("racily clean", as git calls it) is never cached: a second write in the same timestamp tick could
+otherwise keep its key. The on-disk cache (`load_persistent` / `save_persistent`) lets a new process skip re-reading
+unchanged large weights."""
 
 from __future__ import annotations
 
+import contextlib
+import marshal
 import os
+import tempfile
+import time
 from pathlib import Path
 
 import blake3
 
 DIGEST_ALGO = "blake3"
 _MMAP_THRESHOLD = 4 << 20
-_stat_cache: dict[str, tuple[tuple[int, int, int], str]] = {}
+# Kernel file timestamps come from a coarse clock (one jiffy, <= 10 ms behind); twice that is the racy window.
+RACY_NS = 20_000_000
+_PERSIST_FORMAT = "nb-digests-1"
+
+StatKey = tuple[int, int, int, int]  # size, mtime_ns, inode, ctime_ns
+_stat_cache: dict[str, tuple[StatKey, str]] = {}
+_dirty = False
 
 
 def digest_bytes(data: bytes) -> str:
     return blake3.blake3(data).hexdigest()
 
 
-def digest_file(path: Path | str) -> str:
-    """BLAKE3 hex digest of a file's contents; large files are hashed multi-threaded through mmap."""
-    p = str(path)
-    st = os.stat(p)
-    key = (st.st_size, st.st_mtime_ns, st.st_ino)
-    hit = _stat_cache.get(p)
-    if hit is not None and hit[0] == key:
-        return hit[1]
-    if st.st_size >= _MMAP_THRESHOLD:
+def stat_key(st: os.stat_result) -> StatKey:
+    return (st.st_size, st.st_mtime_ns, st.st_ino, st.st_ctime_ns)
+
+
+def is_racy(key: StatKey, now_ns: int) -> bool:
+    """True when the file changed so recently that a further write could keep the same key."""
+    return max(key[1], key[3]) >= now_ns - RACY_NS
+
+
+def _hash_path(p: str, size: int) -> str:
+    if size >= _MMAP_THRESHOLD:
         h = blake3.blake3(max_threads=blake3.blake3.AUTO)
         h.update_mmap(p)
     else:
         h = blake3.blake3()
         with open(p, "rb") as f:
             h.update(f.read())
-    d = h.hexdigest()
-    _stat_cache[p] = (key, d)
+    return h.hexdigest()
+
+
+def digest_file(path: Path | str) -> str:
+    """BLAKE3 hex digest of a file's contents; large files are hashed multi-threaded through mmap.
+
+    Unchanged files (same stat key as when they were hashed) are not read again."""
+    global _dirty
+    p = str(path)
+    now = time.time_ns()
+    st = os.stat(p)
+    key = stat_key(st)
+    hit = _stat_cache.get(p)
+    if hit is not None and hit[0] == key:
+        return hit[1]
+    d = _hash_path(p, st.st_size)
+    if not is_racy(key, now) and stat_key(os.stat(p)) == key:
+        _stat_cache[p] = (key, d)
+        _dirty = True
     return d
+
+
+def load_persistent(file: Path) -> None:
+    """Merge a digest cache written by `save_persistent` into this process's cache (a bad file counts as empty)."""
+    try:
+        data = marshal.loads(file.read_bytes())
+    except (OSError, EOFError, ValueError, TypeError):
+        return
+    if not isinstance(data, dict) or data.get("format") != _PERSIST_FORMAT:
+        return
+    entries = data.get("entries")
+    if isinstance(entries, dict):
+        for p, (key, d) in entries.items():
+            _stat_cache.setdefault(p, (tuple(key), d))  # type: ignore[arg-type]
+
+
+def save_persistent(file: Path, under: Path) -> None:
+    """Write the cached digests of files under `under` to `file` atomically (skipped when nothing new was hashed)."""
+    global _dirty
+    if not _dirty:
+        return
+    prefix = str(under).rstrip("/") + "/"
+    entries = {p: v for p, v in _stat_cache.items() if p.startswith(prefix)}
+    blob = marshal.dumps({"format": _PERSIST_FORMAT, "entries": entries})
+    file.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=file.parent, prefix=".digests-")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(blob)
+        os.replace(tmp, file)
+        _dirty = False
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise

@@ -23,7 +23,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 
 
 def run(args: argparse.Namespace) -> int:
-    from neuronbuild.build import BuildRequest, default_jobs, patterns_or_default, print_report, run_build
+    from neuronbuild import noop
     from neuronbuild.cache.local import resolve_cache_dir
     from neuronbuild.workspace import find_workspace
 
@@ -35,11 +35,20 @@ def run(args: argparse.Namespace) -> int:
 
         return plan.run(args)
     ws = find_workspace()
-    req = BuildRequest(patterns_or_default(args.patterns), resolve_cache_dir(args.cache_dir),
-                       args.jobs or default_jobs(), args.keep_going, settings_from_args(args),
+    cache_dir = resolve_cache_dir(args.cache_dir)
+    patterns = tuple(args.patterns) or ("//...",)
+    key = noop.request_key(ws.root, ws.cwd_package, patterns, cache_dir, vars(args))
+    line = noop.check(cache_dir, key)  # nothing changed since the last successful build: say so, import nothing
+    if line is not None:
+        print(line, flush=True)
+        return EXIT_OK
+
+    from neuronbuild.build import BuildRequest, default_jobs, print_report, run_build
+
+    req = BuildRequest(patterns, cache_dir, args.jobs or default_jobs(), args.keep_going, settings_from_args(args),
                        remote_cache=args.remote_cache or None, remote_cache_readonly=args.remote_cache_readonly,
                        s3_endpoint_url=args.s3_endpoint_url)
-    result = run_build(ws, req, print_report)
+    result = run_build(ws, req, print_report, noop_key=key)
     print(result.summary(), flush=True)
     if result.failures:
         for f in result.failures:

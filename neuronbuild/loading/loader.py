@@ -105,6 +105,20 @@ def _parse_source(display: str, path: Path, package: str) -> _SourceFile:
                        frozenset(stored))
 
 
+_bzl_parses: dict[tuple[str, str, str, int, int, int, int], _SourceFile] = {}
+
+
+def _parse_bzl(display: str, path: Path, package: str) -> _SourceFile:
+    """_parse_source for .bzl files, memoised per (file, stat key): a macro file loaded by many BUILD files is parsed
+    once per process (the parse is a frozen value; each BUILD file still executes it in its own interpreter)."""
+    st = path.stat()
+    key = (display, str(path), package, st.st_size, st.st_mtime_ns, st.st_ino, st.st_ctime_ns)
+    hit = _bzl_parses.get(key)
+    if hit is None:
+        hit = _bzl_parses[key] = _parse_source(display, path, package)
+    return hit
+
+
 class _PackageContext:
     """The natives one BUILD file's evaluation sees; records targets in call order."""
 
@@ -292,7 +306,7 @@ class Loader:
                 cycle = " -> ".join([*prefix, src.display, display])
                 raise UserInputError(f"load cycle: {cycle}", loc)
             if display not in executed:
-                bzl = _parse_source(display, path, pkg)
+                bzl = _parse_bzl(display, path, pkg)
                 self._exec_loads(interp, ctx, bzl, executed, [*stack, src.display])
                 for other in executed.values():
                     clash = bzl.defined & other.defined

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from neuronbuild.errors import Location, UserInputError
 from neuronbuild.loading.labels import Label, LabelError, TargetPattern, parse_pattern
@@ -12,6 +14,9 @@ from neuronbuild.loading.loader import Loader
 from neuronbuild.loading.schema import RULES
 from neuronbuild.loading.starlark_adapter import run_on_starlark_thread
 from neuronbuild.loading.targets import Package, Target
+
+if TYPE_CHECKING:
+    from neuronbuild.loading.load_cache import LoadCache
 
 
 @dataclass(frozen=True)
@@ -34,18 +39,21 @@ class TargetGraph:
         return out
 
 
-def load_targets(root: Path, patterns: Sequence[str], cwd_package: str = "") -> TargetGraph:
-    """Load everything `patterns` need. Runs the Starlark work on the dedicated Starlark thread."""
+def load_targets(root: Path, patterns: Sequence[str], cwd_package: str = "",
+                 load_cache: LoadCache | None = None) -> TargetGraph:
+    """Load everything `patterns` need. Runs the Starlark work on the dedicated Starlark thread.
+
+    With a `load_cache`, packages whose BUILD and .bzl files are unchanged are not evaluated again."""
     parsed: list[TargetPattern] = []
     for p in patterns:
         try:
             parsed.append(parse_pattern(p, cwd_package))
         except LabelError as e:
             raise UserInputError(f"bad target pattern '{p}': {e}") from None
-    return run_on_starlark_thread(_load, root, parsed)
+    return run_on_starlark_thread(_load, root, parsed, load_cache)
 
 
-def _load(root: Path, patterns: list[TargetPattern]) -> TargetGraph:
+def _load(root: Path, patterns: list[TargetPattern], load_cache: LoadCache | None = None) -> TargetGraph:
     loader = Loader(root)
     packages: dict[str, Package] = {}
 
@@ -53,7 +61,13 @@ def _load(root: Path, patterns: list[TargetPattern]) -> TargetGraph:
         if name not in packages:
             if not loader.has_package(name):
                 return None
-            packages[name] = loader.load_package(name)
+            cached = load_cache.get(loader, name) if load_cache is not None else None
+            if cached is None:
+                started = time.time_ns()
+                cached = loader.load_package(name)
+                if load_cache is not None:
+                    load_cache.put(loader, cached, started)
+            packages[name] = cached
         return packages[name]
 
     requested: list[Label] = []

@@ -1,0 +1,124 @@
+"""A persistent cache of evaluated packages: a BUILD file is not evaluated again while it and every .bzl it load()ed
+(transitively) have the same contents, and the source files its targets name still exist.
+
+Starlark evaluation is hermetic (no clock, environment or file access besides the natives), so a package's targets are a
+function of those files' contents and of neuronbuild's own code (the cache is keyed by `self_stamp.code_stamp()`).
+Contents are compared by BLAKE3 digest through the stat-keyed digest cache, so unchanged files are not even read.
+Only successful loads are cached; errors always come from a fresh evaluation. `print()` output of a BUILD file is shown
+when it is evaluated, not when its package comes from this cache."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import pickle
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+from neuronbuild.analysis.digests import digest_file, is_racy, stat_key
+from neuronbuild.errors import Location, UserInputError
+from neuronbuild.loading.loader import Loader
+from neuronbuild.loading.schema import RULES, AttrError
+from neuronbuild.loading.targets import Package, Target
+from neuronbuild.self_stamp import code_stamp
+
+_FORMAT = "nb-load-cache-1"
+
+
+@dataclass(frozen=True)
+class _Entry:
+    """A cached package: the digest of every file that went into it, and its targets as plain tuples."""
+
+    digests: tuple[tuple[str, str], ...]  # (display, digest) for the BUILD file and each loaded .bzl
+    build_file: str
+    targets: tuple[tuple[Any, str, dict[str, Any], str, int], ...]  # label, kind, attrs, build_file, index
+    files: tuple[str, ...]
+
+
+def cache_file(cache_base: Path, root: Path) -> Path:
+    """Where the load cache of workspace `root` lives inside the build cache directory."""
+    key = hashlib.sha256(str(root.resolve()).encode()).hexdigest()[:20]
+    return cache_base / "v1" / "state" / f"load-{key}.pickle"
+
+
+class LoadCache:
+    """Evaluated packages of one workspace, reused while their inputs are unchanged."""
+
+    def __init__(self, file: Path | None) -> None:
+        self.file = file
+        self._entries: dict[str, _Entry] = {}
+        self._dirty = False
+        self.hits = 0
+        self.misses = 0
+        if file is not None:
+            try:
+                with open(file, "rb") as f:
+                    data = pickle.load(f)
+                if data.get("format") == _FORMAT and data.get("code") == code_stamp():
+                    self._entries = data["entries"]
+            except Exception:  # noqa: BLE001 - an unreadable cache is an empty cache
+                self._entries = {}
+
+    def _path(self, loader: Loader, display: str) -> Path:
+        if display.startswith("@"):
+            return loader._bzl_source(display, "", Location(display))[1]
+        return loader.root / display
+
+    def get(self, loader: Loader, package: str) -> Package | None:
+        """The cached package if every input file is unchanged and its source files exist, else None."""
+        e = self._entries.get(package)
+        if e is None:
+            self.misses += 1
+            return None
+        try:
+            for display, digest in e.digests:
+                if digest_file(self._path(loader, display)) != digest:
+                    raise LookupError(display)
+            targets = []
+            for label, kind, attrs, build_file, index in e.targets:
+                for a in RULES[kind].attrs:
+                    if "file" in a.kinds and attrs.get(a.name) is not None:
+                        vals = attrs[a.name] if isinstance(attrs[a.name], tuple) else (attrs[a.name],)
+                        for lbl in vals:
+                            loader.check_source_file(lbl, a.name)
+                targets.append(Target(label, kind, MappingProxyType(attrs), build_file, index))
+        except (OSError, LookupError, AttrError, UserInputError):
+            self.misses += 1
+            return None
+        self.hits += 1
+        return Package(package, e.build_file, tuple(targets), e.files)
+
+    def put(self, loader: Loader, pkg: Package, started_ns: int) -> None:
+        """Remember a package evaluated after `started_ns` (time.time_ns()). Skipped if any of its files changed since
+        shortly before then: the contents evaluated might not be the contents digested now."""
+        try:
+            paths = [self._path(loader, d) for d in pkg.files]
+            if any(is_racy(stat_key(os.stat(p)), started_ns) for p in paths):
+                return
+            digests = tuple((d, digest_file(p)) for d, p in zip(pkg.files, paths, strict=True))
+        except (OSError, UserInputError):
+            return
+        self._entries[pkg.name] = _Entry(digests, pkg.build_file, tuple(
+            (t.label, t.kind, dict(t.attrs), t.build_file, t.index) for t in pkg.targets), pkg.files)
+        self._dirty = True
+
+    def save(self) -> None:
+        """Write the cache atomically if anything changed (concurrent builds: the last writer wins; nothing breaks)."""
+        if self.file is None or not self._dirty:
+            return
+        self.file.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=self.file.parent, prefix=".load-")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                pickle.dump({"format": _FORMAT, "code": code_stamp(), "entries": self._entries}, f,
+                            protocol=pickle.HIGHEST_PROTOCOL)
+            os.replace(tmp, self.file)
+            self._dirty = False
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise

@@ -1,0 +1,205 @@
+"""The no-op fast path: a stamp of everything the last successful build read and produced; a build whose stamp still
+matches prints its summary without loading, analysis or execution (so without importing networkx, starlark or torch).
+
+The stamp (one file per workspace + request + cache directory, under <cache>/v1/state/) holds:
+- the request key (workspace root, cwd package, patterns and every build flag except --jobs/--keep-going);
+- the environment that can change fingerprints: Python version, executable and prefix (venv), os.uname(), the CPU flags,
+  neuronbuild's own code (`self_stamp`), the variables in ENV_PREFIXES/ENV_NAMES and any variable a flag names;
+- stat keys (size, mtime_ns, inode, ctime_ns) of every input: BUILD and load()ed .bzl files, the source and weights
+  files of every loaded target, and the toolchain: each sys.path entry (installing or upgrading a package rewrites
+  its dist-info directory there) and the compilers (`TOOLS`) as PATH resolves them now;
+- the listing signature (subdirectories, BUILD and marker presence) of every directory from the cwd up to the root and,
+  when a pattern is recursive, of every directory of the workspace: a new, removed or renamed package is seen;
+- stat keys of every action record and output blob in the cache, and of every materialised output and manifest.
+Any difference, missing file or unreadable stamp sends the build down the normal path, which rewrites the stamp.
+A stamp is not written when an input changed within RACY_NS of the build's start (its contents might not be what the
+build read), so an edit during a build is never hidden.
+
+If you add an input to fingerprints, make sure it is covered here (a file, a tool, an environment variable or a flag).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import marshal
+import os
+import re
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from neuronbuild.self_stamp import code_stamp
+from neuronbuild.workspace import BUILD_FILE, MARKER
+
+FORMAT = "nb-noop-1"
+RACY_NS = 20_000_000  # as analysis/digests.py: twice the kernel's coarse timestamp clock tick
+ENV_PREFIXES = ("NEURON", "TORCH", "AOTI", "ATEN_", "OMP_", "PYTHON")
+ENV_NAMES = ("PATH", "CXX", "CC", "LD_LIBRARY_PATH", "TMPDIR", "HOME")
+TOOLS = ("g++", "c++", "neuronx-cc")
+IGNORED_FLAGS = ("jobs", "keep_going", "command", "directory")
+_SKIP_DIRS = ("neuronbuild-out", "__pycache__")
+
+Key = tuple[int, int, int, int]
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+def request_key(root: Path, cwd_package: str, patterns: Sequence[str], cache_dir: Path,
+                flags: Mapping[str, Any]) -> str:
+    """A canonical string naming one build request; flags that cannot change a no-op's outcome are left out."""
+    rest = {k: v for k, v in flags.items() if k not in IGNORED_FLAGS and k not in ("patterns", "cache_dir")}
+    # A flag naming an environment variable (e.g. --action-env NAME) makes that variable's value an input too.
+    named = {w: os.environ[w] for w in _words(rest) if _ENV_NAME.match(w) and w in os.environ}
+    # A flag naming a file (e.g. --neuronx-cc PATH) makes that file an input too: its stat key enters the request key.
+    files = {v: list(_key(v)) for v in rest.values() if isinstance(v, str) and os.sep in v and os.path.isfile(v)}
+    return json.dumps({"root": str(root), "cwd": cwd_package, "patterns": list(patterns), "cache": str(cache_dir),
+                       "flags": rest, "named_env": named, "flag_files": files}, sort_keys=True, default=str)
+
+
+def _words(v: Any) -> list[str]:
+    if isinstance(v, str):
+        return [v.split("=", 1)[0]]
+    if isinstance(v, Mapping):
+        return [w for x in v.items() for w in _words(x)]
+    if isinstance(v, (list, tuple)):
+        return [w for x in v for w in _words(x)]
+    return []
+
+
+def stamp_file(cache_dir: Path, key: str) -> Path:
+    return cache_dir / "v1" / "state" / f"noop-{hashlib.sha256(key.encode()).hexdigest()[:24]}.marshal"
+
+
+def environment() -> str:
+    env = sorted((k, v) for k, v in os.environ.items() if k.startswith(ENV_PREFIXES) or k in ENV_NAMES)
+    return json.dumps({"python": sys.version, "exe": os.path.realpath(sys.executable),
+                       "prefix": sys.prefix, "uname": list(os.uname()), "env": env,
+                       "cpu": _cpu_flags(), "code": code_stamp()}, sort_keys=True)
+
+
+def _cpu_flags() -> str:
+    """The CPU's feature flags (isa = "native" resolves from them), without importing platforms.py's subprocess."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+def toolchain_paths() -> list[str]:
+    """Paths whose stat keys change when the Python packages or the compilers that builds use change."""
+    out = [p for p in sys.path[1:] if p and os.path.isdir(p)]  # [0] is the script's or cwd's directory
+    tools = list(TOOLS) + [os.environ[v] for v in ("CXX", "CC") if os.environ.get(v)]
+    for t in tools:
+        found = shutil.which(t)
+        if found:
+            out.append(os.path.realpath(found))
+    return list(dict.fromkeys(out))
+
+
+def _key(p: str) -> Key:
+    st = os.stat(p)
+    return (st.st_size, st.st_mtime_ns, st.st_ino, st.st_ctime_ns)
+
+
+def check(cache_dir: Path, key: str) -> str | None:
+    """The summary line of the last build if nothing it depends on changed, else None (take the normal path)."""
+    start = time.perf_counter()
+    try:
+        data = marshal.loads(stamp_file(cache_dir, key).read_bytes())
+    except (OSError, EOFError, ValueError, TypeError):
+        return None
+    if not isinstance(data, dict) or data.get("format") != FORMAT or data.get("key") != key:
+        return None
+    if data.get("env") != environment() or data.get("tools") != toolchain_paths():
+        return None
+    paths, keys = data["paths"], data["keys"]
+    try:
+        for p, k in zip(paths, keys, strict=True):
+            st = os.stat(p)
+            if (st.st_size, st.st_mtime_ns, st.st_ino, st.st_ctime_ns) != k:
+                return None
+        for d, sig in zip(data["dirs"], data["dirsigs"], strict=True):
+            if dir_signature(d) != sig:
+                return None
+    except (OSError, ValueError):
+        return None
+    total, cached = data["total"], data["cached"]
+    return f"{total} actions: 0 executed, {cached} cached ({time.perf_counter() - start:.1f} s)"
+
+
+def dir_signature(path: str) -> str:
+    """What package discovery sees of a directory: its subdirectories (as the loader filters them) and whether it
+    holds a BUILD file or a workspace marker. Unlike its mtime, this ignores outputs and editors' temporary files."""
+    subdirs: list[str] = []
+    flags = ""
+    with os.scandir(path) as it:
+        for e in it:
+            if e.name in (BUILD_FILE, MARKER):
+                flags += e.name[0] if e.is_file() else "?"
+            elif e.is_dir() and not e.name.startswith(".") and e.name not in _SKIP_DIRS:
+                subdirs.append(e.name)
+    return "".join(sorted(flags)) + "/" + "/".join(sorted(subdirs))
+
+
+def workspace_dirs(root: Path) -> list[str]:
+    """Every directory a recursive pattern could find packages in (a superset of what the loader walks)."""
+    out: list[str] = []
+    for dirpath, dirnames, _files in os.walk(root):
+        out.append(dirpath)
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith(".") and d not in _SKIP_DIRS)
+    return out
+
+
+def write(cache_dir: Path, key: str, started_ns: int, inputs: Iterable[str], dirs: Iterable[str],
+          outputs: Iterable[str], total: int, cached: int) -> bool:
+    """Write the stamp after a successful build that started at `started_ns` (time.time_ns()).
+
+    Returns False (and removes any old stamp) when an input is missing or changed too recently to be trusted."""
+    target = stamp_file(cache_dir, key)
+    tools = toolchain_paths()
+    paths: list[str] = []
+    keys: list[Key] = []
+    try:
+        for p in dict.fromkeys([*inputs, *tools]):
+            k = _key(p)
+            if max(k[1], k[3]) >= started_ns - RACY_NS:
+                raise LookupError(p)
+            paths.append(p)
+            keys.append(k)
+        for p in dict.fromkeys(outputs):
+            paths.append(p)
+            keys.append(_key(p))
+        dir_list = list(dict.fromkeys(dirs))
+        sigs = [dir_signature(d) for d in dir_list]
+    except (OSError, LookupError):
+        with contextlib.suppress(OSError):
+            os.unlink(target)
+        return False
+    blob = marshal.dumps({"format": FORMAT, "key": key, "env": environment(), "tools": tools, "paths": paths,
+                          "keys": keys, "dirs": dir_list, "dirsigs": sigs, "total": total, "cached": cached})
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".noop-")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(blob)
+        os.replace(tmp, target)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    return True
+
+
+def invalidate(cache_dir: Path, key: str) -> None:
+    """Forget the stamp (a build that failed or was interrupted must not leave an old success behind)."""
+    with contextlib.suppress(OSError):
+        os.unlink(stamp_file(cache_dir, key))

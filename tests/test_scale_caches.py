@@ -1,0 +1,133 @@
+"""The load cache and the on-disk digest cache never serve stale results: changed BUILD/.bzl/source files are seen."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+from helpers import write_ws
+
+from neuronbuild.analysis import digests
+from neuronbuild.errors import UserInputError
+from neuronbuild.loading.labels import Label
+from neuronbuild.loading.load_cache import LoadCache
+from neuronbuild.loading.loader import Loader
+from neuronbuild.loading.starlark_adapter import run_on_starlark_thread
+from neuronbuild.loading.target_graph import load_targets
+
+BUILD = '''load("//tools:defs.bzl", "my_model")
+my_model(name = "m")
+neuron_buckets(name = "b", shapes = [{"batch": 1}])
+'''
+DEFS = '''load("//tools:seeds.bzl", "SEED")
+def my_model(name):
+    neuron_model(name = name, srcs = ["m.py"], entry = "m:build", inputs = {"x": "float32[batch]"}, seed = SEED)
+'''
+
+
+def _ws(tmp_path: Path) -> Path:
+    return write_ws(tmp_path / "ws", {"pkg/BUILD": BUILD, "pkg/m.py": "def build(c): pass\n", "tools/BUILD": "",
+                                      "tools/defs.bzl": DEFS, "tools/seeds.bzl": "SEED = 1\n"})
+
+
+def _settle() -> None:
+    """Let the last write leave the racy window (as it has for any file not edited in the last few milliseconds)."""
+    time.sleep(3 * digests.RACY_NS / 1e9)
+
+
+def _load(root: Path, cache_file: Path) -> tuple[int, LoadCache]:
+    lc = LoadCache(cache_file)
+    g = load_targets(root, ["//pkg:all"], "", lc)
+    lc.save()
+    return g.targets[Label("pkg", "m")].attrs["seed"], lc
+
+
+def _edit(p: Path, old: str, new: str) -> None:
+    p.write_text(p.read_text().replace(old, new))
+    _settle()
+
+
+def test_unchanged_packages_come_from_the_load_cache_and_edits_are_seen(tmp_path: Path) -> None:
+    root = _ws(tmp_path)
+    _settle()
+    cf = tmp_path / "load.pickle"
+    seed, lc = _load(root, cf)
+    assert (seed, lc.hits, lc.misses) == (1, 0, 1)
+    seed, lc = _load(root, cf)
+    assert (seed, lc.hits, lc.misses) == (1, 1, 0)
+    _edit(root / "tools/seeds.bzl", "SEED = 1", "SEED = 2")  # a .bzl loaded by a loaded .bzl
+    seed, lc = _load(root, cf)
+    assert (seed, lc.misses) == (2, 1)
+    _edit(root / "tools/defs.bzl", "seed = SEED", "seed = SEED + 5")
+    assert _load(root, cf)[0] == 7
+    _edit(root / "pkg/BUILD", 'my_model(name = "m")', 'my_model(name = "m")\nneuron_target(name = "t", platform = "trn2")')
+    seed, lc = _load(root, cf)
+    assert (seed, lc.misses) == (7, 1)
+    assert _load(root, cf)[1].hits == 1
+
+
+def test_a_deleted_source_file_is_an_error_even_when_the_package_is_cached(tmp_path: Path) -> None:
+    root = _ws(tmp_path)
+    _settle()
+    cf = tmp_path / "load.pickle"
+    _load(root, cf)
+    (root / "pkg/m.py").unlink()
+    with pytest.raises(UserInputError, match="source file 'pkg/m.py' does not exist"):
+        _load(root, cf)
+
+
+def test_a_package_edited_while_it_is_loaded_is_not_cached(tmp_path: Path) -> None:
+    root = _ws(tmp_path)
+    _settle()
+    cf = tmp_path / "load.pickle"
+    lc = LoadCache(cf)
+    loader = Loader(root)
+    started = time.time_ns()
+    pkg = run_on_starlark_thread(loader.load_package, "pkg")  # evaluates SEED = 1
+    (root / "tools/seeds.bzl").write_text("SEED = 3\n")  # edited before the result is cached
+    lc.put(loader, pkg, started)
+    lc.save()
+    _settle()
+    assert _load(root, cf)[0] == 3
+
+
+def test_digest_cache_survives_processes_and_sees_content_changes_that_keep_size_and_mtime(tmp_path: Path) -> None:
+    f = tmp_path / "w" / "weights.bin"
+    f.parent.mkdir()
+    f.write_bytes(b"a" * 1000)
+    _settle()
+    d1 = digests.digest_file(f)
+    state = tmp_path / "digests.marshal"
+    digests.save_persistent(state, tmp_path)
+    digests._stat_cache.clear()
+    digests.load_persistent(state)
+    assert digests._stat_cache[str(f)][1] == d1  # a new process would not read the file again
+    st = f.stat()
+    f.write_bytes(b"b" * 1000)  # same size; the mtime is put back, as `cp -p` or `touch -d` would do
+    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))
+    _settle()
+    d2 = digests.digest_file(f)
+    assert d2 != d1 and d2 == digests.digest_bytes(b"b" * 1000)
+
+
+def test_a_file_hashed_right_after_a_write_is_not_cached(tmp_path: Path) -> None:
+    f = tmp_path / "fresh.bin"
+    f.write_bytes(b"x" * 10)
+    digests.digest_file(f)
+    assert str(f) not in digests._stat_cache
+
+
+def test_noop_request_key_covers_flags_and_the_variables_they_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    from neuronbuild import noop
+
+    def key(**flags: object) -> str:
+        return noop.request_key(Path("/ws"), "", ["//..."], Path("/cache"), flags)
+
+    monkeypatch.setenv("MY_FLAG_VAR", "1")
+    base = key(action_env=["MY_FLAG_VAR"], jobs=2)
+    assert key(action_env=["MY_FLAG_VAR"], jobs=8, keep_going=True) == base  # cannot change a no-op's outcome
+    assert key(action_env=["MY_FLAG_VAR", "X=1"], jobs=2) != base
+    monkeypatch.setenv("MY_FLAG_VAR", "2")
+    assert key(action_env=["MY_FLAG_VAR"], jobs=2) != base
