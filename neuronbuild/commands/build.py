@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
+from pathlib import Path
+from typing import Any
 
 from neuronbuild.commands.common import add_cache_args
 from neuronbuild.errors import EXIT_BAD_INPUT, EXIT_BUILD_FAILED, EXIT_OK
@@ -12,26 +15,77 @@ from neuronbuild.errors import EXIT_BAD_INPUT, EXIT_BUILD_FAILED, EXIT_OK
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     b = sub.add_parser("build", help="build targets (default //...)")
     b.add_argument("patterns", nargs="*", help="target patterns: //pkg:name, //pkg/..., //pkg:all, //...")
-    b.add_argument("--jobs", "-j", type=int, default=None, help="parallel workers (default: min(8, cores))")
+    b.add_argument("--jobs", "-j", type=int, default=None,
+                   help="actions run at once (default: min(8, cores); with --executor dask: the cluster's threads)")
+    b.add_argument("--local-ram", metavar="SIZE", default=None,
+                   help="memory the build may plan for on this machine: MB, 16G, or HOST_RAM*.5 (default HOST_RAM*.67)")
     b.add_argument("--keep-going", "-k", action="store_true", help="continue independent actions after a failure")
+    b.add_argument("--retries", type=int, default=0,
+                   help="re-run an action whose worker died (killed, out of memory) up to N times (default 0)")
+    v = b.add_mutually_exclusive_group()
+    v.add_argument("--quiet", "-q", action="store_true", help="print failures only")
+    v.add_argument("--verbose", "-v", action="store_true", help="also print starts, cache hits, workers, memory")
+    b.add_argument("--profile", metavar="PATH", help="write a Chrome trace-event JSON of the build (Perfetto)")
+    b.add_argument("--build-event-json-file", metavar="PATH", help="write one JSON object per build event")
+    b.add_argument("--executor", choices=("local", "dask", "dask-local"), default="local",
+                   help="where actions run: local worker processes (default), a Dask cluster, or a LocalCluster")
+    b.add_argument("--scheduler", metavar="tcp://HOST:PORT", help="the Dask scheduler (--executor dask)")
+    b.add_argument("--remote-cache", metavar="PATH",
+                   help="a shared cache directory every Dask worker can read and write (--executor dask)")
     add_cache_args(b)
 
 
+def _bad(msg: str) -> int:
+    print(f"neuronbuild: error: {msg}", file=sys.stderr)
+    return EXIT_BAD_INPUT
+
+
+def _raise_interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
 def run(args: argparse.Namespace) -> int:
-    from neuronbuild.build import BuildRequest, default_jobs, patterns_or_default, print_report, run_build
+    from neuronbuild.build import BuildRequest, default_jobs, patterns_or_default, run_build
     from neuronbuild.cache.local import resolve_cache_dir
+    from neuronbuild.execution.progress import NORMAL, QUIET, VERBOSE
+    from neuronbuild.execution.resources import default_local_ram_mb, parse_local_ram
+    from neuronbuild.execution.scheduler import describe_failure
     from neuronbuild.workspace import find_workspace
 
     if args.jobs is not None and args.jobs < 1:
-        print("neuronbuild: error: --jobs must be at least 1", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return _bad("--jobs must be at least 1")
+    if args.retries < 0:
+        return _bad("--retries must be 0 or more")
+    try:
+        ram = parse_local_ram(args.local_ram) if args.local_ram is not None else default_local_ram_mb()
+    except ValueError as e:
+        return _bad(str(e))
+    if args.executor == "dask" and not args.scheduler:
+        return _bad("--executor dask needs --scheduler tcp://HOST:PORT")
+    if args.executor == "dask" and not args.remote_cache:
+        return _bad("--executor dask needs --remote-cache PATH (a directory every worker can read and write)")
+    if args.scheduler and args.executor != "dask":
+        return _bad("--scheduler is only used with --executor dask")
+    if args.executor != "local" and args.remote_cache and "://" in args.remote_cache:
+        return _bad("the Dask executor needs --remote-cache to be a shared directory")
     ws = find_workspace()
-    req = BuildRequest(patterns_or_default(args.patterns), resolve_cache_dir(args.cache_dir),
-                       args.jobs or default_jobs(), args.keep_going)
-    result = run_build(ws, req, print_report)
-    print(result.summary(), flush=True)
+    remote = str(Path(args.remote_cache).expanduser().resolve()) if args.remote_cache and "://" not in \
+        args.remote_cache else args.remote_cache
+    req = BuildRequest(
+        patterns_or_default(args.patterns), resolve_cache_dir(args.cache_dir), args.jobs or default_jobs(),
+        args.keep_going, args.retries, ram, args.executor, args.scheduler, remote,
+        QUIET if args.quiet else VERBOSE if args.verbose else NORMAL,
+        Path(args.profile).resolve() if args.profile else None,
+        Path(args.build_event_json_file).resolve() if args.build_event_json_file else None,
+    )
+    previous = signal.signal(signal.SIGTERM, _raise_interrupt)  # `kill` ends a build like Ctrl-C does
+    try:
+        result = run_build(ws, req)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    if not args.quiet or result.failures:
+        print(result.summary(), flush=True)
     if result.failures:
-        for f in result.failures:
-            print(f"  FAILED {f.action.describe()}: {f.error}\n    log: {f.log}", file=sys.stderr)
+        print("\n".join(line for f in result.failures for line in describe_failure(f)), file=sys.stderr)
         return EXIT_BUILD_FAILED
     return EXIT_OK
