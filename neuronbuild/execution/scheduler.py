@@ -189,7 +189,7 @@ class _Run:
     def loop(self) -> None:
         if not self.todo:
             return
-        self.s.executor.warm(min(len(self.todo), self.s.executor.slots))
+        self.s.executor.warm(min(len(self.ready), self.s.executor.slots))  # more start on demand
         while True:
             self._poll_other_builds()
             if not self.stopped:
