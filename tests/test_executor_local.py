@@ -61,9 +61,14 @@ def _ws(root: Path, models: dict[str, tuple[str, dict[str, Any]]]) -> Path:
     return write_ws(root, {"pkg/BUILD": _build_file(models), "pkg/m.py": MODEL})
 
 
+def _default_sigint() -> None:
+    # A shell starts background jobs with SIGINT ignored (and that is inherited): give the build a terminal's default.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _start(args: list[str], cwd: Path) -> subprocess.Popen[str]:
     return subprocess.Popen([sys.executable, "-m", "neuronbuild", *args], cwd=cwd, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True, preexec_fn=_default_sigint)
 
 
 def _events(path: Path) -> list[dict[str, Any]]:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import shutil
+import tempfile
 from pathlib import Path
 
 from neuronbuild.cache.local import LocalCache
@@ -23,13 +25,17 @@ class LocalExecutor:
         self.slots = max(1, jobs)
         self._pool = WorkerPool(self.slots, env, cache.scratch, cache.logs / "workers.log")
         self._running: dict[str, tuple[Job, sandboxes.Sandbox]] = {}
+        # This build's sandboxes live under one directory, removed whole at the end (even after a Ctrl-C that
+        # struck while a sandbox was being made).
+        cache.scratch.mkdir(parents=True, exist_ok=True)
+        self._scratch = Path(tempfile.mkdtemp(dir=cache.scratch, prefix="build-"))
 
     def warm(self, n: int) -> None:
         self._pool.warm(n)
 
     def start(self, job: Job) -> Started:
         a = job.action
-        sb = sandboxes.prepare(a, self.root, self.cache)
+        sb = sandboxes.prepare(a, self.root, self.cache, self._scratch)
         msg = {"kind": a.kind, "spec": json.loads(json.dumps(a.spec)), "inputs": str(sb.inputs),
                "outputs": str(sb.outputs), "log": str(job.log)}
         try:
@@ -64,9 +70,8 @@ class LocalExecutor:
 
     def shutdown(self) -> None:
         self._pool.shutdown()
-        for _job, sb in self._running.values():
-            sb.remove()
         self._running.clear()
+        shutil.rmtree(self._scratch, ignore_errors=True)
 
     def worker_pids(self) -> list[int]:
         return self._pool.pids()

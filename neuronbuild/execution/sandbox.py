@@ -28,13 +28,15 @@ class Sandbox:
         shutil.rmtree(self.base, ignore_errors=True)
 
 
-def prepare(action: Action, root: Path, cache: LocalCache) -> Sandbox:
-    cache.scratch.mkdir(parents=True, exist_ok=True)
-    base = Path(tempfile.mkdtemp(dir=cache.scratch, prefix=f"{action.fingerprint[:12]}-"))
+def prepare(action: Action, root: Path, cache: LocalCache, parent: Path | None = None) -> Sandbox:
+    """A sandbox under `parent` (default: the cache's scratch dir; executors pass a per-build dir they remove whole)."""
+    parent = parent or cache.scratch
+    parent.mkdir(parents=True, exist_ok=True)
+    base = Path(tempfile.mkdtemp(dir=parent, prefix=f"{action.fingerprint[:12]}-"))
     sb = Sandbox(base, base / "in", base / "out")
-    sb.inputs.mkdir()
-    sb.outputs.mkdir()
     try:
+        sb.inputs.mkdir()
+        sb.outputs.mkdir()
         for f in action.files:
             dest = sb.inputs / f.path
             dest.parent.mkdir(parents=True, exist_ok=True)
