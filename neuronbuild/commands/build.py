@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
+from pathlib import Path
+from typing import Any
 
 from neuronbuild.commands.cache import add_remote_cache_args
 from neuronbuild.commands.common import add_cache_args
@@ -14,12 +17,38 @@ from neuronbuild.errors import EXIT_BAD_INPUT, EXIT_BUILD_FAILED, EXIT_OK
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     b = sub.add_parser("build", help="build targets (default //...)")
     b.add_argument("patterns", nargs="*", help="target patterns: //pkg:name, //pkg/..., //pkg:all, //...")
-    b.add_argument("--jobs", "-j", type=int, default=None, help="parallel workers (default: min(8, cores))")
+    b.add_argument("--jobs", "-j", type=int, default=None,
+                   help="actions run at once (default: min(8, cores); with --executor dask: the cluster's threads)")
+    b.add_argument("--local-ram", metavar="SIZE", default=None,
+                   help="memory the build may plan for on this machine: MB, 16G, or HOST_RAM*.5 (default HOST_RAM*.67)")
     b.add_argument("--keep-going", "-k", action="store_true", help="continue independent actions after a failure")
+    b.add_argument("--retries", type=int, default=0,
+                   help="re-run an action whose worker died (killed, out of memory) up to N times (default 0)")
+    v = b.add_mutually_exclusive_group()
+    v.add_argument("--quiet", "-q", action="store_true", help="print failures only")
+    v.add_argument("--verbose", "-v", action="store_true", help="also print starts, cache hits, workers, memory")
+    b.add_argument("--profile", metavar="PATH", help="write a Chrome trace-event JSON of the build (Perfetto)")
+    b.add_argument("--build-event-json-file", metavar="PATH", help="write one JSON object per build event")
+    b.add_argument("--executor", choices=("local", "dask", "dask-local"), default="local",
+                   help="where actions run: local worker processes (default), a Dask cluster, or a LocalCluster")
+    b.add_argument("--scheduler", metavar="tcp://HOST:PORT", help="the Dask scheduler (--executor dask)")
     b.add_argument("--dry-run", action="store_true", help="show what would execute (the `plan` command); run nothing")
     add_cache_args(b)
-    add_settings_args(b)
     add_remote_cache_args(b)
+    add_settings_args(b)
+
+
+def _bad(msg: str) -> int:
+    print(f"neuronbuild: error: {msg}", file=sys.stderr)
+    return EXIT_BAD_INPUT
+
+
+def _raise_interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
+# Flags that change how a build runs or reports, never what a finished no-op build would contain.
+NOOP_IGNORED = ("local_ram", "retries", "quiet", "verbose", "profile", "build_event_json_file", "executor", "scheduler")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -28,8 +57,17 @@ def run(args: argparse.Namespace) -> int:
     from neuronbuild.workspace import find_workspace
 
     if args.jobs is not None and args.jobs < 1:
-        print("neuronbuild: error: --jobs must be at least 1", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return _bad("--jobs must be at least 1")
+    if args.retries < 0:
+        return _bad("--retries must be 0 or more")
+    if args.executor == "dask" and not args.scheduler:
+        return _bad("--executor dask needs --scheduler tcp://HOST:PORT")
+    if args.executor == "dask" and not args.remote_cache:
+        return _bad("--executor dask needs --remote-cache PATH (a directory every worker can read and write)")
+    if args.scheduler and args.executor != "dask":
+        return _bad("--scheduler is only used with --executor dask")
+    if args.executor != "local" and args.remote_cache and "://" in args.remote_cache:
+        return _bad("the Dask executor needs --remote-cache to be a shared directory")
     if args.dry_run:
         from neuronbuild.commands import plan
 
@@ -37,21 +75,43 @@ def run(args: argparse.Namespace) -> int:
     ws = find_workspace()
     cache_dir = resolve_cache_dir(args.cache_dir)
     patterns = tuple(args.patterns) or ("//...",)
-    key = noop.request_key(ws.root, ws.cwd_package, patterns, cache_dir, vars(args))
-    line = noop.check(cache_dir, key)  # nothing changed since the last successful build: say so, import nothing
+    noop_flags = {k: v for k, v in vars(args).items() if k not in NOOP_IGNORED}
+    key = noop.request_key(ws.root, ws.cwd_package, patterns, cache_dir, noop_flags)
+    wants_events = args.profile or args.build_event_json_file
+    line = None if wants_events else noop.check(cache_dir, key)  # nothing changed: say so, import nothing
     if line is not None:
-        print(line, flush=True)
+        if not args.quiet:
+            print(line, flush=True)
         return EXIT_OK
 
-    from neuronbuild.build import BuildRequest, default_jobs, print_report, run_build
+    from neuronbuild.build import BuildRequest, default_jobs, run_build
+    from neuronbuild.execution.progress import NORMAL, QUIET, VERBOSE
+    from neuronbuild.execution.resources import default_local_ram_mb, parse_local_ram
+    from neuronbuild.execution.scheduler import describe_failure
 
-    req = BuildRequest(patterns, cache_dir, args.jobs or default_jobs(), args.keep_going, settings_from_args(args),
-                       remote_cache=args.remote_cache or None, remote_cache_readonly=args.remote_cache_readonly,
-                       s3_endpoint_url=args.s3_endpoint_url)
-    result = run_build(ws, req, print_report, noop_key=key)
-    print(result.summary(), flush=True)
+    try:
+        ram = parse_local_ram(args.local_ram) if args.local_ram is not None else default_local_ram_mb()
+    except ValueError as e:
+        return _bad(str(e))
+    remote = str(Path(args.remote_cache).expanduser().resolve()) if args.remote_cache and "://" not in \
+        args.remote_cache else args.remote_cache
+    req = BuildRequest(
+        patterns, cache_dir, args.jobs or default_jobs(),
+        keep_going=args.keep_going, retries=args.retries, local_ram_mb=ram, executor=args.executor,
+        scheduler=args.scheduler, remote_cache=remote or None, remote_cache_readonly=args.remote_cache_readonly,
+        s3_endpoint_url=args.s3_endpoint_url, settings=settings_from_args(args),
+        verbosity=QUIET if args.quiet else VERBOSE if args.verbose else NORMAL,
+        profile=Path(args.profile).resolve() if args.profile else None,
+        event_file=Path(args.build_event_json_file).resolve() if args.build_event_json_file else None,
+    )
+    previous = signal.signal(signal.SIGTERM, _raise_interrupt)  # `kill` ends a build like Ctrl-C does
+    try:
+        result = run_build(ws, req, noop_key=key)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    if not args.quiet or result.failures:
+        print(result.summary(), flush=True)
     if result.failures:
-        for f in result.failures:
-            print(f"  FAILED {f.action.describe()}: {f.error}\n    log: {f.log}", file=sys.stderr)
+        print("\n".join(line for f in result.failures for line in describe_failure(f)), file=sys.stderr)
         return EXIT_BUILD_FAILED
     return EXIT_OK

@@ -1,30 +1,77 @@
-"""Local executor: a pool of long-lived worker processes (spawned, so torch is imported once per worker, never here)."""
+"""Local executor: actions run in sandboxes on this machine, in a pool of long-lived worker processes."""
 
 from __future__ import annotations
 
-import multiprocessing
-from concurrent.futures import Future, ProcessPoolExecutor
-from typing import Any
+import json
+import shutil
+import tempfile
+from pathlib import Path
 
-from neuronbuild.execution.worker import init_worker, run_action
+from neuronbuild.cache.local import LocalCache
+from neuronbuild.execution import sandbox as sandboxes
+from neuronbuild.execution.jobs import Completion, Job, Started
+from neuronbuild.execution.pool import WorkerPool
 
 
 class LocalExecutor:
-    """Runs actions in up to `jobs` worker processes that stay alive for the whole build."""
+    """Runs up to `jobs` actions at once; workers stay alive for the whole build (torch imported once per worker)."""
 
-    def __init__(self, jobs: int, env: dict[str, str]) -> None:
-        self.jobs = max(1, jobs)
-        self._env = env
-        self._pool: ProcessPoolExecutor | None = None
+    local = True
+    name = "local"
 
-    def submit(self, kind: str, spec: dict[str, Any], inputs: str, outputs: str, log: str) -> Future[dict[str, Any]]:
-        if self._pool is None:
-            ctx = multiprocessing.get_context("spawn")
-            self._pool = ProcessPoolExecutor(self.jobs, mp_context=ctx, initializer=init_worker,
-                                             initargs=(self._env,))
-        return self._pool.submit(run_action, kind, spec, inputs, outputs, log)
+    def __init__(self, root: Path, cache: LocalCache, jobs: int, env: dict[str, str]) -> None:
+        self.root = root
+        self.cache = cache
+        self.slots = max(1, jobs)
+        self._pool = WorkerPool(self.slots, env, cache.scratch, cache.logs / "workers.log")
+        self._running: dict[str, tuple[Job, sandboxes.Sandbox]] = {}
+        # This build's sandboxes live under one directory, removed whole at the end (even after a Ctrl-C that
+        # struck while a sandbox was being made).
+        cache.scratch.mkdir(parents=True, exist_ok=True)
+        self._scratch = Path(tempfile.mkdtemp(dir=cache.scratch, prefix="build-"))
 
-    def shutdown(self, cancel: bool = False) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=cancel)
-            self._pool = None
+    def warm(self, n: int) -> None:
+        self._pool.warm(n)
+
+    def start(self, job: Job) -> Started:
+        a = job.action
+        sb = sandboxes.prepare(a, self.root, self.cache, self._scratch)
+        msg = {"kind": a.kind, "spec": json.loads(json.dumps(a.spec)), "inputs": str(sb.inputs),
+               "outputs": str(sb.outputs), "log": str(job.log)}
+        try:
+            slot, pid = self._pool.submit(job.id, msg)
+        except BaseException:
+            sb.remove()
+            raise
+        self._running[job.id] = (job, sb)
+        return Started(f"worker-{slot + 1}", pid)
+
+    def wait(self, timeout: float | None) -> list[Completion]:
+        out = []
+        for r in self._pool.wait(timeout):
+            job, sb = self._running[r.task_id]
+            res = r.result
+            out.append(Completion(
+                job, bool(res.get("ok")), f"worker-{r.slot + 1}", r.pid, str(res.get("error") or ""),
+                float(res.get("duration_s") or 0.0), float(res.get("peak_rss_mb") or 0.0),
+                res.get("metadata") or {}, sb.outputs if res.get("ok") else None, r.worker_died))
+        return out
+
+    def finish(self, job: Job) -> None:
+        entry = self._running.pop(job.id, None)
+        if entry is not None:
+            entry[1].remove()
+
+    def cancel(self) -> None:
+        self._pool.kill_all()
+        for _job, sb in self._running.values():
+            sb.remove()
+        self._running.clear()
+
+    def shutdown(self) -> None:
+        self._pool.shutdown()
+        self._running.clear()
+        shutil.rmtree(self._scratch, ignore_errors=True)
+
+    def worker_pids(self) -> list[int]:
+        return self._pool.pids()

@@ -28,23 +28,27 @@ class Sandbox:
         shutil.rmtree(self.base, ignore_errors=True)
 
 
-def prepare(action: Action, root: Path, cache: LocalCache) -> Sandbox:
-    cache.scratch.mkdir(parents=True, exist_ok=True)
-    base = Path(tempfile.mkdtemp(dir=cache.scratch, prefix=f"{action.fingerprint[:12]}-"))
+def prepare(action: Action, root: Path, cache: LocalCache, parent: Path | None = None) -> Sandbox:
+    """A sandbox under `parent` (default: the cache's scratch dir; executors pass a per-build dir they remove whole)."""
+    parent = parent or cache.scratch
+    parent.mkdir(parents=True, exist_ok=True)
+    base = Path(tempfile.mkdtemp(dir=parent, prefix=f"{action.fingerprint[:12]}-"))
     sb = Sandbox(base, base / "in", base / "out")
-    sb.inputs.mkdir()
-    sb.outputs.mkdir()
-    for f in action.files:
-        dest = sb.inputs / f.path
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(root / f.path, dest)
-        if digest_file(dest) != f.digest:
-            sb.remove()
-            raise InputChanged(f"input '{f.path}' changed during the build; run the build again")
-    for d in action.dep_inputs:
-        res = cache.lookup(d.action)
-        if res is None or d.output not in res.outputs:
-            sb.remove()
-            raise InputChanged(f"output '{d.output}' of action {d.action[:12]} is missing from the cache")
-        cache.place_blob(res.outputs[d.output].digest, sb.inputs / d.path)
+    try:
+        sb.inputs.mkdir()
+        sb.outputs.mkdir()
+        for f in action.files:
+            dest = sb.inputs / f.path
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(root / f.path, dest)
+            if digest_file(dest) != f.digest:
+                raise InputChanged(f"input '{f.path}' changed during the build; run the build again")
+        for d in action.dep_inputs:
+            res = cache.lookup(d.action)
+            if res is None or d.output not in res.outputs:
+                raise InputChanged(f"output '{d.output}' of action {d.action[:12]} is missing from the cache")
+            cache.place_blob(res.outputs[d.output].digest, sb.inputs / d.path)
+    except BaseException:  # including Ctrl-C: no half-built sandbox is left behind
+        sb.remove()
+        raise
     return sb

@@ -1,41 +1,46 @@
-"""Runs an ActionGraph: skips actions whose fingerprint is cached, executes the rest in dependency order, stores results."""
+"""Runs an ActionGraph: skips cached actions, runs the rest longest-critical-path first, stores results, reports events."""
 
 from __future__ import annotations
 
-import json
-import sys
+import heapq
 import time
-from collections.abc import Callable
-from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+
+import networkx as nx
 
 from neuronbuild.analysis.actions import Action
 from neuronbuild.analysis.planner import ActionGraph
 from neuronbuild.cache.cas import CorruptBlob
-from neuronbuild.cache.local import LocalCache
-from neuronbuild.execution import sandbox as sandboxes
+from neuronbuild.cache.local import Claim, LocalCache
+from neuronbuild.execution import events as ev
+from neuronbuild.execution.events import EventBus, action_fields
+from neuronbuild.execution.history import History, Sample
+from neuronbuild.execution.jobs import Completion, Executor, Job
+from neuronbuild.execution.resources import RamBudget, estimate_mb
+from neuronbuild.execution.sandbox import InputChanged
 
 
 @dataclass(frozen=True)
 class Failure:
-    """A failed action: what it was, the first line of its error and its full log."""
+    """A failed action: what it was, the first lines of its error and its full log."""
 
     action: Action
     error: str
     log: Path
+    worker_died: bool = False
 
 
 @dataclass(frozen=True)
 class BuildResult:
-    """What a build did: executed and cached action fingerprints, failures, wall time."""
+    """What a build did: executed and cached action fingerprints, failures, actions skipped because an input failed."""
 
     total: int
     executed: tuple[str, ...] = ()
     cached: tuple[str, ...] = ()
     failures: tuple[Failure, ...] = field(default=())
     wall_s: float = 0.0
+    skipped: tuple[str, ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -46,7 +51,18 @@ class BuildResult:
              f"({self.wall_s:.1f} s)")
         if self.failures:
             s += f", {len(self.failures)} failed"
+        if self.skipped:
+            s += f", {len(self.skipped)} not run (an input failed)"
         return s
+
+
+@dataclass(frozen=True)
+class SchedulerOptions:
+    """How to run: continue after failures, retries after a worker died, the local memory cap (0: none)."""
+
+    keep_going: bool = False
+    retries: int = 0
+    local_ram_mb: int = 0
 
 
 def needed_actions(ag: ActionGraph, cache: LocalCache) -> tuple[list[Action], list[str]]:
@@ -68,129 +84,303 @@ def needed_actions(ag: ActionGraph, cache: LocalCache) -> tuple[list[Action], li
     return [a for a in order if a.fingerprint in need], [a.fingerprint for a in order if a.fingerprint in cached]
 
 
+def critical_paths(ag: ActionGraph, todo: list[Action], duration: dict[str, float]) -> dict[str, float]:
+    """For each action to run: its duration plus the longest chain of durations of the actions that wait for it."""
+    need = {a.fingerprint for a in todo}
+    cp: dict[str, float] = {}
+    for a in reversed(todo):  # todo is topological: consumers come first here
+        tail = max((cp[s] for s in ag.graph.successors(a.fingerprint) if s in need), default=0.0)
+        cp[a.fingerprint] = duration[a.fingerprint] + tail
+    return cp
+
+
+@dataclass
+class _Running:
+    job: Job
+    claim: Claim
+    mem_mb: float
+    started: float
+
+
 class Scheduler:
     """Dispatches missing actions to an executor as their inputs become available.
 
-    Before executing an action it takes the cache's claim on it; if another build holds the claim, it waits and
-    then reuses that build's result, so concurrent builds execute each action once."""
+    Before executing an action it takes the cache's claim on it, only when a worker is free to run it; if another
+    build holds the claim, it runs other work meanwhile and then reuses that build's result, so concurrent builds
+    execute each action once and share the work between them."""
 
     POLL_S = 0.2
 
-    def __init__(self, root: Path, cache: LocalCache, executor: Any, keep_going: bool = False,
-                 report: Callable[[str], None] | None = None) -> None:
+    def __init__(self, root: Path, cache: LocalCache, executor: Executor, options: SchedulerOptions | None = None,
+                 bus: EventBus | None = None) -> None:
         self.root = root
         self.cache = cache
         self.executor = executor
-        self.keep_going = keep_going
-        self.report = report or (lambda msg: print(msg, file=sys.stderr, flush=True))
+        self.options = options or SchedulerOptions()
+        self.bus = bus or EventBus()
 
     def run(self, ag: ActionGraph) -> BuildResult:
         start = time.perf_counter()
+        t0 = time.time()
         todo, cached_list = needed_actions(ag, self.cache)
-        cached = list(cached_list)
-        if not todo:
-            return BuildResult(len(ag.actions), (), tuple(cached), (), time.perf_counter() - start)
-        waiting = {a.fingerprint: a for a in todo}
-        done: set[str] = set(cached)
-        executed: list[str] = []
-        failures: list[Failure] = []
-        running: dict[Future[dict[str, Any]], _Running] = {}
-        total = len(todo)
-        stop = False
+        self.bus.emit(ev.CACHE_CHECKED, start=t0, duration_s=time.time() - t0, lookups=len(ag.actions),
+                      hits=len(cached_list))
+        history = History.load(self.cache.root)
+        duration = {a.fingerprint: history.duration(a) for a in todo}
+        prio = critical_paths(ag, todo, duration)
+        mem = {a.fingerprint: estimate_mb(a, history.peak_mb(a)) for a in todo}
+        self.bus.emit(ev.BUILD_STARTED, total_actions=len(ag.actions), to_execute=len(todo), cached=len(cached_list),
+                      jobs=self.executor.slots, executor=self.executor.name,
+                      plan=[{"fingerprint": a.fingerprint, "description": a.describe(),
+                             "estimate_s": round(duration[a.fingerprint], 3),
+                             "critical_path_s": round(prio[a.fingerprint], 3)} for a in todo])
+        for fp in cached_list:
+            self.bus.emit(ev.ACTION_CACHED, **action_fields(ag.actions[fp]))
+        run = _Run(self, ag, todo, prio, mem)
+        interrupted = False
         try:
-            while waiting or running:
-                blocked = False
-                if not stop:
-                    for fp, a in list(waiting.items()):
-                        if not all(d in done for d in a.deps):
-                            continue
-                        if self.cache.lookup(fp) is not None:  # another build finished it meanwhile
-                            del waiting[fp]
-                            done.add(fp)
-                            cached.append(fp)
-                            continue
-                        claim = self.cache.try_claim(fp)
-                        if claim is None:
-                            blocked = True  # another build is executing it: wait for its result
-                            continue
-                        if self.cache.lookup(fp) is not None:
-                            claim.release()
-                            del waiting[fp]
-                            done.add(fp)
-                            cached.append(fp)
-                            continue
-                        del waiting[fp]
-                        started = self._start(a, claim)
-                        if isinstance(started, Failure):
-                            failures.append(started)
-                            if not self.keep_going:
-                                stop = True
-                                break
-                        else:
-                            running[started.future] = started
-                if stop:
-                    waiting.clear()
-                if not running:
-                    if blocked or (waiting and any(all(d in done for d in a.deps) for a in waiting.values())):
-                        time.sleep(self.POLL_S)
-                        continue
-                    break
-                finished, _ = wait(list(running), timeout=self.POLL_S if blocked else None,
-                                   return_when=FIRST_COMPLETED)
-                for fut in finished:
-                    r = running.pop(fut)
-                    try:
-                        res = fut.result()
-                    except Exception as e:  # noqa: BLE001 - a dead worker fails its action only
-                        res = {"ok": False, "error": f"worker process failed: {type(e).__name__}: {e}",
-                               "duration_s": 0.0}
-                    a = r.action
-                    if res.get("ok"):
-                        try:
-                            self.cache.store_outputs(a.fingerprint, a.identity, a.record, r.sandbox.outputs,
-                                                     a.outputs, float(res["duration_s"]), res.get("metadata") or {})
-                        except OSError as e:
-                            res = {"ok": False, "error": f"storing outputs failed: {e}"}
-                    if res.get("ok"):
-                        done.add(a.fingerprint)
-                        executed.append(a.fingerprint)
-                        self.report(f"[{len(executed)}/{total}] {a.describe()} ({res['duration_s']:.1f} s)")
-                    else:
-                        failures.append(Failure(a, str(res.get("error")), r.log))
-                        self.cache.record_failure(a.fingerprint, a.identity, a.record, str(res.get("error")), r.log)
-                        self.report(f"FAILED: {a.describe()}: {res.get('error')} (log: {r.log})")
-                        if not self.keep_going:
-                            stop = True
-                    r.sandbox.remove()
-                    r.claim.release()
-                if stop:
-                    waiting.clear()
+            run.loop()
+        except BaseException:
+            interrupted = True
+            raise
         finally:
-            for r in running.values():
-                r.sandbox.remove()
-                r.claim.release()
-        return BuildResult(len(ag.actions), tuple(executed), tuple(cached), tuple(failures),
-                           time.perf_counter() - start)
+            run.cleanup()
+            history.save(run.samples)
+            result = BuildResult(len(ag.actions), tuple(run.executed), tuple(cached_list) + tuple(run.reused),
+                                 tuple(run.failures), time.perf_counter() - start, tuple(run.skipped))
+            self.bus.emit(ev.BUILD_FINISHED, ok=result.ok and not interrupted, interrupted=interrupted,
+                          executed=len(result.executed), cached=len(result.cached), failed=len(result.failures),
+                          skipped=len(result.skipped), wall_s=round(result.wall_s, 3))
+        return result
 
-    def _start(self, a: Action, claim: Any) -> _Running | Failure:
-        log = self.cache.logs / a.fingerprint[:2] / f"{a.fingerprint}.log"
-        log.parent.mkdir(parents=True, exist_ok=True)
-        log.write_text(f"# {a.describe()}\n# fingerprint {a.fingerprint}\n", encoding="utf-8")
-        try:
-            sb = sandboxes.prepare(a, self.root, self.cache)
-        except (sandboxes.InputChanged, OSError, CorruptBlob) as e:
+
+class _Run:
+    """The state of one scheduler run."""
+
+    def __init__(self, s: Scheduler, ag: ActionGraph, todo: list[Action], prio: dict[str, float],
+                 mem: dict[str, float]) -> None:
+        self.s = s
+        self.ag = ag
+        self.todo = {a.fingerprint: a for a in todo}
+        self.prio = prio
+        self.mem = mem
+        self.blockers = {a.fingerprint: {d for d in a.deps if d in self.todo} for a in todo}
+        self.ready: list[tuple[float, int, str]] = []
+        self._seq = 0
+        for fp, deps in self.blockers.items():
+            if not deps:
+                self._push(fp)
+        self.running: dict[str, _Running] = {}
+        self.held: dict[str, Claim] = {}  # claims kept across a retry
+        self.other_build: set[str] = set()  # claimed by another build: wait for its result
+        self.attempts: dict[str, int] = {}
+        self.executed: list[str] = []
+        self.reused: list[str] = []
+        self.failures: list[Failure] = []
+        self.skipped: list[str] = []
+        self.samples: dict[str, Sample] = {}
+        self.stopped = False
+        self.budget = RamBudget(s.options.local_ram_mb) if s.options.local_ram_mb and s.executor.local else None
+
+    def _push(self, fp: str) -> None:
+        self._seq += 1
+        heapq.heappush(self.ready, (-self.prio[fp], self._seq, fp))
+
+    def loop(self) -> None:
+        if not self.todo:
+            return
+        self.s.executor.warm(min(len(self.ready), self.s.executor.slots))  # more start on demand
+        while True:
+            self._poll_other_builds()
+            if not self.stopped:
+                self._dispatch()
+            if not self.running:
+                if self.other_build and not self.stopped:
+                    time.sleep(self.s.POLL_S)
+                    continue
+                if self.ready and not self.stopped:
+                    continue
+                return
+            for c in self.s.executor.wait(self.s.POLL_S if self.other_build else None):
+                self._complete(c)
+            if self.stopped and self.running:
+                self._cancel_running()
+
+    def _dispatch(self) -> None:
+        ex = self.s.executor
+        while self.ready and len(self.running) < ex.slots:
+            fp = self.ready[0][2]
+            if self.budget is not None:
+                used = sum(r.mem_mb for r in self.running.values())
+                if not self.budget.admits(used, self.mem[fp], len(self.running)):
+                    return  # held back until a running action frees memory
+            heapq.heappop(self.ready)
+            claim = self.held.pop(fp, None)
+            if claim is None:
+                claim = self._claim(fp)
+                if claim is None:
+                    continue
+            self._start(self.todo[fp], claim)
+
+    def _claim(self, fp: str) -> Claim | None:
+        """Our claim on fp, or None when its result exists (done) or another build is running it (waiting)."""
+        cache = self.s.cache
+        if cache.lookup(fp) is not None:
+            self._done(fp, reused=True)
+            return None
+        claim = cache.try_claim(fp)
+        if claim is None:
+            self.other_build.add(fp)
+            self.s.bus.emit(ev.ACTION_WAITING, **action_fields(self.todo[fp]))
+            return None
+        if cache.lookup(fp) is not None:
             claim.release()
-            self.report(f"FAILED: {a.describe()}: {e}")
-            return Failure(a, str(e), log)
-        spec = json.loads(json.dumps(a.spec))
-        fut = self.executor.submit(a.kind, spec, str(sb.inputs), str(sb.outputs), str(log))
-        return _Running(a, sb, log, claim, fut)
+            self._done(fp, reused=True)
+            return None
+        return claim
+
+    def _poll_other_builds(self) -> None:
+        for fp in list(self.other_build):
+            cache = self.s.cache
+            if cache.lookup(fp) is not None:
+                self.other_build.discard(fp)
+                self._done(fp, reused=True)
+                continue
+            claim = cache.try_claim(fp)
+            if claim is None:
+                continue
+            self.other_build.discard(fp)
+            if cache.lookup(fp) is not None:
+                claim.release()
+                self._done(fp, reused=True)
+            else:  # the other build gave up on it (failed or was stopped): run it ourselves
+                self.held[fp] = claim
+                self._push(fp)
+
+    def _start(self, a: Action, claim: Claim) -> None:
+        fp = a.fingerprint
+        attempt = self.attempts.get(fp, 0)
+        log = self.s.cache.logs / fp[:2] / f"{fp}.log"
+        job = Job(a, attempt, log)
+        try:
+            log.parent.mkdir(parents=True, exist_ok=True)
+            if attempt == 0:
+                log.write_text(f"# {a.describe()}\n# fingerprint {fp}\n", encoding="utf-8")
+            else:
+                with open(log, "a", encoding="utf-8") as f:
+                    f.write(f"\n# attempt {attempt + 1}\n")
+            started = self.s.executor.start(job)
+        except (InputChanged, OSError, CorruptBlob) as e:
+            claim.release()
+            self._fail(a, str(e), log, False)
+            return
+        except BaseException:
+            claim.release()
+            raise
+        self.running[job.id] = _Running(job, claim, self.mem[fp], time.time())
+        self.s.bus.emit(ev.ACTION_STARTED, **action_fields(a), attempt=attempt + 1, worker=started.worker,
+                        pid=started.pid)
+
+    def _complete(self, c: Completion) -> None:
+        r = self.running.pop(c.job.id)
+        a = c.job.action
+        fp = a.fingerprint
+        ok, error = c.ok, c.error
+        stored_s = 0.0
+        if ok:
+            assert c.outputs is not None
+            t = time.time()
+            try:
+                self.s.cache.store_outputs(fp, a.identity, a.record, c.outputs, a.outputs, c.duration_s,
+                                           c.metadata)
+            except OSError as e:
+                ok, error = False, f"storing outputs failed: {e}"
+            stored_s = time.time() - t
+            if ok:
+                self.s.bus.emit(ev.OUTPUTS_STORED, at=t + stored_s, fingerprint=fp, start=t, duration_s=stored_s,
+                                worker=c.worker)
+        self.s.executor.finish(c.job)
+        if ok:
+            r.claim.release()
+            self.samples[a.identity] = Sample(c.duration_s, c.peak_rss_mb)
+            self.executed.append(fp)
+            self.s.bus.emit(ev.ACTION_FINISHED, **action_fields(a), attempt=c.job.attempt + 1, worker=c.worker,
+                            pid=c.pid, start=r.started, duration_s=round(c.duration_s, 3),
+                            peak_rss_mb=round(c.peak_rss_mb, 1),
+                            outputs={k: v for k, v in sorted(self._outputs(fp).items())})
+            self._done(fp)
+            return
+        retry = c.worker_died and self.attempts.get(fp, 0) < self.s.options.retries and not self.stopped
+        self.s.bus.emit(ev.ACTION_FAILED, **action_fields(a), attempt=c.job.attempt + 1, worker=c.worker,
+                        pid=c.pid, start=r.started, duration_s=round(c.duration_s, 3), error=error,
+                        log=str(c.job.log), worker_died=c.worker_died, will_retry=retry)
+        if retry:
+            self.attempts[fp] = self.attempts.get(fp, 0) + 1
+            self.held[fp] = r.claim
+            self._push(fp)
+            return
+        r.claim.release()
+        self._fail(a, error, c.job.log, c.worker_died, emitted=True)
+
+    def _outputs(self, fp: str) -> dict[str, str]:
+        res = self.s.cache.lookup(fp)
+        return {k: v.digest for k, v in res.outputs.items()} if res is not None else {}
+
+    def _done(self, fp: str, reused: bool = False) -> None:
+        if reused:
+            self.reused.append(fp)
+            self.s.bus.emit(ev.ACTION_CACHED, **action_fields(self.todo[fp]), by_other_build=True)
+        for succ in self.ag.graph.successors(fp):
+            deps = self.blockers.get(succ)
+            if deps is not None and fp in deps:
+                deps.discard(fp)
+                if not deps and not self.stopped:
+                    self._push(succ)
+
+    def _fail(self, a: Action, error: str, log: Path, worker_died: bool, emitted: bool = False) -> None:
+        fp = a.fingerprint
+        try:
+            self.s.cache.record_failure(fp, a.identity, a.record, error, log)
+        except OSError:
+            pass
+        if not emitted:
+            self.s.bus.emit(ev.ACTION_FAILED, **action_fields(a), attempt=self.attempts.get(fp, 0) + 1, worker="",
+                            pid=0, start=time.time(), duration_s=0.0, error=error, log=str(log),
+                            worker_died=worker_died, will_retry=False)
+        self.failures.append(Failure(a, error, log, worker_died))
+        for d in nx.descendants(self.ag.graph, fp):
+            if d in self.todo and d not in self.skipped:
+                self.skipped.append(d)
+                self.s.bus.emit(ev.ACTION_SKIPPED, **action_fields(self.todo[d]), because=fp)
+        if not self.s.options.keep_going:
+            self.stopped = True
+            self.ready.clear()
+
+    def _cancel_running(self) -> None:
+        """Without --keep-going the first failure ends the build: running actions are stopped, not stored."""
+        self.s.executor.cancel()
+        for r in self.running.values():
+            r.claim.release()
+            self.skipped.append(r.job.action.fingerprint)
+            self.s.bus.emit(ev.ACTION_SKIPPED, **action_fields(r.job.action), because="stopped")
+        self.running.clear()
+
+    def cleanup(self) -> None:
+        """After the loop, normally or not (Ctrl-C): end running work, drop scratch space, release every claim."""
+        if self.running:
+            self.s.executor.cancel()
+        for r in self.running.values():
+            r.claim.release()
+        self.running.clear()
+        for claim in self.held.values():
+            claim.release()
+        self.held.clear()
 
 
-@dataclass(frozen=True)
-class _Running:
-    action: Action
-    sandbox: sandboxes.Sandbox
-    log: Path
-    claim: Any
-    future: Future[dict[str, Any]]
+def describe_failure(f: Failure) -> list[str]:
+    """Lines for the end-of-build summary: the action (label, bucket, target), its error's first lines, its log."""
+    lines = [f"  FAILED {f.action.describe()}"]
+    lines += [f"    {ln}" for ln in (f.error.splitlines() or ["(no message)"])[:5]]
+    lines.append(f"    log: {f.log}")
+    return lines
+

@@ -1,23 +1,20 @@
-"""Code that runs inside worker processes: environment set-up and running one action's toolchain step."""
+"""Code that runs inside worker processes: the long-lived worker's main loop and running one action's toolchain step."""
 
 from __future__ import annotations
 
 import contextlib
 import os
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Iterator
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-
-def init_worker(env: dict[str, str]) -> None:
-    """Pool initializer: replace the inherited environment with the action allow-list."""
-    os.environ.clear()
-    os.environ.update(env)
-    Path(env["TMPDIR"]).mkdir(parents=True, exist_ok=True)
-    Path(env["HOME"]).mkdir(parents=True, exist_ok=True)
+# The first lines of an error kept in results and summaries (the full text is in the action's log).
+ERROR_LINES = 5
 
 
 @contextlib.contextmanager
@@ -41,9 +38,33 @@ def _redirect_fds(log_path: str) -> Iterator[None]:
         os.close(fd)
 
 
+def first_lines(msg: str, n: int = ERROR_LINES) -> str:
+    lines = [ln.rstrip() for ln in msg.strip().splitlines() if ln.strip()]
+    return "\n".join(lines[:n])
+
+
+def _reset_peak_rss() -> None:
+    """Linux: writing 5 to clear_refs resets VmHWM, so each action's peak is measured on its own."""
+    with contextlib.suppress(OSError):
+        Path("/proc/self/clear_refs").write_text("5")
+
+
+def peak_rss_mb() -> float:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024.0
+    except (OSError, ValueError, IndexError):
+        pass
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
 def run_action(kind: str, spec: dict[str, Any], inputs: str, outputs: str, log_path: str) -> dict[str, Any]:
-    """Run a trace or compile in this process. Returns {"ok", "metadata"|"error", "duration_s", "pid"}."""
+    """Run a trace or compile in this process. Returns {"ok", "metadata"|"error", "duration_s", "pid", "peak_rss_mb"}."""
     start = time.perf_counter()
+    _reset_peak_rss()
     cwd = os.getcwd()
     Path(log_path).parent.mkdir(parents=True, exist_ok=True)
     try:
@@ -60,12 +81,50 @@ def run_action(kind: str, spec: dict[str, Any], inputs: str, outputs: str, log_p
                     meta = run_compile(spec, Path(inputs), Path(outputs))
             finally:
                 os.chdir(cwd)
-        return {"ok": True, "metadata": meta, "duration_s": time.perf_counter() - start, "pid": os.getpid()}
+        return {"ok": True, "metadata": meta, "duration_s": time.perf_counter() - start, "pid": os.getpid(),
+                "peak_rss_mb": peak_rss_mb()}
     except Exception as e:  # noqa: BLE001 - every failure is reported as the action's failure
         from neuronbuild.toolchains.errors import ToolchainError
 
         with open(log_path, "a", encoding="utf-8") as log:
             traceback.print_exc(file=log)
         msg = str(e) if isinstance(e, ToolchainError) else f"{type(e).__name__}: {e}"
-        return {"ok": False, "error": msg.strip().splitlines()[0] if msg.strip() else type(e).__name__,
-                "duration_s": time.perf_counter() - start, "pid": os.getpid()}
+        return {"ok": False, "error": first_lines(msg) or type(e).__name__,
+                "duration_s": time.perf_counter() - start, "pid": os.getpid(), "peak_rss_mb": peak_rss_mb()}
+
+
+def _watch_parent(parent: int) -> None:
+    """End this worker (and the compilers it started) when the process that started it dies."""
+    while True:
+        time.sleep(1.0)
+        if os.getppid() != parent:
+            with contextlib.suppress(OSError):
+                os.killpg(0, 9)
+            os._exit(1)
+
+
+def main(read_fd: int, write_fd: int) -> None:
+    """A worker's life: warm up (import torch and the toolchains once), then run actions until told to stop.
+
+    Started by pool.WorkerProcess in its own session with the action environment; messages are pickled over two
+    pipes: in, {"kind", "spec", "inputs", "outputs", "log"} or None (stop); out, run_action's result."""
+    for fd in (read_fd, write_fd):
+        os.set_inheritable(fd, False)  # compilers started by the toolchain must not hold our pipes open
+    conn_in = Connection(read_fd, writable=False)
+    conn_out = Connection(write_fd, readable=False)
+    threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
+    for var in ("TMPDIR", "HOME"):
+        if os.environ.get(var):
+            Path(os.environ[var]).mkdir(parents=True, exist_ok=True)
+    with contextlib.suppress(Exception):  # a broken toolchain import is reported by the first action instead
+        import neuronbuild.toolchains.compile  # noqa: F401
+        import neuronbuild.toolchains.trace  # noqa: F401
+    conn_out.send({"ready": True, "pid": os.getpid()})
+    while True:
+        try:
+            msg = conn_in.recv()
+        except (EOFError, OSError):
+            return
+        if msg is None:
+            return
+        conn_out.send(run_action(msg["kind"], msg["spec"], msg["inputs"], msg["outputs"], msg["log"]))

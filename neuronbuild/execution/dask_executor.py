@@ -1,0 +1,239 @@
+"""Dask executor: runs actions on a Dask cluster (a compile farm) through a shared-directory cache tier.
+
+The client puts each action's source inputs into the shared CAS and sends digests; a Dask worker builds the sandbox
+from the shared CAS, runs the action in a warm worker process of its own (pool.WorkerPool, one per Dask thread),
+puts the outputs into the shared CAS and returns their digests. The client then writes the records (shared tier and
+local cache). The shared directory has a local cache's layout and the same path on every machine. A worker lost
+mid-action is handled by Dask, which runs the task again on another worker."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+import tempfile
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from neuronbuild.analysis.digests import digest_file
+from neuronbuild.cache.local import LocalCache
+from neuronbuild.errors import NeuronBuildError
+from neuronbuild.execution.env import action_environment
+from neuronbuild.execution.jobs import Completion, Job, Started
+from neuronbuild.execution.pool import WorkerPool
+from neuronbuild.execution.sandbox import InputChanged
+from neuronbuild.execution.worker import first_lines
+
+_LOG_TAIL = 200_000
+
+
+class DaskExecutor:
+    """Dispatches jobs to an existing scheduler (`address`) or to a LocalCluster of `jobs` workers (address None)."""
+
+    local = False
+
+    def __init__(self, root: Path, cache: LocalCache, shared_dir: Path, address: str | None, jobs: int,
+                 toolchain_tmp: Path | None = None) -> None:
+        try:
+            from distributed import Client, LocalCluster
+        except ImportError:
+            raise NeuronBuildError("the Dask executor needs dask[distributed]: pip install 'neuronbuild[farm]'") \
+                from None
+        self.root = root
+        self.cache = cache
+        self.shared = LocalCache(shared_dir)
+        self._same = self.shared.root.resolve() == cache.root.resolve()
+        self._toolchain_tmp = str(toolchain_tmp) if toolchain_tmp else None
+        self._cluster: Any = None
+        try:
+            if address is None:
+                self.name = "dask-local"
+                self._cluster = LocalCluster(n_workers=max(1, jobs), threads_per_worker=1, processes=True,
+                                             host="127.0.0.1", dashboard_address=None)
+                self.client: Any = Client(self._cluster)
+            else:
+                self.name = "dask"
+                self.client = Client(address, timeout="30s")
+                self.client.wait_for_workers(1, timeout=120)
+        except (OSError, TimeoutError) as e:
+            self.shutdown()
+            raise NeuronBuildError(f"cannot use the Dask cluster at {address or 'a LocalCluster'}: {e}") from None
+        self.slots = max(1, sum(self.client.nthreads().values()))
+        self._futures: dict[Any, Job] = {}
+        cache.scratch.mkdir(parents=True, exist_ok=True)
+        self._tmp = Path(tempfile.mkdtemp(dir=cache.scratch, prefix="farm-"))
+
+    def warm(self, n: int) -> None:
+        pass
+
+    def _to_shared(self, a_path: str, digest: str) -> None:
+        """A workspace file into the shared CAS (verified against the digest analysis saw)."""
+        src = self.root / a_path
+        if self.shared.blobs.has(digest):
+            if digest_file(src) != digest:
+                raise InputChanged(f"input '{a_path}' changed during the build; run the build again")
+            return
+        got, _size = self.shared.blobs.put_file(src)
+        if got != digest:
+            raise InputChanged(f"input '{a_path}' changed during the build; run the build again")
+
+    def start(self, job: Job) -> Started:
+        a = job.action
+        inputs: list[tuple[str, str]] = []
+        for f in a.files:
+            self._to_shared(f.path, f.digest)
+            inputs.append((f.path, f.digest))
+        for d in a.dep_inputs:
+            res = self.cache.lookup(d.action)
+            if res is None or d.output not in res.outputs:
+                raise InputChanged(f"output '{d.output}' of action {d.action[:12]} is missing from the cache")
+            digest = res.outputs[d.output].digest
+            if not self.shared.blobs.has(digest):
+                tmp = self._tmp / f"up-{uuid.uuid4().hex}"
+                try:
+                    self.cache.copy_blob(digest, tmp)
+                    self.shared.blobs.put_file(tmp)
+                finally:
+                    tmp.unlink(missing_ok=True)
+            inputs.append((d.path, digest))
+        payload = {"kind": a.kind, "spec": json.loads(json.dumps(a.spec)), "inputs": inputs,
+                   "outputs": list(a.outputs), "shared": str(self.shared.base), "toolchain_tmp": self._toolchain_tmp,
+                   "description": a.describe()}
+        key = f"neuronbuild-{a.fingerprint[:16]}-{job.attempt}-{uuid.uuid4().hex[:8]}"
+        fut = self.client.submit(farm_run, payload, key=key, pure=False)
+        self._futures[fut] = job
+        return Started("dask", 0)
+
+    def wait(self, timeout: float | None) -> list[Completion]:
+        from distributed import wait as dask_wait
+
+        if not self._futures:
+            time.sleep(timeout or 0.1)
+            return []
+        try:
+            done, _ = dask_wait(list(self._futures), timeout=timeout, return_when="FIRST_COMPLETED")
+        except TimeoutError:
+            return []
+        return [self._completion(fut) for fut in done]
+
+    def _completion(self, fut: Any) -> Completion:
+        job = self._futures.pop(fut)
+        a = job.action
+        try:
+            res = fut.result()
+        except Exception as e:  # noqa: BLE001 - KilledWorker (lost too often), cancellation, a broken worker
+            return Completion(job, False, "dask", error=first_lines(f"the Dask task failed: {type(e).__name__}: {e}"),
+                              worker_died=True)
+        with contextlib.suppress(OSError), open(job.log, "a", encoding="utf-8") as log:
+            log.write(f"# ran on {res.get('worker')}\n{res.get('log', '')}")
+        worker = str(res.get("worker") or "dask")
+        if not res.get("ok"):
+            return Completion(job, False, worker, int(res.get("pid") or 0), str(res.get("error") or ""),
+                              float(res.get("duration_s") or 0.0), worker_died=bool(res.get("worker_died")))
+        out = self._tmp / job.id.replace("#", "-")
+        try:
+            for name, (digest, _size) in res["outputs"].items():
+                self.shared.copy_blob(digest, out / name)
+            if not self._same:  # the shared tier's record, for other clients (blobs are there already)
+                self.shared.store_outputs(a.fingerprint, a.identity, a.record, out, a.outputs,
+                                          float(res["duration_s"]), res.get("metadata") or {})
+        except Exception as e:  # noqa: BLE001 - CorruptBlob, OSError: the action's failure, not the build's
+            return Completion(job, False, worker, error=f"fetching outputs from the shared cache failed: {e}")
+        return Completion(job, True, worker, int(res.get("pid") or 0), "", float(res["duration_s"]),
+                          float(res.get("peak_rss_mb") or 0.0), res.get("metadata") or {}, out)
+
+    def finish(self, job: Job) -> None:
+        shutil.rmtree(self._tmp / job.id.replace("#", "-"), ignore_errors=True)
+
+    def cancel(self) -> None:
+        """Forget running tasks (a task already running on a worker finishes there; its outputs are not recorded)."""
+        if self._futures:
+            with contextlib.suppress(Exception):
+                self.client.cancel(list(self._futures))
+        self._futures.clear()
+
+    def shutdown(self) -> None:
+        self.cancel()
+        client = getattr(self, "client", None)
+        if client is not None:
+            with contextlib.suppress(Exception):
+                client.close()
+        if self._cluster is not None:
+            with contextlib.suppress(Exception):
+                self._cluster.close()
+        if getattr(self, "_tmp", None) is not None:
+            shutil.rmtree(self._tmp, ignore_errors=True)
+
+
+# ------------------------------------------------------------------------------------------------ on the Dask worker
+
+_POOLS: dict[tuple[int, str], WorkerPool] = {}
+_POOLS_LOCK = threading.Lock()
+
+
+def _farm_base() -> Path:
+    return Path(tempfile.gettempdir()) / "neuronbuild-farm"
+
+
+def _pool_for_thread(toolchain_tmp: str | None) -> WorkerPool:
+    """One warm worker process per Dask worker thread (and toolchain tmp), kept for later tasks."""
+    key = (threading.get_ident(), toolchain_tmp or "")
+    with _POOLS_LOCK:
+        pool = _POOLS.get(key)
+        if pool is None:
+            base = _farm_base()
+            tmp = Path(toolchain_tmp) if toolchain_tmp else base / "toolchain-tmp"
+            env = action_environment(tmp, base / "home")
+            pool = _POOLS[key] = WorkerPool(1, env, base / "scratch")
+        return pool
+
+
+def farm_run(payload: dict[str, Any]) -> dict[str, Any]:
+    """Runs on a Dask worker: sandbox from the shared CAS, the action in a warm worker process, outputs to the CAS."""
+    try:
+        from distributed import get_worker
+
+        where = str(get_worker().address)
+    except (ImportError, ValueError):
+        where = "dask"
+    shared = LocalCache(Path(payload["shared"]))
+    base = _farm_base()
+    base.mkdir(parents=True, exist_ok=True)
+    sb = Path(tempfile.mkdtemp(dir=base, prefix="job-"))
+    try:
+        inputs, outputs, log = sb / "in", sb / "out", sb / "action.log"
+        inputs.mkdir()
+        outputs.mkdir()
+        for rel, digest in payload["inputs"]:
+            shared.place_blob(digest, inputs / rel)
+        log.write_text(f"# {payload['description']}\n", encoding="utf-8")
+        pool = _pool_for_thread(payload.get("toolchain_tmp"))
+        pool.submit("job", {"kind": payload["kind"], "spec": payload["spec"], "inputs": str(inputs),
+                            "outputs": str(outputs), "log": str(log)})
+        results: list[Any] = []
+        while not results:
+            results = pool.wait(None)
+        res = dict(results[0].result)
+        if res.get("ok"):
+            outs: dict[str, list[Any]] = {}
+            for name in payload["outputs"]:
+                p = outputs / name
+                if not p.is_file():
+                    res = {"ok": False, "error": f"the action did not produce its declared output '{name}'",
+                           "duration_s": res.get("duration_s", 0.0)}
+                    break
+                digest, size = shared.blobs.put_file(p)
+                outs[name] = [digest, size]
+            else:
+                res["outputs"] = outs
+        res["worker"] = where
+        try:
+            res["log"] = log.read_text(encoding="utf-8", errors="replace")[-_LOG_TAIL:]
+        except OSError:
+            res["log"] = ""
+        return res
+    finally:
+        shutil.rmtree(sb, ignore_errors=True)

@@ -1,0 +1,73 @@
+"""The contract between the scheduler and an executor: a Job handed out, a Completion handed back."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from neuronbuild.analysis.actions import Action
+
+
+@dataclass(frozen=True)
+class Job:
+    """One attempt at one action; `log` is where its full output goes on this machine."""
+
+    action: Action
+    attempt: int
+    log: Path
+
+    @property
+    def id(self) -> str:
+        return f"{self.action.fingerprint}#{self.attempt}"
+
+
+@dataclass(frozen=True)
+class Started:
+    """Where a job went: a track name for displays and profiles, and the worker's pid (0 when remote)."""
+
+    worker: str
+    pid: int = 0
+
+
+@dataclass(frozen=True)
+class Completion:
+    """A finished job. On success `outputs` is a local directory holding its declared outputs (for store_outputs)."""
+
+    job: Job
+    ok: bool
+    worker: str
+    pid: int = 0
+    error: str = ""
+    duration_s: float = 0.0
+    peak_rss_mb: float = 0.0
+    metadata: Mapping[str, Any] = field(default_factory=dict, hash=False, compare=False)
+    outputs: Path | None = None
+    worker_died: bool = False  # an infrastructure failure (killed, OOM, lost host): worth a retry
+
+
+class Executor(Protocol):
+    """What the scheduler needs from a place that runs actions (local worker processes or a Dask cluster)."""
+
+    slots: int  # how many jobs it runs at once
+    local: bool  # runs on this machine (the --local-ram cap applies)
+    name: str
+
+    def warm(self, n: int) -> None: ...
+
+    def start(self, job: Job) -> Started:
+        """Prepare the job's inputs and dispatch it; raises InputChanged, CorruptBlob or OSError if it cannot."""
+        ...
+
+    def wait(self, timeout: float | None) -> list[Completion]: ...
+
+    def finish(self, job: Job) -> None:
+        """Drop the job's scratch space (after its outputs were stored)."""
+        ...
+
+    def cancel(self) -> None:
+        """End every running job now (workers are killed; nothing is stored)."""
+        ...
+
+    def shutdown(self) -> None: ...

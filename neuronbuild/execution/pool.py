@@ -1,0 +1,203 @@
+"""A pool of long-lived worker processes that survives the death of any one of them.
+
+Each worker is a fresh interpreter (like multiprocessing's spawn, but started with subprocess so it also works inside
+daemonic processes such as Dask workers) in its own session: a terminal's Ctrl-C reaches only the build, which then
+ends the workers and their compilers as a group. Torch is imported in the workers, never in the pool's process."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from multiprocessing.connection import Connection, wait
+from pathlib import Path
+from typing import Any
+
+import neuronbuild
+
+# The package's parent directory, so the worker imports this very neuronbuild (as spawn would, via sys.path).
+_PKG_PARENT = str(Path(neuronbuild.__file__).resolve().parent.parent)
+_BOOT = ("import sys; sys.path.insert(0, sys.argv[1]); "
+         "from neuronbuild.execution.worker import main; main(int(sys.argv[2]), int(sys.argv[3]))")
+
+
+def death_message(returncode: int | None) -> str:
+    if returncode is not None and returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = f"signal {-returncode}"
+        hint = " (out of memory, or killed by hand)" if name == "SIGKILL" else ""
+        return f"the worker process died: killed by {name}{hint}"
+    return f"the worker process died: exit status {returncode}"
+
+
+@dataclass(frozen=True)
+class TaskResult:
+    """What a worker sent back for one task, or a stand-in when the worker died running it."""
+
+    task_id: str
+    slot: int
+    pid: int
+    result: dict[str, Any]
+
+    @property
+    def worker_died(self) -> bool:
+        return bool(self.result.get("worker_died"))
+
+
+class WorkerProcess:
+    """One worker: a subprocess plus the two pipes its tasks and results travel on."""
+
+    def __init__(self, slot: int, env: dict[str, str], cwd: Path, stderr_path: Path | None = None) -> None:
+        self.slot = slot
+        to_child_r, to_child_w = os.pipe()
+        from_child_r, from_child_w = os.pipe()
+        cwd.mkdir(parents=True, exist_ok=True)
+        err: Any = subprocess.DEVNULL
+        if stderr_path is not None:
+            stderr_path.parent.mkdir(parents=True, exist_ok=True)
+            err = open(stderr_path, "ab")  # noqa: SIM115 - handed to the child
+        try:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-c", _BOOT, _PKG_PARENT, str(to_child_r), str(from_child_w), "neuronbuild-worker"],
+                pass_fds=(to_child_r, from_child_w), env=env, cwd=cwd, start_new_session=True,
+                stdin=subprocess.DEVNULL, stdout=err, stderr=err,
+            )
+        finally:
+            os.close(to_child_r)
+            os.close(from_child_w)
+            if err is not subprocess.DEVNULL:
+                err.close()
+        self.to_child = Connection(to_child_w, readable=False)
+        self.from_child = Connection(from_child_r, writable=False)
+        self.task: str | None = None
+        self.started = 0.0
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def send(self, task_id: str, msg: dict[str, Any]) -> None:
+        self.task = task_id
+        self.started = time.time()
+        self.to_child.send(msg)
+
+    def kill(self) -> None:
+        """End the worker and everything it started (its session's process group)."""
+        if self.proc.poll() is not None:  # exited (and reaped) already: its group id may no longer be ours
+            self.close()
+            return
+        with contextlib.suppress(OSError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        with contextlib.suppress(OSError):
+            self.proc.kill()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=10)
+        self.close()
+
+    def close(self) -> None:
+        for c in (self.to_child, self.from_child):
+            with contextlib.suppress(OSError):
+                c.close()
+
+
+class WorkerPool:
+    """Up to `size` workers, each running one task at a time; a dead worker fails only its task and is replaced."""
+
+    def __init__(self, size: int, env: dict[str, str], cwd: Path, stderr_path: Path | None = None) -> None:
+        self.size = max(1, size)
+        self._env = env
+        self._cwd = cwd
+        self._stderr = stderr_path
+        self._workers: dict[int, WorkerProcess] = {}
+
+    def warm(self, n: int) -> None:
+        """Start up to n workers now, so their torch import overlaps with the build's other work."""
+        for slot in range(min(n, self.size)):
+            if slot not in self._workers:
+                self._workers[slot] = WorkerProcess(slot, self._env, self._cwd, self._stderr)
+
+    def idle_slot(self) -> int | None:
+        for slot in range(self.size):
+            w = self._workers.get(slot)
+            if w is None or w.task is None:
+                return slot
+        return None
+
+    @property
+    def busy(self) -> int:
+        return sum(1 for w in self._workers.values() if w.task is not None)
+
+    def submit(self, task_id: str, msg: dict[str, Any]) -> tuple[int, int]:
+        """Hand a task to an idle worker (starting one if needed); returns (slot, pid)."""
+        slot = self.idle_slot()
+        if slot is None:
+            raise RuntimeError("no idle worker")
+        w = self._workers.get(slot)
+        if w is None or w.proc.poll() is not None:
+            if w is not None:
+                w.close()
+            w = self._workers[slot] = WorkerProcess(slot, self._env, self._cwd, self._stderr)
+        try:
+            w.send(task_id, msg)
+        except OSError:  # it died since: the next wait() reports the task as failed
+            w.task = task_id
+        return slot, w.pid
+
+    def wait(self, timeout: float | None) -> list[TaskResult]:
+        """Results of tasks that finished (or whose worker died) within `timeout` seconds."""
+        conns = {w.from_child: w for w in self._workers.values()}
+        if not conns:
+            if timeout:
+                time.sleep(timeout)
+            return []
+        out: list[TaskResult] = []
+        for c in wait(list(conns), timeout):
+            w = conns[c]  # type: ignore[index]
+            try:
+                msg = w.from_child.recv()
+            except (EOFError, OSError):
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    w.proc.wait(timeout=5)
+                with contextlib.suppress(OSError):
+                    os.killpg(w.proc.pid, signal.SIGKILL)  # compilers it left behind
+                w.close()
+                del self._workers[w.slot]
+                if w.task is not None:
+                    out.append(TaskResult(w.task, w.slot, w.pid, {
+                        "ok": False, "worker_died": True, "error": death_message(w.proc.returncode),
+                        "duration_s": time.time() - w.started, "pid": w.pid}))
+                continue
+            if "ready" in msg:
+                continue
+            task, w.task = w.task, None
+            if task is not None:
+                out.append(TaskResult(task, w.slot, w.pid, msg))
+        return out
+
+    def kill_all(self) -> None:
+        for w in list(self._workers.values()):
+            w.kill()
+        self._workers.clear()
+
+    def shutdown(self) -> None:
+        """Stop idle workers politely (all at once) and kill busy ones."""
+        idle = [w for w in self._workers.values() if w.task is None]
+        for w in idle:
+            with contextlib.suppress(OSError, ValueError):
+                w.to_child.send(None)
+        deadline = time.monotonic() + 5.0
+        for w in idle:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                w.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        for w in self._workers.values():
+            w.kill()  # a no-op for workers that exited
+        self._workers.clear()
+
+    def pids(self) -> list[int]:
+        return [w.pid for w in self._workers.values()]

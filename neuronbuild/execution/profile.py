@@ -1,0 +1,87 @@
+"""--profile PATH: the build as a Chrome trace-event JSON file (opens in Perfetto or chrome://tracing).
+
+One track per worker with one complete ("X") slice per executed action attempt, and a scheduler track with the cache
+check, each store of outputs, and an instant per cached action."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from neuronbuild.execution import events as ev
+from neuronbuild.execution.events import BuildEvent
+
+_PID = 1
+_SCHEDULER_TID = 0
+
+
+class TraceProfile:
+    """Collects events during the build and writes the trace file when the build ends (or is interrupted)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._t0: float | None = None
+        self._events: list[dict[str, Any]] = []
+        self._tids: dict[str, int] = {}
+        self._written = False
+
+    def _us(self, t: float) -> float:
+        if self._t0 is None:
+            self._t0 = t
+        return round((t - self._t0) * 1e6, 1)
+
+    def _tid(self, worker: str) -> int:
+        if not worker:
+            return _SCHEDULER_TID
+        if worker not in self._tids:
+            self._tids[worker] = len(self._tids) + 1
+        return self._tids[worker]
+
+    def _slice(self, name: str, cat: str, start: float, end: float, tid: int, args: dict[str, Any]) -> None:
+        ts = self._us(start)
+        self._events.append({"name": name, "cat": cat, "ph": "X", "ts": ts,
+                             "dur": max(1.0, round(self._us(end) - ts, 1)), "pid": _PID, "tid": tid, "args": args})
+
+    def on_event(self, e: BuildEvent) -> None:
+        f = e.fields
+        if e.kind == ev.CACHE_CHECKED:
+            self._slice("cache check", "cache", f["start"], f["start"] + f["duration_s"], _SCHEDULER_TID,
+                        {"lookups": f["lookups"], "hits": f["hits"]})
+        elif e.kind == ev.ACTION_CACHED:
+            self._events.append({"name": f"cached: {f['description']}", "cat": "cache", "ph": "i", "s": "t",
+                                 "ts": self._us(e.time), "pid": _PID, "tid": _SCHEDULER_TID,
+                                 "args": {"fingerprint": f["fingerprint"]}})
+        elif e.kind in (ev.ACTION_FINISHED, ev.ACTION_FAILED) and f.get("worker"):
+            args = {"fingerprint": f["fingerprint"], "attempt": f["attempt"], "ok": e.kind == ev.ACTION_FINISHED,
+                    "duration_s": f["duration_s"]}
+            if e.kind == ev.ACTION_FAILED:
+                args["error"] = f["error"]
+            else:
+                args["peak_rss_mb"] = f["peak_rss_mb"]
+            self._slice(f["description"], "action", f["start"], e.time, self._tid(f["worker"]), args)
+        elif e.kind == ev.OUTPUTS_STORED:
+            self._slice("store outputs", "cache", f["start"], f["start"] + f["duration_s"], _SCHEDULER_TID,
+                        {"fingerprint": f["fingerprint"]})
+        elif e.kind == ev.BUILD_FINISHED:
+            self.write()
+
+    def write(self) -> None:
+        if self._written:
+            return
+        self._written = True
+        meta: list[dict[str, Any]] = [
+            {"name": "process_name", "ph": "M", "pid": _PID, "tid": 0, "args": {"name": "neuronbuild build"}},
+            {"name": "thread_name", "ph": "M", "pid": _PID, "tid": _SCHEDULER_TID, "args": {"name": "scheduler"}},
+        ]
+        meta += [{"name": "thread_name", "ph": "M", "pid": _PID, "tid": tid, "args": {"name": w}}
+                 for w, tid in self._tids.items()]
+        data = json.dumps({"traceEvents": meta + self._events, "displayTimeUnit": "ms"}, indent=0)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_name(f".{self.path.name}.tmp")
+        tmp.write_text(data, encoding="utf-8")
+        os.replace(tmp, self.path)
+
+    def close(self) -> None:
+        self.write()

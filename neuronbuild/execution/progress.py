@@ -1,0 +1,185 @@
+"""Build progress for people: a live display on a terminal (rich), one line per event otherwise; --quiet, --verbose."""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import IO, Any
+
+from neuronbuild.execution import events as ev
+from neuronbuild.execution.events import BuildEvent
+
+QUIET, NORMAL, VERBOSE = 0, 1, 2
+
+
+class _Tally:
+    """Counts and estimates shared by both displays."""
+
+    def __init__(self) -> None:
+        self.to_execute = 0
+        self.done = 0
+        self.executed = 0
+        self.reused = 0
+        self.cached = 0
+        self.failed = 0
+        self.jobs = 1
+        self.estimate: dict[str, float] = {}
+        self.running: dict[str, tuple[str, float, str]] = {}  # fingerprint -> (description, start, worker)
+        self.finished: set[str] = set()
+
+    def update(self, e: BuildEvent) -> None:
+        f = e.fields
+        if e.kind == ev.BUILD_STARTED:
+            self.to_execute = int(f["to_execute"])
+            self.cached = int(f["cached"])
+            self.jobs = max(1, int(f["jobs"]))
+            self.estimate = {p["fingerprint"]: float(p["estimate_s"]) for p in f.get("plan", [])}
+        elif e.kind == ev.ACTION_STARTED:
+            self.running[f["fingerprint"]] = (f["description"], e.time, f.get("worker", ""))
+        elif e.kind == ev.ACTION_FINISHED:
+            self.running.pop(f["fingerprint"], None)
+            self.finished.add(f["fingerprint"])
+            self.done += 1
+            self.executed += 1
+        elif e.kind == ev.ACTION_CACHED and f.get("by_other_build"):
+            self.finished.add(f["fingerprint"])
+            self.done += 1
+            self.reused += 1
+        elif e.kind == ev.ACTION_FAILED:
+            self.running.pop(f["fingerprint"], None)
+            if not f.get("will_retry"):
+                self.finished.add(f["fingerprint"])
+                self.failed += 1
+        elif e.kind == ev.ACTION_SKIPPED:
+            self.running.pop(f["fingerprint"], None)
+            self.finished.add(f["fingerprint"])
+
+    def eta_s(self, now: float) -> float:
+        """Remaining estimated work spread over the workers (recorded durations, else per-kind estimates)."""
+        left = 0.0
+        for fp, est in self.estimate.items():
+            if fp in self.finished:
+                continue
+            if fp in self.running:
+                left += max(0.0, est - (now - self.running[fp][1]))
+            else:
+                left += est
+        return left / self.jobs
+
+
+def _fmt_s(s: float) -> str:
+    s = int(round(s))
+    return f"{s // 60}:{s % 60:02d}"
+
+
+def event_line(e: BuildEvent, t: _Tally, level: int) -> str | None:
+    """The plain-text line for an event at a verbosity level, or None."""
+    f = e.fields
+    k = e.kind
+    if k == ev.ACTION_FAILED:
+        if f.get("will_retry"):
+            return f"RETRY: {f['description']}: {_first(f['error'])} (attempt {f['attempt'] + 1})"
+        return f"FAILED: {f['description']}: {_first(f['error'])} (log: {f['log']})"
+    if level < NORMAL:
+        return None
+    if k == ev.BUILD_STARTED and f["to_execute"]:
+        return (f"{f['total_actions']} actions: {f['cached']} cached, executing {f['to_execute']} "
+                f"with {f['jobs']} {f['executor']} worker{'s' if f['jobs'] != 1 else ''}")
+    if k == ev.ACTION_FINISHED:
+        extra = f", {f['worker']}, peak {f['peak_rss_mb']:.0f} MB" if level >= VERBOSE else ""
+        return f"[{t.done}/{t.to_execute}] {f['description']} ({f['duration_s']:.1f} s{extra})"
+    if k == ev.ACTION_CACHED and f.get("by_other_build"):
+        return f"[{t.done}/{t.to_execute}] {f['description']} (result of a concurrent build)"
+    if level < VERBOSE:
+        return None
+    if k == ev.ACTION_CACHED:
+        return f"CACHED: {f['description']}"
+    if k == ev.ACTION_STARTED:
+        pid = f" pid {f['pid']}" if f.get("pid") else ""
+        return f"START: {f['description']} on {f['worker']}{pid} (attempt {f['attempt']})"
+    if k == ev.ACTION_WAITING:
+        return f"WAITING: {f['description']} (a concurrent build is running it)"
+    if k == ev.ACTION_SKIPPED:
+        return f"NOT RUN: {f['description']} (an input failed or the build stopped)"
+    return None
+
+
+def _first(error: str) -> str:
+    lines = error.strip().splitlines()
+    return lines[0] if lines else "(no message)"
+
+
+class PlainProgress:
+    """One line per event (CI logs, pipes)."""
+
+    def __init__(self, level: int = NORMAL, stream: IO[str] | None = None) -> None:
+        self.level = level
+        self.stream = stream or sys.stderr
+        self.tally = _Tally()
+
+    def on_event(self, e: BuildEvent) -> None:
+        self.tally.update(e)
+        line = event_line(e, self.tally, self.level)
+        if line is not None:
+            print(line, file=self.stream, flush=True)
+
+    def close(self) -> None:
+        pass
+
+
+class RichProgress:
+    """A live display: [done/total], counts, ETA and each running action with its elapsed time."""
+
+    def __init__(self, level: int = NORMAL) -> None:
+        from rich.console import Console
+        from rich.live import Live
+
+        self.level = level
+        self.tally = _Tally()
+        self.console = Console(stderr=True)
+        self._live: Any = Live(self, console=self.console, refresh_per_second=4, transient=True)
+        self._started = False
+
+    def __rich__(self) -> Any:
+        from rich.table import Table
+        from rich.text import Text
+
+        t = self.tally
+        now = time.time()
+        grid = Table.grid(padding=(0, 2))
+        head = Text.assemble((f"[{t.done}/{t.to_execute}]", "bold"), f" executed {t.executed}, cached {t.cached}")
+        if t.reused:
+            head.append(f" (+{t.reused} from a concurrent build)")
+        if t.failed:
+            head.append(f", failed {t.failed}", style="bold red")
+        head.append(f"  ETA {_fmt_s(t.eta_s(now))}")
+        grid.add_row(head, "", "")
+        for desc, start, worker in sorted(t.running.values(), key=lambda r: r[1]):
+            grid.add_row(Text("  " + desc), Text(f"{now - start:5.1f} s", style="cyan"), Text(worker, style="dim"))
+        return grid
+
+    def on_event(self, e: BuildEvent) -> None:
+        self.tally.update(e)
+        if e.kind == ev.BUILD_STARTED and e.fields["to_execute"] and not self._started:
+            self._started = True
+            self._live.start()
+        line = event_line(e, self.tally, self.level)
+        if line is not None:
+            style = "red" if line.startswith("FAILED") else ("yellow" if line.startswith("RETRY") else None)
+            self.console.print(line, style=style, highlight=False, markup=False)
+        if e.kind == ev.BUILD_FINISHED:
+            self.close()
+
+    def close(self) -> None:
+        if self._started:
+            self._started = False
+            self._live.stop()
+
+
+def make_progress(level: int, tty: bool | None = None) -> PlainProgress | RichProgress:
+    """Rich on a terminal (unless --quiet), plain lines otherwise."""
+    if tty is None:
+        tty = sys.stderr.isatty()
+    if tty and level >= NORMAL:
+        return RichProgress(level)
+    return PlainProgress(level)

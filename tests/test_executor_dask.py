@@ -1,0 +1,121 @@
+"""The Dask executor against a real scheduler and two workers on 127.0.0.1: same outputs as a local build, and a worker
+killed mid-action does not fail the build."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+from helpers import copy_example
+
+DASK = str(Path(sys.executable).parent / "dask")
+TARGETS = ["//models:llama_trn2", "//models:llama_tiny_cpu"]  # 6 traces, 5 trn2 compiles, 1 AOTInductor compile
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture()
+def dask_cluster(tmp_path: Path) -> Iterator[tuple[str, list[subprocess.Popen[bytes]]]]:
+    """`dask scheduler` + 2 `dask worker` processes (1 thread each, no nanny), every listener on 127.0.0.1."""
+    port = _free_port()
+    address = f"tcp://127.0.0.1:{port}"
+    logs = tmp_path / "dask-logs"
+    logs.mkdir()
+    procs: list[subprocess.Popen[bytes]] = []
+
+    def spawn(name: str, args: list[str]) -> subprocess.Popen[bytes]:
+        with open(logs / f"{name}.log", "wb") as log:
+            p = subprocess.Popen([DASK, *args], stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path)
+        procs.append(p)
+        return p
+
+    spawn("scheduler", ["scheduler", "--host", "127.0.0.1", "--port", str(port), "--no-dashboard"])
+    workers = [spawn(f"worker{i}", ["worker", address, "--host", "127.0.0.1", "--nthreads", "1", "--no-nanny",
+                                    "--no-dashboard", "--name", f"w{i}"]) for i in (1, 2)]
+    from distributed import Client
+
+    with Client(address, timeout="60s") as c:
+        c.wait_for_workers(2, timeout=120)
+    try:
+        yield address, workers
+    finally:
+        for p in reversed(procs):
+            if p.poll() is None:
+                for child in psutil.Process(p.pid).children(recursive=True):
+                    child.kill()
+                p.kill()
+                p.wait(timeout=30)
+
+
+def _manifest_digests(ws: Path, target: str) -> dict[str, str]:
+    m = json.loads((ws / "neuronbuild-out/models" / target / "manifest.json").read_text())
+    return {f"{b['name']}/{n}": o["digest"] for b in m["buckets"] for n, o in b["outputs"].items()}
+
+
+def _action_children(worker: subprocess.Popen[bytes]) -> list[psutil.Process]:
+    try:
+        kids = psutil.Process(worker.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+    out = []
+    for k in kids:
+        try:
+            if "neuronbuild-worker" in k.cmdline():
+                out.append(k)
+        except psutil.Error:
+            pass
+    return out
+
+
+def test_dask_farm_builds_the_example_like_a_local_build_and_survives_a_lost_worker(
+        built_example, dask_cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    local_ws, _ = built_example
+    address, workers = dask_cluster
+    ws = copy_example(tmp_path / "ws")
+    shared, cache, evf = tmp_path / "shared", tmp_path / "cache", tmp_path / "events.jsonl"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "neuronbuild", "build", *TARGETS, "--executor", "dask", "--scheduler", address,
+         "--remote-cache", str(shared), "--cache-dir", str(cache), "--build-event-json-file", str(evf)],
+        cwd=ws, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    # Kill a whole `dask worker` (and the action process it runs) once it is running an action.
+    victim = None
+    deadline = time.monotonic() + 300
+    while victim is None and time.monotonic() < deadline and proc.poll() is None:
+        for w in workers:
+            if _action_children(w):
+                victim = w
+                break
+        time.sleep(0.2)
+    assert victim is not None, "no Dask worker ever ran an action"
+    time.sleep(1.0)  # well into the action (its worker process imports torch, then traces)
+    doomed = [victim.pid] + [c.pid for c in _action_children(victim)]
+    os.kill(victim.pid, signal.SIGKILL)
+    out, err = proc.communicate(timeout=900)
+    assert proc.returncode == 0, out + err
+    assert "12 actions: 12 executed, 0 cached" in out
+
+    # The lost worker's action process ended with it (it watches its parent).
+    time.sleep(2.0)
+    assert not [p for p in doomed if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    ran_on = {e["worker"] for e in map(json.loads, evf.read_text().splitlines()) if e["event"] == "action_finished"}
+    assert ran_on and all(w.startswith("tcp://127.0.0.1:") for w in ran_on)
+
+    # Outputs identical to the local build of the same targets (built_example, local executor).
+    for target in ("llama_trn2", "llama_tiny_cpu"):
+        assert _manifest_digests(ws, target) == _manifest_digests(local_ws, target)
+    # The shared tier holds the records and blobs (what other farm clients reuse).
+    assert len(list((shared / "v1" / "ac").rglob("*.json"))) == 12

@@ -1,0 +1,220 @@
+"""The local executor under failure: --keep-going, a worker SIGKILLed mid-action (--retries), Ctrl-C, and --profile."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import blake3
+import psutil
+from helpers import write_ws
+
+# Tiny models on the trn2 path (a few seconds per action). `gate`: the factory waits while that file exists, so a test
+# can act while an action is certainly running.
+MODEL = '''
+import os
+import time
+
+import torch
+
+
+class M(torch.nn.Module):
+    def __init__(self, n):
+        super().__init__()
+        self.emb = torch.nn.Embedding(50, n)
+        self.lin = torch.nn.Linear(n, n)
+
+    def forward(self, x):
+        return self.lin(self.emb(x)).relu()
+
+
+def build(config):
+    gate = config.get("gate")
+    while gate and os.path.exists(gate):
+        time.sleep(0.05)
+    return M(config["n"])
+
+
+def broken(config):
+    raise RuntimeError("this model is broken on purpose")
+'''
+
+
+def _build_file(models: dict[str, tuple[str, dict[str, Any]]]) -> str:
+    out = ['neuron_buckets(name = "bk", shapes = [{"batch": 1, "seq": 4}])',
+           'neuron_target(name = "trn2", platform = "trn2")']
+    for name, (entry, config) in models.items():
+        out.append(f'neuron_model(name = "{name}", srcs = ["m.py"], entry = "m:{entry}", config = {json.dumps(config)},'
+                   f' inputs = {{"x": "int64[batch, seq]"}})')
+        out.append(f'neuron_compile(name = "{name}_trn2", model = ":{name}", buckets = [":bk"], target = ":trn2")')
+    return "\n".join(out) + "\n"
+
+
+def _ws(root: Path, models: dict[str, tuple[str, dict[str, Any]]]) -> Path:
+    return write_ws(root, {"pkg/BUILD": _build_file(models), "pkg/m.py": MODEL})
+
+
+def _default_sigint() -> None:
+    # A shell starts background jobs with SIGINT ignored (and that is inherited): give the build a terminal's default.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def _start(args: list[str], cwd: Path) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-m", "neuronbuild", *args], cwd=cwd, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, preexec_fn=_default_sigint)
+
+
+def _events(path: Path) -> list[dict[str, Any]]:
+    try:
+        lines = path.read_text().splitlines()
+    except OSError:
+        return []
+    return [json.loads(ln) for ln in lines if ln.endswith("}")]
+
+
+def _wait_for(path: Path, pred: Any, proc: subprocess.Popen[str], timeout: float = 180) -> dict[str, Any]:
+    """The first event matching pred, waiting for it while the build runs."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for e in _events(path):
+            if pred(e):
+                return e
+        assert proc.poll() is None, f"the build ended early: {proc.communicate()}"
+        time.sleep(0.05)
+    proc.kill()
+    raise AssertionError(f"no matching event in {timeout} s: {_events(path)}")
+
+
+def _started(desc: str) -> Any:
+    return lambda e: e["event"] == "action_started" and e["description"] == desc
+
+
+def test_keep_going_builds_the_good_model_and_names_the_broken_action_and_writes_a_profile(tmp_path: Path) -> None:
+    ws = _ws(tmp_path / "ws", {"good": ("build", {"n": 8}), "bad": ("broken", {"n": 8})})
+    prof, evf = tmp_path / "profile.json", tmp_path / "events.jsonl"
+    proc = _start(["build", "//pkg:all", "--keep-going", "--jobs", "2", "--cache-dir", str(tmp_path / "cache"),
+                   "--profile", str(prof), "--build-event-json-file", str(evf)], ws)
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 1, out + err
+    assert (ws / "neuronbuild-out/pkg/good_trn2/batch1_seq4/lowered.pt2").is_file()
+    assert not (ws / "neuronbuild-out/pkg/bad_trn2").exists()
+    assert "4 actions: 2 executed, 0 cached" in out and "1 failed, 1 not run" in out
+    # The summary names the failed action (label, bucket), the first line of its error and its full log.
+    summary = err[err.index("  FAILED"):]
+    assert "FAILED Trace //pkg:bad [batch=1, seq=4]" in summary
+    assert "RuntimeError: this model is broken on purpose" in summary
+    log = Path(summary.split("log: ")[1].split()[0])
+    assert "Traceback" in log.read_text() and "broken on purpose" in log.read_text()
+    assert "Traceback" not in err
+
+    events = _events(evf)
+    kinds = [e["event"] for e in events]
+    assert kinds[0] == "cache_checked" and kinds[1] == "build_started" and kinds[-1] == "build_finished"
+    finished = [e for e in events if e["event"] == "action_finished"]
+    assert sorted(e["description"] for e in finished) == ["Compile //pkg:good_trn2 [batch=1, seq=4] for trn2",
+                                                          "Trace //pkg:good [batch=1, seq=4]"]
+    assert all(len(e["fingerprint"]) == 64 and e["duration_s"] > 0 for e in finished)
+    (failed,) = [e for e in events if e["event"] == "action_failed"]
+    assert failed["label"] == "//pkg:bad" and failed["log"] == str(log) and not failed["worker_died"]
+    assert [e["label"] for e in events if e["event"] == "action_skipped"] == ["//pkg:bad_trn2"]
+
+    # --profile: valid trace-event JSON, one complete slice per executed action (plus the failed attempt) on
+    # named worker tracks.
+    trace = json.loads(prof.read_text())
+    evs = trace["traceEvents"]
+    for e in evs:
+        assert e["ph"] in ("X", "M", "i") and isinstance(e["pid"], int) and isinstance(e["tid"], int)
+        if e["ph"] == "X":
+            assert isinstance(e["ts"], (int, float)) and e["dur"] > 0 and e["name"]
+    slices = [e for e in evs if e["ph"] == "X" and e["cat"] == "action"]
+    assert sorted(e["args"]["fingerprint"] for e in slices if e["args"]["ok"]) == \
+        sorted(e["fingerprint"] for e in finished)
+    assert [e["args"]["fingerprint"] for e in slices if not e["args"]["ok"]] == [failed["fingerprint"]]
+    names = {e["tid"]: e["args"]["name"] for e in evs if e["ph"] == "M" and e["name"] == "thread_name"}
+    assert {names[e["tid"]] for e in slices} <= {"worker-1", "worker-2"}
+    assert any(e["name"] == "cache check" for e in evs)
+
+
+def test_worker_killed_mid_action_fails_only_that_action_then_retries_on_a_new_worker(tmp_path: Path) -> None:
+    gate = tmp_path / "gate"
+    gate.write_text("")
+    ws = _ws(tmp_path / "ws", {"a": ("build", {"n": 8, "gate": str(gate)}), "b": ("build", {"n": 12})})
+    cache, evf = tmp_path / "cache", tmp_path / "events.jsonl"
+
+    # 1. No retries: the killed worker's action fails with a clear message; the other model is built.
+    proc = _start(["build", "//pkg:all", "--keep-going", "--jobs", "2", "--cache-dir", str(cache),
+                   "--build-event-json-file", str(evf)], ws)
+    victim = _wait_for(evf, _started("Trace //pkg:a [batch=1, seq=4]"), proc)["pid"]
+    os.kill(victim, signal.SIGKILL)
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 1, out + err
+    assert "FAILED Trace //pkg:a [batch=1, seq=4]" in err
+    assert "the worker process died: killed by SIGKILL" in err
+    assert (ws / "neuronbuild-out/pkg/b_trn2/batch1_seq4/lowered.pt2").is_file()
+    assert not psutil.pid_exists(victim)
+
+    # 2. --retries 1 and one worker: killed again mid-action, the action re-runs on a replacement worker.
+    evf = tmp_path / "events2.jsonl"
+    proc = _start(["build", "//pkg:all", "--retries", "1", "--jobs", "1", "--cache-dir", str(cache),
+                   "--build-event-json-file", str(evf)], ws)
+    victim = _wait_for(evf, _started("Trace //pkg:a [batch=1, seq=4]"), proc)["pid"]
+    os.kill(victim, signal.SIGKILL)
+    _wait_for(evf, lambda e: e["event"] == "action_failed" and e["will_retry"], proc)
+    gate.unlink()
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out + err
+    assert "4 actions: 2 executed, 2 cached" in out
+    assert "RETRY: Trace //pkg:a [batch=1, seq=4]: the worker process died: killed by SIGKILL" in err
+    events = _events(evf)
+    (retried,) = [e for e in events if e["event"] == "action_failed"]
+    assert retried["worker_died"] and retried["pid"] == victim
+    done = [e for e in events if e["event"] == "action_finished" and e["label"] == "//pkg:a"]
+    assert len(done) == 1 and done[0]["attempt"] == 2 and done[0]["pid"] != victim
+    assert (ws / "neuronbuild-out/pkg/a_trn2/batch1_seq4/lowered.pt2").is_file()
+
+
+def test_ctrl_c_mid_build_ends_workers_and_leaves_a_clean_cache(tmp_path: Path) -> None:
+    gate = tmp_path / "gate"
+    gate.write_text("")
+    ws = _ws(tmp_path / "ws", {"a": ("build", {"n": 8, "gate": str(gate)}), "b": ("build", {"n": 12})})
+    cache, evf = tmp_path / "cache", tmp_path / "events.jsonl"
+    proc = _start(["build", "//pkg:all", "--jobs", "2", "--cache-dir", str(cache), "--build-event-json-file",
+                   str(evf)], ws)
+    _wait_for(evf, lambda e: e["event"] == "outputs_stored", proc)  # something is cached already
+    _wait_for(evf, _started("Trace //pkg:a [batch=1, seq=4]"), proc)
+    pids = {e["pid"] for e in _events(evf) if e["event"] == "action_started"}
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 8, out + err
+    assert "interrupted" in err and "Traceback" not in err
+    time.sleep(0.5)
+    assert not [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    assert json.loads(evf.read_text().splitlines()[-1])["interrupted"] is True
+
+    root = cache / "v1"
+    assert not list((root / "sandbox").iterdir())  # no sandboxes left
+    assert not [p for p in (root / "tmp").rglob("*") if p.is_file()]  # no half-written files
+    records = list((root / "ac").rglob("*.json"))
+    assert records
+    for rec in records:  # every record is whole and all its blobs are there and intact
+        data = json.loads(rec.read_text())
+        assert data["identity"] != "trace //pkg:a [batch=1, seq=4]"
+        for o in data["outputs"].values():
+            blob = root / "cas" / o["digest"][:2] / o["digest"]
+            assert blake3.blake3(blob.read_bytes()).hexdigest() == o["digest"]
+    for lock in (root / "locks").glob("*.lock"):  # no claim is still held
+        with open(lock) as f:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+    gate.unlink()
+    proc = _start(["build", "//pkg:all", "--jobs", "2", "--cache-dir", str(cache)], ws)
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out + err
+    assert (ws / "neuronbuild-out/pkg/a_trn2/batch1_seq4/lowered.pt2").is_file()
