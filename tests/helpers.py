@@ -28,9 +28,14 @@ def copy_example(dest: Path) -> Path:
     return dest
 
 
+_ENV_AT_START = frozenset(os.environ)  # helpers is imported by conftest, before any test imports torch
+
+
 def run_cli(args: list[str], cwd: Path, env: dict[str, str] | None = None,
             python_flags: tuple[str, ...] = ()) -> subprocess.CompletedProcess[str]:
-    full_env = dict(os.environ)
+    # In-process torch use in other tests sets variables such as TORCHINDUCTOR_CACHE_DIR in this process; a user's
+    # shell would not have them, so children start without them unless a test passes them explicitly.
+    full_env = {k: v for k, v in os.environ.items() if k in _ENV_AT_START or not k.startswith("TORCHINDUCTOR_")}
     full_env.update(env or {})
     return subprocess.run([sys.executable, *python_flags, "-m", "neuronbuild", *args], cwd=cwd, env=full_env,
                           capture_output=True, text=True, timeout=1800)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +52,20 @@ def _raise_interrupt(signum: int, frame: Any) -> None:
 NOOP_IGNORED = ("local_ram", "retries", "quiet", "verbose", "profile", "build_event_json_file", "executor", "scheduler")
 
 
+def _record_noop_stats(cache_dir: Path, line: str, started: float) -> None:
+    """A no-op answered by the fast path still counts in `cache stats`: every action was a local hit."""
+    import re
+
+    from neuronbuild.cache.local import LAYOUT
+    from neuronbuild.cache.stats import BuildStats, persist
+
+    m = re.search(r"(\d+) cached", line)
+    try:
+        persist(cache_dir / LAYOUT, BuildStats(started, time.time(), hits_local=int(m.group(1)) if m else 0))
+    except OSError:
+        pass  # statistics never fail a build
+
+
 def run(args: argparse.Namespace) -> int:
     from neuronbuild import noop
     from neuronbuild.cache.local import resolve_cache_dir
@@ -78,8 +93,10 @@ def run(args: argparse.Namespace) -> int:
     noop_flags = {k: v for k, v in vars(args).items() if k not in NOOP_IGNORED}
     key = noop.request_key(ws.root, ws.cwd_package, patterns, cache_dir, noop_flags)
     wants_events = args.profile or args.build_event_json_file
+    started = time.time()
     line = None if wants_events else noop.check(cache_dir, key)  # nothing changed: say so, import nothing
     if line is not None:
+        _record_noop_stats(cache_dir, line, started)
         if not args.quiet:
             print(line, flush=True)
         return EXIT_OK
