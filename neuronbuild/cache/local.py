@@ -17,7 +17,7 @@ from typing import Any
 
 from neuronbuild.cache.action_cache import ActionCache, ActionResult, OutputRef
 from neuronbuild.cache.atomic import atomic_write_bytes
-from neuronbuild.cache.cas import BlobStore
+from neuronbuild.cache.cas import BlobStore, CorruptBlob
 from neuronbuild.cache.identity_index import IdentityIndex
 from neuronbuild.cache.stats import StatsCounter, persist
 
@@ -56,6 +56,7 @@ class LocalCache:
         self.report = report or _warn
         self.stats = StatsCounter()
         self._reported: set[str] = set()
+        self._complete: dict[str, ActionResult] = {}  # entries found complete during this build
         self._touched: set[str] = set()
         self.root = base / LAYOUT
         self.blobs = BlobStore(self.root)
@@ -73,12 +74,19 @@ class LocalCache:
 
     def corrupt(self, tier: str, digest: str, what: str) -> None:
         """Count and report (once per blob and tier) a corrupt blob that has been evicted or skipped."""
+        self._complete.clear()
         self.stats.errors += 1
         self.warn_once(f"corrupt:{tier}:{digest}",
                        f"warning: cache: blob {digest[:16]} ({what}) in the {tier} cache is corrupt; not served")
 
     def lookup_local(self, fp: str) -> tuple[ActionResult | None, list[str]]:
-        """The local record for `fp` (None if absent or unreadable) and the digests of its missing/corrupt blobs."""
+        """The local record for `fp` (None if absent or unreadable) and the digests of its missing/corrupt blobs.
+
+        A complete entry found once is remembered for the rest of this build (a build looks each action up several
+        times); any corruption report forgets them all, and blobs are verified again whenever they are read."""
+        found = self._complete.get(fp)
+        if found is not None:
+            return found, []
         res = self.actions.get(fp)
         if res is None:
             return None, []
@@ -90,6 +98,8 @@ class LocalCache:
                 self.corrupt("local", out.digest, f"output '{name}' of action {fp[:12]}")
             if state != "ok":
                 bad.append(out.digest)
+        if not bad:
+            self._complete[fp] = res
         return res, bad
 
     def lookup(self, fp: str) -> ActionResult | None:
@@ -141,11 +151,19 @@ class LocalCache:
 
     def place_blob(self, digest: str, dest: Path) -> None:
         """A verified copy (or hard link) of a blob at `dest`, for sandbox inputs."""
-        self.blobs.link_or_copy(digest, dest)
+        try:
+            self.blobs.link_or_copy(digest, dest)
+        except CorruptBlob:
+            self._complete.clear()  # the blob was evicted: entries using it are no longer complete
+            raise
 
     def copy_blob(self, digest: str, dest: Path) -> int:
         """A verified, atomically written copy of a blob at `dest`, for outputs users see."""
-        return self.blobs.copy_out(digest, dest)
+        try:
+            return self.blobs.copy_out(digest, dest)
+        except CorruptBlob:
+            self._complete.clear()
+            raise
 
     def record_failure(self, fp: str, identity: str, record: Mapping[str, Any], error: str, log: Path) -> None:
         """Keep a failure (with its log and toolchain) for reports; it is never replayed as a result."""
