@@ -104,9 +104,10 @@ def _time_cmd(cmd: list[str], cwd: Path) -> float:
 def _executed_records(cache: Path, since: float) -> dict[str, dict]:
     out = {}
     for p in (cache / "v1" / "ac").glob("*/*.json"):
-        if p.stat().st_mtime >= since:
+        if p.stat().st_mtime >= since:  # a record's mtime also moves when a hit touches it (LRU for gc) ...
             d = json.loads(p.read_bytes())
-            out[d["fingerprint"]] = d
+            if d.get("created", 0) >= since:  # ... so select the records this build created
+                out[d["fingerprint"]] = d
     return out
 
 
