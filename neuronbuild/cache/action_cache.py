@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from neuronbuild.cache.atomic import atomic_write_bytes
+from neuronbuild.atomic import atomic_write_bytes
 
 RECORD_VERSION = 1
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from neuronbuild.cache.atomic import file_lock
+from neuronbuild.atomic import file_lock
 from neuronbuild.cache.pins import pinned
 
 if TYPE_CHECKING:

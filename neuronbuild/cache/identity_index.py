@@ -13,8 +13,8 @@ from pathlib import Path
 
 from neuronbuild.analysis.digests import digest_bytes
 from neuronbuild.analysis.history import LatestEntry, PastResult, identity_group
+from neuronbuild.atomic import atomic_write_bytes
 from neuronbuild.cache.action_cache import ActionCache, ActionResult
-from neuronbuild.cache.atomic import atomic_write_bytes
 
 
 def _h(text: str) -> str:

@@ -15,8 +15,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from neuronbuild.atomic import atomic_write_bytes
 from neuronbuild.cache.action_cache import ActionCache, ActionResult, OutputRef
-from neuronbuild.cache.atomic import atomic_write_bytes
 from neuronbuild.cache.cas import BlobStore, CorruptBlob
 from neuronbuild.cache.identity_index import IdentityIndex
 from neuronbuild.cache.stats import StatsCounter, persist

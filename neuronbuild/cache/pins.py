@@ -12,7 +12,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from neuronbuild.cache.atomic import atomic_write_bytes
+from neuronbuild.atomic import atomic_write_bytes
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 

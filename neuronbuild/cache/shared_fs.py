@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
 
-from neuronbuild.cache.atomic import atomic_write_bytes
+from neuronbuild.atomic import atomic_write_bytes
 from neuronbuild.cache.cas import BlobStore
 from neuronbuild.cache.locks import LockDir, LockFile
 from neuronbuild.cache.tier import TierReadOnly, TierUnavailable

@@ -9,7 +9,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from neuronbuild.cache.atomic import atomic_write_bytes
+from neuronbuild.atomic import atomic_write_bytes
 
 KEEP_BUILDS = 50
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from neuronbuild.analysis.actions import TRACE, Action
-from neuronbuild.cache.atomic import atomic_write_bytes, file_lock
+from neuronbuild.atomic import atomic_write_bytes, file_lock
 
 # Durations (s) assumed when nothing was recorded: a trace, an AOTInductor compile, a Neuron CPU-compile path compile.
 ESTIMATE_S = {"trace": 4.0, "compile:cpu": 15.0, "compile": 4.0}

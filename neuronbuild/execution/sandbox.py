@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from neuronbuild.analysis.actions import Action
-from neuronbuild.analysis.digests import digest_file
+from neuronbuild.cache.cas import copy_hashing
 from neuronbuild.cache.local import LocalCache
 
 
@@ -40,8 +40,9 @@ def prepare(action: Action, root: Path, cache: LocalCache, parent: Path | None =
         for f in action.files:
             dest = sb.inputs / f.path
             dest.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(root / f.path, dest)
-            if digest_file(dest) != f.digest:
+            with open(root / f.path, "rb") as src, open(dest, "wb") as out:
+                digest, _size = copy_hashing(src, out)  # one read: the copy is hashed as it is written
+            if digest != f.digest:
                 raise InputChanged(f"input '{f.path}' changed during the build; run the build again")
         for d in action.dep_inputs:
             res = cache.lookup(d.action)

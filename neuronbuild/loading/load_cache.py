@@ -9,17 +9,16 @@ when it is evaluated, not when its package comes from this cache."""
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import os
 import pickle
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
 from neuronbuild.analysis.digests import digest_file, is_racy, stat_key
+from neuronbuild.atomic import atomic_write_bytes
 from neuronbuild.errors import Location, UserInputError
 from neuronbuild.loading.loader import Loader
 from neuronbuild.loading.schema import RULES, AttrError
@@ -110,15 +109,7 @@ class LoadCache:
         """Write the cache atomically if anything changed (concurrent builds: the last writer wins; nothing breaks)."""
         if self.file is None or not self._dirty:
             return
-        self.file.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=self.file.parent, prefix=".load-")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                pickle.dump({"format": _FORMAT, "code": code_stamp(), "entries": self._entries}, f,
+        data = pickle.dumps({"format": _FORMAT, "code": code_stamp(), "entries": self._entries},
                             protocol=pickle.HIGHEST_PROTOCOL)
-            os.replace(tmp, self.file)
-            self._dirty = False
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
+        atomic_write_bytes(self.file, data, self.file.parent, durable=False)  # a speed-up only: no fsync
+        self._dirty = False

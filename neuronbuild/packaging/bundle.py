@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from neuronbuild.analysis.planner import ActionGraph
-from neuronbuild.cache.atomic import atomic_write_bytes
+from neuronbuild.atomic import atomic_write_bytes
 from neuronbuild.cache.local import LocalCache
 from neuronbuild.loading.labels import Label
 from neuronbuild.loading.target_graph import TargetGraph

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import IO, Any
 
+from neuronbuild.atomic import atomic_write_bytes
 from neuronbuild.runtime.layout import (
     DEPLOY_FORMAT,
     INDEX,
@@ -253,18 +254,7 @@ def deploy(archive: Path, dest: Path, expect_sha256: str | None = None) -> Deplo
 
 def _write_index(dest: Path, entries: list[dict[str, Any]]) -> None:
     data = (json.dumps({"format": DEPLOY_FORMAT, "releases": entries}, indent=1, sort_keys=True) + "\n").encode()
-    fd, tmp = tempfile.mkstemp(dir=dest, prefix=".index-")
-    try:
-        os.fchmod(fd, 0o644)
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, dest / INDEX)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    atomic_write_bytes(dest / INDEX, data, dest, mode=0o644)
 
 
 def _fsync_dir(d: Path) -> None:

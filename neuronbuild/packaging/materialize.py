@@ -8,7 +8,7 @@ from typing import Any
 
 from neuronbuild import FORMAT_VERSION
 from neuronbuild.analysis.planner import ActionGraph, CompileTarget
-from neuronbuild.cache.atomic import atomic_write_bytes
+from neuronbuild.atomic import atomic_write_bytes
 from neuronbuild.cache.local import LocalCache
 from neuronbuild.workspace import OUTPUT_DIR
 

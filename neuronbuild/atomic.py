@@ -1,4 +1,6 @@
-"""Atomic file writes (temp file in the same directory tree, fsync, rename) and advisory file locks."""
+"""Atomic file writes (temp file in the same directory tree, optional fsync, rename) and advisory file locks.
+
+Shared by every phase (cache entries, persistent loading/digest caches, no-op stamps, deploy indexes)."""
 
 from __future__ import annotations
 
@@ -10,16 +12,23 @@ from collections.abc import Iterator
 from pathlib import Path
 
 
-def atomic_write_bytes(dest: Path, data: bytes, tmp_dir: Path) -> None:
-    """Write `data` to `dest` so that readers see either nothing or the whole file."""
+def atomic_write_bytes(dest: Path, data: bytes, tmp_dir: Path, *, durable: bool = True,
+                       mode: int | None = None) -> None:
+    """Write `data` to `dest` so that readers see either nothing or the whole file.
+
+    `durable=False` skips the fsync (for caches that are only a speed-up); `mode` sets the permissions (mkstemp's
+    default is 0600)."""
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp_dir.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=tmp_dir, prefix=".w-")
     try:
+        if mode is not None:
+            os.fchmod(fd, mode)
         with os.fdopen(fd, "wb") as f:
             f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+            if durable:
+                f.flush()
+                os.fsync(f.fileno())
         os.replace(tmp, dest)
     except BaseException:
         with contextlib.suppress(OSError):
