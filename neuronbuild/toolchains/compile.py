@@ -107,6 +107,7 @@ def compile_cpu(
     if isa not in ISA_TARGETS:
         raise ToolchainError(f"unknown cpu isa {isa!r} (expected one of {', '.join(ISA_TARGETS)})")
     target = ISA_TARGETS[isa]
+    strip_unstable_meta(ep)  # the trace's source lines serve Neuron lowering errors; the package never holds them
     ep = apply_passes(ep, options, args)
     from torch._inductor import aoti_compile_and_package
 
