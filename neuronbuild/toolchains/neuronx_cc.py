@@ -1,11 +1,10 @@
-"""The neuronx-cc hand-off: run the configured neuronx-cc on a lowered program and collect its NEFF.
+"""The neuronx-cc hand-off: run the configured neuronx-cc on a graph's HLO module and collect its NEFF.
 
-Contract (the real CLI's shape): in a scratch dir next to the sandbox inputs, with the lowered program linked in as
-`lowered.pt2`, run `neuronx-cc compile --framework XLA lowered.pt2 --target <platform> --output model.neff [flags]`,
-flags being the effective options mapped by neuron_flags. Its combined stdout/stderr goes to the action's log; a
-non-zero exit or a missing NEFF fails the action; past the timeout its whole process group is killed and the action
-fails. (Real neuronx-cc takes HLO; this project's lowered program is a torch.export archive. The real compiler cannot
-be installed here: tests run a stand-in that keeps this contract, tests/standins/neuronx-cc.)"""
+Contract (the documented CLI): in a scratch dir holding the module as `model.hlo.pb`, run
+`neuronx-cc compile model.hlo.pb --framework XLA --target <platform> --output model.neff [flags]`, flags being the
+effective options mapped by neuron_flags. Its combined stdout/stderr goes to the action's log; a non-zero exit or a
+missing NEFF fails the action; past the timeout its whole process group is killed and the action fails. (The real
+compiler cannot be installed here: tests run a stand-in that enforces this contract, tests/standins/neuronx-cc.)"""
 
 from __future__ import annotations
 
@@ -22,18 +21,17 @@ from typing import Any
 from neuronbuild.toolchains import neuron_flags
 from neuronbuild.toolchains.errors import ToolchainError
 
-PROGRAM = "lowered.pt2"
-NEFF = "model.neff"
+PROGRAM = neuron_flags.HLO_FILE
+NEFF = neuron_flags.NEFF_FILE
 
 
-def neuronx_cc_command(exe: str, platform: str, options: Mapping[str, Any]) -> list[str]:
-    """The argv, relative to the scratch dir: `<exe> compile --framework XLA lowered.pt2 --target P --output ...`."""
+def neuronx_cc_command(exe: str, platform: str, options: Mapping[str, Any],
+                       env_flags: list[str] | None = None) -> list[str]:
+    """The argv, relative to the scratch dir: `<exe> compile model.hlo.pb --framework XLA --target P --output ...`."""
     try:
-        args = neuron_flags.neuronx_cc_args(platform, options)
+        return neuron_flags.neuronx_cc_argv(exe, platform, options, env_flags)
     except ValueError as exc:
         raise ToolchainError(str(exc)) from None
-    assert args[:2] == ["--target", platform]
-    return [exe, "compile", "--framework", "XLA", PROGRAM, "--target", platform, "--output", NEFF, *args[2:]]
 
 
 def _check_version(exe: str, expected: str) -> None:
@@ -50,7 +48,7 @@ def _check_version(exe: str, expected: str) -> None:
 
 def run_neuronx_cc(cc: Mapping[str, Any], platform: str, options: Mapping[str, Any], out_dir: Path,
                    scratch: Path) -> dict[str, Any]:
-    """Compile out_dir/lowered.pt2 into out_dir/model.neff. `cc` is the plan's {"path", "version", "timeout_s"}."""
+    """Compile out_dir/model.hlo.pb into out_dir/model.neff. `cc` is the plan's {"path", "version", "timeout_s"}."""
     exe, timeout = str(cc["path"]), float(cc["timeout_s"])
     _check_version(exe, str(cc["version"]))
     work = Path(scratch)
