@@ -275,7 +275,8 @@ def lower_program(ep: torch.export.ExportedProgram, options: Mapping[str, Any] |
     if len(out_vals) != len(summary.result.elements) or not all(isinstance(v, torch.Tensor) for v in out_vals):
         raise LoweringError("the model must return tensors only (a tensor or a tuple/list of tensors)")
     outputs = tuple(HloOutput(i, s.dims, s.dtype, _dtype_name(v.dtype))
-                    for i, (s, v) in enumerate(zip(summary.result.elements, out_vals, strict=True)))
+                    for i, (s, v) in enumerate(zip(summary.result.elements, out_vals, strict=True))
+                    if isinstance(v, torch.Tensor))
     hist: collections.Counter[str] = collections.Counter(
         _op_name(n.target) for n in gm.graph.nodes if n.op == "call_function" and n.target is not operator.getitem)
     return LoweredModule(proto, parameters, outputs, tuple(sorted(hist.items())), auto_cast, cast_type, cast_count[0])
