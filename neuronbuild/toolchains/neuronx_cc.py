@@ -14,6 +14,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -63,6 +64,7 @@ def run_neuronx_cc(cc: Mapping[str, Any], platform: str, options: Mapping[str, A
     cmd = neuronx_cc_command(exe, platform, options)
     log_path = work / "neuronx-cc.log"
     timed_out = False
+    started = time.monotonic()
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, cwd=work, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)
@@ -79,11 +81,13 @@ def run_neuronx_cc(cc: Mapping[str, Any], platform: str, options: Mapping[str, A
             if proc.poll() is None:  # interrupted: never leave the compiler running
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
+    ran = time.monotonic() - started
     output = log_path.read_text(encoding="utf-8", errors="replace")
     sys.stdout.write(f"# neuronx-cc: {shlex.join(cmd)}\n{output}")
     if output and not output.endswith("\n"):
         sys.stdout.write("\n")
-    sys.stdout.write(f"# neuronx-cc: {'killed after timeout' if timed_out else f'exit status {rc}'}\n")
+    ending = f"killed after the {timeout:g} s timeout" if timed_out else f"exit status {rc}"
+    sys.stdout.write(f"# neuronx-cc: {ending} (ran {ran:.2f} s)\n")
     sys.stdout.flush()
     if timed_out:
         raise ToolchainError(f"neuronx-cc timed out after {timeout:g} s and was killed (see the action log)")
