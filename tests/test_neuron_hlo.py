@@ -271,3 +271,14 @@ def test_xla_cpu_runner_rejects_bad_modules_weights_and_inputs(block, tmp_path: 
         run(torch.zeros(2, 6, dtype=torch.int64), torch.ones(2, 6, dtype=torch.bool))
     with pytest.raises(XlaCpuError, match="does not fit the module's int32"):
         run(torch.full((2, 5), 2**40), torch.ones(2, 5, dtype=torch.bool))
+
+
+def test_float64_is_refused_at_its_source_line() -> None:
+    class Wide(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return (x.double() * 2).float()
+
+    ep = torch.export.export(Wide(), (torch.ones(2),), strict=False)
+    with pytest.raises(LoweringError, match=r"float64, which Neuron does not support .*test_neuron_hlo.py:\d+ in "
+                                            r"forward: return \(x.double\(\) \* 2\).float\(\)"):
+        lower_program(ep)

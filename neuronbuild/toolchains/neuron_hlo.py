@@ -33,6 +33,9 @@ _ASSERTION_OPS = frozenset({
     "aten._functional_assert_async.msg", "aten._functional_assert_scalar.default",
 })
 _CASTABLE = (torch.float32, torch.float16, torch.float64)
+# Dtypes a Neuron graph may hold (int64 is computed as int32, as Neuron frameworks do).
+NEURON_DTYPES = frozenset({torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.int16,
+                           torch.int8, torch.uint8, torch.bool})
 _STATE_KINDS = {InputKind.PARAMETER: "parameter", InputKind.BUFFER: "buffer", InputKind.CONSTANT_TENSOR: "constant"}
 
 
@@ -141,6 +144,16 @@ def _check_supported(gm: torch.fx.GraphModule, registry: Any) -> None:
         raise LoweringError(f"cannot lower {first} to HLO: no Neuron lowering for this op{_where(node)}{more}")
 
 
+def _check_dtypes(gm: torch.fx.GraphModule) -> None:
+    for node in gm.graph.nodes:
+        val = node.meta.get("val")
+        for item in val if isinstance(val, list | tuple) else [val]:
+            if isinstance(item, torch.Tensor) and item.dtype not in NEURON_DTYPES:
+                what = f"input {node.name!r}" if node.op == "placeholder" else _op_name(node.target)
+                raise LoweringError(f"{what} produces {_dtype_name(item.dtype)}, which Neuron does not support "
+                                    f"(use float32, bfloat16 or float16){_where(node)}")
+
+
 def _lower_graph(ep: torch.export.ExportedProgram, registry: Any, cast_targets: frozenset[Any],
                  cast_dtype: Any) -> tuple[Callable[..., Any], list[int]]:
     """A jax-traceable function of (state..., inputs...) -> tuple of outputs; the list counts auto-cast ops."""
@@ -235,6 +248,7 @@ def lower_program(ep: torch.export.ExportedProgram, options: Mapping[str, Any] |
     _check_signature(ep)
     gm = ep.graph_module
     _check_supported(gm, registry)
+    _check_dtypes(gm)
 
     cast_targets: frozenset[Any] = frozenset()
     if auto_cast != "none":

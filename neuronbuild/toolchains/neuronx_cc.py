@@ -48,7 +48,7 @@ def _check_version(exe: str, expected: str) -> None:
 
 
 def run_neuronx_cc(cc: Mapping[str, Any], platform: str, options: Mapping[str, Any], out_dir: Path,
-                   scratch: Path) -> dict[str, Any]:
+                   scratch: Path, env_flags: list[str] | None = None) -> dict[str, Any]:
     """Compile out_dir/model.hlo.pb into out_dir/model.neff. `cc` is the plan's {"path", "version", "timeout_s"}."""
     exe, timeout = str(cc["path"]), float(cc["timeout_s"])
     _check_version(exe, str(cc["version"]))
@@ -61,7 +61,7 @@ def run_neuronx_cc(cc: Mapping[str, Any], platform: str, options: Mapping[str, A
         os.link(src, work / PROGRAM)
     except OSError:
         shutil.copyfile(src, work / PROGRAM)
-    cmd = neuronx_cc_command(exe, platform, options)
+    cmd = neuronx_cc_command(exe, platform, options, env_flags)
     log_path = work / "neuronx-cc.log"
     timed_out = False
     started = time.monotonic()
