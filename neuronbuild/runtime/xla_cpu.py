@@ -152,3 +152,14 @@ def load(hlo: Path, params: Path) -> XlaCpuModule:
     except OSError as exc:
         raise XlaCpuError(f"cannot read {exc.filename}: {exc.strerror}") from None
     return XlaCpuModule(proto, manifest, source=Path(hlo).name)
+
+
+def load_graph(hlo: Path, params: Path, weights: Mapping[str, torch.Tensor]) -> Any:
+    """A Neuron graph as a callable on XLA:CPU: takes the user inputs, returns the single output or a tuple."""
+    module = load(hlo, params).bind(weights)
+
+    def run(*args: torch.Tensor) -> Any:
+        out = module(*args)
+        return out[0] if len(out) == 1 else out
+
+    return run

@@ -243,8 +243,10 @@ def lower_program(ep: torch.export.ExportedProgram, options: Mapping[str, Any] |
     from torchax.ops import mappings
 
     _check_signature(ep)
-    ep = ep.run_decompositions()
-    ep = ep.run_decompositions(decompositions.DECOMPOSITIONS)
+    # One pass to core ATen plus torchax's own decompositions (two passes cost twice: each re-traces the program).
+    table = torch.export.default_decompositions()
+    table.update(decompositions.DECOMPOSITIONS)
+    ep = ep.run_decompositions(table)
     _check_signature(ep)
     gm = ep.graph_module
     _check_supported(gm, registry)
