@@ -6,8 +6,9 @@ import shlex
 from collections.abc import Mapping
 from typing import Any
 
-NEURON_PLATFORMS = ("inf2", "trn1", "trn2", "trn3")
-AUTO_CAST_VALUES = ("none", "matmult", "all")
+from neuronbuild.vocabulary import AUTO_CAST, NEURON_PLATFORMS, OPT_LEVELS
+
+AUTO_CAST_VALUES = AUTO_CAST
 AUTO_CAST_TYPES = ("bf16", "fp16")  # the types the HLO lowering can cast to (neuronx-cc also knows tf32, fp8_e4m3)
 MODEL_TYPES = ("generic", "transformer", "unet-inference")
 DEFAULT_OPT_LEVEL = 2
@@ -61,7 +62,7 @@ def neuronx_cc_args(platform: str, options: Mapping[str, Any], env_flags: list[s
     if platform not in NEURON_PLATFORMS:
         raise ValueError(f"not a Neuron platform: {platform!r} (expected one of {', '.join(NEURON_PLATFORMS)})")
     opt_level = int(options.get("opt_level", DEFAULT_OPT_LEVEL))
-    if opt_level not in (1, 2, 3):
+    if opt_level not in OPT_LEVELS:
         raise ValueError(f"opt_level must be 1, 2 or 3 for neuronx-cc, got {opt_level}")
     auto_cast = str(options.get("auto_cast") or "none")
     if auto_cast not in AUTO_CAST_VALUES:
