@@ -3,9 +3,11 @@ success (NEFF cached and materialised), failure (log shown, nothing cached) and 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 from pathlib import Path
@@ -145,7 +147,7 @@ def test_version_enters_compile_fingerprints_only(tiny_built, tmp_path: Path) ->
 def test_without_neuronx_cc_the_build_says_once_that_no_neffs_were_produced(tiny_built, tmp_path) -> None:  # type: ignore[no-untyped-def]
     ws = copy_ws(tiny_built[0], tmp_path / "ws")
     proc = run_cli(["build", "--cache-dir", str(tmp_path / "cache")], ws, NO_CC)
-    assert proc.returncode == 0 and " 4 executed" in proc.stdout
+    assert proc.returncode == 0 and " 6 executed" in proc.stdout  # 2 buckets: trace, lower, compile each
     assert proc.stderr.count("NEFFs were not produced") == 1
     assert not list((ws / "neuronbuild-out").rglob("*.neff"))
 
@@ -154,20 +156,27 @@ def test_success_stores_the_neff_and_logs_the_compiler(tiny_built, tmp_path: Pat
     ws, cache = _setup(tiny_built, tmp_path)
     proc = run_cli(["build", "--jobs", "2", "--cache-dir", str(cache), "--neuronx-cc", str(STANDIN)], ws)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "2 actions: 1 executed, 1 cached" in proc.stdout  # the trace is reused; only the compile ran
+    assert "3 actions: 1 executed, 2 cached" in proc.stdout  # the trace and the lowering are reused
     assert "NEFFs were not produced" not in proc.stderr
     out = ws / "neuronbuild-out/m/tiny_trn2"
     manifest = json.loads((out / "manifest.json").read_text())
     assert [b["name"] for b in manifest["buckets"]] == ["batch1_seq8"]
     for b in manifest["buckets"]:
-        assert set(b["outputs"]) == {"lowered.pt2", "compile_flags.json", "model.neff"}
-        neff = (out / b["name"] / "model.neff").read_bytes()
+        assert set(b["outputs"]) == {"model.hlo.pb", "params.json", "constants.safetensors", "compile_flags.json",
+                                     "model.neff"}
+        d = out / b["name"]
+        neff = (d / "model.neff").read_bytes()
         assert neff.startswith(b"NEFF\x00standin\n")
         body = json.loads(neff.split(b"\n", 1)[1])
         assert body["target"] == "trn2" and body["options"]["--optlevel"] == "2"
         assert body["options"]["--model-type"] == "transformer"
+        assert body["input_sha256"] == hashlib.sha256((d / "model.hlo.pb").read_bytes()).hexdigest()
+        flags = json.loads((d / "compile_flags.json").read_text())
+        assert flags["neuronx_cc_version"] == "2.99.0.0+standin"
+        assert flags["argv"][:9] == ["neuronx-cc", "compile", "model.hlo.pb", "--framework", "XLA", "--target", "trn2",
+                                     "--output", "model.neff"]
         log = (cache / "v1/logs" / b["fingerprint"][:2] / f"{b['fingerprint']}.log").read_text()
-        assert "compile --framework XLA lowered.pt2 --target trn2 --output model.neff" in log
+        assert f"# neuronx-cc: {STANDIN} {shlex.join(flags['argv'][1:])}\n" in log  # what ran is what was recorded
         assert "Compiler status PASS" in log and "# neuronx-cc: exit status 0" in log
     again = run_cli(["build", "--cache-dir", str(cache), "--neuronx-cc", str(STANDIN)], ws)
     assert " 0 executed" in again.stdout  # the NEFF came from the cache

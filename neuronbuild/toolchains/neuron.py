@@ -4,7 +4,6 @@ when a compiler is configured). Planning here; the worker steps in neuron_steps.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -59,7 +58,9 @@ class NeuronToolchain:
         assert req.trace is not None
         lowering = neuron_flags.lowering_options(req.options)
         try:
-            env_flags = neuron_flags.neuron_cc_env_flags(os.environ.get(NEURON_CC_FLAGS_ENV))
+            # NEURON_CC_FLAGS counts only when declared (--action-env NEURON_CC_FLAGS): then its value is in every
+            # record's env already; an ambient one changes nothing and gets the undeclared-variable warning.
+            env_flags = neuron_flags.neuron_cc_env_flags(req.settings.env_record().get(NEURON_CC_FLAGS_ENV))
             neuron_flags.neuronx_cc_args(req.platform, req.options, env_flags)  # bad options fail at plan time
         except ValueError as exc:
             raise UserInputError(f"{req.label}: {exc}") from None
@@ -89,7 +90,7 @@ class NeuronToolchain:
             "bucket": bucket,
             "inputs": inputs,
             "toolchain": self.versions(req.platform, req.settings),
-        } | ({"neuron_cc_flags": env_flags} if env_flags else {}) | dict(req.common)
+        } | dict(req.common)
         spec: dict[str, Any] = {"toolchain": self.name, "step": COMPILE, "platform": req.platform,
                                 "options": dict(req.options), "env_flags": env_flags, "neuronx_cc": None}
         outputs: tuple[str, ...] = OUTPUTS
