@@ -80,17 +80,7 @@ class NeuronToolchain:
         lower = make_action(LOWER, req.trace.label, req.bucket, lower_record, lower_spec,
                             dep_inputs=(DepInput(req.trace.fingerprint, TRACE_OUTPUT, TRACE_OUTPUT),),
                             outputs=LOWER_OUTPUTS)
-        record = {
-            "format": FORMAT_VERSION,
-            "action": COMPILE,
-            "trace": req.trace.fingerprint,
-            "lowering": lower.fingerprint,
-            "target": dict(req.target),
-            "options": dict(req.options),
-            "bucket": bucket,
-            "inputs": inputs,
-            "toolchain": self.versions(req.platform, req.settings),
-        } | dict(req.common)
+        record = req.record(COMPILE, self.versions(req.platform, req.settings), lowering=lower.fingerprint)
         spec: dict[str, Any] = {"toolchain": self.name, "step": COMPILE, "platform": req.platform,
                                 "options": dict(req.options), "env_flags": env_flags, "neuronx_cc": None}
         outputs: tuple[str, ...] = OUTPUTS
