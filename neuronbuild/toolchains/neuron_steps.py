@@ -3,6 +3,7 @@ every Neuron platform), then per platform write the exact neuronx-cc command lin
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -49,13 +50,16 @@ def run_lower(spec: Mapping[str, Any], sandbox: Path, out_dir: Path) -> dict[str
             "auto_cast_ops": lowered.cast_ops, "lower_s": round(seconds, 3)}
 
 
-def flags_document(platform: str, options: Mapping[str, Any], env_flags: list[str], version: str | None) -> bytes:
-    """compile_flags.json: the exact contract argv (run in a dir holding model.hlo.pb) and the compiler version."""
+def flags_document(platform: str, options: Mapping[str, Any], env_flags: list[str], version: str | None,
+                   hlo: bytes) -> bytes:
+    """compile_flags.json: the exact contract argv (run in a dir holding model.hlo.pb), the compiler version and the
+    sha256 of the module it compiles (as the Neuron compile cache keys entries by module and flags)."""
     try:
         argv = neuron_flags.neuronx_cc_argv("neuronx-cc", platform, options, env_flags)
     except ValueError as exc:
         raise ToolchainError(str(exc)) from None
-    doc = {"platform": platform, "argv": argv, "neuronx_cc_version": version}
+    doc = {"platform": platform, "argv": argv, "neuronx_cc_version": version,
+           "hlo_sha256": hashlib.sha256(hlo).hexdigest()}
     return (json.dumps(doc, indent=2, sort_keys=True) + "\n").encode()
 
 
@@ -85,7 +89,9 @@ def run_neuron_compile(spec: Mapping[str, Any], sandbox: Path, out_dir: Path) ->
         if not (sandbox / name).is_file():
             raise ToolchainError(f"the lowering's {name} is missing from the sandbox")
         _place(sandbox / name, out_dir / name)
-    (out_dir / FLAGS_FILE).write_bytes(flags_document(platform, options, env_flags, str(cc["version"]) if cc else None))
+    version = str(cc["version"]) if cc else None
+    (out_dir / FLAGS_FILE).write_bytes(flags_document(platform, options, env_flags, version,
+                                                      (out_dir / HLO_FILE).read_bytes()))
     meta: dict[str, Any] = {"artifact": HLO_FILE, "flags": FLAGS_FILE}
     if cc:
         meta |= run_neuronx_cc(cc, platform, options, out_dir, sandbox / "neuronx-cc-work", env_flags)
