@@ -112,7 +112,9 @@ def test_dask_farm_builds_the_example_like_a_local_build_and_reruns_the_action_o
         cwd=ws, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
     # Kill a whole `dask worker` (and the action process it runs) while it is executing an action.
-    victim, victim_address, lost, doomed = None, "", [], []
+    victim, victim_address = None, ""
+    lost: list[str] = []
+    doomed: list[int] = []
     deadline = time.monotonic() + 300
     while not lost and time.monotonic() < deadline and proc.poll() is None:
         for i, w in enumerate(workers, 1):

@@ -68,8 +68,11 @@ def _scaled_safetensors(data: bytes, factor: float) -> bytes:
 
 def _cache_copy(src: Path, dest: Path) -> Path:
     """A copy of a cache (blobs hard-linked: they are immutable and only ever replaced, never written in place)."""
-    def copy(s: str, d: str) -> object:
-        return os.link(s, d) if f"{os.sep}cas{os.sep}" in s else shutil.copy2(s, d)
+    def copy(s: str, d: str) -> None:
+        if f"{os.sep}cas{os.sep}" in s:
+            os.link(s, d)
+        else:
+            shutil.copy2(s, d)
     shutil.copytree(src, dest, copy_function=copy)
     return dest
 
