@@ -194,7 +194,7 @@ def main() -> None:
     ap.add_argument("--keep", action="store_true", help="keep the scratch directory (profiles, outputs)")
     args = ap.parse_args()
     sys.path.insert(0, str(REPO))
-    from neuronbuild.analysis.platforms import resolve_isa
+    from neuronbuild.platforms import resolve_isa
 
     isa = resolve_isa("native")
     root = Path(tempfile.mkdtemp(prefix="neuronbuild-bench-"))
