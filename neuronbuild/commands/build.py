@@ -34,6 +34,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                    help="where actions run: local worker processes (default), a Dask cluster, or a LocalCluster")
     b.add_argument("--scheduler", metavar="tcp://HOST:PORT", help="the Dask scheduler (--executor dask)")
     b.add_argument("--dry-run", action="store_true", help="show what would execute (the `plan` command); run nothing")
+    b.add_argument("--signing-key", metavar="FILE",
+                   help="sign bundles' manifests with this Ed25519 private key (default: $NEURONBUILD_SIGNING_KEY)")
     add_cache_args(b)
     add_remote_cache_args(b)
     add_settings_args(b)
@@ -83,6 +85,10 @@ def run(args: argparse.Namespace) -> int:
         return _bad("--scheduler is only used with --executor dask")
     if args.executor != "local" and args.remote_cache and "://" in args.remote_cache:
         return _bad("the Dask executor needs --remote-cache to be a shared directory")
+    if getattr(args, "signing_key", None):  # read by packaging/bundle.py (and part of the no-op key)
+        import os
+
+        os.environ["NEURONBUILD_SIGNING_KEY"] = str(Path(args.signing_key).expanduser().resolve())
     if args.dry_run:
         from neuronbuild.commands import plan
 

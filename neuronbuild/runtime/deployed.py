@@ -6,8 +6,11 @@ production never compiles and therefore never saves."""
 
 from __future__ import annotations
 
+import io
 import logging
 import os
+import shutil
+import tempfile
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -16,6 +19,7 @@ from typing import Any
 
 from neuronbuild.runtime.host import Host, check_graph, current_host
 from neuronbuild.runtime.layout import (
+    FileRef,
     Graph,
     LayoutError,
     Manifest,
@@ -25,6 +29,9 @@ from neuronbuild.runtime.layout import (
     read_releases,
 )
 from neuronbuild.runtime.router import BucketRouter, NoBucketFits, Route
+from neuronbuild.runtime.signing import SIGNATURE as SIGNATURE_FILE
+from neuronbuild.runtime.signing import TRUSTED_KEYS_ENV, SignatureError, TrustedKey, load_trusted_keys, verify_manifest
+from neuronbuild.runtime.verified import private_copy, read_verified
 
 STRICT_ENV = "NEURONBUILD_STRICT"
 REQUIRE_ENV = "NEURONBUILD_REQUIRE"
@@ -66,6 +73,19 @@ def graph_diff(expected: Graph, deployed: Graph) -> list[tuple[str, Any, Any]]:
     out = [d for d in diff_records(expected.record, deployed.record) if d[0] != "trace"]
     if expected.record.get("trace") != deployed.record.get("trace"):
         out += [(f"trace.{p}", a, b) for p, a, b in diff_records(expected.trace_record, deployed.trace_record)]
+    return out
+
+
+def _artifact_diff(expected: Graph, deployed: Graph) -> list[tuple[str, str]]:
+    """Artifacts and weights whose digest or size differ between the expected and the deployed graph."""
+    out = []
+    names = sorted(set(expected.artifacts) | set(deployed.artifacts))
+    pairs = [(n, expected.artifacts.get(n), deployed.artifacts.get(n)) for n in names]
+    pairs.append(("weights", expected.weights, deployed.weights))
+    for name, a, b in pairs:
+        if (a and (a.sha256, a.size)) != (b and (b.sha256, b.size)):
+            out.append((name, f"expected sha256 {a.sha256[:16] if a else None}, deployed "
+                              f"{b.sha256[:16] if b else None}"))
     return out
 
 
@@ -186,6 +206,7 @@ class DeployedCache:
             for g in r.manifest.graphs:
                 by_fp.setdefault(g.fingerprint, (g, r))
                 by_key.setdefault(g.key, []).append(g)
+        pinned = expected is not None
         if expected is None:
             newest = next((r for r in self._releases if label in r.manifest.labels()), None)
             if newest is None:
@@ -206,6 +227,10 @@ class DeployedCache:
                 problems.append(Problem(eg.describe(), reason))
             else:
                 slot = _Slot(hit[0], hit[1])
+                if pinned:
+                    for name, why in _artifact_diff(eg, hit[0]):
+                        slot.problem = f"{name} differs from the expected manifest ({why})"
+                        problems.append(Problem(eg.describe(), slot.problem))
                 for m in check_graph(hit[0], self.host):
                     slot.problem = f"{m.field} differs (built for {m.built}, this host has {m.here})"
                     problems.append(Problem(eg.describe(), slot.problem))
@@ -219,11 +244,11 @@ class DeployedCache:
 
     # -- loading ---------------------------------------------------------------------------------------------------
 
-    def _weights_for(self, path: Path) -> Any:
+    def _weights_for(self, path: Path, ref: FileRef) -> Any:
         if path not in self._weights:
-            from neuronbuild.runtime.aoti_loader import read_constants
+            from safetensors.torch import load as load_safetensors
 
-            self._weights[path] = read_constants(path)
+            self._weights[path] = load_safetensors(read_verified(path, ref))  # every byte checked before use
         return self._weights[path]
 
     def _load(self, slot: _Slot) -> Callable[..., Any] | None:
@@ -240,10 +265,18 @@ class DeployedCache:
             if g.platform == "cpu":
                 from neuronbuild.runtime.aoti_loader import load_package
 
-                weights = self._weights_for(rdir / g.weights.path) if g.weights else None
-                slot.fn = load_package(rdir / g.artifacts["model.pt2"].path, constants=weights or {})
+                weights = self._weights_for(rdir / g.weights.path, g.weights) if g.weights else None
+                ref = g.artifacts["model.pt2"]
+                # The C++ loader needs a path: it gets a private copy made while hashing, so the shared library it
+                # loads is the one checked (a file swapped after the check never reaches it).
+                copy = private_copy(rdir / ref.path, ref, Path(tempfile.gettempdir()))
+                try:
+                    slot.fn = load_package(copy, constants=weights or {})
+                finally:
+                    shutil.rmtree(copy.parent, ignore_errors=True)
             else:
-                slot.fn = _load_lowered(rdir / g.artifacts["lowered.pt2"].path)
+                ref = g.artifacts["lowered.pt2"]
+                slot.fn = _load_lowered(io.BytesIO(read_verified(rdir / ref.path, ref)))
         except Exception as e:  # noqa: BLE001 - any load failure is this graph's error
             self._counts["error"] += 1
             slot.problem = f"failed to load: {type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
@@ -272,12 +305,12 @@ class _EagerModel:
         return self._cache._eager_call(self.label, "not deployed", self._fn, args)
 
 
-def _load_lowered(path: Path) -> Callable[..., Any]:
-    """A Neuron graph's lowered program, run by torch on this host's CPU: the stand-in for its NEFF, which needs
-    neuronx-cc (not available here) to produce and the Neuron runtime to execute."""
+def _load_lowered(data: Path | io.BytesIO) -> Callable[..., Any]:
+    """A Neuron graph's lowered program (its verified bytes), run by torch on this host's CPU: the stand-in for its
+    NEFF, which needs neuronx-cc (not available here) to produce and the Neuron runtime to execute."""
     import torch
 
-    module = torch.export.load(str(path)).module()
+    module = torch.export.load(str(data) if isinstance(data, Path) else data).module()
 
     def run(*args: Any) -> Any:
         with torch.no_grad():
@@ -296,14 +329,18 @@ def _expected(expect: str | Path | Manifest | Mapping[str, Any] | None) -> Manif
 
 def open_cache(root: str | Path, strict: bool | None = None, require: Iterable[str] | None = None,
                expect: str | Path | Manifest | Mapping[str, Any] | None = None,
-               eager: Mapping[str, Callable[..., Any]] | None = None) -> DeployedCache:
+               eager: Mapping[str, Callable[..., Any]] | None = None,
+               trusted_keys: str | Path | list[TrustedKey] | None = None) -> DeployedCache:
     """Open a directory written by `neuronbuild deploy`.
 
     strict (default: $NEURONBUILD_STRICT): every required graph must be deployed, intact, match `expect` (a bundle
     manifest: exact fingerprints) when given, and suit this host; it is loaded now, else one RuntimeError lists
     every problem, naming the graph and, when a near entry exists, the fields that differ. require (default:
     $NEURONBUILD_REQUIRE, comma-separated, else the labels of `expect`): labels to check and load at open.
-    Non-strict: problems are logged, graphs load on first use, and a miss runs `eager[label]` when given."""
+    Non-strict: problems are logged, graphs load on first use, and a miss runs `eager[label]` when given.
+    trusted_keys (default: $NEURONBUILD_TRUSTED_KEYS, a file of Ed25519 public keys): releases whose manifest is not
+    signed by one of them are not served (in strict mode, a required label they hold is an error).
+    Every artifact and weights file is checked against its manifest sha256 as it is read, before it is used."""
     root = Path(root)
     strict = _env_flag(STRICT_ENV) if strict is None else bool(strict)
     want = _expected(expect)
@@ -316,11 +353,32 @@ def open_cache(root: str | Path, strict: bool | None = None, require: Iterable[s
         releases = read_releases(root)
     except LayoutError as e:
         raise RuntimeError(f"cannot open deployed cache {root}: {e}") from None
-    if not releases and strict:
+    keys_from = trusted_keys if trusted_keys is not None else (os.environ.get(TRUSTED_KEYS_ENV) or None)
+    unsigned: dict[str, str] = {}
+    if keys_from is not None:
+        try:
+            keys = keys_from if isinstance(keys_from, list) else load_trusted_keys(keys_from)
+        except SignatureError as e:
+            raise RuntimeError(f"cannot open deployed cache {root}: {e}") from None
+        kept = []
+        for r in releases:
+            try:
+                sig = _read_small(r.dir / SIGNATURE_FILE)
+                verify_manifest(r.manifest_bytes, sig, keys, f"release {r.id}")
+                kept.append(r)
+            except SignatureError as e:
+                for lbl in r.manifest.labels():
+                    unsigned.setdefault(lbl, str(e))
+                log.warning("neuronbuild.runtime: not serving %s: %s", r.dir, e)
+        releases = kept
+    if not releases and strict and not unsigned:
         raise RuntimeError(f"strict mode: nothing is deployed in {root} (run `neuronbuild deploy BUNDLE --cache-dir {root}`)")
     cache = DeployedCache(root, strict, releases, current_host(), eager or {})
     problems: list[Problem] = []
     for label in required:
+        if label in unsigned and not any(label in r.manifest.labels() for r in releases):
+            problems.append(Problem(label, f"refused: {unsigned[label]}"))
+            continue
         expected = [g for g in want.graphs if g.label == label] if want is not None else None
         if expected == []:
             problems.append(Problem(label, "required but not in the expected manifest"))
@@ -337,9 +395,22 @@ def open_cache(root: str | Path, strict: bool | None = None, require: Iterable[s
         log.warning("neuronbuild.runtime: %s", p)
     if strict:
         for label in required:
-            for slot in cache._slots[label].values():
+            for slot in cache._slots.get(label, {}).values():
                 cache._load(slot)
     cache.load_ms = (time.perf_counter() - start) * 1000
     log.info("neuronbuild.runtime: opened %s (%s, %d release(s), %d graph(s) loaded in %.1f ms): %s",
              root, "strict" if strict else "lenient", len(releases), cache.counters.hit, cache.load_ms, cache.counters)
     return cache
+
+
+def _read_small(path: Path) -> bytes | None:
+    """A signature file's bytes (None when absent); bounded so a hostile file cannot exhaust memory."""
+    from neuronbuild.runtime.signing import MAX_SIGNATURE_BYTES
+
+    try:
+        with open(path, "rb") as f:
+            return f.read(MAX_SIGNATURE_BYTES + 1)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        raise SignatureError(f"cannot read {path}: {e.strerror or e}") from None
