@@ -50,6 +50,7 @@ class BuildRequest:
     verbosity: int = NORMAL
     profile: Path | None = None
     event_file: Path | None = None
+    action_timeout: float = 0.0  # seconds an action may run (local executor); 0: no limit
 
 
 def settings_notes(settings: PlanSettings, ag_has_neuron: bool) -> list[str]:
@@ -66,7 +67,7 @@ def make_executor(ws: Workspace, req: BuildRequest, cache: LocalCache) -> Execut
     if req.executor == "local":
         from neuronbuild.execution.local_executor import LocalExecutor
 
-        return LocalExecutor(ws.root, cache, req.jobs, env)
+        return LocalExecutor(ws.root, cache, req.jobs, env, req.action_timeout)
     from neuronbuild.execution.dask_executor import DaskExecutor
 
     if req.executor == "dask":

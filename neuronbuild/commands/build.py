@@ -34,6 +34,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                    help="where actions run: local worker processes (default), a Dask cluster, or a LocalCluster")
     b.add_argument("--scheduler", metavar="tcp://HOST:PORT", help="the Dask scheduler (--executor dask)")
     b.add_argument("--dry-run", action="store_true", help="show what would execute (the `plan` command); run nothing")
+    b.add_argument("--action-timeout", type=float, default=0.0, metavar="SECONDS",
+                   help="fail an action (killing every process it started) after this many seconds (default: none)")
     b.add_argument("--signing-key", metavar="FILE",
                    help="sign bundles' manifests with this Ed25519 private key (default: $NEURONBUILD_SIGNING_KEY)")
     add_cache_args(b)
@@ -51,7 +53,7 @@ def _raise_interrupt(signum: int, frame: Any) -> None:
 
 
 # Flags that change how a build runs or reports, never what a finished no-op build would contain.
-NOOP_IGNORED = ("local_ram", "retries", "quiet", "verbose", "profile", "build_event_json_file", "executor", "scheduler")
+NOOP_IGNORED = ("local_ram", "retries", "action_timeout", "quiet", "verbose", "profile", "build_event_json_file", "executor", "scheduler")
 
 
 def _record_noop_stats(cache_dir: Path, line: str, started: float) -> None:
@@ -77,6 +79,8 @@ def run(args: argparse.Namespace) -> int:
         return _bad("--jobs must be at least 1")
     if args.retries < 0:
         return _bad("--retries must be 0 or more")
+    if not args.action_timeout >= 0:
+        return _bad("--action-timeout must be 0 (no limit) or a positive number of seconds")
     if args.executor == "dask" and not args.scheduler:
         return _bad("--executor dask needs --scheduler tcp://HOST:PORT")
     if args.executor == "dask" and not args.remote_cache:
@@ -126,6 +130,7 @@ def run(args: argparse.Namespace) -> int:
         verbosity=QUIET if args.quiet else VERBOSE if args.verbose else NORMAL,
         profile=Path(args.profile).resolve() if args.profile else None,
         event_file=Path(args.build_event_json_file).resolve() if args.build_event_json_file else None,
+        action_timeout=args.action_timeout,
     )
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)  # `kill` ends a build like Ctrl-C does
     try:

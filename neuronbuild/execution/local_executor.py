@@ -19,11 +19,12 @@ class LocalExecutor:
     local = True
     name = "local"
 
-    def __init__(self, root: Path, cache: LocalCache, jobs: int, env: dict[str, str]) -> None:
+    def __init__(self, root: Path, cache: LocalCache, jobs: int, env: dict[str, str],
+                 action_timeout: float = 0.0) -> None:
         self.root = root
         self.cache = cache
         self.slots = max(1, jobs)
-        self._pool = WorkerPool(self.slots, env, cache.scratch, cache.logs / "workers.log")
+        self._pool = WorkerPool(self.slots, env, cache.scratch, cache.logs / "workers.log", action_timeout)
         self._running: dict[str, tuple[Job, sandboxes.Sandbox]] = {}
         # This build's sandboxes live under one directory, removed whole at the end (even after a Ctrl-C that
         # struck while a sandbox was being made).

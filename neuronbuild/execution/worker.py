@@ -93,6 +93,76 @@ def run_action(kind: str, spec: dict[str, Any], inputs: str, outputs: str, log_p
                 "duration_s": time.perf_counter() - start, "pid": os.getpid(), "peak_rss_mb": peak_rss_mb()}
 
 
+# Long-lived helpers torch itself starts (inductor's compile-worker pool) survive from one action to the next.
+_KEEP_CMDLINE = (b"torch/_inductor/compile_worker",)
+_PR_SET_CHILD_SUBREAPER = 36
+
+
+def become_subreaper() -> None:
+    """Linux: orphaned descendants (a model's forked child whose parent exited) are re-parented to this worker
+    instead of init, so end_descendants() still finds them."""
+    with contextlib.suppress(Exception):
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+
+
+def _children(pid: int) -> list[int]:
+    out: list[int] = []
+    with contextlib.suppress(OSError):
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{task}/children", "rb") as f:
+                out += [int(x) for x in f.read().split()]
+    return out
+
+
+def _kept(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmd = f.read()
+    except OSError:
+        return False
+    return any(k in cmd for k in _KEEP_CMDLINE)
+
+
+def end_descendants() -> int:
+    """Kill every process this action left behind (children, and orphans re-parented to us), except torch's own
+    compile-worker pool; reap them. Returns how many were killed."""
+    import signal
+
+    killed = 0
+    for _ in range(50):  # killing a process re-parents its children to us: repeat until none is left
+        victims = [c for c in _children(os.getpid()) if not _kept(c)]
+        if not victims:
+            break
+        for c in victims:
+            with contextlib.suppress(OSError):
+                os.kill(c, signal.SIGKILL)
+                killed += 1
+        deadline = time.monotonic() + 2.0
+        while time.monotonic() < deadline:
+            try:
+                pid, _status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                break
+            if pid == 0 and not any(os.path.exists(f"/proc/{c}") and not _is_zombie(c) for c in victims):
+                break
+            if pid == 0:
+                time.sleep(0.01)
+    with contextlib.suppress(ChildProcessError):
+        while os.waitpid(-1, os.WNOHANG)[0]:
+            pass
+    return killed
+
+
+def _is_zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] == b"Z"
+    except (OSError, IndexError):
+        return True
+
+
 def _watch_parent(parent: int) -> None:
     """End this worker (and the compilers it started) when the process that started it dies."""
     while True:
@@ -113,6 +183,7 @@ def main(read_fd: int, write_fd: int) -> None:
     conn_in = Connection(read_fd, writable=False)
     conn_out = Connection(write_fd, readable=False)
     threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
+    become_subreaper()
     for var in ("TMPDIR", "HOME"):
         if os.environ.get(var):
             Path(os.environ[var]).mkdir(parents=True, exist_ok=True)
@@ -127,4 +198,6 @@ def main(read_fd: int, write_fd: int) -> None:
             return
         if msg is None:
             return
-        conn_out.send(run_action(msg["kind"], msg["spec"], msg["inputs"], msg["outputs"], msg["log"]))
+        result = run_action(msg["kind"], msg["spec"], msg["inputs"], msg["outputs"], msg["log"])
+        end_descendants()  # nothing an action started outlives it
+        conn_out.send(result)
