@@ -13,8 +13,11 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-# The first lines of an error kept in results and summaries (the full text is in the action's log).
+# The first lines of an error kept in results and summaries (the full text is in the action's log), and at most
+# ERROR_CHARS of them; an action's log keeps at most MAX_LOG_BYTES (its end, where failures are).
 ERROR_LINES = 5
+ERROR_CHARS = 2000
+MAX_LOG_BYTES = 16 << 20
 
 
 @contextlib.contextmanager
@@ -38,9 +41,32 @@ def _redirect_fds(log_path: str) -> Iterator[None]:
         os.close(fd)
 
 
-def first_lines(msg: str, n: int = ERROR_LINES) -> str:
-    lines = [ln.rstrip() for ln in msg.strip().splitlines() if ln.strip()]
-    return "\n".join(lines[:n])
+def first_lines(msg: str, n: int = ERROR_LINES, cap: int = ERROR_CHARS) -> str:
+    """The first `n` non-empty lines of an error, at most `cap` characters (saying so when cut)."""
+    head = msg[: cap * 2]
+    lines = [ln.rstrip() for ln in head.strip().splitlines() if ln.strip()]
+    out = "\n".join(lines[:n])
+    if len(out) > cap or len(msg) > len(head):
+        out = out[:cap] + f" [... message cut at {cap} characters of {len(msg)}; the full text is in the log]"
+    return out
+
+
+def cap_log(log_path: str, limit: int = MAX_LOG_BYTES) -> None:
+    """Keep only the last `limit` bytes of an action's log, with a first line saying how much was dropped."""
+    try:
+        size = os.path.getsize(log_path)
+        if size <= limit:
+            return
+        with open(log_path, "rb") as f:
+            f.seek(size - limit)
+            tail = f.read(limit)
+        note = f"[neuronbuild: log cut to its last {limit} bytes (the cap); {size - limit} earlier bytes dropped]\n"
+        tmp = log_path + ".cut"
+        with open(tmp, "wb") as f:
+            f.write(note.encode() + tail)
+        os.replace(tmp, log_path)
+    except OSError:
+        pass
 
 
 def _reset_peak_rss() -> None:
@@ -81,6 +107,7 @@ def run_action(kind: str, spec: dict[str, Any], inputs: str, outputs: str, log_p
                     meta = run_compile(spec, Path(inputs), Path(outputs))
             finally:
                 os.chdir(cwd)
+        cap_log(log_path)
         return {"ok": True, "metadata": meta, "duration_s": time.perf_counter() - start, "pid": os.getpid(),
                 "peak_rss_mb": peak_rss_mb()}
     except Exception as e:  # noqa: BLE001 - every failure is reported as the action's failure
@@ -88,7 +115,9 @@ def run_action(kind: str, spec: dict[str, Any], inputs: str, outputs: str, log_p
 
         with open(log_path, "a", encoding="utf-8") as log:
             traceback.print_exc(file=log)
-        msg = str(e) if isinstance(e, ToolchainError) else f"{type(e).__name__}: {e}"
+        cap_log(log_path)
+        text = str(e)
+        msg = text if isinstance(e, ToolchainError) else f"{type(e).__name__}: {text}"
         return {"ok": False, "error": first_lines(msg) or type(e).__name__,
                 "duration_s": time.perf_counter() - start, "pid": os.getpid(), "peak_rss_mb": peak_rss_mb()}
 

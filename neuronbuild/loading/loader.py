@@ -42,14 +42,37 @@ class _SourceFile:
     stored: frozenset[str]
 
 
+MAX_SOURCE_BYTES = 4 << 20  # BUILD/.bzl files larger than this are refused (parsing costs ~250x the file in memory)
+
+
+def _nul_location(display: str, raw: str, at: int) -> Location:
+    line = raw.count("\n", 0, at) + 1
+    return Location(display, line, at - (raw.rfind("\n", 0, at) + 1) + 1)
+
+
 def _parse_source(display: str, path: Path, package: str) -> _SourceFile:
     try:
-        raw = path.read_text(encoding="utf-8")
+        with open(path, "rb") as f:
+            data = f.read(MAX_SOURCE_BYTES + 1)
+    except OSError as e:
+        raise UserInputError(f"cannot read file: {e.strerror or e}", Location(display)) from None
+    if len(data) > MAX_SOURCE_BYTES:
+        raise UserInputError(f"file is larger than {MAX_SOURCE_BYTES // (1 << 20)} MiB, the limit for BUILD and .bzl "
+                             "files", Location(display))
+    try:
+        raw = data.decode("utf-8").replace("\r\n", "\n").replace("\r", "\n")  # as text mode reads it
     except UnicodeDecodeError:
         raise UserInputError("file is not valid UTF-8", Location(display)) from None
+    if "\x00" in raw:
+        raise UserInputError("NUL byte in file", _nul_location(display, raw, raw.index("\x00")))
     try:
         tree = ast.parse(raw, filename=display)
-    except SyntaxError:
+    except (RecursionError, MemoryError):
+        raise UserInputError("expressions nested too deeply", Location(display)) from None
+    except SyntaxError as e:
+        if "too many nested" in str(e.msg) or "too complex" in str(e.msg):
+            raise UserInputError(f"expression nested too deeply ({e.msg})",
+                                 Location(display, e.lineno or 1, e.offset or 1)) from None
         # Let Starlark produce the authoritative syntax error.
         interp = Interpreter({}, display)
         try:
@@ -57,6 +80,10 @@ def _parse_source(display: str, path: Path, package: str) -> _SourceFile:
         except StarlarkFailure as e:
             raise UserInputError(f"syntax error: {e.message}", Location(display, e.line, e.col)) from None
         raise UserInputError("syntax error", Location(display)) from None
+    for node in ast.walk(tree):  # starlark-go truncates strings at a NUL: refuse "\x00" escapes instead
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and "\x00" in node.value:
+            raise UserInputError("NUL character in a string (starlark-go would silently truncate it)",
+                                 Location(display, node.lineno, node.col_offset + 1))
     lines = raw.split("\n")
     loads: list[_LoadStmt] = []
     for node in ast.walk(tree):
