@@ -25,8 +25,8 @@ from neuronbuild.analysis.digests import digest_file, is_racy, stat_key
 from neuronbuild.atomic import atomic_write_bytes
 from neuronbuild.errors import Location, UserInputError
 from neuronbuild.loading.labels import Label, LabelError, parse_label
-from neuronbuild.loading.loader import Loader
-from neuronbuild.loading.schema import RULES, AttrError, validate_call
+from neuronbuild.loading.loader import Loader, validate_rule
+from neuronbuild.loading.schema import RULES, AttrError
 from neuronbuild.loading.targets import Package, Target
 from neuronbuild.self_stamp import code_stamp
 
@@ -155,7 +155,7 @@ def _decode(name: str, raw: Any) -> _Entry:
         label = parse_label(_str(label_text), "")
         if label.package != name or label.repo or attrs.get("name") != label.name:
             raise ValueError("target outside its package")
-        targets.append((label, kind, validate_call(kind, attrs, name), _str(bf), index))
+        targets.append((label, kind, validate_rule(kind, attrs, name), _str(bf), index))
     if not files or digests[0][0] != files[0]:
         raise ValueError("files")
     return _Entry(digests, _str(raw["build_file"]), tuple(targets), files)

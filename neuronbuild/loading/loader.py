@@ -11,7 +11,7 @@ from types import MappingProxyType
 from typing import Any
 
 from neuronbuild.errors import Location, UserInputError
-from neuronbuild.loading.labels import BUILTIN_REPO, Label, LabelError, parse_label
+from neuronbuild.loading.labels import BUILTIN_REPO, Label, LabelError, check_target_name, parse_label
 from neuronbuild.loading.schema import RULES, AttrError, validate_call
 from neuronbuild.loading.starlark_adapter import Frame, Interpreter, StarlarkFailure
 from neuronbuild.loading.targets import Package, Target
@@ -146,6 +146,21 @@ def _parse_bzl(display: str, path: Path, package: str) -> _SourceFile:
     return hit
 
 
+def validate_rule(kind: str, kwargs: dict[str, Any], package: str) -> dict[str, Any]:
+    """validate_call plus what the loader adds: the name is a valid label name, a model's srcs are in its package."""
+    attrs = validate_call(kind, kwargs, package)
+    try:
+        check_target_name(attrs["name"])
+    except LabelError as e:
+        raise AttrError(str(e)) from None
+    if kind == "neuron_model":
+        for src in attrs["srcs"]:
+            if src.package != package:
+                raise AttrError(f"attribute 'srcs': '{src}' is in package //{src.package}, not in this package "
+                                f"(//{package}); a model's sources must live in its own package")
+    return attrs
+
+
 class _PackageContext:
     """The natives one BUILD file's evaluation sees; records targets in call order."""
 
@@ -181,7 +196,7 @@ class _PackageContext:
             raise _Trap()
         if args:
             raise AttrError(f"{kind}() takes keyword arguments only (got {len(args)} positional)")
-        attrs = validate_call(kind, kwargs, self.package)
+        attrs = validate_rule(kind, kwargs, self.package)
         name = attrs["name"]
         if name in self.targets:
             raise AttrError(f"duplicate target name '{name}' in package '//{self.package}'")
@@ -251,6 +266,7 @@ class Loader:
             display = label.path
         if not path.is_file():
             raise UserInputError(f"load(): cannot load '{text}': file {display} not found", loc)
+        self._inside(path, display, loc)
         return display, path, label.package
 
     # ---- evaluation --------------------------------------------------------------------------------------------------
@@ -269,8 +285,20 @@ class Loader:
             pass
         return Location(target.build_file)
 
+    def _inside(self, path: Path, display: str, loc: Location) -> None:
+        """BUILD and .bzl files (and symlinks to them) must resolve inside the workspace, or inside the shipped rules."""
+        real = path.resolve()
+        for base in (self.root, self.rules_dir):
+            try:
+                real.relative_to(base.resolve())
+                return
+            except ValueError:
+                continue
+        raise UserInputError(f"{display} points outside the workspace (to {real}); refusing to evaluate it", loc)
+
     def _evaluate(self, package: str, build_file: str, trap_index: int | None) -> _PackageContext:
         path = self.root / build_file
+        self._inside(path, build_file, Location(build_file))
         src = _parse_source(build_file, path, package)
         ctx = _PackageContext(self, package, build_file, trap_index)
         interp = Interpreter(ctx.natives, build_file)
