@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
-from helpers import run_cli, write_ws
+from helpers import _ENV_AT_START, run_cli, write_ws
 
 MODEL = '''import torch
 
@@ -48,3 +51,40 @@ def test_corrupt_action_records_are_misses_and_verify_repairs_them(tmp_path: Pat
         assert not any(r.exists() for r in records)
         rebuilt = run_cli(args, ws)
         assert rebuilt.returncode == 0 and "2 executed" in rebuilt.stdout, rebuilt.stdout + rebuilt.stderr
+
+
+def _build_in_umask(ws: Path, cache: Path, umask: str, *patterns: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k in _ENV_AT_START or not k.startswith("TORCHINDUCTOR_")}
+    return subprocess.run(["sh", "-c", f'umask {umask}; exec "$0" -m neuronbuild "$@"', sys.executable, "build",
+                           *patterns, "--jobs", "1", "--cache-dir", str(cache)], cwd=ws, env=env,
+                          capture_output=True, text=True, timeout=1800)
+
+
+def test_a_directory_where_a_blob_belongs_is_reported_and_repaired(tmp_path: Path) -> None:
+    ws = write_ws(tmp_path / "ws", {"pkg/BUILD": BUILD, "pkg/m.py": MODEL})
+    cache = tmp_path / "cache"
+    assert run_cli(["build", "//pkg:all", "--jobs", "1", "--cache-dir", str(cache)], ws).returncode == 0
+    blob = next(p for p in sorted((cache / "v1" / "cas").glob("*/*")) if len(p.name) == 64)
+    blob.unlink()
+    blob.mkdir()
+    (blob / "junk").write_text("x")
+    v = run_cli(["cache", "verify", "--cache-dir", str(cache)], ws)
+    assert v.returncode != 0 and blob.name[:16] in v.stdout + v.stderr and "Traceback" not in v.stderr, v.stderr
+    r = run_cli(["cache", "verify", "--repair", "--cache-dir", str(cache)], ws)
+    assert "Traceback" not in r.stderr and not blob.exists(), r.stdout + r.stderr
+    again = run_cli(["build", "//pkg:all", "--jobs", "1", "--cache-dir", str(cache)], ws)
+    assert again.returncode == 0 and blob.is_file(), again.stdout + again.stderr
+    assert run_cli(["cache", "verify", "--cache-dir", str(cache)], ws).returncode == 0
+
+
+def test_outputs_bundle_manifests_and_sha256_files_follow_the_umask(tmp_path: Path) -> None:
+    build = BUILD + 'neuron_bundle(name = "rel", srcs = [":c"])\n'
+    ws = write_ws(tmp_path / "ws", {"pkg/BUILD": build, "pkg/m.py": MODEL})
+    proc = _build_in_umask(ws, tmp_path / "cache", "027", "//pkg:all")
+    assert proc.returncode == 0, proc.stderr
+    out = ws / "neuronbuild-out" / "pkg"
+    files = [*sorted((out / "c").rglob("*.*")), out / "rel.tar.zst", out / "rel.manifest.json",
+             out / "rel.tar.zst.sha256"]
+    assert len(files) >= 5
+    modes = {str(p.relative_to(out)): oct(p.stat().st_mode & 0o777) for p in files if p.is_file()}
+    assert set(modes.values()) == {"0o640"}, modes

@@ -18,6 +18,7 @@ from typing import IO, Any
 
 from neuronbuild.analysis.planner import ActionGraph
 from neuronbuild.atomic import atomic_write_bytes
+from neuronbuild.cache.cas import umask_mode
 from neuronbuild.cache.local import LocalCache
 from neuronbuild.errors import UserInputError
 from neuronbuild.loading.labels import Label
@@ -58,13 +59,6 @@ def bundle_paths(root: Path, label: Label, compression: str) -> tuple[Path, Path
     base = root / OUTPUT_DIR / label.package
     archive = base / f"{label.name}{SUFFIX[compression]}"
     return archive, base / f"{label.name}.manifest.json", Path(f"{archive}.sha256")
-
-
-def umask_mode(base: int = 0o666) -> int:
-    """`base` as the process umask would leave it (what a plain open() would create)."""
-    mask = os.umask(0)
-    os.umask(mask)
-    return base & ~mask
 
 
 def render_docs(manifest: dict[str, Any]) -> dict[str, bytes]:

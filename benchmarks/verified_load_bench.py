@@ -1,0 +1,100 @@
+"""Strict open_cache with every loaded byte verified (this runtime) vs the same open without verification, in one run.
+
+Builds the example's //models:llama_cpu into a bundle (reusing --cache-dir), deploys it, then alternates fresh
+processes that time `open_cache(strict=True)` (manifest, weights once, every bucket's AOTInductor package loaded) after
+`import torch`:
+  verified:   as shipped: weights read once while hashed; each model.pt2 copied into a private dir while hashed and
+              loaded from there
+  unverified: the previous loader (weights by safetensors.load_file, packages loaded from the release dir in place),
+              patched in for this measurement only
+Prints medians and the ratio (goal: verified <= 1.1x unverified).
+
+    .venv/bin/python benchmarks/verified_load_bench.py [--cache-dir DIR] [--repeat N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+OUT = REPO / "benchmarks" / "out"
+LABEL = "//models:llama_cpu"
+
+RUN = r"""
+import json, os, sys, tempfile, time
+import torch
+import neuronbuild.runtime.deployed as d
+if sys.argv[3] == "unverified":
+    from neuronbuild.runtime.aoti_loader import read_constants
+
+    def weights_for(self, path, ref):
+        if path not in self._weights:
+            self._weights[path] = read_constants(path)
+        return self._weights[path]
+
+    def in_place(path, ref, tmp_dir):  # a throwaway dir holding a link to the deployed file (the caller removes it)
+        tmp = tempfile.mkdtemp(dir=tmp_dir)
+        os.symlink(path, os.path.join(tmp, path.name))
+        return d.Path(tmp) / path.name
+
+    d.DeployedCache._weights_for = weights_for
+    d.private_copy = in_place
+t = time.perf_counter()
+cache = d.open_cache(sys.argv[1], strict=True, require=[sys.argv[2]])
+print(json.dumps({"open_s": time.perf_counter() - t, "hits": cache.counters.hit}))
+"""
+
+
+def run(mode: str, serve: Path) -> float:
+    proc = subprocess.run([sys.executable, "-c", RUN, str(serve), LABEL, mode], capture_output=True, text=True,
+                          timeout=600)
+    if proc.returncode != 0:
+        raise SystemExit(f"{mode} run failed:\n{proc.stderr[-3000:]}")
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["hits"] >= 1
+    return float(out["open_s"])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cache-dir", default=str(OUT / "cache"), help="neuronbuild cache (reused between runs)")
+    ap.add_argument("--repeat", type=int, default=7, help="fresh processes per side (alternating; median reported)")
+    args = ap.parse_args()
+    OUT.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="verified-load-bench-", dir=OUT))
+    try:
+        ws = work / "ws"
+        shutil.copytree(REPO / "examples", ws, ignore=shutil.ignore_patterns("neuronbuild-out", "__pycache__"))
+        with open(ws / "models" / "BUILD", "a") as f:
+            f.write('\nneuron_bundle(name = "bench_cpu", srcs = [":llama_cpu"])\n')
+        nb = [sys.executable, "-m", "neuronbuild"]
+        t = time.perf_counter()
+        subprocess.run([*nb, "build", "//models:bench_cpu", "--cache-dir", args.cache_dir], cwd=ws, check=True)
+        print(f"build (cached after the first run): {time.perf_counter() - t:.1f} s")
+        serve = work / "serve"
+        subprocess.run([*nb, "deploy", str(ws / "neuronbuild-out/models/bench_cpu.tar.zst"), "--cache-dir",
+                        str(serve)], cwd=ws, check=True)
+        run("verified", serve)  # warm the page cache for both sides
+        times: dict[str, list[float]] = {"verified": [], "unverified": []}
+        for _ in range(args.repeat):
+            for mode in ("unverified", "verified"):
+                times[mode].append(run(mode, serve))
+        u, v = statistics.median(times["unverified"]), statistics.median(times["verified"])
+        print(f"\nstrict open_cache of {LABEL} (every bucket loaded), median of {args.repeat} fresh processes each")
+        print(f"{'unverified (previous loader)':<32}{u * 1000:>10.1f} ms")
+        print(f"{'verified (every byte hashed)':<32}{v * 1000:>10.1f} ms")
+        print(f"{'ratio':<32}{v / u:>10.3f}   (goal <= 1.1)")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
