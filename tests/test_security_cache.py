@@ -88,3 +88,28 @@ def test_outputs_bundle_manifests_and_sha256_files_follow_the_umask(tmp_path: Pa
     assert len(files) >= 5
     modes = {str(p.relative_to(out)): oct(p.stat().st_mode & 0o777) for p in files if p.is_file()}
     assert set(modes.values()) == {"0o640"}, modes
+
+
+def test_a_read_only_cache_serves_a_fully_cached_build(tmp_path: Path) -> None:
+    """A release cache mounted read-only (here: a read-only bind mount in a private mount namespace)."""
+    import shutil
+
+    import pytest
+
+    ws = write_ws(tmp_path / "ws", {"pkg/BUILD": BUILD, "pkg/m.py": MODEL})
+    cache = tmp_path / "cache"
+    assert run_cli(["build", "//pkg:all", "--jobs", "1", "--cache-dir", str(cache)], ws).returncode == 0
+    shutil.rmtree(ws / "neuronbuild-out")
+    probe = subprocess.run(["unshare", "-m", "sh", "-c", f"mount --bind {cache} {cache} && "
+                            f"mount -o remount,bind,ro {cache} && ! touch {cache}/probe"],
+                           capture_output=True, text=True, check=False)
+    if probe.returncode != 0:
+        pytest.skip(f"cannot make a read-only bind mount here (needs unshare -m as root): {probe.stderr.strip()}")
+    env = {k: v for k, v in os.environ.items() if k in _ENV_AT_START or not k.startswith("TORCHINDUCTOR_")}
+    script = (f"mount --bind {cache} {cache} && mount -o remount,bind,ro {cache} && "
+              f'"$0" -m neuronbuild build //pkg:all --cache-dir {cache}')
+    proc = subprocess.run(["unshare", "-m", "sh", "-c", script, sys.executable], cwd=ws, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "0 executed, 2 cached" in proc.stdout
+    assert (ws / "neuronbuild-out" / "pkg" / "c" / "b1_n4" / "lowered.pt2").is_file()

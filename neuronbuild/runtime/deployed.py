@@ -9,7 +9,6 @@ from __future__ import annotations
 import io
 import logging
 import os
-import shutil
 import tempfile
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -31,7 +30,7 @@ from neuronbuild.runtime.layout import (
 from neuronbuild.runtime.router import BucketRouter, NoBucketFits, Route
 from neuronbuild.runtime.signing import SIGNATURE as SIGNATURE_FILE
 from neuronbuild.runtime.signing import TRUSTED_KEYS_ENV, SignatureError, TrustedKey, load_trusted_keys, verify_manifest
-from neuronbuild.runtime.verified import private_copy, read_verified
+from neuronbuild.runtime.verified import read_verified, verified_path
 
 STRICT_ENV = "NEURONBUILD_STRICT"
 REQUIRE_ENV = "NEURONBUILD_REQUIRE"
@@ -267,13 +266,10 @@ class DeployedCache:
 
                 weights = self._weights_for(rdir / g.weights.path, g.weights) if g.weights else None
                 ref = g.artifacts["model.pt2"]
-                # The C++ loader needs a path: it gets a private copy made while hashing, so the shared library it
+                # The C++ loader needs a path: it gets a private copy of the checked bytes, so the shared library it
                 # loads is the one checked (a file swapped after the check never reaches it).
-                copy = private_copy(rdir / ref.path, ref, Path(tempfile.gettempdir()))
-                try:
-                    slot.fn = load_package(copy, constants=weights or {})
-                finally:
-                    shutil.rmtree(copy.parent, ignore_errors=True)
+                with verified_path(rdir / ref.path, ref, Path(tempfile.gettempdir())) as checked:
+                    slot.fn = load_package(checked, constants=weights or {})
             else:
                 ref = g.artifacts["lowered.pt2"]
                 slot.fn = _load_lowered(io.BytesIO(read_verified(rdir / ref.path, ref)))

@@ -1,15 +1,17 @@
 """Reading deployed artifacts so that every byte used is the byte the manifest names: hashed while read, in one pass.
 
-A file is read once into memory (or copied once into a private temporary file, for loaders that need a path, such as
-an AOTInductor package whose shared library is loaded by the C++ loader) while its sha256 is computed; it is used only
-if that digest and size match the manifest. A file changed after the check cannot reach the loader: what was checked is
-the private copy it reads."""
+A file is read once into memory and its sha256 computed; it is used only if that digest and size match the manifest.
+Loaders that need a path (an AOTInductor package, whose shared library the C++ loader dlopens) get a private copy of
+the checked bytes (an anonymous memory file), so a file changed after the check cannot reach the loader."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
+import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 from neuronbuild.runtime.layout import FileRef
@@ -28,39 +30,34 @@ def _check(path: Path, ref: FileRef, sha: str, size: int) -> None:
 
 
 def read_verified(path: Path, ref: FileRef) -> bytes:
-    """The file's bytes, once their sha256 and size match `ref` (DigestMismatch otherwise)."""
-    h = hashlib.sha256()
-    buf = bytearray()
+    """The file's bytes (read once), returned only when their sha256 and size match `ref` (DigestMismatch otherwise)."""
     with open(path, "rb") as f:
-        if os.fstat(f.fileno()).st_size != ref.size:
-            _check(path, ref, "size differs", os.fstat(f.fileno()).st_size)
-        while chunk := f.read(_CHUNK):
-            h.update(chunk)
-            buf += chunk
-            if len(buf) > ref.size:
-                break
-    _check(path, ref, h.hexdigest(), len(buf))
-    return bytes(buf)
+        data = f.read(ref.size + 1)  # one read: never more than the manifest's size plus one byte
+    _check(path, ref, hashlib.sha256(data).hexdigest(), len(data))
+    return data
 
 
-def private_copy(path: Path, ref: FileRef, tmp_dir: Path) -> Path:
-    """A copy of the file in a fresh private (0700) directory under `tmp_dir`, made while hashing; returned only when
-    it matches `ref`. The caller removes its parent directory when done."""
+@contextlib.contextmanager
+def verified_path(path: Path, ref: FileRef, tmp_dir: Path) -> Iterator[Path]:
+    """A path to a private copy of the file whose bytes matched `ref`, for loaders that open a path themselves (the
+    AOTInductor package loader, which dlopens the shared library inside). Linux: an anonymous memory file
+    (memfd, /proc/self/fd/N) holding the verified bytes; elsewhere a copy in a fresh private directory."""
+    data = read_verified(path, ref)
+    if hasattr(os, "memfd_create") and os.path.isdir("/proc/self/fd"):
+        fd = os.memfd_create(path.name, os.MFD_CLOEXEC)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            yield Path(f"/proc/self/fd/{fd}")
+        finally:
+            os.close(fd)
+        return
     d = Path(tempfile.mkdtemp(prefix="nb-verified-", dir=tmp_dir))
-    out = d / path.name
-    h, n = hashlib.sha256(), 0
     try:
-        with open(path, "rb") as f, open(out, "xb") as w:
-            while chunk := f.read(_CHUNK):
-                h.update(chunk)
-                w.write(chunk)
-                n += len(chunk)
-                if n > ref.size:
-                    break
-        _check(path, ref, h.hexdigest(), n)
-    except BaseException:
-        import shutil
-
+        out = d / path.name
+        with open(out, "xb") as w:
+            w.write(data)
+        yield out
+    finally:
         shutil.rmtree(d, ignore_errors=True)
-        raise
-    return out
