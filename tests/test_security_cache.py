@@ -113,3 +113,17 @@ def test_a_read_only_cache_serves_a_fully_cached_build(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "0 executed, 2 cached" in proc.stdout
     assert (ws / "neuronbuild-out" / "pkg" / "c" / "b1_n4" / "lowered.pt2").is_file()
+
+
+def test_unreadable_records_are_reported_not_counted_as_ok(tmp_path: Path) -> None:
+    ws = write_ws(tmp_path / "ws", {"pkg/BUILD": BUILD, "pkg/m.py": MODEL})
+    cache = tmp_path / "cache"
+    assert run_cli(["build", "//pkg:all", "--jobs", "1", "--cache-dir", str(cache)], ws).returncode == 0
+    for r in sorted((cache / "v1" / "ac").glob("*/*.json")):
+        r.unlink()
+        r.mkdir()  # unreadable as a file, whoever runs verify (root included)
+    v = run_cli(["cache", "verify", "--cache-dir", str(cache)], ws)
+    assert v.returncode != 0 and v.stdout.count("bad-record") == 2, v.stdout + v.stderr
+    assert "0 entries verified: ok" not in v.stdout
+    r = run_cli(["cache", "verify", "--repair", "--cache-dir", str(cache)], ws)
+    assert not list((cache / "v1" / "ac").glob("*/*.json")), r.stdout + r.stderr

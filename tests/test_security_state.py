@@ -82,3 +82,32 @@ def test_a_forged_load_cache_entry_is_validated_like_a_rule_call_and_dropped(tmp
         lc = LoadCache(f)
         g = load_targets(root, ["//pkg:all"], "", lc)
         assert (lc.hits, lc.misses, len(g.targets)) == (0, 1, 3)
+
+
+def test_state_files_written_by_another_user_are_ignored(tmp_path: Path) -> None:
+    root = write_ws(tmp_path / "ws", {"pkg/BUILD": BUILD})
+    cache = tmp_path / "cache"
+    state, key = _state_dir(cache, root)
+    assert run_cli(["build", "//pkg:all", "--cache-dir", str(cache)], root).returncode == 0
+    f = state / f"load-{key}.json"
+    from neuronbuild.loading.load_cache import LoadCache
+    from neuronbuild.loading.target_graph import load_targets
+
+    lc = LoadCache(f)
+    load_targets(root, ["//pkg:all"], "", lc)
+    assert lc.hits == 1
+    for p in state.iterdir():  # as if another user (or a group-writable shared dir) had written them
+        os.chmod(p, 0o666)
+    lc = LoadCache(f)
+    load_targets(root, ["//pkg:all"], "", lc)
+    assert (lc.hits, lc.misses) == (0, 1)
+    from neuronbuild.analysis import digests
+    from neuronbuild.atomic import read_own_state
+
+    for p in state.iterdir():
+        try:
+            read_own_state(p)
+        except PermissionError:
+            continue
+        raise AssertionError(f"{p} was trusted")
+    assert digests is not None

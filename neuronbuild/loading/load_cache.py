@@ -7,9 +7,9 @@ Contents are compared by BLAKE3 digest through the stat-keyed digest cache, so u
 Only successful loads are cached; errors always come from a fresh evaluation. `print()` output of a BUILD file is shown
 when it is evaluated, not when its package comes from this cache.
 
-The file is data only (JSON), and a shared cache is untrusted: every cached target is validated again against its rule
-schema when read, exactly as a rule call in a BUILD file is, and anything that does not fit makes the whole file a miss.
-Nothing in it can run code."""
+The file is data only (JSON), and a shared cache is untrusted: it is read only when this user wrote it (not group- or
+world-writable), every cached target is validated again against its rule schema, exactly as a rule call in a BUILD
+file is, and anything that does not fit makes the whole file a miss. Nothing in it can run code."""
 
 from __future__ import annotations
 
@@ -163,7 +163,9 @@ def _decode(name: str, raw: Any) -> _Entry:
 
 def _read(file: Path) -> dict[str, _Entry]:
     with open(file, "rb") as f:
-        if os.fstat(f.fileno()).st_size > MAX_BYTES:
+        st = os.fstat(f.fileno())
+        # Only this user's own file: another user's could hold valid targets that differ from the BUILD file.
+        if st.st_size > MAX_BYTES or st.st_uid != os.geteuid() or st.st_mode & 0o022:
             return {}
         data = json.loads(f.read())
     if not isinstance(data, dict) or data.get("format") != _FORMAT or data.get("code") != code_stamp():
