@@ -9,9 +9,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from neuronbuild.commands.cache import add_remote_cache_args
-from neuronbuild.commands.common import add_cache_args
-from neuronbuild.commands.plan import add_settings_args, settings_from_args
+from neuronbuild.commands.common import add_context_args, context_from_args
 from neuronbuild.errors import EXIT_BAD_INPUT, EXIT_BUILD_FAILED, EXIT_OK
 
 
@@ -38,9 +36,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                    help="fail an action (killing every process it started) after this many seconds (default: none)")
     b.add_argument("--signing-key", metavar="FILE",
                    help="sign bundles' manifests with this Ed25519 private key (default: $NEURONBUILD_SIGNING_KEY)")
-    add_cache_args(b)
-    add_remote_cache_args(b)
-    add_settings_args(b)
+    add_context_args(b)
 
 
 def _bad(msg: str) -> int:
@@ -72,8 +68,6 @@ def _record_noop_stats(cache_dir: Path, line: str, started: float) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from neuronbuild import noop
-    from neuronbuild.cache.local import resolve_cache_dir
-    from neuronbuild.workspace import find_workspace
 
     if args.jobs is not None and args.jobs < 1:
         return _bad("--jobs must be at least 1")
@@ -93,13 +87,17 @@ def run(args: argparse.Namespace) -> int:
         import os
 
         os.environ["NEURONBUILD_SIGNING_KEY"] = str(Path(args.signing_key).expanduser().resolve())
-    if args.dry_run:
-        from neuronbuild.commands import plan
+    from neuronbuild.cache.local import resolve_cache_dir
+    from neuronbuild.context import NORMAL, QUIET, VERBOSE, patterns_or_default
+    from neuronbuild.workspace import find_workspace
 
-        return plan.run(args)
+    if args.dry_run:
+        from neuronbuild.commands.common import run_plan
+
+        return run_plan(args)
     ws = find_workspace()
     cache_dir = resolve_cache_dir(args.cache_dir)
-    patterns = tuple(args.patterns) or ("//...",)
+    patterns = patterns_or_default(args.patterns)
     noop_flags = {k: v for k, v in vars(args).items() if k not in NOOP_IGNORED}
     key = noop.request_key(ws.root, ws.cwd_package, patterns, cache_dir, noop_flags)
     wants_events = args.profile or args.build_event_json_file
@@ -112,7 +110,6 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_OK
 
     from neuronbuild.build import BuildRequest, default_jobs, run_build
-    from neuronbuild.execution.progress import NORMAL, QUIET, VERBOSE
     from neuronbuild.execution.resources import default_local_ram_mb, parse_local_ram
     from neuronbuild.execution.scheduler import describe_failure
 
@@ -120,21 +117,18 @@ def run(args: argparse.Namespace) -> int:
         ram = parse_local_ram(args.local_ram) if args.local_ram is not None else default_local_ram_mb()
     except ValueError as e:
         return _bad(str(e))
-    remote = str(Path(args.remote_cache).expanduser().resolve()) if args.remote_cache and "://" not in \
-        args.remote_cache else args.remote_cache
+    ctx = context_from_args(args, QUIET if args.quiet else VERBOSE if args.verbose else NORMAL)
     req = BuildRequest(
-        patterns, cache_dir, args.jobs or default_jobs(),
+        patterns, args.jobs or default_jobs(),
         keep_going=args.keep_going, retries=args.retries, local_ram_mb=ram, executor=args.executor,
-        scheduler=args.scheduler, remote_cache=remote or None, remote_cache_readonly=args.remote_cache_readonly,
-        s3_endpoint_url=args.s3_endpoint_url, settings=settings_from_args(args),
-        verbosity=QUIET if args.quiet else VERBOSE if args.verbose else NORMAL,
+        scheduler=args.scheduler,
         profile=Path(args.profile).resolve() if args.profile else None,
         event_file=Path(args.build_event_json_file).resolve() if args.build_event_json_file else None,
         action_timeout=args.action_timeout,
     )
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)  # `kill` ends a build like Ctrl-C does
     try:
-        result = run_build(ws, req, noop_key=key)
+        result = run_build(ctx, req, noop_key=key)
     finally:
         signal.signal(signal.SIGTERM, previous)
     if not args.quiet or result.failures:
