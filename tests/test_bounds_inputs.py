@@ -88,6 +88,11 @@ def test_hostile_bundle_framing_is_refused_with_bounded_work(tmp_path: Path) -> 
     big.write_bytes(_bundle([("manifest.json", b" " * ((64 << 20) + 1))]))
     with pytest.raises(BundleError, match="manifest.json is 67108865 bytes"):
         read_bundle(big, _sink)
+    # A manifest nested 100,000 deep: one line, no RecursionError.
+    deep = tmp_path / "deep.tar.zst"
+    deep.write_bytes(_bundle([("manifest.json", b'{"a": ' + b"[" * 100_000 + b"]" * 100_000 + b"}")]))
+    with pytest.raises(BundleError, match="nests deeper than 64 levels"):
+        read_bundle(deep, _sink)
     # 200 trailing zstd frames of zeros after a valid (empty) archive: refused without decoding them all.
     frame = zstandard.ZstdCompressor().compress(b"\0" * (8 << 20))
     trail = tmp_path / "trail.tar.zst"
