@@ -51,6 +51,7 @@ class FileRef:
 
 
 AOTI_FORMAT = "aoti"  # AOTInductor packages (the cpu toolchain's artifact format)
+NEURON_HLO_FORMAT = "neuron-hlo"  # the Neuron toolchain's: model.hlo.pb + params.json + weights (+ model.neff)
 
 
 @dataclass(frozen=True)
@@ -71,7 +72,7 @@ class Graph:
     artifacts: Mapping[str, FileRef] = field(default_factory=dict, hash=False, compare=False)
     weights: FileRef | None = None
     tolerance: float = 1e-4
-    format: str = ""  # the artifacts' format, named by the toolchain that built them ("aoti", "neuron-lowered", ...)
+    format: str = ""  # the artifacts' format, named by the toolchain that built them ("aoti", "neuron-hlo", ...)
 
     @property
     def key(self) -> tuple[str, str]:
