@@ -73,7 +73,7 @@ def test_bundle_holds_every_graph_and_weights_once(built_example) -> None:  # ty
     for m, data in members[1:]:
         assert hashlib.sha256(data).hexdigest() == manifest["files"][m.name]["sha256"]
     env = dict(members)[next(m for m, _ in members if m.name == "neuronbuild.env")].decode()
-    assert "NEURONBUILD_REQUIRE=//models:llama_cpu,//models:llama_trn2" in env
+    assert "NEURONBUILD_REQUIRE='//models:llama_cpu,//models:llama_trn2'" in env
     sha = (ws / "neuronbuild-out/models/release.tar.zst.sha256").read_text().split()[0]
     assert sha == hashlib.sha256(archive.read_bytes()).hexdigest()
     assert str(ws) not in archive.with_suffix("").with_suffix(".manifest.json").read_text()
