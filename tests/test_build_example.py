@@ -73,7 +73,7 @@ def test_weights_file_variant_uses_the_weights(built_example) -> None:  # type: 
 def test_trn2_outputs_carry_the_effective_options(built_example) -> None:  # type: ignore[no-untyped-def]
     from jax._src.lib import xla_client as xc
 
-    from neuronbuild.toolchains.neuron_hlo_proto import parse_hlo_module
+    from neuronbuild.runtime.hlo_proto import parse_hlo_module
 
     ws, _ = built_example
     m = _manifest(ws, "llama_trn2")

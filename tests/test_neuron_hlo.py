@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from neuronbuild.runtime.hlo_proto import ProtoError, parse_hlo_module
 from neuronbuild.runtime.xla_cpu import XlaCpuError, XlaCpuModule
 from neuronbuild.toolchains.neuron_hlo import LoweredModule, LoweringError, lower_program
-from neuronbuild.toolchains.neuron_hlo_proto import ProtoError, parse_hlo_module
 from neuronbuild.toolchains.trace import relative_stack_traces
 
 MODEL_SRC = textwrap.dedent('''

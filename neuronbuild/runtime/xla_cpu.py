@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from neuronbuild.toolchains.neuron_hlo_proto import ProtoError, parse_hlo_module
+from neuronbuild.runtime.hlo_proto import ProtoError, parse_hlo_module
 
 
 class XlaCpuError(Exception):

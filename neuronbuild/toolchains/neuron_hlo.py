@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch.export.graph_signature import InputKind, OutputKind
 
-from neuronbuild.toolchains import neuron_hlo_proto
+from neuronbuild.runtime import hlo_proto as neuron_hlo_proto
 from neuronbuild.toolchains.errors import ToolchainError
 from neuronbuild.toolchains.passes import ALL_EXTRA_OPS, MATMUL_OPS
 
