@@ -69,6 +69,8 @@ def _record_noop_stats(cache_dir: Path, line: str, started: float) -> None:
 def run(args: argparse.Namespace) -> int:
     from neuronbuild import noop
     from neuronbuild.cache.local import resolve_cache_dir
+    from neuronbuild.commands.plan import check_settings_flags
+    from neuronbuild.execution.resources import parse_local_ram
     from neuronbuild.workspace import find_workspace
 
     if args.jobs is not None and args.jobs < 1:
@@ -83,6 +85,11 @@ def run(args: argparse.Namespace) -> int:
         return _bad("--scheduler is only used with --executor dask")
     if args.executor != "local" and args.remote_cache and "://" in args.remote_cache:
         return _bad("the Dask executor needs --remote-cache to be a shared directory")
+    try:  # every flag is checked before any fast path: a no-op build must not accept what a full one refuses
+        ram = parse_local_ram(args.local_ram) if args.local_ram is not None else 0
+    except ValueError as e:
+        return _bad(str(e))
+    check_settings_flags(args)
     if args.dry_run:
         from neuronbuild.commands import plan
 
@@ -103,13 +110,10 @@ def run(args: argparse.Namespace) -> int:
 
     from neuronbuild.build import BuildRequest, default_jobs, run_build
     from neuronbuild.execution.progress import NORMAL, QUIET, VERBOSE
-    from neuronbuild.execution.resources import default_local_ram_mb, parse_local_ram
+    from neuronbuild.execution.resources import default_local_ram_mb
     from neuronbuild.execution.scheduler import describe_failure
 
-    try:
-        ram = parse_local_ram(args.local_ram) if args.local_ram is not None else default_local_ram_mb()
-    except ValueError as e:
-        return _bad(str(e))
+    ram = ram or default_local_ram_mb()
     remote = str(Path(args.remote_cache).expanduser().resolve()) if args.remote_cache and "://" not in \
         args.remote_cache else args.remote_cache
     req = BuildRequest(

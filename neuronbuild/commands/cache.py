@@ -107,7 +107,7 @@ def _workspace_fingerprints(patterns: tuple[str, ...]) -> set[str] | None:
         ws = find_workspace()
     except UserInputError:
         return None
-    ag = plan(load_targets(ws.root, patterns, ws.cwd_package))
+    ag = plan(load_targets(ws.root, patterns, ws.cwd_package, warn=None))
     return set(ag.actions)
 
 

@@ -30,6 +30,18 @@ def add_settings_args(p: argparse.ArgumentParser, what_if: bool = False) -> None
                        help="plan as if a toolchain component (python, torch, cxx, neuronx-cc) had this version")
 
 
+def check_settings_flags(args: argparse.Namespace) -> None:
+    """The checks of the settings flags that need no subprocess (a no-op build makes them before its fast path)."""
+    from neuronbuild.analysis.plan_settings import find_neuronx_cc, parse_action_env
+    from neuronbuild.errors import UserInputError
+
+    timeout = getattr(args, "neuronx_cc_timeout", None)
+    if timeout is not None and timeout <= 0:
+        raise UserInputError("--neuronx-cc-timeout must be a positive number of seconds")
+    parse_action_env(getattr(args, "action_env", None))
+    find_neuronx_cc(getattr(args, "neuronx_cc", None))
+
+
 def settings_from_args(args: argparse.Namespace, toolchain: list[str] | None = None) -> PlanSettings:
     from neuronbuild.analysis.plan_settings import resolve_settings
 

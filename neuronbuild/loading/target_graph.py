@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import difflib
+import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -17,6 +19,18 @@ from neuronbuild.loading.targets import Package, Target
 
 if TYPE_CHECKING:
     from neuronbuild.loading.load_cache import LoadCache
+
+# Kinds a build produces outputs for; a pattern selecting none of them builds nothing (and says so).
+BUILDABLE_KINDS = ("neuron_compile", "neuron_bundle")
+
+
+def _stderr(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _did_you_mean(word: str, candidates: Sequence[str]) -> str:
+    near = difflib.get_close_matches(word, list(candidates), n=3, cutoff=0.6)
+    return f"; did you mean {' or '.join(near)}?" if near else ""
 
 
 @dataclass(frozen=True)
@@ -40,20 +54,42 @@ class TargetGraph:
 
 
 def load_targets(root: Path, patterns: Sequence[str], cwd_package: str = "",
-                 load_cache: LoadCache | None = None) -> TargetGraph:
+                 load_cache: LoadCache | None = None, warn: Callable[[str], None] | None = _stderr) -> TargetGraph:
     """Load everything `patterns` need. Runs the Starlark work on the dedicated Starlark thread.
 
-    With a `load_cache`, packages whose BUILD and .bzl files are unchanged are not evaluated again."""
+    With a `load_cache`, packages whose BUILD and .bzl files are unchanged are not evaluated again. A pattern that
+    matches no target at all is an error; one that selects nothing buildable (only manual targets, only options or
+    models, a compile with `buckets = []`) is a warning passed to `warn` (stderr by default). With warn=None neither
+    check is made (query and gc load patterns as sets of targets, where an empty selection is a valid answer)."""
     parsed: list[TargetPattern] = []
     for p in patterns:
         try:
             parsed.append(parse_pattern(p, cwd_package))
         except LabelError as e:
             raise UserInputError(f"bad target pattern '{p}': {e}") from None
-    return run_on_starlark_thread(_load, root, parsed, load_cache)
+    graph, warnings = run_on_starlark_thread(_load, root, parsed, load_cache, warn is not None)
+    if warn is not None:
+        for w in warnings:
+            warn(w)
+    return graph
 
 
-def _load(root: Path, patterns: list[TargetPattern], load_cache: LoadCache | None = None) -> TargetGraph:
+def _selection_warnings(pat: TargetPattern, matched: list[Target], selected: list[Target]) -> list[str]:
+    if not matched:
+        raise UserInputError(f"pattern '{pat}' matches no targets (its BUILD files declare none)")
+    if not selected:
+        return [f"warning: pattern '{pat}' matches only manual targets (tags = [\"manual\"]); name them to build "
+                f"them, e.g. {matched[0].label}"]
+    if not any(t.kind in BUILDABLE_KINDS for t in selected):
+        kinds = sorted({t.kind for t in selected})
+        return [f"warning: pattern '{pat}' selects nothing buildable (only {', '.join(kinds)}; outputs come from "
+                f"{' and '.join(BUILDABLE_KINDS)} targets)"]
+    return [f"warning: {t.label} has no buckets (buckets = []): it builds nothing" for t in selected
+            if t.kind == "neuron_compile" and not t.attrs.get("buckets")]
+
+
+def _load(root: Path, patterns: list[TargetPattern],
+          load_cache: LoadCache | None = None, check: bool = True) -> tuple[TargetGraph, list[str]]:
     loader = Loader(root)
     packages: dict[str, Package] = {}
 
@@ -71,23 +107,37 @@ def _load(root: Path, patterns: list[TargetPattern], load_cache: LoadCache | Non
         return packages[name]
 
     requested: list[Label] = []
+    warnings: list[str] = []
     for pat in patterns:
         if pat.recursive:
             names = loader.find_packages(pat.package)
             if not names and not (root / pat.package).is_dir():
-                raise UserInputError(f"no such package '{pat.package}' (pattern '{pat}')")
+                raise UserInputError(f"no such package '{pat.package}' (pattern '{pat}')"
+                                     + _did_you_mean(f"//{pat.package}/...",
+                                                     [f"//{n}/..." for n in loader.find_packages("")]))
         else:
             names = [pat.package]
+        matched: list[Target] = []
+        selected: list[Target] = []
         for name in names:
             pkg = get_package(name)
             if pkg is None:
-                raise UserInputError(f"no such package '{name}': no BUILD file in {name or 'the workspace root'}")
+                raise UserInputError(f"no such package '{name}': no BUILD file in {name or 'the workspace root'}"
+                                     + _did_you_mean(f"//{name}", [f"//{n}" for n in loader.find_packages("")]))
             if pat.name is None:
-                requested.extend(t.label for t in pkg.targets if "manual" not in t.tags)
+                matched.extend(pkg.targets)
+                selected.extend(t for t in pkg.targets if "manual" not in t.tags)
             else:
-                if not any(t.label.name == pat.name for t in pkg.targets):
-                    raise UserInputError(f"no such target '//{name}:{pat.name}' (declared in {pkg.build_file})")
-                requested.append(Label(name, pat.name))
+                found = [t for t in pkg.targets if t.label.name == pat.name]
+                if not found:
+                    raise UserInputError(f"no such target '//{name}:{pat.name}': {pkg.build_file} does not declare it"
+                                         + _did_you_mean(f"//{name}:{pat.name}",
+                                                         [str(t.label) for t in pkg.targets]))
+                matched.extend(found)
+                selected.extend(found)
+        if check:
+            warnings += _selection_warnings(pat, matched, selected)
+        requested.extend(t.label for t in selected)
     requested = list(dict.fromkeys(requested))
 
     targets: dict[Label, Target] = {}
@@ -125,7 +175,7 @@ def _load(root: Path, patterns: list[TargetPattern], load_cache: LoadCache | Non
                                      f"target, but '{dep}' is a {kind}", loader.locate(t))
             todo.append(dep)
     _check_cycles(graph, seen, loader)
-    return graph
+    return graph, warnings
 
 
 def _check_cycles(graph: TargetGraph, labels: set[Label], loader: Loader) -> None:
