@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import time
@@ -21,7 +22,7 @@ from neuronbuild.execution.progress import NORMAL, QUIET, make_progress
 from neuronbuild.execution.scheduler import BuildResult, Scheduler, SchedulerOptions
 from neuronbuild.loading.target_graph import load_targets
 from neuronbuild.packaging.materialize import materialize
-from neuronbuild.workspace import Workspace
+from neuronbuild.workspace import OUTPUT_DIR, Workspace
 
 EXECUTORS = ("local", "dask", "dask-local")
 
@@ -55,10 +56,18 @@ class BuildRequest:
 def settings_notes(settings: PlanSettings, ag_has_neuron: bool) -> list[str]:
     """Said once per build: ignored compile-affecting variables, and NEFFs not produced without neuronx-cc."""
     notes = [w for w in (undeclared_warning(settings.action_env),) if w]
-    if ag_has_neuron and settings.neuronx_cc is None:
-        notes.append("note: no neuronx-cc found (--neuronx-cc PATH, $NEURONX_CC or PATH): Neuron targets get "
-                     "lowered programs only; NEFFs were not produced")
+    note = neuronx_cc_note(settings)
+    if ag_has_neuron and note:
+        notes.append(note)
     return notes
+
+
+def neuronx_cc_note(settings: PlanSettings) -> str | None:
+    """Said once by a build that made Neuron graphs without neuronx-cc (not by plans or fully cached builds)."""
+    if settings.neuronx_cc is not None:
+        return None
+    return ("note: no neuronx-cc found (--neuronx-cc PATH, $NEURONX_CC or PATH): Neuron targets get lowered "
+            "programs only; NEFFs were not produced")
 
 
 def make_executor(ws: Workspace, req: BuildRequest, cache: LocalCache) -> Executor:
@@ -104,7 +113,7 @@ def run_build(ws: Workspace, req: BuildRequest, listeners: Sequence[Listener] | 
         graph = load_targets(ws.root, req.patterns, ws.cwd_package, load_cache)
         ag = plan(graph, req.settings)
     incremental.save_caches(req.cache_dir, ws.root, load_cache)
-    for note in settings_notes(req.settings, any(ct.platform != "cpu" for ct in ag.compiles)):
+    for note in settings_notes(req.settings, False):  # the neuronx-cc note: below, once Neuron graphs were made
         report(note)
     cache = open_cache(req.cache_dir, req.remote_cache, req.remote_cache_readonly, req.s3_endpoint_url, report)
     bus = EventBus(default_listeners(req) if listeners is None else listeners)
@@ -118,16 +127,23 @@ def run_build(ws: Workspace, req: BuildRequest, listeners: Sequence[Listener] | 
                 executor.shutdown()
         finally:
             bus.close()
+        made = {ag.actions[fp].platform for fp in result.executed if ag.actions[fp].kind == "compile"}
+        cc_note = neuronx_cc_note(req.settings)
+        if made - {"cpu"} and cc_note:
+            report(cc_note)
         failed = {f.action.fingerprint for f in result.failures}
-        materialize(ws.root, ag, cache, failed)
+        outputs = [str(d.relative_to(ws.root / OUTPUT_DIR)) + "/" for d in materialize(ws.root, ag, cache, failed)]
         if any(graph.targets[lbl].kind == "neuron_bundle" for lbl in graph.requested):
             from neuronbuild.packaging.bundle import build_bundles
 
             bundles, skipped = build_bundles(ws.root, graph, ag, cache, failed)
+            outputs += [str(b.archive.relative_to(ws.root / OUTPUT_DIR)) for b in bundles]
             for b in bundles:
                 report(f"Bundle {b.label}: {b.archive} ({b.size} bytes{'' if b.written else ', up to date'})")
             for line in skipped:
                 report(line)
+        if outputs:
+            result = dataclasses.replace(result, outputs_dir=str(ws.root / OUTPUT_DIR), outputs=tuple(outputs))
     finally:
         cache.finish(keep=ag.actions)
     if noop_key is not None:

@@ -89,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_BAD_INPUT
     settings = settings_from_args(args)
     ag, cache, history = load_plan(args, settings)
-    for note in settings_notes(settings, any(ct.platform != "cpu" for ct in ag.compiles)):
+    for note in settings_notes(settings, False):  # the neuronx-cc note is the build's, once it made Neuron graphs
         print(note, file=sys.stderr)
     todo, cached = needed_actions(ag, cache)
     report = plan_report(ag, todo, cached, history, args.jobs or default_jobs())
