@@ -90,8 +90,11 @@ class _Parser:
         if not self.toks:
             raise QueryError("empty expression")
         node = self.expr()
-        if self.peek() is not None:
-            raise QueryError(f"unexpected '{self.peek()[1]}' after a complete expression")  # type: ignore[index]
+        if (t := self.peek()) is not None:
+            hint = ""
+            if t[0] == "word" and len(t[1]) > 1 and t[1][0] in "-+^":
+                hint = f" (set operators need spaces around them: '... {t[1][0]} {t[1][1:]}')"
+            raise QueryError(f"unexpected '{t[1]}' after a complete expression{hint}")
         return node
 
     def expr(self) -> Node:

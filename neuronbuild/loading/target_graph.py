@@ -77,9 +77,10 @@ def load_targets(root: Path, patterns: Sequence[str], cwd_package: str = "",
 def _selection_warnings(pat: TargetPattern, matched: list[Target], selected: list[Target]) -> list[str]:
     if not matched:
         raise UserInputError(f"pattern '{pat}' matches no targets (its BUILD files declare none)")
-    if not selected:
-        return [f"warning: pattern '{pat}' matches only manual targets (tags = [\"manual\"]); name them to build "
-                f"them, e.g. {matched[0].label}"]
+    manual = [t for t in matched if t.kind in BUILDABLE_KINDS and "manual" in t.tags]
+    if manual and not any(t.kind in BUILDABLE_KINDS for t in selected):
+        return [f"warning: pattern '{pat}' builds nothing: its buildable targets are all tagged manual (name them to "
+                f"build them, e.g. {manual[0].label})"]
     if not any(t.kind in BUILDABLE_KINDS for t in selected):
         kinds = sorted({t.kind for t in selected})
         return [f"warning: pattern '{pat}' selects nothing buildable (only {', '.join(kinds)}; outputs come from "
