@@ -213,7 +213,7 @@ def section_hash(size_gib: float, workdir: Path) -> None:
     code = (
         "import os, sys, time, hashlib\n"
         "from pathlib import Path\n"
-        "from neuronbuild.analysis import digests\n"
+        "from neuronbuild import digests\n"
         "f, state, mode = sys.argv[1], Path(sys.argv[2]), sys.argv[3]\n"
         "if mode == 'cold':\n"
         "    fd = os.open(f, os.O_RDONLY); os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED); os.close(fd)\n"

@@ -4,25 +4,25 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
-from neuronbuild import incremental
+from neuronbuild import incremental, plugins
 from neuronbuild.analysis.plan_settings import PlanSettings
-from neuronbuild.analysis.planner import plan
+from neuronbuild.analysis.planner import ActionGraph
+from neuronbuild.cache.gc import auto_gc
 from neuronbuild.cache.local import LocalCache
-from neuronbuild.cache.tiered import open_cache
+from neuronbuild.cache.roots import record_roots
+from neuronbuild.context import BuildContext
 from neuronbuild.execution.env import action_environment, undeclared_warning
 from neuronbuild.execution.events import EventBus, JsonLinesWriter, Listener
 from neuronbuild.execution.jobs import Executor
-from neuronbuild.execution.progress import NORMAL, QUIET, make_progress
+from neuronbuild.execution.progress import make_progress
 from neuronbuild.execution.scheduler import BuildResult, Scheduler, SchedulerOptions
-from neuronbuild.loading.target_graph import load_targets
 from neuronbuild.packaging.materialize import materialize
-from neuronbuild.workspace import OUTPUT_DIR, Workspace
+from neuronbuild.workspace import OUTPUT_DIR
 
 EXECUTORS = ("local", "dask", "dask-local")
 
@@ -34,62 +34,57 @@ def default_jobs() -> int:
 
 @dataclass(frozen=True)
 class BuildRequest:
-    """What the user asked for."""
+    """What the user asked for, beyond the build context: which targets and how to run them."""
 
     patterns: tuple[str, ...]
-    cache_dir: Path
     jobs: int
     keep_going: bool = False
     retries: int = 0
     local_ram_mb: int = 0  # 0: no cap
     executor: str = "local"
     scheduler: str | None = None  # Dask scheduler address (--executor dask)
-    remote_cache: str | None = None  # shared tier: a directory or s3://bucket/prefix (a directory for Dask)
-    remote_cache_readonly: bool = False
-    s3_endpoint_url: str | None = None
-    settings: PlanSettings = field(default_factory=PlanSettings)  # --action-env, neuronx-cc
-    verbosity: int = NORMAL
     profile: Path | None = None
     event_file: Path | None = None
 
 
-def settings_notes(settings: PlanSettings, ag_has_neuron: bool) -> list[str]:
-    """Said once per build: ignored compile-affecting variables, and NEFFs not produced without neuronx-cc."""
+def settings_notes(settings: PlanSettings, ag: ActionGraph, toolchains: Sequence[str] | None = None) -> list[str]:
+    """Said once per build: ignored compile-affecting variables, and what the toolchains want said (e.g. that no
+    NEFFs are produced without neuronx-cc). `toolchains`: only these (default: every one the plan uses)."""
     notes = [w for w in (undeclared_warning(settings.action_env),) if w]
-    note = neuronx_cc_note(settings)
-    if ag_has_neuron and note:
-        notes.append(note)
+    for name in ag.toolchains if toolchains is None else toolchains:
+        notes.extend(plugins.toolchain(name).notes(settings))
     return notes
 
 
-def neuronx_cc_note(settings: PlanSettings) -> str | None:
-    """Said once by a build that made Neuron graphs without neuronx-cc (not by plans or fully cached builds)."""
-    if settings.neuronx_cc is not None:
-        return None
-    return ("note: no neuronx-cc found (--neuronx-cc PATH, $NEURONX_CC or PATH): Neuron targets get lowered "
-            "programs only; NEFFs were not produced")
+def toolchain_notes(settings: PlanSettings, ag: ActionGraph, executed: Sequence[str]) -> list[str]:
+    """The toolchains' notes, once per build, from the toolchains that ran actions in it: a plan or a fully cached
+    build made no graphs, so it has nothing to say about how they were made."""
+    ran = list(dict.fromkeys(ag.actions[fp].toolchain for fp in executed if ag.actions[fp].toolchain))
+    return [n for name in ran for n in plugins.toolchain(name).notes(settings)]
 
 
-def make_executor(ws: Workspace, req: BuildRequest, cache: LocalCache) -> Executor:
-    env = action_environment(cache.toolchain_tmp, cache.root / "home", req.settings.action_env)
+def make_executor(ctx: BuildContext, req: BuildRequest, cache: LocalCache) -> Executor:
+    root = ctx.workspace.root
+    env = action_environment(cache.toolchain_tmp, cache.root / "home", ctx.settings.action_env)
     if req.executor == "local":
         from neuronbuild.execution.local_executor import LocalExecutor
 
-        return LocalExecutor(ws.root, cache, req.jobs, env)
+        return LocalExecutor(root, cache, req.jobs, env)
     from neuronbuild.execution.dask_executor import DaskExecutor
 
+    remote = ctx.cache.remote
     if req.executor == "dask":
-        assert req.scheduler and req.remote_cache
-        return DaskExecutor(ws.root, cache, Path(req.remote_cache), req.scheduler, req.jobs)
+        assert req.scheduler and remote
+        return DaskExecutor(root, cache, Path(remote), req.scheduler, req.jobs, LocalCache)
     # dask-local: workers on this machine can use the local cache as the shared tier.
-    shared = Path(req.remote_cache) if req.remote_cache else req.cache_dir
-    return DaskExecutor(ws.root, cache, shared, None, req.jobs, toolchain_tmp=cache.toolchain_tmp)
+    shared = Path(remote) if remote else ctx.cache.dir
+    return DaskExecutor(root, cache, shared, None, req.jobs, LocalCache, toolchain_tmp=cache.toolchain_tmp)
 
 
-def default_listeners(req: BuildRequest) -> list[Listener]:
+def default_listeners(ctx: BuildContext, req: BuildRequest) -> list[Listener]:
     from neuronbuild.execution.profile import TraceProfile
 
-    listeners: list[Listener] = [make_progress(req.verbosity)]
+    listeners: list[Listener] = [make_progress(ctx.verbosity)]
     if req.event_file is not None:
         listeners.append(JsonLinesWriter(req.event_file))
     if req.profile is not None:
@@ -97,60 +92,60 @@ def default_listeners(req: BuildRequest) -> list[Listener]:
     return listeners
 
 
-def run_build(ws: Workspace, req: BuildRequest, listeners: Sequence[Listener] | None = None,
+def built_roots(ag: ActionGraph) -> dict[str, set[str]]:
+    """{compile or bundle label: every action fingerprint its outputs came from} for the build roots record."""
+    out: dict[str, set[str]] = {}
+    for ct in ag.compiles:
+        out[str(ct.label)] = set().union(*(ag.closure(fp) for _bucket, fp in ct.buckets))
+    for lbl, info in ag.bundles.items():
+        out[str(lbl)] = set().union(*(out[str(s)] for s in info.srcs))
+    return out
+
+
+def run_build(ctx: BuildContext, req: BuildRequest, listeners: Sequence[Listener] | None = None,
               noop_key: str | None = None) -> BuildResult:
     """Raises KeyboardInterrupt after ending running actions cleanly if interrupted (nothing half-written is cached).
 
     With `noop_key` (see neuronbuild.noop), a successful build leaves a stamp that lets the next no-op skip it all."""
-
-    def report(msg: str) -> None:
-        if req.verbosity != QUIET or msg.startswith(("warning", "error")):
-            print(msg, file=sys.stderr, flush=True)
-
     started = time.time_ns()
-    load_cache = incremental.open_caches(req.cache_dir, ws.root)
-    with incremental.analysis_gc():
-        graph = load_targets(ws.root, req.patterns, ws.cwd_package, load_cache)
-        ag = plan(graph, req.settings)
-    incremental.save_caches(req.cache_dir, ws.root, load_cache)
-    for note in settings_notes(req.settings, False):  # the neuronx-cc note: below, once Neuron graphs were made
-        report(note)
-    cache = open_cache(req.cache_dir, req.remote_cache, req.remote_cache_readonly, req.s3_endpoint_url, report)
-    bus = EventBus(default_listeners(req) if listeners is None else listeners)
+    root = ctx.workspace.root
+    graph = ctx.load(req.patterns)
+    ag = ctx.plan(graph)
+    for note in settings_notes(ctx.settings, ag, toolchains=()):  # toolchain notes: after execution, if it ran any
+        ctx.report(note)
+    cache = ctx.open_cache()
+    bus = EventBus(default_listeners(ctx, req) if listeners is None else listeners)
     try:
         try:
-            executor = make_executor(ws, req, cache)
+            executor = make_executor(ctx, req, cache)
             try:
                 options = SchedulerOptions(req.keep_going, req.retries, req.local_ram_mb)
-                result = Scheduler(ws.root, cache, executor, options, bus).run(ag)
+                result = Scheduler(root, cache, executor, options, bus).run(ag)
             finally:
                 executor.shutdown()
         finally:
             bus.close()
-        made = {ag.actions[fp].platform for fp in result.executed if ag.actions[fp].kind == "compile"}
-        cc_note = neuronx_cc_note(req.settings)
-        if made - {"cpu"} and cc_note:
-            report(cc_note)
+        for note in toolchain_notes(ctx.settings, ag, result.executed):
+            ctx.report(note)
         failed = {f.action.fingerprint for f in result.failures}
-        outputs = [str(d.relative_to(ws.root / OUTPUT_DIR)) + "/" for d in materialize(ws.root, ag, cache, failed)]
-        if any(graph.targets[lbl].kind == "neuron_bundle" for lbl in graph.requested):
+        outputs = [str(d.relative_to(root / OUTPUT_DIR)) + "/" for d in materialize(root, ag, cache, failed)]
+        if ag.bundles:
             from neuronbuild.packaging.bundle import build_bundles
 
-            bundles, skipped = build_bundles(ws.root, graph, ag, cache, failed)
-            outputs += [str(b.archive.relative_to(ws.root / OUTPUT_DIR)) for b in bundles]
+            bundles, skipped = build_bundles(root, graph, ag, cache, failed)
+            outputs += [str(b.archive.relative_to(root / OUTPUT_DIR)) for b in bundles]
             for b in bundles:
-                report(f"Bundle {b.label}: {b.archive} ({b.size} bytes{'' if b.written else ', up to date'})")
+                ctx.report(f"Bundle {b.label}: {b.archive} ({b.size} bytes{'' if b.written else ', up to date'})")
             for line in skipped:
-                report(line)
+                ctx.report(line)
         if outputs:
-            result = dataclasses.replace(result, outputs_dir=str(ws.root / OUTPUT_DIR), outputs=tuple(outputs))
+            result = dataclasses.replace(result, outputs_dir=str(root / OUTPUT_DIR), outputs=tuple(outputs))
+        if result.ok:
+            record_roots(cache.root, root, built_roots(ag))
     finally:
-        cache.finish(keep=ag.actions)
+        cache.finish()
+        auto_gc(cache, set(ag.actions))
     if noop_key is not None:
-        incremental.record_noop(noop_key, ws.root, ws.cwd_package, req.patterns, req.cache_dir, graph, ag, cache,
-                                result.ok, started)
+        incremental.record_noop(noop_key, root, ctx.workspace.cwd_package, req.patterns, ctx.cache.dir, graph, ag,
+                                cache, result.ok, started)
     return result
-
-
-def patterns_or_default(patterns: Sequence[str]) -> tuple[str, ...]:
-    return tuple(patterns) if patterns else ("//...",)

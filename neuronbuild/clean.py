@@ -50,14 +50,18 @@ def _stamp_root(p: Path) -> str | None:
 
 def workspace_state(root: Path, cache_dir: Path) -> list[Path]:
     """Files under cache_dir that belong to the workspace at `root` alone: its load and digest caches, its no-op
-    stamps and its bundles' GC pins. Never blobs or action records (other workspaces may share them)."""
+    stamps, its build roots (what gc keeps for it) and its bundles' GC pins. Never blobs or action records (other
+    workspaces may share them)."""
+    from neuronbuild.cache.roots import _path as roots_file
     from neuronbuild.incremental import _digest_cache_file as digest_cache_file
     from neuronbuild.loading.labels import Label
     from neuronbuild.loading.load_cache import cache_file
     from neuronbuild.packaging.bundle import pin_name
 
     state = cache_dir / "v1" / "state"
-    found = [p for p in (cache_file(cache_dir, root), digest_cache_file(cache_dir, root)) if p.is_file()]
+    roots = roots_file(cache_dir / "v1", root)
+    found = [p for p in (cache_file(cache_dir, root), digest_cache_file(cache_dir, root), roots,
+                         roots.with_suffix(".lock")) if p.is_file()]
     if state.is_dir():
         found += [p for p in sorted(state.glob("noop-*.marshal")) if _stamp_root(p) == str(root)]
     ws_key = pin_name(root, Label("p", "n")).rsplit("-", 1)[1]

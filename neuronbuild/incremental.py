@@ -9,8 +9,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from neuronbuild import noop
-from neuronbuild.analysis import digests
+from neuronbuild import digests, noop
 from neuronbuild.loading.load_cache import LoadCache, cache_file
 from neuronbuild.loading.schema import RULES
 from neuronbuild.workspace import MARKER, builtin_rules_dir

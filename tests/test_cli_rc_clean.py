@@ -90,6 +90,7 @@ def test_clean_removes_outputs_and_expunge_only_this_workspace_state(built_examp
     state = cache_dir / "v1" / "state"
     files_before = {p.name for p in state.iterdir()}
     pins_before = {p.name for p in (cache_dir / "v1" / "pins").iterdir()}
+    roots_before = {p.name for p in (cache_dir / "v1" / "roots").glob("*.json")}
     blobs_before = sorted(p.name for p in (cache_dir / "v1" / "cas").rglob("*") if p.is_file())
 
     proc = run_cli(["clean", "--cache-dir", str(cache_dir)], ws)
@@ -102,6 +103,7 @@ def test_clean_removes_outputs_and_expunge_only_this_workspace_state(built_examp
     removed = files_before - {p.name for p in state.iterdir()}
     assert {n.split("-")[0] for n in removed} == {"load", "digests", "noop"}, removed
     assert len(pins_before - {p.name for p in (cache_dir / "v1" / "pins").iterdir()}) == 1  # its bundle's pin
+    assert len(roots_before - {p.name for p in (cache_dir / "v1" / "roots").glob("*.json")}) == 1  # its gc roots
     assert sorted(p.name for p in (cache_dir / "v1" / "cas").rglob("*") if p.is_file()) == blobs_before
     # The other workspace's state is intact: its next build is still a no-op, and this one restores from the cache.
     again = run_cli(["build", "//models:release_cpu", "--cache-dir", str(cache_dir)], other)

@@ -10,8 +10,9 @@ import networkx as nx
 
 from neuronbuild.analysis.actions import COMPILE, TRACE, Action, Bucket, DepInput
 from neuronbuild.analysis.planner import ActionGraph
+from neuronbuild.cache.action_cache import ActionResult
+from neuronbuild.cache.identity_index import IdentityIndex
 from neuronbuild.cache.local import LocalCache
-from neuronbuild.execution.history import History, Sample
 from neuronbuild.execution.jobs import Completion, Job, Started
 from neuronbuild.execution.scheduler import Scheduler, SchedulerOptions
 from neuronbuild.loading.labels import Label
@@ -105,11 +106,15 @@ def test_recorded_durations_reorder_work(tmp_path: Path) -> None:
     ag = _graph({"a": 1, "b": 1})
     # "b"'s compile was slow last time (same identity): its trace goes first.
     b_compile = next(a for a in ag.actions.values() if a.label.name == "b_c1")
-    History.load(cache.root).save({b_compile.identity: Sample(120.0, 300.0)})
+    a_compile = next(a for a in ag.actions.values() if a.label.name == "a_c1")
+    IdentityIndex(cache.root).record(ActionResult("f" * 64, b_compile.identity, {}, {}, 120.0,
+                                                  {"peak_rss_mb": 300.0}))
+    IdentityIndex(cache.root).record(ActionResult("e" * 64, a_compile.identity, {}, {}, 1.0))
+    assert cache.history().latest(b_compile.identity).peak_rss_mb == 300.0
     ex = RecordingExecutor(1, cache, tmp_path / "out")
     Scheduler(tmp_path, cache, ex, SchedulerOptions()).run(ag)
     assert ex.order[0] == "b"
-    assert History.load(cache.root).samples[b_compile.identity].duration_s == 1.0  # this run's measurement
+    assert cache.history().latest(b_compile.identity).duration_s == 1.0  # this run's measurement
 
 
 def test_local_ram_cap_holds_actions_back(tmp_path: Path) -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from helpers import copy_example
 
-from neuronbuild.analysis import platforms
+from neuronbuild import platforms
 from neuronbuild.analysis.planner import plan
 from neuronbuild.cache.local import resolve_cache_dir
 from neuronbuild.loading.target_graph import load_targets

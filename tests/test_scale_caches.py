@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from helpers import write_ws
 
-from neuronbuild.analysis import digests
+from neuronbuild import digests
 from neuronbuild.errors import UserInputError
 from neuronbuild.loading.labels import Label
 from neuronbuild.loading.load_cache import LoadCache

@@ -60,21 +60,43 @@ class Action:
     files: tuple[FileInput, ...] = ()
     dep_inputs: tuple[DepInput, ...] = ()
     outputs: tuple[str, ...] = ()
-    platform: str = ""  # compile only: "cpu" or a Neuron platform
-    isa: str = ""  # compile only, cpu: the resolved ISA level
+    platform: str = ""  # toolchain actions: the platform compiled for
+    target: str = ""  # toolchain actions: how the target is named in progress lines (e.g. "cpu/x86-64-v3")
 
     @property
     def deps(self) -> tuple[str, ...]:
         return tuple(d.action for d in self.dep_inputs)
 
     @property
+    def toolchain(self) -> str:
+        """The registered toolchain that runs this action ("" for a trace)."""
+        return str(self.spec.get("toolchain") or "")
+
+    @property
+    def versions(self) -> Mapping[str, str]:
+        """The toolchain component versions in this action's fingerprint."""
+        return self.record.get("toolchain") or {}
+
+    @property
+    def model(self) -> Mapping[str, Any]:
+        """A trace's model record (package, srcs by digest, entry, config, weights, seed, inputs); {} otherwise."""
+        return self.record.get("model") or {} if self.kind == TRACE else {}
+
+    @property
     def identity(self) -> str:
         """What a user calls "the same action" across edits: label + bucket (+ target for compiles)."""
         base = f"{self.kind} {self.label} [{self.bucket}]"
-        return f"{base} for {self.platform}" if self.kind == COMPILE else base
+        return f"{base} for {self.platform}" if self.platform else base
 
     def describe(self) -> str:
-        if self.kind == TRACE:
-            return f"Trace {self.label} [{self.bucket}]"
-        tgt = f"cpu/{self.isa}" if self.platform == "cpu" else self.platform
-        return f"Compile {self.label} [{self.bucket}] for {tgt}"
+        base = f"{self.kind.capitalize()} {self.label} [{self.bucket}]"
+        return f"{base} for {self.target or self.platform}" if self.platform else base
+
+
+def make_action(kind: str, label: Label, bucket: Bucket, record: Mapping[str, Any], spec: Mapping[str, Any], *,
+                files: tuple[FileInput, ...] = (), dep_inputs: tuple[DepInput, ...] = (), outputs: tuple[str, ...] = (),
+                platform: str = "", target: str = "") -> Action:
+    """An Action whose fingerprint is the digest of `record`."""
+    from neuronbuild.analysis.fingerprint import fingerprint
+
+    return Action(fingerprint(record), kind, label, bucket, record, spec, files, dep_inputs, outputs, platform, target)

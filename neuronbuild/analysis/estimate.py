@@ -1,4 +1,7 @@
-"""Time estimates for actions from recorded durations (ActionResult.duration_s), and a wall-time estimate for -j N."""
+"""The one time and memory estimator: recorded history first, then defaults per action kind and toolchain.
+
+Used by `plan`, `explain`, `upgrade-impact`, the scheduler's critical-path order and memory budget, and the live ETA,
+so every figure a user sees comes from the same numbers."""
 
 from __future__ import annotations
 
@@ -7,16 +10,21 @@ from dataclasses import dataclass
 
 import networkx as nx
 
-from neuronbuild.analysis.actions import Action
-from neuronbuild.analysis.history import History, LatestEntry
+from neuronbuild import plugins
+from neuronbuild.analysis.actions import TRACE, Action
+from neuronbuild.history import History, LatestEntry
+
+TRACE_DEFAULT_S = 4.0  # a trace of a small model, when nothing was recorded
+TRACE_DEFAULT_MB = 800.0
 
 
 @dataclass(frozen=True)
 class Estimate:
-    """Seconds one action is expected to take (None: nothing recorded to go by) and where the figure comes from."""
+    """Seconds one action is expected to take and where the figure comes from."""
 
-    seconds: float | None
+    seconds: float
     source: str
+    recorded: bool = True  # False: a default, nothing recorded to go by
 
 
 def _kind_platform(identity: str) -> tuple[str, str]:
@@ -29,9 +37,18 @@ def _mean(entries: Sequence[LatestEntry]) -> float:
     return sum(e.duration_s for e in entries) / len(entries)
 
 
+def default_estimate(action: Action) -> tuple[float, float]:
+    """(seconds, peak MB) assumed for an action nothing was recorded for: per kind, or its toolchain's figures."""
+    if action.kind == TRACE or not action.toolchain:
+        return TRACE_DEFAULT_S, TRACE_DEFAULT_MB
+    tc = plugins.toolchain(action.toolchain)
+    return float(tc.estimate_s), float(tc.estimate_mb)
+
+
 class Estimator:
     """Estimates in order of trust: this fingerprint's own run, the identity's most recent run, the mean of the
-    other buckets of the same label and target, the mean of every recorded action of the same kind and platform."""
+    other buckets of the same label and target, the mean of every recorded action of the same kind and platform,
+    then the per-kind / per-toolchain default."""
 
     def __init__(self, history: History) -> None:
         self.history = history
@@ -56,11 +73,20 @@ class Estimator:
         if same:
             where = f" for {platform}" if platform else ""
             return Estimate(_mean(same), f"mean of {len(same)} recorded {kind} action(s){where}")
-        return Estimate(None, "no recorded duration")
+        seconds, _mb = default_estimate(action)
+        return Estimate(seconds, f"default for a {action.kind}" + (f" ({action.toolchain})" if action.toolchain
+                                                                   else ""), recorded=False)
+
+    def peak_mb(self, action: Action) -> float:
+        """The memory an action is expected to need: the identity's recorded peak, else the default."""
+        latest = self.history.latest(action.identity)
+        if latest is not None and latest.peak_rss_mb > 0:
+            return latest.peak_rss_mb
+        return default_estimate(action)[1]
 
 
 def wall_time(graph: nx.DiGraph, todo: Sequence[Action], seconds: Mapping[str, float], jobs: int) -> float:
-    """Greedy list schedule of `todo` on `jobs` workers in dependency order (unknown durations count as 0)."""
+    """Greedy list schedule of `todo` on `jobs` workers in dependency order."""
     need = {a.fingerprint for a in todo}
     finish: dict[str, float] = {}
     workers = [0.0] * max(1, jobs)

@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from neuronbuild.analysis.actions import COMPILE, Action
-from neuronbuild.analysis.history import History, LatestEntry
 from neuronbuild.analysis.planner import ActionGraph
+from neuronbuild.history import History, LatestEntry
 
 NEW = "new"  # no previous result for this identity
 CHANGED = "changed"  # fields changed against the identity's most recent result

@@ -6,7 +6,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from neuronbuild.analysis.digests import digest_bytes
+from neuronbuild.digests import digest_bytes
 
 
 def canonical_json(record: Mapping[str, Any]) -> bytes:

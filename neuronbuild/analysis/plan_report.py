@@ -8,8 +8,8 @@ from typing import Any
 
 from neuronbuild.analysis.actions import Action
 from neuronbuild.analysis.estimate import Estimate, Estimator, wall_time
-from neuronbuild.analysis.history import History
 from neuronbuild.analysis.planner import ActionGraph
+from neuronbuild.history import History
 
 BUILD = "build"
 CACHED = "cached"
@@ -37,7 +37,7 @@ class PlanReport:
 
     @property
     def unknown(self) -> int:
-        return sum(1 for e in self.estimates.values() if e.seconds is None)
+        return sum(1 for e in self.estimates.values() if not e.recorded)
 
     @property
     def wall_s(self) -> float:
@@ -53,10 +53,10 @@ class PlanReport:
         for ct in self.ag.compiles:
             rows = []
             for bucket, fp in ct.buckets:
-                trace_fp = str(self.ag.actions[fp].record["trace"])
+                trace_fp = self.ag.trace_of(fp).fingerprint
                 rows.append({"name": bucket.name, "bucket": bucket.as_dict(), "trace": self._cell(trace_fp),
                              "compile": self._cell(fp)})
-            targets.append({"label": str(ct.label), "platform": ct.platform, "isa": ct.isa or None,
+            targets.append({"label": str(ct.label), "platform": ct.platform, "isa": ct.target.get("isa"),
                             "options": dict(ct.options), "buckets": rows})
         return {
             "targets": targets,
@@ -74,18 +74,17 @@ class PlanReport:
         for ct in self.ag.compiles:
             opts = " ".join(f"{k}={','.join(v) if isinstance(v, list) else v}" for k, v in ct.options.items()
                             if v not in (None, []))
-            tgt = f"cpu/{ct.isa}" if ct.platform == "cpu" else ct.platform
-            out.append(f"{ct.label}  {tgt}  {opts}".rstrip())
+            out.append(f"{ct.label}  {ct.description}  {opts}".rstrip())
             width = max([len("bucket"), *(len(str(b)) for b, _fp in ct.buckets)])
             out.append(f"  {'bucket':<{width}}  {'trace':<7} {'compile':<7} est.")
             for bucket, fp in ct.buckets:
-                trace_fp = str(self.ag.actions[fp].record["trace"])
+                trace_fp = self.ag.trace_of(fp).fingerprint
                 est = sum((self.estimates[f].seconds or 0.0) for f in (trace_fp, fp) if f in self.estimates)
-                unknown = any(self.estimates[f].seconds is None for f in (trace_fp, fp) if f in self.estimates)
+                unknown = any(not self.estimates[f].recorded for f in (trace_fp, fp) if f in self.estimates)
                 if not any(f in self.estimates for f in (trace_fp, fp)):
                     shown = "-"
                 elif unknown:
-                    shown = f"{est:.1f} s + ?" if est else "?"
+                    shown = f"~{est:.1f} s"
                 else:
                     shown = f"{est:.1f} s"
                 out.append(f"  {str(bucket):<{width}}  {self.status(trace_fp):<7} {self.status(fp):<7} {shown}")
@@ -94,7 +93,7 @@ class PlanReport:
         if n:
             line += f"; estimated {self.serial_s:.1f} s of work, ~{self.wall_s:.1f} s wall with -j {self.jobs}"
             if self.unknown:
-                line += f" ({self.unknown} action(s) without a recorded duration not counted)"
+                line += f" ({self.unknown} action(s) without a recorded duration estimated from defaults)"
         out.append(line)
         return out
 

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from neuronbuild.analysis.toolchain_versions import compile_toolchain, trace_toolchain
+from neuronbuild.analysis.toolchain_versions import trace_toolchain
 from neuronbuild.errors import UserInputError
 
 NEURONX_CC_ENV = "NEURONX_CC"  # path of the neuronx-cc executable (else --neuronx-cc, else PATH)
@@ -45,15 +45,10 @@ class PlanSettings:
         return dict(self.action_env)
 
     def trace_toolchain(self) -> dict[str, str]:
-        return self._override(trace_toolchain())
+        return self.override(trace_toolchain())
 
-    def compile_toolchain(self, platform: str) -> dict[str, str]:
-        tc = compile_toolchain(platform)
-        if platform != "cpu" and self.neuronx_cc is not None:
-            tc[NEURONX_CC] = self.neuronx_cc.version
-        return self._override(tc)
-
-    def _override(self, tc: dict[str, str]) -> dict[str, str]:
+    def override(self, tc: dict[str, str]) -> dict[str, str]:
+        """`tc` with the what-if versions (--toolchain NAME=VERSION) of the components it has."""
         for k, v in self.toolchain_overrides.items():
             if k in tc:
                 tc[k] = v

@@ -6,8 +6,6 @@ import functools
 import sys
 from importlib import metadata
 
-from neuronbuild.analysis.platforms import cxx_version
-
 
 @functools.cache
 def package_version(name: str) -> str:
@@ -19,10 +17,3 @@ def package_version(name: str) -> str:
 
 def trace_toolchain() -> dict[str, str]:
     return {"python": f"{sys.version_info.major}.{sys.version_info.minor}", "torch": package_version("torch")}
-
-
-def compile_toolchain(platform: str) -> dict[str, str]:
-    tc = trace_toolchain()
-    if platform == "cpu":
-        tc["cxx"] = cxx_version()
-    return tc

@@ -8,8 +8,8 @@ from typing import Any
 
 from neuronbuild.analysis.actions import Action
 from neuronbuild.analysis.estimate import Estimate, Estimator, wall_time
-from neuronbuild.analysis.history import History
 from neuronbuild.analysis.planner import ActionGraph
+from neuronbuild.history import History
 
 
 @dataclass(frozen=True)
@@ -95,14 +95,14 @@ def upgrade_impact(base: ActionGraph, new: ActionGraph, overrides: Mapping[str, 
             inval[a.fingerprint] = Invalidated(a, nfp, a.fingerprint in cached, est.estimate(a))
     current: dict[str, list[str]] = {}
     for a in base.actions.values():
-        for k, v in (a.record.get("toolchain") or {}).items():
+        for k, v in a.versions.items():
             if k in overrides and v not in current.setdefault(k, []):
                 current[k].append(v)
     targets = []
     for ct in base.compiles:
         fps: list[str] = []
         for _bucket, cfp in ct.buckets:
-            for fp in (str(base.actions[cfp].record["trace"]), cfp):
+            for fp in sorted(base.closure(cfp)):
                 if fp not in fps:
                     fps.append(fp)
         targets.append(TargetImpact(str(ct.label), ct.platform, len(fps),

@@ -11,63 +11,26 @@ import os
 import shutil
 import tempfile
 from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import BinaryIO
 
 import blake3
 
+from neuronbuild.digests import copy_hashing
+
 _CHUNK = 4 << 20
-
-
-class CorruptBlob(OSError):
-    """A blob whose bytes no longer match its digest (it has been removed from the store)."""
-
-
-_HASH_POOL = ThreadPoolExecutor(1, thread_name_prefix="neuronbuild-hash")
 
 
 def _hasher() -> blake3.blake3:
     return blake3.blake3()
 
 
+class CorruptBlob(OSError):
+    """A blob whose bytes no longer match its digest (it has been removed from the store)."""
+
+
 def _signature(st: os.stat_result) -> str:
     return f"{st.st_ino} {st.st_size} {st.st_mtime_ns}"
-
-
-def copy_hashing(src: BinaryIO, out: BinaryIO) -> tuple[str, int]:
-    """Copy a stream to another, returning the BLAKE3 digest and size of the bytes copied.
-
-    Each chunk is read once; it is hashed on a helper thread (BLAKE3 releases the GIL) while it is written, so a
-    verified copy costs about as much as a plain one when a second core is free."""
-    h = _hasher()
-    size = 0
-    bufs = (memoryview(bytearray(_CHUNK)), memoryview(bytearray(_CHUNK)))
-    k = 0
-    pending: Future[object] | None = None
-    try:
-        while True:
-            view = bufs[k]
-            n = src.readinto(view) if hasattr(src, "readinto") else _read_into(src, view)
-            if pending is not None:
-                pending.result()
-                pending = None
-            if not n:
-                break
-            pending = _HASH_POOL.submit(h.update, view[:n])
-            out.write(view[:n])
-            size += n
-            k ^= 1
-    finally:
-        if pending is not None:
-            pending.result()
-    return h.hexdigest(), size
-
-
-def _read_into(src: BinaryIO, view: memoryview) -> int:
-    data = src.read(len(view))
-    view[:len(data)] = data
-    return len(data)
 
 
 def hash_file(path: Path) -> tuple[str, int]:

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 from neuronbuild.atomic import file_lock
 from neuronbuild.cache.pins import pinned
+from neuronbuild.cache.roots import live_roots
 from neuronbuild.cache.usage import clear_scratch, disk_usage
 
 if TYPE_CHECKING:
@@ -106,13 +107,19 @@ def _scan_records(ac: Path) -> tuple[list[_Entry], list[Path]]:
 
 
 def collect(cache: LocalCache, max_size: int | None = None, max_age: float | None = None,
-            keep: set[str] | frozenset[str] = frozenset(), now: float | None = None) -> GcResult:
+            keep: set[str] | frozenset[str] = frozenset(), now: float | None = None,
+            protect_roots: bool = True) -> GcResult:
     """Evict unreferenced entries older than `max_age`, then, while the whole cache directory is over `max_size`,
-    the compiler scratch and then least recently used entries."""
+    the compiler scratch and then least recently used entries.
+
+    Protected: `keep`, pins and (with `protect_roots`) what the last successful build of every live workspace
+    referenced (cache/roots.py), whatever flags that build ran with."""
     now = time.time() if now is None else now
     root = cache.root
     with file_lock(root / "gc.lock"):
         pin_fps, pin_digests = pinned(root)
+        if protect_roots:
+            keep = set(keep) | live_roots(root)[0]
         entries, broken = _scan_records(root / "ac")
         blobs: dict[str, tuple[int, float]] = {}
         for digest, p in cache.blobs.digests():

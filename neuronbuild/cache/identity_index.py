@@ -1,4 +1,5 @@
-"""The identity index: action identity (label + bucket + target) -> the most recent fingerprint stored for it.
+"""The per-identity history store: action identity (label + bucket + target) -> its most recent result (fingerprint,
+duration, peak memory), used for explanations, estimates and scheduling.
 
 Layout: <root>/identities/<h(group)>/<h(identity)>.json, one small file per identity, written atomically when a
 result is stored (last writer wins), so a group (every bucket of one label and target) is one directory listing.
@@ -11,10 +12,10 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
-from neuronbuild.analysis.digests import digest_bytes
-from neuronbuild.analysis.history import LatestEntry, PastResult, identity_group
 from neuronbuild.atomic import atomic_write_bytes
 from neuronbuild.cache.action_cache import ActionCache, ActionResult
+from neuronbuild.digests import digest_bytes
+from neuronbuild.history import LatestEntry, PastResult, identity_group
 
 
 def _h(text: str) -> str:
@@ -34,8 +35,10 @@ class IdentityIndex:
     def record(self, res: ActionResult) -> None:
         """Make `res` its identity's most recent result. Never raises for I/O: the index is advisory."""
         bucket = res.record.get("bucket") if isinstance(res.record, dict) else None
+        peak = res.metadata.get("peak_rss_mb") if isinstance(res.metadata, dict) else None
         data = json.dumps({"identity": res.identity, "fingerprint": res.fingerprint, "bucket": bucket or {},
-                           "duration_s": round(res.duration_s, 3), "created": round(res.created, 3)},
+                           "duration_s": round(res.duration_s, 3), "created": round(res.created, 3),
+                           "peak_rss_mb": round(float(peak), 1) if isinstance(peak, (int, float)) else 0.0},
                           sort_keys=True).encode()
         with contextlib.suppress(OSError):
             atomic_write_bytes(self.path(res.identity), data, self.tmp)
@@ -44,8 +47,9 @@ class IdentityIndex:
         try:
             d = json.loads(p.read_bytes())
             return LatestEntry(str(d["identity"]), str(d["fingerprint"]), dict(d.get("bucket") or {}),
-                               float(d.get("duration_s", 0.0)), float(d.get("created", 0.0)))
-        except (OSError, ValueError, KeyError, TypeError):
+                               float(d.get("duration_s", 0.0)), float(d.get("created", 0.0)),
+                               float(d.get("peak_rss_mb", 0.0)))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
             return None
 
     def latest(self, identity: str) -> LatestEntry | None:
@@ -68,7 +72,7 @@ class IdentityIndex:
 
 
 class CacheHistory:
-    """analysis.history.History over a cache layout root: action records plus the identity index."""
+    """neuronbuild.history.History over a cache layout root: action records plus the identity index."""
 
     def __init__(self, root: Path) -> None:
         self.actions = ActionCache(root)

@@ -11,14 +11,14 @@ import json
 import os
 import sys
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from neuronbuild.atomic import atomic_write_bytes
 from neuronbuild.cache.action_cache import ActionCache, ActionResult, OutputRef
 from neuronbuild.cache.cas import BlobStore, CorruptBlob
-from neuronbuild.cache.identity_index import IdentityIndex
+from neuronbuild.cache.identity_index import CacheHistory, IdentityIndex
 from neuronbuild.cache.stats import StatsCounter, persist
 
 CACHE_ENV = "NEURONBUILD_CACHE_DIR"
@@ -111,6 +111,22 @@ class LocalCache:
         self._hit(fp, "local")
         return res
 
+    def put_file(self, path: Path) -> tuple[str, int]:
+        """Store a file's content (hashing while copying); (digest, size)."""
+        return self.blobs.put_file(path)
+
+    def has_blob(self, digest: str) -> bool:
+        return self.blobs.has(digest)
+
+    def history(self) -> CacheHistory:
+        """Past results of this cache (records + the per-identity history store)."""
+        return CacheHistory(self.root)
+
+    def peek(self, fp: str) -> bool:
+        """Whether a lookup would hit, without counting it or fetching anything."""
+        res, bad = self.lookup_local(fp)
+        return res is not None and not bad
+
     def _hit(self, fp: str, tier: str) -> None:
         self.stats.hit(fp, tier)
         if fp not in self._touched:  # record mtime = last use, for LRU garbage collection
@@ -118,14 +134,11 @@ class LocalCache:
             with contextlib.suppress(OSError):
                 os.utime(self.actions.path(fp))
 
-    def finish(self, keep: Iterable[str] = ()) -> None:
-        """End of a build: persist this build's counters, then apply the configured automatic size limit."""
+    def finish(self) -> None:
+        """End of a build: persist this build's counters."""
         if not self.stats.empty:
             with contextlib.suppress(OSError):
                 persist(self.root, self.stats.snapshot(self.shared_url()))
-        from neuronbuild.cache.gc import auto_gc
-
-        auto_gc(self, set(keep))
 
     def shared_url(self) -> str:
         return ""

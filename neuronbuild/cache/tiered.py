@@ -82,6 +82,25 @@ class TieredCache(LocalCache):
         self._hit(fp, "shared")
         return fetched
 
+    def peek(self, fp: str) -> bool:
+        """A hit in the local tier, or a readable record in the shared tier whose every blob is there."""
+        res, bad = self.lookup_local(fp)
+        if res is not None and not bad:
+            return True
+        if self.shared is None:
+            return False
+        if res is None:
+            data = self._remote(self.shared.get_record, fp)
+            if data is None:
+                return False
+            try:
+                res = ActionResult.from_json(data)
+            except (ValueError, KeyError, TypeError, RecursionError):
+                return False
+        shared = self.shared
+        return all(self.blobs.check(o.digest, o.size) == "ok" or bool(self._remote(shared.has_blob, o.digest, o.size))
+                   for o in res.outputs.values())
+
     def _fetch_entry(self, fp: str, local: ActionResult | None) -> ActionResult | None:
         """Copy an entry down from the shared tier (its record unless we have one, and every blob we lack)."""
         if self.shared is None:

@@ -15,7 +15,8 @@ SCRATCH = "toolchain-tmp"
 # Parts of <cache>/v1, by directory name; anything else is counted as "other".
 PARTS = {"cas": "blobs", "ac": "action records", SCRATCH: "compiler scratch (toolchain-tmp)", "logs": "logs",
          "sandbox": "sandboxes", "failures": "failure records", "identities": "history", "state": "workspace state",
-         "verified": "verified marks", "stats": "build stats"}
+         "verified": "verified marks", "stats": "build stats", "roots": "workspace roots",
+         "pins": "pins"}
 
 
 def tree_bytes(path: Path) -> int:

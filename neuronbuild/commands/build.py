@@ -9,9 +9,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from neuronbuild.commands.cache import add_remote_cache_args
-from neuronbuild.commands.common import add_cache_args
-from neuronbuild.commands.plan import add_settings_args, settings_from_args
+from neuronbuild.commands.common import add_context_args, context_from_args
 from neuronbuild.errors import EXIT_BAD_INPUT, EXIT_BUILD_FAILED, EXIT_OK
 
 
@@ -34,9 +32,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                    help="where actions run: local worker processes (default), a Dask cluster, or a LocalCluster")
     b.add_argument("--scheduler", metavar="tcp://HOST:PORT", help="the Dask scheduler (--executor dask)")
     b.add_argument("--dry-run", action="store_true", help="show what would execute (the `plan` command); run nothing")
-    add_cache_args(b)
-    add_remote_cache_args(b)
-    add_settings_args(b)
+    add_context_args(b)
 
 
 def _bad(msg: str) -> int:
@@ -66,12 +62,19 @@ def _record_noop_stats(cache_dir: Path, line: str, started: float) -> None:
         pass  # statistics never fail a build
 
 
+def _check_settings_flags(args: argparse.Namespace) -> None:
+    """The checks of the fingerprint-settings flags that need no subprocess, made before the no-op fast path."""
+    from neuronbuild.analysis.plan_settings import find_neuronx_cc, parse_action_env
+    from neuronbuild.errors import UserInputError
+
+    if args.neuronx_cc_timeout is not None and args.neuronx_cc_timeout <= 0:
+        raise UserInputError("--neuronx-cc-timeout must be a positive number of seconds")
+    parse_action_env(args.action_env)
+    find_neuronx_cc(args.neuronx_cc)
+
+
 def run(args: argparse.Namespace) -> int:
     from neuronbuild import noop
-    from neuronbuild.cache.local import resolve_cache_dir
-    from neuronbuild.commands.plan import check_settings_flags
-    from neuronbuild.execution.resources import parse_local_ram
-    from neuronbuild.workspace import find_workspace
 
     if args.jobs is not None and args.jobs < 1:
         return _bad("--jobs must be at least 1")
@@ -85,18 +88,23 @@ def run(args: argparse.Namespace) -> int:
         return _bad("--scheduler is only used with --executor dask")
     if args.executor != "local" and args.remote_cache and "://" in args.remote_cache:
         return _bad("the Dask executor needs --remote-cache to be a shared directory")
+    from neuronbuild.cache.local import resolve_cache_dir
+    from neuronbuild.context import NORMAL, QUIET, VERBOSE, patterns_or_default
+    from neuronbuild.execution.resources import parse_local_ram
+    from neuronbuild.workspace import find_workspace
+
     try:  # every flag is checked before any fast path: a no-op build must not accept what a full one refuses
         ram = parse_local_ram(args.local_ram) if args.local_ram is not None else 0
     except ValueError as e:
         return _bad(str(e))
-    check_settings_flags(args)
+    _check_settings_flags(args)
     if args.dry_run:
-        from neuronbuild.commands import plan
+        from neuronbuild.commands.common import run_plan
 
-        return plan.run(args)
+        return run_plan(args)
     ws = find_workspace()
     cache_dir = resolve_cache_dir(args.cache_dir)
-    patterns = tuple(args.patterns) or ("//...",)
+    patterns = patterns_or_default(args.patterns)
     noop_flags = {k: v for k, v in vars(args).items() if k not in NOOP_IGNORED}
     key = noop.request_key(ws.root, ws.cwd_package, patterns, cache_dir, noop_flags)
     wants_events = args.profile or args.build_event_json_file
@@ -109,25 +117,21 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_OK
 
     from neuronbuild.build import BuildRequest, default_jobs, run_build
-    from neuronbuild.execution.progress import NORMAL, QUIET, VERBOSE
     from neuronbuild.execution.resources import default_local_ram_mb
     from neuronbuild.execution.scheduler import describe_failure
 
     ram = ram or default_local_ram_mb()
-    remote = str(Path(args.remote_cache).expanduser().resolve()) if args.remote_cache and "://" not in \
-        args.remote_cache else args.remote_cache
+    ctx = context_from_args(args, QUIET if args.quiet else VERBOSE if args.verbose else NORMAL)
     req = BuildRequest(
-        patterns, cache_dir, args.jobs or default_jobs(),
+        patterns, args.jobs or default_jobs(),
         keep_going=args.keep_going, retries=args.retries, local_ram_mb=ram, executor=args.executor,
-        scheduler=args.scheduler, remote_cache=remote or None, remote_cache_readonly=args.remote_cache_readonly,
-        s3_endpoint_url=args.s3_endpoint_url, settings=settings_from_args(args),
-        verbosity=QUIET if args.quiet else VERBOSE if args.verbose else NORMAL,
+        scheduler=args.scheduler,
         profile=Path(args.profile).resolve() if args.profile else None,
         event_file=Path(args.build_event_json_file).resolve() if args.build_event_json_file else None,
     )
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)  # `kill` ends a build like Ctrl-C does
     try:
-        result = run_build(ws, req, noop_key=key)
+        result = run_build(ctx, req, noop_key=key)
     finally:
         signal.signal(signal.SIGTERM, previous)
     if not args.quiet or result.failures:

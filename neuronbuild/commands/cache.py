@@ -3,23 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from typing import Any
 
-from neuronbuild.commands.common import add_cache_args
+from neuronbuild.commands.common import add_context_args
 from neuronbuild.errors import EXIT_BAD_INPUT, EXIT_BUILD_FAILED, EXIT_OK
-
-
-def add_remote_cache_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--remote-cache", default=os.environ.get("NEURONBUILD_REMOTE_CACHE") or None,
-                   metavar="PATH|s3://bucket/prefix",
-                   help="shared cache tier: a shared directory or an S3 prefix (default: $NEURONBUILD_REMOTE_CACHE)")
-    p.add_argument("--remote-cache-readonly", action="store_true",
-                   default=os.environ.get("NEURONBUILD_REMOTE_CACHE_READONLY", "") not in ("", "0"),
-                   help="read from the shared tier but never upload to it")
-    p.add_argument("--s3-endpoint-url", default=None,
-                   help="S3-compatible endpoint for s3:// tiers (default: $NEURONBUILD_S3_ENDPOINT_URL or AWS's)")
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -31,19 +19,17 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     g.add_argument("--max-size", help="size cap, e.g. 20G")
     g.add_argument("--max-age", help="evict entries unused for longer than this, e.g. 30d")
     g.add_argument("--no-workspace", action="store_true",
-                   help="do not protect the current workspace's targets (pins are still honoured)")
+                   help="do not protect what the last successful builds of workspaces referenced (pins still are)")
     s = cs.add_parser("stats", help="entries and bytes per tier, counters of recent builds")
     s.add_argument("--builds", type=int, default=10, help="how many recent builds to show")
-    p = cs.add_parser("pin", help="protect the actions of targets (default //...) from gc")
+    p = cs.add_parser("pin", help="protect from gc what the last successful build of targets (default //...) used")
     p.add_argument("name")
     p.add_argument("patterns", nargs="*")
     p.add_argument("--fingerprint", action="append", default=[], help="pin this action fingerprint too")
     u = cs.add_parser("unpin", help="remove a pin")
     u.add_argument("name")
     for q in (v, g, s, p, u):
-        add_cache_args(q)
-    for q in (v, s):
-        add_remote_cache_args(q)
+        add_context_args(q)
 
 
 def _err(msg: str) -> int:
@@ -52,28 +38,35 @@ def _err(msg: str) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from neuronbuild.cache.local import LocalCache, resolve_cache_dir
+    from neuronbuild.commands.common import context_from_args
 
-    cache = LocalCache(resolve_cache_dir(args.cache_dir))
+    ctx = context_from_args(args, need_workspace=args.cache_command == "pin")
     handler = {"verify": _verify, "gc": _gc, "stats": _stats, "pin": _pin, "unpin": _unpin}[args.cache_command]
-    return handler(cache, args)
+    return handler(ctx, args)
 
 
-def _shared(args: argparse.Namespace) -> Any:
-    if not getattr(args, "remote_cache", None):
+def _shared(ctx: Any) -> Any:
+    if not ctx.cache.remote:
         return None
     from neuronbuild.cache.tiered import open_shared
 
-    return open_shared(args.remote_cache, args.s3_endpoint_url)
+    return open_shared(ctx.cache.remote, ctx.cache.s3_endpoint_url)
 
 
-def _verify(cache: Any, args: argparse.Namespace) -> int:
+def _local(ctx: Any) -> Any:
+    from neuronbuild.cache.local import LocalCache
+
+    return LocalCache(ctx.cache.dir)
+
+
+def _verify(ctx: Any, args: argparse.Namespace) -> int:
     from neuronbuild.cache.shared_fs import SharedDirTier
     from neuronbuild.cache.tier import TierReadOnly, TierUnavailable
     from neuronbuild.cache.verify import verify_tier
 
+    cache = _local(ctx)
     tiers: list[tuple[str, Any]] = [("local", SharedDirTier(cache.base))]
-    shared = _shared(args)
+    shared = _shared(ctx)
     if shared is not None:
         tiers.append(("shared", shared))
     bad = 0
@@ -96,25 +89,12 @@ def _verify(cache: Any, args: argparse.Namespace) -> int:
     return EXIT_BUILD_FAILED if bad else EXIT_OK
 
 
-def _workspace_fingerprints(patterns: tuple[str, ...]) -> set[str] | None:
-    """Fingerprints of every action the patterns need in the current workspace; None outside a workspace."""
-    from neuronbuild.analysis.planner import plan
-    from neuronbuild.errors import UserInputError
-    from neuronbuild.loading.target_graph import load_targets
-    from neuronbuild.workspace import find_workspace
-
-    try:
-        ws = find_workspace()
-    except UserInputError:
-        return None
-    ag = plan(load_targets(ws.root, patterns, ws.cwd_package, warn=None))
-    return set(ag.actions)
-
-
-def _gc(cache: Any, args: argparse.Namespace) -> int:
+def _gc(ctx: Any, args: argparse.Namespace) -> int:
     from neuronbuild.cache.gc import collect, parse_age, parse_size
     from neuronbuild.cache.pins import PinError
+    from neuronbuild.cache.roots import live_roots
 
+    cache = _local(ctx)
     try:
         max_size = parse_size(args.max_size) if args.max_size else None
         max_age = parse_age(args.max_age) if args.max_age else None
@@ -125,14 +105,11 @@ def _gc(cache: Any, args: argparse.Namespace) -> int:
     if not cache.root.is_dir():
         print("gc: the cache is empty")
         return EXIT_OK
-    keep: set[str] = set()
     if not args.no_workspace:
-        fps = _workspace_fingerprints(("//...",))
-        if fps is not None:
-            keep = fps
-            print(f"gc: protecting {len(keep)} actions of the current workspace's targets")
+        fps, n = live_roots(cache.root)
+        print(f"gc: protecting {len(fps)} actions that the last successful builds of {n} workspace(s) used")
     try:
-        result = collect(cache, max_size, max_age, keep)
+        result = collect(cache, max_size, max_age, protect_roots=not args.no_workspace)
     except PinError as e:
         return _err(str(e))
     print(result.summary())
@@ -144,13 +121,14 @@ def _usage(tier: Any) -> tuple[int, int, int]:
     return sum(1 for _ in tier.records()), len(blobs), sum(s for _d, s in blobs)
 
 
-def _stats(cache: Any, args: argparse.Namespace) -> int:
+def _stats(ctx: Any, args: argparse.Namespace) -> int:
     from neuronbuild.cache.gc import human
     from neuronbuild.cache.pins import PinError, load_pins
     from neuronbuild.cache.shared_fs import SharedDirTier
     from neuronbuild.cache.stats import recent
     from neuronbuild.cache.tier import TierReadOnly, TierUnavailable
 
+    cache = _local(ctx)
     entries, nblobs, nbytes = _usage(SharedDirTier(cache.base)) if cache.base.is_dir() else (0, 0, 0)
     failures = len(list(cache.failures.glob("*/*.json"))) if cache.failures.is_dir() else 0
     print(f"local  {cache.base}: {entries} entries, {nblobs} blobs, {human(nbytes)}; {failures} recorded failures")
@@ -161,7 +139,7 @@ def _stats(cache: Any, args: argparse.Namespace) -> int:
     rest = du.total - sum(b for _p, b in shown)
     print(f"       on disk {human(du.total)} in all (what gc --max-size bounds): "
           + ", ".join([f"{p} {human(b)}" for p, b in shown] + ([f"the rest {human(rest)}"] if rest else [])))
-    shared = _shared(args)
+    shared = _shared(ctx)
     if shared is not None:
         try:
             entries, nblobs, nbytes = _usage(shared)
@@ -191,27 +169,38 @@ def _stats(cache: Any, args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _pin(cache: Any, args: argparse.Namespace) -> int:
+def _pin(ctx: Any, args: argparse.Namespace) -> int:
     from neuronbuild.cache.pins import PinError, check_name, write_pin
+    from neuronbuild.cache.roots import workspace_roots
 
+    cache = _local(ctx)
     try:
         check_name(args.name)
     except PinError as e:
         return _err(str(e))
     fps = set(args.fingerprint)
     if args.patterns or not fps:
-        got = _workspace_fingerprints(tuple(args.patterns) or ("//...",))
-        if got is None:
-            return _err("not inside a neuronbuild workspace (give --fingerprint or run inside one)")
-        fps |= got
+        graph = ctx.load(args.patterns)
+        built = workspace_roots(cache.root, ctx.workspace.root)
+        wanted = [str(lbl) for lbl in graph.requested if str(lbl) in built or graph.targets[lbl].kind in
+                  ("neuron_compile", "neuron_bundle")]
+        missing = [lbl for lbl in wanted if lbl not in built]
+        if missing:
+            return _err(f"{missing[0]} has no successful build in this workspace to pin (run `neuronbuild build "
+                        f"{missing[0]}` first{'' if len(missing) == 1 else f'; {len(missing) - 1} more'})")
+        if not wanted:
+            return _err("the patterns select no neuron_compile or neuron_bundle target")
+        for lbl in wanted:
+            fps.update(built[lbl])
     path = write_pin(cache.root, args.name, fps)
     print(f"pinned {len(fps)} actions as '{args.name}' ({path})")
     return EXIT_OK
 
 
-def _unpin(cache: Any, args: argparse.Namespace) -> int:
+def _unpin(ctx: Any, args: argparse.Namespace) -> int:
     from neuronbuild.cache.pins import PinError, remove_pin
 
+    cache = _local(ctx)
     try:
         found = remove_pin(cache.root, args.name)
     except PinError as e:

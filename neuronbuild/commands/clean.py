@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 
-from neuronbuild.commands.common import add_cache_args
 from neuronbuild.errors import EXIT_OK
 
 
@@ -13,8 +12,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                                      "in the cache")
     p.add_argument("--expunge", action="store_true",
                    help="also remove this workspace's state in the cache directory (load and digest caches, no-op "
-                        "stamps, bundle pins); cached results shared with other workspaces are kept")
-    add_cache_args(p)
+                        "stamps, build roots, bundle pins); cached results shared with other workspaces are kept")
+    p.add_argument("--cache-dir", help="cache directory (default: $NEURONBUILD_CACHE_DIR or ~/.cache/neuronbuild)")
 
 
 def run(args: argparse.Namespace) -> int:

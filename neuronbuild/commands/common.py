@@ -1,9 +1,90 @@
-"""Arguments shared by several commands."""
+"""The flags every command shares (cache, shared tier, fingerprint settings) and turning them into a BuildContext."""
 
 from __future__ import annotations
 
 import argparse
+import os
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from neuronbuild.context import BuildContext
 
 
-def add_cache_args(p: argparse.ArgumentParser) -> None:
+def add_context_args(p: argparse.ArgumentParser, *, what_if: bool = False) -> None:
+    """Flags that decide which fingerprints a command computes and which cache tiers it reads: the same for every
+    command, so `plan`, `explain`, `validate`, `cache gc` ... see exactly what `build` sees."""
     p.add_argument("--cache-dir", help="cache directory (default: $NEURONBUILD_CACHE_DIR or ~/.cache/neuronbuild)")
+    p.add_argument("--remote-cache", default=os.environ.get("NEURONBUILD_REMOTE_CACHE") or None,
+                   metavar="PATH|s3://bucket/prefix",
+                   help="shared cache tier: a shared directory or an S3 prefix (default: $NEURONBUILD_REMOTE_CACHE)")
+    p.add_argument("--remote-cache-readonly", action="store_true",
+                   default=os.environ.get("NEURONBUILD_REMOTE_CACHE_READONLY", "") not in ("", "0"),
+                   help="read from the shared tier but never upload to it")
+    p.add_argument("--s3-endpoint-url", default=None,
+                   help="S3-compatible endpoint for s3:// tiers (default: $NEURONBUILD_S3_ENDPOINT_URL or AWS's)")
+    p.add_argument("--action-env", action="append", metavar="NAME[=VALUE]",
+                   help="pass this variable to actions (value from your environment, or VALUE); name and value "
+                        "enter fingerprints. Repeatable")
+    p.add_argument("--neuronx-cc", metavar="PATH",
+                   help="neuronx-cc executable for Neuron targets (default: $NEURONX_CC, else neuronx-cc on PATH)")
+    p.add_argument("--neuronx-cc-timeout", type=float, metavar="SECONDS",
+                   help="kill neuronx-cc and fail the action after this long (default 3600)")
+    if what_if:
+        p.add_argument("--toolchain", action="append", metavar="COMPONENT=VERSION",
+                       help="plan as if a toolchain component (python, torch, cxx, neuronx-cc, ...) had this version")
+
+
+def add_output_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--output", choices=("text", "json"), default="text", help="output format (default text)")
+
+
+def context_from_args(args: argparse.Namespace, verbosity: int | None = None,
+                      need_workspace: bool = True) -> BuildContext:
+    """The one BuildContext of this command (bad values raise UserInputError: exit 2)."""
+    from neuronbuild.context import make_context
+
+    return make_context(
+        cache_dir=getattr(args, "cache_dir", None),
+        remote_cache=getattr(args, "remote_cache", None),
+        remote_cache_readonly=bool(getattr(args, "remote_cache_readonly", False)),
+        s3_endpoint_url=getattr(args, "s3_endpoint_url", None),
+        action_env=getattr(args, "action_env", None),
+        neuronx_cc=getattr(args, "neuronx_cc", None),
+        neuronx_cc_timeout=getattr(args, "neuronx_cc_timeout", None),
+        toolchain=getattr(args, "toolchain", None),
+        verbosity=verbosity,
+        need_workspace=need_workspace,
+    )
+
+
+def bad_jobs(args: argparse.Namespace) -> str | None:
+    jobs = getattr(args, "jobs", None)
+    return "--jobs must be at least 1" if jobs is not None and jobs < 1 else None
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    """`plan` and `build --dry-run`: what a build would execute, checked against every cache tier without fetching."""
+    import json
+    import sys
+
+    from neuronbuild.analysis.plan_report import plan_report
+    from neuronbuild.build import default_jobs, settings_notes
+    from neuronbuild.errors import EXIT_BAD_INPUT, EXIT_OK
+    from neuronbuild.execution.scheduler import needed_actions
+
+    err = bad_jobs(args)
+    if err:
+        print(f"neuronbuild: error: {err}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    ctx = context_from_args(args)
+    ag = ctx.plan(ctx.load(args.patterns))
+    for note in settings_notes(ctx.settings, ag, toolchains=()):  # a plan makes no graphs: no toolchain notes
+        print(note, file=sys.stderr)
+    cache = ctx.open_cache()
+    todo, cached = needed_actions(ag, cache, probe=True)
+    report = plan_report(ag, todo, cached, ctx.history(cache), args.jobs or default_jobs())
+    if getattr(args, "output", "text") == "json":
+        print(json.dumps(report.to_json(), indent=1, sort_keys=True))
+    else:
+        print("\n".join(report.lines()))
+    return EXIT_OK

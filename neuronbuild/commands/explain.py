@@ -5,8 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from neuronbuild.commands.common import add_cache_args
-from neuronbuild.commands.plan import add_output_arg, add_settings_args
+from neuronbuild.commands.common import add_context_args, add_output_arg
 from neuronbuild.errors import EXIT_OK
 
 
@@ -14,18 +13,19 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser("explain", help="why each action that would execute is not cached (the fields that changed)")
     p.add_argument("patterns", nargs="*", help="target patterns (default //...)")
     add_output_arg(p)
-    add_cache_args(p)
-    add_settings_args(p, what_if=True)
+    add_context_args(p, what_if=True)
 
 
 def run(args: argparse.Namespace) -> int:
     from neuronbuild.analysis.explain import explain
-    from neuronbuild.commands.plan import load_plan
+    from neuronbuild.commands.common import context_from_args
     from neuronbuild.execution.scheduler import needed_actions
 
-    ag, cache, history = load_plan(args)
-    todo, cached = needed_actions(ag, cache)
-    found = explain(ag, todo, history)
+    ctx = context_from_args(args)
+    ag = ctx.plan(ctx.load(args.patterns))
+    cache = ctx.open_cache()
+    todo, cached = needed_actions(ag, cache, probe=True)
+    found = explain(ag, todo, ctx.history(cache))
     if args.output == "json":
         print(json.dumps({"total": len(ag.actions), "cached": len(cached),
                           "execute": [e.to_json() for e in found]}, indent=1, sort_keys=True))

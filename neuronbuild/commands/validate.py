@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from neuronbuild.commands.common import add_cache_args
+from neuronbuild.commands.common import add_context_args
 from neuronbuild.errors import EXIT_BUILD_FAILED, EXIT_OK
 
 
@@ -13,7 +13,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     v = sub.add_parser("validate", help="compare built artifacts with the eager model (max abs/rel error per bucket)")
     v.add_argument("patterns", nargs="*", help="target patterns (default //...); neuron_bundle targets check their srcs")
     v.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default 0)")
-    add_cache_args(v)
+    add_context_args(v)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -21,16 +21,13 @@ def run(args: argparse.Namespace) -> int:
     from pathlib import Path
     from typing import Any
 
-    from neuronbuild.analysis.planner import plan
-    from neuronbuild.build import patterns_or_default
-    from neuronbuild.cache.local import LocalCache, resolve_cache_dir
-    from neuronbuild.loading.target_graph import load_targets
-    from neuronbuild.workspace import find_workspace
+    from neuronbuild.commands.common import context_from_args
 
-    ws = find_workspace()
-    graph = load_targets(ws.root, patterns_or_default(args.patterns), ws.cwd_package)
-    ag = plan(graph)
-    cache = LocalCache(resolve_cache_dir(args.cache_dir))
+    ctx = context_from_args(args)
+    ws = ctx.workspace
+    graph = ctx.load(args.patterns)
+    ag = ctx.plan(graph)
+    cache = ctx.open_cache()
     if not ag.compiles:
         print("neuronbuild: nothing to validate: the patterns match no neuron_compile target", file=sys.stderr)
         return EXIT_OK
@@ -38,18 +35,21 @@ def run(args: argparse.Namespace) -> int:
     graphs = sum(len(ct.buckets) for ct in ag.compiles)
     print(f"validating {graphs} graph(s) of {len(ag.compiles)} target(s) against eager (loading torch) ...",
           file=sys.stderr, flush=True)
-    from neuronbuild.runtime.validate import compare, eager_model, load_artifact
+    from neuronbuild import plugins
+    from neuronbuild.toolchains.validate import compare, eager_model
 
     failed = 0
     models: dict[str, Any] = {}
-    plats = {ct.label: f"cpu/{ct.isa}" if ct.platform == "cpu" else f"{ct.platform}*" for ct in ag.compiles}
+    plats = {ct.label: ct.description + ("*" if plugins.toolchain(ct.toolchain).validate_note else "")
+             for ct in ag.compiles}
     w_t = max([len("target"), *(len(str(ct.label)) for ct in ag.compiles)])  # columns fit the longest names
     w_b = max([len("bucket"), *(len(b.name) for ct in ag.compiles for b, _fp in ct.buckets)])
     w_p = max([len("platform"), *map(len, plats.values())])
     print(f"{'target':<{w_t}}  {'bucket':<{w_b}}  {'platform':<{w_p}} {'max abs':>10} {'max rel':>10} "
           f"{'tolerance':>10}  result", flush=True)
     for ct in ag.compiles:
-        tol = float(graph.targets[ct.label].attrs["tolerance"])
+        tol = ct.tolerance
+        tc = plugins.toolchain(ct.toolchain)
         plat = plats[ct.label]
         for bucket, fp in ct.buckets:
             res = cache.lookup(fp)
@@ -59,8 +59,7 @@ def run(args: argparse.Namespace) -> int:
                 print(f"{row} {'-':>10} {'-':>10} {tol:>10.1e}  NOT BUILT (run neuronbuild build {ct.label})",
                       flush=True)
                 continue
-            trace = ag.actions[str(ag.actions[fp].record["trace"])].record
-            spec = dict(trace["model"])
+            spec = dict(ag.trace_of(fp).model)
             spec["weights"] = spec["weights"]["path"] if spec.get("weights") else None
             key = repr(sorted(spec.items(), key=lambda kv: kv[0]))
             if key not in models:
@@ -70,14 +69,14 @@ def run(args: argparse.Namespace) -> int:
                 for name, ref in res.outputs.items():
                     cache.copy_blob(ref.digest, Path(tmp) / name)
                     files[name] = Path(tmp) / name
-                fn = load_artifact(ct.platform, files)
+                fn = tc.load_artifact(files)
                 cmp = compare(fn, models[key], spec["inputs"], bucket.as_dict(), spec.get("config") or {}, args.seed)
             ok = cmp.max_abs <= tol
             failed += not ok
             print(f"{row} {cmp.max_abs:>10.2e} {cmp.max_rel:>10.2e} {tol:>10.1e}  {'ok' if ok else 'FAIL'}", flush=True)
-    if any(ct.platform != "cpu" for ct in ag.compiles):
-        print("* Neuron targets: the lowered program run by torch on CPU (checks the lowering and auto_cast, not "
-              "neuronx-cc)")
+    for name in ag.toolchains:
+        if plugins.toolchain(name).validate_note:
+            print(f"* {plugins.toolchain(name).validate_note}")
     if failed:
         print(f"{failed} graph(s) failed validation", file=sys.stderr)
         return EXIT_BUILD_FAILED

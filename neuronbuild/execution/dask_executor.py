@@ -15,12 +15,13 @@ import tempfile
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from neuronbuild.analysis.digests import digest_file
-from neuronbuild.cache.local import LocalCache
+from neuronbuild.digests import digest_file
 from neuronbuild.errors import NeuronBuildError
+from neuronbuild.execution.cache_api import SpawnCache
 from neuronbuild.execution.env import action_environment
 from neuronbuild.execution.jobs import Completion, Job, Started
 from neuronbuild.execution.pool import WorkerPool
@@ -35,8 +36,8 @@ class DaskExecutor:
 
     local = False
 
-    def __init__(self, root: Path, cache: LocalCache, shared_dir: Path, address: str | None, jobs: int,
-                 toolchain_tmp: Path | None = None) -> None:
+    def __init__(self, root: Path, cache: SpawnCache, shared_dir: Path, address: str | None, jobs: int,
+                 open_cache: Callable[[Path], SpawnCache], toolchain_tmp: Path | None = None) -> None:
         try:
             from distributed import Client, LocalCluster
         except ImportError:
@@ -44,7 +45,9 @@ class DaskExecutor:
                 from None
         self.root = root
         self.cache = cache
-        self.shared = LocalCache(shared_dir)
+        self._open_cache = open_cache  # also sent to farm workers (pickled by reference)
+        self.shared = open_cache(shared_dir)
+        self._shared_dir = shared_dir
         self._same = self.shared.root.resolve() == cache.root.resolve()
         self._toolchain_tmp = str(toolchain_tmp) if toolchain_tmp else None
         self._cluster: Any = None
@@ -72,11 +75,11 @@ class DaskExecutor:
     def _to_shared(self, a_path: str, digest: str) -> None:
         """A workspace file into the shared CAS (verified against the digest analysis saw)."""
         src = self.root / a_path
-        if self.shared.blobs.has(digest):
+        if self.shared.has_blob(digest):
             if digest_file(src) != digest:
                 raise InputChanged(f"input '{a_path}' changed during the build; run the build again")
             return
-        got, _size = self.shared.blobs.put_file(src)
+        got, _size = self.shared.put_file(src)
         if got != digest:
             raise InputChanged(f"input '{a_path}' changed during the build; run the build again")
 
@@ -91,16 +94,16 @@ class DaskExecutor:
             if res is None or d.output not in res.outputs:
                 raise InputChanged(f"output '{d.output}' of action {d.action[:12]} is missing from the cache")
             digest = res.outputs[d.output].digest
-            if not self.shared.blobs.has(digest):
+            if not self.shared.has_blob(digest):
                 tmp = self._tmp / f"up-{uuid.uuid4().hex}"
                 try:
                     self.cache.copy_blob(digest, tmp)
-                    self.shared.blobs.put_file(tmp)
+                    self.shared.put_file(tmp)
                 finally:
                     tmp.unlink(missing_ok=True)
             inputs.append((d.path, digest))
         payload = {"kind": a.kind, "spec": json.loads(json.dumps(a.spec)), "inputs": inputs,
-                   "outputs": list(a.outputs), "shared": str(self.shared.base), "toolchain_tmp": self._toolchain_tmp,
+                   "outputs": list(a.outputs), "shared": str(self._shared_dir), "open_cache": self._open_cache, "toolchain_tmp": self._toolchain_tmp,
                    "description": a.describe()}
         key = f"neuronbuild-{a.fingerprint[:16]}-{job.attempt}-{uuid.uuid4().hex[:8]}"
         fut = self.client.submit(farm_run, payload, key=key, pure=False)
@@ -199,7 +202,7 @@ def farm_run(payload: dict[str, Any]) -> dict[str, Any]:
         where = str(get_worker().address)
     except (ImportError, ValueError):
         where = "dask"
-    shared = LocalCache(Path(payload["shared"]))
+    shared = payload["open_cache"](Path(payload["shared"]))
     base = _farm_base()
     base.mkdir(parents=True, exist_ok=True)
     sb = Path(tempfile.mkdtemp(dir=base, prefix="job-"))
@@ -225,7 +228,7 @@ def farm_run(payload: dict[str, Any]) -> dict[str, Any]:
                     res = {"ok": False, "error": f"the action did not produce its declared output '{name}'",
                            "duration_s": res.get("duration_s", 0.0)}
                     break
-                digest, size = shared.blobs.put_file(p)
+                digest, size = shared.put_file(p)
                 outs[name] = [digest, size]
             else:
                 res["outputs"] = outs

@@ -7,8 +7,9 @@ import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-# Variables passed through from the caller. PATH only locates tools (g++); their versions enter fingerprints.
-PASSTHROUGH = ("PATH",)
+# Variables passed through from the caller. PATH only locates tools (g++); their versions enter fingerprints. The
+# plug-in list and path make workers see the toolchains the build planned with (their versions enter fingerprints).
+PASSTHROUGH = ("PATH", "NEURONBUILD_PLUGINS", "NEURONBUILD_PLUGIN_PATH")
 # Caller variables that commonly change compiles; a build warns once when they are set but not declared.
 COMPILE_AFFECTING = re.compile(r"^(NEURON_.*|NEURON_CC_FLAGS|TORCHINDUCTOR_.*|XLA_.*|OMP_NUM_THREADS)$")
 

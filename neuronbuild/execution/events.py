@@ -45,8 +45,7 @@ def action_fields(a: Action) -> dict[str, Any]:
                          "bucket": a.bucket.as_dict(), "description": a.describe()}
     if a.platform:
         d["platform"] = a.platform
-        if a.isa:
-            d["isa"] = a.isa
+        d["target"] = a.target
     return d
 
 

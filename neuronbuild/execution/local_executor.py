@@ -7,8 +7,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from neuronbuild.cache.local import LocalCache
 from neuronbuild.execution import sandbox as sandboxes
+from neuronbuild.execution.cache_api import SpawnCache
 from neuronbuild.execution.jobs import Completion, Job, Started
 from neuronbuild.execution.pool import WorkerPool
 
@@ -19,7 +19,7 @@ class LocalExecutor:
     local = True
     name = "local"
 
-    def __init__(self, root: Path, cache: LocalCache, jobs: int, env: dict[str, str]) -> None:
+    def __init__(self, root: Path, cache: SpawnCache, jobs: int, env: dict[str, str]) -> None:
         self.root = root
         self.cache = cache
         self.slots = max(1, jobs)

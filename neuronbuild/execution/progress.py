@@ -61,10 +61,19 @@ class _Tally:
             if fp in self.finished:
                 continue
             if fp in self.running:
-                left += max(0.0, est - (now - self.running[fp][1]))
+                left += remaining_s(est, now - self.running[fp][1])
             else:
                 left += est
         return left / self.jobs
+
+
+OVERRUN_FACTOR = 0.25  # an action past its estimate is assumed to need a quarter of its elapsed time more
+
+
+def remaining_s(estimate: float, elapsed: float) -> float:
+    """Expected seconds left of a running action: what its estimate leaves, but never less than OVERRUN_FACTOR of its
+    elapsed time, so an action running past its estimate keeps the ETA moving instead of freezing it at 0:00."""
+    return max(estimate - elapsed, OVERRUN_FACTOR * elapsed)
 
 
 def _fmt_s(s: float) -> str:

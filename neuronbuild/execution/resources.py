@@ -7,13 +7,10 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from neuronbuild.analysis.actions import TRACE, Action
-
 # Share of the machine's RAM the build may plan for by default (Bazel's HOST_RAM*.67).
 DEFAULT_SHARE = 0.67
 # Peak resident memory (MB) of an action in a warm worker when none was recorded yet: measured on the example
 # (trace ~0.5 GB incl. torch; AOTInductor compile 0.4-0.55 GB plus g++; Neuron CPU-compile path ~0.5 GB), rounded up.
-ESTIMATE_MB = {"trace": 800.0, "compile:cpu": 1200.0, "compile": 800.0}
 
 
 def host_ram_mb() -> int:
@@ -49,15 +46,6 @@ def parse_local_ram(text: str) -> int:
     if mb < 1:
         raise ValueError(f"--local-ram must be at least 1 MB, got {text!r}")
     return int(mb)
-
-
-def estimate_mb(action: Action, recorded: float | None = None) -> float:
-    """The memory an action is expected to need: its recorded peak when known, else a per-kind estimate."""
-    if recorded:
-        return recorded
-    if action.kind == TRACE:
-        return ESTIMATE_MB["trace"]
-    return ESTIMATE_MB["compile:cpu"] if action.platform == "cpu" else ESTIMATE_MB["compile"]
 
 
 @dataclass(frozen=True)

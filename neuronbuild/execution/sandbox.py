@@ -8,8 +8,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from neuronbuild.analysis.actions import Action
-from neuronbuild.cache.cas import copy_hashing
-from neuronbuild.cache.local import LocalCache
+from neuronbuild.digests import copy_hashing
+from neuronbuild.execution.cache_api import SpawnCache
 
 
 class InputChanged(Exception):
@@ -28,7 +28,7 @@ class Sandbox:
         shutil.rmtree(self.base, ignore_errors=True)
 
 
-def prepare(action: Action, root: Path, cache: LocalCache, parent: Path | None = None) -> Sandbox:
+def prepare(action: Action, root: Path, cache: SpawnCache, parent: Path | None = None) -> Sandbox:
     """A sandbox under `parent` (default: the cache's scratch dir; executors pass a per-build dir they remove whole)."""
     parent = parent or cache.scratch
     parent.mkdir(parents=True, exist_ok=True)

@@ -10,14 +10,13 @@ from pathlib import Path
 import networkx as nx
 
 from neuronbuild.analysis.actions import Action
+from neuronbuild.analysis.estimate import Estimator
 from neuronbuild.analysis.planner import ActionGraph
-from neuronbuild.cache.cas import CorruptBlob
-from neuronbuild.cache.local import Claim, LocalCache
 from neuronbuild.execution import events as ev
+from neuronbuild.execution.cache_api import Claim, SpawnCache
 from neuronbuild.execution.events import EventBus, action_fields
-from neuronbuild.execution.history import History, Sample
 from neuronbuild.execution.jobs import Completion, Executor, Job
-from neuronbuild.execution.resources import RamBudget, estimate_mb
+from neuronbuild.execution.resources import RamBudget
 from neuronbuild.execution.sandbox import InputChanged
 
 
@@ -87,14 +86,15 @@ class SchedulerOptions:
     local_ram_mb: int = 0
 
 
-def needed_actions(ag: ActionGraph, cache: LocalCache) -> tuple[list[Action], list[str]]:
-    """Actions to execute (in topological order) and those satisfied from the cache.
+def needed_actions(ag: ActionGraph, cache: SpawnCache, probe: bool = False) -> tuple[list[Action], list[str]]:
+    """Actions to execute (in topological order) and those satisfied from the cache (any tier).
 
-    A producer is only needed when one of its consumers must run: a cached compile never forces its trace."""
+    A producer is only needed when one of its consumers must run: a cached compile never forces its trace.
+    With `probe` (plan, explain, dry runs) entries are only checked, never fetched from a shared tier or counted."""
     order = ag.topological()
     cached: set[str] = set()
     for a in order:
-        if cache.lookup(a.fingerprint) is not None:
+        if (cache.peek(a.fingerprint) if probe else cache.lookup(a.fingerprint) is not None):
             cached.add(a.fingerprint)
     need: set[str] = set()
     for a in reversed(order):
@@ -133,7 +133,7 @@ class Scheduler:
 
     POLL_S = 0.2
 
-    def __init__(self, root: Path, cache: LocalCache, executor: Executor, options: SchedulerOptions | None = None,
+    def __init__(self, root: Path, cache: SpawnCache, executor: Executor, options: SchedulerOptions | None = None,
                  bus: EventBus | None = None) -> None:
         self.root = root
         self.cache = cache
@@ -147,10 +147,10 @@ class Scheduler:
         todo, cached_list = needed_actions(ag, self.cache)
         self.bus.emit(ev.CACHE_CHECKED, start=t0, duration_s=time.time() - t0, lookups=len(ag.actions),
                       hits=len(cached_list))
-        history = History.load(self.cache.root)
-        duration = {a.fingerprint: history.duration(a) for a in todo}
+        est = Estimator(self.cache.history())
+        duration = {a.fingerprint: est.estimate(a).seconds for a in todo}
         prio = critical_paths(ag, todo, duration)
-        mem = {a.fingerprint: estimate_mb(a, history.peak_mb(a)) for a in todo}
+        mem = {a.fingerprint: est.peak_mb(a) for a in todo}
         self.bus.emit(ev.BUILD_STARTED, total_actions=len(ag.actions), to_execute=len(todo), cached=len(cached_list),
                       jobs=self.executor.slots, executor=self.executor.name,
                       plan=[{"fingerprint": a.fingerprint, "description": a.describe(),
@@ -167,7 +167,6 @@ class Scheduler:
             raise
         finally:
             run.cleanup()
-            history.save(run.samples)
             done = {*run.executed, *run.reused, *(f.action.fingerprint for f in run.failures), *run.skipped,
                     *run.stopped_fps}
             result = BuildResult(len(ag.actions), tuple(run.executed), tuple(cached_list) + tuple(run.reused),
@@ -205,7 +204,6 @@ class _Run:
         self.failures: list[Failure] = []
         self.skipped: list[str] = []
         self.stopped_fps: list[str] = []  # running when the build stopped: cancelled, not failed
-        self.samples: dict[str, Sample] = {}
         self.stopped = False
         self.budget = RamBudget(s.options.local_ram_mb) if s.options.local_ram_mb and s.executor.local else None
 
@@ -297,7 +295,7 @@ class _Run:
                 with open(log, "a", encoding="utf-8") as f:
                     f.write(f"\n# attempt {attempt + 1}\n")
             started = self.s.executor.start(job)
-        except (InputChanged, OSError, CorruptBlob) as e:
+        except (InputChanged, OSError) as e:  # incl. a corrupt blob (an OSError)
             claim.release()
             self._fail(a, str(e), log, False)
             return
@@ -319,7 +317,7 @@ class _Run:
             t = time.time()
             try:
                 self.s.cache.store_outputs(fp, a.identity, a.record, c.outputs, a.outputs, c.duration_s,
-                                           c.metadata)
+                                           {**c.metadata, "peak_rss_mb": round(c.peak_rss_mb, 1)})
             except OSError as e:
                 ok, error = False, f"storing outputs failed: {e}"
             stored_s = time.time() - t
@@ -329,7 +327,6 @@ class _Run:
         self.s.executor.finish(c.job)
         if ok:
             r.claim.release()
-            self.samples[a.identity] = Sample(c.duration_s, c.peak_rss_mb)
             self.executed.append(fp)
             self.s.bus.emit(ev.ACTION_FINISHED, **action_fields(a), attempt=c.job.attempt + 1, worker=c.worker,
                             pid=c.pid, start=r.started, duration_s=round(c.duration_s, 3),

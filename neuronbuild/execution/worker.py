@@ -75,10 +75,11 @@ def run_action(kind: str, spec: dict[str, Any], inputs: str, outputs: str, log_p
                     from neuronbuild.toolchains.trace import run_trace
 
                     meta = run_trace(spec, Path(inputs), Path(outputs))
-                else:
-                    from neuronbuild.toolchains.compile import run_compile
+                else:  # a toolchain's step: the registered toolchain named in the spec runs it
+                    from neuronbuild import plugins
 
-                    meta = run_compile(spec, Path(inputs), Path(outputs))
+                    tc = plugins.toolchain(str(spec["toolchain"]))
+                    meta = tc.run(str(spec["step"]), spec, Path(inputs), Path(outputs))
             finally:
                 os.chdir(cwd)
         return {"ok": True, "metadata": meta, "duration_s": time.perf_counter() - start, "pid": os.getpid(),
@@ -119,6 +120,9 @@ def main(read_fd: int, write_fd: int) -> None:
     with contextlib.suppress(Exception):  # a broken toolchain import is reported by the first action instead
         import neuronbuild.toolchains.compile  # noqa: F401
         import neuronbuild.toolchains.trace  # noqa: F401
+        from neuronbuild import plugins
+
+        plugins.toolchains()
     conn_out.send({"ready": True, "pid": os.getpid()})
     while True:
         try:

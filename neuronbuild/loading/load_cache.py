@@ -17,8 +17,8 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from neuronbuild.analysis.digests import digest_file, is_racy, stat_key
 from neuronbuild.atomic import atomic_write_bytes
+from neuronbuild.digests import digest_file, is_racy, stat_key
 from neuronbuild.errors import Location, UserInputError
 from neuronbuild.loading.loader import Loader
 from neuronbuild.loading.schema import RULES, AttrError

@@ -1,19 +1,20 @@
-"""The typed attribute schema of every rule kind, in one place, and validation of rule-call attributes against it."""
+"""Attribute types and rule schemas, and validation of rule-call attributes against a kind's schema.
+
+The schemas themselves live with their rule kinds (neuronbuild/kinds/), registered through neuronbuild.plugins;
+`RULES` is the registry's view of them for loading."""
 
 from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from neuronbuild import plugins
 from neuronbuild.loading.labels import Label, LabelError, parse_label
+from neuronbuild.vocabulary import DTYPES
 
-NEURON_PLATFORMS = ("trn1", "trn2", "trn3", "inf2")
-CPU_ISAS = ("native", "x86-64", "x86-64-v2", "x86-64-v3", "x86-64-v4")
-AUTO_CAST = ("none", "matmult", "all")
-DTYPES = ("int64", "int32", "float32", "float16", "bfloat16", "bool")
 _INPUT_RE = re.compile(r"^\s*([a-z0-9]+)\s*\[\s*([A-Za-z_][A-Za-z0-9_]*(\s*,\s*[A-Za-z_][A-Za-z0-9_]*)*)?\s*\]\s*$")
 _ENTRY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$")
 
@@ -204,123 +205,25 @@ class RuleSchema:
         return None
 
 
-_NAME = Attr("name", STRING, "The target's name, unique in its package.", required=True)
-_TAGS = Attr("tags", STRING_LIST, "Free-form tags (e.g. 'manual' keeps a target out of //... and :all).", default=())
+NAME = Attr("name", STRING, "The target's name, unique in its package.", required=True)
+TAGS = Attr("tags", STRING_LIST, "Free-form tags (e.g. 'manual' keeps a target out of //... and :all).", default=())
+ENTRY_RE = _ENTRY_RE
 
 
-def _check_model(a: Mapping[str, Any]) -> None:
-    if not _ENTRY_RE.match(a["entry"]):
-        raise AttrError("attribute 'entry' must look like 'module:function' (e.g. 'llama:build_model')")
-    if not a["srcs"]:
-        raise AttrError("attribute 'srcs' must list at least one .py file")
-    for src in a["srcs"]:
-        if not src.name.endswith(".py"):
-            raise AttrError(f"attribute 'srcs': '{src}' is not a .py file")
+class _Rules(Mapping[str, RuleSchema]):
+    """Rule kind name -> schema, from the plug-in registry (kinds are discovered on first use)."""
+
+    def __getitem__(self, kind: str) -> RuleSchema:
+        return plugins.rules()[kind].schema  # type: ignore[no-any-return]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(plugins.rules())
+
+    def __len__(self) -> int:
+        return len(plugins.rules())
 
 
-def _check_buckets(a: Mapping[str, Any]) -> None:
-    if (a.get("dims") is None) == (a.get("shapes") is None):
-        raise AttrError("exactly one of 'dims' and 'shapes' must be given")
-
-
-def _check_target(a: Mapping[str, Any]) -> None:
-    if a["platform"] == "cpu":
-        return
-    if a.get("isa") is not None:
-        raise AttrError(f"attribute 'isa' applies to platform 'cpu' only, not '{a['platform']}'")
-
-
-def _check_bundle(a: Mapping[str, Any]) -> None:
-    if not a["srcs"]:
-        raise AttrError("attribute 'srcs' must list at least one neuron_compile target")
-
-
-RULES: dict[str, RuleSchema] = {
-    r.kind: r
-    for r in (
-        RuleSchema(
-            "neuron_model",
-            "A torch model: a module factory in Python sources, its config and optional weights.",
-            (
-                _NAME,
-                Attr("srcs", LABEL_LIST, "Python sources of the model (files in this package).", required=True,
-                     kinds=("file",)),
-                Attr("entry", STRING, "'module:function' building the nn.Module from the config dict.", required=True),
-                Attr("config", DICT, "Config dict passed to the factory.", default={}),
-                Attr("inputs", INPUTS, "Positional inputs in order: name -> 'dtype[dim, ...]' (dims named by buckets).",
-                     required=True),
-                Attr("weights", LABEL, "Optional safetensors file; without it the factory's seeded init is used.",
-                     kinds=("file",)),
-                Attr("seed", INT, "torch.manual_seed value used before calling the factory.", default=0),
-                _TAGS,
-            ),
-            _check_model,
-        ),
-        RuleSchema(
-            "neuron_buckets",
-            "Input shapes a graph is compiled for: a cross product (dims) or an explicit list (shapes).",
-            (
-                _NAME,
-                Attr("dims", DIMS, "Dimension name -> list of sizes; the buckets are their cross product."),
-                Attr("shapes", SHAPES, "Explicit list of {dimension name: size} dicts."),
-                _TAGS,
-            ),
-            _check_buckets,
-        ),
-        RuleSchema(
-            "neuron_target",
-            "The platform compiled for: a Neuron platform (trn1, trn2, trn3, inf2) or 'cpu' with an ISA.",
-            (
-                _NAME,
-                Attr("platform", STRING, "Neuron platform or 'cpu'.", required=True, choices=NEURON_PLATFORMS + ("cpu",)),
-                Attr("isa", STRING, "cpu only: 'native' (this machine's level, resolved) or an x86-64 level.",
-                     choices=CPU_ISAS),
-                _TAGS,
-            ),
-            _check_target,
-        ),
-        RuleSchema(
-            "compiler_options",
-            "A composable set of compiler options; deps merge in order and this target's own values win.",
-            (
-                _NAME,
-                Attr("deps", LABEL_LIST, "Option sets merged first, in order.", default=(), kinds=("compiler_options",)),
-                Attr("opt_level", INT, "Optimisation level (neuronx-cc --optlevel).", choices=(1, 2, 3)),
-                Attr("auto_cast", STRING, "Cast compute to bf16: 'none', 'matmult' or 'all'.", choices=AUTO_CAST),
-                Attr("model_type", STRING, "Model family hint (neuronx-cc --model-type), e.g. 'transformer'."),
-                Attr("flags", STRING_LIST, "Extra compiler flags, appended after the deps' flags."),
-                _TAGS,
-            ),
-        ),
-        RuleSchema(
-            "neuron_compile",
-            "Compile a model for every bucket, for one target, with one option set.",
-            (
-                _NAME,
-                Attr("model", LABEL, "The neuron_model to compile.", required=True, kinds=("neuron_model",)),
-                Attr("buckets", LABEL_LIST, "neuron_buckets targets; their shapes are unioned.", required=True,
-                     kinds=("neuron_buckets",)),
-                Attr("target", LABEL, "The neuron_target compiled for.", required=True, kinds=("neuron_target",)),
-                Attr("options", LABEL, "A compiler_options target (default: no options).", kinds=("compiler_options",)),
-                Attr("tolerance", FLOAT, "Max abs error against eager accepted by `neuronbuild validate`.", default=1e-4),
-                _TAGS,
-            ),
-        ),
-        RuleSchema(
-            "neuron_bundle",
-            "A deployable release archive of compile targets: manifest, artifacts, weights once per model, docs.",
-            (
-                _NAME,
-                Attr("srcs", LABEL_LIST, "The neuron_compile targets shipped in the bundle.", required=True,
-                     kinds=("neuron_compile",)),
-                Attr("compression", STRING, "Archive compression: 'zstd' (<name>.tar.zst) or 'gzip' (<name>.tar.gz).",
-                     default="zstd", choices=("zstd", "gzip")),
-                _TAGS,
-            ),
-            _check_bundle,
-        ),
-    )
-}
+RULES: Mapping[str, RuleSchema] = _Rules()
 
 
 def validate_call(kind: str, kwargs: Mapping[str, Any], package: str) -> dict[str, Any]:

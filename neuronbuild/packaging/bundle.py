@@ -130,7 +130,7 @@ def write_pin(cache: LocalCache, name: str, plan: BundlePlan) -> Path:
 
 def build_bundle(root: Path, graph: TargetGraph, ag: ActionGraph, cache: LocalCache, label: Label) -> BundleOutput:
     """Write the bundle from cached results (never compiles); skipped when the archive is already up to date."""
-    compression = str(graph.targets[label].attrs["compression"])
+    compression = ag.bundles[label].compression
     plan = plan_bundle(graph, ag, cache, label)
     docs = render_docs(dict(plan.manifest))
     members = list(plan.members) + [Member(p, hashlib.sha256(b).hexdigest(), len(b), None, b) for p, b in docs.items()]

@@ -66,7 +66,6 @@ def _hash_blob(cache: LocalCache, digest: str) -> tuple[str, int]:
 
 def plan_bundle(graph: TargetGraph, ag: ActionGraph, cache: LocalCache, label: Label) -> BundlePlan:
     """Collect the bundle's graphs from the cache (never compiles). MissingResult when a graph is not built."""
-    target = graph.targets[label]
     by_label: dict[Label, CompileTarget] = {ct.label: ct for ct in ag.compiles}
     hashed: dict[str, tuple[str, int]] = {}
     members: dict[str, Member] = {}
@@ -82,17 +81,16 @@ def plan_bundle(graph: TargetGraph, ag: ActionGraph, cache: LocalCache, label: L
         members.setdefault(path, Member(path, sha, size, cache.blobs.path(digest)))
         return {"path": path, "sha256": sha, "size": size, "blake3": digest}
 
-    for src in target.attrs["srcs"]:
+    for src in ag.bundles[label].srcs:
         ct = by_label[src]
-        compile_t = graph.targets[src]
-        model_label = compile_t.attrs["model"]
+        model_label = ct.model
         for bucket, fp in ct.buckets:
             res = cache.lookup(fp)
             if res is None:
                 raise MissingResult(f"{src} [{bucket}] is not built")
             action = ag.actions[fp]
-            trace_fp = str(action.record["trace"])
-            fingerprints += [fp, trace_fp]
+            trace = ag.trace_of(fp)
+            fingerprints += sorted(ag.closure(fp))
             gdir = f"graphs/{src.package}/{src.name}/{bucket.name}" if src.package else f"graphs/{src.name}/{bucket.name}"
             artifacts: dict[str, Any] = {}
             weights = None
@@ -107,14 +105,15 @@ def plan_bundle(graph: TargetGraph, ag: ActionGraph, cache: LocalCache, label: L
                 "model": str(model_label),
                 "bucket": bucket.as_dict(),
                 "bucket_name": bucket.name,
-                "target": {"platform": ct.platform, "isa": ct.isa or None},
+                "target": {"platform": ct.platform, "isa": ct.target.get("isa")},
+                "format": ct.artifact_format,
                 "options": dict(ct.options),
-                "tolerance": float(compile_t.attrs["tolerance"]),
+                "tolerance": ct.tolerance,
                 "fingerprint": fp,
                 "record": dict(action.record),
-                "trace_record": dict(ag.actions[trace_fp].record),
-                "inputs": dict(action.record["inputs"]),
-                "toolchain": dict(action.record["toolchain"]),
+                "trace_record": dict(trace.record),
+                "inputs": dict(trace.model["inputs"]),
+                "toolchain": dict(action.versions),
                 "artifacts": artifacts,
                 "weights": weights,
             })

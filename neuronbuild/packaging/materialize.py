@@ -96,7 +96,7 @@ def materialize(root: Path, ag: ActionGraph, cache: LocalCache, failed: set[str]
                 "name": bucket.name,
                 "bucket": bucket.as_dict(),
                 "fingerprint": fp,
-                "trace": res.record.get("trace"),
+                "trace": ag.trace_of(fp).fingerprint,
                 "outputs": {n: {"digest": r.digest, "size": r.size, "path": f"{bucket.name}/{n}"}
                             for n, r in sorted(res.outputs.items())},
             })
@@ -104,7 +104,8 @@ def materialize(root: Path, ag: ActionGraph, cache: LocalCache, failed: set[str]
             "format": FORMAT_VERSION,
             "label": str(ct.label),
             "platform": ct.platform,
-            "isa": ct.isa or None,
+            "isa": ct.target.get("isa"),
+            "artifact_format": ct.artifact_format,
             "options": dict(ct.options),
             "buckets": buckets,
         }

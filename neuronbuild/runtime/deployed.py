@@ -16,6 +16,7 @@ from typing import Any
 
 from neuronbuild.runtime.host import Host, check_graph, current_host
 from neuronbuild.runtime.layout import (
+    AOTI_FORMAT,
     Graph,
     LayoutError,
     Manifest,
@@ -237,7 +238,7 @@ class DeployedCache:
             return None
         g, rdir = slot.graph, slot.release.dir
         try:
-            if g.platform == "cpu":
+            if g.format == AOTI_FORMAT:
                 from neuronbuild.runtime.aoti_loader import load_package
 
                 weights = self._weights_for(rdir / g.weights.path) if g.weights else None

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
-from neuronbuild.analysis.platforms import host_isa  # stdlib-only module (no build-side dependencies)
-from neuronbuild.runtime.layout import Graph
+from neuronbuild.platforms import host_isa  # stdlib-only module (no build-side dependencies)
+from neuronbuild.runtime.layout import AOTI_FORMAT, Graph
 
 NEURON_PLATFORM_ENV = "NEURON_PLATFORM_TARGET_OVERRIDE"
 ISA_LEVELS = ("x86-64", "x86-64-v2", "x86-64-v3", "x86-64-v4")
@@ -78,7 +78,7 @@ def check_graph(g: Graph, host: Host) -> list[Mismatch]:
     built_torch = str(g.toolchain.get("torch", ""))
     if _public(built_torch) != _public(host.torch):
         out.append(Mismatch(g.describe(), "toolchain.torch", built_torch, host.torch))
-    if g.platform == "cpu":
+    if g.format == AOTI_FORMAT:  # a cpu package: the host's ISA level must cover the one it was built for
         isa = str(g.isa or "")
         if platform.machine() not in ("x86_64", "AMD64") or host.isa not in ISA_LEVELS:
             out.append(Mismatch(g.describe(), "target.isa", isa, host.isa))

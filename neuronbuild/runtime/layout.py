@@ -44,6 +44,9 @@ class FileRef:
     size: int
 
 
+AOTI_FORMAT = "aoti"  # AOTInductor packages (the cpu toolchain's artifact format)
+
+
 @dataclass(frozen=True)
 class Graph:
     """One compiled graph (a compile target at one bucket) as the manifest describes it."""
@@ -62,6 +65,7 @@ class Graph:
     artifacts: Mapping[str, FileRef] = field(default_factory=dict, hash=False, compare=False)
     weights: FileRef | None = None
     tolerance: float = 1e-4
+    format: str = ""  # the artifacts' format, named by the toolchain that built them ("aoti", "neuron-lowered", ...)
 
     @property
     def key(self) -> tuple[str, str]:
@@ -110,6 +114,7 @@ def parse_manifest(data: bytes | Mapping[str, Any], source: str = MANIFEST) -> M
                 fingerprint=str(g["fingerprint"]), record=dict(g["record"]), trace_record=dict(g["trace_record"]),
                 inputs=dict(g["inputs"]), artifacts={k: _ref(v) for k, v in g["artifacts"].items()},
                 weights=_ref(g["weights"]) if g.get("weights") else None, tolerance=float(g["tolerance"]),
+                format=str(g.get("format") or ("aoti" if "model.pt2" in g["artifacts"] else "neuron-lowered")),
             )
             for g in raw["graphs"]
         )

@@ -15,13 +15,13 @@ from typing import Any
 
 import torch
 
+from neuronbuild import vocabulary
 from neuronbuild.toolchains import neuron_flags
 from neuronbuild.toolchains.errors import ToolchainError
 from neuronbuild.toolchains.model_import import example_inputs
 from neuronbuild.toolchains.passes import apply_passes
 from neuronbuild.toolchains.trace import load_program, program_bytes, strip_unstable_meta
 
-CPU_PLATFORM = "cpu"
 # Inductor's working files go to this fixed per-machine dir whatever TORCHINDUCTOR_CACHE_DIR says (restored after),
 # shared by every worker process (inductor takes file locks) and safe to delete at any time. The objects do not name
 # it (-ffile-prefix-map below maps it to /inductor and torch's headers to /torch), so artifact bytes depend neither on
@@ -52,32 +52,36 @@ ISA_TARGETS: dict[str, IsaTarget] = {
 }
 
 # Dtypes the Neuron compile path accepts in a lowered graph.
-NEURON_DTYPES = frozenset(
-    {torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8,
-     torch.bool}
-)
+NEURON_DTYPES = frozenset(getattr(torch, name) for name in vocabulary.DTYPES)
 
 
-def run_compile(spec: dict[str, Any], sandbox: Path, out_dir: Path) -> dict[str, Any]:
-    """Compile spec["program"] (relative to sandbox) for spec["platform"] into out_dir; returns JSON-able metadata."""
-    sandbox, out_dir = Path(sandbox), Path(out_dir)
-    platform = str(spec.get("platform", ""))
-    options: Mapping[str, Any] = spec.get("options") or {}
-    ep = load_program(sandbox / str(spec["program"]))
+def _program_and_args(spec: Mapping[str, Any], sandbox: Path) -> tuple[torch.export.ExportedProgram, tuple[Any, ...]]:
+    ep = load_program(Path(sandbox) / str(spec["program"]))
     args = example_inputs(spec.get("inputs") or {}, spec.get("bucket") or {})
     _check_inputs(ep, args)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    if platform == CPU_PLATFORM:
-        isa = str(spec.get("isa", ""))
-        return compile_cpu(ep, args, isa, options, out_dir)
-    if platform in neuron_flags.NEURON_PLATFORMS:
-        meta = compile_neuron(ep, args, platform, options, out_dir)
-        if spec.get("neuronx_cc"):  # a configured neuronx-cc: hand the lowered program over for a NEFF
-            from neuronbuild.toolchains.neuronx_cc import run_neuronx_cc
+    return ep, args
 
-            meta |= run_neuronx_cc(spec["neuronx_cc"], platform, options, out_dir, sandbox / "neuronx-cc-work")
-        return meta
-    raise ToolchainError(f"unknown platform {platform!r} (expected cpu, {', '.join(neuron_flags.NEURON_PLATFORMS)})")
+
+def run_cpu_compile(spec: dict[str, Any], sandbox: Path, out_dir: Path) -> dict[str, Any]:
+    """Compile spec["program"] (relative to sandbox) into an AOTInductor package for spec["isa"] in out_dir."""
+    ep, args = _program_and_args(spec, sandbox)
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    return compile_cpu(ep, args, str(spec.get("isa", "")), spec.get("options") or {}, Path(out_dir))
+
+
+def run_neuron_compile(spec: dict[str, Any], sandbox: Path, out_dir: Path) -> dict[str, Any]:
+    """Lower spec["program"] for spec["platform"] into out_dir, then hand it to a configured neuronx-cc."""
+    sandbox, out_dir = Path(sandbox), Path(out_dir)
+    ep, args = _program_and_args(spec, sandbox)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    platform = str(spec.get("platform", ""))
+    options: Mapping[str, Any] = spec.get("options") or {}
+    meta = compile_neuron(ep, args, platform, options, out_dir)
+    if spec.get("neuronx_cc"):  # a configured neuronx-cc: hand the lowered program over for a NEFF
+        from neuronbuild.toolchains.neuronx_cc import run_neuronx_cc
+
+        meta |= run_neuronx_cc(spec["neuronx_cc"], platform, options, out_dir, sandbox / "neuronx-cc-work")
+    return meta
 
 
 def _check_inputs(ep: torch.export.ExportedProgram, args: tuple[torch.Tensor, ...]) -> None:

@@ -13,22 +13,12 @@ from typing import Any
 
 import torch
 
+from neuronbuild import vocabulary
 from neuronbuild.toolchains.errors import ToolchainError
 
 _ENTRY_RE = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*):([A-Za-z_][A-Za-z0-9_]*)$")
 
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float64": torch.float64,
-    "int64": torch.int64,
-    "int32": torch.int32,
-    "int16": torch.int16,
-    "int8": torch.int8,
-    "uint8": torch.uint8,
-    "bool": torch.bool,
-}
+DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in vocabulary.DTYPES}
 
 
 def parse_entry(entry: str) -> tuple[str, str]:

@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-NEURON_PLATFORMS = ("inf2", "trn1", "trn2", "trn3")
-AUTO_CAST_VALUES = ("none", "matmult", "all")
+from neuronbuild.vocabulary import AUTO_CAST, NEURON_PLATFORMS, OPT_LEVELS
+
 DEFAULT_OPT_LEVEL = 2
 
 
@@ -19,11 +19,11 @@ def neuronx_cc_args(platform: str, options: Mapping[str, Any]) -> list[str]:
     if platform not in NEURON_PLATFORMS:
         raise ValueError(f"not a Neuron platform: {platform!r} (expected one of {', '.join(NEURON_PLATFORMS)})")
     opt_level = int(options.get("opt_level", DEFAULT_OPT_LEVEL))
-    if opt_level not in (1, 2, 3):
+    if opt_level not in OPT_LEVELS:
         raise ValueError(f"opt_level must be 1, 2 or 3 for neuronx-cc, got {opt_level}")
     auto_cast = str(options.get("auto_cast", "none"))
-    if auto_cast not in AUTO_CAST_VALUES:
-        raise ValueError(f"auto_cast must be one of {', '.join(AUTO_CAST_VALUES)}, got {auto_cast!r}")
+    if auto_cast not in AUTO_CAST:
+        raise ValueError(f"auto_cast must be one of {', '.join(AUTO_CAST)}, got {auto_cast!r}")
     args = ["--target", platform, "--optlevel", str(opt_level)]
     if auto_cast != "none":
         args += ["--auto-cast", auto_cast]

@@ -10,10 +10,10 @@ from torch import fx
 
 from neuronbuild.toolchains.errors import ToolchainError
 from neuronbuild.toolchains.trace import strip_unstable_meta
+from neuronbuild.vocabulary import AUTO_CAST
 
 aten = torch.ops.aten
 
-AUTO_CAST_MODES = ("none", "matmult", "all")
 
 # Matmul-family ops whose tensor inputs are cast to bf16 under auto_cast=matmult (the ATen and core-ATen spellings).
 MATMUL_OPS: frozenset[Any] = frozenset(
@@ -48,8 +48,8 @@ def _node_dtype(node: Any) -> torch.dtype | None:
 
 def auto_cast_pass(gm: fx.GraphModule, mode: str) -> int:
     """Cast the float inputs of targeted ops to bfloat16 and their result back; returns how many ops were cast."""
-    if mode not in AUTO_CAST_MODES:
-        raise ToolchainError(f"auto_cast must be one of {', '.join(AUTO_CAST_MODES)}, got {mode!r}")
+    if mode not in AUTO_CAST:
+        raise ToolchainError(f"auto_cast must be one of {', '.join(AUTO_CAST)}, got {mode!r}")
     if mode == "none":
         return 0
     targets = MATMUL_OPS | (ALL_EXTRA_OPS if mode == "all" else frozenset())
@@ -85,8 +85,8 @@ def apply_passes(
 ) -> torch.export.ExportedProgram:
     """Apply the passes `options` imply; re-exports (with `args` as example inputs) only when something changed."""
     mode = str(options.get("auto_cast", "none") or "none")
-    if mode not in AUTO_CAST_MODES:
-        raise ToolchainError(f"auto_cast must be one of {', '.join(AUTO_CAST_MODES)}, got {mode!r}")
+    if mode not in AUTO_CAST:
+        raise ToolchainError(f"auto_cast must be one of {', '.join(AUTO_CAST)}, got {mode!r}")
     if mode == "none":
         return ep
     gm = ep.module()

@@ -24,17 +24,6 @@ def eager_model(model_spec: Mapping[str, Any], workspace: Path) -> Callable[...,
     return build_eager_model(dict(model_spec), workspace)
 
 
-def load_artifact(platform: str, files: Mapping[str, Path]) -> Callable[..., Any]:
-    """cpu: the AOTInductor package with its constants; Neuron: the lowered program run by torch on CPU."""
-    if platform == "cpu":
-        from neuronbuild.runtime.aoti_loader import load_package, read_constants
-
-        return load_package(files["model.pt2"], constants=read_constants(files["constants.safetensors"]))
-    from neuronbuild.runtime.deployed import _load_lowered
-
-    return _load_lowered(files["lowered.pt2"])
-
-
 def compare(fn: Callable[..., Any], model: Callable[..., Any], inputs: Mapping[str, Any], bucket: Mapping[str, int],
             config: Mapping[str, Any], seed: int) -> Comparison:
     import torch

@@ -1,4 +1,5 @@
-"""What analysis-side introspection (explain, plan estimates, upgrade-impact) may ask of past results."""
+"""Per-identity history: the values and the read interface of past results (stored by cache/identity_index.py,
+read by the one estimator, analysis/estimate.py, for plan, explain, upgrade-impact, scheduling and the live ETA)."""
 
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ class LatestEntry:
     bucket: Mapping[str, int] = field(hash=False, compare=False)
     duration_s: float = 0.0
     created: float = 0.0
+    peak_rss_mb: float = 0.0  # 0: not recorded
 
 
 class History(Protocol):

@@ -1,0 +1,68 @@
+"""Providers: the typed values a rule kind's analysis hands to the targets that depend on it (as in Buck2)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from neuronbuild.analysis.actions import Bucket, FileInput
+from neuronbuild.loading.labels import Label
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """A model as traces see it: its canonical record (sources by digest, config, weights, inputs) and its files."""
+
+    label: Label
+    record: Mapping[str, Any] = field(hash=False, compare=False)
+    files: tuple[FileInput, ...] = ()
+    dims: tuple[str, ...] = ()  # bucket dimensions the inputs use, in first-use order
+
+
+@dataclass(frozen=True)
+class BucketsInfo:
+    """Input shapes: one {dimension: size} dict per bucket, in declaration order."""
+
+    shapes: tuple[Mapping[str, int], ...] = ()
+
+
+@dataclass(frozen=True)
+class PlatformInfo:
+    """A compile target platform: the toolchain serving it and the target record entering fingerprints."""
+
+    platform: str
+    toolchain: str
+    target: Mapping[str, Any] = field(hash=False, compare=False)
+    description: str = ""  # e.g. "cpu/x86-64-v3" or "trn2"
+
+
+@dataclass(frozen=True)
+class OptionsInfo:
+    """A compiler option set merged with its deps (defaults not filled in)."""
+
+    merged: Mapping[str, Any] = field(hash=False, compare=False)
+
+
+@dataclass(frozen=True)
+class CompileTarget:
+    """A compile target's graphs: per bucket, the primary action (its outputs are the artifacts) and the trace."""
+
+    label: Label
+    model: Label
+    platform: str
+    toolchain: str
+    target: Mapping[str, Any] = field(hash=False, compare=False)  # the target record (platform, isa, ...)
+    description: str = ""  # the target as progress lines name it
+    options: Mapping[str, Any] = field(default_factory=dict, hash=False, compare=False)
+    buckets: tuple[tuple[Bucket, str], ...] = ()  # (bucket, primary action fingerprint)
+    tolerance: float = 1e-4  # accepted max abs error against eager (validate)
+    artifact_format: str = ""
+
+
+@dataclass(frozen=True)
+class BundleInfo:
+    """A release bundle: the compile targets it ships."""
+
+    srcs: tuple[Label, ...] = ()
+    compression: str = "zstd"

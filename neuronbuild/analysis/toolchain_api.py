@@ -1,0 +1,70 @@
+"""The toolchain protocol: what a registered toolchain tells analysis, and the request it plans compile actions for.
+
+A toolchain serves platforms; for one (trace, target, options, bucket) it plans one or more actions (the last is the
+primary one: its outputs are the graph's artifacts), names the versions that enter their fingerprints, runs its steps
+in workers, and says how validate loads its artifacts. See neuronbuild/toolchains/cpu.py for a complete example."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from neuronbuild.analysis.actions import Action, Bucket
+from neuronbuild.analysis.plan_settings import PlanSettings
+from neuronbuild.loading.labels import Label
+
+
+@dataclass(frozen=True)
+class CompileRequest:
+    """One bucket of one compile target, as its toolchain plans it."""
+
+    label: Label  # the neuron_compile target
+    platform: str
+    target: Mapping[str, Any] = field(hash=False)  # the target record (platform + toolchain fields, e.g. isa)
+    options: Mapping[str, Any] = field(hash=False)  # effective options
+    bucket: Bucket = Bucket(())
+    inputs: Mapping[str, Any] = field(default_factory=dict, hash=False)  # the model's input specs, in order
+    trace: Action | None = None  # the trace action whose program the toolchain compiles
+    settings: PlanSettings = field(default_factory=PlanSettings)
+    common: Mapping[str, Any] = field(default_factory=dict, hash=False)  # record fields every action carries (env)
+
+
+class Toolchain(Protocol):
+    """A registered toolchain (neuronbuild.plugins.register_toolchain)."""
+
+    name: str
+    platforms: tuple[str, ...]
+    artifact_format: str  # how the runtime recognises its artifacts (written into manifests)
+    estimate_s: float  # assumed seconds of its primary step when nothing was recorded
+    estimate_mb: float  # assumed peak MB of its primary step when nothing was recorded
+    validate_note: str  # what `validate` checks of its artifacts when that is less than the real thing ("" if not)
+
+    def target_record(self, platform: str, attrs: Mapping[str, Any]) -> dict[str, Any]:
+        """The target as it enters fingerprints (e.g. cpu resolves isa='native' to this machine's level)."""
+        ...
+
+    def describe_target(self, target: Mapping[str, Any]) -> str:
+        """How progress lines name the target, e.g. 'cpu/x86-64-v3' or 'trn2'."""
+        ...
+
+    def versions(self, platform: str, settings: PlanSettings) -> dict[str, str]:
+        """Toolchain component versions entering the fingerprints of its actions."""
+        ...
+
+    def plan(self, req: CompileRequest) -> list[Action]:
+        """The actions of one bucket, producers first; the last one's outputs are the graph's artifacts."""
+        ...
+
+    def run(self, step: str, spec: Mapping[str, Any], sandbox: Path, out_dir: Path) -> dict[str, Any]:
+        """Run one of its steps in a worker process (may import torch); returns JSON-able metadata."""
+        ...
+
+    def load_artifact(self, files: Mapping[str, Path]) -> Callable[..., Any]:
+        """A callable running the artifacts on this machine, for `neuronbuild validate`."""
+        ...
+
+    def notes(self, settings: PlanSettings) -> list[str]:
+        """Said once per build that has graphs for this toolchain (e.g. 'no neuronx-cc configured')."""
+        ...

@@ -1,0 +1,118 @@
+"""The build context: one view of the workspace, plan settings, cache tiers and verbosity, shared by every command.
+
+Made once per command by `make_context` from the common flags (commands/common.py), so `build`, `plan`, `explain`,
+`validate`, `upgrade-impact` and `cache` compute the same fingerprints and read the same tiers."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from neuronbuild.errors import UserInputError
+from neuronbuild.workspace import Workspace, find_workspace
+
+if TYPE_CHECKING:
+    from neuronbuild.analysis.plan_settings import PlanSettings
+    from neuronbuild.analysis.planner import ActionGraph
+    from neuronbuild.cache.local import LocalCache
+    from neuronbuild.history import History
+    from neuronbuild.loading.target_graph import TargetGraph
+
+QUIET, NORMAL, VERBOSE = 0, 1, 2  # verbosity levels (the progress display uses the same numbers)
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Where results live: the local cache directory and the optional shared tier."""
+
+    dir: Path
+    remote: str | None = None  # an absolute directory or s3://bucket/prefix
+    remote_readonly: bool = False
+    s3_endpoint_url: str | None = None
+
+
+@dataclass(frozen=True)
+class BuildContext:
+    """Everything a command needs to see the build as `build` sees it."""
+
+    found_workspace: Workspace | None  # None: run outside any workspace (allowed for `cache` subcommands)
+    cache: CacheConfig
+    settings: PlanSettings
+    verbosity: int = NORMAL
+
+    @property
+    def workspace(self) -> Workspace:
+        if self.found_workspace is None:
+            return find_workspace()  # raises the usual "not inside a neuronbuild workspace" error
+        return self.found_workspace
+
+    def report(self, msg: str) -> None:
+        """Print a note to stderr (warnings and errors even when quiet)."""
+        if self.verbosity != QUIET or msg.startswith(("warning", "error")):
+            print(msg, file=sys.stderr, flush=True)
+
+    def load(self, patterns: Sequence[str]) -> TargetGraph:
+        """Load the targets the patterns select (with the persistent load and digest caches)."""
+        from neuronbuild import incremental
+        from neuronbuild.loading.target_graph import load_targets
+
+        load_cache = incremental.open_caches(self.cache.dir, self.workspace.root)
+        with incremental.analysis_gc():
+            graph = load_targets(self.workspace.root, patterns_or_default(patterns), self.workspace.cwd_package,
+                                 load_cache)
+        incremental.save_caches(self.cache.dir, self.workspace.root, load_cache)
+        return graph
+
+    def plan(self, graph: TargetGraph, settings: PlanSettings | None = None) -> ActionGraph:
+        """The action graph with this context's settings (or `settings`, for what-if plans)."""
+        from neuronbuild import incremental
+        from neuronbuild.analysis.planner import plan
+
+        with incremental.analysis_gc():
+            return plan(graph, settings if settings is not None else self.settings)
+
+    def open_cache(self) -> LocalCache:
+        """The cache with every configured tier (local, plus the shared directory or S3 tier)."""
+        from neuronbuild.cache.tiered import open_cache
+
+        c = self.cache
+        return open_cache(c.dir, c.remote, c.remote_readonly, c.s3_endpoint_url, self.report)
+
+    def history(self, cache: LocalCache) -> History:
+        """Past results (records + latest result per identity) of the local tier, for explanations and estimates."""
+        return cache.history()
+
+    def without_overrides(self) -> BuildContext:
+        """This context minus what-if toolchain overrides (the baseline of upgrade-impact)."""
+        return replace(self, settings=replace(self.settings, toolchain_overrides={}))
+
+
+def patterns_or_default(patterns: Sequence[str]) -> tuple[str, ...]:
+    return tuple(patterns) if patterns else ("//...",)
+
+
+def make_context(*, cache_dir: str | None = None, remote_cache: str | None = None, remote_cache_readonly: bool = False,
+                 s3_endpoint_url: str | None = None, action_env: list[str] | None = None,
+                 neuronx_cc: str | None = None, neuronx_cc_timeout: float | None = None,
+                 toolchain: list[str] | None = None, verbosity: int | None = None,
+                 workspace: Workspace | None = None, need_workspace: bool = True) -> BuildContext:
+    """The one function that turns the common flags into a BuildContext."""
+    from neuronbuild.analysis.plan_settings import resolve_settings
+    from neuronbuild.cache.local import resolve_cache_dir
+
+    ws = workspace
+    if ws is None:
+        try:
+            ws = find_workspace()
+        except UserInputError:
+            if need_workspace:
+                raise
+    remote = remote_cache or None
+    if remote and "://" not in remote:
+        remote = str(Path(remote).expanduser().resolve())
+    cfg = CacheConfig(resolve_cache_dir(cache_dir), remote, remote_cache_readonly, s3_endpoint_url)
+    settings = resolve_settings(action_env, neuronx_cc, neuronx_cc_timeout, toolchain)
+    return BuildContext(ws, cfg, settings, NORMAL if verbosity is None else verbosity)

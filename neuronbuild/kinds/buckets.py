@@ -1,0 +1,42 @@
+"""The neuron_buckets rule: the input shapes a graph is compiled for (a cross product of sizes, or a list)."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping
+from typing import Any
+
+from neuronbuild.analysis.planner import AnalysisContext
+from neuronbuild.analysis.providers import BucketsInfo
+from neuronbuild.kinds.base import RuleKind
+from neuronbuild.loading.schema import DIMS, NAME, SHAPES, TAGS, Attr, AttrError, RuleSchema
+from neuronbuild.loading.targets import Target
+
+
+def _check(a: Mapping[str, Any]) -> None:
+    if (a.get("dims") is None) == (a.get("shapes") is None):
+        raise AttrError("exactly one of 'dims' and 'shapes' must be given")
+
+
+SCHEMA = RuleSchema(
+    "neuron_buckets",
+    "Input shapes a graph is compiled for: a cross product (dims) or an explicit list (shapes).",
+    (
+        NAME,
+        Attr("dims", DIMS, "Dimension name -> list of sizes; the buckets are their cross product."),
+        Attr("shapes", SHAPES, "Explicit list of {dimension name: size} dicts."),
+        TAGS,
+    ),
+    _check,
+)
+
+
+def analyze(ctx: AnalysisContext, t: Target) -> BucketsInfo:
+    dims = t.attrs.get("dims")
+    if dims is None:
+        return BucketsInfo(tuple(dict(s) for s in t.attrs["shapes"]))
+    names = list(dims)
+    return BucketsInfo(tuple(dict(zip(names, combo, strict=True)) for combo in itertools.product(*dims.values())))
+
+
+KIND = RuleKind(SCHEMA, analyze)

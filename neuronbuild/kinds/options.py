@@ -1,0 +1,56 @@
+"""The compiler_options rule: a composable option set (deps merge in order, own values win, flags concatenate)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from neuronbuild.analysis.planner import AnalysisContext
+from neuronbuild.analysis.providers import OptionsInfo
+from neuronbuild.kinds.base import RuleKind
+from neuronbuild.loading.schema import INT, LABEL_LIST, NAME, STRING, STRING_LIST, TAGS, Attr, RuleSchema
+from neuronbuild.loading.targets import Target
+from neuronbuild.vocabulary import AUTO_CAST, OPT_LEVELS
+
+OPTION_KEYS = ("opt_level", "auto_cast", "model_type", "flags")
+DEFAULTS: dict[str, Any] = {"opt_level": 2, "auto_cast": "none", "model_type": None, "flags": []}
+
+SCHEMA = RuleSchema(
+    "compiler_options",
+    "A composable set of compiler options; deps merge in order and this target's own values win.",
+    (
+        NAME,
+        Attr("deps", LABEL_LIST, "Option sets merged first, in order.", default=(), kinds=("compiler_options",)),
+        Attr("opt_level", INT, "Optimisation level (neuronx-cc --optlevel).", choices=OPT_LEVELS),
+        Attr("auto_cast", STRING, "Cast compute to bf16: 'none', 'matmult' or 'all'.", choices=AUTO_CAST),
+        Attr("model_type", STRING, "Model family hint (neuronx-cc --model-type), e.g. 'transformer'."),
+        Attr("flags", STRING_LIST, "Extra compiler flags, appended after the deps' flags."),
+        TAGS,
+    ),
+)
+
+
+def analyze(ctx: AnalysisContext, t: Target) -> OptionsInfo:
+    merged: dict[str, Any] = {}
+    flags: list[str] = []
+    for dep in t.attrs.get("deps") or ():
+        d = ctx.provider(dep).merged
+        flags.extend(d.get("flags", []))
+        merged.update({k: v for k, v in d.items() if k != "flags"})
+    own = {k: t.attrs[k] for k in OPTION_KEYS if t.attrs.get(k) is not None}
+    flags.extend(own.pop("flags", ()))
+    merged.update(own)
+    if flags:
+        merged["flags"] = flags
+    return OptionsInfo(merged)
+
+
+def effective(info: OptionsInfo | None) -> dict[str, Any]:
+    """The resolved option set (defaults filled in) that enters fingerprints and that toolchains see."""
+    out = dict(DEFAULTS)
+    if info is not None:
+        out.update(info.merged)
+    out["flags"] = list(out.get("flags") or [])
+    return out
+
+
+KIND = RuleKind(SCHEMA, analyze)

@@ -1,0 +1,69 @@
+"""The cpu toolchain: AOTInductor packages for one x86-64 ISA level (planning here; the torch step in compile.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from neuronbuild import FORMAT_VERSION, plugins
+from neuronbuild.analysis.actions import COMPILE, TRACE_OUTPUT, Action, DepInput, make_action
+from neuronbuild.analysis.plan_settings import PlanSettings
+from neuronbuild.analysis.toolchain_api import CompileRequest
+from neuronbuild.platforms import cxx_version, resolve_isa
+from neuronbuild.vocabulary import CPU_PLATFORM
+
+OUTPUTS = ("model.pt2", "constants.safetensors")  # the package (no weights inside) and its weights by FQN
+
+
+class CpuToolchain:
+    name = "aoti"
+    platforms = (CPU_PLATFORM,)
+    artifact_format = "aoti"
+    estimate_s = 15.0
+    estimate_mb = 1200.0
+    validate_note = ""
+
+    def target_record(self, platform: str, attrs: Mapping[str, Any]) -> dict[str, Any]:
+        return {"platform": platform, "isa": resolve_isa(attrs.get("isa"))}
+
+    def describe_target(self, target: Mapping[str, Any]) -> str:
+        return f"{target['platform']}/{target['isa']}"
+
+    def versions(self, platform: str, settings: PlanSettings) -> dict[str, str]:
+        return settings.override({**settings.trace_toolchain(), "cxx": cxx_version()})
+
+    def plan(self, req: CompileRequest) -> list[Action]:
+        assert req.trace is not None
+        record = {
+            "format": FORMAT_VERSION,
+            "action": COMPILE,
+            "trace": req.trace.fingerprint,
+            "target": dict(req.target),
+            "options": dict(req.options),
+            "bucket": req.bucket.as_dict(),
+            "inputs": dict(req.inputs),
+            "toolchain": self.versions(req.platform, req.settings),
+        } | dict(req.common)
+        spec = {"toolchain": self.name, "step": COMPILE, "platform": req.platform, "isa": req.target["isa"],
+                "options": dict(req.options), "inputs": dict(req.inputs), "bucket": req.bucket.as_dict(),
+                "program": TRACE_OUTPUT}
+        return [make_action(COMPILE, req.label, req.bucket, record, spec,
+                            dep_inputs=(DepInput(req.trace.fingerprint, TRACE_OUTPUT, TRACE_OUTPUT),),
+                            outputs=OUTPUTS, platform=req.platform, target=self.describe_target(req.target))]
+
+    def run(self, step: str, spec: Mapping[str, Any], sandbox: Path, out_dir: Path) -> dict[str, Any]:
+        from neuronbuild.toolchains.compile import run_cpu_compile
+
+        return run_cpu_compile(dict(spec), sandbox, out_dir)
+
+    def load_artifact(self, files: Mapping[str, Path]) -> Callable[..., Any]:
+        from neuronbuild.runtime.aoti_loader import load_package, read_constants
+
+        return load_package(files["model.pt2"], constants=read_constants(files["constants.safetensors"]))
+
+    def notes(self, settings: PlanSettings) -> list[str]:
+        return []
+
+
+TOOLCHAIN = plugins.register_toolchain(CpuToolchain())

@@ -1,0 +1,90 @@
+"""Every command sees the build as `build` sees it: the same fingerprints (--action-env, neuronx-cc) and cache tiers.
+
+Regression tests for commands that used to compute their own settings or open only the local tier."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from helpers import run_cli
+from introspect_ws import STANDIN, cli_json, tiny_ws
+
+LABEL = "//m:tiny_trn2"
+
+
+def _record_exists(cache: Path, fp: str) -> bool:
+    return (cache / "v1" / "ac" / fp[:2] / f"{fp}.json").is_file()
+
+
+def _entries(cache: Path) -> set[str]:
+    return {p.stem for p in (cache / "v1" / "ac").glob("*/*.json")}
+
+
+def _ok(proc) -> str:  # type: ignore[no-untyped-def]
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return str(proc.stdout)
+
+
+def test_pin_gc_and_validate_see_what_a_build_with_action_env_built(tmp_path: Path) -> None:
+    ws, cache = tiny_ws(tmp_path / "ws"), tmp_path / "cache"
+    env = {"NEURONX_CC": ""}
+    _ok(run_cli(["build", "--cache-dir", str(cache), "--action-env", "FOO=1"], ws, env))
+    built = _entries(cache)
+    assert len(built) == 4
+
+    # pin: exactly the 4 fingerprints the build stored (it used to pin fingerprints computed without FOO=1)
+    out = _ok(run_cli(["cache", "pin", "rel", LABEL, "--cache-dir", str(cache)], ws, env))
+    assert "pinned 4 actions" in out
+    pin = json.loads((cache / "v1" / "pins" / "rel.json").read_text())
+    assert set(pin["fingerprints"]) == built
+
+    # gc under a 1-byte cap: the last successful build's actions are protected (pin removed to test roots alone)
+    _ok(run_cli(["cache", "unpin", "rel", "--cache-dir", str(cache)], ws, env))
+    out = _ok(run_cli(["cache", "gc", "--max-size", "1", "--cache-dir", str(cache)], ws, env))
+    assert "protecting 4 actions" in out and "removed 0 of 4 entries" in out, out
+    assert _entries(cache) == built
+
+    # validate with the build's flags finds every graph (it used to say NOT BUILT)
+    proc = run_cli(["validate", LABEL, "--cache-dir", str(cache), "--action-env", "FOO=1"], ws, env)
+    assert "NOT BUILT" not in proc.stdout, proc.stdout
+    assert proc.stdout.count(" ok") + proc.stdout.count("FAIL") == 2, proc.stdout
+
+    # a workspace that no longer exists protects nothing: gc then frees the cache
+    shutil.rmtree(ws)
+    proc = run_cli(["cache", "gc", "--max-size", "1", "--cache-dir", str(cache)], tmp_path,
+                   {**env, "NEURONBUILD_CACHE_GC_GRACE_S": "0"})
+    assert "removed 4 of 4 entries" in _ok(proc)
+
+
+def test_neuronx_cc_from_the_environment_is_seen_by_gc_and_validate(tmp_path: Path) -> None:
+    ws, cache = tiny_ws(tmp_path / "ws"), tmp_path / "cache"
+    env = {"NEURONX_CC": str(STANDIN)}  # as on a host where neuronx-cc is installed
+    _ok(run_cli(["build", "--cache-dir", str(cache)], ws, env))
+    built = _entries(cache)
+    assert len(built) == 4
+    out = _ok(run_cli(["cache", "gc", "--max-size", "1", "--cache-dir", str(cache)], ws, env))
+    assert "removed 0 of 4 entries" in out and _entries(cache) == built
+    plan = cli_json(["plan", "--cache-dir", str(cache)], ws, env)
+    assert plan["execute"] == [] and len(plan["cached"]) == 4
+    proc = run_cli(["validate", LABEL, "--cache-dir", str(cache)], ws, env)
+    assert "NOT BUILT" not in proc.stdout, proc.stdout
+
+
+def test_plan_dry_run_and_explain_read_the_shared_tier(tmp_path: Path) -> None:
+    ws, shared = tiny_ws(tmp_path / "ws"), tmp_path / "shared"
+    shared.mkdir()
+    env = {"NEURONX_CC": ""}
+    _ok(run_cli(["build", "--cache-dir", str(tmp_path / "a"), "--remote-cache", str(shared)], ws, env))
+    empty = tmp_path / "b"  # a fresh machine: empty local cache, the shared tier holds everything
+    tier = ["--cache-dir", str(empty), "--remote-cache", str(shared)]
+    plan = cli_json(["plan", *tier], ws, env)
+    assert plan["execute"] == [], plan["execute"]
+    assert "4 actions: 0 to execute, 4 cached" in _ok(run_cli(["build", "--dry-run", *tier], ws, env))
+    assert "nothing would execute" in _ok(run_cli(["explain", *tier], ws, env))
+    assert not _entries(empty)  # checking is not fetching
+    out = _ok(run_cli(["build", *tier], ws, env))
+    assert "0 executed, 4 cached" in out, out
+    # without the tier, the same fresh cache would execute everything
+    assert len(cli_json(["plan", "--cache-dir", str(tmp_path / "c")], ws, env)["execute"]) == 4
