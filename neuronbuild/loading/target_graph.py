@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from neuronbuild import plugins
 from neuronbuild.errors import Location, UserInputError
 from neuronbuild.loading.labels import Label, LabelError, TargetPattern, parse_pattern
 from neuronbuild.loading.loader import Loader
@@ -20,8 +21,16 @@ from neuronbuild.loading.targets import Package, Target
 if TYPE_CHECKING:
     from neuronbuild.loading.load_cache import LoadCache
 
-# Kinds a build produces outputs for; a pattern selecting none of them builds nothing (and says so).
-BUILDABLE_KINDS = ("neuron_compile", "neuron_bundle")
+
+
+def _buildable(t: Target) -> bool:
+    """Whether a build makes something for this target (its rule kind plans actions); a pattern selecting no such
+    target builds nothing, and says so."""
+    return bool(plugins.rule(t.kind).plans_actions)
+
+
+def _buildable_kinds() -> list[str]:
+    return sorted(k for k, r in plugins.rules().items() if r.plans_actions)
 
 
 def _stderr(msg: str) -> None:
@@ -77,14 +86,14 @@ def load_targets(root: Path, patterns: Sequence[str], cwd_package: str = "",
 def _selection_warnings(pat: TargetPattern, matched: list[Target], selected: list[Target]) -> list[str]:
     if not matched:
         raise UserInputError(f"pattern '{pat}' matches no targets (its BUILD files declare none)")
-    manual = [t for t in matched if t.kind in BUILDABLE_KINDS and "manual" in t.tags]
-    if manual and not any(t.kind in BUILDABLE_KINDS for t in selected):
+    manual = [t for t in matched if _buildable(t) and "manual" in t.tags]
+    if manual and not any(_buildable(t) for t in selected):
         return [f"warning: pattern '{pat}' builds nothing: its buildable targets are all tagged manual (name them to "
                 f"build them, e.g. {manual[0].label})"]
-    if not any(t.kind in BUILDABLE_KINDS for t in selected):
+    if not any(_buildable(t) for t in selected):
         kinds = sorted({t.kind for t in selected})
         return [f"warning: pattern '{pat}' selects nothing buildable (only {', '.join(kinds)}; outputs come from "
-                f"{' and '.join(BUILDABLE_KINDS)} targets)"]
+                f"{' and '.join(_buildable_kinds())} targets)"]
     return [f"warning: {t.label} has no buckets (buckets = []): it builds nothing" for t in selected
             if t.kind == "neuron_compile" and not t.attrs.get("buckets")]
 
