@@ -94,21 +94,27 @@ def _q(words: tuple[str, ...] | list[str]) -> str:
     return shlex.quote(" ".join(words))
 
 
+def _key(name: str) -> str:
+    """A command's key in the scripts' tables: "-" (top level), "build", "cache:gc"; only shell-safe characters, so
+    bash and zsh read the subscripts alike without quoting."""
+    return name.replace(" ", ":") or "-"
+
+
 def _table(specs: list[CommandSpec]) -> str:
     """Associative-array assignments (valid bash and zsh) describing every command, keyed "-" for the top level."""
     rows: list[str] = []
     for s in specs:
-        key = shlex.quote(s.name or "-")
+        key = _key(s.name)
         rows.append(f"_nb_flags[{key}]={_q(s.flags)}")
         rows.append(f"_nb_values[{key}]={_q(s.value_flags)}")
         rows.append(f"_nb_files[{key}]={_q(s.file_flags)}")
         rows.append(f"_nb_pos[{key}]={shlex.quote(s.positional or '-')}")
         if s.positional_choices:
-            rows.append(f"_nb_choices[{shlex.quote((s.name or '-') + '|')}]={_q(s.positional_choices)}")
+            rows.append(f"_nb_choices[{key}@]={_q(s.positional_choices)}")
         if s.subcommands:
             rows.append(f"_nb_subs[{key}]={_q(s.subcommands)}")
         for flag, ch in s.choices.items():
-            rows.append(f"_nb_choices[{shlex.quote((s.name or '-') + '|' + flag)}]={_q(ch)}")
+            rows.append(f"_nb_choices[{key}@{flag}]={_q(ch)}")
     return "\n".join(rows)
 
 
@@ -141,12 +147,12 @@ _neuronbuild() {{
                 *) cmd="$w"; key="$w" ;;
             esac
         elif [[ "$key" == "$cmd" && " ${{_nb_subs[$cmd]}} " == *" $w "* ]]; then
-            key="$cmd $w"
+            key="$cmd:$w"
         fi
     done
     if [[ " ${{_nb_values[$key]}} " == *" $prev "* ]]; then
-        if [[ -n "${{_nb_choices[$key|$prev]}}" ]]; then
-            reply=($(compgen -W "${{_nb_choices[$key|$prev]}}" -- "$cur"))
+        if [[ -n "${{_nb_choices[$key@$prev]}}" ]]; then
+            reply=($(compgen -W "${{_nb_choices[$key@$prev]}}" -- "$cur"))
         elif [[ " ${{_nb_files[$key]}} " == *" $prev "* ]]; then
             reply=($(compgen -f -- "$cur"))
         fi
@@ -160,7 +166,7 @@ _neuronbuild() {{
         case "${{_nb_pos[$key]}}" in
             patterns) reply=($(command neuronbuild completion --labels "$cur" 2>/dev/null)) ;;
             file) reply=($(compgen -f -- "$cur")) ;;
-            choice) reply=($(compgen -W "${{_nb_choices[$key|]}}" -- "$cur")) ;;
+            choice) reply=($(compgen -W "${{_nb_choices[$key@]}}" -- "$cur")) ;;
         esac
     fi
     if [[ "$cur" == *:* && "$COMP_WORDBREAKS" == *:* ]]; then
@@ -198,12 +204,12 @@ _neuronbuild() {{
                 *) cmd="$w"; key="$w" ;;
             esac
         elif [[ "$key" == "$cmd" && " ${{_nb_subs[$cmd]}} " == *" $w "* ]]; then
-            key="$cmd $w"
+            key="$cmd:$w"
         fi
     done
     if [[ " ${{_nb_values[$key]}} " == *" $prev "* ]]; then
-        if [[ -n "${{_nb_choices[$key|$prev]}}" ]]; then
-            compadd -- ${{=_nb_choices[$key|$prev]}}
+        if [[ -n "${{_nb_choices[$key@$prev]}}" ]]; then
+            compadd -- ${{=_nb_choices[$key@$prev]}}
         elif [[ " ${{_nb_files[$key]}} " == *" $prev "* ]]; then
             _files
         fi
@@ -221,7 +227,7 @@ _neuronbuild() {{
                 compadd -S '' -- ${{(M)labels:#*[:/]}}
                 compadd -- ${{labels:#*[:/]}} ;;
             file) _files ;;
-            choice) compadd -- ${{=_nb_choices[$key|]}} ;;
+            choice) compadd -- ${{=_nb_choices[$key@]}} ;;
         esac
     fi
 }}
