@@ -141,7 +141,7 @@ def run_build(ctx: BuildContext, req: BuildRequest, listeners: Sequence[Listener
         if outputs:
             result = dataclasses.replace(result, outputs_dir=str(root / OUTPUT_DIR), outputs=tuple(outputs))
         if result.ok:
-            record_roots(cache.root, root, built_roots(ag))
+            record_roots(cache.root, root, built_roots(ag), graph.packages, (str(t) for t in graph.targets))
     finally:
         cache.finish()
         auto_gc(cache, set(ag.actions))

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from neuronbuild import FORMAT_VERSION
 from neuronbuild.analysis.actions import Action, Bucket
 from neuronbuild.analysis.plan_settings import PlanSettings
 from neuronbuild.loading.labels import Label
@@ -29,6 +30,21 @@ class CompileRequest:
     trace: Action | None = None  # the trace action whose program the toolchain compiles
     settings: PlanSettings = field(default_factory=PlanSettings)
     common: Mapping[str, Any] = field(default_factory=dict, hash=False)  # record fields every action carries (env)
+
+    def record(self, action: str, versions: Mapping[str, str], **fields: Any) -> dict[str, Any]:
+        """The canonical record of one of this bucket's actions: everything that can change its output. `fields`
+        add (or replace) entries, e.g. the fingerprint of an intermediate action it reads instead of the trace's."""
+        assert self.trace is not None
+        return {
+            "format": FORMAT_VERSION,
+            "action": action,
+            "trace": self.trace.fingerprint,
+            "target": dict(self.target),
+            "options": dict(self.options),
+            "bucket": self.bucket.as_dict(),
+            "inputs": dict(self.inputs),
+            "toolchain": dict(versions),
+        } | dict(fields) | dict(self.common)
 
 
 class Toolchain(Protocol):

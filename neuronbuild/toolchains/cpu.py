@@ -6,7 +6,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from neuronbuild import FORMAT_VERSION, plugins
+from neuronbuild import plugins
 from neuronbuild.analysis.actions import COMPILE, TRACE_OUTPUT, Action, DepInput, make_action
 from neuronbuild.analysis.plan_settings import PlanSettings
 from neuronbuild.analysis.toolchain_api import CompileRequest
@@ -35,16 +35,7 @@ class CpuToolchain:
 
     def plan(self, req: CompileRequest) -> list[Action]:
         assert req.trace is not None
-        record = {
-            "format": FORMAT_VERSION,
-            "action": COMPILE,
-            "trace": req.trace.fingerprint,
-            "target": dict(req.target),
-            "options": dict(req.options),
-            "bucket": req.bucket.as_dict(),
-            "inputs": dict(req.inputs),
-            "toolchain": self.versions(req.platform, req.settings),
-        } | dict(req.common)
+        record = req.record(COMPILE, self.versions(req.platform, req.settings))
         spec = {"toolchain": self.name, "step": COMPILE, "platform": req.platform, "isa": req.target["isa"],
                 "options": dict(req.options), "inputs": dict(req.inputs), "bucket": req.bucket.as_dict(),
                 "program": TRACE_OUTPUT}

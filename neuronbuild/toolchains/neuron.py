@@ -7,7 +7,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from neuronbuild import FORMAT_VERSION, plugins
+from neuronbuild import plugins
 from neuronbuild.analysis.actions import COMPILE, TRACE_OUTPUT, Action, DepInput, make_action
 from neuronbuild.analysis.plan_settings import NEURONX_CC, PlanSettings
 from neuronbuild.analysis.toolchain_api import CompileRequest
@@ -40,16 +40,7 @@ class NeuronToolchain:
 
     def plan(self, req: CompileRequest) -> list[Action]:
         assert req.trace is not None
-        record = {
-            "format": FORMAT_VERSION,
-            "action": COMPILE,
-            "trace": req.trace.fingerprint,
-            "target": dict(req.target),
-            "options": dict(req.options),
-            "bucket": req.bucket.as_dict(),
-            "inputs": dict(req.inputs),
-            "toolchain": self.versions(req.platform, req.settings),
-        } | dict(req.common)
+        record = req.record(COMPILE, self.versions(req.platform, req.settings))
         spec: dict[str, Any] = {"toolchain": self.name, "step": COMPILE, "platform": req.platform, "isa": None,
                                 "options": dict(req.options), "inputs": dict(req.inputs),
                                 "bucket": req.bucket.as_dict(), "program": TRACE_OUTPUT}

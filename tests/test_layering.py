@@ -1,0 +1,128 @@
+"""The phases' import order, enforced: loading -> analysis -> (rule kinds, toolchains) -> execution -> cache ->
+packaging, with runtime a production island and commands never importing each other. Every import counts, lazy
+ones inside functions included (only `if TYPE_CHECKING:` blocks are exempt: they never run)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PKG = Path(__file__).resolve().parent.parent / "neuronbuild"
+
+# What each part of neuronbuild may import besides itself (the base layer: errors, workspace, atomic, digests,
+# platforms, vocabulary, history, plugins).
+BASE = {"__init__", "errors", "workspace", "atomic", "digests", "platforms", "vocabulary", "history",
+        "plugins", "self_stamp"}
+ALLOWED = {
+    "base": set(),
+    "loading": set(),
+    "analysis": {"loading"},
+    "runtime": set(),  # production: imports nothing of the build side
+    "kinds": {"loading", "analysis"},
+    "toolchains": {"loading", "analysis", "runtime"},
+    "execution": {"loading", "analysis", "toolchains"},  # the cache only through execution/cache_api.py
+    "cache": set(),  # implements execution's cache interface without importing it, and never analysis
+    "packaging": {"loading", "analysis", "cache", "runtime"},
+    "top": {"loading", "analysis", "kinds", "toolchains", "execution", "cache", "packaging", "runtime"},
+}
+TOP = {"__main__", "build", "cli", "context", "incremental", "noop", "commands"}
+
+
+def part(module: str) -> str:
+    """'neuronbuild.cache.gc' -> 'cache'; base modules -> 'base'; build.py, cli.py ... -> 'top'."""
+    rest = module.split(".")[1:]
+    if not rest:
+        return "base"
+    if rest[0] in BASE:
+        return "base"
+    if rest[0] in TOP:
+        return "top"
+    return rest[0]
+
+
+def _runtime_imports(tree: ast.AST, module: str) -> list[tuple[int, str]]:
+    out: list[tuple[int, str]] = []
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            for child in node.orelse:
+                visit(child)
+            return
+        if isinstance(node, ast.Import):
+            out.extend((node.lineno, a.name) for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = module.split(".")[: -node.level]
+                name = ".".join([*base, node.module] if node.module else base)
+            else:
+                name = node.module or ""
+            out.append((node.lineno, name))
+            pkg_dir = PKG.parent.joinpath(*name.split("."))
+            out.extend((node.lineno, f"{name}.{a.name}") for a in node.names  # `from pkg import submodule`
+                       if (pkg_dir / f"{a.name}.py").is_file() or (pkg_dir / a.name).is_dir())
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(tree)
+    return out
+
+
+def _modules() -> list[tuple[str, Path]]:
+    out = []
+    for p in sorted(PKG.rglob("*.py")):
+        rel = p.relative_to(PKG.parent).with_suffix("")
+        name = ".".join(rel.parts).removesuffix(".__init__")
+        out.append((name, p))
+    return out
+
+
+def test_every_import_runs_the_way_the_phases_do() -> None:
+    bad = []
+    for module, path in _modules():
+        src = part(module)
+        for line, imported in _runtime_imports(ast.parse(path.read_text()), module):
+            if not imported.startswith("neuronbuild.") and imported != "neuronbuild":
+                continue
+            dst = part(imported)
+            if dst in ("base", src) or dst in ALLOWED[src]:
+                if src == "execution" and dst == "cache":
+                    bad.append(f"{path.name}:{line}: {module} imports {imported}")
+                continue
+            bad.append(f"{path.relative_to(PKG.parent)}:{line}: {module} ({src}) imports {imported} ({dst})")
+    assert not bad, "\n".join(bad)
+
+
+def test_no_command_module_imports_another() -> None:
+    bad = []
+    for module, path in _modules():
+        if not module.startswith("neuronbuild.commands.") or module.endswith(".common"):
+            continue
+        for line, imported in _runtime_imports(ast.parse(path.read_text()), module):
+            if imported.startswith("neuronbuild.commands.") and not imported.endswith(".common"):
+                bad.append(f"{path.relative_to(PKG.parent)}:{line}: imports {imported}")
+    assert not bad, "\n".join(bad)
+
+
+def test_the_checker_sees_violations() -> None:
+    tree = ast.parse("def f():\n    from neuronbuild.analysis.planner import plan\n")
+    assert _runtime_imports(tree, "neuronbuild.cache.gc") == [(2, "neuronbuild.analysis.planner")]
+    assert part("neuronbuild.cache.gc") == "cache" and "analysis" not in ALLOWED["cache"]
+    guarded = ast.parse("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import neuronbuild.cache.local\n")
+    assert [n for _l, n in _runtime_imports(guarded, "neuronbuild.execution.x") if n.startswith("neuronbuild")] == []
+
+
+def test_no_import_cycles_between_modules() -> None:
+    import networkx as nx
+
+    names = {m for m, _p in _modules()}
+    g = nx.DiGraph()
+    for module, path in _modules():
+        for _line, imported in _runtime_imports(ast.parse(path.read_text()), module):
+            target = imported
+            while target and target not in names:  # `from neuronbuild.x import name` -> module neuronbuild.x
+                target = target.rpartition(".")[0]
+            parent_pkg = module.rpartition(".")[0]
+            if target and target != module and target != parent_pkg and not module.startswith(target + "."):
+                g.add_edge(module, target)
+    cycles = [c for c in nx.simple_cycles(g) if len(c) > 1]
+    assert not cycles, "\n".join(" -> ".join(c) for c in cycles[:10])

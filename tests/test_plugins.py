@@ -1,0 +1,52 @@
+"""Toolchains and rule kinds are plug-ins: a third toolchain, registered from a test module outside neuronbuild/,
+builds real graphs end to end (planning, workers, cache, outputs), and no-op rebuilds find it cached."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from helpers import MODEL_SRC, run_cli, write_ws
+
+PLUGIN_ENV = {"NEURONBUILD_PLUGINS": "echo_toolchain",
+              "NEURONBUILD_PLUGIN_PATH": str(Path(__file__).resolve().parent / "plugins")}
+
+BUILD = """
+neuron_model(name = "tiny", srcs = ["llama.py"], entry = "llama:build_model",
+             config = {"vocab": 64, "hidden": 16, "layers": 1, "heads": 2},
+             inputs = {"input_ids": "int64[batch, seq]"})
+neuron_buckets(name = "b", dims = {"batch": [1], "seq": [8, 16]})
+neuron_target(name = "echo", platform = "echo")
+neuron_compile(name = "tiny_echo", model = ":tiny", buckets = [":b"], target = ":echo")
+"""
+
+
+def test_a_toolchain_registered_outside_neuronbuild_builds_end_to_end(tmp_path: Path) -> None:
+    ws = write_ws(tmp_path / "ws", {"m/llama.py": MODEL_SRC, "m/BUILD": BUILD})
+    cache = str(tmp_path / "cache")
+    proc = run_cli(["build", "--cache-dir", cache], ws, PLUGIN_ENV)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "4 actions: 4 executed" in proc.stdout
+    assert "Summarize //m:tiny_echo [batch=1, seq=8] for echo!" in proc.stdout + proc.stderr
+    assert proc.stderr.count("echo summaries are not runnable") == 1  # the toolchain's own note, once
+    out = ws / "neuronbuild-out" / "m" / "tiny_echo"
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["platform"] == "echo" and manifest["artifact_format"] == "echo-summary"
+    for seq in (8, 16):
+        summary = json.loads((out / f"batch1_seq{seq}" / "summary.json").read_text())
+        assert summary["step"] == "summarize" and summary["nodes"] > 5
+        assert "aten.embedding.default" in summary["ops"]
+    again = run_cli(["build", "--cache-dir", cache, "--profile", str(tmp_path / "p.json")], ws, PLUGIN_ENV)
+    assert "0 executed, 4 cached" in again.stdout, again.stdout + again.stderr
+    plan = run_cli(["plan", "--cache-dir", cache], ws, PLUGIN_ENV)
+    assert "//m:tiny_echo  echo!" in plan.stdout and "0 to execute" in plan.stdout
+
+
+def test_an_unknown_platform_names_the_registered_ones(tmp_path: Path) -> None:
+    ws = write_ws(tmp_path / "ws", {"m/llama.py": MODEL_SRC, "m/BUILD": BUILD})
+    proc = run_cli(["build", "--cache-dir", str(tmp_path / "cache")], ws)  # the plug-in is not registered here
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert proc.stderr.startswith("m/BUILD:6:") and "'echo'" not in proc.stderr.split("got")[0] and "'trn2'" in \
+        proc.stderr, proc.stderr
+    bad = run_cli(["plan"], ws, {"NEURONBUILD_PLUGINS": "no_such_plugin_module"})
+    assert bad.returncode == 2 and "no_such_plugin_module" in bad.stderr and bad.stderr.count("\n") == 1
