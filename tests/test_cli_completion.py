@@ -42,8 +42,12 @@ def complete(script: tuple[Path, Path], line: str, cwd: Path = EXAMPLES) -> list
 
 
 def test_commands_and_nested_commands(script: tuple[Path, Path]) -> None:
-    assert complete(script, "neuronbuild ") == ["build", "plan", "explain", "query", "upgrade-impact", "deploy",
-                                                "verify", "validate", "cache", "clean", "completion"]
+    from neuronbuild.cli import make_parser
+    from neuronbuild.completion import command_specs
+
+    commands = [s.name for s in command_specs(make_parser()[0])[1:] if " " not in s.name]
+    assert {"build", "plan", "query", "cache", "clean", "completion"} <= set(commands)
+    assert complete(script, "neuronbuild ") == commands
     assert complete(script, "neuronbuild c") == ["cache", "clean", "completion"]
     assert complete(script, "neuronbuild -C examples pl") == ["plan"]
     assert complete(script, "neuronbuild cache ") == ["verify", "gc", "stats", "pin", "unpin"]
