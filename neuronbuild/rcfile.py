@@ -249,8 +249,6 @@ def expand(argv: Sequence[str], parser: argparse.ArgumentParser, cwd: Path | Non
                 if name not in known:
                     if own and len(cmd.words) == 1:
                         raise RcError(ln.where, f"'{section}' has no option {name}")
-                    if name not in everywhere:
-                        raise RcError(ln.where, f"no command has an option {name}")
                     continue  # a common/inherited flag (or another cache sub-command's) this command does not take
                 _check(ln, known[name], words, name)
                 groups.append((known[name], words))
