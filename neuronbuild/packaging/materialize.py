@@ -14,6 +14,7 @@ from typing import Any
 from neuronbuild import FORMAT_VERSION
 from neuronbuild.analysis.planner import ActionGraph, CompileTarget
 from neuronbuild.atomic import atomic_write_bytes
+from neuronbuild.cache.cas import umask_mode
 from neuronbuild.cache.local import LocalCache
 from neuronbuild.workspace import OUTPUT_DIR
 
@@ -112,7 +113,7 @@ def materialize(root: Path, ag: ActionGraph, cache: LocalCache, failed: set[str]
         data = json.dumps(manifest, sort_keys=True, indent=1).encode()
         done.append(out)
         if not ((out / MANIFEST).is_file() and (out / MANIFEST).read_bytes() == data):
-            atomic_write_bytes(out / MANIFEST, data, out / STAGING)
+            atomic_write_bytes(out / MANIFEST, data, out / STAGING, mode=umask_mode())
         _prune(out, keep | {STAGING})
         with contextlib.suppress(OSError):
             (out / STAGING).rmdir()  # only when empty: a concurrent build may be writing through it
