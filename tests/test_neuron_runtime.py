@@ -80,3 +80,14 @@ def test_emulated_graphs_run_the_hlo_on_xla_cpu_and_are_counted_apart(built_exam
     lazy = open_cache(deployed, strict=False)
     lazy.model(TRN2)(torch.zeros(4, 1, dtype=torch.int64))
     assert (lazy.counters.hit, lazy.counters.emulated) == (0, 1)
+
+
+def test_validate_runs_the_example_trn2_modules_on_xla_cpu(built_example, cache_dir: Path) -> None:  # type: ignore[no-untyped-def]
+    ws, _ = built_example
+    proc = run_cli(["validate", TRN2, "--cache-dir", str(cache_dir)], ws)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = [ln.split() for ln in proc.stdout.splitlines() if ln.startswith(TRN2)]
+    assert len(rows) == 5 and all(r[2] == "trn2*" and r[-1] == "ok" for r in rows), proc.stdout
+    # auto_cast = matmult: a real bf16-sized error, within the target's tolerance of 0.05
+    assert all(1e-4 < float(r[3]) <= float(r[5]) == 0.05 for r in rows), proc.stdout
+    assert "exact model.hlo.pb run on XLA:CPU" in proc.stdout
