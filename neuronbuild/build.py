@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from collections.abc import Sequence
@@ -11,6 +12,7 @@ from pathlib import Path
 from neuronbuild import incremental, plugins
 from neuronbuild.analysis.plan_settings import PlanSettings
 from neuronbuild.analysis.planner import ActionGraph
+from neuronbuild.cache.farm_store import open_farm_store
 from neuronbuild.cache.gc import auto_gc
 from neuronbuild.cache.local import LocalCache
 from neuronbuild.cache.roots import record_roots
@@ -64,12 +66,13 @@ def make_executor(ctx: BuildContext, req: BuildRequest, cache: LocalCache) -> Ex
     from neuronbuild.execution.dask_executor import DaskExecutor
 
     remote = ctx.cache.remote
+    store = functools.partial(open_farm_store, endpoint_url=ctx.cache.s3_endpoint_url)
     if req.executor == "dask":
         assert req.scheduler and remote
-        return DaskExecutor(root, cache, Path(remote), req.scheduler, req.jobs, LocalCache)
-    # dask-local: workers on this machine can use the local cache as the shared tier.
-    shared = Path(remote) if remote else ctx.cache.dir
-    return DaskExecutor(root, cache, shared, None, req.jobs, LocalCache, toolchain_tmp=cache.toolchain_tmp)
+        return DaskExecutor(root, cache, remote, req.scheduler, req.jobs, store)
+    # dask-local: workers on this machine can use the local cache as the shared store.
+    return DaskExecutor(root, cache, remote or str(ctx.cache.dir), None, req.jobs, store, same=remote is None,
+                        toolchain_tmp=cache.toolchain_tmp)
 
 
 def default_listeners(ctx: BuildContext, req: BuildRequest) -> list[Listener]:
@@ -127,7 +130,7 @@ def run_build(ctx: BuildContext, req: BuildRequest, listeners: Sequence[Listener
             for line in skipped:
                 ctx.report(line)
         if result.ok:
-            record_roots(cache.root, root, built_roots(ag))
+            record_roots(cache.root, root, built_roots(ag), graph.packages, (str(t) for t in graph.targets))
     finally:
         cache.finish()
         auto_gc(cache, set(ag.actions))
