@@ -106,6 +106,7 @@ def test_dask_farm_builds_the_example_like_a_local_build_and_reruns_the_action_o
     names = _worker_addresses(address)
     ws = copy_example(tmp_path / "ws")
     shared, cache, evf = tmp_path / "shared", tmp_path / "cache", tmp_path / "events.jsonl"
+    shared.mkdir()  # the farm's shared directory must exist (a missing mount is an error, not created)
     proc = subprocess.Popen(
         [sys.executable, "-m", "neuronbuild", "build", *TARGETS, "--executor", "dask", "--scheduler", address,
          "--remote-cache", str(shared), "--cache-dir", str(cache), "--build-event-json-file", str(evf)],
@@ -128,7 +129,10 @@ def test_dask_farm_builds_the_example_like_a_local_build_and_reruns_the_action_o
                     victim_address = names[f"w{i}"]
                 break
         time.sleep(0.2)
-    assert victim is not None and lost, "no Dask worker was ever seen executing an action"
+    if victim is None or not lost:
+        proc.kill()
+        out, err = proc.communicate(timeout=60)
+        raise AssertionError(f"no Dask worker was seen executing an action (build exit {proc.returncode}):\n{out}{err}")
     out, err = proc.communicate(timeout=900)
     assert proc.returncode == 0, out + err
     assert "12 actions: 12 executed, 0 cached" in out
