@@ -45,6 +45,7 @@ class BuildRequest:
     scheduler: str | None = None  # Dask scheduler address (--executor dask)
     profile: Path | None = None
     event_file: Path | None = None
+    action_timeout: float = 0.0  # seconds an action may run (local executor); 0: no limit
 
 
 def settings_notes(settings: PlanSettings, ag: ActionGraph) -> list[str]:
@@ -62,7 +63,7 @@ def make_executor(ctx: BuildContext, req: BuildRequest, cache: LocalCache) -> Ex
     if req.executor == "local":
         from neuronbuild.execution.local_executor import LocalExecutor
 
-        return LocalExecutor(root, cache, req.jobs, env)
+        return LocalExecutor(root, cache, req.jobs, env, req.action_timeout)
     from neuronbuild.execution.dask_executor import DaskExecutor
 
     remote = ctx.cache.remote
