@@ -93,7 +93,7 @@ class AnalysisContext:
         } | self.common
         spec = {"model": {k: rec[k] for k in ("package", "entry", "config", "seed")}
                 | {"srcs": list(rec["srcs"]), "weights": rec["weights"]["path"] if rec["weights"] else None},
-                "inputs": rec["inputs"], "bucket": bucket.as_dict()}
+                "inputs": rec["inputs"], "outputs": rec.get("outputs") or [], "bucket": bucket.as_dict()}
         return self.add(make_action(TRACE, model.label, bucket, record, spec, files=model.files,
                                     outputs=(TRACE_OUTPUT,)))
 

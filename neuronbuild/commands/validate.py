@@ -60,7 +60,8 @@ def run(args: argparse.Namespace) -> int:
                     cache.copy_blob(ref.digest, Path(tmp) / name)
                     files[name] = Path(tmp) / name
                 fn = tc.load_artifact(files)
-                cmp = compare(fn, models[key], spec["inputs"], bucket.as_dict(), spec.get("config") or {}, args.seed)
+                cmp = compare(fn, models[key], spec["inputs"], bucket.as_dict(), spec.get("config") or {}, args.seed,
+                              spec.get("input_ranges"))
             ok = cmp.max_abs <= tol
             failed += not ok
             print(f"{row} {cmp.max_abs:>10.2e} {cmp.max_rel:>10.2e} {tol:>10.1e}  {'ok' if ok else 'FAIL'}")

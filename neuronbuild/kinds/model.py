@@ -11,13 +11,16 @@ from neuronbuild.analysis.providers import ModelInfo
 from neuronbuild.digests import digest_file
 from neuronbuild.kinds.base import RuleKind
 from neuronbuild.loading.schema import (
+    CONST_DIMS,
     DICT,
     ENTRY_RE,
     INPUTS,
     INT,
+    INT_RANGES,
     LABEL,
     LABEL_LIST,
     NAME,
+    OUTPUTS,
     STRING,
     TAGS,
     Attr,
@@ -36,6 +39,12 @@ def _check(a: Mapping[str, Any]) -> None:
     for src in a["srcs"]:
         if not src.name.endswith(".py"):
             raise AttrError(f"attribute 'srcs': '{src}' is not a .py file")
+    for name in a["input_ranges"]:
+        if name not in a["inputs"]:
+            raise AttrError(f"attribute 'input_ranges': '{name}' is not an input (inputs: {', '.join(a['inputs'])})")
+        dtype = parse_input_spec(a["inputs"][name])[0]
+        if dtype.startswith("float") or dtype.startswith("bfloat") or dtype == "bool":
+            raise AttrError(f"attribute 'input_ranges': input '{name}' is {dtype}, not an integer input")
 
 
 SCHEMA = RuleSchema(
@@ -47,8 +56,15 @@ SCHEMA = RuleSchema(
              kinds=("file",)),
         Attr("entry", STRING, "'module:function' building the nn.Module from the config dict.", required=True),
         Attr("config", DICT, "Config dict passed to the factory.", default={}),
-        Attr("inputs", INPUTS, "Positional inputs in order: name -> 'dtype[dim, ...]' (dims named by buckets).",
-             required=True),
+        Attr("inputs", INPUTS, "Positional inputs in order: name -> 'dtype[dim, ...]'; a dim is a bucket dimension, a "
+             "named constant from `dims`, or a literal int.", required=True),
+        Attr("dims", CONST_DIMS, "Named constant dims usable in input/output specs, e.g. {'head_dim': 16} (never "
+             "bucket dims, never in bucket names).", default={}),
+        Attr("outputs", OUTPUTS, "Optional names of the flattened outputs, in order: name -> 'dtype[dim, ...]'; dims "
+             "named like a bucket dim follow it (are un-padded), others are free names, constants or ints.",
+             default={}),
+        Attr("input_ranges", INT_RANGES, "Value range [low, high) per integer input for validate's random inputs "
+             "(default: from config keys vocab_size / type_vocab_size, else [0, 100)).", default={}),
         Attr("weights", LABEL, "Optional safetensors file; without it the factory's seeded init is used.",
              kinds=("file",)),
         Attr("seed", INT, "torch.manual_seed value used before calling the factory.", default=0),
@@ -73,9 +89,15 @@ def analyze(ctx: AnalysisContext, model: Target) -> ModelInfo:
         wd = digest_file(root / w.path)
         weights = {"path": w.path, "digest": wd}
         files.append(FileInput(w.path, wd))
+    consts: Mapping[str, int] = model.attrs["dims"]
     parsed = [(k, parse_input_spec(v)) for k, v in model.attrs["inputs"].items()]
-    inputs = {k: {"dtype": dt, "dims": list(dims)} for k, (dt, dims) in parsed}
-    dims = tuple(dict.fromkeys(d for _k, (_dt, ds) in parsed for d in ds))
+    # An ordered list of [name, spec] pairs: input order is positional, so it enters the fingerprint (a dict's keys
+    # would be sorted by canonical JSON). Named constants are resolved to their sizes.
+    inputs = [[k, {"dtype": dt, "dims": [consts.get(d, d) if isinstance(d, str) else d for d in ds]}]
+              for k, (dt, ds) in parsed]
+    dims = tuple(dict.fromkeys(d for _k, spec in inputs for d in spec["dims"] if isinstance(d, str)))
+    outputs = [[k, {"dtype": dt, "dims": [consts.get(d, d) if isinstance(d, str) else d for d in ds]}]
+               for k, (dt, ds) in ((k, parse_input_spec(v)) for k, v in model.attrs["outputs"].items())]
     record = {
         "package": model.label.package,
         "srcs": srcs,
@@ -85,6 +107,10 @@ def analyze(ctx: AnalysisContext, model: Target) -> ModelInfo:
         "seed": model.attrs["seed"],
         "inputs": inputs,
     }
+    if outputs:
+        record["outputs"] = outputs
+    if model.attrs["input_ranges"]:
+        record["input_ranges"] = {k: list(v) for k, v in model.attrs["input_ranges"].items()}
     return ModelInfo(model.label, record, tuple(files), dims)
 
 

@@ -144,10 +144,20 @@ def _load_weights(module: torch.nn.Module, path: Path, label: str) -> None:
     module.load_state_dict(state, strict=True)
 
 
-def input_shapes(inputs: Mapping[str, Any], bucket: Mapping[str, Any]) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+def input_pairs(inputs: Any) -> list[tuple[str, Any]]:
+    """Input specs as (name, spec) pairs in positional order: records hold [name, spec] pairs (older ones a dict)."""
+    if isinstance(inputs, Mapping):
+        return list(inputs.items())
+    try:
+        return [(str(k), v) for k, v in inputs]
+    except (TypeError, ValueError):
+        raise ToolchainError("inputs must be a list of [name, spec] pairs") from None
+
+
+def input_shapes(inputs: Any, bucket: Mapping[str, Any]) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
     """(name, dtype, shape) per input, in declaration order; dims are bucket names or literal ints."""
     result = []
-    for name, spec in inputs.items():
+    for name, spec in input_pairs(inputs):
         if not isinstance(spec, Mapping):
             raise ToolchainError(f"input {name!r}: spec must be a dict with 'dtype' and 'dims'")
         dtype_name = str(spec.get("dtype", "float32"))
@@ -168,26 +178,54 @@ def input_shapes(inputs: Mapping[str, Any], bucket: Mapping[str, Any]) -> list[t
     return result
 
 
+def int_range(name: str, dtype: torch.dtype, config: Mapping[str, Any] | None,
+              ranges: Mapping[str, Any] | None) -> tuple[int, int]:
+    """[low, high) of the random values of an integer input: `input_ranges`, else from config keys (token_type_ids:
+    type_vocab_size; masks: ones; other ids: vocab_size / vocab), else [0, 100); clipped to the dtype."""
+    config = config or {}
+
+    def key(*names: str) -> int | None:
+        for n in names:
+            v = config.get(n)
+            if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+                return v
+        return None
+
+    if ranges and name in ranges:
+        low, high = (int(x) for x in ranges[name])
+    elif "token_type" in name and key("type_vocab_size") is not None:
+        low, high = 0, key("type_vocab_size") or 1
+    elif "mask" in name:
+        low, high = 1, 2  # attend everywhere: random masks can blank whole rows (NaN in eager and compiled alike)
+    else:
+        low, high = 0, key("vocab_size", "vocab") or 100
+    info = torch.iinfo(dtype)
+    low, high = max(low, int(info.min)), min(high, int(info.max) + 1)
+    if low >= high:
+        raise ToolchainError(f"input {name!r}: empty value range [{low}, {high}) for {dtype}")
+    return low, high
+
+
 def example_inputs(
-    inputs: dict[str, Any],
+    inputs: Any,
     bucket: dict[str, Any],
     *,
     seed: int | None = None,
-    config: dict[str, Any] | None = None,
+    config: Mapping[str, Any] | None = None,
+    ranges: Mapping[str, Any] | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """Positional example tensors for a bucket: zeros when seed is None, else seeded random values."""
     shapes = input_shapes(inputs, bucket)
     if seed is None:
         return tuple(torch.zeros(shape, dtype=dtype) for _, dtype, shape in shapes)
     gen = torch.Generator().manual_seed(int(seed))
-    high = int(config["vocab"]) if config and "vocab" in config else 100
     out = []
-    for _, dtype, shape in shapes:
+    for name, dtype, shape in shapes:
         if dtype == torch.bool:
             out.append(torch.randint(0, 2, shape, generator=gen).to(torch.bool))
         elif dtype.is_floating_point:
             out.append(torch.randn(shape, generator=gen, dtype=torch.float32).to(dtype))
         else:
-            upper = min(high, 128) if dtype == torch.int8 else min(high, 256) if dtype == torch.uint8 else high
-            out.append(torch.randint(0, upper, shape, generator=gen, dtype=dtype))
+            low, high = int_range(name, dtype, config, ranges)
+            out.append(torch.randint(low, high, shape, generator=gen, dtype=dtype))
     return tuple(out)

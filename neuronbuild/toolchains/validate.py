@@ -24,20 +24,22 @@ def eager_model(model_spec: Mapping[str, Any], workspace: Path) -> Callable[...,
     return build_eager_model(dict(model_spec), workspace)
 
 
-def compare(fn: Callable[..., Any], model: Callable[..., Any], inputs: Mapping[str, Any], bucket: Mapping[str, int],
-            config: Mapping[str, Any], seed: int) -> Comparison:
+def compare(fn: Callable[..., Any], model: Callable[..., Any], inputs: Any, bucket: Mapping[str, int],
+            config: Mapping[str, Any], seed: int, ranges: Mapping[str, Any] | None = None) -> Comparison:
+    """Run both on the same seeded inputs; every output tensor (flattened by name, as traced) is compared."""
     import torch
 
     from neuronbuild.toolchains.model_import import example_inputs
+    from neuronbuild.toolchains.outputs import flatten
 
-    args = example_inputs(dict(inputs), dict(bucket), seed=seed, config=dict(config))
+    args = example_inputs(inputs, dict(bucket), seed=seed, config=dict(config), ranges=ranges)
     with torch.no_grad():
-        ref = model(*args)
-        out = fn(*args)
-    ref_t = torch.cat([t.reshape(-1).float() for t in torch.utils._pytree.tree_leaves(ref)])
-    out_t = torch.cat([t.reshape(-1).float() for t in torch.utils._pytree.tree_leaves(out)])
-    if ref_t.shape != out_t.shape:
-        return Comparison(float("inf"), float("inf"), tuple(out_t.shape))
+        ref = [t for _n, t in flatten(model(*args))]
+        out = [t for _n, t in flatten(fn(*args))]
+    if len(ref) != len(out) or any(tuple(r.shape) != tuple(o.shape) for r, o in zip(ref, out, strict=False)):
+        return Comparison(float("inf"), float("inf"), tuple(int(o.numel()) for o in out))
+    ref_t = torch.cat([t.reshape(-1).float() for t in ref]) if ref else torch.zeros(0)
+    out_t = torch.cat([t.reshape(-1).float() for t in out]) if out else torch.zeros(0)
     max_abs = float((out_t - ref_t).abs().max()) if ref_t.numel() else 0.0
     scale = float(ref_t.abs().max()) if ref_t.numel() else 0.0
     return Comparison(max_abs, max_abs / scale if scale > 0 else max_abs, tuple(ref_t.shape))
