@@ -89,7 +89,8 @@ class AnalysisContext:
             "action": TRACE,
             "model": rec,
             "bucket": bucket.as_dict(),
-            "toolchain": self.settings.trace_toolchain(),
+            # + the third-party distributions the model imports (what-if versions applied like torch's)
+            "toolchain": self.settings.trace_toolchain() | self.settings.override(dict(rec.get("imports") or {})),
         } | self.common
         spec = {"model": {k: rec[k] for k in ("package", "entry", "config", "seed")}
                 | {"srcs": list(rec["srcs"]), "weights": rec["weights"]["path"] if rec["weights"] else None},

@@ -5,9 +5,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import ast
+
 from neuronbuild.analysis.actions import FileInput
 from neuronbuild.analysis.planner import AnalysisContext
 from neuronbuild.analysis.providers import ModelInfo
+from neuronbuild.analysis.toolchain_versions import distributions_of
 from neuronbuild.digests import digest_file
 from neuronbuild.kinds.base import RuleKind
 from neuronbuild.loading.schema import (
@@ -98,7 +101,7 @@ def analyze(ctx: AnalysisContext, model: Target) -> ModelInfo:
     dims = tuple(dict.fromkeys(d for _k, spec in inputs for d in spec["dims"] if isinstance(d, str)))
     outputs = [[k, {"dtype": dt, "dims": [consts.get(d, d) if isinstance(d, str) else d for d in ds]}]
                for k, (dt, ds) in ((k, parse_input_spec(v)) for k, v in model.attrs["outputs"].items())]
-    record = {
+    record: dict[str, Any] = {
         "package": model.label.package,
         "srcs": srcs,
         "entry": model.attrs["entry"],
@@ -109,9 +112,30 @@ def analyze(ctx: AnalysisContext, model: Target) -> ModelInfo:
     }
     if outputs:
         record["outputs"] = outputs
+    imports = distributions_of(_imported_modules(root, [lbl.path for lbl in model.attrs["srcs"]]))
+    if imports:  # third-party distributions the sources import, at their installed (or what-if) versions
+        record["imports"] = imports
     if model.attrs["input_ranges"]:
         record["input_ranges"] = {k: list(v) for k, v in model.attrs["input_ranges"].items()}
     return ModelInfo(model.label, record, tuple(files), dims)
+
+
+def _imported_modules(root: Any, paths: list[str]) -> list[str]:
+    """Top-level names of the modules the sources import (absolute imports; the sources' own modules left out)."""
+    local = {p.rsplit("/", 1)[-1].removesuffix(".py") for p in paths}
+    found: dict[str, None] = {}
+    for p in paths:
+        try:
+            tree = ast.parse((root / p).read_bytes())
+        except (SyntaxError, ValueError, OSError):
+            continue  # the trace reports it
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                for alias in node.names:
+                    found.setdefault(alias.name.split(".")[0], None)
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                found.setdefault(node.module.split(".")[0], None)
+    return [m for m in found if m not in local]
 
 
 KIND = RuleKind(SCHEMA, analyze)
