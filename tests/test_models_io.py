@@ -165,3 +165,22 @@ def test_runtime_uses_declared_order_and_unpads_only_following_dims(built: tuple
     assert out["y"].shape == (1, 2, 8) and out["state.norm.0"].shape == (1, 2)
     assert float((out["y"] - ref["y"]).abs().max()) < 1e-5
     assert float((out["state.norm.0"] - ref["state.norm.0"]).abs().max()) < 1e-4
+
+
+def test_comment_only_edit_reruns_the_trace_only(built: tuple[Path, Path], cache_dir: Path) -> None:
+    """Early cutoff: the compile is keyed by the trace's output digest too (last in this module: edits the ws)."""
+    ws, _ = built
+    src = ws / "m/step.py"
+    src.write_text(src.read_text().replace("def build(config):", "# How the model is built.\ndef build(config):"))
+    before = run_cli(["explain", "//m:step_cpu", "--cache-dir", str(cache_dir)], ws)
+    assert "src m/step.py: changed" in before.stdout, before.stdout
+    assert "trace output unchanged" in before.stdout
+    proc = run_cli(["build", "//m:step_cpu", "--cache-dir", str(cache_dir)], ws)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    assert "2 actions: 1 executed, 1 cached" in out, out
+    assert "(trace output unchanged: result reused)" in out
+    after = run_cli(["explain", "//m:step_cpu", "--cache-dir", str(cache_dir)], ws)
+    assert "trace output unchanged: cached, the result of" in after.stdout, after.stdout
+    again = run_cli(["build", "//m:step_cpu", "--cache-dir", str(cache_dir)], ws)
+    assert again.returncode == 0 and "0 executed" in again.stdout + again.stderr

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
+import ast
 from collections.abc import Mapping
 from typing import Any
-
-import ast
 
 from neuronbuild.analysis.actions import FileInput
 from neuronbuild.analysis.planner import AnalysisContext
