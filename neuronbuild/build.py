@@ -127,7 +127,7 @@ def run_build(ctx: BuildContext, req: BuildRequest, listeners: Sequence[Listener
             for line in skipped:
                 ctx.report(line)
         if result.ok:
-            record_roots(cache.root, root, built_roots(ag))
+            record_roots(cache.root, root, built_roots(ag), graph.packages, (str(t) for t in graph.targets))
     finally:
         cache.finish()
         auto_gc(cache, set(ag.actions))

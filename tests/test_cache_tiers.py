@@ -263,8 +263,11 @@ def test_gc_under_a_size_cap_keeps_referenced_and_pinned_entries(populated: tupl
                                                                  tmp_path: Path) -> None:
     local = copy_cache(populated[0], tmp_path / "local")
     env = {"NEURONBUILD_CACHE_GC_GRACE_S": "0"}
-    # A workspace whose current targets are //pkg:c only: c2's two actions are unreferenced.
+    # Only a workspace whose targets are //pkg:c has built into this cache (the populating workspace's build roots are
+    # dropped): c2's two actions are referenced by no workspace's last successful build.
+    shutil.rmtree(local / "v1" / "roots")
     small = write_ws(tmp_path / "small", {"pkg/m.py": MODEL, "pkg/BUILD": BUILD.split("neuron_compile(name = \"c2\"")[0]})
+    assert "0 executed, 4 cached" in build(small, local).stdout
     before = entries(local)
     gc = run_cli(["cache", "gc", "--max-size", "1", "--cache-dir", str(local)], small, env=env)
     assert gc.returncode == 0, gc.stdout + gc.stderr

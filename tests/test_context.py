@@ -88,3 +88,19 @@ def test_plan_dry_run_and_explain_read_the_shared_tier(tmp_path: Path) -> None:
     assert "0 executed, 4 cached" in out, out
     # without the tier, the same fresh cache would execute everything
     assert len(cli_json(["plan", "--cache-dir", str(tmp_path / "c")], ws, env)["execute"]) == 4
+
+
+def test_a_deleted_target_stops_being_protected(tmp_path: Path) -> None:
+    ws, cache = tiny_ws(tmp_path / "ws"), tmp_path / "cache"
+    env = {"NEURONX_CC": "", "NEURONBUILD_CACHE_GC_GRACE_S": "0"}
+    _ok(run_cli(["build", "--cache-dir", str(cache)], ws, env))
+    first = _entries(cache)
+    build_file = ws / "m" / "BUILD"  # rename the compile target and change its options: 2 new compiles, same traces
+    build_file.write_text(build_file.read_text().replace('name = "tiny_trn2"', 'name = "tiny_o3"')
+                          .replace("opt_level = 2", "opt_level = 3"))
+    _ok(run_cli(["build", "--cache-dir", str(cache)], ws, env))
+    assert len(_entries(cache)) == 6
+    out = _ok(run_cli(["cache", "gc", "--max-size", "1", "--cache-dir", str(cache)], ws, env))
+    assert "removed 2 of 6 entries" in out, out
+    kept = _entries(cache)
+    assert len(kept) == 4 and len(kept & first) == 2  # the shared traces stay; the deleted target's compiles go

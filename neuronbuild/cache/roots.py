@@ -40,13 +40,17 @@ def _targets(data: Mapping[str, object] | None) -> dict[str, list[str]]:
     return {str(k): [str(f) for f in v] for k, v in raw.items() if isinstance(v, list)}
 
 
-def record_roots(root: Path, workspace: Path, targets: Mapping[str, Iterable[str]]) -> None:
-    """Merge this build's {label: fingerprints} into the workspace's roots. Never raises for I/O."""
+def record_roots(root: Path, workspace: Path, targets: Mapping[str, Iterable[str]],
+                 loaded_packages: Iterable[str] = (), existing: Iterable[str] = ()) -> None:
+    """Merge this build's {label: fingerprints} into the workspace's roots; labels of `loaded_packages` that are no
+    longer among `existing` labels (deleted or renamed targets) stop being protected. Never raises for I/O."""
+    loaded, alive = set(loaded_packages), set(existing)
     p = _path(root, workspace)
     with contextlib.suppress(OSError):
         p.parent.mkdir(parents=True, exist_ok=True)
         with file_lock(p.with_suffix(".lock")):
-            merged = _targets(_read(p))
+            merged = {k: v for k, v in _targets(_read(p)).items()
+                      if k in alive or k.removeprefix("//").partition(":")[0] not in loaded}
             merged.update({str(k): sorted(set(v)) for k, v in targets.items()})
             data = {"workspace": str(workspace), "targets": dict(sorted(merged.items()))}
             atomic_write_bytes(p, json.dumps(data, indent=0).encode(), root / "tmp", durable=False)

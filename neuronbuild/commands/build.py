@@ -77,6 +77,11 @@ def run(args: argparse.Namespace) -> int:
         return _bad("--scheduler is only used with --executor dask")
     if args.executor != "local" and args.remote_cache and "://" in args.remote_cache:
         return _bad("the Dask executor needs --remote-cache to be a shared directory")
+    if args.executor != "local" and args.remote_cache and not Path(args.remote_cache).expanduser().is_dir():
+        # A build without Dask warns and continues without a missing shared tier; a farm cannot work without one,
+        # and creating it here could put the farm's cache on a local disk where the share is not mounted.
+        return _bad(f"--remote-cache {args.remote_cache}: no such directory (the Dask executor needs a directory "
+                    "every worker can read and write; create it, or mount the share)")
     from neuronbuild.cache.local import resolve_cache_dir
     from neuronbuild.context import NORMAL, QUIET, VERBOSE, patterns_or_default
     from neuronbuild.workspace import find_workspace

@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import shutil
+import signal
+import socket
 import tempfile
 import threading
 import time
@@ -29,6 +32,7 @@ from neuronbuild.execution.sandbox import InputChanged
 from neuronbuild.execution.worker import first_lines
 
 _LOG_TAIL = 200_000
+SLOTS_REFRESH_S = 2.0
 
 
 class DaskExecutor:
@@ -65,6 +69,7 @@ class DaskExecutor:
             self.shutdown()
             raise NeuronBuildError(f"cannot use the Dask cluster at {address or 'a LocalCluster'}: {e}") from None
         self.slots = max(1, sum(self.client.nthreads().values()))
+        self._slots_checked = time.monotonic()
         self._futures: dict[Any, Job] = {}
         cache.scratch.mkdir(parents=True, exist_ok=True)
         self._tmp = Path(tempfile.mkdtemp(dir=cache.scratch, prefix="farm-"))
@@ -102,17 +107,28 @@ class DaskExecutor:
                 finally:
                     tmp.unlink(missing_ok=True)
             inputs.append((d.path, digest))
-        payload = {"kind": a.kind, "spec": json.loads(json.dumps(a.spec)), "inputs": inputs,
+        payload = {"kind": a.kind, "spec": json.loads(json.dumps(a.spec)), "inputs": inputs, "expect": dict(a.versions),
                    "outputs": list(a.outputs), "shared": str(self._shared_dir), "open_cache": self._open_cache, "toolchain_tmp": self._toolchain_tmp,
                    "description": a.describe()}
         key = f"neuronbuild-{a.fingerprint[:16]}-{job.attempt}-{uuid.uuid4().hex[:8]}"
+        payload["key"] = key
         fut = self.client.submit(farm_run, payload, key=key, pure=False)
         self._futures[fut] = job
         return Started("dask", 0)
 
+    def _refresh_slots(self) -> None:
+        """Workers that joined (or left) since the build started change how many actions run at once."""
+        now = time.monotonic()
+        if now - self._slots_checked < SLOTS_REFRESH_S:
+            return
+        self._slots_checked = now
+        with contextlib.suppress(Exception):
+            self.slots = max(1, sum(self.client.nthreads().values()))
+
     def wait(self, timeout: float | None) -> list[Completion]:
         from distributed import wait as dask_wait
 
+        self._refresh_slots()
         if not self._futures:
             time.sleep(timeout or 0.1)
             return []
@@ -152,10 +168,14 @@ class DaskExecutor:
         shutil.rmtree(self._tmp / job.id.replace("#", "-"), ignore_errors=True)
 
     def cancel(self) -> None:
-        """Forget running tasks (a task already running on a worker finishes there; its outputs are not recorded)."""
+        """Stop running tasks: each worker kills the process running one of ours (and everything it started), then
+        the futures are cancelled; nothing they would have produced is recorded."""
         if self._futures:
+            keys = [str(f.key) for f in self._futures]
             with contextlib.suppress(Exception):
-                self.client.cancel(list(self._futures))
+                self.client.run(cancel_farm_tasks, keys, wait=True, on_error="ignore")
+            with contextlib.suppress(Exception):
+                self.client.cancel(list(self._futures), force=True)
         self._futures.clear()
 
     def shutdown(self) -> None:
@@ -175,6 +195,23 @@ class DaskExecutor:
 
 _POOLS: dict[tuple[int, str], WorkerPool] = {}
 _POOLS_LOCK = threading.Lock()
+_RUNNING: dict[str, WorkerPool] = {}  # task key -> the pool running it (on this Dask worker)
+_CANCELLED: set[str] = set()
+
+
+def cancel_farm_tasks(keys: list[str]) -> int:
+    """Runs on every Dask worker (Client.run): kill the worker processes (process groups) running these tasks."""
+    killed = 0
+    for key in keys:
+        pool = _RUNNING.get(key)
+        if pool is None:
+            continue
+        _CANCELLED.add(key)
+        for pid in pool.pids():
+            with contextlib.suppress(OSError):
+                os.killpg(pid, signal.SIGKILL)
+                killed += 1
+    return killed
 
 
 def _farm_base() -> Path:
@@ -199,9 +236,9 @@ def farm_run(payload: dict[str, Any]) -> dict[str, Any]:
     try:
         from distributed import get_worker
 
-        where = str(get_worker().address)
+        where = f"{get_worker().address} ({socket.gethostname()})"
     except (ImportError, ValueError):
-        where = "dask"
+        where = f"dask ({socket.gethostname()})"
     shared = payload["open_cache"](Path(payload["shared"]))
     base = _farm_base()
     base.mkdir(parents=True, exist_ok=True)
@@ -215,10 +252,19 @@ def farm_run(payload: dict[str, Any]) -> dict[str, Any]:
         log.write_text(f"# {payload['description']}\n", encoding="utf-8")
         pool = _pool_for_thread(payload.get("toolchain_tmp"))
         pool.submit("job", {"kind": payload["kind"], "spec": payload["spec"], "inputs": str(inputs),
-                            "outputs": str(outputs), "log": str(log)})
+                            "outputs": str(outputs), "log": str(log), "expect": payload.get("expect")})
+        key = str(payload.get("key") or "")
+        _RUNNING[key] = pool
         results: list[Any] = []
-        while not results:
-            results = pool.wait(None)
+        try:
+            while not results and key not in _CANCELLED:
+                results = pool.wait(1.0)
+        finally:
+            _RUNNING.pop(key, None)
+            cancelled = key in _CANCELLED
+            _CANCELLED.discard(key)
+        if cancelled or not results:
+            return {"ok": False, "error": "cancelled", "duration_s": 0.0, "worker": where}
         res = dict(results[0].result)
         if res.get("ok"):
             outs: dict[str, list[Any]] = {}
@@ -240,3 +286,19 @@ def farm_run(payload: dict[str, Any]) -> dict[str, Any]:
         return res
     finally:
         shutil.rmtree(sb, ignore_errors=True)
+
+
+def worker_toolchain() -> dict[str, Any]:
+    """Runs on a Dask worker (Client.run): what this host would build with, as fingerprints record it."""
+    from neuronbuild.analysis.plan_settings import find_neuronx_cc, neuronx_cc_version
+    from neuronbuild.analysis.toolchain_versions import trace_toolchain
+    from neuronbuild.platforms import cxx_version, host_isa
+
+    out: dict[str, Any] = {"host": socket.gethostname(), "pid": os.getpid(), **trace_toolchain(),
+                           "cxx": cxx_version(), "isa": host_isa()}
+    try:
+        cc = find_neuronx_cc(None)
+        out["neuronx-cc"] = neuronx_cc_version(cc) if cc else None
+    except Exception as e:  # noqa: BLE001 - a broken compiler is reported, not raised
+        out["neuronx-cc"] = f"broken ({e})"
+    return out

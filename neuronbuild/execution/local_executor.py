@@ -37,7 +37,7 @@ class LocalExecutor:
         a = job.action
         sb = sandboxes.prepare(a, self.root, self.cache, self._scratch)
         msg = {"kind": a.kind, "spec": json.loads(json.dumps(a.spec)), "inputs": str(sb.inputs),
-               "outputs": str(sb.outputs), "log": str(job.log)}
+               "outputs": str(sb.outputs), "log": str(job.log), "expect": dict(a.versions)}
         try:
             slot, pid = self._pool.submit(job.id, msg)
         except BaseException:

@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import contextlib
 import os
+import socket
 import sys
 import threading
 import time
 import traceback
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
+
+HOST = socket.gethostname()
 
 # The first lines of an error kept in results and summaries (the full text is in the action's log).
 ERROR_LINES = 5
@@ -61,9 +64,33 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
-def run_action(kind: str, spec: dict[str, Any], inputs: str, outputs: str, log_path: str) -> dict[str, Any]:
-    """Run a trace or compile in this process. Returns {"ok", "metadata"|"error", "duration_s", "pid", "peak_rss_mb"}."""
+def toolchain_mismatch(expect: Mapping[str, str]) -> str | None:
+    """Why this process cannot produce what an action's fingerprint promises (the versions it records of Python, torch
+    and the C++ compiler differ from this worker's), or None. A farm worker with another toolchain must refuse rather
+    than store an artifact under a fingerprint that names other versions."""
+    from neuronbuild.analysis.toolchain_versions import trace_toolchain
+
+    here = trace_toolchain()
+    if "cxx" in expect:
+        from neuronbuild.platforms import cxx_version
+
+        here["cxx"] = cxx_version()
+    diffs = [f"{k} {here[k]} here, the action needs {expect[k]}" for k in sorted(here) if k in expect
+             and str(expect[k]) != here[k]]
+    if not diffs:
+        return None
+    return f"this worker's toolchain does not match the action's fingerprint: {'; '.join(diffs)} (on {HOST})"
+
+
+def run_action(kind: str, spec: dict[str, Any], inputs: str, outputs: str, log_path: str,
+               expect: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """Run a trace or a toolchain step in this process, after checking this worker's toolchain against `expect` (the
+    versions in the action's fingerprint). Returns {"ok", "metadata"|"error", "duration_s", "pid", "peak_rss_mb"}."""
     start = time.perf_counter()
+    mismatch = toolchain_mismatch(expect or {})
+    if mismatch is not None:
+        return {"ok": False, "error": mismatch, "duration_s": 0.0, "pid": os.getpid(), "peak_rss_mb": 0.0,
+                "host": HOST}
     _reset_peak_rss()
     cwd = os.getcwd()
     Path(log_path).parent.mkdir(parents=True, exist_ok=True)
@@ -108,7 +135,7 @@ def main(read_fd: int, write_fd: int) -> None:
     """A worker's life: warm up (import torch and the toolchains once), then run actions until told to stop.
 
     Started by pool.WorkerProcess in its own session with the action environment; messages are pickled over two
-    pipes: in, {"kind", "spec", "inputs", "outputs", "log"} or None (stop); out, run_action's result."""
+    pipes: in, {"kind", "spec", "inputs", "outputs", "log", "expect"} or None (stop); out, run_action's result."""
     for fd in (read_fd, write_fd):
         os.set_inheritable(fd, False)  # compilers started by the toolchain must not hold our pipes open
     conn_in = Connection(read_fd, writable=False)
@@ -131,4 +158,5 @@ def main(read_fd: int, write_fd: int) -> None:
             return
         if msg is None:
             return
-        conn_out.send(run_action(msg["kind"], msg["spec"], msg["inputs"], msg["outputs"], msg["log"]))
+        conn_out.send(run_action(msg["kind"], msg["spec"], msg["inputs"], msg["outputs"], msg["log"],
+                                 msg.get("expect")))

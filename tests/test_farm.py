@@ -1,0 +1,166 @@
+"""The compile farm on a real Dask scheduler and workers on 127.0.0.1: `farm status`, workers refusing an action whose
+fingerprint names another toolchain, workers that join mid-build, and Ctrl-C stopping actions already running."""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+from helpers import MODEL_SRC, run_cli, write_ws
+from introspect_ws import tiny_ws
+
+from neuronbuild.analysis.toolchain_versions import package_version
+
+DASK = str(Path(sys.executable).parent / "dask")
+SLEEPY_SRC = MODEL_SRC + "\n\ndef sleepy(config):\n    import time\n    time.sleep(600)\n    return build_model(config)\n"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Farm:
+    """`dask scheduler` + `dask worker` processes (1 thread each, no nanny), every listener on 127.0.0.1."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.port = _free_port()
+        self.address = f"tcp://127.0.0.1:{self.port}"
+        self.logs = tmp / "dask-logs"
+        self.logs.mkdir()
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.workers: list[subprocess.Popen[bytes]] = []
+        self._spawn("scheduler", ["scheduler", "--host", "127.0.0.1", "--port", str(self.port), "--no-dashboard"])
+
+    def _spawn(self, name: str, args: list[str]) -> subprocess.Popen[bytes]:
+        with open(self.logs / f"{name}.log", "wb") as log:
+            p = subprocess.Popen([DASK, *args], stdout=log, stderr=subprocess.STDOUT, cwd=self.logs)
+        self.procs.append(p)
+        return p
+
+    def add_worker(self, wait: bool = True) -> subprocess.Popen[bytes]:
+        n = len(self.workers) + 1
+        w = self._spawn(f"worker{n}", ["worker", self.address, "--host", "127.0.0.1", "--nthreads", "1",
+                                       "--no-nanny", "--no-dashboard", "--name", f"w{n}"])
+        self.workers.append(w)
+        if wait:
+            from distributed import Client
+
+            with Client(self.address, timeout="60s") as c:
+                c.wait_for_workers(len(self.workers), timeout=120)
+        return w
+
+    def close(self) -> None:
+        for p in reversed(self.procs):
+            if p.poll() is None:
+                for child in psutil.Process(p.pid).children(recursive=True):
+                    child.kill()
+                p.kill()
+                p.wait(timeout=30)
+
+
+@pytest.fixture()
+def farm(tmp_path: Path) -> Iterator[Farm]:
+    f = Farm(tmp_path)
+    try:
+        yield f
+    finally:
+        f.close()
+
+
+def _dask_build(ws: Path, farm: Farm, tmp: Path, *extra: str) -> list[str]:
+    shared = tmp / "shared"
+    shared.mkdir(exist_ok=True)
+    return ["build", "--executor", "dask", "--scheduler", farm.address, "--remote-cache", str(shared),
+            "--cache-dir", str(tmp / "cache"), *extra]
+
+
+def test_farm_status_lists_workers_with_their_toolchains(farm: Farm) -> None:
+    farm.add_worker()
+    proc = run_cli(["farm", "status", "--scheduler", farm.address], Path.cwd())
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith(f"scheduler {farm.address}: 1 worker(s), 1 thread(s)")
+    row = next(ln for ln in lines if ln.startswith("tcp://127.0.0.1:"))
+    assert socket.gethostname() in row and package_version("torch") in row and f"{sys.version_info[0]}." in row
+    bad = run_cli(["farm", "status", "--scheduler", f"tcp://127.0.0.1:{_free_port()}", "--timeout", "2"], Path.cwd())
+    assert bad.returncode == 1 and bad.stderr.count("\n") == 1 and "cannot reach" in bad.stderr
+
+
+def test_a_worker_refuses_an_action_whose_fingerprint_names_another_torch(farm: Farm, tmp_path: Path) -> None:
+    farm.add_worker()
+    ws = tiny_ws(tmp_path / "ws", seqs=(8,))
+    fake = tmp_path / "pp" / "torch-99.0.dist-info"  # the client believes torch is 99.0; the worker runs 2.13
+    fake.mkdir(parents=True)
+    (fake / "METADATA").write_text("Metadata-Version: 2.1\nName: torch\nVersion: 99.0\n")
+    proc = run_cli(_dask_build(ws, farm, tmp_path), ws, {"PYTHONPATH": str(fake.parent), "NEURONX_CC": ""})
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "toolchain does not match" in proc.stderr and "torch" in proc.stderr and "99.0" in proc.stderr
+    assert not list((tmp_path / "shared" / "v1" / "ac").rglob("*.json"))  # nothing cached under the wrong versions
+    assert not list((tmp_path / "cache" / "v1" / "ac").rglob("*.json"))
+
+
+def test_workers_joining_mid_build_are_used(farm: Farm, tmp_path: Path) -> None:
+    farm.add_worker()
+    ws = tiny_ws(tmp_path / "ws", seqs=(8, 16, 24, 32, 40, 48))
+    evf = tmp_path / "events.jsonl"
+    build = subprocess.Popen([sys.executable, "-m", "neuronbuild", *_dask_build(ws, farm, tmp_path),
+                              "--build-event-json-file", str(evf)], cwd=ws, text=True,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**_env(), "NEURONX_CC": ""})
+    time.sleep(3.0)
+    farm.add_worker(wait=False)
+    out, err = build.communicate(timeout=900)
+    assert build.returncode == 0, out + err
+    events = [json.loads(line) for line in evf.read_text().splitlines()]
+    ran_on = {e["worker"] for e in events if e["event"] == "action_finished"}
+    assert len(ran_on) == 2, ran_on
+    in_flight = most = 0  # the scheduler dispatched to both at once: the new worker's thread counts as a slot
+    for e in events:
+        in_flight += {"action_started": 1, "action_finished": -1, "action_failed": -1}.get(e["event"], 0)
+        most = max(most, in_flight)
+    assert most == 2, most
+
+
+def _env() -> dict[str, str]:
+    import os
+
+    return dict(os.environ)
+
+
+def test_ctrl_c_stops_actions_already_running_on_workers(farm: Farm, tmp_path: Path) -> None:
+    worker = farm.add_worker()
+    ws = write_ws(tmp_path / "ws", {"m/llama.py": SLEEPY_SRC, "m/BUILD": """
+neuron_model(name = "slow", srcs = ["llama.py"], entry = "llama:sleepy",
+             config = {"vocab": 64, "hidden": 16, "layers": 1, "heads": 2}, inputs = {"input_ids": "int64[batch, seq]"})
+neuron_buckets(name = "b", dims = {"batch": [1], "seq": [8]})
+neuron_target(name = "trn2", platform = "trn2")
+neuron_compile(name = "slow_trn2", model = ":slow", buckets = [":b"], target = ":trn2")
+"""})
+    build = subprocess.Popen([sys.executable, "-m", "neuronbuild", *_dask_build(ws, farm, tmp_path)], cwd=ws,
+                             text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             env={**_env(), "NEURONX_CC": ""})
+    deadline = time.monotonic() + 120
+    running: list[psutil.Process] = []
+    while not running and time.monotonic() < deadline:
+        running = [c for c in psutil.Process(worker.pid).children(recursive=True)
+                   if "neuronbuild.execution.worker" in " ".join(c.cmdline())]
+        time.sleep(0.3)
+    assert running, "the action never started on the worker"
+    time.sleep(3.0)  # the action is in its 600 s sleep
+    build.send_signal(signal.SIGINT)
+    _out, err = build.communicate(timeout=120)
+    assert build.returncode == 8, err
+    gone_by = time.monotonic() + 15
+    while time.monotonic() < gone_by and any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in running):
+        time.sleep(0.2)
+    assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in running), \
+        "the action kept running on the worker after the build was interrupted"
