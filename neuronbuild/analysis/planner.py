@@ -93,7 +93,8 @@ class AnalysisContext:
             "toolchain": self.settings.trace_toolchain() | self.settings.override(dict(rec.get("imports") or {})),
         } | self.common
         spec = {"model": {k: rec[k] for k in ("package", "entry", "config", "seed")}
-                | {"srcs": list(rec["srcs"]), "weights": rec["weights"]["path"] if rec["weights"] else None},
+                | {"srcs": list(rec["srcs"]), "weights": rec["weights"], "weights_prefix": rec.get("weights_prefix", ""),
+                   "libraries": sorted(rec.get("deps") or {})},
                 "inputs": rec["inputs"], "outputs": rec.get("outputs") or [], "bucket": bucket.as_dict()}
         return self.add(make_action(TRACE, model.label, bucket, record, spec, files=model.files,
                                     outputs=(TRACE_OUTPUT,)))

@@ -11,7 +11,10 @@ from neuronbuild.analysis.planner import AnalysisContext
 from neuronbuild.analysis.providers import ModelInfo
 from neuronbuild.analysis.toolchain_versions import distributions_of
 from neuronbuild.digests import digest_file
+from neuronbuild.errors import UserInputError
+from neuronbuild.kinds import py_library
 from neuronbuild.kinds.base import RuleKind
+from neuronbuild.loading.labels import Label
 from neuronbuild.loading.schema import (
     CONST_DIMS,
     DICT,
@@ -19,7 +22,6 @@ from neuronbuild.loading.schema import (
     INPUTS,
     INT,
     INT_RANGES,
-    LABEL,
     LABEL_LIST,
     NAME,
     OUTPUTS,
@@ -27,10 +29,29 @@ from neuronbuild.loading.schema import (
     TAGS,
     Attr,
     AttrError,
+    AttrType,
     RuleSchema,
     parse_input_spec,
 )
+from neuronbuild.loading.target_graph import locate
 from neuronbuild.loading.targets import Target
+
+
+def _weights(attr: str, v: Any, pkg: str) -> tuple[Label, ...]:
+    items = [v] if isinstance(v, str) else v
+    if not isinstance(items, (list, tuple)) or not items:
+        raise AttrError(f"attribute '{attr}' must be a label or a non-empty list of labels")
+    labels = LABEL_LIST.check(attr, list(items), pkg)
+    for lbl in labels:
+        if not lbl.name.endswith((".safetensors", ".safetensors.index.json")):
+            raise AttrError(f"attribute '{attr}': '{lbl}' is not a .safetensors file or a .safetensors.index.json")
+    if any(lbl.name.endswith(".json") for lbl in labels) and len(labels) > 1:
+        raise AttrError(f"attribute '{attr}': an index.json names its shards itself; list it alone")
+    return tuple(labels)
+
+
+WEIGHTS = AttrType("weights", _weights)
+_MAX_INDEX_BYTES = 64 << 20
 
 
 def _check(a: Mapping[str, Any]) -> None:
@@ -67,8 +88,16 @@ SCHEMA = RuleSchema(
              default={}),
         Attr("input_ranges", INT_RANGES, "Value range [low, high) per integer input for validate's random inputs "
              "(default: from config keys vocab_size / type_vocab_size, else [0, 100)).", default={}),
-        Attr("weights", LABEL, "Optional safetensors file; without it the factory's seeded init is used.",
+        Attr("weights", WEIGHTS, "Optional safetensors weights: one file, a list of shards, or an HF "
+             "'*.safetensors.index.json' (its shards are found next to it); without it the factory's seeded init is "
+             "used. Tied weights may be absent from the files.", kinds=("file",)),
+        Attr("weights_prefix", STRING, "A prefix the weight files' keys carry and the module's do not (e.g. "
+             "'model.'); stripped before loading.", default=""),
+        Attr("data", LABEL_LIST, "Non-Python files the model reads (config.json, tokenizer files), placed in the "
+             "sandbox at their workspace paths (read them relative to the module's __file__).", default=(),
              kinds=("file",)),
+        Attr("deps", LABEL_LIST, "neuron_py_library targets the sources import (by workspace path).", default=(),
+             kinds=("neuron_py_library",)),
         Attr("seed", INT, "torch.manual_seed value used before calling the factory.", default=0),
         TAGS,
     ),
@@ -85,12 +114,14 @@ def analyze(ctx: AnalysisContext, model: Target) -> ModelInfo:
         d = digest_file(root / lbl.path)
         srcs[lbl.path] = d
         files.append(FileInput(lbl.path, d))
-    weights = None
-    if model.attrs.get("weights") is not None:
-        w = model.attrs["weights"]
-        wd = digest_file(root / w.path)
-        weights = {"path": w.path, "digest": wd}
-        files.append(FileInput(w.path, wd))
+    weights = _weights_record(ctx, model, files) if model.attrs.get("weights") else None
+    data: dict[str, str] = {}
+    for lbl in model.attrs["data"]:
+        d = digest_file(root / lbl.path)
+        data[lbl.path] = d
+        files.append(FileInput(lbl.path, d))
+    lib_srcs, lib_files = py_library.collect(ctx, tuple(model.attrs["deps"]))
+    files.extend(f for f in lib_files if f.path not in srcs)
     consts: Mapping[str, int] = model.attrs["dims"]
     parsed = [(k, parse_input_spec(v)) for k, v in model.attrs["inputs"].items()]
     # An ordered list of [name, spec] pairs: input order is positional, so it enters the fingerprint (a dict's keys
@@ -111,12 +142,64 @@ def analyze(ctx: AnalysisContext, model: Target) -> ModelInfo:
     }
     if outputs:
         record["outputs"] = outputs
-    imports = distributions_of(_imported_modules(root, [lbl.path for lbl in model.attrs["srcs"]]))
+    if data:
+        record["data"] = dict(sorted(data.items()))
+    if lib_srcs:
+        record["deps"] = lib_srcs  # library sources by path -> digest (their directory roots go on sys.path)
+    if model.attrs["weights_prefix"]:
+        record["weights_prefix"] = model.attrs["weights_prefix"]
+    imports = distributions_of(_imported_modules(root, [lbl.path for lbl in model.attrs["srcs"]] + list(lib_srcs)))
     if imports:  # third-party distributions the sources import, at their installed (or what-if) versions
         record["imports"] = imports
-    if model.attrs["input_ranges"]:
-        record["input_ranges"] = {k: list(v) for k, v in model.attrs["input_ranges"].items()}
     return ModelInfo(model.label, record, tuple(files), dims)
+
+
+def _weights_record(ctx: AnalysisContext, model: Target, files: list[FileInput]) -> dict[str, Any]:
+    """One file: {"path", "digest"}; shards (a list, or an HF index.json's weight_map): + "shards" [[path, digest]],
+    the digest then covering every shard (and the index)."""
+    root = ctx.graph.root
+    labels: tuple[Label, ...] = model.attrs["weights"]
+    paths = [lbl.path for lbl in labels]
+    if len(labels) == 1 and labels[0].name.endswith(".json"):
+        paths = [labels[0].path, *_index_shards(ctx, model, labels[0])]
+    digests = []
+    for p in paths:
+        if not (root / p).is_file():
+            raise UserInputError(f"weights file {p} does not exist", locate(ctx.graph, model))
+        d = digest_file(root / p)
+        digests.append([p, d])
+        files.append(FileInput(p, d))
+    if len(digests) == 1:
+        return {"path": digests[0][0], "digest": digests[0][1]}
+    from neuronbuild.analysis.fingerprint import fingerprint
+
+    return {"path": paths[0], "digest": fingerprint({"shards": digests}), "shards": digests}
+
+
+def _index_shards(ctx: AnalysisContext, model: Target, index: Label) -> list[str]:
+    """The shard files an HF *.safetensors.index.json names (next to it), in first-use order."""
+    import json
+
+    path = ctx.graph.root / index.path
+    where = locate(ctx.graph, model)
+    try:
+        if path.stat().st_size > _MAX_INDEX_BYTES:
+            raise UserInputError(f"weights index {index.path} is larger than 64 MB", where)
+        data = json.loads(path.read_bytes())
+    except OSError as e:
+        raise UserInputError(f"cannot read weights index {index.path}: {e.strerror or e}", where) from None
+    except ValueError as e:
+        raise UserInputError(f"weights index {index.path} is not JSON ({e})", where) from None
+    wmap = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(wmap, dict) or not wmap or not all(isinstance(v, str) for v in wmap.values()):
+        raise UserInputError(f"weights index {index.path} has no 'weight_map' of key -> shard file", where)
+    shards = list(dict.fromkeys(wmap.values()))
+    base = index.path.rsplit("/", 1)[0] + "/" if "/" in index.path else ""
+    for s in shards:
+        if "/" in s or "\\" in s or s in (".", "..") or not s.endswith(".safetensors"):
+            raise UserInputError(f"weights index {index.path} names a shard {s!r} that is not a .safetensors file "
+                                 f"next to it", where)
+    return [base + s for s in shards]
 
 
 def _imported_modules(root: Any, paths: list[str]) -> list[str]:

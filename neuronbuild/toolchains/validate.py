@@ -15,6 +15,7 @@ class Comparison:
     max_abs: float
     max_rel: float
     shape: tuple[int, ...]
+    error: str = ""  # set when running either side failed (e.g. an input value out of the model's range)
 
 
 def eager_model(model_spec: Mapping[str, Any], workspace: Path) -> Callable[..., Any]:
@@ -33,9 +34,14 @@ def compare(fn: Callable[..., Any], model: Callable[..., Any], inputs: Any, buck
     from neuronbuild.toolchains.outputs import flatten
 
     args = example_inputs(inputs, dict(bucket), seed=seed, config=dict(config), ranges=ranges)
-    with torch.no_grad():
-        ref = [t for _n, t in flatten(model(*args))]
-        out = [t for _n, t in flatten(fn(*args))]
+    try:
+        with torch.no_grad():
+            ref = [t for _n, t in flatten(model(*args))]
+            out = [t for _n, t in flatten(fn(*args))]
+    except Exception as exc:  # noqa: BLE001 - reported as this graph's result, with how to fix the usual cause
+        first = (str(exc).strip().splitlines() or [""])[0]
+        hint = " (integer inputs out of range? set the model's input_ranges)" if isinstance(exc, IndexError) else ""
+        return Comparison(float("inf"), float("inf"), (), f"{type(exc).__name__}: {first}{hint}")
     if len(ref) != len(out) or any(tuple(r.shape) != tuple(o.shape) for r, o in zip(ref, out, strict=False)):
         return Comparison(float("inf"), float("inf"), tuple(int(o.numel()) for o in out))
     ref_t = torch.cat([t.reshape(-1).float() for t in ref]) if ref else torch.zeros(0)
