@@ -33,7 +33,7 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_OK
 
     from neuronbuild import plugins
-    from neuronbuild.toolchains.validate import compare, eager_model
+    from neuronbuild.toolchains.validate import compare, eager_model, value_config
 
     failed = 0
     models: dict[str, Any] = {}
@@ -61,8 +61,8 @@ def run(args: argparse.Namespace) -> int:
                     files[name] = Path(tmp) / name
                 fn = tc.load_artifact(files)
                 ranges = graph.targets[ct.model].attrs.get("input_ranges")  # validate-only: not in fingerprints
-                cmp = compare(fn, models[key], spec["inputs"], bucket.as_dict(), spec.get("config") or {}, args.seed,
-                              ranges)
+                cmp = compare(fn, models[key], spec["inputs"], bucket.as_dict(), value_config(spec, ws.root),
+                              args.seed, ranges)
             ok = cmp.max_abs <= tol and not cmp.error
             failed += not ok
             if cmp.error:

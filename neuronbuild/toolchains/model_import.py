@@ -208,7 +208,7 @@ def input_shapes(inputs: Any, bucket: Mapping[str, Any]) -> list[tuple[str, torc
 def int_range(name: str, dtype: torch.dtype, config: Mapping[str, Any] | None,
               ranges: Mapping[str, Any] | None) -> tuple[int, int]:
     """[low, high) of the random values of an integer input: `input_ranges`, else from config keys (token_type_ids:
-    type_vocab_size; masks: ones; other ids: vocab_size / vocab), else [0, 100); clipped to the dtype."""
+    type_vocab_size, else 2; masks: ones; other ids: vocab_size / vocab, else [0, 100)); clipped to the dtype."""
     config = config or {}
 
     def key(*names: str) -> int | None:
@@ -220,8 +220,8 @@ def int_range(name: str, dtype: torch.dtype, config: Mapping[str, Any] | None,
 
     if ranges and name in ranges:
         low, high = (int(x) for x in ranges[name])
-    elif "token_type" in name and key("type_vocab_size") is not None:
-        low, high = 0, key("type_vocab_size") or 1
+    elif "token_type" in name:
+        low, high = 0, key("type_vocab_size") or 2  # BERT's default type vocabulary
     elif "mask" in name:
         low, high = 1, 2  # attend everywhere: random masks can blank whole rows (NaN in eager and compiled alike)
     else:

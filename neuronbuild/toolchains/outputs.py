@@ -133,16 +133,20 @@ def inferred_follows(run: Callable[[Mapping[str, int]], list[tuple[str, torch.Te
     """Which output dims follow which bucket dim, by running the model at a second size of each bucket dim and
     comparing shapes: an output dim follows `d` when it equals d's size at both sizes and no other change moves it.
 
-    Never guessed from equal sizes at one shape (BERT's pooler_output [batch, hidden] with seq == hidden)."""
+    Never guessed from equal sizes at one shape (BERT's pooler_output [batch, hidden] with seq == hidden). A bucket
+    dim the model accepts at no other size (a feature width sized by buckets) is followed by no output dim."""
     follows: list[list[str | None]] = [[None] * t.dim() for _n, t in named]
     moved: list[list[bool]] = [[False] * t.dim() for _n, t in named]
     for d, size in bucket.items():
-        other = size - 1 if size > 1 else size + 1
-        try:
-            alt = run({**bucket, d: other})
-        except Exception as exc:  # noqa: BLE001 - the model rejects the other size: say how to declare instead
-            raise ToolchainError(f"cannot infer which output dims follow '{d}' (the model fails at {d}={other}: "
-                                 f"{type(exc).__name__}); declare them with the model's `outputs` attribute") from None
+        alt = None
+        for other in ((size - 1, size + 1) if size > 1 else (size + 1,)):
+            try:
+                alt = run({**bucket, d: other})
+                break
+            except Exception:  # noqa: BLE001, S112 - the model rejects this size: try the other one
+                continue
+        if alt is None:
+            continue
         if [n for n, _t in alt] != [n for n, _t in named]:
             raise ToolchainError(f"the model's outputs change with '{d}' ({d}={size} vs {other}); declare them "
                                  f"with the model's `outputs` attribute")

@@ -18,6 +18,24 @@ class Comparison:
     error: str = ""  # set when running either side failed (e.g. an input value out of the model's range)
 
 
+def value_config(model_spec: Mapping[str, Any], workspace: Path) -> dict[str, Any]:
+    """The keys that size random integer inputs: the model's `config`, over the top-level keys of any declared
+    `config.json` data file (HF models read theirs from there)."""
+    import json
+
+    merged: dict[str, Any] = {}
+    for path in sorted(model_spec.get("data") or {}):
+        if not str(path).endswith("config.json"):
+            continue
+        try:
+            data = json.loads((Path(workspace) / path).read_bytes()[: 1 << 20])
+        except (OSError, ValueError):
+            continue
+        if isinstance(data, dict):
+            merged.update({k: v for k, v in data.items() if isinstance(v, int) and not isinstance(v, bool)})
+    return merged | dict(model_spec.get("config") or {})
+
+
 def eager_model(model_spec: Mapping[str, Any], workspace: Path) -> Callable[..., Any]:
     """The eager model a trace record describes, built from the workspace's sources and weights."""
     from neuronbuild.toolchains.model_import import build_eager_model
