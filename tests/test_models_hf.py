@@ -114,3 +114,32 @@ def test_transformers_bump_reruns_exactly_the_traces_that_import_it(built: tuple
 
 def _to_build(plan: dict) -> set[str]:  # type: ignore[type-arg]
     return {a["identity"] for a in plan["execute"]}
+
+
+TRACE = '''
+import hashlib, json, sys
+from pathlib import Path
+from neuronbuild.toolchains.trace import run_trace
+specs = json.loads(sys.argv[1])
+for i, spec in enumerate(specs):  # earlier specs: what the worker ran before
+    run_trace(spec, Path(sys.argv[2]), Path(sys.argv[3]) / str(i))
+print(hashlib.sha256((Path(sys.argv[3]) / str(len(specs) - 1) / "program.pt2").read_bytes()).hexdigest())
+'''
+
+
+def test_a_trace_is_the_same_in_a_fresh_and_in_a_used_worker(built: tuple[Path, Path], tmp_path: Path) -> None:
+    """HF output types never reach the program: the llama trace's bytes do not depend on whether the worker had
+    imported transformers (and traced BERT) before."""
+    from neuronbuild.analysis.planner import plan
+    from neuronbuild.loading.target_graph import load_targets
+
+    ws, _ = built
+    ag = plan(load_targets(ws, ["//hf:llama_cpu", "//hf:bert_cpu"]))
+    spec = {str(ct.label): ag.trace_of(ct.buckets[0][1]).spec for ct in ag.compiles}
+    digests = []
+    for n, specs in enumerate(([spec["//hf:llama_cpu"]], [spec["//hf:bert_cpu"], spec["//hf:llama_cpu"]])):
+        proc = subprocess.run([sys.executable, "-c", TRACE, json.dumps(specs), str(ws), str(tmp_path / str(n))],
+                              capture_output=True, text=True, timeout=900)
+        assert proc.returncode == 0, proc.stderr
+        digests.append(proc.stdout.strip())
+    assert digests[0] == digests[1]

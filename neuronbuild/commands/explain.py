@@ -59,13 +59,7 @@ def _cutoffs(ag: Any, cache: Any, cached: list[str]) -> list[tuple[Any, str]]:
         a = ag.actions[fp]
         if not a.dep_inputs:
             continue
-        prev = None
-        if cache.peek(fp):
-            res = cache.lookup(fp)
-            meta = getattr(res, "metadata", None) or {}
-            prev = meta.get("cutoff_from") if isinstance(meta.get("cutoff_from"), str) else None
-        else:
-            prev = cutoff.peek(a, cache)
+        prev = cutoff.reused_from(cache, fp) or cutoff.peek(a, cache, probe=True)  # local tier only
         if prev:
             out.append((a, prev))
     return out

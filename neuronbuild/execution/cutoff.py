@@ -9,6 +9,7 @@ import re
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from neuronbuild.analysis.actions import Action
 from neuronbuild.analysis.fingerprint import fingerprint
@@ -20,14 +21,25 @@ REASON = "trace output unchanged"  # what progress lines and explain say
 _FP_RE = re.compile(r"^[0-9a-f]{64}$")
 
 
-def cutoff_key(action: Action, cache: SpawnCache) -> str | None:
+def _get(cache: SpawnCache, fp: str, probe: bool) -> Any:
+    """A result; with `probe` (plan, explain, dry runs) only from the local tier: checking is never fetching."""
+    if not probe:
+        return cache.lookup(fp)
+    local = getattr(cache, "lookup_local", None)
+    if local is None:
+        return None
+    res, bad = local(fp)
+    return None if bad else res
+
+
+def cutoff_key(action: Action, cache: SpawnCache, probe: bool = False) -> str | None:
     """The action's record with each input action's fingerprint replaced by the digest of the output it reads;
     None when the action reads no outputs or an input's result is not in the cache."""
     if not action.dep_inputs:
         return None
     reads: dict[str, list[str]] = {}
     for d in action.dep_inputs:
-        res = cache.lookup(d.action)
+        res = _get(cache, d.action, probe)
         if res is None or d.output not in res.outputs:
             return None
         reads.setdefault(d.action, []).append(f"{d.output}={res.outputs[d.output].digest}")
@@ -40,6 +52,13 @@ def _entry(cache: SpawnCache, key: str) -> Path:
     return cache.root / CUTOFF_DIR / key[:2] / key
 
 
+def reused_from(cache: SpawnCache, fp: str) -> str | None:
+    """The earlier fingerprint a locally stored result was reused from by early cutoff, else None (never fetches)."""
+    res = _get(cache, fp, True)
+    prev = (getattr(res, "metadata", None) or {}).get("cutoff_from") if res is not None else None
+    return prev if isinstance(prev, str) else None
+
+
 def remember(action: Action, cache: SpawnCache) -> None:
     """After `action` succeeded: its cutoff key -> its fingerprint (best effort: a speed-up only)."""
     key = cutoff_key(action, cache)
@@ -50,9 +69,9 @@ def remember(action: Action, cache: SpawnCache) -> None:
                            durable=False)
 
 
-def peek(action: Action, cache: SpawnCache) -> str | None:
+def peek(action: Action, cache: SpawnCache, probe: bool = False) -> str | None:
     """The fingerprint of an earlier action with the same cutoff key whose result is complete, else None."""
-    key = cutoff_key(action, cache)
+    key = cutoff_key(action, cache, probe)
     if key is None:
         return None
     try:
@@ -61,7 +80,7 @@ def peek(action: Action, cache: SpawnCache) -> str | None:
         return None
     if not _FP_RE.match(prev) or prev == action.fingerprint:
         return None
-    res = cache.lookup(prev)
+    res = _get(cache, prev, probe)
     if res is None or set(res.outputs) != set(action.outputs):
         return None
     return prev

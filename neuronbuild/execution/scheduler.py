@@ -76,7 +76,7 @@ def needed_actions(ag: ActionGraph, cache: SpawnCache, probe: bool = False) -> t
         if (cache.peek(a.fingerprint) if probe else cache.lookup(a.fingerprint) is not None):
             cached.add(a.fingerprint)
         elif a.dep_inputs and all(d.action in cached for d in a.dep_inputs) and \
-                (cutoff.peek(a, cache) if probe else cutoff.reuse(a, cache)) is not None:
+                (cutoff.peek(a, cache, probe=True) if probe else cutoff.reuse(a, cache)) is not None:
             cached.add(a.fingerprint)  # early cutoff: its inputs' outputs are those of an earlier result
     need: set[str] = set()
     for a in reversed(order):
