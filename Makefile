@@ -9,7 +9,7 @@ setup: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q "torch==2.13.0" -e ".[dev,hf]"
+	$(BIN)/pip install -q "torch==2.13.0" -e ".[dev,neuron,hf]"
 	touch $@
 
 example: setup

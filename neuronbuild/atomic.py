@@ -48,3 +48,13 @@ def file_lock(path: Path, shared: bool = False) -> Iterator[None]:
         with contextlib.suppress(OSError):
             fcntl.flock(fd, fcntl.LOCK_UN)
         os.close(fd)
+
+
+def read_own_state(path: Path) -> bytes:
+    """A state file's bytes, only if this user wrote it (in a cache shared between users, another user's no-op stamp
+    or digest cache could claim that changed files are unchanged): OSError otherwise."""
+    with open(path, "rb") as f:
+        st = os.fstat(f.fileno())
+        if st.st_uid != os.geteuid() or st.st_mode & 0o022:
+            raise PermissionError(f"{path}: not written by this user; ignored")
+        return f.read()

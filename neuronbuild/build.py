@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from collections.abc import Sequence
@@ -11,6 +12,7 @@ from pathlib import Path
 from neuronbuild import incremental, plugins
 from neuronbuild.analysis.plan_settings import PlanSettings
 from neuronbuild.analysis.planner import ActionGraph
+from neuronbuild.cache.farm_store import open_farm_store
 from neuronbuild.cache.gc import auto_gc
 from neuronbuild.cache.local import LocalCache
 from neuronbuild.cache.roots import record_roots
@@ -43,6 +45,7 @@ class BuildRequest:
     scheduler: str | None = None  # Dask scheduler address (--executor dask)
     profile: Path | None = None
     event_file: Path | None = None
+    action_timeout: float = 0.0  # seconds an action may run (local executor); 0: no limit
 
 
 def settings_notes(settings: PlanSettings, ag: ActionGraph) -> list[str]:
@@ -60,16 +63,17 @@ def make_executor(ctx: BuildContext, req: BuildRequest, cache: LocalCache) -> Ex
     if req.executor == "local":
         from neuronbuild.execution.local_executor import LocalExecutor
 
-        return LocalExecutor(root, cache, req.jobs, env)
+        return LocalExecutor(root, cache, req.jobs, env, req.action_timeout)
     from neuronbuild.execution.dask_executor import DaskExecutor
 
     remote = ctx.cache.remote
+    store = functools.partial(open_farm_store, endpoint_url=ctx.cache.s3_endpoint_url)
     if req.executor == "dask":
         assert req.scheduler and remote
-        return DaskExecutor(root, cache, Path(remote), req.scheduler, req.jobs, LocalCache)
-    # dask-local: workers on this machine can use the local cache as the shared tier.
-    shared = Path(remote) if remote else ctx.cache.dir
-    return DaskExecutor(root, cache, shared, None, req.jobs, LocalCache, toolchain_tmp=cache.toolchain_tmp)
+        return DaskExecutor(root, cache, remote, req.scheduler, req.jobs, store)
+    # dask-local: workers on this machine can use the local cache as the shared store.
+    return DaskExecutor(root, cache, remote or str(ctx.cache.dir), None, req.jobs, store, same=remote is None,
+                        toolchain_tmp=cache.toolchain_tmp)
 
 
 def default_listeners(ctx: BuildContext, req: BuildRequest) -> list[Listener]:

@@ -17,7 +17,7 @@ from typing import BinaryIO
 
 import blake3
 
-from neuronbuild.atomic import atomic_write_bytes
+from neuronbuild.atomic import atomic_write_bytes, read_own_state
 
 DIGEST_ALGO = "blake3"
 _MMAP_THRESHOLD = 4 << 20
@@ -76,7 +76,7 @@ def digest_file(path: Path | str) -> str:
 def load_persistent(file: Path) -> None:
     """Merge a digest cache written by `save_persistent` into this process's cache (a bad file counts as empty)."""
     try:
-        data = marshal.loads(file.read_bytes())
+        data = marshal.loads(read_own_state(file))
     except (OSError, EOFError, ValueError, TypeError):
         return
     if not isinstance(data, dict) or data.get("format") != _PERSIST_FORMAT:

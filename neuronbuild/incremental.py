@@ -83,7 +83,7 @@ def record_noop(key: str, root: Path, cwd_package: str, patterns: Sequence[str],
                 ag: Any, cache: Any, ok: bool, started_ns: int) -> bool:
     """After a build: write its no-op stamp if it succeeded, else drop any old one. Returns whether one was written."""
     if not ok:
-        noop.invalidate(cache_dir, key)
+        noop.invalidate(cache_dir, key)  # (ignores OSError)
         return False
     from neuronbuild.packaging.materialize import MANIFEST, target_dir
 
@@ -106,7 +106,10 @@ def record_noop(key: str, root: Path, cwd_package: str, patterns: Sequence[str],
                 return False
             outputs.extend(str(out / bucket.name / n) for n in res.outputs)
     inputs, dirs = stamp_inputs(root, cwd_package, patterns, graph)
-    return noop.write(cache_dir, key, started_ns, inputs, dirs, outputs, len(ag.actions), cached)
+    try:
+        return noop.write(cache_dir, key, started_ns, inputs, dirs, outputs, len(ag.actions), cached)
+    except OSError:
+        return False  # a read-only cache (a mounted release cache): the stamp is only a speed-up
 
 
 def flags_of(args: Any) -> dict[str, Any]:

@@ -33,7 +33,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from neuronbuild.atomic import atomic_write_bytes
+from neuronbuild.atomic import atomic_write_bytes, read_own_state
 from neuronbuild.self_stamp import code_stamp
 from neuronbuild.workspace import BUILD_FILE, MARKER
 
@@ -114,7 +114,7 @@ def check(cache_dir: Path, key: str) -> str | None:
     """The summary line of the last build if nothing it depends on changed, else None (take the normal path)."""
     start = time.perf_counter()
     try:
-        data = marshal.loads(stamp_file(cache_dir, key).read_bytes())
+        data = marshal.loads(read_own_state(stamp_file(cache_dir, key)))
     except (OSError, EOFError, ValueError, TypeError):
         return None
     if not isinstance(data, dict) or data.get("format") != FORMAT or data.get("key") != key:

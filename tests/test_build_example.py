@@ -16,8 +16,9 @@ def _manifest(ws: Path, target: str) -> dict:
 
 def test_build_all_executes_every_action_once(built_example) -> None:  # type: ignore[no-untyped-def]
     _ws, proc = built_example
-    # 6 traces (5 llama buckets + 1 llama_tiny) shared by 8 compiles: the cpu target reuses trn2's traces.
-    assert "14 actions: 14 executed, 0 cached" in proc.stdout
+    # 6 traces (5 llama buckets + 1 llama_tiny) shared by 8 compiles: the cpu target reuses trn2's traces; one
+    # lowering per trn2 bucket.
+    assert "19 actions: 19 executed, 0 cached" in proc.stdout
     traces = re.findall(r"\] Trace (//\S+) \[([^\]]+)\]", proc.stderr)
     assert len(traces) == len(set(traces)) == 6
 
@@ -70,7 +71,9 @@ def test_weights_file_variant_uses_the_weights(built_example) -> None:  # type: 
 
 
 def test_trn2_outputs_carry_the_effective_options(built_example) -> None:  # type: ignore[no-untyped-def]
-    import torch
+    from jax._src.lib import xla_client as xc
+
+    from neuronbuild.runtime.hlo_proto import parse_hlo_module
 
     ws, _ = built_example
     m = _manifest(ws, "llama_trn2")
@@ -80,12 +83,19 @@ def test_trn2_outputs_carry_the_effective_options(built_example) -> None:  # typ
     assert len(m["buckets"]) == 5
     for b in m["buckets"]:
         d = ws / "neuronbuild-out/models/llama_trn2" / b["name"]
-        flags = json.loads((d / "compile_flags.json").read_text())
-        args = flags["neuronx_cc_args"]
-        assert args[args.index("--target") + 1] == "trn2"
-        assert "--foo=1" in args and "matmult" in args
-        ep = torch.export.load(str(d / "lowered.pt2"))
-        assert any(n.op == "call_function" for n in ep.graph.nodes)
+        argv = json.loads((d / "compile_flags.json").read_text())["argv"]
+        assert argv[:9] == ["neuronx-cc", "compile", "model.hlo.pb", "--framework", "XLA", "--target", "trn2",
+                            "--output", "model.neff"]
+        assert argv[9:] == ["-O1", "--auto-cast", "matmult", "--auto-cast-type", "bf16", "--model-type",
+                            "transformer", "--foo=1"]
+        # auto_cast = matmult is in the module itself: every dot takes bf16 operands
+        proto = (d / "model.hlo.pb").read_bytes()
+        summary = parse_hlo_module(proto)
+        assert summary.result.dtype == "tuple" and dict(summary.opcodes)["dot"] >= 8
+        dots = [ln for ln in xc.XlaComputation(proto).as_hlo_text().splitlines() if " dot(" in ln]
+        assert dots and all(" bf16[" in ln for ln in dots)
+        params = json.loads((d / "params.json").read_text())["parameters"]
+        assert params[-1]["name"] == "input_ids" and params[-1]["shape"] == [b["bucket"]["batch"], b["bucket"]["seq"]]
 
 
 def test_noop_rebuild_runs_nothing_and_never_imports_torch(built_example, cache_dir: Path) -> None:  # type: ignore[no-untyped-def]
@@ -100,7 +110,7 @@ def test_noop_rebuild_runs_nothing_and_never_imports_torch(built_example, cache_
 
 def test_outputs_are_restored_from_cache_when_deleted(built_example, cache_dir: Path) -> None:  # type: ignore[no-untyped-def]
     ws, _ = built_example
-    art = ws / "neuronbuild-out/models/llama_trn2/batch4_seq1/lowered.pt2"
+    art = ws / "neuronbuild-out/models/llama_trn2/batch4_seq1/model.hlo.pb"
     before = art.read_bytes()
     art.unlink()
     proc = run_cli(["build", "//models:llama_trn2", "--cache-dir", str(cache_dir)], ws)
@@ -108,8 +118,8 @@ def test_outputs_are_restored_from_cache_when_deleted(built_example, cache_dir: 
     assert art.read_bytes() == before
 
 
-@pytest.mark.parametrize("pattern,expected", [("//models:all", "14 actions"), ("//models/...", "14 actions"),
-                                               ("//tools/...", "0 actions"), ("//models:llama_trn2", "10 actions")])
+@pytest.mark.parametrize("pattern,expected", [("//models:all", "19 actions"), ("//models/...", "19 actions"),
+                                               ("//tools/...", "0 actions"), ("//models:llama_trn2", "15 actions")])
 def test_patterns_select_targets(built_example, cache_dir: Path, pattern: str, expected: str) -> None:  # type: ignore[no-untyped-def]
     ws, _ = built_example
     proc = run_cli(["build", pattern, "--cache-dir", str(cache_dir)], ws)

@@ -51,11 +51,16 @@ def test_bundle_holds_every_graph_and_weights_once(built_example) -> None:  # ty
         + [("//models:llama_trn2", b) for b in ("batch1_seq128", "batch1_seq512", "batch4_seq128", "batch4_seq512",
                                                  "batch4_seq1")])
     cpu = [g for g in graphs if g["target"]["platform"] == "cpu"]
-    # One weights file for the model, shared by both cpu buckets; packages themselves carry no weights.
-    assert len({g["weights"]["path"] for g in cpu}) == 1
+    trn2 = [g for g in graphs if g["target"]["platform"] == "trn2"]
+    # One weights file for the model, shared by its cpu and trn2 graphs (weights once); neither the packages nor the
+    # HLO modules carry weights (a Neuron graph takes them as parameters).
+    assert len({g["weights"]["path"] for g in graphs}) == 1
     assert list(manifest["weights"].values()) == [["//models:llama"]]
     weights_size = cpu[0]["weights"]["size"]
     assert all(g["artifacts"]["model.pt2"]["size"] < weights_size for g in cpu)
+    assert all(set(g["artifacts"]) == {"model.hlo.pb", "params.json", "compile_flags.json"} for g in trn2)
+    assert all(g["format"] == "neuron-hlo" and g["artifacts"]["model.hlo.pb"]["size"] < weights_size / 20
+               for g in trn2)
     for g in graphs:  # records and toolchain versions travel with each graph
         assert g["record"]["options"] == g["options"] and g["toolchain"]["torch"]
         assert g["trace_record"]["model"]["entry"] == "llama:build_model"
@@ -68,7 +73,7 @@ def test_bundle_holds_every_graph_and_weights_once(built_example) -> None:  # ty
     for m, data in members[1:]:
         assert hashlib.sha256(data).hexdigest() == manifest["files"][m.name]["sha256"]
     env = dict(members)[next(m for m, _ in members if m.name == "neuronbuild.env")].decode()
-    assert "NEURONBUILD_REQUIRE=//models:llama_cpu,//models:llama_trn2" in env
+    assert "NEURONBUILD_REQUIRE='//models:llama_cpu,//models:llama_trn2'" in env
     sha = (ws / "neuronbuild-out/models/release.tar.zst.sha256").read_text().split()[0]
     assert sha == hashlib.sha256(archive.read_bytes()).hexdigest()
     assert str(ws) not in archive.with_suffix("").with_suffix(".manifest.json").read_text()

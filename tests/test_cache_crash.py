@@ -83,27 +83,90 @@ def test_three_machines_on_one_shared_directory_execute_each_action_once(tmp_pat
     assert not list((shared / "v1" / "locks").glob("*.lock"))  # every claim was released
 
 
-def test_builds_killed_at_random_moments_leave_no_partial_entries(tmp_path: Path) -> None:
-    ws = write_ws(tmp_path / "ws", {"pkg/BUILD": BUILD, "pkg/m.py": MODEL})
+# 32 MiB of weights: each stored program is that big, so a store (copy + hash + fsync into the CAS, then the upload to
+# the shared tier) lasts long enough to be caught by polling its staging directory. The seed makes variants.
+BIG_MODEL = '''
+import torch
+
+def build(config):
+    torch.manual_seed({seed})
+    return torch.nn.Sequential(torch.nn.Embedding(1 << 17, 64), torch.nn.Linear(64, 4))
+'''
+
+
+def _staged(tmps: list[Path]) -> set[Path]:
+    """Blobs being written into a CAS: staged as <root>/v1/tmp/.blob-*, renamed into cas/ when whole."""
+    out: set[Path] = set()
+    for t in tmps:
+        with contextlib.suppress(FileNotFoundError):
+            out.update(t / n for n in os.listdir(t) if n.startswith(".blob-"))
+    return out
+
+
+def _kill_during_a_store(p: subprocess.Popen[bytes], tmps: list[Path], skip: int, timeout: float) -> bool:
+    """SIGKILL the build's process group the moment the (skip+1)-th new blob starts being staged; False if the build
+    ended first. Polls every millisecond (a 32 MiB store takes tens of milliseconds or more)."""
+    before = _staged(tmps)
+    seen: set[Path] = set()
+    deadline = time.monotonic() + timeout
+    while p.poll() is None and time.monotonic() < deadline:
+        seen |= _staged(tmps) - before
+        if len(seen) > skip:
+            os.killpg(p.pid, signal.SIGKILL)
+            return True
+        time.sleep(0.001)
+    return False
+
+
+def test_builds_killed_at_random_moments_and_during_stores_leave_no_partial_entries(tmp_path: Path) -> None:
+    """SIGKILL builds (no chance to clean up) at random moments, then exactly while an output is being stored.
+    After every kill the cache verifies clean; most store-timed kills provably landed inside the store (a
+    half-written staging file outlived its writer); a final build completes from whatever the kills left."""
+    ws = write_ws(tmp_path / "ws", {"pkg/BUILD": BUILD, "pkg/m.py": BIG_MODEL.format(seed=0)})
     cache, shared = tmp_path / "cache", tmp_path / "shared"
     shared.mkdir()
+    tmps = [cache / "v1" / "tmp", shared / "v1" / "tmp"]
+    for t in tmps:
+        t.mkdir(parents=True)
     rng = random.Random(1234)
     remote = ("--remote-cache", str(shared))
-    for i in range(20):
+    rounds: list[str] = []  # what each round saw, for the failure messages
+
+    def build() -> subprocess.Popen[bytes]:
         with open(tmp_path / "out.log", "w") as log:
-            p = subprocess.Popen([sys.executable, "-m", "neuronbuild", "build", "//pkg:c", "--jobs", "2",
-                                  "--cache-dir", str(cache), *remote], cwd=ws, stdout=log, stderr=log,
-                                 start_new_session=True)
+            return subprocess.Popen([sys.executable, "-m", "neuronbuild", "build", "//pkg:c", "--jobs", "2",
+                                     "--cache-dir", str(cache), *remote], cwd=ws, stdout=log, stderr=log,
+                                    start_new_session=True)
+
+    def after_kill(p: subprocess.Popen[bytes], what: str) -> None:
+        p.wait()
+        tail = (tmp_path / "out.log").read_text(errors="replace").strip().splitlines()[-1:]
+        rounds.append(f"{what}: exit {p.returncode}, last line {tail}")
+        # After every kill: whatever is visible is whole.
+        _verify_clean(cache, *remote)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, signal.SIGKILL)  # reap orphaned workers (they would hold CPU)
+
+    for i in range(4):  # random moments (on a busy machine mostly start-up and tracing; stores come next)
+        p = build()
         time.sleep(rng.uniform(0.3, 6.0))
         if i % 2:
             os.killpg(p.pid, signal.SIGKILL)  # the build and its workers
         else:
             p.send_signal(signal.SIGKILL)  # the build only; its workers are orphaned
-        p.wait()
-        # After every kill: whatever is visible is whole.
-        _verify_clean(cache, *remote)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(p.pid, signal.SIGKILL)  # reap orphaned workers (they would hold CPU)
+        after_kill(p, f"random kill {i}")
+
+    interrupted = 0
+    for i in range(1, 5):  # during a store: a new model variant each round, so every action has outputs to store
+        (ws / "pkg" / "m.py").write_text(BIG_MODEL.format(seed=i))
+        p = build()
+        left_before = _staged(tmps)
+        killed = _kill_during_a_store(p, tmps, skip=rng.randrange(3), timeout=300)
+        after_kill(p, f"store kill {i} (killed: {killed})")
+        # A staging file that outlived its writer: the kill hit between the start of a blob's store and its rename.
+        interrupted += killed and bool(_staged(tmps) - left_before)
+    assert interrupted >= 3, f"{interrupted} of 4 kills interrupted a store:\n" + "\n".join(rounds)
+
     proc = run_cli(["build", "//pkg:c", "--jobs", "2", "--cache-dir", str(cache), *remote], ws)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert (ws / "neuronbuild-out/pkg/c/manifest.json").is_file()

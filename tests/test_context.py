@@ -32,18 +32,18 @@ def test_pin_gc_and_validate_see_what_a_build_with_action_env_built(tmp_path: Pa
     env = {"NEURONX_CC": ""}
     _ok(run_cli(["build", "--cache-dir", str(cache), "--action-env", "FOO=1"], ws, env))
     built = _entries(cache)
-    assert len(built) == 4
+    assert len(built) == 6  # 2 buckets x (trace, lower, compile)
 
-    # pin: exactly the 4 fingerprints the build stored (it used to pin fingerprints computed without FOO=1)
+    # pin: exactly the 6 fingerprints the build stored (it used to pin fingerprints computed without FOO=1)
     out = _ok(run_cli(["cache", "pin", "rel", LABEL, "--cache-dir", str(cache)], ws, env))
-    assert "pinned 4 actions" in out
+    assert "pinned 6 actions" in out
     pin = json.loads((cache / "v1" / "pins" / "rel.json").read_text())
     assert set(pin["fingerprints"]) == built
 
     # gc under a 1-byte cap: the last successful build's actions are protected (pin removed to test roots alone)
     _ok(run_cli(["cache", "unpin", "rel", "--cache-dir", str(cache)], ws, env))
     out = _ok(run_cli(["cache", "gc", "--max-size", "1", "--cache-dir", str(cache)], ws, env))
-    assert "protecting 4 actions" in out and "removed 0 of 4 entries" in out, out
+    assert "protecting 6 actions" in out and "removed 0 of 6 entries" in out, out
     assert _entries(cache) == built
 
     # validate with the build's flags finds every graph (it used to say NOT BUILT)
@@ -55,7 +55,7 @@ def test_pin_gc_and_validate_see_what_a_build_with_action_env_built(tmp_path: Pa
     shutil.rmtree(ws)
     proc = run_cli(["cache", "gc", "--max-size", "1", "--cache-dir", str(cache)], tmp_path,
                    {**env, "NEURONBUILD_CACHE_GC_GRACE_S": "0"})
-    assert "removed 4 of 4 entries" in _ok(proc)
+    assert "removed 6 of 6 entries" in _ok(proc)
 
 
 def test_neuronx_cc_from_the_environment_is_seen_by_gc_and_validate(tmp_path: Path) -> None:
@@ -63,11 +63,11 @@ def test_neuronx_cc_from_the_environment_is_seen_by_gc_and_validate(tmp_path: Pa
     env = {"NEURONX_CC": str(STANDIN)}  # as on a host where neuronx-cc is installed
     _ok(run_cli(["build", "--cache-dir", str(cache)], ws, env))
     built = _entries(cache)
-    assert len(built) == 4
+    assert len(built) == 6  # 2 buckets x (trace, lower, compile)
     out = _ok(run_cli(["cache", "gc", "--max-size", "1", "--cache-dir", str(cache)], ws, env))
-    assert "removed 0 of 4 entries" in out and _entries(cache) == built
+    assert "removed 0 of 6 entries" in out and _entries(cache) == built
     plan = cli_json(["plan", "--cache-dir", str(cache)], ws, env)
-    assert plan["execute"] == [] and len(plan["cached"]) == 4
+    assert plan["execute"] == [] and len(plan["cached"]) == 6
     proc = run_cli(["validate", LABEL, "--cache-dir", str(cache)], ws, env)
     assert "NOT BUILT" not in proc.stdout, proc.stdout
 
@@ -81,13 +81,13 @@ def test_plan_dry_run_and_explain_read_the_shared_tier(tmp_path: Path) -> None:
     tier = ["--cache-dir", str(empty), "--remote-cache", str(shared)]
     plan = cli_json(["plan", *tier], ws, env)
     assert plan["execute"] == [], plan["execute"]
-    assert "4 actions: 0 to execute, 4 cached" in _ok(run_cli(["build", "--dry-run", *tier], ws, env))
+    assert "6 actions: 0 to execute, 6 cached" in _ok(run_cli(["build", "--dry-run", *tier], ws, env))
     assert "nothing would execute" in _ok(run_cli(["explain", *tier], ws, env))
     assert not _entries(empty)  # checking is not fetching
     out = _ok(run_cli(["build", *tier], ws, env))
-    assert "0 executed, 4 cached" in out, out
+    assert "0 executed, 6 cached" in out, out
     # without the tier, the same fresh cache would execute everything
-    assert len(cli_json(["plan", "--cache-dir", str(tmp_path / "c")], ws, env)["execute"]) == 4
+    assert len(cli_json(["plan", "--cache-dir", str(tmp_path / "c")], ws, env)["execute"]) == 6
 
 
 def test_a_deleted_target_stops_being_protected(tmp_path: Path) -> None:
@@ -95,12 +95,12 @@ def test_a_deleted_target_stops_being_protected(tmp_path: Path) -> None:
     env = {"NEURONX_CC": "", "NEURONBUILD_CACHE_GC_GRACE_S": "0"}
     _ok(run_cli(["build", "--cache-dir", str(cache)], ws, env))
     first = _entries(cache)
-    build_file = ws / "m" / "BUILD"  # rename the compile target and change its options: 2 new compiles, same traces
+    build_file = ws / "m" / "BUILD"  # rename the compile target and change its options: 2 new compiles, same traces and lowerings
     build_file.write_text(build_file.read_text().replace('name = "tiny_trn2"', 'name = "tiny_o3"')
                           .replace("opt_level = 2", "opt_level = 3"))
     _ok(run_cli(["build", "--cache-dir", str(cache)], ws, env))
-    assert len(_entries(cache)) == 6
+    assert len(_entries(cache)) == 8
     out = _ok(run_cli(["cache", "gc", "--max-size", "1", "--cache-dir", str(cache)], ws, env))
-    assert "removed 2 of 6 entries" in out, out
+    assert "removed 2 of 8 entries" in out, out
     kept = _entries(cache)
-    assert len(kept) == 4 and len(kept & first) == 2  # the shared traces stay; the deleted target's compiles go
+    assert len(kept) == 6 and len(kept & first) == 4  # the shared traces and lowerings stay; the old compiles go

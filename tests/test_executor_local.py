@@ -103,9 +103,9 @@ def test_keep_going_builds_the_good_model_and_names_the_broken_action_and_writes
                    "--profile", str(prof), "--build-event-json-file", str(evf)], ws)
     out, err = proc.communicate(timeout=600)
     assert proc.returncode == 1, out + err
-    assert (ws / "neuronbuild-out/pkg/good_trn2/batch1_seq4/lowered.pt2").is_file()
+    assert (ws / "neuronbuild-out/pkg/good_trn2/batch1_seq4/model.hlo.pb").is_file()
     assert not (ws / "neuronbuild-out/pkg/bad_trn2").exists()
-    assert "4 actions: 2 executed, 0 cached" in out and "1 failed, 1 not run" in out
+    assert "6 actions: 3 executed, 0 cached" in out and "1 failed, 2 not run" in out
     # The summary names the failed action (label, bucket), the first line of its error and its full log.
     summary = err[err.index("  FAILED"):]
     assert "FAILED Trace //pkg:bad [batch=1, seq=4]" in summary
@@ -119,11 +119,12 @@ def test_keep_going_builds_the_good_model_and_names_the_broken_action_and_writes
     assert kinds[0] == "cache_checked" and kinds[1] == "build_started" and kinds[-1] == "build_finished"
     finished = [e for e in events if e["event"] == "action_finished"]
     assert sorted(e["description"] for e in finished) == ["Compile //pkg:good_trn2 [batch=1, seq=4] for trn2",
+                                                          "Lower //pkg:good [batch=1, seq=4]",
                                                           "Trace //pkg:good [batch=1, seq=4]"]
     assert all(len(e["fingerprint"]) == 64 and e["duration_s"] > 0 for e in finished)
     (failed,) = [e for e in events if e["event"] == "action_failed"]
     assert failed["label"] == "//pkg:bad" and failed["log"] == str(log) and not failed["worker_died"]
-    assert [e["label"] for e in events if e["event"] == "action_skipped"] == ["//pkg:bad_trn2"]
+    assert sorted(e["label"] for e in events if e["event"] == "action_skipped") == ["//pkg:bad", "//pkg:bad_trn2"]
 
     # --profile: valid trace-event JSON, one complete slice per executed action (plus the failed attempt) on
     # named worker tracks.
@@ -157,7 +158,7 @@ def test_worker_killed_mid_action_fails_only_that_action_then_retries_on_a_new_w
     assert proc.returncode == 1, out + err
     assert "FAILED Trace //pkg:a [batch=1, seq=4]" in err
     assert "the worker process died: killed by SIGKILL" in err
-    assert (ws / "neuronbuild-out/pkg/b_trn2/batch1_seq4/lowered.pt2").is_file()
+    assert (ws / "neuronbuild-out/pkg/b_trn2/batch1_seq4/model.hlo.pb").is_file()
     assert not psutil.pid_exists(victim)
 
     # 2. --retries 1 and one worker: killed again mid-action, the action re-runs on a replacement worker.
@@ -170,14 +171,14 @@ def test_worker_killed_mid_action_fails_only_that_action_then_retries_on_a_new_w
     gate.unlink()
     out, err = proc.communicate(timeout=600)
     assert proc.returncode == 0, out + err
-    assert "4 actions: 2 executed, 2 cached" in out
+    assert "6 actions: 3 executed, 3 cached" in out
     assert "RETRY: Trace //pkg:a [batch=1, seq=4]: the worker process died: killed by SIGKILL" in err
     events = _events(evf)
     (retried,) = [e for e in events if e["event"] == "action_failed"]
     assert retried["worker_died"] and retried["pid"] == victim
-    done = [e for e in events if e["event"] == "action_finished" and e["label"] == "//pkg:a"]
+    done = [e for e in events if e["event"] == "action_finished" and e["description"].startswith("Trace //pkg:a ")]
     assert len(done) == 1 and done[0]["attempt"] == 2 and done[0]["pid"] != victim
-    assert (ws / "neuronbuild-out/pkg/a_trn2/batch1_seq4/lowered.pt2").is_file()
+    assert (ws / "neuronbuild-out/pkg/a_trn2/batch1_seq4/model.hlo.pb").is_file()
 
 
 def test_ctrl_c_mid_build_ends_workers_and_leaves_a_clean_cache(tmp_path: Path) -> None:
@@ -217,4 +218,4 @@ def test_ctrl_c_mid_build_ends_workers_and_leaves_a_clean_cache(tmp_path: Path) 
     proc = _start(["build", "//pkg:all", "--jobs", "2", "--cache-dir", str(cache)], ws)
     out, err = proc.communicate(timeout=600)
     assert proc.returncode == 0, out + err
-    assert (ws / "neuronbuild-out/pkg/a_trn2/batch1_seq4/lowered.pt2").is_file()
+    assert (ws / "neuronbuild-out/pkg/a_trn2/batch1_seq4/model.hlo.pb").is_file()

@@ -4,6 +4,7 @@ fingerprint names another toolchain, workers that join mid-build, and Ctrl-C sto
 from __future__ import annotations
 
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -32,7 +33,8 @@ def _free_port() -> int:
 class Farm:
     """`dask scheduler` + `dask worker` processes (1 thread each, no nanny), every listener on 127.0.0.1."""
 
-    def __init__(self, tmp: Path) -> None:
+    def __init__(self, tmp: Path, env: dict[str, str] | None = None) -> None:
+        self.env = {**os.environ, **(env or {})}
         self.port = _free_port()
         self.address = f"tcp://127.0.0.1:{self.port}"
         self.logs = tmp / "dask-logs"
@@ -43,7 +45,7 @@ class Farm:
 
     def _spawn(self, name: str, args: list[str]) -> subprocess.Popen[bytes]:
         with open(self.logs / f"{name}.log", "wb") as log:
-            p = subprocess.Popen([DASK, *args], stdout=log, stderr=subprocess.STDOUT, cwd=self.logs)
+            p = subprocess.Popen([DASK, *args], stdout=log, stderr=subprocess.STDOUT, cwd=self.logs, env=self.env)
         self.procs.append(p)
         return p
 
@@ -131,8 +133,6 @@ def test_workers_joining_mid_build_are_used(farm: Farm, tmp_path: Path) -> None:
 
 
 def _env() -> dict[str, str]:
-    import os
-
     return dict(os.environ)
 
 
@@ -164,3 +164,41 @@ neuron_compile(name = "slow_trn2", model = ":slow", buckets = [":b"], target = "
         time.sleep(0.2)
     assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in running), \
         "the action kept running on the worker after the build was interrupted"
+
+
+AWS_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
+           "AWS_EC2_METADATA_DISABLED": "true"}
+
+
+def test_a_farm_without_a_shared_filesystem_works_through_s3(tmp_path: Path) -> None:
+    import boto3
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    farm = Farm(tmp_path, AWS_ENV)
+    try:
+        host, port = server.get_host_and_port()
+        endpoint = f"http://{host}:{port}"
+        s3 = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id="testing",
+                          aws_secret_access_key="testing")
+        s3.create_bucket(Bucket="farm")
+        farm.add_worker()
+        farm.add_worker()
+        ws = tiny_ws(tmp_path / "ws")
+        env = {**AWS_ENV, "NEURONX_CC": ""}
+        tier = ["--remote-cache", "s3://farm/ci", "--s3-endpoint-url", endpoint]
+        proc = run_cli(["build", "--executor", "dask", "--scheduler", farm.address, *tier,
+                        "--cache-dir", str(tmp_path / "cache")], ws, env)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert "4 actions: 4 executed" in proc.stdout
+        keys = [o["Key"] for o in s3.list_objects_v2(Bucket="farm", Prefix="ci/v1/ac/").get("Contents", [])]
+        assert len(keys) == 4  # every record went to S3 (the workers share no directory with the client)
+        manifest = json.loads((ws / "neuronbuild-out" / "m" / "tiny_trn2" / "manifest.json").read_text())
+        assert [len(b["outputs"]) > 0 for b in manifest["buckets"]] == [True, True]
+        # Another machine with an empty cache and no farm: everything comes from S3.
+        again = run_cli(["build", *tier, "--cache-dir", str(tmp_path / "other")], ws, env)
+        assert again.returncode == 0 and "0 executed, 4 cached" in again.stdout, again.stdout + again.stderr
+    finally:
+        farm.close()
+        server.stop()

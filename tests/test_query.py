@@ -128,6 +128,27 @@ def test_parser_precedence_is_left_to_right() -> None:
         parse_query("")
 
 
-def test_query_graph_is_built_on_networkx(multi: Path) -> None:
+def test_query_graph_holds_exactly_the_targets_files_and_references(multi: Path) -> None:
+    """The graph query evaluates over, against the hand-drawn graph of the multi-package workspace."""
     qg = load_query_graph(multi, ["//..."])
-    assert qg.graph.has_edge("//serve/x:x", "//opts/fast:fast") and qg.kinds["//models/a:a.py"] == "source file"
+    kinds = {
+        "//common:trn2": "neuron_target", "//common:base": "compiler_options", "//common:bk": "neuron_buckets",
+        "//opts/fast:fast": "compiler_options",
+        **{f"//models/{n}:{n}": "neuron_model" for n in "abc"},
+        **{f"//models/{n}:{n}.py": "source file" for n in "abc"},  # unused.py: referenced by nothing, not a node
+        **{f"//serve/{n}:{n}": "neuron_compile" for n in "xyz"},
+    }
+    edges = {
+        ("//opts/fast:fast", "//common:base"),
+        *((f"//models/{n}:{n}", f"//models/{n}:{n}.py") for n in "abc"),
+        ("//serve/x:x", "//models/a:a"), ("//serve/x:x", "//common:bk"), ("//serve/x:x", "//common:trn2"),
+        ("//serve/x:x", "//opts/fast:fast"),
+        ("//serve/y:y", "//models/b:b"), ("//serve/y:y", "//common:bk"), ("//serve/y:y", "//common:trn2"),
+        ("//serve/y:y", "//common:base"),
+        ("//serve/z:z", "//models/c:c"), ("//serve/z:z", "//common:bk"), ("//serve/z:z", "//common:trn2"),
+    }
+    assert set(qg.graph.nodes) == set(kinds)
+    assert set(qg.graph.edges) == edges  # from a target to what it references, nothing else
+    assert dict(qg.kinds) == kinds
+    assert qg.manual == {"//serve/z:z"}
+    assert qg.attrs["//common:base"]["opt_level"] == 3 and qg.attrs["//opts/fast:fast"]["opt_level"] == 1

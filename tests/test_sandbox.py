@@ -39,4 +39,4 @@ def test_undeclared_input_fails_the_action_and_is_not_cached(tmp_path: Path) -> 
         'json.load(open(os.path.join(here, "extra.py")))', '{"vocab": 10} if os.path.exists(os.path.join(here, "extra.py")) else None'))
     proc = run_cli(["build", "//pkg:c", "--cache-dir", str(cache)], ws)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "2 actions: 2 executed, 0 cached" in proc.stdout
+    assert "3 actions: 3 executed, 0 cached" in proc.stdout  # trace, lower, compile

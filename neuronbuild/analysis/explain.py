@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from neuronbuild.analysis.actions import COMPILE, Action
+from neuronbuild.analysis.actions import TRACE, Action
 from neuronbuild.analysis.planner import ActionGraph
 from neuronbuild.history import History, LatestEntry
 
@@ -120,24 +120,38 @@ def describe_change(path: tuple[str, ...], old: Any, new: Any, new_record: Mappi
         return f"bucket: {path[1]} {_fmt(old)} -> {_fmt(new)}"
     if path[:1] in (("toolchain",), ("env",)) and len(path) == 2:
         return f"{path[0]} {path[1]}: {_fmt(old)} -> {_fmt(new)}"
-    if path == ("trace",):
-        return f"trace: {str(old)[:12]} -> {str(new)[:12]} (the previous trace's record is not in the cache)"
+    if path in (("trace",), ("lowering",)):
+        return f"{path[0]}: {str(old)[:12]} -> {str(new)[:12]} (the previous {path[0]}'s record is not in the cache)"
     return f"{'.'.join(path)}: {_fmt(old)} -> {_fmt(new)}"
 
 
-def record_changes(ag: ActionGraph, action: Action, old: Mapping[str, Any], history: History) -> tuple[Change, ...]:
-    """Changed fields of `action`'s record against `old`. A compile's changed `trace` fingerprint is replaced by the
-    trace record's own changed fields (the cause), when the old trace record is still in the cache."""
-    new = action.record
+# Record fields holding the fingerprint of the action whose outputs this one reads (a compile's trace, a Neuron
+# compile's lowering): a change there is explained by that action's own changed fields, when its old record is cached.
+DEP_FIELDS = ("trace", "lowering")
+
+
+def _caused_changes(ag: ActionGraph, old: Mapping[str, Any], new: Mapping[str, Any], history: History,
+                    depth: int = 0) -> list[tuple[tuple[str, ...], Any, Any]]:
     found = diff(dict(old), dict(new))
-    if action.kind == COMPILE and any(p == ("trace",) for p, _o, _n in found):
-        prev_trace = history.result(str(old.get("trace")))
-        new_trace = ag.actions.get(str(new.get("trace")))
-        if prev_trace is not None and new_trace is not None:
-            seen = {p for p, _o, _n in found}
-            found = [c for c in found if c[0] != ("trace",)]
-            found += [c for c in diff(dict(prev_trace.record), dict(new_trace.record)) if c[0] not in seen]
-            found.sort(key=lambda c: c[0])
+    for dep in DEP_FIELDS:
+        if depth > 3 or not any(p == (dep,) for p, _o, _n in found):
+            continue
+        prev = history.result(str(old.get(dep)))
+        cur = ag.actions.get(str(new.get(dep)))
+        if prev is None or cur is None:
+            continue
+        seen = {p for p, _o, _n in found}
+        found = [c for c in found if c[0] != (dep,)]
+        found += [c for c in _caused_changes(ag, prev.record, cur.record, history, depth + 1) if c[0] not in seen]
+    found.sort(key=lambda c: c[0])
+    return found
+
+
+def record_changes(ag: ActionGraph, action: Action, old: Mapping[str, Any], history: History) -> tuple[Change, ...]:
+    """Changed fields of `action`'s record against `old`. A changed dependency fingerprint (`trace`, `lowering`) is
+    replaced by that dependency's own changed fields (the cause), when its old record is still in the cache."""
+    new = action.record
+    found = _caused_changes(ag, old, new, history) if action.kind != TRACE else diff(dict(old), dict(new))
     return tuple(Change(p, o, n, describe_change(p, o, n, new)) for p, o, n in found)
 
 

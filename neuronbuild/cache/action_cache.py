@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -13,6 +14,7 @@ from typing import Any
 from neuronbuild.atomic import atomic_write_bytes
 
 RECORD_VERSION = 1
+_HEX64 = re.compile(r"^[0-9a-f]{64}$")
 
 
 @dataclass(frozen=True)
@@ -49,14 +51,31 @@ class ActionResult:
 
     @staticmethod
     def from_json(data: bytes) -> ActionResult:
-        d = json.loads(data)
-        if d.get("version") != RECORD_VERSION:
+        """Parse a record; ValueError for anything that is not exactly a record (records in a shared cache are
+        untrusted: wrong types and deep nesting are misses, never exceptions further on)."""
+        try:
+            d = json.loads(data)
+        except RecursionError:
+            raise ValueError("nested too deeply") from None
+        if not isinstance(d, dict) or d.get("version") != RECORD_VERSION:
             raise ValueError("unknown record version")
-        return ActionResult(
-            d["fingerprint"], d["identity"],
-            {k: OutputRef(v["digest"], int(v["size"])) for k, v in d["outputs"].items()},
-            d["record"], float(d["duration_s"]), d.get("metadata", {}), float(d.get("created", 0.0)),
-        )
+        try:
+            outputs = d["outputs"]
+            if not isinstance(outputs, dict):
+                raise ValueError("'outputs' is not an object")
+            refs = {}
+            for k, v in outputs.items():
+                if not isinstance(v, dict) or not isinstance(v.get("digest"), str) or not _HEX64.match(v["digest"]) \
+                        or isinstance(v.get("size"), bool) or not isinstance(v.get("size"), int) or v["size"] < 0:
+                    raise ValueError(f"output {str(k)[:80]!r} is malformed")
+                refs[k] = OutputRef(v["digest"], v["size"])
+            fp, identity, record, meta = d["fingerprint"], d["identity"], d["record"], d.get("metadata", {})
+            if not isinstance(fp, str) or not isinstance(identity, str) or not isinstance(record, dict) \
+                    or not isinstance(meta, dict):
+                raise ValueError("fingerprint, identity, record or metadata has the wrong type")
+            return ActionResult(fp, identity, refs, record, float(d["duration_s"]), meta, float(d.get("created", 0.0)))
+        except (KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"malformed record ({type(e).__name__}: {str(e)[:100]})") from None
 
 
 class ActionCache:

@@ -21,6 +21,24 @@ from neuronbuild.digests import copy_hashing
 _CHUNK = 4 << 20
 
 
+def _umask() -> int:
+    try:  # Linux: read it without changing it (os.umask would, for a moment, for every thread)
+        with open("/proc/self/status", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def umask_mode(base: int = 0o666) -> int:
+    """`base` as the process umask leaves it: the mode a plain open() would give a new file."""
+    return base & ~_umask()
+
+
 def _hasher() -> blake3.blake3:
     return blake3.blake3()
 
@@ -156,6 +174,7 @@ class BlobStore:
         dest.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=".nb-")
         try:
+            os.fchmod(fd, umask_mode())  # outputs users see follow the umask, like any file they would write
             with os.fdopen(fd, "wb") as out, open(src, "rb") as f:
                 got, size = copy_hashing(f, out)
             if got != digest:
@@ -177,7 +196,10 @@ class BlobStore:
     def evict(self, digest: str) -> None:
         for p in (self.path(digest), self.stamp_path(digest)):
             with contextlib.suppress(OSError):
-                os.unlink(p)
+                if p.is_dir() and not p.is_symlink():  # a directory where a blob belongs (damage): remove it whole
+                    shutil.rmtree(p)
+                else:
+                    os.unlink(p)
 
     def link_or_copy(self, digest: str, dest: Path) -> None:
         """Place a verified read-only copy of a blob at `dest` (sandbox inputs)."""

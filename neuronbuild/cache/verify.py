@@ -58,6 +58,10 @@ def verify_tier(tier: SharedTier, repair: bool = False) -> VerifyReport:
             got = _hash_stream(tier, digest)
         except FileNotFoundError:
             continue  # removed meanwhile (gc)
+        except OSError as e:  # e.g. a directory where the blob belongs, or no permission
+            bad.add(digest)
+            problems.append(Problem("corrupt-blob", digest, f"unreadable ({e.strerror or e})"))
+            continue
         if got != digest:
             bad.add(digest)
             problems.append(Problem("corrupt-blob", digest, f"content hashes to {got[:16]} ({size} bytes)"))

@@ -32,6 +32,10 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                    help="where actions run: local worker processes (default), a Dask cluster, or a LocalCluster")
     b.add_argument("--scheduler", metavar="tcp://HOST:PORT", help="the Dask scheduler (--executor dask)")
     b.add_argument("--dry-run", action="store_true", help="show what would execute (the `plan` command); run nothing")
+    b.add_argument("--action-timeout", type=float, default=0.0, metavar="SECONDS",
+                   help="fail an action (killing every process it started) after this many seconds (default: none)")
+    b.add_argument("--signing-key", metavar="FILE",
+                   help="sign bundles' manifests with this Ed25519 private key (default: $NEURONBUILD_SIGNING_KEY)")
     add_context_args(b)
 
 
@@ -45,7 +49,7 @@ def _raise_interrupt(signum: int, frame: Any) -> None:
 
 
 # Flags that change how a build runs or reports, never what a finished no-op build would contain.
-NOOP_IGNORED = ("local_ram", "retries", "quiet", "verbose", "profile", "build_event_json_file", "executor", "scheduler")
+NOOP_IGNORED = ("local_ram", "retries", "action_timeout", "quiet", "verbose", "profile", "build_event_json_file", "executor", "scheduler")
 
 
 def _record_noop_stats(cache_dir: Path, line: str, started: float) -> None:
@@ -69,19 +73,28 @@ def run(args: argparse.Namespace) -> int:
         return _bad("--jobs must be at least 1")
     if args.retries < 0:
         return _bad("--retries must be 0 or more")
+    if not args.action_timeout >= 0:
+        return _bad("--action-timeout must be 0 (no limit) or a positive number of seconds")
     if args.executor == "dask" and not args.scheduler:
         return _bad("--executor dask needs --scheduler tcp://HOST:PORT")
     if args.executor == "dask" and not args.remote_cache:
-        return _bad("--executor dask needs --remote-cache PATH (a directory every worker can read and write)")
+        return _bad("--executor dask needs --remote-cache PATH|s3://bucket/prefix (a store every worker can read "
+                    "and write)")
     if args.scheduler and args.executor != "dask":
         return _bad("--scheduler is only used with --executor dask")
-    if args.executor != "local" and args.remote_cache and "://" in args.remote_cache:
-        return _bad("the Dask executor needs --remote-cache to be a shared directory")
-    if args.executor != "local" and args.remote_cache and not Path(args.remote_cache).expanduser().is_dir():
+    if args.executor != "local" and args.remote_cache and "://" in args.remote_cache and \
+            not args.remote_cache.startswith("s3://"):
+        return _bad("the Dask executor needs --remote-cache to be a shared directory or s3://bucket/prefix")
+    if args.executor != "local" and args.remote_cache and "://" not in args.remote_cache and \
+            not Path(args.remote_cache).expanduser().is_dir():
         # A build without Dask warns and continues without a missing shared tier; a farm cannot work without one,
         # and creating it here could put the farm's cache on a local disk where the share is not mounted.
         return _bad(f"--remote-cache {args.remote_cache}: no such directory (the Dask executor needs a directory "
                     "every worker can read and write; create it, or mount the share)")
+    if getattr(args, "signing_key", None):  # read by packaging/bundle.py (and part of the no-op key)
+        import os
+
+        os.environ["NEURONBUILD_SIGNING_KEY"] = str(Path(args.signing_key).expanduser().resolve())
     from neuronbuild.cache.local import resolve_cache_dir
     from neuronbuild.context import NORMAL, QUIET, VERBOSE, patterns_or_default
     from neuronbuild.workspace import find_workspace
@@ -119,6 +132,7 @@ def run(args: argparse.Namespace) -> int:
         scheduler=args.scheduler,
         profile=Path(args.profile).resolve() if args.profile else None,
         event_file=Path(args.build_event_json_file).resolve() if args.build_event_json_file else None,
+        action_timeout=args.action_timeout,
     )
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)  # `kill` ends a build like Ctrl-C does
     try:

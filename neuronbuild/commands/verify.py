@@ -13,6 +13,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     v.add_argument("bundle", help="a bundle archive (.tar.zst / .tar.gz)")
     v.add_argument("--host", action="store_true",
                    help="also check torch version, CPU ISA (cpu graphs) and Neuron platform (Neuron graphs)")
+    v.add_argument("--trusted-keys", metavar="FILE",
+                   help="also require the manifest to be signed by one of these Ed25519 public keys")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -20,13 +22,16 @@ def run(args: argparse.Namespace) -> int:
 
     from neuronbuild.packaging.deploy import BundleError, check_bundle
     from neuronbuild.runtime.host import check_graph, current_host
+    from neuronbuild.runtime.signing import SignatureError, load_trusted_keys
 
     try:
-        manifest, _ = check_bundle(Path(args.bundle))
-    except BundleError as e:
+        keys = load_trusted_keys(args.trusted_keys) if args.trusted_keys else None
+        manifest, _ = check_bundle(Path(args.bundle), keys)
+    except (BundleError, SignatureError) as e:
         print(f"neuronbuild: error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    print(f"{manifest.label}: {len(manifest.graphs)} graph(s), {len(manifest.files) + 1} files, every digest matches")
+    print(f"{manifest.label}: {len(manifest.graphs)} graph(s), {len(manifest.files) + 1} files, every digest matches"
+          + (", signed by a trusted key" if keys else ""))
     if not args.host:
         return EXIT_OK
     host = current_host()

@@ -1,4 +1,4 @@
-"""Dask executor: runs actions on a Dask cluster (a compile farm) through a shared-directory cache tier.
+"""Dask executor: runs actions on a Dask cluster (a compile farm) through a shared store (a directory or S3).
 
 The client puts each action's source inputs into the shared CAS and sends digests; a Dask worker builds the sandbox
 from the shared CAS, runs the action in a warm worker process of its own (pool.WorkerPool, one per Dask thread),
@@ -40,8 +40,10 @@ class DaskExecutor:
 
     local = False
 
-    def __init__(self, root: Path, cache: SpawnCache, shared_dir: Path, address: str | None, jobs: int,
-                 open_cache: Callable[[Path], SpawnCache], toolchain_tmp: Path | None = None) -> None:
+    def __init__(self, root: Path, cache: SpawnCache, shared_url: str, address: str | None, jobs: int,
+                 open_store: Callable[[str], Any], same: bool = False, toolchain_tmp: Path | None = None) -> None:
+        """`shared_url`: the farm store every worker reaches (a directory mounted at the same path everywhere, or
+        s3://bucket/prefix); `open_store(url)` opens it (picklable: workers call it too); `same`: it is `cache`."""
         try:
             from distributed import Client, LocalCluster
         except ImportError:
@@ -49,10 +51,10 @@ class DaskExecutor:
                 from None
         self.root = root
         self.cache = cache
-        self._open_cache = open_cache  # also sent to farm workers (pickled by reference)
-        self.shared = open_cache(shared_dir)
-        self._shared_dir = shared_dir
-        self._same = self.shared.root.resolve() == cache.root.resolve()
+        self._open_store = open_store  # also sent to farm workers (pickled by reference)
+        self.shared = open_store(shared_url)
+        self._shared_url = shared_url
+        self._same = same
         self._toolchain_tmp = str(toolchain_tmp) if toolchain_tmp else None
         self._cluster: Any = None
         try:
@@ -108,7 +110,7 @@ class DaskExecutor:
                     tmp.unlink(missing_ok=True)
             inputs.append((d.path, digest))
         payload = {"kind": a.kind, "spec": json.loads(json.dumps(a.spec)), "inputs": inputs, "expect": dict(a.versions),
-                   "outputs": list(a.outputs), "shared": str(self._shared_dir), "open_cache": self._open_cache, "toolchain_tmp": self._toolchain_tmp,
+                   "outputs": list(a.outputs), "shared": self._shared_url, "open_store": self._open_store, "toolchain_tmp": self._toolchain_tmp,
                    "description": a.describe()}
         key = f"neuronbuild-{a.fingerprint[:16]}-{job.attempt}-{uuid.uuid4().hex[:8]}"
         payload["key"] = key
@@ -239,7 +241,7 @@ def farm_run(payload: dict[str, Any]) -> dict[str, Any]:
         where = f"{get_worker().address} ({socket.gethostname()})"
     except (ImportError, ValueError):
         where = f"dask ({socket.gethostname()})"
-    shared = payload["open_cache"](Path(payload["shared"]))
+    shared = payload["open_store"](payload["shared"])
     base = _farm_base()
     base.mkdir(parents=True, exist_ok=True)
     sb = Path(tempfile.mkdtemp(dir=base, prefix="job-"))

@@ -19,16 +19,24 @@ class LocalExecutor:
     local = True
     name = "local"
 
-    def __init__(self, root: Path, cache: SpawnCache, jobs: int, env: dict[str, str]) -> None:
+    def __init__(self, root: Path, cache: SpawnCache, jobs: int, env: dict[str, str],
+                 action_timeout: float = 0.0) -> None:
         self.root = root
         self.cache = cache
         self.slots = max(1, jobs)
-        self._pool = WorkerPool(self.slots, env, cache.scratch, cache.logs / "workers.log")
+        self._pool = WorkerPool(self.slots, env, cache.scratch, cache.logs / "workers.log", action_timeout)
         self._running: dict[str, tuple[Job, sandboxes.Sandbox]] = {}
         # This build's sandboxes live under one directory, removed whole at the end (even after a Ctrl-C that
-        # struck while a sandbox was being made).
-        cache.scratch.mkdir(parents=True, exist_ok=True)
-        self._scratch = Path(tempfile.mkdtemp(dir=cache.scratch, prefix="build-"))
+        # struck while a sandbox was being made). Made on the first action: a fully cached build writes nothing to
+        # the cache, so a read-only (mounted release) cache serves it.
+        self._scratch_dir: Path | None = None
+
+    @property
+    def _scratch(self) -> Path:
+        if self._scratch_dir is None:
+            self.cache.scratch.mkdir(parents=True, exist_ok=True)
+            self._scratch_dir = Path(tempfile.mkdtemp(dir=self.cache.scratch, prefix="build-"))
+        return self._scratch_dir
 
     def warm(self, n: int) -> None:
         self._pool.warm(n)
@@ -71,7 +79,8 @@ class LocalExecutor:
     def shutdown(self) -> None:
         self._pool.shutdown()
         self._running.clear()
-        shutil.rmtree(self._scratch, ignore_errors=True)
+        if self._scratch_dir is not None:
+            shutil.rmtree(self._scratch_dir, ignore_errors=True)
 
     def worker_pids(self) -> list[int]:
         return self._pool.pids()

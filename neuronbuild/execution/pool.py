@@ -75,6 +75,10 @@ class WorkerProcess:
                 err.close()
         self.to_child = Connection(to_child_w, readable=False)
         self.from_child = Connection(from_child_r, writable=False)
+        # Readable when the worker exits, even if a process it forked still holds the result pipe open.
+        self.pidfd: int | None = None
+        with contextlib.suppress(AttributeError, OSError):
+            self.pidfd = os.pidfd_open(self.proc.pid)
         self.task: str | None = None
         self.started = 0.0
 
@@ -104,13 +108,19 @@ class WorkerProcess:
         for c in (self.to_child, self.from_child):
             with contextlib.suppress(OSError):
                 c.close()
+        if self.pidfd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self.pidfd)
+            self.pidfd = None
 
 
 class WorkerPool:
     """Up to `size` workers, each running one task at a time; a dead worker fails only its task and is replaced."""
 
-    def __init__(self, size: int, env: dict[str, str], cwd: Path, stderr_path: Path | None = None) -> None:
+    def __init__(self, size: int, env: dict[str, str], cwd: Path, stderr_path: Path | None = None,
+                 action_timeout: float = 0.0) -> None:
         self.size = max(1, size)
+        self.action_timeout = action_timeout  # seconds; 0: none
         self._env = env
         self._cwd = cwd
         self._stderr = stderr_path
@@ -150,35 +160,75 @@ class WorkerPool:
         return slot, w.pid
 
     def wait(self, timeout: float | None) -> list[TaskResult]:
-        """Results of tasks that finished (or whose worker died) within `timeout` seconds."""
-        conns = {w.from_child: w for w in self._workers.values()}
-        if not conns:
+        """Results of tasks that finished, whose worker died, or that ran past the action timeout, within
+        `timeout` seconds."""
+        if self.action_timeout > 0:
+            now = time.time()
+            for w in self._workers.values():
+                if w.task is not None:
+                    left = max(0.0, w.started + self.action_timeout - now)
+                    timeout = left if timeout is None else min(timeout, left)
+        handles: dict[Any, WorkerProcess] = {}
+        for w in self._workers.values():
+            handles[w.from_child] = w
+            if w.pidfd is not None:
+                handles[w.pidfd] = w
+        if not handles:
             if timeout:
                 time.sleep(timeout)
             return []
         out: list[TaskResult] = []
-        for c in wait(list(conns), timeout):
-            w = conns[c]  # type: ignore[index]
+        done: set[int] = set()
+        for h in wait(list(handles), timeout):
+            w = handles[h]
+            if w.slot in done or self._workers.get(w.slot) is not w:
+                continue
+            if h is not w.from_child and not self._has_message(w):
+                done.add(w.slot)
+                self._dead(w, out)  # exited; whatever holds its pipe (a forked child) is ended with its group
+                continue
             try:
                 msg = w.from_child.recv()
             except (EOFError, OSError):
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    w.proc.wait(timeout=5)
-                with contextlib.suppress(OSError):
-                    os.killpg(w.proc.pid, signal.SIGKILL)  # compilers it left behind
-                w.close()
-                del self._workers[w.slot]
-                if w.task is not None:
-                    out.append(TaskResult(w.task, w.slot, w.pid, {
-                        "ok": False, "worker_died": True, "error": death_message(w.proc.returncode),
-                        "duration_s": time.time() - w.started, "pid": w.pid}))
+                done.add(w.slot)
+                self._dead(w, out)
                 continue
             if "ready" in msg:
                 continue
             task, w.task = w.task, None
             if task is not None:
                 out.append(TaskResult(task, w.slot, w.pid, msg))
+        if self.action_timeout > 0:
+            now = time.time()
+            for w in list(self._workers.values()):
+                if w.task is not None and now - w.started >= self.action_timeout:
+                    task, started = w.task, w.started
+                    w.kill()
+                    del self._workers[w.slot]
+                    out.append(TaskResult(task, w.slot, w.pid, {
+                        "ok": False, "timed_out": True, "duration_s": now - started, "pid": w.pid,
+                        "error": f"timed out after {self.action_timeout:g} s (--action-timeout); the action and "
+                                 "every process it started were killed"}))
         return out
+
+    @staticmethod
+    def _has_message(w: WorkerProcess) -> bool:
+        try:
+            return bool(w.from_child.poll(0))
+        except (EOFError, OSError):
+            return True  # recv() will report EOF
+
+    def _dead(self, w: WorkerProcess, out: list[TaskResult]) -> None:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            w.proc.wait(timeout=5)
+        with contextlib.suppress(OSError):
+            os.killpg(w.proc.pid, signal.SIGKILL)  # compilers or forked children it left behind
+        w.close()
+        del self._workers[w.slot]
+        if w.task is not None:
+            out.append(TaskResult(w.task, w.slot, w.pid, {
+                "ok": False, "worker_died": True, "error": death_message(w.proc.returncode),
+                "duration_s": time.time() - w.started, "pid": w.pid}))
 
     def kill_all(self) -> None:
         for w in list(self._workers.values()):

@@ -26,6 +26,9 @@ class TraceProfile:
         self._events: list[dict[str, Any]] = []
         self._tids: dict[str, int] = {}
         self._written = False
+        self._jobs = 1
+        self._busy_s = 0.0
+        self._wall_s = 0.0
 
     def _us(self, t: float) -> float:
         if self._t0 is None:
@@ -46,6 +49,8 @@ class TraceProfile:
 
     def on_event(self, e: BuildEvent) -> None:
         f = e.fields
+        if e.kind == ev.BUILD_STARTED:
+            self._jobs = max(1, int(f.get("jobs") or 1))
         if e.kind == ev.CACHE_CHECKED:
             self._slice("cache check", "cache", f["start"], f["start"] + f["duration_s"], _SCHEDULER_TID,
                         {"lookups": f["lookups"], "hits": f["hits"]})
@@ -61,11 +66,19 @@ class TraceProfile:
             else:
                 args["peak_rss_mb"] = f["peak_rss_mb"]
             self._slice(f["description"], "action", f["start"], e.time, self._tid(f["worker"]), args)
+            self._busy_s += max(0.0, e.time - float(f["start"]))
         elif e.kind == ev.OUTPUTS_STORED:
             self._slice("store outputs", "cache", f["start"], f["start"] + f["duration_s"], _SCHEDULER_TID,
                         {"fingerprint": f["fingerprint"]})
         elif e.kind == ev.BUILD_FINISHED:
+            self._wall_s = float(f.get("wall_s") or 0.0)
             self.write()
+
+    def utilisation(self) -> dict[str, float]:
+        """Busy worker-seconds (dispatch to completion of every action attempt) / (wall time x workers)."""
+        denom = self._wall_s * self._jobs
+        return {"busy_worker_s": round(self._busy_s, 3), "wall_s": round(self._wall_s, 3), "workers": self._jobs,
+                "utilisation": round(self._busy_s / denom, 4) if denom > 0 else 0.0}
 
     def write(self) -> None:
         if self._written:
@@ -77,7 +90,8 @@ class TraceProfile:
         ]
         meta += [{"name": "thread_name", "ph": "M", "pid": _PID, "tid": tid, "args": {"name": w}}
                  for w, tid in self._tids.items()]
-        data = json.dumps({"traceEvents": meta + self._events, "displayTimeUnit": "ms"}, indent=0)
+        data = json.dumps({"traceEvents": meta + self._events, "displayTimeUnit": "ms",
+                           "otherData": {k: str(v) for k, v in self.utilisation().items()}}, indent=0)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_name(f".{self.path.name}.tmp")
         tmp.write_text(data, encoding="utf-8")

@@ -16,8 +16,11 @@ from typing import Any
 
 HOST = socket.gethostname()
 
-# The first lines of an error kept in results and summaries (the full text is in the action's log).
+# The first lines of an error kept in results and summaries (the full text is in the action's log), and at most
+# ERROR_CHARS of them; an action's log keeps at most MAX_LOG_BYTES (its end, where failures are).
 ERROR_LINES = 5
+ERROR_CHARS = 2000
+MAX_LOG_BYTES = 16 << 20
 
 
 @contextlib.contextmanager
@@ -41,9 +44,32 @@ def _redirect_fds(log_path: str) -> Iterator[None]:
         os.close(fd)
 
 
-def first_lines(msg: str, n: int = ERROR_LINES) -> str:
-    lines = [ln.rstrip() for ln in msg.strip().splitlines() if ln.strip()]
-    return "\n".join(lines[:n])
+def first_lines(msg: str, n: int = ERROR_LINES, cap: int = ERROR_CHARS) -> str:
+    """The first `n` non-empty lines of an error, at most `cap` characters (saying so when cut)."""
+    head = msg[: cap * 2]
+    lines = [ln.rstrip() for ln in head.strip().splitlines() if ln.strip()]
+    out = "\n".join(lines[:n])
+    if len(out) > cap or len(msg) > len(head):
+        out = out[:cap] + f" [... message cut at {cap} characters of {len(msg)}; the full text is in the log]"
+    return out
+
+
+def cap_log(log_path: str, limit: int = MAX_LOG_BYTES) -> None:
+    """Keep only the last `limit` bytes of an action's log, with a first line saying how much was dropped."""
+    try:
+        size = os.path.getsize(log_path)
+        if size <= limit:
+            return
+        with open(log_path, "rb") as f:
+            f.seek(size - limit)
+            tail = f.read(limit)
+        note = f"[neuronbuild: log cut to its last {limit} bytes (the cap); {size - limit} earlier bytes dropped]\n"
+        tmp = log_path + ".cut"
+        with open(tmp, "wb") as f:
+            f.write(note.encode() + tail)
+        os.replace(tmp, log_path)
+    except OSError:
+        pass
 
 
 def _reset_peak_rss() -> None:
@@ -109,6 +135,7 @@ def run_action(kind: str, spec: dict[str, Any], inputs: str, outputs: str, log_p
                     meta = tc.run(str(spec["step"]), spec, Path(inputs), Path(outputs))
             finally:
                 os.chdir(cwd)
+        cap_log(log_path)
         return {"ok": True, "metadata": meta, "duration_s": time.perf_counter() - start, "pid": os.getpid(),
                 "peak_rss_mb": peak_rss_mb()}
     except Exception as e:  # noqa: BLE001 - every failure is reported as the action's failure
@@ -116,9 +143,81 @@ def run_action(kind: str, spec: dict[str, Any], inputs: str, outputs: str, log_p
 
         with open(log_path, "a", encoding="utf-8") as log:
             traceback.print_exc(file=log)
-        msg = str(e) if isinstance(e, ToolchainError) else f"{type(e).__name__}: {e}"
+        cap_log(log_path)
+        text = str(e)
+        msg = text if isinstance(e, ToolchainError) else f"{type(e).__name__}: {text}"
         return {"ok": False, "error": first_lines(msg) or type(e).__name__,
                 "duration_s": time.perf_counter() - start, "pid": os.getpid(), "peak_rss_mb": peak_rss_mb()}
+
+
+# Long-lived helpers torch itself starts (inductor's compile-worker pool) survive from one action to the next.
+_KEEP_CMDLINE = (b"torch/_inductor/compile_worker",)
+_PR_SET_CHILD_SUBREAPER = 36
+
+
+def become_subreaper() -> None:
+    """Linux: orphaned descendants (a model's forked child whose parent exited) are re-parented to this worker
+    instead of init, so end_descendants() still finds them."""
+    with contextlib.suppress(Exception):
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+
+
+def _children(pid: int) -> list[int]:
+    out: list[int] = []
+    with contextlib.suppress(OSError):
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{task}/children", "rb") as f:
+                out += [int(x) for x in f.read().split()]
+    return out
+
+
+def _kept(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmd = f.read()
+    except OSError:
+        return False
+    return any(k in cmd for k in _KEEP_CMDLINE)
+
+
+def end_descendants() -> int:
+    """Kill every process this action left behind (children, and orphans re-parented to us), except torch's own
+    compile-worker pool; reap them. Returns how many were killed."""
+    import signal
+
+    killed = 0
+    for _ in range(50):  # killing a process re-parents its children to us: repeat until none is left
+        victims = [c for c in _children(os.getpid()) if not _kept(c)]
+        if not victims:
+            break
+        for c in victims:
+            with contextlib.suppress(OSError):
+                os.kill(c, signal.SIGKILL)
+                killed += 1
+        deadline = time.monotonic() + 2.0
+        while time.monotonic() < deadline:
+            try:
+                pid, _status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                break
+            if pid == 0 and not any(os.path.exists(f"/proc/{c}") and not _is_zombie(c) for c in victims):
+                break
+            if pid == 0:
+                time.sleep(0.01)
+    with contextlib.suppress(ChildProcessError):
+        while os.waitpid(-1, os.WNOHANG)[0]:
+            pass
+    return killed
+
+
+def _is_zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] == b"Z"
+    except (OSError, IndexError):
+        return True
 
 
 def _watch_parent(parent: int) -> None:
@@ -141,6 +240,7 @@ def main(read_fd: int, write_fd: int) -> None:
     conn_in = Connection(read_fd, writable=False)
     conn_out = Connection(write_fd, readable=False)
     threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
+    become_subreaper()
     for var in ("TMPDIR", "HOME"):
         if os.environ.get(var):
             Path(os.environ[var]).mkdir(parents=True, exist_ok=True)
@@ -158,5 +258,6 @@ def main(read_fd: int, write_fd: int) -> None:
             return
         if msg is None:
             return
-        conn_out.send(run_action(msg["kind"], msg["spec"], msg["inputs"], msg["outputs"], msg["log"],
-                                 msg.get("expect")))
+        result = run_action(msg["kind"], msg["spec"], msg["inputs"], msg["outputs"], msg["log"], msg.get("expect"))
+        end_descendants()  # nothing an action started outlives it
+        conn_out.send(result)

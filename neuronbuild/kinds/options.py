@@ -11,7 +11,8 @@ from neuronbuild.loading.schema import INT, LABEL_LIST, NAME, STRING, STRING_LIS
 from neuronbuild.loading.targets import Target
 from neuronbuild.vocabulary import AUTO_CAST, OPT_LEVELS
 
-OPTION_KEYS = ("opt_level", "auto_cast", "model_type", "flags")
+# auto_cast_type and lnc have no default entry: effective options (and fingerprints) carry them only when set.
+OPTION_KEYS = ("opt_level", "auto_cast", "auto_cast_type", "model_type", "lnc", "flags")
 DEFAULTS: dict[str, Any] = {"opt_level": 2, "auto_cast": "none", "model_type": None, "flags": []}
 
 SCHEMA = RuleSchema(
@@ -20,9 +21,14 @@ SCHEMA = RuleSchema(
     (
         NAME,
         Attr("deps", LABEL_LIST, "Option sets merged first, in order.", default=(), kinds=("compiler_options",)),
-        Attr("opt_level", INT, "Optimisation level (neuronx-cc --optlevel).", choices=OPT_LEVELS),
-        Attr("auto_cast", STRING, "Cast compute to bf16: 'none', 'matmult' or 'all'.", choices=AUTO_CAST),
-        Attr("model_type", STRING, "Model family hint (neuronx-cc --model-type), e.g. 'transformer'."),
+        Attr("opt_level", INT, "Optimisation level (neuronx-cc -O1/-O2/-O3).", choices=OPT_LEVELS),
+        Attr("auto_cast", STRING, "Cast matmuls ('matmult') or also convolutions ('all') to auto_cast_type; 'none'.",
+             choices=AUTO_CAST),
+        Attr("auto_cast_type", STRING, "The type auto_cast casts to: 'bf16' (default) or 'fp16'.",
+             choices=("bf16", "fp16")),
+        Attr("model_type", STRING, "Model family hint (neuronx-cc --model-type): generic, transformer, unet-inference.",
+             choices=("generic", "transformer", "unet-inference")),
+        Attr("lnc", INT, "trn2 only: logical NeuronCore config (neuronx-cc --lnc), 1 or 2.", choices=(1, 2)),
         Attr("flags", STRING_LIST, "Extra compiler flags, appended after the deps' flags."),
         TAGS,
     ),

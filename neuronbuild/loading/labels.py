@@ -8,6 +8,7 @@ from dataclasses import dataclass
 _PKG_RE = re.compile(r"^[A-Za-z0-9_\-.]+(/[A-Za-z0-9_\-.]+)*$")
 _NAME_RE = re.compile(r"^[A-Za-z0-9_\-.+=,@~]+(/[A-Za-z0-9_\-.+=,@~]+)*$")
 BUILTIN_REPO = "neuronbuild"
+MAX_NAME = 200  # characters in a target name (it becomes directory and file names under neuronbuild-out/)
 
 
 class LabelError(ValueError):
@@ -40,6 +41,15 @@ def _check_package(pkg: str, text: str) -> None:
 def _check_name(name: str, text: str) -> None:
     if not name or not _NAME_RE.match(name) or any(p in ("..", ".") for p in name.split("/")):
         raise LabelError(f"invalid target name in label '{text}'")
+    if len(name) > MAX_NAME:
+        raise LabelError(f"target name in label '{text[:60]}...' is {len(name)} characters long (the limit is {MAX_NAME})")
+
+
+def check_target_name(name: str) -> None:
+    """A rule's `name` must be usable as the name part of a label (and so as a directory name): LabelError if not."""
+    if name in (".", "..") or "/" in name:
+        raise LabelError(f"invalid target name {name!r}: '.', '..' and '/' are not allowed")
+    _check_name(name, f":{name}")
 
 
 def parse_label(text: str, current_package: str) -> Label:

@@ -5,13 +5,17 @@ Starlark evaluation is hermetic (no clock, environment or file access besides th
 function of those files' contents and of neuronbuild's own code (the cache is keyed by `self_stamp.code_stamp()`).
 Contents are compared by BLAKE3 digest through the stat-keyed digest cache, so unchanged files are not even read.
 Only successful loads are cached; errors always come from a fresh evaluation. `print()` output of a BUILD file is shown
-when it is evaluated, not when its package comes from this cache."""
+when it is evaluated, not when its package comes from this cache.
+
+The file is data only (JSON), and a shared cache is untrusted: it is read only when this user wrote it (not group- or
+world-writable), every cached target is validated again against its rule schema, exactly as a rule call in a BUILD
+file is, and anything that does not fit makes the whole file a miss. Nothing in it can run code."""
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
-import pickle
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
@@ -20,12 +24,14 @@ from typing import Any
 from neuronbuild.atomic import atomic_write_bytes
 from neuronbuild.digests import digest_file, is_racy, stat_key
 from neuronbuild.errors import Location, UserInputError
-from neuronbuild.loading.loader import Loader
+from neuronbuild.loading.labels import Label, LabelError, parse_label
+from neuronbuild.loading.loader import Loader, validate_rule
 from neuronbuild.loading.schema import RULES, AttrError
 from neuronbuild.loading.targets import Package, Target
 from neuronbuild.self_stamp import code_stamp
 
-_FORMAT = "nb-load-cache-1"
+_FORMAT = "nb-load-cache-2"
+MAX_BYTES = 1 << 30  # a state file larger than this is not read (a miss)
 
 
 @dataclass(frozen=True)
@@ -41,7 +47,7 @@ class _Entry:
 def cache_file(cache_base: Path, root: Path) -> Path:
     """Where the load cache of workspace `root` lives inside the build cache directory."""
     key = hashlib.sha256(str(root.resolve()).encode()).hexdigest()[:20]
-    return cache_base / "v1" / "state" / f"load-{key}.pickle"
+    return cache_base / "v1" / "state" / f"load-{key}.json"
 
 
 class LoadCache:
@@ -55,12 +61,9 @@ class LoadCache:
         self.misses = 0
         if file is not None:
             try:
-                with open(file, "rb") as f:
-                    data = pickle.load(f)
-                if data.get("format") == _FORMAT and data.get("code") == code_stamp():
-                    self._entries = data["entries"]
-            except Exception:  # noqa: BLE001 - an unreadable cache is an empty cache
-                self._entries = {}
+                self._entries = _read(file)
+            except (OSError, ValueError, TypeError, KeyError, LookupError, RecursionError, AttrError, LabelError):
+                self._entries = {}  # an unreadable or hostile cache is an empty cache
 
     def _path(self, loader: Loader, display: str) -> Path:
         if display.startswith("@"):
@@ -109,7 +112,65 @@ class LoadCache:
         """Write the cache atomically if anything changed (concurrent builds: the last writer wins; nothing breaks)."""
         if self.file is None or not self._dirty:
             return
-        data = pickle.dumps({"format": _FORMAT, "code": code_stamp(), "entries": self._entries},
-                            protocol=pickle.HIGHEST_PROTOCOL)
-        atomic_write_bytes(self.file, data, self.file.parent, durable=False)  # a speed-up only: no fsync
+        data = json.dumps({"format": _FORMAT, "code": code_stamp(),
+                           "entries": {name: _encode(e) for name, e in self._entries.items()}},
+                          separators=(",", ":"), sort_keys=True)
+        atomic_write_bytes(self.file, data.encode(), self.file.parent, durable=False)  # a speed-up only: no fsync
         self._dirty = False
+
+
+def _attr_json(v: Any) -> Any:
+    """A validated attribute value as JSON: labels as canonical strings, tuples as lists."""
+    if isinstance(v, Label):
+        return str(v)
+    if isinstance(v, (tuple, list)):
+        return [_attr_json(x) for x in v]
+    if isinstance(v, dict):
+        return {k: _attr_json(x) for k, x in v.items()}
+    return v
+
+
+def _encode(e: _Entry) -> dict[str, Any]:
+    return {"digests": [list(d) for d in e.digests], "build_file": e.build_file, "files": list(e.files),
+            "targets": [[str(label), kind, {k: _attr_json(v) for k, v in attrs.items()}, bf, index]
+                        for label, kind, attrs, bf, index in e.targets]}
+
+
+def _str(v: Any) -> str:
+    if not isinstance(v, str):
+        raise TypeError("expected a string")
+    return v
+
+
+def _decode(name: str, raw: Any) -> _Entry:
+    """One cached package read back, every target validated as a rule call is (raises on anything unexpected)."""
+    if not isinstance(raw, dict):
+        raise TypeError("entry")
+    digests = tuple((_str(d), _str(g)) for d, g in raw["digests"])
+    files = tuple(_str(f) for f in raw["files"])
+    targets = []
+    for label_text, kind, attrs, bf, index in raw["targets"]:
+        if kind not in RULES or not isinstance(attrs, dict) or isinstance(index, bool) or not isinstance(index, int):
+            raise TypeError("target")
+        label = parse_label(_str(label_text), "")
+        if label.package != name or label.repo or attrs.get("name") != label.name:
+            raise ValueError("target outside its package")
+        targets.append((label, kind, validate_rule(kind, attrs, name), _str(bf), index))
+    if not files or digests[0][0] != files[0]:
+        raise ValueError("files")
+    return _Entry(digests, _str(raw["build_file"]), tuple(targets), files)
+
+
+def _read(file: Path) -> dict[str, _Entry]:
+    with open(file, "rb") as f:
+        st = os.fstat(f.fileno())
+        # Only this user's own file: another user's could hold valid targets that differ from the BUILD file.
+        if st.st_size > MAX_BYTES or st.st_uid != os.geteuid() or st.st_mode & 0o022:
+            return {}
+        data = json.loads(f.read())
+    if not isinstance(data, dict) or data.get("format") != _FORMAT or data.get("code") != code_stamp():
+        return {}
+    entries = data["entries"]
+    if not isinstance(entries, dict):
+        raise TypeError("entries")
+    return {_str(name): _decode(name, raw) for name, raw in entries.items()}

@@ -11,7 +11,7 @@ from types import MappingProxyType
 from typing import Any
 
 from neuronbuild.errors import Location, UserInputError
-from neuronbuild.loading.labels import BUILTIN_REPO, Label, LabelError, parse_label
+from neuronbuild.loading.labels import BUILTIN_REPO, Label, LabelError, check_target_name, parse_label
 from neuronbuild.loading.schema import RULES, AttrError, validate_call
 from neuronbuild.loading.starlark_adapter import Frame, Interpreter, StarlarkFailure
 from neuronbuild.loading.targets import Package, Target
@@ -42,14 +42,37 @@ class _SourceFile:
     stored: frozenset[str]
 
 
+MAX_SOURCE_BYTES = 4 << 20  # BUILD/.bzl files larger than this are refused (parsing costs ~250x the file in memory)
+
+
+def _nul_location(display: str, raw: str, at: int) -> Location:
+    line = raw.count("\n", 0, at) + 1
+    return Location(display, line, at - (raw.rfind("\n", 0, at) + 1) + 1)
+
+
 def _parse_source(display: str, path: Path, package: str) -> _SourceFile:
     try:
-        raw = path.read_text(encoding="utf-8")
+        with open(path, "rb") as f:
+            data = f.read(MAX_SOURCE_BYTES + 1)
+    except OSError as e:
+        raise UserInputError(f"cannot read file: {e.strerror or e}", Location(display)) from None
+    if len(data) > MAX_SOURCE_BYTES:
+        raise UserInputError(f"file is larger than {MAX_SOURCE_BYTES // (1 << 20)} MiB, the limit for BUILD and .bzl "
+                             "files", Location(display))
+    try:
+        raw = data.decode("utf-8").replace("\r\n", "\n").replace("\r", "\n")  # as text mode reads it
     except UnicodeDecodeError:
         raise UserInputError("file is not valid UTF-8", Location(display)) from None
+    if "\x00" in raw:
+        raise UserInputError("NUL byte in file", _nul_location(display, raw, raw.index("\x00")))
     try:
         tree = ast.parse(raw, filename=display)
-    except SyntaxError:
+    except (RecursionError, MemoryError):
+        raise UserInputError("expressions nested too deeply", Location(display)) from None
+    except SyntaxError as e:
+        if "too many nested" in str(e.msg) or "too complex" in str(e.msg):
+            raise UserInputError(f"expression nested too deeply ({e.msg})",
+                                 Location(display, e.lineno or 1, e.offset or 1)) from None
         # Let Starlark produce the authoritative syntax error.
         interp = Interpreter({}, display)
         try:
@@ -57,6 +80,10 @@ def _parse_source(display: str, path: Path, package: str) -> _SourceFile:
         except StarlarkFailure as e:
             raise UserInputError(f"syntax error: {e.message}", Location(display, e.line, e.col)) from None
         raise UserInputError("syntax error", Location(display)) from None
+    for node in ast.walk(tree):  # starlark-go truncates strings at a NUL: refuse "\x00" escapes instead
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and "\x00" in node.value:
+            raise UserInputError("NUL character in a string (starlark-go would silently truncate it)",
+                                 Location(display, node.lineno, node.col_offset + 1))
     lines = raw.split("\n")
     loads: list[_LoadStmt] = []
     for node in ast.walk(tree):
@@ -119,6 +146,21 @@ def _parse_bzl(display: str, path: Path, package: str) -> _SourceFile:
     return hit
 
 
+def validate_rule(kind: str, kwargs: dict[str, Any], package: str) -> dict[str, Any]:
+    """validate_call plus what the loader adds: the name is a valid label name, a model's srcs are in its package."""
+    attrs = validate_call(kind, kwargs, package)
+    try:
+        check_target_name(attrs["name"])
+    except LabelError as e:
+        raise AttrError(str(e)) from None
+    if kind == "neuron_model":
+        for src in attrs["srcs"]:
+            if src.package != package:
+                raise AttrError(f"attribute 'srcs': '{src}' is in package //{src.package}, not in this package "
+                                f"(//{package}); a model's sources must live in its own package")
+    return attrs
+
+
 class _PackageContext:
     """The natives one BUILD file's evaluation sees; records targets in call order."""
 
@@ -154,7 +196,7 @@ class _PackageContext:
             raise _Trap()
         if args:
             raise AttrError(f"{kind}() takes keyword arguments only (got {len(args)} positional)")
-        attrs = validate_call(kind, kwargs, self.package)
+        attrs = validate_rule(kind, kwargs, self.package)
         name = attrs["name"]
         if name in self.targets:
             raise AttrError(f"duplicate target name '{name}' in package '//{self.package}'")
@@ -224,6 +266,7 @@ class Loader:
             display = label.path
         if not path.is_file():
             raise UserInputError(f"load(): cannot load '{text}': file {display} not found", loc)
+        self._inside(path, display, loc)
         return display, path, label.package
 
     # ---- evaluation --------------------------------------------------------------------------------------------------
@@ -242,8 +285,20 @@ class Loader:
             pass
         return Location(target.build_file)
 
+    def _inside(self, path: Path, display: str, loc: Location) -> None:
+        """BUILD and .bzl files (and symlinks to them) must resolve inside the workspace, or inside the shipped rules."""
+        real = path.resolve()
+        for base in (self.root, self.rules_dir):
+            try:
+                real.relative_to(base.resolve())
+                return
+            except ValueError:
+                continue
+        raise UserInputError(f"{display} points outside the workspace (to {real}); refusing to evaluate it", loc)
+
     def _evaluate(self, package: str, build_file: str, trap_index: int | None) -> _PackageContext:
         path = self.root / build_file
+        self._inside(path, build_file, Location(build_file))
         src = _parse_source(build_file, path, package)
         ctx = _PackageContext(self, package, build_file, trap_index)
         interp = Interpreter(ctx.natives, build_file)

@@ -6,11 +6,12 @@ Sharp edges handled here (see ../shared/notes/starlark-go.md): natives are kept 
 
 from __future__ import annotations
 
+import queue
 import re
 import sys
 import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -42,17 +43,35 @@ class StarlarkFailure(Exception):
         self.frames = frames
 
 
-_executor: ThreadPoolExecutor | None = None
-_executor_lock = threading.Lock()
+_queue: queue.SimpleQueue[tuple[Callable[..., Any], tuple[Any, ...], Future[Any]]] | None = None
+_queue_lock = threading.Lock()
+
+
+def _serve(q: queue.SimpleQueue[tuple[Callable[..., Any], tuple[Any, ...], Future[Any]]]) -> None:
+    while True:
+        fn, args, fut = q.get()
+        if not fut.set_running_or_notify_cancel():
+            continue
+        try:
+            fut.set_result(fn(*args))
+        except BaseException as e:  # noqa: BLE001 - handed to the waiting caller
+            fut.set_exception(e)
 
 
 def run_on_starlark_thread(fn: Callable[..., T], *args: Any) -> T:
-    """Run fn on the dedicated Starlark thread (main-thread calls are ~20x slower with this binding)."""
-    global _executor
-    with _executor_lock:
-        if _executor is None:
-            _executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="starlark")
-    return _executor.submit(fn, *args).result()
+    """Run fn on the dedicated Starlark thread (main-thread calls are ~20x slower with this binding).
+
+    The thread is a daemon and the wait is interruptible: Starlark code that never ends (starlark-go 1.0.1 has no CPU
+    limit) cannot be stopped, but Ctrl-C/SIGTERM still end the caller at once and the process exits without joining
+    the thread (a ThreadPoolExecutor would join it at exit, forever)."""
+    global _queue
+    with _queue_lock:
+        if _queue is None:
+            _queue = queue.SimpleQueue()
+            threading.Thread(target=_serve, args=(_queue,), name="starlark", daemon=True).start()
+    fut: Future[T] = Future()
+    _queue.put((fn, args, fut))
+    return fut.result()
 
 
 def _safe_print(prefix: str) -> Callable[[str], None]:

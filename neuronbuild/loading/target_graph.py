@@ -128,26 +128,35 @@ def _load(root: Path, patterns: list[TargetPattern], load_cache: LoadCache | Non
     return graph
 
 
-def _check_cycles(graph: TargetGraph, labels: set[Label], loader: Loader) -> None:
-    state: dict[Label, int] = {}
-    stack: list[Label] = []
+MAX_DEPS_DEPTH = 256  # longest dependency chain accepted (compiler_options deps merge recursively)
 
-    def visit(lbl: Label) -> None:
-        state[lbl] = 1
-        stack.append(lbl)
-        for _attr, dep in graph.label_deps(graph.targets[lbl]):
+
+def _check_cycles(graph: TargetGraph, labels: set[Label], loader: Loader) -> None:
+    """Iterative depth-first search: cycles and over-long chains are one located error, never a RecursionError."""
+    state: dict[Label, int] = {}
+    for root in sorted(labels):
+        if root in state:
+            continue
+        stack: list[Label] = [root]
+        iters = [iter(graph.label_deps(graph.targets[root]))]
+        state[root] = 1
+        while iters:
+            dep = next((d for _a, d in iters[-1]), None)
+            if dep is None:
+                state[stack.pop()] = 2
+                iters.pop()
+                continue
             if state.get(dep) == 1:
                 cycle = [*stack[stack.index(dep):], dep]
                 raise UserInputError("dependency cycle: " + " -> ".join(str(c) for c in cycle),
                                      loader.locate(graph.targets[dep]))
             if state.get(dep) is None:
-                visit(dep)
-        stack.pop()
-        state[lbl] = 2
-
-    for lbl in sorted(labels):
-        if lbl not in state:
-            visit(lbl)
+                if len(stack) >= MAX_DEPS_DEPTH:
+                    raise UserInputError(f"dependency chain longer than {MAX_DEPS_DEPTH} targets (from {root} to "
+                                         f"{dep})", loader.locate(graph.targets[dep]))
+                state[dep] = 1
+                stack.append(dep)
+                iters.append(iter(graph.label_deps(graph.targets[dep])))
 
 
 def locate(graph: TargetGraph, target: Target) -> Location:

@@ -18,11 +18,15 @@ from typing import IO, Any
 
 from neuronbuild.analysis.planner import ActionGraph
 from neuronbuild.atomic import atomic_write_bytes
+from neuronbuild.cache.cas import umask_mode
 from neuronbuild.cache.local import LocalCache
+from neuronbuild.errors import UserInputError
 from neuronbuild.loading.labels import Label
 from neuronbuild.loading.target_graph import TargetGraph
+from neuronbuild.packaging.envfile import render_env
 from neuronbuild.packaging.manifest import BundlePlan, Member, MissingResult, plan_bundle, with_files
 from neuronbuild.runtime.layout import ENV_FILE, MANIFEST, README
+from neuronbuild.runtime.signing import SIGNATURE, SIGNING_KEY_ENV, SignatureError, sign_manifest
 from neuronbuild.workspace import OUTPUT_DIR
 
 ZSTD_LEVEL = 10
@@ -44,6 +48,12 @@ class BundleOutput:
     written: bool
 
 
+def signing_key() -> Path | None:
+    """The private key bundles are signed with: $NEURONBUILD_SIGNING_KEY (set by `build --signing-key`), or None."""
+    v = os.environ.get(SIGNING_KEY_ENV, "").strip()
+    return Path(v).expanduser() if v else None
+
+
 def bundle_paths(root: Path, label: Label, compression: str) -> tuple[Path, Path, Path]:
     """(archive, manifest copy, sha256 file) under neuronbuild-out/<package>/."""
     base = root / OUTPUT_DIR / label.package
@@ -52,7 +62,7 @@ def bundle_paths(root: Path, label: Label, compression: str) -> tuple[Path, Path
 
 
 def render_docs(manifest: dict[str, Any]) -> dict[str, bytes]:
-    """README.md and neuronbuild.env rendered from the jinja2 templates (inputs: the manifest only)."""
+    """README.md rendered from its jinja2 template and neuronbuild.env (envfile.render_env); inputs: the manifest."""
     import jinja2
 
     env = jinja2.Environment(
@@ -61,8 +71,7 @@ def render_docs(manifest: dict[str, Any]) -> dict[str, bytes]:
     )
     ctx = dict(manifest)
     ctx["labels"] = list(dict.fromkeys(g["label"] for g in manifest["graphs"]))
-    return {README: env.get_template("README.md.j2").render(**ctx).encode(),
-            ENV_FILE: env.get_template("neuronbuild.env.j2").render(**ctx).encode()}
+    return {README: env.get_template("README.md.j2").render(**ctx).encode(), ENV_FILE: render_env(manifest)}
 
 
 def _tarinfo(path: str, size: int) -> tarfile.TarInfo:
@@ -90,11 +99,14 @@ def _compressed(out: IO[bytes], compression: str) -> Iterator[IO[bytes]]:
         yield zw  # type: ignore[misc]
 
 
-def write_archive(dest: IO[bytes], manifest_bytes: bytes, members: list[Member], compression: str) -> None:
-    """manifest.json first (deploy reads it before anything else), then members sorted by path."""
+def write_archive(dest: IO[bytes], manifest_bytes: bytes, members: list[Member], compression: str,
+                  signature: bytes | None = None) -> None:
+    """manifest.json first (deploy reads it before anything else), its signature (if signed), then members sorted."""
     with _compressed(dest, compression) as stream, \
             tarfile.open(fileobj=stream, mode="w|", format=tarfile.USTAR_FORMAT) as tar:
         tar.addfile(_tarinfo(MANIFEST, len(manifest_bytes)), io.BytesIO(manifest_bytes))
+        if signature is not None:
+            tar.addfile(_tarinfo(SIGNATURE, len(signature)), io.BytesIO(signature))
         for m in sorted(members, key=lambda m: m.path):
             if m.data is not None:
                 tar.addfile(_tarinfo(m.path, m.size), io.BytesIO(m.data))
@@ -136,28 +148,41 @@ def build_bundle(root: Path, graph: TargetGraph, ag: ActionGraph, cache: LocalCa
     members = list(plan.members) + [Member(p, hashlib.sha256(b).hexdigest(), len(b), None, b) for p, b in docs.items()]
     manifest_bytes = with_files(plan.manifest, members)
     archive, manifest_copy, sha_file = bundle_paths(root, label, compression)
+    key = signing_key()
+    try:
+        signature = sign_manifest(manifest_bytes, key) if key is not None else None
+    except SignatureError as e:
+        raise UserInputError(f"bundle {label}: {e}") from None
+    sig_copy = Path(f"{manifest_copy}.sig")
     write_pin(cache, pin_name(root, label), plan)
     with contextlib.suppress(OSError, ValueError, IndexError):
-        if manifest_copy.read_bytes() == manifest_bytes:
+        if manifest_copy.read_bytes() == manifest_bytes and (
+                sig_copy.read_bytes() == signature if signature is not None else not sig_copy.exists()):
             recorded = sha_file.read_text().split()[0]
             if archive.is_file() and _sha256(archive) == recorded:
                 return BundleOutput(label, archive, recorded, archive.stat().st_size, False)
     archive.parent.mkdir(parents=True, exist_ok=True)
+    mode = umask_mode()
     fd, tmp = tempfile.mkstemp(dir=archive.parent, prefix=f".{archive.name}.")
     try:
         with os.fdopen(fd, "wb") as out:
-            write_archive(out, manifest_bytes, members, compression)
+            write_archive(out, manifest_bytes, members, compression, signature)
             out.flush()
             os.fsync(out.fileno())
         digest = _sha256(Path(tmp))
-        os.chmod(tmp, 0o644)
+        os.chmod(tmp, mode)
         os.replace(tmp, archive)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
-    atomic_write_bytes(manifest_copy, manifest_bytes, archive.parent / ".tmp")
-    atomic_write_bytes(sha_file, f"{digest}  {archive.name}\n".encode(), archive.parent / ".tmp")
+    atomic_write_bytes(manifest_copy, manifest_bytes, archive.parent / ".tmp", mode=mode)
+    if signature is not None:
+        atomic_write_bytes(sig_copy, signature, archive.parent / ".tmp", mode=mode)
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            sig_copy.unlink()
+    atomic_write_bytes(sha_file, f"{digest}  {archive.name}\n".encode(), archive.parent / ".tmp", mode=mode)
     with contextlib.suppress(OSError):
         (archive.parent / ".tmp").rmdir()
     return BundleOutput(label, archive, digest, archive.stat().st_size, True)

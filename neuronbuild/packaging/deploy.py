@@ -17,21 +17,29 @@ from pathlib import Path, PurePosixPath
 from typing import IO, Any
 
 from neuronbuild.atomic import atomic_write_bytes
+from neuronbuild.packaging.envfile import EnvFileError, render_env
 from neuronbuild.runtime.layout import (
     DEPLOY_FORMAT,
+    ENV_FILE,
     INDEX,
     MANIFEST,
+    MAX_MANIFEST_BYTES,
     RELEASES,
     LayoutError,
     Manifest,
     parse_manifest,
     read_index,
+    safe_path,
+    sha256_file,
 )
+from neuronbuild.runtime.signing import MAX_SIGNATURE_BYTES, SIGNATURE, SignatureError, TrustedKey, verify_manifest
 
 _CHUNK = 1 << 20
 _ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 _GZIP_MAGIC = b"\x1f\x8b"
-MAX_MEMBER_PATH = 400
+MAX_HEADER_BYTES = 64 << 10  # GNU long-name and PAX extended headers: more than any path neuronbuild writes
+MAX_TRAILING_BYTES = 2 * tarfile.RECORDSIZE  # zero padding after the end-of-archive marker; anything else is refused
+STAGING_PREFIX = ".staging-"
 
 
 class BundleError(Exception):
@@ -47,18 +55,44 @@ class Deployed:
     label: str
     files: int
     already: bool
+    repaired: bool = False  # the release was installed but damaged; its files were replaced
 
 
 def safe_member_path(name: str) -> str:
     """The member's path if it is a plain relative path inside the bundle; BundleError otherwise."""
-    if not name or len(name) > MAX_MEMBER_PATH or "\x00" in name or "\\" in name:
-        raise BundleError(f"refusing member {name!r}: bad path")
-    if name.startswith("/"):
-        raise BundleError(f"refusing member {name!r}: absolute path")
-    parts = name.split("/")
-    if any(p in ("", ".", "..") for p in parts):
-        raise BundleError(f"refusing member {name!r}: path with '..', '.' or an empty component")
-    return str(PurePosixPath(*parts))
+    try:
+        return str(PurePosixPath(safe_path(name)))
+    except LayoutError as e:
+        raise BundleError(str(e)) from None
+
+
+class _CappedTarInfo(tarfile.TarInfo):
+    """Tar headers whose GNU long-name/long-link or PAX extended data is larger than MAX_HEADER_BYTES are refused
+    before that data is read (tarfile would otherwise read it whole into memory)."""
+
+    def _proc_gnulong(self, tarfile: tarfile.TarFile) -> tarfile.TarInfo:  # type: ignore[override]
+        if self.size > MAX_HEADER_BYTES:
+            raise BundleError(f"refusing a GNU long-name header of {self.size} bytes (limit {MAX_HEADER_BYTES})")
+        return super()._proc_gnulong(tarfile)  # type: ignore[misc, no-any-return]
+
+    def _proc_pax(self, tarfile: tarfile.TarFile) -> tarfile.TarInfo:  # type: ignore[override]
+        if self.size > MAX_HEADER_BYTES:
+            raise BundleError(f"refusing a PAX header of {self.size} bytes (limit {MAX_HEADER_BYTES})")
+        return super()._proc_pax(tarfile)  # type: ignore[misc, no-any-return]
+
+
+def check_env_file(manifest: Manifest) -> None:
+    """neuronbuild.env must be exactly what neuronbuild writes for this manifest (operators source it)."""
+    ref = manifest.files.get(ENV_FILE)
+    try:
+        expected = render_env(manifest.raw)
+    except EnvFileError as e:
+        raise BundleError(str(e)) from None
+    except (KeyError, TypeError, AttributeError) as e:
+        raise BundleError(f"{MANIFEST}: malformed manifest ({type(e).__name__}: {str(e)[:200]})") from None
+    if ref is None or ref.sha256 != hashlib.sha256(expected).hexdigest() or ref.size != len(expected):
+        raise BundleError(f"refusing {ENV_FILE}: it differs from what neuronbuild writes for this manifest "
+                          "(operators source this file)")
 
 
 @contextlib.contextmanager
@@ -80,18 +114,43 @@ def _decompressed(archive: Path) -> Iterator[IO[bytes]]:
             raise BundleError(f"{archive.name}: not a bundle (neither zstd nor gzip data)")
 
 
-def read_bundle(archive: Path, sink: Callable[[str, IO[bytes], int], tuple[str, int]]) -> tuple[Manifest, bytes]:
+def read_bundle(archive: Path, sink: Callable[[str, IO[bytes], int], tuple[str, int]],
+                trusted_keys: list[TrustedKey] | None = None,
+                on_manifest: Callable[[Manifest], None] | None = None) -> tuple[Manifest, bytes]:
     """Stream every member through `sink(path, data, size) -> (sha256, size)` and check it against the manifest.
 
-    manifest.json must come first; every other member must be a regular file listed there with its sha256 and
-    size, and every listed file must be present. Links, devices, directories, absolute or '..' paths, duplicates
-    and truncated or corrupt data are refused with BundleError."""
+    manifest.json must come first (at most MAX_MANIFEST_BYTES), then optionally its signature; every other member
+    must be a regular file listed there with its sha256 and size, and every listed file must be present. With
+    `trusted_keys`, the manifest must be signed by one of them, checked before any other member is read.
+    `on_manifest` is called once the manifest is accepted (e.g. to check free space). Links, devices, directories,
+    absolute or '..' paths, duplicates, oversized headers, trailing data and truncated or corrupt data are refused
+    with BundleError."""
     archive = Path(archive)
     manifest: Manifest | None = None
     manifest_bytes = b""
+    signature: bytes | None = None
+    accepted = False
     seen: set[str] = set()
+
+    def accept() -> None:
+        nonlocal accepted
+        assert manifest is not None
+        if trusted_keys is not None:
+            try:
+                verify_manifest(manifest_bytes, signature, trusted_keys, archive.name)
+            except SignatureError as e:
+                raise BundleError(str(e)) from None
+        check_env_file(manifest)
+        if on_manifest is not None:
+            on_manifest(manifest)
+        sink(MANIFEST, io.BytesIO(manifest_bytes), len(manifest_bytes))
+        if signature is not None:
+            sink(SIGNATURE, io.BytesIO(signature), len(signature))
+        accepted = True
+
     try:
-        with _decompressed(archive) as stream, tarfile.open(fileobj=stream, mode="r|") as tar:
+        with _decompressed(archive) as stream, \
+                tarfile.open(fileobj=stream, mode="r|", tarinfo=_CappedTarInfo) as tar:
             for m in tar:
                 path = safe_member_path(m.name)
                 if not m.isreg():
@@ -106,13 +165,21 @@ def read_bundle(archive: Path, sink: Callable[[str, IO[bytes], int], tuple[str, 
                 if manifest is None:
                     if path != MANIFEST:
                         raise BundleError(f"{archive.name}: the first member must be {MANIFEST}, got {path!r}")
-                    manifest_bytes = f.read()
+                    if m.size > MAX_MANIFEST_BYTES:
+                        raise BundleError(f"{archive.name}: {MANIFEST} is {m.size} bytes (limit {MAX_MANIFEST_BYTES})")
+                    manifest_bytes = f.read(m.size)
                     if len(manifest_bytes) != m.size:
                         raise BundleError(f"{archive.name}: truncated archive (in {MANIFEST})")
                     manifest = parse_manifest(manifest_bytes, f"{archive.name}:{MANIFEST}")
                     _check_references(manifest)
-                    sink(path, io.BytesIO(manifest_bytes), m.size)
                     continue
+                if path == SIGNATURE and not accepted and signature is None:
+                    if m.size > MAX_SIGNATURE_BYTES:
+                        raise BundleError(f"{archive.name}: {SIGNATURE} is {m.size} bytes (limit {MAX_SIGNATURE_BYTES})")
+                    signature = f.read(m.size)
+                    continue
+                if not accepted:
+                    accept()
                 ref = manifest.files.get(path)
                 if ref is None:
                     raise BundleError(f"refusing member {path!r}: not listed in the manifest")
@@ -123,18 +190,24 @@ def read_bundle(archive: Path, sink: Callable[[str, IO[bytes], int], tuple[str, 
                     raise BundleError(f"{archive.name}: truncated archive (in {path})")
                 if sha != ref.sha256:
                     raise BundleError(f"{path}: sha256 differs from the manifest (tampered or corrupt)")
-            # The rest of the stream must decode (a cut-off zstd/gzip frame raises here).
-            while stream.read(_CHUNK):
-                pass
+            if manifest is not None and not accepted:
+                accept()
+            # Only the end-of-archive padding may follow, and the compressed stream must end there (a cut-off
+            # frame raises; extra frames of data are refused without decompressing them all).
+            trailing = 0
+            while chunk := stream.read(_CHUNK if trailing == 0 else MAX_TRAILING_BYTES):
+                trailing += len(chunk)
+                if trailing > MAX_TRAILING_BYTES or chunk.count(0) != len(chunk):
+                    raise BundleError(f"{archive.name}: refusing trailing data after the end of the archive")
     except BundleError:
         raise
     except LayoutError as e:
         raise BundleError(str(e)) from None
     except (tarfile.TarError, EOFError, OSError, ValueError) as e:
-        raise BundleError(f"{archive.name}: truncated or corrupt archive ({type(e).__name__}: {e})") from None
+        raise BundleError(f"{archive.name}: truncated or corrupt archive ({type(e).__name__}: {str(e)[:200]})") from None
     except Exception as e:  # zstandard.ZstdError and friends
         if type(e).__module__.startswith("zstandard") or "zstd" in type(e).__name__.lower():
-            raise BundleError(f"{archive.name}: truncated or corrupt archive ({e})") from None
+            raise BundleError(f"{archive.name}: truncated or corrupt archive ({str(e)[:200]})") from None
         raise
     if manifest is None:
         raise BundleError(f"{archive.name}: empty or truncated archive (no {MANIFEST})")
@@ -162,9 +235,9 @@ def _hash_only(_path: str, f: IO[bytes], _size: int) -> tuple[str, int]:
     return h.hexdigest(), n
 
 
-def check_bundle(archive: Path) -> tuple[Manifest, bytes]:
-    """Verify every digest of a bundle without writing anything."""
-    return read_bundle(archive, _hash_only)
+def check_bundle(archive: Path, trusted_keys: list[TrustedKey] | None = None) -> tuple[Manifest, bytes]:
+    """Verify every digest (and, with trusted keys, the signature) of a bundle without writing anything."""
+    return read_bundle(archive, _hash_only, trusted_keys)
 
 
 def _writer(root: Path) -> Callable[[str, IO[bytes], int], tuple[str, int]]:
@@ -198,8 +271,46 @@ def release_id(manifest_bytes: bytes) -> str:
     return hashlib.sha256(manifest_bytes).hexdigest()[:24]
 
 
-def deploy(archive: Path, dest: Path, expect_sha256: str | None = None) -> Deployed:
-    """Install a bundle into `dest` atomically: on any failure `dest` is left exactly as it was."""
+def _damaged(release_dir: Path, manifest: Manifest, manifest_bytes: bytes) -> list[str]:
+    """Files of an installed release that are missing or differ from its manifest (hashing every byte)."""
+    bad = []
+    try:
+        if (release_dir / MANIFEST).is_symlink() or (release_dir / MANIFEST).read_bytes() != manifest_bytes:
+            bad.append(MANIFEST)
+    except OSError:
+        bad.append(MANIFEST)
+    for ref in manifest.files.values():
+        p = release_dir / ref.path
+        try:
+            if p.is_symlink() or (ref.size, ref.sha256) != sha256_file(p)[::-1]:
+                bad.append(ref.path)
+        except OSError:
+            bad.append(ref.path)
+    return bad
+
+
+def _reclaim_staging(dest: Path) -> None:
+    """Remove staging directories left by deploys that were killed (we hold the directory's exclusive lock, so no
+    other deploy is using one)."""
+    with os.scandir(dest) as it:
+        for e in it:
+            if e.name.startswith(STAGING_PREFIX) and e.is_dir(follow_symlinks=False):
+                shutil.rmtree(e.path, ignore_errors=True)
+
+
+def _check_space(dest: Path, manifest: Manifest, manifest_bytes_len: int) -> None:
+    need = sum(f.size for f in manifest.files.values()) + manifest_bytes_len
+    free = shutil.disk_usage(dest).free
+    if need > free:
+        raise BundleError(f"not enough free space in {dest}: the bundle needs {need} bytes, {free} are free")
+
+
+def deploy(archive: Path, dest: Path, expect_sha256: str | None = None,
+           trusted_keys: list[TrustedKey] | None = None) -> Deployed:
+    """Install a bundle into `dest` atomically: on any failure `dest` is left exactly as it was.
+
+    With `trusted_keys`, only bundles whose manifest is signed by one of them are installed. Deploying a bundle
+    that is already installed checks the installed files and replaces the release when any is damaged."""
     archive, dest = Path(archive), Path(dest).absolute()
     if not archive.is_file():
         raise BundleError(f"no bundle at {archive}")
@@ -208,39 +319,64 @@ def deploy(archive: Path, dest: Path, expect_sha256: str | None = None) -> Deplo
             sha, _ = _hash_only("", f, 0)
         if sha != expect_sha256.strip().lower():
             raise BundleError(f"{archive.name}: sha256 {sha} differs from the expected {expect_sha256}")
+    if dest.is_symlink():
+        raise BundleError(f"{dest} is a symlink; give the real directory")
     created = not dest.exists()
     if not created and not dest.is_dir():
         raise BundleError(f"{dest} exists and is not a directory")
     dest.mkdir(parents=True, exist_ok=True)
+    releases = dest / RELEASES
     created_releases = False
     staging: Path | None = None
-    lock_fd = os.open(dest, os.O_RDONLY | os.O_DIRECTORY)
+    lock_fd = os.open(dest, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
     try:
         fcntl.flock(lock_fd, fcntl.LOCK_EX)  # on the directory itself: no lock file is left behind
-        index = read_index(dest)
-        staging = Path(tempfile.mkdtemp(dir=dest, prefix=".staging-"))
+        if releases.is_symlink() or (releases.exists() and not releases.is_dir()):
+            raise BundleError(f"{releases} is not a plain directory (a symlink or a file); refusing to install")
+        if (dest / INDEX).is_symlink():
+            raise BundleError(f"{dest / INDEX} is a symlink; refusing to install")
+        try:
+            index = read_index(dest)
+        except LayoutError as e:
+            raise BundleError(str(e)) from None
+        _reclaim_staging(dest)
+        staging = Path(tempfile.mkdtemp(dir=dest, prefix=STAGING_PREFIX))
         os.chmod(staging, 0o755)
-        manifest, manifest_bytes = read_bundle(archive, _writer(staging))
+        manifest, manifest_bytes = read_bundle(archive, _writer(staging), trusted_keys,
+                                               lambda m: _check_space(dest, m, 0))
         rid = release_id(manifest_bytes)
-        target = dest / RELEASES / rid
-        already = target.is_dir()
-        if not already:
-            created_releases = not (dest / RELEASES).exists()
-            (dest / RELEASES).mkdir(exist_ok=True)
+        target = releases / rid
+        already = target.is_dir() and not target.is_symlink()
+        repaired = False
+        if already and _damaged(target, manifest, manifest_bytes):
+            old = Path(tempfile.mkdtemp(dir=dest, prefix=STAGING_PREFIX))
+            os.rename(target, old / "damaged")
+            os.rename(staging, target)
+            staging = old
+            already, repaired = False, True
+        elif already:
+            sig = staging / SIGNATURE
+            if sig.is_file():  # the same release, now signed (or signed by another key): keep the new signature
+                os.replace(sig, target / SIGNATURE)
+        else:
+            created_releases = not releases.exists()
+            releases.mkdir(exist_ok=True)
+            if target.is_symlink() or target.exists():
+                raise BundleError(f"{target} exists and is not a release directory; refusing to install")
             os.rename(staging, target)
             staging = None
         entries = [{"id": rid, "label": manifest.label}] + [r for r in index if r.get("id") != rid]
         try:
             _write_index(dest, entries)
         except BaseException:
-            if not already:
+            if not already and not repaired:
                 shutil.rmtree(target, ignore_errors=True)
             raise
         _fsync_dir(dest)
-        return Deployed(rid, target, manifest.label, len(manifest.files) + 1, already)
+        return Deployed(rid, target, manifest.label, len(manifest.files) + 1, already, repaired)
     except BaseException:
         if created_releases:
-            shutil.rmtree(dest / RELEASES, ignore_errors=True)
+            shutil.rmtree(releases, ignore_errors=True)
         raise
     finally:
         if staging is not None:

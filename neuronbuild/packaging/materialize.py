@@ -9,6 +9,7 @@ from typing import Any
 from neuronbuild import FORMAT_VERSION
 from neuronbuild.analysis.planner import ActionGraph, CompileTarget
 from neuronbuild.atomic import atomic_write_bytes
+from neuronbuild.cache.cas import umask_mode
 from neuronbuild.cache.local import LocalCache
 from neuronbuild.workspace import OUTPUT_DIR
 
@@ -71,7 +72,7 @@ def materialize(root: Path, ag: ActionGraph, cache: LocalCache, failed: set[str]
         data = json.dumps(manifest, sort_keys=True, indent=1).encode()
         if (out / MANIFEST).is_file() and (out / MANIFEST).read_bytes() == data:
             continue
-        atomic_write_bytes(out / MANIFEST, data, out / ".tmp")
+        atomic_write_bytes(out / MANIFEST, data, out / ".tmp", mode=umask_mode())
         try:
             (out / ".tmp").rmdir()
         except OSError:

@@ -1,13 +1,15 @@
 """open_cache(): a deployed directory opened for serving, strict (cache-hit-only, checked at open) or lenient.
 
-Never compiles: cpu graphs load through the direct AOTInductor loader, Neuron graphs' lowered programs through
-torch.export.load. Counters follow the Neuron precompile cache (hit, miss, error, save); save stays 0 here because
-production never compiles and therefore never saves."""
+Never compiles: cpu graphs load through the direct AOTInductor loader. A Neuron graph runs only on a Neuron device
+(its NEFF through the Neuron runtime), never silently on the CPU; `emulate="xla-cpu"` runs its exact HLO module on
+XLA:CPU instead, for development and CI, counted as `emulated`, never as a hit. Counters follow the Neuron precompile
+cache (hit, miss, error, save); save stays 0 here because production never compiles and therefore never saves."""
 
 from __future__ import annotations
 
 import logging
 import os
+import tempfile
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -17,6 +19,8 @@ from typing import Any
 from neuronbuild.runtime.host import Host, check_graph, current_host
 from neuronbuild.runtime.layout import (
     AOTI_FORMAT,
+    NEURON_HLO_FORMAT,
+    FileRef,
     Graph,
     LayoutError,
     Manifest,
@@ -26,25 +30,33 @@ from neuronbuild.runtime.layout import (
     read_releases,
 )
 from neuronbuild.runtime.router import BucketRouter, NoBucketFits, Route
+from neuronbuild.runtime.signing import SIGNATURE as SIGNATURE_FILE
+from neuronbuild.runtime.signing import TRUSTED_KEYS_ENV, SignatureError, TrustedKey, load_trusted_keys, verify_manifest
+from neuronbuild.runtime.verified import read_verified, verified_path
 
 STRICT_ENV = "NEURONBUILD_STRICT"
 REQUIRE_ENV = "NEURONBUILD_REQUIRE"
+EMULATE_ENV = "NEURONBUILD_EMULATE"
+EMULATE_MODES = ("xla-cpu",)
 log = logging.getLogger("neuronbuild.runtime")
 
 
 @dataclass(frozen=True)
 class Counters:
     """Graph lookups so far: hit (loaded from the deployed cache), miss (absent or unusable), error (present but
-    failed to load), save (compiled and saved: always 0, production never compiles); eager = calls run eagerly."""
+    failed to load), save (compiled and saved: always 0, production never compiles); eager = calls run eagerly;
+    emulated = Neuron graphs loaded to run on XLA:CPU (emulate="xla-cpu"): not hits, they did not run on a device."""
 
     hit: int = 0
     miss: int = 0
     error: int = 0
     save: int = 0
     eager: int = 0
+    emulated: int = 0
 
     def __str__(self) -> str:
-        return f"hit={self.hit} miss={self.miss} error={self.error} save={self.save} eager_calls={self.eager}"
+        return (f"hit={self.hit} miss={self.miss} error={self.error} save={self.save} eager_calls={self.eager}"
+                f" emulated={self.emulated}")
 
 
 def _env_flag(name: str) -> bool:
@@ -67,6 +79,19 @@ def graph_diff(expected: Graph, deployed: Graph) -> list[tuple[str, Any, Any]]:
     out = [d for d in diff_records(expected.record, deployed.record) if d[0] != "trace"]
     if expected.record.get("trace") != deployed.record.get("trace"):
         out += [(f"trace.{p}", a, b) for p, a, b in diff_records(expected.trace_record, deployed.trace_record)]
+    return out
+
+
+def _artifact_diff(expected: Graph, deployed: Graph) -> list[tuple[str, str]]:
+    """Artifacts and weights whose digest or size differ between the expected and the deployed graph."""
+    out = []
+    names = sorted(set(expected.artifacts) | set(deployed.artifacts))
+    pairs = [(n, expected.artifacts.get(n), deployed.artifacts.get(n)) for n in names]
+    pairs.append(("weights", expected.weights, deployed.weights))
+    for name, a, b in pairs:
+        if (a and (a.sha256, a.size)) != (b and (b.sha256, b.size)):
+            out.append((name, f"expected sha256 {a.sha256[:16] if a else None}, deployed "
+                              f"{b.sha256[:16] if b else None}"))
     return out
 
 
@@ -140,13 +165,14 @@ class DeployedCache:
     """A deployed directory opened for serving. Use open_cache()."""
 
     def __init__(self, root: Path, strict: bool, releases: list[Release], host: Host,
-                 eager: Mapping[str, Callable[..., Any]]) -> None:
+                 eager: Mapping[str, Callable[..., Any]], emulate: str | None = None) -> None:
         self.root = root
         self.strict = strict
+        self.emulate = emulate
         self.host = host
         self._releases = releases
         self._eager = dict(eager)
-        self._counts = {"hit": 0, "miss": 0, "error": 0, "save": 0, "eager": 0}
+        self._counts = {"hit": 0, "miss": 0, "error": 0, "save": 0, "eager": 0, "emulated": 0}
         self._weights: dict[Path, Any] = {}
         self._models: dict[str, Model] = {}
         self._slots: dict[str, dict[str, _Slot]] = {}
@@ -188,6 +214,7 @@ class DeployedCache:
             for g in r.manifest.graphs:
                 by_fp.setdefault(g.fingerprint, (g, r))
                 by_key.setdefault(g.key, []).append(g)
+        pinned = expected is not None
         if expected is None:
             newest = next((r for r in self._releases if label in r.manifest.labels()), None)
             if newest is None:
@@ -208,7 +235,13 @@ class DeployedCache:
                 problems.append(Problem(eg.describe(), reason))
             else:
                 slot = _Slot(hit[0], hit[1])
+                if pinned:
+                    for name, why in _artifact_diff(eg, hit[0]):
+                        slot.problem = f"{name} differs from the expected manifest ({why})"
+                        problems.append(Problem(eg.describe(), slot.problem))
                 for m in check_graph(hit[0], self.host):
+                    if self.emulate and hit[0].format == NEURON_HLO_FORMAT and m.field == "target.platform":
+                        continue  # emulated on XLA:CPU: no device needed
                     slot.problem = f"{m.field} differs (built for {m.built}, this host has {m.here})"
                     problems.append(Problem(eg.describe(), slot.problem))
                 for ref in [*hit[0].artifacts.values(), *([hit[0].weights] if hit[0].weights else [])]:
@@ -221,11 +254,11 @@ class DeployedCache:
 
     # -- loading ---------------------------------------------------------------------------------------------------
 
-    def _weights_for(self, path: Path) -> Any:
+    def _weights_for(self, path: Path, ref: FileRef) -> Any:
         if path not in self._weights:
-            from neuronbuild.runtime.aoti_loader import read_constants
+            from safetensors.torch import load as load_safetensors
 
-            self._weights[path] = read_constants(path)
+            self._weights[path] = load_safetensors(read_verified(path, ref))  # every byte checked before use
         return self._weights[path]
 
     def _load(self, slot: _Slot) -> Callable[..., Any] | None:
@@ -238,14 +271,32 @@ class DeployedCache:
                 log.warning("neuronbuild.runtime: miss: %s: %s", slot.graph.describe(), slot.problem or "missing")
             return None
         g, rdir = slot.graph, slot.release.dir
+        emulated = False
         try:
             if g.format == AOTI_FORMAT:
                 from neuronbuild.runtime.aoti_loader import load_package
 
-                weights = self._weights_for(rdir / g.weights.path) if g.weights else None
-                slot.fn = load_package(rdir / g.artifacts["model.pt2"].path, constants=weights or {})
+                weights = self._weights_for(rdir / g.weights.path, g.weights) if g.weights else None
+                ref = g.artifacts["model.pt2"]
+                # The C++ loader needs a path: it gets a private copy of the checked bytes, so the shared library it
+                # loads is the one checked (a file swapped after the check never reaches it).
+                with verified_path(rdir / ref.path, ref, Path(tempfile.gettempdir())) as checked:
+                    slot.fn = load_package(checked, constants=weights or {})
+            elif g.format == NEURON_HLO_FORMAT and self.emulate == "xla-cpu":
+                from neuronbuild.runtime.xla_cpu import load_graph
+
+                if g.weights is None:
+                    raise RuntimeError("the manifest names no weights file for this Neuron graph")
+                hlo, params = g.artifacts["model.hlo.pb"], g.artifacts["params.json"]
+                tmp = Path(tempfile.gettempdir())
+                with verified_path(rdir / hlo.path, hlo, tmp) as hlo_path, \
+                        verified_path(rdir / params.path, params, tmp) as params_path:
+                    slot.fn = load_graph(hlo_path, params_path, self._weights_for(rdir / g.weights.path, g.weights))
+                emulated = True
+            elif g.format == NEURON_HLO_FORMAT:
+                slot.fn = _load_neff(g)
             else:
-                slot.fn = _load_lowered(rdir / g.artifacts["lowered.pt2"].path)
+                raise RuntimeError(f"artifact format {g.format!r} is not one this runtime loads")
         except Exception as e:  # noqa: BLE001 - any load failure is this graph's error
             self._counts["error"] += 1
             slot.problem = f"failed to load: {type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
@@ -253,7 +304,7 @@ class DeployedCache:
             if self.strict:
                 raise RuntimeError(f"strict mode: {g.describe()}: {slot.problem}") from None
             return None
-        self._counts["hit"] += 1
+        self._counts["emulated" if emulated else "hit"] += 1
         return slot.fn
 
     def _eager_call(self, label: str, why: str, fn: Callable[..., Any], args: tuple[Any, ...]) -> Any:
@@ -274,18 +325,18 @@ class _EagerModel:
         return self._cache._eager_call(self.label, "not deployed", self._fn, args)
 
 
-def _load_lowered(path: Path) -> Callable[..., Any]:
-    """A Neuron graph's lowered program, run by torch on this host's CPU: the stand-in for its NEFF, which needs
-    neuronx-cc (not available here) to produce and the Neuron runtime to execute."""
-    import torch
+class NeuronRuntimeUnavailable(RuntimeError):
+    """A Neuron graph asked to run for real where that cannot happen."""
 
-    module = torch.export.load(str(path)).module()
 
-    def run(*args: Any) -> Any:
-        with torch.no_grad():
-            return module(*args)
-
-    return run
+def _load_neff(g: Graph) -> Callable[..., Any]:
+    """A Neuron graph on a Neuron host: its NEFF through the Neuron runtime. Not available in this runtime: the Neuron
+    runtime (libnrt) cannot be installed or tested here, so this fails with the reason instead of running anything."""
+    if "model.neff" not in g.artifacts:
+        raise NeuronRuntimeUnavailable("the bundle has no model.neff for this graph (built without neuronx-cc); "
+                                       "open with emulate='xla-cpu' to run its HLO on XLA:CPU")
+    raise NeuronRuntimeUnavailable("running a NEFF needs the Neuron runtime (libnrt), which this runtime does not "
+                                   "load; open with emulate='xla-cpu' to run the graph's HLO on XLA:CPU")
 
 
 def _expected(expect: str | Path | Manifest | Mapping[str, Any] | None) -> Manifest | None:
@@ -298,15 +349,25 @@ def _expected(expect: str | Path | Manifest | Mapping[str, Any] | None) -> Manif
 
 def open_cache(root: str | Path, strict: bool | None = None, require: Iterable[str] | None = None,
                expect: str | Path | Manifest | Mapping[str, Any] | None = None,
-               eager: Mapping[str, Callable[..., Any]] | None = None) -> DeployedCache:
+               eager: Mapping[str, Callable[..., Any]] | None = None, emulate: str | None = None,
+               trusted_keys: str | Path | list[TrustedKey] | None = None) -> DeployedCache:
     """Open a directory written by `neuronbuild deploy`.
 
     strict (default: $NEURONBUILD_STRICT): every required graph must be deployed, intact, match `expect` (a bundle
     manifest: exact fingerprints) when given, and suit this host; it is loaded now, else one RuntimeError lists
     every problem, naming the graph and, when a near entry exists, the fields that differ. require (default:
     $NEURONBUILD_REQUIRE, comma-separated, else the labels of `expect`): labels to check and load at open.
-    Non-strict: problems are logged, graphs load on first use, and a miss runs `eager[label]` when given."""
+    Non-strict: problems are logged, graphs load on first use, and a miss runs `eager[label]` when given.
+    emulate (default: $NEURONBUILD_EMULATE): "xla-cpu" runs Neuron graphs' HLO modules on XLA:CPU on any host (needs
+    the `neuron` extra), counted as `emulated`; without it a Neuron graph needs a Neuron device.
+    trusted_keys (default: $NEURONBUILD_TRUSTED_KEYS, a file of Ed25519 public keys): releases whose manifest is not
+    signed by one of them are not served (in strict mode, a required label they hold is an error).
+    Every artifact and weights file is checked against its manifest sha256 as it is read, before it is used."""
     root = Path(root)
+    if emulate is None:
+        emulate = os.environ.get(EMULATE_ENV, "").strip() or None
+    if emulate is not None and emulate not in EMULATE_MODES:
+        raise ValueError(f"emulate must be one of {', '.join(EMULATE_MODES)} or None, got {emulate!r}")
     strict = _env_flag(STRICT_ENV) if strict is None else bool(strict)
     want = _expected(expect)
     if require is None:
@@ -318,11 +379,32 @@ def open_cache(root: str | Path, strict: bool | None = None, require: Iterable[s
         releases = read_releases(root)
     except LayoutError as e:
         raise RuntimeError(f"cannot open deployed cache {root}: {e}") from None
-    if not releases and strict:
+    keys_from = trusted_keys if trusted_keys is not None else (os.environ.get(TRUSTED_KEYS_ENV) or None)
+    unsigned: dict[str, str] = {}
+    if keys_from is not None:
+        try:
+            keys = keys_from if isinstance(keys_from, list) else load_trusted_keys(keys_from)
+        except SignatureError as e:
+            raise RuntimeError(f"cannot open deployed cache {root}: {e}") from None
+        kept = []
+        for r in releases:
+            try:
+                sig = _read_small(r.dir / SIGNATURE_FILE)
+                verify_manifest(r.manifest_bytes, sig, keys, f"release {r.id}")
+                kept.append(r)
+            except SignatureError as e:
+                for lbl in r.manifest.labels():
+                    unsigned.setdefault(lbl, str(e))
+                log.warning("neuronbuild.runtime: not serving %s: %s", r.dir, e)
+        releases = kept
+    if not releases and strict and not unsigned:
         raise RuntimeError(f"strict mode: nothing is deployed in {root} (run `neuronbuild deploy BUNDLE --cache-dir {root}`)")
-    cache = DeployedCache(root, strict, releases, current_host(), eager or {})
+    cache = DeployedCache(root, strict, releases, current_host(), eager or {}, emulate)
     problems: list[Problem] = []
     for label in required:
+        if label in unsigned and not any(label in r.manifest.labels() for r in releases):
+            problems.append(Problem(label, f"refused: {unsigned[label]}"))
+            continue
         expected = [g for g in want.graphs if g.label == label] if want is not None else None
         if expected == []:
             problems.append(Problem(label, "required but not in the expected manifest"))
@@ -339,9 +421,23 @@ def open_cache(root: str | Path, strict: bool | None = None, require: Iterable[s
         log.warning("neuronbuild.runtime: %s", p)
     if strict:
         for label in required:
-            for slot in cache._slots[label].values():
+            for slot in cache._slots.get(label, {}).values():
                 cache._load(slot)
     cache.load_ms = (time.perf_counter() - start) * 1000
-    log.info("neuronbuild.runtime: opened %s (%s, %d release(s), %d graph(s) loaded in %.1f ms): %s",
-             root, "strict" if strict else "lenient", len(releases), cache.counters.hit, cache.load_ms, cache.counters)
+    log.info("neuronbuild.runtime: opened %s (%s%s, %d release(s), %d graph(s) loaded in %.1f ms): %s",
+             root, "strict" if strict else "lenient", f", emulate={emulate}" if emulate else "", len(releases),
+             cache.counters.hit + cache.counters.emulated, cache.load_ms, cache.counters)
     return cache
+
+
+def _read_small(path: Path) -> bytes | None:
+    """A signature file's bytes (None when absent); bounded so a hostile file cannot exhaust memory."""
+    from neuronbuild.runtime.signing import MAX_SIGNATURE_BYTES
+
+    try:
+        with open(path, "rb") as f:
+            return f.read(MAX_SIGNATURE_BYTES + 1)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        raise SignatureError(f"cannot read {path}: {e.strerror or e}") from None

@@ -86,5 +86,6 @@ def check_graph(g: Graph, host: Host) -> list[Mismatch]:
             out.append(Mismatch(g.describe(), "target.isa", isa, host.isa))
     elif g.platform != host.neuron_platform:
         out.append(Mismatch(g.describe(), "target.platform", g.platform,
-                            host.neuron_platform or f"no Neuron device (set {NEURON_PLATFORM_ENV} to override)"))
+                            host.neuron_platform or "no Neuron device; open_cache(..., emulate='xla-cpu') runs its HLO on "
+                            "XLA:CPU instead, counted as emulated"))
     return out

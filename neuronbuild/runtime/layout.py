@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,6 +20,11 @@ INDEX = "neuronbuild-deploy.json"  # in a deployed directory: the installed rele
 RELEASES = "releases"
 DEPLOY_FORMAT = 1
 _CHUNK = 1 << 20
+MAX_MEMBER_PATH = 400
+MAX_MANIFEST_BYTES = 64 << 20  # a manifest (or deploy index) larger than this is refused unread
+MAX_JSON_DEPTH = 64  # deeper nesting than any manifest neuronbuild writes: refused before it can exhaust the stack
+_TEXT_RE = re.compile(r"^[^\x00-\x1f\x7f]*$")  # no control characters (newlines, NUL, escapes) in names shown to users
+_HEX_RE = re.compile(r"^[0-9a-f]{64}$")
 
 
 class LayoutError(ValueError):
@@ -45,6 +51,7 @@ class FileRef:
 
 
 AOTI_FORMAT = "aoti"  # AOTInductor packages (the cpu toolchain's artifact format)
+NEURON_HLO_FORMAT = "neuron-hlo"  # the Neuron toolchain's: model.hlo.pb + params.json + weights (+ model.neff)
 
 
 @dataclass(frozen=True)
@@ -67,7 +74,7 @@ class Graph:
     artifacts: Mapping[str, FileRef] = field(default_factory=dict, hash=False, compare=False)
     weights: FileRef | None = None
     tolerance: float = 1e-4
-    format: str = ""  # the artifacts' format, named by the toolchain that built them ("aoti", "neuron-lowered", ...)
+    format: str = ""  # the artifacts' format, named by the toolchain that built them ("aoti", "neuron-hlo", ...)
 
     @property
     def key(self) -> tuple[str, str]:
@@ -95,23 +102,81 @@ class Manifest:
         return list(dict.fromkeys(g.label for g in self.graphs))
 
 
+def safe_path(name: str) -> str:
+    """`name` if it is a plain relative path inside a release ('a/b/c', no '..', '.', empty or absolute parts, no
+    backslashes or control characters); LayoutError otherwise."""
+    if not isinstance(name, str) or not name or len(name) > MAX_MEMBER_PATH or "\\" in name \
+            or not _TEXT_RE.match(name):
+        raise LayoutError(f"refusing member {str(name)[:100]!r}: bad path")
+    if name.startswith("/"):
+        raise LayoutError(f"refusing member {name!r}: absolute path")
+    if any(p in ("", ".", "..") for p in name.split("/")):
+        raise LayoutError(f"refusing member {name!r}: path with '..', '.' or an empty component")
+    return name
+
+
+def json_depth_ok(data: bytes, limit: int = MAX_JSON_DEPTH) -> bool:
+    """Whether JSON text nests at most `limit` deep (counted over brackets outside strings; one linear pass)."""
+    depth, in_str, esc = 0, False, False
+    for ch in data.decode("utf-8", "replace") if isinstance(data, bytes | bytearray) else data:
+        if in_str:
+            if esc:
+                esc = False
+            elif ch == "\\":
+                esc = True
+            elif ch == '"':
+                in_str = False
+        elif ch == '"':
+            in_str = True
+        elif ch in "[{":
+            depth += 1
+            if depth > limit:
+                return False
+        elif ch in "]}":
+            depth -= 1
+    return True
+
+
+def load_json(data: bytes, source: str, what: str) -> Any:
+    """json.loads with the size and depth limits every manifest/index/record reader uses; LayoutError otherwise."""
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise LayoutError(f"{source}: {what} larger than {MAX_MANIFEST_BYTES} bytes")
+    if not json_depth_ok(data):
+        raise LayoutError(f"{source}: {what} nests deeper than {MAX_JSON_DEPTH} levels")
+    try:
+        return json.loads(data)
+    except (ValueError, RecursionError) as e:
+        raise LayoutError(f"{source}: {what} is not JSON ({str(e)[:200]})") from None
+
+
+def _text(v: Any, what: str) -> str:
+    s = str(v)
+    if not _TEXT_RE.match(s) or len(s) > 1000:
+        raise ValueError(f"{what} {s[:100]!r} holds control characters or is too long")
+    return s
+
+
 def _ref(d: Mapping[str, Any]) -> FileRef:
-    return FileRef(str(d["path"]), str(d["sha256"]), int(d["size"]))
+    sha = str(d["sha256"])
+    if not _HEX_RE.match(sha):
+        raise ValueError(f"bad sha256 {sha[:80]!r}")
+    size = int(d["size"])
+    if size < 0:
+        raise ValueError("negative size")
+    return FileRef(safe_path(d["path"]), sha, size)
 
 
 def parse_manifest(data: bytes | Mapping[str, Any], source: str = MANIFEST) -> Manifest:
     """Parse manifest JSON (bytes or an already decoded dict); LayoutError on anything unexpected."""
-    try:
-        raw = json.loads(data) if isinstance(data, bytes | bytearray) else dict(data)
-    except ValueError as e:
-        raise LayoutError(f"{source}: not JSON ({e})") from None
+    raw = load_json(bytes(data), source, "manifest") if isinstance(data, bytes | bytearray) else dict(data)
     if not isinstance(raw, dict) or raw.get("bundle_format") != BUNDLE_FORMAT:
         got = raw.get("bundle_format") if isinstance(raw, dict) else None
         raise LayoutError(f"{source}: unsupported bundle format {got!r} (this runtime reads {BUNDLE_FORMAT})")
     try:
         graphs = tuple(
             Graph(
-                label=str(g["label"]), model=str(g["model"]), bucket=dict(g["bucket"]), bucket_name=str(g["bucket_name"]),
+                label=_text(g["label"], "label"), model=_text(g["model"], "model"), bucket=dict(g["bucket"]),
+                bucket_name=_text(g["bucket_name"], "bucket name"),
                 platform=str(g["target"]["platform"]), isa=g["target"].get("isa"), options=dict(g["options"]),
                 fingerprint=str(g["fingerprint"]), record=dict(g["record"]), trace_record=dict(g["trace_record"]),
                 inputs=dict(g["inputs"]), outputs=tuple(dict(o) for o in g.get("outputs") or ()),
@@ -121,19 +186,29 @@ def parse_manifest(data: bytes | Mapping[str, Any], source: str = MANIFEST) -> M
             )
             for g in raw["graphs"]
         )
-        files = {p: FileRef(p, str(v["sha256"]), int(v["size"])) for p, v in raw["files"].items()}
-        label = str(raw["label"])
-    except (KeyError, TypeError, ValueError, AttributeError) as e:
-        raise LayoutError(f"{source}: malformed manifest ({type(e).__name__}: {e})") from None
+        files = {safe_path(p): _ref({**v, "path": p}) for p, v in raw["files"].items()}
+        label = _text(raw["label"], "label")
+        for g in graphs:
+            for ref in [*g.artifacts.values(), *([g.weights] if g.weights else [])]:
+                if files.get(ref.path) != ref:
+                    raise ValueError(f"{g.describe()} refers to {ref.path!r}, which the file list does not hold")
+    except LayoutError:
+        raise
+    except (KeyError, TypeError, ValueError, AttributeError, RecursionError) as e:
+        raise LayoutError(f"{source}: malformed manifest ({type(e).__name__}: {str(e)[:300]})") from None
     return Manifest(label, graphs, files, raw)
 
 
-def read_manifest(path: Path) -> Manifest:
+def read_manifest_bytes(path: Path) -> bytes:
     try:
-        data = Path(path).read_bytes()
+        with open(path, "rb") as f:
+            return f.read(MAX_MANIFEST_BYTES + 1)
     except OSError as e:
         raise LayoutError(f"cannot read manifest {path}: {e.strerror or e}") from None
-    return parse_manifest(data, str(path))
+
+
+def read_manifest(path: Path) -> Manifest:
+    return parse_manifest(read_manifest_bytes(Path(path)), str(path))
 
 
 @dataclass(frozen=True)
@@ -144,20 +219,28 @@ class Release:
     label: str
     dir: Path
     manifest: Manifest
+    manifest_bytes: bytes = field(default=b"", repr=False, compare=False)  # exactly what `manifest` was parsed from
 
 
 def read_index(root: Path) -> list[dict[str, Any]]:
     """The deployed directory's index entries, newest first ([] when nothing is deployed)."""
     p = Path(root) / INDEX
     try:
-        data = json.loads(p.read_bytes())
+        with open(p, "rb") as f:
+            raw = f.read(MAX_MANIFEST_BYTES + 1)
     except FileNotFoundError:
         return []
-    except (OSError, ValueError) as e:
-        raise LayoutError(f"{p}: unreadable deploy index ({e})") from None
+    except OSError as e:
+        raise LayoutError(f"{p}: unreadable deploy index ({e.strerror or e})") from None
+    data = load_json(raw, str(p), "deploy index")
     if not isinstance(data, dict) or data.get("format") != DEPLOY_FORMAT or not isinstance(data.get("releases"), list):
         raise LayoutError(f"{p}: unsupported deploy index format")
-    return [dict(r) for r in data["releases"]]
+    out = []
+    for r in data["releases"]:
+        if not isinstance(r, dict) or not isinstance(r.get("id"), str) or not isinstance(r.get("label", ""), str):
+            raise LayoutError(f"{p}: malformed deploy index entry {str(r)[:100]!r}")
+        out.append(dict(r))
+    return out
 
 
 def read_releases(root: Path) -> list[Release]:
@@ -165,8 +248,14 @@ def read_releases(root: Path) -> list[Release]:
     out = []
     for r in read_index(root):
         rid = str(r.get("id", ""))
-        if not rid or "/" in rid or rid.startswith("."):
-            raise LayoutError(f"{root / INDEX}: bad release id {rid!r}")
+        if not re.match(r"^[0-9a-f]{1,64}$", rid):
+            raise LayoutError(f"{root / INDEX}: bad release id {rid[:80]!r}")
         d = root / RELEASES / rid
-        out.append(Release(rid, str(r.get("label", "")), d, read_manifest(d / MANIFEST)))
+        data = read_manifest_bytes(d / MANIFEST)
+        out.append(Release(rid, _text_or_empty(r.get("label", "")), d, parse_manifest(data, str(d / MANIFEST)), data))
     return out
+
+
+def _text_or_empty(v: Any) -> str:
+    s = str(v)
+    return s if _TEXT_RE.match(s) else repr(s)

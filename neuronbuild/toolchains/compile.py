@@ -1,10 +1,8 @@
-"""The compile step: an exported program -> a canonical AOTInductor package (cpu) or a lowered program (Neuron)."""
+"""The cpu compile step: an exported program -> a canonical AOTInductor package and its weights (constants)."""
 
 from __future__ import annotations
 
-import collections
 import io
-import json
 import tempfile
 import zipfile
 from collections.abc import Iterator, Mapping
@@ -15,12 +13,10 @@ from typing import Any
 
 import torch
 
-from neuronbuild import vocabulary
-from neuronbuild.toolchains import neuron_flags
 from neuronbuild.toolchains.errors import ToolchainError
 from neuronbuild.toolchains.model_import import example_inputs
 from neuronbuild.toolchains.passes import apply_passes
-from neuronbuild.toolchains.trace import load_program, program_bytes, strip_unstable_meta
+from neuronbuild.toolchains.trace import load_program, strip_unstable_meta
 
 # Inductor's working files go to this fixed per-machine dir whatever TORCHINDUCTOR_CACHE_DIR says (restored after),
 # shared by every worker process (inductor takes file locks) and safe to delete at any time. The objects do not name
@@ -51,10 +47,6 @@ ISA_TARGETS: dict[str, IsaTarget] = {
     "x86-64-v4": IsaTarget("x86-64-v4", "avx512", 512),
 }
 
-# Dtypes the Neuron compile path accepts in a lowered graph.
-NEURON_DTYPES = frozenset(getattr(torch, name) for name in vocabulary.DTYPES)
-
-
 def _program_and_args(spec: Mapping[str, Any], sandbox: Path) -> tuple[torch.export.ExportedProgram, tuple[Any, ...]]:
     ep = load_program(Path(sandbox) / str(spec["program"]))
     args = example_inputs(spec.get("inputs") or {}, spec.get("bucket") or {})
@@ -67,21 +59,6 @@ def run_cpu_compile(spec: dict[str, Any], sandbox: Path, out_dir: Path) -> dict[
     ep, args = _program_and_args(spec, sandbox)
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     return compile_cpu(ep, args, str(spec.get("isa", "")), spec.get("options") or {}, Path(out_dir))
-
-
-def run_neuron_compile(spec: dict[str, Any], sandbox: Path, out_dir: Path) -> dict[str, Any]:
-    """Lower spec["program"] for spec["platform"] into out_dir, then hand it to a configured neuronx-cc."""
-    sandbox, out_dir = Path(sandbox), Path(out_dir)
-    ep, args = _program_and_args(spec, sandbox)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    platform = str(spec.get("platform", ""))
-    options: Mapping[str, Any] = spec.get("options") or {}
-    meta = compile_neuron(ep, args, platform, options, out_dir)
-    if spec.get("neuronx_cc"):  # a configured neuronx-cc: hand the lowered program over for a NEFF
-        from neuronbuild.toolchains.neuronx_cc import run_neuronx_cc
-
-        meta |= run_neuronx_cc(spec["neuronx_cc"], platform, options, out_dir, sandbox / "neuronx-cc-work")
-    return meta
 
 
 def _check_inputs(ep: torch.export.ExportedProgram, args: tuple[torch.Tensor, ...]) -> None:
@@ -111,6 +88,7 @@ def compile_cpu(
     if isa not in ISA_TARGETS:
         raise ToolchainError(f"unknown cpu isa {isa!r} (expected one of {', '.join(ISA_TARGETS)})")
     target = ISA_TARGETS[isa]
+    strip_unstable_meta(ep)  # the trace's source lines serve Neuron lowering errors; the package never holds them
     ep = apply_passes(ep, options, args)
     from torch._inductor import aoti_compile_and_package
 
@@ -270,74 +248,3 @@ def _dropped_member(rest: str) -> bool:
         or name.endswith(("_compile_flags.json", "_linker_flags.json"))
         or rest == ".data/serialization_id"
     )
-
-
-# ------------------------------------------------------------------------------------------------------------- neuron
-
-
-def compile_neuron(
-    ep: torch.export.ExportedProgram,
-    args: tuple[torch.Tensor, ...],
-    platform: str,
-    options: Mapping[str, Any],
-    out_dir: Path,
-) -> dict[str, Any]:
-    """The CPU half of a Neuron compile: core-ATen lowering, passes, validation, flags. NEFF needs neuronx-cc."""
-    try:
-        cc_args = neuron_flags.neuronx_cc_args(platform, options)
-    except ValueError as exc:
-        raise ToolchainError(str(exc)) from None
-    ep = ep.run_decompositions()
-    passed = apply_passes(ep, options, args)
-    if passed is not ep:
-        ep = passed.run_decompositions()
-    ops = validate_core_aten(ep)
-    strip_unstable_meta(ep)
-    data = program_bytes(ep)
-    (out_dir / "lowered.pt2").write_bytes(data)
-    flags = {"platform": platform, "neuronx_cc_args": cc_args, "ops": ops}
-    (out_dir / "compile_flags.json").write_text(json.dumps(flags, sort_keys=True, indent=2) + "\n")
-    return {"artifact": "lowered.pt2", "bytes": len(data), "flags": "compile_flags.json", "ops": sum(ops.values())}
-
-
-def validate_core_aten(ep: torch.export.ExportedProgram) -> dict[str, int]:
-    """Op histogram (sorted by name) of a lowered program; ToolchainError on non-core ops or unsupported dtypes."""
-    hist: collections.Counter[str] = collections.Counter()
-    bad_ops: set[str] = set()
-    bad_dtypes: set[str] = set()
-    for node in ep.graph.nodes:
-        if node.op not in ("call_function", "placeholder", "output"):
-            if node.op in ("call_module", "call_method"):
-                bad_ops.add(f"{node.op}:{node.target}")
-            continue
-        val = node.meta.get("val")
-        vals = val if isinstance(val, list | tuple) else [val]
-        for item in vals:
-            if isinstance(item, torch.Tensor) and item.dtype not in NEURON_DTYPES:
-                bad_dtypes.add(str(item.dtype).removeprefix("torch."))
-        if node.op != "call_function":
-            continue
-        target = node.target
-        if isinstance(target, torch._ops.OpOverload):
-            name = str(target)
-            if torch.Tag.core not in target.tags and not _is_view_like_allowed(target):
-                bad_ops.add(name)
-        else:
-            name = getattr(target, "__name__", str(target))
-            if name != "getitem":
-                bad_ops.add(name)
-        hist[name] += 1
-    if bad_ops:
-        listed = sorted(bad_ops)
-        raise ToolchainError(
-            f"graph has {len(listed)} op(s) outside core ATen: {', '.join(listed[:6])}{', ...' if len(listed) > 6 else ''}"
-        )
-    if bad_dtypes:
-        raise ToolchainError(f"graph uses dtype(s) Neuron does not support: {', '.join(sorted(bad_dtypes))}")
-    return dict(sorted(hist.items()))
-
-
-def _is_view_like_allowed(op: Any) -> bool:
-    # Higher-order ops never appear here; a few non-core but trivially lowerable ops may; keep the list explicit.
-    return str(op) in {"aten.sym_size.int", "aten.sym_numel.default", "aten.sym_storage_offset.default"}
-

@@ -1,5 +1,6 @@
-"""The Neuron toolchain: the CPU half of a Neuron compile (lowered graph + the exact neuronx-cc command line), and
-the neuronx-cc hand-off for a NEFF when a compiler is configured (planning here; torch steps in compile.py)."""
+"""The Neuron toolchain: per bucket, trace -> Lower (HLO module, shared by every Neuron platform and by option sets
+with the same lowering options) -> Compile per platform and options (the exact neuronx-cc command line, and the NEFF
+when a compiler is configured). Planning here; the worker steps in neuron_steps.py."""
 
 from __future__ import annotations
 
@@ -7,24 +8,35 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from neuronbuild import plugins
+from neuronbuild import FORMAT_VERSION, plugins
 from neuronbuild.analysis.actions import COMPILE, TRACE_OUTPUT, Action, DepInput, make_action
 from neuronbuild.analysis.plan_settings import NEURONX_CC, PlanSettings
 from neuronbuild.analysis.toolchain_api import CompileRequest
+from neuronbuild.analysis.toolchain_versions import package_version
+from neuronbuild.errors import UserInputError
+from neuronbuild.toolchains import neuron_flags
 from neuronbuild.vocabulary import NEURON_PLATFORMS
 
-OUTPUTS = ("lowered.pt2", "compile_flags.json")
-NEFF_OUTPUT = "model.neff"  # when a neuronx-cc is configured
+LOWER = "lower"
+HLO_FILE = neuron_flags.HLO_FILE
+PARAMS_FILE = "params.json"
+WEIGHTS_FILE = "constants.safetensors"
+FLAGS_FILE = "compile_flags.json"
+LOWER_OUTPUTS = (HLO_FILE, PARAMS_FILE, WEIGHTS_FILE)
+OUTPUTS = (*LOWER_OUTPUTS, FLAGS_FILE)
+NEFF_OUTPUT = neuron_flags.NEFF_FILE  # when a neuronx-cc is configured
+NEURON_CC_FLAGS_ENV = "NEURON_CC_FLAGS"
+LOWERING_PACKAGES = ("torchax", "jax", "jaxlib")
 
 
 class NeuronToolchain:
     name = "neuron"
     platforms = NEURON_PLATFORMS
-    artifact_format = "neuron-lowered"
+    artifact_format = "neuron-hlo"
     estimate_s = 4.0
-    estimate_mb = 800.0
-    validate_note = ("Neuron targets: the lowered program run by torch on CPU (checks the lowering and auto_cast, "
-                     "not neuronx-cc)")
+    estimate_mb = 900.0
+    validate_note = ("Neuron targets: the exact model.hlo.pb run on XLA:CPU (checks the lowering, auto_cast and the "
+                     "weights binding; not neuronx-cc, not the device)")
 
     def target_record(self, platform: str, attrs: Mapping[str, Any]) -> dict[str, Any]:
         return {"platform": platform}
@@ -32,41 +44,72 @@ class NeuronToolchain:
     def describe_target(self, target: Mapping[str, Any]) -> str:
         return str(target["platform"])
 
+    def lowering_versions(self, settings: PlanSettings) -> dict[str, str]:
+        """The components the Lower step's output depends on: the trace's plus the pinned torchax/jax/jaxlib."""
+        return settings.override({**settings.trace_toolchain(), **{p: package_version(p) for p in LOWERING_PACKAGES}})
+
     def versions(self, platform: str, settings: PlanSettings) -> dict[str, str]:
-        tc = settings.trace_toolchain()
+        tc = self.lowering_versions(settings)
         if settings.neuronx_cc is not None:
             tc[NEURONX_CC] = settings.neuronx_cc.version
         return settings.override(tc)
 
     def plan(self, req: CompileRequest) -> list[Action]:
         assert req.trace is not None
-        record = req.record(COMPILE, self.versions(req.platform, req.settings))
-        spec: dict[str, Any] = {"toolchain": self.name, "step": COMPILE, "platform": req.platform, "isa": None,
-                                "options": dict(req.options), "inputs": dict(req.inputs),
-                                "bucket": req.bucket.as_dict(), "program": TRACE_OUTPUT}
+        lowering = neuron_flags.lowering_options(req.options)
+        try:
+            # NEURON_CC_FLAGS counts only when declared (--action-env NEURON_CC_FLAGS): then its value is in every
+            # record's env already; an ambient one changes nothing and gets the undeclared-variable warning.
+            env_flags = neuron_flags.neuron_cc_env_flags(req.settings.env_record().get(NEURON_CC_FLAGS_ENV))
+            neuron_flags.neuronx_cc_args(req.platform, req.options, env_flags)  # bad options fail at plan time
+        except ValueError as exc:
+            raise UserInputError(f"{req.label}: {exc}") from None
+        inputs, bucket = dict(req.inputs), req.bucket.as_dict()
+        lower_record = {
+            "format": FORMAT_VERSION,
+            "action": LOWER,
+            "trace": req.trace.fingerprint,
+            "lowering": lowering,
+            "bucket": bucket,
+            "inputs": inputs,
+            "toolchain": self.lowering_versions(req.settings),
+        } | dict(req.common)
+        lower_spec = {"toolchain": self.name, "step": LOWER, "program": TRACE_OUTPUT, "inputs": inputs,
+                      "bucket": bucket, "options": lowering}
+        # Labelled by the model, like the trace: one Lower per (trace, lowering options), whatever the platform.
+        lower = make_action(LOWER, req.trace.label, req.bucket, lower_record, lower_spec,
+                            dep_inputs=(DepInput(req.trace.fingerprint, TRACE_OUTPUT, TRACE_OUTPUT),),
+                            outputs=LOWER_OUTPUTS)
+        record = req.record(COMPILE, self.versions(req.platform, req.settings), lowering=lower.fingerprint)
+        spec: dict[str, Any] = {"toolchain": self.name, "step": COMPILE, "platform": req.platform,
+                                "options": dict(req.options), "env_flags": env_flags, "neuronx_cc": None}
         outputs: tuple[str, ...] = OUTPUTS
         if req.settings.neuronx_cc is not None:
             spec["neuronx_cc"] = req.settings.neuronx_cc.spec()
             outputs = (*outputs, NEFF_OUTPUT)
-        return [make_action(COMPILE, req.label, req.bucket, record, spec,
-                            dep_inputs=(DepInput(req.trace.fingerprint, TRACE_OUTPUT, TRACE_OUTPUT),),
-                            outputs=outputs, platform=req.platform, target=self.describe_target(req.target))]
+        compile_ = make_action(COMPILE, req.label, req.bucket, record, spec,
+                               dep_inputs=tuple(DepInput(lower.fingerprint, f, f) for f in LOWER_OUTPUTS),
+                               outputs=outputs, platform=req.platform, target=self.describe_target(req.target))
+        return [lower, compile_]
 
     def run(self, step: str, spec: Mapping[str, Any], sandbox: Path, out_dir: Path) -> dict[str, Any]:
-        from neuronbuild.toolchains.compile import run_neuron_compile
+        from neuronbuild.toolchains import neuron_steps
 
-        return run_neuron_compile(dict(spec), sandbox, out_dir)
+        if step == LOWER:
+            return neuron_steps.run_lower(spec, sandbox, out_dir)
+        return neuron_steps.run_neuron_compile(spec, sandbox, out_dir)
 
     def load_artifact(self, files: Mapping[str, Path]) -> Callable[..., Any]:
-        from neuronbuild.runtime.deployed import _load_lowered
+        from neuronbuild.runtime.aoti_loader import read_constants
+        from neuronbuild.runtime.xla_cpu import load_graph
 
-        return _load_lowered(files["lowered.pt2"])
+        return load_graph(files[HLO_FILE], files[PARAMS_FILE], read_constants(files[WEIGHTS_FILE]))
 
     def notes(self, settings: PlanSettings) -> list[str]:
         if settings.neuronx_cc is not None:
             return []
-        return ["note: no neuronx-cc found (--neuronx-cc PATH, $NEURONX_CC or PATH): Neuron targets get "
-                "lowered programs only; NEFFs were not produced"]
+        return ["note: no neuronx-cc found (--neuronx-cc PATH, $NEURONX_CC or PATH): Neuron targets get HLO "
+                "modules (model.hlo.pb) and their compile_flags.json only; NEFFs were not produced"]
 
 
 TOOLCHAIN = plugins.register_toolchain(NeuronToolchain())

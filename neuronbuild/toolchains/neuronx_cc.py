@@ -1,11 +1,10 @@
-"""The neuronx-cc hand-off: run the configured neuronx-cc on a lowered program and collect its NEFF.
+"""The neuronx-cc hand-off: run the configured neuronx-cc on a graph's HLO module and collect its NEFF.
 
-Contract (the real CLI's shape): in a scratch dir next to the sandbox inputs, with the lowered program linked in as
-`lowered.pt2`, run `neuronx-cc compile --framework XLA lowered.pt2 --target <platform> --output model.neff [flags]`,
-flags being the effective options mapped by neuron_flags. Its combined stdout/stderr goes to the action's log; a
-non-zero exit or a missing NEFF fails the action; past the timeout its whole process group is killed and the action
-fails. (Real neuronx-cc takes HLO; this project's lowered program is a torch.export archive. The real compiler cannot
-be installed here: tests run a stand-in that keeps this contract, tests/standins/neuronx-cc.)"""
+Contract (the documented CLI): in a scratch dir holding the module as `model.hlo.pb`, run
+`neuronx-cc compile model.hlo.pb --framework XLA --target <platform> --output model.neff [flags]`, flags being the
+effective options mapped by neuron_flags. Its combined stdout/stderr goes to the action's log; a non-zero exit or a
+missing NEFF fails the action; past the timeout its whole process group is killed and the action fails. (The real
+compiler cannot be installed here: tests run a stand-in that enforces this contract, tests/standins/neuronx-cc.)"""
 
 from __future__ import annotations
 
@@ -15,6 +14,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -22,18 +22,17 @@ from typing import Any
 from neuronbuild.toolchains import neuron_flags
 from neuronbuild.toolchains.errors import ToolchainError
 
-PROGRAM = "lowered.pt2"
-NEFF = "model.neff"
+PROGRAM = neuron_flags.HLO_FILE
+NEFF = neuron_flags.NEFF_FILE
 
 
-def neuronx_cc_command(exe: str, platform: str, options: Mapping[str, Any]) -> list[str]:
-    """The argv, relative to the scratch dir: `<exe> compile --framework XLA lowered.pt2 --target P --output ...`."""
+def neuronx_cc_command(exe: str, platform: str, options: Mapping[str, Any],
+                       env_flags: list[str] | None = None) -> list[str]:
+    """The argv, relative to the scratch dir: `<exe> compile model.hlo.pb --framework XLA --target P --output ...`."""
     try:
-        args = neuron_flags.neuronx_cc_args(platform, options)
+        return neuron_flags.neuronx_cc_argv(exe, platform, options, env_flags)
     except ValueError as exc:
         raise ToolchainError(str(exc)) from None
-    assert args[:2] == ["--target", platform]
-    return [exe, "compile", "--framework", "XLA", PROGRAM, "--target", platform, "--output", NEFF, *args[2:]]
 
 
 def _check_version(exe: str, expected: str) -> None:
@@ -49,8 +48,8 @@ def _check_version(exe: str, expected: str) -> None:
 
 
 def run_neuronx_cc(cc: Mapping[str, Any], platform: str, options: Mapping[str, Any], out_dir: Path,
-                   scratch: Path) -> dict[str, Any]:
-    """Compile out_dir/lowered.pt2 into out_dir/model.neff. `cc` is the plan's {"path", "version", "timeout_s"}."""
+                   scratch: Path, env_flags: list[str] | None = None) -> dict[str, Any]:
+    """Compile out_dir/model.hlo.pb into out_dir/model.neff. `cc` is the plan's {"path", "version", "timeout_s"}."""
     exe, timeout = str(cc["path"]), float(cc["timeout_s"])
     _check_version(exe, str(cc["version"]))
     work = Path(scratch)
@@ -62,9 +61,10 @@ def run_neuronx_cc(cc: Mapping[str, Any], platform: str, options: Mapping[str, A
         os.link(src, work / PROGRAM)
     except OSError:
         shutil.copyfile(src, work / PROGRAM)
-    cmd = neuronx_cc_command(exe, platform, options)
+    cmd = neuronx_cc_command(exe, platform, options, env_flags)
     log_path = work / "neuronx-cc.log"
     timed_out = False
+    started = time.monotonic()
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, cwd=work, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)
@@ -81,11 +81,13 @@ def run_neuronx_cc(cc: Mapping[str, Any], platform: str, options: Mapping[str, A
             if proc.poll() is None:  # interrupted: never leave the compiler running
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
+    ran = time.monotonic() - started
     output = log_path.read_text(encoding="utf-8", errors="replace")
     sys.stdout.write(f"# neuronx-cc: {shlex.join(cmd)}\n{output}")
     if output and not output.endswith("\n"):
         sys.stdout.write("\n")
-    sys.stdout.write(f"# neuronx-cc: {'killed after timeout' if timed_out else f'exit status {rc}'}\n")
+    ending = f"killed after the {timeout:g} s timeout" if timed_out else f"exit status {rc}"
+    sys.stdout.write(f"# neuronx-cc: {ending} (ran {ran:.2f} s)\n")
     sys.stdout.flush()
     if timed_out:
         raise ToolchainError(f"neuronx-cc timed out after {timeout:g} s and was killed (see the action log)")

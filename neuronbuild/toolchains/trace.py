@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -18,20 +19,47 @@ from neuronbuild.toolchains.outputs import FlatForward, declared_follows, descri
 _UNSTABLE_META_KEYS = ("stack_trace", "source_location", "custom", "from_node")
 
 
-def strip_unstable_meta(ep: torch.export.ExportedProgram) -> None:
-    """Drop path/line-dependent node metadata from every graph in the program (in place)."""
+def strip_unstable_meta(ep: torch.export.ExportedProgram, keep_stack_traces: bool = False) -> None:
+    """Drop path/line-dependent node metadata from every graph in the program (in place); keep_stack_traces keeps
+    stack traces already made workspace-relative by relative_stack_traces."""
+    keys = tuple(k for k in _UNSTABLE_META_KEYS if not (keep_stack_traces and k == "stack_trace"))
     for gm in ep.graph_module.modules():
         graph = getattr(gm, "graph", None)
         if not isinstance(graph, torch.fx.Graph):
             continue
         for node in graph.nodes:
-            for key in _UNSTABLE_META_KEYS:
+            for key in keys:
                 node.meta.pop(key, None)
 
 
-def program_bytes(ep: torch.export.ExportedProgram) -> bytes:
+_FRAME = re.compile(r'File "([^"]+)", line (\d+), in ([^\n]+)\n([^\n]*)')
+
+
+def relative_stack_traces(ep: torch.export.ExportedProgram, root: Path) -> None:
+    """Rewrite each node's stack trace to its frames in files under `root` (the sandbox), named relative to it: the
+    model source lines a lowering error can cite, the same bytes wherever the workspace is."""
+    base = root.resolve()
+    for gm in ep.graph_module.modules():
+        graph = getattr(gm, "graph", None)
+        if not isinstance(graph, torch.fx.Graph):
+            continue
+        for node in graph.nodes:
+            kept = []
+            for path, line, func, code in _FRAME.findall(node.meta.get("stack_trace") or ""):
+                try:
+                    rel = Path(path).resolve().relative_to(base).as_posix()
+                except (ValueError, OSError):
+                    continue
+                kept.append(f'File "{rel}", line {line}, in {func}\n    {code.strip()}')
+            if kept:
+                node.meta["stack_trace"] = "\n".join(kept)
+            else:
+                node.meta.pop("stack_trace", None)
+
+
+def program_bytes(ep: torch.export.ExportedProgram, keep_stack_traces: bool = False) -> bytes:
     """Serialise with torch.export.save to memory (the archive's folder name is then fixed, not the file's name)."""
-    strip_unstable_meta(ep)
+    strip_unstable_meta(ep, keep_stack_traces)
     buf = io.BytesIO()
     torch.export.save(ep, buf)
     return buf.getvalue()
@@ -60,7 +88,8 @@ def run_trace(spec: dict[str, Any], sandbox: Path, out_dir: Path) -> dict[str, A
             # Typically the input spec does not match forward()'s signature.
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise ToolchainError(f"export failed, check the inputs against forward(): {first}") from None
-    data = program_bytes(ep)
+    relative_stack_traces(ep, sandbox)
+    data = program_bytes(ep, keep_stack_traces=True)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "program.pt2").write_bytes(data)
     n_params = sum(int(p.numel()) for p in module.parameters())

@@ -1,0 +1,107 @@
+"""Strict open_cache with every loaded byte verified (this runtime) vs the same open without verification, in one run.
+
+Builds the example's //models:llama_cpu into a bundle (reusing --cache-dir), deploys it, then alternates fresh
+processes that time `open_cache(strict=True)` (manifest, weights once, every bucket's AOTInductor package loaded) after
+`import torch`:
+  verified:   as shipped: weights read once and hashed; each model.pt2 read once, hashed, and loaded from a private
+              in-memory copy of the checked bytes
+  unverified: the previous loader (weights by safetensors.load_file, packages loaded from the release dir in place),
+              patched in for this measurement only
+Also times open + the first inference of every bucket (what a server's start pays; the unverified loader's mmap
+defers reading the weights to that first use). Prints medians and ratios (goal: verified <= 1.1x unverified).
+
+    .venv/bin/python benchmarks/verified_load_bench.py [--cache-dir DIR] [--repeat N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+OUT = REPO / "benchmarks" / "out"
+LABEL = "//models:llama_cpu"
+
+RUN = r"""
+import json, sys, time
+import torch
+import neuronbuild.runtime.deployed as d
+if sys.argv[3] == "unverified":
+    from neuronbuild.runtime.aoti_loader import read_constants
+
+    def weights_for(self, path, ref):
+        if path not in self._weights:
+            self._weights[path] = read_constants(path)
+        return self._weights[path]
+
+    import contextlib
+
+    @contextlib.contextmanager
+    def in_place(path, ref, tmp_dir):  # the deployed file itself, unchecked
+        yield path
+
+    d.DeployedCache._weights_for = weights_for
+    d.verified_path = in_place
+t = time.perf_counter()
+cache = d.open_cache(sys.argv[1], strict=True, require=[sys.argv[2]])
+t_open = time.perf_counter() - t
+model = cache.model(sys.argv[2])
+for name, b in model.buckets.items():
+    model(torch.zeros(b["batch"], b["seq"], dtype=torch.int64))
+print(json.dumps({"open_s": t_open, "start_s": time.perf_counter() - t, "hits": cache.counters.hit}))
+"""
+
+
+def run(mode: str, serve: Path) -> tuple[float, float]:
+    proc = subprocess.run([sys.executable, "-c", RUN, str(serve), LABEL, mode], capture_output=True, text=True,
+                          timeout=600)
+    if proc.returncode != 0:
+        raise SystemExit(f"{mode} run failed:\n{proc.stderr[-3000:]}")
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["hits"] >= 1
+    return float(out["open_s"]), float(out["start_s"])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cache-dir", default=str(OUT / "cache"), help="neuronbuild cache (reused between runs)")
+    ap.add_argument("--repeat", type=int, default=7, help="fresh processes per side (alternating; median reported)")
+    args = ap.parse_args()
+    OUT.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="verified-load-bench-", dir=OUT))
+    try:
+        ws = work / "ws"
+        shutil.copytree(REPO / "examples", ws, ignore=shutil.ignore_patterns("neuronbuild-out", "__pycache__"))
+        with open(ws / "models" / "BUILD", "a") as f:
+            f.write('\nneuron_bundle(name = "bench_cpu", srcs = [":llama_cpu"])\n')
+        nb = [sys.executable, "-m", "neuronbuild"]
+        t = time.perf_counter()
+        subprocess.run([*nb, "build", "//models:bench_cpu", "--cache-dir", args.cache_dir], cwd=ws, check=True)
+        print(f"build (cached after the first run): {time.perf_counter() - t:.1f} s")
+        serve = work / "serve"
+        subprocess.run([*nb, "deploy", str(ws / "neuronbuild-out/models/bench_cpu.tar.zst"), "--cache-dir",
+                        str(serve)], cwd=ws, check=True)
+        run("verified", serve)  # warm the page cache for both sides
+        times: dict[str, list[tuple[float, float]]] = {"verified": [], "unverified": []}
+        for _ in range(args.repeat):
+            for mode in ("unverified", "verified"):
+                times[mode].append(run(mode, serve))
+        print(f"\n{LABEL} from a deployed bundle, strict, median of {args.repeat} alternating fresh processes each")
+        print(f"{'':<44}{'unverified':>12}{'verified':>12}{'ratio':>8}")
+        for i, what in enumerate(("open_cache (every bucket loaded)", "open + first inference of every bucket")):
+            u = statistics.median(r[i] for r in times["unverified"])
+            v = statistics.median(r[i] for r in times["verified"])
+            print(f"{what:<44}{u * 1000:>10.1f}ms{v * 1000:>10.1f}ms{v / u:>8.3f}")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

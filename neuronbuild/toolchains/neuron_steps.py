@@ -1,0 +1,98 @@
+"""The Neuron toolchain's worker steps: lower a trace to model.hlo.pb (once per trace and lowering options, shared by
+every Neuron platform), then per platform write the exact neuronx-cc command line and, with a compiler, the NEFF."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from neuronbuild.toolchains import neuron_flags
+from neuronbuild.toolchains.errors import ToolchainError
+
+HLO_FILE = neuron_flags.HLO_FILE
+PARAMS_FILE = "params.json"
+WEIGHTS_FILE = "constants.safetensors"  # the same name and bytes as a cpu compile's weights: stored once per model
+FLAGS_FILE = "compile_flags.json"
+NEFF_FILE = neuron_flags.NEFF_FILE
+LOWER_OUTPUTS = (HLO_FILE, PARAMS_FILE, WEIGHTS_FILE)
+COMPILE_OUTPUTS = (*LOWER_OUTPUTS, FLAGS_FILE)
+
+
+def run_lower(spec: Mapping[str, Any], sandbox: Path, out_dir: Path) -> dict[str, Any]:
+    """spec["program"] (in the sandbox) -> out_dir/{model.hlo.pb, params.json, constants.safetensors}.
+
+    spec: program, inputs, bucket, options (the lowering options only: auto_cast, auto_cast_type)."""
+    from neuronbuild.toolchains.compile import _check_inputs, constants_bytes
+    from neuronbuild.toolchains.model_import import example_inputs
+    from neuronbuild.toolchains.neuron_hlo import lower_program
+    from neuronbuild.toolchains.trace import load_program
+
+    sandbox, out_dir = Path(sandbox), Path(out_dir)
+    ep = load_program(sandbox / str(spec["program"]))
+    _check_inputs(ep, example_inputs(dict(spec.get("inputs") or {}), dict(spec.get("bucket") or {})))
+    start = time.perf_counter()
+    lowered = lower_program(ep, dict(spec.get("options") or {}))
+    seconds = time.perf_counter() - start
+    state = [p.name for p in lowered.parameters if p.kind != "input"]
+    weights = constants_bytes(ep, sorted(state))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / HLO_FILE).write_bytes(lowered.proto)
+    (out_dir / PARAMS_FILE).write_bytes(lowered.params_json())
+    (out_dir / WEIGHTS_FILE).write_bytes(weights)
+    return {"artifact": HLO_FILE, "bytes": len(lowered.proto), "parameters": len(lowered.parameters),
+            "weights": len(state), "weights_bytes": len(weights), "ops": sum(n for _op, n in lowered.ops),
+            "auto_cast_ops": lowered.cast_ops, "lower_s": round(seconds, 3)}
+
+
+def flags_document(platform: str, options: Mapping[str, Any], env_flags: list[str], version: str | None,
+                   hlo: bytes) -> bytes:
+    """compile_flags.json: the exact contract argv (run in a dir holding model.hlo.pb), the compiler version and the
+    sha256 of the module it compiles (as the Neuron compile cache keys entries by module and flags)."""
+    try:
+        argv = neuron_flags.neuronx_cc_argv("neuronx-cc", platform, options, env_flags)
+    except ValueError as exc:
+        raise ToolchainError(str(exc)) from None
+    doc = {"platform": platform, "argv": argv, "neuronx_cc_version": version,
+           "hlo_sha256": hashlib.sha256(hlo).hexdigest()}
+    return (json.dumps(doc, indent=2, sort_keys=True) + "\n").encode()
+
+
+def _place(src: Path, dst: Path) -> None:
+    if dst.exists():
+        dst.unlink()
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copyfile(src, dst)
+
+
+def run_neuron_compile(spec: Mapping[str, Any], sandbox: Path, out_dir: Path) -> dict[str, Any]:
+    """Per platform: re-emit the lowering's files (the CAS stores them once), write compile_flags.json and, when
+    spec["neuronx_cc"] is set, run neuronx-cc in a scratch dir for model.neff (its output goes to the action log).
+
+    spec: platform, options (effective), env_flags (NEURON_CC_FLAGS, wrapper flags removed), neuronx_cc or None."""
+    from neuronbuild.toolchains.neuronx_cc import run_neuronx_cc
+
+    sandbox, out_dir = Path(sandbox), Path(out_dir)
+    platform = str(spec["platform"])
+    options = dict(spec.get("options") or {})
+    env_flags = [str(f) for f in spec.get("env_flags") or ()]
+    cc = spec.get("neuronx_cc")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for name in LOWER_OUTPUTS:
+        if not (sandbox / name).is_file():
+            raise ToolchainError(f"the lowering's {name} is missing from the sandbox")
+        _place(sandbox / name, out_dir / name)
+    version = str(cc["version"]) if cc else None
+    (out_dir / FLAGS_FILE).write_bytes(flags_document(platform, options, env_flags, version,
+                                                      (out_dir / HLO_FILE).read_bytes()))
+    meta: dict[str, Any] = {"artifact": HLO_FILE, "flags": FLAGS_FILE}
+    if cc:
+        meta |= run_neuronx_cc(cc, platform, options, out_dir, sandbox / "neuronx-cc-work", env_flags)
+    return meta

@@ -1,0 +1,68 @@
+"""Imports torchax 0.0.13 (+ jax) on torch 2.13, which removed the named-tensor op overloads torchax refers to."""
+
+from __future__ import annotations
+
+import os
+import re
+import threading
+from types import ModuleType
+from typing import Any
+
+# torchax's tables name ~22 Dimname overloads (e.g. aten.prod.dim_Dimname) that torch 2.13 dropped; only those may be
+# answered with an inert placeholder while torchax imports. Any other missing overload still fails the import.
+_NAMED_OVERLOAD = re.compile(r"(?i)dimname|names")
+_lock = threading.Lock()
+_missing: list[str] = []
+
+
+class MissingOverload:
+    """Stands for an op overload this torch does not have; never matches a real graph node."""
+
+    def __init__(self, packet: Any, key: str) -> None:
+        self.qualified = f"{packet}.{key}"
+
+    def name(self) -> str:
+        return self.qualified
+
+    def __repr__(self) -> str:
+        return f"<missing overload {self.qualified}>"
+
+
+def import_torchax() -> tuple[ModuleType, ModuleType]:
+    """(torchax.ops.ops_registry, torchax.decompositions), importing torchax with the shim once per process.
+
+    jax is pinned to the CPU platform and 32-bit mode before anything imports it (no accelerator plugin probing; int64
+    values become s32 as on Neuron frameworks)."""
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    with _lock:
+        import torch._ops
+
+        original = torch._ops.OpOverloadPacket.__getattr__
+
+        def tolerant(self: Any, key: str) -> Any:
+            try:
+                return original(self, key)
+            except AttributeError:
+                if key.startswith("__") or not _NAMED_OVERLOAD.search(key):
+                    raise
+                _missing.append(f"{self}.{key}")
+                return MissingOverload(self, key)
+
+        torch._ops.OpOverloadPacket.__getattr__ = tolerant  # type: ignore[method-assign]
+        try:
+            import torchax  # noqa: F401
+            import torchax.decompositions as decompositions
+            import torchax.ops.jaten  # noqa: F401  (registers the aten lowerings)
+            import torchax.ops.jtorch  # noqa: F401
+            from torchax.ops import ops_registry
+        finally:
+            torch._ops.OpOverloadPacket.__getattr__ = original  # type: ignore[method-assign]
+        import jax
+
+        jax.config.update("jax_enable_x64", False)
+        return ops_registry, decompositions
+
+
+def shimmed_overloads() -> tuple[str, ...]:
+    """The overloads the shim answered with placeholders in this process (for diagnostics)."""
+    return tuple(_missing)

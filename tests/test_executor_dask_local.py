@@ -1,0 +1,79 @@
+"""`--executor dask-local`: a LocalCluster started by the build runs a small workspace's actions, gives the outputs a
+local build gives, leaves records the local executor reuses, and leaves no process behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+from helpers import run_cli, write_ws
+
+MODEL = '''
+import torch
+
+def build(config):
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Embedding(16, 8), torch.nn.Linear(8, 4))
+'''
+BUILD = '''
+neuron_model(name = "m", srcs = ["m.py"], entry = "m:build", inputs = {"x": "int64[batch, seq]"})
+neuron_buckets(name = "b", shapes = [{"batch": 1, "seq": 4}, {"batch": 2, "seq": 4}])
+neuron_target(name = "t", platform = "trn2")
+neuron_compile(name = "c", model = ":m", buckets = [":b"], target = ":t")
+'''
+
+
+def _digests(ws: Path) -> dict[str, str]:
+    m = json.loads((ws / "neuronbuild-out/pkg/c/manifest.json").read_text())
+    return {f"{b['name']}/{n}": o["digest"] for b in m["buckets"] for n, o in b["outputs"].items()}
+
+
+def _session(sid: int) -> list[psutil.Process]:
+    out = []
+    for p in psutil.process_iter():
+        try:
+            if os.getsid(p.pid) == sid:
+                out.append(p)
+        except (OSError, psutil.Error):
+            pass
+    return out
+
+
+def test_dask_local_builds_a_workspace_like_the_local_executor(tmp_path: Path) -> None:
+    ws = write_ws(tmp_path / "farm" / "ws", {"pkg/BUILD": BUILD, "pkg/m.py": MODEL})
+    cache, evf = tmp_path / "farm" / "cache", tmp_path / "events.jsonl"
+    proc = subprocess.Popen([sys.executable, "-m", "neuronbuild", "build", "//pkg:c", "--executor", "dask-local",
+                             "--jobs", "2", "--cache-dir", str(cache), "--build-event-json-file", str(evf)],
+                            cwd=ws, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    out, err = proc.communicate(timeout=900)
+    assert proc.returncode == 0, out + err
+    assert "4 actions: 4 executed, 0 cached" in out and "Traceback" not in err
+    events = [json.loads(ln) for ln in evf.read_text().splitlines()]
+    finished = [e for e in events if e["event"] == "action_finished"]
+    assert len(finished) == 4
+    # Every action ran on a LocalCluster worker (its address), none in the build process's own pool.
+    assert all(e["worker"].startswith("tcp://127.0.0.1:") for e in finished), [e["worker"] for e in finished]
+    # The cluster, its workers and their warm action processes are gone with the build.
+    deadline = time.monotonic() + 30
+    while _session(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not _session(proc.pid), [p.cmdline() for p in _session(proc.pid)]
+
+    # The local executor, on a fresh cache at another path: the same output bytes.
+    local_ws = write_ws(tmp_path / "local" / "ws", {"pkg/BUILD": BUILD, "pkg/m.py": MODEL})
+    local = run_cli(["build", "//pkg:c", "--jobs", "2", "--cache-dir", str(tmp_path / "local" / "cache")], local_ws)
+    assert local.returncode == 0, local.stdout + local.stderr
+    assert "4 executed" in local.stdout
+    assert _digests(ws) == _digests(local_ws) and len(_digests(ws)) == 4
+
+    # What dask-local stored is an ordinary cache: the local executor finds every action there.
+    again = run_cli(["build", "//pkg:c", "--cache-dir", str(cache)], ws)
+    assert again.returncode == 0 and "4 actions: 0 executed, 4 cached" in again.stdout, again.stdout + again.stderr
+    verify = run_cli(["cache", "verify", "--cache-dir", str(cache)], ws)
+    assert verify.returncode == 0 and "problems" not in verify.stdout, verify.stdout + verify.stderr

@@ -1,0 +1,261 @@
+"""Release authenticity and verified loads: signed manifests, pinned digests, tampering after deploy, hostile paths."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import subprocess
+import tarfile
+from pathlib import Path
+
+import pytest
+import zstandard
+from helpers import run_cli, write_ws
+
+from neuronbuild.packaging.deploy import BundleError, deploy
+from neuronbuild.runtime.signing import load_trusted_keys
+
+MODEL = '''import torch
+
+
+class M(torch.nn.Module):
+    def __init__(self, n):
+        super().__init__()
+        self.lin = torch.nn.Linear(n, 4)
+
+    def forward(self, x):
+        return torch.relu(self.lin(x))
+
+
+def build(config):
+    return M(int(config["n"]))
+'''
+BUILD = '''neuron_model(name = "m", srcs = ["m.py"], entry = "m:build", config = {"n": 8}, inputs = {"x": "float32[batch, n]"})
+neuron_model(name = "m2", srcs = ["m.py"], entry = "m:build", config = {"n": 8}, inputs = {"x": "float32[batch, n]"},
+             seed = 7)
+neuron_buckets(name = "b", shapes = [{"batch": 2, "n": 8}])
+neuron_target(name = "cpu", platform = "cpu", isa = "x86-64")
+neuron_target(name = "trn2", platform = "trn2")
+neuron_compile(name = "m_cpu", model = ":m", buckets = [":b"], target = ":cpu")
+neuron_compile(name = "m_trn2", model = ":m", buckets = [":b"], target = ":trn2")
+neuron_compile(name = "m2_cpu", model = ":m2", buckets = [":b"], target = ":cpu")
+neuron_bundle(name = "release", srcs = [":m_cpu", ":m_trn2"])
+neuron_bundle(name = "other", srcs = [":m2_cpu"])
+'''
+ARCHIVE = "neuronbuild-out/pkg/release.tar.zst"
+OTHER = "neuronbuild-out/pkg/other.tar.zst"
+
+
+def _keygen(path: Path) -> Path:
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "release@test", "-f", str(path)], check=True)
+    return path
+
+
+@pytest.fixture(scope="module")
+def signed(tmp_path_factory: pytest.TempPathFactory, cache_dir: Path) -> dict[str, Path]:
+    """A tiny workspace built once with real compiles, its bundles signed with an OpenSSH Ed25519 key."""
+    base = tmp_path_factory.mktemp("signed")
+    ws = write_ws(base / "ws", {"pkg/BUILD": BUILD, "pkg/m.py": MODEL})
+    key = _keygen(base / "release_key")
+    _keygen(base / "other_key")
+    proc = run_cli(["build", "//pkg:release", "//pkg:other", "--jobs", "2", "--cache-dir", str(cache_dir),
+                    "--signing-key", str(key)], ws)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return {"ws": ws, "key": key, "pub": base / "release_key.pub", "other_pub": base / "other_key.pub",
+            "base": base}
+
+
+def _members(archive: Path) -> list[tuple[tarfile.TarInfo, bytes]]:
+    raw = zstandard.ZstdDecompressor().stream_reader(io.BytesIO(archive.read_bytes()), read_across_frames=True).read()
+    with tarfile.open(fileobj=io.BytesIO(raw), mode="r:") as tar:
+        return [(m, tar.extractfile(m).read()) for m in tar.getmembers()]  # type: ignore[union-attr]
+
+
+def _write(dest: Path, members: list[tuple[str, bytes]], fmt: int = tarfile.USTAR_FORMAT) -> Path:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=fmt) as tar:
+        for name, data in members:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    dest.write_bytes(zstandard.ZstdCompressor().compress(buf.getvalue()))
+    return dest
+
+
+def _forge(archive: Path, replace: dict[str, bytes], keep_signature: bool = True,
+           edit=None) -> list[tuple[str, bytes]]:  # type: ignore[no-untyped-def]
+    """A self-consistent forgery: members replaced and the manifest's digests updated to match."""
+    members = [(m.name, d) for m, d in _members(archive)]
+    manifest = json.loads(members[0][1])
+    out = []
+    for name, data in members[1:]:
+        if name == "manifest.json.sig":
+            continue
+        data = replace.get(name, data)
+        manifest["files"][name] = {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}
+        for g in manifest["graphs"]:
+            for ref in [*g["artifacts"].values(), *([g["weights"]] if g["weights"] else [])]:
+                if ref["path"] == name:
+                    ref["sha256"], ref["size"] = manifest["files"][name]["sha256"], len(data)
+        out.append((name, data))
+    if edit is not None:
+        edit(manifest)
+    mbytes = (json.dumps(manifest, sort_keys=True, indent=1) + "\n").encode()
+    sig = [(n, d) for n, d in members if n == "manifest.json.sig"]
+    return [("manifest.json", mbytes), *(sig if keep_signature else []), *out]
+
+
+def test_bundles_are_signed_and_deploy_refuses_unsigned_or_wrongly_signed(signed: dict[str, Path],
+                                                                            tmp_path: Path) -> None:
+    ws = signed["ws"]
+    archive = ws / ARCHIVE
+    names = [m.name for m, _ in _members(archive)]
+    assert names[:2] == ["manifest.json", "manifest.json.sig"]
+    assert (ws / "neuronbuild-out/pkg/release.manifest.json.sig").is_file()
+    # The real OpenSSH public key is what operators trust.
+    assert load_trusted_keys(signed["pub"])[0].key_id in (ws / "neuronbuild-out/pkg/release.manifest.json.sig").read_text()
+
+    ok = run_cli(["verify", str(archive), "--trusted-keys", str(signed["pub"])], ws)
+    assert ok.returncode == 0 and "signed by a trusted key" in ok.stdout, ok.stderr
+    wrong = run_cli(["deploy", str(archive), "--cache-dir", str(tmp_path / "a"), "--trusted-keys",
+                     str(signed["other_pub"])], ws)
+    assert wrong.returncode == 2 and "bad signature" in wrong.stderr and wrong.stderr.count("\n") == 1
+    assert not (tmp_path / "a").exists()
+
+    # One artifact replaced by another model's, digests updated: self-consistent, but the signature no longer fits.
+    other_pt2 = next(d for m, d in _members(ws / OTHER) if m.name.endswith("model.pt2"))
+    target = next(m.name for m, _ in _members(archive) if m.name.endswith("model.pt2"))
+    forged = _write(tmp_path / "forged.tar.zst", _forge(archive, {target: other_pt2}))
+    unsigned = _write(tmp_path / "unsigned.tar.zst", _forge(archive, {target: other_pt2}, keep_signature=False))
+    for bad, msg in ((forged, "bad signature"), (unsigned, "not signed")):
+        proc = run_cli(["deploy", str(bad), "--cache-dir", str(tmp_path / "b"), "--trusted-keys",
+                        str(signed["pub"])], ws)
+        assert proc.returncode == 2 and msg in proc.stderr, proc.stderr
+        assert not (tmp_path / "b").exists()
+        proc = run_cli(["verify", str(bad), "--trusted-keys", str(signed["pub"])], ws)
+        assert proc.returncode == 2 and msg in proc.stderr
+    good = run_cli(["deploy", str(archive), "--cache-dir", str(tmp_path / "c"), "--trusted-keys",
+                    str(signed["pub"])], ws)
+    assert good.returncode == 0 and "installed" in good.stdout, good.stderr
+
+
+def _open(dest: Path, **kw):  # type: ignore[no-untyped-def]
+    from neuronbuild.runtime import open_cache
+
+    return open_cache(dest, strict=True, require=["//pkg:m_cpu", "//pkg:m_trn2"], emulate="xla-cpu", **kw)
+
+
+def _loaded(cache) -> int:  # type: ignore[no-untyped-def]
+    return int(cache.counters.hit + cache.counters.emulated)
+
+
+@pytest.fixture()
+def trn2_host(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("NEURON_PLATFORM_TARGET_OVERRIDE", "trn2")
+
+
+def test_strict_open_refuses_unsigned_releases_and_pins_artifact_digests(signed: dict[str, Path], tmp_path: Path,
+                                                                         trn2_host: None) -> None:
+    ws = signed["ws"]
+    archive = ws / ARCHIVE
+    other_pt2 = next(d for m, d in _members(ws / OTHER) if m.name.endswith("model.pt2"))
+    target = next(m.name for m, _ in _members(archive) if m.name.endswith("model.pt2"))
+    forged = _write(tmp_path / "forged.tar.zst", _forge(archive, {target: other_pt2}, keep_signature=False))
+    dest = tmp_path / "serve"
+    deploy(forged, dest)  # without trusted keys deploy only checks consistency
+    genuine = ws / "neuronbuild-out/pkg/release.manifest.json"
+    with pytest.raises(RuntimeError, match="model.pt2 differs from the expected manifest"):
+        _open(dest, expect=genuine)
+    with pytest.raises(RuntimeError, match="not signed"):
+        _open(dest, trusted_keys=signed["pub"])
+    good = tmp_path / "good"
+    deploy(archive, good)
+    cache = _open(good, expect=genuine, trusted_keys=signed["pub"])
+    assert _loaded(cache) == 2 and cache.counters.error == 0
+
+
+def test_tampering_after_deploy_is_caught_at_load_and_redeploy_repairs(signed: dict[str, Path], tmp_path: Path,
+                                                                       trn2_host: None) -> None:
+    ws = signed["ws"]
+    archive = ws / ARCHIVE
+    dest = tmp_path / "serve"
+    res = deploy(archive, dest)
+    manifest = json.loads((res.dir / "manifest.json").read_text())
+    for g in manifest["graphs"]:
+        for name, ref in [*g["artifacts"].items(), *([("weights", g["weights"])] if g["weights"] else [])]:
+            if name == "compile_flags.json":  # not loaded by the runtime (a record of the neuronx-cc command)
+                continue
+            p = res.dir / ref["path"]
+            data = bytearray(p.read_bytes())
+            data[len(data) // 2] ^= 0xFF  # same size, different bytes
+            p.write_bytes(bytes(data))
+            with pytest.raises(RuntimeError, match="differ from the manifest"):
+                _open(dest)
+            proc = run_cli(["deploy", str(archive), "--cache-dir", str(dest)], ws)
+            assert proc.returncode == 0 and "repaired" in proc.stdout, proc.stdout + proc.stderr
+            assert _loaded(_open(dest)) == 2
+    proc = run_cli(["deploy", str(archive), "--cache-dir", str(dest)], ws)
+    assert "already installed" in proc.stdout
+
+
+def test_hostile_paths_and_names_in_manifests_and_destinations(signed: dict[str, Path], tmp_path: Path,
+                                                               trn2_host: None) -> None:
+    ws = signed["ws"]
+    archive = ws / ARCHIVE
+    dest = tmp_path / "serve"
+    res = deploy(archive, dest)
+    # A deployed manifest pointing outside its release is refused, not followed.
+    (tmp_path / "elsewhere.pt2").write_bytes(b"x")
+    mpath = res.dir / "manifest.json"
+    manifest = json.loads(mpath.read_text())
+    g = next(g for g in manifest["graphs"] if g["target"]["platform"] != "cpu")
+    art = next(iter(g["artifacts"]))
+    old = g["artifacts"][art]["path"]
+    new = "../../../elsewhere.pt2"
+    g["artifacts"][art]["path"] = new
+    manifest["files"][new] = manifest["files"].pop(old)
+    mpath.write_text(json.dumps(manifest))
+    with pytest.raises(RuntimeError, match="refusing member '../../../elsewhere.pt2'"):
+        _open(dest)
+
+    # A pre-existing releases symlink is not followed out of the destination.
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    d2 = tmp_path / "d2"
+    d2.mkdir()
+    (d2 / "releases").symlink_to(outside)
+    with pytest.raises(BundleError, match="not a plain directory"):
+        deploy(archive, d2)
+    assert list(outside.iterdir()) == []
+
+    # Member names and labels with newlines are refused.
+    def newline_label(m: dict) -> None:  # type: ignore[type-arg]
+        m["label"] = "//pkg:release\nINJECTED"
+
+    for bad in (_forge(archive, {}, False) + [("evil\nname", b"")],
+                _forge(archive, {}, False, edit=newline_label)):
+        with pytest.raises(BundleError, match="refusing member|control characters"):
+            deploy(_write(tmp_path / "bad.tar.zst", bad, tarfile.PAX_FORMAT), tmp_path / "d3")
+        assert not (tmp_path / "d3").exists()
+
+
+def test_env_file_is_quoted_data_and_a_hostile_one_is_refused(signed: dict[str, Path], tmp_path: Path) -> None:
+    ws = signed["ws"]
+    archive = ws / ARCHIVE
+    env = dict((m.name, d) for m, d in _members(archive))["neuronbuild.env"].decode()
+    for line in env.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.split("=", 1)
+            assert name.startswith("NEURONBUILD_") and value.startswith("'") and value.endswith("'"), line
+    out = subprocess.run(["sh", "-c", f"set -a; . {tmp_path / 'e'}; env"], capture_output=True, text=True,
+                         input=None, env={"PATH": os.environ["PATH"]}, check=False) \
+        if (tmp_path / "e").write_text(env) else None
+    assert out is not None and "NEURONBUILD_REQUIRE=//pkg:m_cpu,//pkg:m_trn2" in out.stdout
+    marker = tmp_path / "ran"
+    evil = env + f"touch {marker}\n"
+    bad = _write(tmp_path / "bad.tar.zst", _forge(archive, {"neuronbuild.env": evil.encode()}, False))
+    proc = run_cli(["deploy", str(bad), "--cache-dir", str(tmp_path / "d")], ws)
+    assert proc.returncode == 2 and "neuronbuild.env" in proc.stderr, proc.stderr
+    assert not (tmp_path / "d").exists() and not marker.exists()

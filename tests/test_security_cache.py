@@ -1,0 +1,132 @@
+"""A corrupt action record in a (shared) cache is a miss for builds and is reported and repaired by `cache verify`."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from helpers import _ENV_AT_START, run_cli, write_ws
+
+MODEL = '''import torch
+
+
+def build(config):
+    return torch.nn.Linear(4, 2)
+'''
+BUILD = '''neuron_model(name = "m", srcs = ["m.py"], entry = "m:build", inputs = {"x": "float32[b, n]"})
+neuron_buckets(name = "bk", shapes = [{"b": 1, "n": 4}])
+neuron_target(name = "t", platform = "trn2")
+neuron_compile(name = "c", model = ":m", buckets = [":bk"], target = ":t")
+'''
+CORRUPT = {
+    "outputs-a-string": b'{"version": 1, "fingerprint": "FP", "identity": "i", "outputs": "x", "record": {}, '
+                        b'"duration_s": 0}',
+    "deeply-nested": b'{"version": 1, "record": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+}
+
+
+def test_corrupt_action_records_are_misses_and_verify_repairs_them(tmp_path: Path) -> None:
+    ws = write_ws(tmp_path / "ws", {"pkg/BUILD": BUILD, "pkg/m.py": MODEL})
+    cache = tmp_path / "cache"
+    args = ["build", "//pkg:all", "--jobs", "1", "--cache-dir", str(cache)]
+    first = run_cli(args, ws)
+    assert first.returncode == 0, first.stderr
+    records = sorted((cache / "v1" / "ac").glob("*/*.json"))
+    assert len(records) >= 2
+    n = len(records)
+    for name, data in CORRUPT.items():
+        for r in records:
+            r.write_bytes(data.replace(b"FP", r.stem.encode()))
+        again = run_cli([*args[:-2], "--cache-dir", str(cache)], ws)
+        assert again.returncode == 0, f"{name}: {again.stderr}"
+        assert f"{n} executed" in again.stdout, again.stdout
+        for r in records:
+            r.write_bytes(data.replace(b"FP", r.stem.encode()))
+        v = run_cli(["cache", "verify", "--cache-dir", str(cache)], ws)
+        assert v.returncode != 0 and "bad-record" in v.stdout + v.stderr, v.stdout + v.stderr
+        assert "Traceback" not in v.stderr
+        fixed = run_cli(["cache", "verify", "--repair", "--cache-dir", str(cache)], ws)
+        assert "Traceback" not in fixed.stderr
+        assert not any(r.exists() for r in records)
+        rebuilt = run_cli(args, ws)
+        assert rebuilt.returncode == 0 and f"{n} executed" in rebuilt.stdout, rebuilt.stdout + rebuilt.stderr
+
+
+def _build_in_umask(ws: Path, cache: Path, umask: str, *patterns: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k in _ENV_AT_START or not k.startswith("TORCHINDUCTOR_")}
+    return subprocess.run(["sh", "-c", f'umask {umask}; exec "$0" -m neuronbuild "$@"', sys.executable, "build",
+                           *patterns, "--jobs", "1", "--cache-dir", str(cache)], cwd=ws, env=env,
+                          capture_output=True, text=True, timeout=1800)
+
+
+def test_a_directory_where_a_blob_belongs_is_reported_and_repaired(tmp_path: Path) -> None:
+    ws = write_ws(tmp_path / "ws", {"pkg/BUILD": BUILD, "pkg/m.py": MODEL})
+    cache = tmp_path / "cache"
+    assert run_cli(["build", "//pkg:all", "--jobs", "1", "--cache-dir", str(cache)], ws).returncode == 0
+    blob = next(p for p in sorted((cache / "v1" / "cas").glob("*/*")) if len(p.name) == 64)
+    blob.unlink()
+    blob.mkdir()
+    (blob / "junk").write_text("x")
+    v = run_cli(["cache", "verify", "--cache-dir", str(cache)], ws)
+    assert v.returncode != 0 and blob.name[:16] in v.stdout + v.stderr and "Traceback" not in v.stderr, v.stderr
+    r = run_cli(["cache", "verify", "--repair", "--cache-dir", str(cache)], ws)
+    assert "Traceback" not in r.stderr and not blob.exists(), r.stdout + r.stderr
+    again = run_cli(["build", "//pkg:all", "--jobs", "1", "--cache-dir", str(cache)], ws)
+    assert again.returncode == 0 and blob.is_file(), again.stdout + again.stderr
+    assert run_cli(["cache", "verify", "--cache-dir", str(cache)], ws).returncode == 0
+
+
+def test_outputs_bundle_manifests_and_sha256_files_follow_the_umask(tmp_path: Path) -> None:
+    build = BUILD + 'neuron_bundle(name = "rel", srcs = [":c"])\n'
+    ws = write_ws(tmp_path / "ws", {"pkg/BUILD": build, "pkg/m.py": MODEL})
+    proc = _build_in_umask(ws, tmp_path / "cache", "027", "//pkg:all")
+    assert proc.returncode == 0, proc.stderr
+    out = ws / "neuronbuild-out" / "pkg"
+    files = [*sorted((out / "c").rglob("*.*")), out / "rel.tar.zst", out / "rel.manifest.json",
+             out / "rel.tar.zst.sha256"]
+    assert len(files) >= 5
+    modes = {str(p.relative_to(out)): oct(p.stat().st_mode & 0o777) for p in files if p.is_file()}
+    assert set(modes.values()) == {"0o640"}, modes
+
+
+def test_a_read_only_cache_serves_a_fully_cached_build(tmp_path: Path) -> None:
+    """A release cache mounted read-only (here: a read-only bind mount in a private mount namespace)."""
+    import shutil
+
+    import pytest
+
+    ws = write_ws(tmp_path / "ws", {"pkg/BUILD": BUILD, "pkg/m.py": MODEL})
+    cache = tmp_path / "cache"
+    assert run_cli(["build", "//pkg:all", "--jobs", "1", "--cache-dir", str(cache)], ws).returncode == 0
+    shutil.rmtree(ws / "neuronbuild-out")
+    probe = subprocess.run(["unshare", "-m", "sh", "-c", f"mount --bind {cache} {cache} && "
+                            f"mount -o remount,bind,ro {cache} && ! touch {cache}/probe"],
+                           capture_output=True, text=True, check=False)
+    if probe.returncode != 0:
+        pytest.skip(f"cannot make a read-only bind mount here (needs unshare -m as root): {probe.stderr.strip()}")
+    env = {k: v for k, v in os.environ.items() if k in _ENV_AT_START or not k.startswith("TORCHINDUCTOR_")}
+    script = (f"mount --bind {cache} {cache} && mount -o remount,bind,ro {cache} && "
+              f'"$0" -m neuronbuild build //pkg:all --cache-dir {cache}')
+    proc = subprocess.run(["unshare", "-m", "sh", "-c", script, sys.executable], cwd=ws, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert re.search(r"0 executed, [1-9]\d* cached", proc.stdout), proc.stdout
+    assert (ws / "neuronbuild-out" / "pkg" / "c" / "manifest.json").is_file()
+    assert len(list((ws / "neuronbuild-out" / "pkg" / "c" / "b1_n4").iterdir())) >= 2
+
+
+def test_unreadable_records_are_reported_not_counted_as_ok(tmp_path: Path) -> None:
+    ws = write_ws(tmp_path / "ws", {"pkg/BUILD": BUILD, "pkg/m.py": MODEL})
+    cache = tmp_path / "cache"
+    assert run_cli(["build", "//pkg:all", "--jobs", "1", "--cache-dir", str(cache)], ws).returncode == 0
+    for r in sorted((cache / "v1" / "ac").glob("*/*.json")):
+        r.unlink()
+        r.mkdir()  # unreadable as a file, whoever runs verify (root included)
+    v = run_cli(["cache", "verify", "--cache-dir", str(cache)], ws)
+    assert v.returncode != 0 and v.stdout.count("bad-record") >= 2, v.stdout + v.stderr
+    assert "0 entries verified: ok" not in v.stdout
+    r = run_cli(["cache", "verify", "--repair", "--cache-dir", str(cache)], ws)
+    assert not list((cache / "v1" / "ac").glob("*/*.json")), r.stdout + r.stderr

@@ -1,0 +1,126 @@
+"""No hangs: endless Starlark loops stop on Ctrl-C/SIGTERM, forked children neither hang a build nor outlive it, and
+--action-timeout fails an action that runs too long."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from helpers import _ENV_AT_START, run_cli, write_ws
+
+LOOP_BUILD = '''def spin():
+    for i in range(1000000000000000):
+        pass
+
+spin()
+'''
+
+
+def _popen(args: list[str], cwd: Path) -> subprocess.Popen[str]:
+    env = {k: v for k, v in os.environ.items() if k in _ENV_AT_START or not k.startswith("TORCHINDUCTOR_")}
+    return subprocess.Popen([sys.executable, "-m", "neuronbuild", *args], cwd=cwd, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_an_endless_starlark_loop_ends_on_interrupt_within_a_second(tmp_path: Path, sig: int) -> None:
+    ws = write_ws(tmp_path / "ws", {"pkg/BUILD": LOOP_BUILD})
+    proc = _popen(["build", "//pkg:all", "--cache-dir", str(tmp_path / "cache")], ws)
+    time.sleep(3.0)  # well inside the loop by now
+    assert proc.poll() is None, proc.communicate()
+    sent = time.monotonic()
+    proc.send_signal(sig)
+    try:
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    took = time.monotonic() - sent
+    _out, err = proc.communicate()
+    assert proc.returncode == 8, err
+    assert "interrupted" in err and "Traceback" not in err
+    assert took <= 1.0, f"took {took:.2f} s to stop"
+
+
+MODEL = '''import os
+import time
+
+import torch
+
+
+def build(config):
+    pid = os.fork()
+    if pid == 0:  # the child: holds every inherited descriptor, including the worker's result pipe
+        time.sleep(600)
+        os._exit(0)
+    with open(config["pidfile"], "w") as f:
+        f.write(str(pid))
+    if config["mode"] == "die":
+        os._exit(3)
+    if config["mode"] == "hang":
+        time.sleep(600)
+    return torch.nn.Linear(4, 2)
+'''
+
+
+def _ws(tmp_path: Path, mode: str) -> Path:
+    pidfile = tmp_path / f"child-{mode}.pid"
+    build = (f'neuron_model(name = "m", srcs = ["m.py"], entry = "m:build", inputs = {{"x": "float32[b, n]"}},\n'
+             f'             config = {{"pidfile": "{pidfile}", "mode": "{mode}"}})\n'
+             'neuron_buckets(name = "bk", shapes = [{"b": 1, "n": 4}])\n'
+             'neuron_target(name = "t", platform = "trn2")\n'
+             'neuron_compile(name = "c", model = ":m", buckets = [":bk"], target = ":t")\n')
+    return write_ws(tmp_path / f"ws-{mode}", {"pkg/BUILD": build, "pkg/m.py": MODEL})
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except OSError:
+        return False
+
+
+def _child(tmp_path: Path, mode: str) -> int:
+    return int((tmp_path / f"child-{mode}.pid").read_text())
+
+
+def _build(ws: Path, tmp_path: Path, *extra: str) -> tuple[subprocess.CompletedProcess[str], float]:
+    start = time.monotonic()
+    proc = run_cli(["build", "//pkg:all", "--jobs", "1", "--cache-dir", str(tmp_path / "cache"), *extra], ws)
+    return proc, time.monotonic() - start
+
+
+def test_a_model_that_forks_and_dies_fails_its_action_instead_of_hanging(tmp_path: Path) -> None:
+    ws = _ws(tmp_path, "die")
+    proc, took = _build(ws, tmp_path)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "worker process died" in proc.stderr and took < 120
+    child = _child(tmp_path, "die")
+    deadline = time.monotonic() + 5
+    while _alive(child) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(child), "the forked child outlived the build"
+
+
+def test_children_of_a_successful_action_do_not_outlive_it(tmp_path: Path) -> None:
+    ws = _ws(tmp_path, "ok")
+    proc, _took = _build(ws, tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert not _alive(_child(tmp_path, "ok")), "the forked child outlived the build"
+
+
+def test_action_timeout_fails_the_action_and_kills_its_processes(tmp_path: Path) -> None:
+    ws = _ws(tmp_path, "hang")
+    proc, took = _build(ws, tmp_path, "--action-timeout", "20")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "timed out after 20 s (--action-timeout)" in proc.stderr
+    assert took < 90
+    assert not _alive(_child(tmp_path, "hang"))
+    bad = run_cli(["build", "//pkg:all", "--action-timeout", "-1"], ws)
+    assert bad.returncode == 2 and "--action-timeout" in bad.stderr
