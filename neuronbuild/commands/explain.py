@@ -20,7 +20,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 def run(args: argparse.Namespace) -> int:
     from neuronbuild.analysis.explain import explain
     from neuronbuild.commands.common import context_from_args
-    from neuronbuild.execution.cutoff import REASON
+    from neuronbuild.execution.cutoff import reason
     from neuronbuild.execution.scheduler import needed_actions
 
     ctx = context_from_args(args)
@@ -34,15 +34,15 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps({"total": len(ag.actions), "cached": len(cached),
                           "execute": [e.to_json() | {"early_cutoff": e.action.fingerprint in waits} for e in found],
                           "cutoff": [{"description": a.describe(), "fingerprint": a.fingerprint, "reuses": prev,
-                                      "reason": REASON} for a, prev in reused]},
+                                      "reason": reason(a)} for a, prev in reused]},
                          indent=1, sort_keys=True))
         return EXIT_OK
     for e in found:
         print("\n".join(e.lines()))
         if e.action.fingerprint in waits:
-            print(f"  (skipped if its inputs re-run to identical outputs: {REASON})")
+            print(f"  (skipped if its inputs re-run to identical outputs: {reason(e.action)})")
     for a, prev in reused:
-        print(f"{a.describe()}  ({a.fingerprint[:12]})\n  {REASON}: cached, the result of {prev[:12]}")
+        print(f"{a.describe()}  ({a.fingerprint[:12]})\n  {reason(a)}: cached, the result of {prev[:12]}")
     if found:
         print(f"{len(found)} of {len(ag.actions)} actions would execute ({len(cached)} cached)")
     else:

@@ -17,7 +17,13 @@ from neuronbuild.atomic import atomic_write_bytes
 from neuronbuild.execution.cache_api import SpawnCache
 
 CUTOFF_DIR = "cutoff"
-REASON = "trace output unchanged"  # what progress lines and explain say
+REASON = "trace output unchanged"  # what progress lines and explain say when the input is the trace's program
+
+
+def reason(action: Action) -> str:
+    """Why `action`'s earlier result stands: its trace's output, or (e.g. a Neuron compile reading its Lower's
+    outputs) its inputs' outputs, came out byte-identical."""
+    return REASON if action.record.get("trace") in {d.action for d in action.dep_inputs} else "inputs unchanged"
 _FP_RE = re.compile(r"^[0-9a-f]{64}$")
 
 
@@ -33,8 +39,10 @@ def _get(cache: SpawnCache, fp: str, probe: bool) -> Any:
 
 
 def cutoff_key(action: Action, cache: SpawnCache, probe: bool = False) -> str | None:
-    """The action's record with each input action's fingerprint replaced by the digest of the output it reads;
-    None when the action reads no outputs or an input's result is not in the cache."""
+    """The action's record with each input action's fingerprint replaced by the digest of the output it reads, and
+    any other action fingerprint it names (provenance, e.g. a Neuron compile's trace, read only through its Lower)
+    dropped: a sandboxed action sees only its declared files and the outputs it reads. None when the action reads no
+    outputs or an input's result is not in the cache."""
     if not action.dep_inputs:
         return None
     reads: dict[str, list[str]] = {}
@@ -43,8 +51,8 @@ def cutoff_key(action: Action, cache: SpawnCache, probe: bool = False) -> str | 
         if res is None or d.output not in res.outputs:
             return None
         reads.setdefault(d.action, []).append(f"{d.output}={res.outputs[d.output].digest}")
-    record = {k: ({"outputs": sorted(reads[v])} if isinstance(v, str) and v in reads else v)
-              for k, v in action.record.items()}
+    record = {k: ({"outputs": sorted(reads[v])} if v in reads else "upstream" if _FP_RE.match(v) else v)
+              if isinstance(v, str) else v for k, v in action.record.items()}
     return fingerprint({"cutoff": 1, "record": record})
 
 
@@ -98,7 +106,7 @@ def reuse(action: Action, cache: SpawnCache) -> str | None:
     try:
         for name, ref in res.outputs.items():
             cache.place_blob(ref.digest, tmp / name)
-        meta = {**dict(getattr(res, "metadata", {}) or {}), "cutoff_from": prev, "cutoff": REASON}
+        meta = {**dict(getattr(res, "metadata", {}) or {}), "cutoff_from": prev, "cutoff": reason(action)}
         cache.store_outputs(action.fingerprint, action.identity, action.record, tmp, tuple(action.outputs),
                             float(getattr(res, "duration_s", 0.0) or 0.0), meta)
     except OSError:

@@ -336,7 +336,7 @@ class _Run:
     def _done(self, fp: str, reused: bool = False, cutoff_from: str | None = None) -> None:
         if cutoff_from is not None:
             self.reused.append(fp)
-            self.s.bus.emit(ev.ACTION_CACHED, **action_fields(self.todo[fp]), cutoff=cutoff.REASON,
+            self.s.bus.emit(ev.ACTION_CACHED, **action_fields(self.todo[fp]), cutoff=cutoff.reason(self.todo[fp]),
                             cutoff_from=cutoff_from)
         elif reused:
             self.reused.append(fp)
