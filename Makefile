@@ -1,9 +1,11 @@
 # Quick start: `make example` (set up + build the example workspace), `make test` (set up + run the tests).
+# `make install` puts a `neuronbuild` command on your PATH (a link to the venv's, in $(PREFIX)/bin).
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
+PREFIX ?= $(HOME)/.local
 
-.PHONY: setup example test lint
+.PHONY: setup example test lint install uninstall
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
@@ -11,6 +13,7 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "torch==2.13.0" -e ".[dev,neuron,hf]"
 	touch $@
+	@echo "neuronbuild is installed in $(VENV): run 'source $(VENV)/bin/activate' (or 'make install') to put it on PATH"
 
 example: setup
 	cd examples && ../$(BIN)/neuronbuild build //...
@@ -21,3 +24,12 @@ test: setup
 lint: setup
 	$(BIN)/ruff check neuronbuild tests benchmarks
 	$(BIN)/mypy
+
+install: setup
+	mkdir -p $(PREFIX)/bin
+	ln -sfn $(abspath $(BIN))/neuronbuild $(PREFIX)/bin/neuronbuild
+	@case ":$$PATH:" in *":$(PREFIX)/bin:"*) echo "neuronbuild -> $(PREFIX)/bin/neuronbuild";; \
+	  *) echo "neuronbuild -> $(PREFIX)/bin/neuronbuild; add $(PREFIX)/bin to PATH to call it";; esac
+
+uninstall:
+	rm -f $(PREFIX)/bin/neuronbuild

@@ -132,8 +132,11 @@ def edit_one_bucket_list(out: Path, i: int = 0, buckets: int = 2, new_size: int 
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("out", type=Path)
+    assert __doc__ is not None
+    intro, details = __doc__.split("\n\n")[:2]  # the whole docstring, not its first line cut mid-sentence
+    ap = argparse.ArgumentParser(description=intro, epilog=details.strip(),
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("out", type=Path, help="directory to write the workspace into (replaced if it exists)")
     ap.add_argument("--graphs", type=int, default=1000, help="compiled graphs (compile actions) in total")
     ap.add_argument("--buckets", type=int, default=2, help="buckets per package")
     ap.add_argument("--compiles", type=int, default=2, help=f"compile targets per package (<= {len(COMPILE_KINDS)})")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import time
@@ -23,6 +24,7 @@ from neuronbuild.execution.jobs import Executor
 from neuronbuild.execution.progress import make_progress
 from neuronbuild.execution.scheduler import BuildResult, Scheduler, SchedulerOptions
 from neuronbuild.packaging.materialize import materialize
+from neuronbuild.workspace import OUTPUT_DIR
 
 EXECUTORS = ("local", "dask", "dask-local")
 
@@ -48,13 +50,20 @@ class BuildRequest:
     action_timeout: float = 0.0  # seconds an action may run (local executor); 0: no limit
 
 
-def settings_notes(settings: PlanSettings, ag: ActionGraph) -> list[str]:
-    """Said once per build: ignored compile-affecting variables, and what the plan's toolchains want said (e.g.
-    that no NEFFs are produced without neuronx-cc)."""
+def settings_notes(settings: PlanSettings, ag: ActionGraph, toolchains: Sequence[str] | None = None) -> list[str]:
+    """Said once per build: ignored compile-affecting variables, and what the toolchains want said (e.g. that no
+    NEFFs are produced without neuronx-cc). `toolchains`: only these (default: every one the plan uses)."""
     notes = [w for w in (undeclared_warning(settings.action_env),) if w]
-    for name in ag.toolchains:
+    for name in ag.toolchains if toolchains is None else toolchains:
         notes.extend(plugins.toolchain(name).notes(settings))
     return notes
+
+
+def toolchain_notes(settings: PlanSettings, ag: ActionGraph, executed: Sequence[str]) -> list[str]:
+    """The toolchains' notes, once per build, from the toolchains that ran actions in it: a plan or a fully cached
+    build made no graphs, so it has nothing to say about how they were made."""
+    ran = list(dict.fromkeys(ag.actions[fp].toolchain for fp in executed if ag.actions[fp].toolchain))
+    return [n for name in ran for n in plugins.toolchain(name).notes(settings)]
 
 
 def make_executor(ctx: BuildContext, req: BuildRequest, cache: LocalCache) -> Executor:
@@ -106,7 +115,7 @@ def run_build(ctx: BuildContext, req: BuildRequest, listeners: Sequence[Listener
     root = ctx.workspace.root
     graph = ctx.load(req.patterns)
     ag = ctx.plan(graph)
-    for note in settings_notes(ctx.settings, ag):
+    for note in settings_notes(ctx.settings, ag, toolchains=()):  # toolchain notes: after execution, if it ran any
         ctx.report(note)
     cache = ctx.open_cache()
     bus = EventBus(default_listeners(ctx, req) if listeners is None else listeners)
@@ -120,16 +129,21 @@ def run_build(ctx: BuildContext, req: BuildRequest, listeners: Sequence[Listener
                 executor.shutdown()
         finally:
             bus.close()
+        for note in toolchain_notes(ctx.settings, ag, result.executed):
+            ctx.report(note)
         failed = {f.action.fingerprint for f in result.failures}
-        materialize(root, ag, cache, failed)
+        outputs = [str(d.relative_to(root / OUTPUT_DIR)) + "/" for d in materialize(root, ag, cache, failed)]
         if ag.bundles:
             from neuronbuild.packaging.bundle import build_bundles
 
             bundles, skipped = build_bundles(root, graph, ag, cache, failed)
+            outputs += [str(b.archive.relative_to(root / OUTPUT_DIR)) for b in bundles]
             for b in bundles:
                 ctx.report(f"Bundle {b.label}: {b.archive} ({b.size} bytes{'' if b.written else ', up to date'})")
             for line in skipped:
                 ctx.report(line)
+        if outputs:
+            result = dataclasses.replace(result, outputs_dir=str(root / OUTPUT_DIR), outputs=tuple(outputs))
         if result.ok:
             record_roots(cache.root, root, built_roots(ag), graph.packages, (str(t) for t in graph.targets))
     finally:

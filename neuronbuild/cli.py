@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from neuronbuild.commands import COMMAND_MODULES
-from neuronbuild.errors import EXIT_BAD_INPUT, EXIT_BUILD_FAILED, EXIT_INTERRUPTED, NeuronBuildError
+from neuronbuild.errors import EXIT_BAD_INPUT, EXIT_BUILD_FAILED, EXIT_INTERRUPTED, EXIT_OK, NeuronBuildError
 
 
 class _Parser(argparse.ArgumentParser):
@@ -19,10 +19,21 @@ class _Parser(argparse.ArgumentParser):
         raise SystemExit(EXIT_BAD_INPUT)
 
 
+EPILOG = """\
+rc files: flags per command from ~/.neuronbuildrc, then <workspace>/.neuronbuildrc (e.g. `build --jobs 4`,
+`common --cache-dir DIR`); the command line wins. `neuronbuild COMMAND -h` shows a command's flags.
+exit codes: 0 ok, 1 build failed, 2 bad command line or BUILD input, 8 interrupted."""
+
+
 def make_parser() -> tuple[argparse.ArgumentParser, dict[str, str]]:
-    parser = _Parser(prog="neuronbuild", description="Bazel-style builds of model graphs for accelerators.")
-    parser.add_argument("-C", dest="directory", help="run as if started in this directory")
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    from neuronbuild import __version__
+
+    parser = _Parser(prog="neuronbuild", description="Bazel-style builds of model graphs for accelerators.",
+                     epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("-C", dest="directory", metavar="DIR", help="run as if started in this directory")
+    parser.add_argument("--norc", action="store_true", help="read no .neuronbuildrc file")
+    parser.add_argument("--version", action="version", version=f"neuronbuild {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands", parser_class=_Parser)
     owners: dict[str, str] = {}
     for name in COMMAND_MODULES:
         mod = importlib.import_module(f"neuronbuild.commands.{name}")
@@ -33,12 +44,43 @@ def make_parser() -> tuple[argparse.ArgumentParser, dict[str, str]]:
     return parser, owners
 
 
+def _quiet_stdout() -> None:
+    """After a broken pipe (`neuronbuild query ... | head -1`): later writes and the exit flush go nowhere."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        return _main(list(sys.argv[1:] if argv is None else argv))
+    except BrokenPipeError:
+        _quiet_stdout()
+        return EXIT_OK
+
+
+def _main(argv: list[str]) -> int:
+    from neuronbuild.rcfile import expand
+
     parser, owners = make_parser()
+    if not argv:
+        parser.print_help()
+        return EXIT_BAD_INPUT
+    try:
+        argv = expand(argv, parser)
+    except NeuronBuildError as e:
+        print(str(e), file=sys.stderr)
+        return e.exit_code
     try:
         args = parser.parse_args(argv)
     except SystemExit as e:
         return int(e.code or 0)
+    if args.command is None:
+        parser.print_usage(sys.stderr)
+        print("neuronbuild: error: give a command (neuronbuild -h lists them)", file=sys.stderr)
+        return EXIT_BAD_INPUT
     try:
         if args.directory:
             os.chdir(Path(args.directory))
@@ -47,6 +89,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except NeuronBuildError as e:
         print(str(e), file=sys.stderr)
         return e.exit_code
+    except BrokenPipeError:
+        raise
     except KeyboardInterrupt:
         print("neuronbuild: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED

@@ -133,6 +133,8 @@ def check(cache_dir: Path, key: str) -> str | None:
     except (OSError, ValueError):
         return None
     total, cached = data["total"], data["cached"]
+    if not total:
+        return None  # nothing to build: the normal path says why (its warnings), and is fast anyway
     return f"{total} actions: 0 executed, {cached} cached ({time.perf_counter() - start:.1f} s)"
 
 

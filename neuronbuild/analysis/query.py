@@ -90,8 +90,11 @@ class _Parser:
         if not self.toks:
             raise QueryError("empty expression")
         node = self.expr()
-        if self.peek() is not None:
-            raise QueryError(f"unexpected '{self.peek()[1]}' after a complete expression")  # type: ignore[index]
+        if (t := self.peek()) is not None:
+            hint = ""
+            if t[0] == "word" and len(t[1]) > 1 and t[1][0] in "-+^":
+                hint = f" (set operators need spaces around them: '... {t[1][0]} {t[1][1:]}')"
+            raise QueryError(f"unexpected '{t[1]}' after a complete expression{hint}")
         return node
 
     def expr(self) -> Node:
@@ -208,12 +211,13 @@ def load_query_graph(root: Path, patterns: Iterable[str], cwd_package: str = "")
     for p in patterns:
         tp = _pattern(p, cwd_package)
         load.append(str(tp) if tp.recursive or tp.name is None else f"//{tp.package}:all")
-    tg = load_targets(root, list(dict.fromkeys(load)), cwd_package)
+    tg = load_targets(root, list(dict.fromkeys(load)), cwd_package, warn=None)
     for _round in range(100):
         missing = [d for t in tg.targets.values() for _a, d in tg.label_deps(t) if d not in tg.targets]
         if not missing:
             break
-        tg = load_targets(root, [*dict.fromkeys(load), *(str(lbl) for lbl in tg.targets)], cwd_package)
+        tg = load_targets(root, [*dict.fromkeys(load), *(str(lbl) for lbl in tg.targets)], cwd_package,
+                          warn=None)
     return query_graph(tg)
 
 

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 from neuronbuild.atomic import file_lock
 from neuronbuild.cache.pins import pinned
 from neuronbuild.cache.roots import live_roots
+from neuronbuild.cache.usage import clear_scratch, disk_usage
 
 if TYPE_CHECKING:
     from neuronbuild.cache.local import LocalCache
@@ -66,10 +67,12 @@ class GcResult:
     bytes_freed: int
     kept_referenced: int
     over_cap: bool = False
+    scratch_freed: int = 0
 
     def summary(self) -> str:
+        scratch = f", {human(self.scratch_freed)} of it compiler scratch" if self.scratch_freed else ""
         s = (f"gc: removed {self.entries_removed} of {self.entries_before} entries and {self.blobs_removed} blobs, "
-             f"freed {human(self.bytes_freed)} ({human(self.bytes_before)} -> "
+             f"freed {human(self.bytes_freed)}{scratch} (on disk {human(self.bytes_before)} -> "
              f"{human(self.bytes_before - self.bytes_freed)}); kept {self.kept_referenced} referenced entries")
         if self.over_cap:
             s += "; still over the size cap (the rest is referenced or in use)"
@@ -106,7 +109,8 @@ def _scan_records(ac: Path) -> tuple[list[_Entry], list[Path]]:
 def collect(cache: LocalCache, max_size: int | None = None, max_age: float | None = None,
             keep: set[str] | frozenset[str] = frozenset(), now: float | None = None,
             protect_roots: bool = True) -> GcResult:
-    """Evict unreferenced entries older than `max_age`, then least recently used ones until under `max_size`.
+    """Evict unreferenced entries older than `max_age`, then, while the whole cache directory is over `max_size`,
+    the compiler scratch and then least recently used entries.
 
     Protected: `keep`, pins and (with `protect_roots`) what the last successful build of every live workspace
     referenced (cache/roots.py), whatever flags that build ran with."""
@@ -122,7 +126,7 @@ def collect(cache: LocalCache, max_size: int | None = None, max_age: float | Non
             with contextlib.suppress(OSError):
                 st = p.stat()
                 blobs[digest] = (st.st_size, st.st_mtime)
-        total = sum(s for s, _ in blobs.values())
+        total = disk_usage(cache.base).total  # everything on disk, not only blobs
         bytes_before = total
         protected_fps = (set(keep) | pin_fps)
         refcount: dict[str, int] = {}
@@ -174,13 +178,18 @@ def collect(cache: LocalCache, max_size: int | None = None, max_age: float | Non
                 rest.append(e)
         for dg in list(blobs):  # orphans: referenced by no record and no pin (e.g. from a killed build)
             drop_blob(dg)
+        scratch = 0
+        if max_size is not None and total > max_size:
+            scratch = clear_scratch(root, now, GRACE_S)
+            total -= scratch
+            freed += scratch
         for e in rest:
             if max_size is None or total <= max_size:
                 break
             drop_entry(e)
         _sweep(cache, now, max_age)
         return GcResult(len(entries), bytes_before, removed_entries, removed_blobs, freed, kept,
-                        max_size is not None and total > max_size)
+                        max_size is not None and total > max_size, scratch)
 
 
 def _sweep(cache: LocalCache, now: float, max_age: float | None) -> None:

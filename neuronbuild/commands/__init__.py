@@ -3,4 +3,5 @@
 To add a command, add its module name to COMMAND_MODULES; cli.py imports only the module of the command being run
 (parsers are registered from the small, import-free `register` functions)."""
 
-COMMAND_MODULES = ("build", "plan", "explain", "query", "upgrade_impact", "deploy", "verify", "validate", "cache", "farm")
+COMMAND_MODULES = ("build", "plan", "explain", "query", "upgrade_impact", "deploy", "verify", "validate", "cache", "farm",
+                   "clean", "completion")

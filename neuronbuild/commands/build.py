@@ -66,6 +66,17 @@ def _record_noop_stats(cache_dir: Path, line: str, started: float) -> None:
         pass  # statistics never fail a build
 
 
+def _check_settings_flags(args: argparse.Namespace) -> None:
+    """The checks of the fingerprint-settings flags that need no subprocess, made before the no-op fast path."""
+    from neuronbuild.analysis.plan_settings import find_neuronx_cc, parse_action_env
+    from neuronbuild.errors import UserInputError
+
+    if args.neuronx_cc_timeout is not None and args.neuronx_cc_timeout <= 0:
+        raise UserInputError("--neuronx-cc-timeout must be a positive number of seconds")
+    parse_action_env(args.action_env)
+    find_neuronx_cc(args.neuronx_cc)
+
+
 def run(args: argparse.Namespace) -> int:
     from neuronbuild import noop
 
@@ -97,8 +108,14 @@ def run(args: argparse.Namespace) -> int:
         os.environ["NEURONBUILD_SIGNING_KEY"] = str(Path(args.signing_key).expanduser().resolve())
     from neuronbuild.cache.local import resolve_cache_dir
     from neuronbuild.context import NORMAL, QUIET, VERBOSE, patterns_or_default
+    from neuronbuild.execution.resources import parse_local_ram
     from neuronbuild.workspace import find_workspace
 
+    try:  # every flag is checked before any fast path: a no-op build must not accept what a full one refuses
+        ram = parse_local_ram(args.local_ram) if args.local_ram is not None else 0
+    except ValueError as e:
+        return _bad(str(e))
+    _check_settings_flags(args)
     if args.dry_run:
         from neuronbuild.commands.common import run_plan
 
@@ -118,13 +135,10 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_OK
 
     from neuronbuild.build import BuildRequest, default_jobs, run_build
-    from neuronbuild.execution.resources import default_local_ram_mb, parse_local_ram
+    from neuronbuild.execution.resources import default_local_ram_mb
     from neuronbuild.execution.scheduler import describe_failure
 
-    try:
-        ram = parse_local_ram(args.local_ram) if args.local_ram is not None else default_local_ram_mb()
-    except ValueError as e:
-        return _bad(str(e))
+    ram = ram or default_local_ram_mb()
     ctx = context_from_args(args, QUIET if args.quiet else VERBOSE if args.verbose else NORMAL)
     req = BuildRequest(
         patterns, args.jobs or default_jobs(),

@@ -132,6 +132,13 @@ def _stats(ctx: Any, args: argparse.Namespace) -> int:
     entries, nblobs, nbytes = _usage(SharedDirTier(cache.base)) if cache.base.is_dir() else (0, 0, 0)
     failures = len(list(cache.failures.glob("*/*.json"))) if cache.failures.is_dir() else 0
     print(f"local  {cache.base}: {entries} entries, {nblobs} blobs, {human(nbytes)}; {failures} recorded failures")
+    from neuronbuild.cache.usage import disk_usage
+
+    du = disk_usage(cache.base)
+    shown = [(p, b) for p, b in du.parts if b][:4]
+    rest = du.total - sum(b for _p, b in shown)
+    print(f"       on disk {human(du.total)} in all (what gc --max-size bounds): "
+          + ", ".join([f"{p} {human(b)}" for p, b in shown] + ([f"the rest {human(rest)}"] if rest else [])))
     shared = _shared(ctx)
     if shared is not None:
         try:

@@ -78,7 +78,7 @@ def run_plan(args: argparse.Namespace) -> int:
         return EXIT_BAD_INPUT
     ctx = context_from_args(args)
     ag = ctx.plan(ctx.load(args.patterns))
-    for note in settings_notes(ctx.settings, ag):
+    for note in settings_notes(ctx.settings, ag, toolchains=()):  # a plan makes no graphs: no toolchain notes
         print(note, file=sys.stderr)
     cache = ctx.open_cache()
     todo, cached = needed_actions(ag, cache, probe=True)

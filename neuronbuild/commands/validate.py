@@ -32,22 +32,32 @@ def run(args: argparse.Namespace) -> int:
         print("neuronbuild: nothing to validate: the patterns match no neuron_compile target", file=sys.stderr)
         return EXIT_OK
 
+    graphs = sum(len(ct.buckets) for ct in ag.compiles)
+    print(f"validating {graphs} graph(s) of {len(ag.compiles)} target(s) against eager (loading torch) ...",
+          file=sys.stderr, flush=True)
     from neuronbuild import plugins
     from neuronbuild.toolchains.validate import compare, eager_model, value_config
 
     failed = 0
     models: dict[str, Any] = {}
-    print(f"{'target':<28} {'bucket':<16} {'platform':<14} {'max abs':>10} {'max rel':>10} {'tolerance':>10}  result")
+    plats = {ct.label: ct.description + ("*" if plugins.toolchain(ct.toolchain).validate_note else "")
+             for ct in ag.compiles}
+    w_t = max([len("target"), *(len(str(ct.label)) for ct in ag.compiles)])  # columns fit the longest names
+    w_b = max([len("bucket"), *(len(b.name) for ct in ag.compiles for b, _fp in ct.buckets)])
+    w_p = max([len("platform"), *map(len, plats.values())])
+    print(f"{'target':<{w_t}}  {'bucket':<{w_b}}  {'platform':<{w_p}} {'max abs':>10} {'max rel':>10} "
+          f"{'tolerance':>10}  result", flush=True)
     for ct in ag.compiles:
         tol = ct.tolerance
         tc = plugins.toolchain(ct.toolchain)
-        plat = ct.description + ("*" if tc.validate_note else "")
+        plat = plats[ct.label]
         for bucket, fp in ct.buckets:
             res = cache.lookup(fp)
-            row = f"{str(ct.label):<28} {bucket.name:<16} {plat:<14}"
+            row = f"{str(ct.label):<{w_t}}  {bucket.name:<{w_b}}  {plat:<{w_p}}"
             if res is None:
                 failed += 1
-                print(f"{row} {'-':>10} {'-':>10} {tol:>10.1e}  NOT BUILT (run neuronbuild build {ct.label})")
+                print(f"{row} {'-':>10} {'-':>10} {tol:>10.1e}  NOT BUILT (run neuronbuild build {ct.label})",
+                      flush=True)
                 continue
             spec = dict(ag.trace_of(fp).model)
             spec["libraries"] = sorted(spec.get("deps") or {})
@@ -66,9 +76,9 @@ def run(args: argparse.Namespace) -> int:
             ok = cmp.max_abs <= tol and not cmp.error
             failed += not ok
             if cmp.error:
-                print(f"{row} {'-':>10} {'-':>10} {tol:>10.1e}  ERROR {cmp.error}")
+                print(f"{row} {'-':>10} {'-':>10} {tol:>10.1e}  ERROR {cmp.error}", flush=True)
                 continue
-            print(f"{row} {cmp.max_abs:>10.2e} {cmp.max_rel:>10.2e} {tol:>10.1e}  {'ok' if ok else 'FAIL'}")
+            print(f"{row} {cmp.max_abs:>10.2e} {cmp.max_rel:>10.2e} {tol:>10.1e}  {'ok' if ok else 'FAIL'}", flush=True)
     for name in ag.toolchains:
         if plugins.toolchain(name).validate_note:
             print(f"* {plugins.toolchain(name).validate_note}")

@@ -33,7 +33,9 @@ class Failure:
 
 @dataclass(frozen=True)
 class BuildResult:
-    """What a build did: executed and cached action fingerprints, failures, actions skipped because an input failed."""
+    """What a build did with each of its `total` actions: executed, cached (or produced by a concurrent build), failed,
+    skipped (an input failed), stopped (running when a failure ended the build), not started (the build stopped
+    first), or not needed (only consumers that were cached need it). Every action is in exactly one of these."""
 
     total: int
     executed: tuple[str, ...] = ()
@@ -41,10 +43,19 @@ class BuildResult:
     failures: tuple[Failure, ...] = field(default=())
     wall_s: float = 0.0
     skipped: tuple[str, ...] = ()
+    stopped: tuple[str, ...] = ()
+    not_started: tuple[str, ...] = ()
+    outputs_dir: str = ""  # where materialised outputs went (set by the build after materialisation)
+    outputs: tuple[str, ...] = ()  # their paths relative to outputs_dir
 
     @property
     def ok(self) -> bool:
         return not self.failures
+
+    @property
+    def not_needed(self) -> int:
+        return self.total - len(self.executed) - len(self.cached) - len(self.failures) - len(self.skipped) \
+            - len(self.stopped) - len(self.not_started)
 
     def summary(self) -> str:
         s = (f"{self.total} actions: {len(self.executed)} executed, {len(self.cached)} cached "
@@ -53,6 +64,17 @@ class BuildResult:
             s += f", {len(self.failures)} failed"
         if self.skipped:
             s += f", {len(self.skipped)} not run (an input failed)"
+        if self.stopped:
+            s += f", {len(self.stopped)} stopped"
+        if self.not_started:
+            s += f", {len(self.not_started)} not started"
+        if self.stopped or self.not_started:
+            s += " (the first failure ends a build; --keep-going runs everything that does not need the failed one)"
+        if self.not_needed > 0:
+            s += f", {self.not_needed} not needed (their consumers are cached)"
+        if self.outputs_dir:
+            shown = ", ".join(self.outputs[:4]) + (f" and {len(self.outputs) - 4} more" if len(self.outputs) > 4 else "")
+            s += f"\nOutputs in {self.outputs_dir}" + (f": {shown}" if shown else "")
         return s
 
 
@@ -149,11 +171,15 @@ class Scheduler:
             raise
         finally:
             run.cleanup()
+            done = {*run.executed, *run.reused, *(f.action.fingerprint for f in run.failures), *run.skipped,
+                    *run.stopped_fps}
             result = BuildResult(len(ag.actions), tuple(run.executed), tuple(cached_list) + tuple(run.reused),
-                                 tuple(run.failures), time.perf_counter() - start, tuple(run.skipped))
+                                 tuple(run.failures), time.perf_counter() - start, tuple(run.skipped),
+                                 tuple(run.stopped_fps), tuple(fp for fp in run.todo if fp not in done))
             self.bus.emit(ev.BUILD_FINISHED, ok=result.ok and not interrupted, interrupted=interrupted,
                           executed=len(result.executed), cached=len(result.cached), failed=len(result.failures),
-                          skipped=len(result.skipped), wall_s=round(result.wall_s, 3))
+                          skipped=len(result.skipped), stopped=len(result.stopped),
+                          not_started=len(result.not_started), wall_s=round(result.wall_s, 3))
         return result
 
 
@@ -181,6 +207,7 @@ class _Run:
         self.reused: list[str] = []
         self.failures: list[Failure] = []
         self.skipped: list[str] = []
+        self.stopped_fps: list[str] = []  # running when the build stopped: cancelled, not failed
         self.stopped = False
         self.budget = RamBudget(s.options.local_ram_mb) if s.options.local_ram_mb and s.executor.local else None
 
@@ -372,7 +399,7 @@ class _Run:
         self.s.executor.cancel()
         for r in self.running.values():
             r.claim.release()
-            self.skipped.append(r.job.action.fingerprint)
+            self.stopped_fps.append(r.job.action.fingerprint)
             self.s.bus.emit(ev.ACTION_SKIPPED, **action_fields(r.job.action), because="stopped")
         self.running.clear()
 

@@ -12,6 +12,7 @@ import sys
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -71,7 +72,13 @@ def run_on_starlark_thread(fn: Callable[..., T], *args: Any) -> T:
             threading.Thread(target=_serve, args=(_queue,), name="starlark", daemon=True).start()
     fut: Future[T] = Future()
     _queue.put((fn, args, fut))
-    return fut.result()
+    while True:
+        # Poll: a process-directed signal may be taken by one of the Go runtime's threads, whose handler only sets
+        # Python's flag; an untimed wait would never wake to run the handler (seen: 1 Ctrl-C in 10 ignored).
+        try:
+            return fut.result(timeout=0.1)
+        except FutureTimeout:
+            continue
 
 
 def _safe_print(prefix: str) -> Callable[[str], None]:

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import difflib
+import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from neuronbuild import plugins
 from neuronbuild.errors import Location, UserInputError
 from neuronbuild.loading.labels import Label, LabelError, TargetPattern, parse_pattern
 from neuronbuild.loading.loader import Loader
@@ -17,6 +20,26 @@ from neuronbuild.loading.targets import Package, Target
 
 if TYPE_CHECKING:
     from neuronbuild.loading.load_cache import LoadCache
+
+
+
+def _buildable(t: Target) -> bool:
+    """Whether a build makes something for this target (its rule kind plans actions); a pattern selecting no such
+    target builds nothing, and says so."""
+    return bool(plugins.rule(t.kind).plans_actions)
+
+
+def _buildable_kinds() -> list[str]:
+    return sorted(k for k, r in plugins.rules().items() if r.plans_actions)
+
+
+def _stderr(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _did_you_mean(word: str, candidates: Sequence[str]) -> str:
+    near = difflib.get_close_matches(word, list(candidates), n=3, cutoff=0.6)
+    return f"; did you mean {' or '.join(near)}?" if near else ""
 
 
 @dataclass(frozen=True)
@@ -40,20 +63,43 @@ class TargetGraph:
 
 
 def load_targets(root: Path, patterns: Sequence[str], cwd_package: str = "",
-                 load_cache: LoadCache | None = None) -> TargetGraph:
+                 load_cache: LoadCache | None = None, warn: Callable[[str], None] | None = _stderr) -> TargetGraph:
     """Load everything `patterns` need. Runs the Starlark work on the dedicated Starlark thread.
 
-    With a `load_cache`, packages whose BUILD and .bzl files are unchanged are not evaluated again."""
+    With a `load_cache`, packages whose BUILD and .bzl files are unchanged are not evaluated again. A pattern that
+    matches no target at all is an error; one that selects nothing buildable (only manual targets, only options or
+    models, a compile with `buckets = []`) is a warning passed to `warn` (stderr by default). With warn=None neither
+    check is made (query and gc load patterns as sets of targets, where an empty selection is a valid answer)."""
     parsed: list[TargetPattern] = []
     for p in patterns:
         try:
             parsed.append(parse_pattern(p, cwd_package))
         except LabelError as e:
             raise UserInputError(f"bad target pattern '{p}': {e}") from None
-    return run_on_starlark_thread(_load, root, parsed, load_cache)
+    graph, warnings = run_on_starlark_thread(_load, root, parsed, load_cache, warn is not None)
+    if warn is not None:
+        for w in warnings:
+            warn(w)
+    return graph
 
 
-def _load(root: Path, patterns: list[TargetPattern], load_cache: LoadCache | None = None) -> TargetGraph:
+def _selection_warnings(pat: TargetPattern, matched: list[Target], selected: list[Target]) -> list[str]:
+    if not matched:
+        raise UserInputError(f"pattern '{pat}' matches no targets (its BUILD files declare none)")
+    manual = [t for t in matched if _buildable(t) and "manual" in t.tags]
+    if manual and not any(_buildable(t) for t in selected):
+        return [f"warning: pattern '{pat}' builds nothing: its buildable targets are all tagged manual (name them to "
+                f"build them, e.g. {manual[0].label})"]
+    if not any(_buildable(t) for t in selected):
+        kinds = sorted({t.kind for t in selected})
+        return [f"warning: pattern '{pat}' selects nothing buildable (only {', '.join(kinds)}; outputs come from "
+                f"{' and '.join(_buildable_kinds())} targets)"]
+    return [f"warning: {t.label} has no buckets (buckets = []): it builds nothing" for t in selected
+            if t.kind == "neuron_compile" and not t.attrs.get("buckets")]
+
+
+def _load(root: Path, patterns: list[TargetPattern],
+          load_cache: LoadCache | None = None, check: bool = True) -> tuple[TargetGraph, list[str]]:
     loader = Loader(root)
     packages: dict[str, Package] = {}
 
@@ -71,23 +117,37 @@ def _load(root: Path, patterns: list[TargetPattern], load_cache: LoadCache | Non
         return packages[name]
 
     requested: list[Label] = []
+    warnings: list[str] = []
     for pat in patterns:
         if pat.recursive:
             names = loader.find_packages(pat.package)
             if not names and not (root / pat.package).is_dir():
-                raise UserInputError(f"no such package '{pat.package}' (pattern '{pat}')")
+                raise UserInputError(f"no such package '{pat.package}' (pattern '{pat}')"
+                                     + _did_you_mean(f"//{pat.package}/...",
+                                                     [f"//{n}/..." for n in loader.find_packages("")]))
         else:
             names = [pat.package]
+        matched: list[Target] = []
+        selected: list[Target] = []
         for name in names:
             pkg = get_package(name)
             if pkg is None:
-                raise UserInputError(f"no such package '{name}': no BUILD file in {name or 'the workspace root'}")
+                raise UserInputError(f"no such package '{name}': no BUILD file in {name or 'the workspace root'}"
+                                     + _did_you_mean(f"//{name}", [f"//{n}" for n in loader.find_packages("")]))
             if pat.name is None:
-                requested.extend(t.label for t in pkg.targets if "manual" not in t.tags)
+                matched.extend(pkg.targets)
+                selected.extend(t for t in pkg.targets if "manual" not in t.tags)
             else:
-                if not any(t.label.name == pat.name for t in pkg.targets):
-                    raise UserInputError(f"no such target '//{name}:{pat.name}' (declared in {pkg.build_file})")
-                requested.append(Label(name, pat.name))
+                found = [t for t in pkg.targets if t.label.name == pat.name]
+                if not found:
+                    raise UserInputError(f"no such target '//{name}:{pat.name}': {pkg.build_file} does not declare it"
+                                         + _did_you_mean(f"//{name}:{pat.name}",
+                                                         [str(t.label) for t in pkg.targets]))
+                matched.extend(found)
+                selected.extend(found)
+        if check:
+            warnings += _selection_warnings(pat, matched, selected)
+        requested.extend(t.label for t in selected)
     requested = list(dict.fromkeys(requested))
 
     targets: dict[Label, Target] = {}
@@ -125,7 +185,7 @@ def _load(root: Path, patterns: list[TargetPattern], load_cache: LoadCache | Non
                                      f"target, but '{dep}' is a {kind}", loader.locate(t))
             todo.append(dep)
     _check_cycles(graph, seen, loader)
-    return graph
+    return graph, warnings
 
 
 MAX_DEPS_DEPTH = 256  # longest dependency chain accepted (compiler_options deps merge recursively)

@@ -1,8 +1,13 @@
-"""Copies cached compile outputs to neuronbuild-out/<package>/<target>/<bucket>/ with a manifest.json per target."""
+"""Copies cached compile outputs to neuronbuild-out/<package>/<target>/<bucket>/ with a manifest.json per target.
+
+A target's directory is made to hold exactly its current outputs, as Bazel's output tree does: bucket directories
+of buckets no longer declared and files no longer produced (a model.neff once neuronx-cc is not configured) go."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +19,7 @@ from neuronbuild.cache.local import LocalCache
 from neuronbuild.workspace import OUTPUT_DIR
 
 MANIFEST = "manifest.json"
+STAGING = ".tmp"
 
 
 def target_dir(root: Path, ct: CompileTarget) -> Path:
@@ -26,13 +32,52 @@ def _traced_outputs(cache: LocalCache, trace_fp: str) -> list[Any]:
     return list(res.metadata.get("outputs") or []) if res is not None else []
 
 
+def _prune(out: Path, keep: set[str]) -> None:
+    """Remove everything under `out` whose relative path is not in `keep` (nor a directory on the way to one)."""
+    dirs = {str(p) for k in keep for p in (Path(k), *Path(k).parents)}
+    for dirpath, dirnames, filenames in list(_walk(out)):
+        rel_dir = dirpath.relative_to(out)
+        for d in dirnames:
+            rel = str(rel_dir / d) if str(rel_dir) != "." else d
+            if rel not in dirs:
+                p = dirpath / d
+                if p.is_symlink():
+                    p.unlink()
+                else:
+                    shutil.rmtree(p, ignore_errors=True)
+        for f in filenames:
+            rel = str(rel_dir / f) if str(rel_dir) != "." else f
+            if rel not in keep:
+                with contextlib.suppress(FileNotFoundError):
+                    (dirpath / f).unlink()
+
+
+def _walk(top: Path) -> list[tuple[Path, list[str], list[str]]]:
+    out: list[tuple[Path, list[str], list[str]]] = []
+    stack = [top]
+    while stack:
+        d = stack.pop()
+        try:
+            entries = list(d.iterdir())
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+        subdirs = [e.name for e in entries if e.is_dir() and not e.is_symlink()]
+        files = [e.name for e in entries if not (e.is_dir() and not e.is_symlink())]
+        out.append((d, subdirs, files))
+        stack.extend(d / s for s in subdirs)
+    return out
+
+
 def materialize(root: Path, ag: ActionGraph, cache: LocalCache, failed: set[str]) -> list[Path]:
-    """Write outputs of every compile target whose actions all succeeded. Unchanged files are not rewritten."""
-    written: list[Path] = []
+    """Write outputs of every compile target whose actions all succeeded (unchanged files are not rewritten) and
+    remove what else its directory holds. Returns the directories of the targets materialised."""
+    done: list[Path] = []
     for ct in ag.compiles:
         if any(fp in failed or cache.lookup(fp) is None for _b, fp in ct.buckets):
             continue
         out = target_dir(root, ct)
+        if out.is_file() or out.is_symlink():
+            out.unlink()  # a stale file where the target's directory goes
         old: dict[str, Any] = {}
         try:
             old = json.loads((out / MANIFEST).read_text())
@@ -41,16 +86,19 @@ def materialize(root: Path, ag: ActionGraph, cache: LocalCache, failed: set[str]
         old_files = {(b.get("name"), n): o.get("digest") for b in old.get("buckets", [])
                      for n, o in b.get("outputs", {}).items()}
         buckets = []
+        keep = {MANIFEST}
         for bucket, fp in ct.buckets:
             res = cache.lookup(fp)
             assert res is not None
             for name, ref in res.outputs.items():
                 dest = out / bucket.name / name
+                keep.add(f"{bucket.name}/{name}")
                 if old_files.get((bucket.name, name)) == ref.digest and dest.is_file() and \
                         dest.stat().st_size == ref.size:
                     continue
+                if dest.is_dir() and not dest.is_symlink():
+                    shutil.rmtree(dest)
                 cache.copy_blob(ref.digest, dest)
-                written.append(dest)
             buckets.append({
                 "name": bucket.name,
                 "bucket": bucket.as_dict(),
@@ -70,11 +118,10 @@ def materialize(root: Path, ag: ActionGraph, cache: LocalCache, failed: set[str]
             "buckets": buckets,
         }
         data = json.dumps(manifest, sort_keys=True, indent=1).encode()
-        if (out / MANIFEST).is_file() and (out / MANIFEST).read_bytes() == data:
-            continue
-        atomic_write_bytes(out / MANIFEST, data, out / ".tmp", mode=umask_mode())
-        try:
-            (out / ".tmp").rmdir()
-        except OSError:
-            pass
-    return written
+        done.append(out)
+        if not ((out / MANIFEST).is_file() and (out / MANIFEST).read_bytes() == data):
+            atomic_write_bytes(out / MANIFEST, data, out / STAGING, mode=umask_mode())
+        _prune(out, keep | {STAGING})
+        with contextlib.suppress(OSError):
+            (out / STAGING).rmdir()  # only when empty: a concurrent build may be writing through it
+    return done

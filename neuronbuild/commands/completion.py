@@ -1,0 +1,30 @@
+"""`neuronbuild completion bash|zsh`: print a shell completion script generated from the CLI definition."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from neuronbuild.errors import EXIT_BAD_INPUT, EXIT_OK
+
+
+def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser("completion", help="print a bash or zsh completion script: source <(neuronbuild completion bash)")
+    p.add_argument("shell", nargs="?", choices=("bash", "zsh"), help="the shell to complete for")
+    p.add_argument("--labels", metavar="PREFIX", help=argparse.SUPPRESS)  # used by the scripts: label candidates
+
+
+def run(args: argparse.Namespace) -> int:
+    from neuronbuild import completion
+    from neuronbuild.cli import make_parser
+
+    if args.labels is not None:
+        for cand in completion.label_candidates(args.labels):
+            print(cand)
+        return EXIT_OK
+    if args.shell is None:
+        print("neuronbuild: error: give a shell: neuronbuild completion bash|zsh", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    parser, _ = make_parser()
+    print(completion.bash_script(parser) if args.shell == "bash" else completion.zsh_script(parser), end="")
+    return EXIT_OK
