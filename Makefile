@@ -11,7 +11,7 @@ setup: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q "torch==2.13.0" -e ".[dev,neuron]"
+	$(BIN)/pip install -q "torch==2.13.0" -e ".[dev,neuron,hf]"
 	touch $@
 	@echo "neuronbuild is installed in $(VENV): run 'source $(VENV)/bin/activate' (or 'make install') to put it on PATH"
 

@@ -59,7 +59,7 @@ def main() -> None:
     try:
         cache = a.cache_dir or str(tmp / "cache")
         example = tmp / "example"
-        shutil.copytree(REPO / "examples", example, ignore=shutil.ignore_patterns("neuronbuild-out", "__pycache__"))
+        shutil.copytree(REPO / "examples", example, ignore=shutil.ignore_patterns("neuronbuild-out", "__pycache__", "hf"))
         big = gen_ws(tmp / "big", a.packages)
         for name, ws, file_label in (("example", example, "//models:llama.py"),
                                      (f"generated {a.packages} packages", big, "//models/m0:model.py")):

@@ -79,7 +79,7 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="startup-bench-", dir=OUT))
     try:
         ws = work / "ws"
-        shutil.copytree(REPO / "examples", ws, ignore=shutil.ignore_patterns("neuronbuild-out", "__pycache__"))
+        shutil.copytree(REPO / "examples", ws, ignore=shutil.ignore_patterns("neuronbuild-out", "__pycache__", "hf"))
         with open(ws / "models" / "BUILD", "a") as f:
             f.write('\nneuron_bundle(name = "bench_cpu", srcs = [":llama_cpu"])\n')
         nb = [sys.executable, "-m", "neuronbuild"]

@@ -23,8 +23,10 @@ def write_ws(root: Path, files: dict[str, str]) -> Path:
     return root
 
 
-def copy_example(dest: Path) -> Path:
-    shutil.copytree(EXAMPLES, dest, ignore=shutil.ignore_patterns("neuronbuild-out", "__pycache__"))
+def copy_example(dest: Path, hf: bool = False) -> Path:
+    """The example workspace; examples/hf (transformers models, tests/test_models_hf.py) only when asked for."""
+    skip = ("neuronbuild-out", "__pycache__") + (() if hf else ("hf",))
+    shutil.copytree(EXAMPLES, dest, ignore=shutil.ignore_patterns(*skip))
     return dest
 
 

@@ -23,6 +23,8 @@ def test_build_example_mentions_every_rule_and_attribute() -> None:
 
 def test_build_example_loads_and_plans(tmp_path: Path) -> None:
     ws = write_ws(tmp_path / "ws", {"pkg/BUILD": (REPO / "BUILD.example").read_text(), "pkg/llama.safetensors": "",
+                                    "pkg/layers.py": "", "pkg/hf.py": "", "pkg/llama/config.json": "{}",
+                                    "pkg/llama/model.safetensors.index.json": "{}",
                                     "tools/defs.bzl": (REPO / "examples/tools/defs.bzl").read_text()})
     shutil.copy(REPO / "examples/models/llama.py", ws / "pkg" / "llama.py")
     graph = load_targets(ws, ["//pkg:all"])

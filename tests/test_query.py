@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
-from helpers import EXAMPLES, run_cli, write_ws
+from helpers import copy_example, run_cli, write_ws
 
 from neuronbuild.analysis.query import QueryError, load_query_graph, parse_query, patterns_of, run_query
 
@@ -15,6 +15,12 @@ M = "//models:"
 
 def _q(root: Path, expr: str) -> set[str]:
     return set(run_query(root, expr)[1])
+
+
+@pytest.fixture(scope="module")
+def example(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The example workspace without examples/hf (its transformers models are tests/test_models_hf.py's)."""
+    return copy_example(tmp_path_factory.mktemp("query") / "ws")
 
 
 @pytest.mark.parametrize("expr,expected", [
@@ -36,8 +42,8 @@ def _q(root: Path, expr: str) -> set[str]:
     ("somepath(//models:llama_tiny_cpu, //models:llama.py)", {"llama_tiny_cpu", "llama_tiny", "llama.py"}),
     ("labels(buckets, //models:llama_trn2)", {"ctx", "tok"}),
 ])
-def test_queries_on_the_example(expr: str, expected: set[str]) -> None:
-    assert _q(EXAMPLES, expr) == {n if n.startswith("//") else f"{M}{n}" for n in expected}
+def test_queries_on_the_example(expr: str, expected: set[str], example: Path) -> None:
+    assert _q(example, expr) == {n if n.startswith("//") else f"{M}{n}" for n in expected}
 
 
 def _multi(root: Path) -> Path:

@@ -34,7 +34,26 @@ def test_pads_inputs_and_unpads_leading_output_dims() -> None:
     p_ids, p_mask = r.pad([ids, mask], route)
     assert p_ids.shape == (4, 64) and p_mask.shape == (4, 64)
     assert torch.equal(p_ids[:2, :3], ids) and int(p_ids[2:].abs().sum()) == 0 and not bool(p_mask[:, 3:].any())
-    out = {"logits": torch.randn(4, 64, 7), "pooled": torch.randn(4, 7), "other": torch.randn(5)}
-    cut = r.unpad(out, route)
-    assert cut["logits"].shape == (2, 3, 7) and torch.equal(cut["logits"], out["logits"][:2, :3])
+    outs = [{"name": "logits", "follows": ["batch", "seq", None]}, {"name": "pooled", "follows": ["batch", None]},
+            {"name": "other", "follows": [None]}]
+    flat = (torch.randn(4, 64, 7), torch.randn(4, 7), torch.randn(5))
+    cut = r.unpad(flat, route, outs)
+    assert list(cut) == ["logits", "pooled", "other"]
+    assert cut["logits"].shape == (2, 3, 7) and torch.equal(cut["logits"], flat[0][:2, :3])
     assert cut["pooled"].shape == (2, 7) and cut["other"].shape == (5,)
+
+
+def test_unpads_only_recorded_dims_never_by_equal_sizes() -> None:
+    """A KV-cache output [layers, batch, ...] whose layers == the padded batch size keeps its layers dim; BERT's
+    pooler_output [batch, hidden] keeps hidden when hidden == the bucket's seq."""
+    r = BucketRouter(INPUTS, {"b4_s64": {"batch": 4, "seq": 64}})
+    route = r.route([(2, 64), (2, 64)])
+    outs = [{"name": "cache", "follows": [None, "batch", None, "seq", None]},
+            {"name": "pooler_output", "follows": ["batch", None]}]
+    cut = r.unpad((torch.randn(4, 4, 2, 64, 8), torch.randn(4, 64)), route, outs)
+    assert cut["cache"].shape == (4, 2, 2, 64, 8)
+    assert cut["pooler_output"].shape == (2, 64)
+    single = r.unpad(torch.randn(4, 64, 3), route, [{"name": "output", "follows": ["batch", "seq", None]}], "tensor")
+    assert isinstance(single, torch.Tensor) and single.shape == (2, 64, 3)
+    with pytest.raises(NoBucketFits, match="records no output dims to un-pad"):
+        r.unpad(torch.randn(4, 64, 3), route)

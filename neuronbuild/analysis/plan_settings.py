@@ -19,6 +19,7 @@ NEURONX_CC = "neuronx-cc"  # the toolchain component name (and the executable's 
 DEFAULT_NEURONX_CC_TIMEOUT_S = 3600.0
 TOOLCHAIN_COMPONENTS = ("python", "torch", "cxx", NEURONX_CC)
 _ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_DIST_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]*$")  # a distribution a model imports (recorded per trace)
 
 
 @dataclass(frozen=True)
@@ -75,8 +76,9 @@ def parse_toolchain_overrides(items: list[str] | None) -> dict[str, str]:
         name, eq, value = item.partition("=")
         if not eq or not value:
             raise UserInputError(f"--toolchain: expected COMPONENT=VERSION, got {item!r}")
-        if name not in TOOLCHAIN_COMPONENTS:
-            raise UserInputError(f"--toolchain: unknown component {name!r} (known: {', '.join(TOOLCHAIN_COMPONENTS)})")
+        if name not in TOOLCHAIN_COMPONENTS and not _DIST_NAME_RE.match(name):
+            raise UserInputError(f"--toolchain: unknown component {name!r} (known: {', '.join(TOOLCHAIN_COMPONENTS)}, "
+                                 f"or a distribution a model imports, e.g. transformers)")
         out[name] = value
     return out
 

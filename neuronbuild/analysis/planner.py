@@ -89,11 +89,13 @@ class AnalysisContext:
             "action": TRACE,
             "model": rec,
             "bucket": bucket.as_dict(),
-            "toolchain": self.settings.trace_toolchain(),
+            # + the third-party distributions the model imports (what-if versions applied like torch's)
+            "toolchain": self.settings.trace_toolchain() | self.settings.override(dict(rec.get("imports") or {})),
         } | self.common
         spec = {"model": {k: rec[k] for k in ("package", "entry", "config", "seed")}
-                | {"srcs": list(rec["srcs"]), "weights": rec["weights"]["path"] if rec["weights"] else None},
-                "inputs": rec["inputs"], "bucket": bucket.as_dict()}
+                | {"srcs": list(rec["srcs"]), "weights": rec["weights"], "weights_prefix": rec.get("weights_prefix", ""),
+                   "libraries": sorted(rec.get("deps") or {})},
+                "inputs": rec["inputs"], "outputs": rec.get("outputs") or [], "bucket": bucket.as_dict()}
         return self.add(make_action(TRACE, model.label, bucket, record, spec, files=model.files,
                                     outputs=(TRACE_OUTPUT,)))
 

@@ -42,7 +42,7 @@ class CompileRequest:
             "target": dict(self.target),
             "options": dict(self.options),
             "bucket": self.bucket.as_dict(),
-            "inputs": dict(self.inputs),
+            "inputs": [[k, v] for k, v in self.inputs.items()],  # a list: positional order enters the fingerprint
             "toolchain": dict(versions),
         } | dict(fields) | dict(self.common)
 

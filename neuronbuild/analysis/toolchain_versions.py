@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import sys
+from collections.abc import Iterable, Mapping
 from importlib import metadata
 
 
@@ -17,3 +18,23 @@ def package_version(name: str) -> str:
 
 def trace_toolchain() -> dict[str, str]:
     return {"python": f"{sys.version_info.major}.{sys.version_info.minor}", "torch": package_version("torch")}
+
+
+@functools.cache
+def _packages_distributions() -> Mapping[str, list[str]]:
+    return metadata.packages_distributions()
+
+
+def distributions_of(modules: Iterable[str]) -> dict[str, str]:
+    """Installed distributions (name -> version) providing these top-level modules; torch is in every trace record
+    already, modules no distribution provides (the standard library, the workspace's own) are left out."""
+    dists = _packages_distributions()
+    out: dict[str, str] = {}
+    for mod in modules:
+        if mod in sys.stdlib_module_names or mod in ("torch", "neuronbuild"):
+            continue
+        for dist in dists.get(mod, ()):
+            name = dist.lower().replace("_", "-")
+            if name != "torch":
+                out[name] = package_version(dist)
+    return dict(sorted(out.items()))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from typing import Any
 
 from neuronbuild.commands.common import add_context_args, add_output_arg
 from neuronbuild.errors import EXIT_OK
@@ -19,6 +20,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 def run(args: argparse.Namespace) -> int:
     from neuronbuild.analysis.explain import explain
     from neuronbuild.commands.common import context_from_args
+    from neuronbuild.execution.cutoff import reason
     from neuronbuild.execution.scheduler import needed_actions
 
     ctx = context_from_args(args)
@@ -26,14 +28,38 @@ def run(args: argparse.Namespace) -> int:
     cache = ctx.open_cache()
     todo, cached = needed_actions(ag, cache, probe=True)
     found = explain(ag, todo, ctx.history(cache))
+    reused = _cutoffs(ag, cache, cached)
+    waits = {a.fingerprint for a in todo if any(d.action in {t.fingerprint for t in todo} for d in a.dep_inputs)}
     if args.output == "json":
         print(json.dumps({"total": len(ag.actions), "cached": len(cached),
-                          "execute": [e.to_json() for e in found]}, indent=1, sort_keys=True))
+                          "execute": [e.to_json() | {"early_cutoff": e.action.fingerprint in waits} for e in found],
+                          "cutoff": [{"description": a.describe(), "fingerprint": a.fingerprint, "reuses": prev,
+                                      "reason": reason(a)} for a, prev in reused]},
+                         indent=1, sort_keys=True))
         return EXIT_OK
     for e in found:
         print("\n".join(e.lines()))
+        if e.action.fingerprint in waits:
+            print(f"  (skipped if its inputs re-run to identical outputs: {reason(e.action)})")
+    for a, prev in reused:
+        print(f"{a.describe()}  ({a.fingerprint[:12]})\n  {reason(a)}: cached, the result of {prev[:12]}")
     if found:
         print(f"{len(found)} of {len(ag.actions)} actions would execute ({len(cached)} cached)")
     else:
         print(f"nothing would execute: all {len(ag.actions)} actions are cached")
     return EXIT_OK
+
+
+def _cutoffs(ag: Any, cache: Any, cached: list[str]) -> list[tuple[Any, str]]:
+    """Cached actions whose result is an earlier one's, reused because their inputs' outputs were unchanged."""
+    from neuronbuild.execution import cutoff
+
+    out = []
+    for fp in cached:
+        a = ag.actions[fp]
+        if not a.dep_inputs:
+            continue
+        prev = cutoff.reused_from(cache, fp) or cutoff.peek(a, cache, probe=True)  # local tier only
+        if prev:
+            out.append((a, prev))
+    return out

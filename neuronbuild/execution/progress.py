@@ -41,7 +41,7 @@ class _Tally:
             self.finished.add(f["fingerprint"])
             self.done += 1
             self.executed += 1
-        elif e.kind == ev.ACTION_CACHED and f.get("by_other_build"):
+        elif e.kind == ev.ACTION_CACHED and (f.get("by_other_build") or f.get("cutoff")):
             self.finished.add(f["fingerprint"])
             self.done += 1
             self.reused += 1
@@ -97,6 +97,8 @@ def event_line(e: BuildEvent, t: _Tally, level: int) -> str | None:
     if k == ev.ACTION_FINISHED:
         extra = f", {f['worker']}, peak {f['peak_rss_mb']:.0f} MB" if level >= VERBOSE else ""
         return f"[{t.done}/{t.to_execute}] {f['description']} ({f['duration_s']:.1f} s{extra})"
+    if k == ev.ACTION_CACHED and f.get("cutoff"):
+        return f"[{t.done}/{t.to_execute}] {f['description']} ({f['cutoff']}: result reused)"
     if k == ev.ACTION_CACHED and f.get("by_other_build"):
         return f"[{t.done}/{t.to_execute}] {f['description']} (result of a concurrent build)"
     if level < VERBOSE:

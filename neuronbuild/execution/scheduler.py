@@ -12,6 +12,7 @@ import networkx as nx
 from neuronbuild.analysis.actions import Action
 from neuronbuild.analysis.estimate import Estimator
 from neuronbuild.analysis.planner import ActionGraph
+from neuronbuild.execution import cutoff
 from neuronbuild.execution import events as ev
 from neuronbuild.execution.cache_api import Claim, SpawnCache
 from neuronbuild.execution.events import EventBus, action_fields
@@ -96,6 +97,9 @@ def needed_actions(ag: ActionGraph, cache: SpawnCache, probe: bool = False) -> t
     for a in order:
         if (cache.peek(a.fingerprint) if probe else cache.lookup(a.fingerprint) is not None):
             cached.add(a.fingerprint)
+        elif a.dep_inputs and all(d.action in cached for d in a.dep_inputs) and \
+                (cutoff.peek(a, cache, probe=True) if probe else cutoff.reuse(a, cache)) is not None:
+            cached.add(a.fingerprint)  # early cutoff: its inputs' outputs are those of an earlier result
     need: set[str] = set()
     for a in reversed(order):
         if a.fingerprint in cached:
@@ -262,6 +266,11 @@ class _Run:
             claim.release()
             self._done(fp, reused=True)
             return None
+        prev = cutoff.reuse(self.todo[fp], cache)
+        if prev is not None:  # its inputs re-ran to byte-identical outputs: the earlier result stands
+            claim.release()
+            self._done(fp, reused=True, cutoff_from=prev)
+            return None
         return claim
 
     def _poll_other_builds(self) -> None:
@@ -322,6 +331,7 @@ class _Run:
                 ok, error = False, f"storing outputs failed: {e}"
             stored_s = time.time() - t
             if ok:
+                cutoff.remember(a, self.s.cache)
                 self.s.bus.emit(ev.OUTPUTS_STORED, at=t + stored_s, fingerprint=fp, start=t, duration_s=stored_s,
                                 worker=c.worker)
         self.s.executor.finish(c.job)
@@ -350,8 +360,12 @@ class _Run:
         res = self.s.cache.lookup(fp)
         return {k: v.digest for k, v in res.outputs.items()} if res is not None else {}
 
-    def _done(self, fp: str, reused: bool = False) -> None:
-        if reused:
+    def _done(self, fp: str, reused: bool = False, cutoff_from: str | None = None) -> None:
+        if cutoff_from is not None:
+            self.reused.append(fp)
+            self.s.bus.emit(ev.ACTION_CACHED, **action_fields(self.todo[fp]), cutoff=cutoff.reason(self.todo[fp]),
+                            cutoff_from=cutoff_from)
+        elif reused:
             self.reused.append(fp)
             self.s.bus.emit(ev.ACTION_CACHED, **action_fields(self.todo[fp]), by_other_build=True)
         for succ in self.ag.graph.successors(fp):

@@ -1,7 +1,7 @@
 """The built-in rule kinds, one module each (schema + analysis), registered with neuronbuild.plugins on import."""
 
 from neuronbuild import plugins
-from neuronbuild.kinds import buckets, bundle, compile, model, options, target
+from neuronbuild.kinds import buckets, bundle, compile, model, options, py_library, target
 
-for _kind in (model.KIND, buckets.KIND, target.KIND, options.KIND, compile.KIND, bundle.KIND):
+for _kind in (model.KIND, py_library.KIND, buckets.KIND, target.KIND, options.KIND, compile.KIND, bundle.KIND):
     plugins.register_rule(_kind)

@@ -56,7 +56,7 @@ def analyze(ctx: AnalysisContext, t: Target) -> CompileTarget:
     opts = effective(ctx.provider(opts_label) if opts_label is not None else None)
     tc = plugins.toolchain(plat.toolchain)
     entries: list[tuple[Bucket, str]] = []
-    inputs: Mapping[str, object] = model.record["inputs"]
+    inputs: Mapping[str, object] = dict(model.record["inputs"])  # ordered: the record holds [name, spec] pairs
     for bucket in buckets_of(ctx, t, model):
         trace = ctx.trace(model, bucket)
         req = CompileRequest(t.label, plat.platform, plat.target, opts, bucket, inputs, trace, ctx.settings, ctx.common)

@@ -2,30 +2,56 @@
 
 from __future__ import annotations
 
+import ast
 from collections.abc import Mapping
 from typing import Any
 
 from neuronbuild.analysis.actions import FileInput
 from neuronbuild.analysis.planner import AnalysisContext
 from neuronbuild.analysis.providers import ModelInfo
+from neuronbuild.analysis.toolchain_versions import distributions_of
 from neuronbuild.digests import digest_file
+from neuronbuild.errors import UserInputError
+from neuronbuild.kinds import py_library
 from neuronbuild.kinds.base import RuleKind
+from neuronbuild.loading.labels import Label
 from neuronbuild.loading.schema import (
+    CONST_DIMS,
     DICT,
     ENTRY_RE,
     INPUTS,
     INT,
-    LABEL,
+    INT_RANGES,
     LABEL_LIST,
     NAME,
+    OUTPUTS,
     STRING,
     TAGS,
     Attr,
     AttrError,
+    AttrType,
     RuleSchema,
     parse_input_spec,
 )
+from neuronbuild.loading.target_graph import locate
 from neuronbuild.loading.targets import Target
+
+
+def _weights(attr: str, v: Any, pkg: str) -> tuple[Label, ...]:
+    items = [v] if isinstance(v, str) else v
+    if not isinstance(items, (list, tuple)) or not items:
+        raise AttrError(f"attribute '{attr}' must be a label or a non-empty list of labels")
+    labels = LABEL_LIST.check(attr, list(items), pkg)
+    for lbl in labels:
+        if not lbl.name.endswith((".safetensors", ".safetensors.index.json")):
+            raise AttrError(f"attribute '{attr}': '{lbl}' is not a .safetensors file or a .safetensors.index.json")
+    if any(lbl.name.endswith(".json") for lbl in labels) and len(labels) > 1:
+        raise AttrError(f"attribute '{attr}': an index.json names its shards itself; list it alone")
+    return tuple(labels)
+
+
+WEIGHTS = AttrType("weights", _weights)
+_MAX_INDEX_BYTES = 64 << 20
 
 
 def _check(a: Mapping[str, Any]) -> None:
@@ -36,6 +62,12 @@ def _check(a: Mapping[str, Any]) -> None:
     for src in a["srcs"]:
         if not src.name.endswith(".py"):
             raise AttrError(f"attribute 'srcs': '{src}' is not a .py file")
+    for name in a["input_ranges"]:
+        if name not in a["inputs"]:
+            raise AttrError(f"attribute 'input_ranges': '{name}' is not an input (inputs: {', '.join(a['inputs'])})")
+        dtype = parse_input_spec(a["inputs"][name])[0]
+        if dtype.startswith("float") or dtype.startswith("bfloat") or dtype == "bool":
+            raise AttrError(f"attribute 'input_ranges': input '{name}' is {dtype}, not an integer input")
 
 
 SCHEMA = RuleSchema(
@@ -47,10 +79,25 @@ SCHEMA = RuleSchema(
              kinds=("file",)),
         Attr("entry", STRING, "'module:function' building the nn.Module from the config dict.", required=True),
         Attr("config", DICT, "Config dict passed to the factory.", default={}),
-        Attr("inputs", INPUTS, "Positional inputs in order: name -> 'dtype[dim, ...]' (dims named by buckets).",
-             required=True),
-        Attr("weights", LABEL, "Optional safetensors file; without it the factory's seeded init is used.",
+        Attr("inputs", INPUTS, "Positional inputs in order: name -> 'dtype[dim, ...]'; a dim is a bucket dimension, a "
+             "named constant from `dims`, or a literal int.", required=True),
+        Attr("dims", CONST_DIMS, "Named constant dims usable in input/output specs, e.g. {'head_dim': 16} (never "
+             "bucket dims, never in bucket names).", default={}),
+        Attr("outputs", OUTPUTS, "Optional names of the flattened outputs, in order: name -> 'dtype[dim, ...]'; dims "
+             "named like a bucket dim follow it (are un-padded), others are free names, constants or ints.",
+             default={}),
+        Attr("input_ranges", INT_RANGES, "Value range [low, high) per integer input for validate's random inputs "
+             "(default: from config keys vocab_size / type_vocab_size, else [0, 100)).", default={}),
+        Attr("weights", WEIGHTS, "Optional safetensors weights: one file, a list of shards, or an HF "
+             "'*.safetensors.index.json' (its shards are found next to it); without it the factory's seeded init is "
+             "used. Tied weights may be absent from the files.", kinds=("file",)),
+        Attr("weights_prefix", STRING, "A prefix the weight files' keys carry and the module's do not (e.g. "
+             "'model.'); stripped before loading.", default=""),
+        Attr("data", LABEL_LIST, "Non-Python files the model reads (config.json, tokenizer files), placed in the "
+             "sandbox at their workspace paths (read them relative to the module's __file__).", default=(),
              kinds=("file",)),
+        Attr("deps", LABEL_LIST, "neuron_py_library targets the sources import (by workspace path).", default=(),
+             kinds=("neuron_py_library",)),
         Attr("seed", INT, "torch.manual_seed value used before calling the factory.", default=0),
         TAGS,
     ),
@@ -67,16 +114,24 @@ def analyze(ctx: AnalysisContext, model: Target) -> ModelInfo:
         d = digest_file(root / lbl.path)
         srcs[lbl.path] = d
         files.append(FileInput(lbl.path, d))
-    weights = None
-    if model.attrs.get("weights") is not None:
-        w = model.attrs["weights"]
-        wd = digest_file(root / w.path)
-        weights = {"path": w.path, "digest": wd}
-        files.append(FileInput(w.path, wd))
+    weights = _weights_record(ctx, model, files) if model.attrs.get("weights") else None
+    data: dict[str, str] = {}
+    for lbl in model.attrs["data"]:
+        d = digest_file(root / lbl.path)
+        data[lbl.path] = d
+        files.append(FileInput(lbl.path, d))
+    lib_srcs, lib_files = py_library.collect(ctx, tuple(model.attrs["deps"]))
+    files.extend(f for f in lib_files if f.path not in srcs)
+    consts: Mapping[str, int] = model.attrs["dims"]
     parsed = [(k, parse_input_spec(v)) for k, v in model.attrs["inputs"].items()]
-    inputs = {k: {"dtype": dt, "dims": list(dims)} for k, (dt, dims) in parsed}
-    dims = tuple(dict.fromkeys(d for _k, (_dt, ds) in parsed for d in ds))
-    record = {
+    # An ordered list of [name, spec] pairs: input order is positional, so it enters the fingerprint (a dict's keys
+    # would be sorted by canonical JSON). Named constants are resolved to their sizes.
+    inputs = [[k, {"dtype": dt, "dims": [consts.get(d, d) if isinstance(d, str) else d for d in ds]}]
+              for k, (dt, ds) in parsed]
+    dims = tuple(dict.fromkeys(d for _k, spec in inputs for d in spec["dims"] if isinstance(d, str)))
+    outputs = [[k, {"dtype": dt, "dims": [consts.get(d, d) if isinstance(d, str) else d for d in ds]}]
+               for k, (dt, ds) in ((k, parse_input_spec(v)) for k, v in model.attrs["outputs"].items())]
+    record: dict[str, Any] = {
         "package": model.label.package,
         "srcs": srcs,
         "entry": model.attrs["entry"],
@@ -85,7 +140,84 @@ def analyze(ctx: AnalysisContext, model: Target) -> ModelInfo:
         "seed": model.attrs["seed"],
         "inputs": inputs,
     }
+    if outputs:
+        record["outputs"] = outputs
+    if data:
+        record["data"] = dict(sorted(data.items()))
+    if lib_srcs:
+        record["deps"] = lib_srcs  # library sources by path -> digest (their directory roots go on sys.path)
+    if model.attrs["weights_prefix"]:
+        record["weights_prefix"] = model.attrs["weights_prefix"]
+    imports = distributions_of(_imported_modules(root, [lbl.path for lbl in model.attrs["srcs"]] + list(lib_srcs)))
+    if imports:  # third-party distributions the sources import, at their installed (or what-if) versions
+        record["imports"] = imports
     return ModelInfo(model.label, record, tuple(files), dims)
+
+
+def _weights_record(ctx: AnalysisContext, model: Target, files: list[FileInput]) -> dict[str, Any]:
+    """One file: {"path", "digest"}; shards (a list, or an HF index.json's weight_map): + "shards" [[path, digest]],
+    the digest then covering every shard (and the index)."""
+    root = ctx.graph.root
+    labels: tuple[Label, ...] = model.attrs["weights"]
+    paths = [lbl.path for lbl in labels]
+    if len(labels) == 1 and labels[0].name.endswith(".json"):
+        paths = [labels[0].path, *_index_shards(ctx, model, labels[0])]
+    digests = []
+    for p in paths:
+        if not (root / p).is_file():
+            raise UserInputError(f"weights file {p} does not exist", locate(ctx.graph, model))
+        d = digest_file(root / p)
+        digests.append([p, d])
+        files.append(FileInput(p, d))
+    if len(digests) == 1:
+        return {"path": digests[0][0], "digest": digests[0][1]}
+    from neuronbuild.analysis.fingerprint import fingerprint
+
+    return {"path": paths[0], "digest": fingerprint({"shards": digests}), "shards": digests}
+
+
+def _index_shards(ctx: AnalysisContext, model: Target, index: Label) -> list[str]:
+    """The shard files an HF *.safetensors.index.json names (next to it), in first-use order."""
+    import json
+
+    path = ctx.graph.root / index.path
+    where = locate(ctx.graph, model)
+    try:
+        if path.stat().st_size > _MAX_INDEX_BYTES:
+            raise UserInputError(f"weights index {index.path} is larger than 64 MB", where)
+        data = json.loads(path.read_bytes())
+    except OSError as e:
+        raise UserInputError(f"cannot read weights index {index.path}: {e.strerror or e}", where) from None
+    except ValueError as e:
+        raise UserInputError(f"weights index {index.path} is not JSON ({e})", where) from None
+    wmap = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(wmap, dict) or not wmap or not all(isinstance(v, str) for v in wmap.values()):
+        raise UserInputError(f"weights index {index.path} has no 'weight_map' of key -> shard file", where)
+    shards = list(dict.fromkeys(wmap.values()))
+    base = index.path.rsplit("/", 1)[0] + "/" if "/" in index.path else ""
+    for s in shards:
+        if "/" in s or "\\" in s or s in (".", "..") or not s.endswith(".safetensors"):
+            raise UserInputError(f"weights index {index.path} names a shard {s!r} that is not a .safetensors file "
+                                 f"next to it", where)
+    return [base + s for s in shards]
+
+
+def _imported_modules(root: Any, paths: list[str]) -> list[str]:
+    """Top-level names of the modules the sources import (absolute imports; the sources' own modules left out)."""
+    local = {p.rsplit("/", 1)[-1].removesuffix(".py") for p in paths}
+    found: dict[str, None] = {}
+    for p in paths:
+        try:
+            tree = ast.parse((root / p).read_bytes())
+        except (SyntaxError, ValueError, OSError):
+            continue  # the trace reports it
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                for alias in node.names:
+                    found.setdefault(alias.name.split(".")[0], None)
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                found.setdefault(node.module.split(".")[0], None)
+    return [m for m in found if m not in local]
 
 
 KIND = RuleKind(SCHEMA, analyze)

@@ -15,7 +15,9 @@ from neuronbuild import plugins
 from neuronbuild.loading.labels import Label, LabelError, parse_label
 from neuronbuild.vocabulary import DTYPES
 
-_INPUT_RE = re.compile(r"^\s*([a-z0-9]+)\s*\[\s*([A-Za-z_][A-Za-z0-9_]*(\s*,\s*[A-Za-z_][A-Za-z0-9_]*)*)?\s*\]\s*$")
+_DIM = r"(?:[A-Za-z_][A-Za-z0-9_]*|[0-9]+)"
+_INPUT_RE = re.compile(rf"^\s*([a-z0-9]+)\s*\[\s*({_DIM}(\s*,\s*{_DIM})*)?\s*\]\s*$")
+_DIM_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _ENTRY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$")
 
 
@@ -139,24 +141,60 @@ def _shapes(attr: str, v: Any, pkg: str) -> tuple[dict[str, int], ...]:
     return tuple(out)
 
 
-def parse_input_spec(spec: str) -> tuple[str, tuple[str, ...]]:
-    """`"int64[batch, seq]"` -> ("int64", ("batch", "seq"))."""
+def parse_input_spec(spec: str) -> tuple[str, tuple[str | int, ...]]:
+    """`"float32[batch, 3, head_dim]"` -> ("float32", ("batch", 3, "head_dim")): names (bucket or named constant
+    dims) and literal positive ints, in order."""
     m = _INPUT_RE.match(spec)
     if not m:
-        raise AttrError(f"input spec {spec!r} must look like 'int64[batch, seq]'")
+        raise AttrError(f"input spec {spec!r} must look like 'int64[batch, seq]' (dims: names or positive ints)")
     dtype = m.group(1)
     if dtype not in DTYPES:
         raise AttrError(f"input spec {spec!r}: unknown dtype '{dtype}' (one of {', '.join(DTYPES)})")
-    dims = tuple(d.strip() for d in (m.group(2) or "").split(",") if d.strip())
-    return dtype, dims
+    dims: list[str | int] = []
+    for d in (x.strip() for x in (m.group(2) or "").split(",")):
+        if not d:
+            continue
+        if d.isdigit():
+            if int(d) < 1:
+                raise AttrError(f"input spec {spec!r}: literal dim {d} must be a positive int")
+            dims.append(int(d))
+        else:
+            dims.append(d)
+    return dtype, tuple(dims)
+
+
+def _const_dims(attr: str, v: Any, pkg: str) -> dict[str, int]:
+    if not isinstance(v, dict):
+        raise AttrError(f"attribute '{attr}' must be a dict of dimension name -> positive int, got {_type_name(v)}")
+    out: dict[str, int] = {}
+    for k, size in v.items():
+        if not isinstance(k, str) or not _DIM_NAME_RE.match(k):
+            raise AttrError(f"attribute '{attr}': invalid dimension name {k!r}")
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise AttrError(f"attribute '{attr}': dimension '{k}' must be a positive int, got {size!r}")
+        out[k] = size
+    return out
+
+
+def _int_ranges(attr: str, v: Any, pkg: str) -> dict[str, tuple[int, int]]:
+    if not isinstance(v, dict):
+        raise AttrError(f"attribute '{attr}' must be a dict of input name -> [low, high], got {_type_name(v)}")
+    out: dict[str, tuple[int, int]] = {}
+    for k, r in v.items():
+        ok = (isinstance(r, (list, tuple)) and len(r) == 2
+              and all(isinstance(x, int) and not isinstance(x, bool) for x in r) and r[0] < r[1])
+        if not isinstance(k, str) or not ok:
+            raise AttrError(f"attribute '{attr}': '{k}' must map to [low, high) with ints low < high, got {r!r}")
+        out[k] = (int(r[0]), int(r[1]))
+    return out
 
 
 def _inputs(attr: str, v: Any, pkg: str) -> dict[str, str]:
     if not isinstance(v, dict) or not v:
-        raise AttrError(f"attribute '{attr}' must be a non-empty dict of input name -> 'dtype[dims]'")
+        raise AttrError(f"attribute '{attr}' must be a non-empty dict of name -> 'dtype[dims]'")
     for k, spec in v.items():
         if not isinstance(k, str) or not isinstance(spec, str):
-            raise AttrError(f"attribute '{attr}' must map input names to strings like 'int64[batch, seq]'")
+            raise AttrError(f"attribute '{attr}' must map names to strings like 'int64[batch, seq]'")
         try:
             parse_input_spec(spec)
         except AttrError as e:
@@ -174,6 +212,9 @@ DICT = AttrType("dict", _json_dict)
 DIMS = AttrType("dims", _dims)
 SHAPES = AttrType("shapes", _shapes)
 INPUTS = AttrType("inputs", _inputs)
+OUTPUTS = AttrType("outputs", _inputs)
+CONST_DIMS = AttrType("const_dims", _const_dims)
+INT_RANGES = AttrType("int_ranges", _int_ranges)
 
 
 @dataclass(frozen=True)

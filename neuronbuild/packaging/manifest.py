@@ -90,6 +90,8 @@ def plan_bundle(graph: TargetGraph, ag: ActionGraph, cache: LocalCache, label: L
                 raise MissingResult(f"{src} [{bucket}] is not built")
             action = ag.actions[fp]
             trace = ag.trace_of(fp)
+            traced = cache.lookup(trace.fingerprint)
+            traced_meta = traced.metadata if traced is not None else {}
             fingerprints += sorted(ag.closure(fp))
             gdir = f"graphs/{src.package}/{src.name}/{bucket.name}" if src.package else f"graphs/{src.name}/{bucket.name}"
             artifacts: dict[str, Any] = {}
@@ -112,7 +114,9 @@ def plan_bundle(graph: TargetGraph, ag: ActionGraph, cache: LocalCache, label: L
                 "fingerprint": fp,
                 "record": dict(action.record),
                 "trace_record": dict(trace.record),
-                "inputs": dict(trace.model["inputs"]),
+                "inputs": [[k, v] for k, v in dict(trace.model["inputs"]).items()],  # positional order
+                "outputs": list(traced_meta.get("outputs") or []),  # flattened outputs; dims that follow buckets
+                "output_tree": traced_meta.get("output_tree") or "tuple",
                 "toolchain": dict(action.versions),
                 "artifacts": artifacts,
                 "weights": weights,

@@ -26,6 +26,12 @@ def target_dir(root: Path, ct: CompileTarget) -> Path:
     return root / OUTPUT_DIR / ct.label.package / ct.label.name
 
 
+def _traced_outputs(cache: LocalCache, trace_fp: str) -> list[Any]:
+    """The model's flattened outputs as its trace recorded them (names, shapes, dims that follow bucket dims)."""
+    res = cache.lookup(trace_fp)
+    return list(res.metadata.get("outputs") or []) if res is not None else []
+
+
 def _prune(out: Path, keep: set[str]) -> None:
     """Remove everything under `out` whose relative path is not in `keep` (nor a directory on the way to one)."""
     dirs = {str(p) for k in keep for p in (Path(k), *Path(k).parents)}
@@ -98,6 +104,7 @@ def materialize(root: Path, ag: ActionGraph, cache: LocalCache, failed: set[str]
                 "bucket": bucket.as_dict(),
                 "fingerprint": fp,
                 "trace": ag.trace_of(fp).fingerprint,
+                "model_outputs": _traced_outputs(cache, ag.trace_of(fp).fingerprint),
                 "outputs": {n: {"digest": r.digest, "size": r.size, "path": f"{bucket.name}/{n}"}
                             for n, r in sorted(res.outputs.items())},
             })

@@ -157,7 +157,8 @@ class Model:
                                    f"was given")
             return self._cache._eager_call(self.label, slot.problem or "miss", self._eager, args)
         out = fn(*self.router.pad(args, route, pad_value))
-        return self.router.unpad(out, route)
+        graph = self._slots[route.bucket_name].graph
+        return self.router.unpad(out, route, graph.outputs, graph.output_tree)
 
 
 class DeployedCache:

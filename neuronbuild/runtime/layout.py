@@ -68,7 +68,9 @@ class Graph:
     fingerprint: str = ""
     record: Mapping[str, Any] = field(default_factory=dict, hash=False, compare=False)
     trace_record: Mapping[str, Any] = field(default_factory=dict, hash=False, compare=False)
-    inputs: Mapping[str, Any] = field(default_factory=dict, hash=False, compare=False)
+    inputs: Mapping[str, Any] = field(default_factory=dict, hash=False, compare=False)  # name -> spec, in order
+    outputs: tuple[Mapping[str, Any], ...] = field(default=(), hash=False, compare=False)  # flattened, in order
+    output_tree: str = "tuple"  # "tensor" when the model returned one bare tensor
     artifacts: Mapping[str, FileRef] = field(default_factory=dict, hash=False, compare=False)
     weights: FileRef | None = None
     tolerance: float = 1e-4
@@ -177,7 +179,8 @@ def parse_manifest(data: bytes | Mapping[str, Any], source: str = MANIFEST) -> M
                 bucket_name=_text(g["bucket_name"], "bucket name"),
                 platform=str(g["target"]["platform"]), isa=g["target"].get("isa"), options=dict(g["options"]),
                 fingerprint=str(g["fingerprint"]), record=dict(g["record"]), trace_record=dict(g["trace_record"]),
-                inputs=dict(g["inputs"]), artifacts={k: _ref(v) for k, v in g["artifacts"].items()},
+                inputs=dict(g["inputs"]), outputs=tuple(dict(o) for o in g.get("outputs") or ()),
+                output_tree=str(g.get("output_tree") or "tuple"), artifacts={k: _ref(v) for k, v in g["artifacts"].items()},
                 weights=_ref(g["weights"]) if g.get("weights") else None, tolerance=float(g["tolerance"]),
                 format=str(g.get("format") or ("aoti" if "model.pt2" in g["artifacts"] else "neuron-lowered")),
             )

@@ -76,22 +76,32 @@ class BucketRouter:
             out.append(F.pad(t, pads, value=pad_value) if any(pads) else t)
         return out
 
-    def unpad(self, result: Any, route: Route) -> Any:
-        """Slice padded positions off each output tensor's leading dims that line up with the first input's dims.
+    def unpad(self, result: Any, route: Route, outputs: Sequence[Mapping[str, Any]] = (),
+              tree: str = "tuple") -> Any:
+        """The compiled graph's flat outputs by name, in order, with padded positions sliced off exactly the dims
+        recorded (declared or inferred at trace time) to follow a padded bucket dim.
 
-        The convention of batch/sequence models (outputs indexed like the primary input, e.g. [batch, seq, vocab]);
-        a leading dim is only sliced when its size equals the padded bucket size."""
+        `outputs` are the manifest's output records ({"name", "follows": [bucket dim or None per dim]}); a model
+        whose output was one tensor (`tree == "tensor"`) gets that tensor back, any other a {name: tensor} dict.
+        Without output records (bundles built before they existed) a padded call is refused: nothing says which
+        dims to cut, and guessing from sizes gives wrong shapes."""
         import torch
-        import torch.utils._pytree as pytree
 
-        first = list(next(iter(self.inputs.values())).get("dims", ()))
-
-        def cut(t: Any) -> Any:
-            if not isinstance(t, torch.Tensor):
-                return t
-            for j, d in enumerate(first):
-                if isinstance(d, str) and t.dim() > j and t.shape[j] == route.bucket[d] != route.actual[d]:
+        tensors = [result] if isinstance(result, torch.Tensor) else list(result)
+        if not outputs:
+            if route.padded:
+                raise NoBucketFits(f"the inputs need padding to bucket {route.bucket_name}, but this bundle records "
+                                   f"no output dims to un-pad; rebuild it with this neuronbuild or pass exact sizes")
+            return result
+        if len(tensors) != len(outputs):
+            raise NoBucketFits(f"the graph returned {len(tensors)} output(s), its manifest names {len(outputs)}")
+        named: dict[str, Any] = {}
+        for spec, t in zip(outputs, tensors, strict=True):
+            for j, d in enumerate(spec.get("follows") or ()):
+                if isinstance(d, str) and d in route.actual and route.actual[d] != route.bucket.get(d) \
+                        and j < t.dim():
                     t = t.narrow(j, 0, route.actual[d])
-            return t
-
-        return pytree.tree_map(cut, result) if route.padded else result
+            named[str(spec["name"])] = t
+        if tree == "tensor" and len(named) == 1:
+            return next(iter(named.values()))
+        return named

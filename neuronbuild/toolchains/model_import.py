@@ -44,24 +44,26 @@ def _stable_module_name(package: str, module: str) -> str:
 
 
 @contextmanager
-def _isolated_import_path(package_dir: Path) -> Iterator[None]:
-    """Put package_dir on sys.path; afterwards drop it and every module imported from under it."""
+def _isolated_import_path(*dirs: Path) -> Iterator[None]:
+    """Put dirs on sys.path (first first); afterwards drop them and every module imported from under them, so the
+    next action in this worker sees none of this model's modules."""
     before = set(sys.modules)
-    entry = str(package_dir)
-    sys.path.insert(0, entry)
+    entries = [str(d) for d in dirs]
+    sys.path[:0] = entries
     importlib.invalidate_caches()
     try:
         yield
     finally:
-        try:
-            sys.path.remove(entry)
-        except ValueError:
-            pass
-        root = package_dir.resolve()
+        for entry in entries:
+            try:
+                sys.path.remove(entry)
+            except ValueError:
+                pass
+        roots = [d.resolve() for d in dirs]
         for name in set(sys.modules) - before:
             mod = sys.modules.get(name)
             file = getattr(mod, "__file__", None)
-            if name.startswith("neuronbuild_user__") or (file and _is_under(Path(file), root)):
+            if name.startswith("neuronbuild_user__") or (file and any(_is_under(Path(file), r) for r in roots)):
                 sys.modules.pop(name, None)
         importlib.invalidate_caches()
 
@@ -100,7 +102,9 @@ def build_eager_model(model: dict[str, Any], sandbox: Path) -> torch.nn.Module:
     sandbox = Path(sandbox)
     package = str(model.get("package", ""))
     package_dir = (sandbox / package) if package else sandbox
-    with _isolated_import_path(package_dir):
+    # Libraries (neuron_py_library deps) import by workspace path: the sandbox root goes on sys.path after the package.
+    dirs = (package_dir, sandbox) if model.get("libraries") else (package_dir,)
+    with _isolated_import_path(*dirs):
         factory = load_factory(model, sandbox)
         torch.manual_seed(int(model.get("seed", 0) or 0))
         module = factory(dict(model.get("config") or {}))
@@ -109,22 +113,45 @@ def build_eager_model(model: dict[str, Any], sandbox: Path) -> torch.nn.Module:
     module.eval()
     weights = model.get("weights")
     if weights:
-        _load_weights(module, sandbox / weights, str(weights))
+        if isinstance(weights, Mapping):  # the model record's weights: one file, or shards (index.json first)
+            shards = [str(p) for p, _d in weights.get("shards") or ()] or [str(weights["path"])]
+        else:
+            shards = [str(weights)]
+        files = [p for p in shards if not p.endswith(".json")]
+        _load_weights(module, [sandbox / p for p in files], shards[0], str(model.get("weights_prefix") or ""))
     return module
 
 
-def _load_weights(module: torch.nn.Module, path: Path, label: str) -> None:
+def _tied_aliases(module: torch.nn.Module) -> dict[str, set[str]]:
+    """State-dict key -> the other keys sharing its tensor (tied weights, e.g. lm_head.weight = embed_tokens.weight)."""
+    by_tensor: dict[int, set[str]] = {}
+    for name, t in module.state_dict(keep_vars=True).items():
+        by_tensor.setdefault(id(t), set()).add(name)
+    return {k: group - {k} for group in by_tensor.values() for k in group}
+
+
+def _load_weights(module: torch.nn.Module, paths: list[Path], label: str, prefix: str = "") -> None:
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    if not path.is_file():
-        raise ToolchainError(f"weights file {label} not found")
-    try:
-        state = load_file(str(path))
-    except (SafetensorError, OSError) as exc:
-        raise ToolchainError(f"cannot read weights {label}: {exc}") from None
+    state: dict[str, torch.Tensor] = {}
+    for path in paths:
+        if not path.is_file():
+            raise ToolchainError(f"weights file {path.name} of {label} not found")
+        try:
+            part = load_file(str(path))
+        except (SafetensorError, OSError) as exc:
+            raise ToolchainError(f"cannot read weights {path.name}: {exc}") from None
+        dup = sorted(set(part) & set(state))
+        if dup:
+            raise ToolchainError(f"weights {label}: key {dup[0]} is in more than one shard")
+        state.update(part)
+    if prefix:
+        state = {(k[len(prefix):] if k.startswith(prefix) else k): v for k, v in state.items()}
     expected = module.state_dict()
-    missing = sorted(set(expected) - set(state))
+    tied = _tied_aliases(module)
+    # A tied weight is loaded through the key it shares its tensor with (HF files store it once).
+    missing = sorted(k for k in set(expected) - set(state) if not tied.get(k, set()) & set(state))
     unexpected = sorted(set(state) - set(expected))
     if missing or unexpected:
         parts = []
@@ -141,13 +168,23 @@ def _load_weights(module: torch.nn.Module, path: Path, label: str) -> None:
             f"weights {label} do not match the model: {len(bad)} shape mismatch(es), e.g. {k}: "
             f"file {list(state[k].shape)} vs model {list(expected[k].shape)}"
         )
-    module.load_state_dict(state, strict=True)
+    module.load_state_dict(state, strict=not (set(expected) - set(state)))
 
 
-def input_shapes(inputs: Mapping[str, Any], bucket: Mapping[str, Any]) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+def input_pairs(inputs: Any) -> list[tuple[str, Any]]:
+    """Input specs as (name, spec) pairs in positional order: records hold [name, spec] pairs (older ones a dict)."""
+    if isinstance(inputs, Mapping):
+        return list(inputs.items())
+    try:
+        return [(str(k), v) for k, v in inputs]
+    except (TypeError, ValueError):
+        raise ToolchainError("inputs must be a list of [name, spec] pairs") from None
+
+
+def input_shapes(inputs: Any, bucket: Mapping[str, Any]) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
     """(name, dtype, shape) per input, in declaration order; dims are bucket names or literal ints."""
     result = []
-    for name, spec in inputs.items():
+    for name, spec in input_pairs(inputs):
         if not isinstance(spec, Mapping):
             raise ToolchainError(f"input {name!r}: spec must be a dict with 'dtype' and 'dims'")
         dtype_name = str(spec.get("dtype", "float32"))
@@ -168,26 +205,54 @@ def input_shapes(inputs: Mapping[str, Any], bucket: Mapping[str, Any]) -> list[t
     return result
 
 
+def int_range(name: str, dtype: torch.dtype, config: Mapping[str, Any] | None,
+              ranges: Mapping[str, Any] | None) -> tuple[int, int]:
+    """[low, high) of the random values of an integer input: `input_ranges`, else from config keys (token_type_ids:
+    type_vocab_size, else 2; masks: ones; other ids: vocab_size / vocab, else [0, 100)); clipped to the dtype."""
+    config = config or {}
+
+    def key(*names: str) -> int | None:
+        for n in names:
+            v = config.get(n)
+            if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+                return v
+        return None
+
+    if ranges and name in ranges:
+        low, high = (int(x) for x in ranges[name])
+    elif "token_type" in name:
+        low, high = 0, key("type_vocab_size") or 2  # BERT's default type vocabulary
+    elif "mask" in name:
+        low, high = 1, 2  # attend everywhere: random masks can blank whole rows (NaN in eager and compiled alike)
+    else:
+        low, high = 0, key("vocab_size", "vocab") or 100
+    info = torch.iinfo(dtype)
+    low, high = max(low, int(info.min)), min(high, int(info.max) + 1)
+    if low >= high:
+        raise ToolchainError(f"input {name!r}: empty value range [{low}, {high}) for {dtype}")
+    return low, high
+
+
 def example_inputs(
-    inputs: dict[str, Any],
+    inputs: Any,
     bucket: dict[str, Any],
     *,
     seed: int | None = None,
-    config: dict[str, Any] | None = None,
+    config: Mapping[str, Any] | None = None,
+    ranges: Mapping[str, Any] | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """Positional example tensors for a bucket: zeros when seed is None, else seeded random values."""
     shapes = input_shapes(inputs, bucket)
     if seed is None:
         return tuple(torch.zeros(shape, dtype=dtype) for _, dtype, shape in shapes)
     gen = torch.Generator().manual_seed(int(seed))
-    high = int(config["vocab"]) if config and "vocab" in config else 100
     out = []
-    for _, dtype, shape in shapes:
+    for name, dtype, shape in shapes:
         if dtype == torch.bool:
             out.append(torch.randint(0, 2, shape, generator=gen).to(torch.bool))
         elif dtype.is_floating_point:
             out.append(torch.randn(shape, generator=gen, dtype=torch.float32).to(dtype))
         else:
-            upper = min(high, 128) if dtype == torch.int8 else min(high, 256) if dtype == torch.uint8 else high
-            out.append(torch.randint(0, upper, shape, generator=gen, dtype=dtype))
+            low, high = int_range(name, dtype, config, ranges)
+            out.append(torch.randint(low, high, shape, generator=gen, dtype=dtype))
     return tuple(out)

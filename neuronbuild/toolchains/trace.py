@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +12,7 @@ import torch
 
 from neuronbuild.toolchains.errors import ToolchainError
 from neuronbuild.toolchains.model_import import build_eager_model, example_inputs
+from neuronbuild.toolchains.outputs import FlatForward, declared_follows, describe, inferred_follows
 
 # Node metadata that holds source paths, line numbers or process-dependent values ("from_node" provenance records
 # id(graph), a memory address, once a program has been through run_decompositions or a re-export).
@@ -70,11 +72,15 @@ def load_program(path: Path) -> torch.export.ExportedProgram:
 
 
 def run_trace(spec: dict[str, Any], sandbox: Path, out_dir: Path) -> dict[str, Any]:
-    """Export spec["model"] at spec["bucket"] (zeros example inputs) to out_dir/program.pt2; returns metadata."""
+    """Export spec["model"] at spec["bucket"] (zeros example inputs) to out_dir/program.pt2; returns metadata, with
+    the flattened outputs (names, shapes, which dims follow which bucket dim)."""
     sandbox, out_dir = Path(sandbox), Path(out_dir)
     model_spec = spec["model"]
     module = build_eager_model(model_spec, sandbox)
-    args = example_inputs(spec.get("inputs") or {}, spec.get("bucket") or {})
+    inputs = spec.get("inputs") or []
+    bucket = dict(spec.get("bucket") or {})
+    args = example_inputs(inputs, bucket)
+    flat = FlatForward(module)
     with torch.no_grad():
         try:
             ep = torch.export.export(module, args, strict=False)
@@ -87,8 +93,26 @@ def run_trace(spec: dict[str, Any], sandbox: Path, out_dir: Path) -> dict[str, A
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "program.pt2").write_bytes(data)
     n_params = sum(int(p.numel()) for p in module.parameters())
+
+    def run(sizes: Mapping[str, int]) -> list[tuple[str, torch.Tensor]]:
+        with torch.no_grad():
+            out = module(*example_inputs(inputs, dict(sizes)))
+        tensors = [out] if isinstance(out, torch.Tensor) else list(out)
+        return list(zip(flat.names, tensors, strict=True))
+
+    named = run(bucket)
+    declared = spec.get("outputs") or []
+    if declared:
+        names, follows = declared_follows(list(declared), named, bucket)
+        named = [(n, t) for n, (_p, t) in zip(names, named, strict=True)]
+    else:
+        follows = inferred_follows(run, named, bucket)
+    single = flat.single
+    flat.undo()
     return {
         "nodes": len(ep.graph.nodes),
         "parameters": n_params,
         "bytes": len(data),
+        "outputs": describe(named, follows),
+        "output_tree": "tensor" if single else "tuple",
     }
