@@ -278,7 +278,8 @@ def validate_call(kind: str, kwargs: Mapping[str, Any], package: str) -> dict[st
             raise AttrError(f"{kind}() got an unknown attribute '{k}'{hint}")
     out: dict[str, Any] = {}
     for a in schema.attrs:
-        if a.name not in kwargs or kwargs[a.name] is None:
+        # A value equal to the default is the default (it is valid by definition: e.g. a load-cache entry's `{}`).
+        if a.name not in kwargs or kwargs[a.name] is None or (not a.required and kwargs[a.name] == a.default):
             if a.required:
                 raise AttrError(f"{kind}() missing required attribute '{a.name}'")
             out[a.name] = a.default
