@@ -29,7 +29,8 @@ def test_undeclared_input_fails_the_action_and_is_not_cached(tmp_path: Path) -> 
     proc = run_cli(["build", "//pkg:c", "--cache-dir", str(cache)], ws)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "FAILED" in proc.stderr and "Trace //pkg:m [batch=1, seq=4]" in proc.stderr
-    assert "extra.json" in proc.stderr  # the first line of the error names the missing file
+    assert "extra.json" in proc.stderr  # the first line of the error names the missing file and how to declare it
+    assert "not among its declared inputs" in proc.stderr and "`data`" in proc.stderr
     assert "Traceback" not in proc.stderr
     assert not list((cache / "v1" / "ac").rglob("*.json"))
     # Declaring it (as a source) makes the build work.

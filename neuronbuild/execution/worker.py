@@ -146,6 +146,10 @@ def run_action(kind: str, spec: dict[str, Any], inputs: str, outputs: str, log_p
         cap_log(log_path)
         text = str(e)
         msg = text if isinstance(e, ToolchainError) else f"{type(e).__name__}: {text}"
+        if isinstance(e, FileNotFoundError) and e.filename:
+            msg = (f"{type(e).__name__}: the action read {e.filename!r}, which is not among its declared inputs "
+                   "(the sandbox holds only those): declare it in the neuron_model's `data` (non-Python files) or "
+                   "`srcs`/`deps` (Python)\n" + text)
         return {"ok": False, "error": first_lines(msg) or type(e).__name__,
                 "duration_s": time.perf_counter() - start, "pid": os.getpid(), "peak_rss_mb": peak_rss_mb()}
 
