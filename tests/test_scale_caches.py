@@ -131,3 +131,20 @@ def test_noop_request_key_covers_flags_and_the_variables_they_name(monkeypatch: 
     assert key(action_env=["MY_FLAG_VAR", "X=1"], jobs=2) != base
     monkeypatch.setenv("MY_FLAG_VAR", "2")
     assert key(action_env=["MY_FLAG_VAR"], jobs=2) != base
+
+
+def test_a_cached_package_keeps_the_declared_order_of_dict_attributes(tmp_path: Path) -> None:
+    """Input order is part of a model: a package served from the load cache must not come back with sorted keys."""
+    root = write_ws(tmp_path / "ws", {"pkg/m.py": "def build(c): pass\n", "pkg/BUILD": (
+        'neuron_model(name = "m", srcs = ["m.py"], entry = "m:build",\n'
+        '             inputs = {"x": "float32[batch, 8]", "cache": "float32[2, batch]"})\n')})
+    _settle()
+    cf = tmp_path / "load.json"
+    fresh = LoadCache(cf)
+    first = load_targets(root, ["//pkg:m"], "", fresh)
+    fresh.save()
+    cached = LoadCache(cf)
+    second = load_targets(root, ["//pkg:m"], "", cached)
+    assert cached.hits == 1
+    for g in (first, second):
+        assert list(g.targets[Label("pkg", "m")].attrs["inputs"]) == ["x", "cache"]

@@ -114,7 +114,7 @@ class LoadCache:
             return
         data = json.dumps({"format": _FORMAT, "code": code_stamp(),
                            "entries": {name: _encode(e) for name, e in self._entries.items()}},
-                          separators=(",", ":"), sort_keys=True)
+                          separators=(",", ":"))  # not sorted: attribute dicts keep BUILD order (input order)
         atomic_write_bytes(self.file, data.encode(), self.file.parent, durable=False)  # a speed-up only: no fsync
         self._dirty = False
 
