@@ -33,6 +33,8 @@ def hf_causal_lm(name, config, weights, max_seq = 256, model_type = None, weight
         dims = {"layers": layers, "kv_heads": kv_heads, "max_seq": max_seq, "head_dim": head_dim},
         inputs = {"input_ids": "int64[batch, seq]", "attention_mask": "int64[batch, seq]"},
         outputs = {"logits": "float32[batch, vocab]", "kv": kv},
+        # validate's random values: cache slots and positions inside the cache
+        input_ranges = {"slot": [0, max_seq], "position_ids": [0, max_seq]},
         graphs = {
             "context": {},
             "token": {

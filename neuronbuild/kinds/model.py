@@ -83,10 +83,13 @@ def _check(a: Mapping[str, Any]) -> None:
     for src in a["srcs"]:
         if not src.name.endswith(".py"):
             raise AttrError(f"attribute 'srcs': '{src}' is not a .py file")
+    all_inputs = dict(a["inputs"])
+    for g in (a.get("graphs") or {}).values():
+        all_inputs.update(g.get("inputs") or {})  # ranges may name any graph family's inputs
     for name in a["input_ranges"]:
-        if name not in a["inputs"]:
-            raise AttrError(f"attribute 'input_ranges': '{name}' is not an input (inputs: {', '.join(a['inputs'])})")
-        dtype = parse_input_spec(a["inputs"][name])[0]
+        if name not in all_inputs:
+            raise AttrError(f"attribute 'input_ranges': '{name}' is not an input (inputs: {', '.join(all_inputs)})")
+        dtype = parse_input_spec(all_inputs[name])[0]
         if dtype.startswith("float") or dtype.startswith("bfloat") or dtype == "bool":
             raise AttrError(f"attribute 'input_ranges': input '{name}' is {dtype}, not an integer input")
 

@@ -134,7 +134,7 @@ class Model:
         slots = {n: s for n, s in self._slots.items() if s.graph.graph == name}
         if not slots:
             raise KeyError(f"{self.label} has no graph family {name!r} (families: {', '.join(self.families)})")
-        return Model(self._cache, self.label, slots, None)
+        return Model(self._cache, self.label, slots, self._eager)  # the eager fallback, if any, serves this family
 
     @property
     def buckets(self) -> dict[str, dict[str, int]]:
