@@ -148,7 +148,8 @@ def test_strict_open_names_the_differing_field_of_a_near_entry(built_example, ca
     msg = str(e.value)
     assert "//models:llama_trn2 [context: batch=4, seq=32]: missing" in msg
     assert "options.opt_level differs (expected 2, deployed 1)" in msg
-    assert "llama_trn2 [token: " not in msg  # the token graphs were built with the same options: deployed as expected
+    # the token graphs were built with the same options: found as expected (only this host's lack of a device shows)
+    assert "llama_trn2 [token: batch=4]: missing" not in msg and "llama_trn2 [token: batch=4]: target.platform" in msg
     # Lenient mode opens, logs it, and serves the graph from eager when given a fallback.
     import torch
 
@@ -183,7 +184,7 @@ def test_router_pads_to_the_smallest_bucket_and_unpads(built_example, deployed: 
             assert float((out[name] - ref[name]).abs().max()) < 1e-4
     with pytest.raises(NoBucketFits, match="no bucket fits batch=2, seq=50"):
         model(torch.zeros(2, 50, dtype=torch.int64), torch.ones(2, 50, dtype=torch.int64))
-    assert cache.counters.hit == 2 and cache.counters.miss == 0
+    assert cache.counters.hit == 4 and cache.counters.miss == 0  # strict: all 4 graphs loaded at open
 
 
 def test_runtime_imports_without_build_dependencies_or_torch() -> None:
