@@ -56,8 +56,8 @@ def _min(dtype: torch.dtype) -> float:
     return float(torch.finfo(dtype).min)
 
 
-def _base(model: nn.Module) -> nn.Module:
-    return getattr(model, model.base_model_prefix)  # type: ignore[no-any-return]
+def _base(model: Any) -> nn.Module:
+    return getattr(model, str(model.base_model_prefix))  # type: ignore[no-any-return]
 
 
 def _context_forward(self: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -100,14 +100,14 @@ def hf_model(config: dict[str, Any]) -> nn.Module:
 
 
 def _graph(config: dict[str, Any], forward: Any, suffix: str) -> nn.Module:
-    model = hf_model(config)
+    model: Any = hf_model(config)
     cls = type(model)
     # A subclass whose forward is the graph's: same parameters and state-dict keys as the checkpoint.
     graph_cls = type(f"{cls.__name__}{suffix}", (cls,), {"forward": forward, "__module__": __name__})
     model.__class__ = graph_cls
     model._nb_max_seq = int(config["max_seq"])
     model.config.use_cache = True
-    return model
+    return model  # type: ignore[no-any-return]
 
 
 def context(config: dict[str, Any]) -> nn.Module:
