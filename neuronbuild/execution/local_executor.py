@@ -13,7 +13,6 @@ from neuronbuild.execution.cache_api import SpawnCache
 from neuronbuild.execution.jobs import Completion, Job, Started
 from neuronbuild.execution.pool import WorkerPool
 
-
 # Makes each build's worker pool; the build server (neuronbuild/server/warm.py) installs one that keeps idle workers.
 pool_factory: Callable[..., WorkerPool] = WorkerPool
 
