@@ -14,10 +14,12 @@ from typing import Any
 from neuronbuild.execution import local_executor
 from neuronbuild.execution.pool import WorkerPool
 
-# Process-wide memoised functions that must not outlive a command (toolchain versions, the host ISA, the C++ compiler
-# version ...): a batch build computes them afresh every time, so the server does too. self_stamp.code_stamp stays:
-# the client checks it (a changed neuronbuild replaces the server).
-_KEEP_CACHED = {"neuronbuild.self_stamp.code_stamp"}
+# Process-wide memoised functions must not outlive a command (the host ISA, the C++ compiler's and neuronx-cc's
+# versions depend on the client's environment and files): a batch build computes them afresh, so the server does
+# too. Kept: what the server stamp covers, so a change replaces the server (server/protocol.server_stamp):
+# neuronbuild's own code, and the Python distributions (stat keys of every sys.path entry).
+_KEEP_CACHED = {"neuronbuild.self_stamp.code_stamp", "neuronbuild.analysis.toolchain_versions.package_version",
+                "neuronbuild.analysis.toolchain_versions._packages_distributions"}
 
 
 class KeptPool(WorkerPool):
