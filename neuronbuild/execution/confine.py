@@ -100,6 +100,16 @@ def installation_roots() -> tuple[str, ...]:
 def toolchain_roots(env: Mapping[str, str], spec: Mapping[str, Any]) -> tuple[str, ...]:
     """Tools an action may run: PATH dirs and a configured neuronx-cc's installation (the dir above its bin/)."""
     roots = [d for d in env.get("PATH", "").split(os.pathsep) if d and os.path.isabs(d) and os.path.isdir(d)]
+    # A tool in <prefix>/bin (or a pyenv shim) reads its installation: the prefix, unless that is / or a home dir.
+    homes = {"/", _real(os.path.expanduser("~"))}
+    with contextlib.suppress(Exception):
+        import pwd
+
+        homes.add(_real(pwd.getpwuid(os.getuid()).pw_dir))
+    for d in list(roots):
+        parent = os.path.dirname(_real(d))
+        if os.path.basename(_real(d)) in ("bin", "sbin", "shims") and parent not in homes:
+            roots.append(parent)
     cc = spec.get("neuronx_cc")
     if isinstance(cc, Mapping) and isinstance(cc.get("path"), str) and os.path.isabs(cc["path"]):
         exe = Path(_real(cc["path"]))
