@@ -35,7 +35,7 @@ from neuronbuild.runtime.router import NoBucketFits
 
 root, label, emulate, prompts, new = sys.argv[1], sys.argv[2], sys.argv[3] or None, json.loads(sys.argv[4]), int(sys.argv[5])
 lm = open_cache(root, strict=True, emulate=emulate).causal_lm(label)
-out = {k: lm.generate(p, max_new_tokens=new, eos_token_id=2, pad_token_id=0)[:, -new:].tolist() for k, p in prompts.items()}
+out = {k: lm.generate(p, max_new_tokens=new)[:, -new:].tolist() for k, p in prompts.items()}  # eos/pad: the config's
 errors = []
 for bad in ([list(range(3, 43))], [[1, 2, 3]] * 5):
     try:
@@ -86,8 +86,7 @@ def reference() -> dict[str, list[list[int]]]:
             ids[i, width - len(p):] = torch.tensor(p)
             mask[i, width - len(p):] = 1
         with torch.no_grad():
-            gen = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, eos_token_id=2,
-                                 pad_token_id=0)
+            gen = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False)  # the config's eos/pad
         out[key] = gen[:, width:].tolist()
     return out
 
