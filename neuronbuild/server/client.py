@@ -8,26 +8,25 @@ import contextlib
 import os
 import signal
 import socket
-import subprocess
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import Any, NamedTuple
 
-from neuronbuild.errors import EXIT_BAD_INPUT, EXIT_BUILD_FAILED, EXIT_INTERRUPTED
 from neuronbuild.server import protocol
 from neuronbuild.server.protocol import ServerPaths, StartupOptions
+
+# As neuronbuild.errors (not imported here: it pulls in dataclasses, and this module must stay small).
+EXIT_BUILD_FAILED, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 1, 2, 8
 
 START_TIMEOUT_S = 120.0  # a loaded machine can take a while to import the analysis modules
 _BOOT = ("import sys; sys.path.insert(0, sys.argv[1]); "
          "from neuronbuild.server.daemon import main; main(sys.argv[2])")
 
 
-@dataclass(frozen=True)
-class Invocation:
+class Invocation(NamedTuple):
     """What the client read of the command line before the command name (Bazel's startup options and -C)."""
 
     command: str | None
@@ -93,16 +92,14 @@ def startup_options(output_user_root: str | None, max_idle_secs: int | None) -> 
 
 def workspace_paths(inv: Invocation) -> tuple[ServerPaths, StartupOptions] | None:
     """The server files of the workspace this command runs in, or None outside any workspace."""
-    from neuronbuild.errors import UserInputError
-    from neuronbuild.workspace import find_workspace
-
-    start = Path(inv.directory) if inv.directory else None
     try:
-        ws = find_workspace(start)
-    except (UserInputError, OSError):
+        root = protocol.find_workspace_root(inv.directory or os.getcwd())
+    except OSError:
+        return None
+    if root is None:
         return None
     opts = startup_options(inv.output_user_root, inv.max_idle_secs)
-    return protocol.server_paths(ws.root, opts.output_user_root), opts
+    return protocol.server_paths(root, opts.output_user_root), opts
 
 
 def maybe_run(argv: Sequence[str]) -> int | None:
@@ -178,6 +175,7 @@ def start_server(paths: ServerPaths, opts: StartupOptions, stamp: str) -> None:
     """Start the daemon (unless another client just did) and wait until it accepts connections."""
     import fcntl
     import json
+    import subprocess
 
     protocol.private_dir(paths.output_base)
     protocol.private_dir(paths.socket.parent)
