@@ -58,7 +58,7 @@ def build(config):
     if pid == 0:  # the child: holds every inherited descriptor, including the worker's result pipe
         time.sleep(600)
         os._exit(0)
-    with open(config["pidfile"], "w") as f:
+    with open(os.path.join(os.environ["TMPDIR"], config["pidfile"]), "w") as f:  # actions may write only there
         f.write(str(pid))
     if config["mode"] == "die":
         os._exit(3)
@@ -69,7 +69,7 @@ def build(config):
 
 
 def _ws(tmp_path: Path, mode: str) -> Path:
-    pidfile = tmp_path / f"child-{mode}.pid"
+    pidfile = f"child-{mode}.pid"  # in the action's $TMPDIR: <cache>/v1/toolchain-tmp
     build = (f'neuron_model(name = "m", srcs = ["m.py"], entry = "m:build", inputs = {{"x": "float32[b, n]"}},\n'
              f'             config = {{"pidfile": "{pidfile}", "mode": "{mode}"}})\n'
              'neuron_buckets(name = "bk", shapes = [{"b": 1, "n": 4}])\n'
@@ -87,7 +87,7 @@ def _alive(pid: int) -> bool:
 
 
 def _child(tmp_path: Path, mode: str) -> int:
-    return int((tmp_path / f"child-{mode}.pid").read_text())
+    return int((tmp_path / "cache" / "v1" / "toolchain-tmp" / f"child-{mode}.pid").read_text())
 
 
 def _build(ws: Path, tmp_path: Path, *extra: str) -> tuple[subprocess.CompletedProcess[str], float]:

@@ -45,6 +45,9 @@ class LocalExecutor:
     def warm(self, n: int) -> None:
         self._pool.warm(n)
 
+    def hosts(self) -> list[str]:
+        return [""]  # one machine: its workers share the toolchain scratch dir (the cache's toolchain-tmp)
+
     def start(self, job: Job) -> Started:
         a = job.action
         sb = sandboxes.prepare(a, self.root, self.cache, self._scratch)
