@@ -14,7 +14,14 @@ from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any
 
-from neuronbuild.execution.confine import Policy, confine, explain_denied, first_violation, installation_roots, policy_for
+from neuronbuild.execution.confine import (
+    Policy,
+    confine,
+    explain_denied,
+    first_violation,
+    installation_roots,
+    policy_for,
+)
 
 HOST = socket.gethostname()
 
@@ -204,9 +211,8 @@ def run_isolated(msg: Mapping[str, Any], installation: tuple[str, ...]) -> dict[
                 import ctypes
 
                 ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, 9, 0, 0, 0)  # dies with the worker
-            res = run_action(msg["kind"], spec, msg["inputs"], msg["outputs"], msg["log"], msg.get("expect"),
-                             policy)
-            Connection(w, readable=False).send(res)
+            Connection(w, readable=False).send(run_action(msg["kind"], spec, msg["inputs"], msg["outputs"],
+                                                          msg["log"], msg.get("expect"), policy))
         except BaseException:  # noqa: BLE001 - reported as a death by the parent
             code = 70
         finally:

@@ -27,6 +27,8 @@ SCHEMA = RuleSchema(
         Attr("target", LABEL, "The neuron_target compiled for.", required=True, kinds=("neuron_target",)),
         Attr("options", LABEL, "A compiler_options target (default: no options).", kinds=("compiler_options",)),
         Attr("tolerance", FLOAT, "Max abs error against eager accepted by `neuronbuild validate`.", default=1e-4),
+        Attr("timeout", FLOAT, "Seconds each action of this target may run (trace, lowering, compile); overrides "
+             "--action-timeout (0: the flag's value). Not fingerprinted.", default=0.0),
         TAGS,
     ),
 )
