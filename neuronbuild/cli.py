@@ -22,7 +22,9 @@ class _Parser(argparse.ArgumentParser):
 EPILOG = """\
 rc files: flags per command from ~/.neuronbuildrc, then <workspace>/.neuronbuildrc (e.g. `build --jobs 4`,
 `common --cache-dir DIR`); the command line wins. `neuronbuild COMMAND -h` shows a command's flags.
-exit codes: 0 ok, 1 build failed, 2 bad command line or BUILD input, 8 interrupted."""
+exit codes: 0 ok, 1 build failed, 2 bad command line or BUILD input, 8 interrupted.
+build, plan, explain and query run in a per-workspace build server (warm workers, loaded packages kept between
+commands); --batch or NEURONBUILD_NO_SERVER=1 runs them in this process. `neuronbuild shutdown` stops it."""
 
 
 def make_parser() -> tuple[argparse.ArgumentParser, dict[str, str]]:
@@ -33,6 +35,14 @@ def make_parser() -> tuple[argparse.ArgumentParser, dict[str, str]]:
     parser.add_argument("-C", dest="directory", metavar="DIR", help="run as if started in this directory")
     parser.add_argument("--norc", action="store_true", help="read no .neuronbuildrc file")
     parser.add_argument("--version", action="version", version=f"neuronbuild {__version__}")
+    startup = parser.add_argument_group("build server (startup options, before the command; docs/server.md)")
+    startup.add_argument("--batch", action="store_true",
+                         help="run the command in this process, without the build server (also: NEURONBUILD_NO_SERVER=1)")
+    startup.add_argument("--max-idle-secs", type=int, metavar="N",
+                         help="the server exits after N idle seconds (default 10800); another value replaces it")
+    startup.add_argument("--output-user-root", metavar="DIR",
+                         help="where servers keep their output bases (default: $NEURONBUILD_OUTPUT_USER_ROOT or "
+                              "~/.cache/neuronbuild-server)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands", parser_class=_Parser)
     owners: dict[str, str] = {}
     for name in COMMAND_MODULES:
@@ -54,8 +64,14 @@ def _quiet_stdout() -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
     try:
-        return _main(list(sys.argv[1:] if argv is None else argv))
+        from neuronbuild.server.client import maybe_run
+
+        code = maybe_run(args)  # build, plan, explain and query go to the workspace's server unless --batch
+        if code is not None:
+            return code
+        return _main(args)
     except BrokenPipeError:
         _quiet_stdout()
         return EXIT_OK

@@ -8,11 +8,14 @@ from pathlib import Path
 
 import networkx as nx
 
+from neuronbuild import plugins
 from neuronbuild.analysis.actions import COMPILE, TRACE, Action, Bucket, DepInput
 from neuronbuild.analysis.planner import ActionGraph
 from neuronbuild.cache.action_cache import ActionResult
 from neuronbuild.cache.identity_index import IdentityIndex
 from neuronbuild.cache.local import LocalCache
+from neuronbuild.execution import events as ev
+from neuronbuild.execution.events import BuildEvent, EventBus
 from neuronbuild.execution.jobs import Completion, Job, Started
 from neuronbuild.execution.scheduler import Scheduler, SchedulerOptions
 from neuronbuild.loading.labels import Label
@@ -30,6 +33,7 @@ class RecordingExecutor:
         self.tmp = tmp
         self.queue: list[Job] = []
         self.order: list[str] = []
+        self.kinds: list[str] = []
         self.max_in_flight = 0
         self.max_claims = 0
 
@@ -49,6 +53,7 @@ class RecordingExecutor:
     def start(self, job: Job) -> Started:
         self.queue.append(job)
         self.order.append(job.action.label.name)
+        self.kinds.append(job.action.kind)
         self.max_in_flight = max(self.max_in_flight, len(self.queue))
         return Started("w", 0)
 
@@ -126,3 +131,113 @@ def test_local_ram_cap_holds_actions_back(tmp_path: Path) -> None:
     ex = RecordingExecutor(3, LocalCache(tmp_path / "c2"), tmp_path / "out2")
     Scheduler(tmp_path, ex.cache, ex, SchedulerOptions(local_ram_mb=100)).run(_graph({"a": 0, "b": 0}))
     assert ex.max_in_flight == 1  # one action always runs, even above the cap
+
+
+class WarmingToolchain:
+    """A toolchain with a warm-up hook (as the cpu toolchain's precompiled headers): compiles for one isa share it."""
+
+    name = "warmtest"
+    platforms = ("warmtest",)
+    estimate_s = 15.0
+    estimate_mb = 100.0
+
+    def warm_up_key(self, spec: dict[str, str]) -> dict[str, str] | None:
+        return {"isa": spec["isa"]} if spec.get("step") == COMPILE else None
+
+
+plugins.register_toolchain(WarmingToolchain())
+
+
+class Events:
+    def __init__(self) -> None:
+        self.got: list[BuildEvent] = []
+
+    def on_event(self, e: BuildEvent) -> None:
+        self.got.append(e)
+
+    def close(self) -> None:
+        pass
+
+    def kinds(self, kind: str) -> list[BuildEvent]:
+        return [e for e in self.got if e.kind == kind]
+
+
+def _warm_graph(isas: list[str], traces: bool = True) -> ActionGraph:
+    """Per isa: a trace and a compile of the warming toolchain (or only the compile)."""
+    g = nx.DiGraph()
+    actions: dict[str, Action] = {}
+    b = Bucket((("batch", 1),))
+    for isa in isas:
+        deps: tuple[DepInput, ...] = ()
+        if traces:
+            t = Action(f"t-{isa}".ljust(64, "0"), TRACE, Label("p", f"t_{isa}"), b, {}, {}, outputs=("program.pt2",))
+            actions[t.fingerprint] = t
+            g.add_node(t.fingerprint)
+            deps = (DepInput(t.fingerprint, "program.pt2", "program.pt2"),)
+        c = Action(f"c-{isa}".ljust(64, "0"), COMPILE, Label("p", f"c_{isa}"), b, {"toolchain": {"x": "1"}},
+                   {"toolchain": "warmtest", "step": COMPILE, "isa": isa}, dep_inputs=deps, outputs=("out",),
+                   platform="warmtest", target=f"warmtest/{isa}")
+        actions[c.fingerprint] = c
+        g.add_node(c.fingerprint)
+        for d in deps:
+            g.add_edge(d.action, c.fingerprint)
+    return ActionGraph(actions, g, ())
+
+
+def test_a_toolchain_warm_up_runs_once_per_key_first_beside_the_traces(tmp_path: Path) -> None:
+    cache = LocalCache(tmp_path / "cache")
+    ag = _warm_graph(["v4", "v4b"])
+    for a in ag.actions.values():  # two compiles with the same key
+        if a.kind == COMPILE:
+            a.spec["isa"] = "v4"  # type: ignore[index]
+    got = Events()
+    ex = RecordingExecutor(2, cache, tmp_path / "out")
+    result = Scheduler(tmp_path, cache, ex, SchedulerOptions(), EventBus([got])).run(ag)
+    assert result.ok and len(result.executed) == 4  # the warm-up is not an action of the build
+    assert ex.kinds[0] == "warm_up" and ex.kinds.count("warm_up") == 1 and ex.kinds[1] == TRACE
+    assert ex.max_in_flight == 2  # the warm-up holds a worker like any job
+    started, finished = got.kinds(ev.WARM_UP_STARTED), got.kinds(ev.WARM_UP_FINISHED)
+    assert len(started) == len(finished) == 1 and finished[0].fields["ok"]
+    assert started[0].fields["key"] == {"isa": "v4"} and "warmtest/v4" in started[0].fields["description"]
+    assert all(e.fields["kind"] != "warm_up" for e in got.kinds(ev.ACTION_FINISHED))
+
+
+def test_warm_ups_one_per_key_and_never_all_workers(tmp_path: Path) -> None:
+    cache = LocalCache(tmp_path / "cache")
+    ex = RecordingExecutor(3, cache, tmp_path / "out")
+    Scheduler(tmp_path, cache, ex, SchedulerOptions()).run(_warm_graph(["v2", "v3", "v4"]))
+    assert ex.kinds[:2] == ["warm_up", "warm_up"] and ex.kinds.count("warm_up") == 2  # 3 keys, a worker kept free
+    assert ex.max_in_flight == 3
+
+
+def test_no_warm_up_with_one_worker_or_nothing_to_overlap(tmp_path: Path) -> None:
+    cache = LocalCache(tmp_path / "cache")
+    ex = RecordingExecutor(1, cache, tmp_path / "out")
+    assert Scheduler(tmp_path, cache, ex, SchedulerOptions()).run(_warm_graph(["v4"])).ok
+    assert "warm_up" not in ex.kinds  # one worker: the first compile builds it at the same cost
+    cache2 = LocalCache(tmp_path / "cache2")
+    ex = RecordingExecutor(2, cache2, tmp_path / "out2")
+    assert Scheduler(tmp_path, cache2, ex, SchedulerOptions()).run(_warm_graph(["v4"], traces=False)).ok
+    assert "warm_up" not in ex.kinds  # only compiles ready: nothing to overlap with
+    cache3 = LocalCache(tmp_path / "cache3")
+    ex = RecordingExecutor(2, cache3, tmp_path / "out3")
+    assert Scheduler(tmp_path, cache3, ex, SchedulerOptions()).run(_graph({"a": 1})).ok
+    assert "warm_up" not in ex.kinds  # no toolchain with a warm-up in the plan
+
+
+class FailingWarmUp(RecordingExecutor):
+    def wait(self, timeout: float | None) -> list[Completion]:
+        if self.queue and self.queue[0].action.kind == "warm_up":
+            job = self.queue.pop(0)
+            return [Completion(job, False, "w", 0, error="g++ exploded", duration_s=0.5)]
+        return super().wait(timeout)
+
+
+def test_a_failed_warm_up_is_not_a_build_failure(tmp_path: Path) -> None:
+    cache = LocalCache(tmp_path / "cache")
+    got = Events()
+    ex = FailingWarmUp(2, cache, tmp_path / "out")
+    result = Scheduler(tmp_path, cache, ex, SchedulerOptions(), EventBus([got])).run(_warm_graph(["v4"]))
+    assert result.ok and len(result.executed) == 2
+    (finished,) = got.kinds(ev.WARM_UP_FINISHED)
+    assert not finished.fields["ok"] and "g++ exploded" in finished.fields["error"]

@@ -2,7 +2,14 @@
 
 A toolchain serves platforms; for one (trace, target, options, bucket) it plans one or more actions (the last is the
 primary one: its outputs are the graph's artifacts), names the versions that enter their fingerprints, runs its steps
-in workers, and says how validate loads its artifacts. See neuronbuild/toolchains/cpu.py for a complete example."""
+in workers, and says how validate loads its artifacts. See neuronbuild/toolchains/cpu.py for a complete example.
+
+Optional warm-up: a toolchain whose steps share a per-machine artifact that is costly to make the first time (the cpu
+toolchain: inductor's precompiled headers, ~10 s of a machine's first compile) defines `warm_up_key(spec)`. At the
+start of a build that will run such steps on >= 2 workers, the scheduler sends one pseudo-task per distinct key (per
+host on Dask) to a worker beside the traces: the worker calls `run(WARM_UP, {"toolchain", "step", "key"}, ...)`,
+which builds the artifact under a per-machine lock, keyed so that it can only be reused by steps it fits (see
+`warm_up_key`)."""
 
 from __future__ import annotations
 
@@ -15,6 +22,8 @@ from neuronbuild import FORMAT_VERSION
 from neuronbuild.analysis.actions import Action, Bucket
 from neuronbuild.analysis.plan_settings import PlanSettings
 from neuronbuild.loading.labels import Label
+
+WARM_UP = "warm_up"  # the step (and pseudo-action kind) of a toolchain's per-machine warm-up
 
 
 @dataclass(frozen=True)
@@ -84,3 +93,15 @@ class Toolchain(Protocol):
     def notes(self, settings: PlanSettings) -> list[str]:
         """Said once per build that has graphs for this toolchain (e.g. 'no neuronx-cc configured')."""
         ...
+
+
+def warm_up_key(tc: Any, spec: Mapping[str, Any]) -> dict[str, Any] | None:
+    """What a toolchain's step needs warm on the machine that runs it (JSON-able; steps with equal keys share one
+    warm-up), or None: nothing, or the toolchain has no warm-up. Called in the build process: must not import torch.
+    The key only groups steps: what the artifact is keyed by on disk (flags, ISA, compiler and torch versions) is
+    the toolchain's business, so a warm-up can never hand a step an artifact made for other flags."""
+    hook = getattr(tc, "warm_up_key", None)
+    if hook is None:
+        return None
+    key = hook(spec)
+    return dict(key) if key is not None else None

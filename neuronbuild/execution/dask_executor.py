@@ -22,6 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from neuronbuild.analysis.toolchain_api import WARM_UP
 from neuronbuild.digests import digest_file
 from neuronbuild.errors import NeuronBuildError
 from neuronbuild.execution.cache_api import SpawnCache
@@ -79,6 +80,15 @@ class DaskExecutor:
     def warm(self, n: int) -> None:
         pass
 
+    def hosts(self) -> list[str]:
+        """The farm's hosts (as the scheduler knows their workers' addresses): a toolchain warm-up runs once on each,
+        since every Dask worker process of a host shares that host's toolchain scratch dir."""
+        try:
+            workers = self.client.scheduler_info().get("workers", {})
+        except Exception:  # noqa: BLE001 - no warm-up rather than no build
+            return []
+        return sorted({str(w.get("host") or "") for w in workers.values()} - {""})
+
     def _to_shared(self, a_path: str, digest: str) -> None:
         """A workspace file into the shared CAS (verified against the digest analysis saw)."""
         src = self.root / a_path
@@ -114,7 +124,8 @@ class DaskExecutor:
                    "description": a.describe()}
         key = f"neuronbuild-{a.fingerprint[:16]}-{job.attempt}-{uuid.uuid4().hex[:8]}"
         payload["key"] = key
-        fut = self.client.submit(farm_run, payload, key=key, pure=False)
+        where: dict[str, Any] = {"workers": [job.host], "allow_other_workers": False} if job.host else {}
+        fut = self.client.submit(farm_run, payload, key=key, pure=False, **where)
         self._futures[fut] = job
         return Started("dask", 0)
 
@@ -151,6 +162,9 @@ class DaskExecutor:
         with contextlib.suppress(OSError), open(job.log, "a", encoding="utf-8") as log:
             log.write(f"# ran on {res.get('worker')}\n{res.get('log', '')}")
         worker = str(res.get("worker") or "dask")
+        if a.kind == WARM_UP:  # a toolchain warm-up: no outputs, no record
+            return Completion(job, bool(res.get("ok")), worker, int(res.get("pid") or 0), str(res.get("error") or ""),
+                              float(res.get("duration_s") or 0.0), metadata=res.get("metadata") or {})
         if not res.get("ok"):
             return Completion(job, False, worker, int(res.get("pid") or 0), str(res.get("error") or ""),
                               float(res.get("duration_s") or 0.0), worker_died=bool(res.get("worker_died")))

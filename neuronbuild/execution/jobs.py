@@ -17,6 +17,7 @@ class Job:
     action: Action
     attempt: int
     log: Path
+    host: str = ""  # a warm-up pseudo-job: the host it must run on ("" : any)
 
     @property
     def id(self) -> str:
@@ -55,6 +56,10 @@ class Executor(Protocol):
     name: str
 
     def warm(self, n: int) -> None: ...
+
+    def hosts(self) -> list[str]:
+        """The machines a per-machine toolchain warm-up must run on, one pseudo-job each ([""]: this one)."""
+        ...
 
     def start(self, job: Job) -> Started:
         """Prepare the job's inputs and dispatch it; raises InputChanged, CorruptBlob or OSError if it cannot."""

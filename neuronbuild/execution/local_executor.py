@@ -5,13 +5,16 @@ from __future__ import annotations
 import json
 import shutil
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from neuronbuild.execution import sandbox as sandboxes
 from neuronbuild.execution.cache_api import SpawnCache
 from neuronbuild.execution.jobs import Completion, Job, Started
 from neuronbuild.execution.pool import WorkerPool
+
+# Makes each build's worker pool; the build server (neuronbuild/server/warm.py) installs one that keeps idle workers.
+pool_factory: Callable[..., WorkerPool] = WorkerPool
 
 
 class LocalExecutor:
@@ -26,7 +29,7 @@ class LocalExecutor:
         self._timeouts = dict(timeouts or {})  # fingerprint -> (seconds, the attribute that set it)
         self.cache = cache
         self.slots = max(1, jobs)
-        self._pool = WorkerPool(self.slots, env, cache.scratch, cache.logs / "workers.log", action_timeout)
+        self._pool = pool_factory(self.slots, env, cache.scratch, cache.logs / "workers.log", action_timeout)
         self._running: dict[str, tuple[Job, sandboxes.Sandbox]] = {}
         # This build's sandboxes live under one directory, removed whole at the end (even after a Ctrl-C that
         # struck while a sandbox was being made). Made on the first action: a fully cached build writes nothing to
@@ -42,6 +45,9 @@ class LocalExecutor:
 
     def warm(self, n: int) -> None:
         self._pool.warm(n)
+
+    def hosts(self) -> list[str]:
+        return [""]  # one machine: its workers share the toolchain scratch dir (the cache's toolchain-tmp)
 
     def start(self, job: Job) -> Started:
         a = job.action

@@ -1,7 +1,8 @@
 """--profile PATH: the build as a Chrome trace-event JSON file (opens in Perfetto or chrome://tracing).
 
-One track per worker with one complete ("X") slice per executed action attempt, and a scheduler track with the cache
-check, each store of outputs, and an instant per cached action."""
+One track per worker with one complete ("X") slice per executed action attempt (and per toolchain warm-up), and a
+scheduler track with the cache check, each store of outputs, and an instant per cached action. `otherData` holds the
+build's utilisation: busy worker-seconds / (wall x workers)."""
 
 from __future__ import annotations
 
@@ -27,8 +28,11 @@ class TraceProfile:
         self._tids: dict[str, int] = {}
         self._written = False
         self._jobs = 1
-        self._busy_s = 0.0
+        self._busy_s = 0.0  # dispatch to completion of every action attempt and warm-up
+        self._action_s = 0.0  # run time inside the workers (what actions record as their duration)
+        self._warm_up_s = 0.0
         self._wall_s = 0.0
+        self._first_start: float | None = None
 
     def _us(self, t: float) -> float:
         if self._t0 is None:
@@ -66,7 +70,14 @@ class TraceProfile:
             else:
                 args["peak_rss_mb"] = f["peak_rss_mb"]
             self._slice(f["description"], "action", f["start"], e.time, self._tid(f["worker"]), args)
-            self._busy_s += max(0.0, e.time - float(f["start"]))
+            self._busy(float(f["start"]), e.time)
+            self._action_s += float(f.get("duration_s") or 0.0)
+        elif e.kind == ev.WARM_UP_FINISHED:
+            self._slice(f["description"], "warm_up", f["start"], e.time, self._tid(f["worker"]),
+                        {"ok": f["ok"], "duration_s": f["duration_s"], **dict(f.get("metadata") or {}),
+                         **({"error": f["error"]} if not f["ok"] else {})})
+            self._busy(float(f["start"]), e.time)
+            self._warm_up_s += max(0.0, e.time - float(f["start"]))
         elif e.kind == ev.OUTPUTS_STORED:
             self._slice("store outputs", "cache", f["start"], f["start"] + f["duration_s"], _SCHEDULER_TID,
                         {"fingerprint": f["fingerprint"]})
@@ -74,11 +85,22 @@ class TraceProfile:
             self._wall_s = float(f.get("wall_s") or 0.0)
             self.write()
 
+    def _busy(self, start: float, end: float) -> None:
+        self._busy_s += max(0.0, end - start)
+        self._first_start = start if self._first_start is None else min(self._first_start, start)
+
     def utilisation(self) -> dict[str, float]:
-        """Busy worker-seconds (dispatch to completion of every action attempt) / (wall time x workers)."""
+        """Busy worker-seconds (dispatch to completion of every action attempt and warm-up: a worker still importing
+        torch for its first action counts as busy) / (the scheduler's wall time, from the cache check to the end, x
+        workers; loading and planning before it are not counted); `action_utilisation` counts only the actions' own
+        run time; `first_dispatch_s`: from the cache check to the first dispatch."""
         denom = self._wall_s * self._jobs
-        return {"busy_worker_s": round(self._busy_s, 3), "wall_s": round(self._wall_s, 3), "workers": self._jobs,
-                "utilisation": round(self._busy_s / denom, 4) if denom > 0 else 0.0}
+        first = (self._first_start - self._t0) if self._first_start is not None and self._t0 is not None else 0.0
+        return {"busy_worker_s": round(self._busy_s, 3), "action_s": round(self._action_s, 3),
+                "warm_up_s": round(self._warm_up_s, 3), "wall_s": round(self._wall_s, 3), "workers": self._jobs,
+                "utilisation": round(self._busy_s / denom, 4) if denom > 0 else 0.0,
+                "action_utilisation": round(self._action_s / denom, 4) if denom > 0 else 0.0,
+                "first_dispatch_s": round(max(0.0, first), 3)}
 
     def write(self) -> None:
         if self._written:

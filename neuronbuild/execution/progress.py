@@ -112,6 +112,11 @@ def event_line(e: BuildEvent, t: _Tally, level: int) -> str | None:
         return f"WAITING: {f['description']} (a concurrent build is running it)"
     if k == ev.ACTION_SKIPPED:
         return f"NOT RUN: {f['description']} (an input failed or the build stopped)"
+    if k == ev.WARM_UP_FINISHED:
+        m = f.get("metadata") or {}
+        what = f"{m['built']} of {len(m['headers'])} precompiled headers built" if "headers" in m else "done"
+        return (f"WARM-UP: {f['description']} on {f['worker']} ({f['duration_s']:.1f} s, "
+                + (f"{what})" if f["ok"] else f"failed: {_first(f['error'])})"))
     return None
 
 

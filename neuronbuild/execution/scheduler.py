@@ -9,9 +9,11 @@ from pathlib import Path
 
 import networkx as nx
 
-from neuronbuild.analysis.actions import Action
+from neuronbuild import plugins
+from neuronbuild.analysis.actions import Action, Bucket, make_action
 from neuronbuild.analysis.estimate import Estimator
 from neuronbuild.analysis.planner import ActionGraph
+from neuronbuild.analysis.toolchain_api import WARM_UP, warm_up_key
 from neuronbuild.execution import cutoff
 from neuronbuild.execution import events as ev
 from neuronbuild.execution.cache_api import Claim, SpawnCache
@@ -120,6 +122,37 @@ def critical_paths(ag: ActionGraph, todo: list[Action], duration: dict[str, floa
     return cp
 
 
+def warm_ups(todo: list[Action]) -> dict[str, Action]:
+    """{fingerprint of an action to run: the warm-up pseudo-action it benefits from}, one pseudo-action per
+    (toolchain, warm-up key) among the toolchain steps to run (see analysis/toolchain_api.py). A pseudo-action
+    carries the toolchain versions of the first step needing it, so a farm worker with another toolchain refuses it."""
+    made: dict[str, Action] = {}
+    out: dict[str, Action] = {}
+    for a in todo:
+        if not a.toolchain:
+            continue
+        try:
+            key = warm_up_key(plugins.toolchain(a.toolchain), a.spec)
+        except Exception:  # noqa: BLE001 - a plug-in's broken hook costs its warm-up, never the build
+            key = None
+        if key is None:
+            continue
+        w = make_action(WARM_UP, a.label, Bucket(()), {"warm_up": a.toolchain, "key": key,
+                                                        "toolchain": dict(a.versions)},
+                        {"toolchain": a.toolchain, "step": WARM_UP, "key": key}, platform=a.platform,
+                        target=a.target)
+        out[a.fingerprint] = made.setdefault(w.fingerprint, w)
+    return out
+
+
+@dataclass
+class _Warming:
+    job: Job
+    worker: str
+    pid: int
+    started: float
+
+
 @dataclass
 class _Running:
     job: Job
@@ -210,6 +243,7 @@ class _Run:
         self.stopped_fps: list[str] = []  # running when the build stopped: cancelled, not failed
         self.stopped = False
         self.budget = RamBudget(s.options.local_ram_mb) if s.options.local_ram_mb and s.executor.local else None
+        self.warming: dict[str, _Warming] = {}  # toolchain warm-ups running (pseudo-jobs), by job id
 
     def _push(self, fp: str) -> None:
         self._seq += 1
@@ -219,11 +253,12 @@ class _Run:
         if not self.todo:
             return
         self.s.executor.warm(min(len(self.ready), self.s.executor.slots))  # more start on demand
+        self._start_warm_ups()
         while True:
             self._poll_other_builds()
             if not self.stopped:
                 self._dispatch()
-            if not self.running:
+            if not self.running and not self.warming:
                 if self.other_build and not self.stopped:
                     time.sleep(self.s.POLL_S)
                     continue
@@ -231,13 +266,60 @@ class _Run:
                     continue
                 return
             for c in self.s.executor.wait(self.s.POLL_S if self.other_build else None):
-                self._complete(c)
-            if self.stopped and self.running:
+                if c.job.id in self.warming:
+                    self._warmed(c)
+                else:
+                    self._complete(c)
+            if self.stopped and (self.running or self.warming):
                 self._cancel_running()
+
+    def _start_warm_ups(self) -> None:
+        """Per-machine toolchain warm-ups (precompiled headers) as pseudo-jobs at the start, beside the first
+        actions, when they can overlap with work that does not need them (traces) on another worker. With one
+        worker, or only steps needing the warm-up ready, the first step builds it itself at the same cost."""
+        ex = self.s.executor
+        if ex.slots < 2:
+            return
+        needs = warm_ups(list(self.todo.values()))
+        if not needs or all(fp in needs for _p, _n, fp in self.ready):
+            return
+        hosts = ex.hosts() if hasattr(ex, "hosts") else [""]
+        seen: set[str] = set()
+        for a in needs.values():
+            if a.fingerprint in seen:
+                continue
+            seen.add(a.fingerprint)
+            for i, host in enumerate(hosts):
+                if len(self.warming) >= ex.slots - 1:  # leave a worker for the actions
+                    return
+                log = self.s.cache.logs / WARM_UP / f"{a.fingerprint}-{i}.log"
+                job = Job(a, i, log, host)
+                desc = f"Warm up {a.toolchain} for {a.target or a.platform}" + (f" on {host}" if host else "")
+                try:
+                    log.parent.mkdir(parents=True, exist_ok=True)
+                    log.write_text(f"# {desc}\n", encoding="utf-8")
+                    started = ex.start(job)
+                except (InputChanged, OSError):
+                    continue
+                self.warming[job.id] = _Warming(job, started.worker, started.pid, time.time())
+                self.s.bus.emit(ev.WARM_UP_STARTED, description=desc, toolchain=a.toolchain,
+                                key=dict(a.spec["key"]), host=host, worker=started.worker, pid=started.pid)
+
+    def _warmed(self, c: Completion) -> None:
+        """A warm-up ended: said in events and the profile; its failure is not the build's (a step that needs what
+        it would have built builds it itself)."""
+        w = self.warming.pop(c.job.id)
+        a = c.job.action
+        self.s.executor.finish(c.job)
+        desc = f"Warm up {a.toolchain} for {a.target or a.platform}" + (f" on {c.job.host}" if c.job.host else "")
+        self.s.bus.emit(ev.WARM_UP_FINISHED, description=desc, toolchain=a.toolchain, key=dict(a.spec["key"]),
+                        host=c.job.host, worker=c.worker or w.worker, pid=c.pid or w.pid, start=w.started,
+                        duration_s=round(c.duration_s, 3), ok=c.ok, error=c.error, metadata=dict(c.metadata),
+                        log=str(c.job.log))
 
     def _dispatch(self) -> None:
         ex = self.s.executor
-        while self.ready and len(self.running) < ex.slots:
+        while self.ready and len(self.running) + len(self.warming) < ex.slots:
             fp = self.ready[0][2]
             if self.budget is not None:
                 used = sum(r.mem_mb for r in self.running.values())
@@ -397,6 +479,7 @@ class _Run:
     def _cancel_running(self) -> None:
         """Without --keep-going the first failure ends the build: running actions are stopped, not stored."""
         self.s.executor.cancel()
+        self.warming.clear()
         for r in self.running.values():
             r.claim.release()
             self.stopped_fps.append(r.job.action.fingerprint)
@@ -405,8 +488,9 @@ class _Run:
 
     def cleanup(self) -> None:
         """After the loop, normally or not (Ctrl-C): end running work, drop scratch space, release every claim."""
-        if self.running:
+        if self.running or self.warming:
             self.s.executor.cancel()
+        self.warming.clear()
         for r in self.running.values():
             r.claim.release()
         self.running.clear()

@@ -249,13 +249,14 @@ def run_isolated(msg: Mapping[str, Any], installation: tuple[str, ...]) -> dict[
 
 
 def extra_write_roots() -> list[str]:
-    """Scratch dirs toolchains write outside TMPDIR: inductor's fixed per-machine working dir."""
+    """Scratch dirs toolchains write outside TMPDIR: inductor's per-user working dir (under TMPDIR in workers)."""
     try:
-        from neuronbuild.toolchains.compile import INDUCTOR_CACHE_DIR
+        from neuronbuild.toolchains.compile import toolchain_scratch
     except Exception:  # noqa: BLE001 - a broken toolchain import is reported by the action itself
         return []
-    INDUCTOR_CACHE_DIR.mkdir(parents=True, exist_ok=True)
-    return [str(INDUCTOR_CACHE_DIR)]
+    scratch = toolchain_scratch()
+    scratch.mkdir(parents=True, exist_ok=True)
+    return [str(scratch)]
 
 
 _PR_SET_CHILD_SUBREAPER = 36

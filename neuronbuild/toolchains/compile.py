@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import io
+import os
 import tempfile
 import zipfile
 from collections.abc import Iterator, Mapping
@@ -18,17 +20,24 @@ from neuronbuild.toolchains.model_import import example_inputs
 from neuronbuild.toolchains.passes import apply_passes
 from neuronbuild.toolchains.trace import load_program, strip_unstable_meta
 
-# Inductor's working files go to this fixed per-machine dir whatever TORCHINDUCTOR_CACHE_DIR says (restored after),
-# shared by every worker process (inductor takes file locks) and safe to delete at any time. The objects do not name
-# it (-ffile-prefix-map below maps it to /inductor and torch's headers to /torch), so artifact bytes depend neither on
-# the sandbox nor on the cache or venv location; a warm and a fresh cache gave identical packages. The "-1" suffix
-# versions our flag patches. Note: the ISA pin and the flag patch are process-global monkeypatches held for the
-# duration of one compile: compile one graph at a time per process (the worker model), not from several threads.
-INDUCTOR_CACHE_DIR = Path("/tmp/neuronbuild-inductor") / f"torch-{torch.__version__}-1"
+# Inductor's working files go to a per-ISA dir under this process's temp dir whatever TORCHINDUCTOR_CACHE_DIR says
+# (restored after): in workers that is the cache's toolchain-tmp (their TMPDIR: per user, counted by `cache stats`,
+# bounded by `cache gc --max-size`), shared by the workers of every build using that cache (inductor takes file
+# locks), keyed by torch version and ISA, safe to delete at any time. The objects do not name it (-ffile-prefix-map
+# below maps it to /inductor and torch's headers to /torch), so artifact bytes depend neither on the sandbox nor on the
+# cache or venv location (tested: two cache dirs, identical packages). The trailing number versions our flag patches.
+# Note: the ISA pin and the flag patch are process-global monkeypatches held for the duration of one compile: compile
+# one graph at a time per process (the worker model), not from several threads.
+# Inductor's precompiled headers (~10 s of a process's first compile, ~140 MB each) live in its own dir under the
+# temp dir (torchinductor_$USER/precompiled_headers), named by a hash of the full compile command (our -march and
+# prefix maps included), the preprocessed header (the torch version's headers) and the compiler version, so one
+# built for another ISA, flag set, torch or g++ is never used; warm_up_cpu builds them ahead of the first compile.
+INDUCTOR_FLAGS_VERSION = 2
 TORCH_DIR = Path(torch.__file__).resolve().parent
 PACKAGE_MODEL_NAME = "model"
 CONSTANTS_FILE = "constants.safetensors"  # the cpu compile's second output: the package's weights by FQN  # the top folder inside the canonical model.pt2 and the name load_package asks for
 _ZIP_EPOCH = (1980, 1, 1, 0, 0, 0)
+_KERNEL_NOTE = "// Triton kernels are embedded as comments in "  # how inductor opens an AOT kernel source
 
 
 @dataclass(frozen=True)
@@ -85,14 +94,32 @@ def compile_cpu(
     options: Mapping[str, Any],
     out_dir: Path,
 ) -> dict[str, Any]:
-    if isa not in ISA_TARGETS:
-        raise ToolchainError(f"unknown cpu isa {isa!r} (expected one of {', '.join(ISA_TARGETS)})")
-    target = ISA_TARGETS[isa]
+    target = isa_target(isa)
     strip_unstable_meta(ep)  # the trace's source lines serve Neuron lowering errors; the package never holds them
     ep = apply_passes(ep, options, args)
     from torch._inductor import aoti_compile_and_package
 
-    inductor_configs: dict[str, Any] = {
+    with tempfile.TemporaryDirectory(prefix="neuronbuild-aoti-") as tmp, _compile_environment(isa, target):
+        raw = Path(tmp) / f"{PACKAGE_MODEL_NAME}.pt2"
+        with torch.no_grad():
+            aoti_compile_and_package(ep, package_path=str(raw), inductor_configs=inductor_configs(target))
+        data = canonical_package(raw.read_bytes())
+        constants = constants_bytes(ep, _constant_fqns(raw))
+    (out_dir / "model.pt2").write_bytes(data)
+    (out_dir / CONSTANTS_FILE).write_bytes(constants)
+    return {"artifact": "model.pt2", "bytes": len(data), "isa": isa, "constants": CONSTANTS_FILE,
+            "constants_bytes": len(constants)}
+
+
+def isa_target(isa: str) -> IsaTarget:
+    if isa not in ISA_TARGETS:
+        raise ToolchainError(f"unknown cpu isa {isa!r} (expected one of {', '.join(ISA_TARGETS)})")
+    return ISA_TARGETS[isa]
+
+
+def inductor_configs(target: IsaTarget) -> dict[str, Any]:
+    """The inductor configs of every cpu compile for `target` (they enter inductor's compile commands)."""
+    return {
         "cpp.march": target.march,
         "cpp.simdlen": target.simdlen,
         # Kernels read the thread count at run time instead of baking in the build machine's core count.
@@ -103,21 +130,68 @@ def compile_cpu(
         # Debug line tables carry source paths and make the .so ~25% larger.
         "aot_inductor.enable_line_tables": False,
     }
-    with (
-        tempfile.TemporaryDirectory(prefix="neuronbuild-aoti-") as tmp,
-        _pinned_vec_isa(target),
-        _fixed_cache_dir(),
-        _path_free_objects(),
-    ):
-        raw = Path(tmp) / f"{PACKAGE_MODEL_NAME}.pt2"
-        with torch.no_grad():
-            aoti_compile_and_package(ep, package_path=str(raw), inductor_configs=inductor_configs)
-        data = canonical_package(raw.read_bytes())
-        constants = constants_bytes(ep, _constant_fqns(raw))
-    (out_dir / "model.pt2").write_bytes(data)
-    (out_dir / CONSTANTS_FILE).write_bytes(constants)
-    return {"artifact": "model.pt2", "bytes": len(data), "isa": isa, "constants": CONSTANTS_FILE,
-            "constants_bytes": len(constants)}
+
+
+def toolchain_scratch() -> Path:
+    """Where this process keeps compiler working files: its temp dir when one is set (workers: the cache's
+    toolchain-tmp), else $XDG_CACHE_HOME/neuronbuild/toolchain-tmp (never a fixed name in a shared /tmp)."""
+    if any(os.environ.get(v) for v in ("TMPDIR", "TEMP", "TMP")):
+        return Path(tempfile.gettempdir())
+    xdg = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(xdg) / "neuronbuild" / "toolchain-tmp"
+
+
+def inductor_cache_dir(isa: str) -> Path:
+    """Inductor's working dir for compiles for `isa` in this process (see the note at the top)."""
+    return toolchain_scratch() / "neuronbuild-inductor" / f"torch-{torch.__version__}-{isa}-{INDUCTOR_FLAGS_VERSION}"
+
+
+@contextmanager
+def _compile_environment(isa: str, target: IsaTarget) -> Iterator[Path]:
+    """The pinned vector ISA, inductor's working dir for the ISA and path-free objects, for one compile."""
+    cache_dir = inductor_cache_dir(isa)
+    with _pinned_vec_isa(target), _fixed_cache_dir(cache_dir), _path_free_objects(cache_dir):
+        yield cache_dir
+
+
+def warm_up_cpu(isa: str) -> dict[str, Any]:
+    """Build (or find) the precompiled headers every AOTInductor compile for `isa` in this process will ask for, with
+    the very arguments inductor's AotCodeCompiler.compile passes (same compile command, hence the same files), under
+    inductor's own per-header file lock: concurrent warm-ups and compiles on one machine build each header once.
+    Also fills this process's in-memory memo of them, so its next compile skips even the preprocessing.
+    Returns {"isa", "headers": [file names], "built": how many were made now (here or by a concurrent process),
+    "seconds"}."""
+    import time
+
+    start, wall = time.perf_counter(), time.time()
+    target = isa_target(isa)
+    import torch._inductor.codecache as cc
+    from torch._inductor import config
+    from torch._inductor.cpp_builder import CppBuilder, CppTorchDeviceOptions
+    from torch._inductor.utils import determine_aoti_mmap_flags
+
+    with _compile_environment(isa, target), config.patch(inductor_configs(target)):
+        if not config.aot_inductor.precompile_headers:
+            return {"isa": isa, "headers": [], "built": 0, "seconds": 0.0}
+        picked = cc.pick_vec_isa()
+        cmd = repr(CppBuilder(name="o", sources="i", BuildOption=CppTorchDeviceOptions(
+            vec_isa=picked, device_type="cpu", aot_mode=True)).get_command_line())
+        # A constants-free package serialises no weights: consts_size 0.
+        use_external_weights, use_mmap_weights = determine_aoti_mmap_flags(0)
+        command: dict[str, Any] = {"aot_mode": True, "device_type": "cpu", "use_mmap_weights": use_mmap_weights,
+                                   "use_mmap_weights_external": use_external_weights, "use_relative_path": False,
+                                   "vec_isa": picked}
+        wanted = [(cc._get_cpp_wrapper_header("cpu", aot_mode=True),
+                   {"min_optimize": not config.aot_inductor.package_cpp_only, **command})]
+        if prefix := cc._get_cpp_prefix_header("cpu"):
+            wanted.append((prefix, command))
+        headers, built = [], 0
+        for header, kwargs in wanted:
+            # Keyword order matters: the memo (functools.cache) keys on it, as inductor's call site passes them.
+            path = Path(cc._precompile_header(header, cmd, **kwargs))
+            headers.append(path.name)
+            built += int(path.with_name(path.name + ".gch").stat().st_mtime >= wall - 1.0)  # made during this call
+    return {"isa": isa, "headers": headers, "built": built, "seconds": round(time.perf_counter() - start, 3)}
 
 
 def _constant_fqns(package: Path) -> list[str]:
@@ -141,33 +215,52 @@ def constants_bytes(ep: torch.export.ExportedProgram, fqns: list[str]) -> bytes:
 
 
 @contextmanager
-def _fixed_cache_dir() -> Iterator[None]:
+def _fixed_cache_dir(cache_dir: Path) -> Iterator[None]:
     from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
 
-    INDUCTOR_CACHE_DIR.mkdir(parents=True, exist_ok=True)
-    with temporary_cache_dir(str(INDUCTOR_CACHE_DIR)):
+    cache_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    with temporary_cache_dir(str(cache_dir)):
         yield
 
 
 @contextmanager
-def _path_free_objects() -> Iterator[None]:
-    """Add -ffile-prefix-map so __FILE__ strings in the .so name neither the venv (torch headers) nor the cache dir."""
+def _path_free_objects(cache_dir: Path) -> Iterator[None]:
+    """Add -ffile-prefix-map so __FILE__ strings in the .so name neither the venv (torch headers) nor the cache dir.
+
+    The flags go onto the compiler command lines as they run, not into inductor's cflags: inductor names its
+    generated files (and so the symbols and build-id inside the .so) by a hash of the cflags, which must not depend
+    on where the working dir is (two cache dirs must give identical packages)."""
+    import shlex
+
+    import torch._inductor.codecache as codecache
     from torch._inductor import cpp_builder
 
-    original = cpp_builder._get_optimization_cflags
-    maps = [f"ffile-prefix-map={TORCH_DIR}=/torch", f"ffile-prefix-map={INDUCTOR_CACHE_DIR}=/inductor"]
+    run, write = cpp_builder._run_compile_cmd, codecache.write
+    maps = " ".join(shlex.quote(f"-ffile-prefix-map={src}={dst}") for src, dst in ((TORCH_DIR, "/torch"),
+                                                                                  (cache_dir, "/inductor")))
 
-    def patched(cpp_compiler: str, min_optimize: bool = False) -> tuple[list[str], list[str]]:
-        cflags, ldflags = original(cpp_compiler, min_optimize)
-        return [*cflags, *maps], ldflags
+    def run_mapped(cmd_line: str, cwd: str) -> None:
+        run(f"{cmd_line} {maps}", cwd)
 
-    cpp_builder._get_optimization_cflags = patched
+    def write_path_free(content: str | bytes, extension: str, extra: str = "", hash_type: str = "code",
+                        specified_dir: str = "", key: str | None = None) -> tuple[str, str]:
+        # The kernel source opens with a comment naming the wrapper's absolute path, and its hash names the kernel
+        # file (and symbols in the .so): name the working dir the way the prefix map does.
+        if key is None and isinstance(content, str) and content.startswith(_KERNEL_NOTE):
+            first, nl, rest = content.partition("\n")
+            content = first.replace(str(cache_dir), "/inductor") + nl + rest
+        return write(content, extension, extra, hash_type, specified_dir, key)
+
+    cpp_builder._run_compile_cmd = run_mapped
+    codecache.write = write_path_free
     try:
         yield
     finally:
-        cpp_builder._get_optimization_cflags = original
+        cpp_builder._run_compile_cmd = run
+        codecache.write = write
 
 
+@functools.cache  # one instance per ISA: inductor's memo of precompiled headers keys on it (equality needs the class)
 def _pinned_isa_instance(target: IsaTarget) -> Any:
     from torch._inductor import cpu_vec_isa as v
 

@@ -9,7 +9,7 @@ from typing import Any
 from neuronbuild import plugins
 from neuronbuild.analysis.actions import COMPILE, TRACE_OUTPUT, Action, DepInput, make_action
 from neuronbuild.analysis.plan_settings import PlanSettings
-from neuronbuild.analysis.toolchain_api import CompileRequest
+from neuronbuild.analysis.toolchain_api import WARM_UP, CompileRequest
 from neuronbuild.platforms import cxx_version, resolve_isa
 from neuronbuild.vocabulary import CPU_PLATFORM
 
@@ -44,9 +44,16 @@ class CpuToolchain:
                             outputs=OUTPUTS, platform=req.platform, target=self.describe_target(req.target))]
 
     def run(self, step: str, spec: Mapping[str, Any], sandbox: Path, out_dir: Path) -> dict[str, Any]:
+        if step == WARM_UP:
+            return warm_up(spec["key"])
         from neuronbuild.toolchains.compile import run_cpu_compile
 
         return run_cpu_compile(dict(spec), sandbox, out_dir)
+
+    def warm_up_key(self, spec: Mapping[str, Any]) -> dict[str, Any] | None:
+        """Compiles for one ISA share inductor's precompiled headers (named on disk by the full compile command: ISA,
+        flags, torch headers, g++ version); warming them is worth it only for compiles."""
+        return {"isa": str(spec["isa"])} if spec.get("step") == COMPILE and spec.get("isa") else None
 
     def load_artifact(self, files: Mapping[str, Path]) -> Callable[..., Any]:
         from neuronbuild.runtime.aoti_loader import load_package, read_constants
@@ -55,6 +62,15 @@ class CpuToolchain:
 
     def notes(self, settings: PlanSettings) -> list[str]:
         return []
+
+
+def warm_up(key: Mapping[str, Any]) -> dict[str, Any]:
+    """In a worker (the process itself, so its in-memory memo is warm too; the headers persist on disk under its
+    TMPDIR, the cache's toolchain-tmp, for every later worker and build using that cache): build inductor's
+    precompiled headers for key["isa"] once, under inductor's per-header file lock."""
+    from neuronbuild.toolchains.compile import warm_up_cpu
+
+    return warm_up_cpu(str(key["isa"]))
 
 
 TOOLCHAIN = plugins.register_toolchain(CpuToolchain())

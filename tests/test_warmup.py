@@ -1,0 +1,136 @@
+"""The cpu toolchain's per-machine warm-up (inductor's precompiled headers), with real torch compiles: built once by
+one worker beside the traces and reused by the compiles of that build and of later builds; concurrent warm-ups build
+each header once; headers are keyed by ISA; inductor's working files stay under the cache's per-user scratch dir."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from helpers import REPO, run_cli, write_ws
+
+MODEL = '''
+import torch
+
+
+class M(torch.nn.Module):
+    def __init__(self, n):
+        super().__init__()
+        self.emb = torch.nn.Embedding(50, n)
+        self.lin = torch.nn.Linear(n, n)
+
+    def forward(self, x):
+        return self.lin(self.emb(x)).relu()
+
+
+def build(config):
+    return M(config["n"])
+'''
+
+BUILD = '''
+neuron_model(name = "m", srcs = ["m.py"], entry = "m:build", config = {{"n": {n}}}, inputs = {{"x": "int64[batch, seq]"}})
+neuron_buckets(name = "b", dims = {{"batch": [1], "seq": [4, 8]}})
+neuron_target(name = "cpu", platform = "cpu", isa = "native")
+neuron_compile(name = "m_cpu", model = ":m", buckets = [":b"], target = ":cpu")
+'''
+
+
+def _ws(root: Path, n: int) -> Path:
+    return write_ws(root, {"pkg/m.py": MODEL, "pkg/BUILD": BUILD.format(n=n)})
+
+
+def _events(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def _headers(cache: Path) -> dict[str, tuple[int, int]]:
+    """Every precompiled header under the cache's toolchain scratch dir: name -> (inode, mtime_ns)."""
+    found = (cache / "v1" / "toolchain-tmp").glob("torchinductor_*/precompiled_headers/*.gch")
+    return {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in found}
+
+
+def test_one_worker_warms_the_headers_beside_the_traces_and_every_compile_reuses_them(tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    ws = _ws(tmp_path / "ws1", 16)
+    ev_file = tmp_path / "events1.jsonl"
+    proc = run_cli(["build", "//pkg:m_cpu", "--jobs", "2", "--cache-dir", str(cache), "--build-event-json-file",
+                    str(ev_file), "--profile", str(tmp_path / "p1.json"), "--verbose"], ws)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    events = _events(ev_file)
+    (started,) = [e for e in events if e["event"] == "warm_up_started"]
+    (warm,) = [e for e in events if e["event"] == "warm_up_finished"]
+    assert warm["ok"] and warm["toolchain"] == "aoti" and warm["metadata"]["built"] == 2, warm
+    assert "WARM-UP: Warm up aoti for cpu/" in proc.stderr + proc.stdout
+    # It ran beside the traces: a trace started on another worker before the warm-up ended, and the warm-up was
+    # sent before any compile.
+    starts = [e for e in events if e["event"] == "action_started"]
+    assert any(e["kind"] == "trace" and e["worker"] != warm["worker"] and e["time"] < warm["time"] for e in starts)
+    assert all(started["time"] <= e["time"] for e in starts if e["kind"] == "compile")
+    # Exactly the warmed headers exist, untouched since the warm-up ended: no compile built one of its own.
+    headers = _headers(cache)
+    assert sorted(headers) == sorted(h + ".gch" for h in warm["metadata"]["headers"])
+    assert all(mtime <= warm["time"] * 1e9 for _ino, mtime in headers.values())
+    assert sum(1 for e in events if e["event"] == "action_finished" and e["kind"] == "compile") == 2
+    other = json.loads((tmp_path / "p1.json").read_text())["otherData"]
+    assert 0.0 < float(other["utilisation"]) <= 1.0 and float(other["warm_up_s"]) > 0.0
+    # Inductor's working files went under the cache's toolchain scratch dir, keyed by torch version and ISA.
+    work = list((cache / "v1" / "toolchain-tmp" / "neuronbuild-inductor").iterdir())
+    assert len(work) == 1 and work[0].name.startswith("torch-") and "-x86-64" in work[0].name
+
+    # A later build (other graphs) with the same cache: the warm-up finds them, and nothing rebuilds them.
+    ev_file2 = tmp_path / "events2.jsonl"
+    proc = run_cli(["build", "//pkg:m_cpu", "--jobs", "2", "--cache-dir", str(cache), "--build-event-json-file",
+                    str(ev_file2)], _ws(tmp_path / "ws2", 24))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (warm2,) = [e for e in _events(ev_file2) if e["event"] == "warm_up_finished"]
+    assert warm2["ok"] and warm2["metadata"]["built"] == 0 and warm2["metadata"]["headers"] == \
+        warm["metadata"]["headers"]
+    assert _headers(cache) == headers
+
+
+WARM = '''
+import json, sys
+from torch._inductor import cpp_builder
+built = []
+build = cpp_builder.CppBuilder.build
+def counting(self):
+    if self._precompiling:
+        built.append(self.get_target_file_path())
+    return build(self)
+cpp_builder.CppBuilder.build = counting
+sys.path.insert(0, sys.argv[1])
+from neuronbuild.toolchains.cpu import warm_up
+meta = warm_up({"isa": sys.argv[2]})
+print(json.dumps({"built_here": len(built), **meta}))
+'''
+
+
+def _warm(tmp: Path, isa: str) -> subprocess.Popen[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHINDUCTOR_")}
+    env.update(TMPDIR=str(tmp), OMP_NUM_THREADS="1")
+    return subprocess.Popen([sys.executable, "-c", WARM, str(REPO), isa], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def test_concurrent_warm_ups_build_each_header_once_and_headers_are_keyed_by_isa(tmp_path: Path) -> None:
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    procs = [_warm(tmp, "x86-64-v3"), _warm(tmp, "x86-64-v3")]
+    results = []
+    for p in procs:
+        out, err = p.communicate(timeout=900)
+        assert p.returncode == 0, err
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    assert sum(r["built_here"] for r in results) == 2  # two headers, built by one process or the other, once each
+    assert results[0]["headers"] == results[1]["headers"]
+    v3 = set(results[0]["headers"])
+    # Another ISA gets headers of its own (its -march and ISA macros are in their names), never v3's.
+    p = _warm(tmp, "x86-64-v2")
+    out, err = p.communicate(timeout=900)
+    assert p.returncode == 0, err
+    v2 = json.loads(out.strip().splitlines()[-1])
+    assert v2["built_here"] == 2 and not (set(v2["headers"]) & v3)
