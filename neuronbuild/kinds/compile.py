@@ -30,6 +30,8 @@ SCHEMA = RuleSchema(
         Attr("options", GRAPH_LABEL, "A compiler_options target (default: no options), or {graph: label} per graph "
              "family (e.g. context at -O1, token at -O2).", kinds=("compiler_options",)),
         Attr("tolerance", FLOAT, "Max abs error against eager accepted by `neuronbuild validate`.", default=1e-4),
+        Attr("timeout", FLOAT, "Seconds each action of this target may run (trace, lowering, compile); overrides "
+             "--action-timeout (0: the flag's value). Not fingerprinted.", default=0.0),
         TAGS,
     ),
 )
