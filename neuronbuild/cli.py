@@ -2,21 +2,29 @@
 
 from __future__ import annotations
 
-import argparse
-import importlib
 import os
 import sys
 from collections.abc import Sequence
-from pathlib import Path
+from typing import TYPE_CHECKING
 
-from neuronbuild.commands import COMMAND_MODULES
-from neuronbuild.errors import EXIT_BAD_INPUT, EXIT_BUILD_FAILED, EXIT_INTERRUPTED, EXIT_OK, NeuronBuildError
+if TYPE_CHECKING:
+    import argparse
+
+# argparse, the command modules and errors are imported only when the command runs in this process: a command the
+# build server runs costs the client nothing but the thin client (neuronbuild/server/client.py).
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # type: ignore[override]
-        print(f"neuronbuild: error: {message}", file=sys.stderr)
-        raise SystemExit(EXIT_BAD_INPUT)
+def _parser_class() -> type[argparse.ArgumentParser]:
+    import argparse
+
+    from neuronbuild.errors import EXIT_BAD_INPUT
+
+    class _Parser(argparse.ArgumentParser):
+        def error(self, message: str) -> None:  # type: ignore[override]
+            print(f"neuronbuild: error: {message}", file=sys.stderr)
+            raise SystemExit(EXIT_BAD_INPUT)
+
+    return _Parser
 
 
 EPILOG = """\
@@ -28,8 +36,13 @@ commands); --batch or NEURONBUILD_NO_SERVER=1 runs them in this process. `neuron
 
 
 def make_parser() -> tuple[argparse.ArgumentParser, dict[str, str]]:
-    from neuronbuild import __version__
+    import argparse
+    import importlib
 
+    from neuronbuild import __version__
+    from neuronbuild.commands import COMMAND_MODULES
+
+    _Parser = _parser_class()
     parser = _Parser(prog="neuronbuild", description="Bazel-style builds of model graphs for accelerators.",
                      epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("-C", dest="directory", metavar="DIR", help="run as if started in this directory")
@@ -74,10 +87,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _main(args)
     except BrokenPipeError:
         _quiet_stdout()
-        return EXIT_OK
+        return 0
 
 
 def _main(argv: list[str]) -> int:
+    import importlib
+    from pathlib import Path
+
+    from neuronbuild.errors import EXIT_BAD_INPUT, EXIT_BUILD_FAILED, EXIT_INTERRUPTED, NeuronBuildError
     from neuronbuild.rcfile import expand
 
     parser, owners = make_parser()

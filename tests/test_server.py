@@ -407,3 +407,12 @@ def test_batch_and_no_server_env_run_in_the_client(servers: Servers, tmp_path: P
     assert not list(servers.root.glob("*/server.json"))
     p = servers.run(["--max-idle-secs", "0", "plan"], ws)
     assert p.returncode == 2 and p.stderr.startswith("neuronbuild: error: --max-idle-secs"), p.stderr
+
+
+def test_a_server_whose_workspace_is_deleted_exits(servers: Servers, tmp_path: Path, shared_cache: Path) -> None:
+    ws = _ws(tmp_path)
+    p = servers.run(["plan", "//...", "--cache-dir", str(shared_cache)], ws)
+    assert p.returncode == 0, p.stderr
+    pid = servers.info(ws)["pid"]
+    shutil.rmtree(ws)  # e.g. a test's temporary directory: nobody can reach this server again
+    _wait(lambda: not _alive(pid), 30, "the server of a deleted workspace to exit")

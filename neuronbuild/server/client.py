@@ -8,26 +8,25 @@ import contextlib
 import os
 import signal
 import socket
-import subprocess
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import Any, NamedTuple
 
-from neuronbuild.errors import EXIT_BAD_INPUT, EXIT_BUILD_FAILED, EXIT_INTERRUPTED
 from neuronbuild.server import protocol
 from neuronbuild.server.protocol import ServerPaths, StartupOptions
+
+# As neuronbuild.errors (not imported here: it pulls in dataclasses, and this module must stay small).
+EXIT_BUILD_FAILED, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 1, 2, 8
 
 START_TIMEOUT_S = 120.0  # a loaded machine can take a while to import the analysis modules
 _BOOT = ("import sys; sys.path.insert(0, sys.argv[1]); "
          "from neuronbuild.server.daemon import main; main(sys.argv[2])")
 
 
-@dataclass(frozen=True)
-class Invocation:
+class Invocation(NamedTuple):
     """What the client read of the command line before the command name (Bazel's startup options and -C)."""
 
     command: str | None
@@ -91,18 +90,16 @@ def startup_options(output_user_root: str | None, max_idle_secs: int | None) -> 
     return StartupOptions(root, max_idle_secs or protocol.DEFAULT_MAX_IDLE_SECS)
 
 
-def workspace_paths(inv: Invocation) -> tuple[ServerPaths, StartupOptions] | None:
+def workspace_paths(inv: Invocation) -> tuple[ServerPaths, StartupOptions, str] | None:
     """The server files of the workspace this command runs in, or None outside any workspace."""
-    from neuronbuild.errors import UserInputError
-    from neuronbuild.workspace import find_workspace
-
-    start = Path(inv.directory) if inv.directory else None
     try:
-        ws = find_workspace(start)
-    except (UserInputError, OSError):
+        root = protocol.find_workspace_root(inv.directory or os.getcwd())
+    except OSError:
+        return None
+    if root is None:
         return None
     opts = startup_options(inv.output_user_root, inv.max_idle_secs)
-    return protocol.server_paths(ws.root, opts.output_user_root), opts
+    return protocol.server_paths(root, opts.output_user_root), opts, root
 
 
 def maybe_run(argv: Sequence[str]) -> int | None:
@@ -117,8 +114,8 @@ def maybe_run(argv: Sequence[str]) -> int | None:
     found = workspace_paths(inv)
     if found is None:
         return None
-    paths, opts = found
-    return run(paths, opts, list(argv))
+    paths, opts, root = found
+    return run(paths, opts, list(argv), root)
 
 
 def connect(paths: ServerPaths, timeout: float | None = None) -> socket.socket | None:
@@ -174,10 +171,11 @@ def wait_gone(pid: int, timeout: float = 30.0) -> bool:
     return False
 
 
-def start_server(paths: ServerPaths, opts: StartupOptions, stamp: str) -> None:
+def start_server(paths: ServerPaths, opts: StartupOptions, stamp: str, workspace: str = "") -> None:
     """Start the daemon (unless another client just did) and wait until it accepts connections."""
     import fcntl
     import json
+    import subprocess
 
     protocol.private_dir(paths.output_base)
     protocol.private_dir(paths.socket.parent)
@@ -193,7 +191,7 @@ def start_server(paths: ServerPaths, opts: StartupOptions, stamp: str) -> None:
             if paths.log.stat().st_size > 16 << 20:
                 paths.log.unlink()  # keep the log bounded
         config = json.dumps({"output_base": str(paths.output_base), "socket": str(paths.socket), "stamp": stamp,
-                             "opts": opts.to_json()})
+                             "opts": opts.to_json(), "workspace": workspace})
         pkg_parent = str(Path(__file__).resolve().parent.parent.parent)
         fd = os.open(paths.log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         try:
@@ -262,7 +260,7 @@ def _stream(sock: socket.socket) -> tuple[str, Any]:
             signal.signal(s, h)
 
 
-def run(paths: ServerPaths, opts: StartupOptions, argv: list[str]) -> int:
+def run(paths: ServerPaths, opts: StartupOptions, argv: list[str], workspace: str = "") -> int:
     stamp = protocol.server_stamp(opts)
     tty = [sys.stdout.isatty(), sys.stderr.isatty()]
     env = dict(os.environ)
@@ -275,7 +273,7 @@ def run(paths: ServerPaths, opts: StartupOptions, argv: list[str]) -> int:
         sock = connect(paths)
         if sock is None:
             try:
-                start_server(paths, opts, stamp)
+                start_server(paths, opts, stamp, workspace)
             except (OSError, RuntimeError) as e:
                 print(f"neuronbuild: error: {e}", file=sys.stderr)
                 return EXIT_BUILD_FAILED

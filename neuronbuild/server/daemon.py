@@ -69,6 +69,7 @@ class Server:
         self.stamp = str(config["stamp"])
         self.max_idle = int(config["opts"]["max_idle_secs"])
         self.opts = config["opts"]
+        self.workspace = str(config.get("workspace") or "")
         self.started = time.time()
         self.commands = 0
         self.queue: queue.Queue[tuple[socket.socket, dict[str, Any]]] = queue.Queue()
@@ -150,20 +151,35 @@ class Server:
         print(f"{time.strftime('%Y-%m-%d %H:%M:%S')} server {os.getpid()} listening on {self.socket_path}",
               flush=True)
         try:
+            idle_since = time.monotonic()
             while not self.stopping:
-                try:
-                    conn, msg = self.queue.get(timeout=self.max_idle)
-                except queue.Empty:
+                left = self.max_idle - (time.monotonic() - idle_since)
+                if left <= 0:
                     print(f"idle for {self.max_idle} s: exiting", flush=True)
                     break
+                if not self._still_wanted():
+                    print("the workspace or the output base is gone: exiting", flush=True)
+                    break
+                try:
+                    conn, msg = self.queue.get(timeout=min(left, 5.0))
+                except queue.Empty:
+                    continue
                 except KeyboardInterrupt:  # a late cancel that arrived after its command ended
                     continue
                 try:
                     self.handle(conn, msg)
                 except KeyboardInterrupt:
-                    continue
+                    pass
+                idle_since = time.monotonic()
         finally:
             self.cleanup(listener)
+
+    def _still_wanted(self) -> bool:
+        """A server whose workspace was deleted (a test's temporary directory) or whose socket or output base was
+        removed can never be reached again: it exits instead of idling for hours."""
+        marker = os.path.join(self.workspace, "WORKSPACE.neuronbuild") if self.workspace else None
+        return (marker is None or os.path.isfile(marker)) and self.output_base.is_dir() and \
+            self.socket_path.exists()
 
     def cleanup(self, listener: socket.socket) -> None:
         with contextlib.suppress(OSError):

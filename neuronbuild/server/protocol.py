@@ -11,9 +11,8 @@ import os
 import socket
 import struct
 import sys
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 DEFAULT_MAX_IDLE_SECS = 3 * 3600
 MAX_FRAME = 64 << 20  # a frame larger than this is a protocol error
@@ -26,8 +25,7 @@ class ProtocolError(Exception):
     """The other side sent something that is not a frame of this protocol (or hung up mid-frame)."""
 
 
-@dataclass(frozen=True)
-class StartupOptions:
+class StartupOptions(NamedTuple):
     """Options fixed for a server's life (Bazel's startup options): a command asking for others replaces it."""
 
     output_user_root: str
@@ -45,8 +43,7 @@ def default_output_user_root() -> str:
     return os.path.join(base, "neuronbuild-server")
 
 
-@dataclass(frozen=True)
-class ServerPaths:
+class ServerPaths(NamedTuple):
     """The files of one workspace's server, all inside its output base (a directory only this user can enter)."""
 
     output_base: Path
@@ -65,7 +62,7 @@ class ServerPaths:
         return self.output_base / "start.lock"
 
 
-def server_paths(workspace_root: Path, output_user_root: str) -> ServerPaths:
+def server_paths(workspace_root: Path | str, output_user_root: str) -> ServerPaths:
     """One output base per workspace (per user root), as Bazel keys its output base by the workspace's path."""
     key = hashlib.sha256(str(workspace_root).encode()).hexdigest()[:16]
     base = Path(output_user_root) / key
@@ -91,11 +88,8 @@ def server_stamp(opts: StartupOptions) -> str:
     the toolchain as the no-op stamp sees it (stat keys of sys.path entries and compilers: installing or upgrading
     torch changes them), plug-in settings and the startup options. A client whose stamp differs replaces the server,
     so nothing a server memoised about its environment outlives a change to it."""
-    from neuronbuild.noop import toolchain_paths
-    from neuronbuild.self_stamp import code_stamp
-
     tools = []
-    for p in toolchain_paths():
+    for p in _toolchain_paths():
         try:
             st = os.stat(p)
             tools.append([p, st.st_size, st.st_mtime_ns, st.st_ino, st.st_ctime_ns])
@@ -108,10 +102,59 @@ def server_stamp(opts: StartupOptions) -> str:
             if d:
                 plugin_files.extend(sorted([e.path, e.stat().st_mtime_ns, e.stat().st_size] for e in it
                                            if e.name.endswith(".py")))
-    text = json.dumps({"code": code_stamp(), "python": sys.version, "exe": os.path.realpath(sys.executable),
+    text = json.dumps({"code": _code_stamp(), "python": sys.version, "exe": os.path.realpath(sys.executable),
                        "prefix": sys.prefix, "path": sys.path[1:], "tools": tools, "plugins": plugins,
                        "plugin_files": plugin_files, "opts": opts.to_json()}, sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _code_stamp() -> str:
+    """As self_stamp.code_stamp (version, format, every .py file's path, size and mtime), without pathlib."""
+    from neuronbuild import FORMAT_VERSION, __version__
+
+    parts = [__version__, FORMAT_VERSION]
+    stack = [os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
+    while stack:
+        d = stack.pop()
+        with os.scandir(d) as it:
+            for e in sorted(it, key=lambda e: e.name):
+                if e.is_dir(follow_symlinks=False) and e.name != "__pycache__":
+                    stack.append(e.path)
+                elif e.name.endswith(".py"):
+                    st = e.stat()
+                    parts.append(f"{e.path}:{st.st_size}:{st.st_mtime_ns}")
+    return "\n".join(parts)
+
+
+def _which(name: str) -> str | None:
+    for d in os.environ.get("PATH", os.defpath).split(os.pathsep):
+        p = os.path.join(d or ".", name)
+        if os.path.isfile(p) and os.access(p, os.X_OK):
+            return p
+    return None
+
+
+def _toolchain_paths() -> list[str]:
+    """noop.toolchain_paths without importing noop (and shutil): sys.path entries and the compilers on PATH."""
+    out = [p for p in sys.path[1:] if p and os.path.isdir(p)]
+    tools = ["g++", "c++", "neuronx-cc"] + [os.environ[v] for v in ("CXX", "CC") if os.environ.get(v)]
+    for t in tools:
+        found = t if os.sep in t and os.path.isfile(t) else _which(t)
+        if found:
+            out.append(os.path.realpath(found))
+    return list(dict.fromkeys(out))
+
+
+def find_workspace_root(start: str) -> str | None:
+    """workspace.find_workspace's walk up to the marker, without importing it (the client stays small)."""
+    d = os.path.realpath(start)
+    while True:
+        if os.path.isfile(os.path.join(d, "WORKSPACE.neuronbuild")):
+            return d
+        parent = os.path.dirname(d)
+        if parent == d:
+            return None
+        d = parent
 
 
 def send(sock: socket.socket, msg: dict[str, Any]) -> None:
