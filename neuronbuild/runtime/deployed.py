@@ -32,7 +32,7 @@ from neuronbuild.runtime.layout import (
 from neuronbuild.runtime.router import BucketRouter, NoBucketFits, Route
 from neuronbuild.runtime.signing import SIGNATURE as SIGNATURE_FILE
 from neuronbuild.runtime.signing import TRUSTED_KEYS_ENV, SignatureError, TrustedKey, load_trusted_keys, verify_manifest
-from neuronbuild.runtime.verified import read_verified, verified_path
+from neuronbuild.runtime.verified import load_weights_verified, verified_path
 
 STRICT_ENV = "NEURONBUILD_STRICT"
 REQUIRE_ENV = "NEURONBUILD_REQUIRE"
@@ -281,9 +281,7 @@ class DeployedCache:
 
     def _weights_for(self, path: Path, ref: FileRef) -> Any:
         if path not in self._weights:
-            from safetensors.torch import load as load_safetensors
-
-            self._weights[path] = load_safetensors(read_verified(path, ref))  # every byte checked before use
+            self._weights[path] = load_weights_verified(path, ref)  # every byte checked before use, read once
         return self._weights[path]
 
     def _load(self, slot: _Slot) -> Callable[..., Any] | None:
