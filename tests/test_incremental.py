@@ -29,30 +29,34 @@ def _edit(path: Path, old: str, new: str) -> None:
 def test_editing_one_bucket_list_reruns_only_that_buckets_actions(built_example, cache_dir: Path,  # type: ignore[no-untyped-def]
                                                                   tmp_path: Path) -> None:
     ws = copy_example(tmp_path / "ws")
-    _edit(ws / "models/BUILD", '"seq": [128, 512]', '"seq": [128, 256]')
+    _edit(ws / "models/BUILD", "context_lengths = [32]", "context_lengths = [16]")  # the context buckets only
     ran = _build(ws, cache_dir)
     assert sorted(ran) == sorted([
-        ("Trace", "//models:llama", "batch=1, seq=256"), ("Trace", "//models:llama", "batch=4, seq=256"),
-        ("Compile", "//models:llama_trn2", "batch=1, seq=256"), ("Compile", "//models:llama_trn2", "batch=4, seq=256"),
+        ("Trace", "//models:llama", "context: batch=1, seq=16"), ("Trace", "//models:llama", "context: batch=4, seq=16"),
+        ("Compile", "//models:llama_trn2", "context: batch=1, seq=16"),
+        ("Compile", "//models:llama_trn2", "context: batch=4, seq=16"),
     ])
 
 
 def test_editing_only_options_recompiles_without_retracing(built_example, cache_dir: Path,  # type: ignore[no-untyped-def]
                                                            tmp_path: Path) -> None:
     ws = copy_example(tmp_path / "ws")
-    _edit(ws / "models/BUILD", 'name = "base", opt_level = 2', 'name = "base", opt_level = 3')  # overridden by :fast
+    # overridden by :context_opts and :token_opts
+    _edit(ws / "models/BUILD", 'name = "base", model_type = "transformer"',
+          'name = "base", model_type = "transformer", opt_level = 3')
     assert _build(ws, cache_dir) == []  # the effective options did not change
     _edit(ws / "models/BUILD", 'model_type = "transformer"', 'model_type = "generic"')
     ran = _build(ws, cache_dir)
-    assert sorted(k for k, _l, _b in ran) == ["Compile"] * 5
-    assert {b for _k, _l, b in ran} == {"batch=1, seq=128", "batch=1, seq=512", "batch=4, seq=128",
-                                        "batch=4, seq=512", "batch=4, seq=1"}
+    assert sorted(k for k, _l, _b in ran) == ["Compile"] * 4
+    assert {b for _k, _l, b in ran} == {"context: batch=1, seq=32", "context: batch=4, seq=32", "token: batch=1",
+                                        "token: batch=4"}
 
 
 def test_editing_model_source_reruns_all_of_that_models_actions(built_example, cache_dir: Path,  # type: ignore[no-untyped-def]
                                                                 tmp_path: Path) -> None:
     ws = copy_example(tmp_path / "ws")
-    (ws / "models/llama.py").write_text((ws / "models/llama.py").read_text() + "\n# an edit\n")
+    # an hf_causal_lm's "source" is its config (the wrapper module ships with neuronbuild)
+    _edit(ws / "models/BUILD", '"max_position_embeddings": 128', '"max_position_embeddings": 256')
     ran = _build(ws, cache_dir)
-    assert sorted(k for k, _l, _b in ran) == ["Compile"] * 5 + ["Trace"] * 5
+    assert sorted(k for k, _l, _b in ran) == ["Compile"] * 4 + ["Trace"] * 4
     assert {lbl for k, lbl, _b in ran if k == "Trace"} == {"//models:llama"}
