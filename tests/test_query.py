@@ -24,23 +24,26 @@ def example(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.mark.parametrize("expr,expected", [
-    ("deps(//models:llama_trn2)", {"llama_trn2", "llama", "llama.py", "ctx", "tok", "trn2", "fast", "base"}),
-    ("deps(//models:llama_trn2, 1)", {"llama_trn2", "llama", "ctx", "tok", "trn2", "fast"}),
-    ("rdeps(//..., //models:llama.py)", {"llama.py", "llama", "llama_tiny", "llama_trn2", "llama_cpu",
-                                         "llama_tiny_cpu", "release", "release_cpu"}),
-    ("rdeps(//models:llama_cpu, //models:llama.py)", {"llama.py", "llama", "llama_cpu"}),
+    ("deps(//models:llama_trn2)", {"llama_trn2", "llama", "llama.safetensors", "serve_context", "serve_token", "trn2",
+                                   "context_opts", "token_opts", "base"}),
+    ("deps(//models:llama_trn2, 1)", {"llama_trn2", "llama", "serve_context", "serve_token", "trn2", "context_opts",
+                                      "token_opts"}),
+    ("rdeps(//..., //models:llama.safetensors)", {"llama.safetensors", "llama", "llama_trn2", "llama_cpu", "release",
+                                                  "release_cpu"}),
+    ("rdeps(//models:llama_cpu, //models:llama.safetensors)", {"llama.safetensors", "llama", "llama_cpu"}),
     ("kind(neuron_compile, //...)", {"llama_trn2", "llama_cpu", "llama_tiny_cpu"}),
-    ("kind('source file', deps(//...))", {"llama.py", "llama_tiny.safetensors"}),
+    ("kind('source file', deps(//...))", {"llama.py", "llama_tiny.safetensors", "llama.safetensors"}),
     ("attr(platform, cpu, //...)", {"cpu"}),
-    ("attr(opt_level, 1, //...)", {"fast"}),
+    ("attr(opt_level, 1, //...)", {"context_opts"}),
     ("kind(neuron_compile, rdeps(//..., //tools:cpu_default))", {"llama_cpu"}),
     ("rdeps(//..., //tools:cpu_default)", {"llama_cpu", "release", "release_cpu", "//tools:cpu_default"}),
-    ("kind(neuron_compile, //...) ^ rdeps(//..., //models:tok)", {"llama_trn2", "llama_tiny_cpu"}),
+    ("kind(neuron_compile, //...) ^ rdeps(//..., //models:serve_token)", {"llama_trn2", "llama_cpu"}),
     ("kind(neuron_compile, //...) - attr(target, trn2, //...)", {"llama_cpu", "llama_tiny_cpu"}),
-    ("set(//models:trn2 //models:cpu) union //models:fast", {"trn2", "cpu", "fast"}),
-    ("allpaths(//models:llama_trn2, //models:base)", {"llama_trn2", "fast", "base"}),
+    ("set(//models:trn2 //models:cpu) union //models:base", {"trn2", "cpu", "base"}),
+    ("allpaths(//models:llama_trn2, //models:base)", {"llama_trn2", "context_opts", "token_opts", "base"}),
     ("somepath(//models:llama_tiny_cpu, //models:llama.py)", {"llama_tiny_cpu", "llama_tiny", "llama.py"}),
-    ("labels(buckets, //models:llama_trn2)", {"ctx", "tok"}),
+    ("labels(buckets, //models:llama_trn2)", {"serve_context", "serve_token"}),  # a per-graph dict: every label
+    ("labels(options, //models:llama_trn2)", {"context_opts", "token_opts"}),
 ])
 def test_queries_on_the_example(expr: str, expected: set[str], example: Path) -> None:
     assert _q(example, expr) == {n if n.startswith("//") else f"{M}{n}" for n in expected}
