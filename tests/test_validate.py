@@ -28,8 +28,9 @@ def test_validate_passes_on_the_built_cpu_targets_and_shows_the_measured_error(
     proc = run_cli(["validate", *CPU_TARGETS, "--cache-dir", str(cache_dir)], ws)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = _rows(proc.stdout)
-    assert set(rows) == {("//models:llama_cpu", "batch1_seq128"), ("//models:llama_cpu", "batch4_seq1"),
-                         ("//models:llama_tiny_cpu", "batch4_seq1")}
+    assert set(rows) == {("//models:llama_cpu", b) for b in ("context_batch1_seq32", "context_batch4_seq32",
+                                                              "token_batch1", "token_batch4")} \
+        | {("//models:llama_tiny_cpu", "batch4_seq1")}
     for (_target, _bucket), (platform, max_abs, max_rel, tol, result) in rows.items():
         assert platform.startswith("cpu/x86-64") and result == "ok"
         # A real measurement: AOTInductor's fused kernels differ from eager in the last bits, not more.
@@ -43,23 +44,24 @@ def test_validate_fails_with_a_zero_tolerance(cache_dir: Path, tmp_path: Path, b
     ws = copy_example(tmp_path / "ws")
     build = ws / "models" / "BUILD"
     text = build.read_text()
-    old = 'target = ":cpu",\n               options = "//tools:cpu_default")'
+    old = 'target = ":cpu",\n    options = "//tools:cpu_default",'
     assert old in text
-    build.write_text(text.replace(old, 'target = ":cpu",\n               options = "//tools:cpu_default", '
-                                       'tolerance = 0.0)'))
+    build.write_text(text.replace(old, 'target = ":cpu",\n    options = "//tools:cpu_default", '
+                                       'tolerance = 0.0,'))
     proc = run_cli(["validate", "//models:llama_cpu", "--cache-dir", str(cache_dir)], ws)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     rows = _rows(proc.stdout)
-    assert len(rows) == 2
+    assert len(rows) == 4
     assert all(r[-1] == "FAIL" and float(r[1]) > 0.0 and float(r[3]) == 0.0 for r in rows.values()), proc.stdout
-    assert "2 graph(s) failed validation" in proc.stderr and "Traceback" not in proc.stderr
+    assert "4 graph(s) failed validation" in proc.stderr and "Traceback" not in proc.stderr
 
 
 def _scaled_safetensors(data: bytes, factor: float) -> bytes:
-    """The same safetensors file with its smallest float32 tensor multiplied by `factor` (header unchanged)."""
+    """The same safetensors file with its smallest float32 norm weight multiplied by `factor` (header unchanged; a
+    tensor the package reads: the file also holds buffers inductor folded into the package, e.g. rotary inv_freq)."""
     (n,) = struct.unpack("<Q", data[:8])
     header = json.loads(data[8:8 + n])
-    name = min((k for k, v in header.items() if k != "__metadata__" and v["dtype"] == "F32"),
+    name = min((k for k, v in header.items() if k != "__metadata__" and v["dtype"] == "F32" and "norm" in k),
                key=lambda k: header[k]["data_offsets"][1] - header[k]["data_offsets"][0])
     lo, hi = (8 + n + o for o in header[name]["data_offsets"])
     values = struct.unpack(f"<{(hi - lo) // 4}f", data[lo:hi])
@@ -79,14 +81,14 @@ def _cache_copy(src: Path, dest: Path) -> Path:
 
 def test_validate_fails_when_a_cached_artifact_is_wrong(built_example, cache_dir: Path,
                                                         tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    """A cache whose batch4_seq1 entry holds well-formed but wrong weights (as a broken toolchain or a bad merge of
+    """A cache whose token_batch4 entry holds well-formed but wrong weights (as a broken toolchain or a bad merge of
     caches could leave): the blob's digest is right, so only validate's comparison with eager can catch it."""
     ws, _ = built_example
     cache = _cache_copy(cache_dir, tmp_path / "cache")
     manifest = json.loads((ws / "neuronbuild-out/models/llama_cpu/manifest.json").read_text())
-    bucket = next(b for b in manifest["buckets"] if b["name"] == "batch4_seq1")
+    bucket = next(b for b in manifest["buckets"] if b["name"] == "token_batch4")
     fp = bucket["fingerprint"]
-    wrong = _scaled_safetensors((ws / "neuronbuild-out/models/llama_cpu/batch4_seq1/constants.safetensors")
+    wrong = _scaled_safetensors((ws / "neuronbuild-out/models/llama_cpu/token_batch4/constants.safetensors")
                                 .read_bytes(), 3.0)
     digest = blake3.blake3(wrong).hexdigest()
     blob = cache / "v1" / "cas" / digest[:2] / digest
@@ -102,7 +104,7 @@ def test_validate_fails_when_a_cached_artifact_is_wrong(built_example, cache_dir
     proc = run_cli(["validate", "//models:llama_cpu", "--cache-dir", str(cache)], ws)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     rows = _rows(proc.stdout)
-    bad, good = rows[("//models:llama_cpu", "batch4_seq1")], rows[("//models:llama_cpu", "batch1_seq128")]
+    bad, good = rows[("//models:llama_cpu", "token_batch4")], rows[("//models:llama_cpu", "context_batch1_seq32")]
     assert bad[-1] == "FAIL" and float(bad[1]) > 1e-2, proc.stdout
     assert good[-1] == "ok" and float(good[1]) <= 1e-4, proc.stdout
     assert "1 graph(s) failed validation" in proc.stderr and "Traceback" not in proc.stderr
@@ -116,6 +118,6 @@ def test_validate_reports_unbuilt_graphs_and_exits_1(built_example, tmp_path: Pa
     proc = run_cli(["validate", "//models:llama_cpu", "--cache-dir", str(tmp_path / "empty")], ws)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     rows = _rows(proc.stdout)
-    assert len(rows) == 2 and all(" ".join(r[4:]).startswith("NOT BUILT (run neuronbuild build //models:llama_cpu)")
+    assert len(rows) == 4 and all(" ".join(r[4:]).startswith("NOT BUILT (run neuronbuild build //models:llama_cpu)")
                                   for r in rows.values()), proc.stdout
-    assert "2 graph(s) failed validation" in proc.stderr and "Traceback" not in proc.stderr
+    assert "4 graph(s) failed validation" in proc.stderr and "Traceback" not in proc.stderr
