@@ -235,6 +235,14 @@ class Server:
     def cleanup(self, listener: socket.socket) -> None:
         with contextlib.suppress(OSError):
             listener.close()
+        while True:  # commands still waiting: their clients start a new server once this one is gone
+            try:
+                conn, msg = self.queue.get_nowait()
+            except queue.Empty:
+                break
+            with conn, contextlib.suppress(OSError):
+                protocol.send(conn, {"t": "exit", "code": EXIT_OK, "pid": os.getpid()} if msg.get("type") ==
+                              "shutdown" else {"t": "mismatch", "pid": os.getpid(), "stopping": True})
         with contextlib.suppress(OSError):
             if json.loads((self.output_base / "server.json").read_text()).get("pid") == os.getpid():
                 (self.output_base / "server.json").unlink()
