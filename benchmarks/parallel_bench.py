@@ -1,172 +1,218 @@
-"""Cold builds of N traces + N AOTInductor compiles: a hand-written serial script (bare, and with neuronbuild's
-toolchain steps) against `neuronbuild build --jobs 1` and `--jobs 2`, in one run; prints wall times and ratios.
+"""Parallel efficiency, cold builds, side by side and interleaved (A B A B) in one run: N cpu graphs with `--jobs 1`
+and `--jobs 2` against an equal-work serial script; N Neuron graphs `--jobs 2` against `--jobs 1`; a real Dask
+cluster on 127.0.0.1 with 2 workers against 1 and against the local executor at the same parallelism. Prints wall
+times, ratios, each build's worker utilisation (from its --profile) and the load averages around every run.
 
-    .venv/bin/python benchmarks/parallel_bench.py                          # 6 buckets: ~5-15 minutes on 2 cores
-    .venv/bin/python benchmarks/parallel_bench.py --batch 1 --seq 32,64    # 2 buckets: a few minutes
+    .venv/bin/python benchmarks/parallel_bench.py --section cpu --graphs 4 --rounds 2     # a few minutes each
+    .venv/bin/python benchmarks/parallel_bench.py --section cpu --graphs 8 --rounds 1
+    .venv/bin/python benchmarks/parallel_bench.py --section neuron --graphs 12 --rounds 2
+    .venv/bin/python benchmarks/parallel_bench.py --section dask --graphs 4 --rounds 1    # cpu graphs on the farm
+    .venv/bin/python benchmarks/parallel_bench.py --section dask --workload neuron --graphs 12 --rounds 1
 
-Equal work on both sides:
-- the same inductor configs as neuronbuild's cpu toolchain (neuronbuild/toolchains/compile.py: constants not packaged
-  in the .so, -march/simdlen of the pinned ISA, dynamic threads, no line tables) and the same pinned vector ISA (the
-  toolchain's own pinning context manager), for the ISA `isa = "native"` resolves to on this machine;
+A "graph" is one bucket of the example llama (vocab 1000 + a per-run offset, hidden 128, 2 layers): for cpu a trace +
+an AOTInductor compile; for Neuron (trn2) a trace + the HLO lowering + the compile step (flags; no neuronx-cc here).
+
+Equal work on both sides of the cpu comparison:
+- the script compiles with the inductor configs of neuronbuild's cpu toolchain (constants not packaged in the .so,
+  -march/simdlen of the pinned ISA, dynamic threads, no line tables, neuronbuild.toolchains.compile.inductor_configs)
+  under the toolchain's own ISA pinning, for the ISA `isa = "native"` resolves to;
 - fresh inductor state for every run: the script gets a fresh TORCHINDUCTOR_CACHE_DIR and TMPDIR (precompiled
-  headers); neuronbuild gets a fresh cache directory (its workers' TMPDIR) and, because its cpu toolchain always
-  compiles in the fixed per-machine /tmp/neuronbuild-inductor, runs in a private mount namespace with an empty
-  directory bind-mounted there (needs root and util-linux `unshare`; without them the script says so and
-  neuronbuild's side may find that directory warm). Every run also gets its own vocab size (1000 + a per-run
-  offset), so no run can hit another's inductor caches; the graphs differ only in the embedding's row count;
+  headers); a build gets a fresh cache directory, which holds its workers' TMPDIR and so inductor's working dir and
+  precompiled headers. Every run has its own vocab size, so no run can hit another's caches;
 - OMP_NUM_THREADS=1 on both sides (neuronbuild's action environment sets it).
-
-Two script variants:
-- bare: torch.export + aoti_compile_and_package per bucket, one process;
-- with neuronbuild's toolchain steps: also what neuronbuild's actions do beyond that: the traced program saved and
-  loaded back (the trace -> compile hand-off), the canonical package rewrite and constants.safetensors (the toolchain's
-  compile_cpu itself), and BLAKE3 over every output. What remains on neuronbuild's side is the build system proper:
-  loading and planning, worker processes, sandboxes, storing into the CAS with fsync, records and neuronbuild-out/.
+The script is `export + aoti_compile_and_package` per bucket in one process; what neuronbuild does beyond that (the
+program saved and loaded back between trace and compile, the canonical package rewrite, constants.safetensors, the
+build system: loading, planning, worker processes, sandboxes, storing into the CAS, neuronbuild-out/) is on its side.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import os
 import random
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-NB_INDUCTOR = "/tmp/neuronbuild-inductor"  # neuronbuild.toolchains.compile.INDUCTOR_CACHE_DIR's parent
+DASK = str(Path(sys.executable).parent / "dask")
+SEQS = [8, 12, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256]  # one bucket (graph) per length, batch 1
 
 BUILD = """
 neuron_model(name = "llama", srcs = ["llama.py"], entry = "llama:build_model",
              config = {{"vocab": {vocab}, "hidden": 128, "layers": 2, "heads": 4}},
              inputs = {{"input_ids": "int64[batch, seq]"}})
-neuron_buckets(name = "b", dims = {{"batch": {batch}, "seq": {seq}}})
+neuron_buckets(name = "b", dims = {{"batch": [1], "seq": {seq}}})
 neuron_target(name = "cpu", platform = "cpu", isa = "{isa}")
+neuron_target(name = "trn2", platform = "trn2")
 neuron_compile(name = "llama_cpu", model = ":llama", buckets = [":b"], target = ":cpu")
+neuron_compile(name = "llama_trn2", model = ":llama", buckets = [":b"], target = ":trn2")
 """
 
 # The script a user would write without a build system: one process, export then AOTInductor per bucket, in turn.
 SCRIPT = """
-import sys, time
+import sys
 import torch
 sys.path.insert(0, sys.argv[1])
 from llama import build_model
 from torch._inductor import aoti_compile_and_package
-from neuronbuild.toolchains.compile import ISA_TARGETS, _pinned_vec_isa
+from neuronbuild.toolchains.compile import ISA_TARGETS, _pinned_vec_isa, inductor_configs
 
-vocab, out, isa, mode = int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
+vocab, out, isa = int(sys.argv[2]), sys.argv[3], sys.argv[4]
 target = ISA_TARGETS[isa]
-# Kept equal to neuronbuild.toolchains.compile.compile_cpu's inductor_configs.
-configs = {{"cpp.march": target.march, "cpp.simdlen": target.simdlen, "cpp.dynamic_threads": True,
-           "aot_inductor.package_constants_in_so": False, "aot_inductor.enable_line_tables": False}}
 torch.manual_seed(0)
 model = build_model({{"vocab": vocab, "hidden": 128, "layers": 2, "heads": 4}}).eval()
-for batch in {batch}:
-    for seq in {seq}:
-        x = torch.zeros((batch, seq), dtype=torch.int64)
-        with torch.no_grad():
-            ep = torch.export.export(model, (x,), strict=False)
-        if mode == "bare":
-            with _pinned_vec_isa(target), torch.no_grad():
-                aoti_compile_and_package(ep, package_path=f"{{out}}/b{{batch}}_s{{seq}}.pt2", inductor_configs=configs)
-            continue
-        import blake3
-        from pathlib import Path
-        from neuronbuild.toolchains.compile import compile_cpu
-        from neuronbuild.toolchains.trace import load_program, program_bytes
-        d = Path(out) / f"b{{batch}}_s{{seq}}"
-        d.mkdir()
-        (d / "program.pt2").write_bytes(program_bytes(ep))
-        compile_cpu(load_program(d / "program.pt2"), (x,), isa, {{}}, d)
-        for f in sorted(d.iterdir()):
-            blake3.blake3(f.read_bytes()).hexdigest()
+for seq in {seq}:
+    x = torch.zeros((1, seq), dtype=torch.int64)
+    with torch.no_grad():
+        ep = torch.export.export(model, (x,), strict=False)
+    with _pinned_vec_isa(target), torch.no_grad():
+        aoti_compile_and_package(ep, package_path=f"{{out}}/s{{seq}}.pt2", inductor_configs=inductor_configs(target))
 """
 
 
-def _isolated(cmd: list[str], fresh: Path) -> list[str]:
-    """cmd in a private mount namespace where NB_INDUCTOR is the directory `fresh` (other processes still see theirs)."""
-    return ["unshare", "--mount", "--propagation", "private", "sh", "-c",
-            f'mount --bind "{fresh}" "{NB_INDUCTOR}" && exec "$@"', "sh", *cmd]
+class Bench:
+    def __init__(self, root: Path, isa: str, seqs: list[int]) -> None:
+        self.root = root
+        self.isa = isa
+        self.seqs = seqs
+        self.vocab = 1000 + random.randrange(1, 50_000) * 10
+        self.notes: list[str] = []
+
+    def _next(self) -> int:
+        self.vocab += 1
+        return self.vocab
+
+    def workspace(self, vocab: int) -> Path:
+        ws = self.root / f"ws-{vocab}"
+        (ws / "models").mkdir(parents=True)
+        (ws / "WORKSPACE.neuronbuild").write_text("")
+        shutil.copyfile(REPO / "examples/models/llama.py", ws / "models/llama.py")
+        (ws / "models/BUILD").write_text(BUILD.format(vocab=vocab, seq=self.seqs, isa=self.isa))
+        return ws
+
+    def script(self) -> tuple[float, str]:
+        vocab = self._next()
+        ws = self.workspace(vocab)
+        out, tmp = self.root / f"script-out-{vocab}", self.root / f"script-tmp-{vocab}"
+        out.mkdir()
+        tmp.mkdir()
+        env = dict(os.environ, TMPDIR=str(tmp), TORCHINDUCTOR_CACHE_DIR=str(tmp / "inductor"), OMP_NUM_THREADS="1",
+                   PYTHONPATH=str(REPO))
+        t = time.perf_counter()
+        proc = subprocess.run([sys.executable, "-c", SCRIPT.format(seq=self.seqs), str(ws / "models"), str(vocab),
+                               str(out), self.isa], env=env, capture_output=True, text=True)
+        wall = time.perf_counter() - t
+        if proc.returncode != 0 or len(list(out.glob("*.pt2"))) != len(self.seqs):
+            sys.exit(f"the serial script failed:\n{proc.stdout}\n{proc.stderr}")
+        return wall, ""
+
+    def build(self, target: str, *flags: str) -> tuple[float, str]:
+        vocab = self._next()
+        ws = self.workspace(vocab)
+        profile = self.root / f"profile-{vocab}.json"
+        cmd = [sys.executable, "-m", "neuronbuild", "build", f"//models:{target}", "--cache-dir",
+               str(self.root / f"cache-{vocab}"), "--profile", str(profile), *flags]
+        t = time.perf_counter()
+        proc = subprocess.run(cmd, cwd=ws, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+        wall = time.perf_counter() - t
+        if proc.returncode != 0 or " 0 cached" not in proc.stdout:
+            sys.exit(f"neuronbuild {' '.join(flags)} failed:\n{proc.stdout}\n{proc.stderr}")
+        return wall, utilisation(profile)
 
 
-def _can_isolate(root: Path) -> bool:
-    if os.geteuid() != 0 or not shutil.which("unshare"):
-        return False
-    Path(NB_INDUCTOR).mkdir(parents=True, exist_ok=True)
-    probe = root / "probe"
-    probe.mkdir()
-    (probe / "marker").write_text("")
-    seen = subprocess.run(_isolated(["ls", "-A", NB_INDUCTOR], probe), capture_output=True, text=True)
-    return seen.returncode == 0 and seen.stdout.split() == ["marker"]
+def utilisation(profile: Path) -> str:
+    """The build's utilisation (profile otherData) and each worker's busy seconds."""
+    data = json.loads(profile.read_text())
+    other = data.get("otherData", {})
+    names = {e["tid"]: e["args"]["name"] for e in data["traceEvents"]
+             if e.get("ph") == "M" and e["name"] == "thread_name"}
+    busy: dict[str, float] = {}
+    by_kind: dict[str, list[float]] = {}
+    for e in data["traceEvents"]:
+        if e.get("ph") == "X" and e.get("cat") in ("action", "warm_up"):
+            w = names.get(e["tid"], str(e["tid"]))
+            busy[w] = busy.get(w, 0.0) + e["dur"] / 1e6
+            by_kind.setdefault(e["name"].split()[0].lower(), []).append(float(e["args"]["duration_s"]))
+    per = ", ".join(f"{w.rsplit(' ', 1)[0][-22:]} {s:.0f} s" for w, s in sorted(busy.items()))
+    per += "; in-worker s: " + ", ".join(f"{k} {'/'.join(f'{d:.0f}' for d in ds)}" for k, ds in sorted(by_kind.items()))
+    return (f"util {float(other.get('utilisation', 0)):.2f} (actions only {float(other.get('action_utilisation', 0)):.2f}"
+            f", warm-up {float(other.get('warm_up_s', 0)):.0f} s, first dispatch at "
+            f"{float(other.get('first_dispatch_s', 0)):.1f} s; {per})")
 
 
-def _workspace(root: Path, vocab: int, batch: list[int], seq: list[int], isa: str) -> Path:
-    ws = root / f"ws-{vocab}"
-    (ws / "models").mkdir(parents=True)
-    (ws / "WORKSPACE.neuronbuild").write_text("")
-    shutil.copyfile(REPO / "examples/models/llama.py", ws / "models/llama.py")
-    (ws / "models/BUILD").write_text(BUILD.format(vocab=vocab, batch=batch, seq=seq, isa=isa))
-    return ws
+def _load() -> str:
+    return "/".join(f"{x:.1f}" for x in os.getloadavg())
 
 
-def _fresh(root: Path, name: str) -> Path:
-    d = root / name
-    d.mkdir()
-    return d
+def interleave(runs: list[tuple[str, Callable[[], tuple[float, str]]]], rounds: int) -> dict[str, list[float]]:
+    """Each run once per round, in the same order (A B A B ...); prints every run with the load around it."""
+    walls: dict[str, list[float]] = {name: [] for name, _ in runs}
+    for r in range(rounds):
+        for name, fn in runs:
+            before = _load()
+            wall, note = fn()
+            walls[name].append(wall)
+            print(f"  round {r + 1}: {name:<34} {wall:7.1f} s   load {before} -> {_load()}   {note}", flush=True)
+    return walls
 
 
-def _neuronbuild(root: Path, vocab: int, jobs: int, batch: list[int], seq: list[int], isa: str,
-                 isolate: bool) -> float:
-    ws = _workspace(root, vocab, batch, seq, isa)
-    n = 2 * len(batch) * len(seq)
-    cmd = [sys.executable, "-m", "neuronbuild", "build", "//models:llama_cpu", "--jobs", str(jobs),
-           "--cache-dir", str(root / f"cache-{vocab}"), "--profile", str(root / f"profile-jobs{jobs}.json")]
-    if isolate:
-        cmd = _isolated(cmd, _fresh(root, f"nb-inductor-{vocab}"))
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    t = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=ws, capture_output=True, text=True, env=env)
-    wall = time.perf_counter() - t
-    if proc.returncode != 0 or f"{n} actions: {n} executed" not in proc.stdout:
-        sys.exit(f"neuronbuild --jobs {jobs} failed:\n{proc.stdout}\n{proc.stderr}")
-    return wall
+def table(walls: dict[str, list[float]], base: str, goals: dict[str, str]) -> None:
+    b = sum(walls[base]) / len(walls[base])
+    print(f"| run | wall per round | mean | / {base} | goal |")
+    print("|---|---|---|---|---|")
+    for name, ws in walls.items():
+        mean = sum(ws) / len(ws)
+        print(f"| {name} | {', '.join(f'{w:.1f}' for w in ws)} s | {mean:.1f} s | {mean / b:.2f} | "
+              f"{goals.get(name, '')} |")
 
 
-def _busy(profile: Path) -> str:
-    """Per worker track of a --profile file: seconds inside action slices, and the span of the build's actions."""
-    events = json.loads(profile.read_text())["traceEvents"]
-    names = {e["tid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e["name"] == "thread_name"}
-    slices = [e for e in events if e.get("ph") == "X" and e.get("cat") == "action"]
-    if not slices:
-        return "no action slices"
-    span = (max(e["ts"] + e["dur"] for e in slices) - min(e["ts"] for e in slices)) / 1e6
-    busy: dict[int, list[float]] = {}
-    for e in slices:
-        busy.setdefault(e["tid"], []).append(e["dur"] / 1e6)
-    return ", ".join(f"{names.get(t, t)} busy {sum(d):.1f} s ({len(d)} actions)" for t, d in sorted(busy.items())) \
-        + f" of a {span:.1f} s span from the first action's start to the last one's end"
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
-def _script(root: Path, vocab: int, mode: str, batch: list[int], seq: list[int], isa: str, isolate: bool) -> float:
-    ws = _workspace(root, vocab, batch, seq, isa)
-    out, tmp = _fresh(root, f"script-out-{vocab}"), _fresh(root, f"script-tmp-{vocab}")
-    env = dict(os.environ, TMPDIR=str(tmp), TORCHINDUCTOR_CACHE_DIR=str(tmp / "inductor"), OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-c", SCRIPT.format(batch=batch, seq=seq), str(ws / "models"), str(vocab), str(out), isa,
-           mode]
-    if isolate:  # compile_cpu (the "steps" variant) compiles in neuronbuild's fixed inductor directory
-        cmd = _isolated(cmd, _fresh(root, f"script-inductor-{vocab}"))
-    t = time.perf_counter()
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    wall = time.perf_counter() - t
-    made = list(out.glob("*.pt2")) if mode == "bare" else list(out.glob("*/model.pt2"))
-    if proc.returncode != 0 or len(made) != len(batch) * len(seq):
-        sys.exit(f"the serial script ({mode}) failed:\n{proc.stdout}\n{proc.stderr}")
-    return wall
+@contextlib.contextmanager
+def dask_cluster(root: Path, n: int) -> Iterator[str]:
+    """`dask scheduler` + n single-thread `dask worker` processes, every listener on 127.0.0.1."""
+    port = _free_port()
+    address = f"tcp://127.0.0.1:{port}"
+    logs = root / f"dask-{port}"
+    logs.mkdir()
+    env = dict(os.environ, OMP_NUM_THREADS="1", TMPDIR=str(logs / "tmp"))  # fresh farm scratch (headers) per cluster
+    (logs / "tmp").mkdir()
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        loopback = ["--host", "127.0.0.1", "--dashboard-address", "127.0.0.1:0"]
+        specs = [("scheduler", ["scheduler", "--port", str(port), *loopback])]
+        specs += [(f"w{i}", ["worker", address, *loopback, "--nthreads", "1", "--no-nanny", "--memory-limit", "0",
+                             "--name", f"w{i}"]) for i in range(n)]
+        for name, args in specs:
+            with open(logs / f"{name}.log", "wb") as log:
+                procs.append(subprocess.Popen([DASK, *args], stdout=log, stderr=subprocess.STDOUT, env=env,
+                                              cwd=logs))
+        from distributed import Client
+
+        with Client(address, timeout="60s") as c:
+            c.wait_for_workers(n, timeout=120)
+        yield address
+    finally:
+        for p in reversed(procs):
+            p.terminate()
+        for p in procs:
+            try:
+                p.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                p.kill()
 
 
 def _warm_page_cache() -> float:
@@ -176,62 +222,69 @@ def _warm_page_cache() -> float:
     subprocess.run([sys.executable, "-c", "import torch, torch._inductor"], check=True)
     spec = importlib.util.find_spec("torch")
     assert spec is not None and spec.origin is not None
-    include = Path(spec.origin).parent / "include"
-    for f in include.rglob("*"):
+    for f in (Path(spec.origin).parent / "include").rglob("*"):
         if f.is_file():
             f.read_bytes()
     return time.perf_counter() - t
 
 
-def _ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x]
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--batch", type=_ints, default=[1, 4], help="batch sizes (default 1,4)")
-    ap.add_argument("--seq", type=_ints, default=[32, 64, 128], help="sequence lengths (default 32,64,128)")
+    ap.add_argument("--section", choices=("cpu", "neuron", "dask"), default="cpu")
+    ap.add_argument("--graphs", type=int, default=4, help=f"graphs (buckets), at most {len(SEQS)} (default 4)")
+    ap.add_argument("--rounds", type=int, default=2, help="interleaved rounds (default 2: A B A B)")
+    ap.add_argument("--workload", choices=("cpu", "neuron"), default="cpu", help="what the dask section builds")
     ap.add_argument("--keep", action="store_true", help="keep the scratch directory (profiles, outputs)")
     args = ap.parse_args()
+    if not 1 <= args.graphs <= len(SEQS):
+        ap.error(f"--graphs must be 1..{len(SEQS)}")
     sys.path.insert(0, str(REPO))
     from neuronbuild.platforms import resolve_isa
 
     isa = resolve_isa("native")
     root = Path(tempfile.mkdtemp(prefix="neuronbuild-bench-"))
-    isolate = _can_isolate(root)
-    if not isolate:
-        print(f"note: cannot give neuronbuild a fresh {NB_INDUCTOR} (needs root and unshare): its side may be warm")
-    base = 1000 + random.randrange(1, 50_000) * 5
-    load0 = os.getloadavg()[0]
-    n = len(args.batch) * len(args.seq)
-    print(f"{n} buckets (batch {args.batch} x seq {args.seq}), isa {isa}; {n} traces + {n} AOTInductor compiles, cold",
-          flush=True)
-    print(f"warm-up (untimed for the ratios): import torch, read its headers: {_warm_page_cache():.1f} s", flush=True)
+    bench = Bench(root, isa, SEQS[: args.graphs])
+    n = args.graphs
+    print(f"{os.cpu_count()} cores, isa {isa}, load average (1/5/15 min) {_load()} at start; {n} graphs "
+          f"(batch 1, seq {bench.seqs}), cold, {args.rounds} interleaved round(s)", flush=True)
+    print(f"untimed warm-up (import torch, read its headers): {_warm_page_cache():.1f} s", flush=True)
     try:
-        bare = _script(root, base, "bare", args.batch, args.seq, isa, isolate)
-        print(f"serial script, bare                 {bare:7.1f} s", flush=True)
-        steps = _script(root, base + 1, "steps", args.batch, args.seq, isa, isolate)
-        print(f"serial script + toolchain steps     {steps:7.1f} s", flush=True)
-        j1 = _neuronbuild(root, base + 2, 1, args.batch, args.seq, isa, isolate)
-        print(f"neuronbuild build --jobs 1          {j1:7.1f} s", flush=True)
-        j2 = _neuronbuild(root, base + 3, 2, args.batch, args.seq, isa, isolate)
-        print(f"neuronbuild build --jobs 2          {j2:7.1f} s", flush=True)
-        busy = {jobs: _busy(root / f"profile-jobs{jobs}.json") for jobs in (1, 2)}
+        if args.section == "cpu":
+            walls = interleave([("serial script", bench.script),
+                                ("neuronbuild build --jobs 1", lambda: bench.build("llama_cpu", "--jobs", "1")),
+                                ("neuronbuild build --jobs 2", lambda: bench.build("llama_cpu", "--jobs", "2"))],
+                               args.rounds)
+            table(walls, "serial script", {"neuronbuild build --jobs 1": "<= 1.0", "neuronbuild build --jobs 2":
+                                           "<= 0.55"})
+        elif args.section == "neuron":
+            walls = interleave([("neuronbuild build --jobs 1", lambda: bench.build("llama_trn2", "--jobs", "1")),
+                                ("neuronbuild build --jobs 2", lambda: bench.build("llama_trn2", "--jobs", "2"))],
+                               args.rounds)
+            table(walls, "neuronbuild build --jobs 1", {"neuronbuild build --jobs 2": "<= 0.556 (>= 1.8x)"})
+        else:
+            target = f"llama_{args.workload if args.workload == 'cpu' else 'trn2'}"
+
+            def farm(k: int) -> Callable[[], tuple[float, str]]:
+                def run() -> tuple[float, str]:
+                    with dask_cluster(root, k) as address:
+                        shared = root / f"shared-{bench.vocab + 1}"
+                        shared.mkdir()
+                        return bench.build(target, "--executor", "dask", "--scheduler", address, "--remote-cache",
+                                           str(shared))
+                return run
+
+            walls = interleave([("dask, 1 worker", farm(1)), ("dask, 2 workers", farm(2)),
+                                ("local --jobs 1", lambda: bench.build(target, "--jobs", "1")),
+                                ("local --jobs 2", lambda: bench.build(target, "--jobs", "2"))], args.rounds)
+            table(walls, "dask, 1 worker", {"dask, 2 workers": "<= 0.556 (>= 1.8x)"})
+            d2, l2 = (sum(walls[k]) / len(walls[k]) for k in ("dask, 2 workers", "local --jobs 2"))
+            print(f"dask 2 workers / local --jobs 2: {d2 / l2:.2f} (goal within 10 %)")
     finally:
         if not args.keep:
             shutil.rmtree(root, ignore_errors=True)
-    print(f"\n{os.cpu_count()} cores; load average {load0:.1f} before, {os.getloadavg()[0]:.1f} after; "
-          f"fresh inductor dirs on both sides: {'yes' if isolate else 'NO'}")
-    print("| run | wall | / bare script | / script + toolchain steps |")
-    print("|---|---|---|---|")
-    for name, w in (("serial script, bare", bare), ("serial script + toolchain steps", steps),
-                    ("`neuronbuild build --jobs 1`", j1), ("`neuronbuild build --jobs 2`", j2)):
-        print(f"| {name} | {w:.1f} s | {w / bare:.2f} | {w / steps:.2f} |")
-    print("goals: --jobs 1 <= 1.0x and --jobs 2 <= 0.45x of the serial script")
-    for jobs in (1, 2):
-        print(f"--jobs {jobs} profile: {busy[jobs]}")
-    if args.keep:
-        print(f"kept {root}")
+        else:
+            print(f"kept {root}")
+    print(f"load average at end {_load()}")
 
 
 if __name__ == "__main__":

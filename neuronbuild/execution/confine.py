@@ -13,7 +13,7 @@ undone in a process:
 Reads are allowed under the sandbox, the action's TMPDIR and HOME, the Python installation (prefixes, sys.path,
 site-packages), neuronbuild itself, plug-in paths, PATH dirs and a configured neuronx-cc's install, /usr, /lib*, /dev,
 /proc and /sys (and, for the kernel rules only, /etc and /bin, which libc and compilers read); writes only under the
-sandbox, TMPDIR, HOME, inductor's fixed scratch dir and /dev.
+sandbox, TMPDIR, HOME, inductor's working dir, the action's log and /dev.
 """
 
 from __future__ import annotations

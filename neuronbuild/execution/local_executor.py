@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from neuronbuild.execution import sandbox as sandboxes
@@ -24,8 +24,9 @@ class LocalExecutor:
     name = "local"
 
     def __init__(self, root: Path, cache: SpawnCache, jobs: int, env: dict[str, str],
-                 action_timeout: float = 0.0) -> None:
+                 action_timeout: float = 0.0, timeouts: Mapping[str, tuple[float, str]] | None = None) -> None:
         self.root = root
+        self._timeouts = dict(timeouts or {})  # fingerprint -> (seconds, the attribute that set it)
         self.cache = cache
         self.slots = max(1, jobs)
         self._pool = pool_factory(self.slots, env, cache.scratch, cache.logs / "workers.log", action_timeout)
@@ -54,7 +55,8 @@ class LocalExecutor:
         msg = {"kind": a.kind, "spec": json.loads(json.dumps(a.spec)), "inputs": str(sb.inputs),
                "outputs": str(sb.outputs), "log": str(job.log), "expect": dict(a.versions)}
         try:
-            slot, pid = self._pool.submit(job.id, msg)
+            limit, source = self._timeouts.get(a.fingerprint, (0.0, ""))
+            slot, pid = self._pool.submit(job.id, msg, limit or None, source)
         except BaseException:
             sb.remove()
             raise

@@ -211,9 +211,8 @@ def run_isolated(msg: Mapping[str, Any], installation: tuple[str, ...]) -> dict[
                 import ctypes
 
                 ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, 9, 0, 0, 0)  # dies with the worker
-            res = run_action(msg["kind"], spec, msg["inputs"], msg["outputs"], msg["log"], msg.get("expect"),
-                             policy)
-            Connection(w, readable=False).send(res)
+            Connection(w, readable=False).send(run_action(msg["kind"], spec, msg["inputs"], msg["outputs"],
+                                                          msg["log"], msg.get("expect"), policy))
         except BaseException:  # noqa: BLE001 - reported as a death by the parent
             code = 70
         finally:
