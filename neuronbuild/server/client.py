@@ -252,7 +252,7 @@ def _stream(sock: socket.socket) -> tuple[str, Any]:
             elif t == "exit":
                 return "exit", int(msg.get("code", EXIT_BUILD_FAILED))
             elif t == "mismatch":
-                return "mismatch", msg.get("pid")
+                return ("stopped" if msg.get("stopping") else "mismatch"), msg.get("pid")
     except KeyboardInterrupt:
         return "exit", EXIT_INTERRUPTED
     finally:
@@ -288,9 +288,10 @@ def run(paths: ServerPaths, opts: StartupOptions, argv: list[str], workspace: st
             what, val = _stream(sock)
         if what == "exit":
             return int(val)
-        if what == "mismatch":
-            print("neuronbuild: the build server was started by another neuronbuild version or with other startup "
-                  "options; restarting it", file=sys.stderr, flush=True)
+        if what in ("mismatch", "stopped"):
+            if what == "mismatch":
+                print("neuronbuild: the build server was started by another neuronbuild version or with other startup "
+                      "options; restarting it", file=sys.stderr, flush=True)
             if isinstance(val, int) and not wait_gone(val):
                 with contextlib.suppress(OSError):
                     os.kill(val, signal.SIGKILL)

@@ -32,7 +32,7 @@ class Outbox:
     def __init__(self, sock: socket.socket) -> None:
         self._sock = sock
         self._lock = threading.Lock()
-        self._frames: list[list[str]] = []
+        self._frames: list[tuple[str, list[str]]] = []
         self._pending = 0
         self.broken = False
         self._stop = threading.Event()
@@ -42,9 +42,9 @@ class Outbox:
     def write(self, kind: str, s: str) -> None:
         with self._lock:
             if self._frames and self._frames[-1][0] == kind:
-                self._frames[-1][1] += s
+                self._frames[-1][1].append(s)  # joined when sent (no quadratic string building)
             else:
-                self._frames.append([kind, s])
+                self._frames.append((kind, [s]))
             self._pending += len(s)
             if self._pending >= self.BATCH_BYTES:
                 self._send_locked()
@@ -55,11 +55,11 @@ class Outbox:
 
     def _send_locked(self) -> None:
         frames, self._frames, self._pending = self._frames, [], 0
-        for kind, text in frames:
+        for kind, parts in frames:
             if self.broken:
                 return
             try:
-                protocol.send(self._sock, {"t": kind, "d": text})
+                protocol.send(self._sock, {"t": kind, "d": "".join(parts)})
             except OSError:
                 self.broken = True
 
@@ -235,6 +235,14 @@ class Server:
     def cleanup(self, listener: socket.socket) -> None:
         with contextlib.suppress(OSError):
             listener.close()
+        while True:  # commands still waiting: their clients start a new server once this one is gone
+            try:
+                conn, msg = self.queue.get_nowait()
+            except queue.Empty:
+                break
+            with conn, contextlib.suppress(OSError):
+                protocol.send(conn, {"t": "exit", "code": EXIT_OK, "pid": os.getpid()} if msg.get("type") ==
+                              "shutdown" else {"t": "mismatch", "pid": os.getpid(), "stopping": True})
         with contextlib.suppress(OSError):
             if json.loads((self.output_base / "server.json").read_text()).get("pid") == os.getpid():
                 (self.output_base / "server.json").unlink()
