@@ -136,11 +136,14 @@ def utilisation(profile: Path) -> str:
     names = {e["tid"]: e["args"]["name"] for e in data["traceEvents"]
              if e.get("ph") == "M" and e["name"] == "thread_name"}
     busy: dict[str, float] = {}
+    by_kind: dict[str, list[float]] = {}
     for e in data["traceEvents"]:
         if e.get("ph") == "X" and e.get("cat") in ("action", "warm_up"):
             w = names.get(e["tid"], str(e["tid"]))
             busy[w] = busy.get(w, 0.0) + e["dur"] / 1e6
+            by_kind.setdefault(e["name"].split()[0].lower(), []).append(float(e["args"]["duration_s"]))
     per = ", ".join(f"{w.rsplit(' ', 1)[0][-22:]} {s:.0f} s" for w, s in sorted(busy.items()))
+    per += "; in-worker s: " + ", ".join(f"{k} {'/'.join(f'{d:.0f}' for d in ds)}" for k, ds in sorted(by_kind.items()))
     return (f"util {float(other.get('utilisation', 0)):.2f} (actions only {float(other.get('action_utilisation', 0)):.2f}"
             f", warm-up {float(other.get('warm_up_s', 0)):.0f} s, first dispatch at "
             f"{float(other.get('first_dispatch_s', 0)):.1f} s; {per})")

@@ -35,7 +35,7 @@ from neuronbuild.runtime.router import NoBucketFits
 
 root, label, emulate, prompts, new = sys.argv[1], sys.argv[2], sys.argv[3] or None, json.loads(sys.argv[4]), int(sys.argv[5])
 lm = open_cache(root, strict=True, emulate=emulate).causal_lm(label)
-out = {k: lm.generate(p, max_new_tokens=new, eos_token_id=2, pad_token_id=0)[:, -new:].tolist() for k, p in prompts.items()}
+out = {k: lm.generate(p, max_new_tokens=new)[:, -new:].tolist() for k, p in prompts.items()}  # eos/pad: the config's
 errors = []
 for bad in ([list(range(3, 43))], [[1, 2, 3]] * 5):
     try:
@@ -86,8 +86,7 @@ def reference() -> dict[str, list[list[int]]]:
             ids[i, width - len(p):] = torch.tensor(p)
             mask[i, width - len(p):] = 1
         with torch.no_grad():
-            gen = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, eos_token_id=2,
-                                 pad_token_id=0)
+            gen = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False)  # the config's eos/pad
         out[key] = gen[:, width:].tolist()
     return out
 
@@ -140,3 +139,55 @@ def test_changing_only_token_buckets_reruns_only_token_graph_actions(
     heads = [line for line in proc.stdout.splitlines() if line.startswith(("Trace ", "Compile ", "Lower "))]
     assert heads and all("[token: batch=3]" in h for h in heads), proc.stdout
     assert "2 of 10 actions would execute (8 cached)" in proc.stdout
+
+
+FAMILIES = {
+    "llama": {"vocab_size": 256, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64},
+    "mistral": {"vocab_size": 256, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+                "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64},
+    "qwen2": {"vocab_size": 256, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64},
+    "gpt2": {"vocab_size": 256, "n_embd": 32, "n_layer": 2, "n_head": 4, "n_positions": 64},
+}
+
+
+@pytest.mark.parametrize("model_type", list(FAMILIES))
+def test_shipped_graphs_decode_like_transformers_for_each_family(model_type: str) -> None:
+    """The context + token graphs hf_causal_lm declares (run eagerly, fed back as the runtime does) give
+    transformers' greedy tokens, with left padding and a padded batch row."""
+    import torch
+
+    from neuronbuild.toolchains import hf_causal_lm
+
+    cfg = {"model_type": model_type, "hf": FAMILIES[model_type], "max_seq": 32}
+    torch.manual_seed(0)
+    ref = hf_causal_lm.hf_model(cfg).eval()
+    ctx, tok = hf_causal_lm.context(cfg).eval(), hf_causal_lm.token(cfg).eval()
+    ctx.load_state_dict(ref.state_dict())
+    tok.load_state_dict(ref.state_dict())
+    prompts, seq, batch, new = [[5, 6, 7, 8], [9, 10], [3, 4, 5, 6, 7, 8, 9]], 12, 4, 10
+    ids, mask = torch.zeros(batch, seq, dtype=torch.int64), torch.ones(batch, seq, dtype=torch.int64)
+    for i, p in enumerate(prompts):
+        ids[i, seq - len(p):] = torch.tensor(p)
+        mask[i, : seq - len(p)] = 0
+    with torch.no_grad():
+        out = ctx(ids, mask)
+        kv, nxt, got = out["kv"], out["logits"].argmax(-1), []
+        cache_mask = torch.zeros(batch, 32, dtype=torch.int64)
+        cache_mask[:, :seq] = mask
+        pos = mask.sum(-1, keepdim=True)
+        for t in range(new):
+            got.append(nxt)
+            cache_mask[:, seq + t] = 1
+            out = tok(nxt[:, None], pos, cache_mask, torch.tensor([seq + t]), kv)
+            kv, nxt, pos = out["kv"], out["logits"].argmax(-1), pos + 1
+        width = max(len(p) for p in prompts)
+        rids, rmask = torch.zeros(3, width, dtype=torch.int64), torch.zeros(3, width, dtype=torch.int64)
+        for i, p in enumerate(prompts):
+            rids[i, width - len(p):] = torch.tensor(p)
+            rmask[i, width - len(p):] = 1
+        want = ref.generate(rids, attention_mask=rmask, max_new_tokens=new, do_sample=False, eos_token_id=None,
+                            pad_token_id=0)[:, width:]
+    assert torch.stack(got, 1)[:3].tolist() == want.tolist()
+    assert kv.shape == (2, 2, batch, FAMILIES[model_type].get("num_key_value_heads", 4), 32, 8)

@@ -134,3 +134,20 @@ def test_concurrent_warm_ups_build_each_header_once_and_headers_are_keyed_by_isa
     assert p.returncode == 0, err
     v2 = json.loads(out.strip().splitlines()[-1])
     assert v2["built_here"] == 2 and not (set(v2["headers"]) & v3)
+
+
+def test_on_dask_the_warm_up_runs_once_per_host(tmp_path: Path) -> None:
+    """dask-local: 2 LocalCluster workers on 127.0.0.1, one host: one warm-up, restricted to it; the compiles on
+    both workers reuse its headers (in the toolchain scratch dir dask-local gives its workers: the cache's)."""
+    cache = tmp_path / "cache"
+    ev_file = tmp_path / "events.jsonl"
+    proc = run_cli(["build", "//pkg:m_cpu", "--executor", "dask-local", "--jobs", "2", "--cache-dir", str(cache),
+                    "--build-event-json-file", str(ev_file)], _ws(tmp_path / "ws", 16))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    events = _events(ev_file)
+    (warm,) = [e for e in events if e["event"] == "warm_up_finished"]
+    assert warm["ok"] and warm["host"] == "127.0.0.1" and warm["worker"].startswith("tcp://127.0.0.1:"), warm
+    assert warm["metadata"]["built"] == 2
+    headers = _headers(cache)
+    assert sorted(headers) == sorted(h + ".gch" for h in warm["metadata"]["headers"])
+    assert all(mtime <= warm["time"] * 1e9 for _ino, mtime in headers.values())

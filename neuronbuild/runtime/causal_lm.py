@@ -49,6 +49,12 @@ class CausalLM:
         kv_dims = list(tok_graph.inputs["kv"]["dims"])
         self._kv_batch_dim = kv_dims.index("batch")  # the only bucket dim of the cache
         self.max_seq = int(tok_graph.inputs["cache_mask"]["dims"][1])
+        hf = ((ctx_graph.trace_record.get("model") or {}).get("config") or {}).get("hf") or {}
+        eos, pad = hf.get("eos_token_id"), hf.get("pad_token_id")
+        # transformers' defaults for generate: the config's eos (the first of a list) and pad tokens
+        first = eos[0] if isinstance(eos, list) and eos else eos
+        self.eos_token_id: int | None = first if isinstance(first, int) else None
+        self.pad_token_id: int = int(pad) if isinstance(pad, int) else 0
         self._out_index = {g: [str(o["name"]) for o in fam.graph(next(iter(fam.buckets))).outputs]
                            for g, fam in ((CONTEXT, self._context), (TOKEN, self._token))}
 
@@ -98,12 +104,19 @@ class CausalLM:
     # -- generation ----------------------------------------------------------------------------------------------
 
     def generate(self, input_ids: torch.Tensor | Sequence[Sequence[int]], max_new_tokens: int = 16,
-                 attention_mask: torch.Tensor | None = None, eos_token_id: int | None = None,
-                 pad_token_id: int = 0) -> torch.Tensor:
+                 attention_mask: torch.Tensor | None = None, eos_token_id: int | None | str = "config",
+                 pad_token_id: int | None = None) -> torch.Tensor:
         """Greedy decoding, as transformers' generate(do_sample=False): returns the (left-padded) prompts followed by
         the new tokens, int64 [batch, prompt width + new]. input_ids: a tensor (with attention_mask: 1 = token,
         0 = padding, either side) or a list of token lists (ragged). After `eos_token_id` a row gets pad_token_id;
-        generation stops early when every row has ended."""
+        generation stops early when every row has ended. Both default to the model config's (eos_token_id="config";
+        pass None for no end token), as transformers' generate does."""
+        if eos_token_id == "config":
+            eos_token_id = self.eos_token_id
+        if eos_token_id is not None and not isinstance(eos_token_id, int):
+            raise ValueError(f"eos_token_id must be an int, None or 'config', got {eos_token_id!r}")
+        if pad_token_id is None:
+            pad_token_id = self.pad_token_id
         if max_new_tokens < 1:
             raise ValueError("max_new_tokens must be >= 1")
         if isinstance(input_ids, torch.Tensor):

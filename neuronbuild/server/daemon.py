@@ -21,12 +21,64 @@ from neuronbuild.errors import EXIT_BUILD_FAILED, EXIT_OK
 from neuronbuild.server import protocol
 
 
-class SocketStream(io.TextIOBase):
-    """sys.stdout/sys.stderr of a command: text goes to the client as frames (lost quietly if it hung up)."""
+class Outbox:
+    """A command's output on its way to the client: writes are batched (consecutive text of one stream merged, in
+    order across stdout and stderr) and sent every FLUSH_S or when BATCH_BYTES are pending, so a command printing
+    100,000 lines sends a few hundred frames, not 200,000, while progress still reaches the terminal promptly."""
 
-    def __init__(self, sock: socket.socket, kind: str, tty: bool, lock: threading.Lock) -> None:
-        self._sock, self._kind, self._tty, self._lock = sock, kind, tty, lock
+    FLUSH_S = 0.05
+    BATCH_BYTES = 256 << 10
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+        self._lock = threading.Lock()
+        self._frames: list[list[str]] = []
+        self._pending = 0
         self.broken = False
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def write(self, kind: str, s: str) -> None:
+        with self._lock:
+            if self._frames and self._frames[-1][0] == kind:
+                self._frames[-1][1] += s
+            else:
+                self._frames.append([kind, s])
+            self._pending += len(s)
+            if self._pending >= self.BATCH_BYTES:
+                self._send_locked()
+
+    def flush(self) -> None:
+        with self._lock:
+            self._send_locked()
+
+    def _send_locked(self) -> None:
+        frames, self._frames, self._pending = self._frames, [], 0
+        for kind, text in frames:
+            if self.broken:
+                return
+            try:
+                protocol.send(self._sock, {"t": kind, "d": text})
+            except OSError:
+                self.broken = True
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.FLUSH_S):
+            self.flush()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.flush()
+
+
+class SocketStream(io.TextIOBase):
+    """sys.stdout/sys.stderr of a command: text goes to the client through the command's Outbox (lost quietly if
+    the client hung up)."""
+
+    def __init__(self, outbox: Outbox, kind: str, tty: bool) -> None:
+        self._outbox, self._kind, self._tty = outbox, kind, tty
 
     def writable(self) -> bool:
         return True
@@ -39,13 +91,12 @@ class SocketStream(io.TextIOBase):
         return "utf-8"
 
     def write(self, s: str) -> int:
-        if s and not self.broken:
-            with self._lock:
-                try:
-                    protocol.send(self._sock, {"t": self._kind, "d": s})
-                except OSError:
-                    self.broken = True
+        if s:
+            self._outbox.write(self._kind, s)
         return len(s)
+
+    def flush(self) -> None:
+        self._outbox.flush()
 
     def fileno(self) -> int:
         raise io.UnsupportedOperation("a server stream has no file descriptor")
@@ -219,10 +270,10 @@ class Server:
         from neuronbuild import cli
 
         self.commands += 1
-        lock = threading.Lock()
         tty = msg.get("tty") or [False, False]
-        out = SocketStream(conn, "out", bool(tty[0]), lock)
-        err = SocketStream(conn, "err", bool(tty[1]), lock)
+        outbox = Outbox(conn)
+        out = SocketStream(outbox, "out", bool(tty[0]))
+        err = SocketStream(outbox, "err", bool(tty[1]))
         saved_env = dict(os.environ)
         saved_streams = sys.stdout, sys.stderr
         done = threading.Event()
@@ -251,10 +302,8 @@ class Server:
             with self.cancel_lock:
                 self.cancel_armed.clear()
                 done.set()
-            with contextlib.suppress(Exception):
-                sys.stdout.flush()
-                sys.stderr.flush()
             sys.stdout, sys.stderr = saved_streams
+            outbox.close()  # everything the command wrote is sent before its exit code
             os.environ.clear()
             os.environ.update(saved_env)
             with contextlib.suppress(OSError):
