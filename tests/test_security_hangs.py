@@ -86,6 +86,14 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def _gone(pid: int, within: float = 5.0) -> bool:
+    """The process is gone (or a zombie) within `within` seconds (SIGKILL is delivered asynchronously)."""
+    deadline = time.monotonic() + within
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return not _alive(pid)
+
+
 def _child(tmp_path: Path, mode: str) -> int:
     return int((tmp_path / "cache" / "v1" / "toolchain-tmp" / f"child-{mode}.pid").read_text())
 
@@ -121,7 +129,7 @@ def test_action_timeout_fails_the_action_and_kills_its_processes(tmp_path: Path)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "timed out after 20 s (--action-timeout)" in proc.stderr
     assert took < 90
-    assert not _alive(_child(tmp_path, "hang"))
+    assert _gone(_child(tmp_path, "hang"))
     bad = run_cli(["build", "//pkg:all", "--action-timeout", "-1"], ws)
     assert bad.returncode == 2 and "--action-timeout" in bad.stderr
 
@@ -132,7 +140,7 @@ def test_a_targets_timeout_attribute_overrides_the_flag(tmp_path: Path) -> None:
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "timed out after 15 s (timeout = 15 on //pkg:c)" in proc.stderr
     assert took < 90 and "Traceback" not in proc.stderr
-    assert not _alive(_child(tmp_path, "hang"))
+    assert _gone(_child(tmp_path, "hang"))
     assert not list((tmp_path / "cache" / "v1" / "ac").rglob("*.json"))
     (ws / "pkg" / "BUILD").write_text((ws / "pkg" / "BUILD").read_text().replace("timeout = 15", "timeout = -1"))
     bad = run_cli(["build", "//pkg:all", "--cache-dir", str(tmp_path / "cache")], ws)
