@@ -265,11 +265,16 @@ class _Run:
                 if self.ready and not self.stopped:
                     continue
                 return
+            finished: list[tuple[Completion, _Running]] = []
             for c in self.s.executor.wait(self.s.POLL_S if self.other_build else None):
                 if c.job.id in self.warming:
                     self._warmed(c)
                 else:
-                    self._complete(c)
+                    finished.append((c, self.running.pop(c.job.id)))
+            if finished and not self.stopped and all(c.ok for c, _r in finished):
+                self._dispatch()  # freed workers take other ready work first: storing outputs takes seconds
+            for c, r in finished:
+                self._complete(c, r)
             if self.stopped and (self.running or self.warming):
                 self._cancel_running()
 
@@ -397,8 +402,7 @@ class _Run:
         self.s.bus.emit(ev.ACTION_STARTED, **action_fields(a), attempt=attempt + 1, worker=started.worker,
                         pid=started.pid)
 
-    def _complete(self, c: Completion) -> None:
-        r = self.running.pop(c.job.id)
+    def _complete(self, c: Completion, r: _Running) -> None:
         a = c.job.action
         fp = a.fingerprint
         ok, error = c.ok, c.error
