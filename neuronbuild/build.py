@@ -9,6 +9,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from neuronbuild import incremental, plugins
 from neuronbuild.analysis.plan_settings import PlanSettings
@@ -25,6 +26,9 @@ from neuronbuild.execution.progress import make_progress
 from neuronbuild.execution.scheduler import BuildResult, Scheduler, SchedulerOptions
 from neuronbuild.packaging.materialize import materialize
 from neuronbuild.workspace import OUTPUT_DIR
+
+if TYPE_CHECKING:
+    from neuronbuild.loading.target_graph import TargetGraph
 
 EXECUTORS = ("local", "dask", "dask-local")
 
@@ -66,13 +70,30 @@ def toolchain_notes(settings: PlanSettings, ag: ActionGraph, executed: Sequence[
     return [n for name in ran for n in plugins.toolchain(name).notes(settings)]
 
 
-def make_executor(ctx: BuildContext, req: BuildRequest, cache: LocalCache) -> Executor:
+def action_timeouts(graph: TargetGraph, ag: ActionGraph) -> dict[str, tuple[float, str]]:
+    """{fingerprint: (seconds, what set it)} from neuron_compile `timeout` attributes; an action shared by several
+    targets (a trace) gets the most generous one."""
+    out: dict[str, tuple[float, str]] = {}
+    for ct in ag.compiles:
+        t = graph.targets.get(ct.label)
+        limit = float(t.attrs.get("timeout") or 0.0) if t is not None else 0.0
+        if limit <= 0:
+            continue
+        for _bucket, fp in ct.buckets:
+            for a in ag.closure(fp):
+                if limit > out.get(a, (0.0, ""))[0]:
+                    out[a] = (limit, f"timeout = {limit:g} on {ct.label}")
+    return out
+
+
+def make_executor(ctx: BuildContext, req: BuildRequest, cache: LocalCache,
+                  timeouts: dict[str, tuple[float, str]] | None = None) -> Executor:
     root = ctx.workspace.root
     env = action_environment(cache.toolchain_tmp, cache.root / "home", ctx.settings.action_env)
     if req.executor == "local":
         from neuronbuild.execution.local_executor import LocalExecutor
 
-        return LocalExecutor(root, cache, req.jobs, env, req.action_timeout)
+        return LocalExecutor(root, cache, req.jobs, env, req.action_timeout, timeouts)
     from neuronbuild.execution.dask_executor import DaskExecutor
 
     remote = ctx.cache.remote
@@ -121,7 +142,7 @@ def run_build(ctx: BuildContext, req: BuildRequest, listeners: Sequence[Listener
     bus = EventBus(default_listeners(ctx, req) if listeners is None else listeners)
     try:
         try:
-            executor = make_executor(ctx, req, cache)
+            executor = make_executor(ctx, req, cache, action_timeouts(graph, ag))
             try:
                 options = SchedulerOptions(req.keep_going, req.retries, req.local_ram_mb)
                 result = Scheduler(root, cache, executor, options, bus).run(ag)

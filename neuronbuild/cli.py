@@ -2,37 +2,60 @@
 
 from __future__ import annotations
 
-import argparse
-import importlib
 import os
 import sys
 from collections.abc import Sequence
-from pathlib import Path
+from typing import TYPE_CHECKING
 
-from neuronbuild.commands import COMMAND_MODULES
-from neuronbuild.errors import EXIT_BAD_INPUT, EXIT_BUILD_FAILED, EXIT_INTERRUPTED, EXIT_OK, NeuronBuildError
+if TYPE_CHECKING:
+    import argparse
+
+# argparse, the command modules and errors are imported only when the command runs in this process: a command the
+# build server runs costs the client nothing but the thin client (neuronbuild/server/client.py).
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # type: ignore[override]
-        print(f"neuronbuild: error: {message}", file=sys.stderr)
-        raise SystemExit(EXIT_BAD_INPUT)
+def _parser_class() -> type[argparse.ArgumentParser]:
+    import argparse
+
+    from neuronbuild.errors import EXIT_BAD_INPUT
+
+    class _Parser(argparse.ArgumentParser):
+        def error(self, message: str) -> None:  # type: ignore[override]
+            print(f"neuronbuild: error: {message}", file=sys.stderr)
+            raise SystemExit(EXIT_BAD_INPUT)
+
+    return _Parser
 
 
 EPILOG = """\
 rc files: flags per command from ~/.neuronbuildrc, then <workspace>/.neuronbuildrc (e.g. `build --jobs 4`,
 `common --cache-dir DIR`); the command line wins. `neuronbuild COMMAND -h` shows a command's flags.
-exit codes: 0 ok, 1 build failed, 2 bad command line or BUILD input, 8 interrupted."""
+exit codes: 0 ok, 1 build failed, 2 bad command line or BUILD input, 8 interrupted.
+build, plan, explain and query run in a per-workspace build server (warm workers, loaded packages kept between
+commands); --batch or NEURONBUILD_NO_SERVER=1 runs them in this process. `neuronbuild shutdown` stops it."""
 
 
 def make_parser() -> tuple[argparse.ArgumentParser, dict[str, str]]:
-    from neuronbuild import __version__
+    import argparse
+    import importlib
 
+    from neuronbuild import __version__
+    from neuronbuild.commands import COMMAND_MODULES
+
+    _Parser = _parser_class()
     parser = _Parser(prog="neuronbuild", description="Bazel-style builds of model graphs for accelerators.",
                      epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("-C", dest="directory", metavar="DIR", help="run as if started in this directory")
     parser.add_argument("--norc", action="store_true", help="read no .neuronbuildrc file")
     parser.add_argument("--version", action="version", version=f"neuronbuild {__version__}")
+    startup = parser.add_argument_group("build server (startup options, before the command; docs/server.md)")
+    startup.add_argument("--batch", action="store_true",
+                         help="run the command in this process, without the build server (also: NEURONBUILD_NO_SERVER=1)")
+    startup.add_argument("--max-idle-secs", type=int, metavar="N",
+                         help="the server exits after N idle seconds (default 10800); another value replaces it")
+    startup.add_argument("--output-user-root", metavar="DIR",
+                         help="where servers keep their output bases (default: $NEURONBUILD_OUTPUT_USER_ROOT or "
+                              "~/.cache/neuronbuild-server)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands", parser_class=_Parser)
     owners: dict[str, str] = {}
     for name in COMMAND_MODULES:
@@ -54,14 +77,24 @@ def _quiet_stdout() -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
     try:
-        return _main(list(sys.argv[1:] if argv is None else argv))
+        from neuronbuild.server.client import maybe_run
+
+        code = maybe_run(args)  # build, plan, explain and query go to the workspace's server unless --batch
+        if code is not None:
+            return code
+        return _main(args)
     except BrokenPipeError:
         _quiet_stdout()
-        return EXIT_OK
+        return 0
 
 
 def _main(argv: list[str]) -> int:
+    import importlib
+    from pathlib import Path
+
+    from neuronbuild.errors import EXIT_BAD_INPUT, EXIT_BUILD_FAILED, EXIT_INTERRUPTED, NeuronBuildError
     from neuronbuild.rcfile import expand
 
     parser, owners = make_parser()

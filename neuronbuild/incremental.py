@@ -35,10 +35,38 @@ def _digest_cache_file(cache_dir: Path, root: Path) -> Path:
     return cache_dir / "v1" / "state" / f"digests-{key}.marshal"
 
 
+# The build server keeps load caches in memory between its commands (their entries are checked by digest on every
+# use, as those read from disk are); None: every command reads them from disk (batch mode).
+_kept: dict[Path, LoadCache] | None = None
+_KEEP_AT_MOST = 4
+
+
+def keep_in_memory(on: bool) -> None:
+    global _kept
+    if not on:
+        _kept = None
+    elif _kept is None:
+        _kept = {}
+
+
+def kept_count() -> int:
+    return len(_kept or {})
+
+
 def open_caches(cache_dir: Path, root: Path) -> LoadCache:
     """Load the digest cache into this process and open the workspace's load cache."""
+    file = cache_file(cache_dir, root)
+    if _kept is not None and file in _kept:
+        lc = _kept[file]
+        lc.hits = lc.misses = 0
+        return lc
     digests.load_persistent(_digest_cache_file(cache_dir, root))
-    return LoadCache(cache_file(cache_dir, root))
+    lc = LoadCache(file)
+    if _kept is not None:
+        while len(_kept) >= _KEEP_AT_MOST:
+            del _kept[next(iter(_kept))]
+        _kept[file] = lc
+    return lc
 
 
 def save_caches(cache_dir: Path, root: Path, load_cache: LoadCache) -> None:

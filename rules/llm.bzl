@@ -1,17 +1,74 @@
-"""Macros for LLM-style models shipped with neuronbuild: load("@neuronbuild//rules:llm.bzl", "llm_buckets", "llm_compile")."""
+"""Macros for LLMs shipped with neuronbuild:
+load("@neuronbuild//rules:llm.bzl", "hf_causal_lm", "llm_buckets", "llm_compile")."""
+
+_GRAPHS_MODULE = "neuronbuild.toolchains.hf_causal_lm"
+
+def _field(config, names, default = None):
+    for n in names:
+        if n in config and config[n] != None:
+            return config[n]
+    if default == None:
+        fail("hf_causal_lm: config needs one of %s" % ", ".join(names))
+    return default
+
+def hf_causal_lm(name, config, weights, max_seq = 256, model_type = None, weights_prefix = "", tags = []):
+    """A transformers causal LM (llama, mistral, qwen2, gpt2, ...) as served: a `context` graph (prefill: input_ids and
+    attention_mask [batch, seq] -> last logits + the KV cache) and a `token` graph (decode: one token per sequence,
+    its position, the cache mask and slot, the cache -> logits + the cache, aliased), over a static KV cache of
+    max_seq slots, sharing one weights file. `config` holds HF config fields (model_type included or given)."""
+    mt = model_type or _field(config, ["model_type"])
+    layers = _field(config, ["num_hidden_layers", "n_layer"])
+    heads = _field(config, ["num_attention_heads", "n_head"])
+    hidden = _field(config, ["hidden_size", "n_embd"])
+    kv_heads = _field(config, ["num_key_value_heads"], heads)
+    head_dim = _field(config, ["head_dim"], hidden // heads)
+    hf = {k: v for k, v in config.items() if k != "model_type"}
+    kv = "float32[layers, 2, batch, kv_heads, max_seq, head_dim]"
+    neuron_model(
+        name = name,
+        entry = _GRAPHS_MODULE + ":context",
+        config = {"model_type": mt, "hf": hf, "max_seq": max_seq},
+        weights = weights,
+        weights_prefix = weights_prefix,
+        dims = {"layers": layers, "kv_heads": kv_heads, "max_seq": max_seq, "head_dim": head_dim},
+        inputs = {"input_ids": "int64[batch, seq]", "attention_mask": "int64[batch, seq]"},
+        outputs = {"logits": "float32[batch, vocab]", "kv": kv},
+        # validate's random values: cache slots and positions inside the cache
+        input_ranges = {"slot": [0, max_seq], "position_ids": [0, max_seq]},
+        graphs = {
+            "context": {},
+            "token": {
+                "entry": _GRAPHS_MODULE + ":token",
+                "inputs": {
+                    "input_ids": "int64[batch, 1]",
+                    "position_ids": "int64[batch, 1]",
+                    "cache_mask": "int64[batch, max_seq]",
+                    "slot": "int64[1]",
+                    "kv": kv,
+                },
+                "outputs": {"logits": "float32[batch, vocab]", "kv": kv},
+                "aliases": {"kv": "kv"},
+            },
+        },
+        tags = tags,
+    )
 
 def llm_buckets(name, batch_sizes, context_lengths, decode = True, tags = []):
-    """Context-encoding buckets (every batch size x context length) plus, with decode, one token-generation bucket
-    (seq = 1) per batch size."""
+    """As NxD Inference's context_encoding_buckets / token_generation_buckets: `<name>_context` (every batch size x
+    context length) and `<name>_token` (every batch size) for an hf_causal_lm's graphs, plus `<name>` itself, the
+    plain-model form: the context shapes and, with decode, a seq = 1 bucket per batch size."""
     if not batch_sizes or not context_lengths:
         fail("llm_buckets: batch_sizes and context_lengths must be non-empty")
     shapes = [{"batch": b, "seq": s} for b in batch_sizes for s in context_lengths]
+    neuron_buckets(name = name + "_context", shapes = shapes, tags = tags)
+    neuron_buckets(name = name + "_token", shapes = [{"batch": b} for b in batch_sizes], tags = tags)
     if decode:
         shapes = shapes + [{"batch": b, "seq": 1} for b in batch_sizes if 1 not in context_lengths]
     neuron_buckets(name = name, shapes = shapes, tags = tags)
 
 def llm_compile(name, model, buckets, targets, options = None, tags = []):
-    """One neuron_compile per target, named <name>_<target name> (e.g. llama_trn2, llama_cpu)."""
+    """One neuron_compile per target, named <name>_<target name> (e.g. llama_trn2, llama_cpu). `buckets` and
+    `options` may be dicts keyed by graph family ({"context": [...], "token": [...]})."""
     if not targets:
         fail("llm_compile: targets must be non-empty")
     for t in targets:

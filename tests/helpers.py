@@ -30,6 +30,10 @@ def copy_example(dest: Path, hf: bool = False) -> Path:
     return dest
 
 
+# The suite runs in batch mode (no build server): in-process cli.main calls and every child inherit this. Tests of the
+# server (tests/test_server.py) opt in explicitly, with their own output user root, and shut their servers down.
+os.environ["NEURONBUILD_NO_SERVER"] = "1"
+
 _ENV_AT_START = frozenset(os.environ)  # helpers is imported by conftest, before any test imports torch
 
 

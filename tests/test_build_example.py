@@ -16,11 +16,11 @@ def _manifest(ws: Path, target: str) -> dict:
 
 def test_build_all_executes_every_action_once(built_example) -> None:  # type: ignore[no-untyped-def]
     _ws, proc = built_example
-    # 6 traces (5 llama buckets + 1 llama_tiny) shared by 8 compiles: the cpu target reuses trn2's traces; one
-    # lowering per trn2 bucket.
-    assert "19 actions: 19 executed, 0 cached" in proc.stdout
+    # 5 traces (4 llama graphs: 2 context + 2 token buckets, + 1 llama_tiny) shared by 9 compiles: the cpu target
+    # reuses trn2's traces; one lowering per trn2 graph.
+    assert "18 actions: 18 executed, 0 cached" in proc.stdout
     traces = re.findall(r"\] Trace (//\S+) \[([^\]]+)\]", proc.stderr)
-    assert len(traces) == len(set(traces)) == 6
+    assert len(traces) == len(set(traces)) == 5
 
 
 def test_cpu_artifacts_load_run_and_match_eager(built_example) -> None:  # type: ignore[no-untyped-def]
@@ -32,20 +32,36 @@ def test_cpu_artifacts_load_run_and_match_eager(built_example) -> None:  # type:
     ws, _ = built_example
     m = _manifest(ws, "llama_cpu")
     assert m["platform"] == "cpu" and m["isa"].startswith("x86-64")
-    assert [b["name"] for b in m["buckets"]] == ["batch1_seq128", "batch4_seq1"]
-    cfg = {"vocab": 1000, "hidden": 128, "layers": 2, "heads": 4}
-    model = build_eager_model({"package": "models", "srcs": ["models/llama.py"], "entry": "llama:build_model",
-                               "config": cfg, "weights": None, "seed": 0}, ws)
-    inputs = {"input_ids": {"dtype": "int64", "dims": ["batch", "seq"]}}
+    assert [b["name"] for b in m["buckets"]] == ["context_batch1_seq32", "context_batch4_seq32", "token_batch1",
+                                                 "token_batch4"]
+    trace = json.loads((ws / "neuronbuild-out/models/llama_cpu/manifest.json").read_text())
+    assert {b["name"]: b.get("graph") for b in trace["buckets"]}["token_batch4"] == "token"
+    cfg = {"model_type": "llama", "max_seq": 64, "hf": {
+        "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 128, "eos_token_id": 2,
+        "bos_token_id": 1, "pad_token_id": 0}}
+    kv = {"dtype": "float32", "dims": [2, 2, "batch", 2, 64, 16]}
+    graphs = {
+        "context": ("context", {"input_ids": {"dtype": "int64", "dims": ["batch", "seq"]},
+                                "attention_mask": {"dtype": "int64", "dims": ["batch", "seq"]}}),
+        "token": ("token", {"input_ids": {"dtype": "int64", "dims": ["batch", 1]},
+                            "position_ids": {"dtype": "int64", "dims": ["batch", 1]},
+                            "cache_mask": {"dtype": "int64", "dims": ["batch", 64]},
+                            "slot": {"dtype": "int64", "dims": [1]}, "kv": kv}),
+    }
     for b in m["buckets"]:
+        entry, inputs = graphs[b["graph"]]
+        model = build_eager_model({"package": "models", "srcs": [], "entry": f"neuronbuild.toolchains.hf_causal_lm:{entry}",
+                                   "config": cfg, "weights": "models/llama.safetensors", "seed": 0}, ws)
         run = load_package(ws / "neuronbuild-out" / "models" / "llama_cpu" / b["outputs"]["model.pt2"]["path"])
-        args = example_inputs(inputs, b["bucket"], seed=7, config=cfg)
+        args = example_inputs(inputs, b["bucket"], seed=7, config=cfg["hf"], ranges={"slot": (0, 64),
+                                                                                     "position_ids": (0, 64)})
         out = run(*args)
-        out = out[0] if isinstance(out, (list, tuple)) else out
         with torch.no_grad():
             ref = model(*args)
-        assert out.shape == ref.shape
-        assert float((out - ref).abs().max()) < 1e-4
+        for got, (name, want) in zip(out, ref.items(), strict=True):
+            assert got.shape == want.shape, name
+            assert float((got - want).abs().max()) < 1e-4, name
 
 
 def test_weights_file_variant_uses_the_weights(built_example) -> None:  # type: ignore[no-untyped-def]
@@ -78,31 +94,33 @@ def test_trn2_outputs_carry_the_effective_options(built_example) -> None:  # typ
     ws, _ = built_example
     m = _manifest(ws, "llama_trn2")
     assert m["platform"] == "trn2"
-    # :fast deps on :base -> opt_level 1 (own value wins), model_type from base, auto_cast and flags from fast.
-    assert m["options"] == {"opt_level": 1, "model_type": "transformer", "auto_cast": "matmult", "flags": ["--foo=1"]}
-    assert len(m["buckets"]) == 5
+    # Per graph family, as NxD Inference compiles LLMs: :context_opts (-O1) and :token_opts (-O2), both deps on
+    # :base (model_type).
+    assert len(m["buckets"]) == 4
     for b in m["buckets"]:
+        level = {"context": 1, "token": 2}[b["graph"]]
+        assert b["options"] == {"opt_level": level, "model_type": "transformer", "auto_cast": "none", "flags": []}
         d = ws / "neuronbuild-out/models/llama_trn2" / b["name"]
         argv = json.loads((d / "compile_flags.json").read_text())["argv"]
         assert argv[:9] == ["neuronx-cc", "compile", "model.hlo.pb", "--framework", "XLA", "--target", "trn2",
                             "--output", "model.neff"]
-        assert argv[9:] == ["-O1", "--auto-cast", "matmult", "--auto-cast-type", "bf16", "--model-type",
-                            "transformer", "--foo=1"]
-        # auto_cast = matmult is in the module itself: every dot takes bf16 operands
+        assert argv[9:] == [f"-O{level}", "--auto-cast", "none", "--model-type", "transformer"]
         proto = (d / "model.hlo.pb").read_bytes()
         summary = parse_hlo_module(proto)
         assert summary.result.dtype == "tuple" and dict(summary.opcodes)["dot"] >= 8
         dots = [ln for ln in xc.XlaComputation(proto).as_hlo_text().splitlines() if " dot(" in ln]
-        assert dots and all(" bf16[" in ln for ln in dots)
+        assert dots and all(" f32[" in ln for ln in dots)  # auto_cast none: fp32 matmuls
         params = json.loads((d / "params.json").read_text())["parameters"]
-        assert params[-1]["name"] == "input_ids" and params[-1]["shape"] == [b["bucket"]["batch"], b["bucket"]["seq"]]
+        last = "attention_mask" if b["graph"] == "context" else "kv"
+        assert params[-1]["name"] == last and params[-1]["shape"][0 if last == "attention_mask" else 2] == \
+            b["bucket"]["batch"]
 
 
 def test_noop_rebuild_runs_nothing_and_never_imports_torch(built_example, cache_dir: Path) -> None:  # type: ignore[no-untyped-def]
     ws, _ = built_example
     proc = run_cli(["build", "//models:llama_cpu", "--cache-dir", str(cache_dir)], ws, python_flags=("-X", "importtime"))
     assert proc.returncode == 0, proc.stderr
-    assert "4 actions: 0 executed, 4 cached" in proc.stdout, proc.stdout
+    assert "8 actions: 0 executed, 8 cached" in proc.stdout, proc.stdout
     imported = {line.split("|")[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
     assert "neuronbuild.cli" in imported  # the check itself works
     heavy = ("torch", "jax", "jaxlib", "torchax")
@@ -111,7 +129,7 @@ def test_noop_rebuild_runs_nothing_and_never_imports_torch(built_example, cache_
 
 def test_outputs_are_restored_from_cache_when_deleted(built_example, cache_dir: Path) -> None:  # type: ignore[no-untyped-def]
     ws, _ = built_example
-    art = ws / "neuronbuild-out/models/llama_trn2/batch4_seq1/model.hlo.pb"
+    art = ws / "neuronbuild-out/models/llama_trn2/token_batch4/model.hlo.pb"
     before = art.read_bytes()
     art.unlink()
     proc = run_cli(["build", "//models:llama_trn2", "--cache-dir", str(cache_dir)], ws)
@@ -119,8 +137,8 @@ def test_outputs_are_restored_from_cache_when_deleted(built_example, cache_dir: 
     assert art.read_bytes() == before
 
 
-@pytest.mark.parametrize("pattern,expected", [("//models:all", "19 actions"), ("//models/...", "19 actions"),
-                                               ("//tools/...", "0 actions"), ("//models:llama_trn2", "15 actions")])
+@pytest.mark.parametrize("pattern,expected", [("//models:all", "18 actions"), ("//models/...", "18 actions"),
+                                               ("//tools/...", "0 actions"), ("//models:llama_trn2", "12 actions")])
 def test_patterns_select_targets(built_example, cache_dir: Path, pattern: str, expected: str) -> None:  # type: ignore[no-untyped-def]
     ws, _ = built_example
     proc = run_cli(["build", pattern, "--cache-dir", str(cache_dir)], ws)

@@ -23,10 +23,10 @@ SERVE = r"""
 import sys, torch
 from neuronbuild.runtime import open_cache
 cache = open_cache(sys.argv[1], strict=True, require=["//models:llama_cpu"])
-model = cache.model("//models:llama_cpu")
-for name, b in sorted(model.buckets.items()):
-    out = model(torch.zeros(b["batch"], b["seq"], dtype=torch.int64))
-    print(name, list(out.shape), bool(torch.isfinite(out).all()))
+lm = cache.causal_lm("//models:llama_cpu")
+for prompts in ([[1, 2, 3]], [[1, 2, 3], [4, 5], [6]]):
+    out = lm.generate(prompts, max_new_tokens=4)
+    print(list(out.shape), bool(((out >= 0) & (out < 512)).all()))
 """
 
 
@@ -59,7 +59,7 @@ def test_gzip_bundle_is_a_reproducible_gzip_tar_that_verifies_and_deploys(
     names = list(members)
     assert names[0] == "manifest.json" and names[1:] == sorted(names[1:])
     manifest = json.loads(members["manifest.json"])
-    assert manifest["label"] == "//models:release_gz" and len(manifest["graphs"]) == 7
+    assert manifest["label"] == "//models:release_gz" and len(manifest["graphs"]) == 8
     for name, content in members.items():
         if name != "manifest.json":
             assert hashlib.sha256(content).hexdigest() == manifest["files"][name]["sha256"], name
@@ -81,7 +81,7 @@ def test_gzip_bundle_is_a_reproducible_gzip_tar_that_verifies_and_deploys(
 
     ok = run_cli(["verify", str(archive)], ws)
     assert ok.returncode == 0, ok.stdout + ok.stderr
-    assert "//models:release_gz: 7 graph(s)" in ok.stdout and "every digest matches" in ok.stdout
+    assert "//models:release_gz: 8 graph(s)" in ok.stdout and "every digest matches" in ok.stdout
     cut = tmp_path / "cut.tar.gz"
     cut.write_bytes(data[: len(data) // 2])
     bad = run_cli(["verify", str(cut)], ws)
@@ -98,4 +98,4 @@ def test_gzip_bundle_is_a_reproducible_gzip_tar_that_verifies_and_deploys(
     # The strict runtime serves the deployed cpu graphs (no compilation, no cache miss allowed).
     run = subprocess.run([sys.executable, "-c", SERVE, str(serve)], capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr
-    assert run.stdout.split("\n")[:2] == ["batch1_seq128 [1, 128, 1000] True", "batch4_seq1 [4, 1, 1000] True"]
+    assert run.stdout.split("\n")[:2] == ["[1, 7] True", "[3, 7] True"]

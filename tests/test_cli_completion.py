@@ -60,7 +60,8 @@ def test_flags_and_their_values(script: tuple[Path, Path]) -> None:
     assert "--max-size" not in complete(script, "neuronbuild cache stats --")
     assert complete(script, "neuronbuild build --executor ") == ["local", "dask", "dask-local"]
     assert complete(script, "neuronbuild query x --output ") == ["label", "json", "graph"]
-    assert complete(script, "neuronbuild --") == ["--help", "--norc", "--version"]
+    assert complete(script, "neuronbuild --") == ["--help", "--norc", "--version", "--batch", "--max-idle-secs",
+                                                  "--output-user-root"]
     # A file-valued flag completes file names.
     assert complete(script, "neuronbuild build --profile mod") == ["models"]
 

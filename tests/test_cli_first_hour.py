@@ -202,19 +202,22 @@ def test_a_target_dir_holds_exactly_its_current_outputs(built_example, cache_dir
     first = run_cli(["build", "//models:llama_cpu", "--cache-dir", str(cache_dir)], ws)
     assert first.returncode == 0, first.stderr
     out = ws / "neuronbuild-out/models/llama_cpu"
-    assert {p.name for p in out.iterdir()} == {"manifest.json", "batch1_seq128", "batch4_seq1"}
-    (out / "batch1_seq128" / "model.neff").write_bytes(b"an old NEFF")  # e.g. from when neuronx-cc was configured
+    graphs = {"context_batch1_seq32", "context_batch4_seq32", "token_batch1", "token_batch4"}
+    assert {p.name for p in out.iterdir()} == {"manifest.json"} | graphs
+    (out / "token_batch1" / "model.neff").write_bytes(b"an old NEFF")  # e.g. from when neuronx-cc was configured
     (out / "batch8_seq64").mkdir()
     (out / "batch8_seq64" / "model.pt2").write_bytes(b"a removed bucket")
     build = ws / "models/BUILD"
-    build.write_text(build.read_text().replace('shapes = [{"batch": 1, "seq": 128}, {"batch": 4, "seq": 1}]',
-                                               'shapes = [{"batch": 1, "seq": 128}]'))
+    old = 'buckets = {"context": [":serve_context"], "token": [":serve_token"]},\n    target = ":cpu"'
+    assert old in build.read_text()
+    build.write_text(build.read_text().replace(old, old.replace('":serve_token"', '":tok1"'))
+                     + '\nneuron_buckets(name = "tok1", shapes = [{"batch": 1}])\n')
     proc = run_cli(["build", "//models:llama_cpu", "--cache-dir", str(cache_dir)], ws)
     assert proc.returncode == 0 and "0 executed" in proc.stdout, proc.stdout + proc.stderr
-    assert {p.name for p in out.iterdir()} == {"manifest.json", "batch1_seq128"}
-    assert {p.name for p in (out / "batch1_seq128").iterdir()} == {"model.pt2", "constants.safetensors"}
+    assert {p.name for p in out.iterdir()} == {"manifest.json"} | graphs - {"token_batch4"}
+    assert {p.name for p in (out / "token_batch1").iterdir()} == {"model.pt2", "constants.safetensors"}
     manifest = json.loads((out / "manifest.json").read_text())
-    assert [b["name"] for b in manifest["buckets"]] == ["batch1_seq128"]
+    assert [b["name"] for b in manifest["buckets"]] == ["context_batch1_seq32", "context_batch4_seq32", "token_batch1"]
 
 
 # -- neuronx-cc note, validate ---------------------------------------------------------------------------------------

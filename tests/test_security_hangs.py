@@ -58,7 +58,7 @@ def build(config):
     if pid == 0:  # the child: holds every inherited descriptor, including the worker's result pipe
         time.sleep(600)
         os._exit(0)
-    with open(config["pidfile"], "w") as f:
+    with open(os.path.join(os.environ["TMPDIR"], config["pidfile"]), "w") as f:  # actions may write only there
         f.write(str(pid))
     if config["mode"] == "die":
         os._exit(3)
@@ -68,13 +68,13 @@ def build(config):
 '''
 
 
-def _ws(tmp_path: Path, mode: str) -> Path:
-    pidfile = tmp_path / f"child-{mode}.pid"
+def _ws(tmp_path: Path, mode: str, compile_attrs: str = "") -> Path:
+    pidfile = f"child-{mode}.pid"  # in the action's $TMPDIR: <cache>/v1/toolchain-tmp
     build = (f'neuron_model(name = "m", srcs = ["m.py"], entry = "m:build", inputs = {{"x": "float32[b, n]"}},\n'
              f'             config = {{"pidfile": "{pidfile}", "mode": "{mode}"}})\n'
              'neuron_buckets(name = "bk", shapes = [{"b": 1, "n": 4}])\n'
              'neuron_target(name = "t", platform = "trn2")\n'
-             'neuron_compile(name = "c", model = ":m", buckets = [":bk"], target = ":t")\n')
+             f'neuron_compile(name = "c", model = ":m", buckets = [":bk"], target = ":t"{compile_attrs})\n')
     return write_ws(tmp_path / f"ws-{mode}", {"pkg/BUILD": build, "pkg/m.py": MODEL})
 
 
@@ -87,7 +87,7 @@ def _alive(pid: int) -> bool:
 
 
 def _child(tmp_path: Path, mode: str) -> int:
-    return int((tmp_path / f"child-{mode}.pid").read_text())
+    return int((tmp_path / "cache" / "v1" / "toolchain-tmp" / f"child-{mode}.pid").read_text())
 
 
 def _build(ws: Path, tmp_path: Path, *extra: str) -> tuple[subprocess.CompletedProcess[str], float]:
@@ -124,3 +124,16 @@ def test_action_timeout_fails_the_action_and_kills_its_processes(tmp_path: Path)
     assert not _alive(_child(tmp_path, "hang"))
     bad = run_cli(["build", "//pkg:all", "--action-timeout", "-1"], ws)
     assert bad.returncode == 2 and "--action-timeout" in bad.stderr
+
+
+def test_a_targets_timeout_attribute_overrides_the_flag(tmp_path: Path) -> None:
+    ws = _ws(tmp_path, "hang", ", timeout = 15")
+    proc, took = _build(ws, tmp_path, "--action-timeout", "600")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "timed out after 15 s (timeout = 15 on //pkg:c)" in proc.stderr
+    assert took < 90 and "Traceback" not in proc.stderr
+    assert not _alive(_child(tmp_path, "hang"))
+    assert not list((tmp_path / "cache" / "v1" / "ac").rglob("*.json"))
+    (ws / "pkg" / "BUILD").write_text((ws / "pkg" / "BUILD").read_text().replace("timeout = 15", "timeout = -1"))
+    bad = run_cli(["build", "//pkg:all", "--cache-dir", str(tmp_path / "cache")], ws)
+    assert bad.returncode == 2 and "pkg/BUILD:" in bad.stderr and "'timeout'" in bad.stderr, bad.stderr

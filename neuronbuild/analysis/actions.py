@@ -15,19 +15,22 @@ TRACE_OUTPUT = "program.pt2"
 
 @dataclass(frozen=True, order=True)
 class Bucket:
-    """One static input shape: ordered (dimension, size) pairs."""
+    """One static input shape: ordered (dimension, size) pairs, of one graph of the model ("" when it has one)."""
 
     dims: tuple[tuple[str, int], ...]
+    graph: str = ""
 
     @property
     def name(self) -> str:
-        return "_".join(f"{k}{v}" for k, v in self.dims)
+        dims = "_".join(f"{k}{v}" for k, v in self.dims)
+        return f"{self.graph}_{dims}" if self.graph else dims
 
     def as_dict(self) -> dict[str, int]:
         return dict(self.dims)
 
     def __str__(self) -> str:
-        return ", ".join(f"{k}={v}" for k, v in self.dims)
+        dims = ", ".join(f"{k}={v}" for k, v in self.dims)
+        return f"{self.graph}: {dims}" if self.graph else dims
 
 
 @dataclass(frozen=True)

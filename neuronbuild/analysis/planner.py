@@ -1,5 +1,5 @@
 """Turns a TargetGraph into an ActionGraph by asking each requested target's rule kind (neuronbuild.plugins) for its
-analysis: kinds return providers and register actions here; one trace per (model, bucket) is shared by all."""
+analysis: kinds return providers and register actions here; one trace per (model, graph, bucket) is shared by all."""
 
 from __future__ import annotations
 

@@ -18,6 +18,9 @@ class ModelInfo:
     record: Mapping[str, Any] = field(hash=False, compare=False)
     files: tuple[FileInput, ...] = ()
     dims: tuple[str, ...] = ()  # bucket dimensions the inputs use, in first-use order
+    # Graph families (neuron_model's `graphs`): name -> the graph as a model of its own (same weights and sources,
+    # its own entry, inputs, outputs, aliases); empty for a one-graph model.
+    graphs: tuple[tuple[str, ModelInfo], ...] = field(default=(), hash=False, compare=False)
 
 
 @dataclass(frozen=True)
@@ -58,6 +61,11 @@ class CompileTarget:
     buckets: tuple[tuple[Bucket, str], ...] = ()  # (bucket, primary action fingerprint)
     tolerance: float = 1e-4  # accepted max abs error against eager (validate)
     artifact_format: str = ""
+    graph_options: Mapping[str, Mapping[str, Any]] = field(default_factory=dict, hash=False, compare=False)
+
+    def options_of(self, graph: str) -> Mapping[str, Any]:
+        """The effective options one graph family was compiled with (per-graph options, else the target's)."""
+        return self.graph_options.get(graph, self.options)
 
 
 @dataclass(frozen=True)

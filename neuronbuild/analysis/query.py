@@ -19,7 +19,7 @@ import networkx as nx
 
 from neuronbuild.errors import UserInputError
 from neuronbuild.loading.labels import Label, LabelError, TargetPattern, parse_pattern
-from neuronbuild.loading.schema import RULES
+from neuronbuild.loading.schema import RULES, label_values
 from neuronbuild.loading.target_graph import TargetGraph, load_targets
 
 SOURCE_FILE = "source file"
@@ -178,7 +178,7 @@ class QueryGraph:
 
 
 def _label_values(v: Any) -> list[Label]:
-    return [x for x in (v if isinstance(v, tuple) else (v,)) if isinstance(x, Label)]
+    return label_values(v)
 
 
 def query_graph(tg: TargetGraph) -> QueryGraph:

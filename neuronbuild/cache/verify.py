@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import re
+import shutil
+from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import blake3
 
@@ -10,11 +16,14 @@ from neuronbuild.cache.action_cache import ActionResult
 from neuronbuild.cache.tier import SharedTier
 
 _CHUNK = 4 << 20
+_HEX64 = re.compile(r"^[0-9a-f]{64}$")
+_HEX2 = re.compile(r"^[0-9a-f]{2}$")
 
 
 @dataclass(frozen=True)
 class Problem:
-    """One bad thing found: a corrupt blob, an unreadable record, or a record whose blobs are missing or corrupt."""
+    """One bad thing found: a corrupt blob, an unreadable record, a record whose blobs are missing or corrupt, or a
+    file in the store that does not belong (not a blob or record at its place: something wrote into the cache)."""
 
     kind: str
     name: str
@@ -45,6 +54,32 @@ def _hash_stream(tier: SharedTier, digest: str) -> str:
         while chunk := f.read(_CHUNK):
             h.update(chunk)
     return str(h.hexdigest())
+
+
+def foreign_files(root: Path) -> Iterator[Path]:
+    """Everything under <root>/cas and <root>/ac that is not a blob (cas/xx/<digest starting xx>) or a record
+    (ac/xx/<fingerprint starting xx>.json), in path order (writers stage in tmp/, so nothing else is ever there)."""
+    for part, suffix in (("cas", ""), ("ac", ".json")):
+        top = root / part
+        if not top.is_dir() or top.is_symlink():
+            continue
+        for sub in sorted(top.iterdir()):
+            if not (_HEX2.match(sub.name) and sub.is_dir() and not sub.is_symlink()):
+                yield sub
+                continue
+            for p in sorted(sub.iterdir()):
+                name = p.name[: -len(suffix)] if suffix and p.name.endswith(suffix) else ("" if suffix else p.name)
+                if not (_HEX64.match(name) and name[:2] == sub.name) or p.is_symlink():
+                    yield p
+                # a directory where a blob or record belongs is reported (and repaired) as a corrupt blob / bad record
+
+
+def _remove(p: Path) -> None:
+    with contextlib.suppress(OSError):
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p)
+        else:
+            os.unlink(p)
 
 
 def verify_tier(tier: SharedTier, repair: bool = False) -> VerifyReport:
@@ -93,7 +128,14 @@ def verify_tier(tier: SharedTier, repair: bool = False) -> VerifyReport:
             problems.append(Problem("broken-entry", fp, f"output '{name}' (blob {out.digest[:16]}) {why}"))
             bad_records.append(fp)
             break
+    root = getattr(tier, "root", None)  # a directory tier (the local cache, a shared mount); S3 lists no strays
+    foreign = list(foreign_files(root)) if isinstance(root, Path) else []
+    for p in foreign:
+        problems.append(Problem("foreign-file", str(p.relative_to(root)) if isinstance(root, Path) else str(p),
+                                "does not belong in the store (not a blob or a record at its place)"))
     if repair:
+        for p in foreign:
+            _remove(p)
         for fp in bad_records:
             tier.evict_record(fp)
         for digest in bad:

@@ -5,12 +5,16 @@ from __future__ import annotations
 import json
 import shutil
 import tempfile
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from neuronbuild.execution import sandbox as sandboxes
 from neuronbuild.execution.cache_api import SpawnCache
 from neuronbuild.execution.jobs import Completion, Job, Started
 from neuronbuild.execution.pool import WorkerPool
+
+# Makes each build's worker pool; the build server (neuronbuild/server/warm.py) installs one that keeps idle workers.
+pool_factory: Callable[..., WorkerPool] = WorkerPool
 
 
 class LocalExecutor:
@@ -20,11 +24,12 @@ class LocalExecutor:
     name = "local"
 
     def __init__(self, root: Path, cache: SpawnCache, jobs: int, env: dict[str, str],
-                 action_timeout: float = 0.0) -> None:
+                 action_timeout: float = 0.0, timeouts: Mapping[str, tuple[float, str]] | None = None) -> None:
         self.root = root
+        self._timeouts = dict(timeouts or {})  # fingerprint -> (seconds, the attribute that set it)
         self.cache = cache
         self.slots = max(1, jobs)
-        self._pool = WorkerPool(self.slots, env, cache.scratch, cache.logs / "workers.log", action_timeout)
+        self._pool = pool_factory(self.slots, env, cache.scratch, cache.logs / "workers.log", action_timeout)
         self._running: dict[str, tuple[Job, sandboxes.Sandbox]] = {}
         # This build's sandboxes live under one directory, removed whole at the end (even after a Ctrl-C that
         # struck while a sandbox was being made). Made on the first action: a fully cached build writes nothing to
@@ -50,7 +55,8 @@ class LocalExecutor:
         msg = {"kind": a.kind, "spec": json.loads(json.dumps(a.spec)), "inputs": str(sb.inputs),
                "outputs": str(sb.outputs), "log": str(job.log), "expect": dict(a.versions)}
         try:
-            slot, pid = self._pool.submit(job.id, msg)
+            limit, source = self._timeouts.get(a.fingerprint, (0.0, ""))
+            slot, pid = self._pool.submit(job.id, msg, limit or None, source)
         except BaseException:
             sb.remove()
             raise

@@ -81,14 +81,17 @@ class WorkerProcess:
             self.pidfd = os.pidfd_open(self.proc.pid)
         self.task: str | None = None
         self.started = 0.0
+        self.timeout = 0.0  # the running task's limit in seconds (0: none)
+        self.timeout_source = ""
 
     @property
     def pid(self) -> int:
         return self.proc.pid
 
-    def send(self, task_id: str, msg: dict[str, Any]) -> None:
+    def send(self, task_id: str, msg: dict[str, Any], timeout: float = 0.0, source: str = "") -> None:
         self.task = task_id
         self.started = time.time()
+        self.timeout, self.timeout_source = timeout, source
         self.to_child.send(msg)
 
     def kill(self) -> None:
@@ -143,8 +146,10 @@ class WorkerPool:
     def busy(self) -> int:
         return sum(1 for w in self._workers.values() if w.task is not None)
 
-    def submit(self, task_id: str, msg: dict[str, Any]) -> tuple[int, int]:
-        """Hand a task to an idle worker (starting one if needed); returns (slot, pid)."""
+    def submit(self, task_id: str, msg: dict[str, Any], timeout: float | None = None,
+               timeout_source: str = "") -> tuple[int, int]:
+        """Hand a task to an idle worker (starting one if needed); returns (slot, pid). `timeout` (seconds, from a
+        target's `timeout` attribute, named by `timeout_source`) replaces the pool's action timeout for this task."""
         slot = self.idle_slot()
         if slot is None:
             raise RuntimeError("no idle worker")
@@ -153,21 +158,21 @@ class WorkerPool:
             if w is not None:
                 w.close()
             w = self._workers[slot] = WorkerProcess(slot, self._env, self._cwd, self._stderr)
+        limit, source = (timeout, timeout_source) if timeout else (self.action_timeout, "--action-timeout")
         try:
-            w.send(task_id, msg)
+            w.send(task_id, msg, limit, source)
         except OSError:  # it died since: the next wait() reports the task as failed
-            w.task = task_id
+            w.task, w.started, w.timeout, w.timeout_source = task_id, time.time(), limit, source
         return slot, w.pid
 
     def wait(self, timeout: float | None) -> list[TaskResult]:
         """Results of tasks that finished, whose worker died, or that ran past the action timeout, within
         `timeout` seconds."""
-        if self.action_timeout > 0:
-            now = time.time()
-            for w in self._workers.values():
-                if w.task is not None:
-                    left = max(0.0, w.started + self.action_timeout - now)
-                    timeout = left if timeout is None else min(timeout, left)
+        now = time.time()
+        for w in self._workers.values():
+            if w.task is not None and w.timeout > 0:
+                left = max(0.0, w.started + w.timeout - now)
+                timeout = left if timeout is None else min(timeout, left)
         handles: dict[Any, WorkerProcess] = {}
         for w in self._workers.values():
             handles[w.from_child] = w
@@ -198,17 +203,16 @@ class WorkerPool:
             task, w.task = w.task, None
             if task is not None:
                 out.append(TaskResult(task, w.slot, w.pid, msg))
-        if self.action_timeout > 0:
-            now = time.time()
-            for w in list(self._workers.values()):
-                if w.task is not None and now - w.started >= self.action_timeout:
-                    task, started = w.task, w.started
-                    w.kill()
-                    del self._workers[w.slot]
-                    out.append(TaskResult(task, w.slot, w.pid, {
-                        "ok": False, "timed_out": True, "duration_s": now - started, "pid": w.pid,
-                        "error": f"timed out after {self.action_timeout:g} s (--action-timeout); the action and "
-                                 "every process it started were killed"}))
+        now = time.time()
+        for w in list(self._workers.values()):
+            if w.task is not None and w.timeout > 0 and now - w.started >= w.timeout:
+                task, started = w.task, w.started
+                w.kill()
+                del self._workers[w.slot]
+                out.append(TaskResult(task, w.slot, w.pid, {
+                    "ok": False, "timed_out": True, "duration_s": now - started, "pid": w.pid,
+                    "error": f"timed out after {w.timeout:g} s ({w.timeout_source}); the action and every "
+                             "process it started were killed"}))
         return out
 
     @staticmethod

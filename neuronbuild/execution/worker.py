@@ -1,4 +1,4 @@
-"""Code that runs inside worker processes: the long-lived worker's main loop and running one action's toolchain step."""
+"""Worker processes: the warm worker's main loop, which forks one confined child per action to run it."""
 
 from __future__ import annotations
 
@@ -10,9 +10,18 @@ import threading
 import time
 import traceback
 from collections.abc import Iterator, Mapping
-from multiprocessing.connection import Connection
+from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any
+
+from neuronbuild.execution.confine import (
+    Policy,
+    confine,
+    explain_denied,
+    first_violation,
+    installation_roots,
+    policy_for,
+)
 
 HOST = socket.gethostname()
 
@@ -109,9 +118,10 @@ def toolchain_mismatch(expect: Mapping[str, str]) -> str | None:
 
 
 def run_action(kind: str, spec: dict[str, Any], inputs: str, outputs: str, log_path: str,
-               expect: Mapping[str, str] | None = None) -> dict[str, Any]:
+               expect: Mapping[str, str] | None = None, policy: Policy | None = None) -> dict[str, Any]:
     """Run a trace or a toolchain step in this process, after checking this worker's toolchain against `expect` (the
-    versions in the action's fingerprint). Returns {"ok", "metadata"|"error", "duration_s", "pid", "peak_rss_mb"}."""
+    versions in the action's fingerprint) and, with a `policy`, confining this process to it for good (so: only in
+    a per-action child, see run_isolated). Returns {"ok", "metadata"|"error", "duration_s", "pid", "peak_rss_mb"}."""
     start = time.perf_counter()
     mismatch = toolchain_mismatch(expect or {})
     if mismatch is not None:
@@ -122,6 +132,10 @@ def run_action(kind: str, spec: dict[str, Any], inputs: str, outputs: str, log_p
     Path(log_path).parent.mkdir(parents=True, exist_ok=True)
     try:
         with _redirect_fds(log_path):
+            if policy is not None:
+                why = confine(policy)
+                if why is not None:
+                    print(f"neuronbuild: {why}; only Python-level file checks apply to this action", file=sys.stderr)
             os.chdir(inputs)
             try:
                 if kind == "trace":
@@ -135,7 +149,10 @@ def run_action(kind: str, spec: dict[str, Any], inputs: str, outputs: str, log_p
                     meta = tc.run(str(spec["step"]), spec, Path(inputs), Path(outputs))
             finally:
                 os.chdir(cwd)
-        cap_log(log_path)
+        violation = first_violation() if policy is not None else None
+        if violation is not None:  # the model's code caught the PermissionError: the action fails all the same
+            return {"ok": False, "error": first_lines(f"PermissionError: {violation}"),
+                    "duration_s": time.perf_counter() - start, "pid": os.getpid(), "peak_rss_mb": peak_rss_mb()}
         return {"ok": True, "metadata": meta, "duration_s": time.perf_counter() - start, "pid": os.getpid(),
                 "peak_rss_mb": peak_rss_mb()}
     except Exception as e:  # noqa: BLE001 - every failure is reported as the action's failure
@@ -143,10 +160,18 @@ def run_action(kind: str, spec: dict[str, Any], inputs: str, outputs: str, log_p
 
         with open(log_path, "a", encoding="utf-8") as log:
             traceback.print_exc(file=log)
-        cap_log(log_path)
         text = str(e)
         msg = text if isinstance(e, ToolchainError) else f"{type(e).__name__}: {text}"
-        if isinstance(e, FileNotFoundError) and e.filename:
+        denied = None
+        if policy is not None:
+            violation = first_violation()
+            denied = f"PermissionError: {violation}" if violation is not None else None
+            if denied is None:
+                why = explain_denied(_root_cause(e), policy)
+                denied = f"PermissionError: {why}" if why else None
+        if denied is not None:
+            msg = denied + "\n" + text
+        elif isinstance(e, FileNotFoundError) and e.filename:
             msg = (f"{type(e).__name__}: the action read {e.filename!r}, which is not among its declared inputs "
                    "(the sandbox holds only those): declare it in the neuron_model's `data` (non-Python files) or "
                    "`srcs`/`deps` (Python)\n" + text)
@@ -154,8 +179,86 @@ def run_action(kind: str, spec: dict[str, Any], inputs: str, outputs: str, log_p
                 "duration_s": time.perf_counter() - start, "pid": os.getpid(), "peak_rss_mb": peak_rss_mb()}
 
 
-# Long-lived helpers torch itself starts (inductor's compile-worker pool) survive from one action to the next.
-_KEEP_CMDLINE = (b"torch/_inductor/compile_worker",)
+def _root_cause(e: BaseException) -> BaseException:
+    """The innermost exception (toolchains wrap the OSError a confined open raised)."""
+    seen = 0
+    while seen < 20:
+        nxt = e.__cause__ or e.__context__
+        if nxt is None:
+            return e
+        e, seen = nxt, seen + 1
+    return e
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def run_isolated(msg: Mapping[str, Any], installation: tuple[str, ...]) -> dict[str, Any]:
+    """Run one action in a child forked from this (warm, model-free) worker and confined to its sandbox: whatever the
+    model's code changes in the interpreter (monkeypatches, sys.modules, audit hooks) ends with the child. The child's
+    death (a crash, os._exit, the OOM killer) fails the action as a worker death (retried with --retries)."""
+    env = dict(os.environ)
+    spec = msg["spec"]
+    policy = policy_for(msg["inputs"], msg["outputs"], env, spec, installation,
+                        [msg["log"], *extra_write_roots()])
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the action's process
+        code = 0
+        try:
+            os.close(r)
+            with contextlib.suppress(Exception):
+                import ctypes
+
+                ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, 9, 0, 0, 0)  # dies with the worker
+            Connection(w, readable=False).send(run_action(msg["kind"], spec, msg["inputs"], msg["outputs"],
+                                                          msg["log"], msg.get("expect"), policy))
+        except BaseException:  # noqa: BLE001 - reported as a death by the parent
+            code = 70
+        finally:
+            os._exit(code)
+    os.close(w)
+    conn = Connection(r, writable=False)
+    pidfd: int | None = None
+    with contextlib.suppress(AttributeError, OSError):
+        pidfd = os.pidfd_open(pid)
+    res: dict[str, Any] | None = None
+    try:
+        handles: list[Any] = [conn] if pidfd is None else [conn, pidfd]
+        while True:
+            ready = wait(handles)
+            if conn in ready or conn.poll(0):
+                with contextlib.suppress(EOFError, OSError):
+                    res = conn.recv()
+                break
+            if pidfd is not None and pidfd in ready:
+                break
+    finally:
+        conn.close()
+        if pidfd is not None:
+            os.close(pidfd)
+    _pid, status = os.waitpid(pid, 0)
+    if res is None:
+        from neuronbuild.execution.pool import death_message
+
+        code = os.waitstatus_to_exitcode(status)
+        res = {"ok": False, "worker_died": True, "error": death_message(code), "duration_s": 0.0}
+    res["action_pid"] = pid
+    res["pid"] = os.getpid()
+    return res
+
+
+def extra_write_roots() -> list[str]:
+    """Scratch dirs toolchains write outside TMPDIR: inductor's per-user working dir (under TMPDIR in workers)."""
+    try:
+        from neuronbuild.toolchains.compile import toolchain_scratch
+    except Exception:  # noqa: BLE001 - a broken toolchain import is reported by the action itself
+        return []
+    scratch = toolchain_scratch()
+    scratch.mkdir(parents=True, exist_ok=True)
+    return [str(scratch)]
+
+
 _PR_SET_CHILD_SUBREAPER = 36
 
 
@@ -177,23 +280,14 @@ def _children(pid: int) -> list[int]:
     return out
 
 
-def _kept(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            cmd = f.read()
-    except OSError:
-        return False
-    return any(k in cmd for k in _KEEP_CMDLINE)
-
-
 def end_descendants() -> int:
-    """Kill every process this action left behind (children, and orphans re-parented to us), except torch's own
-    compile-worker pool; reap them. Returns how many were killed."""
+    """Kill every process the last action left behind (orphans re-parented to this worker, a subreaper, and
+    inductor's compile workers started in the action's process); reap them. Returns how many were killed."""
     import signal
 
     killed = 0
     for _ in range(50):  # killing a process re-parents its children to us: repeat until none is left
-        victims = [c for c in _children(os.getpid()) if not _kept(c)]
+        victims = _children(os.getpid())
         if not victims:
             break
         for c in victims:
@@ -234,8 +328,17 @@ def _watch_parent(parent: int) -> None:
             os._exit(1)
 
 
+def warm_imports() -> None:
+    """Modules every action imports, imported once here so forked actions start warm. Importing must start no
+    thread and run no torch op: a fork copies only the forking thread, and a used OpenMP pool breaks in the child."""
+    import torch._dynamo  # noqa: F401
+    import torch._inductor.compile_fx  # noqa: F401
+    import torch.export  # noqa: F401
+
+
 def main(read_fd: int, write_fd: int) -> None:
-    """A worker's life: warm up (import torch and the toolchains once), then run actions until told to stop.
+    """A worker's life: warm up (import torch and the toolchains once; no model code ever runs here), then run each
+    action in a child forked from this warm, clean state (run_isolated) until told to stop.
 
     Started by pool.WorkerProcess in its own session with the action environment; messages are pickled over two
     pipes: in, {"kind", "spec", "inputs", "outputs", "log", "expect"} or None (stop); out, run_action's result."""
@@ -254,6 +357,8 @@ def main(read_fd: int, write_fd: int) -> None:
         from neuronbuild import plugins
 
         plugins.toolchains()
+        warm_imports()
+    installation = installation_roots()
     conn_out.send({"ready": True, "pid": os.getpid()})
     while True:
         try:
@@ -262,6 +367,7 @@ def main(read_fd: int, write_fd: int) -> None:
             return
         if msg is None:
             return
-        result = run_action(msg["kind"], msg["spec"], msg["inputs"], msg["outputs"], msg["log"], msg.get("expect"))
+        result = run_isolated(msg, installation)
         end_descendants()  # nothing an action started outlives it
+        cap_log(msg["log"])
         conn_out.send(result)

@@ -12,7 +12,8 @@ from neuronbuild.analysis.toolchain_api import CompileRequest
 from neuronbuild.errors import UserInputError
 from neuronbuild.kinds.base import RuleKind
 from neuronbuild.kinds.options import effective
-from neuronbuild.loading.schema import FLOAT, LABEL, LABEL_LIST, NAME, TAGS, Attr, RuleSchema
+from neuronbuild.loading.labels import Label
+from neuronbuild.loading.schema import FLOAT, GRAPH_LABEL, GRAPH_LABELS, LABEL, NAME, TAGS, Attr, RuleSchema
 from neuronbuild.loading.target_graph import locate
 from neuronbuild.loading.targets import Target
 
@@ -22,51 +23,89 @@ SCHEMA = RuleSchema(
     (
         NAME,
         Attr("model", LABEL, "The neuron_model to compile.", required=True, kinds=("neuron_model",)),
-        Attr("buckets", LABEL_LIST, "neuron_buckets targets; their shapes are unioned.", required=True,
-             kinds=("neuron_buckets",)),
+        Attr("buckets", GRAPH_LABELS, "neuron_buckets targets; their shapes are unioned. For a model with graph "
+             "families, a plain list sizes every graph, a dict {graph: [labels]} each graph on its own.",
+             required=True, kinds=("neuron_buckets",)),
         Attr("target", LABEL, "The neuron_target compiled for.", required=True, kinds=("neuron_target",)),
-        Attr("options", LABEL, "A compiler_options target (default: no options).", kinds=("compiler_options",)),
+        Attr("options", GRAPH_LABEL, "A compiler_options target (default: no options), or {graph: label} per graph "
+             "family (e.g. context at -O1, token at -O2).", kinds=("compiler_options",)),
         Attr("tolerance", FLOAT, "Max abs error against eager accepted by `neuronbuild validate`.", default=1e-4),
+        Attr("timeout", FLOAT, "Seconds each action of this target may run (trace, lowering, compile); overrides "
+             "--action-timeout (0: the flag's value). Not fingerprinted.", default=0.0),
         TAGS,
     ),
 )
 
 
-def buckets_of(ctx: AnalysisContext, t: Target, model: ModelInfo) -> list[Bucket]:
+def buckets_of(ctx: AnalysisContext, t: Target, model: ModelInfo, labels: tuple[Label, ...] | None = None,
+               graph: str = "") -> list[Bucket]:
     """The union of the buckets' shapes, each checked against the dimensions the model's inputs use (linear time)."""
     out: dict[Bucket, None] = {}
     needed = set(model.dims)
-    for lbl in t.attrs["buckets"]:
+    of = f" (graph '{graph}')" if graph else ""
+    for lbl in (t.attrs["buckets"] if labels is None else labels):
         info: BucketsInfo = ctx.provider(lbl)
         for s in info.shapes:
             if s.keys() != needed:
                 missing = [d for d in model.dims if d not in s]
                 extra = [d for d in s if d not in needed]
-                what = (f"has no size for dimension '{missing[0]}' used by the inputs of {model.label}" if missing
-                        else f"has dimension '{extra[0]}', which no input of {model.label} uses")
+                what = (f"has no size for dimension '{missing[0]}' used by the inputs of {model.label}{of}" if missing
+                        else f"has dimension '{extra[0]}', which no input of {model.label}{of} uses")
                 raise UserInputError(f"bucket {dict(s)} {what}", locate(ctx.graph, t))
-            out.setdefault(Bucket(tuple((d, s[d]) for d in model.dims)), None)
+            out.setdefault(Bucket(tuple((d, s[d]) for d in model.dims), graph), None)
     return list(out)
+
+
+def _per_graph(ctx: AnalysisContext, t: Target, attr: str, names: list[str]) -> None:
+    """A dict-valued attribute must name graph families of the model."""
+    v = t.attrs.get(attr)
+    if not isinstance(v, dict):
+        return
+    if not names:
+        raise UserInputError(f"attribute '{attr}' is a dict of graph families, but {t.attrs['model']} declares no "
+                             f"`graphs`", locate(ctx.graph, t))
+    for g in v:
+        if g not in names:
+            raise UserInputError(f"attribute '{attr}': {t.attrs['model']} has no graph '{g}' (graphs: "
+                                 f"{', '.join(names)})", locate(ctx.graph, t))
 
 
 def analyze(ctx: AnalysisContext, t: Target) -> CompileTarget:
     model: ModelInfo = ctx.provider(t.attrs["model"])
     plat: PlatformInfo = ctx.provider(t.attrs["target"])
-    opts_label = t.attrs.get("options")
-    opts = effective(ctx.provider(opts_label) if opts_label is not None else None)
+    names = [n for n, _g in model.graphs]
+    _per_graph(ctx, t, "buckets", names)
+    _per_graph(ctx, t, "options", names)
+    opts_attr = t.attrs.get("options")
+
+    def options_for(graph: str) -> Mapping[str, object]:
+        lbl = opts_attr.get(graph) if isinstance(opts_attr, dict) else opts_attr
+        return effective(ctx.provider(lbl) if lbl is not None else None)
+
     tc = plugins.toolchain(plat.toolchain)
     entries: list[tuple[Bucket, str]] = []
-    inputs: Mapping[str, object] = dict(model.record["inputs"])  # ordered: the record holds [name, spec] pairs
-    for bucket in buckets_of(ctx, t, model):
-        trace = ctx.trace(model, bucket)
-        req = CompileRequest(t.label, plat.platform, plat.target, opts, bucket, inputs, trace, ctx.settings, ctx.common)
-        primary = None
-        for action in tc.plan(req):
-            primary = ctx.add(action)
-        assert primary is not None, f"toolchain {tc.name} planned no action"
-        entries.append((bucket, primary.fingerprint))
-    ct = CompileTarget(t.label, model.label, plat.platform, tc.name, plat.target, plat.description, opts,
-                       tuple(entries), float(t.attrs["tolerance"]), tc.artifact_format)
+    buckets_attr = t.attrs["buckets"]
+    families = list(model.graphs) or [("", model)]
+    graph_options: dict[str, Mapping[str, object]] = {}
+    for gname, ginfo in families:
+        labels = buckets_attr.get(gname, ()) if isinstance(buckets_attr, dict) else buckets_attr
+        opts = options_for(gname)
+        if gname:
+            graph_options[gname] = opts
+        inputs: Mapping[str, object] = dict(ginfo.record["inputs"])  # ordered: the record holds [name, spec] pairs
+        for bucket in buckets_of(ctx, t, ginfo, labels, gname):
+            trace = ctx.trace(ginfo, bucket)
+            req = CompileRequest(t.label, plat.platform, plat.target, opts, bucket, inputs, trace, ctx.settings,
+                                 ctx.common)
+            primary = None
+            for action in tc.plan(req):
+                primary = ctx.add(action)
+            assert primary is not None, f"toolchain {tc.name} planned no action"
+            entries.append((bucket, primary.fingerprint))
+    first = next(iter(graph_options.values()), None)
+    ct = CompileTarget(t.label, model.label, plat.platform, tc.name, plat.target, plat.description,
+                       first if first is not None else options_for(""), tuple(entries), float(t.attrs["tolerance"]),
+                       tc.artifact_format, graph_options)
     ctx.compiles.append(ct)
     return ct
 

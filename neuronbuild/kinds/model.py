@@ -19,6 +19,7 @@ from neuronbuild.loading.schema import (
     CONST_DIMS,
     DICT,
     ENTRY_RE,
+    GRAPHS,
     INPUTS,
     INT,
     INT_RANGES,
@@ -54,18 +55,41 @@ WEIGHTS = AttrType("weights", _weights)
 _MAX_INDEX_BYTES = 64 << 20
 
 
+# Entries in these modules are wrappers neuronbuild ships (e.g. hf_causal_lm's graphs): imported from the installed
+# neuronbuild, fingerprinted by the module file's digest, no workspace sources needed.
+BUILTIN_PREFIX = "neuronbuild.toolchains."
+
+
+def is_builtin(entry: str) -> bool:
+    return entry.startswith(BUILTIN_PREFIX)
+
+
 def _check(a: Mapping[str, Any]) -> None:
     if not ENTRY_RE.match(a["entry"]):
         raise AttrError("attribute 'entry' must look like 'module:function' (e.g. 'llama:build_model')")
-    if not a["srcs"]:
+    entries = [a["entry"], *(g["entry"] for g in (a.get("graphs") or {}).values() if "entry" in g)]
+    if not a["srcs"] and not all(is_builtin(e) for e in entries):
         raise AttrError("attribute 'srcs' must list at least one .py file")
+    for name, g in (a.get("graphs") or {}).items():
+        inputs = g.get("inputs") or a["inputs"]
+        outputs = g.get("outputs") or a["outputs"]
+        for out, inp in (g.get("aliases") or {}).items():
+            if inp not in inputs:
+                raise AttrError(f"attribute 'graphs': graph '{name}' aliases output '{out}' to '{inp}', which is not "
+                                f"one of its inputs ({', '.join(inputs)})")
+            if outputs and out not in outputs:
+                raise AttrError(f"attribute 'graphs': graph '{name}' aliases '{out}', which is not one of its "
+                                f"outputs ({', '.join(outputs)})")
     for src in a["srcs"]:
         if not src.name.endswith(".py"):
             raise AttrError(f"attribute 'srcs': '{src}' is not a .py file")
+    all_inputs = dict(a["inputs"])
+    for g in (a.get("graphs") or {}).values():
+        all_inputs.update(g.get("inputs") or {})  # ranges may name any graph family's inputs
     for name in a["input_ranges"]:
-        if name not in a["inputs"]:
-            raise AttrError(f"attribute 'input_ranges': '{name}' is not an input (inputs: {', '.join(a['inputs'])})")
-        dtype = parse_input_spec(a["inputs"][name])[0]
+        if name not in all_inputs:
+            raise AttrError(f"attribute 'input_ranges': '{name}' is not an input (inputs: {', '.join(all_inputs)})")
+        dtype = parse_input_spec(all_inputs[name])[0]
         if dtype.startswith("float") or dtype.startswith("bfloat") or dtype == "bool":
             raise AttrError(f"attribute 'input_ranges': input '{name}' is {dtype}, not an integer input")
 
@@ -75,8 +99,8 @@ SCHEMA = RuleSchema(
     "A torch model: a module factory in Python sources, its config and optional weights.",
     (
         NAME,
-        Attr("srcs", LABEL_LIST, "Python sources of the model (files in this package).", required=True,
-             kinds=("file",)),
+        Attr("srcs", LABEL_LIST, "Python sources of the model (files in this package); may be empty when every "
+             "entry is a wrapper neuronbuild ships (neuronbuild.toolchains.*).", default=(), kinds=("file",)),
         Attr("entry", STRING, "'module:function' building the nn.Module from the config dict.", required=True),
         Attr("config", DICT, "Config dict passed to the factory.", default={}),
         Attr("inputs", INPUTS, "Positional inputs in order: name -> 'dtype[dim, ...]'; a dim is a bucket dimension, a "
@@ -99,6 +123,10 @@ SCHEMA = RuleSchema(
         Attr("deps", LABEL_LIST, "neuron_py_library targets the sources import (by workspace path).", default=(),
              kinds=("neuron_py_library",)),
         Attr("seed", INT, "torch.manual_seed value used before calling the factory.", default=0),
+        Attr("graphs", GRAPHS, "Optional graph families sharing the weights, e.g. {'context': {}, 'token': {'entry': "
+             "..., 'inputs': {...}, 'outputs': {...}, 'aliases': {'kv': 'kv'}}}; entry/inputs/outputs default to the "
+             "model's own; aliases map an output to the input it updates (state fed back between calls).",
+             default={}),
         TAGS,
     ),
     _check,
@@ -123,14 +151,16 @@ def analyze(ctx: AnalysisContext, model: Target) -> ModelInfo:
     lib_srcs, lib_files = py_library.collect(ctx, tuple(model.attrs["deps"]))
     files.extend(f for f in lib_files if f.path not in srcs)
     consts: Mapping[str, int] = model.attrs["dims"]
-    parsed = [(k, parse_input_spec(v)) for k, v in model.attrs["inputs"].items()]
-    # An ordered list of [name, spec] pairs: input order is positional, so it enters the fingerprint (a dict's keys
-    # would be sorted by canonical JSON). Named constants are resolved to their sizes.
-    inputs = [[k, {"dtype": dt, "dims": [consts.get(d, d) if isinstance(d, str) else d for d in ds]}]
-              for k, (dt, ds) in parsed]
+
+    def specs(declared: Mapping[str, str]) -> list[list[Any]]:
+        # An ordered list of [name, spec] pairs: input order is positional, so it enters the fingerprint (a dict's
+        # keys would be sorted by canonical JSON). Named constants are resolved to their sizes.
+        return [[k, {"dtype": dt, "dims": [consts.get(d, d) if isinstance(d, str) else d for d in ds]}]
+                for k, (dt, ds) in ((k, parse_input_spec(v)) for k, v in declared.items())]
+
+    inputs = specs(model.attrs["inputs"])
     dims = tuple(dict.fromkeys(d for _k, spec in inputs for d in spec["dims"] if isinstance(d, str)))
-    outputs = [[k, {"dtype": dt, "dims": [consts.get(d, d) if isinstance(d, str) else d for d in ds]}]
-               for k, (dt, ds) in ((k, parse_input_spec(v)) for k, v in model.attrs["outputs"].items())]
+    outputs = specs(model.attrs["outputs"])
     record: dict[str, Any] = {
         "package": model.label.package,
         "srcs": srcs,
@@ -148,10 +178,44 @@ def analyze(ctx: AnalysisContext, model: Target) -> ModelInfo:
         record["deps"] = lib_srcs  # library sources by path -> digest (their directory roots go on sys.path)
     if model.attrs["weights_prefix"]:
         record["weights_prefix"] = model.attrs["weights_prefix"]
-    imports = distributions_of(_imported_modules(root, [lbl.path for lbl in model.attrs["srcs"]] + list(lib_srcs)))
+    modules = _imported_modules(root, [lbl.path for lbl in model.attrs["srcs"]] + list(lib_srcs))
+    graphs_attr: Mapping[str, Mapping[str, Any]] = model.attrs.get("graphs") or {}
+    entries = [model.attrs["entry"], *(g["entry"] for g in graphs_attr.values() if "entry" in g)]
+    builtin = {e.split(":")[0] for e in entries if is_builtin(e)}
+    if builtin:
+        record["builtin"] = {m: _builtin_digest(m) for m in sorted(builtin)}
+        modules += [m for m in _BUILTIN_IMPORTS for b in builtin if b.endswith(_BUILTIN_IMPORTS[m])]
+    imports = distributions_of(list(dict.fromkeys(modules)))
     if imports:  # third-party distributions the sources import, at their installed (or what-if) versions
         record["imports"] = imports
-    return ModelInfo(model.label, record, tuple(files), dims)
+    graphs: list[tuple[str, ModelInfo]] = []
+    for name, g in graphs_attr.items():
+        grec = dict(record) | {"graph": name, "entry": g.get("entry", record["entry"])}
+        if "inputs" in g:
+            grec["inputs"] = specs(g["inputs"])
+        if "outputs" in g:
+            grec["outputs"] = specs(g["outputs"])
+        if g.get("aliases"):
+            grec["aliases"] = dict(g["aliases"])
+        gdims = tuple(dict.fromkeys(d for _k, spec in grec["inputs"] for d in spec["dims"] if isinstance(d, str)))
+        graphs.append((name, ModelInfo(model.label, grec, tuple(files), gdims)))
+    return ModelInfo(model.label, record, tuple(files), dims, tuple(graphs))
+
+
+# Third-party modules a shipped wrapper imports (the wrapper is not scanned: its imports are known).
+_BUILTIN_IMPORTS = {"transformers": "hf_causal_lm"}
+
+
+def _builtin_digest(module: str) -> str:
+    """The digest of a shipped wrapper module's file (found without importing it: it imports torch)."""
+    from pathlib import Path
+
+    import neuronbuild
+
+    path = Path(neuronbuild.__file__).resolve().parent.joinpath(*module.split(".")[1:]).with_suffix(".py")
+    if not path.is_file():
+        raise UserInputError(f"entry module {module} is not a module neuronbuild ships")
+    return digest_file(path)
 
 
 def _weights_record(ctx: AnalysisContext, model: Target, files: list[FileInput]) -> dict[str, Any]:

@@ -202,6 +202,71 @@ def _inputs(attr: str, v: Any, pkg: str) -> dict[str, str]:
     return dict(v)
 
 
+_GRAPH_KEYS = ("entry", "inputs", "outputs", "aliases")
+
+
+def _graphs(attr: str, v: Any, pkg: str) -> dict[str, dict[str, Any]]:
+    """Graph families of one model: name -> {"entry", "inputs", "outputs", "aliases"} (each optional)."""
+    if not isinstance(v, dict) or not v:
+        raise AttrError(f"attribute '{attr}' must be a non-empty dict of graph name -> dict")
+    out: dict[str, dict[str, Any]] = {}
+    for name, g in v.items():
+        if not isinstance(name, str) or not _DIM_NAME_RE.match(name):
+            raise AttrError(f"attribute '{attr}': invalid graph name {name!r}")
+        if not isinstance(g, dict):
+            raise AttrError(f"attribute '{attr}': graph '{name}' must be a dict, got {_type_name(g)}")
+        bad = [k for k in g if k not in _GRAPH_KEYS]
+        if bad:
+            raise AttrError(f"attribute '{attr}': graph '{name}' has unknown key {bad[0]!r} "
+                            f"(known: {', '.join(_GRAPH_KEYS)})")
+        entry: dict[str, Any] = {}
+        if g.get("entry") is not None:
+            if not isinstance(g["entry"], str) or not _ENTRY_RE.match(g["entry"]):
+                raise AttrError(f"attribute '{attr}': graph '{name}': entry must look like 'module:function'")
+            entry["entry"] = g["entry"]
+        for key in ("inputs", "outputs"):
+            if g.get(key) is not None:
+                entry[key] = _inputs(f"{attr}.{name}.{key}", g[key], pkg)
+        if g.get("aliases") is not None:
+            al = g["aliases"]
+            if not isinstance(al, dict) or not all(isinstance(a, str) and isinstance(b, str) for a, b in al.items()):
+                raise AttrError(f"attribute '{attr}': graph '{name}': aliases must map output names to input names")
+            entry["aliases"] = dict(al)
+        out[name] = entry
+    return out
+
+
+def _graph_labels(attr: str, v: Any, pkg: str) -> tuple[Label, ...] | dict[str, tuple[Label, ...]]:
+    """A list of labels (every graph), or graph name -> list of labels."""
+    if isinstance(v, dict):
+        out: dict[str, tuple[Label, ...]] = {}
+        for name, labels in v.items():
+            if not isinstance(name, str) or not _DIM_NAME_RE.match(name):
+                raise AttrError(f"attribute '{attr}': invalid graph name {name!r}")
+            out[name] = _label_list(f"{attr}.{name}", labels, pkg)
+        return out
+    return _label_list(attr, v, pkg)
+
+
+def _graph_label(attr: str, v: Any, pkg: str) -> Label | dict[str, Label]:
+    """A label (every graph), or graph name -> label."""
+    if isinstance(v, dict):
+        out: dict[str, Label] = {}
+        for name, lbl in v.items():
+            if not isinstance(name, str) or not _DIM_NAME_RE.match(name):
+                raise AttrError(f"attribute '{attr}': invalid graph name {name!r}")
+            out[name] = _label(f"{attr}.{name}", lbl, pkg)
+        return out
+    return _label(attr, v, pkg)
+
+
+def label_values(v: Any) -> list[Label]:
+    """Every label in an attribute value: a label, a tuple of labels, or a dict of graph name -> either."""
+    if isinstance(v, dict):
+        return [x for item in v.values() for x in label_values(item)]
+    return [x for x in (v if isinstance(v, tuple) else (v,)) if isinstance(x, Label)]
+
+
 STRING = AttrType("string", _string)
 INT = AttrType("int", _int)
 FLOAT = AttrType("float", _float)
@@ -215,6 +280,9 @@ INPUTS = AttrType("inputs", _inputs)
 OUTPUTS = AttrType("outputs", _inputs)
 CONST_DIMS = AttrType("const_dims", _const_dims)
 INT_RANGES = AttrType("int_ranges", _int_ranges)
+GRAPHS = AttrType("graphs", _graphs)
+GRAPH_LABELS = AttrType("graph_labels", _graph_labels)
+GRAPH_LABEL = AttrType("graph_label", _graph_label)
 
 
 @dataclass(frozen=True)

@@ -16,8 +16,6 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-import starlark_go
-
 T = TypeVar("T")
 _FRAME_RE = re.compile(r"^\s+(.+):(\d+):(\d+): in (.+)$")
 
@@ -106,6 +104,9 @@ class Interpreter:
     def __init__(self, natives: dict[str, Callable[..., Any]], print_prefix: str) -> None:
         self._natives = dict(natives)  # strong references for the interpreter's whole life
         self._print = _safe_print(print_prefix)
+        import starlark_go  # here, not at import: loading it starts Go runtime threads, and workers (which fork per
+        # action and import this module through the plug-ins) must stay single-threaded
+
         self._sl = starlark_go.Starlark(print=self._print)
         if self._natives:
             self._sl.set(**self._natives)
@@ -115,6 +116,8 @@ class Interpreter:
 
     def exec(self, source: str, filename: str) -> None:
         """Execute source; raise StarlarkFailure with file:line:col on any error."""
+        import starlark_go
+
         try:
             self._sl.exec(source, filename=filename)
         except starlark_go.SyntaxError as e:

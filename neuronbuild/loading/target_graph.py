@@ -14,7 +14,7 @@ from neuronbuild import plugins
 from neuronbuild.errors import Location, UserInputError
 from neuronbuild.loading.labels import Label, LabelError, TargetPattern, parse_pattern
 from neuronbuild.loading.loader import Loader
-from neuronbuild.loading.schema import RULES
+from neuronbuild.loading.schema import RULES, label_values
 from neuronbuild.loading.starlark_adapter import run_on_starlark_thread
 from neuronbuild.loading.targets import Package, Target
 
@@ -56,8 +56,7 @@ class TargetGraph:
         out: list[tuple[str, Label]] = []
         for a in RULES[target.kind].attrs:
             if a.kinds and "file" not in a.kinds and target.attrs.get(a.name) is not None:
-                v = target.attrs[a.name]
-                for lbl in v if isinstance(v, tuple) else (v,):
+                for lbl in label_values(target.attrs[a.name]):
                     out.append((a.name, lbl))
         return out
 

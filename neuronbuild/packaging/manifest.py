@@ -109,7 +109,7 @@ def plan_bundle(graph: TargetGraph, ag: ActionGraph, cache: LocalCache, label: L
                 "bucket_name": bucket.name,
                 "target": {"platform": ct.platform, "isa": ct.target.get("isa")},
                 "format": ct.artifact_format,
-                "options": dict(ct.options),
+                "options": dict(ct.options_of(bucket.graph)),
                 "tolerance": ct.tolerance,
                 "fingerprint": fp,
                 "record": dict(action.record),
@@ -118,6 +118,8 @@ def plan_bundle(graph: TargetGraph, ag: ActionGraph, cache: LocalCache, label: L
                 "outputs": list(traced_meta.get("outputs") or []),  # flattened outputs; dims that follow buckets
                 "output_tree": traced_meta.get("output_tree") or "tuple",
                 "toolchain": dict(action.versions),
+                **({"graph": bucket.graph, "aliases": dict(trace.model.get("aliases") or {})} if bucket.graph
+                   else {}),
                 "artifacts": artifacts,
                 "weights": weights,
             })

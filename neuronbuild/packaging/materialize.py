@@ -102,6 +102,8 @@ def materialize(root: Path, ag: ActionGraph, cache: LocalCache, failed: set[str]
             buckets.append({
                 "name": bucket.name,
                 "bucket": bucket.as_dict(),
+                **({"graph": bucket.graph, "options": dict(ct.options_of(bucket.graph)),
+                    "aliases": dict(ag.trace_of(fp).model.get("aliases") or {})} if bucket.graph else {}),
                 "fingerprint": fp,
                 "trace": ag.trace_of(fp).fingerprint,
                 "model_outputs": _traced_outputs(cache, ag.trace_of(fp).fingerprint),

@@ -32,7 +32,7 @@ from neuronbuild.runtime.layout import (
 from neuronbuild.runtime.router import BucketRouter, NoBucketFits, Route
 from neuronbuild.runtime.signing import SIGNATURE as SIGNATURE_FILE
 from neuronbuild.runtime.signing import TRUSTED_KEYS_ENV, SignatureError, TrustedKey, load_trusted_keys, verify_manifest
-from neuronbuild.runtime.verified import read_verified, verified_path
+from neuronbuild.runtime.verified import load_weights_verified, verified_path
 
 STRICT_ENV = "NEURONBUILD_STRICT"
 REQUIRE_ENV = "NEURONBUILD_REQUIRE"
@@ -125,8 +125,16 @@ class Model:
         self.label = label
         self._slots = slots
         first = next(iter(slots.values())).graph
+        self.families = list(dict.fromkeys(s.graph.graph for s in slots.values()))  # graph families, e.g. context
         self.router = BucketRouter(dict(first.inputs), {n: dict(s.graph.bucket) for n, s in slots.items()})
         self._eager = eager
+
+    def family(self, name: str) -> Model:
+        """The graphs of one family (e.g. "token") as a model of their own (one input signature, one router)."""
+        slots = {n: s for n, s in self._slots.items() if s.graph.graph == name}
+        if not slots:
+            raise KeyError(f"{self.label} has no graph family {name!r} (families: {', '.join(self.families)})")
+        return Model(self._cache, self.label, slots, self._eager)  # the eager fallback, if any, serves this family
 
     @property
     def buckets(self) -> dict[str, dict[str, int]]:
@@ -143,6 +151,9 @@ class Model:
         return self._cache._load(self._slots[bucket_name])
 
     def __call__(self, *args: Any, pad_value: float = 0) -> Any:
+        if len(self.families) > 1:
+            raise TypeError(f"{self.label} has graph families ({', '.join(self.families)}): call one of them, "
+                            f"model.family(name)(...), or use causal_lm() for an hf_causal_lm")
         try:
             route = self.route(*args)
         except NoBucketFits as e:
@@ -202,6 +213,20 @@ class DeployedCache:
             self._models[label] = Model(self, label, slots, self._eager.get(label))
         return self._models[label]
 
+    def causal_lm(self, label: str) -> Any:
+        """A deployed hf_causal_lm (context + token graphs) ready to `generate` (see runtime/causal_lm.py). In strict
+        mode every graph is loaded now."""
+        from neuronbuild.runtime.causal_lm import CausalLM
+
+        model = self.model(label)
+        if not isinstance(model, Model):
+            raise KeyError(f"{label} is not deployed in {self.root}")
+        lm = CausalLM(model, strict=self.strict)
+        if self.strict:
+            for slot in self._slots.get(label, {}).values():
+                self._load(slot)
+        return lm
+
     # -- resolution ------------------------------------------------------------------------------------------------
 
     def _select(self, label: str, expected: list[Graph] | None) -> tuple[dict[str, _Slot], list[Problem]]:
@@ -256,9 +281,7 @@ class DeployedCache:
 
     def _weights_for(self, path: Path, ref: FileRef) -> Any:
         if path not in self._weights:
-            from safetensors.torch import load as load_safetensors
-
-            self._weights[path] = load_safetensors(read_verified(path, ref))  # every byte checked before use
+            self._weights[path] = load_weights_verified(path, ref)  # every byte checked before use, read once
         return self._weights[path]
 
     def _load(self, slot: _Slot) -> Callable[..., Any] | None:

@@ -75,6 +75,8 @@ class Graph:
     weights: FileRef | None = None
     tolerance: float = 1e-4
     format: str = ""  # the artifacts' format, named by the toolchain that built them ("aoti", "neuron-hlo", ...)
+    graph: str = ""  # the graph family (e.g. "context", "token"); "" for a one-graph model
+    aliases: Mapping[str, str] = field(default_factory=dict, hash=False, compare=False)  # output -> input it updates
 
     @property
     def key(self) -> tuple[str, str]:
@@ -86,7 +88,8 @@ class Graph:
         return tc if isinstance(tc, Mapping) else {}
 
     def describe(self) -> str:
-        return f"{self.label} [{', '.join(f'{k}={v}' for k, v in self.bucket.items())}]"
+        dims = ", ".join(f"{k}={v}" for k, v in self.bucket.items())
+        return f"{self.label} [{self.graph}: {dims}]" if self.graph else f"{self.label} [{dims}]"
 
 
 @dataclass(frozen=True)
@@ -166,6 +169,14 @@ def _ref(d: Mapping[str, Any]) -> FileRef:
     return FileRef(safe_path(d["path"]), sha, size)
 
 
+def _aliases(v: Any) -> dict[str, str]:
+    if v is None:
+        return {}
+    if not isinstance(v, dict):
+        raise ValueError("aliases must be a dict of output name -> input name")
+    return {_text(k, "alias"): _text(x, "alias") for k, x in v.items()}
+
+
 def parse_manifest(data: bytes | Mapping[str, Any], source: str = MANIFEST) -> Manifest:
     """Parse manifest JSON (bytes or an already decoded dict); LayoutError on anything unexpected."""
     raw = load_json(bytes(data), source, "manifest") if isinstance(data, bytes | bytearray) else dict(data)
@@ -183,6 +194,7 @@ def parse_manifest(data: bytes | Mapping[str, Any], source: str = MANIFEST) -> M
                 output_tree=str(g.get("output_tree") or "tuple"), artifacts={k: _ref(v) for k, v in g["artifacts"].items()},
                 weights=_ref(g["weights"]) if g.get("weights") else None, tolerance=float(g["tolerance"]),
                 format=str(g.get("format") or ("aoti" if "model.pt2" in g["artifacts"] else "neuron-lowered")),
+                graph=_text(g.get("graph") or "", "graph"), aliases=_aliases(g.get("aliases")),
             )
             for g in raw["graphs"]
         )

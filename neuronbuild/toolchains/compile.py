@@ -104,7 +104,10 @@ def compile_cpu(
         with torch.no_grad():
             aoti_compile_and_package(ep, package_path=str(raw), inductor_configs=inductor_configs(target))
         data = canonical_package(raw.read_bytes())
-        constants = constants_bytes(ep, _constant_fqns(raw))
+        # Every tensor the program holds (a superset of what the package asks for: inductor folds some buffers in),
+        # so the file is the same bytes as the Neuron lowering's: one weights file per model for all graphs/targets.
+        held = set(ep.state_dict) | {k for k, v in ep.constants.items() if isinstance(v, torch.Tensor)}
+        constants = constants_bytes(ep, sorted(held | set(_constant_fqns(raw))))
     (out_dir / "model.pt2").write_bytes(data)
     (out_dir / CONSTANTS_FILE).write_bytes(constants)
     return {"artifact": "model.pt2", "bytes": len(data), "isa": isa, "constants": CONSTANTS_FILE,

@@ -35,7 +35,7 @@ class CpuToolchain:
 
     def plan(self, req: CompileRequest) -> list[Action]:
         assert req.trace is not None
-        record = req.record(COMPILE, self.versions(req.platform, req.settings))
+        record = req.record(COMPILE, self.versions(req.platform, req.settings), weights="held-1")
         spec = {"toolchain": self.name, "step": COMPILE, "platform": req.platform, "isa": req.target["isa"],
                 "options": dict(req.options), "inputs": dict(req.inputs), "bucket": req.bucket.as_dict(),
                 "program": TRACE_OUTPUT}

@@ -18,6 +18,7 @@ from neuronbuild.toolchains.errors import ToolchainError
 
 _ENTRY_RE = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*):([A-Za-z_][A-Za-z0-9_]*)$")
 
+BUILTIN_PREFIX = "neuronbuild.toolchains."  # entries in shipped wrapper modules (kinds/model.py BUILTIN_PREFIX)
 DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in vocabulary.DTYPES}
 
 
@@ -79,6 +80,15 @@ def _is_under(path: Path, root: Path) -> bool:
 def load_factory(model: Mapping[str, Any], sandbox: Path) -> Callable[..., Any]:
     """Import the entry module from sandbox/<package> and return its factory (call inside the import context)."""
     module_name, attr = parse_entry(model.get("entry", ""))
+    if module_name.startswith(BUILTIN_PREFIX):  # a wrapper neuronbuild ships (its digest is in the model record)
+        try:
+            builtin = importlib.import_module(module_name)
+        except ImportError as exc:
+            raise ToolchainError(f"cannot import {module_name}: {exc}") from None
+        factory = getattr(builtin, attr, None)
+        if not callable(factory):
+            raise ToolchainError(f"{module_name} has no factory {attr!r}")
+        return factory  # type: ignore[no-any-return]
     package = str(model.get("package", ""))
     package_dir = (sandbox / package) if package else sandbox
     path = _module_file(package_dir, module_name)

@@ -73,6 +73,7 @@ class NeuronToolchain:
             "bucket": bucket,
             "inputs": inputs,
             "toolchain": self.lowering_versions(req.settings),
+            "weights": "held-1",  # constants.safetensors holds every tensor of the program (= the cpu compile's file)
         } | dict(req.common)
         lower_spec = {"toolchain": self.name, "step": LOWER, "program": TRACE_OUTPUT, "inputs": inputs,
                       "bucket": bucket, "options": lowering}

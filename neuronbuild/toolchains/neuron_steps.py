@@ -28,6 +28,8 @@ def run_lower(spec: Mapping[str, Any], sandbox: Path, out_dir: Path) -> dict[str
     """spec["program"] (in the sandbox) -> out_dir/{model.hlo.pb, params.json, constants.safetensors}.
 
     spec: program, inputs, bucket, options (the lowering options only: auto_cast, auto_cast_type)."""
+    import torch
+
     from neuronbuild.toolchains.compile import _check_inputs, constants_bytes
     from neuronbuild.toolchains.model_import import example_inputs
     from neuronbuild.toolchains.neuron_hlo import lower_program
@@ -36,11 +38,15 @@ def run_lower(spec: Mapping[str, Any], sandbox: Path, out_dir: Path) -> dict[str
     sandbox, out_dir = Path(sandbox), Path(out_dir)
     ep = load_program(sandbox / str(spec["program"]))
     _check_inputs(ep, example_inputs(dict(spec.get("inputs") or {}), dict(spec.get("bucket") or {})))
+    held = set(ep.state_dict) | {k for k, v in ep.constants.items() if isinstance(v, torch.Tensor)}
+    original = load_program(sandbox / str(spec["program"]))  # lowering may rewrite `ep`'s state (folded buffers)
     start = time.perf_counter()
     lowered = lower_program(ep, dict(spec.get("options") or {}))
     seconds = time.perf_counter() - start
     state = [p.name for p in lowered.parameters if p.kind != "input"]
-    weights = constants_bytes(ep, sorted(state))
+    # Every tensor the program holds, not only those the module takes: the same file (bytes) as the cpu compile's
+    # constants, so one weights file serves all graphs and targets of a model (extra names are simply not bound).
+    weights = constants_bytes(original, sorted(held | set(state)))
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / HLO_FILE).write_bytes(lowered.proto)
     (out_dir / PARAMS_FILE).write_bytes(lowered.params_json())

@@ -1,0 +1,298 @@
+"""What an action's process may read and write: the sandbox, its temp dirs and the installed toolchain, nothing else.
+
+Applied in the per-action child a worker forks (worker.py), never in the worker itself, since neither mechanism can be
+undone in a process:
+- Landlock (Linux >= 5.13, unprivileged, via ctypes): the kernel refuses every other open for reading or writing,
+  every create/remove/rename elsewhere, for the action's process and every process it starts (g++, neuronx-cc),
+  whatever the language. Where the kernel lacks it (or a seccomp filter hides it) the audit hook alone applies.
+- a `sys.addaudithook` hook: the same rules for Python-level opens (`open`, `os.open`, pathlib, `io`) and file-system
+  calls (`os.rename/replace/remove/rmdir/mkdir/symlink/link/truncate/chmod/utime`, `shutil`), raising a
+  PermissionError whose message names the path and says how to declare it. It also records the first violation, so
+  an action whose code caught the exception still fails. Alone, it does not see C extensions or subprocesses.
+
+Reads are allowed under the sandbox, the action's TMPDIR and HOME, the Python installation (prefixes, sys.path,
+site-packages), neuronbuild itself, plug-in paths, PATH dirs and a configured neuronx-cc's install, /usr, /lib*, /dev,
+/proc and /sys (and, for the kernel rules only, /etc and /bin, which libc and compilers read); writes only under the
+sandbox, TMPDIR, HOME, inductor's working dir, the action's log and /dev.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import os
+import sys
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+# Directories every process may read (interpreter, compilers, libc): the kernel rules' read set beyond the policy's.
+SYSTEM_READ = ("/usr", "/lib", "/lib32", "/lib64", "/libx32", "/bin", "/sbin", "/etc", "/dev", "/proc", "/sys")
+# What Python code may read beyond the policy (the audit hook): no /etc, /bin, /sbin: model code has no business there.
+PY_SYSTEM_READ = ("/usr", "/lib", "/lib32", "/lib64", "/libx32", "/dev", "/proc", "/sys")
+SYSTEM_WRITE = ("/dev",)
+
+_WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
+
+
+@dataclass(frozen=True)
+class Policy:
+    """Absolute, symlink-resolved directory roots an action may read and write (writes imply reads)."""
+
+    read: tuple[str, ...]
+    write: tuple[str, ...]
+
+    def may_read(self, path: str) -> bool:
+        return _under(path, self.read) or _under(path, self.write)
+
+    def may_write(self, path: str) -> bool:
+        return _under(path, self.write)
+
+
+class Violation(PermissionError):
+    """An action's code touched a path its confinement does not allow."""
+
+
+def _under(path: str, roots: Iterable[str]) -> bool:
+    for r in roots:
+        if path == r or path.startswith(r if r.endswith("/") else r + "/"):
+            return True
+    return False
+
+
+def _real(p: str | os.PathLike[str]) -> str:
+    return os.path.realpath(os.fspath(p))
+
+
+def _dedup(paths: Iterable[str]) -> tuple[str, ...]:
+    out: list[str] = []
+    for p in paths:
+        if p and p not in out:
+            out.append(p)
+    return tuple(out)
+
+
+def installation_roots() -> tuple[str, ...]:
+    """The Python installation a worker runs (prefixes, sys.path dirs, site-packages) and neuronbuild itself; computed
+    in the worker before any action, so nothing an action adds to sys.path is in it."""
+    import site
+
+    import neuronbuild
+
+    roots = [sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix]
+    pkg_parent = str(Path(neuronbuild.__file__).resolve().parent.parent)
+    roots.append(str(Path(neuronbuild.__file__).resolve().parent))
+    for p in sys.path:
+        # '' is the cwd; the package parent is the checkout neuronbuild runs from (it may hold workspaces): only
+        # the package dir itself above.
+        if p and os.path.isabs(p) and os.path.isdir(p) and _real(p) != pkg_parent:
+            roots.append(p)
+    with contextlib.suppress(Exception):
+        roots += site.getsitepackages()
+    for d in os.environ.get("NEURONBUILD_PLUGIN_PATH", "").split(os.pathsep):
+        if d and os.path.isabs(d):
+            roots.append(d)
+    return _dedup(_real(r) for r in roots if os.path.exists(r))
+
+
+def toolchain_roots(env: Mapping[str, str], spec: Mapping[str, Any]) -> tuple[str, ...]:
+    """Tools an action may run: PATH dirs and a configured neuronx-cc's installation (the dir above its bin/)."""
+    roots = [d for d in env.get("PATH", "").split(os.pathsep) if d and os.path.isabs(d) and os.path.isdir(d)]
+    # A tool in <prefix>/bin (or a pyenv shim) reads its installation: the prefix, unless that is / or a home dir.
+    homes = {"/", _real(os.path.expanduser("~"))}
+    with contextlib.suppress(Exception):
+        import pwd
+
+        homes.add(_real(pwd.getpwuid(os.getuid()).pw_dir))
+    for d in list(roots):
+        parent = os.path.dirname(_real(d))
+        if os.path.basename(_real(d)) in ("bin", "sbin", "shims") and parent not in homes:
+            roots.append(parent)
+    cc = spec.get("neuronx_cc")
+    if isinstance(cc, Mapping) and isinstance(cc.get("path"), str) and os.path.isabs(cc["path"]):
+        exe = Path(_real(cc["path"]))
+        roots.append(str(exe.parent.parent if exe.parent.name == "bin" else exe.parent))
+    return _dedup(_real(r) for r in roots)
+
+
+def policy_for(inputs: str, outputs: str, env: Mapping[str, str], spec: Mapping[str, Any],
+               installation: tuple[str, ...], extra_write: Iterable[str] = ()) -> Policy:
+    """The policy of one action: its sandbox (the inputs' and outputs' common parent), TMPDIR, HOME and
+    `extra_write` writable; the installation and toolchain readable."""
+    ins, outs = Path(_real(inputs)), Path(_real(outputs))
+    sandbox = [str(ins.parent)] if ins.parent == outs.parent else [str(ins), str(outs)]
+    writable = sandbox + [_real(env[k]) for k in ("TMPDIR", "HOME") if env.get(k)] + [_real(p) for p in extra_write]
+    return Policy(read=_dedup([*installation, *toolchain_roots(env, spec)]), write=_dedup(writable))
+
+
+# ----------------------------------------------------------------------------------------------------- audit hook
+_violations: list[str] = []
+
+
+def first_violation() -> str | None:
+    return _violations[0] if _violations else None
+
+
+def _message(op: str, path: str, write: bool) -> str:
+    if write:
+        return (f"the action {op} {path!r}, outside its sandbox and temp dirs: actions may write only their "
+                "outputs, the sandbox and $TMPDIR (model code is confined; nothing was cached)")
+    return (f"the action read {path!r}, which is not among its declared inputs (the sandbox holds only those): "
+            "declare it in the neuron_model's `data` (non-Python files) or `srcs`/`deps` (Python)")
+
+
+def _is_write_open(mode: Any, flags: Any) -> bool:
+    if isinstance(flags, int) and flags & _WRITE_FLAGS:
+        return True
+    return isinstance(mode, str) and any(c in mode for c in "wax+")
+
+
+# event -> (indices of path arguments, what it does: "write" or "read")
+_PATH_EVENTS: dict[str, tuple[tuple[int, ...], str]] = {
+    "os.rename": ((0, 1), "renamed"), "os.remove": ((0,), "removed"), "os.rmdir": ((0,), "removed"),
+    "os.mkdir": ((0,), "created"), "os.symlink": ((1,), "created"), "os.link": ((1,), "created"),
+    "os.truncate": ((0,), "truncated"), "os.chmod": ((0,), "changed"), "os.chown": ((0,), "changed"),
+    "os.utime": ((0,), "changed"), "shutil.rmtree": ((0,), "removed"), "shutil.copyfile": ((1,), "wrote"),
+    "shutil.move": ((1,), "moved into"),
+}
+_READ_OPS: set[str] = set()  # listing a directory is not checked (names only; the import system lists sys.path)
+
+
+def install_audit_hook(policy: Policy) -> None:
+    """Check every Python-level open and file-system call of this process against `policy` (irreversible)."""
+    py_read = _dedup([*policy.read, *PY_SYSTEM_READ])
+
+    def allowed(path: str, write: bool) -> bool:
+        if write:
+            return policy.may_write(path) or path.startswith("/dev/")
+        return _under(path, py_read) or policy.may_write(path)
+
+    def check(op: str, raw: Any, write: bool) -> None:
+        if isinstance(raw, int) or raw is None:
+            return  # a file descriptor: opened (and checked) before
+        try:
+            p = os.fsdecode(raw)
+        except (TypeError, ValueError):
+            return
+        absolute = os.path.abspath(p)
+        if allowed(absolute, write) and allowed(_real(absolute), write):
+            return
+        msg = _message(op, absolute, write)
+        if not _violations:
+            _violations.append(msg)
+        raise Violation(errno.EACCES, msg, absolute)
+
+    def hook(event: str, args: tuple[Any, ...]) -> None:
+        if event == "open":
+            path, mode, flags = (tuple(args) + (None, None, None))[:3]
+            write = _is_write_open(mode, flags)
+            check("wrote" if write else "read", path, write)
+            return
+        spec = _PATH_EVENTS.get(event)
+        if spec is None:
+            return
+        idx, op = spec
+        for i in idx:
+            if i < len(args):
+                check(op, args[i], op not in _READ_OPS)
+
+    sys.addaudithook(hook)
+
+
+# ------------------------------------------------------------------------------------------------------- Landlock
+_SYS_CREATE_RULESET, _SYS_ADD_RULE, _SYS_RESTRICT_SELF = 444, 445, 446  # the same number on every architecture
+_CREATE_RULESET_VERSION = 1
+_RULE_PATH_BENEATH = 1
+_PR_SET_NO_NEW_PRIVS = 38
+_EXECUTE, _WRITE_FILE, _READ_FILE, _READ_DIR = 1 << 0, 1 << 1, 1 << 2, 1 << 3
+_REMOVE_DIR, _REMOVE_FILE, _MAKE_CHAR, _MAKE_DIR, _MAKE_REG = 1 << 4, 1 << 5, 1 << 6, 1 << 7, 1 << 8
+_MAKE_SOCK, _MAKE_FIFO, _MAKE_BLOCK, _MAKE_SYM, _REFER, _TRUNCATE = 1 << 9, 1 << 10, 1 << 11, 1 << 12, 1 << 13, 1 << 14
+_READ = _EXECUTE | _READ_FILE | _READ_DIR
+_FILE_RIGHTS = _EXECUTE | _WRITE_FILE | _READ_FILE | _TRUNCATE  # the only rights a rule on a non-directory may hold
+
+
+class _RulesetAttr(ctypes.Structure):
+    _fields_ = [("handled_access_fs", ctypes.c_uint64)]
+
+
+class _PathBeneathAttr(ctypes.Structure):
+    _pack_ = 1
+    _fields_ = [("allowed_access", ctypes.c_uint64), ("parent_fd", ctypes.c_int32)]
+
+
+def landlock_abi() -> int:
+    """The kernel's Landlock ABI version, 0 when unavailable (old kernel, disabled, or filtered)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        v = libc.syscall(_SYS_CREATE_RULESET, None, ctypes.c_size_t(0), ctypes.c_uint32(_CREATE_RULESET_VERSION))
+    except (OSError, AttributeError):
+        return 0
+    return max(0, int(v))
+
+
+def apply_landlock(policy: Policy) -> str | None:
+    """Restrict this process and its future children to `policy` for good. None when applied, else why not."""
+    abi = landlock_abi()
+    if abi < 2:  # ABI 1 cannot allow renames across directories (REFER), which compilers' temp files need
+        return "Landlock is not available in this kernel (ABI >= 2 needed)"
+    write = (_WRITE_FILE | _REMOVE_DIR | _REMOVE_FILE | _MAKE_CHAR | _MAKE_DIR | _MAKE_REG | _MAKE_SOCK | _MAKE_FIFO
+             | _MAKE_BLOCK | _MAKE_SYM | _REFER | (_TRUNCATE if abi >= 3 else 0))
+    handled = _READ | write
+    libc = ctypes.CDLL(None, use_errno=True)
+    attr = _RulesetAttr(handled)
+    fd = libc.syscall(_SYS_CREATE_RULESET, ctypes.byref(attr), ctypes.c_size_t(ctypes.sizeof(attr)),
+                      ctypes.c_uint32(0))
+    if fd < 0:
+        return f"Landlock ruleset: {os.strerror(ctypes.get_errno())}"
+    try:
+        rules = [(r, _READ) for r in (*policy.read, *SYSTEM_READ)]
+        rules += [(w, _READ | write) for w in (*policy.write, *SYSTEM_WRITE)]
+        for root, access in rules:
+            try:
+                pfd = os.open(root, os.O_PATH | os.O_CLOEXEC)
+            except OSError:
+                continue  # absent on this machine
+            try:
+                if not os.path.isdir(root):
+                    access &= _FILE_RIGHTS
+                rule = _PathBeneathAttr(access & handled, pfd)
+                if libc.syscall(_SYS_ADD_RULE, ctypes.c_int(fd), ctypes.c_int(_RULE_PATH_BENEATH),
+                                ctypes.byref(rule), ctypes.c_uint32(0)) != 0:
+                    return f"Landlock rule for {root}: {os.strerror(ctypes.get_errno())}"
+            finally:
+                os.close(pfd)
+        if libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
+            return f"no_new_privs: {os.strerror(ctypes.get_errno())}"
+        if libc.syscall(_SYS_RESTRICT_SELF, ctypes.c_int(fd), ctypes.c_uint32(0)) != 0:
+            return f"Landlock restrict: {os.strerror(ctypes.get_errno())}"
+    finally:
+        os.close(fd)
+    return None
+
+
+def confine(policy: Policy) -> str | None:
+    """Both mechanisms, for this process for good; returns why Landlock was not applied (None when it was)."""
+    sys.dont_write_bytecode = True  # imports must not try to write .pyc files into the installation
+    # sys.path entries outside the policy (the checkout neuronbuild was started from) would only be scanned and
+    # refused (importlib.metadata, the import system): neuronbuild itself is already imported.
+    sys.path[:] = [p for p in sys.path if not os.path.isabs(p) or policy.may_read(_real(p))]
+    why = apply_landlock(policy)
+    install_audit_hook(policy)
+    return why
+
+
+def explain_denied(e: BaseException, policy: Policy) -> str | None:
+    """A clear message for a PermissionError the rules caused (the kernel's for a C extension or a subprocess, or
+    the audit hook's), else None."""
+    if isinstance(e, Violation):
+        return str(e.strerror)
+    if not isinstance(e, OSError) or e.errno not in (errno.EACCES, errno.EPERM) or not e.filename:
+        return None
+    path = os.path.abspath(os.fsdecode(e.filename))
+    if policy.may_write(path):
+        return None
+    if policy.may_read(path) or _under(path, SYSTEM_READ):
+        return _message("wrote", path, write=True)
+    return _message("read", path, write=False)

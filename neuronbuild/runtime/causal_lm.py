@@ -1,0 +1,182 @@
+"""Greedy generation from a deployed hf_causal_lm: the context graph prefills, the token graph decodes, the KV cache
+(declared state: the token graph's output `kv` aliases its input `kv`) is fed back between steps. torch only.
+
+Bucket choice: the smallest context bucket (batch x seq) that fits the batch and the longest prompt, then the smallest
+token bucket (batch) that fits the batch. Prompts are left-padded (their ends aligned, as transformers' generate wants
+for decoder-only models), the batch padded with dummy rows; the cache is padded or sliced only along the dims its
+declaration names as bucket dims (batch). A prompt or batch no bucket fits, or one that would overflow the static
+cache, is a NoBucketFits naming the largest buckets: nothing is ever compiled or run eagerly."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from neuronbuild.runtime.router import NoBucketFits
+
+CONTEXT, TOKEN = "context", "token"
+CONTEXT_INPUTS = ("input_ids", "attention_mask")
+TOKEN_INPUTS = ("input_ids", "position_ids", "cache_mask", "slot", "kv")
+
+
+def _describe(sizes: Mapping[str, int]) -> str:
+    return ", ".join(f"{k}={v}" for k, v in sizes.items())
+
+
+class CausalLM:
+    """A deployed causal LM: `generate(input_ids, max_new_tokens=N, attention_mask=None)`."""
+
+    def __init__(self, model: Any, strict: bool = True) -> None:
+        self.label = model.label
+        self.strict = strict
+        missing = [f for f in (CONTEXT, TOKEN) if f not in model.families]
+        if missing:
+            raise TypeError(f"{model.label} is not an hf_causal_lm: it has no {' or '.join(missing)} graph "
+                            f"(families: {', '.join(model.families) or 'none'})")
+        self._context = model.family(CONTEXT)
+        self._token = model.family(TOKEN)
+        tok_graph = self._token.graph(next(iter(self._token.buckets)))
+        ctx_graph = self._context.graph(next(iter(self._context.buckets)))
+        if list(ctx_graph.inputs) != list(CONTEXT_INPUTS) or list(tok_graph.inputs) != list(TOKEN_INPUTS):
+            raise TypeError(f"{model.label}: the graphs' inputs are not those of an hf_causal_lm "
+                            f"({list(ctx_graph.inputs)}, {list(tok_graph.inputs)})")
+        self.aliases = dict(tok_graph.aliases)  # output -> input it updates
+        if self.aliases.get("kv") != "kv":
+            raise TypeError(f"{model.label}: the token graph declares no kv -> kv alias ({self.aliases})")
+        kv_dims = list(tok_graph.inputs["kv"]["dims"])
+        self._kv_batch_dim = kv_dims.index("batch")  # the only bucket dim of the cache
+        self.max_seq = int(tok_graph.inputs["cache_mask"]["dims"][1])
+        hf = ((ctx_graph.trace_record.get("model") or {}).get("config") or {}).get("hf") or {}
+        eos, pad = hf.get("eos_token_id"), hf.get("pad_token_id")
+        # transformers' defaults for generate: the config's eos (the first of a list) and pad tokens
+        first = eos[0] if isinstance(eos, list) and eos else eos
+        self.eos_token_id: int | None = first if isinstance(first, int) else None
+        self.pad_token_id: int = int(pad) if isinstance(pad, int) else 0
+        self._out_index = {g: [str(o["name"]) for o in fam.graph(next(iter(fam.buckets))).outputs]
+                           for g, fam in ((CONTEXT, self._context), (TOKEN, self._token))}
+
+    @property
+    def context_buckets(self) -> dict[str, dict[str, int]]:
+        return self._context.buckets  # type: ignore[no-any-return]
+
+    @property
+    def token_buckets(self) -> dict[str, dict[str, int]]:
+        return self._token.buckets  # type: ignore[no-any-return]
+
+    # -- bucket choice -------------------------------------------------------------------------------------------
+
+    def _pick(self, family: str, buckets: Mapping[str, Mapping[str, int]], want: Mapping[str, int]) -> str:
+        fits = [(math.prod(b[d] for d in want), tuple(b[d] for d in want), n) for n, b in buckets.items()
+                if all(b.get(d, -1) >= v for d, v in want.items())]
+        if not fits:
+            largest = sorted(buckets.items(), key=lambda nb: tuple(nb[1].values()))[-3:]
+            raise NoBucketFits(
+                f"{self.label}: no {family} bucket fits {_describe(want)}; the largest {family} buckets are "
+                f"{'; '.join(f'[{_describe(b)}]' for _n, b in reversed(largest))}"
+                + (" (strict mode: nothing is compiled at run time)" if self.strict else ""))
+        return min(fits)[2]
+
+    def _fn(self, family: Any, name: str) -> Any:
+        fn = family.bucket_fn(name)
+        if fn is None:
+            raise RuntimeError(f"{self.label}: graph {family.graph(name).describe()} is not usable (see the log)")
+        return fn
+
+    def _named(self, family: str, out: Any) -> dict[str, torch.Tensor]:
+        tensors = [out] if isinstance(out, torch.Tensor) else list(out)
+        return dict(zip(self._out_index[family], tensors, strict=True))
+
+    def _resize_batch(self, kv: torch.Tensor, batch: int) -> torch.Tensor:
+        """The cache at another batch bucket: sliced or zero-padded along its batch dim only."""
+        d = self._kv_batch_dim
+        have = kv.shape[d]
+        if have == batch:
+            return kv
+        if have > batch:
+            return kv.narrow(d, 0, batch)
+        pad = list(kv.shape)
+        pad[d] = batch - have
+        return torch.cat([kv, kv.new_zeros(pad)], dim=d)
+
+    # -- generation ----------------------------------------------------------------------------------------------
+
+    def generate(self, input_ids: torch.Tensor | Sequence[Sequence[int]], max_new_tokens: int = 16,
+                 attention_mask: torch.Tensor | None = None, eos_token_id: int | None | str = "config",
+                 pad_token_id: int | None = None) -> torch.Tensor:
+        """Greedy decoding, as transformers' generate(do_sample=False): returns the (left-padded) prompts followed by
+        the new tokens, int64 [batch, prompt width + new]. input_ids: a tensor (with attention_mask: 1 = token,
+        0 = padding, either side) or a list of token lists (ragged). After `eos_token_id` a row gets pad_token_id;
+        generation stops early when every row has ended. Both default to the model config's (eos_token_id="config";
+        pass None for no end token), as transformers' generate does."""
+        if eos_token_id == "config":
+            eos_token_id = self.eos_token_id
+        if eos_token_id is not None and not isinstance(eos_token_id, int):
+            raise ValueError(f"eos_token_id must be an int, None or 'config', got {eos_token_id!r}")
+        if pad_token_id is None:
+            pad_token_id = self.pad_token_id
+        if max_new_tokens < 1:
+            raise ValueError("max_new_tokens must be >= 1")
+        if isinstance(input_ids, torch.Tensor):
+            if input_ids.dim() != 2:
+                raise ValueError(f"input_ids must be [batch, seq], got {list(input_ids.shape)}")
+            ids = input_ids.to(torch.int64)
+            mask = torch.ones_like(ids) if attention_mask is None else attention_mask.to(torch.int64)
+            if mask.shape != ids.shape:
+                raise ValueError(f"attention_mask {list(mask.shape)} does not match input_ids {list(ids.shape)}")
+            rows = [ids[i][mask[i] != 0].tolist() for i in range(ids.shape[0])]
+            prefix = ids
+        else:
+            rows = [[int(t) for t in r] for r in input_ids]
+            width = max((len(r) for r in rows), default=0)
+            prefix = torch.full((len(rows), width), pad_token_id, dtype=torch.int64)
+            for i, r in enumerate(rows):
+                if r:
+                    prefix[i, width - len(r):] = torch.tensor(r, dtype=torch.int64)
+        if not rows or any(not r for r in rows):
+            raise ValueError("every prompt needs at least one token")
+        batch, longest = len(rows), max(len(r) for r in rows)
+        ctx_name = self._pick(CONTEXT, self.context_buckets, {"batch": batch, "seq": longest})
+        tok_name = self._pick(TOKEN, self.token_buckets, {"batch": batch})
+        cb, seq = self.context_buckets[ctx_name]["batch"], self.context_buckets[ctx_name]["seq"]
+        tb = self.token_buckets[tok_name]["batch"]
+        if seq + max_new_tokens - 1 > self.max_seq:
+            raise NoBucketFits(f"{self.label}: context bucket seq={seq} + {max_new_tokens} new tokens need "
+                               f"{seq + max_new_tokens - 1} cache slots; the KV cache holds max_seq={self.max_seq}")
+        ctx_fn, tok_fn = self._fn(self._context, ctx_name), self._fn(self._token, tok_name)
+
+        # Prefill: prompts left-padded to the bucket's seq; dummy rows attend to their own pad tokens.
+        ids = torch.full((cb, seq), pad_token_id, dtype=torch.int64)
+        mask = torch.ones((cb, seq), dtype=torch.int64)
+        for i, r in enumerate(rows):
+            ids[i, seq - len(r):] = torch.tensor(r, dtype=torch.int64)
+            mask[i, : seq - len(r)] = 0
+        with torch.inference_mode():
+            out = self._named(CONTEXT, ctx_fn(ids, mask))
+            kv = self._resize_batch(out["kv"], tb)  # declared state: the token graph's own output from now on
+            nxt = out["logits"][:batch].argmax(-1)
+            cache_mask = torch.zeros((tb, self.max_seq), dtype=torch.int64)
+            cache_mask[:, :seq] = 1
+            cache_mask[:batch, :seq] = mask[:batch]
+            position = torch.full((tb, 1), seq, dtype=torch.int64)
+            position[:batch, 0] = mask[:batch].sum(-1)
+            step_ids = torch.full((tb, 1), pad_token_id, dtype=torch.int64)
+            done = torch.zeros(batch, dtype=torch.bool)
+            new: list[torch.Tensor] = []
+            for t in range(max_new_tokens):
+                if eos_token_id is not None:
+                    nxt = torch.where(done, torch.full_like(nxt, pad_token_id), nxt)
+                    done |= nxt == eos_token_id
+                new.append(nxt)
+                if t == max_new_tokens - 1 or bool(done.all()):
+                    break
+                slot = seq + t
+                cache_mask[:, slot] = 1
+                step_ids[:batch, 0] = nxt
+                out = self._named(TOKEN, tok_fn(step_ids, position, cache_mask, torch.tensor([slot]), kv))
+                kv = out["kv"]  # fed back as is: the output aliasing the `kv` input
+                nxt = out["logits"][:batch].argmax(-1)
+                position += 1
+        return torch.cat([prefix, torch.stack(new, 1)], dim=1)

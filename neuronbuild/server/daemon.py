@@ -1,0 +1,342 @@
+"""The server process: accepts commands on the workspace's Unix socket and runs them one at a time in its main thread,
+with the client's cwd, environment and a stream of output back; keeps warm state (server/warm.py) between them."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import queue
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+from neuronbuild.errors import EXIT_BUILD_FAILED, EXIT_OK
+from neuronbuild.server import protocol
+
+
+class Outbox:
+    """A command's output on its way to the client: writes are batched (consecutive text of one stream merged, in
+    order across stdout and stderr) and sent every FLUSH_S or when BATCH_BYTES are pending, so a command printing
+    100,000 lines sends a few hundred frames, not 200,000, while progress still reaches the terminal promptly."""
+
+    FLUSH_S = 0.05
+    BATCH_BYTES = 256 << 10
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+        self._lock = threading.Lock()
+        self._frames: list[list[str]] = []
+        self._pending = 0
+        self.broken = False
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def write(self, kind: str, s: str) -> None:
+        with self._lock:
+            if self._frames and self._frames[-1][0] == kind:
+                self._frames[-1][1] += s
+            else:
+                self._frames.append([kind, s])
+            self._pending += len(s)
+            if self._pending >= self.BATCH_BYTES:
+                self._send_locked()
+
+    def flush(self) -> None:
+        with self._lock:
+            self._send_locked()
+
+    def _send_locked(self) -> None:
+        frames, self._frames, self._pending = self._frames, [], 0
+        for kind, text in frames:
+            if self.broken:
+                return
+            try:
+                protocol.send(self._sock, {"t": kind, "d": text})
+            except OSError:
+                self.broken = True
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.FLUSH_S):
+            self.flush()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.flush()
+
+
+class SocketStream(io.TextIOBase):
+    """sys.stdout/sys.stderr of a command: text goes to the client through the command's Outbox (lost quietly if
+    the client hung up)."""
+
+    def __init__(self, outbox: Outbox, kind: str, tty: bool) -> None:
+        self._outbox, self._kind, self._tty = outbox, kind, tty
+
+    def writable(self) -> bool:
+        return True
+
+    def isatty(self) -> bool:
+        return self._tty
+
+    @property
+    def encoding(self) -> str:  # type: ignore[override]
+        return "utf-8"
+
+    def write(self, s: str) -> int:
+        if s:
+            self._outbox.write(self._kind, s)
+        return len(s)
+
+    def flush(self) -> None:
+        self._outbox.flush()
+
+    def fileno(self) -> int:
+        raise io.UnsupportedOperation("a server stream has no file descriptor")
+
+
+def _rss_kib(pid: int | str = "self") -> int:
+    try:
+        with open(f"/proc/{pid}/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
+class Server:
+    def __init__(self, config: dict[str, Any]) -> None:
+        self.output_base = Path(config["output_base"])
+        self.socket_path = Path(config["socket"])
+        self.stamp = str(config["stamp"])
+        self.max_idle = int(config["opts"]["max_idle_secs"])
+        self.opts = config["opts"]
+        self.workspace = str(config.get("workspace") or "")
+        self.started = time.time()
+        self.commands = 0
+        self.queue: queue.Queue[tuple[socket.socket, dict[str, Any]]] = queue.Queue()
+        self.busy = threading.Event()
+        self.running_client = 0
+        self.stopping = False
+        self.main_thread = threading.get_ident()
+        self.cancel_armed = threading.Event()
+        self.cancel_lock = threading.Lock()
+        from neuronbuild.server.warm import WarmState
+
+        self.warm = WarmState()
+
+    # -- socket side (acceptor thread) ----------------------------------------------------------------------------
+    def listen(self) -> socket.socket:
+        protocol.private_dir(self.output_base)
+        protocol.private_dir(self.socket_path.parent)
+        with contextlib.suppress(FileNotFoundError):
+            self.socket_path.unlink()
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        old = os.umask(0o177)  # the socket itself: user read/write only
+        try:
+            s.bind(str(self.socket_path))
+        finally:
+            os.umask(old)
+        os.chmod(self.socket_path, 0o600)
+        s.listen(16)
+        return s
+
+    def accept_loop(self, listener: socket.socket) -> None:
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._first_message, args=(conn,), daemon=True).start()
+
+    def _first_message(self, conn: socket.socket) -> None:
+        try:
+            conn.settimeout(30)
+            msg = protocol.recv(conn)
+            conn.settimeout(None)
+        except (OSError, EOFError, protocol.ProtocolError):
+            conn.close()
+            return
+        kind = msg.get("type")
+        if kind == "info":
+            with contextlib.suppress(OSError):
+                protocol.send(conn, {"t": "info", **self.info()})
+            conn.close()
+            return
+        if kind not in ("command", "shutdown"):
+            conn.close()
+            return
+        if kind == "command" and (self.busy.is_set() or not self.queue.empty()):
+            with contextlib.suppress(OSError):
+                protocol.send(conn, {"t": "err", "d": "neuronbuild: another command is running in the server; "
+                                                      "waiting\n"})
+        self.queue.put((conn, msg))
+
+    def info(self) -> dict[str, Any]:
+        workers = self.warm.worker_pids()
+        return {"pid": os.getpid(), "uptime_s": round(time.time() - self.started, 1), "commands": self.commands,
+                "busy": self.busy.is_set(), "rss_kib": _rss_kib(), "workers": len(workers), "worker_pids": workers,
+                "workers_rss_kib": sum(_rss_kib(p) for p in workers), "max_idle_secs": self.max_idle,
+                "output_base": str(self.output_base), "socket": str(self.socket_path),
+                "log": str(self.output_base / "server.log"), "stamp": self.stamp,
+                "kept": self.warm.describe()}
+
+    # -- command side (main thread) -------------------------------------------------------------------------------
+    def serve(self) -> None:
+        listener = self.listen()
+        info = {"pid": os.getpid(), "stamp": self.stamp, "socket": str(self.socket_path), "started": self.started,
+                "opts": self.opts}
+        tmp = self.output_base / f"server.json.{os.getpid()}"
+        tmp.write_text(json.dumps(info))
+        os.replace(tmp, self.output_base / "server.json")
+        threading.Thread(target=self.accept_loop, args=(listener,), daemon=True).start()
+        print(f"{time.strftime('%Y-%m-%d %H:%M:%S')} server {os.getpid()} listening on {self.socket_path}",
+              flush=True)
+        try:
+            idle_since = time.monotonic()
+            while not self.stopping:
+                left = self.max_idle - (time.monotonic() - idle_since)
+                if left <= 0:
+                    print(f"idle for {self.max_idle} s: exiting", flush=True)
+                    break
+                if not self._still_wanted():
+                    print("the workspace or the output base is gone: exiting", flush=True)
+                    break
+                try:
+                    conn, msg = self.queue.get(timeout=min(left, 5.0))
+                except queue.Empty:
+                    continue
+                except KeyboardInterrupt:  # a late cancel that arrived after its command ended
+                    continue
+                try:
+                    self.handle(conn, msg)
+                except KeyboardInterrupt:
+                    pass
+                idle_since = time.monotonic()
+        finally:
+            self.cleanup(listener)
+
+    def _still_wanted(self) -> bool:
+        """A server whose workspace was deleted (a test's temporary directory) or whose socket or output base was
+        removed can never be reached again: it exits instead of idling for hours."""
+        marker = os.path.join(self.workspace, "WORKSPACE.neuronbuild") if self.workspace else None
+        return (marker is None or os.path.isfile(marker)) and self.output_base.is_dir() and \
+            self.socket_path.exists()
+
+    def cleanup(self, listener: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            listener.close()
+        with contextlib.suppress(OSError):
+            if json.loads((self.output_base / "server.json").read_text()).get("pid") == os.getpid():
+                (self.output_base / "server.json").unlink()
+                self.socket_path.unlink()
+        self.warm.close()
+        print(f"{time.strftime('%Y-%m-%d %H:%M:%S')} server {os.getpid()} stopped", flush=True)
+
+    def handle(self, conn: socket.socket, msg: dict[str, Any]) -> None:
+        with conn:
+            if msg.get("type") == "shutdown":
+                self.stopping = True
+                with contextlib.suppress(OSError):
+                    protocol.send(conn, {"t": "exit", "code": EXIT_OK, "pid": os.getpid()})
+                return
+            if msg.get("stamp") != self.stamp:
+                # Another neuronbuild version or other startup options: this server steps aside.
+                self.stopping = True
+                with contextlib.suppress(OSError):
+                    protocol.send(conn, {"t": "mismatch", "pid": os.getpid()})
+                print("a client with another version or other startup options: exiting", flush=True)
+                return
+            self.busy.set()
+            try:
+                code = self.run_command(conn, msg)
+            finally:
+                self.busy.clear()
+            with contextlib.suppress(OSError):
+                protocol.send(conn, {"t": "exit", "code": code})
+                conn.shutdown(socket.SHUT_RDWR)  # wakes the client watcher blocked in recv
+            self.warm.after_command()  # the client has its answer: collect garbage while nobody waits
+
+    def run_command(self, conn: socket.socket, msg: dict[str, Any]) -> int:
+        from neuronbuild import cli
+
+        self.commands += 1
+        tty = msg.get("tty") or [False, False]
+        outbox = Outbox(conn)
+        out = SocketStream(outbox, "out", bool(tty[0]))
+        err = SocketStream(outbox, "err", bool(tty[1]))
+        saved_env = dict(os.environ)
+        saved_streams = sys.stdout, sys.stderr
+        done = threading.Event()
+        watcher = threading.Thread(target=self._watch_client, args=(conn, done), daemon=True)
+        argv = [str(a) for a in msg.get("argv") or []]
+        t0 = time.perf_counter()
+        code = EXIT_BUILD_FAILED
+        try:
+            os.environ.clear()
+            os.environ.update({str(k): str(v) for k, v in (msg.get("env") or {}).items()})
+            os.chdir(str(msg.get("cwd") or "/"))
+            sys.stdout, sys.stderr = out, err
+            self.cancel_armed.set()
+            watcher.start()
+            with self.warm.active():
+                code = cli._main(argv)
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else EXIT_BUILD_FAILED
+        except KeyboardInterrupt:
+            code = 8
+        except Exception:  # noqa: BLE001 - a bug in a command must not end the server
+            saved_streams[1].write(traceback.format_exc())
+            err.write("neuronbuild: internal error in the build server (see its log; --batch runs without it)\n")
+            code = EXIT_BUILD_FAILED
+        finally:
+            with self.cancel_lock:
+                self.cancel_armed.clear()
+                done.set()
+            sys.stdout, sys.stderr = saved_streams
+            outbox.close()  # everything the command wrote is sent before its exit code
+            os.environ.clear()
+            os.environ.update(saved_env)
+            with contextlib.suppress(OSError):
+                os.chdir(self.output_base)
+        print(f"{time.strftime('%H:%M:%S')} {' '.join(argv)[:200]} -> {code} in {time.perf_counter() - t0:.2f} s "
+              f"(rss {_rss_kib() // 1024} MiB)", file=saved_streams[0], flush=True)
+        return int(code)
+
+    def _watch_client(self, conn: socket.socket, done: threading.Event) -> None:
+        """A cancel request, or the client hanging up, interrupts the running command (as Ctrl-C does a batch one)."""
+        while not done.is_set():
+            try:
+                msg = protocol.recv(conn)
+            except (OSError, EOFError, protocol.ProtocolError):
+                self._cancel(done)  # the client is gone (killed, or its third Ctrl-C): nobody waits for the result
+                return
+            if msg.get("type") == "cancel":
+                self._cancel(done)
+
+    def _cancel(self, done: threading.Event) -> None:
+        with self.cancel_lock:
+            if self.cancel_armed.is_set() and not done.is_set():
+                signal.pthread_kill(self.main_thread, signal.SIGINT)
+
+
+def main(config_json: str) -> None:
+    config = json.loads(config_json)
+    os.umask(0o077)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    server = Server(config)
+    try:
+        server.serve()
+    except Exception:  # noqa: BLE001
+        traceback.print_exc()
+        raise SystemExit(EXIT_BUILD_FAILED) from None

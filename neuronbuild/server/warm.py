@@ -1,0 +1,90 @@
+"""What the server keeps between commands: warm worker pools (torch and inductor imported) and the load and digest
+caches in memory; and what it forgets before each command so nothing it keeps can be stale."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import gc
+import json
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+from neuronbuild.execution import local_executor
+from neuronbuild.execution.pool import WorkerPool
+
+# Process-wide memoised functions must not outlive a command (the host ISA, the C++ compiler's and neuronx-cc's
+# versions depend on the client's environment and files): a batch build computes them afresh, so the server does
+# too. Kept: what the server stamp covers, so a change replaces the server (server/protocol.server_stamp):
+# neuronbuild's own code, and the Python distributions (stat keys of every sys.path entry).
+_KEEP_CACHED = {"neuronbuild.self_stamp.code_stamp", "neuronbuild.analysis.toolchain_versions.package_version",
+                "neuronbuild.analysis.toolchain_versions._packages_distributions"}
+
+
+class KeptPool(WorkerPool):
+    """A worker pool whose idle workers survive the end of a build (the next build of this server reuses them)."""
+
+    def shutdown(self) -> None:
+        if self.busy:  # an unfinished action (a failure without --keep-going): end it as a batch build would
+            super().shutdown()
+
+
+class WarmState:
+    """The kept pools (one per pool configuration; only the latest is kept) and in-memory load caches."""
+
+    def __init__(self) -> None:
+        self._pool_key: str | None = None
+        self._pool: KeptPool | None = None
+
+    def _pool_factory(self, *args: Any, **kwargs: Any) -> WorkerPool:
+        key = json.dumps([args, kwargs], sort_keys=True, default=str)
+        if self._pool is not None and self._pool_key == key:
+            return self._pool
+        if self._pool is not None:
+            self._pool.shutdown()
+            WorkerPool.shutdown(self._pool)
+        self._pool, self._pool_key = KeptPool(*args, **kwargs), key
+        return self._pool
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[None]:
+        """Around one command: fresh memoised toolchain facts, kept pools and load caches, and a collection of what
+        the command left behind afterwards (analysis freezes its objects; a server must not accumulate them)."""
+        from neuronbuild import incremental
+
+        forget_memoised()
+        local_executor.pool_factory = self._pool_factory
+        incremental.keep_in_memory(True)
+        try:
+            yield
+        finally:
+            local_executor.pool_factory = WorkerPool
+            gc.unfreeze()
+
+    def after_command(self) -> None:
+        gc.collect()
+
+    def worker_pids(self) -> list[int]:
+        return self._pool.pids() if self._pool is not None else []
+
+    def describe(self) -> dict[str, Any]:
+        from neuronbuild import incremental
+
+        return {"worker_pool_size": self._pool.size if self._pool is not None else 0,
+                "load_caches": incremental.kept_count()}
+
+    def close(self) -> None:
+        if self._pool is not None:
+            WorkerPool.shutdown(self._pool)
+            self._pool = None
+
+
+def forget_memoised() -> None:
+    for name, mod in list(sys.modules.items()):
+        if not name.startswith("neuronbuild.") or mod is None:
+            continue
+        for attr, fn in list(vars(mod).items()):
+            if callable(getattr(fn, "cache_clear", None)) and getattr(fn, "__module__", None) == name and \
+                    f"{name}.{attr}" not in _KEEP_CACHED and isinstance(fn, functools._lru_cache_wrapper):
+                fn.cache_clear()

@@ -1,0 +1,61 @@
+"""Verified weights are read once, hashed as read, and used in place: tensors over the checked bytes, equal to what
+safetensors loads; tampered files and malformed headers whose digest matches are refused with a clear error."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from neuronbuild.runtime.layout import FileRef
+from neuronbuild.runtime.verified import BadWeights, DigestMismatch, load_weights_verified, verified_path
+
+
+def _ref(p: Path) -> FileRef:
+    data = p.read_bytes()
+    return FileRef(p.name, hashlib.sha256(data).hexdigest(), len(data))
+
+
+def test_weights_are_tensors_over_the_checked_bytes_and_equal_safetensors(tmp_path: Path) -> None:
+    g = torch.Generator().manual_seed(0)
+    tensors = {"w": torch.randn(300, 700, generator=g), "b": torch.arange(5, dtype=torch.int64),
+               "h": torch.randn(3, 4, generator=g).to(torch.bfloat16), "e": torch.empty(0, 4)}
+    p = tmp_path / "weights.safetensors"
+    save_file(tensors, str(p))
+    got = load_weights_verified(p, _ref(p))
+    want = load_file(str(p))
+    assert sorted(got) == sorted(want)
+    for k in want:
+        assert got[k].dtype == want[k].dtype and torch.equal(got[k], want[k])
+    # one buffer: every tensor lies inside the one region the file was read into (no per-tensor copy)
+    live = [t for t in got.values() if t.numel()]
+    lo = min(t.data_ptr() for t in live)
+    hi = max(t.data_ptr() + t.numel() * t.element_size() for t in live)
+    assert hi - lo <= _ref(p).size
+
+
+def test_tampered_and_malformed_weights_are_refused(tmp_path: Path) -> None:
+    p = tmp_path / "weights.safetensors"
+    save_file({"w": torch.ones(64, 64)}, str(p))
+    ref = _ref(p)
+    data = bytearray(p.read_bytes())
+    data[-1] ^= 1  # same size, one bit changed
+    p.write_bytes(bytes(data))
+    with pytest.raises(DigestMismatch, match="contents differ from the manifest"):
+        load_weights_verified(p, ref)
+    with pytest.raises(DigestMismatch), verified_path(p, ref, tmp_path):
+        pass
+    p.write_bytes(bytes(data) + b"x")  # longer than the manifest says
+    with pytest.raises(DigestMismatch):
+        load_weights_verified(p, ref)
+    # digest matches (a manifest made for it) but the offsets point past the end: an error, not a crash
+    header = json.dumps({"w": {"dtype": "F32", "shape": [64, 64], "data_offsets": [0, 1 << 30]}}).encode()
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(struct.pack("<Q", len(header)) + header + b"\0" * 16)
+    with pytest.raises(BadWeights, match="do not fit"):
+        load_weights_verified(bad, _ref(bad))

@@ -1,0 +1,418 @@
+"""The build server (docs/server.md): commands through it build exactly what --batch builds, Ctrl-C cancels, a killed
+server costs only a restart, another version or other startup options replace it, concurrent commands wait, the client
+stays tiny, and the shared cache tier works through it. Every server a test starts is shut down by its fixture."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import signal
+import stat
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from helpers import REPO, run_cli
+
+sys.path.insert(0, str(REPO / "benchmarks"))
+import gen_monorepo  # noqa: E402
+
+PKG = gen_monorepo.package_name(0)
+SLOW_MODEL = gen_monorepo.MODEL_PY.replace('def build(config):\n',
+                                           'def build(config):\n    import time\n    time.sleep(SECONDS)\n')
+
+
+def _imports(stderr: str) -> set[str]:
+    return {ln.split("|")[-1].strip() for ln in stderr.splitlines() if ln.startswith("import time:")}
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _wait(cond, timeout: float, what: str) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+class Servers:
+    """Runs neuronbuild with the server enabled and a private output user root; shuts every server down after."""
+
+    def __init__(self, root: Path, cache: Path) -> None:
+        self.root, self.cache = root, cache
+        self.env = {"NEURONBUILD_NO_SERVER": "", "NEURONBUILD_OUTPUT_USER_ROOT": str(root)}
+
+    def run(self, args: list[str], cwd: Path, env: dict[str, str] | None = None,
+            python_flags: tuple[str, ...] = ()) -> subprocess.CompletedProcess[str]:
+        return run_cli(args, cwd, {**self.env, **(env or {})}, python_flags)
+
+    def popen(self, args: list[str], cwd: Path, out: Path) -> subprocess.Popen[bytes]:
+        full = {**os.environ, **self.env}
+        with open(out, "wb") as f:
+            return subprocess.Popen([sys.executable, "-m", "neuronbuild", *args], cwd=cwd, env=full, stdout=f,
+                                    stderr=subprocess.STDOUT)
+
+    def build(self, ws: Path, *extra: str, batch: bool = False, expect: int = 0) -> subprocess.CompletedProcess[str]:
+        args = (["--batch"] if batch else []) + ["build", "//...", "--jobs", "2", "--cache-dir", str(self.cache),
+                                                 *extra]
+        p = self.run(args, ws)
+        assert p.returncode == expect, p.stdout + p.stderr[-4000:]
+        return p
+
+    def info(self, ws: Path) -> dict:  # type: ignore[type-arg]
+        p = self.run(["info", "--output", "json"], ws)
+        assert p.returncode == 0, p.stderr
+        return json.loads(p.stdout)
+
+
+def _stop(info: Path) -> None:
+    """Shut a test's server down politely (as `neuronbuild shutdown` does), else kill it."""
+    import socket
+
+    from neuronbuild.server import protocol
+
+    try:
+        data = json.loads(info.read_text())
+        pid = int(data["pid"])
+    except (OSError, ValueError, KeyError):
+        return
+    with contextlib.suppress(OSError, EOFError, protocol.ProtocolError), \
+            socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(60)
+        s.connect(data["socket"])
+        protocol.send(s, {"type": "shutdown"})
+        protocol.recv(s)
+    with contextlib.suppress(AssertionError):
+        _wait(lambda: not _alive(pid), 30, "server exit")
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+    _wait(lambda: not _alive(pid), 30, f"server {pid} to exit")
+
+
+@pytest.fixture
+def servers(tmp_path: Path) -> Iterator[Servers]:
+    s = Servers(tmp_path / "ob", tmp_path / "cache")
+    yield s
+    for info in s.root.glob("*/server.json"):
+        _stop(info)
+
+
+def _ws(base: Path, model: str | None = None) -> Path:
+    ws = base / "ws"
+    gen_monorepo.generate(ws, 2, 1, 2)  # one package: 1 trace, 2 lowerings, 2 Neuron compiles (via load()ed macros)
+    if model is not None:
+        (ws / PKG / "model.py").write_text(model)
+    return ws
+
+
+def _shutdown(servers: Servers, ws: Path) -> None:
+    p = servers.run(["shutdown"], ws)
+    assert p.returncode == 0, p.stderr
+
+
+def _executed(ws: Path, servers: Servers, *, batch: bool, cache: Path, env: dict[str, str] | None = None,
+              expect: int = 0) -> set[str]:
+    """Fingerprints of the actions one `build //...` executed (from its build events)."""
+    events = ws.parent / f"events-{'batch' if batch else 'server'}.jsonl"
+    events.unlink(missing_ok=True)
+    args = (["--batch"] if batch else []) + ["build", "//...", "--jobs", "2", "--cache-dir", str(cache),
+                                             "--build-event-json-file", str(events)]
+    p = servers.run(args, ws, env)
+    assert p.returncode == expect, p.stdout + p.stderr[-4000:]
+    if not events.exists():
+        return set()
+    evs = [json.loads(ln) for ln in events.read_text().splitlines() if ln.strip()]
+    return {e["fingerprint"] for e in evs if e["event"] == "action_started"}
+
+
+def _plan(ws: Path, servers: Servers, *, batch: bool, cache: Path, env: dict[str, str] | None = None,
+          expect: int = 0) -> set[str]:
+    args = (["--batch"] if batch else []) + ["plan", "//...", "--cache-dir", str(cache), "--output", "json"]
+    p = servers.run(args, ws, env)
+    assert p.returncode == expect, p.stdout + p.stderr[-4000:]
+    return {a["fingerprint"] for a in json.loads(p.stdout)["execute"]} if expect == 0 else set()
+
+
+def _summary_executed(p: subprocess.CompletedProcess[str]) -> int:
+    m = re.search(r"(\d+) executed", p.stdout)
+    return int(m.group(1)) if m else -1
+
+
+def test_server_rebuilds_exactly_what_batch_rebuilds_over_every_kind_of_edit(servers: Servers,
+                                                                            tmp_path: Path) -> None:
+    """The differential test: one workspace, two caches filled alike; after each edit, a build through the server
+    (its warm load cache, digests and workers) and a --batch build execute the same actions, plans agree, and both
+    then take the no-op path."""
+    ws = _ws(tmp_path)
+    cs, cb = tmp_path / "cache-server", tmp_path / "cache-batch"
+    pp = tmp_path / "pp"  # an import path both see: a fake torch distribution appears here (toolchain change)
+    pp.mkdir()
+    env = {"PYTHONPATH": str(pp)}
+    first = _executed(ws, servers, batch=False, cache=cs, env=env)
+    assert len(first) == 5  # 1 trace, 2 lowerings, 2 Neuron compiles
+    shutil.copytree(cs, cb)
+
+    def same(expect: int = 0) -> set[str]:
+        time.sleep(0.05)  # edits made just before a build are in its racy window (as in test_scale_noop.py)
+        plans = (_plan(ws, servers, batch=False, cache=cs, env=env, expect=expect if expect == 2 else 0),
+                 _plan(ws, servers, batch=True, cache=cb, env=env, expect=expect if expect == 2 else 0))
+        assert plans[0] == plans[1]
+        ran_s = _executed(ws, servers, batch=False, cache=cs, env=env, expect=expect)
+        ran_b = _executed(ws, servers, batch=True, cache=cb, env=env, expect=expect)
+        assert ran_s == ran_b
+        if expect == 0:
+            assert ran_s <= plans[0]  # (early cutoff may skip some planned actions, identically in both)
+            for batch, cache in ((False, cs), (True, cb)):  # then both are no-ops, through the stamp
+                p = servers.run((["--batch"] if batch else []) + ["build", "//...", "--jobs", "2", "--cache-dir",
+                                                                  str(cache)], ws, env)
+                assert p.returncode == 0 and _summary_executed(p) == 0, p.stdout + p.stderr[-3000:]
+        return ran_s
+
+    # 1. a bucket-list edit (tests/test_scale_noop.py, benchmarks/scale_bench.py)
+    gen_monorepo.edit_one_bucket_list(ws, 0, 1)
+    assert len(same()) == 5
+    # 2. a load()ed .bzl edit: the trn2 compile's options change
+    defs = ws / "common" / "defs.bzl"
+    defs.write_text(defs.read_text().replace('options = "//common:" + kind[1]', 'options = "//common:base"'))
+    assert len(same()) == 1
+    # 3. an option-set edit in a BUILD file (tests/test_incremental.py): compiles only, no trace
+    common = ws / "common" / "BUILD"
+    common.write_text(common.read_text().replace('model_type = "transformer"', 'model_type = "generic"'))
+    assert len(same()) == 2
+    # 4. a model source edit keeping size and mtime
+    src = ws / PKG / "model.py"
+    st = src.stat()
+    src.write_text(src.read_text().replace("torch.relu", "torch.tanh"))
+    os.utime(src, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert len(same()) >= 3
+    # 5. a missing output: restored from the cache, nothing executed
+    out = next(p for p in (ws / "neuronbuild-out").rglob("*") if p.is_file() and p.name != "manifest.json")
+    out.unlink()
+    assert same() == set()
+    assert out.is_file()
+    # 6. a new package
+    shutil.copytree(ws / PKG, ws / "g000" / "p00001")
+    (ws / "g000" / "p00001" / "BUILD").write_text(gen_monorepo.build_file(1, 1, 2))
+    assert len(same()) >= 3
+    # 7. a removed package
+    shutil.rmtree(ws / "g000" / "p00001")
+    assert same() == set()
+    # 8. a new broken package: both refuse it (exit 2)
+    (ws / "g009").mkdir()
+    (ws / "g009" / "BUILD").write_text("neuron_target(name = \n")
+    same(expect=2)
+    shutil.rmtree(ws / "g009")
+    # 9. a toolchain version change (a torch distribution of another version on the import path): every action is
+    # planned anew and the workers refuse to store a result under it, in both modes alike; undone, nothing changed.
+    dist = pp / "torch-99.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: torch\nVersion: 99.0\n")
+    same(expect=1)
+    dist.rename(dist.with_name("torch-99.0.dist-info.off"))
+    assert same() == set()
+
+
+@pytest.fixture(scope="module")
+def shared_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A cache the tests below share (content-addressed): the fast model is compiled once for all of them."""
+    return tmp_path_factory.mktemp("server-cache")
+
+
+def test_ctrl_c_in_the_client_cancels_the_builds_actions(servers: Servers, tmp_path: Path,
+                                                         shared_cache: Path) -> None:
+    servers.cache = shared_cache
+    ws = _ws(tmp_path, SLOW_MODEL.replace("SECONDS", "600"))
+    log = tmp_path / "client.log"
+    client = servers.popen(["build", "//...", "--jobs", "2", "--cache-dir", str(shared_cache)], ws, log)
+    try:
+        _wait(lambda: "executing" in log.read_text(), 120, "the build to start executing")
+        info = servers.info(ws)
+        assert info["running"] and info["busy"] and info["workers"] >= 1, info
+        workers = _worker_pids(info)
+        time.sleep(1.0)  # the trace is sleeping inside the model's code
+        client.send_signal(signal.SIGINT)
+        rc = client.wait(timeout=60)
+    finally:
+        if client.poll() is None:
+            client.kill()
+    text = log.read_text()
+    assert rc == 8, text
+    assert "interrupted" in text
+    _wait(lambda: not any(_alive(p) for p in workers), 30, "the cancelled build's workers to end")
+    after = servers.info(ws)
+    assert after["running"] and not after["busy"] and after["pid"] == info["pid"]  # the server lives on
+    (ws / PKG / "model.py").write_text(gen_monorepo.MODEL_PY)
+    p = servers.build(ws)
+    assert "5 actions" in p.stdout
+    verify = servers.run(["--batch", "cache", "verify", "--cache-dir", str(shared_cache)], ws)
+    assert verify.returncode == 0, verify.stdout + verify.stderr
+
+
+def _worker_pids(info: dict) -> list[int]:  # type: ignore[type-arg]
+    return [int(p) for p in info.get("worker_pids", [])]
+
+
+def test_a_server_killed_mid_build_costs_the_next_command_only_a_restart(servers: Servers, tmp_path: Path,
+                                                                        shared_cache: Path) -> None:
+    servers.cache = shared_cache
+    ws = _ws(tmp_path, SLOW_MODEL.replace("SECONDS", "600"))
+    log = tmp_path / "client.log"
+    client = servers.popen(["build", "//...", "--jobs", "2", "--cache-dir", str(shared_cache)], ws, log)
+    try:
+        _wait(lambda: "executing" in log.read_text(), 120, "the build to start executing")
+        info = servers.info(ws)
+        workers = _worker_pids(info)
+        assert workers
+        time.sleep(1.0)
+        os.kill(info["pid"], signal.SIGKILL)
+        rc = client.wait(timeout=60)
+    finally:
+        if client.poll() is None:
+            client.kill()
+    assert rc == 1 and "the build server died" in log.read_text(), log.read_text()
+    _wait(lambda: not any(_alive(p) for p in workers), 60, "the dead server's workers to end")
+    (ws / PKG / "model.py").write_text(gen_monorepo.MODEL_PY)
+    p = servers.build(ws)  # a new server, and a correct build
+    assert "5 actions" in p.stdout and "failed" not in p.stdout
+    assert servers.info(ws)["pid"] != info["pid"]
+    verify = servers.run(["--batch", "cache", "verify", "--cache-dir", str(shared_cache)], ws)
+    assert verify.returncode == 0, verify.stdout + verify.stderr
+
+
+def test_another_version_or_other_startup_options_replace_the_server(servers: Servers, tmp_path: Path,
+                                                                    shared_cache: Path) -> None:
+    servers.cache = shared_cache
+    ws = _ws(tmp_path)
+    servers.build(ws)
+    first = servers.info(ws)["pid"]
+    # other startup options
+    p = servers.run(["--max-idle-secs", "600", "plan", "//...", "--cache-dir", str(shared_cache)], ws)
+    assert p.returncode == 0 and "restarting it" in p.stderr, p.stderr
+    second = servers.run(["--max-idle-secs", "600", "info", "--output", "json"], ws)
+    info2 = json.loads(second.stdout)
+    assert info2["pid"] != first and info2["max_idle_secs"] == 600
+    assert not _alive(first)
+    # another neuronbuild version: a copy of the package with another version string, first on the import path
+    alt = tmp_path / "alt"
+    shutil.copytree(REPO / "neuronbuild", alt / "neuronbuild", ignore=shutil.ignore_patterns("__pycache__"))
+    init = alt / "neuronbuild" / "__init__.py"
+    init.write_text(init.read_text().replace('__version__ = "', '__version__ = "9.9.9+'))
+    p = servers.run(["--max-idle-secs", "600", "plan", "//...", "--cache-dir", str(shared_cache)], ws,
+                    {"PYTHONPATH": str(alt)})
+    assert p.returncode == 0 and "restarting it" in p.stderr, p.stderr
+    info3 = json.loads(servers.run(["--max-idle-secs", "600", "info", "--output", "json"], ws,
+                                   {"PYTHONPATH": str(alt)}).stdout)
+    assert info3["pid"] != info2["pid"] and not _alive(info2["pid"])
+    # and back: the original version replaces it again
+    p = servers.run(["--max-idle-secs", "600", "plan", "//...", "--cache-dir", str(shared_cache)], ws)
+    assert p.returncode == 0 and "restarting it" in p.stderr
+
+
+def test_concurrent_commands_wait_with_a_message(servers: Servers, tmp_path: Path, shared_cache: Path) -> None:
+    servers.cache = shared_cache
+    ws = _ws(tmp_path, SLOW_MODEL.replace("SECONDS", "8"))
+    log = tmp_path / "client.log"
+    first = servers.popen(["build", "//...", "--jobs", "2", "--cache-dir", str(shared_cache)], ws, log)
+    try:
+        _wait(lambda: "executing" in log.read_text(), 120, "the first build to start executing")
+        second = servers.run(["plan", "//...", "--cache-dir", str(shared_cache)], ws)
+        assert first.wait(timeout=300) == 0, log.read_text()
+    finally:
+        if first.poll() is None:
+            first.kill()
+    assert second.returncode == 0, second.stderr
+    assert "another command is running in the server; waiting" in second.stderr
+    assert "5 actions" in second.stdout  # the plan ran after the build: everything cached
+    assert "0 to execute" in second.stdout or "cached" in second.stdout
+
+
+def test_the_client_imports_no_torch_networkx_or_starlark_and_the_socket_is_private(
+        servers: Servers, tmp_path: Path, shared_cache: Path) -> None:
+    servers.cache = shared_cache
+    ws = _ws(tmp_path)
+    for _ in range(2):  # a full build, then a no-op: through the server, neither imports anything heavy here
+        time.sleep(0.05)
+        p = servers.run(["build", "//...", "--jobs", "2", "--cache-dir", str(shared_cache)], ws,
+                        python_flags=("-X", "importtime"))
+        assert p.returncode == 0, p.stderr[-3000:]
+        mods = _imports(p.stderr)
+        assert "neuronbuild.server.client" in mods
+        heavy = sorted(m for m in mods if m.split(".")[0] in ("torch", "networkx", "starlark_go") or
+                       m.startswith(("neuronbuild.loading", "neuronbuild.analysis", "neuronbuild.build")))
+        assert heavy == [], heavy
+    assert _summary_executed(p) == 0
+    info = servers.info(ws)
+    base = Path(info["output_base"])
+    assert stat.S_IMODE(base.stat().st_mode) == 0o700
+    sock = Path(info["socket"])
+    assert stat.S_ISSOCK(sock.stat().st_mode) and stat.S_IMODE(sock.stat().st_mode) == 0o600
+    assert stat.S_IMODE(sock.parent.stat().st_mode) == 0o700
+    assert info["rss_kib"] > 0
+    assert (base / "server.log").is_file()
+
+
+def test_the_shared_cache_tier_works_through_the_server(servers: Servers, tmp_path: Path) -> None:
+    ws = _ws(tmp_path)
+    remote = tmp_path / "shared"
+    remote.mkdir()
+    p = servers.run(["build", "//...", "--jobs", "2", "--cache-dir", str(tmp_path / "c1"), "--remote-cache",
+                     str(remote)], ws)
+    assert p.returncode == 0 and "5 executed" in p.stdout, p.stdout + p.stderr[-3000:]
+    shutil.rmtree(ws / "neuronbuild-out")
+    p = servers.run(["build", "//...", "--jobs", "2", "--cache-dir", str(tmp_path / "c2"), "--remote-cache",
+                     str(remote)], ws)
+    assert p.returncode == 0 and "0 executed" in p.stdout, p.stdout + p.stderr[-3000:]
+    assert list((ws / "neuronbuild-out").rglob("model.hlo.pb"))  # fetched from the shared tier
+
+
+def test_shutdown_and_idle_timeout_end_the_server_and_its_workers(servers: Servers, tmp_path: Path,
+                                                                 shared_cache: Path) -> None:
+    servers.cache = shared_cache
+    ws = _ws(tmp_path)
+    servers.build(ws)
+    info = servers.info(ws)
+    assert info["running"]
+    _shutdown(servers, ws)
+    _wait(lambda: not _alive(info["pid"]) and not any(_alive(p) for p in _worker_pids(info)), 30, "shutdown")
+    assert not servers.info(ws)["running"]
+    p = servers.run(["--max-idle-secs", "2", "plan", "//...", "--cache-dir", str(shared_cache)], ws)
+    assert p.returncode == 0
+    pid = json.loads(servers.run(["--max-idle-secs", "2", "info", "--output", "json"], ws).stdout)["pid"]
+    _wait(lambda: not _alive(pid), 30, "the idle server to exit")
+
+
+def test_batch_and_no_server_env_run_in_the_client(servers: Servers, tmp_path: Path, shared_cache: Path) -> None:
+    servers.cache = shared_cache
+    ws = _ws(tmp_path)
+    p = servers.run(["--batch", "plan", "//...", "--cache-dir", str(shared_cache)], ws)
+    assert p.returncode == 0
+    p = servers.run(["plan", "//...", "--cache-dir", str(shared_cache)], ws, {"NEURONBUILD_NO_SERVER": "1"})
+    assert p.returncode == 0
+    assert not servers.info(ws)["running"]
+    assert not list(servers.root.glob("*/server.json"))
+    p = servers.run(["--max-idle-secs", "0", "plan"], ws)
+    assert p.returncode == 2 and p.stderr.startswith("neuronbuild: error: --max-idle-secs"), p.stderr
+
+
+def test_a_server_whose_workspace_is_deleted_exits(servers: Servers, tmp_path: Path, shared_cache: Path) -> None:
+    ws = _ws(tmp_path)
+    p = servers.run(["plan", "//...", "--cache-dir", str(shared_cache)], ws)
+    assert p.returncode == 0, p.stderr
+    pid = servers.info(ws)["pid"]
+    shutil.rmtree(ws)  # e.g. a test's temporary directory: nobody can reach this server again
+    _wait(lambda: not _alive(pid), 30, "the server of a deleted workspace to exit")
