@@ -241,3 +241,34 @@ def test_a_failed_warm_up_is_not_a_build_failure(tmp_path: Path) -> None:
     assert result.ok and len(result.executed) == 2
     (finished,) = got.kinds(ev.WARM_UP_FINISHED)
     assert not finished.fields["ok"] and "g++ exploded" in finished.fields["error"]
+
+
+class StoreWatchingExecutor(RecordingExecutor):
+    """Notes, at each start, whether the previous completed job's outputs were already in the cache."""
+
+    def __init__(self, slots: int, cache: LocalCache, tmp: Path) -> None:
+        super().__init__(slots, cache, tmp)
+        self.completed: list[str] = []
+        self.stored_before_next_start: list[bool] = []
+
+    def start(self, job: Job) -> Started:
+        if self.completed:
+            self.stored_before_next_start.append(self.cache.peek(self.completed[-1]))
+        return super().start(job)
+
+    def wait(self, timeout: float | None) -> list[Completion]:
+        done = super().wait(timeout)
+        self.completed += [c.job.action.fingerprint for c in done]
+        return done
+
+
+def test_a_freed_worker_gets_ready_work_before_the_finished_actions_outputs_are_stored(tmp_path: Path) -> None:
+    cache = LocalCache(tmp_path / "cache")
+    ex = StoreWatchingExecutor(1, cache, tmp_path / "out")
+    result = Scheduler(tmp_path, cache, ex, SchedulerOptions()).run(_graph({"a": 0, "b": 0, "c": 0}))
+    assert result.ok and len(result.executed) == 3
+    # Independent traces: each next one started while its predecessor's outputs were still being stored.
+    assert ex.stored_before_next_start == [False, False]
+    ex = StoreWatchingExecutor(1, LocalCache(tmp_path / "c2"), tmp_path / "out2")
+    assert Scheduler(tmp_path, ex.cache, ex, SchedulerOptions()).run(_graph({"a": 1})).ok
+    assert ex.stored_before_next_start == [True]  # a compile needs its trace's stored output: it waits for it

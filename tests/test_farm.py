@@ -125,9 +125,13 @@ def test_workers_joining_mid_build_are_used(farm: Farm, tmp_path: Path) -> None:
     events = [json.loads(line) for line in evf.read_text().splitlines()]
     ran_on = {e["worker"] for e in events if e["event"] == "action_finished"}
     assert len(ran_on) == 2, ran_on
-    in_flight = most = 0  # the scheduler dispatched to both at once: the new worker's thread counts as a slot
-    for e in events:
-        in_flight += {"action_started": 1, "action_finished": -1, "action_failed": -1}.get(e["event"], 0)
+    # The scheduler dispatched to both at once: the new worker's thread counts as a slot. An action holds its slot
+    # from dispatch (`start`) to when its worker handed the result back (`end`; storing it, and the finished event,
+    # may come after the freed worker got its next action).
+    edges = [t for e in events if e["event"] == "action_finished" for t in ((e["start"], 1), (e["end"], -1))]
+    in_flight = most = 0
+    for _t, step in sorted(edges, key=lambda x: (x[0], x[1])):
+        in_flight += step
         most = max(most, in_flight)
     assert most == 2, most
 

@@ -69,8 +69,9 @@ class TraceProfile:
                 args["error"] = f["error"]
             else:
                 args["peak_rss_mb"] = f["peak_rss_mb"]
-            self._slice(f["description"], "action", f["start"], e.time, self._tid(f["worker"]), args)
-            self._busy(float(f["start"]), e.time)
+            end = float(f.get("end") or e.time)  # the worker was free from then on (storing came after)
+            self._slice(f["description"], "action", f["start"], end, self._tid(f["worker"]), args)
+            self._busy(float(f["start"]), end)
             self._action_s += float(f.get("duration_s") or 0.0)
         elif e.kind == ev.WARM_UP_FINISHED:
             self._slice(f["description"], "warm_up", f["start"], e.time, self._tid(f["worker"]),

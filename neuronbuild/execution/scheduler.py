@@ -265,11 +265,18 @@ class _Run:
                 if self.ready and not self.stopped:
                     continue
                 return
-            for c in self.s.executor.wait(self.s.POLL_S if self.other_build else None):
+            finished: list[tuple[Completion, _Running]] = []
+            completions = self.s.executor.wait(self.s.POLL_S if self.other_build else None)
+            now = time.time()
+            for c in completions:
                 if c.job.id in self.warming:
                     self._warmed(c)
                 else:
-                    self._complete(c)
+                    finished.append((c, self.running.pop(c.job.id)))
+            if finished and not self.stopped and all(c.ok for c, _r in finished):
+                self._dispatch()  # freed workers take other ready work first: storing outputs takes seconds
+            for c, r in finished:
+                self._complete(c, r, now)
             if self.stopped and (self.running or self.warming):
                 self._cancel_running()
 
@@ -397,8 +404,8 @@ class _Run:
         self.s.bus.emit(ev.ACTION_STARTED, **action_fields(a), attempt=attempt + 1, worker=started.worker,
                         pid=started.pid)
 
-    def _complete(self, c: Completion) -> None:
-        r = self.running.pop(c.job.id)
+    def _complete(self, c: Completion, r: _Running, ended: float) -> None:
+        """`ended`: when the executor handed the completion back (the worker was free from then on)."""
         a = c.job.action
         fp = a.fingerprint
         ok, error = c.ok, c.error
@@ -421,14 +428,14 @@ class _Run:
             r.claim.release()
             self.executed.append(fp)
             self.s.bus.emit(ev.ACTION_FINISHED, **action_fields(a), attempt=c.job.attempt + 1, worker=c.worker,
-                            pid=c.pid, start=r.started, duration_s=round(c.duration_s, 3),
+                            pid=c.pid, start=r.started, end=ended, duration_s=round(c.duration_s, 3),
                             peak_rss_mb=round(c.peak_rss_mb, 1),
                             outputs={k: v for k, v in sorted(self._outputs(fp).items())})
             self._done(fp)
             return
         retry = c.worker_died and self.attempts.get(fp, 0) < self.s.options.retries and not self.stopped
         self.s.bus.emit(ev.ACTION_FAILED, **action_fields(a), attempt=c.job.attempt + 1, worker=c.worker,
-                        pid=c.pid, start=r.started, duration_s=round(c.duration_s, 3), error=error,
+                        pid=c.pid, start=r.started, end=ended, duration_s=round(c.duration_s, 3), error=error,
                         log=str(c.job.log), worker_died=c.worker_died, will_retry=retry)
         if retry:
             self.attempts[fp] = self.attempts.get(fp, 0) + 1
