@@ -122,7 +122,8 @@ class DaskExecutor:
         payload = {"kind": a.kind, "spec": json.loads(json.dumps(a.spec)), "inputs": inputs, "expect": dict(a.versions),
                    "outputs": list(a.outputs), "shared": self._shared_url, "open_store": self._open_store, "toolchain_tmp": self._toolchain_tmp,
                    "description": a.describe()}
-        key = f"neuronbuild-{a.fingerprint[:16]}-{job.attempt}-{uuid.uuid4().hex[:8]}"
+        prefix = "neuronbuild-warmup" if a.kind == WARM_UP else "neuronbuild"  # a warm-up is not an action
+        key = f"{prefix}-{a.fingerprint[:16]}-{job.attempt}-{uuid.uuid4().hex[:8]}"
         payload["key"] = key
         where: dict[str, Any] = {"workers": [job.host], "allow_other_workers": False} if job.host else {}
         fut = self.client.submit(farm_run, payload, key=key, pure=False, **where)
