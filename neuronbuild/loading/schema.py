@@ -9,7 +9,7 @@ import math
 import re
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from neuronbuild import plugins
 from neuronbuild.loading.labels import Label, LabelError, parse_label
@@ -236,28 +236,29 @@ def _graphs(attr: str, v: Any, pkg: str) -> dict[str, dict[str, Any]]:
     return out
 
 
+_T = TypeVar("_T")
+
+
+def _per_graph(attr: str, v: Any, pkg: str, one: Callable[[str, Any, str], _T]) -> _T | dict[str, _T]:
+    """`one` value (every graph), or graph name -> such a value."""
+    if not isinstance(v, dict):
+        return one(attr, v, pkg)
+    out: dict[str, _T] = {}
+    for name, x in v.items():
+        if not isinstance(name, str) or not _DIM_NAME_RE.match(name):
+            raise AttrError(f"attribute '{attr}': invalid graph name {name!r}")
+        out[name] = one(f"{attr}.{name}", x, pkg)
+    return out
+
+
 def _graph_labels(attr: str, v: Any, pkg: str) -> tuple[Label, ...] | dict[str, tuple[Label, ...]]:
     """A list of labels (every graph), or graph name -> list of labels."""
-    if isinstance(v, dict):
-        out: dict[str, tuple[Label, ...]] = {}
-        for name, labels in v.items():
-            if not isinstance(name, str) or not _DIM_NAME_RE.match(name):
-                raise AttrError(f"attribute '{attr}': invalid graph name {name!r}")
-            out[name] = _label_list(f"{attr}.{name}", labels, pkg)
-        return out
-    return _label_list(attr, v, pkg)
+    return _per_graph(attr, v, pkg, _label_list)
 
 
 def _graph_label(attr: str, v: Any, pkg: str) -> Label | dict[str, Label]:
     """A label (every graph), or graph name -> label."""
-    if isinstance(v, dict):
-        out: dict[str, Label] = {}
-        for name, lbl in v.items():
-            if not isinstance(name, str) or not _DIM_NAME_RE.match(name):
-                raise AttrError(f"attribute '{attr}': invalid graph name {name!r}")
-            out[name] = _label(f"{attr}.{name}", lbl, pkg)
-        return out
-    return _label(attr, v, pkg)
+    return _per_graph(attr, v, pkg, _label)
 
 
 def label_values(v: Any) -> list[Label]:

@@ -14,6 +14,8 @@ import sys
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from neuronbuild.self_stamp import code_stamp
+
 DEFAULT_MAX_IDLE_SECS = 3 * 3600
 MAX_FRAME = 64 << 20  # a frame larger than this is a protocol error
 _LEN = struct.Struct(">I")
@@ -102,28 +104,10 @@ def server_stamp(opts: StartupOptions) -> str:
             if d:
                 plugin_files.extend(sorted([e.path, e.stat().st_mtime_ns, e.stat().st_size] for e in it
                                            if e.name.endswith(".py")))
-    text = json.dumps({"code": _code_stamp(), "python": sys.version, "exe": os.path.realpath(sys.executable),
+    text = json.dumps({"code": code_stamp(), "python": sys.version, "exe": os.path.realpath(sys.executable),
                        "prefix": sys.prefix, "path": sys.path[1:], "tools": tools, "plugins": plugins,
                        "plugin_files": plugin_files, "opts": opts.to_json()}, sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()
-
-
-def _code_stamp() -> str:
-    """As self_stamp.code_stamp (version, format, every .py file's path, size and mtime), without pathlib."""
-    from neuronbuild import FORMAT_VERSION, __version__
-
-    parts = [__version__, FORMAT_VERSION]
-    stack = [os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
-    while stack:
-        d = stack.pop()
-        with os.scandir(d) as it:
-            for e in sorted(it, key=lambda e: e.name):
-                if e.is_dir(follow_symlinks=False) and e.name != "__pycache__":
-                    stack.append(e.path)
-                elif e.name.endswith(".py"):
-                    st = e.stat()
-                    parts.append(f"{e.path}:{st.st_size}:{st.st_mtime_ns}")
-    return "\n".join(parts)
 
 
 def _which(name: str) -> str | None:
