@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import socket
 import sys
@@ -387,8 +388,6 @@ def _is_warm_up(msg: Mapping[str, Any]) -> bool:
 
 
 def _key(spec: Mapping[str, Any]) -> str:
-    import json
-
     return json.dumps([spec.get("toolchain"), spec.get("key")], sort_keys=True, default=str)
 
 
@@ -432,6 +431,6 @@ def warm_before(msg: Mapping[str, Any], warmed: set[str]) -> float | None:
     warmed.add(_key(w_spec))  # tried once per worker, failed or not
     seconds = time.perf_counter() - start
     with open(str(msg["log"]), "a", encoding="utf-8") as log:
-        log.write(f"# warm-up {'done' if res.get('ok') else 'failed: ' + str(res.get('error'))} in {seconds:.1f} s: "
-                  f"{res.get('metadata')}\n")
+        log.write(f"# warm-up {'done' if res.get('ok') else 'failed'} in {seconds:.1f} s: "
+                  f"{json.dumps(res.get('metadata') if res.get('ok') else res.get('error'))}\n")
     return seconds
