@@ -165,6 +165,13 @@ def compile_jobs() -> int:
         return 1
 
 
+def _host_cores() -> int:
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
 @contextmanager
 def _compile_environment(isa: str, target: IsaTarget) -> Iterator[Path]:
     """The pinned vector ISA, inductor's working dir for the ISA and path-free objects, for one compile."""
@@ -211,9 +218,11 @@ def warm_up_cpu(isa: str) -> dict[str, Any]:
             with config.patch(inductor_configs(target)):
                 return Path(cc._precompile_header(item[0], cmd, **item[1]))
 
-        # The headers are independent: with a thread budget above 1 (one worker on a 2-core machine) their compiler
-        # runs overlap; the threads only wait for g++ and are joined before returning (workers fork after this).
-        jobs = min(compile_jobs(), len(wanted))
+        # The headers are independent: their compiles run at once, up to the machine's cores whatever this worker's
+        # share (every compile waits for them: a few seconds of oversubscription beside the traces cost less than
+        # a serial critical path). The threads only wait for g++ and are joined before returning (workers fork
+        # after this).
+        jobs = min(_host_cores(), len(wanted))
         if jobs > 1:
             from concurrent.futures import ThreadPoolExecutor
 
