@@ -121,7 +121,9 @@ class Bench:
         vocab = self._next()
         ws = self.workspace(vocab)
         profile = self.root / f"profile-{vocab}.json"
-        cmd = [sys.executable, "-m", "neuronbuild", "build", f"//models:{target}", "--cache-dir",
+        # --batch: a cold build in this process, as a CI job runs it (a build server would outlive the run and keep
+        # its warm workers; docs/server.md).
+        cmd = [sys.executable, "-m", "neuronbuild", "--batch", "build", f"//models:{target}", "--cache-dir",
                str(self.root / f"cache-{vocab}"), "--profile", str(profile), *flags]
         t = time.perf_counter()
         proc = subprocess.run(cmd, cwd=ws, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))

@@ -84,7 +84,8 @@ class DaskExecutor:
         the first tasks travel), instead of with each worker's first task."""
         self._refresh_slots(force=True)
         with contextlib.suppress(Exception):
-            self.client.run(farm_prestart, self._toolchain_tmp, dict(self._host_threads), wait=False)
+            # It only starts processes (no waiting for their imports): one quick round trip.
+            self.client.run(farm_prestart, self._toolchain_tmp, dict(self._host_threads), on_error="ignore")
 
     def hosts(self) -> list[str]:
         """The farm's hosts (as the scheduler knows their workers' addresses): a toolchain warm-up runs once on each,
