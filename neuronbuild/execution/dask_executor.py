@@ -1,8 +1,8 @@
 """Dask executor: runs actions on a Dask cluster (a compile farm) through a shared store (a directory or S3).
 
 The client puts each action's source inputs into the shared CAS and sends digests; a Dask worker builds the sandbox
-from the shared CAS, runs the action in a warm worker process of its own (pool.WorkerPool, one per Dask thread),
-puts the outputs into the shared CAS and returns their digests. The client then writes the records (shared tier and
+from the shared CAS, runs the action in a warm worker process (pool.WorkerPool; one per Dask thread at a time, started
+when a build starts and kept between tasks and builds), puts the outputs into the shared CAS and returns their digests. The client then writes the records (shared tier and
 local cache). The shared directory has a local cache's layout and the same path on every machine. A worker lost
 mid-action is handled by Dask, which runs the task again on another worker."""
 
