@@ -189,3 +189,34 @@ def test_on_dask_the_warm_up_runs_once_per_host(tmp_path: Path) -> None:
     headers = _headers(cache)
     assert sorted(headers) == sorted(h + ".gch" for h in warm["metadata"]["headers"])
     assert all(mtime <= warm["time"] * 1e9 for _ino, mtime in headers.values())
+
+
+def test_an_object_compiled_in_the_background_that_fails_fails_the_compile_with_the_compilers_message(
+        tmp_path: Path) -> None:
+    """With a thread budget of 2, the wrapper and kernel objects compile at once; a C++ error in either still reaches
+    the compile (inductor's CppCompileError, with g++'s output) before the link runs, and nothing is left running."""
+    code = r'''
+import sys
+from pathlib import Path
+sys.path.insert(0, sys.argv[1])
+from torch._inductor.exc import CppCompileError
+from neuronbuild.toolchains.compile import _ObjectCompiles
+tmp = Path(sys.argv[2])
+(tmp / "a.wrapper.cpp").write_text("int ok() { return 1; }\n")
+(tmp / "b.kernel.cpp").write_text("int broken() { return undeclared_name; }\n")
+(tmp / "build").mkdir()
+objects = _ObjectCompiles(2)
+for name in ("a.wrapper", "b.kernel"):
+    line = f"g++ -c {tmp}/{name}.cpp -o {tmp}/{name}.o"
+    assert objects.defer(line)
+    objects.start(line, str(tmp / "build"))
+assert not objects.defer(f"g++ {tmp}/a.wrapper.o -shared -o {tmp}/m.so")  # a link runs in the foreground
+try:
+    objects.drain()
+except CppCompileError as e:
+    print("ERROR", "undeclared_name" in str(e), (tmp / "a.wrapper.o").is_file(), len(objects.pending))
+'''
+    proc = subprocess.run([sys.executable, "-c", code, str(REPO), str(tmp_path)], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "ERROR True True 0" in proc.stdout, proc.stdout + proc.stderr
