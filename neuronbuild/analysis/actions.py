@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,7 +21,7 @@ class Bucket:
     dims: tuple[tuple[str, int], ...]
     graph: str = ""
 
-    @property
+    @functools.cached_property
     def name(self) -> str:
         dims = "_".join(f"{k}{v}" for k, v in self.dims)
         return f"{self.graph}_{dims}" if self.graph else dims
@@ -29,6 +30,10 @@ class Bucket:
         return dict(self.dims)
 
     def __str__(self) -> str:
+        return self._text
+
+    @functools.cached_property
+    def _text(self) -> str:
         dims = ", ".join(f"{k}={v}" for k, v in self.dims)
         return f"{self.graph}: {dims}" if self.graph else dims
 
@@ -66,7 +71,7 @@ class Action:
     platform: str = ""  # toolchain actions: the platform compiled for
     target: str = ""  # toolchain actions: how the target is named in progress lines (e.g. "cpu/x86-64-v3")
 
-    @property
+    @functools.cached_property
     def deps(self) -> tuple[str, ...]:
         return tuple(d.action for d in self.dep_inputs)
 
@@ -85,7 +90,7 @@ class Action:
         """A trace's model record (package, srcs by digest, entry, config, weights, seed, inputs); {} otherwise."""
         return self.record.get("model") or {} if self.kind == TRACE else {}
 
-    @property
+    @functools.cached_property
     def identity(self) -> str:
         """What a user calls "the same action" across edits: label + bucket (+ target for compiles)."""
         base = f"{self.kind} {self.label} [{self.bucket}]"

@@ -63,6 +63,9 @@ class WarmState:
             gc.unfreeze()
 
     def after_command(self) -> None:
+        from neuronbuild import incremental
+
+        incremental.flush_saves()  # the on-disk load and digest caches (for batch commands and the next server)
         gc.collect()
 
     def worker_pids(self) -> list[int]:
@@ -72,7 +75,7 @@ class WarmState:
         from neuronbuild import incremental
 
         return {"worker_pool_size": self._pool.size if self._pool is not None else 0,
-                "load_caches": incremental.kept_count()}
+                "load_caches": incremental.kept_count(), **incremental.memo_stats()}
 
     def close(self) -> None:
         if self._pool is not None:
