@@ -9,7 +9,6 @@ toolchain it used reports now). A memoised target is replayed, so the plan is th
 
 from __future__ import annotations
 
-import functools
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -42,9 +41,11 @@ class ActionGraph:
     bundles: Mapping[Label, BundleInfo] = field(default_factory=dict, hash=False, compare=False)
 
     def topological(self) -> list[Action]:
-        return list(self._topological)
+        order = self.__dict__.get("_order")  # computed once per graph (frozen: kept in __dict__ directly)
+        if order is None:
+            order = self.__dict__["_order"] = self._topological()
+        return list(order)
 
-    @functools.cached_property
     def _topological(self) -> tuple[Action, ...]:
         """Kahn's algorithm taking the smallest ready fingerprint first: networkx's lexicographical_topological_sort
         order, at a fraction of its cost (computed once per graph)."""
@@ -176,6 +177,7 @@ class AnalysisContext:
         self.memo = memo
         self._frames: list[_Recorder] = []
         self._valid: dict[Label, bool] = {}
+        self._traces: dict[tuple[int, Bucket], tuple[ModelInfo, Action]] = {}
 
     def target(self, label: Label) -> Target:
         return self.graph.targets[label]
@@ -240,8 +242,8 @@ class AnalysisContext:
             """None: pending on deps (pushed); else the verdict."""
             m = entries.get(lbl)
             t = targets.get(lbl)
-            if m is None or t is None or not (m.target is t or m.target == t):
-                return False
+            if m is None or t is None or not (m.target is t or (m.target == t and m.target.attrs == t.attrs)):
+                return False  # (Target equality leaves attrs out: compared here)
             for path, digest in m.files:
                 try:
                     if digests.digest_file(path) != digest:
@@ -332,6 +334,15 @@ class AnalysisContext:
 
     def trace(self, model: ModelInfo, bucket: Bucket) -> Action:
         """The trace of `model` at `bucket`: one per (model, bucket), shared by every compile that needs it."""
+        key = (id(model), bucket)
+        known = self._traces.get(key)
+        if known is not None and known[0] is model:  # (the model info is held, so its id is not reused)
+            return self.add(known[1])
+        action = self._make_trace(model, bucket)
+        self._traces[key] = (model, action)
+        return action
+
+    def _make_trace(self, model: ModelInfo, bucket: Bucket) -> Action:
         rec = model.record
         record = {
             "format": FORMAT_VERSION,
