@@ -213,6 +213,8 @@ def section_server(ws: Path | None, cache: Path | None, buckets: int, runs: int,
         print(f"| server, first command (starts it) | {first_server:.3f} s | - |")
         print(f"| server, warm | {statistics.median(server):.3f} s | {min(server):.3f} s |")
         print(f"client through the server imported torch/networkx/starlark: {heavy or 'none'}")
+        bare = [_time_cmd([sys.executable, "-c", "pass"], ws) for _ in range(5)]
+        print(f"bare `python -c pass` on this machine now: median {statistics.median(bare):.3f} s")
         rows = [("--batch", _measure_edit(ws, cache, buckets, None, 100 + int(time.time()) % 50_000))]
         _shutdown(ws, env)
         rows.append(("server, fresh (started by this build)",
@@ -267,7 +269,7 @@ def section_server(ws: Path | None, cache: Path | None, buckets: int, runs: int,
     print(f"| server, cold (this command starts it; load cache on disk), after an edit | {cold_server:.2f} s |")
     print(f"| server, warm, after editing one BUILD file (median of {len(warm)}) | **{statistics.median(warm):.2f} s** |")
     print(f"server RSS after these plans: **{info['rss_kib'] / 1024:.0f} MiB** (pid {info['pid']}; warm workers: "
-          f"{info['workers']})")
+          f"{info['workers']}; kept: {info.get('kept')})")
     _shutdown(big, env)
     shutil.rmtree(big, ignore_errors=True)
     shutil.rmtree(bcache, ignore_errors=True)
