@@ -108,15 +108,17 @@ class AnalysisMemo:
         self.entries: dict[Label, _Memo] = {}
         self.env: dict[tuple[str, str], dict[str, str]] = {}
         self.settings_key: str | None = None
+        self.trace_toolchain: dict[str, str] = {}
         self.reused = self.analysed = 0
 
     def begin(self, settings: PlanSettings) -> None:
         key = settings_key(settings)
-        if key != self.settings_key or any(_versions(tc, platform, settings) != v
-                                           for (tc, platform), v in self.env.items()):
+        trace_tc = settings.trace_toolchain()  # (what every trace record holds: Python and torch versions)
+        if key != self.settings_key or trace_tc != self.trace_toolchain or \
+                any(_versions(tc, platform, settings) != v for (tc, platform), v in self.env.items()):
             self.entries.clear()
             self.env.clear()
-        self.settings_key = key
+        self.settings_key, self.trace_toolchain = key, trace_tc
         self.reused = self.analysed = 0
 
 
