@@ -228,6 +228,8 @@ def section_server(ws: Path | None, cache: Path | None, buckets: int, runs: int,
                   f"{r['crit']:.2f} s | **{float(r['wall']) - float(r['crit']):.2f} s** |")
         _shutdown(ws, env)
 
+    if graphs <= 0:  # --server-graphs 0: the no-op and edit measures only
+        return
     print(f"\n## build server vs --batch: re-analysis (`plan //...`) after editing one BUILD file, {graphs} graphs")
     big = workdir / f"srv-ws{graphs}"
     bcache = workdir / f"srv-cache{graphs}"
@@ -400,7 +402,7 @@ def main() -> None:
     ap.add_argument("--plan-buckets", type=int, default=4)
     ap.add_argument("--plan-compiles", type=int, default=5)
     ap.add_argument("--server-graphs", type=int, default=100_000,
-                    help="graphs of the workspace the server section re-analyses (generated under --workdir)")
+                    help="graphs of the workspace the server section re-analyses (generated under --workdir; 0: skip)")
     ap.add_argument("--hash-gib", type=float, default=1.0)
     ap.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "nb-scale-bench")
     a = ap.parse_args()
