@@ -25,6 +25,21 @@ CASES = {
     "nul-byte": ('neuron_buckets(name = "b", shapes = [{"batch": 1}])\x00\n', "pkg/BUILD:1:52: error: NUL byte"),
     "nul-in-string": ('neuron_target(name = "t\\x00junk", platform = "cpu")\n',
                       "pkg/BUILD:1:22: error: NUL character in a string"),
+    # NULs built at run time reach the natives through starlark-go's conversion, which truncates at a NUL.
+    "nul-built-at-run-time": ('neuron_target(name = "b" + ("%c" % 0) + "junk", platform = "cpu")\n',
+                              "pkg/BUILD:1:14: error: attribute 'name': NUL character in a string"),
+    "nul-nested-at-run-time": ('neuron_model(name = "m", srcs = ["m.py"], entry = "m:b", inputs = {"x": "float32[b]"}, '
+                               'config = {"k": [1, {"v": "a" + chr(0)}]})\n',
+                               "pkg/BUILD:1:13: error: attribute 'config': NUL character in a string"),
+    # A value that contains itself overflowed the Go stack converting it (a fatal crash with a Go traceback).
+    "cyclic-value": ('def mk():\n    l = ["a"]\n    l.append(l)\n    return l\n'
+                     'neuron_target(name = "t", platform = "cpu", tags = mk())\n',
+                     "pkg/BUILD:5:14: error: attribute 'tags': value contains itself"),
+    "deep-value-at-run-time": ('def mk():\n    x = {}\n    for i in range(3000):\n        x = {"a": x}\n    return x\n'
+                               'neuron_model(name = "m", srcs = ["m.py"], entry = "m:b", inputs = {"x": "float32[b]"}, '
+                               'config = mk())\n', "pkg/BUILD:6:13: error: an attribute value is nested too deeply"),
+    "reserved-name": ('__nb_raw_neuron_target(name = "t", platform = "cpu")\n',
+                      "pkg/BUILD:1:1: error: name '__nb_raw_neuron_target' is reserved"),
     "deps-chain": ("\n".join(f'compiler_options(name = "o{i}", deps = [":o{i + 1}"])' for i in range(3000))
                    + '\ncompiler_options(name = "o3000")\n', "error: dependency chain longer than 256"),
     "deep-config": ('neuron_model(name = "m", srcs = ["m.py"], entry = "m:b", inputs = {"x": "float32[b]"}, config = '
@@ -43,6 +58,24 @@ def test_bad_build_input_is_one_located_line(tmp_path: Path, case: str) -> None:
     assert proc.returncode == 2, proc.stderr
     assert expected in proc.stderr and "Traceback" not in proc.stderr
     assert proc.stderr.count("\n") == 1, proc.stderr
+
+
+def test_runtime_nul_from_a_macro_is_located_at_the_call(tmp_path: Path) -> None:
+    # A macro's string built at run time: refused at the BUILD file's call, naming the macro, and the fast path's
+    # false alarms (a literal backslash-x00, "[...]") still load.
+    ws = write_ws(tmp_path / "ws", {
+        "pkg/defs.bzl": 'def tgt(name):\n    neuron_target(name = name + ("%c" % 0), platform = "cpu")\n',
+        "pkg/BUILD": 'load(":defs.bzl", "tgt")\nneuron_target(name = "ok", platform = "cpu", tags = ["a\\\\x00", "[...]"])\n'
+                     '\ntgt(name = "t")\n',
+    })
+    proc = run_cli(["query", "//pkg:all"], ws)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr == ("pkg/BUILD:4:4: error: attribute 'name': NUL character in a string (starlark-go would "
+                           "silently truncate it) (in tgt at pkg/defs.bzl:2:18)\n"), proc.stderr
+    (ws / "pkg" / "BUILD").write_text('load(":defs.bzl", "tgt")\n'
+                                     'neuron_target(name = "ok", platform = "cpu", tags = ["a\\\\x00", "[...]"])\n')
+    proc = run_cli(["query", "attr(tags, x00, //pkg:all)"], ws)
+    assert proc.returncode == 0 and proc.stdout.split() == ["//pkg:ok"], proc.stderr
 
 
 def _bundle(members: list[tuple[str, bytes]], trailing: bytes = b"") -> bytes:
