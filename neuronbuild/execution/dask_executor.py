@@ -18,7 +18,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -43,9 +43,12 @@ class DaskExecutor:
     local = False
 
     def __init__(self, root: Path, cache: SpawnCache, shared_url: str, address: str | None, jobs: int,
-                 open_store: Callable[[str], Any], same: bool = False, toolchain_tmp: Path | None = None) -> None:
+                 open_store: Callable[[str], Any], same: bool = False, toolchain_tmp: Path | None = None,
+                 action_timeout: float = 0.0, timeouts: Mapping[str, tuple[float, str]] | None = None) -> None:
         """`shared_url`: the farm store every worker reaches (a directory mounted at the same path everywhere, or
-        s3://bucket/prefix); `open_store(url)` opens it (picklable: workers call it too); `same`: it is `cache`."""
+        s3://bucket/prefix); `open_store(url)` opens it (picklable: workers call it too); `same`: it is `cache`.
+        `action_timeout` / `timeouts` ({fingerprint: (seconds, what set it)}): as the local executor's; the Dask
+        worker running an action kills it (and every process it started) when its limit passes."""
         try:
             from distributed import Client, LocalCluster
         except ImportError:
@@ -53,6 +56,8 @@ class DaskExecutor:
                 from None
         self.root = root
         self.cache = cache
+        self._action_timeout = action_timeout
+        self._timeouts = dict(timeouts or {})
         self._open_store = open_store  # also sent to farm workers (pickled by reference)
         self.shared = open_store(shared_url)
         self._shared_url = shared_url
@@ -129,6 +134,9 @@ class DaskExecutor:
         payload = {"kind": a.kind, "spec": json.loads(json.dumps(a.spec)), "inputs": inputs, "expect": dict(a.versions),
                    "outputs": list(a.outputs), "shared": self._shared_url, "open_store": self._open_store, "toolchain_tmp": self._toolchain_tmp,
                    "description": a.describe(), "host_threads": dict(self._host_threads)}
+        limit, source = self._timeouts.get(a.fingerprint) or (self._action_timeout, "--action-timeout")
+        if a.kind != WARM_UP and limit > 0:
+            payload["timeout"] = [limit, source]
         prefix = "neuronbuild-warmup" if a.kind == WARM_UP else "neuronbuild"  # a warm-up is not an action
         key = f"{prefix}-{a.fingerprint[:16]}-{job.attempt}-{uuid.uuid4().hex[:8]}"
         payload["key"] = key
@@ -328,8 +336,10 @@ def farm_run(payload: dict[str, Any]) -> dict[str, Any]:
         log.write_text(f"# {payload['description']}\n", encoding="utf-8")
         threads = _threads_here(payload.get("host_threads"))
         pool = _take_pool(payload.get("toolchain_tmp"), threads)
+        limit, source = payload.get("timeout") or (0.0, "")  # the pool kills the action's process tree after it
         pool.submit("job", {"kind": payload["kind"], "spec": payload["spec"], "inputs": str(inputs),
-                            "outputs": str(outputs), "log": str(log), "expect": payload.get("expect")})
+                            "outputs": str(outputs), "log": str(log), "expect": payload.get("expect")},
+                    float(limit) or None, str(source))
         key = str(payload.get("key") or "")
         _RUNNING[key] = pool
         results: list[Any] = []
