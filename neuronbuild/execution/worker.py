@@ -383,7 +383,7 @@ def main(read_fd: int, write_fd: int) -> None:
 
 def _exit_now() -> None:
     """Told to stop (or its build is gone), between actions: exit without the interpreter's teardown, which with torch,
-    inductor and jax loaded takes about a second that the build would wait for. Nothing is left to clean up: the
+    inductor and jax loaded is slow and the build would wait for it. Nothing is left to clean up: the
     last action's processes were ended and its log closed."""
     with contextlib.suppress(Exception):
         sys.stdout.flush()
