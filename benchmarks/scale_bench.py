@@ -213,6 +213,8 @@ def section_server(ws: Path | None, cache: Path | None, buckets: int, runs: int,
         print(f"| server, first command (starts it) | {first_server:.3f} s | - |")
         print(f"| server, warm | {statistics.median(server):.3f} s | {min(server):.3f} s |")
         print(f"client through the server imported torch/networkx/starlark: {heavy or 'none'}")
+        bare = [_time_cmd([sys.executable, "-c", "pass"], ws) for _ in range(5)]
+        print(f"bare `python -c pass` on this machine now: median {statistics.median(bare):.3f} s")
         rows = [("--batch", _measure_edit(ws, cache, buckets, None, 100 + int(time.time()) % 50_000))]
         _shutdown(ws, env)
         rows.append(("server, fresh (started by this build)",
@@ -226,6 +228,8 @@ def section_server(ws: Path | None, cache: Path | None, buckets: int, runs: int,
                   f"{r['crit']:.2f} s | **{float(r['wall']) - float(r['crit']):.2f} s** |")
         _shutdown(ws, env)
 
+    if graphs <= 0:  # --server-graphs 0: the no-op and edit measures only
+        return
     print(f"\n## build server vs --batch: re-analysis (`plan //...`) after editing one BUILD file, {graphs} graphs")
     big = workdir / f"srv-ws{graphs}"
     bcache = workdir / f"srv-cache{graphs}"
@@ -267,7 +271,7 @@ def section_server(ws: Path | None, cache: Path | None, buckets: int, runs: int,
     print(f"| server, cold (this command starts it; load cache on disk), after an edit | {cold_server:.2f} s |")
     print(f"| server, warm, after editing one BUILD file (median of {len(warm)}) | **{statistics.median(warm):.2f} s** |")
     print(f"server RSS after these plans: **{info['rss_kib'] / 1024:.0f} MiB** (pid {info['pid']}; warm workers: "
-          f"{info['workers']})")
+          f"{info['workers']}; kept: {info.get('kept')})")
     _shutdown(big, env)
     shutil.rmtree(big, ignore_errors=True)
     shutil.rmtree(bcache, ignore_errors=True)
@@ -398,7 +402,7 @@ def main() -> None:
     ap.add_argument("--plan-buckets", type=int, default=4)
     ap.add_argument("--plan-compiles", type=int, default=5)
     ap.add_argument("--server-graphs", type=int, default=100_000,
-                    help="graphs of the workspace the server section re-analyses (generated under --workdir)")
+                    help="graphs of the workspace the server section re-analyses (generated under --workdir; 0: skip)")
     ap.add_argument("--hash-gib", type=float, default=1.0)
     ap.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "nb-scale-bench")
     a = ap.parse_args()

@@ -71,8 +71,9 @@ class BuildContext:
         from neuronbuild import incremental
         from neuronbuild.analysis.planner import plan
 
+        settings = settings if settings is not None else self.settings
         with incremental.analysis_gc():
-            return plan(graph, settings if settings is not None else self.settings)
+            return plan(graph, settings, incremental.analysis_memo(self.workspace.root, settings))
 
     def open_cache(self) -> LocalCache:
         """The cache with every configured tier (local, plus the shared directory or S3 tier)."""

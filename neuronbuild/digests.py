@@ -8,9 +8,12 @@ unchanged large weights."""
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import marshal
 import os
 import time
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import BinaryIO
@@ -28,6 +31,19 @@ _PERSIST_FORMAT = "nb-digests-1"
 StatKey = tuple[int, int, int, int]  # size, mtime_ns, inode, ctime_ns
 _stat_cache: dict[str, tuple[StatKey, str]] = {}
 _dirty = False
+# The files digested in this thread while a `recording()` is open (analysis memoisation keys on them).
+_recording: contextvars.ContextVar[list[tuple[str, str]] | None] = contextvars.ContextVar("digests_read", default=None)
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[list[tuple[str, str]]]:
+    """Collect (path, digest) of every digest_file call made in this thread meanwhile (nested: the innermost)."""
+    files: list[tuple[str, str]] = []
+    token = _recording.set(files)
+    try:
+        yield files
+    finally:
+        _recording.reset(token)
 
 
 def digest_bytes(data: bytes) -> str:
@@ -65,11 +81,15 @@ def digest_file(path: Path | str) -> str:
     key = stat_key(st)
     hit = _stat_cache.get(p)
     if hit is not None and hit[0] == key:
-        return hit[1]
-    d = _hash_path(p, st.st_size)
-    if not is_racy(key, now) and stat_key(os.stat(p)) == key:
-        _stat_cache[p] = (key, d)
-        _dirty = True
+        d = hit[1]
+    else:
+        d = _hash_path(p, st.st_size)
+        if not is_racy(key, now) and stat_key(os.stat(p)) == key:
+            _stat_cache[p] = (key, d)
+            _dirty = True
+    rec = _recording.get()
+    if rec is not None:
+        rec.append((p, d))
     return d
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import contextlib
 import gc
 import hashlib
+import os
+import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -45,12 +47,117 @@ def keep_in_memory(on: bool) -> None:
     global _kept
     if not on:
         _kept = None
+        _memos.clear()
+        _peeks.clear()
     elif _kept is None:
         _kept = {}
 
 
 def kept_count() -> int:
     return len(_kept or {})
+
+
+# Per (workspace, settings): memoised per-target analyses (analysis/planner.AnalysisMemo), kept by the build server.
+_memos: dict[tuple[str, str], Any] = {}
+
+
+def analysis_memo(root: Path, settings: Any) -> Any:
+    """The build server's analysis memo for this workspace and settings, or None in batch mode (nothing is kept)."""
+    if _kept is None:
+        return None
+    from neuronbuild.analysis.planner import AnalysisMemo, settings_key
+
+    key = (str(root), settings_key(settings))
+    memo = _memos.pop(key, None) or AnalysisMemo()
+    while len(_memos) >= _KEEP_AT_MOST:
+        del _memos[next(iter(_memos))]
+    _memos[key] = memo  # most recently used last
+    return memo
+
+
+def memo_stats() -> dict[str, int]:
+    return {"analysis_memos": len(_memos), "memoised_targets": sum(len(m.entries) for m in _memos.values()),
+            "memoised_peeks": sum(len(m.verdicts) for m in _peeks.values())}
+
+
+class PeekMemo:
+    """The build server's memo of `peek` verdicts (is this action cached locally?) for plan, explain and dry runs.
+
+    The cache can change under the server (other builds, `cache gc`, `cache clean`), so a verdict is kept only with
+    the state of every directory it depends on: the record's shard `ac/<xx>` and, when the record exists, the shards
+    `cas/<xx>` of its output blobs. A record or blob can only appear or go by a rename or unlink in its shard, which
+    changes that directory's mtime; so before each command every shard directory is stat'ed (512 stats) and a
+    verdict is reused only while all of its directories are unchanged. A directory modified within the racy window of
+    the stat (one timestamp tick could hide a second change) makes its verdicts unusable. Only a local cache without
+    a shared tier is memoised (a remote tier is not watched); `build` itself always looks every action up."""
+
+    def __init__(self, layout_root: Path) -> None:
+        self.root = str(layout_root)
+        self.state: dict[str, int | None] = {}
+        self.verdicts: dict[str, tuple[bool, tuple[tuple[str, int], ...]]] = {}
+
+    def refresh(self) -> None:
+        now = time.time_ns()
+        state: dict[str, int | None] = {}
+        for top in ("ac", "cas"):
+            for i in range(256):
+                d = f"{top}/{i:02x}"
+                try:
+                    m: int | None = os.stat(f"{self.root}/{d}").st_mtime_ns
+                except FileNotFoundError:
+                    m = -1  # absent: creating it (to put a file there) changes this state
+                except OSError:
+                    m = None
+                state[d] = None if m is not None and m >= now - digests.RACY_NS else m
+        self.state = state
+        if len(self.verdicts) > _MAX_PEEKS:
+            self.verdicts.clear()
+
+
+_MAX_PEEKS = 2_000_000
+_peeks: dict[str, PeekMemo] = {}
+
+
+class _PeekingCache:
+    """A command's cache with `peek` answered from the server's PeekMemo where it is still valid."""
+
+    def __init__(self, cache: Any, memo: PeekMemo) -> None:
+        self._cache = cache
+        self._memo = memo
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._cache, name)
+
+    def peek(self, fp: str) -> bool:
+        memo = self._memo
+        state = memo.state
+        v = memo.verdicts.get(fp)
+        if v is not None and all(state.get(d) == m for d, m in v[1]):
+            return v[0]
+        res, bad = self._cache.lookup_local(fp)
+        verdict = res is not None and not bad
+        dirs = [f"ac/{fp[:2]}"]
+        if res is not None:
+            dirs.extend(f"cas/{o.digest[:2]}" for o in res.outputs.values())
+        states = tuple((d, state.get(d)) for d in dirs)
+        if all(m is not None for _d, m in states):
+            memo.verdicts[fp] = (verdict, states)  # type: ignore[assignment]
+        return verdict
+
+
+def peeking(cache: Any) -> Any:
+    """In the build server, `cache` (a local cache without a shared tier) with memoised peeks; else `cache`."""
+    from neuronbuild.cache.local import LocalCache
+
+    if _kept is None or type(cache) is not LocalCache:
+        return cache
+    key = str(cache.root)
+    memo = _peeks.pop(key, None) or PeekMemo(cache.root)
+    while len(_peeks) >= _KEEP_AT_MOST:
+        del _peeks[next(iter(_peeks))]
+    _peeks[key] = memo
+    memo.refresh()
+    return _PeekingCache(cache, memo)
 
 
 def open_caches(cache_dir: Path, root: Path) -> LoadCache:
@@ -69,8 +176,25 @@ def open_caches(cache_dir: Path, root: Path) -> LoadCache:
     return lc
 
 
+_pending_saves: dict[tuple[Path, Path], LoadCache] = {}
+
+
 def save_caches(cache_dir: Path, root: Path, load_cache: LoadCache) -> None:
-    """Persist what this build learnt (failures to write only cost speed next time)."""
+    """Persist what this build learnt (failures to write only cost speed next time). The build server writes them
+    after the command has answered its client (`flush_saves`)."""
+    if _kept is not None:
+        _pending_saves[(cache_dir, root)] = load_cache
+        return
+    _save(cache_dir, root, load_cache)
+
+
+def flush_saves() -> None:
+    while _pending_saves:
+        (cache_dir, root), lc = _pending_saves.popitem()
+        _save(cache_dir, root, lc)
+
+
+def _save(cache_dir: Path, root: Path, load_cache: LoadCache) -> None:
     try:
         load_cache.save()
         digests.save_persistent(_digest_cache_file(cache_dir, root), root.resolve())

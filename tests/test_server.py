@@ -16,6 +16,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from helpers import REPO, run_cli
@@ -208,6 +209,14 @@ def test_server_rebuilds_exactly_what_batch_rebuilds_over_every_kind_of_edit(ser
     # 6. a new package
     shutil.copytree(ws / PKG, ws / "g000" / "p00001")
     (ws / "g000" / "p00001" / "BUILD").write_text(gen_monorepo.build_file(1, 1, 2))
+    assert len(same()) >= 3
+    # 6b. a weights file declared in it, then its bytes changed (same size): its trace and what follows run again
+    new_pkg = ws / "g000" / "p00001"
+    _weights_file(new_pkg / "w.safetensors", 0)
+    (new_pkg / "BUILD").write_text((new_pkg / "BUILD").read_text().replace(
+        "seed = 1)", 'seed = 1, weights = "w.safetensors")'))
+    assert len(same()) >= 3
+    _weights_file(new_pkg / "w.safetensors", 1)
     assert len(same()) >= 3
     # 7. a removed package
     shutil.rmtree(ws / "g000" / "p00001")
@@ -416,3 +425,105 @@ def test_a_server_whose_workspace_is_deleted_exits(servers: Servers, tmp_path: P
     pid = servers.info(ws)["pid"]
     shutil.rmtree(ws)  # e.g. a test's temporary directory: nobody can reach this server again
     _wait(lambda: not _alive(pid), 30, "the server of a deleted workspace to exit")
+
+
+def _weights_file(path: Path, fill: int) -> None:
+    """A safetensors file of the generated Tiny model's parameters (analysis digests it; nothing reads it here)."""
+    n = gen_monorepo.FEAT
+    header = json.dumps({"fc.weight": {"dtype": "F32", "shape": [n, n], "data_offsets": [0, 4 * n * n]},
+                         "fc.bias": {"dtype": "F32", "shape": [n], "data_offsets": [4 * n * n, 4 * n * n + 4 * n]}})
+    raw = header.encode()
+    path.write_bytes(len(raw).to_bytes(8, "little") + raw + bytes([fill]) * (4 * n * n + 4 * n))
+
+
+def test_memoised_analysis_plans_what_a_fresh_analysis_plans_over_edits_it_could_get_wrong(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The server's memoised analysis (analysis/planner.AnalysisMemo, kept across commands in one process) against
+    a fresh analysis after each edit: the same actions, in the same order, the same compile targets and bundles; and
+    only the edited targets (and those depending on them) are analysed again."""
+    from neuronbuild import incremental
+    from neuronbuild.analysis import planner
+    from neuronbuild.context import make_context
+
+    ws = tmp_path / "ws"
+    gen_monorepo.generate(ws, 16, 2, 2)  # 4 packages: 0 and 2 through the load()ed macros, 1 and 3 direct
+    (ws / "common" / "BUILD").write_text((ws / "common" / "BUILD").read_text() +
+                                         'neuron_target(name = "cpu", platform = "cpu", isa = "native")\n')
+    monkeypatch.chdir(ws)
+    cache = str(tmp_path / "cache")
+
+    def plan(memo: bool, **flags: Any) -> tuple[Any, ...]:
+        ctx = make_context(cache_dir=cache, **flags)
+        graph = ctx.load(["//..."])
+        m = incremental.analysis_memo(ctx.workspace.root, ctx.settings) if memo else None
+        ag = planner.plan(graph, ctx.settings, m)  # memo None: a fresh analysis, as in batch mode
+        counts = (m.reused, m.analysed) if m is not None else (0, 0)
+        return ([a.fingerprint for a in ag.topological()], [(str(c.label), c.buckets, c.options) for c in ag.compiles],
+                sorted(map(str, ag.bundles)), counts)
+
+    incremental.keep_in_memory(True)
+    try:
+        first = plan(True)
+        assert first[3][0] == 0 and first[3][1] > 0
+
+        def same(**flags: Any) -> tuple[int, int]:
+            time.sleep(0.05)  # out of the racy window of the edit
+            warm, fresh = plan(True, **flags), plan(False, **flags)
+            assert warm[:3] == fresh[:3]
+            return warm[3]
+
+        pkg = [ws / gen_monorepo.package_name(i) for i in range(4)]
+        reused, analysed = same()  # nothing changed: everything replayed
+        assert analysed == 0 and reused > 0
+        # a bucket-list edit: that package's bucket set and the compiles using it
+        gen_monorepo.edit_one_bucket_list(ws, 0, 2, 40)
+        assert same()[1] == 3  # shapes + 2 compiles of package 0
+        # a .bzl edit used by some packages (0 and 2, through the macros), not by the others
+        defs = ws / "common" / "defs.bzl"
+        defs.write_text(defs.read_text().replace('options = "//common:" + kind[1]', 'options = "//common:base"'))
+        same()
+        # an edit of a target other packages' targets depend on (an option set in //common)
+        common = ws / "common" / "BUILD"
+        common.write_text(common.read_text().replace("opt_level = 1", "opt_level = 3"))
+        same()
+        # a neuron_target's platform changes (its kind is never memoised: its dependants compare its provider)
+        common.write_text(common.read_text().replace('name = "trn1", platform = "trn1"',
+                                                     'name = "trn1", platform = "inf2"'))
+        same()
+        # a cpu target (isa = "native", resolved on this machine) used by another package's compile
+        with open(pkg[3] / "BUILD", "a") as f:
+            f.write('neuron_compile(name = "cpu", model = ":m", buckets = [":shapes"], target = "//common:cpu")\n')
+        same()
+        # a compile in package 1 of package 0's model; then package 0's model changes (a cross-package dependant)
+        with open(pkg[1] / "BUILD", "a") as f:
+            f.write(f'neuron_compile(name = "other", model = "//{gen_monorepo.package_name(0)}:m", '
+                    'buckets = [":shapes"], target = "//common:trn2")\n')
+        same()
+        b0 = pkg[0] / "BUILD"
+        b0.write_text(b0.read_text().replace("width = 16, seed = 0", "width = 16, seed = 7"))
+        assert same()[1] >= 4  # model + its compiles, package 1's "other" among them
+        # a model source edited keeping its size and mtime
+        src = pkg[2] / "model.py"
+        st = src.stat()
+        src.write_text(src.read_text().replace("torch.relu", "torch.tanh"))
+        os.utime(src, ns=(st.st_atime_ns, st.st_mtime_ns))
+        assert same()[1] >= 3
+        # a weights file: declared, then its bytes change (same size), then it is replaced by a link elsewhere
+        _weights_file(pkg[1] / "w.safetensors", 1)
+        b1 = pkg[1] / "BUILD"
+        b1.write_text(b1.read_text().replace('seed = 1)', 'seed = 1, weights = "w.safetensors")'))
+        same()
+        _weights_file(pkg[1] / "w.safetensors", 2)
+        assert same()[1] >= 3
+        # a package deleted, then added back
+        shutil.rmtree(pkg[3])
+        same()
+        shutil.copytree(pkg[2], pkg[3])
+        (pkg[3] / "BUILD").write_text(gen_monorepo.build_file(3, 2, 2))
+        same()
+        # other settings: a declared action env and a what-if toolchain get their own memo
+        same(action_env=["FOO=1"])
+        same(toolchain=["torch=9.9"])
+        assert same()[1] == 0  # the original settings' memo is still there
+    finally:
+        incremental.keep_in_memory(False)

@@ -22,15 +22,21 @@ class Bucket:
 
     @property
     def name(self) -> str:
-        dims = "_".join(f"{k}{v}" for k, v in self.dims)
-        return f"{self.graph}_{dims}" if self.graph else dims
+        s = self.__dict__.get("_name")  # memoised in the instance (frozen: written to __dict__ directly)
+        if s is None:
+            dims = "_".join(f"{k}{v}" for k, v in self.dims)
+            s = self.__dict__["_name"] = f"{self.graph}_{dims}" if self.graph else dims
+        return str(s)
 
     def as_dict(self) -> dict[str, int]:
         return dict(self.dims)
 
     def __str__(self) -> str:
-        dims = ", ".join(f"{k}={v}" for k, v in self.dims)
-        return f"{self.graph}: {dims}" if self.graph else dims
+        s = self.__dict__.get("_text")
+        if s is None:
+            dims = ", ".join(f"{k}={v}" for k, v in self.dims)
+            s = self.__dict__["_text"] = f"{self.graph}: {dims}" if self.graph else dims
+        return str(s)
 
 
 @dataclass(frozen=True)
@@ -68,7 +74,10 @@ class Action:
 
     @property
     def deps(self) -> tuple[str, ...]:
-        return tuple(d.action for d in self.dep_inputs)
+        v = self.__dict__.get("_deps")  # memoised in the instance (frozen: written to __dict__ directly)
+        if v is None:
+            v = self.__dict__["_deps"] = tuple(d.action for d in self.dep_inputs)
+        return v
 
     @property
     def toolchain(self) -> str:
@@ -88,8 +97,11 @@ class Action:
     @property
     def identity(self) -> str:
         """What a user calls "the same action" across edits: label + bucket (+ target for compiles)."""
-        base = f"{self.kind} {self.label} [{self.bucket}]"
-        return f"{base} for {self.platform}" if self.platform else base
+        v = self.__dict__.get("_identity")
+        if v is None:
+            base = f"{self.kind} {self.label} [{self.bucket}]"
+            v = self.__dict__["_identity"] = f"{base} for {self.platform}" if self.platform else base
+        return v
 
     def describe(self) -> str:
         base = f"{self.kind.capitalize()} {self.label} [{self.bucket}]"

@@ -53,6 +53,7 @@ class Estimator:
     def __init__(self, history: History) -> None:
         self.history = history
         self._by_class: dict[tuple[str, str], list[LatestEntry]] | None = None
+        self._fallback: dict[tuple[str, str, str, str], Estimate] = {}
 
     def estimate(self, action: Action) -> Estimate:
         own = self.history.result(action.fingerprint)
@@ -64,11 +65,18 @@ class Estimator:
         group = list(self.history.group(action.identity))
         if group:
             return Estimate(_mean(group), f"mean of {len(group)} other bucket(s) of this target")
+        kind, platform = _kind_platform(action.identity)
+        key = (kind, platform, action.kind, action.toolchain)
+        known = self._fallback.get(key)  # the same for every action of a class: made once (100,000s at scale)
+        if known is None:
+            known = self._fallback[key] = self._class_estimate(action, kind, platform)
+        return known
+
+    def _class_estimate(self, action: Action, kind: str, platform: str) -> Estimate:
         if self._by_class is None:
             self._by_class = {}
             for e in self.history.entries():
                 self._by_class.setdefault(_kind_platform(e.identity), []).append(e)
-        kind, platform = _kind_platform(action.identity)
         same = self._by_class.get((kind, platform))
         if same:
             where = f" for {platform}" if platform else ""

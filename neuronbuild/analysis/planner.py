@@ -1,15 +1,22 @@
 """Turns a TargetGraph into an ActionGraph by asking each requested target's rule kind (neuronbuild.plugins) for its
-analysis: kinds return providers and register actions here; one trace per (model, graph, bucket) is shared by all."""
+analysis: kinds return providers and register actions here; one trace per (model, graph, bucket) is shared by all.
+
+With an `AnalysisMemo` (kept by the build server between commands) each target's analysis is memoised: its provider
+and what it did, in order (providers it asked for, actions it added, compile targets and bundles it registered), keyed
+by exactly what it read: its Target value, the files it digested (re-checked by stat-keyed digest), the memoised
+analyses of the targets it asked for (recursively), and the plan-wide environment (settings and the versions every
+toolchain it used reports now). A memoised target is replayed, so the plan is the one a fresh analysis makes."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import networkx as nx
 
-from neuronbuild import FORMAT_VERSION, plugins
+from neuronbuild import FORMAT_VERSION, digests, plugins
 from neuronbuild.analysis.actions import TRACE, TRACE_OUTPUT, Action, Bucket, make_action
 from neuronbuild.analysis.plan_settings import PlanSettings
 from neuronbuild.analysis.providers import BundleInfo, CompileTarget, ModelInfo
@@ -17,7 +24,11 @@ from neuronbuild.loading.labels import Label
 from neuronbuild.loading.target_graph import TargetGraph
 from neuronbuild.loading.targets import Target
 
-__all__ = ["ActionGraph", "AnalysisContext", "CompileTarget", "plan"]
+__all__ = ["ActionGraph", "AnalysisContext", "AnalysisMemo", "CompileTarget", "plan"]
+
+# Kinds whose analysis reads the machine (cpu `isa = "native"` resolves to this host's level): never memoised, their
+# providers are computed afresh by every plan and compared with what memoised dependants saw.
+VOLATILE_KINDS = frozenset({"neuron_target"})
 
 
 @dataclass(frozen=True)
@@ -30,7 +41,35 @@ class ActionGraph:
     bundles: Mapping[Label, BundleInfo] = field(default_factory=dict, hash=False, compare=False)
 
     def topological(self) -> list[Action]:
-        return [self.actions[fp] for fp in nx.lexicographical_topological_sort(self.graph)]
+        order = self.__dict__.get("_order")  # computed once per graph (frozen: kept in __dict__ directly)
+        if order is None:
+            order = self.__dict__["_order"] = self._topological()
+        return list(order)
+
+    def _topological(self) -> tuple[Action, ...]:
+        """Kahn's algorithm taking the smallest ready fingerprint first: networkx's lexicographical_topological_sort
+        order, at a fraction of its cost (computed once per graph)."""
+        import heapq
+
+        g = self.graph
+        indeg = {n: d for n, d in g.in_degree() if d}
+        ready = [n for n in g if n not in indeg]
+        heapq.heapify(ready)
+        succ = g._succ
+        out = []
+        while ready:
+            n = heapq.heappop(ready)
+            out.append(self.actions[n])
+            for s in succ[n]:
+                k = indeg[s] - 1
+                if k:
+                    indeg[s] = k
+                else:
+                    del indeg[s]
+                    heapq.heappush(ready, s)
+        if indeg:
+            raise nx.NetworkXUnfeasible("the action graph has a cycle")
+        return tuple(out)
 
     def trace_of(self, fp: str) -> Action:
         """Provenance: the trace action an action's outputs derive from (itself for a trace)."""
@@ -49,31 +88,245 @@ class ActionGraph:
         return tuple(dict.fromkeys(ct.toolchain for ct in self.compiles))
 
 
+@dataclass(frozen=True)
+class _Memo:
+    """One target's memoised analysis: what it read and what it did, in order."""
+
+    target: Target
+    provider: Any
+    events: tuple[tuple[Any, ...], ...]  # ("dep", label, provider) | ("add", action) | ("compile", ct) | ("bundle", ...)
+    files: tuple[tuple[str, str], ...]  # (path, digest) of every file its own analysis digested
+
+
+class AnalysisMemo:
+    """Per-target analyses kept between plans of one workspace with one set of settings (see the module docstring).
+    `env` is what every plan must see unchanged to reuse any of it: the settings and, per (toolchain, platform) the
+    memoised analyses used, the versions the toolchain reports now (a C++ compiler or neuronx-cc replaced between
+    commands drops the memo)."""
+
+    def __init__(self) -> None:
+        self.entries: dict[Label, _Memo] = {}
+        self.env: dict[tuple[str, str], dict[str, str]] = {}
+        self.settings_key: str | None = None
+        self.trace_toolchain: dict[str, str] = {}
+        self.reused = self.analysed = 0
+
+    def begin(self, settings: PlanSettings) -> None:
+        key = settings_key(settings)
+        trace_tc = settings.trace_toolchain()  # (what every trace record holds: Python and torch versions)
+        if key != self.settings_key or trace_tc != self.trace_toolchain or \
+                any(_versions(tc, platform, settings) != v for (tc, platform), v in self.env.items()):
+            self.entries.clear()
+            self.env.clear()
+        self.settings_key, self.trace_toolchain = key, trace_tc
+        self.reused = self.analysed = 0
+
+
+def settings_key(settings: PlanSettings) -> str:
+    cc = settings.neuronx_cc
+    return json.dumps([list(settings.action_env), cc.spec() if cc is not None else None,
+                       sorted(settings.toolchain_overrides.items())], default=str)
+
+
+def _versions(tc: str, platform: str, settings: PlanSettings) -> dict[str, str] | None:
+    try:
+        return dict(plugins.toolchain(tc).versions(platform, settings))
+    except Exception:  # noqa: BLE001 - a toolchain gone or failing: the memo is dropped, the plan reports the error
+        return None
+
+
+class _Recorder:
+    __slots__ = ("events",)
+
+    def __init__(self) -> None:
+        self.events: list[tuple[Any, ...]] = []
+
+
+class _Compiles(list):  # type: ignore[type-arg]
+    """ctx.compiles: appends are recorded into the analysis frame that makes them."""
+
+    def __init__(self, ctx: AnalysisContext) -> None:
+        super().__init__()
+        self._ctx = ctx
+
+    def append(self, ct: CompileTarget) -> None:
+        super().append(ct)
+        self._ctx._event(("compile", ct))
+
+
+class _Bundles(dict):  # type: ignore[type-arg]
+    def __init__(self, ctx: AnalysisContext) -> None:
+        super().__init__()
+        self._ctx = ctx
+
+    def __setitem__(self, key: Label, value: BundleInfo) -> None:
+        super().__setitem__(key, value)
+        self._ctx._event(("bundle", key, value))
+
+
 class AnalysisContext:
     """What a rule kind's analysis sees: targets, settings, other targets' providers, and where to add actions."""
 
-    def __init__(self, graph: TargetGraph, settings: PlanSettings) -> None:
+    def __init__(self, graph: TargetGraph, settings: PlanSettings, memo: AnalysisMemo | None = None) -> None:
         self.graph = graph
         self.settings = settings
         self.common: dict[str, Any] = {"env": settings.env_record()} if settings.action_env else {}
         self.actions: dict[str, Action] = {}
         self.g = nx.DiGraph()
-        self.compiles: list[CompileTarget] = []
-        self.bundles: dict[Label, BundleInfo] = {}
+        self.compiles: list[CompileTarget] = _Compiles(self)
+        self.bundles: dict[Label, BundleInfo] = _Bundles(self)
         self._providers: dict[Label, Any] = {}
+        self.memo = memo
+        self._frames: list[_Recorder] = []
+        self._valid: dict[Label, bool] = {}
+        self._traces: dict[tuple[int, Bucket], tuple[ModelInfo, Action]] = {}
 
     def target(self, label: Label) -> Target:
         return self.graph.targets[label]
 
+    def _event(self, ev: tuple[Any, ...]) -> None:
+        if self._frames:
+            self._frames[-1].events.append(ev)
+
     def provider(self, label: Label) -> Any:
         """The provider of `label` (its kind's analysis runs once per plan)."""
+        p = self._providers.get(label, _MISSING)
+        if p is _MISSING:
+            memo = self.memo
+            m = memo.entries.get(label) if memo is not None else None
+            if m is not None and self._is_valid(label):
+                p = self._replay(m)
+                assert memo is not None
+                memo.reused += 1
+            else:
+                p = self._analyse(label)
+            self._providers[label] = p
+        self._event(("dep", label, p))
+        return p
+
+    def _analyse(self, label: Label) -> Any:
+        t = self.graph.targets[label]
+        if self.memo is None:
+            return plugins.rule(t.kind).analyze(self, t)
+        frame = _Recorder()
+        self._frames.append(frame)
+        try:
+            with digests.recording() as files:
+                p = plugins.rule(t.kind).analyze(self, t)
+        finally:
+            self._frames.pop()
+        self.memo.analysed += 1
+        if t.kind not in VOLATILE_KINDS:
+            self.memo.entries[label] = _Memo(t, p, tuple(frame.events), tuple(files))
+            for ev in frame.events:
+                if ev[0] == "compile":
+                    key = (ev[1].toolchain, ev[1].platform)
+                    if key not in self.memo.env:
+                        v = _versions(*key, self.settings)
+                        if v is not None:
+                            self.memo.env[key] = v
+        self._valid[label] = False  # analysed in this plan: dependants memoised before it are stale
+        return p
+
+    def _is_valid(self, label: Label) -> bool:
+        """Whether the memoised analysis of `label` is what a fresh analysis would give now (iterative: chains of
+        compiler_options deps may be long)."""
+        known = self._valid
+        if label in known:
+            return known[label]
+        assert self.memo is not None
+        entries = self.memo.entries
+        targets = self.graph.targets
+        # Depth-first over memoised dependencies; a target is valid when it, its files and all its deps are.
+        stack: list[tuple[Label, list[Label]]] = []
+
+        def open_(lbl: Label) -> bool | None:
+            """None: pending on deps (pushed); else the verdict."""
+            m = entries.get(lbl)
+            t = targets.get(lbl)
+            if m is None or t is None or not (m.target is t or (m.target == t and m.target.attrs == t.attrs)):
+                return False  # (Target equality leaves attrs out: compared here)
+            for path, digest in m.files:
+                try:
+                    if digests.digest_file(path) != digest:
+                        return False
+                except OSError:
+                    return False
+            deps: list[Label] = []
+            for ev in m.events:
+                if ev[0] != "dep":
+                    continue
+                dep = ev[1]
+                dt = targets.get(dep)
+                if dt is None:
+                    return False
+                if dt.kind in VOLATILE_KINDS:
+                    if self.provider_fresh(dep) != ev[2]:
+                        return False
+                elif known.get(dep) is False:
+                    return False
+                elif dep not in known:
+                    deps.append(dep)
+            stack.append((lbl, deps))
+            return None
+
+        verdict = open_(label)
+        if verdict is not None:
+            known[label] = verdict
+            return verdict
+        while stack:
+            lbl, deps = stack[-1]
+            while deps and deps[-1] in known:
+                if not known[deps.pop()]:
+                    break
+            else:
+                if not deps:
+                    known[lbl] = True
+                    stack.pop()
+                    continue
+                dep = deps[-1]
+                if any(d == dep for d, _ in stack):  # a cycle: loading rejects these; be safe
+                    known[dep] = False
+                    continue
+                v = open_(dep)
+                if v is not None:
+                    known[dep] = v
+                continue
+            # a dependency turned out invalid: so is everything on the stack that waits on it
+            for s_lbl, _ in stack:
+                known[s_lbl] = False
+            stack.clear()
+        return known[label]
+
+    def provider_fresh(self, label: Label) -> Any:
+        """The provider of a volatile target (computed once per plan, never memoised)."""
         if label not in self._providers:
             t = self.graph.targets[label]
             self._providers[label] = plugins.rule(t.kind).analyze(self, t)
         return self._providers[label]
 
+    def _replay(self, m: _Memo) -> Any:
+        """Redo what the memoised analysis did, in its order (its own events only; dependencies replay theirs)."""
+        frames, self._frames = self._frames, []  # nothing replayed is an event of the analysis asking for it
+        try:
+            for ev in m.events:
+                kind = ev[0]
+                if kind == "add":
+                    self.add(ev[1])
+                elif kind == "dep":
+                    self.provider(ev[1])
+                elif kind == "compile":
+                    list.append(self.compiles, ev[1])
+                else:
+                    dict.__setitem__(self.bundles, ev[1], ev[2])
+        finally:
+            self._frames = frames
+        return m.provider
+
     def add(self, action: Action) -> Action:
         """Register an action (once per fingerprint) with edges from the actions it reads outputs of."""
+        if self._frames:
+            self._frames[-1].events.append(("add", action))
         if action.fingerprint not in self.actions:
             self.actions[action.fingerprint] = action
             self.g.add_node(action.fingerprint)
@@ -83,6 +336,15 @@ class AnalysisContext:
 
     def trace(self, model: ModelInfo, bucket: Bucket) -> Action:
         """The trace of `model` at `bucket`: one per (model, bucket), shared by every compile that needs it."""
+        key = (id(model), bucket)
+        known = self._traces.get(key)
+        if known is not None and known[0] is model:  # (the model info is held, so its id is not reused)
+            return self.add(known[1])
+        action = self._make_trace(model, bucket)
+        self._traces[key] = (model, action)
+        return action
+
+    def _make_trace(self, model: ModelInfo, bucket: Bucket) -> Action:
         rec = model.record
         record = {
             "format": FORMAT_VERSION,
@@ -100,13 +362,19 @@ class AnalysisContext:
                                     outputs=(TRACE_OUTPUT,)))
 
 
-def plan(graph: TargetGraph, settings: PlanSettings | None = None) -> ActionGraph:
+_MISSING = object()
+
+
+def plan(graph: TargetGraph, settings: PlanSettings | None = None, memo: AnalysisMemo | None = None) -> ActionGraph:
     """Analyse every requested target whose kind plans actions (compiles; bundles and the compiles they ship).
 
     `settings` adds declared --action-env values (to every record, when any), toolchain configuration (e.g. the
     neuronx-cc version) and toolchain overrides (what-if plans for explain and upgrade-impact)."""
-    ctx = AnalysisContext(graph, settings or PlanSettings())
+    settings = settings or PlanSettings()
+    if memo is not None:
+        memo.begin(settings)
+    ctx = AnalysisContext(graph, settings, memo)
     for lbl in graph.requested:
         if plugins.rule(graph.targets[lbl].kind).plans_actions:
             ctx.provider(lbl)
-    return ActionGraph(ctx.actions, ctx.g, tuple(ctx.compiles), ctx.bundles)
+    return ActionGraph(ctx.actions, ctx.g, tuple(ctx.compiles), dict(ctx.bundles))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -72,23 +73,73 @@ class IdentityIndex:
 
 
 class CacheHistory:
-    """neuronbuild.history.History over a cache layout root: action records plus the identity index."""
+    """neuronbuild.history.History over a cache layout root: action records plus the identity index.
+
+    One instance serves one command: after LISTING_AFTER questions it lists directories (each record shard, the
+    index's group directories) once and answers "nothing recorded" from those listings without trying to open a
+    file per action (a plan of 100,000 unbuilt actions asked ~500,000 such questions)."""
+
+    LISTING_AFTER = 256
 
     def __init__(self, root: Path) -> None:
         self.actions = ActionCache(root)
         self.index = IdentityIndex(root)
         self._entries: list[LatestEntry] | None = None
+        self._asked = 0
+        self._shards: dict[str, frozenset[str]] = {}
+        self._groups: frozenset[str] | None = None
+        self._group_h: dict[str, str] = {}
+        self._identity_known: dict[str, bool] = {}
+
+    def _listing(self) -> bool:
+        self._asked += 1
+        return self._asked > self.LISTING_AFTER
+
+    def _has_record(self, fp: str) -> bool:
+        shard = fp[:2]
+        names = self._shards.get(shard)
+        if names is None:
+            try:
+                names = frozenset(os.listdir(self.actions.dir / shard))
+            except OSError:
+                names = frozenset()
+            self._shards[shard] = names
+        return f"{fp}.json" in names
+
+    def _has_group(self, identity: str) -> bool:
+        known = self._identity_known.get(identity)
+        if known is None:
+            known = self._identity_known[identity] = self._group_listed(identity)
+        return known
+
+    def _group_listed(self, identity: str) -> bool:
+        group = identity_group(identity)
+        h = self._group_h.get(group)
+        if h is None:
+            h = self._group_h[group] = _h(group)
+        if self._groups is None:
+            try:
+                self._groups = frozenset(os.listdir(self.index.dir))
+            except OSError:
+                self._groups = frozenset()
+        return h in self._groups
 
     def result(self, fp: str) -> PastResult | None:
+        if self._listing() and not self._has_record(fp):
+            return None
         res = self.actions.get(fp)
         if res is None:
             return None
         return PastResult(res.fingerprint, res.identity, res.record, res.duration_s, res.created)
 
     def latest(self, identity: str) -> LatestEntry | None:
+        if self._listing() and not self._has_group(identity):
+            return None
         return self.index.latest(identity)
 
     def group(self, identity: str) -> list[LatestEntry]:
+        if self._listing() and not self._has_group(identity):
+            return []
         return list(self.index.group(identity))
 
     def entries(self) -> list[LatestEntry]:

@@ -80,8 +80,10 @@ def run_plan(args: argparse.Namespace) -> int:
     ag = ctx.plan(ctx.load(args.patterns))
     for note in settings_notes(ctx.settings, ag, toolchains=()):  # a plan makes no graphs: no toolchain notes
         print(note, file=sys.stderr)
+    from neuronbuild import incremental
+
     cache = ctx.open_cache()
-    todo, cached = needed_actions(ag, cache, probe=True)
+    todo, cached = needed_actions(ag, incremental.peeking(cache), probe=True)
     report = plan_report(ag, todo, cached, ctx.history(cache), args.jobs or default_jobs())
     if getattr(args, "output", "text") == "json":
         print(json.dumps(report.to_json(), indent=1, sort_keys=True))

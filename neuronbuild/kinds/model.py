@@ -10,7 +10,7 @@ from neuronbuild.analysis.actions import FileInput
 from neuronbuild.analysis.planner import AnalysisContext
 from neuronbuild.analysis.providers import ModelInfo
 from neuronbuild.analysis.toolchain_versions import distributions_of
-from neuronbuild.digests import digest_file
+from neuronbuild.digests import digest_bytes, digest_file
 from neuronbuild.errors import UserInputError
 from neuronbuild.kinds import py_library
 from neuronbuild.kinds.base import RuleKind
@@ -178,7 +178,8 @@ def analyze(ctx: AnalysisContext, model: Target) -> ModelInfo:
         record["deps"] = lib_srcs  # library sources by path -> digest (their directory roots go on sys.path)
     if model.attrs["weights_prefix"]:
         record["weights_prefix"] = model.attrs["weights_prefix"]
-    modules = _imported_modules(root, [lbl.path for lbl in model.attrs["srcs"]] + list(lib_srcs))
+    modules = _imported_modules(root, [(lbl.path, srcs[lbl.path]) for lbl in model.attrs["srcs"]] +
+                                list(lib_srcs.items()))
     graphs_attr: Mapping[str, Mapping[str, Any]] = model.attrs.get("graphs") or {}
     entries = [model.attrs["entry"], *(g["entry"] for g in graphs_attr.values() if "entry" in g)]
     builtin = {e.split(":")[0] for e in entries if is_builtin(e)}
@@ -266,21 +267,43 @@ def _index_shards(ctx: AnalysisContext, model: Target, index: Label) -> list[str
     return [base + s for s in shards]
 
 
-def _imported_modules(root: Any, paths: list[str]) -> list[str]:
-    """Top-level names of the modules the sources import (absolute imports; the sources' own modules left out)."""
-    local = {p.rsplit("/", 1)[-1].removesuffix(".py") for p in paths}
+# Content digest -> top-level names a Python source imports (absolute imports): a monorepo's models often share
+# sources, and parsing each copy again cost most of a 100,000-graph analysis.
+_IMPORTS: dict[str, tuple[str, ...]] = {}
+_IMPORTS_MAX = 100_000
+
+
+def _imports_of(root: Any, path: str, digest: str) -> tuple[str, ...]:
+    known = _IMPORTS.get(digest)
+    if known is not None:
+        return known
+    try:
+        data = (root / path).read_bytes()
+        tree = ast.parse(data)
+    except (SyntaxError, ValueError, OSError):
+        return ()  # the trace reports it
     found: dict[str, None] = {}
-    for p in paths:
-        try:
-            tree = ast.parse((root / p).read_bytes())
-        except (SyntaxError, ValueError, OSError):
-            continue  # the trace reports it
-        for node in ast.walk(tree):
-            if isinstance(node, ast.Import):
-                for alias in node.names:
-                    found.setdefault(alias.name.split(".")[0], None)
-            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                found.setdefault(node.module.split(".")[0], None)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                found.setdefault(alias.name.split(".")[0], None)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.setdefault(node.module.split(".")[0], None)
+    names = tuple(found)
+    if len(_IMPORTS) >= _IMPORTS_MAX:
+        _IMPORTS.clear()
+    _IMPORTS[digest_bytes(data)] = names  # keyed by what was parsed (the file may have changed since `digest`)
+    return names
+
+
+def _imported_modules(root: Any, sources: list[tuple[str, str]]) -> list[str]:
+    """Top-level names of the modules the sources (path, digest) import (absolute imports; the sources' own modules
+    left out)."""
+    local = {p.rsplit("/", 1)[-1].removesuffix(".py") for p, _d in sources}
+    found: dict[str, None] = {}
+    for p, d in sources:
+        for name in _imports_of(root, p, d):
+            found.setdefault(name, None)
     return [m for m in found if m not in local]
 
 

@@ -56,6 +56,9 @@ class LoadCache:
     def __init__(self, file: Path | None) -> None:
         self.file = file
         self._entries: dict[str, _Entry] = {}
+        # The Package last handed out per entry: an unchanged package is the same object in every later load of a
+        # process that keeps this cache (the build server), so analysis memoised per Target can check it by identity.
+        self._packages: dict[str, tuple[_Entry, Package]] = {}
         self._dirty = False
         self.hits = 0
         self.misses = 0
@@ -87,12 +90,18 @@ class LoadCache:
                         vals = attrs[a.name] if isinstance(attrs[a.name], tuple) else (attrs[a.name],)
                         for lbl in vals:
                             loader.check_source_file(lbl, a.name)
-                targets.append(Target(label, kind, MappingProxyType(attrs), build_file, index))
+                targets.append((label, kind, attrs, build_file, index))
         except (OSError, LookupError, AttrError, UserInputError):
             self.misses += 1
             return None
         self.hits += 1
-        return Package(package, e.build_file, tuple(targets), e.files)
+        kept = self._packages.get(package)
+        if kept is not None and kept[0] is e:
+            return kept[1]
+        pkg = Package(package, e.build_file, tuple(Target(label, kind, MappingProxyType(attrs), build_file, index)
+                                                    for label, kind, attrs, build_file, index in targets), e.files)
+        self._packages[package] = (e, pkg)
+        return pkg
 
     def put(self, loader: Loader, pkg: Package, started_ns: int) -> None:
         """Remember a package evaluated after `started_ns` (time.time_ns()). Skipped if any of its files changed since
@@ -104,8 +113,9 @@ class LoadCache:
             digests = tuple((d, digest_file(p)) for d, p in zip(pkg.files, paths, strict=True))
         except (OSError, UserInputError):
             return
-        self._entries[pkg.name] = _Entry(digests, pkg.build_file, tuple(
+        e = self._entries[pkg.name] = _Entry(digests, pkg.build_file, tuple(
             (t.label, t.kind, dict(t.attrs), t.build_file, t.index) for t in pkg.targets), pkg.files)
+        self._packages[pkg.name] = (e, pkg)
         self._dirty = True
 
     def save(self) -> None:

@@ -223,6 +223,7 @@ class Loader:
     def __init__(self, root: Path) -> None:
         self.root = root
         self.rules_dir = builtin_rules_dir()
+        self._real_root: Path | None = None
 
     # ---- files -------------------------------------------------------------------------------------------------------
     def build_file_path(self, package: str) -> Path:
@@ -237,8 +238,10 @@ class Loader:
         path = self.root / label.package / label.name
         if not path.is_file():
             raise AttrError(f"attribute '{attr}': source file '{label.path}' does not exist")
+        if self._real_root is None:
+            self._real_root = self.root.resolve()
         try:
-            path.resolve().relative_to(self.root.resolve())
+            path.resolve().relative_to(self._real_root)
         except ValueError:
             raise AttrError(f"attribute '{attr}': source file '{label.path}' points outside the workspace") from None
 

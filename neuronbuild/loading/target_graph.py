@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import operator
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -157,13 +158,15 @@ def _load(root: Path, patterns: list[TargetPattern],
     # Transitive closure with reference and kind checks.
     todo = list(requested)
     seen: set[Label] = set()
+    deps_of: dict[Label, list[tuple[str, Label]]] = {}
     while todo:
         lbl = todo.pop()
         if lbl in seen:
             continue
         seen.add(lbl)
         t = targets[lbl]
-        for attr, dep in graph.label_deps(t):
+        deps_of[lbl] = label_deps = graph.label_deps(t)
+        for attr, dep in label_deps:
             schema_attr = RULES[t.kind].attr(attr)
             assert schema_attr is not None
             if dep.repo:
@@ -183,21 +186,31 @@ def _load(root: Path, patterns: list[TargetPattern],
                 raise UserInputError(f"attribute '{attr}' of '{lbl}' must be a {' or '.join(schema_attr.kinds)} "
                                      f"target, but '{dep}' is a {kind}", loader.locate(t))
             todo.append(dep)
-    _check_cycles(graph, seen, loader)
+    _check_cycles(graph, seen, loader, deps_of)
     return graph, warnings
 
 
 MAX_DEPS_DEPTH = 256  # longest dependency chain accepted (compiler_options deps merge recursively)
 
 
-def _check_cycles(graph: TargetGraph, labels: set[Label], loader: Loader) -> None:
+_LABEL_ORDER = operator.attrgetter("package", "name", "repo")  # Label's own order, compared in C
+
+
+def _check_cycles(graph: TargetGraph, labels: set[Label], loader: Loader,
+                  deps_of: Mapping[Label, list[tuple[str, Label]]] | None = None) -> None:
     """Iterative depth-first search: cycles and over-long chains are one located error, never a RecursionError."""
+    known = deps_of or {}
+
+    def deps(lbl: Label) -> list[tuple[str, Label]]:
+        d = known.get(lbl)
+        return d if d is not None else graph.label_deps(graph.targets[lbl])
+
     state: dict[Label, int] = {}
-    for root in sorted(labels):
+    for root in sorted(labels, key=_LABEL_ORDER):
         if root in state:
             continue
         stack: list[Label] = [root]
-        iters = [iter(graph.label_deps(graph.targets[root]))]
+        iters = [iter(deps(root))]
         state[root] = 1
         while iters:
             dep = next((d for _a, d in iters[-1]), None)
@@ -215,7 +228,7 @@ def _check_cycles(graph: TargetGraph, labels: set[Label], loader: Loader) -> Non
                                          f"{dep})", loader.locate(graph.targets[dep]))
                 state[dep] = 1
                 stack.append(dep)
-                iters.append(iter(graph.label_deps(graph.targets[dep])))
+                iters.append(iter(deps(dep)))
 
 
 def locate(graph: TargetGraph, target: Target) -> Location:

@@ -212,8 +212,10 @@ class Server:
                     print("the workspace or the output base is gone: exiting", flush=True)
                     break
                 try:
-                    conn, msg = self.queue.get(timeout=min(left, 5.0))
+                    conn, msg = self.queue.get(timeout=min(left, self.warm.IDLE_GC_S if self.warm.pending else 5.0))
                 except queue.Empty:
+                    if self.warm.pending:
+                        self.warm.collect()  # idle: nobody waits for the collection
                     continue
                 except KeyboardInterrupt:  # a late cancel that arrived after its command ended
                     continue
@@ -272,7 +274,8 @@ class Server:
             with contextlib.suppress(OSError):
                 protocol.send(conn, {"t": "exit", "code": code})
                 conn.shutdown(socket.SHUT_RDWR)  # wakes the client watcher blocked in recv
-            self.warm.after_command()  # the client has its answer: collect garbage while nobody waits
+            if self.warm.pending >= self.warm.GC_EVERY:
+                self.warm.collect()  # else when the server idles (serve)
 
     def run_command(self, conn: socket.socket, msg: dict[str, Any]) -> int:
         from neuronbuild import cli

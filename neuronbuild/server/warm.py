@@ -36,6 +36,7 @@ class WarmState:
     def __init__(self) -> None:
         self._pool_key: str | None = None
         self._pool: KeptPool | None = None
+        self.pending = 0  # commands since the last collection
 
     def _pool_factory(self, *args: Any, **kwargs: Any) -> WorkerPool:
         key = json.dumps([args, kwargs], sort_keys=True, default=str)
@@ -47,10 +48,15 @@ class WarmState:
         self._pool, self._pool_key = KeptPool(*args, **kwargs), key
         return self._pool
 
+    # Commands run back to back (an edit loop) skip the collection (at 100,000 graphs a full one takes seconds: a
+    # command arriving meanwhile would wait); it is made once the server has idled for IDLE_GC_S, or after GC_EVERY
+    # commands in a row, so memory stays bounded.
+    IDLE_GC_S = 5.0
+    GC_EVERY = 8
+
     @contextlib.contextmanager
     def active(self) -> Iterator[None]:
-        """Around one command: fresh memoised toolchain facts, kept pools and load caches, and a collection of what
-        the command left behind afterwards (analysis freezes its objects; a server must not accumulate them)."""
+        """Around one command: fresh memoised toolchain facts, kept pools, load caches and analysis memos."""
         from neuronbuild import incremental
 
         forget_memoised()
@@ -60,10 +66,20 @@ class WarmState:
             yield
         finally:
             local_executor.pool_factory = WorkerPool
-            gc.unfreeze()
+            gc.freeze()  # what the command keeps (memos) is not scanned by the collections of the next one
+            self.pending += 1
 
-    def after_command(self) -> None:
+    def collect(self) -> None:
+        """Between commands, when nobody waits: write the on-disk load and digest caches (for batch commands and the
+        next server) and collect what the commands left behind (analysis freezes its objects: unfreeze them first,
+        since the previous commands' action graphs may only now be garbage, and they hold reference cycles)."""
+        from neuronbuild import incremental
+
+        incremental.flush_saves()
+        gc.unfreeze()
         gc.collect()
+        gc.freeze()
+        self.pending = 0
 
     def worker_pids(self) -> list[int]:
         return self._pool.pids() if self._pool is not None else []
@@ -72,7 +88,7 @@ class WarmState:
         from neuronbuild import incremental
 
         return {"worker_pool_size": self._pool.size if self._pool is not None else 0,
-                "load_caches": incremental.kept_count()}
+                "load_caches": incremental.kept_count(), **incremental.memo_stats()}
 
     def close(self) -> None:
         if self._pool is not None:
