@@ -51,7 +51,7 @@ class BuildRequest:
     scheduler: str | None = None  # Dask scheduler address (--executor dask)
     profile: Path | None = None
     event_file: Path | None = None
-    action_timeout: float = 0.0  # seconds an action may run (local executor); 0: no limit
+    action_timeout: float = 0.0  # seconds an action may run; 0: no limit
 
 
 def settings_notes(settings: PlanSettings, ag: ActionGraph, toolchains: Sequence[str] | None = None) -> list[str]:
@@ -100,10 +100,11 @@ def make_executor(ctx: BuildContext, req: BuildRequest, cache: LocalCache,
     store = functools.partial(open_farm_store, endpoint_url=ctx.cache.s3_endpoint_url)
     if req.executor == "dask":
         assert req.scheduler and remote
-        return DaskExecutor(root, cache, remote, req.scheduler, req.jobs, store)
+        return DaskExecutor(root, cache, remote, req.scheduler, req.jobs, store,
+                            action_timeout=req.action_timeout, timeouts=timeouts)
     # dask-local: workers on this machine can use the local cache as the shared store.
     return DaskExecutor(root, cache, remote or str(ctx.cache.dir), None, req.jobs, store, same=remote is None,
-                        toolchain_tmp=cache.toolchain_tmp)
+                        toolchain_tmp=cache.toolchain_tmp, action_timeout=req.action_timeout, timeouts=timeouts)
 
 
 def default_listeners(ctx: BuildContext, req: BuildRequest) -> list[Listener]:

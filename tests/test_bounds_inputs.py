@@ -25,6 +25,25 @@ CASES = {
     "nul-byte": ('neuron_buckets(name = "b", shapes = [{"batch": 1}])\x00\n', "pkg/BUILD:1:52: error: NUL byte"),
     "nul-in-string": ('neuron_target(name = "t\\x00junk", platform = "cpu")\n',
                       "pkg/BUILD:1:22: error: NUL character in a string"),
+    # NULs built at run time reach the natives through starlark-go's conversion, which truncates at a NUL.
+    "nul-built-at-run-time": ('neuron_target(name = "b" + ("%c" % 0) + "junk", platform = "cpu")\n',
+                              "pkg/BUILD:1:14: error: attribute 'name': NUL character in a string"),
+    "nul-nested-at-run-time": ('neuron_model(name = "m", srcs = ["m.py"], entry = "m:b", inputs = {"x": "float32[b]"}, '
+                               'config = {"k": [1, {"v": "a" + chr(0)}]})\n',
+                               "pkg/BUILD:1:13: error: attribute 'config': NUL character in a string"),
+    # A value that contains itself overflowed the Go stack converting it (a fatal crash with a Go traceback).
+    "cyclic-value": ('def mk():\n    l = ["a"]\n    l.append(l)\n    return l\n'
+                     'neuron_target(name = "t", platform = "cpu", tags = mk())\n',
+                     "pkg/BUILD:5:14: error: attribute 'tags': value contains itself"),
+    "deep-value-at-run-time": ('def mk():\n    x = {}\n    for i in range(3000):\n        x = {"a": x}\n    return x\n'
+                               'neuron_model(name = "m", srcs = ["m.py"], entry = "m:b", inputs = {"x": "float32[b]"}, '
+                               'config = mk())\n', "pkg/BUILD:6:13: error: an attribute value is nested too deeply"),
+    "reserved-name": ('__nb_raw_neuron_target(name = "t", platform = "cpu")\n',
+                      "pkg/BUILD:1:1: error: name '__nb_raw_neuron_target' is reserved"),
+    # Planning 10^6 buckets took hours: the cross product is capped at load time, naming the rule and the count.
+    "bucket-cross-product": ('neuron_buckets(name = "b", dims = {"a": list(range(1, 101)), "b": list(range(1, 101)), '
+                             '"c": list(range(1, 101))})\n', "pkg/BUILD:1:15: error: neuron_buckets 'dims' give "
+                             "1000000 buckets (the cross product 100 x 100 x 100), more than the limit of 10000"),
     "deps-chain": ("\n".join(f'compiler_options(name = "o{i}", deps = [":o{i + 1}"])' for i in range(3000))
                    + '\ncompiler_options(name = "o3000")\n', "error: dependency chain longer than 256"),
     "deep-config": ('neuron_model(name = "m", srcs = ["m.py"], entry = "m:b", inputs = {"x": "float32[b]"}, config = '
@@ -43,6 +62,24 @@ def test_bad_build_input_is_one_located_line(tmp_path: Path, case: str) -> None:
     assert proc.returncode == 2, proc.stderr
     assert expected in proc.stderr and "Traceback" not in proc.stderr
     assert proc.stderr.count("\n") == 1, proc.stderr
+
+
+def test_runtime_nul_from_a_macro_is_located_at_the_call(tmp_path: Path) -> None:
+    # A macro's string built at run time: refused at the BUILD file's call, naming the macro, and the fast path's
+    # false alarms (a literal backslash-x00, "[...]") still load.
+    ws = write_ws(tmp_path / "ws", {
+        "pkg/defs.bzl": 'def tgt(name):\n    neuron_target(name = name + ("%c" % 0), platform = "cpu")\n',
+        "pkg/BUILD": 'load(":defs.bzl", "tgt")\nneuron_target(name = "ok", platform = "cpu", tags = ["a\\\\x00", "[...]"])\n'
+                     '\ntgt(name = "t")\n',
+    })
+    proc = run_cli(["query", "//pkg:all"], ws)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr == ("pkg/BUILD:4:4: error: attribute 'name': NUL character in a string (starlark-go would "
+                           "silently truncate it) (in tgt at pkg/defs.bzl:2:18)\n"), proc.stderr
+    (ws / "pkg" / "BUILD").write_text('load(":defs.bzl", "tgt")\n'
+                                     'neuron_target(name = "ok", platform = "cpu", tags = ["a\\\\x00", "[...]"])\n')
+    proc = run_cli(["query", "attr(tags, x00, //pkg:all)"], ws)
+    assert proc.returncode == 0 and proc.stdout.split() == ["//pkg:ok"], proc.stderr
 
 
 def _bundle(members: list[tuple[str, bytes]], trailing: bytes = b"") -> bytes:
@@ -134,3 +171,30 @@ def test_a_huge_exception_message_is_capped(tmp_path: Path) -> None:
     assert proc.returncode == 1
     assert len(proc.stdout) + len(proc.stderr) < 20_000, len(proc.stderr)
     assert "message cut at 2000 characters" in proc.stderr
+
+
+LOUD_MODEL = '''import sys
+
+
+def build(config):
+    chunk = "y" * (1 << 20)
+    for _ in range(40):  # 40 MiB on stdout, then a failure: the log keeps its end, where the failure is
+        sys.stdout.write(chunk + "\\n")
+    raise ValueError("the end of a loud action")
+'''
+
+
+def test_an_actions_log_is_capped_keeping_its_end(tmp_path: Path) -> None:
+    build = ('neuron_model(name = "m", srcs = ["m.py"], entry = "m:build", inputs = {"x": "float32[b]"})\n'
+             'neuron_buckets(name = "bk", shapes = [{"b": 1}])\n'
+             'neuron_target(name = "t", platform = "trn2")\n'
+             'neuron_compile(name = "c", model = ":m", buckets = [":bk"], target = ":t")\n')
+    ws = write_ws(tmp_path / "ws", {"pkg/BUILD": build, "pkg/m.py": LOUD_MODEL})
+    proc = run_cli(["build", "//pkg:all", "--jobs", "1", "--cache-dir", str(tmp_path / "cache")], ws)
+    assert proc.returncode == 1 and len(proc.stdout) + len(proc.stderr) < 20_000, proc.stderr[-2000:]
+    logs = [p for p in (tmp_path / "cache").rglob("*.log") if p.stat().st_size > (1 << 20)]
+    assert logs, "the loud action's log was not kept"
+    for log in logs:
+        assert log.stat().st_size <= (16 << 20) + 4096, (log, log.stat().st_size)
+        data = log.read_bytes()
+        assert b"log cut to its last 16777216 bytes" in data and b"the end of a loud action" in data[-100_000:]

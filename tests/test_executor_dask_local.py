@@ -77,3 +77,24 @@ def test_dask_local_builds_a_workspace_like_the_local_executor(tmp_path: Path) -
     assert again.returncode == 0 and "6 actions: 0 executed, 6 cached" in again.stdout, again.stdout + again.stderr
     verify = run_cli(["cache", "verify", "--cache-dir", str(cache)], ws)
     assert verify.returncode == 0 and "problems" not in verify.stdout, verify.stdout + verify.stderr
+
+
+THREADS_MODEL = '''
+import os
+
+def build(config):
+    raise RuntimeError("threads=" + os.environ.get("NEURONBUILD_THREADS", "unset") + " end")
+'''
+
+
+def test_farm_workers_get_their_hosts_cores_divided_among_the_dask_threads_on_it(tmp_path: Path) -> None:
+    """dask-local --jobs 2: two single-thread Dask workers on one host, so each action's worker process may use
+    cores // 2 compiler processes (as local --jobs 2 gives); --jobs 1: the one Dask worker gets every core."""
+    from neuronbuild.execution.env import host_cores
+
+    ws = write_ws(tmp_path / "ws", {"pkg/BUILD": BUILD, "pkg/m.py": THREADS_MODEL})
+    for jobs in (2, 1):
+        proc = run_cli(["build", "//pkg:c", "--executor", "dask-local", "--jobs", str(jobs), "--cache-dir",
+                        str(tmp_path / f"cache{jobs}")], ws)
+        assert proc.returncode == 1, proc.stdout + proc.stderr
+        assert f"threads={max(1, host_cores() // jobs)} end" in proc.stdout + proc.stderr, proc.stdout + proc.stderr

@@ -44,6 +44,12 @@ def build(config):
 
 def broken(config):
     raise RuntimeError("this model is broken on purpose")
+
+
+def report_threads(config):
+    raise RuntimeError("threads=" + os.environ.get("NEURONBUILD_THREADS", "unset") + " compile_threads="
+                       + os.environ.get("TORCHINDUCTOR_COMPILE_THREADS", "unset") + " omp="
+                       + os.environ.get("OMP_NUM_THREADS", "unset") + " torch=" + str(torch.get_num_threads()))
 '''
 
 
@@ -219,3 +225,21 @@ def test_ctrl_c_mid_build_ends_workers_and_leaves_a_clean_cache(tmp_path: Path) 
     out, err = proc.communicate(timeout=600)
     assert proc.returncode == 0, out + err
     assert (ws / "neuronbuild-out/pkg/a_trn2/batch1_seq4/model.hlo.pb").is_file()
+
+
+def test_each_worker_gets_its_share_of_the_cores_and_torch_stays_single_threaded(tmp_path: Path) -> None:
+    """--jobs N: every worker may run cores // N compiler processes (at least 1): one worker gets the whole machine.
+    Torch's own threads stay at 1 whatever --jobs is (inductor's codegen reads them: artifacts must not depend on
+    --jobs). Seen from inside a real action (the model's factory reports its environment)."""
+    from neuronbuild.execution.env import host_cores
+
+    ws = _ws(tmp_path / "ws", {"t": ("report_threads", {"n": 8})})
+    cores = host_cores()
+    for jobs in (1, 2, cores + 1):
+        proc = subprocess.run([sys.executable, "-m", "neuronbuild", "build", "//pkg:t_trn2", "--jobs", str(jobs),
+                               "--cache-dir", str(tmp_path / f"cache{jobs}")], cwd=ws, capture_output=True,
+                              text=True, timeout=600)
+        assert proc.returncode == 1, proc.stdout + proc.stderr
+        share = max(1, cores // jobs)
+        assert f"threads={share} compile_threads={share} omp=1 torch=1" in proc.stdout + proc.stderr, \
+            proc.stdout + proc.stderr

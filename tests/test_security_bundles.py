@@ -10,6 +10,7 @@ import subprocess
 import tarfile
 from pathlib import Path
 
+import blake3
 import pytest
 import zstandard
 from helpers import run_cli, write_ws
@@ -99,6 +100,8 @@ def _forge(archive: Path, replace: dict[str, bytes], keep_signature: bool = True
             for ref in [*g["artifacts"].values(), *([g["weights"]] if g["weights"] else [])]:
                 if ref["path"] == name:
                     ref["sha256"], ref["size"] = manifest["files"][name]["sha256"], len(data)
+                    if "blake3" in ref:
+                        ref["blake3"] = blake3.blake3(data).hexdigest()
         out.append((name, data))
     if edit is not None:
         edit(manifest)
@@ -174,6 +177,89 @@ def test_strict_open_refuses_unsigned_releases_and_pins_artifact_digests(signed:
     deploy(archive, good)
     cache = _open(good, expect=genuine, trusted_keys=signed["pub"])
     assert _loaded(cache) == 2 and cache.counters.error == 0
+
+
+def test_a_pin_covers_the_digest_the_runtime_checks(signed: dict[str, Path], tmp_path: Path, trn2_host: None) -> None:
+    # After deploy, an artifact is replaced and the deployed manifest's BLAKE3 for it (the digest strict open checks)
+    # rewritten to fit, its sha256 left as pinned. The pin must still refuse it: by its BLAKE3 when the expected
+    # manifest gives one, else by checking the sha256 it pins.
+    ws = signed["ws"]
+    archive = ws / ARCHIVE
+    genuine = ws / "neuronbuild-out/pkg/release.manifest.json"
+    other_pt2 = next(d for m, d in _members(ws / OTHER) if m.name.endswith("model.pt2"))
+    dest = tmp_path / "serve"
+    res = deploy(archive, dest)
+    manifest = json.loads((res.dir / "manifest.json").read_text())
+    ref = next(g["artifacts"]["model.pt2"] for g in manifest["graphs"] if "model.pt2" in g["artifacts"])
+    assert ref["blake3"]  # graph artifacts carry their BLAKE3
+    (res.dir / ref["path"]).write_bytes(other_pt2)
+    ref["blake3"] = blake3.blake3(other_pt2).hexdigest()
+    (res.dir / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(RuntimeError, match="model.pt2 differs from the expected manifest \\(expected blake3"):
+        _open(dest, expect=genuine)
+    old_lock = json.loads(genuine.read_text())  # a lock written before manifests had BLAKE3 digests
+    for g in old_lock["graphs"]:
+        for r in [*g["artifacts"].values(), *([g["weights"]] if g["weights"] else [])]:
+            r.pop("blake3", None)
+    (tmp_path / "old.manifest.json").write_text(json.dumps(old_lock))
+    with pytest.raises(RuntimeError, match="differ from the manifest \\(sha256 "):
+        _open(dest, expect=tmp_path / "old.manifest.json")
+    good = tmp_path / "good"
+    deploy(archive, good)
+    assert _loaded(_open(good, expect=tmp_path / "old.manifest.json")) == 2
+
+
+def _evil_pt2(genuine: bytes, tmp: Path, marker: Path) -> bytes:
+    """The genuine AOTInductor package with its shared library replaced by one whose constructor creates `marker`."""
+    import zipfile
+
+    src = tmp / "evil.c"
+    src.write_text('#include <stdio.h>\n__attribute__((constructor)) static void evil(void) {\n'
+                   f'  FILE *f = fopen("{marker}", "w"); if (f) {{ fputs("ran", f); fclose(f); }}\n}}\n')
+    so = tmp / "evil.so"
+    subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(so), str(src)], check=True)
+
+    def package(pad: int) -> bytes:
+        out = io.BytesIO()
+        with zipfile.ZipFile(io.BytesIO(genuine)) as zin, zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as zout:
+            for info in zin.infolist():
+                zout.writestr(info, so.read_bytes() if info.filename.endswith(".so") else zin.read(info))
+            zout.writestr("model/pad", b"\0" * pad)
+        return out.getvalue()
+
+    evil = package(len(genuine) - len(package(0)))  # the genuine file's size exactly: only the digest tells
+    assert len(evil) == len(genuine)
+    return evil
+
+
+def test_a_forged_shared_library_never_runs_in_a_pinned_signed_or_checked_open(signed: dict[str, Path], tmp_path: Path,
+                                                                              trn2_host: None) -> None:
+    # The worst finding: a forged .so ran its constructor inside open_cache. Forged into a self-consistent bundle,
+    # or swapped into a deployed release, it must be refused before anything dlopens it.
+    ws = signed["ws"]
+    archive = ws / ARCHIVE
+    genuine = ws / "neuronbuild-out/pkg/release.manifest.json"
+    target, pt2 = next((m.name, d) for m, d in _members(archive) if m.name.endswith("model.pt2"))
+    marker = tmp_path / "constructor-ran"
+    evil = _evil_pt2(pt2, tmp_path, marker)
+    dest = tmp_path / "serve"
+    deploy(_write(tmp_path / "forged.tar.zst", _forge(archive, {target: evil}, keep_signature=False)), dest)
+    with pytest.raises(RuntimeError, match="model.pt2 differs from the expected manifest"):
+        _open(dest, expect=genuine)
+    with pytest.raises(RuntimeError, match="not signed"):
+        _open(dest, trusted_keys=signed["pub"])
+    assert not marker.exists()
+    good = tmp_path / "good"
+    res = deploy(archive, good)
+    (res.dir / target).write_bytes(evil)  # swapped after deploy: the strict open checks every byte first
+    with pytest.raises(RuntimeError, match="differ from the manifest"):
+        _open(good)
+    assert not marker.exists()
+    # The control: with no trust root, the forged release's manifest is all there is, and its library does load,
+    # so the marker is what a constructor run leaves behind.
+    with pytest.raises(RuntimeError):
+        _open(dest)
+    assert marker.read_text() == "ran"
 
 
 def test_tampering_after_deploy_is_caught_at_load_and_redeploy_repairs(signed: dict[str, Path], tmp_path: Path,

@@ -8,17 +8,25 @@ import json
 import struct
 from pathlib import Path
 
+import blake3
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
 from neuronbuild.runtime.layout import FileRef
-from neuronbuild.runtime.verified import BadWeights, DigestMismatch, load_weights_verified, verified_path
+from neuronbuild.runtime.verified import (
+    BadWeights,
+    DigestMismatch,
+    load_weights_verified,
+    read_verified,
+    verified_path,
+)
 
 
-def _ref(p: Path) -> FileRef:
+def _ref(p: Path, with_blake3: bool = False) -> FileRef:
     data = p.read_bytes()
-    return FileRef(p.name, hashlib.sha256(data).hexdigest(), len(data))
+    return FileRef(p.name, hashlib.sha256(data).hexdigest(), len(data),
+                   blake3.blake3(data).hexdigest() if with_blake3 else None)
 
 
 def test_weights_are_tensors_over_the_checked_bytes_and_equal_safetensors(tmp_path: Path) -> None:
@@ -59,3 +67,29 @@ def test_tampered_and_malformed_weights_are_refused(tmp_path: Path) -> None:
     bad.write_bytes(struct.pack("<Q", len(header)) + header + b"\0" * 16)
     with pytest.raises(BadWeights, match="do not fit"):
         load_weights_verified(bad, _ref(bad))
+
+
+@pytest.mark.parametrize("size", [0, 1, (1 << 20) + 7])
+def test_the_digest_checked_is_the_manifests_blake3_when_given_else_its_sha256(tmp_path: Path, size: int) -> None:
+    p = tmp_path / "model.pt2"
+    data = bytes((i * 7 + 3) % 251 for i in range(size))
+    p.write_bytes(data)
+    both, sha_only = _ref(p, with_blake3=True), _ref(p)
+    for ref in (both, sha_only):
+        with verified_path(p, ref, tmp_path) as q:
+            assert q.read_bytes() == data  # the private copy the loader gets holds exactly the checked bytes
+        assert read_verified(p, ref) == data
+    # A manifest whose BLAKE3 does not fit the bytes is refused even though its sha256 does: BLAKE3 is what is
+    # checked when given (and SHA-256 when not: a wrong sha256 with no BLAKE3 is refused too).
+    wrong_b3 = FileRef(p.name, both.sha256, size, "0" * 64)
+    wrong_sha = FileRef(p.name, "0" * 64, size, None)
+    for bad, algo in ((wrong_b3, "blake3"), (wrong_sha, "sha256")):
+        with pytest.raises(DigestMismatch, match=f"contents differ from the manifest \\({algo} "):
+            with verified_path(p, bad, tmp_path):
+                pass
+    if size:
+        tampered = bytearray(data)
+        tampered[size // 2] ^= 1
+        p.write_bytes(bytes(tampered))
+        with pytest.raises(DigestMismatch, match="blake3"), verified_path(p, both, tmp_path):
+            pass

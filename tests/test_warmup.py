@@ -92,6 +92,44 @@ def test_one_worker_warms_the_headers_beside_the_traces_and_every_compile_reuses
     assert _headers(cache) == headers
 
 
+def _packages(ws: Path) -> dict[str, bytes]:
+    out = ws / "neuronbuild-out"
+    return {str(p.relative_to(out)): p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
+
+
+def test_one_worker_warms_with_every_core_and_builds_the_same_bytes_as_one_core_per_worker(tmp_path: Path) -> None:
+    """--jobs 1 on a multi-core machine: the worker warms the headers itself before its first compile, with the
+    headers' compiles running at once (its thread budget is every core), and every compile (forked from it, its
+    wrapper and kernel objects compiled at once) uses those headers; the packages are byte-identical to a --jobs 2
+    build (one core per worker, everything one at a time) in another cache."""
+    from neuronbuild.execution.env import host_cores
+
+    ws = _ws(tmp_path / "ws", 20)
+    proc = run_cli(["build", "//pkg:m_cpu", "--jobs", "2", "--cache-dir", str(tmp_path / "c2")], ws)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    two = _packages(ws)
+    cache = tmp_path / "c1"
+    ev_file = tmp_path / "events.jsonl"
+    proc = run_cli(["build", "//pkg:m_cpu", "--jobs", "1", "--cache-dir", str(cache), "--build-event-json-file",
+                    str(ev_file)], ws)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert _packages(ws) == two and any(k.endswith("model.pt2") for k in two)
+    events = _events(ev_file)
+    assert not [e for e in events if e["event"] == "warm_up_started"]  # one worker: no pseudo-action
+    compiles = [e for e in events if e["event"] == "action_finished" and e["kind"] == "compile"]
+    first = min(compiles, key=lambda e: e["start"])
+    log_files = sorted((cache / "v1" / "logs").glob("*/*.log"))
+    warmed = [line for f in log_files for line in f.read_text().splitlines() if line.startswith("# warm-up done")]
+    assert len(warmed) == 1, warmed  # once per worker, before its first compile
+    meta = json.loads(warmed[0].split(": ", 1)[1])
+    assert meta["built"] == 2 and meta["jobs"] == min(2, host_cores())
+    # The compiles found exactly those headers: none built one of its own (a header made with other flags, e.g. a
+    # pool thread that missed inductor's config, would have a name of its own).
+    assert sorted(_headers(cache)) == sorted(h + ".gch" for h in meta["headers"])
+    # The warm-up's seconds count towards the compile it preceded (the worker was busy with it).
+    assert first["duration_s"] > meta["seconds"]
+
+
 WARM = '''
 import json, sys
 from torch._inductor import cpp_builder

@@ -1,8 +1,8 @@
 """Dask executor: runs actions on a Dask cluster (a compile farm) through a shared store (a directory or S3).
 
 The client puts each action's source inputs into the shared CAS and sends digests; a Dask worker builds the sandbox
-from the shared CAS, runs the action in a warm worker process of its own (pool.WorkerPool, one per Dask thread),
-puts the outputs into the shared CAS and returns their digests. The client then writes the records (shared tier and
+from the shared CAS, runs the action in a warm worker process (pool.WorkerPool; one per Dask thread at a time, started
+when a build starts and kept between tasks and builds), puts the outputs into the shared CAS and returns their digests. The client then writes the records (shared tier and
 local cache). The shared directory has a local cache's layout and the same path on every machine. A worker lost
 mid-action is handled by Dask, which runs the task again on another worker."""
 
@@ -18,15 +18,16 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 from neuronbuild.analysis.toolchain_api import WARM_UP
 from neuronbuild.digests import digest_file
 from neuronbuild.errors import NeuronBuildError
 from neuronbuild.execution.cache_api import SpawnCache
-from neuronbuild.execution.env import action_environment
+from neuronbuild.execution.env import action_environment, with_threads, worker_threads
 from neuronbuild.execution.jobs import Completion, Job, Started
 from neuronbuild.execution.pool import WorkerPool
 from neuronbuild.execution.sandbox import InputChanged
@@ -42,9 +43,12 @@ class DaskExecutor:
     local = False
 
     def __init__(self, root: Path, cache: SpawnCache, shared_url: str, address: str | None, jobs: int,
-                 open_store: Callable[[str], Any], same: bool = False, toolchain_tmp: Path | None = None) -> None:
+                 open_store: Callable[[str], Any], same: bool = False, toolchain_tmp: Path | None = None,
+                 action_timeout: float = 0.0, timeouts: Mapping[str, tuple[float, str]] | None = None) -> None:
         """`shared_url`: the farm store every worker reaches (a directory mounted at the same path everywhere, or
-        s3://bucket/prefix); `open_store(url)` opens it (picklable: workers call it too); `same`: it is `cache`."""
+        s3://bucket/prefix); `open_store(url)` opens it (picklable: workers call it too); `same`: it is `cache`.
+        `action_timeout` / `timeouts` ({fingerprint: (seconds, what set it)}): as the local executor's; the Dask
+        worker running an action kills it (and every process it started) when its limit passes."""
         try:
             from distributed import Client, LocalCluster
         except ImportError:
@@ -52,6 +56,8 @@ class DaskExecutor:
                 from None
         self.root = root
         self.cache = cache
+        self._action_timeout = action_timeout
+        self._timeouts = dict(timeouts or {})
         self._open_store = open_store  # also sent to farm workers (pickled by reference)
         self.shared = open_store(shared_url)
         self._shared_url = shared_url
@@ -72,13 +78,19 @@ class DaskExecutor:
             self.shutdown()
             raise NeuronBuildError(f"cannot use the Dask cluster at {address or 'a LocalCluster'}: {e}") from None
         self.slots = max(1, sum(self.client.nthreads().values()))
+        self._host_threads: dict[str, int] = {}  # host -> Dask worker threads on it (each gets cores / that)
         self._slots_checked = time.monotonic()
         self._futures: dict[Any, Job] = {}
         cache.scratch.mkdir(parents=True, exist_ok=True)
         self._tmp = Path(tempfile.mkdtemp(dir=cache.scratch, prefix="farm-"))
 
     def warm(self, n: int) -> None:
-        pass
+        """Start every Dask worker's warm worker processes now (torch imported while the client uploads inputs and
+        the first tasks travel), instead of with each worker's first task."""
+        self._refresh_slots(force=True)
+        with contextlib.suppress(Exception):
+            # It only starts processes (no waiting for their imports): one quick round trip.
+            self.client.run(farm_prestart, self._toolchain_tmp, dict(self._host_threads), on_error="ignore")
 
     def hosts(self) -> list[str]:
         """The farm's hosts (as the scheduler knows their workers' addresses): a toolchain warm-up runs once on each,
@@ -121,7 +133,10 @@ class DaskExecutor:
             inputs.append((d.path, digest))
         payload = {"kind": a.kind, "spec": json.loads(json.dumps(a.spec)), "inputs": inputs, "expect": dict(a.versions),
                    "outputs": list(a.outputs), "shared": self._shared_url, "open_store": self._open_store, "toolchain_tmp": self._toolchain_tmp,
-                   "description": a.describe()}
+                   "description": a.describe(), "host_threads": dict(self._host_threads)}
+        limit, source = self._timeouts.get(a.fingerprint) or (self._action_timeout, "--action-timeout")
+        if a.kind != WARM_UP and limit > 0:
+            payload["timeout"] = [limit, source]
         prefix = "neuronbuild-warmup" if a.kind == WARM_UP else "neuronbuild"  # a warm-up is not an action
         key = f"{prefix}-{a.fingerprint[:16]}-{job.attempt}-{uuid.uuid4().hex[:8]}"
         payload["key"] = key
@@ -130,14 +145,21 @@ class DaskExecutor:
         self._futures[fut] = job
         return Started("dask", 0)
 
-    def _refresh_slots(self) -> None:
-        """Workers that joined (or left) since the build started change how many actions run at once."""
+    def _refresh_slots(self, force: bool = False) -> None:
+        """Workers that joined (or left) since the build started change how many actions run at once (and how many
+        share each host's cores)."""
         now = time.monotonic()
-        if now - self._slots_checked < SLOTS_REFRESH_S:
+        if not force and now - self._slots_checked < SLOTS_REFRESH_S:
             return
         self._slots_checked = now
         with contextlib.suppress(Exception):
             self.slots = max(1, sum(self.client.nthreads().values()))
+        with contextlib.suppress(Exception):
+            per_host: dict[str, int] = {}
+            for w in self.client.scheduler_info().get("workers", {}).values():
+                host = str(w.get("host") or "")
+                per_host[host] = per_host.get(host, 0) + int(w.get("nthreads") or 1)
+            self._host_threads = per_host
 
     def wait(self, timeout: float | None) -> list[Completion]:
         from distributed import wait as dask_wait
@@ -210,7 +232,7 @@ class DaskExecutor:
 
 # ------------------------------------------------------------------------------------------------ on the Dask worker
 
-_POOLS: dict[tuple[int, str], WorkerPool] = {}
+_POOLS: dict[tuple[str, int], list[WorkerPool]] = {}  # idle warm worker processes, by toolchain tmp and thread share
 _POOLS_LOCK = threading.Lock()
 _RUNNING: dict[str, WorkerPool] = {}  # task key -> the pool running it (on this Dask worker)
 _CANCELLED: set[str] = set()
@@ -235,17 +257,62 @@ def _farm_base() -> Path:
     return Path(tempfile.gettempdir()) / "neuronbuild-farm"
 
 
-def _pool_for_thread(toolchain_tmp: str | None) -> WorkerPool:
-    """One warm worker process per Dask worker thread (and toolchain tmp), kept for later tasks."""
-    key = (threading.get_ident(), toolchain_tmp or "")
+def _threads_here(host_threads: dict[str, int] | None, dask_worker: Any = None) -> int:
+    """This Dask worker thread's share of its host's cores: the host's cores / the Dask threads on that host (as the
+    client saw the cluster; this worker's own thread count when the host is not listed)."""
+    try:
+        if dask_worker is None:
+            from distributed import get_worker
+
+            dask_worker = get_worker()
+        host = urlparse(str(dask_worker.address)).hostname or ""
+        mine = int(getattr(dask_worker.state, "nthreads", 0) or getattr(dask_worker, "nthreads", 1) or 1)
+    except Exception:  # noqa: BLE001 - outside a worker (tests): one worker thread
+        host, mine = "", 1
+    return worker_threads(max(mine, int((host_threads or {}).get(host, 0) or 0)))
+
+
+def _pool_key(toolchain_tmp: str | None, threads: int) -> tuple[str, int]:
+    return (toolchain_tmp or "", threads)
+
+
+def _take_pool(toolchain_tmp: str | None, threads: int) -> WorkerPool:
+    """An idle warm worker process (one per Dask worker thread at a time) for this toolchain tmp and thread share,
+    started by farm_prestart or an earlier task; a new one when none is idle. Give it back with _give_back."""
     with _POOLS_LOCK:
-        pool = _POOLS.get(key)
-        if pool is None:
-            base = _farm_base()
-            tmp = Path(toolchain_tmp) if toolchain_tmp else base / "toolchain-tmp"
-            env = action_environment(tmp, base / "home")
-            pool = _POOLS[key] = WorkerPool(1, env, base / "scratch")
-        return pool
+        idle = _POOLS.get(_pool_key(toolchain_tmp, threads))
+        if idle:
+            return idle.pop()
+    return _new_pool(toolchain_tmp, threads)
+
+
+def _new_pool(toolchain_tmp: str | None, threads: int) -> WorkerPool:
+    base = _farm_base()
+    base.mkdir(parents=True, exist_ok=True)
+    tmp = Path(toolchain_tmp) if toolchain_tmp else base / "toolchain-tmp"
+    return WorkerPool(1, with_threads(action_environment(tmp, base / "home"), threads), base / "scratch")
+
+
+def _give_back(pool: WorkerPool, toolchain_tmp: str | None, threads: int) -> None:
+    with _POOLS_LOCK:
+        _POOLS.setdefault(_pool_key(toolchain_tmp, threads), []).append(pool)
+
+
+def farm_prestart(toolchain_tmp: str | None, host_threads: dict[str, int], dask_worker: Any = None) -> int:
+    """Runs on every Dask worker (Client.run, at the start of a build): one warm worker process per Dask worker
+    thread, started now so their torch import overlaps the client's uploads. Returns how many it started."""
+    threads = _threads_here(host_threads, dask_worker)
+    want = int(getattr(getattr(dask_worker, "state", None), "nthreads", 0) or getattr(dask_worker, "nthreads", 1)
+               or 1)
+    with _POOLS_LOCK:
+        have = len(_POOLS.get(_pool_key(toolchain_tmp, threads), []))
+    started = 0
+    for _ in range(max(0, want - have)):
+        pool = _new_pool(toolchain_tmp, threads)
+        pool.warm(1)
+        _give_back(pool, toolchain_tmp, threads)
+        started += 1
+    return started
 
 
 def farm_run(payload: dict[str, Any]) -> dict[str, Any]:
@@ -267,9 +334,12 @@ def farm_run(payload: dict[str, Any]) -> dict[str, Any]:
         for rel, digest in payload["inputs"]:
             shared.place_blob(digest, inputs / rel)
         log.write_text(f"# {payload['description']}\n", encoding="utf-8")
-        pool = _pool_for_thread(payload.get("toolchain_tmp"))
+        threads = _threads_here(payload.get("host_threads"))
+        pool = _take_pool(payload.get("toolchain_tmp"), threads)
+        limit, source = payload.get("timeout") or (0.0, "")  # the pool kills the action's process tree after it
         pool.submit("job", {"kind": payload["kind"], "spec": payload["spec"], "inputs": str(inputs),
-                            "outputs": str(outputs), "log": str(log), "expect": payload.get("expect")})
+                            "outputs": str(outputs), "log": str(log), "expect": payload.get("expect")},
+                    float(limit) or None, str(source))
         key = str(payload.get("key") or "")
         _RUNNING[key] = pool
         results: list[Any] = []
@@ -280,6 +350,9 @@ def farm_run(payload: dict[str, Any]) -> dict[str, Any]:
             _RUNNING.pop(key, None)
             cancelled = key in _CANCELLED
             _CANCELLED.discard(key)
+            if pool.busy:  # cancelled (or interrupted) mid-task: its worker is being killed; start afresh next time
+                pool.kill_all()
+            _give_back(pool, payload.get("toolchain_tmp"), threads)
         if cancelled or not results:
             return {"ok": False, "error": "cancelled", "duration_s": 0.0, "worker": where}
         res = dict(results[0].result)

@@ -46,3 +46,33 @@ def undeclared_warning(declared: Sequence[tuple[str, str | None]],
         return None
     return (f"warning: {', '.join(ignored)} {'is' if len(ignored) == 1 else 'are'} set but not passed to actions; "
             f"declare with --action-env NAME to use {'it' if len(ignored) == 1 else 'them'} (fingerprinted)")
+
+
+# The worker's thread budget (read by toolchains/compile.compile_jobs): how many compiler processes one action may
+# run at once. Torch's own threads stay at OMP_NUM_THREADS=1: inductor's codegen reads them, and an artifact must
+# not depend on --jobs.
+THREADS_VAR = "NEURONBUILD_THREADS"
+
+
+def host_cores() -> int:
+    """The cores this process may run on (its CPU affinity, else the machine's count)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
+def worker_threads(workers: int, cores: int | None = None) -> int:
+    """Each of `workers` concurrent workers on a machine gets an equal share of its cores, at least one: one worker
+    on 2 cores gets both, --jobs 2 one each, --jobs 8 on 2 cores one each (oversubscribed by the user's choice)."""
+    return max(1, (cores if cores is not None else host_cores()) // max(1, workers))
+
+
+def with_threads(env: Mapping[str, str], threads: int) -> dict[str, str]:
+    """The action environment of a worker allowed `threads` threads: the budget itself and inductor's parallel compile
+    pool size (unless declared with --action-env, which wins). Neither enters fingerprints: they change how fast an
+    artifact is made, never its bytes."""
+    out = dict(env)
+    out[THREADS_VAR] = str(max(1, threads))
+    out.setdefault("TORCHINDUCTOR_COMPILE_THREADS", str(max(1, threads)))
+    return out

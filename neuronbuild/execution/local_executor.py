@@ -10,6 +10,7 @@ from pathlib import Path
 
 from neuronbuild.execution import sandbox as sandboxes
 from neuronbuild.execution.cache_api import SpawnCache
+from neuronbuild.execution.env import with_threads, worker_threads
 from neuronbuild.execution.jobs import Completion, Job, Started
 from neuronbuild.execution.pool import WorkerPool
 
@@ -29,7 +30,9 @@ class LocalExecutor:
         self._timeouts = dict(timeouts or {})  # fingerprint -> (seconds, the attribute that set it)
         self.cache = cache
         self.slots = max(1, jobs)
-        self._pool = pool_factory(self.slots, env, cache.scratch, cache.logs / "workers.log", action_timeout)
+        self.threads = worker_threads(self.slots)  # each worker's share of the machine's cores
+        self._pool = pool_factory(self.slots, with_threads(env, self.threads), cache.scratch,
+                                  cache.logs / "workers.log", action_timeout)
         self._running: dict[str, tuple[Job, sandboxes.Sandbox]] = {}
         # This build's sandboxes live under one directory, removed whole at the end (even after a Ctrl-C that
         # struck while a sandbox was being made). Made on the first action: a fully cached build writes nothing to

@@ -283,7 +283,7 @@ class _Run:
     def _start_warm_ups(self) -> None:
         """Per-machine toolchain warm-ups (precompiled headers) as pseudo-jobs at the start, beside the first
         actions, when they can overlap with work that does not need them (traces) on another worker. With one
-        worker, or only steps needing the warm-up ready, the first step builds it itself at the same cost."""
+        worker, or only steps needing the warm-up ready, the worker warms up before its first step (worker.warm_before)."""
         ex = self.s.executor
         if ex.slots < 2:
             return

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import socket
 import sys
@@ -359,6 +360,7 @@ def main(read_fd: int, write_fd: int) -> None:
         plugins.toolchains()
         warm_imports()
     installation = installation_roots()
+    warmed: set[str] = set()  # toolchain warm-ups done in this process (their keys)
     conn_out.send({"ready": True, "pid": os.getpid()})
     while True:
         try:
@@ -367,7 +369,68 @@ def main(read_fd: int, write_fd: int) -> None:
             return
         if msg is None:
             return
-        result = run_isolated(msg, installation)
+        if _is_warm_up(msg):
+            result = run_warm_up(msg, warmed)
+        else:
+            implicit = warm_before(msg, warmed)
+            result = run_isolated(msg, installation)
+            if implicit is not None:
+                result["duration_s"] = float(result.get("duration_s") or 0.0) + implicit
         end_descendants()  # nothing an action started outlives it
         cap_log(msg["log"])
         conn_out.send(result)
+
+
+def _is_warm_up(msg: Mapping[str, Any]) -> bool:
+    from neuronbuild.analysis.toolchain_api import WARM_UP
+
+    return msg.get("kind") == WARM_UP or (isinstance(msg.get("spec"), Mapping) and msg["spec"].get("step") == WARM_UP)
+
+
+def _key(spec: Mapping[str, Any]) -> str:
+    return json.dumps([spec.get("toolchain"), spec.get("key")], sort_keys=True, default=str)
+
+
+def run_warm_up(msg: Mapping[str, Any], warmed: set[str]) -> dict[str, Any]:
+    """A toolchain's warm-up runs in this worker process itself, not in a forked child: toolchain code only (no model
+    code, so no confinement), and what it leaves in memory (inductor's memo of the precompiled headers it checked,
+    the compiler probes) is inherited by every action forked afterwards. Run only between actions: its threads (if
+    any) are joined before it returns, so the next fork copies a single-threaded process."""
+    res = run_action(str(msg["kind"]), dict(msg["spec"]), str(msg["inputs"]), str(msg["outputs"]), str(msg["log"]),
+                     msg.get("expect"), None)
+    if res.get("ok"):
+        warmed.add(_key(msg["spec"]))
+    res["action_pid"] = os.getpid()
+    return res
+
+
+def warm_before(msg: Mapping[str, Any], warmed: set[str]) -> float | None:
+    """Before this worker's first toolchain step that has a warm-up key: that warm-up, in this process (run_warm_up),
+    so this step and the later ones forked from here start with it done (with one worker there is no warm-up
+    pseudo-action; with several, a worker that did not run it still fills its memo from the files on disk). Returns
+    its seconds, or None when nothing ran. A failed warm-up is not the step's failure: the step builds what it needs."""
+    spec = msg.get("spec")
+    if msg.get("kind") == "trace" or not isinstance(spec, Mapping) or not spec.get("toolchain"):
+        return None
+    from neuronbuild import plugins
+    from neuronbuild.analysis.toolchain_api import WARM_UP, warm_up_key
+
+    try:
+        key = warm_up_key(plugins.toolchain(str(spec["toolchain"])), spec)
+    except Exception:  # noqa: BLE001 - a broken hook costs the warm-up, never the step
+        return None
+    if key is None:
+        return None
+    w_spec = {"toolchain": spec["toolchain"], "step": WARM_UP, "key": key}
+    if _key(w_spec) in warmed:
+        return None
+    start = time.perf_counter()
+    with open(str(msg["log"]), "a", encoding="utf-8") as log:
+        log.write("# warm-up in the worker process before its first step of this kind\n")
+    res = run_warm_up({**msg, "kind": WARM_UP, "spec": w_spec}, warmed)
+    warmed.add(_key(w_spec))  # tried once per worker, failed or not
+    seconds = time.perf_counter() - start
+    with open(str(msg["log"]), "a", encoding="utf-8") as log:
+        log.write(f"# warm-up {'done' if res.get('ok') else 'failed'} in {seconds:.1f} s: "
+                  f"{json.dumps(res.get('metadata') if res.get('ok') else res.get('error'))}\n")
+    return seconds

@@ -12,10 +12,23 @@ from neuronbuild.kinds.base import RuleKind
 from neuronbuild.loading.schema import DIMS, NAME, SHAPES, TAGS, Attr, AttrError, RuleSchema
 from neuronbuild.loading.targets import Target
 
+MAX_BUCKETS = 10_000  # per neuron_buckets target: far above any real bucket set, far below what exhausts a build
+
 
 def _check(a: Mapping[str, Any]) -> None:
     if (a.get("dims") is None) == (a.get("shapes") is None):
         raise AttrError("exactly one of 'dims' and 'shapes' must be given")
+    if a.get("dims") is not None:
+        sizes = [len(v) for v in a["dims"].values()]
+        n = 1
+        for k in sizes:
+            n *= k
+        if n > MAX_BUCKETS:
+            raise AttrError(f"neuron_buckets 'dims' give {n} buckets (the cross product {' x '.join(map(str, sizes))}),"
+                            f" more than the limit of {MAX_BUCKETS}")
+    elif len(a["shapes"]) > MAX_BUCKETS:
+        raise AttrError(f"neuron_buckets 'shapes' lists {len(a['shapes'])} buckets, more than the limit of "
+                        f"{MAX_BUCKETS}")
 
 
 SCHEMA = RuleSchema(

@@ -13,7 +13,7 @@ from typing import Any
 from neuronbuild.errors import Location, UserInputError
 from neuronbuild.loading.labels import BUILTIN_REPO, Label, LabelError, check_target_name, parse_label
 from neuronbuild.loading.schema import RULES, AttrError, validate_call
-from neuronbuild.loading.starlark_adapter import Frame, Interpreter, StarlarkFailure
+from neuronbuild.loading.starlark_adapter import RESERVED_PREFIX, Frame, Interpreter, StarlarkFailure
 from neuronbuild.loading.targets import Package, Target
 from neuronbuild.workspace import BUILD_FILE, MARKER, OUTPUT_DIR, builtin_rules_dir
 
@@ -121,6 +121,11 @@ def _parse_source(display: str, path: Path, package: str) -> _SourceFile:
     used: list[tuple[str, int, int]] = []
     stored: set[str] = set()
     for n in ast.walk(tree):
+        if isinstance(n, (ast.Name, ast.arg, ast.FunctionDef)):
+            ident = n.id if isinstance(n, ast.Name) else n.arg if isinstance(n, ast.arg) else n.name
+            if ident.startswith(RESERVED_PREFIX):  # the raw natives behind the NUL guard (starlark_adapter)
+                raise UserInputError(f"name '{ident}' is reserved (names starting with {RESERVED_PREFIX} are "
+                                     "neuronbuild's)", Location(display, n.lineno, n.col_offset + 1))
         if isinstance(n, ast.Name):
             if isinstance(n.ctx, ast.Load):
                 used.append((n.id, n.lineno, n.col_offset + 1))
@@ -182,7 +187,10 @@ class _PackageContext:
     def _make_rule(self, kind: str) -> Callable[..., Any]:
         def rule(*args: Any, **kwargs: Any) -> None:
             try:
-                self._rule(kind, args, kwargs)
+                try:
+                    self._rule(kind, args, kwargs)
+                except RecursionError:  # a value nested ~1,000 deep (built by a loop: the parser limits literals)
+                    raise AttrError("an attribute value is nested too deeply") from None
             except Exception as e:  # noqa: BLE001 - re-raised with its location by the loader
                 self.error = e
                 raise

@@ -2,10 +2,19 @@
 
 Sharp edges handled here (see ../shared/notes/starlark-go.md): natives are kept referenced for the interpreter's life,
 `get`/`pop` are never called with defaults, print callbacks cannot raise, and every call runs off the main thread.
+The binding truncates a string at its first NUL when it converts it to Python (`"b" + ("%c" % 0) + "junk"` arrives as
+`"b"`) and overflows the Go stack (a fatal crash) converting a value that contains itself. So natives are registered
+under reserved `__nb_raw_` names, and the names user code calls are Starlark closures (`_GUARD`) that first take one
+`repr()` of the arguments (it escapes a NUL as `\\x00` and writes a cycle as `[...]`/`{...}`) and search it three
+times; only on a match do they hand each argument's repr (which holds no NUL) to `_scan_repr`, which tells a real NUL
+or cycle from a string that merely spells one and raises naming the argument (reported at the caller's line). Cost:
+about 40 us per interpreter and 5 us per call (benchmarks/load_guard_bench.py). Names starting with `__nb_` are
+reserved for this (RESERVED_PREFIX; the loader refuses them in BUILD and .bzl files).
 """
 
 from __future__ import annotations
 
+import functools
 import queue
 import re
 import sys
@@ -18,6 +27,38 @@ from typing import Any, TypeVar
 
 T = TypeVar("T")
 _FRAME_RE = re.compile(r"^\s+(.+):(\d+):(\d+): in (.+)$")
+RESERVED_PREFIX = "__nb_"  # names user code may not use: the raw natives and the guard's helpers
+GUARD_FILE = "<neuronbuild>"  # the filename of the guard's frames, dropped from backtraces
+
+# One closure factory (compiled once per interpreter; a lambda or def per native would cost a compile each).
+_GUARD = """
+def __nb_wrap(f):
+    def guarded(*a, **k):
+        r = repr((a, k)) if a else repr(k)
+        if "\\\\x00" in r or "[...]" in r or "{...}" in r:
+            __nb_check([repr(x) for x in a], {n: repr(v) for n, v in k.items()})
+        return f(*a, **k)
+    return guarded
+"""
+# A Starlark repr, token by token: a string literal (with its escapes), a cycle marker, or anything else.
+_REPR_TOKEN = re.compile(r'"(?:[^"\\]|\\.)*"|\[\.\.\.\]|\{\.\.\.\}|[^"\[{]+|.', re.S)
+_NUL_ESCAPE = re.compile(r"\\(x00|u0000|U00000000|.)", re.S)
+
+
+class GuardError(Exception):
+    """An argument that cannot cross into Python intact (a NUL in a string, a value that contains itself)."""
+
+
+def _scan_repr(r: str) -> str | None:
+    """What is wrong with the value whose Starlark repr is r: a NUL in a string, a cycle, or nothing (None)."""
+    for m in _REPR_TOKEN.finditer(r):
+        tok = m.group(0)
+        if tok.startswith('"'):
+            if any(len(e) > 1 for e in _NUL_ESCAPE.findall(tok)):  # escapes read in order: "\\x00" is no NUL
+                return "NUL character in a string (starlark-go would silently truncate it)"
+        elif tok in ("[...]", "{...}"):
+            return "value contains itself"
+    return None
 
 
 @dataclass(frozen=True)
@@ -89,6 +130,13 @@ def _safe_print(prefix: str) -> Callable[[str], None]:
     return _print
 
 
+@functools.lru_cache(maxsize=8)
+def _guard_source(names: tuple[str, ...]) -> str:
+    """_GUARD plus one statement binding every native's name to its guarded closure."""
+    return _GUARD + ", ".join(names) + " = " + ", ".join(f"{RESERVED_PREFIX}wrap({RESERVED_PREFIX}raw_{n})"
+                                                         for n in names) + ("," if len(names) == 1 else "") + "\n"
+
+
 def parse_backtrace(text: str) -> tuple[Frame, ...]:
     frames = []
     for line in text.splitlines():
@@ -107,9 +155,22 @@ class Interpreter:
         import starlark_go  # here, not at import: loading it starts Go runtime threads, and workers (which fork per
         # action and import this module through the plug-ins) must stay single-threaded
 
+        self._guard_error: str | None = None
         self._sl = starlark_go.Starlark(print=self._print)
         if self._natives:
-            self._sl.set(**self._natives)
+            raw: dict[str, Callable[..., Any]] = {f"{RESERVED_PREFIX}raw_{n}": fn for n, fn in self._natives.items()}
+            raw[f"{RESERVED_PREFIX}check"] = self._check_fn = self._check  # referenced as long as the interpreter
+            self._sl.set(**raw)
+            self.exec(_guard_source(tuple(self._natives)), GUARD_FILE)
+
+    def _check(self, args: list[str], kwargs: dict[str, str]) -> None:
+        """The guard's slow path: each argument's repr, checked exactly; raises naming the first bad one."""
+        for what, r in [(f"argument {i + 1}", r) for i, r in enumerate(args)] + [
+                (f"attribute '{n}'", r) for n, r in kwargs.items()]:
+            problem = _scan_repr(r)
+            if problem:
+                self._guard_error = f"{what}: {problem}"
+                raise GuardError(self._guard_error)
 
     def names(self) -> list[str]:
         return list(self._sl.globals())
@@ -118,6 +179,7 @@ class Interpreter:
         """Execute source; raise StarlarkFailure with file:line:col on any error."""
         import starlark_go
 
+        self._guard_error = None
         try:
             self._sl.exec(source, filename=filename)
         except starlark_go.SyntaxError as e:
@@ -126,13 +188,15 @@ class Interpreter:
             item = e.errors[0]
             raise StarlarkFailure(str(item.msg), filename, int(item.line), int(item.column)) from None
         except starlark_go.EvalError as e:
-            frames = parse_backtrace(str(getattr(e, "backtrace", "")))
+            frames = tuple(f for f in parse_backtrace(str(getattr(e, "backtrace", ""))) if f.path != GUARD_FILE)
             msg = str(e)
             tail = str(getattr(e, "backtrace", "")).strip().splitlines()
             if tail and tail[-1].startswith("Error"):
                 msg = tail[-1].split(": ", 1)[1] if ": " in tail[-1] else tail[-1]
                 if msg.startswith("fail: "):
                     msg = msg[len("fail: "):]
+            if self._guard_error is not None:
+                msg, self._guard_error = self._guard_error, None
             if frames:
                 f = frames[-1]
                 raise StarlarkFailure(msg, f.path, f.line, f.col, frames) from None

@@ -12,7 +12,7 @@ import os
 import tempfile
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -92,7 +92,20 @@ def _artifact_diff(expected: Graph, deployed: Graph) -> list[tuple[str, str]]:
         if (a and (a.sha256, a.size)) != (b and (b.sha256, b.size)):
             out.append((name, f"expected sha256 {a.sha256[:16] if a else None}, deployed "
                               f"{b.sha256[:16] if b else None}"))
+        elif a and b and a.blake3 and b.blake3 and a.blake3 != b.blake3:
+            out.append((name, f"expected blake3 {a.blake3[:16]}, deployed {b.blake3[:16]}"))
     return out
+
+
+def _pinned(expected: Graph, deployed: Graph) -> Graph:
+    """The deployed graph with the BLAKE3 digests the pin gives (none where it gives none): loading verifies with the
+    pinned digest, never with one only the deployed manifest states (see verified.py)."""
+    def pin(a: FileRef | None, b: FileRef | None) -> FileRef | None:
+        return None if b is None else replace(b, blake3=a.blake3 if a is not None else None)
+
+    arts = {n: pin(expected.artifacts.get(n), r) for n, r in deployed.artifacts.items()}
+    return replace(deployed, artifacts={n: r for n, r in arts.items() if r is not None},
+                   weights=pin(expected.weights, deployed.weights))
 
 
 @dataclass(frozen=True)
@@ -184,7 +197,7 @@ class DeployedCache:
         self._releases = releases
         self._eager = dict(eager)
         self._counts = {"hit": 0, "miss": 0, "error": 0, "save": 0, "eager": 0, "emulated": 0}
-        self._weights: dict[Path, Any] = {}
+        self._weights: dict[tuple[Path, str, int, str | None], Any] = {}
         self._models: dict[str, Model] = {}
         self._slots: dict[str, dict[str, _Slot]] = {}
         self.load_ms: float = 0.0
@@ -259,7 +272,7 @@ class DeployedCache:
                 slot.problem = reason
                 problems.append(Problem(eg.describe(), reason))
             else:
-                slot = _Slot(hit[0], hit[1])
+                slot = _Slot(_pinned(eg, hit[0]) if pinned else hit[0], hit[1])
                 if pinned:
                     for name, why in _artifact_diff(eg, hit[0]):
                         slot.problem = f"{name} differs from the expected manifest ({why})"
@@ -280,9 +293,10 @@ class DeployedCache:
     # -- loading ---------------------------------------------------------------------------------------------------
 
     def _weights_for(self, path: Path, ref: FileRef) -> Any:
-        if path not in self._weights:
-            self._weights[path] = load_weights_verified(path, ref)  # every byte checked before use, read once
-        return self._weights[path]
+        key = (path, ref.sha256, ref.size, ref.blake3)  # shared only by graphs that name the same digests
+        if key not in self._weights:
+            self._weights[key] = load_weights_verified(path, ref)  # every byte checked before use, read once
+        return self._weights[key]
 
     def _load(self, slot: _Slot) -> Callable[..., Any] | None:
         if slot.fn is not None:

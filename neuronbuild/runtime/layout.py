@@ -43,11 +43,13 @@ def sha256_file(path: Path) -> tuple[str, int]:
 
 @dataclass(frozen=True)
 class FileRef:
-    """One file of a bundle: its path inside the bundle, sha256 and size."""
+    """One file of a bundle: its path inside the bundle, sha256 and size (+ its BLAKE3, which manifests give for graph
+    artifacts and weights; the runtime verifies with it when present, see verified.py)."""
 
     path: str
     sha256: str
     size: int
+    blake3: str | None = field(default=None, compare=False)  # the file list holds sha256 and size only
 
 
 AOTI_FORMAT = "aoti"  # AOTInductor packages (the cpu toolchain's artifact format)
@@ -166,7 +168,10 @@ def _ref(d: Mapping[str, Any]) -> FileRef:
     size = int(d["size"])
     if size < 0:
         raise ValueError("negative size")
-    return FileRef(safe_path(d["path"]), sha, size)
+    b3 = d.get("blake3")
+    if b3 is not None and not (isinstance(b3, str) and _HEX_RE.match(b3)):
+        raise ValueError(f"bad blake3 {str(b3)[:80]!r}")
+    return FileRef(safe_path(d["path"]), sha, size, b3)
 
 
 def _aliases(v: Any) -> dict[str, str]:

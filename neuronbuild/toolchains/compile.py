@@ -6,9 +6,10 @@ import functools
 import io
 import os
 import tempfile
+import threading
 import zipfile
 from collections.abc import Iterator, Mapping
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack, contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -149,11 +150,33 @@ def inductor_cache_dir(isa: str) -> Path:
     return toolchain_scratch() / "neuronbuild-inductor" / f"torch-{torch.__version__}-{isa}-{INDUCTOR_FLAGS_VERSION}"
 
 
+# The executor's thread budget for this process (execution/env.py sets it in every worker's environment: the
+# machine's cores / workers, at least 1); unset: 1.
+THREADS_VAR = "NEURONBUILD_THREADS"
+
+
+def compile_jobs() -> int:
+    """How many C++ compiler processes one compile (or warm-up) in this process may run at once: the worker's thread
+    budget. Only the compiler's concurrency follows it, never codegen (torch's own thread count, which inductor's
+    codegen reads, stays at OMP_NUM_THREADS=1 in workers: artifacts must not depend on --jobs)."""
+    try:
+        return max(1, int(os.environ.get(THREADS_VAR) or 1))
+    except ValueError:
+        return 1
+
+
+def _host_cores() -> int:
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
 @contextmanager
 def _compile_environment(isa: str, target: IsaTarget) -> Iterator[Path]:
     """The pinned vector ISA, inductor's working dir for the ISA and path-free objects, for one compile."""
     cache_dir = inductor_cache_dir(isa)
-    with _pinned_vec_isa(target), _fixed_cache_dir(cache_dir), _path_free_objects(cache_dir):
+    with _pinned_vec_isa(target), _fixed_cache_dir(cache_dir), _path_free_objects(cache_dir, compile_jobs()):
         yield cache_dir
 
 
@@ -188,13 +211,29 @@ def warm_up_cpu(isa: str) -> dict[str, Any]:
                    {"min_optimize": not config.aot_inductor.package_cpp_only, **command})]
         if prefix := cc._get_cpp_prefix_header("cpu"):
             wanted.append((prefix, command))
-        headers, built = [], 0
-        for header, kwargs in wanted:
+
+        def build(item: tuple[str, dict[str, Any]]) -> Path:
+            # Inductor's config patches are per thread: a pool thread patches its own (else -march=native, -g1).
             # Keyword order matters: the memo (functools.cache) keys on it, as inductor's call site passes them.
-            path = Path(cc._precompile_header(header, cmd, **kwargs))
-            headers.append(path.name)
-            built += int(path.with_name(path.name + ".gch").stat().st_mtime >= wall - 1.0)  # made during this call
-    return {"isa": isa, "headers": headers, "built": built, "seconds": round(time.perf_counter() - start, 3)}
+            with config.patch(inductor_configs(target)):
+                return Path(cc._precompile_header(item[0], cmd, **item[1]))
+
+        # The headers are independent: their compiles run at once, up to the machine's cores whatever this worker's
+        # share (every compile waits for them: a few seconds of oversubscription beside the traces cost less than
+        # a serial critical path). The threads only wait for g++ and are joined before returning (workers fork
+        # after this).
+        jobs = min(_host_cores(), len(wanted))
+        if jobs > 1:
+            from concurrent.futures import ThreadPoolExecutor
+
+            with ThreadPoolExecutor(jobs, thread_name_prefix="neuronbuild-pch") as pool:
+                paths = list(pool.map(build, wanted))
+        else:
+            paths = [build(item) for item in wanted]
+        headers = [p.name for p in paths]
+        built = sum(int(p.with_name(p.name + ".gch").stat().st_mtime >= wall - 1.0) for p in paths)  # made now
+    return {"isa": isa, "headers": headers, "built": built, "seconds": round(time.perf_counter() - start, 3),
+            "jobs": jobs}
 
 
 def _constant_fqns(package: Path) -> list[str]:
@@ -226,9 +265,71 @@ def _fixed_cache_dir(cache_dir: Path) -> Iterator[None]:
         yield
 
 
+def _is_object_compile(cmd_line: str) -> bool:
+    """A compile of AOTInductor's generated wrapper or kernel source into its object file (`-c`): sources that stay
+    on disk until the package is written. Not a link, a preprocessing (-E), a header, or the constants object
+    (inductor deletes its source as soon as the compile command returns)."""
+    args = cmd_line.split()
+    return "-c" in args and "-E" not in args and "c++-header" not in args and \
+        any(a.endswith((".wrapper.cpp", ".kernel.cpp")) for a in args)
+
+
+class _ObjectCompiles:
+    """Runs up to `jobs` object compiles (inductor's wrapper, kernel and constants objects) at once: each starts in
+    the background and the caller goes on; any other command (the link) first waits for every one of them, as does
+    the end of the compile. The same commands and files as one at a time: only the order of the waits changes.
+    Started only from the thread that opened the compile (warm-up threads build headers, never objects)."""
+
+    def __init__(self, jobs: int) -> None:
+        self.jobs = jobs
+        self.owner = threading.get_ident()
+        self.pending: list[tuple[Any, list[str], Any]] = []
+
+    def defer(self, cmd_line: str) -> bool:
+        return self.jobs > 1 and threading.get_ident() == self.owner and _is_object_compile(cmd_line)
+
+    def start(self, cmd_line: str, cwd: str) -> None:
+        import shlex
+        import subprocess
+
+        self.drain(self.jobs - 1)
+        out = tempfile.TemporaryFile()
+        cmd = shlex.split(cmd_line)
+        try:
+            # The build's own dir (inductor removes the empty per-command dir `cwd` when this returns); every path
+            # in the command is absolute.
+            proc = subprocess.Popen(cmd, cwd=os.path.dirname(cwd.rstrip("/")) or cwd, stdout=out,
+                                    stderr=subprocess.STDOUT)
+        except BaseException:
+            out.close()
+            raise
+        self.pending.append((proc, cmd, out))
+
+    def drain(self, keep: int = 0) -> None:
+        """Wait (oldest first) until at most `keep` compiles run; a failed one raises inductor's CppCompileError."""
+        from torch._inductor.exc import CppCompileError
+
+        while len(self.pending) > keep:
+            proc, cmd, out = self.pending.pop(0)
+            with out:
+                code = proc.wait()
+                if code != 0:
+                    out.seek(0)
+                    raise CppCompileError(cmd, out.read().decode("utf-8", "replace"))
+
+    def abandon(self) -> None:
+        for proc, _cmd, out in self.pending:
+            with suppress(OSError):
+                proc.kill()
+            proc.wait()
+            out.close()
+        self.pending.clear()
+
+
 @contextmanager
-def _path_free_objects(cache_dir: Path) -> Iterator[None]:
-    """Add -ffile-prefix-map so __FILE__ strings in the .so name neither the venv (torch headers) nor the cache dir.
+def _path_free_objects(cache_dir: Path, jobs: int = 1) -> Iterator[None]:
+    """Add -ffile-prefix-map so __FILE__ strings in the .so name neither the venv (torch headers) nor the cache dir;
+    with `jobs` > 1, run up to that many object compiles at once (_ObjectCompiles).
 
     The flags go onto the compiler command lines as they run, not into inductor's cflags: inductor names its
     generated files (and so the symbols and build-id inside the .so) by a hash of the cflags, which must not depend
@@ -241,9 +342,16 @@ def _path_free_objects(cache_dir: Path) -> Iterator[None]:
     run, write = cpp_builder._run_compile_cmd, codecache.write
     maps = " ".join(shlex.quote(f"-ffile-prefix-map={src}={dst}") for src, dst in ((TORCH_DIR, "/torch"),
                                                                                   (cache_dir, "/inductor")))
+    objects = _ObjectCompiles(jobs)
 
     def run_mapped(cmd_line: str, cwd: str) -> None:
-        run(f"{cmd_line} {maps}", cwd)
+        line = f"{cmd_line} {maps}"
+        if objects.defer(cmd_line):
+            objects.start(line, cwd)
+            return
+        if threading.get_ident() == objects.owner:
+            objects.drain()  # a link reads the objects
+        run(line, cwd)
 
     def write_path_free(content: str | bytes, extension: str, extra: str = "", hash_type: str = "code",
                         specified_dir: str = "", key: str | None = None) -> tuple[str, str]:
@@ -258,7 +366,9 @@ def _path_free_objects(cache_dir: Path) -> Iterator[None]:
     codecache.write = write_path_free
     try:
         yield
+        objects.drain()
     finally:
+        objects.abandon()
         cpp_builder._run_compile_cmd = run
         codecache.write = write
 
