@@ -81,7 +81,7 @@ def memo_stats() -> dict[str, int]:
 
 
 class PeekMemo:
-    """The build server's memo of `peek` verdicts (is this action cached locally?) for plan, explain and dry runs.
+    """The build server's memo of `peek` verdicts (is this action cached locally?) for `plan` and dry runs.
 
     The cache can change under the server (other builds, `cache gc`, `cache clean`), so a verdict is kept only with
     the state of every directory it depends on: the record's shard `ac/<xx>` and, when the record exists, the shards

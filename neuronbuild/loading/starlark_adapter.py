@@ -5,11 +5,11 @@ Sharp edges handled here (see ../shared/notes/starlark-go.md): natives are kept 
 The binding truncates a string at its first NUL when it converts it to Python (`"b" + ("%c" % 0) + "junk"` arrives as
 `"b"`) and overflows the Go stack (a fatal crash) converting a value that contains itself. So natives are registered
 under reserved `__nb_raw_` names, and the names user code calls are Starlark closures (`_GUARD`) that first take one
-`repr()` of the arguments (it escapes a NUL as `\\x00` and writes a cycle as `[...]`/`{...}`) and search it three
-times; only on a match do they hand each argument's repr (which holds no NUL) to `_scan_repr`, which tells a real NUL
-or cycle from a string that merely spells one and raises naming the argument (reported at the caller's line). Cost:
-about 40 us per interpreter and 5 us per call (benchmarks/load_guard_bench.py). Names starting with `__nb_` are
-reserved for this (RESERVED_PREFIX; the loader refuses them in BUILD and .bzl files).
+`repr()` of the arguments (it escapes a NUL as `\\x00` and writes a cycle as `[...]`/`{...}`) and search it; only on
+a match do they hand the reprs (which hold no NUL) to `_scan_repr`, which tells a real NUL or cycle from a string that
+merely spells one and raises naming the argument (reported at the caller's line). Cost: see
+benchmarks/load_guard_bench.py. Names starting with `__nb_` are reserved for this (RESERVED_PREFIX; the loader refuses
+them in BUILD and .bzl files).
 """
 
 from __future__ import annotations
@@ -30,18 +30,15 @@ _FRAME_RE = re.compile(r"^\s+(.+):(\d+):(\d+): in (.+)$")
 RESERVED_PREFIX = "__nb_"  # names user code may not use: the raw natives and the guard's helpers
 GUARD_FILE = "<neuronbuild>"  # the filename of the guard's frames, dropped from backtraces
 
-# One closure factory (compiled once per interpreter; a lambda or def per native would cost a compile each).
+# One closure factory, a lambda (compiled once per interpreter: each def, comprehension or statement more costs ~10 us
+# per BUILD file). The fast path is two reprs and two searches ("..." covers both cycle markers); the slow path hands
+# the reprs to _scan_repr (through __nb_check) and calls the native only if nothing is wrong.
 _GUARD = """
 def __nb_wrap(f):
-    def guarded(*a, **k):
-        r = repr((a, k)) if a else repr(k)
-        if "\\\\x00" in r or "[...]" in r or "{...}" in r:
-            __nb_check([repr(x) for x in a], {n: repr(v) for n, v in k.items()})
-        return f(*a, **k)
-    return guarded
+    return lambda *a, **k: f(*a, **k) if not ("\\\\x00" in repr((a, k)) or "..." in repr((a, k))) else __nb_check(repr(a), repr(k)) or f(*a, **k)
 """
-# A Starlark repr, token by token: a string literal (with its escapes), a cycle marker, or anything else.
-_REPR_TOKEN = re.compile(r'"(?:[^"\\]|\\.)*"|\[\.\.\.\]|\{\.\.\.\}|[^"\[{]+|.', re.S)
+# A Starlark repr, token by token: a string literal (with its escapes), a cycle marker, punctuation, or anything else.
+_REPR_TOKEN = re.compile(r'"(?:[^"\\]|\\.)*"|\[\.\.\.\]|\{\.\.\.\}|[\[\]{}(),:]|[^"\[\]{}(),:]+', re.S)
 _NUL_ESCAPE = re.compile(r"\\(x00|u0000|U00000000|.)", re.S)
 
 
@@ -49,15 +46,29 @@ class GuardError(Exception):
     """An argument that cannot cross into Python intact (a NUL in a string, a value that contains itself)."""
 
 
-def _scan_repr(r: str) -> str | None:
-    """What is wrong with the value whose Starlark repr is r: a NUL in a string, a cycle, or nothing (None)."""
+def _scan_repr(r: str, keyed: bool) -> tuple[str, str] | None:
+    """What is wrong with a value whose Starlark repr is r: (where, problem) for a NUL in a string or a cycle, None
+    when nothing is. r is the repr of the call's arguments: a tuple (where = "argument N") or, when `keyed`, the
+    keyword dict (where = "attribute 'name'")."""
+    depth, index, key, expect_key = 0, 1, "", False
     for m in _REPR_TOKEN.finditer(r):
         tok = m.group(0)
-        if tok.startswith('"'):
+        if tok in ("(", "[", "{"):
+            depth += 1
+            expect_key = keyed and depth == 1
+        elif tok in (")", "]", "}"):
+            depth -= 1
+        elif tok == "," and depth == 1:
+            index += 1
+            expect_key = keyed
+        elif tok.startswith('"'):
+            if expect_key:
+                key, expect_key = tok[1:-1], False
             if any(len(e) > 1 for e in _NUL_ESCAPE.findall(tok)):  # escapes read in order: "\\x00" is no NUL
-                return "NUL character in a string (starlark-go would silently truncate it)"
+                return (f"attribute '{key}'" if keyed else f"argument {index}",
+                        "NUL character in a string (starlark-go would silently truncate it)")
         elif tok in ("[...]", "{...}"):
-            return "value contains itself"
+            return (f"attribute '{key}'" if keyed else f"argument {index}", "value contains itself")
     return None
 
 
@@ -163,14 +174,13 @@ class Interpreter:
             self._sl.set(**raw)
             self.exec(_guard_source(tuple(self._natives)), GUARD_FILE)
 
-    def _check(self, args: list[str], kwargs: dict[str, str]) -> None:
-        """The guard's slow path: each argument's repr, checked exactly; raises naming the first bad one."""
-        for what, r in [(f"argument {i + 1}", r) for i, r in enumerate(args)] + [
-                (f"attribute '{n}'", r) for n, r in kwargs.items()]:
-            problem = _scan_repr(r)
-            if problem:
-                self._guard_error = f"{what}: {problem}"
-                raise GuardError(self._guard_error)
+    def _check(self, args: str, kwargs: str) -> None:
+        """The guard's slow path, given the reprs of the call's positional and keyword arguments: checked exactly;
+        raises naming the first bad argument."""
+        found = _scan_repr(args, False) or _scan_repr(kwargs, True)
+        if found:
+            self._guard_error = f"{found[0]}: {found[1]}"
+            raise GuardError(self._guard_error)
 
     def names(self) -> list[str]:
         return list(self._sl.globals())
