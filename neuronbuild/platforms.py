@@ -13,7 +13,17 @@ _LEVELS = (
     ("x86-64-v3", {"avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe"}),
     ("x86-64-v2", {"cx16", "lahf_lm", "popcnt", "sse4_1", "sse4_2", "ssse3"}),
 )
+# A worker's thread budget (execution/env.py sets it: the machine's cores / workers; toolchains/compile.py reads it).
+THREADS_VAR = "NEURONBUILD_THREADS"
 HOST_ISA_ENV = "NEURONBUILD_HOST_ISA"  # overrides detection (testing, or pinning a farm to a lower level)
+
+
+def host_cores() -> int:
+    """The cores this process may run on (its CPU affinity, else the machine's count)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
 
 
 @functools.lru_cache(maxsize=1)

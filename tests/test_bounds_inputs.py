@@ -156,17 +156,19 @@ def test_deploy_index_and_free_space_errors_are_one_line(tmp_path: Path) -> None
     assert not (tmp_path / "fresh").exists()
 
 
+# One model, one bucket, one trn2 compile: the workspace of the capped-output tests below.
+ONE_GRAPH_BUILD = ('neuron_model(name = "m", srcs = ["m.py"], entry = "m:build", inputs = {"x": "float32[b]"})\n'
+                   'neuron_buckets(name = "bk", shapes = [{"b": 1}])\n'
+                   'neuron_target(name = "t", platform = "trn2")\n'
+                   'neuron_compile(name = "c", model = ":m", buckets = [":bk"], target = ":t")\n')
+
 HUGE_ERROR_MODEL = '''def build(config):
     raise ValueError("x" * (50 * 1024 * 1024))
 '''
 
 
 def test_a_huge_exception_message_is_capped(tmp_path: Path) -> None:
-    build = ('neuron_model(name = "m", srcs = ["m.py"], entry = "m:build", inputs = {"x": "float32[b]"})\n'
-             'neuron_buckets(name = "bk", shapes = [{"b": 1}])\n'
-             'neuron_target(name = "t", platform = "trn2")\n'
-             'neuron_compile(name = "c", model = ":m", buckets = [":bk"], target = ":t")\n')
-    ws = write_ws(tmp_path / "ws", {"pkg/BUILD": build, "pkg/m.py": HUGE_ERROR_MODEL})
+    ws = write_ws(tmp_path / "ws", {"pkg/BUILD": ONE_GRAPH_BUILD, "pkg/m.py": HUGE_ERROR_MODEL})
     proc = run_cli(["build", "//pkg:all", "--jobs", "1", "--cache-dir", str(tmp_path / "cache")], ws)
     assert proc.returncode == 1
     assert len(proc.stdout) + len(proc.stderr) < 20_000, len(proc.stderr)
@@ -185,11 +187,7 @@ def build(config):
 
 
 def test_an_actions_log_is_capped_keeping_its_end(tmp_path: Path) -> None:
-    build = ('neuron_model(name = "m", srcs = ["m.py"], entry = "m:build", inputs = {"x": "float32[b]"})\n'
-             'neuron_buckets(name = "bk", shapes = [{"b": 1}])\n'
-             'neuron_target(name = "t", platform = "trn2")\n'
-             'neuron_compile(name = "c", model = ":m", buckets = [":bk"], target = ":t")\n')
-    ws = write_ws(tmp_path / "ws", {"pkg/BUILD": build, "pkg/m.py": LOUD_MODEL})
+    ws = write_ws(tmp_path / "ws", {"pkg/BUILD": ONE_GRAPH_BUILD, "pkg/m.py": LOUD_MODEL})
     proc = run_cli(["build", "//pkg:all", "--jobs", "1", "--cache-dir", str(tmp_path / "cache")], ws)
     assert proc.returncode == 1 and len(proc.stdout) + len(proc.stderr) < 20_000, proc.stderr[-2000:]
     logs = [p for p in (tmp_path / "cache").rglob("*.log") if p.stat().st_size > (1 << 20)]

@@ -90,7 +90,7 @@ def build(config):
 def test_farm_workers_get_their_hosts_cores_divided_among_the_dask_threads_on_it(tmp_path: Path) -> None:
     """dask-local --jobs 2: two single-thread Dask workers on one host, so each action's worker process may use
     cores // 2 compiler processes (as local --jobs 2 gives); --jobs 1: the one Dask worker gets every core."""
-    from neuronbuild.execution.env import host_cores
+    from neuronbuild.platforms import host_cores
 
     ws = write_ws(tmp_path / "ws", {"pkg/BUILD": BUILD, "pkg/m.py": THREADS_MODEL})
     for jobs in (2, 1):

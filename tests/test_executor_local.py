@@ -231,7 +231,7 @@ def test_each_worker_gets_its_share_of_the_cores_and_torch_stays_single_threaded
     """--jobs N: every worker may run cores // N compiler processes (at least 1): one worker gets the whole machine.
     Torch's own threads stay at 1 whatever --jobs is (inductor's codegen reads them: artifacts must not depend on
     --jobs). Seen from inside a real action (the model's factory reports its environment)."""
-    from neuronbuild.execution.env import host_cores
+    from neuronbuild.platforms import host_cores
 
     ws = _ws(tmp_path / "ws", {"t": ("report_threads", {"n": 8})})
     cores = host_cores()

@@ -102,7 +102,7 @@ def test_one_worker_warms_with_every_core_and_builds_the_same_bytes_as_one_core_
     headers' compiles running at once (its thread budget is every core), and every compile (forked from it, its
     wrapper and kernel objects compiled at once) uses those headers; the packages are byte-identical to a --jobs 2
     build (one core per worker, everything one at a time) in another cache."""
-    from neuronbuild.execution.env import host_cores
+    from neuronbuild.platforms import host_cores
 
     ws = _ws(tmp_path / "ws", 20)
     proc = run_cli(["build", "//pkg:m_cpu", "--jobs", "2", "--cache-dir", str(tmp_path / "c2")], ws)

@@ -266,10 +266,15 @@ def _threads_here(host_threads: dict[str, int] | None, dask_worker: Any = None) 
 
             dask_worker = get_worker()
         host = urlparse(str(dask_worker.address)).hostname or ""
-        mine = int(getattr(dask_worker.state, "nthreads", 0) or getattr(dask_worker, "nthreads", 1) or 1)
+        mine = _dask_threads(dask_worker)
     except Exception:  # noqa: BLE001 - outside a worker (tests): one worker thread
         host, mine = "", 1
     return worker_threads(max(mine, int((host_threads or {}).get(host, 0) or 0)))
+
+
+def _dask_threads(dask_worker: Any) -> int:
+    """How many threads (tasks at once) this Dask worker runs."""
+    return int(getattr(getattr(dask_worker, "state", None), "nthreads", 0) or getattr(dask_worker, "nthreads", 1) or 1)
 
 
 def _pool_key(toolchain_tmp: str | None, threads: int) -> tuple[str, int]:
@@ -302,8 +307,7 @@ def farm_prestart(toolchain_tmp: str | None, host_threads: dict[str, int], dask_
     """Runs on every Dask worker (Client.run, at the start of a build): one warm worker process per Dask worker
     thread, started now so their torch import overlaps the client's uploads. Returns how many it started."""
     threads = _threads_here(host_threads, dask_worker)
-    want = int(getattr(getattr(dask_worker, "state", None), "nthreads", 0) or getattr(dask_worker, "nthreads", 1)
-               or 1)
+    want = _dask_threads(dask_worker)
     with _POOLS_LOCK:
         have = len(_POOLS.get(_pool_key(toolchain_tmp, threads), []))
     started = 0

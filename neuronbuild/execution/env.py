@@ -7,6 +7,8 @@ import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from neuronbuild.platforms import THREADS_VAR, host_cores
+
 # Variables passed through from the caller. PATH only locates tools (g++); their versions enter fingerprints. The
 # plug-in list and path make workers see the toolchains the build planned with (their versions enter fingerprints).
 PASSTHROUGH = ("PATH", "NEURONBUILD_PLUGINS", "NEURONBUILD_PLUGIN_PATH")
@@ -48,18 +50,9 @@ def undeclared_warning(declared: Sequence[tuple[str, str | None]],
             f"declare with --action-env NAME to use {'it' if len(ignored) == 1 else 'them'} (fingerprinted)")
 
 
-# The worker's thread budget (read by toolchains/compile.compile_jobs): how many compiler processes one action may
-# run at once. Torch's own threads stay at OMP_NUM_THREADS=1: inductor's codegen reads them, and an artifact must
-# not depend on --jobs.
-THREADS_VAR = "NEURONBUILD_THREADS"
-
-
-def host_cores() -> int:
-    """The cores this process may run on (its CPU affinity, else the machine's count)."""
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except (AttributeError, OSError):
-        return max(1, os.cpu_count() or 1)
+# The worker's thread budget (THREADS_VAR, read by toolchains/compile.compile_jobs): how many compiler processes one
+# action may run at once. Torch's own threads stay at OMP_NUM_THREADS=1: inductor's codegen reads them, and an
+# artifact must not depend on --jobs.
 
 
 def worker_threads(workers: int, cores: int | None = None) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -20,9 +21,7 @@ def _check(a: Mapping[str, Any]) -> None:
         raise AttrError("exactly one of 'dims' and 'shapes' must be given")
     if a.get("dims") is not None:
         sizes = [len(v) for v in a["dims"].values()]
-        n = 1
-        for k in sizes:
-            n *= k
+        n = math.prod(sizes)
         if n > MAX_BUCKETS:
             raise AttrError(f"neuron_buckets 'dims' give {n} buckets (the cross product {' x '.join(map(str, sizes))}),"
                             f" more than the limit of {MAX_BUCKETS}")

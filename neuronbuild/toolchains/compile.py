@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from neuronbuild.platforms import THREADS_VAR, host_cores
 from neuronbuild.toolchains.errors import ToolchainError
 from neuronbuild.toolchains.model_import import example_inputs
 from neuronbuild.toolchains.passes import apply_passes
@@ -150,26 +151,14 @@ def inductor_cache_dir(isa: str) -> Path:
     return toolchain_scratch() / "neuronbuild-inductor" / f"torch-{torch.__version__}-{isa}-{INDUCTOR_FLAGS_VERSION}"
 
 
-# The executor's thread budget for this process (execution/env.py sets it in every worker's environment: the
-# machine's cores / workers, at least 1); unset: 1.
-THREADS_VAR = "NEURONBUILD_THREADS"
-
-
 def compile_jobs() -> int:
     """How many C++ compiler processes one compile (or warm-up) in this process may run at once: the worker's thread
-    budget. Only the compiler's concurrency follows it, never codegen (torch's own thread count, which inductor's
+    budget (THREADS_VAR, set by execution/env.py in every worker's environment; unset: 1). Only the compiler's concurrency follows it, never codegen (torch's own thread count, which inductor's
     codegen reads, stays at OMP_NUM_THREADS=1 in workers: artifacts must not depend on --jobs)."""
     try:
         return max(1, int(os.environ.get(THREADS_VAR) or 1))
     except ValueError:
         return 1
-
-
-def _host_cores() -> int:
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except (AttributeError, OSError):
-        return max(1, os.cpu_count() or 1)
 
 
 @contextmanager
@@ -222,7 +211,7 @@ def warm_up_cpu(isa: str) -> dict[str, Any]:
         # share (every compile waits for them: a few seconds of oversubscription beside the traces cost less than
         # a serial critical path). The threads only wait for g++ and are joined before returning (workers fork
         # after this).
-        jobs = min(_host_cores(), len(wanted))
+        jobs = min(host_cores(), len(wanted))
         if jobs > 1:
             from concurrent.futures import ThreadPoolExecutor
 
