@@ -173,3 +173,21 @@ def test_builds_killed_at_random_moments_and_during_stores_leave_no_partial_entr
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert (ws / "neuronbuild-out/pkg/c/manifest.json").is_file()
     _verify_clean(cache, *remote)
+
+
+def test_materialising_leaves_a_concurrent_builds_copy_in_flight_but_prunes_stale_ones(tmp_path: Path) -> None:
+    # Two builds of one workspace materialise the same target: one build's prune must not delete the temporary copy
+    # the other is about to rename onto its output; a crashed build's old temporary copy and stray files still go.
+    from neuronbuild.cache.cas import COPY_TEMP_PREFIX
+    from neuronbuild.packaging.materialize import IN_FLIGHT_S, _prune
+
+    bucket = tmp_path / "out" / "batch1"
+    bucket.mkdir(parents=True)
+    (bucket / "model.hlo.pb").write_bytes(b"kept")
+    fresh, stale, stray = bucket / f"{COPY_TEMP_PREFIX}fresh", bucket / f"{COPY_TEMP_PREFIX}stale", bucket / "old.neff"
+    for p in (fresh, stale, stray):
+        p.write_bytes(b"x")
+    old = time.time() - IN_FLIGHT_S - 60
+    os.utime(stale, (old, old))
+    _prune(tmp_path / "out", {"batch1/model.hlo.pb"})
+    assert sorted(p.name for p in bucket.iterdir()) == sorted(["model.hlo.pb", fresh.name])

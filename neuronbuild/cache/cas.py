@@ -21,6 +21,10 @@ from neuronbuild.digests import copy_hashing
 _CHUNK = 4 << 20
 
 
+# copy_out's in-flight temporary files, next to their destination until renamed onto it.
+COPY_TEMP_PREFIX = ".nb-"
+
+
 def _umask() -> int:
     try:  # Linux: read it without changing it (os.umask would, for a moment, for every thread)
         with open("/proc/self/status", encoding="ascii", errors="replace") as f:
@@ -172,7 +176,7 @@ class BlobStore:
         """Copy a blob to `dest` atomically, verifying its digest on the way; a corrupt blob is evicted."""
         src = self.path(digest)
         dest.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=".nb-")
+        fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=COPY_TEMP_PREFIX)
         try:
             os.fchmod(fd, umask_mode())  # outputs users see follow the umask, like any file they would write
             with os.fdopen(fd, "wb") as out, open(src, "rb") as f:

@@ -8,18 +8,21 @@ from __future__ import annotations
 import contextlib
 import json
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
 from neuronbuild import FORMAT_VERSION
 from neuronbuild.analysis.planner import ActionGraph, CompileTarget
 from neuronbuild.atomic import atomic_write_bytes
-from neuronbuild.cache.cas import umask_mode
+from neuronbuild.cache.cas import COPY_TEMP_PREFIX, umask_mode
 from neuronbuild.cache.local import LocalCache
 from neuronbuild.workspace import OUTPUT_DIR
 
 MANIFEST = "manifest.json"
 STAGING = ".tmp"
+# A copy in flight younger than this may be a concurrent build's, about to be renamed onto its output: left alone.
+IN_FLIGHT_S = 3600
 
 
 def target_dir(root: Path, ct: CompileTarget) -> Path:
@@ -33,7 +36,9 @@ def _traced_outputs(cache: LocalCache, trace_fp: str) -> list[Any]:
 
 
 def _prune(out: Path, keep: set[str]) -> None:
-    """Remove everything under `out` whose relative path is not in `keep` (nor a directory on the way to one)."""
+    """Remove everything under `out` whose relative path is not in `keep` (nor a directory on the way to one), except
+    recent in-flight copies (a concurrent build materialising the same target renames them onto its outputs)."""
+    recent = time.time() - IN_FLIGHT_S
     dirs = {str(p) for k in keep for p in (Path(k), *Path(k).parents)}
     for dirpath, dirnames, filenames in list(_walk(out)):
         rel_dir = dirpath.relative_to(out)
@@ -49,6 +54,8 @@ def _prune(out: Path, keep: set[str]) -> None:
             rel = str(rel_dir / f) if str(rel_dir) != "." else f
             if rel not in keep:
                 with contextlib.suppress(FileNotFoundError):
+                    if f.startswith(COPY_TEMP_PREFIX) and (dirpath / f).lstat().st_mtime > recent:
+                        continue
                     (dirpath / f).unlink()
 
 
