@@ -94,13 +94,23 @@ class Estimator:
 
 
 def wall_time(graph: nx.DiGraph, todo: Sequence[Action], seconds: Mapping[str, float], jobs: int) -> float:
-    """Greedy list schedule of `todo` on `jobs` workers in dependency order."""
+    """Greedy list schedule of `todo` on `jobs` workers in dependency order (each action on the worker free first,
+    the lowest-numbered of those free at the same time)."""
+    import heapq
+
     need = {a.fingerprint for a in todo}
     finish: dict[str, float] = {}
-    workers = [0.0] * max(1, jobs)
+    workers = [(0.0, i) for i in range(max(1, jobs))]  # (free at, worker): a heap
+    pred = graph._pred  # (the adjacency dicts: no view object per action)
     for a in todo:  # todo is topologically ordered
-        ready = max((finish[d] for d in graph.predecessors(a.fingerprint) if d in need), default=0.0)
-        i = min(range(len(workers)), key=workers.__getitem__)
-        start = max(ready, workers[i])
-        finish[a.fingerprint] = workers[i] = start + seconds.get(a.fingerprint, 0.0)
+        fp = a.fingerprint
+        ready = 0.0
+        for d in pred[fp]:
+            if d in need:
+                f = finish[d]
+                if f > ready:
+                    ready = f
+        free, i = heapq.heappop(workers)
+        end = finish[fp] = (ready if ready > free else free) + seconds.get(fp, 0.0)
+        heapq.heappush(workers, (end, i))
     return max(finish.values(), default=0.0)

@@ -171,8 +171,7 @@ class AnalysisContext:
         self.graph = graph
         self.settings = settings
         self.common: dict[str, Any] = {"env": settings.env_record()} if settings.action_env else {}
-        self.actions: dict[str, Action] = {}
-        self.g = nx.DiGraph()
+        self.actions: dict[str, Action] = {}  # (the graph's edges are made once at the end: action_digraph)
         self.compiles: list[CompileTarget] = _Compiles(self)
         self.bundles: dict[Label, BundleInfo] = _Bundles(self)
         self._providers: dict[Label, Any] = {}
@@ -308,11 +307,14 @@ class AnalysisContext:
     def _replay(self, m: _Memo) -> Any:
         """Redo what the memoised analysis did, in its order (its own events only; dependencies replay theirs)."""
         frames, self._frames = self._frames, []  # nothing replayed is an event of the analysis asking for it
+        actions = self.actions
         try:
             for ev in m.events:
                 kind = ev[0]
                 if kind == "add":
-                    self.add(ev[1])
+                    a = ev[1]
+                    if a.fingerprint not in actions:  # (add() inlined: 300,000 of these at monorepo scale)
+                        actions[a.fingerprint] = a
                 elif kind == "dep":
                     self.provider(ev[1])
                 elif kind == "compile":
@@ -327,12 +329,10 @@ class AnalysisContext:
         """Register an action (once per fingerprint) with edges from the actions it reads outputs of."""
         if self._frames:
             self._frames[-1].events.append(("add", action))
-        if action.fingerprint not in self.actions:
-            self.actions[action.fingerprint] = action
-            self.g.add_node(action.fingerprint)
-            for dep in action.deps:
-                self.g.add_edge(dep, action.fingerprint)
-        return self.actions[action.fingerprint]
+        known = self.actions.get(action.fingerprint)
+        if known is None:
+            known = self.actions[action.fingerprint] = action
+        return known
 
     def trace(self, model: ModelInfo, bucket: Bucket) -> Action:
         """The trace of `model` at `bucket`: one per (model, bucket), shared by every compile that needs it."""
@@ -377,4 +377,27 @@ def plan(graph: TargetGraph, settings: PlanSettings | None = None, memo: Analysi
     for lbl in graph.requested:
         if plugins.rule(graph.targets[lbl].kind).plans_actions:
             ctx.provider(lbl)
-    return ActionGraph(ctx.actions, ctx.g, tuple(ctx.compiles), dict(ctx.bundles))
+    return ActionGraph(ctx.actions, action_digraph(ctx.actions), tuple(ctx.compiles), dict(ctx.bundles))
+
+
+def action_digraph(actions: Mapping[str, Action]) -> nx.DiGraph:
+    """The producer -> consumer graph of `actions` (in their order): the graph `add_node(fp)` then `add_edge(dep, fp)`
+    per action in order makes, built directly in networkx's adjacency dicts (a tenth of the cost at 160,000 actions)."""
+    g = nx.DiGraph()
+    node: dict[str, dict[str, Any]] = {}
+    succ: dict[str, dict[str, dict[str, Any]]] = {}
+    pred: dict[str, dict[str, dict[str, Any]]] = {}
+    for fp, a in actions.items():
+        if fp not in node:
+            node[fp], succ[fp], pred[fp] = {}, {}, {}
+        p = pred[fp]
+        for dep in a.deps:
+            if dep not in node:  # (a dependency registered after its consumer: add_edge adds it as a node)
+                node[dep], succ[dep], pred[dep] = {}, {}, {}
+            s = succ[dep]
+            if fp not in s:
+                s[fp] = p[dep] = {}
+    g._node = node
+    g._adj = succ  # (networkx's descriptor sets _succ too and resets its cached views)
+    g._pred = pred
+    return g
