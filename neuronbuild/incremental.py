@@ -95,6 +95,21 @@ class PeekMemo:
         self.root = str(layout_root)
         self.state: dict[str, int | None] = {}
         self.verdicts: dict[str, tuple[bool, tuple[tuple[str, int], ...]]] = {}
+        self.listings: dict[str, frozenset[str] | None] = {}  # this command's listings of record shards `ac/<xx>`
+
+    def listed(self, shard: str) -> frozenset[str] | None:
+        """The names in record shard `ac/<shard>` (listed once per command, after its state was taken: a record
+        appearing later changes the state the next command sees); None if it cannot be listed."""
+        names = self.listings.get(shard, _UNLISTED)
+        if names is _UNLISTED:
+            try:
+                names = frozenset(os.listdir(f"{self.root}/ac/{shard}"))
+            except FileNotFoundError:
+                names = frozenset()
+            except OSError:
+                names = None
+            self.listings[shard] = names
+        return names  # type: ignore[return-value]
 
     def refresh(self) -> None:
         now = time.time_ns()
@@ -110,11 +125,13 @@ class PeekMemo:
                     m = None
                 state[d] = None if m is not None and m >= now - digests.RACY_NS else m
         self.state = state
+        self.listings = {}
         if len(self.verdicts) > _MAX_PEEKS:
             self.verdicts.clear()
 
 
 _MAX_PEEKS = 2_000_000
+_UNLISTED: Any = object()
 _peeks: dict[str, PeekMemo] = {}
 
 
@@ -134,7 +151,11 @@ class _PeekingCache:
         v = memo.verdicts.get(fp)
         if v is not None and all(state.get(d) == m for d, m in v[1]):
             return v[0]
-        res, bad = self._cache.lookup_local(fp)
+        names = memo.listed(fp[:2])
+        if names is not None and f"{fp}.json" not in names:
+            res, bad = None, []  # no record (a first plan of 100,000 actions: no failed open per action)
+        else:
+            res, bad = self._cache.lookup_local(fp)
         verdict = res is not None and not bad
         dirs = [f"ac/{fp[:2]}"]
         if res is not None:

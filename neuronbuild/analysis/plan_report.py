@@ -69,9 +69,23 @@ class PlanReport:
                          "unknown": self.unknown},
         }
 
+    @staticmethod
+    def _cells(te: Estimate | None, ce: Estimate | None, trace_cached: bool, compile_cached: bool) -> str:
+        """A matrix row's status and estimate columns."""
+        if te is None and ce is None:
+            shown = "-"
+        else:
+            est = (te.seconds or 0.0 if te is not None else 0.0) + (ce.seconds or 0.0 if ce is not None else 0.0)
+            unknown = (te is not None and not te.recorded) or (ce is not None and not ce.recorded)
+            shown = f"~{est:.1f} s" if unknown else f"{est:.1f} s"
+        ts = CACHED if trace_cached else BUILD if te is not None else UNNEEDED
+        cs = CACHED if compile_cached else BUILD if ce is not None else UNNEEDED
+        return f"{ts:<7} {cs:<7} {shown}"
+
     def lines(self) -> list[str]:
         out: list[str] = []
         estimates, cached, trace_of = self.estimates, self.cached, self.ag.trace_of
+        seen: dict[tuple[int, int, bool, bool], str] = {}
         for ct in self.ag.compiles:
             opts = " ".join(f"{k}={','.join(v) if isinstance(v, list) else v}" for k, v in ct.options.items()
                             if v not in (None, []))
@@ -81,15 +95,11 @@ class PlanReport:
             for bucket, fp in ct.buckets:  # (inlined status(): 100,000s of rows at monorepo scale)
                 trace_fp = trace_of(fp).fingerprint
                 te, ce = estimates.get(trace_fp), estimates.get(fp)
-                if te is None and ce is None:
-                    shown = "-"
-                else:
-                    est = (te.seconds or 0.0 if te is not None else 0.0) + (ce.seconds or 0.0 if ce is not None else 0.0)
-                    unknown = (te is not None and not te.recorded) or (ce is not None and not ce.recorded)
-                    shown = f"~{est:.1f} s" if unknown else f"{est:.1f} s"
-                ts = CACHED if trace_fp in cached else BUILD if te is not None else UNNEEDED
-                cs = CACHED if fp in cached else BUILD if ce is not None else UNNEEDED
-                out.append(f"  {str(bucket):<{width}}  {ts:<7} {cs:<7} {shown}")
+                key = (id(te), id(ce), trace_fp in cached, fp in cached)  # (estimates are shared: few distinct rows)
+                cells = seen.get(key)
+                if cells is None:
+                    cells = seen[key] = self._cells(te, ce, key[2], key[3])
+                out.append(f"  {str(bucket):<{width}}  {cells}")
         n = len(self.todo)
         line = (f"{len(self.ag.actions)} actions: {n} to execute, {len(self.cached)} cached")
         if n:

@@ -113,15 +113,17 @@ class CacheHistory:
         return known
 
     def _group_listed(self, identity: str) -> bool:
-        group = identity_group(identity)
-        h = self._group_h.get(group)
-        if h is None:
-            h = self._group_h[group] = _h(group)
         if self._groups is None:
             try:
                 self._groups = frozenset(os.listdir(self.index.dir))
             except OSError:
                 self._groups = frozenset()
+        if not self._groups:
+            return False  # nothing recorded at all (a first plan): no digest per identity
+        group = identity_group(identity)
+        h = self._group_h.get(group)
+        if h is None:
+            h = self._group_h[group] = _h(group)
         return h in self._groups
 
     def result(self, fp: str) -> PastResult | None:

@@ -52,8 +52,25 @@ def check_target_name(name: str) -> None:
     _check_name(name, f":{name}")
 
 
+_PARSED: dict[tuple[str, str], Label] = {}  # parse_label's answers (a pure function; labels repeat 100,000s of times)
+_PARSED_MAX = 1 << 18
+
+
 def parse_label(text: str, current_package: str) -> Label:
     """Parse `text` relative to `current_package` (for `:name` and bare `name`)."""
+    if type(text) is str and type(current_package) is str:
+        known = _PARSED.get((text, current_package))
+        if known is not None:
+            return known
+        lbl = _parse_label(text, current_package)
+        if len(_PARSED) >= _PARSED_MAX:
+            _PARSED.clear()
+        _PARSED[(text, current_package)] = lbl
+        return lbl
+    return _parse_label(text, current_package)
+
+
+def _parse_label(text: str, current_package: str) -> Label:
     if not isinstance(text, str) or not text:
         raise LabelError(f"invalid label {text!r}")
     repo = ""

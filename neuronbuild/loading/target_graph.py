@@ -53,12 +53,17 @@ class TargetGraph:
     requested: tuple[Label, ...] = ()
 
     def label_deps(self, target: Target) -> list[tuple[str, Label]]:
-        """(attribute, label) for every rule-target reference of `target` (source files excluded)."""
+        """(attribute, label) for every rule-target reference of `target` (source files excluded); kept in the
+        (frozen) Target, which the build server's load cache hands out unchanged from one command to the next."""
+        known = target.__dict__.get("_label_deps")
+        if known is not None:
+            return known  # type: ignore[no-any-return]
         out: list[tuple[str, Label]] = []
         for a in RULES[target.kind].attrs:
             if a.kinds and "file" not in a.kinds and target.attrs.get(a.name) is not None:
                 for lbl in label_values(target.attrs[a.name]):
                     out.append((a.name, lbl))
+        target.__dict__["_label_deps"] = out
         return out
 
 
