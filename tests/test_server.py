@@ -458,19 +458,21 @@ def test_memoised_analysis_plans_what_a_fresh_analysis_plans_over_edits_it_could
         m = incremental.analysis_memo(ctx.workspace.root, ctx.settings) if memo else None
         ag = planner.plan(graph, ctx.settings, m)  # memo None: a fresh analysis, as in batch mode
         counts = (m.reused, m.analysed) if m is not None else (0, 0)
+        # the whole graph: actions in registration order, every edge in networkx's order, the topological order
         return ([a.fingerprint for a in ag.topological()], [(str(c.label), c.buckets, c.options) for c in ag.compiles],
-                sorted(map(str, ag.bundles)), counts)
+                sorted(map(str, ag.bundles)), list(ag.actions), list(ag.graph.nodes), list(ag.graph.edges),
+                [list(ag.graph.predecessors(fp)) for fp in ag.actions], counts)
 
     incremental.keep_in_memory(True)
     try:
         first = plan(True)
-        assert first[3][0] == 0 and first[3][1] > 0
+        assert first[-1][0] == 0 and first[-1][1] > 0
 
         def same(**flags: Any) -> tuple[int, int]:
             time.sleep(0.05)  # out of the racy window of the edit
             warm, fresh = plan(True, **flags), plan(False, **flags)
-            assert warm[:3] == fresh[:3]
-            return warm[3]
+            assert warm[:-1] == fresh[:-1]
+            return warm[-1]
 
         pkg = [ws / gen_monorepo.package_name(i) for i in range(4)]
         reused, analysed = same()  # nothing changed: everything replayed
@@ -525,5 +527,74 @@ def test_memoised_analysis_plans_what_a_fresh_analysis_plans_over_edits_it_could
         same(action_env=["FOO=1"])
         same(toolchain=["torch=9.9"])
         assert same()[1] == 0  # the original settings' memo is still there
+    finally:
+        incremental.keep_in_memory(False)
+
+
+def test_the_servers_plan_report_equals_a_fresh_one_as_the_cache_and_workspace_change(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`plan` as the server makes it (memoised analysis, peek verdicts memoised per cache shard, answered from shard
+    listings) against `plan` as a batch command makes it (fresh analysis, every record opened): the same matrix
+    text and JSON report after results are stored (cached and unneeded cells, recorded durations), a record and a
+    blob go, a bucket list is edited and a package is deleted."""
+    from neuronbuild import incremental
+    from neuronbuild.analysis import planner
+    from neuronbuild.analysis.plan_report import plan_report
+    from neuronbuild.context import make_context
+    from neuronbuild.execution.scheduler import needed_actions
+
+    ws = tmp_path / "ws"
+    gen_monorepo.generate(ws, 16, 2, 2)
+    monkeypatch.chdir(ws)
+    cache_dir = tmp_path / "cache"
+
+    def report(server: bool) -> tuple[list[str], Any, Any]:
+        ctx = make_context(cache_dir=str(cache_dir))
+        graph = ctx.load(["//..."])
+        m = incremental.analysis_memo(ctx.workspace.root, ctx.settings) if server else None
+        ag = planner.plan(graph, ctx.settings, m)
+        cache = ctx.open_cache()
+        todo, cached = needed_actions(ag, incremental.peeking(cache) if server else cache, probe=True)
+        r = plan_report(ag, todo, cached, ctx.history(cache), 2)
+        return r.lines(), r.to_json(), ag
+
+    def same() -> Any:
+        time.sleep(0.05)  # out of the racy window of the last change
+        (wl, wj, ag), (fl, fj, _ag) = report(True), report(False)
+        assert wl == fl
+        assert wj == fj
+        return ag
+
+    incremental.keep_in_memory(True)
+    try:
+        ag = same()
+        same()  # the verdicts memoised by the first plan, reused
+        # results stored for one trace (with its lowerings) and for one compile: cached and unneeded cells, and
+        # the recorded durations become the estimates of that trace's other actions
+        out = tmp_path / "out"
+        out.mkdir()
+        cache = make_context(cache_dir=str(cache_dir)).open_cache()
+        trace = next(a for a in ag.topological() if a.kind == "trace")
+        lowered = [ag.actions[fp] for fp in ag.graph.successors(trace.fingerprint)]
+        compiled = ag.actions[next(iter(ag.graph.successors(lowered[0].fingerprint)))]
+        stored = []
+        for i, a in enumerate([trace, *lowered, compiled]):
+            for name in a.outputs:
+                (out / name).write_bytes(f"{a.fingerprint} {name}".encode())
+            stored.append(cache.store_outputs(a.fingerprint, a.identity, dict(a.record), out, a.outputs, 1.5 + i, {}))
+        ag = same()
+        lines = report(True)[0]
+        assert any(" cached " in ln for ln in lines) and "1.5 s" in "\n".join(lines)
+        # a record deleted, then a blob of another stored result (the memoised verdicts of their shards go)
+        cache.actions.path(compiled.fingerprint).unlink()
+        same()
+        blob = next(iter(stored[1].outputs.values())).digest
+        cache.blobs.path(blob).unlink()
+        same()
+        # a bucket-list edit, then a package deleted
+        gen_monorepo.edit_one_bucket_list(ws, 0, 2, 40)
+        same()
+        shutil.rmtree(ws / gen_monorepo.package_name(3))
+        same()
     finally:
         incremental.keep_in_memory(False)

@@ -65,8 +65,8 @@ class Estimator:
         group = list(self.history.group(action.identity))
         if group:
             return Estimate(_mean(group), f"mean of {len(group)} other bucket(s) of this target")
-        kind, platform = _kind_platform(action.identity)
-        key = (kind, platform, action.kind, action.toolchain)
+        kind, platform = action.kind, action.platform  # (= _kind_platform(action.identity), without parsing it)
+        key = (kind, platform, kind, action.toolchain)
         known = self._fallback.get(key)  # the same for every action of a class: made once (100,000s at scale)
         if known is None:
             known = self._fallback[key] = self._class_estimate(action, kind, platform)
@@ -94,8 +94,7 @@ class Estimator:
 
 
 def wall_time(graph: nx.DiGraph, todo: Sequence[Action], seconds: Mapping[str, float], jobs: int) -> float:
-    """Greedy list schedule of `todo` on `jobs` workers in dependency order (each action on the worker free first,
-    the lowest-numbered of those free at the same time)."""
+    """Greedy list schedule of `todo` on `jobs` workers in dependency order (each action on the worker free first)."""
     import heapq
 
     need = {a.fingerprint for a in todo}

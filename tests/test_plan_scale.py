@@ -1,0 +1,131 @@
+"""The plan's fast paths at monorepo scale against the straightforward code they replace: the action graph built in
+networkx's adjacency dicts is the graph add_node/add_edge per registration makes (same nodes, edges and orders), the
+wall-time estimate is the greedy list schedule, and the plan matrix text renders every cell as it did row by row."""
+
+from __future__ import annotations
+
+import random
+import sys
+from pathlib import Path
+from typing import Any
+
+import networkx as nx
+import pytest
+from helpers import REPO
+
+from neuronbuild.analysis.estimate import Estimate, wall_time
+from neuronbuild.analysis.plan_report import BUILD, CACHED, UNNEEDED, PlanReport
+
+sys.path.insert(0, str(REPO / "benchmarks"))
+import gen_monorepo  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def action_graph(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    from neuronbuild.analysis.planner import plan
+    from neuronbuild.loading.target_graph import load_targets
+
+    ws = tmp_path_factory.mktemp("ws")
+    gen_monorepo.generate(ws, 24, 3, 3)
+    return plan(load_targets(ws, ["//..."]))
+
+
+def test_the_action_graph_is_the_graph_networkx_makes_per_registration(action_graph: Any) -> None:
+    ag = action_graph
+    ref = nx.DiGraph()
+    for fp, a in ag.actions.items():
+        ref.add_node(fp)
+        for dep in a.deps:
+            ref.add_edge(dep, fp)
+    g = ag.graph
+    assert list(g.nodes) == list(ref.nodes) == list(ag.actions)
+    assert list(g.edges) == list(ref.edges) and len(g.edges) > len(g.nodes) / 2
+    assert all(list(g.predecessors(n)) == list(ref.predecessors(n)) and
+               list(g.successors(n)) == list(ref.successors(n)) for n in ref)
+    assert [a.fingerprint for a in ag.topological()] == list(nx.lexicographical_topological_sort(ref))
+    g.add_edge("x", "y")  # still an ordinary graph: networkx's own updates keep both directions
+    assert list(g.predecessors("y")) == ["x"] and g.in_degree("y") == 1
+
+
+def _greedy(graph: nx.DiGraph, todo: list[Any], seconds: dict[str, float], jobs: int) -> float:
+    """The schedule as it was first written: each action on the first worker free, after its needed deps."""
+    need = {a.fingerprint for a in todo}
+    finish: dict[str, float] = {}
+    workers = [0.0] * max(1, jobs)
+    for a in todo:
+        ready = max((finish[d] for d in graph.predecessors(a.fingerprint) if d in need), default=0.0)
+        i = min(range(len(workers)), key=workers.__getitem__)
+        start = max(ready, workers[i])
+        finish[a.fingerprint] = workers[i] = start + seconds.get(a.fingerprint, 0.0)
+    return max(finish.values(), default=0.0)
+
+
+def test_the_wall_time_estimate_is_the_greedy_list_schedule(action_graph: Any) -> None:
+    ag = action_graph
+    order = ag.topological()
+    rng = random.Random(7)
+    for trial in range(12):
+        todo = [a for a in order if rng.random() < 0.8]
+        # whole seconds make ties (two workers free at once, two deps finishing together) common
+        seconds = {a.fingerprint: float(rng.randint(0, 3)) if trial % 2 else rng.random() * 10 for a in todo}
+        for jobs in (1, 2, 3, 8):
+            assert wall_time(ag.graph, todo, seconds, jobs) == _greedy(ag.graph, todo, seconds, jobs)
+
+
+def _reference_lines(r: PlanReport) -> list[str]:
+    """The plan matrix rendered row by row, each cell computed from the report's status() and estimates."""
+    out: list[str] = []
+    for ct in r.ag.compiles:
+        opts = " ".join(f"{k}={','.join(v) if isinstance(v, list) else v}" for k, v in ct.options.items()
+                        if v not in (None, []))
+        out.append(f"{ct.label}  {ct.description}  {opts}".rstrip())
+        width = max([len("bucket"), *(len(str(b)) for b, _fp in ct.buckets)])
+        out.append(f"  {'bucket':<{width}}  {'trace':<7} {'compile':<7} est.")
+        for bucket, fp in ct.buckets:
+            trace_fp = r.ag.trace_of(fp).fingerprint
+            te, ce = r.estimates.get(trace_fp), r.estimates.get(fp)
+            if te is None and ce is None:
+                shown = "-"
+            else:
+                est = sum((e.seconds or 0.0) for e in (te, ce) if e is not None)
+                unknown = any(e is not None and not e.recorded for e in (te, ce))
+                shown = f"~{est:.1f} s" if unknown else f"{est:.1f} s"
+            out.append(f"  {str(bucket):<{width}}  {r.status(trace_fp):<7} {r.status(fp):<7} {shown}")
+    return out
+
+
+def test_the_plan_matrix_renders_each_cell_as_row_by_row(action_graph: Any) -> None:
+    ag = action_graph
+    order = ag.topological()
+    rng = random.Random(3)
+    shared = [Estimate(4.0, "default", recorded=False), Estimate(2.5, "class mean")]  # shared, as the estimator's
+    for _ in range(6):
+        cached = frozenset(a.fingerprint for a in order if rng.random() < 0.3)
+        todo = tuple(a for a in order if a.fingerprint not in cached and rng.random() < 0.8)
+        estimates = {a.fingerprint: rng.choice(shared) if rng.random() < 0.5 else
+                     Estimate(round(rng.random() * 9, 2), "own", recorded=rng.random() < 0.7) for a in todo}
+        r = PlanReport(ag, todo, cached, estimates, 2)
+        lines = r.lines()
+        assert lines[:-1] == _reference_lines(r)
+        cells = {c for ln in lines[:-1] for c in (BUILD, CACHED, UNNEEDED) if f" {c} " in ln}
+        assert cells == {BUILD, CACHED, UNNEEDED}
+
+
+def test_a_missing_dependency_becomes_a_node_as_add_edge_makes_it(tmp_path: Path) -> None:
+    from neuronbuild.analysis.actions import Action, Bucket, DepInput
+    from neuronbuild.analysis.planner import action_digraph
+    from neuronbuild.loading.labels import Label
+
+    def act(fp: str, *deps: str) -> Action:
+        return Action(fp, "compile", Label("p", "t"), Bucket(()), {}, {},
+                      dep_inputs=tuple(DepInput(d, "o", "o") for d in deps))
+
+    actions = {a.fingerprint: a for a in (act("b"), act("c", "zz", "b", "b"), act("a", "c"))}
+    ref = nx.DiGraph()
+    for fp, a in actions.items():
+        ref.add_node(fp)
+        for d in a.deps:
+            ref.add_edge(d, fp)
+    g = action_digraph(actions)
+    assert list(g.nodes) == list(ref.nodes) == ["b", "c", "zz", "a"]
+    assert list(g.edges) == list(ref.edges)
