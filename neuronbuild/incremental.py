@@ -96,6 +96,37 @@ class PeekMemo:
         self.state: dict[str, int | None] = {}
         self.verdicts: dict[str, tuple[bool, tuple[tuple[str, int], ...]]] = {}
         self.listings: dict[str, frozenset[str] | None] = {}  # this command's listings of record shards `ac/<xx>`
+        self.estimates: dict[tuple[str, str], Any] = {}  # (fingerprint, identity) -> plan's Estimate
+        self._estimates_key: Any = None
+
+    def estimates_now(self) -> dict[tuple[str, str], Any] | None:
+        """`plan`'s estimates memoised by earlier commands, kept only while every record shard and the identity
+        history (its directory and each group's) are exactly as then: a stored result or a history entry written
+        since clears them. None when a directory changed within the racy window of its stat (then nothing is kept)."""
+        hist = self._history_state()
+        key = None if hist is None or any(m is None for m in self.state.values()) else \
+            (tuple(self.state.items()), hist)
+        if key is None or key != self._estimates_key or len(self.estimates) > _MAX_PEEKS:
+            self.estimates = {}
+        self._estimates_key = key
+        return self.estimates if key is not None else None
+
+    def _history_state(self) -> tuple[tuple[str, int], ...] | None:
+        """The mtimes of the identity history's directory and of each group directory in it (an entry is written by
+        an atomic rename into its group's directory), or None if one changed within the racy window."""
+        now = time.time_ns()
+        top = f"{self.root}/identities"
+        try:
+            names = sorted(os.listdir(top))
+            out = [("", os.stat(top).st_mtime_ns)]
+            out.extend((n, os.stat(f"{top}/{n}").st_mtime_ns) for n in names)
+        except FileNotFoundError:
+            return (("", -1),)  # nothing recorded yet: creating the directory changes this
+        except OSError:
+            return None
+        if any(m >= now - digests.RACY_NS for _n, m in out):
+            return None
+        return tuple(out)
 
     def listed(self, shard: str) -> frozenset[str] | None:
         """The names in record shard `ac/<shard>` (listed once per command, after its state was taken: a record
@@ -164,6 +195,12 @@ class _PeekingCache:
         if all(m is not None for _d, m in states):
             memo.verdicts[fp] = (verdict, states)  # type: ignore[assignment]
         return verdict
+
+
+def estimate_memo(cache: Any) -> dict[tuple[str, str], Any] | None:
+    """In the build server, for a cache from `peeking()`: the memo of `plan`'s estimates (PeekMemo.estimates_now);
+    None in batch mode or with a shared tier."""
+    return cache._memo.estimates_now() if isinstance(cache, _PeekingCache) else None
 
 
 def peeking(cache: Any) -> Any:

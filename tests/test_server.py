@@ -5,6 +5,7 @@ stays tiny, and the shared cache tier works through it. Every server a test star
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import re
@@ -540,6 +541,7 @@ def test_the_servers_plan_report_equals_a_fresh_one_as_the_cache_and_workspace_c
     from neuronbuild import incremental
     from neuronbuild.analysis import planner
     from neuronbuild.analysis.plan_report import plan_report
+    from neuronbuild.cache.identity_index import IdentityIndex
     from neuronbuild.context import make_context
     from neuronbuild.execution.scheduler import needed_actions
 
@@ -554,8 +556,11 @@ def test_the_servers_plan_report_equals_a_fresh_one_as_the_cache_and_workspace_c
         m = incremental.analysis_memo(ctx.workspace.root, ctx.settings) if server else None
         ag = planner.plan(graph, ctx.settings, m)
         cache = ctx.open_cache()
-        todo, cached = needed_actions(ag, incremental.peeking(cache) if server else cache, probe=True)
-        r = plan_report(ag, todo, cached, ctx.history(cache), 2)
+        peeking = incremental.peeking(cache) if server else cache
+        todo, cached = needed_actions(ag, peeking, probe=True)
+        memo = incremental.estimate_memo(peeking)
+        assert (memo is not None) == server
+        r = plan_report(ag, todo, cached, ctx.history(cache), 2, memo)
         return r.lines(), r.to_json(), ag
 
     def same() -> Any:
@@ -585,6 +590,12 @@ def test_the_servers_plan_report_equals_a_fresh_one_as_the_cache_and_workspace_c
         ag = same()
         lines = report(True)[0]
         assert any(" cached " in ln for ln in lines) and "1.5 s" in "\n".join(lines)
+        # only the identity history changes (another duration for a compile not cached: its estimate changes)
+        other = next(a for a in ag.topological() if a.kind == "compile" and a.fingerprint != compiled.fingerprint
+                     and a.identity != compiled.identity)
+        IdentityIndex(cache.root).record(dataclasses.replace(stored[-1], identity=other.identity, duration_s=7.25))
+        same()
+        assert {e["fingerprint"]: e["estimate_s"] for e in report(True)[1]["execute"]}[other.fingerprint] == 7.25
         # a record deleted, then a blob of another stored result (the memoised verdicts of their shards go)
         cache.actions.path(compiled.fingerprint).unlink()
         same()

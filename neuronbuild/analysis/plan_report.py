@@ -111,7 +111,19 @@ class PlanReport:
 
 
 def plan_report(ag: ActionGraph, todo: Sequence[Action], cached: Sequence[str], history: History,
-                jobs: int) -> PlanReport:
-    """`todo`/`cached` come from the scheduler's own needed_actions(), so the report matches what a build runs."""
+                jobs: int, memo: dict[tuple[str, str], Estimate] | None = None) -> PlanReport:
+    """`todo`/`cached` come from the scheduler's own needed_actions(), so the report matches what a build runs.
+    `memo`: the build server's estimates of earlier plans, (fingerprint, identity) -> Estimate, valid for this
+    `history` (incremental.estimate_memo)."""
     est = Estimator(history)
-    return PlanReport(ag, tuple(todo), frozenset(cached), {a.fingerprint: est.estimate(a) for a in todo}, jobs)
+    if memo is None:
+        estimates = {a.fingerprint: est.estimate(a) for a in todo}
+    else:
+        estimates = {}
+        for a in todo:
+            key = (a.fingerprint, a.identity)
+            e = memo.get(key)
+            if e is None:
+                e = memo[key] = est.estimate(a)
+            estimates[a.fingerprint] = e
+    return PlanReport(ag, tuple(todo), frozenset(cached), estimates, jobs)

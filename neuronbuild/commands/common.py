@@ -83,8 +83,10 @@ def run_plan(args: argparse.Namespace) -> int:
     from neuronbuild import incremental
 
     cache = ctx.open_cache()
-    todo, cached = needed_actions(ag, incremental.peeking(cache), probe=True)
-    report = plan_report(ag, todo, cached, ctx.history(cache), args.jobs or default_jobs())
+    peeking = incremental.peeking(cache)
+    todo, cached = needed_actions(ag, peeking, probe=True)
+    report = plan_report(ag, todo, cached, ctx.history(cache), args.jobs or default_jobs(),
+                         incremental.estimate_memo(peeking))
     if getattr(args, "output", "text") == "json":
         print(json.dumps(report.to_json(), indent=1, sort_keys=True))
     else:
