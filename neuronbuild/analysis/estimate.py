@@ -109,7 +109,7 @@ def wall_time(graph: nx.DiGraph, todo: Sequence[Action], seconds: Mapping[str, f
                 f = finish[d]
                 if f > ready:
                     ready = f
-        free, i = heapq.heappop(workers)
+        free, i = workers[0]
         end = finish[fp] = (ready if ready > free else free) + seconds.get(fp, 0.0)
-        heapq.heappush(workers, (end, i))
+        heapq.heapreplace(workers, (end, i))
     return max(finish.values(), default=0.0)
