@@ -97,18 +97,16 @@ def wall_time(graph: nx.DiGraph, todo: Sequence[Action], seconds: Mapping[str, f
     """Greedy list schedule of `todo` on `jobs` workers in dependency order (each action on the worker free first)."""
     import heapq
 
-    need = {a.fingerprint for a in todo}
-    finish: dict[str, float] = {}
+    finish: dict[str, float] = {}  # (todo is topologically ordered: a dependency to run is in here before its user)
     workers = [(0.0, i) for i in range(max(1, jobs))]  # (free at, worker): a heap
     pred = graph._pred  # (the adjacency dicts: no view object per action)
-    for a in todo:  # todo is topologically ordered
+    for a in todo:
         fp = a.fingerprint
         ready = 0.0
         for d in pred[fp]:
-            if d in need:
-                f = finish[d]
-                if f > ready:
-                    ready = f
+            f = finish.get(d)
+            if f is not None and f > ready:
+                ready = f
         free, i = workers[0]
         end = finish[fp] = (ready if ready > free else free) + seconds.get(fp, 0.0)
         heapq.heapreplace(workers, (end, i))
