@@ -59,12 +59,13 @@ class Estimator:
         own = self.history.result(action.fingerprint)
         if own is not None:
             return Estimate(own.duration_s, "this fingerprint's recorded run")
-        latest = self.history.latest(action.identity)
-        if latest is not None:
-            return Estimate(latest.duration_s, "the last run of this action identity")
-        group = list(self.history.group(action.identity))
-        if group:
-            return Estimate(_mean(group), f"mean of {len(group)} other bucket(s) of this target")
+        if self._by_class is None or self._by_class:  # (an empty history has no identity's run or group to ask)
+            latest = self.history.latest(action.identity)
+            if latest is not None:
+                return Estimate(latest.duration_s, "the last run of this action identity")
+            group = list(self.history.group(action.identity))
+            if group:
+                return Estimate(_mean(group), f"mean of {len(group)} other bucket(s) of this target")
         kind, platform = action.kind, action.platform  # (= _kind_platform(action.identity), without parsing it)
         key = (kind, platform, kind, action.toolchain)
         known = self._fallback.get(key)  # the same for every action of a class: made once (100,000s at scale)
