@@ -180,8 +180,13 @@ class _PeekingCache:
         memo = self._memo
         state = memo.state
         v = memo.verdicts.get(fp)
-        if v is not None and all(state.get(d) == m for d, m in v[1]):
-            return v[0]
+        if v is not None:
+            dirs = v[1]
+            if len(dirs) == 1:  # (no record: its shard only, 100,000s of these in a first plan's memo)
+                if state.get(dirs[0][0]) == dirs[0][1]:
+                    return v[0]
+            elif all(state.get(d) == m for d, m in dirs):
+                return v[0]
         names = memo.listed(fp[:2])
         if names is not None and f"{fp}.json" not in names:
             res, bad = None, []  # no record (a first plan of 100,000 actions: no failed open per action)
