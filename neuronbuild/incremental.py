@@ -181,11 +181,11 @@ class _PeekingCache:
         state = memo.state
         v = memo.verdicts.get(fp)
         if v is not None:
-            dirs = v[1]
-            if len(dirs) == 1:  # (no record: its shard only, 100,000s of these in a first plan's memo)
-                if state.get(dirs[0][0]) == dirs[0][1]:
+            seen = v[1]
+            if len(seen) == 1:  # (no record: its shard only, 100,000s of these in a first plan's memo)
+                if state.get(seen[0][0]) == seen[0][1]:
                     return v[0]
-            elif all(state.get(d) == m for d, m in dirs):
+            elif all(state.get(d) == m for d, m in seen):
                 return v[0]
         names = memo.listed(fp[:2])
         if names is not None and f"{fp}.json" not in names:
