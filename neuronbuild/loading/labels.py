@@ -53,7 +53,7 @@ def check_target_name(name: str) -> None:
 
 
 _PARSED: dict[tuple[str, str], Label] = {}  # parse_label's answers (a pure function; labels repeat 100,000s of times)
-_PARSED_MAX = 1 << 18
+_PARSED_MAX = 1 << 17  # (~30 MiB at most: a 100,000-graph workspace has ~80,000 distinct)
 
 
 def parse_label(text: str, current_package: str) -> Label:
