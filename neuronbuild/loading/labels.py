@@ -24,8 +24,11 @@ class Label:
     repo: str = ""
 
     def __str__(self) -> str:
-        prefix = f"@{self.repo}" if self.repo else ""
-        return f"{prefix}//{self.package}:{self.name}"
+        s = self.__dict__.get("_text")  # memoised in the instance (frozen: written to __dict__ directly)
+        if s is None:
+            prefix = f"@{self.repo}" if self.repo else ""
+            s = self.__dict__["_text"] = f"{prefix}//{self.package}:{self.name}"
+        return str(s)
 
     @property
     def path(self) -> str:
