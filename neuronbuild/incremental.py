@@ -187,11 +187,15 @@ class _PeekingCache:
                     return v[0]
             elif all(state.get(d) == m for d, m in seen):
                 return v[0]
-        names = memo.listed(fp[:2])
-        if names is not None and f"{fp}.json" not in names:
-            res, bad = None, []  # no record (a first plan of 100,000 actions: no failed open per action)
-        else:
-            res, bad = self._cache.lookup_local(fp)
+        shard = fp[:2]
+        names = memo.listed(shard)
+        if names is not None and f"{fp}.json" not in names:  # no record (a first plan: no failed open per action)
+            d = f"ac/{shard}"
+            m = state.get(d)
+            if m is not None:
+                memo.verdicts[fp] = (False, ((d, m),))
+            return False
+        res, bad = self._cache.lookup_local(fp)
         verdict = res is not None and not bad
         dirs = [f"ac/{fp[:2]}"]
         if res is not None:
