@@ -129,3 +129,20 @@ def test_a_missing_dependency_becomes_a_node_as_add_edge_makes_it(tmp_path: Path
     g = action_digraph(actions)
     assert list(g.nodes) == list(ref.nodes) == ["b", "c", "zz", "a"]
     assert list(g.edges) == list(ref.edges)
+
+
+def test_a_cycle_in_the_action_graph_is_refused() -> None:
+    from neuronbuild.analysis.actions import Action, Bucket, DepInput
+    from neuronbuild.analysis.planner import ActionGraph, action_digraph
+    from neuronbuild.loading.labels import Label
+
+    def act(fp: str, *deps: str) -> Action:
+        return Action(fp, "compile", Label("p", "t"), Bucket(()), {}, {},
+                      dep_inputs=tuple(DepInput(d, "o", "o") for d in deps))
+
+    for actions in ({"a": act("a", "c"), "b": act("b", "a"), "c": act("c", "b", "r"), "r": act("r")},
+                    {"s": act("s", "s"), "r": act("r")}):
+        with pytest.raises(nx.NetworkXUnfeasible):
+            ActionGraph(actions, action_digraph(actions)).topological()
+    ok = {"r": act("r"), "a": act("a", "r"), "b": act("b", "a", "r")}
+    assert [a.fingerprint for a in ActionGraph(ok, action_digraph(ok)).topological()] == ["r", "a", "b"]

@@ -52,22 +52,27 @@ class ActionGraph:
         import heapq
 
         g = self.graph
-        indeg = {n: d for n, d in g.in_degree() if d}
-        ready = [n for n in g if n not in indeg]
+        pred, succ, actions = g._pred, g._succ, self.actions
+        ready = [n for n, p in pred.items() if not p]
+        waiting = {n: len(p) for n, p in pred.items() if len(p) > 1}  # (one-input actions are ready once it is)
         heapq.heapify(ready)
-        succ = g._succ
+        pop, push = heapq.heappop, heapq.heappush
         out = []
+        done = 0
         while ready:
-            n = heapq.heappop(ready)
-            out.append(self.actions[n])
+            n = pop(ready)
+            out.append(actions[n])
+            done += 1
             for s in succ[n]:
-                k = indeg[s] - 1
-                if k:
-                    indeg[s] = k
+                k = waiting.get(s)
+                if k is None:
+                    push(ready, s)
+                elif k > 1:
+                    waiting[s] = k - 1
                 else:
-                    del indeg[s]
-                    heapq.heappush(ready, s)
-        if indeg:
+                    del waiting[s]
+                    push(ready, s)
+        if done != len(pred):
             raise nx.NetworkXUnfeasible("the action graph has a cycle")
         return tuple(out)
 
