@@ -118,11 +118,14 @@ class PeekMemo:
         top = f"{self.root}/identities"
         try:
             names = sorted(os.listdir(top))
-            out = [("", os.stat(top).st_mtime_ns)]
-            out.extend((n, os.stat(f"{top}/{n}").st_mtime_ns) for n in names)
         except FileNotFoundError:
             return (("", -1),)  # nothing recorded yet: creating the directory changes this
         except OSError:
+            return None
+        try:
+            out = [("", os.stat(top).st_mtime_ns)]
+            out.extend((n, os.stat(f"{top}/{n}").st_mtime_ns) for n in names)
+        except OSError:  # (a directory gone meanwhile: changing now, nothing is kept)
             return None
         if any(m >= now - digests.RACY_NS for _n, m in out):
             return None
