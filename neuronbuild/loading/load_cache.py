@@ -83,14 +83,12 @@ class LoadCache:
             for display, digest in e.digests:
                 if digest_file(self._path(loader, display)) != digest:
                     raise LookupError(display)
-            targets = []
-            for label, kind, attrs, build_file, index in e.targets:
-                for a in RULES[kind].attrs:
-                    if "file" in a.kinds and attrs.get(a.name) is not None:
-                        vals = attrs[a.name] if isinstance(attrs[a.name], tuple) else (attrs[a.name],)
-                        for lbl in vals:
-                            loader.check_source_file(lbl, a.name)
-                targets.append((label, kind, attrs, build_file, index))
+            for _label, kind, attrs, _build_file, _index in e.targets:
+                for name in _file_attrs(kind):
+                    v = attrs.get(name)
+                    if v is not None:
+                        for lbl in v if isinstance(v, tuple) else (v,):
+                            loader.check_source_file(lbl, name)
         except (OSError, LookupError, AttrError, UserInputError):
             self.misses += 1
             return None
@@ -99,7 +97,7 @@ class LoadCache:
         if kept is not None and kept[0] is e:
             return kept[1]
         pkg = Package(package, e.build_file, tuple(Target(label, kind, MappingProxyType(attrs), build_file, index)
-                                                    for label, kind, attrs, build_file, index in targets), e.files)
+                                                    for label, kind, attrs, build_file, index in e.targets), e.files)
         self._packages[package] = (e, pkg)
         return pkg
 
@@ -127,6 +125,17 @@ class LoadCache:
                           separators=(",", ":"))  # not sorted: attribute dicts keep BUILD order (input order)
         atomic_write_bytes(self.file, data.encode(), self.file.parent, durable=False)  # a speed-up only: no fsync
         self._dirty = False
+
+
+_FILE_ATTRS: dict[str, tuple[str, ...]] = {}
+
+
+def _file_attrs(kind: str) -> tuple[str, ...]:
+    """The attributes of a rule kind that name source files (checked to exist whenever a package is reused)."""
+    names = _FILE_ATTRS.get(kind)
+    if names is None:
+        names = _FILE_ATTRS[kind] = tuple(a.name for a in RULES[kind].attrs if "file" in a.kinds)
+    return names
 
 
 def _attr_json(v: Any) -> Any:
