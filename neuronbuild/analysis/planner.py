@@ -101,6 +101,7 @@ class _Memo:
     provider: Any
     events: tuple[tuple[Any, ...], ...]  # ("dep", label, provider) | ("add", action) | ("compile", ct) | ("bundle", ...)
     files: tuple[tuple[str, str], ...]  # (path, digest) of every file its own analysis digested
+    deps: tuple[tuple[Label, Any], ...] = ()  # the ("dep", label, provider) events, in order (checked per plan)
 
 
 class AnalysisMemo:
@@ -221,7 +222,8 @@ class AnalysisContext:
             self._frames.pop()
         self.memo.analysed += 1
         if t.kind not in VOLATILE_KINDS:
-            self.memo.entries[label] = _Memo(t, p, tuple(frame.events), tuple(files))
+            self.memo.entries[label] = _Memo(t, p, tuple(frame.events), tuple(files),
+                                             tuple((ev[1], ev[2]) for ev in frame.events if ev[0] == "dep"))
             for ev in frame.events:
                 if ev[0] == "compile":
                     key = (ev[1].toolchain, ev[1].platform)
@@ -257,15 +259,12 @@ class AnalysisContext:
                 except OSError:
                     return False
             deps: list[Label] = []
-            for ev in m.events:
-                if ev[0] != "dep":
-                    continue
-                dep = ev[1]
+            for dep, seen in m.deps:
                 dt = targets.get(dep)
                 if dt is None:
                     return False
                 if dt.kind in VOLATILE_KINDS:
-                    if self.provider_fresh(dep) != ev[2]:
+                    if self.provider_fresh(dep) != seen:
                         return False
                 elif known.get(dep) is False:
                     return False
