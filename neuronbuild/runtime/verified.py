@@ -5,7 +5,8 @@ that is then used; it is used only if the digest and size match the manifest. We
 buffer (no second copy, as safetensors' own loader would make). Loaders that need a path (an AOTInductor package,
 whose shared library the C++ loader dlopens) get a private copy of the checked bytes (an anonymous memory file that
 the file is read straight into, chunk by chunk as it is hashed), so a file changed after the check cannot reach the
-loader.
+loader. A strict open that loads many packages reuses one such memory file (a Scratch, its pages allocated once up
+front): a fresh one per package spent more time page-faulting its memory in than reading and hashing the bytes.
 
 The digest: the manifest's BLAKE3 of the file when it has one (every graph artifact and weights file of bundles built
 since BLAKE3 digests entered manifests; about 3x faster than SHA-256 on one core, multi-threaded on large files),
@@ -21,6 +22,7 @@ import mmap
 import os
 import shutil
 import tempfile
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -136,11 +138,89 @@ def load_weights_verified(path: Path, ref: FileRef) -> dict[str, Any]:
     return out
 
 
+class Scratch:
+    """An anonymous memory file (Linux memfd) reused for the verified copies of successive packages: its pages are
+    allocated and mapped once (fallocate + MAP_POPULATE, on a thread of its own while the caller goes on, e.g. reading
+    the weights), not page-faulted in anew for every package. It holds one copy at a time, for as long as the
+    `verified_path` block that filled it runs: a loader must be done reading the copy when the block ends (the
+    AOTInductor loader extracts the package in its constructor), and the next copy overwrites it. Each copy is read
+    and checked in full, exactly as into a fresh memory file."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._lock = threading.Lock()
+        self._fd = -1
+        self._map: mmap.mmap | None = None
+        self._allocating = threading.Thread(target=self._allocate, name="neuronbuild-scratch", daemon=True)
+        self._allocating.start()
+
+    @classmethod
+    def create(cls, capacity: int) -> Scratch | None:
+        """A scratch file for copies of up to `capacity` bytes (its memory being allocated); None without memfd."""
+        if capacity <= 0 or not hasattr(os, "memfd_create") or not os.path.isdir("/proc/self/fd"):
+            return None
+        return cls(capacity)
+
+    def _allocate(self) -> None:
+        try:
+            fd = os.memfd_create("neuronbuild-verified", os.MFD_CLOEXEC)
+        except OSError:
+            return  # unusable: copies go to fresh memory files instead
+        try:
+            try:
+                os.posix_fallocate(fd, 0, self.capacity)  # every page allocated in one call, not one fault at a time
+            except OSError:
+                os.ftruncate(fd, self.capacity)
+            self._map = mmap.mmap(fd, self.capacity, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+            self._fd = fd
+        except (OSError, ValueError):
+            os.close(fd)
+
+    def close(self) -> None:
+        self._allocating.join()
+        with self._lock:
+            if self._map is not None:
+                self._map.close()
+                self._map = None
+                os.close(self._fd)
+
+    def __enter__(self) -> Scratch:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _take(self, ref: FileRef) -> bool:
+        """Whether a copy of `ref` can use this file now (it fits, and no other load holds it); taken if so."""
+        if ref.size > self.capacity or not self._lock.acquire(blocking=False):
+            return False
+        self._allocating.join()
+        if self._map is None:  # closed, or could not be allocated
+            self._lock.release()
+            return False
+        return True
+
+    def _fill(self, path: Path, ref: FileRef) -> Path:
+        assert self._map is not None
+        os.ftruncate(self._fd, self.capacity)  # the previous copy left the file at its own size
+        with memoryview(self._map) as whole, whole[:ref.size] as view:
+            _read_hashing(path, ref, view)
+        os.ftruncate(self._fd, ref.size)  # loaders read to the file's end (a zip's directory is there)
+        return Path(f"/proc/self/fd/{self._fd}")
+
+
 @contextlib.contextmanager
-def verified_path(path: Path, ref: FileRef, tmp_dir: Path) -> Iterator[Path]:
+def verified_path(path: Path, ref: FileRef, tmp_dir: Path, scratch: Scratch | None = None) -> Iterator[Path]:
     """A path to a private copy of the file whose bytes matched `ref`, for loaders that open a path themselves (the
-    AOTInductor package loader, which dlopens the shared library inside). Linux: an anonymous memory file
-    (memfd, /proc/self/fd/N) the file is read into; elsewhere a copy in a fresh private directory."""
+    AOTInductor package loader, which dlopens the shared library inside), valid inside the block only. Linux: an
+    anonymous memory file (memfd, /proc/self/fd/N) the file is read into, `scratch`'s when given and free, else a
+    fresh one; elsewhere a copy in a fresh private directory."""
+    if scratch is not None and scratch._take(ref):
+        try:
+            yield scratch._fill(path, ref)
+        finally:
+            scratch._lock.release()
+        return
     if hasattr(os, "memfd_create") and os.path.isdir("/proc/self/fd"):
         fd = os.memfd_create(path.name, os.MFD_CLOEXEC)
         try:
