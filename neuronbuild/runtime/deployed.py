@@ -458,12 +458,12 @@ def open_cache(root: str | Path, strict: bool | None = None, require: Iterable[s
     for p in problems:
         log.warning("neuronbuild.runtime: %s", p)
     if strict:
-        slots = [s for label in required for s in cache._slots.get(label, {}).values()]
-        cache._scratch = Scratch.create(max((s.graph.artifacts["model.pt2"].size for s in slots
+        to_load = [s for label in required for s in cache._slots.get(label, {}).values()]
+        cache._scratch = Scratch.create(max((s.graph.artifacts["model.pt2"].size for s in to_load
                                              if s.graph.format == AOTI_FORMAT and "model.pt2" in s.graph.artifacts
                                              and s.problem is None), default=0))
         try:
-            for slot in slots:
+            for slot in to_load:
                 cache._load(slot)
         finally:
             if cache._scratch is not None:
