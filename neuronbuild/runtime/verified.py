@@ -128,7 +128,7 @@ def load_weights_verified(path: Path, ref: FileRef) -> dict[str, Any]:
         count = 1
         for d in shape:
             count *= d
-        itemsize = torch.empty((), dtype=dtype).element_size()
+        itemsize = dtype.itemsize
         if min(shape, default=0) < 0 or not 0 <= start <= stop or base + stop > end or stop - start != count * itemsize:
             raise BadWeights(f"{path}: tensor {name!r}: offsets {start}..{stop} do not fit its shape or the file")
         if count == 0:
@@ -140,44 +140,39 @@ def load_weights_verified(path: Path, ref: FileRef) -> dict[str, Any]:
 
 class Scratch:
     """An anonymous memory file (Linux memfd) reused for the verified copies of successive packages: its pages are
-    allocated and mapped once (fallocate + MAP_POPULATE, on a thread of its own while the caller goes on, e.g. reading
-    the weights), not page-faulted in anew for every package. It holds one copy at a time, for as long as the
-    `verified_path` block that filled it runs: a loader must be done reading the copy when the block ends (the
-    AOTInductor loader extracts the package in its constructor), and the next copy overwrites it. Each copy is read
-    and checked in full, exactly as into a fresh memory file."""
+    allocated and mapped once (fallocate + MAP_POPULATE), not page-faulted in anew for every package. It holds one
+    copy at a time, for as long as the `verified_path` block that filled it runs: a loader must be done reading the
+    copy when the block ends (the AOTInductor loader extracts the package in its constructor), and the next copy
+    overwrites it. Each copy is read and checked in full, exactly as into a fresh memory file. (Allocating it on a
+    thread of its own while the weights are read was tried: slower, a lot under load; see docs/benchmarks.md.)"""
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, fd: int, capacity: int) -> None:
         self.capacity = capacity
+        self._fd = fd
         self._lock = threading.Lock()
-        self._fd = -1
-        self._map: mmap.mmap | None = None
-        self._allocating = threading.Thread(target=self._allocate, name="neuronbuild-scratch", daemon=True)
-        self._allocating.start()
+        self._map: mmap.mmap | None = mmap.mmap(fd, capacity, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
 
     @classmethod
     def create(cls, capacity: int) -> Scratch | None:
-        """A scratch file for copies of up to `capacity` bytes (its memory being allocated); None without memfd."""
+        """A scratch file for copies of up to `capacity` bytes, its memory allocated now; None without memfd (or when
+        it cannot be allocated: copies then go to fresh memory files)."""
         if capacity <= 0 or not hasattr(os, "memfd_create") or not os.path.isdir("/proc/self/fd"):
             return None
-        return cls(capacity)
-
-    def _allocate(self) -> None:
         try:
             fd = os.memfd_create("neuronbuild-verified", os.MFD_CLOEXEC)
         except OSError:
-            return  # unusable: copies go to fresh memory files instead
+            return None
         try:
             try:
-                os.posix_fallocate(fd, 0, self.capacity)  # every page allocated in one call, not one fault at a time
+                os.posix_fallocate(fd, 0, capacity)  # every page allocated in one call, not one fault at a time
             except OSError:
-                os.ftruncate(fd, self.capacity)
-            self._map = mmap.mmap(fd, self.capacity, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
-            self._fd = fd
+                os.ftruncate(fd, capacity)
+            return cls(fd, capacity)
         except (OSError, ValueError):
             os.close(fd)
+            return None
 
     def close(self) -> None:
-        self._allocating.join()
         with self._lock:
             if self._map is not None:
                 self._map.close()
@@ -194,8 +189,7 @@ class Scratch:
         """Whether a copy of `ref` can use this file now (it fits, and no other load holds it); taken if so."""
         if ref.size > self.capacity or not self._lock.acquire(blocking=False):
             return False
-        self._allocating.join()
-        if self._map is None:  # closed, or could not be allocated
+        if self._map is None:  # closed
             self._lock.release()
             return False
         return True
