@@ -400,7 +400,8 @@ def open_cache(root: str | Path, strict: bool | None = None, require: Iterable[s
     the `neuron` extra), counted as `emulated`; without it a Neuron graph needs a Neuron device.
     trusted_keys (default: $NEURONBUILD_TRUSTED_KEYS, a file of Ed25519 public keys): releases whose manifest is not
     signed by one of them are not served (in strict mode, a required label they hold is an error).
-    Every artifact and weights file is checked against its manifest sha256 as it is read, before it is used."""
+    Every artifact and weights file is checked against its manifest digest (BLAKE3, else SHA-256) as it is read,
+    before it is used."""
     root = Path(root)
     if emulate is None:
         emulate = os.environ.get(EMULATE_ENV, "").strip() or None

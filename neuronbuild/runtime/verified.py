@@ -154,7 +154,7 @@ class Scratch:
     copy at a time, for as long as the `verified_path` block that filled it runs: a loader must be done reading the
     copy when the block ends (the AOTInductor loader extracts the package in its constructor), and the next copy
     overwrites it. Each copy is read and checked in full, exactly as into a fresh memory file. (Allocating it on a
-    thread of its own while the weights are read was tried: slower, a lot under load; see docs/benchmarks.md.)"""
+    thread of its own while the weights are read was tried: no faster under load; see docs/benchmarks.md.)"""
 
     def __init__(self, fd: int, capacity: int) -> None:
         self.capacity = capacity
