@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from neuronbuild.atomic import atomic_write_bytes, read_own_state
-from neuronbuild.self_stamp import code_stamp
+from neuronbuild.self_stamp import checkout_dir, code_stamp
 from neuronbuild.workspace import BUILD_FILE, MARKER
 
 FORMAT = "nb-noop-1"
@@ -96,7 +96,8 @@ def _cpu_flags() -> str:
 
 def toolchain_paths() -> list[str]:
     """Paths whose stat keys change when the Python packages or the compilers that builds use change."""
-    out = [p for p in sys.path[1:] if p and os.path.isdir(p)]  # [0] is the script's or cwd's directory
+    skip = checkout_dir()  # a source checkout on sys.path: code_stamp covers what builds use of it
+    out = [p for p in sys.path[1:] if p and p != skip and os.path.isdir(p)]  # [0] is the script's or cwd's directory
     tools = list(TOOLS) + [os.environ[v] for v in ("CXX", "CC") if os.environ.get(v)]
     for t in tools:
         found = shutil.which(t)

@@ -1,24 +1,33 @@
 """Where a workspace's server lives (output base, socket, info file), its identity stamp and the wire format.
 
-Imported by the thin client: only the standard library and neuronbuild's import-free modules."""
+Imported by the thin client, which a no-op through the server is mostly made of: only built-in modules and json
+(not pathlib, typing, socket, hashlib or struct: each costs milliseconds to import, more than the no-op itself)."""
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
 import json
 import os
-import socket
-import struct
 import sys
-from pathlib import Path
-from typing import Any, NamedTuple
 
-from neuronbuild.self_stamp import code_stamp
+from neuronbuild.self_stamp import checkout_dir, code_stamp
+
+try:  # CPython's built-in SHA-256 (hashlib imports OpenSSL's binding first: milliseconds)
+    from _sha2 import sha256  # type: ignore[import-not-found]  # Python >= 3.12
+except ImportError:
+    try:
+        from _sha256 import sha256  # type: ignore[import-not-found,no-redef]
+    except ImportError:
+        from hashlib import sha256  # type: ignore[assignment]
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from pathlib import Path
+    from socket import socket
+    from typing import Any
 
 DEFAULT_MAX_IDLE_SECS = 3 * 3600
 MAX_FRAME = 64 << 20  # a frame larger than this is a protocol error
-_LEN = struct.Struct(">I")
+_LEN_SIZE = 4  # big-endian frame length
 # Commands the client hands to the server; every other command runs in the client (they are cheap or local).
 SERVER_COMMANDS = ("build", "plan", "explain", "query")
 
@@ -27,11 +36,20 @@ class ProtocolError(Exception):
     """The other side sent something that is not a frame of this protocol (or hung up mid-frame)."""
 
 
-class StartupOptions(NamedTuple):
+class StartupOptions:
     """Options fixed for a server's life (Bazel's startup options): a command asking for others replaces it."""
 
-    output_user_root: str
-    max_idle_secs: int = DEFAULT_MAX_IDLE_SECS
+    __slots__ = ("output_user_root", "max_idle_secs")
+
+    def __init__(self, output_user_root: str, max_idle_secs: int = DEFAULT_MAX_IDLE_SECS) -> None:
+        self.output_user_root = output_user_root
+        self.max_idle_secs = max_idle_secs
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, StartupOptions) and self.to_json() == other.to_json()
+
+    def __hash__(self) -> int:
+        return hash((self.output_user_root, self.max_idle_secs))
 
     def to_json(self) -> dict[str, Any]:
         return {"output_user_root": self.output_user_root, "max_idle_secs": self.max_idle_secs}
@@ -45,39 +63,43 @@ def default_output_user_root() -> str:
     return os.path.join(base, "neuronbuild-server")
 
 
-class ServerPaths(NamedTuple):
-    """The files of one workspace's server, all inside its output base (a directory only this user can enter)."""
+class ServerPaths:
+    """The files of one workspace's server, all inside its output base (a directory only this user can enter).
+    Paths are strings (the client does not import pathlib)."""
 
-    output_base: Path
-    socket: Path
+    __slots__ = ("output_base", "socket")
 
-    @property
-    def info(self) -> Path:
-        return self.output_base / "server.json"
-
-    @property
-    def log(self) -> Path:
-        return self.output_base / "server.log"
+    def __init__(self, output_base: str, socket: str) -> None:
+        self.output_base = output_base
+        self.socket = socket
 
     @property
-    def start_lock(self) -> Path:
-        return self.output_base / "start.lock"
+    def info(self) -> str:
+        return os.path.join(self.output_base, "server.json")
+
+    @property
+    def log(self) -> str:
+        return os.path.join(self.output_base, "server.log")
+
+    @property
+    def start_lock(self) -> str:
+        return os.path.join(self.output_base, "start.lock")
 
 
 def server_paths(workspace_root: Path | str, output_user_root: str) -> ServerPaths:
     """One output base per workspace (per user root), as Bazel keys its output base by the workspace's path."""
-    key = hashlib.sha256(str(workspace_root).encode()).hexdigest()[:16]
-    base = Path(output_user_root) / key
-    sock = base / "server.sock"
+    key = sha256(str(workspace_root).encode()).hexdigest()[:16]
+    base = os.path.join(output_user_root, key)
+    sock = os.path.join(base, "server.sock")
     if len(os.fsencode(sock)) > 100:  # sun_path holds 108 bytes: a deep output base gets a short socket path
-        short = hashlib.sha256(str(base).encode()).hexdigest()[:16]
-        sock = Path("/tmp") / f"neuronbuild-{os.getuid()}" / f"{short}.sock"
+        short = sha256(base.encode()).hexdigest()[:16]
+        sock = os.path.join("/tmp", f"neuronbuild-{os.getuid()}", f"{short}.sock")
     return ServerPaths(base, sock)
 
 
-def private_dir(d: Path) -> None:
+def private_dir(d: str | Path) -> None:
     """Make `d` (and parents) and insist it is this user's and mode 0700: nobody else may reach the socket."""
-    d.mkdir(parents=True, exist_ok=True, mode=0o700)
+    os.makedirs(d, mode=0o700, exist_ok=True)
     st = os.lstat(d)
     if st.st_uid != os.geteuid():
         raise PermissionError(f"{d} belongs to another user: refusing to use it for the build server")
@@ -100,14 +122,18 @@ def server_stamp(opts: StartupOptions) -> str:
     plugins = sorted((k, v) for k, v in os.environ.items() if k.startswith("NEURONBUILD_PLUGIN"))
     plugin_files = []
     for d in os.environ.get("NEURONBUILD_PLUGIN_PATH", "").split(os.pathsep):
-        with contextlib.suppress(OSError), os.scandir(d or ".") as it:
-            if d:
+        if not d:
+            continue
+        try:
+            with os.scandir(d) as it:
                 plugin_files.extend(sorted([e.path, e.stat().st_mtime_ns, e.stat().st_size] for e in it
                                            if e.name.endswith(".py")))
+        except OSError:
+            pass
     text = json.dumps({"code": code_stamp(), "python": sys.version, "exe": os.path.realpath(sys.executable),
                        "prefix": sys.prefix, "path": sys.path[1:], "tools": tools, "plugins": plugins,
                        "plugin_files": plugin_files, "opts": opts.to_json()}, sort_keys=True)
-    return hashlib.sha256(text.encode()).hexdigest()
+    return sha256(text.encode()).hexdigest()
 
 
 def _which(name: str) -> str | None:
@@ -119,8 +145,10 @@ def _which(name: str) -> str | None:
 
 
 def _toolchain_paths() -> list[str]:
-    """noop.toolchain_paths without importing noop (and shutil): sys.path entries and the compilers on PATH."""
-    out = [p for p in sys.path[1:] if p and os.path.isdir(p)]
+    """noop.toolchain_paths without importing noop (and shutil): sys.path entries (but a checkout neuronbuild runs
+    from: code_stamp covers its sources) and the compilers on PATH."""
+    skip = checkout_dir()
+    out = [p for p in sys.path[1:] if p and p != skip and os.path.isdir(p)]
     tools = ["g++", "c++", "neuronx-cc"] + [os.environ[v] for v in ("CXX", "CC") if os.environ.get(v)]
     for t in tools:
         found = t if os.sep in t and os.path.isfile(t) else _which(t)
@@ -141,12 +169,12 @@ def find_workspace_root(start: str) -> str | None:
         d = parent
 
 
-def send(sock: socket.socket, msg: dict[str, Any]) -> None:
+def send(sock: socket, msg: dict[str, Any]) -> None:
     data = json.dumps(msg, separators=(",", ":")).encode()
-    sock.sendall(_LEN.pack(len(data)) + data)
+    sock.sendall(len(data).to_bytes(_LEN_SIZE, "big") + data)
 
 
-def _exact(sock: socket.socket, n: int) -> bytes:
+def _exact(sock: socket, n: int) -> bytes:
     buf = bytearray()
     while len(buf) < n:
         chunk = sock.recv(n - len(buf))
@@ -156,9 +184,9 @@ def _exact(sock: socket.socket, n: int) -> bytes:
     return bytes(buf)
 
 
-def recv(sock: socket.socket) -> dict[str, Any]:
+def recv(sock: socket) -> dict[str, Any]:
     """One message; EOFError when the other side hung up between messages."""
-    (n,) = _LEN.unpack(_exact(sock, _LEN.size))
+    n = int.from_bytes(_exact(sock, _LEN_SIZE), "big")
     if n > MAX_FRAME:
         raise ProtocolError(f"frame of {n} bytes")
     try:
