@@ -11,7 +11,7 @@ PREFIX ?= $(HOME)/.local
 .PHONY: setup example test lint install uninstall
 setup: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "torch==2.13.0" -e ".[dev,neuron,hf]" --config-settings editable_mode=compat
