@@ -41,7 +41,7 @@ def _prune(out: Path, keep: set[str]) -> None:
     """Remove everything under `out` whose relative path is not in `keep` (nor a directory on the way to one), except
     recent in-flight copies (a concurrent build materialising the same target renames them onto its outputs)."""
     recent = time.time() - IN_FLIGHT_S
-    dirs = set()
+    dirs: set[str] = set()
     for k in keep:
         parts = k.split("/")
         dirs.update("/".join(parts[:i]) for i in range(1, len(parts)))

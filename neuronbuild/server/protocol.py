@@ -21,8 +21,8 @@ except ImportError:
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
+    from _socket import socket  # (socket.socket is a subclass)
     from pathlib import Path
-    from socket import socket
     from typing import Any
 
 DEFAULT_MAX_IDLE_SECS = 3 * 3600
