@@ -84,7 +84,7 @@ class ActionResult:
 # holds the bytes parsed then (the digest cache's rule); a record changed within RACY_NS of its read is not kept. A
 # build server looks 2,375 records up per build at 1,000 graphs: one stat each instead of an open, read and parse.
 _parsed: dict[str, tuple[tuple[int, int, int, int], ActionResult]] = {}
-_MAX_PARSED = 500_000
+_MAX_PARSED = 20_000  # ~6 KiB each (a record holds its action's full input record): at most ~120 MiB
 RACY_NS = 20_000_000  # as analysis/digests.py: twice the kernel's coarse timestamp clock tick
 
 
@@ -130,9 +130,8 @@ class ActionCache:
         if res.fingerprint != fp:
             return None
         self.mtimes[fp] = st.st_mtime_ns
-        if max(st.st_mtime_ns, st.st_ctime_ns) < time.time_ns() - RACY_NS:
-            if len(_parsed) >= _MAX_PARSED:
-                _parsed.clear()
+        if max(st.st_mtime_ns, st.st_ctime_ns) < time.time_ns() - RACY_NS and \
+                (p in _parsed or len(_parsed) < _MAX_PARSED):  # full: the records kept first stay kept
             _parsed[p] = ((st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns), res)
         return res
 

@@ -59,13 +59,12 @@ def _signature(st: os.stat_result) -> str:
 # they had then. A blob with the same signature now passes `check` without reading its stamp again: the same test the
 # stamp makes (a build server checks ~7,000 blobs per build at 1,000 graphs: one stat each).
 _verified: dict[str, str] = {}
-_MAX_VERIFIED = 1_000_000
+_MAX_VERIFIED = 200_000  # ~250 bytes each: at most ~50 MiB
 
 
 def _remember(path: str, sig: str) -> None:
-    if len(_verified) >= _MAX_VERIFIED:
-        _verified.clear()
-    _verified[path] = sig
+    if path in _verified or len(_verified) < _MAX_VERIFIED:  # full: the blobs kept first stay kept
+        _verified[path] = sig
 
 
 def hash_file(path: Path) -> tuple[str, int]:
