@@ -396,7 +396,7 @@ def test_the_client_imports_no_torch_networkx_or_starlark_and_the_socket_is_priv
         assert heavy == [], heavy
     assert _summary_executed(p) == 0
     # The no-op's client is mostly interpreter start: none of these costly-to-import modules (docs/server.md)
-    assert not {"typing", "pathlib", "socket", "signal", "hashlib"} & mods, sorted(mods)
+    assert not {"typing", "pathlib", "socket", "signal", "hashlib", "json", "re", "enum"} & mods, sorted(mods)
     info = servers.info(ws)
     base = Path(info["output_base"])
     assert stat.S_IMODE(base.stat().st_mode) == 0o700

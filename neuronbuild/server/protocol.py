@@ -1,11 +1,11 @@
 """Where a workspace's server lives (output base, socket, info file), its identity stamp and the wire format.
 
-Imported by the thin client, which a no-op through the server is mostly made of: only built-in modules and json
-(not pathlib, typing, socket, hashlib or struct: each costs milliseconds to import, more than the no-op itself)."""
+Imported by the thin client, which a no-op through the server is mostly made of: only built-in modules (not json,
+pathlib, typing, socket, hashlib or struct: each costs milliseconds to import; frames are JSON made and read by json's
+C accelerator `_json` directly, the same text json.dumps makes, with json itself as the fallback)."""
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 
@@ -22,6 +22,7 @@ except ImportError:
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from _socket import socket  # (socket.socket is a subclass)
+    from collections.abc import Callable
     from pathlib import Path
     from typing import Any
 
@@ -34,6 +35,60 @@ SERVER_COMMANDS = ("build", "plan", "explain", "query")
 
 class ProtocolError(Exception):
     """The other side sent something that is not a frame of this protocol (or hung up mid-frame)."""
+
+
+def _no_default(o: object) -> object:
+    raise TypeError(f"a {type(o).__name__} is not JSON serializable")
+
+
+def _codec() -> tuple[Callable[[Any], str], Callable[[Any], str], Callable[[str], Any]]:
+    """(compact JSON, compact JSON with sorted keys, parse): json's C encoder and scanner, called as json.dumps and
+    json.loads call them (importing json imports re, enum and more: most of a no-op client's imports)."""
+    try:
+        import _json
+
+        class _Decoding:  # what the C scanner reads of a json.JSONDecoder
+            strict = True
+            object_hook = object_pairs_hook = None
+            parse_float, parse_int = float, int
+            memo: dict[str, str] = {}
+
+            @staticmethod
+            def parse_constant(name: str) -> float:
+                return float(name.replace("Infinity", "inf"))
+
+        scan = _json.make_scanner(_Decoding())  # type: ignore[arg-type]  # (reads these attributes)
+        encoders = [_json.make_encoder(None, _no_default, _json.encode_basestring_ascii, None, ":", ",", sort, False,
+                                       True) for sort in (False, True)]
+
+        def dumps(o: Any) -> str:
+            return "".join(encoders[0](o, 0))
+
+        def dumps_sorted(o: Any) -> str:
+            return "".join(encoders[1](o, 0))
+
+        def loads(text: str) -> Any:
+            try:
+                obj, end = scan(text, 0)
+            except StopIteration:
+                raise ValueError("not JSON") from None
+            if end != len(text):
+                raise ValueError("extra data after the JSON value")
+            return obj
+
+        if dumps({"b": [1, "\u00e9", True, None], "a": 1.5}) == '{"b":[1,"\\u00e9",true,null],"a":1.5}' and \
+                dumps_sorted({"b": 1, "a": 2}) == '{"a":2,"b":1}' and loads('{"a":[1,"\\u00e9",null]}') == \
+                {"a": [1, "\u00e9", None]}:
+            return dumps, dumps_sorted, loads
+    except (ImportError, AttributeError, TypeError, ValueError):
+        pass
+    import json
+
+    return (lambda o: json.dumps(o, separators=(",", ":")),
+            lambda o: json.dumps(o, separators=(",", ":"), sort_keys=True), json.loads)
+
+
+dumps, dumps_sorted, loads = _codec()
 
 
 class StartupOptions:
@@ -130,9 +185,9 @@ def server_stamp(opts: StartupOptions) -> str:
                                            if e.name.endswith(".py")))
         except OSError:
             pass
-    text = json.dumps({"code": code_stamp(), "python": sys.version, "exe": os.path.realpath(sys.executable),
-                       "prefix": sys.prefix, "path": sys.path[1:], "tools": tools, "plugins": plugins,
-                       "plugin_files": plugin_files, "opts": opts.to_json()}, sort_keys=True)
+    text = dumps_sorted({"code": code_stamp(), "python": sys.version, "exe": os.path.realpath(sys.executable),
+                         "prefix": sys.prefix, "path": sys.path[1:], "tools": tools, "plugins": plugins,
+                         "plugin_files": plugin_files, "opts": opts.to_json()})
     return sha256(text.encode()).hexdigest()
 
 
@@ -170,7 +225,7 @@ def find_workspace_root(start: str) -> str | None:
 
 
 def send(sock: socket, msg: dict[str, Any]) -> None:
-    data = json.dumps(msg, separators=(",", ":")).encode()
+    data = dumps(msg).encode()
     sock.sendall(len(data).to_bytes(_LEN_SIZE, "big") + data)
 
 
@@ -190,8 +245,8 @@ def recv(sock: socket) -> dict[str, Any]:
     if n > MAX_FRAME:
         raise ProtocolError(f"frame of {n} bytes")
     try:
-        msg = json.loads(_exact(sock, n))
-    except ValueError as e:
+        msg = loads(_exact(sock, n).decode("utf-8"))
+    except (ValueError, RecursionError) as e:  # (UnicodeDecodeError is a ValueError)
         raise ProtocolError(str(e)) from None
     if not isinstance(msg, dict):
         raise ProtocolError("not an object")
