@@ -1,7 +1,8 @@
 """The thin client: decides whether a command goes to the workspace's server, starts one if needed, and relays the
 command's output, Ctrl-C and exit code. A no-op through the server is mostly this process's start, so it imports only
-built-in modules (_socket and _signal, not socket and signal: their enum wrappers cost milliseconds), json and
-neuronbuild's import-free modules; never torch, networkx or starlark. Starting a server imports more (subprocess)."""
+built-in modules (_socket and _signal, not socket and signal: their enum wrappers cost milliseconds; no json: see
+protocol.py) and neuronbuild's import-free modules; never torch, networkx or starlark. Starting a server imports more
+(subprocess, json)."""
 
 from __future__ import annotations
 
