@@ -84,11 +84,12 @@ def _walk(top: str) -> list[tuple[str, list[str], list[str]]]:
 
 
 Snapshot = tuple[tuple[str, tuple[int, int, int, int]], ...]
-# Targets this process materialised, by directory: (a digest of the manifest's canonical JSON, a snapshot of the directory tree
-# made right after: every directory and file in it with its lstat key). While a target's manifest is the same and
-# every entry still has its key (a file added to or removed from a directory changes the directory's mtime), the
-# directory holds exactly what materialising would write: it is skipped (a build server's warm builds would otherwise
-# re-read 500 manifests and list 1,500 directories at 1,000 graphs). Anything else takes the full path.
+# Targets this process materialised, by directory: (a digest of the manifest's canonical JSON, a snapshot of the
+# directory tree: every directory and file in it with its lstat key, the same before and after the directory was
+# checked and found right, nothing written). While a target's manifest is the same and every entry still has its key
+# (a file added to or removed from a directory changes the directory's mtime), the directory holds exactly what
+# materialising would write: it is skipped (a build server's warm builds would otherwise re-read 500 manifests and
+# list 1,500 directories at 1,000 graphs). Anything else takes the full path.
 _done: dict[str, tuple[bytes, Snapshot]] = {}
 _MAX_DONE = 20_000  # ~2 KiB each: at most ~40 MiB
 
@@ -170,16 +171,19 @@ def materialize(root: Path, ag: ActionGraph, cache: LocalCache, failed: set[str]
         if known is not None and known[0] == key and _unchanged(known[1]):
             continue
         _done.pop(str(out), None)
-        keep = _write_target(out, ct, manifest, cache)
-        snap = _snapshot(out, keep)
-        if snap is not None and len(_done) < _MAX_DONE:  # full: the targets kept first stay kept
-            _done[str(out)] = (key, snap)
+        keep = {MANIFEST} | {f"{b['name']}/{n}" for b in buckets for n in b["outputs"]}
+        before = _snapshot(out, keep)
+        _write_target(out, manifest, cache)
+        # Kept only when the directory was already right and nothing changed it meanwhile (a concurrent build
+        # materialising another version of this target): what was checked is what the snapshot describes.
+        if before is not None and before == _snapshot(out, keep) and len(_done) < _MAX_DONE:
+            _done[str(out)] = (key, before)  # (full: the targets kept first stay kept)
     return done
 
 
-def _write_target(out: Path, ct: CompileTarget, manifest: dict[str, Any], cache: LocalCache) -> set[str]:
+def _write_target(out: Path, manifest: dict[str, Any], cache: LocalCache) -> None:
     """Make `out` hold exactly the outputs and manifest: files whose digest and size the old manifest and the
-    directory confirm are kept, others copied from the cache; the rest pruned. Returns the relative paths kept."""
+    directory confirm are kept, others copied from the cache; the rest pruned."""
     if out.is_file() or out.is_symlink():
         out.unlink()  # a stale file where the target's directory goes
     old: dict[str, Any] = {}
@@ -206,4 +210,3 @@ def _write_target(out: Path, ct: CompileTarget, manifest: dict[str, Any], cache:
     _prune(out, keep | {STAGING})
     with contextlib.suppress(OSError):
         (out / STAGING).rmdir()  # only when empty: a concurrent build may be writing through it
-    return keep
