@@ -219,13 +219,17 @@ def section_server(ws: Path | None, cache: Path | None, buckets: int, runs: int,
         _shutdown(ws, env)
         rows.append(("server, fresh (started by this build)",
                      _measure_edit(ws, cache, buckets, env, 50_100 + int(time.time()) % 50_000)))
-        rows.append(("server, warm (workers and caches kept)",
-                     _measure_edit(ws, cache, buckets, env, 100_200 + int(time.time()) % 50_000)))
+        warm = sorted((_measure_edit(ws, cache, buckets, env, 100_200 + i * 50_000 + int(time.time()) % 50_000)
+                       for i in range(3)), key=lambda r: float(r["wall"]) - float(r["crit"]))
+        rows.append(("server, warm (workers and caches kept; median of 3 edits)", warm[1]))
         print("| one bucket-list edit | executed | wall | critical path | overhead = wall - critical path |")
         print("|---|---|---|---|---|")
         for label, r in rows:
             print(f"| {label} | {r['executed']} ({r['traces']} trace, {r['compiles']} compile) | {r['wall']:.2f} s | "
                   f"{r['crit']:.2f} s | **{float(r['wall']) - float(r['crit']):.2f} s** |")
+        print("warm edits' overheads: " + ", ".join(f"{float(r['wall']) - float(r['crit']):.2f} s" for r in warm) +
+              "; their reverts (a warm build with nothing to execute): " +
+              ", ".join(f"{float(r['revert_wall']):.2f} s" for r in warm))
         _shutdown(ws, env)
 
     if graphs <= 0:  # --server-graphs 0: the no-op and edit measures only

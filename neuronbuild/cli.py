@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
+TYPE_CHECKING = False  # (not typing's: importing typing alone costs a no-op client through the server milliseconds)
 if TYPE_CHECKING:
     import argparse
+    from collections.abc import Sequence
 
 # argparse, the command modules and errors are imported only when the command runs in this process: a command the
 # build server runs costs the client nothing but the thin client (neuronbuild/server/client.py).
@@ -67,6 +67,20 @@ def make_parser() -> tuple[argparse.ArgumentParser, dict[str, str]]:
     return parser, owners
 
 
+_parsers: dict[object, tuple[argparse.ArgumentParser, dict[str, str]]] = {}
+
+
+def _parser() -> tuple[argparse.ArgumentParser, dict[str, str]]:
+    """make_parser(), kept for the next command of a build server with the same environment (some defaults read
+    it). Parsing does not change a parser, and help text is formatted when printed (COLUMNS then)."""
+    key = frozenset(os.environ.items())
+    found = _parsers.get(key)
+    if found is None:
+        _parsers.clear()
+        found = _parsers[key] = make_parser()
+    return found
+
+
 def _quiet_stdout() -> None:
     """After a broken pipe (`neuronbuild query ... | head -1`): later writes and the exit flush go nowhere."""
     try:
@@ -97,7 +111,7 @@ def _main(argv: list[str]) -> int:
     from neuronbuild.errors import EXIT_BAD_INPUT, EXIT_BUILD_FAILED, EXIT_INTERRUPTED, NeuronBuildError
     from neuronbuild.rcfile import expand
 
-    parser, owners = make_parser()
+    parser, owners = _parser()
     if not argv:
         parser.print_help()
         return EXIT_BAD_INPUT

@@ -316,17 +316,17 @@ def record_noop(key: str, root: Path, cwd_package: str, patterns: Sequence[str],
         if res is None:
             continue
         cached += 1
-        outputs.append(str(cache.actions.path(fp)))
-        outputs.extend(str(cache.blobs.path(o.digest)) for o in res.outputs.values())
+        outputs.append(cache.actions.path_str(fp))  # (str paths: pathlib's joins cost 0.2 s at 1,000 graphs)
+        outputs.extend(cache.blobs.path_str(o.digest) for o in res.outputs.values())
     for ct in ag.compiles:
-        out = target_dir(root, ct)
-        outputs.append(str(out / MANIFEST))
+        out = str(target_dir(root, ct))
+        outputs.append(f"{out}/{MANIFEST}")
         for bucket, fp in ct.buckets:
             res = results.get(fp)
             if res is None:
                 noop.invalidate(cache_dir, key)
                 return False
-            outputs.extend(str(out / bucket.name / n) for n in res.outputs)
+            outputs.extend(f"{out}/{bucket.name}/{n}" for n in res.outputs)
     inputs, dirs = stamp_inputs(root, cwd_package, patterns, graph)
     try:
         return noop.write(cache_dir, key, started_ns, inputs, dirs, outputs, len(ag.actions), cached)

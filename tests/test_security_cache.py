@@ -130,3 +130,35 @@ def test_unreadable_records_are_reported_not_counted_as_ok(tmp_path: Path) -> No
     assert "0 entries verified: ok" not in v.stdout
     r = run_cli(["cache", "verify", "--repair", "--cache-dir", str(cache)], ws)
     assert not list((cache / "v1" / "ac").glob("*/*.json")), r.stdout + r.stderr
+
+
+def test_one_process_sees_records_replaced_and_blobs_damaged_after_it_checked_them(tmp_path: Path) -> None:
+    """A build server keeps the records it parsed and the blobs it verified (by their stat keys) from one command to
+    the next: a record another build replaced, and a blob damaged in place (same size), are seen as a batch build
+    sees them."""
+    import time
+
+    from neuronbuild.cache.local import LocalCache
+
+    fp = "ab" * 32
+    out = tmp_path / "out"
+    out.mkdir()
+
+    def store(data: bytes) -> str:
+        (out / "o.bin").write_bytes(data)
+        res = LocalCache(tmp_path / "c").store_outputs(fp, "id", {"action": "test"}, out, ["o.bin"], 1.0, {})
+        time.sleep(0.05)  # out of the racy window: the next lookups may keep what they read
+        return res.outputs["o.bin"].digest
+
+    first = store(b"first result")
+    for _ in range(2):  # the second command of this process answers from what the first one kept
+        res = LocalCache(tmp_path / "c").lookup(fp)
+        assert res is not None and res.outputs["o.bin"].digest == first
+    second = store(b"another result")  # another build ran the action again (a nondeterministic output)
+    res = LocalCache(tmp_path / "c").lookup(fp)
+    assert res is not None and res.outputs["o.bin"].digest == second
+    blob = tmp_path / "c" / "v1" / "cas" / second[:2] / second
+    blob.chmod(0o644)
+    blob.write_bytes(b"anothe! result")  # same size, other bytes
+    cache = LocalCache(tmp_path / "c", report=lambda msg: None)
+    assert cache.lookup(fp) is None and not blob.exists()  # evicted: the action runs again

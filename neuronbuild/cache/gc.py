@@ -1,7 +1,7 @@
 """Garbage collection of the local cache: least-recently-used eviction under a size cap and an age limit.
 
-An entry's last use is its record's mtime (touched on every hit). Entries referenced by the caller's keep set (the
-workspace's current targets) or by a pin are never evicted, nor are blobs they reference. Entries and blobs used within
+An entry's last use is its record's mtime (touched on a hit, unless touched in the last minute: local.TOUCH_NS).
+Entries referenced by the caller's keep set (the workspace's current targets) or by a pin are never evicted, nor are blobs they reference. Entries and blobs used within
 GRACE_S are left alone too, so a concurrent build never loses what it has just looked up or stored."""
 
 from __future__ import annotations

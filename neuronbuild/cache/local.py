@@ -23,6 +23,9 @@ from neuronbuild.cache.stats import StatsCounter, persist
 
 CACHE_ENV = "NEURONBUILD_CACHE_DIR"
 LAYOUT = "v1"
+# A hit touches its record (last use, for gc) unless it was touched this recently: back-to-back builds then leave the
+# records (and the parsed copies action_cache.py keeps by their stat) alone. Well within gc.GRACE_S (600 s).
+TOUCH_NS = 60 * 1_000_000_000
 
 
 def default_cache_dir() -> Path:
@@ -129,10 +132,12 @@ class LocalCache:
 
     def _hit(self, fp: str, tier: str) -> None:
         self.stats.hit(fp, tier)
-        if fp not in self._touched:  # record mtime = last use, for LRU garbage collection
+        if fp not in self._touched:  # record mtime = last use, for LRU garbage collection (to within TOUCH_NS)
             self._touched.add(fp)
-            with contextlib.suppress(OSError):
-                os.utime(self.actions.path(fp))
+            used = self.actions.mtimes.get(fp)
+            if used is None or time.time_ns() - used > TOUCH_NS:
+                with contextlib.suppress(OSError):
+                    os.utime(self.actions.path_str(fp))
 
     def finish(self) -> None:
         """End of a build: persist this build's counters."""

@@ -1,22 +1,25 @@
 """The thin client: decides whether a command goes to the workspace's server, starts one if needed, and relays the
-command's output, Ctrl-C and exit code. Imports only the standard library and neuronbuild's import-free modules, so a
-no-op through the server never imports torch, networkx or starlark in this process."""
+command's output, Ctrl-C and exit code. A no-op through the server is mostly this process's start, so it imports only
+built-in modules (_socket and _signal, not socket and signal: their enum wrappers cost milliseconds; no json: see
+protocol.py) and neuronbuild's import-free modules; never torch, networkx or starlark. Starting a server imports more
+(subprocess, json)."""
 
 from __future__ import annotations
 
-import contextlib
+import _signal
+import _socket
 import os
-import signal
-import socket
 import sys
 import time
-from collections.abc import Sequence
-from pathlib import Path
-from types import FrameType
-from typing import Any, NamedTuple
 
 from neuronbuild.server import protocol
 from neuronbuild.server.protocol import ServerPaths, StartupOptions
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+    from types import FrameType
+    from typing import Any
 
 # As neuronbuild.errors (not imported here: it pulls in dataclasses, and this module must stay small).
 EXIT_BUILD_FAILED, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 1, 2, 8
@@ -26,15 +29,15 @@ _BOOT = ("import sys; sys.path.insert(0, sys.argv[1]); "
          "from neuronbuild.server.daemon import main; main(sys.argv[2])")
 
 
-class Invocation(NamedTuple):
+class Invocation:
     """What the client read of the command line before the command name (Bazel's startup options and -C)."""
 
-    command: str | None
-    batch: bool
-    directory: str | None
-    output_user_root: str | None
-    max_idle_secs: int | None
-    error: str | None = None
+    __slots__ = ("command", "batch", "directory", "output_user_root", "max_idle_secs", "error")
+
+    def __init__(self, command: str | None, batch: bool, directory: str | None, output_user_root: str | None,
+                 max_idle_secs: int | None, error: str | None = None) -> None:
+        self.command, self.batch, self.directory = command, batch, directory
+        self.output_user_root, self.max_idle_secs, self.error = output_user_root, max_idle_secs, error
 
 
 def prescan(argv: Sequence[str]) -> Invocation:
@@ -118,7 +121,7 @@ def maybe_run(argv: Sequence[str]) -> int | None:
     return run(paths, opts, list(argv), root)
 
 
-def connect(paths: ServerPaths, timeout: float | None = None) -> socket.socket | None:
+def connect(paths: ServerPaths, timeout: float | None = None) -> _socket.socket | None:
     """A connection to the running server, or None when there is none (no socket, or nobody listening)."""
     try:
         st = os.lstat(paths.socket)
@@ -126,10 +129,10 @@ def connect(paths: ServerPaths, timeout: float | None = None) -> socket.socket |
         return None
     if st.st_uid != os.geteuid():
         return None
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
     s.settimeout(timeout)
     try:
-        s.connect(str(paths.socket))
+        s.connect(paths.socket)
     except OSError:
         s.close()
         return None
@@ -141,7 +144,8 @@ def read_info_file(paths: ServerPaths) -> dict[str, Any]:
     import json
 
     try:
-        data = json.loads(paths.info.read_text())
+        with open(paths.info, encoding="utf-8") as f:
+            data = json.loads(f.read())
     except (OSError, ValueError):
         return {}
     return data if isinstance(data, dict) else {}
@@ -173,12 +177,13 @@ def wait_gone(pid: int, timeout: float = 30.0) -> bool:
 
 def start_server(paths: ServerPaths, opts: StartupOptions, stamp: str, workspace: str = "") -> None:
     """Start the daemon (unless another client just did) and wait until it accepts connections."""
+    import contextlib
     import fcntl
     import json
     import subprocess
 
     protocol.private_dir(paths.output_base)
-    protocol.private_dir(paths.socket.parent)
+    protocol.private_dir(os.path.dirname(paths.socket))
     with open(paths.start_lock, "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         s = connect(paths)
@@ -186,13 +191,13 @@ def start_server(paths: ServerPaths, opts: StartupOptions, stamp: str, workspace
             s.close()
             return
         with contextlib.suppress(FileNotFoundError):
-            paths.socket.unlink()  # stale: its server is gone
+            os.unlink(paths.socket)  # stale: its server is gone
         with contextlib.suppress(OSError):
-            if paths.log.stat().st_size > 16 << 20:
-                paths.log.unlink()  # keep the log bounded
-        config = json.dumps({"output_base": str(paths.output_base), "socket": str(paths.socket), "stamp": stamp,
+            if os.stat(paths.log).st_size > 16 << 20:
+                os.unlink(paths.log)  # keep the log bounded
+        config = json.dumps({"output_base": paths.output_base, "socket": paths.socket, "stamp": stamp,
                              "opts": opts.to_json(), "workspace": workspace})
-        pkg_parent = str(Path(__file__).resolve().parent.parent.parent)
+        pkg_parent = os.path.dirname(os.path.dirname(os.path.dirname(os.path.realpath(__file__))))
         fd = os.open(paths.log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         try:
             # Its own session (no terminal signals), no inherited descriptors besides /dev/null and the log: a CI
@@ -212,8 +217,8 @@ def start_server(paths: ServerPaths, opts: StartupOptions, stamp: str, workspace
                 break
             time.sleep(0.01)
         tail = ""
-        with contextlib.suppress(OSError):
-            tail = paths.log.read_text(errors="replace")[-2000:]
+        with contextlib.suppress(OSError), open(paths.log, encoding="utf-8", errors="replace") as f:
+            tail = f.read()[-2000:]
         with contextlib.suppress(OSError):
             proc.kill()
         raise RuntimeError(f"the build server did not start (log {paths.log}):\n{tail}")
@@ -222,7 +227,7 @@ def start_server(paths: ServerPaths, opts: StartupOptions, stamp: str, workspace
 class _Relay:
     """Forwards Ctrl-C (and SIGTERM) to the server as a cancel request while a command runs."""
 
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: _socket.socket) -> None:
         self.sock = sock
         self.interrupts = 0
 
@@ -230,14 +235,16 @@ class _Relay:
         self.interrupts += 1
         if self.interrupts >= 3:
             raise KeyboardInterrupt  # the server cancels on its own when we hang up
-        with contextlib.suppress(OSError):
+        try:
             protocol.send(self.sock, {"type": "cancel"})
+        except OSError:
+            pass
 
 
-def _stream(sock: socket.socket) -> tuple[str, Any]:
+def _stream(sock: _socket.socket) -> tuple[str, Any]:
     """Relay frames until the command's end: ("exit", code), ("mismatch", pid) or ("died", None)."""
     relay = _Relay(sock)
-    old = {s: signal.signal(s, relay) for s in (signal.SIGINT, signal.SIGTERM)}
+    old = {s: _signal.signal(s, relay) for s in (_signal.SIGINT, _signal.SIGTERM)}
     try:
         while True:
             try:
@@ -257,7 +264,7 @@ def _stream(sock: socket.socket) -> tuple[str, Any]:
         return "exit", EXIT_INTERRUPTED
     finally:
         for s, h in old.items():
-            signal.signal(s, h)
+            _signal.signal(s, h)
 
 
 def run(paths: ServerPaths, opts: StartupOptions, argv: list[str], workspace: str = "") -> int:
@@ -265,8 +272,10 @@ def run(paths: ServerPaths, opts: StartupOptions, argv: list[str], workspace: st
     tty = [sys.stdout.isatty(), sys.stderr.isatty()]
     env = dict(os.environ)
     if any(tty) and "COLUMNS" not in env:
-        with contextlib.suppress(OSError):
+        try:
             env["COLUMNS"] = str(os.get_terminal_size(sys.stderr.fileno()).columns)
+        except OSError:
+            pass
     req = {"type": "command", "argv": argv, "cwd": os.getcwd(), "env": env, "tty": tty, "stamp": stamp,
            "pid": os.getpid()}
     for _attempt in range(3):
@@ -280,12 +289,14 @@ def run(paths: ServerPaths, opts: StartupOptions, argv: list[str], workspace: st
             sock = connect(paths)
             if sock is None:
                 continue
-        with sock:
+        try:
             try:
                 protocol.send(sock, req)
             except OSError:
                 continue  # it went away between connect and send: start another
             what, val = _stream(sock)
+        finally:
+            sock.close()
         if what == "exit":
             return int(val)
         if what in ("mismatch", "stopped"):
@@ -293,8 +304,10 @@ def run(paths: ServerPaths, opts: StartupOptions, argv: list[str], workspace: st
                 print("neuronbuild: the build server was started by another neuronbuild version or with other startup "
                       "options; restarting it", file=sys.stderr, flush=True)
             if isinstance(val, int) and not wait_gone(val):
-                with contextlib.suppress(OSError):
-                    os.kill(val, signal.SIGKILL)
+                try:
+                    os.kill(val, _signal.SIGKILL)
+                except OSError:
+                    pass
                 wait_gone(val, 5.0)
             continue
         print(f"neuronbuild: error: the build server died during this command (log {paths.log}); the next command "
@@ -310,15 +323,16 @@ def request(paths: ServerPaths, msg: dict[str, Any], timeout: float | None = 10.
     sock = connect(paths, timeout)
     if sock is None:
         return None
-    with sock:
+    try:
         sock.settimeout(timeout)
-        try:
-            protocol.send(sock, msg)
-            while True:
-                ans = protocol.recv(sock)
-                if ans.get("t") not in ("wait", "err", "out"):
-                    return ans
-                if ans.get("t") in ("wait", "err"):
-                    print(str(ans.get("d", "")), end="", file=sys.stderr, flush=True)
-        except (OSError, EOFError, protocol.ProtocolError):
-            return None
+        protocol.send(sock, msg)
+        while True:
+            ans = protocol.recv(sock)
+            if ans.get("t") not in ("wait", "err", "out"):
+                return ans
+            if ans.get("t") in ("wait", "err"):
+                print(str(ans.get("d", "")), end="", file=sys.stderr, flush=True)
+    except (OSError, EOFError, protocol.ProtocolError):
+        return None
+    finally:
+        sock.close()

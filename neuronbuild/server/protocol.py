@@ -1,24 +1,34 @@
 """Where a workspace's server lives (output base, socket, info file), its identity stamp and the wire format.
 
-Imported by the thin client: only the standard library and neuronbuild's import-free modules."""
+Imported by the thin client, which a no-op through the server is mostly made of: only built-in modules (not json,
+pathlib, typing, socket, hashlib or struct: each costs milliseconds to import; frames are JSON made and read by json's
+C accelerator `_json` directly, the same text json.dumps makes, with json itself as the fallback)."""
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
-import json
 import os
-import socket
-import struct
 import sys
-from pathlib import Path
-from typing import Any, NamedTuple
 
-from neuronbuild.self_stamp import code_stamp
+from neuronbuild.self_stamp import checkout_dir, code_stamp
+
+try:  # CPython's built-in SHA-256 (hashlib imports OpenSSL's binding first: milliseconds)
+    from _sha2 import sha256  # type: ignore[import-not-found]  # Python >= 3.12
+except ImportError:
+    try:
+        from _sha256 import sha256  # type: ignore[import-not-found,no-redef]
+    except ImportError:
+        from hashlib import sha256  # type: ignore[assignment]
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from _socket import socket  # (socket.socket is a subclass)
+    from collections.abc import Callable
+    from pathlib import Path
+    from typing import Any
 
 DEFAULT_MAX_IDLE_SECS = 3 * 3600
 MAX_FRAME = 64 << 20  # a frame larger than this is a protocol error
-_LEN = struct.Struct(">I")
+_LEN_SIZE = 4  # big-endian frame length
 # Commands the client hands to the server; every other command runs in the client (they are cheap or local).
 SERVER_COMMANDS = ("build", "plan", "explain", "query")
 
@@ -27,11 +37,74 @@ class ProtocolError(Exception):
     """The other side sent something that is not a frame of this protocol (or hung up mid-frame)."""
 
 
-class StartupOptions(NamedTuple):
+def _no_default(o: object) -> object:
+    raise TypeError(f"a {type(o).__name__} is not JSON serializable")
+
+
+def _codec() -> tuple[Callable[[Any], str], Callable[[Any], str], Callable[[str], Any]]:
+    """(compact JSON, compact JSON with sorted keys, parse): json's C encoder and scanner, called as json.dumps and
+    json.loads call them (importing json imports re, enum and more: most of a no-op client's imports)."""
+    try:
+        import _json
+
+        class _Decoding:  # what the C scanner reads of a json.JSONDecoder
+            strict = True
+            object_hook = object_pairs_hook = None
+            parse_float, parse_int = float, int
+            memo: dict[str, str] = {}
+
+            @staticmethod
+            def parse_constant(name: str) -> float:
+                return float(name.replace("Infinity", "inf"))
+
+        scan = _json.make_scanner(_Decoding())  # type: ignore[arg-type]  # (reads these attributes)
+        encoders = [_json.make_encoder(None, _no_default, _json.encode_basestring_ascii, None, ":", ",", sort, False,
+                                       True) for sort in (False, True)]
+
+        def dumps(o: Any) -> str:
+            return "".join(encoders[0](o, 0))
+
+        def dumps_sorted(o: Any) -> str:
+            return "".join(encoders[1](o, 0))
+
+        def loads(text: str) -> Any:
+            try:
+                obj, end = scan(text, 0)
+            except StopIteration:
+                raise ValueError("not JSON") from None
+            if end != len(text):
+                raise ValueError("extra data after the JSON value")
+            return obj
+
+        if dumps({"b": [1, "\u00e9", True, None], "a": 1.5}) == '{"b":[1,"\\u00e9",true,null],"a":1.5}' and \
+                dumps_sorted({"b": 1, "a": 2}) == '{"a":2,"b":1}' and loads('{"a":[1,"\\u00e9",null]}') == \
+                {"a": [1, "\u00e9", None]}:
+            return dumps, dumps_sorted, loads
+    except (ImportError, AttributeError, TypeError, ValueError):
+        pass
+    import json
+
+    return (lambda o: json.dumps(o, separators=(",", ":")),
+            lambda o: json.dumps(o, separators=(",", ":"), sort_keys=True), json.loads)
+
+
+dumps, dumps_sorted, loads = _codec()
+
+
+class StartupOptions:
     """Options fixed for a server's life (Bazel's startup options): a command asking for others replaces it."""
 
-    output_user_root: str
-    max_idle_secs: int = DEFAULT_MAX_IDLE_SECS
+    __slots__ = ("output_user_root", "max_idle_secs")
+
+    def __init__(self, output_user_root: str, max_idle_secs: int = DEFAULT_MAX_IDLE_SECS) -> None:
+        self.output_user_root = output_user_root
+        self.max_idle_secs = max_idle_secs
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, StartupOptions) and self.to_json() == other.to_json()
+
+    def __hash__(self) -> int:
+        return hash((self.output_user_root, self.max_idle_secs))
 
     def to_json(self) -> dict[str, Any]:
         return {"output_user_root": self.output_user_root, "max_idle_secs": self.max_idle_secs}
@@ -45,39 +118,43 @@ def default_output_user_root() -> str:
     return os.path.join(base, "neuronbuild-server")
 
 
-class ServerPaths(NamedTuple):
-    """The files of one workspace's server, all inside its output base (a directory only this user can enter)."""
+class ServerPaths:
+    """The files of one workspace's server, all inside its output base (a directory only this user can enter).
+    Paths are strings (the client does not import pathlib)."""
 
-    output_base: Path
-    socket: Path
+    __slots__ = ("output_base", "socket")
 
-    @property
-    def info(self) -> Path:
-        return self.output_base / "server.json"
-
-    @property
-    def log(self) -> Path:
-        return self.output_base / "server.log"
+    def __init__(self, output_base: str, socket: str) -> None:
+        self.output_base = output_base
+        self.socket = socket
 
     @property
-    def start_lock(self) -> Path:
-        return self.output_base / "start.lock"
+    def info(self) -> str:
+        return os.path.join(self.output_base, "server.json")
+
+    @property
+    def log(self) -> str:
+        return os.path.join(self.output_base, "server.log")
+
+    @property
+    def start_lock(self) -> str:
+        return os.path.join(self.output_base, "start.lock")
 
 
 def server_paths(workspace_root: Path | str, output_user_root: str) -> ServerPaths:
     """One output base per workspace (per user root), as Bazel keys its output base by the workspace's path."""
-    key = hashlib.sha256(str(workspace_root).encode()).hexdigest()[:16]
-    base = Path(output_user_root) / key
-    sock = base / "server.sock"
+    key = sha256(str(workspace_root).encode()).hexdigest()[:16]
+    base = os.path.join(output_user_root, key)
+    sock = os.path.join(base, "server.sock")
     if len(os.fsencode(sock)) > 100:  # sun_path holds 108 bytes: a deep output base gets a short socket path
-        short = hashlib.sha256(str(base).encode()).hexdigest()[:16]
-        sock = Path("/tmp") / f"neuronbuild-{os.getuid()}" / f"{short}.sock"
+        short = sha256(base.encode()).hexdigest()[:16]
+        sock = os.path.join("/tmp", f"neuronbuild-{os.getuid()}", f"{short}.sock")
     return ServerPaths(base, sock)
 
 
-def private_dir(d: Path) -> None:
+def private_dir(d: str | Path) -> None:
     """Make `d` (and parents) and insist it is this user's and mode 0700: nobody else may reach the socket."""
-    d.mkdir(parents=True, exist_ok=True, mode=0o700)
+    os.makedirs(d, mode=0o700, exist_ok=True)
     st = os.lstat(d)
     if st.st_uid != os.geteuid():
         raise PermissionError(f"{d} belongs to another user: refusing to use it for the build server")
@@ -100,14 +177,18 @@ def server_stamp(opts: StartupOptions) -> str:
     plugins = sorted((k, v) for k, v in os.environ.items() if k.startswith("NEURONBUILD_PLUGIN"))
     plugin_files = []
     for d in os.environ.get("NEURONBUILD_PLUGIN_PATH", "").split(os.pathsep):
-        with contextlib.suppress(OSError), os.scandir(d or ".") as it:
-            if d:
+        if not d:
+            continue
+        try:
+            with os.scandir(d) as it:
                 plugin_files.extend(sorted([e.path, e.stat().st_mtime_ns, e.stat().st_size] for e in it
                                            if e.name.endswith(".py")))
-    text = json.dumps({"code": code_stamp(), "python": sys.version, "exe": os.path.realpath(sys.executable),
-                       "prefix": sys.prefix, "path": sys.path[1:], "tools": tools, "plugins": plugins,
-                       "plugin_files": plugin_files, "opts": opts.to_json()}, sort_keys=True)
-    return hashlib.sha256(text.encode()).hexdigest()
+        except OSError:
+            pass
+    text = dumps_sorted({"code": code_stamp(), "python": sys.version, "exe": os.path.realpath(sys.executable),
+                         "prefix": sys.prefix, "path": sys.path[1:], "tools": tools, "plugins": plugins,
+                         "plugin_files": plugin_files, "opts": opts.to_json()})
+    return sha256(text.encode()).hexdigest()
 
 
 def _which(name: str) -> str | None:
@@ -119,8 +200,10 @@ def _which(name: str) -> str | None:
 
 
 def _toolchain_paths() -> list[str]:
-    """noop.toolchain_paths without importing noop (and shutil): sys.path entries and the compilers on PATH."""
-    out = [p for p in sys.path[1:] if p and os.path.isdir(p)]
+    """noop.toolchain_paths without importing noop (and shutil): sys.path entries (but a checkout neuronbuild runs
+    from: code_stamp covers its sources) and the compilers on PATH."""
+    skip = checkout_dir()
+    out = [p for p in sys.path[1:] if p and p != skip and os.path.isdir(p)]
     tools = ["g++", "c++", "neuronx-cc"] + [os.environ[v] for v in ("CXX", "CC") if os.environ.get(v)]
     for t in tools:
         found = t if os.sep in t and os.path.isfile(t) else _which(t)
@@ -141,12 +224,12 @@ def find_workspace_root(start: str) -> str | None:
         d = parent
 
 
-def send(sock: socket.socket, msg: dict[str, Any]) -> None:
-    data = json.dumps(msg, separators=(",", ":")).encode()
-    sock.sendall(_LEN.pack(len(data)) + data)
+def send(sock: socket, msg: dict[str, Any]) -> None:
+    data = dumps(msg).encode()
+    sock.sendall(len(data).to_bytes(_LEN_SIZE, "big") + data)
 
 
-def _exact(sock: socket.socket, n: int) -> bytes:
+def _exact(sock: socket, n: int) -> bytes:
     buf = bytearray()
     while len(buf) < n:
         chunk = sock.recv(n - len(buf))
@@ -156,14 +239,14 @@ def _exact(sock: socket.socket, n: int) -> bytes:
     return bytes(buf)
 
 
-def recv(sock: socket.socket) -> dict[str, Any]:
+def recv(sock: socket) -> dict[str, Any]:
     """One message; EOFError when the other side hung up between messages."""
-    (n,) = _LEN.unpack(_exact(sock, _LEN.size))
+    n = int.from_bytes(_exact(sock, _LEN_SIZE), "big")
     if n > MAX_FRAME:
         raise ProtocolError(f"frame of {n} bytes")
     try:
-        msg = json.loads(_exact(sock, n))
-    except ValueError as e:
+        msg = loads(_exact(sock, n).decode("utf-8"))
+    except (ValueError, RecursionError) as e:  # (UnicodeDecodeError is a ValueError)
         raise ProtocolError(str(e)) from None
     if not isinstance(msg, dict):
         raise ProtocolError("not an object")

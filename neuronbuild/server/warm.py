@@ -17,8 +17,9 @@ from neuronbuild.execution.pool import WorkerPool
 # Process-wide memoised functions must not outlive a command (the host ISA, the C++ compiler's and neuronx-cc's
 # versions depend on the client's environment and files): a batch build computes them afresh, so the server does
 # too. Kept: what the server stamp covers, so a change replaces the server (server/protocol.server_stamp):
-# neuronbuild's own code, and the Python distributions (stat keys of every sys.path entry).
-_KEEP_CACHED = {"neuronbuild.self_stamp.code_stamp", "neuronbuild.analysis.toolchain_versions.package_version",
+# neuronbuild's own code (self_stamp.code_stamp, computed once per process), and the Python distributions (stat
+# keys of every sys.path entry).
+_KEEP_CACHED = {"neuronbuild.analysis.toolchain_versions.package_version",
                 "neuronbuild.analysis.toolchain_versions._packages_distributions"}
 
 
