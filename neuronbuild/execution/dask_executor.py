@@ -384,7 +384,7 @@ def farm_run(payload: dict[str, Any]) -> dict[str, Any]:
                     res = {"ok": False, "error": f"the action did not produce its declared output '{name}'",
                            "duration_s": res.get("duration_s", 0.0)}
                     break
-                digest, size = _put_new(shared, p)
+                digest, size = shared.put_file(p)  # a blob the store has is not sent again
                 outs[name] = [digest, size]
             else:
                 res["outputs"] = outs
@@ -396,21 +396,6 @@ def farm_run(payload: dict[str, Any]) -> dict[str, Any]:
         return res
     finally:
         shutil.rmtree(sb, ignore_errors=True)
-
-
-def _put_new(shared: Any, path: Path) -> tuple[str, int]:
-    """An output into the shared CAS unless a blob with its digest is there already (a Neuron compile re-emits its
-    lowering's files, weights included): hashing is cheaper than a copy and an fsync of the same bytes."""
-    from neuronbuild.cache.cas import hash_file
-    from neuronbuild.cache.local import LocalCache
-
-    if not isinstance(shared, LocalCache):  # an S3 tier's put_file asks first (HEAD) already
-        digest, size = shared.put_file(path)
-        return str(digest), int(size)
-    digest, size = hash_file(path)
-    if shared.has_blob(digest):
-        return digest, size
-    return shared.put_file(path)
 
 
 def worker_toolchain() -> dict[str, Any]:
