@@ -193,12 +193,6 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _pin_to(cpu: int) -> Callable[[], None]:
-    def pin() -> None:
-        os.sched_setaffinity(0, {cpu})
-    return pin
-
-
 @contextlib.contextmanager
 def dask_cluster(root: Path, n: int, pin: bool = False) -> Iterator[str]:
     """`dask scheduler` + n single-thread `dask worker` processes, every listener on 127.0.0.1. With `pin`, worker i
@@ -219,10 +213,11 @@ def dask_cluster(root: Path, n: int, pin: bool = False) -> Iterator[str]:
                              "--name", f"w{i}"]) for i in range(n)]
         cores = sorted(os.sched_getaffinity(0))
         for i, (name, args) in enumerate(specs):
-            pin_fn = _pin_to(cores[(i - 1) % len(cores)]) if pin and i > 0 else None
+            # taskset, not a preexec_fn: this process runs Dask client threads by the second cluster.
+            pinned = ["taskset", "-c", str(cores[(i - 1) % len(cores)])] if pin and i > 0 else []
             with open(logs / f"{name}.log", "wb") as log:
-                procs.append(subprocess.Popen([DASK, *args], stdout=log, stderr=subprocess.STDOUT, env=env,
-                                              cwd=logs, preexec_fn=pin_fn))
+                procs.append(subprocess.Popen([*pinned, DASK, *args], stdout=log, stderr=subprocess.STDOUT,
+                                              env=env, cwd=logs))
         from distributed import Client
 
         with Client(address, timeout="60s") as c:
