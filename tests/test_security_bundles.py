@@ -44,6 +44,9 @@ neuron_compile(name = "m_trn2", model = ":m", buckets = [":b"], target = ":trn2"
 neuron_compile(name = "m2_cpu", model = ":m2", buckets = [":b"], target = ":cpu")
 neuron_bundle(name = "release", srcs = [":m_cpu", ":m_trn2"])
 neuron_bundle(name = "other", srcs = [":m2_cpu"])
+neuron_buckets(name = "b23", shapes = [{"batch": 2, "n": 8}, {"batch": 3, "n": 8}])
+neuron_compile(name = "m_two_cpu", model = ":m", buckets = [":b23"], target = ":cpu")
+neuron_bundle(name = "two", srcs = [":m_two_cpu"])
 '''
 ARCHIVE = "neuronbuild-out/pkg/release.tar.zst"
 OTHER = "neuronbuild-out/pkg/other.tar.zst"
@@ -345,3 +348,50 @@ def test_env_file_is_quoted_data_and_a_hostile_one_is_refused(signed: dict[str, 
     proc = run_cli(["deploy", str(bad), "--cache-dir", str(tmp_path / "d")], ws)
     assert proc.returncode == 2 and "neuronbuild.env" in proc.stderr, proc.stderr
     assert not (tmp_path / "d").exists() and not marker.exists()
+
+
+def test_packages_loaded_through_one_reused_memory_file_are_each_their_own_checked_package(
+        signed: dict[str, Path], tmp_path: Path, cache_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A strict open reads every model.pt2 into one reused memory file (verified.Scratch) in turn. Each graph must
+    # still run its own package (the loader is done with a copy before the next overwrites it; a package loader that
+    # kept reading the file, or cached it by its /proc/self/fd path, would run the wrong graph and fail the shape
+    # check), and a package tampered after deploy is refused even after others were loaded through the same file.
+    import torch
+    from safetensors.torch import load_file
+
+    from neuronbuild.runtime import verified
+    from neuronbuild.runtime.deployed import open_cache
+
+    ws = signed["ws"]
+    proc = run_cli(["build", "//pkg:two", "--cache-dir", str(cache_dir)], ws)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    filled: list[str] = []
+    real_fill = verified.Scratch._fill
+
+    def counting_fill(self, path, ref):  # type: ignore[no-untyped-def]
+        filled.append(ref.path)
+        return real_fill(self, path, ref)
+
+    monkeypatch.setattr(verified.Scratch, "_fill", counting_fill)
+    res = deploy(ws / "neuronbuild-out/pkg/two.tar.zst", tmp_path / "serve")
+    cache = open_cache(tmp_path / "serve", strict=True, require=["//pkg:m_two_cpu"])
+    assert cache.counters.hit == 2 and len(filled) == 2 and len(set(filled)) == 2  # both through the one scratch
+    model = cache.model("//pkg:m_two_cpu")
+    weights = load_file(str(next((res.dir / "weights").iterdir())))
+    for name, bucket in model.buckets.items():
+        x = torch.randn(bucket["batch"], 8)
+        want = torch.relu(x @ weights["lin.weight"].T + weights["lin.bias"])
+        fn = model.bucket_fn(name)
+        assert fn is not None
+        assert torch.allclose(fn(x), want, atol=1e-5)
+        with pytest.raises(RuntimeError):  # its own package: the other bucket's shape is refused
+            fn(torch.randn(5 - bucket["batch"], 8))
+    manifest = json.loads((res.dir / "manifest.json").read_text())
+    last = res.dir / manifest["graphs"][-1]["artifacts"]["model.pt2"]["path"]
+    data = bytearray(last.read_bytes())
+    data[len(data) // 3] ^= 0x40
+    last.write_bytes(bytes(data))
+    filled.clear()
+    with pytest.raises(RuntimeError, match="differ from the manifest"):
+        open_cache(tmp_path / "serve", strict=True, require=["//pkg:m_two_cpu"])
+    assert len(filled) == 2  # the first loaded through the scratch, then the second refused there

@@ -17,6 +17,7 @@ from neuronbuild.runtime.layout import FileRef
 from neuronbuild.runtime.verified import (
     BadWeights,
     DigestMismatch,
+    Scratch,
     load_weights_verified,
     read_verified,
     verified_path,
@@ -93,3 +94,36 @@ def test_the_digest_checked_is_the_manifests_blake3_when_given_else_its_sha256(t
         p.write_bytes(bytes(tampered))
         with pytest.raises(DigestMismatch, match="blake3"), verified_path(p, both, tmp_path):
             pass
+
+
+def test_a_reused_scratch_file_holds_each_checked_copy_in_turn(tmp_path: Path) -> None:
+    # A strict open reads every package into one reused memory file. Each copy is still checked in full before the
+    # block runs, a refused copy never reaches the block, and a copy needed while the scratch is held (another
+    # thread's load) goes to a fresh memory file of its own.
+    big, small = tmp_path / "big.pt2", tmp_path / "small.pt2"
+    big.write_bytes(bytes(range(256)) * 4000)
+    small.write_bytes(b"small package bytes" * 1000)
+    refs = {p: _ref(p, with_blake3=True) for p in (big, small)}
+    scratch = Scratch.create(refs[big].size)
+    assert scratch is not None
+    with scratch:
+        for p in (big, small, big, small):  # the file shrinks and grows back: each copy is exactly its own bytes
+            with verified_path(p, refs[p], tmp_path, scratch) as q:
+                assert q.read_bytes() == p.read_bytes() and q.stat().st_size == refs[p].size
+                held = q
+                with verified_path(big, refs[big], tmp_path, scratch) as other:
+                    assert other != held and other.read_bytes() == big.read_bytes()
+                assert q.read_bytes() == p.read_bytes()  # untouched by the other copy
+        tampered = bytearray(big.read_bytes())
+        tampered[12345] ^= 1
+        big.write_bytes(bytes(tampered))
+        with pytest.raises(DigestMismatch), verified_path(big, refs[big], tmp_path, scratch):
+            raise AssertionError("a tampered copy reached the loader")
+        with verified_path(small, refs[small], tmp_path, scratch) as q:  # released after the refusal, reused
+            assert q.read_bytes() == small.read_bytes()
+        too_big = tmp_path / "too_big.pt2"
+        too_big.write_bytes(b"x" * (refs[big].size + 1))
+        with verified_path(too_big, _ref(too_big), tmp_path, scratch) as q:  # does not fit: a fresh file
+            assert q.read_bytes() == too_big.read_bytes()
+    with verified_path(small, refs[small], tmp_path, scratch) as q:  # closed: a fresh file
+        assert q.read_bytes() == small.read_bytes()

@@ -23,6 +23,9 @@ import neuronbuild
 _PKG_PARENT = str(Path(neuronbuild.__file__).resolve().parent.parent)
 _BOOT = ("import sys; sys.path.insert(0, sys.argv[1]); "
          "from neuronbuild.execution.worker import main; main(int(sys.argv[2]), int(sys.argv[3]))")
+# A task sent to a worker still starting (importing torch) gets this much time for the start on top of its timeout:
+# the timeout is the action's own, but a start that hangs must still end.
+_START_GRACE = 300.0
 
 
 def death_message(returncode: int | None) -> str:
@@ -83,6 +86,12 @@ class WorkerProcess:
         self.started = 0.0
         self.timeout = 0.0  # the running task's limit in seconds (0: none)
         self.timeout_source = ""
+        self.ready = False  # warm (imports done): a task's timeout clock runs from then (see deadline)
+
+    def deadline(self) -> float:
+        """When the running task times out: `timeout` after it was sent, or after the worker became ready when it
+        was sent to a worker still importing torch (plus _START_GRACE while that lasts, so a hung start ends too)."""
+        return self.started + self.timeout + (0.0 if self.ready else _START_GRACE)
 
     @property
     def pid(self) -> int:
@@ -171,7 +180,7 @@ class WorkerPool:
         now = time.time()
         for w in self._workers.values():
             if w.task is not None and w.timeout > 0:
-                left = max(0.0, w.started + w.timeout - now)
+                left = max(0.0, w.deadline() - now)
                 timeout = left if timeout is None else min(timeout, left)
         handles: dict[Any, WorkerProcess] = {}
         for w in self._workers.values():
@@ -199,13 +208,16 @@ class WorkerPool:
                 self._dead(w, out)
                 continue
             if "ready" in msg:
+                w.ready = True
+                if w.task is not None:  # sent before the worker was warm: its clock starts now
+                    w.started = time.time()
                 continue
             task, w.task = w.task, None
             if task is not None:
                 out.append(TaskResult(task, w.slot, w.pid, msg))
         now = time.time()
         for w in list(self._workers.values()):
-            if w.task is not None and w.timeout > 0 and now - w.started >= w.timeout:
+            if w.task is not None and w.timeout > 0 and now >= w.deadline():
                 task, started = w.task, w.started
                 w.kill()
                 del self._workers[w.slot]

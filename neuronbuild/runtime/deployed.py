@@ -32,7 +32,7 @@ from neuronbuild.runtime.layout import (
 from neuronbuild.runtime.router import BucketRouter, NoBucketFits, Route
 from neuronbuild.runtime.signing import SIGNATURE as SIGNATURE_FILE
 from neuronbuild.runtime.signing import TRUSTED_KEYS_ENV, SignatureError, TrustedKey, load_trusted_keys, verify_manifest
-from neuronbuild.runtime.verified import load_weights_verified, verified_path
+from neuronbuild.runtime.verified import Scratch, load_weights_verified, verified_path
 
 STRICT_ENV = "NEURONBUILD_STRICT"
 REQUIRE_ENV = "NEURONBUILD_REQUIRE"
@@ -200,6 +200,7 @@ class DeployedCache:
         self._weights: dict[tuple[Path, str, int, str | None], Any] = {}
         self._models: dict[str, Model] = {}
         self._slots: dict[str, dict[str, _Slot]] = {}
+        self._scratch: Scratch | None = None  # while a strict open loads many packages: one reused memory file
         self.load_ms: float = 0.0
 
     @property
@@ -317,7 +318,7 @@ class DeployedCache:
                 ref = g.artifacts["model.pt2"]
                 # The C++ loader needs a path: it gets a private copy of the checked bytes, so the shared library it
                 # loads is the one checked (a file swapped after the check never reaches it).
-                with verified_path(rdir / ref.path, ref, Path(tempfile.gettempdir())) as checked:
+                with verified_path(rdir / ref.path, ref, Path(tempfile.gettempdir()), self._scratch) as checked:
                     slot.fn = load_package(checked, constants=weights or {})
             elif g.format == NEURON_HLO_FORMAT and self.emulate == "xla-cpu":
                 from neuronbuild.runtime.xla_cpu import load_graph
@@ -399,7 +400,8 @@ def open_cache(root: str | Path, strict: bool | None = None, require: Iterable[s
     the `neuron` extra), counted as `emulated`; without it a Neuron graph needs a Neuron device.
     trusted_keys (default: $NEURONBUILD_TRUSTED_KEYS, a file of Ed25519 public keys): releases whose manifest is not
     signed by one of them are not served (in strict mode, a required label they hold is an error).
-    Every artifact and weights file is checked against its manifest sha256 as it is read, before it is used."""
+    Every artifact and weights file is checked against its manifest digest (BLAKE3, else SHA-256) as it is read,
+    before it is used."""
     root = Path(root)
     if emulate is None:
         emulate = os.environ.get(EMULATE_ENV, "").strip() or None
@@ -457,9 +459,17 @@ def open_cache(root: str | Path, strict: bool | None = None, require: Iterable[s
     for p in problems:
         log.warning("neuronbuild.runtime: %s", p)
     if strict:
-        for label in required:
-            for slot in cache._slots.get(label, {}).values():
+        to_load = [s for label in required for s in cache._slots.get(label, {}).values()]
+        cache._scratch = Scratch.create(max((s.graph.artifacts["model.pt2"].size for s in to_load
+                                             if s.graph.format == AOTI_FORMAT and "model.pt2" in s.graph.artifacts
+                                             and s.problem is None), default=0))
+        try:
+            for slot in to_load:
                 cache._load(slot)
+        finally:
+            if cache._scratch is not None:
+                cache._scratch.close()
+                cache._scratch = None
     cache.load_ms = (time.perf_counter() - start) * 1000
     log.info("neuronbuild.runtime: opened %s (%s%s, %d release(s), %d graph(s) loaded in %.1f ms): %s",
              root, "strict" if strict else "lenient", f", emulate={emulate}" if emulate else "", len(releases),

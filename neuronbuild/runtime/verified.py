@@ -5,7 +5,8 @@ that is then used; it is used only if the digest and size match the manifest. We
 buffer (no second copy, as safetensors' own loader would make). Loaders that need a path (an AOTInductor package,
 whose shared library the C++ loader dlopens) get a private copy of the checked bytes (an anonymous memory file that
 the file is read straight into, chunk by chunk as it is hashed), so a file changed after the check cannot reach the
-loader.
+loader. A strict open that loads many packages reuses one such memory file (a Scratch, its pages allocated once up
+front): a fresh one per package spent more time page-faulting its memory in than reading and hashing the bytes.
 
 The digest: the manifest's BLAKE3 of the file when it has one (every graph artifact and weights file of bundles built
 since BLAKE3 digests entered manifests; about 3x faster than SHA-256 on one core, multi-threaded on large files),
@@ -21,6 +22,7 @@ import mmap
 import os
 import shutil
 import tempfile
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -80,6 +82,14 @@ def _read_into(path: Path, ref: FileRef) -> bytearray:
     return buf
 
 
+def _anonymous(size: int) -> bytearray | mmap.mmap:
+    """A writable buffer of `size` bytes to read a file into: large ones are private anonymous memory with every page
+    mapped up front (MAP_POPULATE: one call instead of a fault per page, and no zero-filling pass as bytearray's)."""
+    if size < _CHUNK // 8 or not hasattr(mmap, "MAP_ANONYMOUS"):
+        return bytearray(size)
+    return mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0))
+
+
 def read_verified(path: Path, ref: FileRef) -> bytes:
     """The file's bytes (read once), returned only when their digest and size match `ref` (DigestMismatch otherwise)."""
     return bytes(_read_into(path, ref))
@@ -97,10 +107,12 @@ class BadWeights(ValueError):
 
 def load_weights_verified(path: Path, ref: FileRef) -> dict[str, Any]:
     """A safetensors file as {name: tensor}, read once and checked against `ref`; the tensors are views over the
-    checked buffer itself (safetensors.torch.load would copy every byte again)."""
+    checked buffer itself (safetensors.torch.load would copy every byte again), writable as safetensors' are."""
     import torch
 
-    buf = _read_into(path, ref)
+    buf = _anonymous(ref.size)
+    with memoryview(buf) as view:
+        _read_hashing(path, ref, view)
     if len(buf) < 8:
         raise BadWeights(f"{path}: not a safetensors file (too short)")
     n = int.from_bytes(buf[:8], "little")
@@ -126,7 +138,7 @@ def load_weights_verified(path: Path, ref: FileRef) -> dict[str, Any]:
         count = 1
         for d in shape:
             count *= d
-        itemsize = torch.empty((), dtype=dtype).element_size()
+        itemsize = dtype.itemsize
         if min(shape, default=0) < 0 or not 0 <= start <= stop or base + stop > end or stop - start != count * itemsize:
             raise BadWeights(f"{path}: tensor {name!r}: offsets {start}..{stop} do not fit its shape or the file")
         if count == 0:
@@ -136,11 +148,83 @@ def load_weights_verified(path: Path, ref: FileRef) -> dict[str, Any]:
     return out
 
 
+class Scratch:
+    """An anonymous memory file (Linux memfd) reused for the verified copies of successive packages: its pages are
+    allocated and mapped once (fallocate + MAP_POPULATE), not page-faulted in anew for every package. It holds one
+    copy at a time, for as long as the `verified_path` block that filled it runs: a loader must be done reading the
+    copy when the block ends (the AOTInductor loader extracts the package in its constructor), and the next copy
+    overwrites it. Each copy is read and checked in full, exactly as into a fresh memory file. (Allocating it on a
+    thread of its own while the weights are read was tried: no faster under load; see docs/benchmarks.md.)"""
+
+    def __init__(self, fd: int, capacity: int) -> None:
+        self.capacity = capacity
+        self._fd = fd
+        self._lock = threading.Lock()
+        self._map: mmap.mmap | None = mmap.mmap(fd, capacity, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+
+    @classmethod
+    def create(cls, capacity: int) -> Scratch | None:
+        """A scratch file for copies of up to `capacity` bytes, its memory allocated now; None without memfd (or when
+        it cannot be allocated: copies then go to fresh memory files)."""
+        if capacity <= 0 or not hasattr(os, "memfd_create") or not os.path.isdir("/proc/self/fd"):
+            return None
+        try:
+            fd = os.memfd_create("neuronbuild-verified", os.MFD_CLOEXEC)
+        except OSError:
+            return None
+        try:
+            try:
+                os.posix_fallocate(fd, 0, capacity)  # every page allocated in one call, not one fault at a time
+            except OSError:
+                os.ftruncate(fd, capacity)
+            return cls(fd, capacity)
+        except (OSError, ValueError):
+            os.close(fd)
+            return None
+
+    def close(self) -> None:
+        with self._lock:
+            if self._map is not None:
+                self._map.close()
+                self._map = None
+                os.close(self._fd)
+
+    def __enter__(self) -> Scratch:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _take(self, ref: FileRef) -> bool:
+        """Whether a copy of `ref` can use this file now (it fits, and no other load holds it); taken if so."""
+        if ref.size > self.capacity or not self._lock.acquire(blocking=False):
+            return False
+        if self._map is None:  # closed
+            self._lock.release()
+            return False
+        return True
+
+    def _fill(self, path: Path, ref: FileRef) -> Path:
+        assert self._map is not None
+        os.ftruncate(self._fd, self.capacity)  # the previous copy left the file at its own size
+        with memoryview(self._map) as whole, whole[:ref.size] as view:
+            _read_hashing(path, ref, view)
+        os.ftruncate(self._fd, ref.size)  # loaders read to the file's end (a zip's directory is there)
+        return Path(f"/proc/self/fd/{self._fd}")
+
+
 @contextlib.contextmanager
-def verified_path(path: Path, ref: FileRef, tmp_dir: Path) -> Iterator[Path]:
+def verified_path(path: Path, ref: FileRef, tmp_dir: Path, scratch: Scratch | None = None) -> Iterator[Path]:
     """A path to a private copy of the file whose bytes matched `ref`, for loaders that open a path themselves (the
-    AOTInductor package loader, which dlopens the shared library inside). Linux: an anonymous memory file
-    (memfd, /proc/self/fd/N) the file is read into; elsewhere a copy in a fresh private directory."""
+    AOTInductor package loader, which dlopens the shared library inside), valid inside the block only. Linux: an
+    anonymous memory file (memfd, /proc/self/fd/N) the file is read into, `scratch`'s when given and free, else a
+    fresh one; elsewhere a copy in a fresh private directory."""
+    if scratch is not None and scratch._take(ref):
+        try:
+            yield scratch._fill(path, ref)
+        finally:
+            scratch._lock.release()
+        return
     if hasattr(os, "memfd_create") and os.path.isdir("/proc/self/fd"):
         fd = os.memfd_create(path.name, os.MFD_CLOEXEC)
         try:
