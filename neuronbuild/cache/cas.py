@@ -130,7 +130,16 @@ class BlobStore:
         self._write_stamp(digest)
 
     def put_file(self, src: Path) -> tuple[str, int]:
-        """Copy `src` into the store (hashing while copying); returns (digest, size)."""
+        """Copy `src` into the store (hashing while copying); returns (digest, size). A large file whose blob is
+        stored (and intact) already is hashed, not copied and synced again: every graph of a model writes the same
+        weights file."""
+        with contextlib.suppress(OSError):
+            if os.path.getsize(src) >= _CHUNK:
+                digest, size = hash_file(src)
+                if self.has(digest) and self.check(digest, size) == "ok":
+                    with contextlib.suppress(OSError):
+                        os.utime(self.path(digest))  # recently used: protects it from a concurrent gc's grace period
+                    return digest, size
         fd, tmp = self._stage()
         try:
             with os.fdopen(fd, "wb") as out, open(src, "rb") as f:

@@ -158,7 +158,12 @@ class LocalCache:
                 raise FileNotFoundError(f"the action did not produce its declared output '{name}'")
             digest, size = self.blobs.put_file(p)
             outputs[name] = OutputRef(digest, size)
-        res = ActionResult(fp, identity, outputs, record, duration_s, dict(metadata), time.time())
+        return self.record_outputs(fp, identity, record, outputs, duration_s, metadata)
+
+    def record_outputs(self, fp: str, identity: str, record: Mapping[str, Any], outputs: Mapping[str, OutputRef],
+                       duration_s: float, metadata: Mapping[str, Any]) -> ActionResult:
+        """The record of an action whose output blobs are in this CAS already (a farm worker put them there)."""
+        res = ActionResult(fp, identity, dict(outputs), record, duration_s, dict(metadata), time.time())
         self.actions.put(res)
         IdentityIndex(self.root).record(res)  # explain/plan/upgrade-impact: this identity's most recent result
         self.stats.save(fp)

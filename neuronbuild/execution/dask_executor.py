@@ -194,14 +194,30 @@ class DaskExecutor:
         out = self._tmp / job.id.replace("#", "-")
         try:
             for name, (digest, _size) in res["outputs"].items():
-                self.shared.copy_blob(digest, out / name)
+                # Verified, then a hard link where the store is a directory on this filesystem (the scheduler only
+                # reads these files into the local cache and removes them): no second copy of every output.
+                self.shared.place_blob(digest, out / name)
             if not self._same:  # the shared tier's record, for other clients (blobs are there already)
-                self.shared.store_outputs(a.fingerprint, a.identity, a.record, out, a.outputs,
-                                          float(res["duration_s"]), res.get("metadata") or {})
+                self._record_shared(a, res, out)
         except Exception as e:  # noqa: BLE001 - CorruptBlob, OSError: the action's failure, not the build's
             return Completion(job, False, worker, error=f"fetching outputs from the shared cache failed: {e}")
         return Completion(job, True, worker, int(res.get("pid") or 0), "", float(res["duration_s"]),
                           float(res.get("peak_rss_mb") or 0.0), res.get("metadata") or {}, out)
+
+    def _record_shared(self, a: Any, res: Mapping[str, Any], out: Path) -> None:
+        """The shared tier's record of an action's outputs. In a shared directory the worker's blobs (just verified
+        while placing them) are recorded as they are, not copied into it a second time; an S3 tier checks (HEAD)."""
+        from neuronbuild.cache.action_cache import OutputRef
+        from neuronbuild.cache.local import LocalCache
+
+        metadata = res.get("metadata") or {}
+        refs = {name: OutputRef(str(d), (out / name).stat().st_size) for name, (d, _size) in res["outputs"].items()}
+        if isinstance(self.shared, LocalCache) and set(refs) == set(a.outputs) and \
+                all(self.shared.has_blob(r.digest) for r in refs.values()):
+            self.shared.record_outputs(a.fingerprint, a.identity, a.record, refs, float(res["duration_s"]), metadata)
+            return
+        self.shared.store_outputs(a.fingerprint, a.identity, a.record, out, a.outputs, float(res["duration_s"]),
+                                  metadata)
 
     def finish(self, job: Job) -> None:
         shutil.rmtree(self._tmp / job.id.replace("#", "-"), ignore_errors=True)
@@ -368,7 +384,7 @@ def farm_run(payload: dict[str, Any]) -> dict[str, Any]:
                     res = {"ok": False, "error": f"the action did not produce its declared output '{name}'",
                            "duration_s": res.get("duration_s", 0.0)}
                     break
-                digest, size = shared.put_file(p)
+                digest, size = shared.put_file(p)  # a blob the store has is not sent again
                 outs[name] = [digest, size]
             else:
                 res["outputs"] = outs

@@ -331,10 +331,17 @@ def _watch_parent(parent: int) -> None:
 
 def warm_imports() -> None:
     """Modules every action imports, imported once here so forked actions start warm. Importing must start no
-    thread and run no torch op: a fork copies only the forking thread, and a used OpenMP pool breaks in the child."""
+    thread and run no torch op: a fork copies only the forking thread, and a used OpenMP pool breaks in the child.
+
+    What every action needs (export, and saving or loading a program: ~0.1 s of CPU less in each forked action
+    than importing them there), in the order an action would import them, and no more: the worker's start is on
+    every build's critical path (no action runs before it). What one toolchain's steps need comes with that
+    toolchain's warm-up, which runs in this process before the worker's first such step (run_warm_up, warm_before):
+    the cpu toolchain's imports inductor's compile_fx (~0.7 s that a Neuron-only build never needs)."""
     import torch._dynamo  # noqa: F401
-    import torch._inductor.compile_fx  # noqa: F401
     import torch.export  # noqa: F401
+    import torch.export._trace  # noqa: F401  (what torch.export.export imports first)
+    import torch.export.pt2_archive._package  # noqa: F401  (what torch.export.save and load import first)
 
 
 def main(read_fd: int, write_fd: int) -> None:

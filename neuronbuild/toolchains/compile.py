@@ -230,14 +230,19 @@ def _constant_fqns(package: Path) -> list[str]:
     return sorted(str(n) for n in loader.get_constant_fqns())
 
 
-def constants_bytes(ep: torch.export.ExportedProgram, fqns: list[str]) -> bytes:
-    """The constants a constants-free package needs (parameters, buffers, lifted constants by FQN) as safetensors.
+def held_tensors(ep: torch.export.ExportedProgram) -> dict[str, torch.Tensor]:
+    """Every tensor a program holds by FQN: parameters, buffers and lifted tensor constants."""
+    return {**dict(ep.state_dict), **{k: v for k, v in ep.constants.items() if isinstance(v, torch.Tensor)}}
+
+
+def constants_bytes(ep: torch.export.ExportedProgram | Mapping[str, torch.Tensor], fqns: list[str]) -> bytes:
+    """The constants a constants-free package needs (parameters, buffers, lifted constants by FQN) as safetensors,
+    from a program or from its held_tensors().
 
     Bytes depend only on the tensors (sorted names, no metadata), so every bucket of a model yields the same file."""
     from safetensors.torch import save
 
-    available: dict[str, torch.Tensor] = {**dict(ep.state_dict), **{k: v for k, v in ep.constants.items()
-                                                                     if isinstance(v, torch.Tensor)}}
+    available = dict(ep) if isinstance(ep, Mapping) else held_tensors(ep)
     missing = [n for n in fqns if n not in available]
     if missing:
         raise ToolchainError(f"the compiled package needs constant(s) the program does not hold: {', '.join(missing[:5])}")
