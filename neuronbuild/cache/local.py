@@ -172,6 +172,12 @@ class LocalCache:
             os.unlink(self.failures / fp[:2] / f"{fp}.json")
         return res
 
+    def record_stored(self, fp: str, identity: str, record: Mapping[str, Any], outputs: Mapping[str, tuple[str, int]],
+                      duration_s: float, metadata: Mapping[str, Any]) -> ActionResult:
+        """`record_outputs` for callers outside the cache package (the farm): outputs as {name: (digest, size)}."""
+        refs = {name: OutputRef(str(d), int(n)) for name, (d, n) in outputs.items()}
+        return self.record_outputs(fp, identity, record, refs, duration_s, metadata)
+
     def place_blob(self, digest: str, dest: Path) -> None:
         """A verified copy (or hard link) of a blob at `dest`, for sandbox inputs."""
         try:

@@ -207,14 +207,14 @@ class DaskExecutor:
     def _record_shared(self, a: Any, res: Mapping[str, Any], out: Path) -> None:
         """The shared tier's record of an action's outputs. In a shared directory the worker's blobs (just verified
         while placing them) are recorded as they are, not copied into it a second time; an S3 tier checks (HEAD)."""
-        from neuronbuild.cache.action_cache import OutputRef
-        from neuronbuild.cache.local import LocalCache
-
         metadata = res.get("metadata") or {}
-        refs = {name: OutputRef(str(d), (out / name).stat().st_size) for name, (d, _size) in res["outputs"].items()}
-        if isinstance(self.shared, LocalCache) and set(refs) == set(a.outputs) and \
-                all(self.shared.has_blob(r.digest) for r in refs.values()):
-            self.shared.record_outputs(a.fingerprint, a.identity, a.record, refs, float(res["duration_s"]), metadata)
+        sizes = {name: (str(d), (out / name).stat().st_size) for name, (d, _size) in res["outputs"].items()}
+        # A directory tier (cache/local.py) records blobs it holds already; execution reaches it only through the
+        # SpawnCache protocol (tests/test_layering.py), so the method is looked up, not the class.
+        record_stored = getattr(self.shared, "record_stored", None)
+        if callable(record_stored) and set(sizes) == set(a.outputs) and \
+                all(self.shared.has_blob(d) for d, _n in sizes.values()):
+            record_stored(a.fingerprint, a.identity, a.record, sizes, float(res["duration_s"]), metadata)
             return
         self.shared.store_outputs(a.fingerprint, a.identity, a.record, out, a.outputs, float(res["duration_s"]),
                                   metadata)
