@@ -50,11 +50,16 @@ def file_lock(path: Path, shared: bool = False) -> Iterator[None]:
         os.close(fd)
 
 
-def read_own_state(path: Path) -> bytes:
+def read_own_state(path: Path | str) -> bytes:
     """A state file's bytes, only if this user wrote it (in a cache shared between users, another user's no-op stamp
     or digest cache could claim that changed files are unchanged): OSError otherwise."""
+    return read_own_state_stat(path)[0]
+
+
+def read_own_state_stat(path: Path | str) -> tuple[bytes, os.stat_result]:
+    """read_own_state, with the stat of the file read."""
     with open(path, "rb") as f:
         st = os.fstat(f.fileno())
         if st.st_uid != os.geteuid() or st.st_mode & 0o022:
             raise PermissionError(f"{path}: not written by this user; ignored")
-        return f.read()
+        return f.read(), st

@@ -33,7 +33,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from neuronbuild.atomic import atomic_write_bytes
+from neuronbuild.atomic import atomic_write_bytes, read_own_state_stat
 from neuronbuild.self_stamp import checkout_dir, code_stamp
 from neuronbuild.workspace import BUILD_FILE, MARKER
 
@@ -124,11 +124,8 @@ def _load(path: Path) -> Any:
     if known is not None and known[0] == (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns) and \
             st.st_uid == os.geteuid() and not st.st_mode & 0o022:
         return known[1]
-    with open(p, "rb") as f:
-        st = os.fstat(f.fileno())
-        if st.st_uid != os.geteuid() or st.st_mode & 0o022:  # as atomic.read_own_state
-            raise PermissionError(f"{p}: not written by this user; ignored")
-        data = marshal.loads(f.read())
+    raw, st = read_own_state_stat(p)
+    data = marshal.loads(raw)
     if max(st.st_mtime_ns, st.st_ctime_ns) < time.time_ns() - RACY_NS:
         if len(_read) >= 16:
             _read.clear()

@@ -53,7 +53,7 @@ class Estimator:
     def __init__(self, history: History) -> None:
         self.history = history
         self._by_class: dict[tuple[str, str], list[LatestEntry]] | None = None
-        self._fallback: dict[tuple[str, str, str, str], Estimate] = {}
+        self._fallback: dict[tuple[str, str, str], Estimate] = {}
 
     def estimate(self, action: Action) -> Estimate:
         own = self.history.result(action.fingerprint)
@@ -67,7 +67,7 @@ class Estimator:
             if group:
                 return Estimate(_mean(group), f"mean of {len(group)} other bucket(s) of this target")
         kind, platform = action.kind, action.platform  # (= _kind_platform(action.identity), without parsing it)
-        key = (kind, platform, kind, action.toolchain)
+        key = (kind, platform, action.toolchain)
         known = self._fallback.get(key)  # the same for every action of a class: made once (100,000s at scale)
         if known is None:
             known = self._fallback[key] = self._class_estimate(action, kind, platform)

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from neuronbuild.atomic import atomic_write_bytes
+from neuronbuild.digests import StatKey, is_racy, stat_key
 
 RECORD_VERSION = 1
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
@@ -79,13 +80,12 @@ class ActionResult:
             raise ValueError(f"malformed record ({type(e).__name__}: {str(e)[:100]})") from None
 
 
-# Records parsed by this process, by path: (ino, size, mtime_ns, ctime_ns) of the file read, and its result. A record
+# Records parsed by this process, by path: the stat key (digests.stat_key) of the file read, and its result. A record
 # is only ever replaced by a rename (a new inode) and touched by utime (new times), so a file with the same stat key
 # holds the bytes parsed then (the digest cache's rule); a record changed within RACY_NS of its read is not kept. A
 # build server looks 2,375 records up per build at 1,000 graphs: one stat each instead of an open, read and parse.
-_parsed: dict[str, tuple[tuple[int, int, int, int], ActionResult]] = {}
+_parsed: dict[str, tuple[StatKey, ActionResult]] = {}
 _MAX_PARSED = 20_000  # ~6 KiB each (a record holds its action's full input record): at most ~120 MiB
-RACY_NS = 20_000_000  # as analysis/digests.py: twice the kernel's coarse timestamp clock tick
 
 
 class ActionCache:
@@ -110,9 +110,8 @@ class ActionCache:
             st = os.stat(p)
         except OSError:
             return None
-        key = (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
         known = _parsed.get(p)
-        if known is not None and known[0] == key:
+        if known is not None and known[0] == stat_key(st):
             self.mtimes[fp] = st.st_mtime_ns
             return known[1]
         try:
@@ -130,9 +129,10 @@ class ActionCache:
         if res.fingerprint != fp:
             return None
         self.mtimes[fp] = st.st_mtime_ns
-        if max(st.st_mtime_ns, st.st_ctime_ns) < time.time_ns() - RACY_NS and \
+        key = stat_key(st)
+        if not is_racy(key, time.time_ns()) and \
                 (p in _parsed or len(_parsed) < _MAX_PARSED):  # full: the records kept first stay kept
-            _parsed[p] = ((st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns), res)
+            _parsed[p] = (key, res)
         return res
 
     def put(self, result: ActionResult) -> None:

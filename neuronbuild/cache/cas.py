@@ -136,7 +136,7 @@ class BlobStore:
         with contextlib.suppress(OSError):
             if os.path.getsize(src) >= _CHUNK:
                 digest, size = hash_file(src)
-                if self.has(digest) and self.check(digest, size) == "ok":
+                if self.check(digest, size) == "ok":
                     with contextlib.suppress(OSError):
                         os.utime(self.path(digest))  # recently used: protects it from a concurrent gc's grace period
                     return digest, size

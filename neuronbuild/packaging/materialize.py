@@ -19,13 +19,13 @@ from neuronbuild.analysis.planner import ActionGraph, CompileTarget
 from neuronbuild.atomic import atomic_write_bytes
 from neuronbuild.cache.cas import COPY_TEMP_PREFIX, umask_mode
 from neuronbuild.cache.local import LocalCache
+from neuronbuild.digests import StatKey, is_racy, stat_key
 from neuronbuild.workspace import OUTPUT_DIR
 
 MANIFEST = "manifest.json"
 STAGING = ".tmp"
 # A copy in flight younger than this may be a concurrent build's, about to be renamed onto its output: left alone.
 IN_FLIGHT_S = 3600
-RACY_NS = 20_000_000  # as noop.RACY_NS: twice the kernel's coarse timestamp clock tick
 
 
 def target_dir(root: Path, ct: CompileTarget) -> Path:
@@ -83,7 +83,7 @@ def _walk(top: str) -> list[tuple[str, list[str], list[str]]]:
     return out
 
 
-Snapshot = tuple[tuple[str, tuple[int, int, int, int]], ...]
+Snapshot = tuple[tuple[str, StatKey], ...]
 # Targets this process materialised, by directory: (a digest of the manifest's canonical JSON, a snapshot of the
 # directory tree: every directory and file in it with its lstat key, the same before and after the directory was
 # checked and found right, nothing written). While a target's manifest is the same and every entry still has its key
@@ -94,14 +94,9 @@ _done: dict[str, tuple[bytes, Snapshot]] = {}
 _MAX_DONE = 20_000  # ~2 KiB each: at most ~40 MiB
 
 
-def _lstat_key(path: str) -> tuple[int, int, int, int]:
-    st = os.lstat(path)
-    return (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
-
-
 def _unchanged(snapshot: Snapshot) -> bool:
     try:
-        return all(_lstat_key(p) == k for p, k in snapshot)
+        return all(stat_key(os.lstat(p)) == k for p, k in snapshot)
     except OSError:
         return False
 
@@ -109,21 +104,21 @@ def _unchanged(snapshot: Snapshot) -> bool:
 def _snapshot(out: Path, keep: set[str]) -> Snapshot | None:
     """The tree under `out` if it holds exactly `keep` (and the directories on the way) and nothing in it changed
     within the racy window (a second change could hide in the same timestamp tick); else None."""
-    found: list[tuple[str, tuple[int, int, int, int]]] = []
+    found: list[tuple[str, StatKey]] = []
     seen: set[str] = set()
     dirs = {k.rsplit("/", 1)[0] for k in keep if "/" in k}  # (outputs are <bucket>/<name>)
-    limit = time.time_ns() - RACY_NS
+    now = time.time_ns()
     try:
         for rel_dir, _dirnames, filenames in _walk(str(out)):
             base = f"{out}/{rel_dir}" if rel_dir else str(out)
-            k = _lstat_key(base)
-            if max(k[2], k[3]) >= limit or (rel_dir and rel_dir not in dirs):
+            k = stat_key(os.lstat(base))
+            if is_racy(k, now) or (rel_dir and rel_dir not in dirs):
                 return None
             found.append((base, k))
             for f in filenames:
                 rel = f"{rel_dir}/{f}" if rel_dir else f
-                k = _lstat_key(f"{base}/{f}")
-                if max(k[2], k[3]) >= limit or rel not in keep:
+                k = stat_key(os.lstat(f"{base}/{f}"))
+                if is_racy(k, now) or rel not in keep:
                     return None
                 seen.add(rel)
                 found.append((f"{base}/{f}", k))

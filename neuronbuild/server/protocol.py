@@ -51,7 +51,6 @@ def _codec() -> tuple[Callable[[Any], str], Callable[[Any], str], Callable[[str]
             strict = True
             object_hook = object_pairs_hook = None
             parse_float, parse_int = float, int
-            memo: dict[str, str] = {}
 
             @staticmethod
             def parse_constant(name: str) -> float:

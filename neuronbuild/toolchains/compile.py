@@ -108,8 +108,8 @@ def compile_cpu(
         data = canonical_package(raw.read_bytes())
         # Every tensor the program holds (a superset of what the package asks for: inductor folds some buffers in),
         # so the file is the same bytes as the Neuron lowering's: one weights file per model for all graphs/targets.
-        held = set(ep.state_dict) | {k for k, v in ep.constants.items() if isinstance(v, torch.Tensor)}
-        constants = constants_bytes(ep, sorted(held | set(_constant_fqns(raw))))
+        held = held_tensors(ep)
+        constants = constants_bytes(held, sorted(set(held) | set(_constant_fqns(raw))))
     (out_dir / "model.pt2").write_bytes(data)
     (out_dir / CONSTANTS_FILE).write_bytes(constants)
     return {"artifact": "model.pt2", "bytes": len(data), "isa": isa, "constants": CONSTANTS_FILE,
@@ -235,14 +235,13 @@ def held_tensors(ep: torch.export.ExportedProgram) -> dict[str, torch.Tensor]:
     return {**dict(ep.state_dict), **{k: v for k, v in ep.constants.items() if isinstance(v, torch.Tensor)}}
 
 
-def constants_bytes(ep: torch.export.ExportedProgram | Mapping[str, torch.Tensor], fqns: list[str]) -> bytes:
+def constants_bytes(available: Mapping[str, torch.Tensor], fqns: list[str]) -> bytes:
     """The constants a constants-free package needs (parameters, buffers, lifted constants by FQN) as safetensors,
-    from a program or from its held_tensors().
+    from a program's held_tensors().
 
     Bytes depend only on the tensors (sorted names, no metadata), so every bucket of a model yields the same file."""
     from safetensors.torch import save
 
-    available = dict(ep) if isinstance(ep, Mapping) else held_tensors(ep)
     missing = [n for n in fqns if n not in available]
     if missing:
         raise ToolchainError(f"the compiled package needs constant(s) the program does not hold: {', '.join(missing[:5])}")
