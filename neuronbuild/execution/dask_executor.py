@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import shutil
 import signal
@@ -236,12 +237,23 @@ class DaskExecutor:
     def shutdown(self) -> None:
         self.cancel()
         client = getattr(self, "client", None)
+        if client is not None and self._cluster is not None:
+            # Our own LocalCluster: its processes write to the user's terminal, and closing it races Dask's own
+            # heartbeats (a worker logs a CommClosedError traceback when its in-flight heartbeat meets the closing
+            # scheduler). Its logs are quieted first (the build's own outcome is already reported by then).
+            with contextlib.suppress(Exception):
+                client.run(quiet_dask_logs, nanny=True, on_error="ignore")
+            with contextlib.suppress(Exception):
+                client.run(quiet_dask_logs, on_error="ignore")
+        levels = quiet_dask_logs() if self._cluster is not None else {}  # this process's (the scheduler's) too
         if client is not None:
             with contextlib.suppress(Exception):
                 client.close()
         if self._cluster is not None:
             with contextlib.suppress(Exception):
                 self._cluster.close()
+        for name, level in levels.items():  # a build server's next build logs as before
+            logging.getLogger(name).setLevel(level)
         if getattr(self, "_tmp", None) is not None:
             shutil.rmtree(self._tmp, ignore_errors=True)
 
@@ -252,6 +264,18 @@ _POOLS: dict[tuple[str, int], list[WorkerPool]] = {}  # idle warm worker process
 _POOLS_LOCK = threading.Lock()
 _RUNNING: dict[str, WorkerPool] = {}  # task key -> the pool running it (on this Dask worker)
 _CANCELLED: set[str] = set()
+
+
+def quiet_dask_logs() -> dict[str, int]:
+    """Runs in a closing LocalCluster's processes (and the client's): Dask's loggers say nothing more. Returns the
+    levels they had."""
+    levels = {}
+    for name in ("distributed", "distributed.worker", "distributed.nanny", "distributed.core", "distributed.comm",
+                 "distributed.scheduler", "tornado"):
+        logger = logging.getLogger(name)
+        levels[name] = logger.level
+        logger.setLevel(logging.CRITICAL + 1)
+    return levels
 
 
 def cancel_farm_tasks(keys: list[str]) -> int:
