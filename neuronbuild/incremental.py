@@ -98,6 +98,7 @@ class PeekMemo:
         self.listings: dict[str, frozenset[str] | None] = {}  # this command's listings of record shards `ac/<xx>`
         self.estimates: dict[tuple[str, str], Any] = {}  # (fingerprint, identity) -> plan's Estimate
         self._estimates_key: Any = None
+        self.needed: Any = None  # the last plan's needed_actions, for needed_actions() to patch
 
     def estimates_now(self) -> dict[tuple[str, str], Any] | None:
         """`plan`'s estimates memoised by earlier commands, kept only while every record shard and the identity
@@ -207,6 +208,111 @@ class _PeekingCache:
         if all(m is not None for _d, m in states):
             memo.verdicts[fp] = (verdict, states)  # type: ignore[assignment]
         return verdict
+
+
+class _Needed:
+    """What `plan`'s needed_actions found for one graph with the cache's shards in one state."""
+
+    __slots__ = ("actions", "cached", "need", "state", "candidates")
+
+    def __init__(self, actions: Any, cached: set[str], need: set[str], state: dict[str, int | None],
+                 candidates: set[str]) -> None:
+        self.actions, self.cached, self.need, self.state = actions, cached, need, state
+        self.candidates = candidates  # actions whose inputs are all cached: early cutoff may be asked (not memoised)
+
+
+def needed_actions(ag: Any, cache: Any) -> tuple[list[Any], list[str]]:
+    """`plan`'s scheduler.needed_actions(ag, cache, probe=True). In the build server (a cache from `peeking()`), when
+    the graph's order was patched from the previous plan's graph (ActionGraph._patched) and no record or blob shard
+    changed since that plan (so every kept action's peek verdict is the one it had), the previous answer is patched:
+    the added actions are peeked, early cutoff is asked again for every action it may apply to (its entries are
+    not in the watched shards), and "needed" is recomputed upwards from where the graph changed."""
+    from neuronbuild.execution import scheduler
+
+    if not isinstance(cache, _PeekingCache):
+        return scheduler.needed_actions(ag, cache, probe=True)
+    memo = cache._memo
+    prev, memo.needed = memo.needed, None
+    state = memo.state
+    out = None
+    order = ag.topological()
+    if prev is not None and ag.__dict__.get("_patched_from") is prev.actions and prev.state == state and \
+            None not in state.values():
+        out = _patch_needed(ag, order, prev, cache)
+    if out is None:
+        todo, cached_list = scheduler.needed_actions(ag, cache, probe=True)
+        cached = set(cached_list)
+        succ, actions = ag.graph._succ, ag.actions
+        candidates = {s for c in cached for s in succ[c]
+                      if all(d.action in cached for d in actions[s].dep_inputs)}
+        out = _Needed(ag.actions, cached, {a.fingerprint for a in todo}, dict(state), candidates)
+    else:
+        from itertools import compress
+
+        fps = ag.order_fingerprints()
+        todo = list(compress(order, map(out.need.__contains__, fps)))
+        cached_list = list(compress(fps, map(out.cached.__contains__, fps))) if out.cached else []
+    if None not in state.values():
+        memo.needed = out
+    return todo, cached_list
+
+
+def _patch_needed(ag: Any, order: list[Any], prev: _Needed, cache: Any) -> _Needed | None:
+    from neuronbuild.execution import cutoff
+
+    added, removed = ag.__dict__["_diff"]
+    actions, pred, succ = ag.actions, ag.graph._pred, ag.graph._succ
+
+    def verdict(a: Any, cached: set[str]) -> bool:  # (scheduler.needed_actions with probe=True, for one action)
+        if cache.peek(a.fingerprint):
+            return True
+        return bool(a.dep_inputs) and all(d.action in cached for d in a.dep_inputs) and \
+            cutoff.peek(a, cache, probe=True) is not None
+
+    cached = prev.cached - removed
+    # early cutoff reads entries outside the watched shards: ask again wherever it may apply; a changed answer
+    # changes what follows it, so then the whole pass runs (rare: an entry written since the last plan)
+    candidates = prev.candidates - removed
+    for fp in candidates:
+        if verdict(actions[fp], cached) != (fp in cached):
+            return None
+    for fp in _dependencies_first(added, pred, succ):
+        a = actions[fp]
+        if verdict(a, cached):
+            cached.add(fp)
+        if a.dep_inputs and all(d.action in cached for d in a.dep_inputs):
+            candidates.add(fp)
+    need = prev.need - removed
+    stack = list(added)
+    stack.extend(p for d in added for p in pred[d] if p not in added)
+    old = prev.actions
+    stack.extend(dep for r in removed for dep in old[r].deps if dep in actions)
+    while stack:
+        fp = stack.pop()
+        consumers = succ[fp]
+        v = fp not in cached and (not consumers or any(c in need for c in consumers))
+        if v != (fp in need):
+            if v:
+                need.add(fp)
+            else:
+                need.discard(fp)
+            stack.extend(pred[fp])
+    return _Needed(actions, cached, need, prev.state, candidates)
+
+
+def _dependencies_first(nodes: set[str], pred: Any, succ: Any) -> list[str]:
+    """`nodes` (closed under consumers) ordered so that each comes after those of its dependencies among them."""
+    waiting = {n: sum(1 for p in pred[n] if p in nodes) for n in nodes}
+    ready = sorted(n for n, k in waiting.items() if k == 0)
+    out = []
+    while ready:
+        n = ready.pop()
+        out.append(n)
+        for s in succ[n]:
+            waiting[s] -= 1
+            if waiting[s] == 0:
+                ready.append(s)
+    return out
 
 
 def estimate_memo(cache: Any) -> dict[tuple[str, str], Any] | None:

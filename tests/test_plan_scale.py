@@ -146,3 +146,63 @@ def test_a_cycle_in_the_action_graph_is_refused() -> None:
             ActionGraph(actions, action_digraph(actions)).topological()
     ok = {"r": act("r"), "a": act("a", "r"), "b": act("b", "a", "r")}
     assert [a.fingerprint for a in ActionGraph(ok, action_digraph(ok)).topological()] == ["r", "a", "b"]
+
+
+def _sub_graph(ag: Any, keep: set[str]) -> Any:
+    from neuronbuild.analysis.planner import ActionGraph, action_digraph
+
+    actions = {fp: a for fp, a in ag.actions.items() if fp in keep}
+    return ActionGraph(actions, action_digraph(actions))
+
+
+def _without_consumers_of(ag: Any, fps: list[str]) -> set[str]:
+    """The graph's fingerprints minus `fps` and everything that reads them (what a fingerprint change removes)."""
+    gone = set(fps)
+    for fp in fps:
+        gone |= nx.descendants(ag.graph, fp)
+    return set(ag.actions) - gone
+
+
+def test_the_server_patches_the_previous_order_into_the_smallest_first_order(action_graph: Any) -> None:
+    """ActionGraph._patched (the build server's re-plan after an edit) against the full order, over random edits:
+    actions removed with their consumers, added back, both at once (old and new graph share the kept actions),
+    small and large edits, traces (sources) and compiles (sinks)."""
+    from neuronbuild.analysis.planner import ActionGraph, action_digraph
+
+    ag = action_graph
+    fps = list(ag.actions)
+    rng = random.Random(11)
+    patched = 0
+    for trial in range(60):
+        a = _without_consumers_of(ag, rng.sample(fps, rng.choice((1, 2, 5))))
+        b = _without_consumers_of(ag, rng.sample(fps, rng.choice((1, 3)))) if trial % 3 else set(fps)
+        if trial % 4 == 0:
+            a, b = b, a
+        old, new = _sub_graph(ag, a), _sub_graph(ag, b)
+        old.topological()
+        new.__dict__["_prev"] = (old.actions, old.__dict__["_order"], old.order_fingerprints())
+        got = new.topological()
+        want = list(nx.lexicographical_topological_sort(new.graph))
+        assert [x.fingerprint for x in got] == want == new.order_fingerprints()
+        assert all(x is new.actions[x.fingerprint] or x is old.actions[x.fingerprint] for x in got)
+        if "_patched_from" in new.__dict__:
+            patched += 1
+            added, removed = new.__dict__["_diff"]
+            assert added == b - a and removed == a - b
+    assert patched >= 40  # (most edits are small enough to patch)
+    # a graph with a node that is not an action, or a cycle among the added actions: the full order decides
+    from neuronbuild.analysis.actions import Action, Bucket, DepInput
+    from neuronbuild.loading.labels import Label
+
+    def act(fp: str, *deps: str) -> Action:
+        return Action(fp, "compile", Label("p", "t"), Bucket(()), {}, {},
+                      dep_inputs=tuple(DepInput(d, "o", "o") for d in deps))
+
+    base = {x.fingerprint: x for x in (act("a"), act("b", "a"))}
+    old = ActionGraph(base, action_digraph(base))
+    old.topological()
+    cyc = {**base, "c": act("c", "d"), "d": act("d", "c")}
+    new = ActionGraph(cyc, action_digraph(cyc))
+    new.__dict__["_prev"] = (old.actions, old.__dict__["_order"], old.order_fingerprints())
+    with pytest.raises(nx.NetworkXUnfeasible):
+        new.topological()

@@ -10,6 +10,7 @@ toolchain it used reports now). A memoised target is replayed, so the plan is th
 from __future__ import annotations
 
 import json
+import operator
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,8 +44,117 @@ class ActionGraph:
     def topological(self) -> list[Action]:
         order = self.__dict__.get("_order")  # computed once per graph (frozen: kept in __dict__ directly)
         if order is None:
-            order = self.__dict__["_order"] = self._topological()
+            prev = self.__dict__.pop("_prev", None)  # (the build server: the previous plan's actions and order)
+            if prev is not None:
+                order = self._patched(*prev)
+                if order is not None:
+                    self.__dict__["_patched_from"] = prev[0]
+            if order is None:
+                order = self._topological()
+            self.__dict__["_order"] = order
         return list(order)
+
+    def order_fingerprints(self) -> list[str]:
+        """The fingerprints of topological(), in its order."""
+        fps = self.__dict__.get("_order_fps")
+        if fps is None:
+            fps = self.__dict__["_order_fps"] = list(map(_FINGERPRINT, self.topological()))
+        return fps  # type: ignore[no-any-return]
+
+    def _patched(self, old_actions: Mapping[str, Action], old_order: tuple[Action, ...],
+                 old_fps: list[str]) -> tuple[Action, ...] | None:
+        """The order `_topological` gives, patched from the order of a previous graph `old_actions` (the build
+        server's previous plan) when only a few actions were added or removed; None when it cannot be (then the full
+        order is made). A fingerprint is the digest of a record holding every input of the action, its dependencies'
+        fingerprints included, so an action kept by fingerprint has the same dependencies: the kept actions U are
+        closed under dependencies in both graphs, and the smallest-first order restricted to such a set is that set's
+        own smallest-first order, i.e. the previous order filtered to U. The added actions D are merged into it as
+        Kahn's algorithm takes them: whenever the smallest ready D is smaller than U's next one (which is always
+        ready), D goes first. Sets `_diff` = (added, removed) for incremental.needed_actions. The kept actions in
+        the order are the previous graph's objects (the same fingerprint: the same action)."""
+        import heapq
+        from itertools import compress, filterfalse
+
+        actions = self.actions
+        pred, succ = self.graph._pred, self.graph._succ
+        if len(pred) != len(actions):  # nodes that are not actions (a dependency never registered): full order
+            return None
+        added = actions.keys() - old_actions.keys()
+        removed = old_actions.keys() - actions.keys()
+        if len(added) + len(removed) > max(64, len(actions) // 8):
+            return None
+        waiting: dict[str, int] = {}
+        rel: set[str] = set()  # kept actions some added one waits for
+        for d in added:
+            p = pred[d]
+            waiting[d] = len(p)
+            rel.update(x for x in p if x not in added)
+            if any(s not in added for s in succ[d]):  # a kept action reading an added one: not content-addressed
+                return None
+            if any(x not in added and actions[x] is not old_actions[x] and actions[x].deps != old_actions[x].deps
+                   for x in p):
+                return None
+        heap = [d for d, k in waiting.items() if k == 0]
+        heapq.heapify(heap)
+        if removed:
+            ufps = list(filterfalse(removed.__contains__, old_fps))
+            useq = list(compress(old_order, map(operator.not_, map(removed.__contains__, old_fps))))
+        else:
+            ufps, useq = list(old_fps), list(old_order)
+        rel_at = [k for k, fp in enumerate(ufps) if fp in rel] if rel else []
+        bmax = [max(ufps[k:k + _BLOCK]) for k in range(0, len(ufps), _BLOCK)]
+        pop, push = heapq.heappop, heapq.heappush
+        out: list[Action] = []
+        fps: list[str] = []
+        i, n, r = 0, len(ufps), 0
+
+        def release(fp: str) -> None:  # (an added action's consumers are added ones; a kept one's may be either)
+            for s in succ[fp]:
+                k = waiting.get(s)
+                if k is not None:
+                    waiting[s] = k - 1
+                    if k == 1:
+                        push(heap, s)
+
+        def take(j: int) -> None:  # the kept actions up to j (excluded)
+            nonlocal i, r
+            out.extend(useq[i:j])
+            fps.extend(ufps[i:j])
+            i = j
+            while r < len(rel_at) and rel_at[r] < i:
+                r += 1
+
+        while i < n or heap:
+            if heap:
+                h = heap[0]
+                stop = rel_at[r] if r < len(rel_at) else n  # (the next kept action an added one waits for)
+                j = i
+                while j < stop and ufps[j] < h:
+                    if j % _BLOCK == 0 and j + _BLOCK <= stop and bmax[j // _BLOCK] < h:
+                        j += _BLOCK  # (a whole block below h)
+                    else:
+                        j += 1
+                take(j)
+                if j < n and ufps[j] < h:  # a kept action some added one waits for, smaller than h: it goes first
+                    take(j + 1)
+                    release(ufps[j])
+                else:
+                    d = pop(heap)
+                    out.append(actions[d])
+                    fps.append(d)
+                    release(d)
+            else:  # nothing added is ready: the kept order up to (and with) the next kept action an added one waits for
+                if r == len(rel_at):
+                    take(n)
+                else:
+                    j = rel_at[r]
+                    take(j + 1)
+                    release(ufps[j])
+        if len(out) != len(actions):  # an added action never ready: a cycle (the full order raises)
+            return None
+        self.__dict__["_diff"] = (added, removed)
+        self.__dict__["_order_fps"] = fps
+        return tuple(out)
 
     def _topological(self) -> tuple[Action, ...]:
         """Kahn's algorithm taking the smallest ready fingerprint first: networkx's lexicographical_topological_sort
@@ -116,6 +226,7 @@ class AnalysisMemo:
         self.settings_key: str | None = None
         self.trace_toolchain: dict[str, str] = {}
         self.reused = self.analysed = 0
+        self.last: ActionGraph | None = None  # the previous plan's graph (its order is patched: ActionGraph._patched)
 
     def begin(self, settings: PlanSettings) -> None:
         key = settings_key(settings)
@@ -367,6 +478,8 @@ class AnalysisContext:
 
 
 _MISSING = object()
+_FINGERPRINT = operator.attrgetter("fingerprint")
+_BLOCK = 256  # the kept order is scanned for the first fingerprint above the smallest ready added one by blocks
 
 
 def plan(graph: TargetGraph, settings: PlanSettings | None = None, memo: AnalysisMemo | None = None) -> ActionGraph:
@@ -381,7 +494,13 @@ def plan(graph: TargetGraph, settings: PlanSettings | None = None, memo: Analysi
     for lbl in graph.requested:
         if plugins.rule(graph.targets[lbl].kind).plans_actions:
             ctx.provider(lbl)
-    return ActionGraph(ctx.actions, action_digraph(ctx.actions), tuple(ctx.compiles), dict(ctx.bundles))
+    ag = ActionGraph(ctx.actions, action_digraph(ctx.actions), tuple(ctx.compiles), dict(ctx.bundles))
+    if memo is not None:
+        last, memo.last = memo.last, ag
+        order = last.__dict__.get("_order") if last is not None else None
+        if last is not None and order is not None:  # (only the actions and order: no chain of graphs is kept)
+            ag.__dict__["_prev"] = (last.actions, order, last.order_fingerprints())
+    return ag
 
 
 def action_digraph(actions: Mapping[str, Action]) -> nx.DiGraph:

@@ -70,7 +70,6 @@ def run_plan(args: argparse.Namespace) -> int:
     from neuronbuild.analysis.plan_report import plan_report
     from neuronbuild.build import default_jobs, settings_notes
     from neuronbuild.errors import EXIT_BAD_INPUT, EXIT_OK
-    from neuronbuild.execution.scheduler import needed_actions
 
     err = bad_jobs(args)
     if err:
@@ -84,7 +83,7 @@ def run_plan(args: argparse.Namespace) -> int:
 
     cache = ctx.open_cache()
     peeking = incremental.peeking(cache)
-    todo, cached = needed_actions(ag, peeking, probe=True)
+    todo, cached = incremental.needed_actions(ag, peeking)  # (scheduler.needed_actions; patched in the server)
     report = plan_report(ag, todo, cached, ctx.history(cache), args.jobs or default_jobs(),
                          incremental.estimate_memo(peeking))
     if getattr(args, "output", "text") == "json":
