@@ -70,6 +70,9 @@ def test_the_wall_time_estimate_is_the_greedy_list_schedule(action_graph: Any) -
         seconds = {a.fingerprint: float(rng.randint(0, 3)) if trial % 2 else rng.random() * 10 for a in todo}
         for jobs in (1, 2, 3, 8):
             assert wall_time(ag.graph, todo, seconds, jobs) == _greedy(ag.graph, todo, seconds, jobs)
+            report = PlanReport(ag, tuple(todo), frozenset(), {fp: Estimate(s, "own") for fp, s in seconds.items()},
+                                jobs)
+            assert report.wall_s == _greedy(ag.graph, todo, seconds, jobs)
 
 
 def _reference_lines(r: PlanReport) -> list[str]:

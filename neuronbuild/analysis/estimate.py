@@ -96,19 +96,36 @@ class Estimator:
 
 def wall_time(graph: nx.DiGraph, todo: Sequence[Action], seconds: Mapping[str, float], jobs: int) -> float:
     """Greedy list schedule of `todo` on `jobs` workers in dependency order (each action on the worker free first)."""
+    fps = [a.fingerprint for a in todo]
+    return wall_time_of(graph, fps, [seconds.get(fp, 0.0) for fp in fps], jobs)
+
+
+def wall_time_of(graph: nx.DiGraph, fps: Sequence[str], seconds: Sequence[float], jobs: int) -> float:
+    """wall_time() of the actions `fps` (topologically ordered) taking `seconds` each (a list in the same order)."""
     import heapq
 
-    finish: dict[str, float] = {}  # (todo is topologically ordered: a dependency to run is in here before its user)
-    workers = [(0.0, i) for i in range(max(1, jobs))]  # (free at, worker): a heap
+    finish: dict[str, float] = {}  # (fps is topologically ordered: a dependency to run is in here before its user)
     pred = graph._pred  # (the adjacency dicts: no view object per action)
-    for a in todo:
-        fp = a.fingerprint
+    get = finish.get
+    if jobs <= 1:  # (one worker: each action starts when the previous one ends, or its inputs are ready)
+        free = 0.0
+        for fp, s in zip(fps, seconds, strict=True):
+            ready = free
+            for d in pred[fp]:
+                f = get(d)
+                if f is not None and f > ready:
+                    ready = f
+            free = finish[fp] = ready + s
+        return max(finish.values(), default=0.0)
+    workers = [(0.0, i) for i in range(jobs)]  # (free at, worker): a heap
+    replace = heapq.heapreplace
+    for fp, s in zip(fps, seconds, strict=True):
         ready = 0.0
         for d in pred[fp]:
-            f = finish.get(d)
+            f = get(d)
             if f is not None and f > ready:
                 ready = f
         free, i = workers[0]
-        end = finish[fp] = (ready if ready > free else free) + seconds.get(fp, 0.0)
-        heapq.heapreplace(workers, (end, i))
+        end = finish[fp] = (ready if ready > free else free) + s
+        replace(workers, (end, i))
     return max(finish.values(), default=0.0)

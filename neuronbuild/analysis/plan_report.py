@@ -7,7 +7,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from neuronbuild.analysis.actions import Action
-from neuronbuild.analysis.estimate import Estimate, Estimator, wall_time
+import operator
+
+from neuronbuild.analysis.estimate import Estimate, Estimator, wall_time_of
 from neuronbuild.analysis.planner import ActionGraph
 from neuronbuild.analysis.providers import CompileTarget
 from neuronbuild.history import History
@@ -15,6 +17,7 @@ from neuronbuild.history import History
 BUILD = "build"
 CACHED = "cached"
 UNNEEDED = "-"  # a trace whose compiles are all cached is not needed
+_FINGERPRINT = operator.attrgetter("fingerprint")
 
 
 @dataclass(frozen=True)
@@ -42,8 +45,10 @@ class PlanReport:
 
     @property
     def wall_s(self) -> float:
-        return wall_time(self.ag.graph, self.todo, {fp: e.seconds or 0.0 for fp, e in self.estimates.items()},
-                         self.jobs)
+        get = self.estimates.get
+        fps = list(map(_FINGERPRINT, self.todo))
+        return wall_time_of(self.ag.graph, fps, [(e.seconds or 0.0) if (e := get(fp)) is not None else 0.0
+                                                 for fp in fps], self.jobs)
 
     def _cell(self, fp: str) -> dict[str, Any]:
         est = self.estimates.get(fp)
@@ -85,14 +90,13 @@ class PlanReport:
 
     def lines(self) -> list[str]:
         out: list[str] = []
-        estimates, cached, trace_of = self.estimates, self.cached, self.ag.trace_of
+        estimates, cached, ag = self.estimates, self.cached, self.ag
         seen: dict[tuple[int, int, bool, bool], str] = {}
-        for ct in self.ag.compiles:
+        for ct in ag.compiles:
             head, prefixes = _layout(ct)
             out.extend(head)
-            for prefix, (_bucket, fp) in zip(prefixes, ct.buckets, strict=True):  # (inlined status(): 100,000s)
-                trace_fp = trace_of(fp).fingerprint
-                te, ce = estimates.get(trace_fp), estimates.get(fp)
+            for prefix, (_bucket, fp), trace_fp in zip(prefixes, ct.buckets, _traces(ct, ag), strict=True):
+                te, ce = estimates.get(trace_fp), estimates.get(fp)  # (inlined status(): 100,000s)
                 key = (id(te), id(ce), trace_fp in cached, fp in cached)  # (estimates are shared: few distinct rows)
                 cells = seen.get(key)
                 if cells is None:
@@ -119,6 +123,16 @@ def _layout(ct: CompileTarget) -> tuple[tuple[str, str], tuple[str, ...]]:
         width = max([len("bucket"), *(len(str(b)) for b, _fp in ct.buckets)])
         head = (f"{ct.label}  {ct.description}  {opts}".rstrip(), f"  {'bucket':<{width}}  {'trace':<7} {'compile':<7} est.")
         known = ct.__dict__["_plan_layout"] = (head, tuple(f"  {str(b):<{width}}  " for b, _fp in ct.buckets))
+    return known  # type: ignore[no-any-return]
+
+
+def _traces(ct: CompileTarget, ag: ActionGraph) -> tuple[str, ...]:
+    """The fingerprint of the trace each bucket's compile derives from (ActionGraph.trace_of), kept in the
+    CompileTarget as its layout is: a fingerprint is the digest of everything its action reads, its inputs'
+    fingerprints included, so the trace a compile fingerprint derives from is the same in every graph holding it."""
+    known = ct.__dict__.get("_plan_traces")
+    if known is None:
+        known = ct.__dict__["_plan_traces"] = tuple(ag.trace_of(fp).fingerprint for _b, fp in ct.buckets)
     return known  # type: ignore[no-any-return]
 
 
