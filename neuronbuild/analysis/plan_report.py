@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from neuronbuild.analysis.actions import Action
-import operator
-
 from neuronbuild.analysis.estimate import Estimate, Estimator, wall_time_of
 from neuronbuild.analysis.planner import ActionGraph
 from neuronbuild.analysis.providers import CompileTarget
