@@ -209,3 +209,32 @@ def test_the_server_patches_the_previous_order_into_the_smallest_first_order(act
     new.__dict__["_prev"] = (old.actions, old.__dict__["_order"], old.order_fingerprints())
     with pytest.raises(nx.NetworkXUnfeasible):
         new.topological()
+
+
+def test_the_neuron_toolchain_shares_one_lower_action_per_distinct_lowering(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Lower actions a plan shares between compiles (toolchains/neuron.py `_lowers`) against one made per
+    compile, as before: the same actions (fingerprints, records, specs, labels, edges) in the same order; and with
+    other settings (an action env) no Lower of the first plan is reused."""
+    from neuronbuild.analysis.plan_settings import PlanSettings
+    from neuronbuild.analysis.planner import plan
+    from neuronbuild.loading.target_graph import load_targets
+    from neuronbuild.toolchains.neuron import LOWER, NeuronToolchain
+
+    gen_monorepo.generate(tmp_path, 24, 3, 3)
+    graph = load_targets(tmp_path, ["//..."])
+
+    def summary(ag: Any) -> list[Any]:
+        return [(fp, a.kind, str(a.label), a.bucket, dict(a.record), dict(a.spec), a.deps) for fp, a in ag.actions.items()]
+
+    shared = plan(graph)
+    lowers = [a for a in shared.actions.values() if a.kind == LOWER]
+    made = []
+    orig = NeuronToolchain._lowers
+    monkeypatch.setattr(NeuronToolchain, "_lowers", lambda self, req: made.append(1) or {})  # one per compile
+    separate = plan(graph)
+    assert summary(shared) == summary(separate) and len(lowers) > 0
+    assert len(made) > len(lowers)  # (compiles of several platforms share a Lower)
+    monkeypatch.setattr(NeuronToolchain, "_lowers", orig)
+    env = plan(graph, PlanSettings(action_env=(("FOO", "1"),)))
+    assert not {fp for fp, a in env.actions.items() if a.kind == LOWER} & {a.fingerprint for a in lowers}

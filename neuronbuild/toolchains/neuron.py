@@ -45,8 +45,23 @@ class NeuronToolchain:
         return str(target["platform"])
 
     def lowering_versions(self, settings: PlanSettings) -> dict[str, str]:
-        """The components the Lower step's output depends on: the trace's plus the pinned torchax/jax/jaxlib."""
-        return settings.override({**settings.trace_toolchain(), **{p: package_version(p) for p in LOWERING_PACKAGES}})
+        """The components the Lower step's output depends on: the trace's plus the pinned torchax/jax/jaxlib
+        (computed once per settings object: a plan asks twice per bucket)."""
+        known = self.__dict__.get("_lowering_versions")
+        if known is None or known[0] is not settings:
+            known = self.__dict__["_lowering_versions"] = (settings, settings.override(
+                {**settings.trace_toolchain(), **{p: package_version(p) for p in LOWERING_PACKAGES}}))
+        return dict(known[1])
+
+    def _lowers(self, req: CompileRequest) -> dict[tuple[str, Any, str], Action]:
+        """One plan's Lower actions (one settings object, one `common`): the compiles of several targets and
+        platforms share one. A Lower record is a function of the trace (whose record holds the model's inputs), the
+        bucket, the lowering options, the settings and `common`, so that is the key; each reuse is checked against
+        the record and spec it would get."""
+        known = self.__dict__.get("_lower_memo")
+        if known is None or known[0] is not req.settings or known[1] is not req.common:
+            known = self.__dict__["_lower_memo"] = (req.settings, req.common, {})
+        return known[2]  # type: ignore[no-any-return]
 
     def versions(self, platform: str, settings: PlanSettings) -> dict[str, str]:
         tc = self.lowering_versions(settings)
@@ -78,9 +93,14 @@ class NeuronToolchain:
         lower_spec = {"toolchain": self.name, "step": LOWER, "program": TRACE_OUTPUT, "inputs": inputs,
                       "bucket": bucket, "options": lowering}
         # Labelled by the model, like the trace: one Lower per (trace, lowering options), whatever the platform.
-        lower = make_action(LOWER, req.trace.label, req.bucket, lower_record, lower_spec,
-                            dep_inputs=(DepInput(req.trace.fingerprint, TRACE_OUTPUT, TRACE_OUTPUT),),
-                            outputs=LOWER_OUTPUTS)
+        lowers = self._lowers(req)
+        key = (req.trace.fingerprint, req.bucket, repr(lowering))
+        lower = lowers.get(key)
+        if lower is None or lower.record != lower_record or lower.spec != lower_spec or lower.label != req.trace.label:
+            lower = lowers[key] = make_action(LOWER, req.trace.label, req.bucket, lower_record, lower_spec,
+                                              dep_inputs=(DepInput(req.trace.fingerprint, TRACE_OUTPUT,
+                                                                   TRACE_OUTPUT),),
+                                              outputs=LOWER_OUTPUTS)
         record = req.record(COMPILE, self.versions(req.platform, req.settings), lowering=lower.fingerprint)
         spec: dict[str, Any] = {"toolchain": self.name, "step": COMPILE, "platform": req.platform,
                                 "options": dict(req.options), "env_flags": env_flags, "neuronx_cc": None}
