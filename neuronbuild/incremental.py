@@ -239,7 +239,12 @@ def needed_actions(ag: Any, cache: Any) -> tuple[list[Any], list[str]]:
     if prev is not None and ag.__dict__.get("_patched_from") is prev.actions and prev.state == state and \
             None not in state.values():
         out = _patch_needed(ag, order, prev, cache)
-    if out is None:
+    if out is None and not any(map(cache.peek, ag.order_fingerprints())):
+        # nothing is cached (a first plan): no early cutoff either (it needs cached inputs), and every action is
+        # needed (each leads to an action without consumers, all to execute): scheduler.needed_actions' answer
+        todo, cached_list = order, []
+        out = _Needed(ag.actions, set(), set(ag.actions), dict(state), set())
+    elif out is None:
         todo, cached_list = scheduler.needed_actions(ag, cache, probe=True)
         cached = set(cached_list)
         succ, actions = ag.graph._succ, ag.actions

@@ -83,11 +83,12 @@ def run_plan(args: argparse.Namespace) -> int:
 
     cache = ctx.open_cache()
     peeking = incremental.peeking(cache)
-    todo, cached = incremental.needed_actions(ag, peeking)  # (scheduler.needed_actions; patched in the server)
-    report = plan_report(ag, todo, cached, ctx.history(cache), args.jobs or default_jobs(),
-                         incremental.estimate_memo(peeking))
-    if getattr(args, "output", "text") == "json":
-        print(json.dumps(report.to_json(), indent=1, sort_keys=True))
-    else:
-        print("\n".join(report.lines()))
+    with incremental.analysis_gc():  # (100,000s of long-lived sets, estimates and lines: no collections meanwhile)
+        todo, cached = incremental.needed_actions(ag, peeking)  # (scheduler.needed_actions; patched in the server)
+        report = plan_report(ag, todo, cached, ctx.history(cache), args.jobs or default_jobs(),
+                             incremental.estimate_memo(peeking))
+        if getattr(args, "output", "text") == "json":
+            print(json.dumps(report.to_json(), indent=1, sort_keys=True))
+        else:
+            print("\n".join(report.lines()))
     return EXIT_OK
