@@ -238,3 +238,68 @@ def test_the_neuron_toolchain_shares_one_lower_action_per_distinct_lowering(
     monkeypatch.setattr(NeuronToolchain, "_lowers", orig)
     env = plan(graph, PlanSettings(action_env=(("FOO", "1"),)))
     assert not {fp for fp, a in env.actions.items() if a.kind == LOWER} & {a.fingerprint for a in lowers}
+
+
+def test_loadings_path_checks_answer_as_pathlib_did(tmp_path: Path) -> None:
+    """Loader.find_packages (string paths) and check_source_file (real paths through per-directory real paths)
+    against the pathlib code they replace, over a tree with symlinked directories and files inside and outside the
+    workspace, chains of links, a dangling link, a directory where a file is expected and a nested workspace."""
+    import os
+
+    from neuronbuild.loading.labels import Label
+    from neuronbuild.loading.loader import Loader
+    from neuronbuild.loading.schema import AttrError
+    from neuronbuild.workspace import BUILD_FILE, MARKER
+
+    ws, outside = tmp_path / "ws", tmp_path / "outside"
+    for d in ("a/b", "a/c", "real", ".hidden", "nested/x", "deep/er/est"):
+        (ws / d).mkdir(parents=True)
+        (ws / d / BUILD_FILE).write_text("")
+    (ws / MARKER).write_text("")
+    (ws / "nested" / MARKER).write_text("")
+    outside.mkdir()
+    (outside / "o.py").write_text("")
+    (ws / "real" / "f.py").write_text("")
+    (ws / "deep" / "er" / "est" / "g.py").write_text("")
+    os.symlink(ws / "real", ws / "a" / "linkdir")  # a directory link inside the workspace
+    os.symlink(outside, ws / "a" / "outdir")  # ... and one pointing outside
+    os.symlink(ws / "real" / "f.py", ws / "a" / "b" / "in.py")
+    os.symlink(outside / "o.py", ws / "a" / "b" / "out.py")
+    os.symlink(ws / "a" / "b" / "in.py", ws / "a" / "c" / "chain.py")  # a link to a link
+    os.symlink(ws / "a" / "b" / "out.py", ws / "a" / "c" / "chain_out.py")
+    os.symlink(ws / "missing.py", ws / "a" / "c" / "dangling.py")
+    (ws / "a" / "c" / "dir.py").mkdir()
+
+    def old_check(loader: Loader, label: Label) -> str:
+        path = loader.root / label.package / label.name
+        if not path.is_file():
+            return "missing"
+        try:
+            path.resolve().relative_to(loader.root.resolve())
+        except ValueError:
+            return "outside"
+        return "ok"
+
+    def new_check(loader: Loader, label: Label) -> str:
+        try:
+            loader.check_source_file(label, "srcs")
+        except AttrError as e:
+            return "missing" if "does not exist" in str(e) else "outside" if "outside" in str(e) else str(e)
+        return "ok"
+
+    labels = [Label("a/b", n) for n in ("in.py", "out.py", "none.py")] + \
+        [Label("a/c", n) for n in ("chain.py", "chain_out.py", "dangling.py", "dir.py")] + \
+        [Label("a", "linkdir/f.py"), Label("a", "outdir/o.py"), Label("real", "f.py"), Label("deep", "er/est/g.py"),
+         Label("deep/er/est", "g.py"), Label("", "real/f.py")]
+    for root in (ws, tmp_path / "wslink"):
+        if root != ws:
+            os.symlink(ws, root)  # the workspace itself reached through a link
+        loader = Loader(root)
+        got = [new_check(loader, lbl) for lbl in labels + labels]  # (twice: the kept directories' real paths)
+        assert got == [old_check(Loader(root), lbl) for lbl in labels + labels]
+        assert set(got) == {"ok", "missing", "outside"}
+        want = sorted(p.parent.relative_to(root).as_posix() for p in root.rglob(BUILD_FILE)
+                      if not any(part.startswith(".") for part in p.relative_to(root).parts)
+                      and "nested" not in p.parts and p.is_file())
+        assert loader.find_packages() == want and "a/b" in want
+        assert loader.find_packages("deep") == ["deep/er/est"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import os
+import stat
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -224,6 +225,8 @@ class Loader:
         self.root = root
         self.rules_dir = builtin_rules_dir()
         self._real_root: Path | None = None
+        self._root_text = str(self.root)
+        self._real_dirs: dict[str, str] = {}
 
     # ---- files -------------------------------------------------------------------------------------------------------
     def build_file_path(self, package: str) -> Path:
@@ -235,29 +238,48 @@ class Loader:
     def check_source_file(self, label: Label, attr: str) -> None:
         if label.repo:
             raise AttrError(f"attribute '{attr}': source files must be in this workspace, not '{label}'")
-        path = self.root / label.package / label.name
-        if not path.is_file():
+        root = self._root_text
+        path = f"{root}/{label.package}/{label.name}" if label.package else f"{root}/{label.name}"
+        try:
+            regular = stat.S_ISREG(os.stat(path).st_mode)  # (Path.is_file(): follows links)
+        except (OSError, ValueError):
+            regular = False
+        if not regular:
             raise AttrError(f"attribute '{attr}': source file '{label.path}' does not exist")
         if self._real_root is None:
             self._real_root = self.root.resolve()
-        try:
-            path.resolve().relative_to(self._real_root)
-        except ValueError:
+        real_root = str(self._real_root)
+        real = self._real_path(path)
+        if real != real_root and not real.startswith(real_root.rstrip("/") + "/"):  # (Path.relative_to of resolve())
             raise AttrError(f"attribute '{attr}': source file '{label.path}' points outside the workspace") from None
+
+    def _real_path(self, path: str) -> str:
+        """os.path.realpath(path) of an existing path (what Path.resolve() gives), with the real path of each
+        directory kept for this loader (one loading: 5,000 packages' sources share their directories' prefixes)."""
+        head, name = os.path.split(path)
+        if not head or not name or stat.S_ISLNK(os.lstat(path).st_mode):
+            return os.path.realpath(path)
+        real_head = self._real_dirs.get(head)
+        if real_head is None:
+            real_head = self._real_dirs[head] = self._real_path(head)
+        return os.path.join(real_head, name)
 
     def find_packages(self, base: str = "") -> list[str]:
         """Every package at or under `base` (directories with a BUILD file), skipping outputs and hidden dirs."""
         start = self.root / base if base else self.root
         found: list[str] = []
+        root = str(self.root)
+        cut = len(root.rstrip("/")) + 1
         for dirpath, dirnames, filenames in os.walk(start):
-            rel = Path(dirpath).relative_to(self.root).as_posix()
-            rel = "" if rel == "." else rel
+            rel = dirpath[cut:] if dirpath != root else ""  # (os.walk joins onto `start`: a prefix of root's text)
+            if os.sep != "/":
+                rel = rel.replace(os.sep, "/")
             if rel and MARKER in filenames:  # a nested workspace is not part of this one
                 dirnames[:] = []
                 continue
             dirnames[:] = sorted(d for d in dirnames if not d.startswith(".") and d != OUTPUT_DIR
                                  and not d.startswith("bazel-") and d != "__pycache__")
-            if BUILD_FILE in filenames and (Path(dirpath) / BUILD_FILE).is_file():
+            if BUILD_FILE in filenames and os.path.isfile(os.path.join(dirpath, BUILD_FILE)):
                 found.append(rel)
         return found
 
