@@ -17,6 +17,7 @@ BUILD = "build"
 CACHED = "cached"
 UNNEEDED = "-"  # a trace whose compiles are all cached is not needed
 _FINGERPRINT = operator.attrgetter("fingerprint")
+_TOKEN = ("", "")  # the estimate memo's key for its token (no action has this fingerprint and identity)
 
 
 @dataclass(frozen=True)
@@ -138,17 +139,23 @@ def _traces(ct: CompileTarget, ag: ActionGraph) -> tuple[str, ...]:
 def plan_report(ag: ActionGraph, todo: Sequence[Action], cached: Sequence[str], history: History,
                 jobs: int, memo: dict[tuple[str, str], Estimate] | None = None) -> PlanReport:
     """`todo`/`cached` come from the scheduler's own needed_actions(), so the report matches what a build runs.
-    `memo`: the build server's estimates of earlier plans, (fingerprint, identity) -> Estimate, valid for this
-    `history` (incremental.estimate_memo)."""
+    `memo`: the build server's memo of earlier plans' estimates, valid for this `history` (incremental.estimate_memo;
+    a new dict whenever the history or a record shard changed): each action keeps its estimate with the memo's token
+    (an action is one fingerprint and one identity, the estimate's inputs), so a re-plan makes no key per action."""
     est = Estimator(history)
     if memo is None:
         estimates = {a.fingerprint: est.estimate(a) for a in todo}
-    else:
+    else:  # each action's estimate kept in the action with the memo's token: valid while the memo is (no key made)
+        token = memo.get(_TOKEN)
+        if token is None:
+            token = memo[_TOKEN] = Estimate(0.0, "token")  # (a new memo, after a change: a new token)
         estimates = {}
         for a in todo:
-            key = (a.fingerprint, a.identity)
-            e = memo.get(key)
-            if e is None:
-                e = memo[key] = est.estimate(a)
+            kept = a.__dict__.get("_plan_estimate")
+            if kept is not None and kept[0] is token:
+                e = kept[1]
+            else:
+                e = est.estimate(a)
+                a.__dict__["_plan_estimate"] = (token, e)  # (frozen: written to __dict__ directly)
             estimates[a.fingerprint] = e
     return PlanReport(ag, tuple(todo), frozenset(cached), estimates, jobs)
