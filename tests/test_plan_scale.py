@@ -303,3 +303,74 @@ def test_loadings_path_checks_answer_as_pathlib_did(tmp_path: Path) -> None:
                       and "nested" not in p.parts and p.is_file())
         assert loader.find_packages() == want and "a/b" in want
         assert loader.find_packages("deep") == ["deep/er/est"]
+
+
+def test_a_reload_checks_cycles_and_chains_from_what_changed_as_the_full_check_does(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The build server's re-load (a kept LoadCache) searches for cycles and over-long chains from the changed
+    packages' targets only (target_graph._no_new_cycle): over edits making a cycle, a chain of 256 and of 257
+    targets, a cycle through an unchanged package and a long chain built up over several edits, it accepts and
+    refuses exactly what a fresh load does, with the same message; and it does run instead of the full check."""
+    from neuronbuild.errors import UserInputError
+    from neuronbuild.loading import target_graph
+    from neuronbuild.loading.load_cache import LoadCache
+    from neuronbuild.loading.target_graph import MAX_DEPS_DEPTH, load_targets
+
+    gen_monorepo.generate(tmp_path, 24, 3, 3)
+    full = []
+    orig = target_graph._check_cycles
+    monkeypatch.setattr(target_graph, "_check_cycles", lambda *a: full.append(1) or orig(*a))
+    kept = LoadCache(None)
+
+    def outcome(cache: Any) -> str:
+        try:
+            load_targets(tmp_path, ["//..."], load_cache=cache, warn=None)
+        except UserInputError as e:
+            return str(e)
+        return "ok"
+
+    def same() -> str:
+        before = len(full)
+        warm = outcome(kept)
+        used_full = len(full) > before
+        cold = outcome(None)
+        assert warm == cold
+        return f"{warm} {'full' if used_full else 'incremental'}"
+
+    assert same() == "ok full"
+    a, b = tmp_path / "chain_a", tmp_path / "chain_b"
+    a.mkdir()
+    b.mkdir()
+
+    def chain(n: int, start: int = 0, tail: str = "") -> str:
+        lines = [f'compiler_options(name = "o{i}", deps = [":o{i + 1}"])' for i in range(start, start + n - 1)]
+        return "\n".join(lines) + f'\ncompiler_options(name = "o{start + n - 1}"{tail})\n'
+
+    (a / "BUILD").write_text(chain(20))
+    assert same() == "ok incremental"  # a new package: its chain is searched
+    (a / "BUILD").write_text(chain(MAX_DEPS_DEPTH))  # (the bound, old longest + 256, makes the full check run)
+    assert same() == "ok full"
+    (a / "BUILD").write_text(chain(MAX_DEPS_DEPTH + 1))
+    assert "dependency chain longer than" in same()
+    (a / "BUILD").write_text(chain(100))
+    assert same().startswith("ok")
+    (b / "BUILD").write_text(chain(3, tail=', deps = ["//chain_a:o0"]'))  # a cycle? no: b -> a, a's chain ends
+    assert same() == "ok incremental"
+    (a / "BUILD").write_text(chain(100, tail=', deps = ["//chain_b:o0"]'))  # now a -> b -> a: a cycle
+    assert "dependency cycle" in same()
+    (a / "BUILD").write_text(chain(100))
+    assert same().startswith("ok")
+    # b's chain on top of a's grows over several edits (the bound grows with them); the full check's verdict on a
+    # chain longer than the limit depends on its search order (here chain_a's targets are searched first), which
+    # the re-load leaves to it
+    for n in (120, 150, 158, 200):
+        (b / "BUILD").write_text(chain(n, tail=', deps = ["//chain_a:o0"]'))
+        same()
+    (b / "BUILD").write_text(chain(10, tail=', deps = ["//chain_a:o0"]'))
+    assert same().startswith("ok")
+    (a / "BUILD").write_text(chain(100, tail=', deps = ["//chain_b:o5"]'))  # a cycle through the unchanged b
+    assert "dependency cycle" in same()
+    (a / "BUILD").write_text(chain(100))
+    (b / "BUILD").write_text(chain(3))
+    assert same().startswith("ok")
+    assert same() == "ok incremental"  # nothing changed: nothing searched

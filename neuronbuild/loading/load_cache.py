@@ -60,6 +60,7 @@ class LoadCache:
         # process that keeps this cache (the build server), so analysis memoised per Target can check it by identity.
         self._packages: dict[str, tuple[_Entry, Package]] = {}
         self._dirty = False
+        self.checked: Any = None  # the last load's cycle check (target_graph.Checked; in memory: the build server)
         self.hits = 0
         self.misses = 0
         if file is not None:

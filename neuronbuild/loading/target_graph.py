@@ -191,8 +191,71 @@ def _load(root: Path, patterns: list[TargetPattern],
                 raise UserInputError(f"attribute '{attr}' of '{lbl}' must be a {' or '.join(schema_attr.kinds)} "
                                      f"target, but '{dep}' is a {kind}", loader.locate(t))
             todo.append(dep)
-    _check_cycles(graph, seen, loader, deps_of)
+    checked = load_cache.checked if load_cache is not None else None
+    if checked is None or checked.root != root or (bound := _no_new_cycle(graph, seen, deps_of, checked)) is None:
+        bound = _check_cycles(graph, seen, loader, deps_of)
+    if load_cache is not None:  # (in memory only: the build server's next load checks what changed since this one)
+        load_cache.checked = Checked(root, dict(packages), frozenset(seen), bound)
     return graph, warnings
+
+
+@dataclass(frozen=True)
+class Checked:
+    """What the last load checked for cycles and chain lengths: its packages (the objects: an unchanged package is
+    the same object in the build server's next load), the labels it checked and an upper bound of the number of
+    targets on its longest dependency chain."""
+
+    root: Path
+    packages: Mapping[str, Package] = field(hash=False)
+    labels: frozenset[Label] = field(hash=False)
+    longest: int = 0
+
+
+def _no_new_cycle(graph: TargetGraph, labels: set[Label], deps_of: Mapping[Label, list[tuple[str, Label]]],
+                  before: Checked) -> int | None:
+    """The build server's re-load: when the last load's targets had no cycle and no chain longer than
+    MAX_DEPS_DEPTH, a new cycle or a longer chain must pass through a target that changed since (a target of a
+    package that is not the same object, or one that was not checked then); so a search from those alone decides.
+    Returns the new bound of the longest chain (the old one plus the longest chain starting at a changed target:
+    the part of a chain above its first changed target is an old chain), or None when the full check must run
+    (a cycle, or a bound reaching MAX_DEPS_DEPTH: it finds and reports them as a batch load does)."""
+    old = before.packages
+    changed = [t.label for name, pkg in graph.packages.items() if old.get(name) is not pkg
+               for t in pkg.targets if t.label in labels]
+    changed.extend(labels - before.labels)
+    if not changed:
+        return before.longest
+    targets = graph.targets
+
+    def deps(lbl: Label) -> list[tuple[str, Label]]:
+        d = deps_of.get(lbl)
+        return d if d is not None else graph.label_deps(targets[lbl])
+
+    height: dict[Label, int] = {}  # longest chain starting at a target (counted in targets); absent: on the stack
+    for root in changed:
+        if root in height:
+            continue
+        stack = [root]
+        iters = [iter(deps(root))]
+        on_stack = {root}
+        while iters:
+            dep = next((d for _a, d in iters[-1]), None)
+            if dep is None:
+                lbl = stack.pop()
+                iters.pop()
+                on_stack.discard(lbl)
+                height[lbl] = 1 + max((height[d] for _a, d in deps(lbl)), default=0)
+                continue
+            if dep in on_stack:
+                return None  # a cycle: the full check reports it
+            if dep not in height:
+                if len(stack) >= MAX_DEPS_DEPTH:
+                    return None
+                on_stack.add(dep)
+                stack.append(dep)
+                iters.append(iter(deps(dep)))
+    longest = before.longest + max(height[c] for c in changed)
+    return longest if longest <= MAX_DEPS_DEPTH else None
 
 
 MAX_DEPS_DEPTH = 256  # longest dependency chain accepted (compiler_options deps merge recursively)
@@ -202,8 +265,9 @@ _LABEL_ORDER = operator.attrgetter("package", "name", "repo")  # Label's own ord
 
 
 def _check_cycles(graph: TargetGraph, labels: set[Label], loader: Loader,
-                  deps_of: Mapping[Label, list[tuple[str, Label]]] | None = None) -> None:
-    """Iterative depth-first search: cycles and over-long chains are one located error, never a RecursionError."""
+                  deps_of: Mapping[Label, list[tuple[str, Label]]] | None = None) -> int:
+    """Iterative depth-first search: cycles and over-long chains are one located error, never a RecursionError.
+    Returns the number of targets on the longest dependency chain."""
     known = deps_of or {}
 
     def deps(lbl: Label) -> list[tuple[str, Label]]:
@@ -211,6 +275,7 @@ def _check_cycles(graph: TargetGraph, labels: set[Label], loader: Loader,
         return d if d is not None else graph.label_deps(graph.targets[lbl])
 
     state: dict[Label, int] = {}
+    height: dict[Label, int] = {}  # longest chain starting at a checked target (counted in targets)
     for root in sorted(labels, key=_LABEL_ORDER):
         if root in state:
             continue
@@ -220,7 +285,9 @@ def _check_cycles(graph: TargetGraph, labels: set[Label], loader: Loader,
         while iters:
             dep = next((d for _a, d in iters[-1]), None)
             if dep is None:
-                state[stack.pop()] = 2
+                lbl = stack.pop()
+                state[lbl] = 2
+                height[lbl] = 1 + max((height[d] for _a, d in deps(lbl)), default=0)
                 iters.pop()
                 continue
             if state.get(dep) == 1:
@@ -234,6 +301,7 @@ def _check_cycles(graph: TargetGraph, labels: set[Label], loader: Loader,
                 state[dep] = 1
                 stack.append(dep)
                 iters.append(iter(deps(dep)))
+    return max(height.values(), default=0)
 
 
 def locate(graph: TargetGraph, target: Target) -> Location:
