@@ -235,6 +235,8 @@ def needed_actions(ag: Any, cache: Any) -> tuple[list[Any], list[str]]:
     prev, memo.needed = memo.needed, None
     state = memo.state
     out = None
+    todo: list[Any]
+    cached_list: list[str]
     order = ag.topological()
     if prev is not None and ag.__dict__.get("_patched_from") is prev.actions and prev.state == state and \
             None not in state.values():
