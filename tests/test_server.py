@@ -84,6 +84,7 @@ class Servers:
 def _stop(info: Path) -> None:
     """Shut a test's server down politely (as `neuronbuild shutdown` does), else kill it."""
     import socket
+    import threading
 
     from neuronbuild.server import protocol
 
@@ -650,3 +651,46 @@ def test_the_servers_plan_report_equals_a_fresh_one_as_the_cache_and_workspace_c
         same()
     finally:
         incremental.keep_in_memory(False)
+
+
+def test_output_larger_than_a_frame_reaches_the_client_whole(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One write larger than the protocol's frame limit (`plan --output json` prints ~100 MB in one write at 100,000
+    graphs: the client refused the frame and reported the server dead) is sent as several frames, in order, with
+    stdout and stderr interleaved as written; every frame is below the limit the client enforces."""
+    import socket
+    import threading
+
+    from neuronbuild.server import protocol
+    from neuronbuild.server.daemon import Outbox
+
+    monkeypatch.setattr(protocol, "MAX_FRAME", 1 << 20)  # (the client's limit, scaled down with the frame size)
+    monkeypatch.setattr(Outbox, "FRAME_CHARS", 64 << 10)
+    a, b = socket.socketpair()
+    big = "".join(f"{i} é\\n" for i in range(200_000))  # ~2 MB, non-ASCII and escapes included
+    writes = [("o", big), ("e", "note\n"), ("o", big[:1000]), ("o", "end\n")]
+    got: list[tuple[str, str]] = []
+
+    def read() -> None:
+        while True:
+            try:
+                msg = protocol.recv(b)
+            except EOFError:
+                return
+            got.append((msg["t"], msg["d"]))
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    out = Outbox(a)
+    for kind, text in writes:
+        out.write(kind, text)
+    out.close()
+    a.close()
+    reader.join(30)
+    assert len(got) > 3 and all(len(d) <= Outbox.FRAME_CHARS for _k, d in got)
+    joined: list[tuple[str, str]] = []
+    for kind, d in got:
+        if joined and joined[-1][0] == kind:
+            joined[-1] = (kind, joined[-1][1] + d)
+        else:
+            joined.append((kind, d))
+    assert joined == [("o", big), ("e", "note\n"), ("o", big[:1000] + "end\n")]

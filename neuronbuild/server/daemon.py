@@ -53,15 +53,22 @@ class Outbox:
         with self._lock:
             self._send_locked()
 
+    # Text per frame at most (one write can be 100 MB: `plan --output json` at 100,000 graphs); encoded (UTF-8 and
+    # JSON escapes, at most 12 bytes a character) it stays well below protocol.MAX_FRAME, which the client enforces.
+    FRAME_CHARS = 1 << 20
+
     def _send_locked(self) -> None:
         frames, self._frames, self._pending = self._frames, [], 0
+        step = self.FRAME_CHARS
         for kind, parts in frames:
-            if self.broken:
-                return
-            try:
-                protocol.send(self._sock, {"t": kind, "d": "".join(parts)})
-            except OSError:
-                self.broken = True
+            text = "".join(parts)
+            for i in range(0, max(len(text), 1), step):
+                if self.broken:
+                    return
+                try:
+                    protocol.send(self._sock, {"t": kind, "d": text[i:i + step]})
+                except OSError:
+                    self.broken = True
 
     def _run(self) -> None:
         while not self._stop.wait(self.FLUSH_S):
