@@ -84,7 +84,6 @@ class Servers:
 def _stop(info: Path) -> None:
     """Shut a test's server down politely (as `neuronbuild shutdown` does), else kill it."""
     import socket
-    import threading
 
     from neuronbuild.server import protocol
 
