@@ -146,6 +146,13 @@ def warm_ups(todo: list[Action]) -> dict[str, Action]:
     return out
 
 
+def warm_up_description(a: Action, host: str = "") -> str:
+    """"Warm up aoti for cpu/x86-64-v3 on HOST"; a warm-up for steps without a target (the Neuron lowering, shared
+    by every Neuron platform) names none."""
+    where = a.target or a.platform
+    return f"Warm up {a.toolchain}" + (f" for {where}" if where else "") + (f" on {host}" if host else "")
+
+
 @dataclass
 class _Warming:
     job: Job
@@ -302,7 +309,7 @@ class _Run:
                     return
                 log = self.s.cache.logs / WARM_UP / f"{a.fingerprint}-{i}.log"
                 job = Job(a, i, log, host)
-                desc = f"Warm up {a.toolchain} for {a.target or a.platform}" + (f" on {host}" if host else "")
+                desc = warm_up_description(a, host)
                 try:
                     log.parent.mkdir(parents=True, exist_ok=True)
                     log.write_text(f"# {desc}\n", encoding="utf-8")
@@ -319,7 +326,7 @@ class _Run:
         w = self.warming.pop(c.job.id)
         a = c.job.action
         self.s.executor.finish(c.job)
-        desc = f"Warm up {a.toolchain} for {a.target or a.platform}" + (f" on {c.job.host}" if c.job.host else "")
+        desc = warm_up_description(a, c.job.host)
         self.s.bus.emit(ev.WARM_UP_FINISHED, description=desc, toolchain=a.toolchain, key=dict(a.spec["key"]),
                         host=c.job.host, worker=c.worker or w.worker, pid=c.pid or w.pid, start=w.started,
                         duration_s=round(c.duration_s, 3), ok=c.ok, error=c.error, metadata=dict(c.metadata),
