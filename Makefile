@@ -21,8 +21,13 @@ $(VENV)/.installed: pyproject.toml Makefile
 example: setup
 	cd examples && ../$(BIN)/neuronbuild build //...
 
+# The suite runs in batch mode (no build server; tests/helpers.py also defaults to it). Then the build server's tests
+# (tests/test_server.py), which opt in to servers explicitly, each under its own output user root in a temporary
+# directory, and shut them down; afterwards no server they started may still be running. CI (.ci/run) runs this.
 test: setup
-	$(BIN)/pytest -q -x tests
+	NEURONBUILD_NO_SERVER=1 $(BIN)/pytest -q -x tests --ignore=tests/test_server.py
+	tmp=$$(mktemp -d) && $(BIN)/pytest -q -x tests/test_server.py --basetemp "$$tmp/server-tests" \
+		&& $(BIN)/python tests/no_servers_left.py "$$tmp" && rm -rf "$$tmp"
 
 lint: setup
 	$(BIN)/ruff check neuronbuild tests benchmarks
