@@ -126,14 +126,20 @@ def critical_paths(ag: ActionGraph, todo: list[Action], duration: dict[str, floa
 def warm_ups(todo: list[Action]) -> dict[str, Action]:
     """{fingerprint of an action to run: the warm-up pseudo-action it benefits from}, one pseudo-action per
     (toolchain, warm-up key) among the toolchain steps to run (see analysis/toolchain_api.py). A pseudo-action
-    carries the toolchain versions of the first step needing it, so a farm worker with another toolchain refuses it."""
+    carries the toolchain versions of the first step needing it, so a farm worker with another toolchain refuses it.
+
+    Only warm-ups that leave something for the machine's other workers (files: inductor's precompiled headers) get
+    a pseudo-action; a toolchain whose warm-up only fills its worker process (`warm_up_shared = False`: the Neuron
+    toolchain's jax import) is warmed by each worker before its first such step (worker.warm_before), where a
+    pseudo-action would only take a worker away from the traces."""
     made: dict[str, Action] = {}
     out: dict[str, Action] = {}
     for a in todo:
         if not a.toolchain:
             continue
         try:
-            key = warm_up_key(plugins.toolchain(a.toolchain), a.spec)
+            tc = plugins.toolchain(a.toolchain)
+            key = warm_up_key(tc, a.spec) if getattr(tc, "warm_up_shared", True) else None
         except Exception:  # noqa: BLE001 - a plug-in's broken hook costs its warm-up, never the build
             key = None
         if key is None:

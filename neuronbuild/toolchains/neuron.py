@@ -35,6 +35,7 @@ class NeuronToolchain:
     artifact_format = "neuron-hlo"
     estimate_s = 4.0
     estimate_mb = 900.0
+    warm_up_shared = False  # the warm-up imports jax in the worker process: nothing other workers could reuse
     validate_note = ("Neuron targets: the exact model.hlo.pb run on XLA:CPU (checks the lowering, auto_cast and the "
                      "weights binding; not neuronx-cc, not the device)")
 
