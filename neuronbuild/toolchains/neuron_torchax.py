@@ -34,7 +34,8 @@ def import_jax() -> dict[str, Any]:
     a worker before its first lowering, so each lowering forked from it finds jax imported (~1 s of CPU less a
     lowering; torchax itself then takes ~0.02 s). torchax stays out of the worker: importing it registers
     decompositions into torch's global table, which every trace and cpu compile forked from the worker would see.
-    Importing jax starts no thread and initialises no backend (checked: the worker forks after this)."""
+    Importing jax starts no thread and initialises no backend (checked: the process's thread count is unchanged;
+    the worker forks its actions after this)."""
     import time
 
     start = time.perf_counter()
