@@ -1,7 +1,9 @@
 """Parallel efficiency, cold builds, side by side and interleaved (A B A B) in one run: N cpu graphs with `--jobs 1`
 and `--jobs 2` against an equal-work serial script; N Neuron graphs `--jobs 2` against `--jobs 1`; a real Dask
 cluster on 127.0.0.1 with 2 workers against 1 and against the local executor at the same parallelism. Prints wall
-times, ratios, each build's worker utilisation (from its --profile) and the load averages around every run.
+times, ratios, each run's CPU seconds (its process and every process it waited for: workers, actions, compilers; a
+figure the machine's other load barely moves, unlike the wall), each build's worker utilisation (from its --profile)
+and the load averages around every run.
 
     .venv/bin/python benchmarks/parallel_bench.py --section cpu --graphs 4 --rounds 2     # a few minutes each
     .venv/bin/python benchmarks/parallel_bench.py --section cpu --graphs 8 --rounds 1
@@ -41,6 +43,7 @@ import importlib.util
 import json
 import os
 import random
+import resource
 import shutil
 import socket
 import subprocess
@@ -87,6 +90,12 @@ for seq in {seq}:
 """
 
 
+def _children_cpu() -> float:
+    """CPU seconds (user + system) of this process's waited-for children and their descendants so far."""
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
 class Bench:
     def __init__(self, root: Path, isa: str, seqs: list[int]) -> None:
         self.root = root
@@ -115,15 +124,16 @@ class Bench:
         tmp.mkdir()
         env = dict(os.environ, TMPDIR=str(tmp), TORCHINDUCTOR_CACHE_DIR=str(tmp / "inductor"), OMP_NUM_THREADS="1",
                    PYTHONPATH=str(REPO))
-        t = time.perf_counter()
+        t, cpu = time.perf_counter(), _children_cpu()
         proc = subprocess.run([sys.executable, "-c", SCRIPT.format(seq=self.seqs), str(ws / "models"), str(vocab),
                                str(out), self.isa], env=env, capture_output=True, text=True)
         wall = time.perf_counter() - t
         if proc.returncode != 0 or len(list(out.glob("*.pt2"))) != len(self.seqs):
             sys.exit(f"the serial script failed:\n{proc.stdout}\n{proc.stderr}")
-        return wall, ""
+        return wall, f"cpu {_children_cpu() - cpu:.1f} s"
 
-    def build(self, target: str, *flags: str) -> tuple[float, str]:
+    def build(self, target: str, *flags: str, code: Path = REPO) -> tuple[float, str]:
+        """A cold build with the neuronbuild in `code` (a checkout: its package runs the build and its workers)."""
         vocab = self._next()
         ws = self.workspace(vocab)
         profile = self.root / f"profile-{vocab}.json"
@@ -131,12 +141,18 @@ class Bench:
         # its warm workers; docs/server.md).
         cmd = [sys.executable, "-m", "neuronbuild", "--batch", "build", f"//models:{target}", "--cache-dir",
                str(self.root / f"cache-{vocab}"), "--profile", str(profile), *flags]
-        t = time.perf_counter()
-        proc = subprocess.run(cmd, cwd=ws, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+        t, cpu = time.perf_counter(), _children_cpu()
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        if code != REPO:
+            env["PYTHONPATH"] = str(code)
+        proc = subprocess.run(cmd, cwd=ws, capture_output=True, text=True, env=env)
         wall = time.perf_counter() - t
         if proc.returncode != 0 or " 0 cached" not in proc.stdout:
             sys.exit(f"neuronbuild {' '.join(flags)} failed:\n{proc.stdout}\n{proc.stderr}")
-        return wall, utilisation(profile, wall)
+        # The build's processes: its workers, their actions and compilers (all waited for by the time it exits);
+        # not a Dask cluster's (those are not the build's children).
+        used = "" if "dask" in flags else f"cpu {_children_cpu() - cpu:.1f} s; "
+        return wall, used + utilisation(profile, wall)
 
 
 def utilisation(profile: Path, wall: float) -> str:
@@ -256,9 +272,14 @@ def main() -> None:
                     help="dask section: unpinned clusters, clusters with each worker pinned to its own core (one "
                          "machine per worker), or both (default)")
     ap.add_argument("--keep", action="store_true", help="keep the scratch directory (profiles, outputs)")
+    ap.add_argument("--baseline", type=Path, metavar="CHECKOUT",
+                    help="cpu and neuron sections: also build with the neuronbuild of another checkout (e.g. a "
+                         "worktree of main), interleaved with this one's runs in every round")
     args = ap.parse_args()
     if not 1 <= args.graphs <= len(SEQS):
         ap.error(f"--graphs must be 1..{len(SEQS)}")
+    if args.baseline is not None and not (args.baseline / "neuronbuild" / "__init__.py").is_file():
+        ap.error(f"--baseline: {args.baseline} is not a neuronbuild checkout (no neuronbuild/__init__.py)")
     sys.path.insert(0, str(REPO))
     from neuronbuild.platforms import resolve_isa
 
@@ -270,18 +291,29 @@ def main() -> None:
           f"(batch 1, seq {bench.seqs}), cold, {args.rounds} interleaved round(s)", flush=True)
     print(f"untimed warm-up (import torch, read its headers): {_warm_page_cache():.1f} s", flush=True)
     try:
+        base = args.baseline.resolve() if args.baseline else None
+
+        def builds(target: str) -> list[tuple[str, Callable[[], tuple[float, str]]]]:
+            runs: list[tuple[str, Callable[[], tuple[float, str]]]] = []
+            for jobs in ("1", "2"):
+                runs.append((f"neuronbuild build --jobs {jobs}", lambda j=jobs: bench.build(target, "--jobs", j)))
+                if base is not None:
+                    runs.append((f"baseline build --jobs {jobs}",
+                                 lambda j=jobs: bench.build(target, "--jobs", j, code=base)))
+            return runs
+
+        if base is not None:
+            print(f"baseline: the neuronbuild in {base} (its runs interleaved with this checkout's)", flush=True)
         if args.section == "cpu":
-            walls = interleave([("serial script", bench.script),
-                                ("neuronbuild build --jobs 1", lambda: bench.build("llama_cpu", "--jobs", "1")),
-                                ("neuronbuild build --jobs 2", lambda: bench.build("llama_cpu", "--jobs", "2"))],
-                               args.rounds)
+            walls = interleave([("serial script", bench.script), *builds("llama_cpu")], args.rounds)
             table(walls, "serial script", {"neuronbuild build --jobs 1": "<= 1.0", "neuronbuild build --jobs 2":
                                            "<= 0.55"})
         elif args.section == "neuron":
-            walls = interleave([("neuronbuild build --jobs 1", lambda: bench.build("llama_trn2", "--jobs", "1")),
-                                ("neuronbuild build --jobs 2", lambda: bench.build("llama_trn2", "--jobs", "2"))],
-                               args.rounds)
+            walls = interleave(builds("llama_trn2"), args.rounds)
             table(walls, "neuronbuild build --jobs 1", {"neuronbuild build --jobs 2": "<= 0.556 (>= 1.8x)"})
+            if base is not None:
+                j1, j2 = (sum(walls[f"baseline build --jobs {j}"]) / args.rounds for j in ("1", "2"))
+                print(f"baseline --jobs 2 / its --jobs 1: {j2 / j1:.2f} ({j1 / j2:.2f}x)")
         else:
             target = f"llama_{args.workload if args.workload == 'cpu' else 'trn2'}"
 

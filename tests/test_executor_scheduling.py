@@ -148,6 +148,17 @@ class WarmingToolchain:
 plugins.register_toolchain(WarmingToolchain())
 
 
+class ProcessWarmingToolchain(WarmingToolchain):
+    """A toolchain whose warm-up only fills the worker process (as the Neuron toolchain's jax import)."""
+
+    name = "procwarm"
+    platforms = ("procwarm",)
+    warm_up_shared = False
+
+
+plugins.register_toolchain(ProcessWarmingToolchain())
+
+
 class Events:
     def __init__(self) -> None:
         self.got: list[BuildEvent] = []
@@ -200,6 +211,19 @@ def test_a_toolchain_warm_up_runs_once_per_key_first_beside_the_traces(tmp_path:
     assert len(started) == len(finished) == 1 and finished[0].fields["ok"]
     assert started[0].fields["key"] == {"isa": "v4"} and "warmtest/v4" in started[0].fields["description"]
     assert all(e.fields["kind"] != "warm_up" for e in got.kinds(ev.ACTION_FINISHED))
+
+
+def test_a_warm_up_that_only_fills_its_worker_takes_no_worker_from_the_traces(tmp_path: Path) -> None:
+    """Each worker runs such a warm-up itself before its first step that needs it (worker.warm_before): a
+    pseudo-action beside the traces would give the other workers nothing."""
+    cache = LocalCache(tmp_path / "cache")
+    ag = _warm_graph(["v4", "v3"])
+    for a in ag.actions.values():
+        if a.kind == COMPILE:
+            a.spec["toolchain"] = "procwarm"  # type: ignore[index]
+    ex = RecordingExecutor(2, cache, tmp_path / "out")
+    assert Scheduler(tmp_path, cache, ex, SchedulerOptions()).run(ag).ok
+    assert "warm_up" not in ex.kinds and ex.kinds[:2] == [TRACE, TRACE]
 
 
 def test_warm_ups_one_per_key_and_never_all_workers(tmp_path: Path) -> None:

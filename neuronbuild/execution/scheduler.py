@@ -126,14 +126,20 @@ def critical_paths(ag: ActionGraph, todo: list[Action], duration: dict[str, floa
 def warm_ups(todo: list[Action]) -> dict[str, Action]:
     """{fingerprint of an action to run: the warm-up pseudo-action it benefits from}, one pseudo-action per
     (toolchain, warm-up key) among the toolchain steps to run (see analysis/toolchain_api.py). A pseudo-action
-    carries the toolchain versions of the first step needing it, so a farm worker with another toolchain refuses it."""
+    carries the toolchain versions of the first step needing it, so a farm worker with another toolchain refuses it.
+
+    Only warm-ups that leave something for the machine's other workers (files: inductor's precompiled headers) get
+    a pseudo-action; a toolchain whose warm-up only fills its worker process (`warm_up_shared = False`: the Neuron
+    toolchain's jax import) is warmed by each worker before its first such step (worker.warm_before), where a
+    pseudo-action would only take a worker away from the traces."""
     made: dict[str, Action] = {}
     out: dict[str, Action] = {}
     for a in todo:
         if not a.toolchain:
             continue
         try:
-            key = warm_up_key(plugins.toolchain(a.toolchain), a.spec)
+            tc = plugins.toolchain(a.toolchain)
+            key = warm_up_key(tc, a.spec) if getattr(tc, "warm_up_shared", True) else None
         except Exception:  # noqa: BLE001 - a plug-in's broken hook costs its warm-up, never the build
             key = None
         if key is None:
@@ -144,6 +150,13 @@ def warm_ups(todo: list[Action]) -> dict[str, Action]:
                         target=a.target)
         out[a.fingerprint] = made.setdefault(w.fingerprint, w)
     return out
+
+
+def warm_up_description(a: Action, host: str = "") -> str:
+    """"Warm up aoti for cpu/x86-64-v3 on HOST"; a warm-up for steps without a target (the Neuron lowering, shared
+    by every Neuron platform) names none."""
+    where = a.target or a.platform
+    return f"Warm up {a.toolchain}" + (f" for {where}" if where else "") + (f" on {host}" if host else "")
 
 
 @dataclass
@@ -302,7 +315,7 @@ class _Run:
                     return
                 log = self.s.cache.logs / WARM_UP / f"{a.fingerprint}-{i}.log"
                 job = Job(a, i, log, host)
-                desc = f"Warm up {a.toolchain} for {a.target or a.platform}" + (f" on {host}" if host else "")
+                desc = warm_up_description(a, host)
                 try:
                     log.parent.mkdir(parents=True, exist_ok=True)
                     log.write_text(f"# {desc}\n", encoding="utf-8")
@@ -319,7 +332,7 @@ class _Run:
         w = self.warming.pop(c.job.id)
         a = c.job.action
         self.s.executor.finish(c.job)
-        desc = f"Warm up {a.toolchain} for {a.target or a.platform}" + (f" on {c.job.host}" if c.job.host else "")
+        desc = warm_up_description(a, c.job.host)
         self.s.bus.emit(ev.WARM_UP_FINISHED, description=desc, toolchain=a.toolchain, key=dict(a.spec["key"]),
                         host=c.job.host, worker=c.worker or w.worker, pid=c.pid or w.pid, start=w.started,
                         duration_s=round(c.duration_s, 3), ok=c.ok, error=c.error, metadata=dict(c.metadata),

@@ -11,7 +11,7 @@ from typing import Any
 from neuronbuild import FORMAT_VERSION, plugins
 from neuronbuild.analysis.actions import COMPILE, TRACE_OUTPUT, Action, DepInput, make_action
 from neuronbuild.analysis.plan_settings import NEURONX_CC, PlanSettings
-from neuronbuild.analysis.toolchain_api import CompileRequest
+from neuronbuild.analysis.toolchain_api import WARM_UP, CompileRequest
 from neuronbuild.analysis.toolchain_versions import package_version
 from neuronbuild.errors import UserInputError
 from neuronbuild.toolchains import neuron_flags
@@ -35,6 +35,7 @@ class NeuronToolchain:
     artifact_format = "neuron-hlo"
     estimate_s = 4.0
     estimate_mb = 900.0
+    warm_up_shared = False  # the warm-up imports jax in the worker process: nothing other workers could reuse
     validate_note = ("Neuron targets: the exact model.hlo.pb run on XLA:CPU (checks the lowering, auto_cast and the "
                      "weights binding; not neuronx-cc, not the device)")
 
@@ -113,9 +114,19 @@ class NeuronToolchain:
                                outputs=outputs, platform=req.platform, target=self.describe_target(req.target))
         return [lower, compile_]
 
+    def warm_up_key(self, spec: Mapping[str, Any]) -> dict[str, Any] | None:
+        """Lowerings import jax (~1 s of a lowering's ~2 s), which every lowering's forked child did again: a worker
+        imports it once (run(WARM_UP): neuron_torchax.import_jax) before its first lowering, and the lowerings forked
+        from it find it imported. The same bytes either way (the lowering pins the platform and 32-bit mode)."""
+        return {"import": "jax"} if spec.get("step") == LOWER else None
+
     def run(self, step: str, spec: Mapping[str, Any], sandbox: Path, out_dir: Path) -> dict[str, Any]:
         from neuronbuild.toolchains import neuron_steps
 
+        if step == WARM_UP:
+            from neuronbuild.toolchains.neuron_torchax import import_jax
+
+            return import_jax()
         if step == LOWER:
             return neuron_steps.run_lower(spec, sandbox, out_dir)
         return neuron_steps.run_neuron_compile(spec, sandbox, out_dir)

@@ -28,6 +28,27 @@ class MissingOverload:
         return f"<missing overload {self.qualified}>"
 
 
+def import_jax() -> dict[str, Any]:
+    """Import jax as import_torchax would (the CPU platform, read from the environment when jax is imported), without
+    torchax and without leaving JAX_PLATFORMS in this process's environment: the Neuron toolchain's warm-up, run in
+    a worker before its first lowering, so each lowering forked from it finds jax imported (~1 s of CPU less a
+    lowering; torchax itself then takes ~0.02 s). torchax stays out of the worker: importing it registers
+    decompositions into torch's global table, which every trace and cpu compile forked from the worker would see.
+    Importing jax starts no thread and initialises no backend (checked: the process's thread count is unchanged;
+    the worker forks its actions after this)."""
+    import time
+
+    start = time.perf_counter()
+    saved = os.environ.get("JAX_PLATFORMS")
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    try:
+        import jax
+    finally:
+        if saved is None:
+            os.environ.pop("JAX_PLATFORMS", None)
+    return {"imported": "jax", "jax": str(jax.__version__), "seconds": round(time.perf_counter() - start, 3)}
+
+
 def import_torchax() -> tuple[ModuleType, ModuleType]:
     """(torchax.ops.ops_registry, torchax.decompositions), importing torchax with the shim once per process.
 

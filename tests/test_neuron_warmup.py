@@ -1,0 +1,76 @@
+"""The Neuron toolchain's warm-up: a worker imports jax once, before its first lowering, and every lowering forked
+from it writes the same bytes as a lowering in a fresh process (which imports jax itself)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from helpers import REPO, run_cli, write_ws
+
+MODEL = '''import torch
+
+
+class M(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(16, 8)
+
+    def forward(self, x):
+        return torch.softmax(self.lin(x), dim=-1)
+
+
+def build(config):
+    return M()
+'''
+
+BUILD = '''neuron_model(name = "m", srcs = ["m.py"], entry = "m:build", inputs = {"x": "float32[b, n]"})
+neuron_buckets(name = "bk", dims = {"b": [1, 3], "n": [16]})
+neuron_target(name = "t", platform = "trn2")
+neuron_compile(name = "c", model = ":m", buckets = [":bk"], target = ":t")
+'''
+
+LOWER_ALONE = '''
+import sys
+from pathlib import Path
+sys.path.insert(0, sys.argv[1])
+from neuronbuild.toolchains.neuron_steps import run_lower
+assert "jax" not in sys.modules
+run_lower({"program": "program.pt2", "inputs": {"x": {"dtype": "float32", "dims": ["b", "n"]}},
+           "bucket": {"b": int(sys.argv[3]), "n": 16}, "options": {}}, Path(sys.argv[2]), Path(sys.argv[4]))
+'''
+
+
+def test_a_worker_imports_jax_once_and_its_lowerings_match_fresh_processes(tmp_path: Path) -> None:
+    ws = write_ws(tmp_path / "ws", {"pkg/BUILD": BUILD, "pkg/m.py": MODEL})
+    cache = tmp_path / "cache"
+    events = tmp_path / "events.jsonl"
+    proc = run_cli(["build", "//pkg:c", "--jobs", "1", "--cache-dir", str(cache), "--build-event-json-file",
+                    str(events)], ws)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    got = [json.loads(line) for line in events.read_text().splitlines()]
+    lowers = [e for e in got if e["event"] == "action_finished" and e["kind"] == "lower"]
+    assert len(lowers) == 2
+    # One worker: no warm-up pseudo-action; it imported jax itself before its first lowering, once.
+    assert not [e for e in got if e["event"] == "warm_up_started"]
+    logs = sorted((cache / "v1" / "logs").glob("*/*.log"))
+    warmed = [line for f in logs for line in f.read_text().splitlines() if line.startswith("# warm-up done")]
+    assert len(warmed) == 1 and json.loads(warmed[0].split(": ", 1)[1])["imported"] == "jax", warmed
+
+    # Each lowering again, alone in a fresh process from the same program: the same bytes.
+    traces = {e["fingerprint"]: e for e in got if e["event"] == "action_finished" and e["kind"] == "trace"}
+    out = ws / "neuronbuild-out" / "pkg" / "c"
+    for b in (1, 3):
+        (trace,) = [t for t in traces.values() if f"b={b}," in t["description"]]
+        digest = trace["outputs"]["program.pt2"]
+        (program,) = [p for p in (cache / "v1" / "cas").glob(f"*/{digest}") if p.is_file()]
+        sandbox, alone = tmp_path / f"in{b}", tmp_path / f"alone{b}"
+        sandbox.mkdir()
+        (sandbox / "program.pt2").write_bytes(program.read_bytes())
+        r = subprocess.run([sys.executable, "-c", LOWER_ALONE, str(REPO), str(sandbox), str(b), str(alone)],
+                           capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stderr
+        for name in ("model.hlo.pb", "params.json", "constants.safetensors"):
+            assert (alone / name).read_bytes() == (out / f"b{b}_n16" / name).read_bytes(), name
