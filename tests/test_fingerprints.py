@@ -74,3 +74,39 @@ def test_cache_dir_resolution(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.delenv("NEURONBUILD_CACHE_DIR")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     assert resolve_cache_dir(None) == tmp_path / "xdg" / "neuronbuild"
+
+
+def test_canonical_json_is_exactly_json_dumps_canonical_form() -> None:
+    """Fingerprints must not move when the encoder is made faster: canonical_json writes exactly the bytes of
+    json.dumps(sort_keys, compact separators, ASCII, no NaN) for records of every shape, and refuses what it refuses."""
+    import json
+    import math
+    import random
+
+    from neuronbuild.analysis.fingerprint import canonical_json
+
+    rng = random.Random(1234)
+    atoms = [0, -7, 2**70, 1.5, -0.0, 1e-300, 3.141592653589793, True, False, None, "", "plain", "é ü", "tab\t\"q\"\\",
+             "\u2603 snow", "\U0001f600", "\x00nul"]
+
+    def value(depth: int) -> object:
+        r = rng.random()
+        if depth > 3 or r < 0.5:
+            return rng.choice(atoms)
+        if r < 0.75:
+            return [value(depth + 1) for _ in range(rng.randrange(4))]
+        keys = rng.sample(["z", "a", "m", "B", "é", "10", "9", "", "_"], rng.randrange(6))
+        return {k: value(depth + 1) for k in keys}
+
+    for _ in range(2000):
+        rec = {k: value(0) for k in rng.sample(["trace", "action", "format", "toolchain", "bucket", "x"], 4)}
+        want = json.dumps(rec, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode()
+        assert canonical_json(rec) == want
+    assert canonical_json({"b": {2: 1, 1: [True]}, "a": ()}) == b'{"a":[],"b":{"1":[true],"2":1}}'
+    for bad in (math.nan, math.inf):
+        with pytest.raises(ValueError):
+            canonical_json({"x": bad})
+    with pytest.raises(TypeError):
+        canonical_json({"x": object()})
+    with pytest.raises(TypeError):
+        canonical_json({"x": {1: 1, "a": 2}})  # unorderable keys, as json.dumps with sort_keys
