@@ -227,6 +227,7 @@ class AnalysisMemo:
         self.trace_toolchain: dict[str, str] = {}
         self.reused = self.analysed = 0
         self.last: ActionGraph | None = None  # the previous plan's graph (its order is patched: ActionGraph._patched)
+        self.state: _PlanState | None = None  # the previous plan per requested root (plan(): its segments reused)
 
     def begin(self, settings: PlanSettings) -> None:
         key = settings_key(settings)
@@ -235,6 +236,7 @@ class AnalysisMemo:
                 any(_versions(tc, platform, settings) != v for (tc, platform), v in self.env.items()):
             self.entries.clear()
             self.env.clear()
+            self.state = None
         self.settings_key, self.trace_toolchain = key, trace_tc
         self.reused = self.analysed = 0
 
@@ -487,21 +489,195 @@ def plan(graph: TargetGraph, settings: PlanSettings | None = None, memo: Analysi
     """Analyse every requested target whose kind plans actions (compiles; bundles and the compiles they ship).
 
     `settings` adds declared --action-env values (to every record, when any), toolchain configuration (e.g. the
-    neuronx-cc version) and toolchain overrides (what-if plans for explain and upgrade-impact)."""
+    neuronx-cc version) and toolchain overrides (what-if plans for explain and upgrade-impact).
+
+    With a memo (the build server) that holds the previous plan of the same requested targets (`_PlanState`), what
+    each requested root's analysis added to the plan is reused as a whole (`_Segment`) when nothing it read changed
+    (see `_invalid_labels`) and the targets it reached were provided before it exactly as then; the other roots are
+    analysed (or replayed target by target) as without it. The result is the plan a fresh analysis makes."""
     settings = settings or PlanSettings()
     if memo is not None:
         memo.begin(settings)
     ctx = AnalysisContext(graph, settings, memo)
-    for lbl in graph.requested:
-        if plugins.rule(graph.targets[lbl].kind).plans_actions:
+    state = memo.state if memo is not None else None
+    invalid: set[Label] | None = None
+    if state is not None and memo is not None:
+        memo.state = None  # (rebuilt below; an exception leaves none)
+        if state.root == graph.root and state.requested == graph.requested:
+            invalid = _invalid_labels(ctx, state)
+    roots = [lbl for lbl in graph.requested if plugins.rule(graph.targets[lbl].kind).plans_actions]
+    if memo is None:
+        for lbl in roots:
             ctx.provider(lbl)
-    ag = ActionGraph(ctx.actions, action_digraph(ctx.actions), tuple(ctx.compiles), dict(ctx.bundles))
+    else:
+        _plan_segments(ctx, memo, roots, state if invalid is not None else None, invalid or set())
+    actions = ctx.actions
+    g = None
+    last = memo.last if memo is not None else None
+    if last is not None:
+        g = _patched_digraph(actions, last.actions, last.graph)
+    ag = ActionGraph(actions, g if g is not None else action_digraph(actions), tuple(ctx.compiles), dict(ctx.bundles))
     if memo is not None:
-        last, memo.last = memo.last, ag
+        memo.last = ag
         order = last.__dict__.get("_order") if last is not None else None
         if last is not None and order is not None:  # (only the actions and order: no chain of graphs is kept)
             ag.__dict__["_prev"] = (last.actions, order, last.order_fingerprints())
     return ag
+
+
+class _Segment:
+    """What one requested root's top-level analysis added to a plan: the targets it provided first (in order; volatile
+    ones left out), the already-provided targets it asked for, and the actions, compile targets and bundles it added
+    first (in order)."""
+
+    __slots__ = ("first", "touched", "providers", "actions", "compiles", "bundles")
+
+    def __init__(self, first: tuple[Label, ...], touched: frozenset[Label], providers: dict[Label, Any],
+                 actions: dict[str, Action], compiles: tuple[CompileTarget, ...],
+                 bundles: tuple[tuple[Label, BundleInfo], ...]) -> None:
+        self.first, self.touched, self.providers = first, touched, providers
+        self.actions, self.compiles, self.bundles = actions, compiles, bundles
+
+
+@dataclass
+class _PlanState:
+    """The build server's previous plan of one memo, per requested root (plan() reuses its segments)."""
+
+    root: Any
+    requested: tuple[Label, ...]
+    packages: Mapping[str, Any]  # the previous graph's packages (an unchanged package is the same object)
+    segments: dict[Label, _Segment]
+    files: dict[Label, tuple[tuple[str, str], ...]]  # (path, digest) of the files each provided target's analysis read
+    volatile: dict[Label, Any]  # the fresh provider of every volatile target provided
+    rdeps: dict[Label, set[Label]]  # target -> the provided targets whose analysis asked for its provider
+
+
+def _invalid_labels(ctx: AnalysisContext, state: _PlanState) -> set[Label] | None:
+    """Every target of the previous plan whose memoised analysis may not be what a fresh analysis gives now: those of
+    the packages that are not the same objects (edited, added, removed), those that read a file whose digest
+    changed, those that asked for a volatile target whose fresh provider changed (each volatile target's fresh
+    provider is computed here, as `_is_valid` would), and every target that asked for one of these, transitively.
+    A superset is safe: the roots reaching one are analysed as without the plan state."""
+    graph = ctx.graph
+    changed: set[Label] = set()
+    old = state.packages
+    for name, pkg in graph.packages.items():
+        o = old.get(name)
+        if o is not pkg:
+            changed.update(t.label for t in pkg.targets)
+            if o is not None:
+                changed.update(t.label for t in o.targets)
+    if len(old) != len(graph.packages) or old.keys() != graph.packages.keys():
+        for name in old.keys() - graph.packages.keys():
+            changed.update(t.label for t in old[name].targets)
+    for lbl, files in state.files.items():
+        try:
+            if any(digests.digest_file(path) != digest for path, digest in files):
+                changed.add(lbl)
+        except OSError:
+            changed.add(lbl)
+    for lbl, seen in state.volatile.items():
+        t = graph.targets.get(lbl)
+        if t is None or t.kind not in VOLATILE_KINDS or lbl in changed:
+            changed.add(lbl)
+            continue
+        try:
+            fresh = ctx.provider_fresh(lbl)
+        except Exception:  # noqa: BLE001 - its dependants are analysed again and report it as a fresh plan does
+            changed.add(lbl)
+            continue
+        if fresh != seen:
+            changed.add(lbl)
+    invalid = set(changed)
+    stack = list(changed)
+    rdeps = state.rdeps
+    while stack:
+        for d in rdeps.get(stack.pop(), ()):
+            if d not in invalid:
+                invalid.add(d)
+                stack.append(d)
+    return invalid
+
+
+def _tail(d: dict[Any, Any], n: int) -> list[tuple[Any, Any]]:
+    """The last n items of dict `d`, in insertion order (O(n): reversed dict views)."""
+    from itertools import islice
+
+    out = list(islice(reversed(d.items()), n))
+    out.reverse()
+    return out
+
+
+def _plan_segments(ctx: AnalysisContext, memo: AnalysisMemo, roots: list[Label], state: _PlanState | None,
+                   invalid: set[Label]) -> None:
+    """plan()'s loop over the requested roots with a memo: reuse each root's segment of the previous plan where
+    the analysis would redo exactly it, else provide the root (replayed or analysed per target) and record its
+    segment; then keep the new plan state in the memo."""
+    providers, actions, compiles, bundles = ctx._providers, ctx.actions, ctx.compiles, ctx.bundles
+    targets = ctx.graph.targets
+    entries = memo.entries
+    old = state.segments if state is not None else {}
+    segments: dict[Label, _Segment] = {}
+    redone: list[_Segment] = []
+    usable = True
+    for lbl in roots:
+        if lbl in providers:
+            continue
+        seg = old.get(lbl)
+        if seg is not None and invalid.isdisjoint(seg.first) and providers.keys().isdisjoint(seg.first) and \
+                all(t in providers for t in seg.touched):
+            providers.update(seg.providers)
+            if actions.keys().isdisjoint(seg.actions):
+                actions.update(seg.actions)
+            else:
+                for fp, a in seg.actions.items():
+                    if fp not in actions:
+                        actions[fp] = a
+            if seg.compiles:
+                list.extend(compiles, seg.compiles)
+            for k, v in seg.bundles:
+                dict.__setitem__(bundles, k, v)
+            memo.reused += len(seg.first)
+            segments[lbl] = seg
+            continue
+        n_p, n_a, n_c, n_b = len(providers), len(actions), len(compiles), len(bundles)
+        ctx.provider(lbl)
+        provided = [(k, v) for k, v in _tail(providers, len(providers) - n_p) if targets[k].kind not in VOLATILE_KINDS]
+        first = tuple(k for k, _v in provided)
+        if any(k not in entries or entries[k].provider is not v for k, v in provided):
+            usable = False  # (an analysis memoised elsewhere, or not at all: no state is kept this time)
+            continue
+        touched = frozenset(d for k in first for d, _p in entries[k].deps
+                            if targets[d].kind not in VOLATILE_KINDS).difference(first)
+        seg = _Segment(first, touched, dict(provided), dict(_tail(actions, len(actions) - n_a)),
+                       tuple(compiles[n_c:]), tuple(_tail(bundles, len(bundles) - n_b)))
+        segments[lbl] = seg
+        redone.append(seg)
+    if not usable:
+        return
+    volatile = {k: v for k, v in providers.items() if k in targets and targets[k].kind in VOLATILE_KINDS}
+    if state is not None:
+        files, rdeps = state.files, state.rdeps  # (stale rdeps only widen the next invalidation)
+        if len(files) > len(entries) + 1024 or len(rdeps) > 2 * len(entries) + 1024:
+            state = None
+    if state is None:
+        redone = list(segments.values())
+        files, rdeps = {}, {}
+    for seg in redone:
+        for k in seg.first:
+            m = entries[k]
+            if m.files:
+                files[k] = m.files
+            else:
+                files.pop(k, None)
+            for d, _p in m.deps:
+                s = rdeps.get(d)
+                if s is None:
+                    rdeps[d] = {k}
+                else:
+                    s.add(k)
+    memo.state = _PlanState(ctx.graph.root, ctx.graph.requested, ctx.graph.packages, segments, files, volatile,
+                            rdeps)
 
 
 def action_digraph(actions: Mapping[str, Action]) -> nx.DiGraph:
@@ -524,4 +700,60 @@ def action_digraph(actions: Mapping[str, Action]) -> nx.DiGraph:
     g._node = node
     g._adj = succ  # (networkx's descriptor sets _succ too and resets its cached views)
     g._pred = pred
+    return g
+
+
+def _patched_digraph(actions: Mapping[str, Action], old_actions: Mapping[str, Action],
+                     old: nx.DiGraph) -> nx.DiGraph | None:
+    """action_digraph(actions) made from the graph of a previous plan `old_actions` (the build server) when only a
+    few actions were added or removed: the same nodes, edges and adjacency orders, the kept actions' adjacency dicts
+    shared with the old graph (a fingerprint fixes an action's dependencies) except where a consumer was added or
+    removed. None when it cannot be (then the graph is built in full). Every dependency of an action is registered
+    before it (an action is made from its inputs' fingerprints), so the nodes are in the actions' order."""
+    old_pred, old_succ, old_node = old._pred, old._succ, old._node
+    if len(old_pred) != len(old_actions):  # (nodes that are not actions)
+        return None
+    added = actions.keys() - old_actions.keys()
+    removed = old_actions.keys() - actions.keys()
+    if len(added) + len(removed) > max(64, len(actions) // 8):
+        return None
+    pred = dict(zip(actions, map(old_pred.get, actions)))
+    succ = dict(zip(actions, map(old_succ.get, actions)))
+    node = dict(zip(actions, map(old_node.get, actions)))
+    if not added and not removed:
+        g = nx.DiGraph()
+        g._node, g._adj, g._pred = node, succ, pred  # (see action_digraph)
+        return g
+    pos: dict[str, int] | None = None
+    changed: set[str] = set()
+    for fp in added:
+        node[fp], succ[fp], pred[fp] = {}, {}, {}
+    for fp in added:
+        p = pred[fp]
+        for dep in actions[fp].deps:
+            if dep not in pred:
+                return None
+            if pos is None:
+                pos = dict(zip(actions, range(len(actions))))
+            if pos[dep] > pos[fp]:
+                return None
+            if dep not in p:
+                p[dep] = {}
+                changed.add(dep)
+    for fp in removed:
+        if any(c not in removed for c in old_succ[fp]):  # (a kept action reading a removed one: not content-addressed)
+            return None
+        changed.update(dep for dep in old_actions[fp].deps if dep in pred)
+    for dep in changed:
+        if dep in added:
+            consumers = [c for c in added if dep in pred[c]]
+        else:
+            consumers = [c for c in old_succ[dep] if c not in removed]
+            consumers.extend(c for c in added if dep in pred[c])
+        if pos is None:
+            pos = dict(zip(actions, range(len(actions))))
+        consumers.sort(key=pos.__getitem__)
+        succ[dep] = {c: pred[c][dep] for c in consumers}
+    g = nx.DiGraph()
+    g._node, g._adj, g._pred = node, succ, pred
     return g
