@@ -353,6 +353,7 @@ def open_caches(cache_dir: Path, root: Path) -> LoadCache:
     digests.load_persistent(_digest_cache_file(cache_dir, root))
     lc = LoadCache(file)
     if _kept is not None:
+        lc.dirs = {}  # (directory listings kept with their mtimes: Loader.find_packages)
         while len(_kept) >= _KEEP_AT_MOST:
             del _kept[next(iter(_kept))]
         _kept[file] = lc

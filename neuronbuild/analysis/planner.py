@@ -501,11 +501,15 @@ def plan(graph: TargetGraph, settings: PlanSettings | None = None, memo: Analysi
     ctx = AnalysisContext(graph, settings, memo)
     state = memo.state if memo is not None else None
     invalid: set[Label] | None = None
+    roots: list[Label] | None = None
     if state is not None and memo is not None:
         memo.state = None  # (rebuilt below; an exception leaves none)
         if state.root == graph.root and state.requested == graph.requested:
-            invalid = _invalid_labels(ctx, state)
-    roots = [lbl for lbl in graph.requested if plugins.rule(graph.targets[lbl].kind).plans_actions]
+            invalid, same_kinds = _invalid_labels(ctx, state)
+            if same_kinds:  # (the requested targets and their kinds as then: the same roots)
+                roots = state.roots
+    if roots is None:
+        roots = [lbl for lbl in graph.requested if plugins.rule(graph.targets[lbl].kind).plans_actions]
     if memo is None:
         for lbl in roots:
             ctx.provider(lbl)
@@ -546,28 +550,36 @@ class _PlanState:
     root: Any
     requested: tuple[Label, ...]
     packages: Mapping[str, Any]  # the previous graph's packages (an unchanged package is the same object)
+    roots: list[Label]  # the requested targets whose kinds plan actions, in order
     segments: dict[Label, _Segment]
     files: dict[Label, tuple[tuple[str, str], ...]]  # (path, digest) of the files each provided target's analysis read
     volatile: dict[Label, Any]  # the fresh provider of every volatile target provided
     rdeps: dict[Label, set[Label]]  # target -> the provided targets whose analysis asked for its provider
+    owner: dict[Label, Label]  # target -> the root whose segment provided it first
 
 
-def _invalid_labels(ctx: AnalysisContext, state: _PlanState) -> set[Label] | None:
+def _invalid_labels(ctx: AnalysisContext, state: _PlanState) -> tuple[set[Label], bool]:
     """Every target of the previous plan whose memoised analysis may not be what a fresh analysis gives now: those of
     the packages that are not the same objects (edited, added, removed), those that read a file whose digest
     changed, those that asked for a volatile target whose fresh provider changed (each volatile target's fresh
     provider is computed here, as `_is_valid` would), and every target that asked for one of these, transitively.
-    A superset is safe: the roots reaching one are analysed as without the plan state."""
+    A superset is safe: the roots reaching one are analysed as without the plan state. Also says whether every
+    package declares the same targets of the same kinds as then."""
     graph = ctx.graph
     changed: set[Label] = set()
     old = state.packages
+    same_kinds = len(old) == len(graph.packages)
     for name, pkg in graph.packages.items():
         o = old.get(name)
         if o is not pkg:
             changed.update(t.label for t in pkg.targets)
             if o is not None:
                 changed.update(t.label for t in o.targets)
-    if len(old) != len(graph.packages) or old.keys() != graph.packages.keys():
+                same_kinds = same_kinds and [(t.label, t.kind) for t in o.targets] == \
+                    [(t.label, t.kind) for t in pkg.targets]
+            else:
+                same_kinds = False
+    if not same_kinds:
         for name in old.keys() - graph.packages.keys():
             changed.update(t.label for t in old[name].targets)
     for lbl, files in state.files.items():
@@ -596,7 +608,7 @@ def _invalid_labels(ctx: AnalysisContext, state: _PlanState) -> set[Label] | Non
             if d not in invalid:
                 invalid.add(d)
                 stack.append(d)
-    return invalid
+    return invalid, same_kinds
 
 
 def _tail(d: dict[Any, Any], n: int) -> list[tuple[Any, Any]]:
@@ -616,16 +628,26 @@ def _plan_segments(ctx: AnalysisContext, memo: AnalysisMemo, roots: list[Label],
     providers, actions, compiles, bundles = ctx._providers, ctx.actions, ctx.compiles, ctx.bundles
     targets = ctx.graph.targets
     entries = memo.entries
+    same_roots = state is not None and state.roots is roots
     old = state.segments if state is not None else {}
+    # the old segments holding an invalid target (by the target each one provided first)
+    redo = {id(old.get(r)) for r in map(state.owner.get, invalid) if r is not None} if state is not None else set()
+    # Which targets are provided differs from the previous plan at the same root only for these (the reused
+    # segments provide the same; so a segment whose targets are not among them finds them as it found them then)
+    diverged: set[Label] = set()
     segments: dict[Label, _Segment] = {}
-    redone: list[_Segment] = []
+    redone: list[tuple[Label, _Segment]] = []
     usable = True
     for lbl in roots:
-        if lbl in providers:
-            continue
         seg = old.get(lbl)
-        if seg is not None and invalid.isdisjoint(seg.first) and providers.keys().isdisjoint(seg.first) and \
-                all(t in providers for t in seg.touched):
+        if lbl in providers:
+            if seg is not None:
+                diverged.symmetric_difference_update(seg.first)
+            continue
+        if seg is not None and id(seg) not in redo and (
+                (same_roots and (not diverged or (diverged.isdisjoint(seg.first) and diverged.isdisjoint(seg.touched))))
+                or (not same_roots and providers.keys().isdisjoint(seg.first) and
+                    all(t in providers for t in seg.touched))):
             providers.update(seg.providers)
             if actions.keys().isdisjoint(seg.actions):
                 actions.update(seg.actions)
@@ -644,6 +666,10 @@ def _plan_segments(ctx: AnalysisContext, memo: AnalysisMemo, roots: list[Label],
         ctx.provider(lbl)
         provided = [(k, v) for k, v in _tail(providers, len(providers) - n_p) if targets[k].kind not in VOLATILE_KINDS]
         first = tuple(k for k, _v in provided)
+        if same_roots:
+            diverged.symmetric_difference_update(first)
+            if seg is not None:
+                diverged.symmetric_difference_update(seg.first)
         if any(k not in entries or entries[k].provider is not v for k, v in provided):
             usable = False  # (an analysis memoised elsewhere, or not at all: no state is kept this time)
             continue
@@ -652,19 +678,22 @@ def _plan_segments(ctx: AnalysisContext, memo: AnalysisMemo, roots: list[Label],
         seg = _Segment(first, touched, dict(provided), dict(_tail(actions, len(actions) - n_a)),
                        tuple(compiles[n_c:]), tuple(_tail(bundles, len(bundles) - n_b)))
         segments[lbl] = seg
-        redone.append(seg)
+        redone.append((lbl, seg))
     if not usable:
         return
     volatile = {k: v for k, v in providers.items() if k in targets and targets[k].kind in VOLATILE_KINDS}
     if state is not None:
-        files, rdeps = state.files, state.rdeps  # (stale rdeps only widen the next invalidation)
-        if len(files) > len(entries) + 1024 or len(rdeps) > 2 * len(entries) + 1024:
+        # (stale reverse dependencies and owners only widen the next invalidation)
+        files, rdeps, owner = state.files, state.rdeps, state.owner
+        if len(files) > len(entries) + 1024 or len(rdeps) > 2 * len(entries) + 1024 or \
+                len(owner) > 2 * len(entries) + 1024:
             state = None
     if state is None:
-        redone = list(segments.values())
-        files, rdeps = {}, {}
-    for seg in redone:
+        redone = list(segments.items())
+        files, rdeps, owner = {}, {}, {}
+    for root, seg in redone:
         for k in seg.first:
+            owner[k] = root
             m = entries[k]
             if m.files:
                 files[k] = m.files
@@ -676,8 +705,8 @@ def _plan_segments(ctx: AnalysisContext, memo: AnalysisMemo, roots: list[Label],
                     rdeps[d] = {k}
                 else:
                     s.add(k)
-    memo.state = _PlanState(ctx.graph.root, ctx.graph.requested, ctx.graph.packages, segments, files, volatile,
-                            rdeps)
+    memo.state = _PlanState(ctx.graph.root, ctx.graph.requested, ctx.graph.packages, roots, segments, files,
+                            volatile, rdeps, owner)
 
 
 def action_digraph(actions: Mapping[str, Action]) -> nx.DiGraph:

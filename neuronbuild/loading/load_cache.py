@@ -61,6 +61,8 @@ class LoadCache:
         self._packages: dict[str, tuple[_Entry, Package]] = {}
         self._dirty = False
         self.checked: Any = None  # the last load's cycle check (target_graph.Checked; in memory: the build server)
+        self.last: Any = None  # the last load (target_graph.Last; in memory: the build server)
+        self.dirs: dict[str, Any] | None = None  # the build server's kept directory listings (Loader.find_packages)
         self.hits = 0
         self.misses = 0
         if file is not None:
@@ -69,10 +71,10 @@ class LoadCache:
             except (OSError, ValueError, TypeError, KeyError, LookupError, RecursionError, AttrError, LabelError):
                 self._entries = {}  # an unreadable or hostile cache is an empty cache
 
-    def _path(self, loader: Loader, display: str) -> Path:
+    def _path(self, loader: Loader, display: str) -> Path | str:
         if display.startswith("@"):
             return loader._bzl_source(display, "", Location(display))[1]
-        return loader.root / display
+        return f"{loader._root_text}/{display}"  # (= loader.root / display, without pathlib's cost)
 
     def get(self, loader: Loader, package: str) -> Package | None:
         """The cached package if every input file is unchanged and its source files exist, else None."""
@@ -81,8 +83,14 @@ class LoadCache:
             self.misses += 1
             return None
         try:
+            known = loader.digests_now  # (a .bzl many packages load is digested once per load)
             for display, digest in e.digests:
-                if digest_file(self._path(loader, display)) != digest:
+                now = known.get(display)
+                if now is None:
+                    now = digest_file(self._path(loader, display))
+                    if display.endswith(".bzl"):
+                        known[display] = now
+                if now != digest:
                     raise LookupError(display)
             for _label, kind, attrs, _build_file, _index in e.targets:
                 for name in _file_attrs(kind):

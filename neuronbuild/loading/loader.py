@@ -5,12 +5,14 @@ from __future__ import annotations
 import ast
 import os
 import stat
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
+from neuronbuild.digests import RACY_NS
 from neuronbuild.errors import Location, UserInputError
 from neuronbuild.loading.labels import BUILTIN_REPO, Label, LabelError, check_target_name, parse_label
 from neuronbuild.loading.schema import RULES, AttrError, validate_call
@@ -227,6 +229,7 @@ class Loader:
         self._real_root: Path | None = None
         self._root_text = str(self.root)
         self._real_dirs: dict[str, str] = {}
+        self.digests_now: dict[str, str] = {}  # display -> digest of the .bzl files checked by this loading
 
     # ---- files -------------------------------------------------------------------------------------------------------
     def build_file_path(self, package: str) -> Path:
@@ -241,7 +244,9 @@ class Loader:
         root = self._root_text
         path = f"{root}/{label.package}/{label.name}" if label.package else f"{root}/{label.name}"
         try:
-            regular = stat.S_ISREG(os.stat(path).st_mode)  # (Path.is_file(): follows links)
+            st = os.lstat(path)  # (a regular file, not a link: one call answers both questions below)
+            plain = stat.S_ISREG(st.st_mode)
+            regular = plain or stat.S_ISREG(os.stat(path).st_mode)  # (Path.is_file(): follows links)
         except (OSError, ValueError):
             regular = False
         if not regular:
@@ -249,23 +254,28 @@ class Loader:
         if self._real_root is None:
             self._real_root = self.root.resolve()
         real_root = str(self._real_root)
-        real = self._real_path(path)
+        real = self._real_path(path, plain)
         if real != real_root and not real.startswith(real_root.rstrip("/") + "/"):  # (Path.relative_to of resolve())
             raise AttrError(f"attribute '{attr}': source file '{label.path}' points outside the workspace") from None
 
-    def _real_path(self, path: str) -> str:
+    def _real_path(self, path: str, plain: bool = False) -> str:
         """os.path.realpath(path) of an existing path (what Path.resolve() gives), with the real path of each
-        directory kept for this loader (one loading: 5,000 packages' sources share their directories' prefixes)."""
+        directory kept for this loader (one loading: 5,000 packages' sources share their directories' prefixes).
+        `plain`: the caller's lstat found a regular file (not a link)."""
         head, name = os.path.split(path)
-        if not head or not name or stat.S_ISLNK(os.lstat(path).st_mode):
+        if not head or not name or (not plain and stat.S_ISLNK(os.lstat(path).st_mode)):
             return os.path.realpath(path)
         real_head = self._real_dirs.get(head)
         if real_head is None:
             real_head = self._real_dirs[head] = self._real_path(head)
         return os.path.join(real_head, name)
 
-    def find_packages(self, base: str = "") -> list[str]:
-        """Every package at or under `base` (directories with a BUILD file), skipping outputs and hidden dirs."""
+    def find_packages(self, base: str = "", dirs: dict[str, Any] | None = None) -> list[str]:
+        """Every package at or under `base` (directories with a BUILD file), skipping outputs and hidden dirs.
+        `dirs` (the build server's, kept between loads): per directory, what a walk found there, reused while the
+        directory's mtime is unchanged (creating, removing or renaming an entry changes it; see _walk_kept)."""
+        if dirs is not None:
+            return self._walk_kept(base, dirs)
         start = self.root / base if base else self.root
         found: list[str] = []
         root = str(self.root)
@@ -282,6 +292,71 @@ class Loader:
             if BUILD_FILE in filenames and os.path.isfile(os.path.join(dirpath, BUILD_FILE)):
                 found.append(rel)
         return found
+
+    def _walk_kept(self, base: str, dirs: dict[str, Any]) -> list[str]:
+        """find_packages' walk with one stat per directory: a directory's listing (the subdirectories walked into
+        and whether it has a regular BUILD file or a workspace marker) is kept with its mtime, unless that mtime is
+        within the racy window (a second change in the same tick could hide) or its BUILD file is not a regular
+        file (a link's target can change without the directory); a changed directory is listed again."""
+        root = self._root_text.rstrip("/") or "/"
+        now = time.time_ns()
+        found: list[str] = []
+        stack = [base]
+        while stack:
+            rel = stack.pop()
+            path = f"{root}/{rel}" if rel else root
+            try:
+                mtime = os.stat(path).st_mtime_ns
+            except OSError:
+                continue  # (os.walk skips what it cannot list)
+            kept = dirs.get(path)
+            if kept is None or kept[0] != mtime:
+                kept = self._list_dir(path, mtime)
+                if kept is None:
+                    continue
+                if mtime < now - RACY_NS and kept[2] is not None:
+                    dirs[path] = kept
+                else:
+                    dirs.pop(path, None)
+            _m, subdirs, build, marker = kept
+            if rel and marker:  # a nested workspace is not part of this one
+                continue
+            if build is None:  # (a BUILD that is not a regular file: asked every time, as os.path.isfile)
+                build = os.path.isfile(f"{path}/{BUILD_FILE}")
+            if build:
+                found.append(rel)
+            stack.extend(reversed([f"{rel}/{d}" if rel else d for d in subdirs]))
+        return found
+
+    @staticmethod
+    def _list_dir(path: str, mtime: int) -> tuple[int, tuple[str, ...], bool | None, bool] | None:
+        try:
+            with os.scandir(path) as it:
+                entries = list(it)
+        except OSError:
+            return None
+        subdirs = []
+        build: bool | None = False
+        marker = False
+        for e in entries:
+            n = e.name
+            if n == MARKER:
+                try:
+                    marker = marker or not e.is_dir()  # (os.walk's filenames: what is not a directory)
+                except OSError:
+                    marker = True
+            if n == BUILD_FILE:
+                try:
+                    build = True if e.is_file(follow_symlinks=False) else None if e.is_symlink() else False
+                except OSError:
+                    build = None
+            try:
+                if e.is_dir() and not e.is_symlink() and not n.startswith(".") and n != OUTPUT_DIR and \
+                        not n.startswith("bazel-") and n != "__pycache__":
+                    subdirs.append(n)
+            except OSError:
+                continue
+        return mtime, tuple(sorted(subdirs)), build, marker
 
     def _bzl_source(self, text: str, current_package: str, loc: Location) -> tuple[str, Path, str]:
         try:
