@@ -213,12 +213,15 @@ class _PeekingCache:
 class _Needed:
     """What `plan`'s needed_actions found for one graph with the cache's shards in one state."""
 
-    __slots__ = ("actions", "cached", "need", "state", "candidates")
+    __slots__ = ("actions", "cached", "need", "state", "candidates", "base", "changed")
 
     def __init__(self, actions: Any, cached: set[str], need: set[str], state: dict[str, int | None],
-                 candidates: set[str]) -> None:
+                 candidates: set[str], base: _Needed | None = None, changed: set[str] | None = None) -> None:
         self.actions, self.cached, self.need, self.state = actions, cached, need, state
         self.candidates = candidates  # actions whose inputs are all cached: early cutoff may be asked (not memoised)
+        # when patched: the answer it was patched from, and every action whose cached or needed status may differ
+        # from that answer's (added, removed, or needed now and not then or the reverse)
+        self.base, self.changed = base, changed
 
 
 def needed_actions(ag: Any, cache: Any) -> tuple[list[Any], list[str]]:
@@ -261,6 +264,7 @@ def needed_actions(ag: Any, cache: Any) -> tuple[list[Any], list[str]]:
         cached_list = list(compress(fps, map(out.cached.__contains__, fps))) if out.cached else []
     if None not in state.values():
         memo.needed = out
+    ag.__dict__["_needed"] = out  # (for plan_report: what changed since the previous answer)
     return todo, cached_list
 
 
@@ -294,17 +298,19 @@ def _patch_needed(ag: Any, order: list[Any], prev: _Needed, cache: Any) -> _Need
     stack.extend(p for d in added for p in pred[d] if p not in added)
     old = prev.actions
     stack.extend(dep for r in removed for dep in old[r].deps if dep in actions)
+    changed = added | removed
     while stack:
         fp = stack.pop()
         consumers = succ[fp]
         v = fp not in cached and (not consumers or any(c in need for c in consumers))
         if v != (fp in need):
+            changed.add(fp)
             if v:
                 need.add(fp)
             else:
                 need.discard(fp)
             stack.extend(pred[fp])
-    return _Needed(actions, cached, need, prev.state, candidates)
+    return _Needed(actions, cached, need, prev.state, candidates, prev, changed)
 
 
 def _dependencies_first(nodes: set[str], pred: Any, succ: Any) -> list[str]:

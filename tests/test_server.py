@@ -477,6 +477,8 @@ def test_memoised_analysis_plans_what_a_fresh_analysis_plans_over_edits_it_could
     from neuronbuild import incremental
     from neuronbuild.analysis import planner
     from neuronbuild.context import make_context
+    from neuronbuild.errors import UserInputError
+    from neuronbuild.loading.target_graph import load_targets
 
     ws = tmp_path / "ws"
     gen_monorepo.generate(ws, 16, 2, 2)  # 4 packages: 0 and 2 through the load()ed macros, 1 and 3 direct
@@ -487,14 +489,32 @@ def test_memoised_analysis_plans_what_a_fresh_analysis_plans_over_edits_it_could
 
     def plan(memo: bool, **flags: Any) -> tuple[Any, ...]:
         ctx = make_context(cache_dir=cache, **flags)
-        graph = ctx.load(["//..."])
+        if memo:  # the server's load: its kept load cache (a re-load checks only what changed: target_graph._reload)
+            graph = ctx.load(["//..."])
+        else:  # a batch load without any load cache
+            graph = load_targets(ctx.workspace.root, ["//..."], ctx.workspace.cwd_package, None)
         m = incremental.analysis_memo(ctx.workspace.root, ctx.settings) if memo else None
         ag = planner.plan(graph, ctx.settings, m)  # memo None: a fresh analysis, as in batch mode
         counts = (m.reused, m.analysed) if m is not None else (0, 0)
-        # the whole graph: actions in registration order, every edge in networkx's order, the topological order
-        return ([a.fingerprint for a in ag.topological()], [(str(c.label), c.buckets, c.options) for c in ag.compiles],
+        # the loaded targets and packages; the whole graph: actions in registration order, every edge in networkx's
+        # order, the topological order
+        return ([(str(lbl), t.kind, dict(t.attrs)) for lbl, t in graph.targets.items()], list(graph.packages),
+                list(map(str, graph.requested)),
+                [a.fingerprint for a in ag.topological()], [(str(c.label), c.buckets, c.options) for c in ag.compiles],
                 sorted(map(str, ag.bundles)), list(ag.actions), list(ag.graph.nodes), list(ag.graph.edges),
-                [list(ag.graph.predecessors(fp)) for fp in ag.actions], counts)
+                [list(ag.graph.predecessors(fp)) for fp in ag.actions],
+                [list(ag.graph.successors(fp)) for fp in ag.actions], counts)
+
+    def same_error(**flags: Any) -> str:
+        """A bad edit: the server's load and plan and a fresh batch one refuse it with the same error."""
+        time.sleep(0.05)
+        messages = []
+        for memo in (True, False):
+            with pytest.raises(UserInputError) as e:
+                plan(memo, **flags)
+            messages.append(str(e.value))
+        assert messages[0] == messages[1]
+        return messages[0]
 
     incremental.keep_in_memory(True)
     try:
@@ -556,6 +576,41 @@ def test_memoised_analysis_plans_what_a_fresh_analysis_plans_over_edits_it_could
         shutil.copytree(pkg[2], pkg[3])
         (pkg[3] / "BUILD").write_text(gen_monorepo.build_file(3, 2, 2))
         same()
+        # bad edits the re-load must refuse as a full load does: a reference to a missing target, a target of the
+        # wrong kind, a dependency cycle, a missing source file; each fixed again afterwards
+        b2 = pkg[2] / "BUILD"
+        good = b2.read_text()
+        b2.write_text(good.replace('buckets = [":shapes"]', 'buckets = [":nope"]', 1))
+        assert "does not exist" in same_error()
+        b2.write_text(good.replace('buckets = [":shapes"]', 'buckets = [":m"]', 1))
+        assert "must be a" in same_error()
+        b2.write_text(good)
+        same()
+        common_good = common.read_text()
+        common.write_text(common_good.replace('compiler_options(name = "base", ',
+                                              'compiler_options(name = "base", deps = [":fast"], '))
+        assert "cycle" in same_error()
+        common.write_text(common_good)
+        same()
+        (pkg[2] / "model.py").rename(pkg[2] / "model.moved")
+        assert "does not exist" in same_error()
+        (pkg[2] / "model.moved").rename(pkg[2] / "model.py")
+        same()
+        # a new package in a new directory, then one more level down; a directory without a BUILD file
+        (ws / "extra" / "deeper").mkdir(parents=True)
+        (ws / "extra" / "notes").mkdir()
+        shutil.copy(pkg[1] / "model.py", ws / "extra" / "model.py")
+        (ws / "extra" / "BUILD").write_text(gen_monorepo.build_file(1, 2, 2))
+        same()
+        shutil.copy(pkg[1] / "model.py", ws / "extra" / "deeper" / "model.py")
+        (ws / "extra" / "deeper" / "BUILD").write_text(gen_monorepo.build_file(1, 3, 1))
+        same()
+        # a target made manual (requested no more), then a bucket edit in another package reusing the rest
+        (ws / "extra" / "BUILD").write_text(gen_monorepo.build_file(1, 2, 2).replace(
+            'name = "c_0", ', 'name = "c_0", tags = ["manual"], '))
+        same()
+        gen_monorepo.edit_one_bucket_list(ws, 1, 2, 43)
+        assert same()[1] == 4  # its bucket set, its 2 compiles and "other" (added above) are analysed again
         # other settings: a declared action env and a what-if toolchain get their own memo
         same(action_env=["FOO=1"])
         same(toolchain=["torch=9.9"])

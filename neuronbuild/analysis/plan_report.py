@@ -5,6 +5,7 @@ from __future__ import annotations
 import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import compress
 from typing import Any
 
 from neuronbuild.analysis.actions import Action
@@ -17,7 +18,9 @@ BUILD = "build"
 CACHED = "cached"
 UNNEEDED = "-"  # a trace whose compiles are all cached is not needed
 _FINGERPRINT = operator.attrgetter("fingerprint")
-_TOKEN = ("", "")  # the estimate memo's key for its token (no action has this fingerprint and identity)
+_ESTIMATES = ("", "estimates")  # the estimate memo's keys for its kept estimates and matrix rows (no action has
+_BLOCKS = ("", "blocks")  # this fingerprint and identity)
+_SECONDS = operator.attrgetter("seconds")
 
 
 @dataclass(frozen=True)
@@ -29,6 +32,7 @@ class PlanReport:
     cached: frozenset[str] = frozenset()
     estimates: dict[str, Estimate] = field(default_factory=dict, hash=False, compare=False)
     jobs: int = 1
+    memo: dict[Any, Any] | None = field(default=None, hash=False, compare=False)  # the build server's (plan_report)
 
     def status(self, fp: str) -> str:
         if fp in self.cached:
@@ -45,10 +49,16 @@ class PlanReport:
 
     @property
     def wall_s(self) -> float:
-        get = self.estimates.get
         fps = list(map(_FINGERPRINT, self.todo))
-        return wall_time_of(self.ag.graph, fps, [(e.seconds or 0.0) if (e := get(fp)) is not None else 0.0
-                                                 for fp in fps], self.jobs)
+        estimates = self.estimates
+        if len(estimates) == len(fps):  # (estimates hold exactly the actions to execute: no lookup can miss)
+            seconds = list(map(_SECONDS, map(estimates.__getitem__, fps)))
+            if None in seconds:
+                seconds = [s or 0.0 for s in seconds]
+        else:
+            get = estimates.get
+            seconds = [(e.seconds or 0.0) if (e := get(fp)) is not None else 0.0 for fp in fps]
+        return wall_time_of(self.ag.graph, fps, seconds, self.jobs)
 
     def _cell(self, fp: str) -> dict[str, Any]:
         est = self.estimates.get(fp)
@@ -92,7 +102,24 @@ class PlanReport:
         out: list[str] = []
         estimates, cached, ag = self.estimates, self.cached, self.ag
         seen: dict[tuple[int, int, bool, bool], str] = {}
+        # The build server: each compile target's rows as the previous report rendered them, reused when the target
+        # is the same object and none of its actions' statuses can differ (incremental.needed_actions patched the
+        # previous answer and names what changed; the estimates are those memoised with the same token)
+        memo = self.memo
+        needed = ag.__dict__.get("_needed") if memo is not None else None
+        kept = memo.get(_BLOCKS) if memo is not None else None
+        old: dict[int, tuple[CompileTarget, list[str]]] = {}
+        changed: set[str] = set()
+        if kept is not None and needed is not None and needed.base is kept[0] and needed.changed is not None:
+            old, changed = kept[1], needed.changed
+        blocks: dict[int, tuple[CompileTarget, list[str]]] = {}
         for ct in ag.compiles:
+            k = old.get(id(ct))
+            if k is not None and k[0] is ct and changed.isdisjoint(_fingerprints(ct, ag)):
+                out.extend(k[1])
+                blocks[id(ct)] = k
+                continue
+            start = len(out)
             head, prefixes = _layout(ct)
             out.extend(head)
             for prefix, (_bucket, fp), trace_fp in zip(prefixes, ct.buckets, _traces(ct, ag), strict=True):
@@ -102,6 +129,10 @@ class PlanReport:
                 if cells is None:
                     cells = seen[key] = self._cells(te, ce, key[2], key[3])
                 out.append(prefix + cells)
+            if memo is not None:
+                blocks[id(ct)] = (ct, out[start:])
+        if memo is not None:
+            memo[_BLOCKS] = (needed, blocks) if needed is not None else None
         n = len(self.todo)
         line = (f"{len(self.ag.actions)} actions: {n} to execute, {len(self.cached)} cached")
         if n:
@@ -126,6 +157,14 @@ def _layout(ct: CompileTarget) -> tuple[tuple[str, str], tuple[str, ...]]:
     return known  # type: ignore[no-any-return]
 
 
+def _fingerprints(ct: CompileTarget, ag: ActionGraph) -> tuple[str, ...]:
+    """Every fingerprint a compile target's matrix rows show (its compiles and their traces), kept in it."""
+    known = ct.__dict__.get("_plan_fps")
+    if known is None:
+        known = ct.__dict__["_plan_fps"] = tuple(fp for _b, fp in ct.buckets) + _traces(ct, ag)
+    return known  # type: ignore[no-any-return]
+
+
 def _traces(ct: CompileTarget, ag: ActionGraph) -> tuple[str, ...]:
     """The fingerprint of the trace each bucket's compile derives from (ActionGraph.trace_of), kept in the
     CompileTarget as its layout is: a fingerprint is the digest of everything its action reads, its inputs'
@@ -145,17 +184,18 @@ def plan_report(ag: ActionGraph, todo: Sequence[Action], cached: Sequence[str], 
     est = Estimator(history)
     if memo is None:
         estimates = {a.fingerprint: est.estimate(a) for a in todo}
-    else:  # each action's estimate kept in the action with the memo's token: valid while the memo is (no key made)
-        token = memo.get(_TOKEN)
-        if token is None:
-            token = memo[_TOKEN] = Estimate(0.0, "token")  # (a new memo, after a change: a new token)
-        estimates = {}
-        for a in todo:
-            kept = a.__dict__.get("_plan_estimate")
-            if kept is not None and kept[0] is token:
-                e = kept[1]
-            else:
-                e = est.estimate(a)
-                a.__dict__["_plan_estimate"] = (token, e)  # (frozen: written to __dict__ directly)
-            estimates[a.fingerprint] = e
-    return PlanReport(ag, tuple(todo), frozenset(cached), estimates, jobs)
+    else:  # the estimates of the last report made with this memo (valid while it is), the others made now
+        last: dict[str, Estimate] = memo.get(_ESTIMATES) or {}
+        fps = list(map(_FINGERPRINT, todo))
+        estimates = dict(zip(fps, map(last.get, fps), strict=True))
+        if len(estimates) != len(fps):  # (an action twice in todo: never from needed_actions; made one by one)
+            estimates = {a.fingerprint: last.get(a.fingerprint) or est.estimate(a) for a in todo}
+            last = {}
+        elif not all(estimates.values()):  # (an Estimate is always true: the new actions' are None)
+            if len(last) > 2 * len(estimates) + 1024:
+                last = {}
+            actions = ag.actions
+            for fp in list(compress(fps, map(operator.not_, estimates.values()))):
+                estimates[fp] = last[fp] = est.estimate(actions[fp])
+        memo[_ESTIMATES] = last
+    return PlanReport(ag, tuple(todo), frozenset(cached), estimates, jobs, memo)

@@ -551,11 +551,11 @@ class _PlanState:
     requested: tuple[Label, ...]
     packages: Mapping[str, Any]  # the previous graph's packages (an unchanged package is the same object)
     roots: list[Label]  # the requested targets whose kinds plan actions, in order
-    segments: dict[Label, _Segment]
+    segments: list[_Segment | None]  # per root: its segment (None: provided already when the plan reached it)
     files: dict[Label, tuple[tuple[str, str], ...]]  # (path, digest) of the files each provided target's analysis read
     volatile: dict[Label, Any]  # the fresh provider of every volatile target provided
     rdeps: dict[Label, set[Label]]  # target -> the provided targets whose analysis asked for its provider
-    owner: dict[Label, Label]  # target -> the root whose segment provided it first
+    owner: dict[Label, _Segment]  # target -> the segment that provided it first
 
 
 def _invalid_labels(ctx: AnalysisContext, state: _PlanState) -> tuple[set[Label], bool]:
@@ -629,20 +629,32 @@ def _plan_segments(ctx: AnalysisContext, memo: AnalysisMemo, roots: list[Label],
     targets = ctx.graph.targets
     entries = memo.entries
     same_roots = state is not None and state.roots is roots
-    old = state.segments if state is not None else {}
+    if state is None:
+        old: list[_Segment | None] = [None] * len(roots)
+    elif same_roots:
+        old = state.segments
+    else:  # (other roots: each root's segment found by its label)
+        by_label = dict(zip(state.roots, state.segments, strict=True))
+        old = [by_label.get(lbl) for lbl in roots]
     # the old segments holding an invalid target (by the target each one provided first)
-    redo = {id(old.get(r)) for r in map(state.owner.get, invalid) if r is not None} if state is not None else set()
+    redo = {id(seg) for seg in map(state.owner.get, invalid) if seg is not None} if state is not None else set()
     # Which targets are provided differs from the previous plan at the same root only for these (the reused
-    # segments provide the same; so a segment whose targets are not among them finds them as it found them then)
+    # segments provide the same; so a segment whose targets are not among them finds them as it found them then;
+    # a root with no segment then was provided already, one with a segment was not)
     diverged: set[Label] = set()
-    segments: dict[Label, _Segment] = {}
-    redone: list[tuple[Label, _Segment]] = []
+    segments: list[_Segment | None] = []
+    redone: list[_Segment] = []
+    volatile_seen: set[Label] = set(state.volatile) if state is not None else set()
     usable = True
-    for lbl in roots:
-        seg = old.get(lbl)
-        if lbl in providers:
+    for lbl, seg in zip(roots, old, strict=True):
+        if same_roots and not diverged:
+            provided_now = seg is None
+        else:
+            provided_now = lbl in providers
+        if provided_now:
             if seg is not None:
                 diverged.symmetric_difference_update(seg.first)
+            segments.append(None)
             continue
         if seg is not None and id(seg) not in redo and (
                 (same_roots and (not diverged or (diverged.isdisjoint(seg.first) and diverged.isdisjoint(seg.touched))))
@@ -660,11 +672,16 @@ def _plan_segments(ctx: AnalysisContext, memo: AnalysisMemo, roots: list[Label],
             for k, v in seg.bundles:
                 dict.__setitem__(bundles, k, v)
             memo.reused += len(seg.first)
-            segments[lbl] = seg
+            segments.append(seg)
             continue
         n_p, n_a, n_c, n_b = len(providers), len(actions), len(compiles), len(bundles)
         ctx.provider(lbl)
-        provided = [(k, v) for k, v in _tail(providers, len(providers) - n_p) if targets[k].kind not in VOLATILE_KINDS]
+        provided = []
+        for k, v in _tail(providers, len(providers) - n_p):
+            if targets[k].kind in VOLATILE_KINDS:
+                volatile_seen.add(k)
+            else:
+                provided.append((k, v))
         first = tuple(k for k, _v in provided)
         if same_roots:
             diverged.symmetric_difference_update(first)
@@ -672,16 +689,17 @@ def _plan_segments(ctx: AnalysisContext, memo: AnalysisMemo, roots: list[Label],
                 diverged.symmetric_difference_update(seg.first)
         if any(k not in entries or entries[k].provider is not v for k, v in provided):
             usable = False  # (an analysis memoised elsewhere, or not at all: no state is kept this time)
+            segments.append(None)
             continue
         touched = frozenset(d for k in first for d, _p in entries[k].deps
                             if targets[d].kind not in VOLATILE_KINDS).difference(first)
         seg = _Segment(first, touched, dict(provided), dict(_tail(actions, len(actions) - n_a)),
                        tuple(compiles[n_c:]), tuple(_tail(bundles, len(bundles) - n_b)))
-        segments[lbl] = seg
-        redone.append((lbl, seg))
+        segments.append(seg)
+        redone.append(seg)
     if not usable:
         return
-    volatile = {k: v for k, v in providers.items() if k in targets and targets[k].kind in VOLATILE_KINDS}
+    volatile = {k: providers[k] for k in volatile_seen if k in providers}
     if state is not None:
         # (stale reverse dependencies and owners only widen the next invalidation)
         files, rdeps, owner = state.files, state.rdeps, state.owner
@@ -689,11 +707,11 @@ def _plan_segments(ctx: AnalysisContext, memo: AnalysisMemo, roots: list[Label],
                 len(owner) > 2 * len(entries) + 1024:
             state = None
     if state is None:
-        redone = list(segments.items())
+        redone = [seg for seg in segments if seg is not None]
         files, rdeps, owner = {}, {}, {}
-    for root, seg in redone:
+    for seg in redone:
         for k in seg.first:
-            owner[k] = root
+            owner[k] = seg
             m = entries[k]
             if m.files:
                 files[k] = m.files
@@ -746,15 +764,15 @@ def _patched_digraph(actions: Mapping[str, Action], old_actions: Mapping[str, Ac
     removed = old_actions.keys() - actions.keys()
     if len(added) + len(removed) > max(64, len(actions) // 8):
         return None
-    pred = dict(zip(actions, map(old_pred.get, actions)))
-    succ = dict(zip(actions, map(old_succ.get, actions)))
-    node = dict(zip(actions, map(old_node.get, actions)))
+    pred = dict(zip(actions, map(old_pred.get, actions), strict=True))
+    succ = dict(zip(actions, map(old_succ.get, actions), strict=True))
+    node = dict(zip(actions, map(old_node.get, actions), strict=True))
     if not added and not removed:
         g = nx.DiGraph()
         g._node, g._adj, g._pred = node, succ, pred  # (see action_digraph)
         return g
-    pos: dict[str, int] | None = None
     changed: set[str] = set()
+    order: list[str] | None = None
     for fp in added:
         node[fp], succ[fp], pred[fp] = {}, {}, {}
     for fp in added:
@@ -762,10 +780,11 @@ def _patched_digraph(actions: Mapping[str, Action], old_actions: Mapping[str, Ac
         for dep in actions[fp].deps:
             if dep not in pred:
                 return None
-            if pos is None:
-                pos = dict(zip(actions, range(len(actions))))
-            if pos[dep] > pos[fp]:
-                return None
+            if dep in added:  # (registered before its consumer, as analysis does: else the full graph decides)
+                if order is None:
+                    order = list(actions)
+                if order.index(dep) > order.index(fp):
+                    return None
             if dep not in p:
                 p[dep] = {}
                 changed.add(dep)
@@ -779,9 +798,12 @@ def _patched_digraph(actions: Mapping[str, Action], old_actions: Mapping[str, Ac
         else:
             consumers = [c for c in old_succ[dep] if c not in removed]
             consumers.extend(c for c in added if dep in pred[c])
-        if pos is None:
-            pos = dict(zip(actions, range(len(actions))))
-        consumers.sort(key=pos.__getitem__)
+        if len(consumers) > 1:
+            if len(consumers) > 64:
+                return None
+            if order is None:
+                order = list(actions)
+            consumers.sort(key=order.index)  # (a few consumers: no position index of every action)
         succ[dep] = {c: pred[c][dep] for c in consumers}
     g = nx.DiGraph()
     g._node, g._adj, g._pred = node, succ, pred
