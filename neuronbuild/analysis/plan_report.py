@@ -176,12 +176,13 @@ def _traces(ct: CompileTarget, ag: ActionGraph) -> tuple[str, ...]:
 
 
 def plan_report(ag: ActionGraph, todo: Sequence[Action], cached: Sequence[str], history: History,
-                jobs: int, memo: dict[tuple[str, str], Estimate] | None = None) -> PlanReport:
+                jobs: int, memo: dict[Any, Any] | None = None) -> PlanReport:
     """`todo`/`cached` come from the scheduler's own needed_actions(), so the report matches what a build runs.
     `memo`: the build server's memo of earlier plans' estimates, valid for this `history` (incremental.estimate_memo;
     a new dict whenever the history or a record shard changed): each action keeps its estimate with the memo's token
     (an action is one fingerprint and one identity, the estimate's inputs), so a re-plan makes no key per action."""
     est = Estimator(history)
+    estimates: dict[str, Any]
     if memo is None:
         estimates = {a.fingerprint: est.estimate(a) for a in todo}
     else:  # the estimates of the last report made with this memo (valid while it is), the others made now
