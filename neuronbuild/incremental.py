@@ -240,14 +240,14 @@ def needed_actions(ag: Any, cache: Any) -> tuple[list[Any], list[str]]:
     out = None
     todo: list[Any]
     cached_list: list[str]
-    order = ag.topological()
+    order = ag.topological_seq()
     if prev is not None and ag.__dict__.get("_patched_from") is prev.actions and prev.state == state and \
             None not in state.values():
         out = _patch_needed(ag, order, prev, cache)
     if out is None and not any(map(cache.peek, ag.order_fingerprints())):
         # nothing is cached (a first plan): no early cutoff either (it needs cached inputs), and every action is
         # needed (each leads to an action without consumers, all to execute): scheduler.needed_actions' answer
-        todo, cached_list = order, []
+        todo, cached_list = list(order), []
         out = _Needed(ag.actions, set(), set(ag.actions), dict(state), set())
     elif out is None:
         todo, cached_list = scheduler.needed_actions(ag, cache, probe=True)
@@ -293,7 +293,9 @@ def _patch_needed(ag: Any, order: list[Any], prev: _Needed, cache: Any) -> _Need
             cached.add(fp)
         if a.dep_inputs and all(d.action in cached for d in a.dep_inputs):
             candidates.add(fp)
-    need = prev.need - removed
+    need = prev.need  # (patched in place: the previous answer is not used again, only compared by identity)
+    need -= removed
+    prev.need = set()
     stack = list(added)
     stack.extend(p for d in added for p in pred[d] if p not in added)
     old = prev.actions

@@ -42,6 +42,10 @@ class ActionGraph:
     bundles: Mapping[Label, BundleInfo] = field(default_factory=dict, hash=False, compare=False)
 
     def topological(self) -> list[Action]:
+        return list(self.topological_seq())
+
+    def topological_seq(self) -> tuple[Action, ...]:
+        """topological() as the graph keeps it (no copy)."""
         order = self.__dict__.get("_order")  # computed once per graph (frozen: kept in __dict__ directly)
         if order is None:
             prev = self.__dict__.pop("_prev", None)  # (the build server: the previous plan's actions and order)
@@ -52,7 +56,7 @@ class ActionGraph:
             if order is None:
                 order = self._topological()
             self.__dict__["_order"] = order
-        return list(order)
+        return order  # type: ignore[no-any-return]
 
     def order_fingerprints(self) -> list[str]:
         """The fingerprints of topological(), in its order."""
@@ -79,8 +83,12 @@ class ActionGraph:
         pred, succ = self.graph._pred, self.graph._succ
         if len(pred) != len(actions):  # nodes that are not actions (a dependency never registered): full order
             return None
-        added = actions.keys() - old_actions.keys()
-        removed = old_actions.keys() - actions.keys()
+        diff = self.__dict__.get("_graph_diff")  # (the graph patched from the same previous plan: its diff)
+        if diff is not None and diff[0] is old_actions:
+            added, removed = diff[1], diff[2]
+        else:
+            added = actions.keys() - old_actions.keys()
+            removed = old_actions.keys() - actions.keys()
         if len(added) + len(removed) > max(64, len(actions) // 8):
             return None
         waiting: dict[str, int] = {}
@@ -521,6 +529,8 @@ def plan(graph: TargetGraph, settings: PlanSettings | None = None, memo: Analysi
     if last is not None:
         g = _patched_digraph(actions, last.actions, last.graph)
     ag = ActionGraph(actions, g if g is not None else action_digraph(actions), tuple(ctx.compiles), dict(ctx.bundles))
+    if g is not None and last is not None:
+        ag.__dict__["_graph_diff"] = (last.actions, *g.__dict__.pop("_nb_diff"))
     if memo is not None:
         memo.last = ag
         order = last.__dict__.get("_order") if last is not None else None
@@ -770,6 +780,7 @@ def _patched_digraph(actions: Mapping[str, Action], old_actions: Mapping[str, Ac
     if not added and not removed:
         g = nx.DiGraph()
         g._node, g._adj, g._pred = node, succ, pred  # (see action_digraph)
+        g.__dict__["_nb_diff"] = (added, removed)
         return g
     changed: set[str] = set()
     order: list[str] | None = None
@@ -807,4 +818,5 @@ def _patched_digraph(actions: Mapping[str, Action], old_actions: Mapping[str, Ac
         succ[dep] = {c: pred[c][dep] for c in consumers}
     g = nx.DiGraph()
     g._node, g._adj, g._pred = node, succ, pred
+    g.__dict__["_nb_diff"] = (added, removed)  # (taken by plan(): ActionGraph._patched uses it)
     return g
