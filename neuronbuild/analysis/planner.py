@@ -512,7 +512,9 @@ def plan(graph: TargetGraph, settings: PlanSettings | None = None, memo: Analysi
     roots: list[Label] | None = None
     if state is not None and memo is not None:
         memo.state = None  # (rebuilt below; an exception leaves none)
-        if state.root == graph.root and state.requested == graph.requested:
+        if state.raw is not None:
+            state = _materialised(state, memo)
+        if state is not None and state.root == graph.root and state.requested == graph.requested:
             invalid, same_kinds = _invalid_labels(ctx, state)
             if same_kinds:  # (the requested targets and their kinds as then: the same roots)
                 roots = state.roots
@@ -566,6 +568,10 @@ class _PlanState:
     volatile: dict[Label, Any]  # the fresh provider of every volatile target provided
     rdeps: dict[Label, set[Label]]  # target -> the provided targets whose analysis asked for its provider
     owner: dict[Label, _Segment]  # target -> the segment that provided it first
+    # a first plan records only where each root's segment starts (positions in the plan's providers, actions,
+    # compile targets and bundles, None for a root provided already) and keeps those containers; the segments and
+    # the maps above are made from them when the next plan needs them (_materialised)
+    raw: tuple[Any, ...] | None = None
 
 
 def _invalid_labels(ctx: AnalysisContext, state: _PlanState) -> tuple[set[Label], bool]:
@@ -621,6 +627,57 @@ def _invalid_labels(ctx: AnalysisContext, state: _PlanState) -> tuple[set[Label]
     return invalid, same_kinds
 
 
+def _materialised(state: _PlanState, memo: AnalysisMemo) -> _PlanState | None:
+    """The segments and maps of a plan state recorded by a first plan (_PlanState.raw), or None when a provided
+    target's memoised analysis is not the one that plan used (then the next plan runs without the state)."""
+    assert state.raw is not None
+    starts, ends, targets, providers, actions, compiles, bundles = state.raw
+    entries = memo.entries
+    p_items, a_items, b_items = list(providers.items()), list(actions.items()), list(bundles.items())
+    bounds = [b for b in starts if b is not None]
+    bounds.append(ends)
+    segments: list[_Segment | None] = []
+    owner: dict[Label, _Segment] = {}
+    files: dict[Label, tuple[tuple[str, str], ...]] = {}
+    rdeps: dict[Label, set[Label]] = {}
+    volatile: dict[Label, Any] = {}
+    k = 0
+    for b in starts:
+        if b is None:
+            segments.append(None)
+            continue
+        e = bounds[k + 1]
+        k += 1
+        provided = []
+        for lbl, v in p_items[b[0]:e[0]]:
+            if targets[lbl].kind in VOLATILE_KINDS:
+                volatile[lbl] = v
+                continue
+            m = entries.get(lbl)
+            if m is None or m.provider is not v:
+                return None
+            provided.append((lbl, v))
+        first = tuple(lbl for lbl, _v in provided)
+        touched = frozenset(d for lbl in first for d, _p in entries[lbl].deps
+                            if targets[d].kind not in VOLATILE_KINDS).difference(first)
+        seg = _Segment(first, touched, dict(provided), dict(a_items[b[1]:e[1]]), tuple(compiles[b[2]:e[2]]),
+                       tuple(b_items[b[3]:e[3]]))
+        segments.append(seg)
+        for lbl in first:
+            owner[lbl] = seg
+            m = entries[lbl]
+            if m.files:
+                files[lbl] = m.files
+            for d, _p in m.deps:
+                s = rdeps.get(d)
+                if s is None:
+                    rdeps[d] = {lbl}
+                else:
+                    s.add(lbl)
+    return _PlanState(state.root, state.requested, state.packages, state.roots, segments, files, volatile, rdeps,
+                      owner)
+
+
 def _tail(d: dict[Any, Any], n: int) -> list[tuple[Any, Any]]:
     """The last n items of dict `d`, in insertion order (O(n): reversed dict views)."""
     from itertools import islice
@@ -638,23 +695,33 @@ def _plan_segments(ctx: AnalysisContext, memo: AnalysisMemo, roots: list[Label],
     providers, actions, compiles, bundles = ctx._providers, ctx.actions, ctx.compiles, ctx.bundles
     targets = ctx.graph.targets
     entries = memo.entries
-    same_roots = state is not None and state.roots is roots
-    if state is None:
-        old: list[_Segment | None] = [None] * len(roots)
-    elif same_roots:
-        old = state.segments
+    if state is None:  # (a first plan: only where each segment starts, see _PlanState.raw)
+        starts: list[tuple[int, int, int, int] | None] = []
+        for lbl in roots:
+            if lbl in providers:
+                starts.append(None)
+                continue
+            starts.append((len(providers), len(actions), len(compiles), len(bundles)))
+            ctx.provider(lbl)
+        ends = (len(providers), len(actions), len(compiles), len(bundles))
+        memo.state = _PlanState(ctx.graph.root, ctx.graph.requested, ctx.graph.packages, roots, [], {}, {}, {}, {},
+                                (starts, ends, targets, providers, actions, compiles, bundles))
+        return
+    same_roots = state.roots is roots
+    if same_roots:
+        old: list[_Segment | None] = state.segments
     else:  # (other roots: each root's segment found by its label)
         by_label = dict(zip(state.roots, state.segments, strict=True))
         old = [by_label.get(lbl) for lbl in roots]
     # the old segments holding an invalid target (by the target each one provided first)
-    redo = {id(seg) for seg in map(state.owner.get, invalid) if seg is not None} if state is not None else set()
+    redo = {id(seg) for seg in map(state.owner.get, invalid) if seg is not None}
     # Which targets are provided differs from the previous plan at the same root only for these (the reused
     # segments provide the same; so a segment whose targets are not among them finds them as it found them then;
     # a root with no segment then was provided already, one with a segment was not)
     diverged: set[Label] = set()
     segments: list[_Segment | None] = []
     redone: list[_Segment] = []
-    volatile_seen: set[Label] = set(state.volatile) if state is not None else set()
+    volatile_seen: set[Label] = set(state.volatile)
     usable = True
     for lbl, seg in zip(roots, old, strict=True):
         if same_roots and not diverged:
@@ -710,13 +777,10 @@ def _plan_segments(ctx: AnalysisContext, memo: AnalysisMemo, roots: list[Label],
     if not usable:
         return
     volatile = {k: providers[k] for k in volatile_seen if k in providers}
-    if state is not None:
-        # (stale reverse dependencies and owners only widen the next invalidation)
-        files, rdeps, owner = state.files, state.rdeps, state.owner
-        if len(files) > len(entries) + 1024 or len(rdeps) > 2 * len(entries) + 1024 or \
-                len(owner) > 2 * len(entries) + 1024:
-            state = None
-    if state is None:
+    # (stale reverse dependencies and owners only widen the next invalidation)
+    files, rdeps, owner = state.files, state.rdeps, state.owner
+    if len(files) > len(entries) + 1024 or len(rdeps) > 2 * len(entries) + 1024 or \
+            len(owner) > 2 * len(entries) + 1024:  # (too many stale ones: made again from this plan)
         redone = [seg for seg in segments if seg is not None]
         files, rdeps, owner = {}, {}, {}
     for seg in redone:
