@@ -75,39 +75,6 @@ def test_the_wall_time_estimate_is_the_greedy_list_schedule(action_graph: Any) -
             assert report.wall_s == _greedy(ag.graph, todo, seconds, jobs)
 
 
-def test_the_servers_resumed_schedule_is_the_greedy_list_schedule(action_graph: Any,
-                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    """The build server keeps the last schedule and resumes it from its last checkpoint before the first action
-    (or duration) that differs: the same answer as the schedule made afresh, whatever changed where."""
-    from neuronbuild.analysis import estimate
-
-    monkeypatch.setattr(estimate, "_CHECKPOINT", 4)  # (checkpoints within this small graph)
-    ag = action_graph
-    order = ag.topological()
-    rng = random.Random(11)
-    memo: dict[Any, Any] = {}
-    todo = [a for a in order if rng.random() < 0.9]
-    seconds = {a.fingerprint: rng.random() * 10 for a in order}
-    for trial in range(40):
-        change = trial % 5
-        if change == 0:  # an action dropped somewhere
-            del todo[rng.randrange(len(todo))]
-        elif change == 1:  # one added back where the order puts it
-            missing = [a for a in order if a not in todo]
-            if missing:
-                add = rng.choice(missing)
-                todo = [a for a in order if a in todo or a is add]
-        elif change == 2:  # a duration changes
-            seconds[rng.choice(todo).fingerprint] = float(rng.randint(0, 3))
-        elif change == 3:  # only the tail changes
-            todo = todo[:-1]
-        jobs = (1, 2, 2, 3)[trial % 4] if trial > 20 else 2
-        fps = [a.fingerprint for a in todo]
-        got = estimate.wall_time_of(ag.graph, fps, [seconds[fp] for fp in fps], jobs, memo)
-        assert got == _greedy(ag.graph, todo, seconds, jobs)
-    assert len(todo) > 12 and len(memo[estimate._SCHEDULE][4]) > 3  # (kept for the next one, with checkpoints)
-
-
 def _reference_lines(r: PlanReport) -> list[str]:
     """The plan matrix rendered row by row, each cell computed from the report's status() and estimates."""
     out: list[str] = []

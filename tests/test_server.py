@@ -496,12 +496,13 @@ def test_memoised_analysis_plans_what_a_fresh_analysis_plans_over_edits_it_could
         m = incremental.analysis_memo(ctx.workspace.root, ctx.settings) if memo else None
         ag = planner.plan(graph, ctx.settings, m)  # memo None: a fresh analysis, as in batch mode
         counts = (m.reused, m.analysed) if m is not None else (0, 0)
-        # the loaded targets and packages; the whole graph: actions in registration order, every edge in networkx's
-        # order, the topological order
+        # the loaded targets and packages; the whole graph: actions in registration order, the topological order,
+        # every node's predecessors and successors in networkx's order (the kept graph's node order is the previous
+        # graph's with the added nodes last: planner._patched_digraph; nothing reads it)
         return ([(str(lbl), t.kind, dict(t.attrs)) for lbl, t in graph.targets.items()], list(graph.packages),
                 list(map(str, graph.requested)),
                 [a.fingerprint for a in ag.topological()], [(str(c.label), c.buckets, c.options) for c in ag.compiles],
-                sorted(map(str, ag.bundles)), list(ag.actions), list(ag.graph.nodes), list(ag.graph.edges),
+                sorted(map(str, ag.bundles)), list(ag.actions), sorted(ag.graph.nodes), sorted(ag.graph.edges),
                 [list(ag.graph.predecessors(fp)) for fp in ag.actions],
                 [list(ag.graph.successors(fp)) for fp in ag.actions], counts)
 

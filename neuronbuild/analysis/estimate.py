@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import networkx as nx
 
@@ -101,77 +100,32 @@ def wall_time(graph: nx.DiGraph, todo: Sequence[Action], seconds: Mapping[str, f
     return wall_time_of(graph, fps, [seconds.get(fp, 0.0) for fp in fps], jobs)
 
 
-def wall_time_of(graph: nx.DiGraph, fps: Sequence[str], seconds: Sequence[float], jobs: int,
-                 memo: dict[Any, Any] | None = None) -> float:
-    """wall_time() of the actions `fps` (topologically ordered) taking `seconds` each (a list in the same order).
-
-    `memo` (the build server's): the previous schedule, resumed from its last checkpoint before the first position
-    where the actions or their durations differ (an action's dependencies are fixed by its fingerprint, so the
-    schedule up to there is the same; every _CHECKPOINT actions it keeps the workers' state and the latest finish)."""
+def wall_time_of(graph: nx.DiGraph, fps: Sequence[str], seconds: Sequence[float], jobs: int) -> float:
+    """wall_time() of the actions `fps` (topologically ordered) taking `seconds` each (a list in the same order)."""
     import heapq
 
-    n = len(fps)
-    start = 0
     finish: dict[str, float] = {}  # (fps is topologically ordered: a dependency to run is in here before its user)
-    workers = [(0.0, i) for i in range(max(jobs, 1))]  # (free at, worker): a heap; one worker: [(free, 0)]
-    top = 0.0
-    finished: list[float] = []
-    checkpoints: list[tuple[list[tuple[float, int]], float]] = []
-    prev = memo.get(_SCHEDULE) if memo is not None else None
-    if prev is not None and prev[2] == jobs:
-        p_fps, p_seconds, _jobs, p_finished, p_checkpoints = prev
-        k = 0
-        limit = min(n, len(p_fps), len(p_checkpoints) * _CHECKPOINT)
-        while k < limit and fps[k:k + _CHECKPOINT] == p_fps[k:k + _CHECKPOINT] and \
-                seconds[k:k + _CHECKPOINT] == p_seconds[k:k + _CHECKPOINT]:
-            k += _CHECKPOINT
-        k = min(k, (len(p_checkpoints) - 1) * _CHECKPOINT)  # (the state at k is kept for every k a multiple of it)
-        if k > 0:
-            start = k
-            workers = list(p_checkpoints[k // _CHECKPOINT][0])
-            top = p_checkpoints[k // _CHECKPOINT][1]
-            finished = p_finished[:k]
-            finish = dict(zip(fps[:k], finished, strict=True))
-            checkpoints = p_checkpoints[:k // _CHECKPOINT + 1]
     pred = graph._pred  # (the adjacency dicts: no view object per action)
     get = finish.get
+    if jobs <= 1:  # (one worker: each action starts when the previous one ends, or its inputs are ready)
+        free = 0.0
+        for fp, s in zip(fps, seconds, strict=True):
+            ready = free
+            for d in pred[fp]:
+                f = get(d)
+                if f is not None and f > ready:
+                    ready = f
+            free = finish[fp] = ready + s
+        return max(finish.values(), default=0.0)
+    workers = [(0.0, i) for i in range(jobs)]  # (free at, worker): a heap
     replace = heapq.heapreplace
-    record = memo is not None
-    for j in range(start, n, _CHECKPOINT):
-        if record and j // _CHECKPOINT == len(checkpoints):
-            checkpoints.append((list(workers), top))
-        chunk_fps, chunk_s = fps[j:j + _CHECKPOINT], seconds[j:j + _CHECKPOINT]
-        ends = []
-        if jobs <= 1:  # (one worker: each action starts when the previous one ends, or its inputs are ready)
-            free = workers[0][0]
-            for fp, s in zip(chunk_fps, chunk_s, strict=True):
-                ready = free
-                for d in pred[fp]:
-                    f = get(d)
-                    if f is not None and f > ready:
-                        ready = f
-                free = finish[fp] = ready + s
-                ends.append(free)
-            workers = [(free, 0)]
-        else:
-            for fp, s in zip(chunk_fps, chunk_s, strict=True):
-                ready = 0.0
-                for d in pred[fp]:
-                    f = get(d)
-                    if f is not None and f > ready:
-                        ready = f
-                free, i = workers[0]
-                end = finish[fp] = (ready if ready > free else free) + s
-                replace(workers, (end, i))
-                ends.append(end)
-        if ends:
-            top = max(top, max(ends)) if j else max(ends)
-        if record:
-            finished.extend(ends)
-    if memo is not None:
-        memo[_SCHEDULE] = (list(fps), list(seconds), jobs, finished, checkpoints)
-    return top if n else 0.0
-
-
-_SCHEDULE = ("", "schedule")  # the build server's memo key of the last schedule
-_CHECKPOINT = 4096
+    for fp, s in zip(fps, seconds, strict=True):
+        ready = 0.0
+        for d in pred[fp]:
+            f = get(d)
+            if f is not None and f > ready:
+                ready = f
+        free, i = workers[0]
+        end = finish[fp] = (ready if ready > free else free) + s
+        replace(workers, (end, i))
+    return max(finish.values(), default=0.0)

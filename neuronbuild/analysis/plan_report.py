@@ -58,7 +58,7 @@ class PlanReport:
         else:
             get = estimates.get
             seconds = [(e.seconds or 0.0) if (e := get(fp)) is not None else 0.0 for fp in fps]
-        return wall_time_of(self.ag.graph, fps, seconds, self.jobs, self.memo)
+        return wall_time_of(self.ag.graph, fps, seconds, self.jobs)
 
     def _cell(self, fp: str) -> dict[str, Any]:
         est = self.estimates.get(fp)
