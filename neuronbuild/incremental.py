@@ -248,6 +248,7 @@ def needed_actions(ag: Any, cache: Any) -> tuple[list[Any], list[str]]:
         # nothing is cached (a first plan): no early cutoff either (it needs cached inputs), and every action is
         # needed (each leads to an action without consumers, all to execute): scheduler.needed_actions' answer
         todo, cached_list = list(order), []
+        ag.__dict__["_todo_fps"] = (todo, ag.order_fingerprints())
         out = _Needed(ag.actions, set(), set(ag.actions), dict(state), set())
     elif out is None:
         todo, cached_list = scheduler.needed_actions(ag, cache, probe=True)
@@ -260,7 +261,9 @@ def needed_actions(ag: Any, cache: Any) -> tuple[list[Any], list[str]]:
         from itertools import compress
 
         fps = ag.order_fingerprints()
-        todo = list(compress(order, map(out.need.__contains__, fps)))
+        mask = list(map(out.need.__contains__, fps))
+        todo = list(compress(order, mask))
+        ag.__dict__["_todo_fps"] = (todo, list(compress(fps, mask)))  # (for plan_report: no pass over the actions)
         cached_list = list(compress(fps, map(out.cached.__contains__, fps))) if out.cached else []
     if None not in state.values():
         memo.needed = out

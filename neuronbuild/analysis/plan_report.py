@@ -21,6 +21,7 @@ _FINGERPRINT = operator.attrgetter("fingerprint")
 _ESTIMATES = ("", "estimates")  # the estimate memo's keys for its kept estimates and matrix rows (no action has
 _BLOCKS = ("", "blocks")  # this fingerprint and identity)
 _SECONDS = operator.attrgetter("seconds")
+_RECORDED = operator.attrgetter("recorded")
 
 
 @dataclass(frozen=True)
@@ -41,15 +42,26 @@ class PlanReport:
 
     @property
     def serial_s(self) -> float:
-        return sum(e.seconds or 0.0 for e in self.estimates.values())
+        known = self.__dict__.get("_serial_s")  # (frozen: computed once, kept in __dict__ directly)
+        if known is None:
+            seconds = list(map(_SECONDS, self.estimates.values()))  # (a C pass; the same sum, in the same order)
+            known = sum(seconds) if None not in seconds else sum(s or 0.0 for s in seconds)
+            self.__dict__["_serial_s"] = known
+        return known  # type: ignore[no-any-return]
 
     @property
     def unknown(self) -> int:
-        return sum(1 for e in self.estimates.values() if not e.recorded)
+        return len(self.estimates) - sum(map(_RECORDED, self.estimates.values()))
 
     @property
     def wall_s(self) -> float:
-        fps = list(map(_FINGERPRINT, self.todo))
+        known = self.__dict__.get("_wall_s")
+        if known is None:
+            known = self.__dict__["_wall_s"] = self._wall_s()
+        return known  # type: ignore[no-any-return]
+
+    def _wall_s(self) -> float:
+        fps = self.__dict__.get("_todo_fps") or list(map(_FINGERPRINT, self.todo))
         estimates = self.estimates
         if len(estimates) == len(fps):  # (estimates hold exactly the actions to execute: no lookup can miss)
             seconds = list(map(_SECONDS, map(estimates.__getitem__, fps)))
@@ -187,7 +199,8 @@ def plan_report(ag: ActionGraph, todo: Sequence[Action], cached: Sequence[str], 
         estimates = {a.fingerprint: est.estimate(a) for a in todo}
     else:  # the estimates of the last report made with this memo (valid while it is), the others made now
         last: dict[str, Estimate] = memo.get(_ESTIMATES) or {}
-        fps = list(map(_FINGERPRINT, todo))
+        known = ag.__dict__.get("_todo_fps")  # (incremental.needed_actions': the fingerprints of this very todo)
+        fps = known[1] if known is not None and known[0] is todo else list(map(_FINGERPRINT, todo))
         estimates = dict(zip(fps, map(last.get, fps), strict=True))
         if len(estimates) != len(fps):  # (an action twice in todo: never from needed_actions; made one by one)
             estimates = {a.fingerprint: last.get(a.fingerprint) or est.estimate(a) for a in todo}
@@ -199,4 +212,7 @@ def plan_report(ag: ActionGraph, todo: Sequence[Action], cached: Sequence[str], 
             for fp in list(compress(fps, map(operator.not_, estimates.values()))):
                 estimates[fp] = last[fp] = est.estimate(actions[fp])
         memo[_ESTIMATES] = last
+        report = PlanReport(ag, tuple(todo), frozenset(cached), estimates, jobs, memo)
+        report.__dict__["_todo_fps"] = fps  # (for wall_s: the same list, not made again)
+        return report
     return PlanReport(ag, tuple(todo), frozenset(cached), estimates, jobs, memo)
