@@ -117,6 +117,19 @@ def wall_time_of(graph: nx.DiGraph, fps: Sequence[str], seconds: Sequence[float]
                     ready = f
             free = finish[fp] = ready + s
         return max(finish.values(), default=0.0)
+    if jobs == 2:  # (the heap of two workers as two numbers: the first free, the lower index on a tie)
+        free0 = free1 = 0.0
+        for fp, s in zip(fps, seconds, strict=True):
+            ready = 0.0
+            for d in pred[fp]:
+                f = get(d)
+                if f is not None and f > ready:
+                    ready = f
+            if free0 <= free1:
+                free0 = finish[fp] = (ready if ready > free0 else free0) + s
+            else:
+                free1 = finish[fp] = (ready if ready > free1 else free1) + s
+        return max(finish.values(), default=0.0)
     workers = [(0.0, i) for i in range(jobs)]  # (free at, worker): a heap
     replace = heapq.heapreplace
     for fp, s in zip(fps, seconds, strict=True):

@@ -44,9 +44,17 @@ class PlanReport:
     def serial_s(self) -> float:
         known = self.__dict__.get("_serial_s")  # (frozen: computed once, kept in __dict__ directly)
         if known is None:
-            seconds = list(map(_SECONDS, self.estimates.values()))  # (a C pass; the same sum, in the same order)
-            known = sum(seconds) if None not in seconds else sum(s or 0.0 for s in seconds)
-            self.__dict__["_serial_s"] = known
+            known = self.__dict__["_serial_s"] = sum(self._seconds())  # (the same sum, in the same order)
+        return known  # type: ignore[no-any-return]
+
+    def _seconds(self) -> list[float]:
+        """Each estimate's seconds (0.0 for none), in the estimates' order (a C pass, made once)."""
+        known = self.__dict__.get("_seconds_list")
+        if known is None:
+            known = list(map(_SECONDS, self.estimates.values()))
+            if None in known:
+                known = [s or 0.0 for s in known]
+            self.__dict__["_seconds_list"] = known
         return known  # type: ignore[no-any-return]
 
     @property
@@ -63,7 +71,10 @@ class PlanReport:
     def _wall_s(self) -> float:
         fps = self.__dict__.get("_todo_fps") or list(map(_FINGERPRINT, self.todo))
         estimates = self.estimates
-        if len(estimates) == len(fps):  # (estimates hold exactly the actions to execute: no lookup can miss)
+        if len(estimates) == len(fps) and next(iter(estimates), None) == (fps[0] if fps else None) and \
+                self.__dict__.get("_todo_fps") is fps:
+            seconds = self._seconds()  # (plan_report made the estimates in the order of fps, one per action)
+        elif len(estimates) == len(fps):  # (estimates hold exactly the actions to execute: no lookup can miss)
             seconds = list(map(_SECONDS, map(estimates.__getitem__, fps)))
             if None in seconds:
                 seconds = [s or 0.0 for s in seconds]
