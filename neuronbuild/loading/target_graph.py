@@ -204,10 +204,11 @@ def _load(root: Path, patterns: list[TargetPattern],
     if checked is None or checked.root != root or (bound := _no_new_cycle(graph, seen, deps_of, checked)) is None:
         bound = _check_cycles(graph, seen, loader, deps_of)
     if load_cache is not None:  # (in memory only: the build server's next load checks what changed since this one)
-        load_cache.checked = Checked(root, dict(packages), frozenset(seen), bound)
+        labels = frozenset(seen)
+        load_cache.checked = Checked(root, dict(packages), labels, bound)
         load_cache.last = None
         if not warnings and len(seen) == len(requested):  # (everything reached is requested: see _reload)
-            load_cache.last = Last(root, tuple(patterns), check, all_names, graph, frozenset(seen))
+            load_cache.last = Last(root, tuple(patterns), check, all_names, graph, labels)
     return graph, warnings
 
 
