@@ -92,12 +92,11 @@ class LoadCache:
                         known[display] = now
                 if now != digest:
                     raise LookupError(display)
-            for _label, kind, attrs, _build_file, _index in e.targets:
-                for name in _file_attrs(kind):
-                    v = attrs.get(name)
-                    if v is not None:
-                        for lbl in v if isinstance(v, tuple) else (v,):
-                            loader.check_source_file(lbl, name)
+            sources = e.__dict__.get("_sources")  # (frozen: the entry's source files listed once, kept in it)
+            if sources is None:
+                sources = e.__dict__["_sources"] = _sources(e)
+            for lbl, name in sources:
+                loader.check_source_file(lbl, name)
         except (OSError, LookupError, AttrError, UserInputError):
             self.misses += 1
             return None
@@ -134,6 +133,17 @@ class LoadCache:
                           separators=(",", ":"))  # not sorted: attribute dicts keep BUILD order (input order)
         atomic_write_bytes(self.file, data.encode(), self.file.parent, durable=False)  # a speed-up only: no fsync
         self._dirty = False
+
+
+def _sources(e: _Entry) -> tuple[tuple[Label, str], ...]:
+    """(label, attribute) of every source file the entry's targets name, in order."""
+    out: list[tuple[Label, str]] = []
+    for _label, kind, attrs, _build_file, _index in e.targets:
+        for name in _file_attrs(kind):
+            v = attrs.get(name)
+            if v is not None:
+                out.extend((lbl, name) for lbl in (v if isinstance(v, tuple) else (v,)))
+    return tuple(out)
 
 
 _FILE_ATTRS: dict[str, tuple[str, ...]] = {}
