@@ -499,7 +499,7 @@ def plan(graph: TargetGraph, settings: PlanSettings | None = None, memo: Analysi
     `settings` adds declared --action-env values (to every record, when any), toolchain configuration (e.g. the
     neuronx-cc version) and toolchain overrides (what-if plans for explain and upgrade-impact).
 
-    With a memo (the build server) that holds the previous plan of the same requested targets (`_PlanState`), what
+    With a memo (the build server) that holds the previous plan (`_PlanState`), what
     each requested root's analysis added to the plan is reused as a whole (`_Segment`) when nothing it read changed
     (see `_invalid_labels`) and the targets it reached were provided before it exactly as then; the other roots are
     analysed (or replayed target by target) as without it. The result is the plan a fresh analysis makes."""
@@ -514,9 +514,9 @@ def plan(graph: TargetGraph, settings: PlanSettings | None = None, memo: Analysi
         memo.state = None  # (rebuilt below; an exception leaves none)
         if state.raw is not None:
             state = _materialised(state, memo)
-        if state is not None and state.root == graph.root and state.requested == graph.requested:
+        if state is not None and state.root == graph.root:
             invalid, same_kinds = _invalid_labels(ctx, state)
-            if same_kinds:  # (the requested targets and their kinds as then: the same roots)
+            if same_kinds and state.requested == graph.requested:  # (the same requested targets and kinds: roots)
                 roots = state.roots
     if roots is None:
         roots = [lbl for lbl in graph.requested if plugins.rule(graph.targets[lbl].kind).plans_actions]
