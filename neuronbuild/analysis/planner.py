@@ -77,7 +77,7 @@ class ActionGraph:
         ready), D goes first. Sets `_diff` = (added, removed) for incremental.needed_actions. The kept actions in
         the order are the previous graph's objects (the same fingerprint: the same action)."""
         import heapq
-        from itertools import compress, filterfalse
+        from itertools import compress
 
         actions = self.actions
         pred, succ = self.graph._pred, self.graph._succ
@@ -105,8 +105,9 @@ class ActionGraph:
         heap = [d for d, k in waiting.items() if k == 0]
         heapq.heapify(heap)
         if removed:
-            ufps = list(filterfalse(removed.__contains__, old_fps))
-            useq = list(compress(old_order, map(operator.not_, map(removed.__contains__, old_fps))))
+            keep = list(map(operator.not_, map(removed.__contains__, old_fps)))  # (one lookup pass for both)
+            ufps = list(compress(old_fps, keep))
+            useq = list(compress(old_order, keep))
         else:
             ufps, useq = list(old_fps), list(old_order)
         rel_at = [k for k, fp in enumerate(ufps) if fp in rel] if rel else []
