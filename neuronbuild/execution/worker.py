@@ -344,6 +344,24 @@ def warm_imports() -> None:
     import torch.export.pt2_archive._package  # noqa: F401  (what torch.export.save and load import first)
 
 
+def prepare_process() -> tuple[str, ...]:
+    """What a warm process does once before it runs anything: make its temp dirs, import torch and the toolchains
+    (warm_imports; no model code, no thread, no torch op). Returns the installation's roots (confine.installation_roots),
+    computed before any action could add to sys.path. Run by a spawned worker (main) and by the zygote, whose forked
+    workers inherit all of it (zygote.py)."""
+    for var in ("TMPDIR", "HOME"):
+        if os.environ.get(var):
+            Path(os.environ[var]).mkdir(parents=True, exist_ok=True)
+    with contextlib.suppress(Exception):  # a broken toolchain import is reported by the first action instead
+        import neuronbuild.toolchains.compile  # noqa: F401
+        import neuronbuild.toolchains.trace  # noqa: F401
+        from neuronbuild import plugins
+
+        plugins.toolchains()
+        warm_imports()
+    return installation_roots()
+
+
 def main(read_fd: int, write_fd: int) -> None:
     """A worker's life: warm up (import torch and the toolchains once; no model code ever runs here), then run each
     action in a child forked from this warm, clean state (run_isolated) until told to stop.
@@ -356,17 +374,28 @@ def main(read_fd: int, write_fd: int) -> None:
     conn_out = Connection(write_fd, readable=False)
     threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
     become_subreaper()
-    for var in ("TMPDIR", "HOME"):
-        if os.environ.get(var):
-            Path(os.environ[var]).mkdir(parents=True, exist_ok=True)
-    with contextlib.suppress(Exception):  # a broken toolchain import is reported by the first action instead
-        import neuronbuild.toolchains.compile  # noqa: F401
-        import neuronbuild.toolchains.trace  # noqa: F401
-        from neuronbuild import plugins
+    serve(conn_in, conn_out, prepare_process())
 
-        plugins.toolchains()
-        warm_imports()
-    installation = installation_roots()
+
+def main_forked(read_fd: int, write_fd: int, installation: tuple[str, ...], pool_pid: int) -> None:
+    """A worker forked from the zygote (already warm: prepare_process ran there): the same life as main's, minus the
+    imports. Its parent is the zygote, so it watches the pool's process itself (a pidfd: exact, no polling)."""
+    for fd in (read_fd, write_fd):
+        os.set_inheritable(fd, False)
+    conn_in = Connection(read_fd, writable=False)
+    conn_out = Connection(write_fd, readable=False)
+    try:
+        pool_fd = os.pidfd_open(pool_pid)
+    except OSError:  # the pool is gone already
+        os._exit(1)
+    threading.Thread(target=_watch_pidfd, args=(pool_fd,), daemon=True).start()
+    become_subreaper()  # not inherited across fork
+    serve(conn_in, conn_out, installation)
+
+
+def serve(conn_in: Connection, conn_out: Connection, installation: tuple[str, ...]) -> None:
+    """The warm worker's loop: run each message (a toolchain warm-up in this process, an action in a confined fork)
+    and send its result, until told to stop or the pool is gone."""
     warmed: set[str] = set()  # toolchain warm-ups done in this process (their keys)
     conn_out.send({"ready": True, "pid": os.getpid()})
     while True:
@@ -386,6 +415,19 @@ def main(read_fd: int, write_fd: int) -> None:
         end_descendants()  # nothing an action started outlives it
         cap_log(msg["log"])
         conn_out.send(result)
+
+
+def _watch_pidfd(pidfd: int) -> None:
+    """End this worker (and the compilers it started) when the process behind `pidfd` (the pool's) exits."""
+    import select
+
+    while True:
+        with contextlib.suppress(InterruptedError):
+            if select.select([pidfd], [], [])[0]:
+                break
+    with contextlib.suppress(OSError):
+        os.killpg(0, 9)
+    os._exit(1)
 
 
 def _exit_now() -> None:
