@@ -32,6 +32,13 @@ _BOOT = ("import sys; sys.path.insert(0, sys.argv[1]); "
 _START_GRACE = 300.0
 
 
+def _is_warm_up(msg: dict[str, Any]) -> bool:
+    from neuronbuild.analysis.toolchain_api import WARM_UP
+
+    spec = msg.get("spec")
+    return msg.get("kind") == WARM_UP or (isinstance(spec, dict) and spec.get("step") == WARM_UP)
+
+
 def death_message(returncode: int | None) -> str:
     if returncode is None:
         return "the worker process died (how is unknown: its exit status was not reported)"
@@ -90,6 +97,7 @@ class WorkerProcess:
         self.timeout = 0.0  # the running task's limit in seconds (0: none)
         self.timeout_source = ""
         self.ready = False  # warm (imports done): a task's timeout clock runs from then (see deadline)
+        self.keys: set[str] = set(zygote.keys) if self.forked and zygote is not None else set()  # its warm-ups
 
     @staticmethod
     def _spawn(read_fd: int, write_fd: int, env: dict[str, str], cwd: Path,
@@ -169,8 +177,8 @@ class WorkerPool:
         # Forked workers from one zygote: for two or more workers (one worker would only add a process); off with
         # NEURONBUILD_ZYGOTE=0, and where pidfds are missing.
         if use_zygote is None:
-            use_zygote = self.size >= 2 and os.environ.get("NEURONBUILD_ZYGOTE", "1") != "0"
-        self._use_zygote = use_zygote and zy.supported()
+            use_zygote = self.size >= 2
+        self._use_zygote = use_zygote and os.environ.get("NEURONBUILD_ZYGOTE", "1") != "0" and zy.supported()
         self._zygote: zy.Zygote | None = None
 
     def _zygote_now(self) -> zy.Zygote | None:
@@ -185,7 +193,43 @@ class WorkerPool:
         return self._zygote
 
     def _start(self, slot: int) -> WorkerProcess:
-        return WorkerProcess(slot, self._env, self._cwd, self._stderr, self._zygote_now())
+        z = self._zygote_now()
+        if z is not None and z.warming:  # busy with a warm-up for seconds: a fresh interpreter starts sooner
+            z = None
+        return WorkerProcess(slot, self._env, self._cwd, self._stderr, z)
+
+    @property
+    def warms_apart(self) -> bool:
+        """Toolchain warm-ups run in the zygote, beside the workers (not in a worker slot): every worker forked
+        afterwards inherits them (submit; the scheduler holds back the steps needing one until it is done)."""
+        return self._use_zygote
+
+    def _submit_apart(self, task_id: str, msg: dict[str, Any]) -> tuple[int, int] | None:
+        """A warm-up task in the zygote: every slot's worker is forked first (the zygote does one thing at a time, and
+        the workers are wanted now, for the work that does not need the warm-up). Returns (-1, zygote pid)."""
+        z = self._zygote_now()
+        if z is None:
+            return None
+        for slot in range(self.size):
+            if slot not in self._workers:
+                self._workers[slot] = self._start(slot)
+        if not z.warm_up(task_id, msg):
+            return None
+        return -1, z.pid
+
+    def _refresh(self, w: WorkerProcess) -> None:
+        """An idle worker that lacks a warm-up the zygote now holds (and holds none the zygote lacks, such as one it
+        ran itself) is replaced by a fresh fork, which inherits it: cheaper than the worker warming up itself."""
+        z = self._zygote
+        if z is None or z.warming or not z.alive() or w.task is not None or not w.ready:
+            return
+        if not (z.keys - w.keys) or not (w.keys <= z.keys):
+            return
+        with contextlib.suppress(OSError, ValueError):
+            w.to_child.send(None)  # it exits at once (between tasks: nothing to clean up)
+        w.close()
+        del self._workers[w.slot]
+        self._workers[w.slot] = self._start(w.slot)
 
     def warm(self, n: int) -> None:
         """Start up to n workers now, so their torch import overlaps with the build's other work. With a zygote, start
@@ -218,6 +262,10 @@ class WorkerPool:
                timeout_source: str = "") -> tuple[int, int]:
         """Hand a task to an idle worker (starting one if needed); returns (slot, pid). `timeout` (seconds, from a
         target's `timeout` attribute, named by `timeout_source`) replaces the pool's action timeout for this task."""
+        if self._use_zygote and _is_warm_up(msg):
+            apart = self._submit_apart(task_id, msg)
+            if apart is not None:
+                return apart
         slot = self.idle_slot()
         if slot is None:
             raise RuntimeError("no idle worker")
@@ -241,11 +289,14 @@ class WorkerPool:
             if w.task is not None and w.timeout > 0:
                 left = max(0.0, w.deadline() - now)
                 timeout = left if timeout is None else min(timeout, left)
-        handles: dict[Any, WorkerProcess] = {}
+        handles: dict[Any, WorkerProcess | None] = {}
         for w in self._workers.values():
             handles[w.from_child] = w
             if w.pidfd is not None:
                 handles[w.pidfd] = w
+        z = self._zygote
+        if z is not None and not z.closed:
+            handles[z.sock] = None  # warm-up results and exit reports
         if not handles:
             if timeout:
                 time.sleep(timeout)
@@ -253,7 +304,10 @@ class WorkerPool:
         out: list[TaskResult] = []
         done: set[int] = set()
         for h in wait(list(handles), timeout):
-            w = handles[h]
+            found = handles[h]
+            if found is None:
+                continue
+            w = found
             if w.slot in done or self._workers.get(w.slot) is not w:
                 continue
             if h is not w.from_child and not self._has_message(w):
@@ -272,8 +326,10 @@ class WorkerPool:
                     w.started = time.time()
                 continue
             task, w.task = w.task, None
+            w.keys = set(msg.get("warmed") or ()) | w.keys
             if task is not None:
                 out.append(TaskResult(task, w.slot, w.pid, msg))
+        out += self._zygote_results()
         now = time.time()
         for w in list(self._workers.values()):
             if w.task is not None and w.timeout > 0 and now >= w.deadline():
@@ -284,6 +340,28 @@ class WorkerPool:
                     "ok": False, "timed_out": True, "duration_s": now - started, "pid": w.pid,
                     "error": f"timed out after {w.timeout:g} s ({w.timeout_source}); the action and every "
                              "process it started were killed"}))
+        return out
+
+    def _zygote_results(self) -> list[TaskResult]:
+        """Warm-ups the zygote finished (then idle workers lacking them are refreshed), or a warm-up lost with it."""
+        z = self._zygote
+        if z is None:
+            return []
+        z.drain()
+        out = [TaskResult(task, -1, z.pid, res) for task, res in z.results]
+        z.results.clear()
+        now = time.time()
+        limit = self.action_timeout
+        if z.warming and (z.closed or (limit > 0 and any(now - t > limit + _START_GRACE for t in z.warming.values()))):
+            error = ("the zygote process died" if z.closed else
+                     f"timed out after {limit:g} s (--action-timeout); the zygote was killed")
+            out += [TaskResult(task, -1, z.pid, {"ok": False, "error": error, "duration_s": now - t})
+                    for task, t in z.warming.items()]
+            z.warming.clear()
+            self._close_zygote()
+        if out:
+            for w in list(self._workers.values()):
+                self._refresh(w)
         return out
 
     @staticmethod

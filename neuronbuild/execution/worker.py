@@ -377,9 +377,11 @@ def main(read_fd: int, write_fd: int) -> None:
     serve(conn_in, conn_out, prepare_process())
 
 
-def main_forked(read_fd: int, write_fd: int, installation: tuple[str, ...], pool_pid: int) -> None:
-    """A worker forked from the zygote (already warm: prepare_process ran there): the same life as main's, minus the
-    imports. Its parent is the zygote, so it watches the pool's process itself (a pidfd: exact, no polling)."""
+def main_forked(read_fd: int, write_fd: int, installation: tuple[str, ...], pool_pid: int,
+                warmed: set[str] | None = None) -> None:
+    """A worker forked from the zygote (already warm: prepare_process and the zygote's toolchain warm-ups, `warmed`,
+    ran there): the same life as main's, minus the imports. Its parent is the zygote, so it watches the pool's
+    process itself (a pidfd: exact, no polling)."""
     for fd in (read_fd, write_fd):
         os.set_inheritable(fd, False)
     conn_in = Connection(read_fd, writable=False)
@@ -390,13 +392,15 @@ def main_forked(read_fd: int, write_fd: int, installation: tuple[str, ...], pool
         os._exit(1)
     threading.Thread(target=_watch_pidfd, args=(pool_fd,), daemon=True).start()
     become_subreaper()  # not inherited across fork
-    serve(conn_in, conn_out, installation)
+    serve(conn_in, conn_out, installation, set(warmed or ()))
 
 
-def serve(conn_in: Connection, conn_out: Connection, installation: tuple[str, ...]) -> None:
+def serve(conn_in: Connection, conn_out: Connection, installation: tuple[str, ...],
+          warmed: set[str] | None = None) -> None:
     """The warm worker's loop: run each message (a toolchain warm-up in this process, an action in a confined fork)
-    and send its result, until told to stop or the pool is gone."""
-    warmed: set[str] = set()  # toolchain warm-ups done in this process (their keys)
+    and send its result, with the keys of the warm-ups this process holds ("warmed"), until told to stop or the pool
+    is gone."""
+    warmed = set() if warmed is None else warmed  # toolchain warm-ups done in this process (their keys)
     conn_out.send({"ready": True, "pid": os.getpid()})
     while True:
         try:
@@ -414,6 +418,7 @@ def serve(conn_in: Connection, conn_out: Connection, installation: tuple[str, ..
                 result["duration_s"] = float(result.get("duration_s") or 0.0) + implicit
         end_descendants()  # nothing an action started outlives it
         cap_log(msg["log"])
+        result["warmed"] = sorted(warmed)
         conn_out.send(result)
 
 
@@ -463,11 +468,9 @@ def run_warm_up(msg: Mapping[str, Any], warmed: set[str]) -> dict[str, Any]:
     return res
 
 
-def warm_before(msg: Mapping[str, Any], warmed: set[str]) -> float | None:
-    """Before this worker's first toolchain step that has a warm-up key: that warm-up, in this process (run_warm_up),
-    so this step and the later ones forked from here start with it done (with one worker there is no warm-up
-    pseudo-action; with several, a worker that did not run it still fills its memo from the files on disk). Returns
-    its seconds, or None when nothing ran. A failed warm-up is not the step's failure: the step builds what it needs."""
+def warm_up_spec(msg: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The spec of the warm-up pseudo-action a task's step benefits from ({"toolchain", "step", "key"}; its identity:
+    warm_key), or None (a trace, a step without a warm-up, a toolchain whose hook fails)."""
     spec = msg.get("spec")
     if msg.get("kind") == "trace" or not isinstance(spec, Mapping) or not spec.get("toolchain"):
         return None
@@ -480,8 +483,23 @@ def warm_before(msg: Mapping[str, Any], warmed: set[str]) -> float | None:
         return None
     if key is None:
         return None
-    w_spec = {"toolchain": spec["toolchain"], "step": WARM_UP, "key": key}
-    if _key(w_spec) in warmed:
+    return {"toolchain": spec["toolchain"], "step": WARM_UP, "key": key}
+
+
+def warm_key(spec: Mapping[str, Any]) -> str:
+    """The identity of a warm-up (its toolchain and key) in a process's set of warm-ups done."""
+    return _key(spec)
+
+
+def warm_before(msg: Mapping[str, Any], warmed: set[str]) -> float | None:
+    """Before this worker's first toolchain step that has a warm-up key: that warm-up, in this process (run_warm_up),
+    so this step and the later ones forked from here start with it done (with one worker there is no warm-up
+    pseudo-action; with several, a worker that did not run it still fills its memo from the files on disk). Returns
+    its seconds, or None when nothing ran. A failed warm-up is not the step's failure: the step builds what it needs."""
+    from neuronbuild.analysis.toolchain_api import WARM_UP
+
+    w_spec = warm_up_spec(msg)
+    if w_spec is None or _key(w_spec) in warmed:
         return None
     start = time.perf_counter()
     with open(str(msg["log"]), "a", encoding="utf-8") as log:

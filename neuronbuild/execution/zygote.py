@@ -29,7 +29,7 @@ from typing import Any
 
 _BOOT = ("import sys; sys.path.insert(0, sys.argv[1]); "
          "from neuronbuild.execution.zygote import main; main(int(sys.argv[2]))")
-_MAX_MSG = 1 << 16
+_MAX_MSG = 1 << 20
 # How long the pool waits for the zygote's exit report of a worker it saw exit (the report follows the reap).
 _EXIT_REPORT_S = 2.0
 
@@ -78,6 +78,9 @@ class Zygote:
         self.ready = False
         self.closed = False
         self.codes: dict[int, int] = {}  # exit statuses of forked workers (os.waitstatus_to_exitcode), by pid
+        self.keys: set[str] = set()  # the toolchain warm-ups done in the zygote (worker.warm_key), inherited by forks
+        self.results: list[tuple[str, dict[str, Any]]] = []  # finished warm-ups not yet collected: (task id, result)
+        self.warming: dict[str, float] = {}  # warm-ups running in the zygote: task id -> when sent
 
     @property
     def pid(self) -> int:
@@ -102,7 +105,24 @@ class Zygote:
             self.codes[int(msg["exit"])] = int(msg["code"])
         elif msg.get("ready"):
             self.ready = True
+        elif "result" in msg:
+            self.keys = set(msg.get("keys") or ())
+            self.warming.pop(str(msg["task"]), None)
+            self.results.append((str(msg["task"]), dict(msg["result"])))
         return msg
+
+    def warm_up(self, task_id: str, msg: dict[str, Any]) -> bool:
+        """Run a toolchain warm-up (a WARM_UP task message) in the zygote itself, so every worker forked afterwards
+        inherits it; its result comes later (results, read by drain). False when the zygote is gone."""
+        if not self.alive():
+            return False
+        try:
+            self.sock.send(json.dumps({"op": "warm", "task": task_id, "msg": msg}).encode())
+        except OSError:
+            self.closed = True
+            return False
+        self.warming[task_id] = time.time()
+        return True
 
     def drain(self) -> None:
         """Read the reports already sent (exit statuses)."""
@@ -131,6 +151,7 @@ class Zygote:
             if msg.get("eof") or "error" in msg:
                 return None
             if "forked" in msg:
+                self.keys = set(msg.get("keys") or ())
                 return int(msg["forked"])
 
     def exit_code(self, pid: int, wait_s: float = _EXIT_REPORT_S) -> int | None:
@@ -211,6 +232,7 @@ def main(sock_fd: int) -> None:
     installation = worker.prepare_process()
     _send(sock, {"ready": True, "pid": os.getpid()})
     children: dict[int, int] = {}  # pidfd -> pid of each forked worker not yet reaped
+    warmed: set[str] = set()  # the toolchain warm-ups done here (worker.warm_key)
     while True:
         try:
             ready: list[int] = select.select([sock.fileno(), *children], [], [], 1.0)[0]
@@ -230,7 +252,9 @@ def main(sock_fd: int) -> None:
                 os._exit(0)  # the pool closed its end
             req = json.loads(data)
             if req.get("op") == "fork" and len(fds) == 2:
-                _fork(sock, fds, installation, parent, children)
+                _fork(sock, fds, installation, parent, children, warmed)
+            elif req.get("op") == "warm":
+                _warm(sock, req, children, warmed)
             for fd in fds:
                 with contextlib.suppress(OSError):
                     os.close(fd)
@@ -252,8 +276,33 @@ def _reap(sock: socket.socket, children: dict[int, int], pidfd: int) -> None:
     _send(sock, {"exit": pid, "code": os.waitstatus_to_exitcode(status)})
 
 
+def _warm(sock: socket.socket, req: dict[str, Any], children: dict[int, int], warmed: set[str]) -> None:
+    """A toolchain warm-up in this process (worker.run_warm_up: toolchain code only, its threads joined before it
+    returns). Workers that exit meanwhile are reaped as soon as it ends."""
+    from neuronbuild.execution import worker
+
+    msg = req["msg"]
+    try:
+        res = worker.run_warm_up(msg, warmed)
+    except Exception as e:  # noqa: BLE001 - a warm-up's failure is reported, never the zygote's end
+        res = {"ok": False, "error": f"{type(e).__name__}: {e}", "duration_s": 0.0}
+    worker.cap_log(str(msg["log"]))
+    res["action_pid"] = os.getpid()
+    try:
+        data = json.dumps({"result": res, "task": req["task"], "keys": sorted(warmed)}, default=str).encode()
+    except (TypeError, ValueError):
+        data = json.dumps({"result": {"ok": res.get("ok", False), "duration_s": res.get("duration_s", 0.0),
+                                      "error": str(res.get("error") or "")},
+                           "task": req["task"], "keys": sorted(warmed)}).encode()
+    with contextlib.suppress(OSError):
+        sock.send(data)
+    for fd in list(children):  # workers that exited while it ran
+        if select.select([fd], [], [], 0)[0]:
+            _reap(sock, children, fd)
+
+
 def _fork(sock: socket.socket, fds: list[int], installation: tuple[str, ...], parent: int,
-          children: dict[int, int]) -> None:
+          children: dict[int, int], warmed: set[str]) -> None:
     n = threads_now()
     if n != 1:  # a fork copies only this thread: whatever another one held (a lock) would stay held in the child
         _send(sock, {"error": f"the zygote has {n} threads; it forks only single-threaded"})
@@ -266,17 +315,18 @@ def _fork(sock: socket.socket, fds: list[int], installation: tuple[str, ...], pa
                 with contextlib.suppress(OSError):
                     os.close(fd)
             os.setsid()  # its own session: the pool ends it and its compilers as a group
-            worker_main_forked(fds[0], fds[1], installation, parent)
+            worker_main_forked(fds[0], fds[1], installation, parent, warmed)
         finally:
             os._exit(70)
     try:
         children[os.pidfd_open(pid)] = pid
     except OSError:
         pass  # reaped by the next fork's waitpid never: the pidfd is how we learn of its exit
-    _send(sock, {"forked": pid})
+    _send(sock, {"forked": pid, "keys": sorted(warmed)})
 
 
-def worker_main_forked(read_fd: int, write_fd: int, installation: tuple[str, ...], pool_pid: int) -> None:
+def worker_main_forked(read_fd: int, write_fd: int, installation: tuple[str, ...], pool_pid: int,
+                       warmed: set[str]) -> None:
     from neuronbuild.execution.worker import main_forked
 
-    main_forked(read_fd, write_fd, installation, pool_pid)
+    main_forked(read_fd, write_fd, installation, pool_pid, warmed)
