@@ -41,3 +41,26 @@ def test_a_corrupt_stored_blob_is_replaced_not_trusted(tmp_path: Path) -> None:
     assert store.put_file(src) == (digest, size)
     assert hash_file(store.path(digest)) == (digest, size)
     assert store.check(digest, size) == "ok"
+
+
+def test_copy_out_of_a_blob_verified_moments_ago_falls_back_to_a_verified_copy(tmp_path: Path) -> None:
+    """copy_out's `verified_size` (the caller hashed this blob moments ago: another bucket's copy of the same weights)
+    copies without hashing again, yet a blob that is not of that size by now is copied verified: a shrunken blob is
+    never copied out as it is, and the copy left in place is a file of its own with no temporary left behind."""
+    store = BlobStore(tmp_path / "cache")
+    digest, size = store.put_file(_weights(tmp_path, "a.safetensors", 5))
+    out = tmp_path / "out"
+    assert store.copy_out(digest, out / "b1" / "w", size) == size
+    assert (out / "b1" / "w").read_bytes() == store.path(digest).read_bytes()
+    assert (out / "b1" / "w").stat().st_ino != store.path(digest).stat().st_ino
+    blob = store.path(digest)
+    os.chmod(blob, 0o644)
+    blob.write_bytes(blob.read_bytes()[: size // 2])  # truncated since it was verified
+    try:
+        store.copy_out(digest, out / "b2" / "w", size)
+    except Exception as e:  # noqa: BLE001  (the verified copy refuses it)
+        assert "corrupt" in str(e)
+    else:
+        raise AssertionError("a blob not of its verified size was copied out")
+    assert not (out / "b2" / "w").exists() and not list((out / "b2").glob("*"))
+    assert not store.path(digest).exists()  # evicted: the next build runs the actions again

@@ -206,13 +206,27 @@ class BlobStore:
             tmp.write_text(sig)
             os.replace(tmp, p)
 
-    def copy_out(self, digest: str, dest: Path) -> int:
-        """Copy a blob to `dest` atomically, verifying its digest on the way; a corrupt blob is evicted."""
+    def copy_out(self, digest: str, dest: Path, verified_size: int | None = None) -> int:
+        """Copy a blob to `dest` atomically, verifying its digest on the way; a corrupt blob is evicted.
+
+        `verified_size`: the caller read and hashed this blob moments ago (another copy of it, e.g. the weights file
+        every bucket of a model holds): the kernel copies it (sendfile) without hashing again, and a copy not of that
+        size falls back to the verified copy. Either way a file of its own (never a link: editing an output must not
+        reach the cache) with the umask's mode."""
         src = self.path(digest)
         dest.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=COPY_TEMP_PREFIX)
         try:
             os.fchmod(fd, umask_mode())  # outputs users see follow the umask, like any file they would write
+            if verified_size is not None:
+                with contextlib.suppress(FileNotFoundError):
+                    shutil.copyfile(src, tmp)
+                    if os.stat(tmp).st_size == verified_size:
+                        os.close(fd)
+                        os.replace(tmp, dest)
+                        return verified_size
+                os.ftruncate(fd, 0)
+                os.lseek(fd, 0, os.SEEK_SET)
             with os.fdopen(fd, "wb") as out, open(src, "rb") as f:
                 got, size = copy_hashing(f, out)
             if got != digest:

@@ -186,10 +186,11 @@ class LocalCache:
             self._complete.clear()  # the blob was evicted: entries using it are no longer complete
             raise
 
-    def copy_blob(self, digest: str, dest: Path) -> int:
-        """A verified, atomically written copy of a blob at `dest`, for outputs users see."""
+    def copy_blob(self, digest: str, dest: Path, verified_size: int | None = None) -> int:
+        """A verified, atomically written copy of a blob at `dest`, for outputs users see (`verified_size`: the
+        caller verified this blob moments ago; see BlobStore.copy_out)."""
         try:
-            return self.blobs.copy_out(digest, dest)
+            return self.blobs.copy_out(digest, dest, verified_size)
         except CorruptBlob:
             self._complete.clear()
             raise

@@ -163,9 +163,9 @@ class TieredCache(LocalCache):
                 raise
             super().place_blob(digest, dest)
 
-    def copy_blob(self, digest: str, dest: Path) -> int:
+    def copy_blob(self, digest: str, dest: Path, verified_size: int | None = None) -> int:
         try:
-            return super().copy_blob(digest, dest)
+            return super().copy_blob(digest, dest, verified_size)
         except (CorruptBlob, FileNotFoundError):
             if not self._fetch_blob(digest, "output"):
                 raise

@@ -10,7 +10,6 @@ import hashlib
 import json
 import os
 import shutil
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -132,7 +131,7 @@ def materialize(root: Path, ag: ActionGraph, cache: LocalCache, failed: set[str]
     """Write outputs of every compile target whose actions all succeeded (unchanged files are not rewritten) and
     remove what else its directory holds. Returns the directories of the targets materialised."""
     done: list[Path] = []
-    copied: set[str] = set()  # digests of blobs verified by a copy of this call (see _copy_again)
+    copied: set[str] = set()  # digests of blobs verified by a copy of this call (later copies are not hashed again)
     for ct in ag.compiles:
         if any(fp in failed or cache.lookup(fp) is None for _b, fp in ct.buckets):
             continue
@@ -178,37 +177,10 @@ def materialize(root: Path, ag: ActionGraph, cache: LocalCache, failed: set[str]
     return done
 
 
-def _copy_again(cache: LocalCache, digest: str, size: int, dest: Path) -> bool:
-    """Another copy of a blob that a verified copy of this materialisation read and hashed moments ago (every bucket
-    of a model holds the same weights file, ~35 MB for the example llama): copied by the kernel (sendfile) instead of
-    read, hashed and written by Python again. Like copy_blob: a file of its own (never a link: editing an output
-    must not reach the cache), written atomically with the umask's mode. False (nothing left behind) when the copy
-    is not of the recorded size or the blob is gone: the caller makes a verified copy instead."""
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=COPY_TEMP_PREFIX)
-    try:
-        os.fchmod(fd, umask_mode())
-        os.close(fd)
-        shutil.copyfile(cache.blobs.path(digest), tmp)
-        if os.stat(tmp).st_size != size:
-            os.unlink(tmp)
-            return False
-        os.replace(tmp, dest)
-        return True
-    except FileNotFoundError:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        return False
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-
-
 def _write_target(out: Path, manifest: dict[str, Any], cache: LocalCache, copied: set[str]) -> None:
     """Make `out` hold exactly the outputs and manifest: files whose digest and size the old manifest and the
     directory confirm are kept, others copied from the cache (the first copy of each blob in this materialisation
-    verified on the way, the others copied as they are: _copy_again); the rest pruned."""
+    verified on the way, the others copied by the kernel: copy_blob's verified_size); the rest pruned."""
     if out.is_file() or out.is_symlink():
         out.unlink()  # a stale file where the target's directory goes
     old: dict[str, Any] = {}
@@ -228,9 +200,7 @@ def _write_target(out: Path, manifest: dict[str, Any], cache: LocalCache, copied
                 continue
             if dest.is_dir() and not dest.is_symlink():
                 shutil.rmtree(dest)
-            if ref["digest"] in copied and _copy_again(cache, ref["digest"], ref["size"], dest):
-                continue
-            cache.copy_blob(ref["digest"], dest)
+            cache.copy_blob(ref["digest"], dest, ref["size"] if ref["digest"] in copied else None)
             copied.add(ref["digest"])
     data = json.dumps(manifest, sort_keys=True, indent=1).encode()
     if not ((out / MANIFEST).is_file() and (out / MANIFEST).read_bytes() == data):
