@@ -352,6 +352,7 @@ def prepare_process() -> tuple[str, ...]:
     for var in ("TMPDIR", "HOME"):
         if os.environ.get(var):
             Path(os.environ[var]).mkdir(parents=True, exist_ok=True)
+    no_monitor_thread()
     with contextlib.suppress(Exception):  # a broken toolchain import is reported by the first action instead
         import neuronbuild.toolchains.compile  # noqa: F401
         import neuronbuild.toolchains.trace  # noqa: F401
@@ -360,6 +361,16 @@ def prepare_process() -> tuple[str, ...]:
         plugins.toolchains()
         warm_imports()
     return installation_roots()
+
+
+def no_monitor_thread() -> None:
+    """tqdm starts a monitor thread with its first progress bar (torch.fx's interpreter makes one while inductor's
+    pattern tables are traced in the cpu warm-up) and keeps it: this process forks after warm-ups, and a fork copies
+    only the forking thread, so no monitor (it only tunes how often bars redraw)."""
+    with contextlib.suppress(Exception):
+        import tqdm
+
+        tqdm.tqdm.monitor_interval = 0
 
 
 def main(read_fd: int, write_fd: int) -> None:

@@ -304,6 +304,10 @@ def _warm(sock: socket.socket, req: dict[str, Any], children: dict[int, int], wa
 def _fork(sock: socket.socket, fds: list[int], installation: tuple[str, ...], parent: int,
           children: dict[int, int], warmed: set[str]) -> None:
     n = threads_now()
+    deadline = time.monotonic() + 1.0
+    while n != 1 and time.monotonic() < deadline:  # a joined thread's OS thread ends a moment after the join
+        time.sleep(0.01)
+        n = threads_now()
     if n != 1:  # a fork copies only this thread: whatever another one held (a lock) would stay held in the child
         _send(sock, {"error": f"the zygote has {n} threads; it forks only single-threaded"})
         return
