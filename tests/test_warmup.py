@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
 from helpers import REPO, run_cli, write_ws
 
 MODEL = '''
@@ -53,12 +54,22 @@ def _headers(cache: Path) -> dict[str, tuple[int, int]]:
     return {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in found}
 
 
-def test_one_worker_warms_the_headers_beside_the_traces_and_every_compile_reuses_them(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def built_j2(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, subprocess.CompletedProcess[str], Path]:
+    """One cold `--jobs 2` build (shared by the tests below): its workspace, cache, process and directory (events1.jsonl,
+    p1.json)."""
+    tmp_path = tmp_path_factory.mktemp("warm-j2")
     cache = tmp_path / "cache"
     ws = _ws(tmp_path / "ws1", 16)
-    ev_file = tmp_path / "events1.jsonl"
     proc = run_cli(["build", "//pkg:m_cpu", "--jobs", "2", "--cache-dir", str(cache), "--build-event-json-file",
-                    str(ev_file), "--profile", str(tmp_path / "p1.json"), "--verbose"], ws)
+                    str(tmp_path / "events1.jsonl"), "--profile", str(tmp_path / "p1.json"), "--verbose"], ws)
+    return ws, cache, proc, tmp_path
+
+
+def test_one_worker_warms_the_headers_beside_the_traces_and_every_compile_reuses_them(
+        built_j2: tuple[Path, Path, subprocess.CompletedProcess[str], Path], tmp_path: Path) -> None:
+    _ws1, cache, proc, first = built_j2
+    ev_file = first / "events1.jsonl"
     assert proc.returncode == 0, proc.stdout + proc.stderr
     events = _events(ev_file)
     (started,) = [e for e in events if e["event"] == "warm_up_started"]
@@ -75,7 +86,7 @@ def test_one_worker_warms_the_headers_beside_the_traces_and_every_compile_reuses
     assert sorted(headers) == sorted(h + ".gch" for h in warm["metadata"]["headers"])
     assert all(mtime <= warm["time"] * 1e9 for _ino, mtime in headers.values())
     assert sum(1 for e in events if e["event"] == "action_finished" and e["kind"] == "compile") == 2
-    other = json.loads((tmp_path / "p1.json").read_text())["otherData"]
+    other = json.loads((first / "p1.json").read_text())["otherData"]
     assert 0.0 < float(other["utilisation"]) <= 1.0 and float(other["warm_up_s"]) > 0.0
     # Inductor's working files went under the cache's toolchain scratch dir, keyed by torch version and ISA.
     work = list((cache / "v1" / "toolchain-tmp" / "neuronbuild-inductor").iterdir())
@@ -97,15 +108,15 @@ def _packages(ws: Path) -> dict[str, bytes]:
     return {str(p.relative_to(out)): p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
 
 
-def test_one_worker_warms_with_every_core_and_builds_the_same_bytes_as_one_core_per_worker(tmp_path: Path) -> None:
+def test_one_worker_warms_with_every_core_and_builds_the_same_bytes_as_one_core_per_worker(
+        built_j2: tuple[Path, Path, subprocess.CompletedProcess[str], Path], tmp_path: Path) -> None:
     """--jobs 1 on a multi-core machine: the worker warms the headers itself before its first compile, with the
     headers' compiles running at once (its thread budget is every core), and every compile (forked from it, its
     wrapper and kernel objects compiled at once) uses those headers; the packages are byte-identical to a --jobs 2
     build (one core per worker, everything one at a time) in another cache."""
     from neuronbuild.platforms import host_cores
 
-    ws = _ws(tmp_path / "ws", 20)
-    proc = run_cli(["build", "//pkg:m_cpu", "--jobs", "2", "--cache-dir", str(tmp_path / "c2")], ws)
+    ws, _cache, proc, _dir = built_j2  # the --jobs 2 build, one core per worker on this 2-core machine
     assert proc.returncode == 0, proc.stdout + proc.stderr
     two = _packages(ws)
     cache = tmp_path / "c1"
