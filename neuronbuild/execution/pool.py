@@ -83,6 +83,10 @@ class WorkerProcess:
                     self.proc, self.forked = zy.ForkedProc(pid, zygote), True
             if self.proc is None:
                 self.proc = self._spawn(to_child_r, from_child_w, env, cwd, stderr_path)
+        except BaseException:  # e.g. Ctrl-C while the zygote imports: a worker forked later reads EOF and exits
+            os.close(to_child_w)
+            os.close(from_child_r)
+            raise
         finally:
             os.close(to_child_r)
             os.close(from_child_w)
@@ -232,6 +236,13 @@ class WorkerPool:
         self._workers[w.slot] = self._start(w.slot)
 
     def warm(self, n: int) -> None:
+        try:
+            self._warm(n)
+        except BaseException:  # interrupted while starting (Ctrl-C): nothing half-started is kept
+            self.kill_all()
+            raise
+
+    def _warm(self, n: int) -> None:
         """Start up to n workers now, so their torch import overlaps with the build's other work. With a zygote, start
         it: it imports torch now, and the workers are forked from it when the first tasks come (a fork waits for the
         import to end, so starting them here would hold up the caller)."""
@@ -260,6 +271,14 @@ class WorkerPool:
 
     def submit(self, task_id: str, msg: dict[str, Any], timeout: float | None = None,
                timeout_source: str = "") -> tuple[int, int]:
+        try:
+            return self._submit(task_id, msg, timeout, timeout_source)
+        except BaseException:  # interrupted while a worker started (Ctrl-C): nothing half-started is kept
+            self.kill_all()
+            raise
+
+    def _submit(self, task_id: str, msg: dict[str, Any], timeout: float | None = None,
+                timeout_source: str = "") -> tuple[int, int]:
         """Hand a task to an idle worker (starting one if needed); returns (slot, pid). `timeout` (seconds, from a
         target's `timeout` attribute, named by `timeout_source`) replaces the pool's action timeout for this task."""
         if self._use_zygote and _is_warm_up(msg):
@@ -410,4 +429,6 @@ class WorkerPool:
         self._close_zygote()
 
     def pids(self) -> list[int]:
-        return [w.pid for w in self._workers.values()]
+        """The pool's processes: its workers and its zygote (a warm process too, still importing at a build's start)."""
+        z = self.zygote_pid()
+        return [w.pid for w in self._workers.values()] + ([z] if z is not None else [])

@@ -77,6 +77,7 @@ class Zygote:
                 err.close()
         self.ready = False
         self.closed = False
+        self._seq = 0  # fork requests sent (each answer names its request)
         self.codes: dict[int, int] = {}  # exit statuses of forked workers (os.waitstatus_to_exitcode), by pid
         self.keys: set[str] = set()  # the toolchain warm-ups done in the zygote (worker.warm_key), inherited by forks
         self.results: list[tuple[str, dict[str, Any]]] = []  # finished warm-ups not yet collected: (task id, result)
@@ -135,8 +136,9 @@ class Zygote:
         threaded, or no answer within `timeout` seconds while still importing): the caller then spawns one."""
         if not self.alive():
             return None
+        self._seq += 1
         try:
-            socket.send_fds(self.sock, [json.dumps({"op": "fork"}).encode()], [read_fd, write_fd])
+            socket.send_fds(self.sock, [json.dumps({"op": "fork", "id": self._seq}).encode()], [read_fd, write_fd])
         except OSError:
             self.closed = True
             return None
@@ -148,6 +150,8 @@ class Zygote:
                     self.close()  # a zygote that does not answer is no use: spawn from now on
                     return None
                 continue
+            if msg.get("id") not in (None, self._seq):  # the answer to a fork whose caller was interrupted
+                continue  # (that worker reads EOF on its pipe and exits)
             if msg.get("eof") or "error" in msg:
                 return None
             if "forked" in msg:
@@ -168,7 +172,9 @@ class Zygote:
         """End the zygote (its forked workers are ended by the pool, each as a group)."""
         self.closed = True
         with contextlib.suppress(OSError):
-            self.sock.close()
+            self.sock.close()  # it ends the workers it forked (each group) and exits
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=1.0)
         if self.proc.poll() is None:
             with contextlib.suppress(OSError):
                 os.killpg(self.proc.pid, signal.SIGKILL)
@@ -248,11 +254,14 @@ def main(sock_fd: int) -> None:
                 data, fds, _flags, _addr = socket.recv_fds(sock, _MAX_MSG, 2)
             except OSError:
                 data, fds = b"", []
-            if not data:
-                os._exit(0)  # the pool closed its end
+            if not data:  # the pool closed its end: end the workers forked from here, then exit
+                for pid in children.values():
+                    with contextlib.suppress(OSError):
+                        os.killpg(pid, signal.SIGKILL)
+                os._exit(0)
             req = json.loads(data)
             if req.get("op") == "fork" and len(fds) == 2:
-                _fork(sock, fds, installation, parent, children, warmed)
+                _fork(sock, fds, installation, parent, children, warmed, req.get("id"))
             elif req.get("op") == "warm":
                 _warm(sock, req, children, warmed)
             for fd in fds:
@@ -302,14 +311,14 @@ def _warm(sock: socket.socket, req: dict[str, Any], children: dict[int, int], wa
 
 
 def _fork(sock: socket.socket, fds: list[int], installation: tuple[str, ...], parent: int,
-          children: dict[int, int], warmed: set[str]) -> None:
+          children: dict[int, int], warmed: set[str], req_id: Any = None) -> None:
     n = threads_now()
     deadline = time.monotonic() + 1.0
     while n != 1 and time.monotonic() < deadline:  # a joined thread's OS thread ends a moment after the join
         time.sleep(0.01)
         n = threads_now()
     if n != 1:  # a fork copies only this thread: whatever another one held (a lock) would stay held in the child
-        _send(sock, {"error": f"the zygote has {n} threads; it forks only single-threaded"})
+        _send(sock, {"error": f"the zygote has {n} threads; it forks only single-threaded", "id": req_id})
         return
     pid = os.fork()
     if pid == 0:  # the new worker
@@ -326,7 +335,7 @@ def _fork(sock: socket.socket, fds: list[int], installation: tuple[str, ...], pa
         children[os.pidfd_open(pid)] = pid
     except OSError:
         pass  # reaped by the next fork's waitpid never: the pidfd is how we learn of its exit
-    _send(sock, {"forked": pid, "keys": sorted(warmed)})
+    _send(sock, {"forked": pid, "keys": sorted(warmed), "id": req_id})
 
 
 def worker_main_forked(read_fd: int, write_fd: int, installation: tuple[str, ...], pool_pid: int,
