@@ -4,10 +4,12 @@ workers pay one import instead of N (like Android's zygote or multiprocessing's 
 The pool starts it (Zygote) like a worker, in its own session; it imports what every worker imports
 (worker.prepare_process), then waits for requests on a Unix seqpacket socket: "fork" (with the new worker's two pipe
 ends attached) forks a worker that runs worker.main_forked: it starts its own session, so the pool ends it and its
-compilers as a group, as it does a spawned worker. The zygote runs no model code and no toolchain step, starts no
-thread and runs no torch op, so it is single-threaded whenever it forks: it checks that (/proc/self/task) before
-every fork and refuses otherwise, and the pool then spawns a fresh worker instead. Every action still runs in its own
-confined fork of its worker (worker.run_isolated).
+compilers as a group, as it does a spawned worker; "warm" runs a toolchain warm-up (worker.run_warm_up: toolchain
+code, never model code) in the zygote itself, so every worker forked afterwards inherits it (the pool then replaces
+idle workers that lack it). The zygote runs no model code and no step, and its warm-ups join their threads before
+they return, so it is single-threaded whenever it forks: it checks that (/proc/self/task) before every fork and
+refuses otherwise, and the pool then spawns a fresh worker instead. Every action still runs in its own confined fork
+of its worker (worker.run_isolated).
 
 The zygote is the forked workers' parent: it reaps them and reports each exit status to the pool ("exit"), which
 cannot wait for a process it did not start. The pool watches each worker's exit with a pidfd (Linux >= 5.3; without
