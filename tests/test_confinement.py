@@ -57,8 +57,10 @@ def test_a_models_import_time_monkeypatch_does_not_change_the_next_models_progra
 
     both = write_ws(tmp_path / "both", {**files, "pkg/BUILD": _build_file(list(OPS))})
     evf = tmp_path / "events.jsonl"
+    # Fresh workers, no zygote: with one, an idle worker may be replaced by a fork that inherits the zygote's warm-up
+    # (between two traces), and then the second model would not be traced in the worker that imported the first.
     proc = run_cli(["build", "//pkg:all", "--jobs", "1", "--cache-dir", str(tmp_path / "c-both"),
-                    "--build-event-json-file", str(evf)], both)
+                    "--build-event-json-file", str(evf)], both, env={"NEURONBUILD_ZYGOTE": "0"})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     started = [e for e in _events(evf) if e["event"] == "action_started"]
     assert len({e["pid"] for e in started}) == 1  # one worker traced both models, one after the other
