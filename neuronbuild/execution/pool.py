@@ -39,19 +39,6 @@ def _is_warm_up(msg: dict[str, Any]) -> bool:
     return msg.get("kind") == WARM_UP or (isinstance(spec, dict) and spec.get("step") == WARM_UP)
 
 
-def death_message(returncode: int | None) -> str:
-    if returncode is None:
-        return "the worker process died (how is unknown: its exit status was not reported)"
-    if returncode is not None and returncode < 0:
-        try:
-            name = signal.Signals(-returncode).name
-        except ValueError:
-            name = f"signal {-returncode}"
-        hint = " (out of memory, or killed by hand)" if name == "SIGKILL" else ""
-        return f"the worker process died: killed by {name}{hint}"
-    return f"the worker process died: exit status {returncode}"
-
-
 @dataclass(frozen=True)
 class TaskResult:
     """What a worker sent back for one task, or a stand-in when the worker died running it."""
@@ -398,6 +385,8 @@ class WorkerPool:
         w.close()
         del self._workers[w.slot]
         if w.task is not None:
+            from neuronbuild.execution.worker import death_message  # (worker.py's own, for the action's child)
+
             out.append(TaskResult(w.task, w.slot, w.pid, {
                 "ok": False, "worker_died": True, "error": death_message(w.returncode()),
                 "duration_s": time.time() - w.started, "pid": w.pid}))

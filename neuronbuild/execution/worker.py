@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import socket
 import sys
 import threading
@@ -240,8 +241,6 @@ def run_isolated(msg: Mapping[str, Any], installation: tuple[str, ...]) -> dict[
             os.close(pidfd)
     _pid, status = os.waitpid(pid, 0)
     if res is None:
-        from neuronbuild.execution.pool import death_message
-
         code = os.waitstatus_to_exitcode(status)
         res = {"ok": False, "worker_died": True, "error": death_message(code), "duration_s": 0.0}
     res["action_pid"] = pid
@@ -522,3 +521,17 @@ def warm_before(msg: Mapping[str, Any], warmed: set[str]) -> float | None:
         log.write(f"# warm-up {'done' if res.get('ok') else 'failed'} in {seconds:.1f} s: "
                   f"{json.dumps(res.get('metadata') if res.get('ok') else res.get('error'))}\n")
     return seconds
+
+
+def death_message(returncode: int | None) -> str:
+    """How a worker (or an action's process) ended, for the failure it leaves (from its exit status)."""
+    if returncode is None:
+        return "the worker process died (how is unknown: its exit status was not reported)"
+    if returncode is not None and returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = f"signal {-returncode}"
+        hint = " (out of memory, or killed by hand)" if name == "SIGKILL" else ""
+        return f"the worker process died: killed by {name}{hint}"
+    return f"the worker process died: exit status {returncode}"
