@@ -57,7 +57,8 @@ def test_a_models_import_time_monkeypatch_does_not_change_the_next_models_progra
 
     both = write_ws(tmp_path / "both", {**files, "pkg/BUILD": _build_file(list(OPS))})
     evf = tmp_path / "events.jsonl"
-    # One long-lived worker runs every action (NEURONBUILD_ZYGOTE=0 keeps it so where workers may be re-forked).
+    # Fresh workers, no zygote: with one, an idle worker may be replaced by a fork that inherits the zygote's warm-up
+    # (between two traces), and then the second model would not be traced in the worker that imported the first.
     proc = run_cli(["build", "//pkg:all", "--jobs", "1", "--cache-dir", str(tmp_path / "c-both"),
                     "--build-event-json-file", str(evf)], both, env={"NEURONBUILD_ZYGOTE": "0"})
     assert proc.returncode == 0, proc.stdout + proc.stderr

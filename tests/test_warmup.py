@@ -1,5 +1,5 @@
-"""The cpu toolchain's per-machine warm-up (inductor's precompiled headers), with real torch compiles: built once by
-one worker beside the traces and reused by the compiles of that build and of later builds; concurrent warm-ups build
+"""The cpu toolchain's per-machine warm-up (inductor's precompiled headers), with real torch compiles: built once in
+the pool's zygote beside the traces and reused by the compiles of that build and of later builds; concurrent warm-ups build
 each header once; headers are keyed by ISA; inductor's working files stay under the cache's per-user scratch dir."""
 
 from __future__ import annotations
@@ -110,10 +110,10 @@ def _packages(ws: Path) -> dict[str, bytes]:
 
 def test_one_worker_warms_with_every_core_and_builds_the_same_bytes_as_one_core_per_worker(
         built_j2: tuple[Path, Path, subprocess.CompletedProcess[str], Path], tmp_path: Path) -> None:
-    """--jobs 1 on a multi-core machine: the worker warms the headers itself before its first compile, with the
-    headers' compiles running at once (its thread budget is every core), and every compile (forked from it, its
-    wrapper and kernel objects compiled at once) uses those headers; the packages are byte-identical to a --jobs 2
-    build (one core per worker, everything one at a time) in another cache."""
+    """--jobs 1 on a multi-core machine: the headers are warmed in the pool's zygote beside the one worker (which
+    traces meanwhile), with the headers' compiles running at once, and every compile runs in a worker forked from the
+    zygote afterwards (no worker warms up itself) and uses those headers; the packages are byte-identical to a
+    --jobs 2 build (one core per worker, everything one at a time) in another cache."""
     from neuronbuild.platforms import host_cores
 
     ws, _cache, proc, _dir = built_j2  # the --jobs 2 build, one core per worker on this 2-core machine
@@ -126,19 +126,18 @@ def test_one_worker_warms_with_every_core_and_builds_the_same_bytes_as_one_core_
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert _packages(ws) == two and any(k.endswith("model.pt2") for k in two)
     events = _events(ev_file)
-    assert not [e for e in events if e["event"] == "warm_up_started"]  # one worker: no pseudo-action
-    compiles = [e for e in events if e["event"] == "action_finished" and e["kind"] == "compile"]
-    first = min(compiles, key=lambda e: e["start"])
-    log_files = sorted((cache / "v1" / "logs").glob("*/*.log"))
-    warmed = [line for f in log_files for line in f.read_text().splitlines() if line.startswith("# warm-up done")]
-    assert len(warmed) == 1, warmed  # once per worker, before its first compile
-    meta = json.loads(warmed[0].split(": ", 1)[1])
+    (warm,) = [e for e in events if e["event"] == "warm_up_finished"]
+    assert warm["worker"] == "zygote" and warm["ok"], warm
+    meta = warm["metadata"]
     assert meta["built"] == 2 and meta["jobs"] == min(2, host_cores())
+    starts = [e for e in events if e["event"] == "action_started"]
+    assert any(e["kind"] == "trace" and e["time"] < warm["time"] for e in starts)  # beside the traces
+    assert all(e["time"] >= warm["time"] for e in starts if e["kind"] == "compile")
+    log_files = sorted((cache / "v1" / "logs").glob("*/*.log"))
+    assert not [f for f in log_files if "# warm-up in the worker process" in f.read_text()]
     # The compiles found exactly those headers: none built one of its own (a header made with other flags, e.g. a
     # pool thread that missed inductor's config, would have a name of its own).
     assert sorted(_headers(cache)) == sorted(h + ".gch" for h in meta["headers"])
-    # The warm-up's seconds count towards the compile it preceded (the worker was busy with it).
-    assert first["duration_s"] > meta["seconds"]
 
 
 WARM = '''

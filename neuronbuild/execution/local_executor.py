@@ -32,7 +32,7 @@ class LocalExecutor:
         self.slots = max(1, jobs)
         self.threads = worker_threads(self.slots)  # each worker's share of the machine's cores
         self._pool = pool_factory(self.slots, with_threads(env, self.threads), cache.scratch,
-                                  cache.logs / "workers.log", action_timeout)
+                                  cache.logs / "workers.log", action_timeout, use_zygote=True)
         self._running: dict[str, tuple[Job, sandboxes.Sandbox]] = {}
         # This build's sandboxes live under one directory, removed whole at the end (even after a Ctrl-C that
         # struck while a sandbox was being made). Made on the first action: a fully cached build writes nothing to
@@ -49,6 +49,11 @@ class LocalExecutor:
     def warm(self, n: int) -> None:
         self._pool.warm(n)
 
+    @property
+    def warms_apart(self) -> bool:
+        """Toolchain warm-ups run beside the workers (in the pool's zygote), taking no worker slot."""
+        return bool(getattr(self._pool, "warms_apart", False))
+
     def hosts(self) -> list[str]:
         return [""]  # one machine: its workers share the toolchain scratch dir (the cache's toolchain-tmp)
 
@@ -64,7 +69,7 @@ class LocalExecutor:
             sb.remove()
             raise
         self._running[job.id] = (job, sb)
-        return Started(f"worker-{slot + 1}", pid)
+        return Started(_worker_name(slot), pid)
 
     def wait(self, timeout: float | None) -> list[Completion]:
         out = []
@@ -72,7 +77,7 @@ class LocalExecutor:
             job, sb = self._running[r.task_id]
             res = r.result
             out.append(Completion(
-                job, bool(res.get("ok")), f"worker-{r.slot + 1}", r.pid, str(res.get("error") or ""),
+                job, bool(res.get("ok")), _worker_name(r.slot), r.pid, str(res.get("error") or ""),
                 float(res.get("duration_s") or 0.0), float(res.get("peak_rss_mb") or 0.0),
                 res.get("metadata") or {}, sb.outputs if res.get("ok") else None, r.worker_died))
         return out
@@ -96,3 +101,7 @@ class LocalExecutor:
 
     def worker_pids(self) -> list[int]:
         return self._pool.pids()
+
+
+def _worker_name(slot: int) -> str:
+    return "zygote" if slot < 0 else f"worker-{slot + 1}"  # slot -1: a warm-up run in the pool's zygote

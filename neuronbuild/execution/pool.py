@@ -1,8 +1,11 @@
 """A pool of long-lived worker processes that survives the death of any one of them.
 
-Each worker is a fresh interpreter (like multiprocessing's spawn, but started with subprocess so it also works inside
-daemonic processes such as Dask workers) in its own session: a terminal's Ctrl-C reaches only the build, which then
-ends the workers and their compilers as a group. Torch is imported in the workers, never in the pool's process."""
+Each worker runs in its own session: a terminal's Ctrl-C reaches only the build, which then ends the workers and their
+compilers as a group. A pool of two or more workers forks them from one warm process, the zygote (zygote.py), so they
+import torch once between them instead of once each; a one-worker pool (and any pool where the zygote cannot fork)
+starts each worker as a fresh interpreter (like multiprocessing's spawn, but started with subprocess so it also works
+inside daemonic processes such as Dask workers). Torch is imported in the workers and the zygote, never in the
+pool's process."""
 
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import neuronbuild
+from neuronbuild.execution import zygote as zy
 
 # The package's parent directory, so the worker imports this very neuronbuild (as spawn would, via sys.path).
 _PKG_PARENT = str(Path(neuronbuild.__file__).resolve().parent.parent)
@@ -26,6 +30,13 @@ _BOOT = ("import sys; sys.path.insert(0, sys.argv[1]); "
 # A task sent to a worker still starting (importing torch) gets this much time for the start on top of its timeout:
 # the timeout is the action's own, but a start that hangs must still end.
 _START_GRACE = 300.0
+
+
+def _is_warm_up(msg: dict[str, Any]) -> bool:
+    from neuronbuild.analysis.toolchain_api import WARM_UP
+
+    spec = msg.get("spec")
+    return msg.get("kind") == WARM_UP or (isinstance(spec, dict) and spec.get("step") == WARM_UP)
 
 
 @dataclass(frozen=True)
@@ -45,26 +56,27 @@ class TaskResult:
 class WorkerProcess:
     """One worker: a subprocess plus the two pipes its tasks and results travel on."""
 
-    def __init__(self, slot: int, env: dict[str, str], cwd: Path, stderr_path: Path | None = None) -> None:
+    def __init__(self, slot: int, env: dict[str, str], cwd: Path, stderr_path: Path | None = None,
+                 zygote: zy.Zygote | None = None) -> None:
         self.slot = slot
         to_child_r, to_child_w = os.pipe()
         from_child_r, from_child_w = os.pipe()
-        cwd.mkdir(parents=True, exist_ok=True)
-        err: Any = subprocess.DEVNULL
-        if stderr_path is not None:
-            stderr_path.parent.mkdir(parents=True, exist_ok=True)
-            err = open(stderr_path, "ab")  # noqa: SIM115 - handed to the child
+        self.proc: Any = None  # subprocess.Popen, or zygote.ForkedProc for a worker forked from the zygote
+        self.forked = False
         try:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-c", _BOOT, _PKG_PARENT, str(to_child_r), str(from_child_w), "neuronbuild-worker"],
-                pass_fds=(to_child_r, from_child_w), env=env, cwd=cwd, start_new_session=True,
-                stdin=subprocess.DEVNULL, stdout=err, stderr=err,
-            )
+            if zygote is not None:
+                pid = zygote.fork(to_child_r, from_child_w, _START_GRACE)
+                if pid is not None:
+                    self.proc, self.forked = zy.ForkedProc(pid, zygote), True
+            if self.proc is None:
+                self.proc = self._spawn(to_child_r, from_child_w, env, cwd, stderr_path)
+        except BaseException:  # e.g. Ctrl-C while the zygote imports: a worker forked later reads EOF and exits
+            os.close(to_child_w)
+            os.close(from_child_r)
+            raise
         finally:
             os.close(to_child_r)
             os.close(from_child_w)
-            if err is not subprocess.DEVNULL:
-                err.close()
         self.to_child = Connection(to_child_w, readable=False)
         self.from_child = Connection(from_child_r, writable=False)
         # Readable when the worker exits, even if a process it forked still holds the result pipe open.
@@ -76,6 +88,31 @@ class WorkerProcess:
         self.timeout = 0.0  # the running task's limit in seconds (0: none)
         self.timeout_source = ""
         self.ready = False  # warm (imports done): a task's timeout clock runs from then (see deadline)
+        self.keys: set[str] = set(zygote.keys) if self.forked and zygote is not None else set()  # its warm-ups
+
+    @staticmethod
+    def _spawn(read_fd: int, write_fd: int, env: dict[str, str], cwd: Path,
+               stderr_path: Path | None) -> subprocess.Popen[bytes]:
+        cwd.mkdir(parents=True, exist_ok=True)
+        err: Any = subprocess.DEVNULL
+        if stderr_path is not None:
+            stderr_path.parent.mkdir(parents=True, exist_ok=True)
+            err = open(stderr_path, "ab")  # noqa: SIM115 - handed to the child
+        try:
+            return subprocess.Popen(
+                [sys.executable, "-c", _BOOT, _PKG_PARENT, str(read_fd), str(write_fd), "neuronbuild-worker"],
+                pass_fds=(read_fd, write_fd), env=env, cwd=cwd, start_new_session=True,
+                stdin=subprocess.DEVNULL, stdout=err, stderr=err,
+            )
+        finally:
+            if err is not subprocess.DEVNULL:
+                err.close()
+
+    def returncode(self) -> int | None:
+        """How it exited (None when a forked worker's status was not reported)."""
+        if self.forked and not self.proc.status_known:
+            return None
+        return int(self.proc.returncode) if self.proc.returncode is not None else None
 
     def deadline(self) -> float:
         """When the running task times out: `timeout` after it was sent, or after the worker became ready when it
@@ -113,25 +150,100 @@ class WorkerProcess:
             with contextlib.suppress(OSError):
                 os.close(self.pidfd)
             self.pidfd = None
+        if self.forked:
+            self.proc.close()
 
 
 class WorkerPool:
     """Up to `size` workers, each running one task at a time; a dead worker fails only its task and is replaced."""
 
     def __init__(self, size: int, env: dict[str, str], cwd: Path, stderr_path: Path | None = None,
-                 action_timeout: float = 0.0) -> None:
+                 action_timeout: float = 0.0, use_zygote: bool | None = None) -> None:
         self.size = max(1, size)
         self.action_timeout = action_timeout  # seconds; 0: none
         self._env = env
         self._cwd = cwd
         self._stderr = stderr_path
         self._workers: dict[int, WorkerProcess] = {}
+        # Forked workers from one zygote: for two or more workers (one worker would only add a process); off with
+        # NEURONBUILD_ZYGOTE=0, and where pidfds are missing.
+        if use_zygote is None:
+            use_zygote = self.size >= 2
+        self._use_zygote = use_zygote and os.environ.get("NEURONBUILD_ZYGOTE", "1") != "0" and zy.supported()
+        self._zygote: zy.Zygote | None = None
+
+    def _zygote_now(self) -> zy.Zygote | None:
+        """The zygote (started on first use, and again after it ended), or None when this pool spawns workers."""
+        if not self._use_zygote:
+            return None
+        if self._zygote is not None and not self._zygote.alive():
+            self._zygote.close()
+            self._zygote = None
+        if self._zygote is None:
+            self._zygote = zy.Zygote(_PKG_PARENT, self._env, self._cwd, self._stderr)
+        return self._zygote
+
+    def _start(self, slot: int) -> WorkerProcess:
+        z = self._zygote_now()
+        if z is not None and z.warming:  # busy with a warm-up for seconds: a fresh interpreter starts sooner
+            z = None
+        return WorkerProcess(slot, self._env, self._cwd, self._stderr, z)
+
+    @property
+    def warms_apart(self) -> bool:
+        """Toolchain warm-ups run in the zygote, beside the workers (not in a worker slot): every worker forked
+        afterwards inherits them (submit; the scheduler holds back the steps needing one until it is done)."""
+        return self._use_zygote
+
+    def _submit_apart(self, task_id: str, msg: dict[str, Any]) -> tuple[int, int] | None:
+        """A warm-up task in the zygote: every slot's worker is forked first (the zygote does one thing at a time, and
+        the workers are wanted now, for the work that does not need the warm-up). Returns (-1, zygote pid)."""
+        z = self._zygote_now()
+        if z is None:
+            return None
+        for slot in range(self.size):
+            if slot not in self._workers:
+                self._workers[slot] = self._start(slot)
+        if not z.warm_up(task_id, msg):
+            return None
+        return -1, z.pid
+
+    def _refresh(self, w: WorkerProcess) -> None:
+        """An idle worker that lacks a warm-up the zygote now holds (and holds none the zygote lacks, such as one it
+        ran itself) is replaced by a fresh fork, which inherits it: cheaper than the worker warming up itself."""
+        z = self._zygote
+        if z is None or z.warming or not z.alive() or w.task is not None or not w.ready:
+            return
+        if not (z.keys - w.keys) or not (w.keys <= z.keys):
+            return
+        with contextlib.suppress(OSError, ValueError):
+            w.to_child.send(None)  # it exits at once (between tasks: nothing to clean up)
+        w.close()
+        del self._workers[w.slot]
+        self._workers[w.slot] = self._start(w.slot)
 
     def warm(self, n: int) -> None:
-        """Start up to n workers now, so their torch import overlaps with the build's other work."""
+        try:
+            self._warm(n)
+        except BaseException:  # interrupted while starting (Ctrl-C): nothing half-started is kept
+            self.kill_all()
+            raise
+
+    def _warm(self, n: int) -> None:
+        """Start up to n workers now, so their torch import overlaps with the build's other work. With a zygote, start
+        it: it imports torch now, and the workers are forked from it when the first tasks come (a fork waits for the
+        import to end, so starting them here would hold up the caller)."""
+        z = self._zygote_now()
+        if z is not None:
+            z.drain()
+            if not z.ready:
+                return
         for slot in range(min(n, self.size)):
             if slot not in self._workers:
-                self._workers[slot] = WorkerProcess(slot, self._env, self._cwd, self._stderr)
+                self._workers[slot] = self._start(slot)
+
+    def zygote_pid(self) -> int | None:
+        return self._zygote.pid if self._zygote is not None and self._zygote.alive() else None
 
     def idle_slot(self) -> int | None:
         for slot in range(self.size):
@@ -146,8 +258,20 @@ class WorkerPool:
 
     def submit(self, task_id: str, msg: dict[str, Any], timeout: float | None = None,
                timeout_source: str = "") -> tuple[int, int]:
+        try:
+            return self._submit(task_id, msg, timeout, timeout_source)
+        except BaseException:  # interrupted while a worker started (Ctrl-C): nothing half-started is kept
+            self.kill_all()
+            raise
+
+    def _submit(self, task_id: str, msg: dict[str, Any], timeout: float | None = None,
+                timeout_source: str = "") -> tuple[int, int]:
         """Hand a task to an idle worker (starting one if needed); returns (slot, pid). `timeout` (seconds, from a
         target's `timeout` attribute, named by `timeout_source`) replaces the pool's action timeout for this task."""
+        if self._use_zygote and _is_warm_up(msg):
+            apart = self._submit_apart(task_id, msg)
+            if apart is not None:
+                return apart
         slot = self.idle_slot()
         if slot is None:
             raise RuntimeError("no idle worker")
@@ -155,7 +279,7 @@ class WorkerPool:
         if w is None or w.proc.poll() is not None:
             if w is not None:
                 w.close()
-            w = self._workers[slot] = WorkerProcess(slot, self._env, self._cwd, self._stderr)
+            w = self._workers[slot] = self._start(slot)
         limit, source = (timeout, timeout_source) if timeout else (self.action_timeout, "--action-timeout")
         try:
             w.send(task_id, msg, limit, source)
@@ -171,11 +295,14 @@ class WorkerPool:
             if w.task is not None and w.timeout > 0:
                 left = max(0.0, w.deadline() - now)
                 timeout = left if timeout is None else min(timeout, left)
-        handles: dict[Any, WorkerProcess] = {}
+        handles: dict[Any, WorkerProcess | None] = {}
         for w in self._workers.values():
             handles[w.from_child] = w
             if w.pidfd is not None:
                 handles[w.pidfd] = w
+        z = self._zygote
+        if z is not None and not z.closed:
+            handles[z.sock] = None  # warm-up results and exit reports
         if not handles:
             if timeout:
                 time.sleep(timeout)
@@ -183,7 +310,10 @@ class WorkerPool:
         out: list[TaskResult] = []
         done: set[int] = set()
         for h in wait(list(handles), timeout):
-            w = handles[h]
+            found = handles[h]
+            if found is None:
+                continue
+            w = found
             if w.slot in done or self._workers.get(w.slot) is not w:
                 continue
             if h is not w.from_child and not self._has_message(w):
@@ -202,8 +332,10 @@ class WorkerPool:
                     w.started = time.time()
                 continue
             task, w.task = w.task, None
+            w.keys = set(msg.get("warmed") or ()) | w.keys
             if task is not None:
                 out.append(TaskResult(task, w.slot, w.pid, msg))
+        out += self._zygote_results()
         now = time.time()
         for w in list(self._workers.values()):
             if w.task is not None and w.timeout > 0 and now >= w.deadline():
@@ -214,6 +346,28 @@ class WorkerPool:
                     "ok": False, "timed_out": True, "duration_s": now - started, "pid": w.pid,
                     "error": f"timed out after {w.timeout:g} s ({w.timeout_source}); the action and every "
                              "process it started were killed"}))
+        return out
+
+    def _zygote_results(self) -> list[TaskResult]:
+        """Warm-ups the zygote finished (then idle workers lacking them are refreshed), or a warm-up lost with it."""
+        z = self._zygote
+        if z is None:
+            return []
+        z.drain()
+        out = [TaskResult(task, -1, z.pid, res) for task, res in z.results]
+        z.results.clear()
+        now = time.time()
+        limit = self.action_timeout
+        if z.warming and (z.closed or (limit > 0 and any(now - t > limit + _START_GRACE for t in z.warming.values()))):
+            error = ("the zygote process died" if z.closed else
+                     f"timed out after {limit:g} s (--action-timeout); the zygote was killed")
+            out += [TaskResult(task, -1, z.pid, {"ok": False, "error": error, "duration_s": now - t})
+                    for task, t in z.warming.items()]
+            z.warming.clear()
+            self._close_zygote()
+        if out:
+            for w in list(self._workers.values()):
+                self._refresh(w)
         return out
 
     @staticmethod
@@ -234,13 +388,19 @@ class WorkerPool:
             from neuronbuild.execution.worker import death_message  # (worker.py's own, for the action's child)
 
             out.append(TaskResult(w.task, w.slot, w.pid, {
-                "ok": False, "worker_died": True, "error": death_message(w.proc.returncode),
+                "ok": False, "worker_died": True, "error": death_message(w.returncode()),
                 "duration_s": time.time() - w.started, "pid": w.pid}))
 
     def kill_all(self) -> None:
         for w in list(self._workers.values()):
             w.kill()
         self._workers.clear()
+        self._close_zygote()
+
+    def _close_zygote(self) -> None:
+        if self._zygote is not None:
+            self._zygote.close()
+            self._zygote = None
 
     def shutdown(self) -> None:
         """Stop idle workers politely (all at once) and kill busy ones."""
@@ -255,6 +415,9 @@ class WorkerPool:
         for w in self._workers.values():
             w.kill()  # a no-op for workers that exited
         self._workers.clear()
+        self._close_zygote()
 
     def pids(self) -> list[int]:
-        return [w.pid for w in self._workers.values()]
+        """The pool's processes: its workers and its zygote (a warm process too, still importing at a build's start)."""
+        z = self.zygote_pid()
+        return [w.pid for w in self._workers.values()] + ([z] if z is not None else [])

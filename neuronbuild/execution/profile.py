@@ -77,7 +77,8 @@ class TraceProfile:
             self._slice(f["description"], "warm_up", f["start"], e.time, self._tid(f["worker"]),
                         {"ok": f["ok"], "duration_s": f["duration_s"], **dict(f.get("metadata") or {}),
                          **({"error": f["error"]} if not f["ok"] else {})})
-            self._busy(float(f["start"]), e.time)
+            if f["worker"] != "zygote":  # one run beside the workers (in the pool's zygote) keeps no worker busy
+                self._busy(float(f["start"]), e.time)
             self._warm_up_s += max(0.0, e.time - float(f["start"]))
         elif e.kind == ev.OUTPUTS_STORED:
             self._slice("store outputs", "cache", f["start"], f["start"] + f["duration_s"], _SCHEDULER_TID,

@@ -123,7 +123,7 @@ def critical_paths(ag: ActionGraph, todo: list[Action], duration: dict[str, floa
     return cp
 
 
-def warm_ups(todo: list[Action]) -> dict[str, Action]:
+def warm_ups(todo: list[Action], apart: bool = False) -> dict[str, Action]:
     """{fingerprint of an action to run: the warm-up pseudo-action it benefits from}, one pseudo-action per
     (toolchain, warm-up key) among the toolchain steps to run (see analysis/toolchain_api.py). A pseudo-action
     carries the toolchain versions of the first step needing it, so a farm worker with another toolchain refuses it.
@@ -131,7 +131,8 @@ def warm_ups(todo: list[Action]) -> dict[str, Action]:
     Only warm-ups that leave something for the machine's other workers (files: inductor's precompiled headers) get
     a pseudo-action; a toolchain whose warm-up only fills its worker process (`warm_up_shared = False`: the Neuron
     toolchain's jax import) is warmed by each worker before its first such step (worker.warm_before), where a
-    pseudo-action would only take a worker away from the traces."""
+    pseudo-action would only take a worker away from the traces; unless warm-ups run `apart` (in the local pool's
+    zygote, which every worker is forked from: there the process's state is what is shared)."""
     made: dict[str, Action] = {}
     out: dict[str, Action] = {}
     for a in todo:
@@ -139,7 +140,7 @@ def warm_ups(todo: list[Action]) -> dict[str, Action]:
             continue
         try:
             tc = plugins.toolchain(a.toolchain)
-            key = warm_up_key(tc, a.spec) if getattr(tc, "warm_up_shared", True) else None
+            key = warm_up_key(tc, a.spec) if apart or getattr(tc, "warm_up_shared", True) else None
         except Exception:  # noqa: BLE001 - a plug-in's broken hook costs its warm-up, never the build
             key = None
         if key is None:
@@ -165,6 +166,7 @@ class _Warming:
     worker: str
     pid: int
     started: float
+    apart: bool = False  # run beside the workers (the pool's zygote): takes no slot, holds back the steps needing it
 
 
 @dataclass
@@ -258,6 +260,7 @@ class _Run:
         self.stopped = False
         self.budget = RamBudget(s.options.local_ram_mb) if s.options.local_ram_mb and s.executor.local else None
         self.warming: dict[str, _Warming] = {}  # toolchain warm-ups running (pseudo-jobs), by job id
+        self.warm_for: dict[str, str] = {}  # fingerprint of a step -> its warm-up's, while that runs apart
 
     def _push(self, fp: str) -> None:
         self._seq += 1
@@ -299,10 +302,11 @@ class _Run:
         actions, when they can overlap with work that does not need them (traces) on another worker. With one
         worker, or only steps needing the warm-up ready, the worker warms up before its first step (worker.warm_before)."""
         ex = self.s.executor
-        if ex.slots < 2:
+        apart = bool(getattr(ex, "warms_apart", False))
+        if ex.slots < 2 and not apart:
             return
-        needs = warm_ups(list(self.todo.values()))
-        if not needs or all(fp in needs for _p, _n, fp in self.ready):
+        needs = warm_ups(list(self.todo.values()), apart)
+        if not needs or (not apart and all(fp in needs for _p, _n, fp in self.ready)):
             return
         hosts = ex.hosts() if hasattr(ex, "hosts") else [""]
         seen: set[str] = set()
@@ -311,7 +315,7 @@ class _Run:
                 continue
             seen.add(a.fingerprint)
             for i, host in enumerate(hosts):
-                if len(self.warming) >= ex.slots - 1:  # leave a worker for the actions
+                if not apart and len(self.warming) >= ex.slots - 1:  # leave a worker for the actions
                     return
                 log = self.s.cache.logs / WARM_UP / f"{a.fingerprint}-{i}.log"
                 job = Job(a, i, log, host)
@@ -322,7 +326,10 @@ class _Run:
                     started = ex.start(job)
                 except (InputChanged, OSError):
                     continue
-                self.warming[job.id] = _Warming(job, started.worker, started.pid, time.time())
+                runs_apart = apart and started.worker == "zygote"
+                self.warming[job.id] = _Warming(job, started.worker, started.pid, time.time(), runs_apart)
+                if runs_apart:
+                    self.warm_for.update({fp: a.fingerprint for fp, w in needs.items() if w.fingerprint == a.fingerprint})
                 self.s.bus.emit(ev.WARM_UP_STARTED, description=desc, toolchain=a.toolchain,
                                 key=dict(a.spec["key"]), host=host, worker=started.worker, pid=started.pid)
 
@@ -331,6 +338,7 @@ class _Run:
         it would have built builds it itself)."""
         w = self.warming.pop(c.job.id)
         a = c.job.action
+        self.warm_for = {fp: k for fp, k in self.warm_for.items() if k != a.fingerprint}
         self.s.executor.finish(c.job)
         desc = warm_up_description(a, c.job.host)
         self.s.bus.emit(ev.WARM_UP_FINISHED, description=desc, toolchain=a.toolchain, key=dict(a.spec["key"]),
@@ -340,8 +348,20 @@ class _Run:
 
     def _dispatch(self) -> None:
         ex = self.s.executor
-        while self.ready and len(self.running) + len(self.warming) < ex.slots:
+        held_back: list[tuple[float, int, str]] = []  # steps whose warm-up runs apart: dispatched when it is done
+        try:
+            self._dispatch_ready(ex, held_back)
+        finally:
+            for item in held_back:
+                heapq.heappush(self.ready, item)
+
+    def _dispatch_ready(self, ex: Executor, held_back: list[tuple[float, int, str]]) -> None:
+        in_slots = sum(1 for w in self.warming.values() if not w.apart)
+        while self.ready and len(self.running) + in_slots < ex.slots:
             fp = self.ready[0][2]
+            if fp in self.warm_for:
+                held_back.append(heapq.heappop(self.ready))
+                continue
             if self.budget is not None:
                 used = sum(r.mem_mb for r in self.running.values())
                 if not self.budget.admits(used, self.mem[fp], len(self.running)):

@@ -343,6 +343,35 @@ def warm_imports() -> None:
     import torch.export.pt2_archive._package  # noqa: F401  (what torch.export.save and load import first)
 
 
+def prepare_process() -> tuple[str, ...]:
+    """What a warm process does once before it runs anything: make its temp dirs, import torch and the toolchains
+    (warm_imports; no model code, no thread, no torch op). Returns the installation's roots (confine.installation_roots),
+    computed before any action could add to sys.path. Run by a spawned worker (main) and by the zygote, whose forked
+    workers inherit all of it (zygote.py)."""
+    for var in ("TMPDIR", "HOME"):
+        if os.environ.get(var):
+            Path(os.environ[var]).mkdir(parents=True, exist_ok=True)
+    no_monitor_thread()
+    with contextlib.suppress(Exception):  # a broken toolchain import is reported by the first action instead
+        import neuronbuild.toolchains.compile  # noqa: F401
+        import neuronbuild.toolchains.trace  # noqa: F401
+        from neuronbuild import plugins
+
+        plugins.toolchains()
+        warm_imports()
+    return installation_roots()
+
+
+def no_monitor_thread() -> None:
+    """tqdm starts a monitor thread with its first progress bar (torch.fx's interpreter makes one while inductor's
+    pattern tables are traced in the cpu warm-up) and keeps it: this process forks after warm-ups, and a fork copies
+    only the forking thread, so no monitor (it only tunes how often bars redraw)."""
+    with contextlib.suppress(Exception):
+        import tqdm
+
+        tqdm.tqdm.monitor_interval = 0
+
+
 def main(read_fd: int, write_fd: int) -> None:
     """A worker's life: warm up (import torch and the toolchains once; no model code ever runs here), then run each
     action in a child forked from this warm, clean state (run_isolated) until told to stop.
@@ -355,18 +384,33 @@ def main(read_fd: int, write_fd: int) -> None:
     conn_out = Connection(write_fd, readable=False)
     threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
     become_subreaper()
-    for var in ("TMPDIR", "HOME"):
-        if os.environ.get(var):
-            Path(os.environ[var]).mkdir(parents=True, exist_ok=True)
-    with contextlib.suppress(Exception):  # a broken toolchain import is reported by the first action instead
-        import neuronbuild.toolchains.compile  # noqa: F401
-        import neuronbuild.toolchains.trace  # noqa: F401
-        from neuronbuild import plugins
+    serve(conn_in, conn_out, prepare_process())
 
-        plugins.toolchains()
-        warm_imports()
-    installation = installation_roots()
-    warmed: set[str] = set()  # toolchain warm-ups done in this process (their keys)
+
+def main_forked(read_fd: int, write_fd: int, installation: tuple[str, ...], pool_pid: int,
+                warmed: set[str] | None = None) -> None:
+    """A worker forked from the zygote (already warm: prepare_process and the zygote's toolchain warm-ups, `warmed`,
+    ran there): the same life as main's, minus the imports. Its parent is the zygote, so it watches the pool's
+    process itself (a pidfd: exact, no polling)."""
+    for fd in (read_fd, write_fd):
+        os.set_inheritable(fd, False)
+    conn_in = Connection(read_fd, writable=False)
+    conn_out = Connection(write_fd, readable=False)
+    try:
+        pool_fd = os.pidfd_open(pool_pid)
+    except OSError:  # the pool is gone already
+        os._exit(1)
+    threading.Thread(target=_watch_pidfd, args=(pool_fd,), daemon=True).start()
+    become_subreaper()  # not inherited across fork
+    serve(conn_in, conn_out, installation, set(warmed or ()))
+
+
+def serve(conn_in: Connection, conn_out: Connection, installation: tuple[str, ...],
+          warmed: set[str] | None = None) -> None:
+    """The warm worker's loop: run each message (a toolchain warm-up in this process, an action in a confined fork)
+    and send its result, with the keys of the warm-ups this process holds ("warmed"), until told to stop or the pool
+    is gone."""
+    warmed = set() if warmed is None else warmed  # toolchain warm-ups done in this process (their keys)
     conn_out.send({"ready": True, "pid": os.getpid()})
     while True:
         try:
@@ -384,7 +428,21 @@ def main(read_fd: int, write_fd: int) -> None:
                 result["duration_s"] = float(result.get("duration_s") or 0.0) + implicit
         end_descendants()  # nothing an action started outlives it
         cap_log(msg["log"])
+        result["warmed"] = sorted(warmed)
         conn_out.send(result)
+
+
+def _watch_pidfd(pidfd: int) -> None:
+    """End this worker (and the compilers it started) when the process behind `pidfd` (the pool's) exits."""
+    import select
+
+    while True:
+        with contextlib.suppress(InterruptedError):
+            if select.select([pidfd], [], [])[0]:
+                break
+    with contextlib.suppress(OSError):
+        os.killpg(0, 9)
+    os._exit(1)
 
 
 def _exit_now() -> None:
@@ -420,11 +478,9 @@ def run_warm_up(msg: Mapping[str, Any], warmed: set[str]) -> dict[str, Any]:
     return res
 
 
-def warm_before(msg: Mapping[str, Any], warmed: set[str]) -> float | None:
-    """Before this worker's first toolchain step that has a warm-up key: that warm-up, in this process (run_warm_up),
-    so this step and the later ones forked from here start with it done (with one worker there is no warm-up
-    pseudo-action; with several, a worker that did not run it still fills its memo from the files on disk). Returns
-    its seconds, or None when nothing ran. A failed warm-up is not the step's failure: the step builds what it needs."""
+def warm_up_spec(msg: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The spec of the warm-up pseudo-action a task's step benefits from ({"toolchain", "step", "key"}; its identity:
+    warm_key), or None (a trace, a step without a warm-up, a toolchain whose hook fails)."""
     spec = msg.get("spec")
     if msg.get("kind") == "trace" or not isinstance(spec, Mapping) or not spec.get("toolchain"):
         return None
@@ -437,8 +493,23 @@ def warm_before(msg: Mapping[str, Any], warmed: set[str]) -> float | None:
         return None
     if key is None:
         return None
-    w_spec = {"toolchain": spec["toolchain"], "step": WARM_UP, "key": key}
-    if _key(w_spec) in warmed:
+    return {"toolchain": spec["toolchain"], "step": WARM_UP, "key": key}
+
+
+def warm_key(spec: Mapping[str, Any]) -> str:
+    """The identity of a warm-up (its toolchain and key) in a process's set of warm-ups done."""
+    return _key(spec)
+
+
+def warm_before(msg: Mapping[str, Any], warmed: set[str]) -> float | None:
+    """Before this worker's first toolchain step that has a warm-up key: that warm-up, in this process (run_warm_up),
+    so this step and the later ones forked from here start with it done (with one worker there is no warm-up
+    pseudo-action; with several, a worker that did not run it still fills its memo from the files on disk). Returns
+    its seconds, or None when nothing ran. A failed warm-up is not the step's failure: the step builds what it needs."""
+    from neuronbuild.analysis.toolchain_api import WARM_UP
+
+    w_spec = warm_up_spec(msg)
+    if w_spec is None or _key(w_spec) in warmed:
         return None
     start = time.perf_counter()
     with open(str(msg["log"]), "a", encoding="utf-8") as log:
