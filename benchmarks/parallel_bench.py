@@ -55,6 +55,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 DASK = str(Path(sys.executable).parent / "dask")
+LONG = ", long-lived"  # the label of runs on a farm (or a local build server) warmed by an earlier build
 SEQS = [8, 12, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256]  # one bucket (graph) per length, batch 1
 
 BUILD = """
@@ -132,15 +133,21 @@ class Bench:
             sys.exit(f"the serial script failed:\n{proc.stdout}\n{proc.stderr}")
         return wall, f"cpu {_children_cpu() - cpu:.1f} s"
 
-    def build(self, target: str, *flags: str, code: Path = REPO) -> tuple[float, str]:
-        """A cold build with the neuronbuild in `code` (a checkout: its package runs the build and its workers)."""
+    def build(self, target: str, *flags: str, code: Path = REPO, ws: Path | None = None, cache: Path | None = None,
+              batch: bool = True) -> tuple[float, str]:
+        """A cold build with the neuronbuild in `code` (a checkout: its package runs the build and its workers). With
+        `ws`, in that workspace (its BUILD rewritten for this run's vocab); `cache`: that cache dir instead of a fresh
+        one; `batch=False`: through the workspace's build server (started by the first such build, kept after)."""
         vocab = self._next()
-        ws = self.workspace(vocab)
+        if ws is None:
+            ws = self.workspace(vocab)
+        else:
+            (ws / "models/BUILD").write_text(BUILD.format(vocab=vocab, seq=self.seqs, isa=self.isa))
         profile = self.root / f"profile-{vocab}.json"
         # --batch: a cold build in this process, as a CI job runs it (a build server would outlive the run and keep
         # its warm workers; docs/server.md).
-        cmd = [sys.executable, "-m", "neuronbuild", "--batch", "build", f"//models:{target}", "--cache-dir",
-               str(self.root / f"cache-{vocab}"), "--profile", str(profile), *flags]
+        cmd = [sys.executable, "-m", "neuronbuild", *(["--batch"] if batch else []), "build", f"//models:{target}",
+               "--cache-dir", str(cache or self.root / f"cache-{vocab}"), "--profile", str(profile), *flags]
         t, cpu = time.perf_counter(), _children_cpu()
         env = dict(os.environ, OMP_NUM_THREADS="1")
         if code != REPO:
@@ -151,7 +158,7 @@ class Bench:
             sys.exit(f"neuronbuild {' '.join(flags)} failed:\n{proc.stdout}\n{proc.stderr}")
         # The build's processes: its workers, their actions and compilers (all waited for by the time it exits);
         # not a Dask cluster's (those are not the build's children).
-        used = "" if "dask" in flags else f"cpu {_children_cpu() - cpu:.1f} s; "
+        used = "" if "dask" in flags or not batch else f"cpu {_children_cpu() - cpu:.1f} s; "
         return wall, used + utilisation(profile, wall)
 
 
@@ -271,6 +278,10 @@ def main() -> None:
     ap.add_argument("--pin", choices=("no", "yes", "both"), default="both",
                     help="dask section: unpinned clusters, clusters with each worker pinned to its own core (one "
                          "machine per worker), or both (default)")
+    ap.add_argument("--farm", choices=("cold", "long-lived", "both"), default="cold",
+                    help="dask section: cold clusters (fresh workers and headers per run; default), long-lived ones "
+                         "(each cluster, and each local build server + cache, warmed by an untimed build of another "
+                         "vocab before the timed build), or both")
     ap.add_argument("--keep", action="store_true", help="keep the scratch directory (profiles, outputs)")
     ap.add_argument("--baseline", type=Path, metavar="CHECKOUT",
                     help="cpu and neuron sections: also build with the neuronbuild of another checkout (e.g. a "
@@ -317,34 +328,65 @@ def main() -> None:
         else:
             target = f"llama_{args.workload if args.workload == 'cpu' else 'trn2'}"
 
-            def farm(k: int, pin: bool = False) -> Callable[[], tuple[float, str]]:
+            def farm(k: int, pin: bool = False, long_lived: bool = False) -> Callable[[], tuple[float, str]]:
                 def run() -> tuple[float, str]:
                     with dask_cluster(root, k, pin) as address:
                         shared = root / f"shared-{bench.vocab + 1}"
                         shared.mkdir()
-                        return bench.build(target, "--executor", "dask", "--scheduler", address, "--remote-cache",
-                                           str(shared))
+                        flags = ("--executor", "dask", "--scheduler", address, "--remote-cache", str(shared))
+                        if long_lived:  # untimed: the farm's earlier build (another vocab: nothing to reuse but
+                            bench.build(target, *flags)  # the workers' warm processes and the hosts' headers)
+                        return bench.build(target, *flags)
                 return run
 
+            def local_long_lived(jobs: str) -> Callable[[], tuple[float, str]]:
+                """The local counterpart of a long-lived farm: a build server (warm workers, the zygote's warm-ups)
+                and a cache (headers in its toolchain-tmp) warmed by an untimed build of another vocab."""
+                def run() -> tuple[float, str]:
+                    vocab = bench.vocab + 1
+                    ws, cache = bench.workspace(vocab), root / f"cache-ll-{vocab}"
+                    try:
+                        bench.build(target, "--jobs", jobs, ws=ws, cache=cache, batch=False)  # untimed
+                        return bench.build(target, "--jobs", jobs, ws=ws, cache=cache, batch=False)
+                    finally:
+                        subprocess.run([sys.executable, "-m", "neuronbuild", "shutdown"], cwd=ws,
+                                       capture_output=True)
+                return run
+
+            lifetimes = {"cold": [""], "long-lived": [LONG], "both": ["", LONG]}[args.farm]
+            if LONG in lifetimes:
+                print("long-lived runs: each cluster (and each local build server + cache) first runs an untimed "
+                      "build of another vocab, then the timed build; N=1, N=2 and local alike", flush=True)
             runs = []
-            if args.pin in ("no", "both"):
-                runs += [("dask, 1 worker", farm(1)), ("dask, 2 workers", farm(2))]
-            if args.pin in ("yes", "both"):
-                runs += [("dask, 1 worker, pinned", farm(1, True)), ("dask, 2 workers, pinned", farm(2, True))]
-            runs += [("local --jobs 1", lambda: bench.build(target, "--jobs", "1")),
-                     ("local --jobs 2", lambda: bench.build(target, "--jobs", "2"))]
+            for life in lifetimes:
+                ll = life == LONG
+                if args.pin in ("no", "both"):
+                    runs += [(f"dask, 1 worker{life}", farm(1, False, ll)), (f"dask, 2 workers{life}", farm(2, False, ll))]
+                if args.pin in ("yes", "both"):
+                    runs += [(f"dask, 1 worker, pinned{life}", farm(1, True, ll)),
+                             (f"dask, 2 workers, pinned{life}", farm(2, True, ll))]
+                if ll:
+                    runs += [(f"local --jobs 1{life}", local_long_lived("1")),
+                             (f"local --jobs 2{life}", local_long_lived("2"))]
+                else:
+                    runs += [("local --jobs 1", lambda: bench.build(target, "--jobs", "1")),
+                             ("local --jobs 2", lambda: bench.build(target, "--jobs", "2"))]
             walls = interleave(runs, args.rounds)
-            table(walls, "local --jobs 1", {})
+            table(walls, "local --jobs 1" if "" in lifetimes else f"local --jobs 1{LONG}", {})
 
             def mean(k: str) -> float:
                 return sum(walls[k]) / len(walls[k])
 
-            for tag in ("", ", pinned"):
-                if f"dask, 1 worker{tag}" in walls:
-                    d1, d2 = mean(f"dask, 1 worker{tag}"), mean(f"dask, 2 workers{tag}")
-                    print(f"dask{tag or ' (unpinned)'}: wall 2 workers / 1 worker {d2 / d1:.2f} (speed-up "
-                          f"{d1 / d2:.2f}x, goal >= 1.8x); 2 workers / local --jobs 2 {d2 / mean('local --jobs 2'):.2f} "
-                          f"(goal <= 1.1); 1 worker / local --jobs 1 {d1 / mean('local --jobs 1'):.2f}")
+            for life in lifetimes:
+                for pin in ("", ", pinned"):
+                    tag = pin + life
+                    if f"dask, 1 worker{tag}" in walls:
+                        d1, d2 = mean(f"dask, 1 worker{tag}"), mean(f"dask, 2 workers{tag}")
+                        l1, l2 = mean(f"local --jobs 1{life}"), mean(f"local --jobs 2{life}")
+                        print(f"dask{tag or ' (unpinned)'}: wall 2 workers / 1 worker {d2 / d1:.2f} (speed-up "
+                              f"{d1 / d2:.2f}x, goal >= 1.8x); 2 workers / local --jobs 2{life} {d2 / l2:.2f} "
+                              f"(goal <= 1.1); 1 worker / local --jobs 1{life} {d1 / l1:.2f}; local speed-up "
+                              f"{l1 / l2:.2f}x")
     finally:
         if not args.keep:
             shutil.rmtree(root, ignore_errors=True)

@@ -74,7 +74,9 @@ def _action_children(worker: subprocess.Popen[bytes]) -> list[psutil.Process]:
     out = []
     for k in kids:
         try:
-            if "neuronbuild-worker" in k.cmdline():
+            # "neuronbuild-worker": a spawned worker; "neuronbuild-worker-zygote": the zygote, and the workers and
+            # actions forked from it (a fork keeps its parent's command line)
+            if any(arg.startswith("neuronbuild-worker") for arg in k.cmdline()):
                 out.append(k)
         except psutil.Error:
             pass

@@ -155,8 +155,10 @@ neuron_compile(name = "slow_trn2", model = ":slow", buckets = [":b"], target = "
     deadline = time.monotonic() + 120
     running: list[psutil.Process] = []
     while not running and time.monotonic() < deadline:
+        # The worker processes forked from the Dask worker's zygote (its children), and their actions. The zygote
+        # itself (the Dask worker's child) runs no action and stays, warm, for the farm's next build.
         running = [c for c in psutil.Process(worker.pid).children(recursive=True)
-                   if "neuronbuild.execution.worker" in " ".join(c.cmdline())]
+                   if "neuronbuild.execution" in " ".join(c.cmdline()) and c.ppid() != worker.pid]
         time.sleep(0.3)
     assert running, "the action never started on the worker"
     time.sleep(3.0)  # the action is in its 600 s sleep

@@ -13,7 +13,6 @@ import json
 import logging
 import os
 import shutil
-import signal
 import socket
 import tempfile
 import threading
@@ -80,6 +79,7 @@ class DaskExecutor:
             raise NeuronBuildError(f"cannot use the Dask cluster at {address or 'a LocalCluster'}: {e}") from None
         self.slots = max(1, sum(self.client.nthreads().values()))
         self._host_threads: dict[str, int] = {}  # host -> Dask worker threads on it (each gets cores / that)
+        self._workers_now: set[str] = set()  # the Dask workers' addresses when last asked
         self._slots_checked = time.monotonic()
         self._futures: dict[Any, Job] = {}
         cache.scratch.mkdir(parents=True, exist_ok=True)
@@ -93,14 +93,21 @@ class DaskExecutor:
             # It only starts processes (no waiting for their imports): one quick round trip.
             self.client.run(farm_prestart, self._toolchain_tmp, dict(self._host_threads), on_error="ignore")
 
+    @property
+    def warms_apart(self) -> bool:
+        """Toolchain warm-ups run in each Dask worker's zygote, beside its workers: a warm-up task leaves Dask's
+        thread pool (secede) and takes no slot, and the steps needing it are held back until it is done."""
+        return True
+
     def hosts(self) -> list[str]:
-        """The farm's hosts (as the scheduler knows their workers' addresses): a toolchain warm-up runs once on each,
-        since every Dask worker process of a host shares that host's toolchain scratch dir."""
+        """Where a toolchain warm-up runs: every Dask worker (each has its own zygote; what a warm-up leaves on disk,
+        inductor's precompiled headers, is built once per host under inductor's file lock, and the other workers of
+        that host only load it)."""
         try:
             workers = self.client.scheduler_info().get("workers", {})
         except Exception:  # noqa: BLE001 - no warm-up rather than no build
             return []
-        return sorted({str(w.get("host") or "") for w in workers.values()} - {""})
+        return sorted(str(a) for a in workers)
 
     def _to_shared(self, a_path: str, digest: str) -> None:
         """A workspace file into the shared CAS (verified against the digest analysis saw)."""
@@ -141,10 +148,11 @@ class DaskExecutor:
         prefix = "neuronbuild-warmup" if a.kind == WARM_UP else "neuronbuild"  # a warm-up is not an action
         key = f"{prefix}-{a.fingerprint[:16]}-{job.attempt}-{uuid.uuid4().hex[:8]}"
         payload["key"] = key
+        # A warm-up runs on its Dask worker only (it warms that worker's zygote; see wait() for one whose worker left).
         where: dict[str, Any] = {"workers": [job.host], "allow_other_workers": False} if job.host else {}
         fut = self.client.submit(farm_run, payload, key=key, pure=False, **where)
         self._futures[fut] = job
-        return Started("dask", 0)
+        return Started("zygote" if a.kind == WARM_UP else "dask", 0)
 
     def _refresh_slots(self, force: bool = False) -> None:
         """Workers that joined (or left) since the build started change how many actions run at once (and how many
@@ -157,7 +165,9 @@ class DaskExecutor:
             self.slots = max(1, sum(self.client.nthreads().values()))
         with contextlib.suppress(Exception):
             per_host: dict[str, int] = {}
-            for w in self.client.scheduler_info().get("workers", {}).values():
+            workers = self.client.scheduler_info().get("workers", {})
+            self._workers_now = set(workers)
+            for w in workers.values():
                 host = str(w.get("host") or "")
                 per_host[host] = per_host.get(host, 0) + int(w.get("nthreads") or 1)
             self._host_threads = per_host
@@ -169,11 +179,25 @@ class DaskExecutor:
         if not self._futures:
             time.sleep(timeout or 0.1)
             return []
+        # A warm-up is bound to its Dask worker (its zygote is what it warms): one whose worker left would wait for
+        # it forever, so it ends here as failed (not the build's failure), and the steps held back for it go.
+        lost = [f for f, j in self._futures.items() if j.action.kind == WARM_UP and j.host
+                and self._workers_now and j.host not in self._workers_now]
+        if lost:
+            return [self._lost_warm_up(f) for f in lost]
+        if any(j.action.kind == WARM_UP for j in self._futures.values()):
+            timeout = SLOTS_REFRESH_S if timeout is None else min(timeout, SLOTS_REFRESH_S)
         try:
             done, _ = dask_wait(list(self._futures), timeout=timeout, return_when="FIRST_COMPLETED")
         except TimeoutError:
             return []
         return [self._completion(fut) for fut in done]
+
+    def _lost_warm_up(self, fut: Any) -> Completion:
+        job = self._futures.pop(fut)
+        with contextlib.suppress(Exception):
+            self.client.cancel([fut], force=True)
+        return Completion(job, False, "dask", error=f"its Dask worker {job.host} left the cluster")
 
     def _completion(self, fut: Any) -> Completion:
         job = self._futures.pop(fut)
@@ -184,7 +208,7 @@ class DaskExecutor:
             return Completion(job, False, "dask", error=first_lines(f"the Dask task failed: {type(e).__name__}: {e}"),
                               worker_died=True)
         with contextlib.suppress(OSError), open(job.log, "a", encoding="utf-8") as log:
-            log.write(f"# ran on {res.get('worker')}\n{res.get('log', '')}")
+            log.write(f"# ran on {res.get('worker')} (seconds on the worker: {res.get('farm_s')})\n{res.get('log', '')}")
         worker = str(res.get("worker") or "dask")
         if a.kind == WARM_UP:  # a toolchain warm-up: no outputs, no record
             return Completion(job, bool(res.get("ok")), worker, int(res.get("pid") or 0), str(res.get("error") or ""),
@@ -260,10 +284,112 @@ class DaskExecutor:
 
 # ------------------------------------------------------------------------------------------------ on the Dask worker
 
-_POOLS: dict[tuple[str, int], list[WorkerPool]] = {}  # idle warm worker processes, by toolchain tmp and thread share
+_POOLS: dict[tuple[str, int], FarmPool] = {}  # this Dask worker's warm processes, by toolchain tmp and thread share
 _POOLS_LOCK = threading.Lock()
-_RUNNING: dict[str, WorkerPool] = {}  # task key -> the pool running it (on this Dask worker)
+_RUNNING: dict[str, tuple[FarmPool, str]] = {}  # task key -> the pool running it and its task id there
 _CANCELLED: set[str] = set()
+_POLL_S = 0.05  # how long the farm pool's driver waits for results before it looks for new tasks again
+
+
+class FarmPool:
+    """One Dask worker's warm processes for one toolchain tmp and thread share: a WorkerPool with one worker per Dask
+    thread, forked from one zygote (torch imported once per Dask worker process: once per host when a host runs one
+    Dask worker with several threads), whose toolchain warm-ups run in that zygote beside the workers. Shared by the
+    Dask worker's threads through one driver thread, the only one that touches the WorkerPool: tasks are handed to it
+    (an action waits in line for an idle worker; a warm-up goes to the zygote at once), and it hands each result to
+    the thread waiting for it. The driver ends when nothing is left to do and starts again with the next task."""
+
+    def __init__(self, toolchain_tmp: str | None, threads: int, size: int) -> None:
+        base = _farm_base()
+        base.mkdir(parents=True, exist_ok=True)
+        tmp = Path(toolchain_tmp) if toolchain_tmp else base / "toolchain-tmp"
+        self.pool = WorkerPool(size, with_threads(action_environment(tmp, base / "home"), threads), base / "scratch",
+                               use_zygote=True)
+        self._cond = threading.Condition()
+        self._inbox: list[tuple[str, dict[str, Any], float | None, str]] = []  # tasks not yet handed to the pool
+        self._kills: list[str] = []  # tasks whose worker the driver is to kill (cancelled)
+        self._warm = False  # the driver is to start the pool's zygote (farm_prestart)
+        self._results: dict[str, dict[str, Any]] = {}  # task id -> its result, until its thread takes it
+        self._pending: set[str] = set()  # tasks submitted and not yet taken or abandoned
+        self._driver: threading.Thread | None = None
+
+    @property
+    def warms_apart(self) -> bool:
+        return self.pool.warms_apart
+
+    def _wake(self) -> None:
+        """(Lock held.) Start the driver if it is not running."""
+        if self._driver is None or not self._driver.is_alive():
+            self._driver = threading.Thread(target=self._drive, name="neuronbuild-farm-pool", daemon=True)
+            self._driver.start()
+        self._cond.notify_all()
+
+    def warm(self) -> None:
+        with self._cond:
+            self._warm = True
+            self._wake()
+
+    def submit(self, task_id: str, msg: dict[str, Any], timeout: float | None, source: str) -> None:
+        with self._cond:
+            self._pending.add(task_id)
+            self._inbox.append((task_id, msg, timeout, source))
+            self._wake()
+
+    def result(self, task_id: str, cancelled: Callable[[], bool]) -> dict[str, Any] | None:
+        """The result of `task_id`, or None once `cancelled()` says so (the task is abandoned)."""
+        with self._cond:
+            try:
+                while task_id not in self._results:
+                    if cancelled():
+                        return None
+                    self._cond.wait(0.5)
+                return self._results.pop(task_id)
+            finally:
+                self._pending.discard(task_id)
+                self._results.pop(task_id, None)
+
+    def kill_task(self, task_id: str) -> None:
+        with self._cond:
+            self._kills.append(task_id)
+            self._wake()
+
+    def _drive(self) -> None:
+        while True:
+            with self._cond:
+                kills, self._kills = self._kills, []
+                warm, self._warm = self._warm, False
+                idle = self.pool.idle_slot() is not None
+                take = [t for t in self._inbox if (self.pool.warms_apart and _is_warm_up_msg(t[1])) or idle][:1]
+                for t in take:
+                    self._inbox.remove(t)
+                if not (kills or warm or take or self._pending or self.pool.busy):
+                    self._driver = None  # nothing to do: a later submit starts a new driver
+                    return
+            for task_id in kills:
+                self.pool.kill_task(task_id)
+            if warm:
+                with contextlib.suppress(Exception):
+                    self.pool.warm(self.pool.size)
+            for task_id, msg, timeout, source in take:
+                try:
+                    self.pool.submit(task_id, msg, timeout, source)
+                except Exception as e:  # noqa: BLE001 - the task's failure, not the Dask worker's
+                    self._deliver(task_id, {"ok": False, "error": f"starting a worker failed: {e}",
+                                            "worker_died": True, "duration_s": 0.0})
+            if take:
+                continue  # the next waiting task first (a warm-up right after an action, say)
+            for r in self.pool.wait(_POLL_S):
+                self._deliver(r.task_id, r.result)
+
+    def _deliver(self, task_id: str, result: dict[str, Any]) -> None:
+        with self._cond:
+            if task_id in self._pending:  # else abandoned (cancelled): dropped
+                self._results[task_id] = result
+                self._cond.notify_all()
+
+
+def _is_warm_up_msg(msg: dict[str, Any]) -> bool:
+    return msg.get("kind") == WARM_UP
 
 
 def quiet_dask_logs() -> dict[str, int]:
@@ -282,14 +408,12 @@ def cancel_farm_tasks(keys: list[str]) -> int:
     """Runs on every Dask worker (Client.run): kill the worker processes (process groups) running these tasks."""
     killed = 0
     for key in keys:
-        pool = _RUNNING.get(key)
-        if pool is None:
+        entry = _RUNNING.get(key)
+        if entry is None:
             continue
         _CANCELLED.add(key)
-        for pid in pool.pids():
-            with contextlib.suppress(OSError):
-                os.killpg(pid, signal.SIGKILL)
-                killed += 1
+        entry[0].kill_task(entry[1])
+        killed += 1
     return killed
 
 
@@ -321,85 +445,78 @@ def _pool_key(toolchain_tmp: str | None, threads: int) -> tuple[str, int]:
     return (toolchain_tmp or "", threads)
 
 
-def _take_pool(toolchain_tmp: str | None, threads: int) -> WorkerPool:
-    """An idle warm worker process (one per Dask worker thread at a time) for this toolchain tmp and thread share,
-    started by farm_prestart or an earlier task; a new one when none is idle. Give it back with _give_back."""
+def _farm_pool(toolchain_tmp: str | None, threads: int, size: int) -> FarmPool:
+    """This Dask worker's warm processes for this toolchain tmp and thread share (kept between tasks and builds)."""
     with _POOLS_LOCK:
-        idle = _POOLS.get(_pool_key(toolchain_tmp, threads))
-        if idle:
-            return idle.pop()
-    return _new_pool(toolchain_tmp, threads)
-
-
-def _new_pool(toolchain_tmp: str | None, threads: int) -> WorkerPool:
-    base = _farm_base()
-    base.mkdir(parents=True, exist_ok=True)
-    tmp = Path(toolchain_tmp) if toolchain_tmp else base / "toolchain-tmp"
-    return WorkerPool(1, with_threads(action_environment(tmp, base / "home"), threads), base / "scratch")
-
-
-def _give_back(pool: WorkerPool, toolchain_tmp: str | None, threads: int) -> None:
-    with _POOLS_LOCK:
-        _POOLS.setdefault(_pool_key(toolchain_tmp, threads), []).append(pool)
+        key = _pool_key(toolchain_tmp, threads)
+        pool = _POOLS.get(key)
+        if pool is None:
+            pool = _POOLS[key] = FarmPool(toolchain_tmp, threads, size)
+        return pool
 
 
 def farm_prestart(toolchain_tmp: str | None, host_threads: dict[str, int], dask_worker: Any = None) -> int:
-    """Runs on every Dask worker (Client.run, at the start of a build): one warm worker process per Dask worker
-    thread, started now so their torch import overlaps the client's uploads. Returns how many it started."""
+    """Runs on every Dask worker (Client.run, at the start of a build): its zygote (and so its torch import) starts
+    now, overlapping the client's uploads; its workers are forked when the first tasks come. Returns the pool's
+    size (the Dask worker's threads)."""
     threads = _threads_here(host_threads, dask_worker)
     want = _dask_threads(dask_worker)
-    with _POOLS_LOCK:
-        have = len(_POOLS.get(_pool_key(toolchain_tmp, threads), []))
-    started = 0
-    for _ in range(max(0, want - have)):
-        pool = _new_pool(toolchain_tmp, threads)
-        pool.warm(1)
-        _give_back(pool, toolchain_tmp, threads)
-        started += 1
-    return started
+    pool = _farm_pool(toolchain_tmp, threads, want)
+    pool.warm()
+    return want
 
 
 def farm_run(payload: dict[str, Any]) -> dict[str, Any]:
-    """Runs on a Dask worker: sandbox from the shared CAS, the action in a warm worker process, outputs to the CAS."""
+    """Runs on a Dask worker: sandbox from the shared CAS, the action in a warm worker process, outputs to the CAS. A
+    toolchain warm-up runs in the Dask worker's zygote and leaves Dask's thread pool first (distributed.secede), so
+    the worker's thread runs the build's traces meanwhile."""
+    t_start = time.perf_counter()
+    dask_worker: Any = None
     try:
         from distributed import get_worker
 
-        where = f"{get_worker().address} ({socket.gethostname()})"
+        dask_worker = get_worker()
+        where = f"{dask_worker.address} ({socket.gethostname()})"
     except (ImportError, ValueError):
         where = f"dask ({socket.gethostname()})"
     shared = payload["open_store"](payload["shared"])
     base = _farm_base()
     base.mkdir(parents=True, exist_ok=True)
     sb = Path(tempfile.mkdtemp(dir=base, prefix="job-"))
+    t0 = time.perf_counter()
     try:
         inputs, outputs, log = sb / "in", sb / "out", sb / "action.log"
         inputs.mkdir()
         outputs.mkdir()
         for rel, digest in payload["inputs"]:
             shared.place_blob(digest, inputs / rel)
+        t_in = time.perf_counter()
         log.write_text(f"# {payload['description']}\n", encoding="utf-8")
-        threads = _threads_here(payload.get("host_threads"))
-        pool = _take_pool(payload.get("toolchain_tmp"), threads)
+        threads = _threads_here(payload.get("host_threads"), dask_worker)
+        pool = _farm_pool(payload.get("toolchain_tmp"), threads, _dask_threads(dask_worker) if dask_worker else 1)
         limit, source = payload.get("timeout") or (0.0, "")  # the pool kills the action's process tree after it
-        pool.submit("job", {"kind": payload["kind"], "spec": payload["spec"], "inputs": str(inputs),
-                            "outputs": str(outputs), "log": str(log), "expect": payload.get("expect")},
-                    float(limit) or None, str(source))
-        key = str(payload.get("key") or "")
-        _RUNNING[key] = pool
-        results: list[Any] = []
+        key = str(payload.get("key") or uuid.uuid4().hex)
+        msg = {"kind": payload["kind"], "spec": payload["spec"], "inputs": str(inputs), "outputs": str(outputs),
+               "log": str(log), "expect": payload.get("expect")}
+        apart = pool.warms_apart and _is_warm_up_msg(msg)
+        if apart and dask_worker is not None:
+            with contextlib.suppress(Exception):
+                from distributed import secede
+
+                secede()  # this thread leaves the Dask worker's pool: its slot runs other tasks (traces) now
+            where = f"zygote@{where}"
+        _RUNNING[key] = (pool, key)
         try:
-            while not results and key not in _CANCELLED:
-                results = pool.wait(1.0)
+            pool.submit(key, msg, float(limit) or None, str(source))
+            result = pool.result(key, lambda: key in _CANCELLED)
         finally:
             _RUNNING.pop(key, None)
             cancelled = key in _CANCELLED
             _CANCELLED.discard(key)
-            if pool.busy:  # cancelled (or interrupted) mid-task: its worker is being killed; start afresh next time
-                pool.kill_all()
-            _give_back(pool, payload.get("toolchain_tmp"), threads)
-        if cancelled or not results:
+        if cancelled or result is None:
             return {"ok": False, "error": "cancelled", "duration_s": 0.0, "worker": where}
-        res = dict(results[0].result)
+        res = dict(result)
+        t_run = time.perf_counter()
         if res.get("ok"):
             outs: dict[str, list[Any]] = {}
             for name in payload["outputs"]:
@@ -413,6 +530,9 @@ def farm_run(payload: dict[str, Any]) -> dict[str, Any]:
             else:
                 res["outputs"] = outs
         res["worker"] = where
+        # Where the task's time went on the worker (the action's own run time is duration_s): in its log.
+        res["farm_s"] = {"start": round(t0 - t_start, 3), "inputs": round(t_in - t0, 3), "run": round(t_run - t_in, 3),
+                         "outputs": round(time.perf_counter() - t_run, 3)}
         try:
             res["log"] = log.read_text(encoding="utf-8", errors="replace")[-_LOG_TAIL:]
         except OSError:

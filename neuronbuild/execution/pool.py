@@ -276,6 +276,10 @@ class WorkerPool:
         if slot is None:
             raise RuntimeError("no idle worker")
         w = self._workers.get(slot)
+        if w is not None and self._zygote is not None and w.proc.poll() is None and w.ready:
+            self._zygote.drain()  # the warm-ups it finished since the last wait()
+            self._refresh(w)  # it was busy when the zygote's warm-up ended: a fresh fork has that warm-up
+            w = self._workers[slot]
         if w is None or w.proc.poll() is not None:
             if w is not None:
                 w.close()
@@ -390,6 +394,19 @@ class WorkerPool:
             out.append(TaskResult(w.task, w.slot, w.pid, {
                 "ok": False, "worker_died": True, "error": death_message(w.returncode()),
                 "duration_s": time.time() - w.started, "pid": w.pid}))
+
+    def kill_task(self, task_id: str) -> bool:
+        """End the worker running `task_id` (and everything it started); the next wait() reports the task as failed
+        (its worker died) and a later task gets a fresh worker. A warm-up running in the zygote is left to finish
+        (toolchain code only). False when no worker runs it."""
+        for w in self._workers.values():
+            if w.task == task_id:
+                if w.proc.poll() is None:
+                    with contextlib.suppress(OSError):
+                        os.killpg(w.proc.pid, signal.SIGKILL)
+                    w.proc.kill()
+                return True
+        return False
 
     def kill_all(self) -> None:
         for w in list(self._workers.values()):

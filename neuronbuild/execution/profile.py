@@ -77,7 +77,7 @@ class TraceProfile:
             self._slice(f["description"], "warm_up", f["start"], e.time, self._tid(f["worker"]),
                         {"ok": f["ok"], "duration_s": f["duration_s"], **dict(f.get("metadata") or {}),
                          **({"error": f["error"]} if not f["ok"] else {})})
-            if f["worker"] != "zygote":  # one run beside the workers (in the pool's zygote) keeps no worker busy
+            if not str(f["worker"]).startswith("zygote"):  # beside the workers (in a zygote): keeps none busy
                 self._busy(float(f["start"]), e.time)
             self._warm_up_s += max(0.0, e.time - float(f["start"]))
         elif e.kind == ev.OUTPUTS_STORED:

@@ -338,7 +338,9 @@ class _Run:
         it would have built builds it itself)."""
         w = self.warming.pop(c.job.id)
         a = c.job.action
-        self.warm_for = {fp: k for fp, k in self.warm_for.items() if k != a.fingerprint}
+        if not any(o.job.action.fingerprint == a.fingerprint for o in self.warming.values()):
+            # the last one (a farm warms each Dask worker): the steps held back for it go now
+            self.warm_for = {fp: k for fp, k in self.warm_for.items() if k != a.fingerprint}
         self.s.executor.finish(c.job)
         desc = warm_up_description(a, c.job.host)
         self.s.bus.emit(ev.WARM_UP_FINISHED, description=desc, toolchain=a.toolchain, key=dict(a.spec["key"]),
