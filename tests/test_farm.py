@@ -135,6 +135,18 @@ def test_workers_joining_mid_build_are_used(farm: Farm, tmp_path: Path) -> None:
         most = max(most, in_flight)
     assert most == 2, most
 
+    # The farm's next build (a new bucket: 3 actions) runs in the warm processes the first one left on the workers:
+    # every action's worker process was forked from a zygote (torch imported, warm-ups run) older than this build.
+    ws2 = tiny_ws(tmp_path / "ws2", seqs=(56,))
+    evf2, started = tmp_path / "events2.jsonl", time.time()
+    again = run_cli([*_dask_build(ws2, farm, tmp_path), "--build-event-json-file", str(evf2)], ws2, {"NEURONX_CC": ""})
+    assert again.returncode == 0 and "3 executed" in again.stdout, again.stdout + again.stderr
+    events2 = [json.loads(line) for line in evf2.read_text().splitlines()]
+    pids = {e["pid"] for e in events2 if e["event"] == "action_finished"}
+    zygotes = {psutil.Process(pid).parent() for pid in pids}
+    assert pids and all("neuronbuild-worker-zygote" in z.cmdline() and z.create_time() < started for z in zygotes)
+    assert [e["ok"] for e in events2 if e["event"] == "warm_up_finished"] == [True, True]  # one per Dask worker
+
 
 def _env() -> dict[str, str]:
     return dict(os.environ)

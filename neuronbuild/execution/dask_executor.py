@@ -288,7 +288,7 @@ _POOLS: dict[tuple[str, int], FarmPool] = {}  # this Dask worker's warm processe
 _POOLS_LOCK = threading.Lock()
 _RUNNING: dict[str, tuple[FarmPool, str]] = {}  # task key -> the pool running it and its task id there
 _CANCELLED: set[str] = set()
-_POLL_S = 0.05  # how long the farm pool's driver waits for results before it looks for new tasks again
+_POLL_S = 1.0  # the farm pool's driver waits this long for results at most (a new task wakes it at once)
 
 
 class FarmPool:
@@ -312,6 +312,9 @@ class FarmPool:
         self._results: dict[str, dict[str, Any]] = {}  # task id -> its result, until its thread takes it
         self._pending: set[str] = set()  # tasks submitted and not yet taken or abandoned
         self._driver: threading.Thread | None = None
+        self._wake_r, self._wake_w = os.pipe()  # a byte written here ends the driver's wait for results at once
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
 
     @property
     def warms_apart(self) -> bool:
@@ -322,6 +325,9 @@ class FarmPool:
         if self._driver is None or not self._driver.is_alive():
             self._driver = threading.Thread(target=self._drive, name="neuronbuild-farm-pool", daemon=True)
             self._driver.start()
+        else:
+            with contextlib.suppress(BlockingIOError):
+                os.write(self._wake_w, b"x")
         self._cond.notify_all()
 
     def warm(self) -> None:
@@ -378,8 +384,10 @@ class FarmPool:
                                             "worker_died": True, "duration_s": 0.0})
             if take:
                 continue  # the next waiting task first (a warm-up right after an action, say)
-            for r in self.pool.wait(_POLL_S):
+            for r in self.pool.wait(_POLL_S, self._wake_r):
                 self._deliver(r.task_id, r.result)
+            with contextlib.suppress(BlockingIOError):
+                os.read(self._wake_r, 4096)
 
     def _deliver(self, task_id: str, result: dict[str, Any]) -> None:
         with self._cond:

@@ -291,9 +291,10 @@ class WorkerPool:
             w.task, w.started, w.timeout, w.timeout_source = task_id, time.time(), limit, source
         return slot, w.pid
 
-    def wait(self, timeout: float | None) -> list[TaskResult]:
+    def wait(self, timeout: float | None, wake: int | None = None) -> list[TaskResult]:
         """Results of tasks that finished, whose worker died, or that ran past the action timeout, within
-        `timeout` seconds."""
+        `timeout` seconds; sooner (maybe with none) when file descriptor `wake` becomes readable (the caller drains
+        it)."""
         now = time.time()
         for w in self._workers.values():
             if w.task is not None and w.timeout > 0:
@@ -307,6 +308,8 @@ class WorkerPool:
         z = self._zygote
         if z is not None and not z.closed:
             handles[z.sock] = None  # warm-up results and exit reports
+        if wake is not None:
+            handles[wake] = None
         if not handles:
             if timeout:
                 time.sleep(timeout)
