@@ -17,6 +17,13 @@ cores of this 2-core machine, so one worker already gets the whole machine and t
 thread budget is then 1 whether the cluster has 1 or 2 workers). The client and the Dask scheduler are not pinned
 and share the cores with the workers in both.
 
+Cold clusters by default (--farm cold: a fresh cluster and fresh farm scratch dir per run, so every run imports
+torch and builds the precompiled headers). --farm long-lived (or both) adds runs labelled "long-lived": each cluster
+first runs an untimed build of another vocab (nothing of it can be reused but the workers' warm processes and the
+host's headers), then the timed build; the local runs of that variant go through a build server in one workspace
+with one cache dir, warmed the same way (an untimed build of another vocab, then the timed one), so N=1, N=2 and
+local start from the same kind of warm state. Production farms are long-lived; CI jobs on a fresh machine are cold.
+
 A "graph" is one bucket of the example llama (vocab 32,000 + a per-run offset below 1,100, hidden 128, 2 layers:
 the same work in every run and every invocation; before 2026-12-01 the offset was 10-500,000, so the weights, which
 the build writes, hashes and moves but the script does not, varied 500x between invocations): for cpu a trace +
