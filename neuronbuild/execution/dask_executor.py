@@ -1,8 +1,9 @@
 """Dask executor: runs actions on a Dask cluster (a compile farm) through a shared store (a directory or S3).
 
 The client puts each action's source inputs into the shared CAS and sends digests; a Dask worker builds the sandbox
-from the shared CAS, runs the action in a warm worker process (pool.WorkerPool; one per Dask thread at a time, started
-when a build starts and kept between tasks and builds), puts the outputs into the shared CAS and returns their digests. The client then writes the records (shared tier and
+from the shared CAS, runs the action in a warm worker process (FarmPool: one per Dask thread, forked from one zygote
+per Dask worker that starts when a build starts, runs the toolchain warm-ups and is kept between tasks and builds),
+puts the outputs into the shared CAS and returns their digests. The client then writes the records (shared tier and
 local cache). The shared directory has a local cache's layout and the same path on every machine. A worker lost
 mid-action is handled by Dask, which runs the task again on another worker."""
 
@@ -360,6 +361,21 @@ class FarmPool:
             self._wake()
 
     def _drive(self) -> None:
+        try:
+            self._drive_loop()
+        except BaseException as e:  # noqa: BLE001 - a broken pool fails its tasks, never leaves them waiting
+            with self._cond:
+                self._driver = None
+                failed = {t: {"ok": False, "worker_died": True, "duration_s": 0.0,
+                              "error": f"the Dask worker's pool of warm processes failed: {type(e).__name__}: {e}"}
+                          for t in self._pending}
+                self._inbox.clear()
+            for task_id, res in failed.items():
+                self._deliver(task_id, res)
+            with contextlib.suppress(Exception):
+                self.pool.kill_all()
+
+    def _drive_loop(self) -> None:
         while True:
             with self._cond:
                 kills, self._kills = self._kills, []
