@@ -20,9 +20,9 @@ and share the cores with the workers in both.
 Cold clusters by default (--farm cold: a fresh cluster and fresh farm scratch dir per run, so every run imports
 torch and builds the precompiled headers). --farm long-lived (or both) adds runs labelled "long-lived": each cluster
 first runs an untimed build of another vocab (nothing of it can be reused but the workers' warm processes and the
-host's headers), then the timed build; the local runs of that variant go through a build server in one workspace
-with one cache dir, warmed the same way (an untimed build of another vocab, then the timed one), so N=1, N=2 and
-local start from the same kind of warm state. Production farms are long-lived; CI jobs on a fresh machine are cold.
+host's headers), then the timed build, both through one build server (one workspace, one cache dir); the local runs
+of that variant do the same with the local executor (the server's warm workers and the cache's headers), so N=1,
+N=2 and local start from the same kind of warm state, client side included. Production farms are long-lived; CI jobs on a fresh machine are cold.
 
 A "graph" is one bucket of the example llama (vocab 32,000 + a per-run offset below 1,100, hidden 128, 2 layers:
 the same work in every run and every invocation; before 2026-12-01 the offset was 10-500,000, so the weights, which
@@ -341,9 +341,19 @@ def main() -> None:
                         shared = root / f"shared-{bench.vocab + 1}"
                         shared.mkdir()
                         flags = ("--executor", "dask", "--scheduler", address, "--remote-cache", str(shared))
-                        if long_lived:  # untimed: the farm's earlier build (another vocab: nothing to reuse but
-                            bench.build(target, *flags)  # the workers' warm processes and the hosts' headers)
-                        return bench.build(target, *flags)
+                        if not long_lived:
+                            return bench.build(target, *flags)
+                        # Untimed: the farm's earlier build (another vocab: nothing to reuse but the workers' warm
+                        # processes and the host's headers), through a build server as the local runs of this
+                        # variant (so the client side is warm alike: its loading and planning).
+                        vocab = bench.vocab + 1
+                        ws, cache = bench.workspace(vocab), root / f"cache-ll-{vocab}"
+                        try:
+                            bench.build(target, *flags, ws=ws, cache=cache, batch=False)
+                            return bench.build(target, *flags, ws=ws, cache=cache, batch=False)
+                        finally:
+                            subprocess.run([sys.executable, "-m", "neuronbuild", "shutdown"], cwd=ws,
+                                           capture_output=True)
                 return run
 
             def local_long_lived(jobs: str) -> Callable[[], tuple[float, str]]:
@@ -362,8 +372,9 @@ def main() -> None:
 
             lifetimes = {"cold": [""], "long-lived": [LONG], "both": ["", LONG]}[args.farm]
             if LONG in lifetimes:
-                print("long-lived runs: each cluster (and each local build server + cache) first runs an untimed "
-                      "build of another vocab, then the timed build; N=1, N=2 and local alike", flush=True)
+                print("long-lived runs: an untimed build of another vocab, then the timed build, both through one "
+                      "build server and cache dir, on one Dask cluster (N=1, N=2) or the local executor alike",
+                      flush=True)
             runs = []
             for life in lifetimes:
                 ll = life == LONG
