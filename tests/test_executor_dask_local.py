@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import psutil
 from helpers import run_cli, write_ws
@@ -98,3 +99,31 @@ def test_farm_workers_get_their_hosts_cores_divided_among_the_dask_threads_on_it
                         str(tmp_path / f"cache{jobs}")], ws)
         assert proc.returncode == 1, proc.stdout + proc.stderr
         assert f"threads={max(1, host_cores() // jobs)} end" in proc.stdout + proc.stderr, proc.stdout + proc.stderr
+
+
+def test_a_warm_up_whose_dask_worker_is_gone_ends_as_failed_instead_of_waiting_for_it(tmp_path: Path) -> None:
+    """A warm-up runs on its Dask worker only (it warms that worker's zygote); if that worker leaves the cluster, the
+    build must not wait for it forever: the warm-up ends as failed (the steps held back for it then go)."""
+    from neuronbuild.analysis.actions import Bucket, make_action
+    from neuronbuild.analysis.toolchain_api import WARM_UP
+    from neuronbuild.cache.farm_store import open_farm_store
+    from neuronbuild.cache.local import LocalCache
+    from neuronbuild.execution.dask_executor import DaskExecutor
+    from neuronbuild.execution.jobs import Job
+    from neuronbuild.loading.labels import Label
+
+    cache = LocalCache(tmp_path / "cache")
+    ex = DaskExecutor(tmp_path, cache, str(cache.root), None, 1, open_farm_store, same=True,
+                      toolchain_tmp=cache.toolchain_tmp)
+    try:
+        spec = {"toolchain": "neuron", "step": WARM_UP, "key": {"jax": "any"}}
+        a = make_action(WARM_UP, Label("pkg", "m"), Bucket(()), {"warm_up": "neuron", "key": spec["key"]}, spec)
+        ex.warm(1)  # learns the cluster's workers
+        ex.start(Job(a, 0, tmp_path / "w.log", "tcp://127.0.0.1:9"))  # a Dask worker the cluster no longer has
+        done: list[Any] = []
+        deadline = time.monotonic() + 30
+        while not done and time.monotonic() < deadline:
+            done = ex.wait(None)
+        assert len(done) == 1 and not done[0].ok and "left the cluster" in done[0].error, done
+    finally:
+        ex.shutdown()
