@@ -264,6 +264,7 @@ def needed_actions(ag: Any, cache: Any) -> tuple[list[Any], list[str]]:
         mask = list(map(out.need.__contains__, fps))
         todo = list(compress(order, mask))
         ag.__dict__["_todo_fps"] = (todo, list(compress(fps, mask)))  # (for plan_report: no pass over the actions)
+        ag.__dict__["_todo_mask"] = (todo, mask)  # (for its wall-time schedule by place)
         cached_list = list(compress(fps, map(out.cached.__contains__, fps))) if out.cached else []
     if None not in state.values():
         memo.needed = out

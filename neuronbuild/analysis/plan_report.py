@@ -9,7 +9,7 @@ from itertools import compress
 from typing import Any
 
 from neuronbuild.analysis.actions import Action
-from neuronbuild.analysis.estimate import Estimate, Estimator, wall_time_of
+from neuronbuild.analysis.estimate import Estimate, Estimator, wall_time_at, wall_time_of
 from neuronbuild.analysis.planner import ActionGraph
 from neuronbuild.analysis.providers import CompileTarget
 from neuronbuild.history import History
@@ -81,7 +81,31 @@ class PlanReport:
         else:
             get = estimates.get
             seconds = [(e.seconds or 0.0) if (e := get(fp)) is not None else 0.0 for fp in fps]
+        if self.memo is not None or "_order_deps" in self.ag.__dict__:  # (the build server: kept for the next plan)
+            wall = self._wall_at(seconds)
+            if wall is not None:
+                return wall
         return wall_time_of(self.ag.graph, fps, seconds, self.jobs)
+
+    def _wall_at(self, seconds: list[float]) -> float | None:
+        """The schedule by place in the graph's order (estimate.wall_time_at), when the actions to run are known
+        as places in it: all of them, or the mask needed_actions made; else None."""
+        ag = self.ag
+        order = ag.topological_seq()
+        if len(self.todo) == len(order):  # (a subsequence of the order as long as it: the order)
+            places: Any = None
+            dep, many = ag.order_deps()
+            deps: Any = dep
+        else:
+            known = ag.__dict__.get("_todo_mask")  # (incremental.needed_actions: todo = compress(order, mask))
+            if known is None or known[0] is not self._todo_list() or len(known[1]) != len(order):
+                return None
+            dep, many = ag.order_deps()
+            places, deps = compress(range(1, len(order) + 1), known[1]), compress(dep, known[1])
+        return wall_time_at(places, deps, many, len(order), seconds, self.jobs)
+
+    def _todo_list(self) -> Any:
+        return self.__dict__.get("_todo_source")
 
     def _cell(self, fp: str) -> dict[str, Any]:
         est = self.estimates.get(fp)
@@ -225,5 +249,8 @@ def plan_report(ag: ActionGraph, todo: Sequence[Action], cached: Sequence[str], 
         memo[_ESTIMATES] = last
         report = PlanReport(ag, tuple(todo), frozenset(cached), estimates, jobs, memo)
         report.__dict__["_todo_fps"] = fps  # (for wall_s: the same list, not made again)
+        report.__dict__["_todo_source"] = todo  # (for wall_s: the list needed_actions' mask made)
         return report
-    return PlanReport(ag, tuple(todo), frozenset(cached), estimates, jobs, memo)
+    report = PlanReport(ag, tuple(todo), frozenset(cached), estimates, jobs, memo)
+    report.__dict__["_todo_source"] = todo
+    return report

@@ -77,6 +77,7 @@ class ActionGraph:
         ready), D goes first. Sets `_diff` = (added, removed) for incremental.needed_actions. The kept actions in
         the order are the previous graph's objects (the same fingerprint: the same action)."""
         import heapq
+        from bisect import bisect_right
         from itertools import compress
 
         actions = self.actions
@@ -104,12 +105,14 @@ class ActionGraph:
                 return None
         heap = [d for d, k in waiting.items() if k == 0]
         heapq.heapify(heap)
+        keep: list[bool] | None = None
         if removed:
             keep = list(map(operator.not_, map(removed.__contains__, old_fps)))  # (one lookup pass for both)
             ufps = list(compress(old_fps, keep))
             useq = list(compress(old_order, keep))
         else:
             ufps, useq = list(old_fps), list(old_order)
+        inserted: list[int] = []  # where each added action went in the new order
         rel_at = [k for k, fp in enumerate(ufps) if fp in rel] if rel else []
         bmax = [max(ufps[k:k + _BLOCK]) for k in range(0, len(ufps), _BLOCK)]
         pop, push = heapq.heappop, heapq.heappush
@@ -149,6 +152,7 @@ class ActionGraph:
                     release(ufps[j])
                 else:
                     d = pop(heap)
+                    inserted.append(len(fps))
                     out.append(actions[d])
                     fps.append(d)
                     release(d)
@@ -163,7 +167,30 @@ class ActionGraph:
             return None
         self.__dict__["_diff"] = (added, removed)
         self.__dict__["_order_fps"] = fps
+        # how the order was patched, for order_deps(): the kept actions' mask over the previous order (None: all
+        # kept), where the added actions went, and the new places of the kept actions added ones read
+        adj = [q - j for j, q in enumerate(inserted)]  # (the kept actions' index before which each insertion sits)
+        rel_new = {ufps[k]: k + bisect_right(adj, k) for k in rel_at}
+        self.__dict__["_splice"] = (old_fps, keep, inserted, rel_new)
         return tuple(out)
+
+    def order_deps(self) -> tuple[list[int], list[tuple[int, ...]]]:
+        """For each action of topological(), in its order, where its dependency is in that order (1-based; 0: none;
+        ~k: several, at the places many[k]), and `many`: what the wall-time schedule reads instead of the graph
+        (estimate.wall_time_at). Made once per graph; in the build server, patched from the previous plan's as the
+        order was (`_patched`): the kept actions' places move by how many actions were removed and added before
+        them (a kept action's dependencies are kept), the added actions' are looked up."""
+        known = self.__dict__.get("_order_deps")
+        if known is None:
+            prev = self.__dict__.pop("_prev_deps", None)
+            splice = self.__dict__.get("_splice")
+            fps = self.order_fingerprints()
+            if prev is not None and splice is not None and prev[0] is splice[0]:
+                known = _spliced_deps(prev[1], prev[2], splice, fps, self.graph._pred)
+            if known is None:
+                known = _order_deps(fps, self.graph._pred)
+            self.__dict__["_order_deps"] = known
+        return known  # type: ignore[no-any-return]
 
     def _topological(self) -> tuple[Action, ...]:
         """Kahn's algorithm taking the smallest ready fingerprint first: networkx's lexicographical_topological_sort
@@ -494,6 +521,83 @@ _FINGERPRINT = operator.attrgetter("fingerprint")
 _BLOCK = 256  # the kept order is scanned for the first fingerprint above the smallest ready added one by blocks
 
 
+def _order_deps(fps: list[str], pred: Mapping[str, Mapping[str, Any]]) -> tuple[list[int], list[tuple[int, ...]]]:
+    """ActionGraph.order_deps() made from the graph: C-level passes (a place per fingerprint, each action's first
+    dependency), a loop over the actions with several."""
+    from itertools import compress, repeat
+
+    pos: dict[str | None, int] = dict(zip(fps, range(1, len(fps) + 1), strict=True))
+    preds = list(map(pred.__getitem__, fps))
+    dep: list[int] = list(map(pos.get, map(next, map(iter, preds), repeat(None)), repeat(0)))  # type: ignore[arg-type]
+    many: list[tuple[int, ...]] = []
+    for i in compress(range(len(fps)), map(operator.lt, repeat(1), map(len, preds))):
+        dep[i] = ~len(many)
+        many.append(tuple(map(pos.__getitem__, preds[i])))
+    return dep, many
+
+
+def _spliced_deps(dep: list[int], many: list[tuple[int, ...]], splice: tuple[Any, ...], fps: list[str],
+                  pred: Mapping[str, Mapping[str, Any]]) -> tuple[list[int], list[tuple[int, ...]]] | None:
+    """order_deps() of an order patched from the previous one (`splice`, see ActionGraph._patched) from the previous
+    order's `dep` and `many`; None when an added action reads an action whose place is not known (then they are
+    made from the graph)."""
+    from itertools import compress
+
+    old_fps, keep, inserted, rel_new = splice
+    n_old = len(old_fps)
+    if len(dep) != n_old or len(many) > n_old // 4 + 1024:  # (too many entries of removed actions: made afresh)
+        return None
+    removed = [] if keep is None else list(compress(range(n_old), map(operator.not_, keep)))
+    adj = [q - j for j, q in enumerate(inserted)]
+    # shift[p]: how far the action at place p (1-based) of the previous order moved (kept ones only; 0 for removed
+    # ones and for "none"), then zeros that the markers ~k of actions with several dependencies index
+    shift = [0]
+    k = r = c = ri = ci = 0
+    while k < n_old:
+        if ri < len(removed) and removed[ri] == k:
+            shift.append(0)
+            ri += 1
+            r += 1
+            k += 1
+            continue
+        while ci < len(adj) and adj[ci] <= k - r:
+            ci += 1
+            c += 1
+        end = min(removed[ri] if ri < len(removed) else n_old, adj[ci] + r if ci < len(adj) else n_old)
+        shift.extend([c - r] * (end - k))
+        k = end
+    shift.extend([0] * len(many))
+    kept = dep if keep is None else list(compress(dep, keep))
+    kept = list(map(operator.add, kept, map(shift.__getitem__, kept)))
+    at = shift.__getitem__
+    many = [tuple(map(operator.add, t, map(at, t))) for t in many]  # (a removed action's: unused)
+    place = dict(rel_new)
+    for q in inserted:
+        place[fps[q]] = q
+    out: list[int] = []
+    f = 0
+    for j, q in enumerate(inserted):
+        out.extend(kept[f:adj[j]])
+        f = adj[j]
+        ds = pred[fps[q]]
+        if not ds:
+            out.append(0)
+            continue
+        try:
+            ps = tuple(place[d] + 1 for d in ds)
+        except KeyError:
+            return None
+        if len(ps) == 1:
+            out.append(ps[0])
+        else:
+            out.append(~len(many))
+            many.append(ps)
+    out.extend(kept[f:])
+    if len(out) != len(fps):
+        return None
+    return out, many
+
+
 def plan(graph: TargetGraph, settings: PlanSettings | None = None, memo: AnalysisMemo | None = None) -> ActionGraph:
     """Analyse every requested target whose kind plans actions (compiles; bundles and the compiles they ship).
 
@@ -541,6 +645,9 @@ def plan(graph: TargetGraph, settings: PlanSettings | None = None, memo: Analysi
         order = last.__dict__.get("_order") if last is not None else None
         if last is not None and order is not None:  # (only the actions and order: no chain of graphs is kept)
             ag.__dict__["_prev"] = (last.actions, order, last.order_fingerprints())
+            deps = last.__dict__.get("_order_deps")
+            if deps is not None:  # (the previous order's, with that order: order_deps() patches them)
+                ag.__dict__["_prev_deps"] = (last.order_fingerprints(), *deps)
     return ag
 
 
