@@ -23,9 +23,10 @@ example: setup
 
 # The suite runs in batch mode (no build server; tests/helpers.py also defaults to it). Then the build server's tests
 # (tests/test_server.py), which opt in to servers explicitly, each under its own output user root in a temporary
-# directory, and shut them down; afterwards no server they started may still be running. CI (.ci/run) runs this.
+# directory, and shut them down; afterwards no server they started may still be running. CI (.ci/run) runs this;
+# --durations lists the 30 slowest steps, to keep the suite under its 20-minute budget.
 test: setup
-	NEURONBUILD_NO_SERVER=1 $(BIN)/pytest -q -x tests --ignore=tests/test_server.py
+	NEURONBUILD_NO_SERVER=1 $(BIN)/pytest -q -x --durations=30 tests --ignore=tests/test_server.py
 	tmp=$$(mktemp -d) && $(BIN)/pytest -q -x tests/test_server.py --basetemp "$$tmp/server-tests" \
 		&& $(BIN)/python tests/no_servers_left.py "$$tmp" && rm -rf "$$tmp"
 
