@@ -749,3 +749,39 @@ def test_output_larger_than_a_frame_reaches_the_client_whole(monkeypatch: pytest
         else:
             joined.append((kind, d))
     assert joined == [("o", big), ("e", "note\n"), ("o", big[:1000] + "end\n")]
+
+
+def test_a_large_write_is_sent_while_the_command_goes_on() -> None:
+    """A write of more than a batch is handed to the Outbox's thread: the command continues (the server computes
+    `plan`'s summary while its 7 MB matrix travels) though the client has not read it yet; everything arrives, in
+    order, once the client reads."""
+    import socket
+    import threading
+    import time
+
+    from neuronbuild.server import protocol
+    from neuronbuild.server.daemon import Outbox
+
+    a, b = socket.socketpair()
+    a.settimeout(5.0)  # (a send waiting longer for the reader fails: the output is then lost, not hung)
+    big = "x" * (4 << 20)  # (far more than the socket's buffer: a send in the writer would wait for the reader)
+    out = Outbox(a)
+    t0 = time.monotonic()
+    out.write("o", big)
+    assert time.monotonic() - t0 < 1.0
+    got: list[str] = []
+
+    def read() -> None:
+        while True:
+            try:
+                got.append(protocol.recv(b)["d"])
+            except EOFError:
+                return
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    out.write("o", "summary\n")
+    out.close()
+    a.close()
+    reader.join(30)
+    assert "".join(got) == big + "summary\n"

@@ -146,6 +146,12 @@ class PlanReport:
         return f"{ts:<7} {cs:<7} {shown}"
 
     def lines(self) -> list[str]:
+        out = self.matrix_lines()
+        out.append(self.summary_line())
+        return out
+
+    def matrix_lines(self) -> list[str]:
+        """lines() but its last (the summary, which needs the wall-time schedule): `plan` prints these first."""
         out: list[str] = []
         estimates, cached, ag = self.estimates, self.cached, self.ag
         seen: dict[tuple[int, int, bool, bool], str] = {}
@@ -180,14 +186,16 @@ class PlanReport:
                 blocks[id(ct)] = (ct, out[start:])
         if memo is not None:
             memo[_BLOCKS] = (needed, blocks) if needed is not None else None
+        return out
+
+    def summary_line(self) -> str:
         n = len(self.todo)
         line = (f"{len(self.ag.actions)} actions: {n} to execute, {len(self.cached)} cached")
         if n:
             line += f"; estimated {self.serial_s:.1f} s of work, ~{self.wall_s:.1f} s wall with -j {self.jobs}"
             if self.unknown:
                 line += f" ({self.unknown} action(s) without a recorded duration estimated from defaults)"
-        out.append(line)
-        return out
+        return line
 
 
 def _layout(ct: CompileTarget) -> tuple[tuple[str, str], tuple[str, ...]]:
