@@ -257,6 +257,9 @@ def needed_actions(ag: Any, cache: Any) -> tuple[list[Any], list[str]]:
         candidates = {s for c in cached for s in succ[c]
                       if all(d.action in cached for d in actions[s].dep_inputs)}
         out = _Needed(ag.actions, cached, {a.fingerprint for a in todo}, dict(state), candidates)
+    elif len(out.need) == len(order):  # (every action is needed: the need set holds only the graph's actions)
+        todo, cached_list = list(order), []
+        ag.__dict__["_todo_fps"] = (todo, ag.order_fingerprints())
     else:
         from itertools import compress
 

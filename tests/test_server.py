@@ -663,6 +663,13 @@ def test_the_servers_plan_report_equals_a_fresh_one_as_the_cache_and_workspace_c
     try:
         ag = same()
         same()  # the verdicts memoised by the first plan, reused
+        # an edit loop with nothing cached (every action to run): the estimates, their seconds, the dependencies'
+        # places and the places of the removed actions (the last edit's) are patched from the previous plan's
+        build = ws / gen_monorepo.package_name(2) / "BUILD"
+        for size in (30, 31, 32, 31):
+            build.write_text(re.sub(r'"batch": \[([0-9, ]*?)(\d+)\]', rf'"batch": [\g<1>{size}]', build.read_text()))
+            assert same().__dict__.get("_splice") is not None
+        ag = same()
         # results stored for one trace (with its lowerings) and for one compile: cached and unneeded cells, and
         # the recorded durations become the estimates of that trace's other actions
         out = tmp_path / "out"

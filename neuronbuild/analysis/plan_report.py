@@ -20,6 +20,7 @@ UNNEEDED = "-"  # a trace whose compiles are all cached is not needed
 _FINGERPRINT = operator.attrgetter("fingerprint")
 _ESTIMATES = ("", "estimates")  # the estimate memo's keys for its kept estimates and matrix rows (no action has
 _BLOCKS = ("", "blocks")  # this fingerprint and identity)
+_PREVIOUS = ("", "previous")  # (and the last report's fingerprints, estimates and seconds, in its order)
 _SECONDS = operator.attrgetter("seconds")
 _RECORDED = operator.attrgetter("recorded")
 
@@ -48,7 +49,8 @@ class PlanReport:
         return known  # type: ignore[no-any-return]
 
     def _seconds(self) -> list[float]:
-        """Each estimate's seconds (0.0 for none), in the estimates' order (a C pass, made once)."""
+        """Each estimate's seconds (0.0 for none), in the estimates' order (a C pass, made once); plan_report with
+        the server's memo sets them in the order of todo (its estimates may be in another)."""
         known = self.__dict__.get("_seconds_list")
         if known is None:
             known = list(map(_SECONDS, self.estimates.values()))
@@ -71,9 +73,8 @@ class PlanReport:
     def _wall_s(self) -> float:
         fps = self.__dict__.get("_todo_fps") or list(map(_FINGERPRINT, self.todo))
         estimates = self.estimates
-        if len(estimates) == len(fps) and next(iter(estimates), None) == (fps[0] if fps else None) and \
-                self.__dict__.get("_todo_fps") is fps:
-            seconds = self._seconds()  # (plan_report made the estimates in the order of fps, one per action)
+        if self.__dict__.get("_todo_fps") is fps and "_seconds_list" in self.__dict__:
+            seconds = self._seconds()  # (plan_report made them in the order of fps, one per action)
         elif len(estimates) == len(fps):  # (estimates hold exactly the actions to execute: no lookup can miss)
             seconds = list(map(_SECONDS, map(estimates.__getitem__, fps)))
             if None in seconds:
@@ -244,21 +245,76 @@ def plan_report(ag: ActionGraph, todo: Sequence[Action], cached: Sequence[str], 
         last: dict[str, Estimate] = memo.get(_ESTIMATES) or {}
         known = ag.__dict__.get("_todo_fps")  # (incremental.needed_actions': the fingerprints of this very todo)
         fps = known[1] if known is not None and known[0] is todo else list(map(_FINGERPRINT, todo))
-        estimates = dict(zip(fps, map(last.get, fps), strict=True))
-        if len(estimates) != len(fps):  # (an action twice in todo: never from needed_actions; made one by one)
-            estimates = {a.fingerprint: last.get(a.fingerprint) or est.estimate(a) for a in todo}
+        if len(last) > 2 * len(fps) + 1024:
             last = {}
-        elif not all(estimates.values()):  # (an Estimate is always true: the new actions' are None)
-            if len(last) > 2 * len(estimates) + 1024:
+        seconds: list[float] | None = None
+        spliced = _spliced_estimates(ag, fps, memo.get(_PREVIOUS), last, est)
+        if spliced is not None:
+            estimates, seconds = spliced
+        else:
+            estimates = dict(zip(fps, map(last.get, fps), strict=True))
+            if len(estimates) != len(fps):  # (an action twice in todo: never from needed_actions; one by one)
+                estimates = {a.fingerprint: last.get(a.fingerprint) or est.estimate(a) for a in todo}
                 last = {}
-            actions = ag.actions
-            for fp in list(compress(fps, map(operator.not_, estimates.values()))):
-                estimates[fp] = last[fp] = est.estimate(actions[fp])
+            else:
+                if not all(estimates.values()):  # (an Estimate is always true: the new actions' are None)
+                    actions = ag.actions
+                    for fp in list(compress(fps, map(operator.not_, estimates.values()))):
+                        estimates[fp] = last[fp] = est.estimate(actions[fp])
+                seconds = list(map(_SECONDS, estimates.values()))  # (in the order of fps, as the estimates)
+                if None in seconds:
+                    seconds = [s or 0.0 for s in seconds]
         memo[_ESTIMATES] = last
+        memo[_PREVIOUS] = (fps, estimates, seconds) if seconds is not None else None
         report = PlanReport(ag, tuple(todo), frozenset(cached), estimates, jobs, memo)
         report.__dict__["_todo_fps"] = fps  # (for wall_s: the same list, not made again)
         report.__dict__["_todo_source"] = todo  # (for wall_s: the list needed_actions' mask made)
+        if seconds is not None:
+            report.__dict__["_seconds_list"] = seconds  # (each action's seconds in the order of todo)
         return report
     report = PlanReport(ag, tuple(todo), frozenset(cached), estimates, jobs, memo)
     report.__dict__["_todo_source"] = todo
     return report
+
+
+def _spliced_estimates(ag: ActionGraph, fps: list[str], previous: Any, last: dict[str, Estimate],
+                       est: Estimator) -> tuple[dict[str, Estimate], list[float]] | None:
+    """The build server's re-plan where the previous report and this one execute every action of their graphs and
+    this graph's order was patched from the previous one (ActionGraph._patched): the previous estimates (a copy of
+    the dict, in another order than `fps`: only looked up) without the removed actions and with the added ones', and
+    their seconds in the order of `fps`, the previous list with the same places removed and added (the same numbers
+    in the same order as made from the estimates: the serial sum and the schedule are those of a fresh report).
+    None otherwise (then the estimates are taken one by one from `last`)."""
+    splice = ag.__dict__.get("_splice")
+    diff = ag.__dict__.get("_diff")
+    if previous is None or splice is None or diff is None or fps is not ag.__dict__.get("_order_fps"):
+        return None
+    old_fps, keep, inserted, _rel = splice
+    prev_fps, prev_estimates, prev_seconds = previous
+    added, removed = diff
+    if prev_fps is not old_fps or len(prev_estimates) != len(old_fps) or len(inserted) != len(added) or \
+            len(fps) != len(old_fps) - len(removed) + len(added):
+        return None
+    estimates = prev_estimates.copy()
+    try:
+        for fp in removed:
+            del estimates[fp]
+    except KeyError:
+        return None
+    kept = prev_seconds if keep is None else list(compress(prev_seconds, keep))
+    seconds: list[float] = []
+    actions = ag.actions
+    f = 0
+    for j, q in enumerate(inserted):
+        fp = fps[q]
+        e = last.get(fp)
+        if e is None:
+            e = last[fp] = est.estimate(actions[fp])
+        estimates[fp] = e
+        seconds.extend(kept[f:q - j])
+        f = q - j
+        seconds.append(e.seconds or 0.0)
+    seconds.extend(kept[f:])
+    if len(estimates) != len(fps) or len(seconds) != len(fps):
+        return None
+    return estimates, seconds

@@ -66,7 +66,7 @@ class ActionGraph:
         return fps  # type: ignore[no-any-return]
 
     def _patched(self, old_actions: Mapping[str, Action], old_order: tuple[Action, ...],
-                 old_fps: list[str]) -> tuple[Action, ...] | None:
+                 old_fps: list[str], old_inserted: list[int] | None = None) -> tuple[Action, ...] | None:
         """The order `_topological` gives, patched from the order of a previous graph `old_actions` (the build
         server's previous plan) when only a few actions were added or removed; None when it cannot be (then the full
         order is made). A fingerprint is the digest of a record holding every input of the action, its dependencies'
@@ -75,7 +75,9 @@ class ActionGraph:
         own smallest-first order, i.e. the previous order filtered to U. The added actions D are merged into it as
         Kahn's algorithm takes them: whenever the smallest ready D is smaller than U's next one (which is always
         ready), D goes first. Sets `_diff` = (added, removed) for incremental.needed_actions. The kept actions in
-        the order are the previous graph's objects (the same fingerprint: the same action)."""
+        the order are the previous graph's objects (the same fingerprint: the same action). `old_inserted`: where
+        the previous order placed the actions its own patch added (an edit loop removes what the last edit added:
+        then the removed ones are found there, not by a pass over the previous order)."""
         import heapq
         from bisect import bisect_right
         from itertools import compress
@@ -107,7 +109,13 @@ class ActionGraph:
         heapq.heapify(heap)
         keep: list[bool] | None = None
         if removed:
-            keep = list(map(operator.not_, map(removed.__contains__, old_fps)))  # (one lookup pass for both)
+            at = [q for q in old_inserted or () if old_fps[q] in removed]
+            if len(at) == len(removed):  # (each removed action once in the order: these are all its places)
+                keep = [True] * len(old_fps)
+                for q in at:
+                    keep[q] = False
+            else:
+                keep = list(map(operator.not_, map(removed.__contains__, old_fps)))  # (one lookup pass for both)
             ufps = list(compress(old_fps, keep))
             useq = list(compress(old_order, keep))
         else:
@@ -644,7 +652,9 @@ def plan(graph: TargetGraph, settings: PlanSettings | None = None, memo: Analysi
         memo.last = ag
         order = last.__dict__.get("_order") if last is not None else None
         if last is not None and order is not None:  # (only the actions and order: no chain of graphs is kept)
-            ag.__dict__["_prev"] = (last.actions, order, last.order_fingerprints())
+            splice = last.__dict__.get("_splice")
+            ag.__dict__["_prev"] = (last.actions, order, last.order_fingerprints(),
+                                    splice[2] if splice is not None else None)
             deps = last.__dict__.get("_order_deps")
             if deps is not None:  # (the previous order's, with that order: order_deps() patches them)
                 ag.__dict__["_prev_deps"] = (last.order_fingerprints(), *deps)
