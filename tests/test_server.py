@@ -715,6 +715,71 @@ def test_the_servers_plan_report_equals_a_fresh_one_as_the_cache_and_workspace_c
         incremental.keep_in_memory(False)
 
 
+def test_the_servers_plan_report_rerenders_a_kept_target_whose_trace_becomes_needed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A compile target the server rendered last time (the same object, replayed) whose trace was not needed (its
+    lowering and compiles cached) and is needed after an edit adds a compile with another lowering of it: its rows
+    are rendered again (the trace's cell changes), as a batch `plan` shows them."""
+    from neuronbuild import incremental
+    from neuronbuild.analysis import planner
+    from neuronbuild.analysis.plan_report import plan_report
+    from neuronbuild.context import make_context
+    from neuronbuild.execution.scheduler import needed_actions
+
+    ws = tmp_path / "ws"
+    gen_monorepo.generate(ws, 8, 2, 2)
+    monkeypatch.chdir(ws)
+    cache_dir = tmp_path / "cache"
+
+    def report(server: bool) -> tuple[list[str], Any]:
+        ctx = make_context(cache_dir=str(cache_dir))
+        graph = ctx.load(["//..."])
+        m = incremental.analysis_memo(ctx.workspace.root, ctx.settings) if server else None
+        ag = planner.plan(graph, ctx.settings, m)
+        cache = ctx.open_cache()
+        peeking = incremental.peeking(cache) if server else cache
+        todo, cached = incremental.needed_actions(ag, peeking) if server else needed_actions(ag, peeking, probe=True)
+        return plan_report(ag, todo, cached, ctx.history(cache), 2, incremental.estimate_memo(peeking)).lines(), ag
+
+    def same() -> tuple[list[str], Any]:
+        time.sleep(0.05)  # out of the racy window of the last change
+        (wl, ag), (fl, _ag) = report(True), report(False)
+        assert wl == fl
+        return wl, ag
+
+    incremental.keep_in_memory(True)
+    try:
+        _lines, ag = same()
+        pkg = gen_monorepo.package_name(1)
+        cts = [ct for ct in ag.compiles if ct.label.package == pkg]
+        compiles = [ag.actions[ct.buckets[0][1]] for ct in cts]
+        lowers = {c.deps[0]: ag.actions[c.deps[0]] for c in compiles}
+        out = tmp_path / "out"
+        out.mkdir()
+        cache = make_context(cache_dir=str(cache_dir)).open_cache()
+        for a in [*lowers.values(), *compiles]:  # (not the trace: it is not needed then)
+            for name in a.outputs:
+                (out / name).write_bytes(f"{a.fingerprint} {name}".encode())
+            cache.store_outputs(a.fingerprint, a.identity, dict(a.record), out, a.outputs, 1.0, {})
+        lines, ag = same()
+        row = next(i for i, ln in enumerate(lines) if ln.startswith(str(cts[0].label))) + 2
+        bucket = str(cts[0].buckets[0][0])
+
+        def cells(ln: str) -> list[str]:  # (the trace's and the compile's status)
+            return ln.split(bucket, 1)[1].split()[:2]
+
+        assert cells(lines[row]) == ["-", "cached"]
+        same()  # (the next plan patches this one's needed actions)
+        build = ws / pkg / "BUILD"
+        build.write_text(build.read_text() + 'neuron_compile(name = "extra", model = ":m", buckets = [":shapes"], '
+                                              'target = "//common:trn2", options = "//common:fast")\n')
+        lines, ag = same()
+        assert ag.compiles[[ct.label for ct in ag.compiles].index(cts[0].label)] is cts[0]  # (replayed: kept)
+        assert cells(lines[row]) == ["build", "cached"]
+    finally:
+        incremental.keep_in_memory(False)
+
+
 def test_output_larger_than_a_frame_reaches_the_client_whole(monkeypatch: pytest.MonkeyPatch) -> None:
     """One write larger than the protocol's frame limit (`plan --output json` prints ~100 MB in one write at 100,000
     graphs: the client refused the frame and reported the server dead) is sent as several frames, in order, with

@@ -166,10 +166,15 @@ class PlanReport:
         changed: set[str] = set()
         if kept is not None and needed is not None and needed.base is kept[0] and needed.changed is not None:
             old, changed = kept[1], needed.changed
+            # a compile target rendered last time (the same object) shows actions of both graphs: neither added nor
+            # removed (incremental._patch_needed's `changed` holds both; `_diff` is against the same graph), so only
+            # the kept actions whose status changed can make it differ
+            added, removed = ag.__dict__["_diff"]
+            changed = {fp for fp in changed if fp not in added and fp not in removed}
         blocks: dict[int, tuple[CompileTarget, list[str]]] = {}
         for ct in ag.compiles:
             k = old.get(id(ct))
-            if k is not None and k[0] is ct and changed.isdisjoint(_fingerprints(ct, ag)):
+            if k is not None and k[0] is ct and (not changed or changed.isdisjoint(_fingerprints(ct, ag))):
                 out.extend(k[1])
                 blocks[id(ct)] = k
                 continue
