@@ -845,6 +845,12 @@ def _plan_segments(ctx: AnalysisContext, memo: AnalysisMemo, roots: list[Label],
     dropped: list[_Segment] = []  # the previous plan's segments not reused
     volatile_seen: set[Label] = set(state.volatile)
     usable = True
+    # Each reused segment's actions are added with one update: they are new to the plan unless an action some
+    # re-analysed segment added first is among them (then the update replaced that object). The count tells:
+    # every update adding only new fingerprints leaves len(actions) at `expected`; else the actions are made again
+    # in order, the first of each fingerprint kept (as one by one)
+    expected = len(actions)
+    parts: list[Mapping[str, Action]] = [dict(actions)]  # what was added, in order (for _first_wins)
     for lbl, seg in zip(roots, old, strict=True):
         if same_roots and not diverged:
             provided_now = seg is None
@@ -861,12 +867,9 @@ def _plan_segments(ctx: AnalysisContext, memo: AnalysisMemo, roots: list[Label],
                 or (not same_roots and providers.keys().isdisjoint(seg.first) and
                     all(t in providers for t in seg.touched))):
             providers.update(seg.providers)
-            if actions.keys().isdisjoint(seg.actions):
-                actions.update(seg.actions)
-            else:
-                for fp, a in seg.actions.items():
-                    if fp not in actions:
-                        actions[fp] = a
+            actions.update(seg.actions)
+            expected += len(seg.actions)
+            parts.append(seg.actions)
             if seg.compiles:
                 list.extend(compiles, seg.compiles)
             for k, v in seg.bundles:
@@ -876,8 +879,13 @@ def _plan_segments(ctx: AnalysisContext, memo: AnalysisMemo, roots: list[Label],
             continue
         if seg is not None:
             dropped.append(seg)
+        if len(actions) != expected:  # (before an analysis: it asks for the first action of a fingerprint)
+            _first_wins(actions, parts)
         n_p, n_a, n_c, n_b = len(providers), len(actions), len(compiles), len(bundles)
         ctx.provider(lbl)
+        added_now = dict(_tail(actions, len(actions) - n_a))  # (an analysis adds only new fingerprints)
+        parts.append(added_now)
+        expected = len(actions)
         provided = []
         for k, v in _tail(providers, len(providers) - n_p):
             if targets[k].kind in VOLATILE_KINDS:
@@ -895,10 +903,12 @@ def _plan_segments(ctx: AnalysisContext, memo: AnalysisMemo, roots: list[Label],
             continue
         touched = frozenset(d for k in first for d, _p in entries[k].deps
                             if targets[d].kind not in VOLATILE_KINDS).difference(first)
-        seg = _Segment(first, touched, dict(provided), dict(_tail(actions, len(actions) - n_a)),
-                       tuple(compiles[n_c:]), tuple(_tail(bundles, len(bundles) - n_b)))
+        seg = _Segment(first, touched, dict(provided), added_now, tuple(compiles[n_c:]),
+                       tuple(_tail(bundles, len(bundles) - n_b)))
         segments.append(seg)
         redone.append(seg)
+    if len(actions) != expected:
+        _first_wins(actions, parts)
     if same_roots:  # (else a root of the previous plan may be gone: its segment is in neither list)
         # every action of the previous plan came from one of its segments, each now reused or dropped, and every
         # action of this plan from a reused or redone one: what changed is among the dropped and redone ones'
@@ -929,6 +939,18 @@ def _plan_segments(ctx: AnalysisContext, memo: AnalysisMemo, roots: list[Label],
                     s.add(k)
     memo.state = _PlanState(ctx.graph.root, ctx.graph.requested, ctx.graph.packages, roots, segments, files,
                             volatile, rdeps, owner, actions=actions)
+
+
+def _first_wins(actions: dict[str, Action], parts: list[Mapping[str, Action]]) -> None:
+    """`actions` made again from what was added to it, in order, keeping the first action of each fingerprint (an
+    update with a reused segment's actions replaced one that a re-analysed segment had added first)."""
+    fresh: dict[str, Action] = {}
+    for part in parts:
+        for fp, a in part.items():
+            if fp not in fresh:
+                fresh[fp] = a
+    actions.clear()
+    actions.update(fresh)
 
 
 def action_digraph(actions: Mapping[str, Action]) -> nx.DiGraph:
@@ -993,7 +1015,7 @@ def _patched_digraph(actions: Mapping[str, Action], old_actions: Mapping[str, Ac
                 changed.add(dep)
     for fp in removed:
         changed.update(dep for dep in old_actions[fp].deps if dep in pred)
-    order: list[str] | None = None
+    unsorted: list[tuple[str, list[str]]] = []
     for dep in changed:
         if dep in added:
             consumers = [c for c in added if dep in pred[c]]
@@ -1003,10 +1025,17 @@ def _patched_digraph(actions: Mapping[str, Action], old_actions: Mapping[str, Ac
         if len(consumers) > 1:  # (a fresh graph lists consumers in the actions' order)
             if len(consumers) > 64:
                 return None
-            if order is None:
-                order = list(actions)
-            consumers.sort(key=order.index)  # (a few consumers: no position index of every action)
-        succ[dep] = {c: pred[c][dep] for c in consumers}
+            unsorted.append((dep, consumers))
+        else:
+            succ[dep] = {c: pred[c][dep] for c in consumers}
+    if unsorted:  # (the places of these few consumers in the actions' order: one pass for all)
+        from itertools import compress, count
+
+        want = {c for _dep, consumers in unsorted for c in consumers}
+        place = dict(zip(compress(actions, map(want.__contains__, actions)), count(), strict=False))
+        for dep, consumers in unsorted:
+            consumers.sort(key=place.__getitem__)
+            succ[dep] = {c: pred[c][dep] for c in consumers}
     g = nx.DiGraph()
     g._node, g._adj, g._pred = node, succ, pred  # (see action_digraph)
     g.__dict__["_nb_diff"] = (added, removed)  # (taken by plan(): ActionGraph._patched uses it)
