@@ -620,6 +620,55 @@ def test_memoised_analysis_plans_what_a_fresh_analysis_plans_over_edits_it_could
         incremental.keep_in_memory(False)
 
 
+def test_a_reused_root_whose_target_an_edited_root_provided_first_is_analysed_again(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A requested root asks for a target an earlier root provided first; an edit makes the earlier root stop asking
+    for it: the later root (unchanged, its package too) now provides it first, so its kept segment is not reused,
+    both right after a first plan (segments made from what it recorded) and later; the plan equals a fresh one."""
+    from neuronbuild import incremental
+    from neuronbuild.analysis import planner
+    from neuronbuild.context import make_context
+    from neuronbuild.loading.target_graph import load_targets
+
+    ws = tmp_path / "ws"
+    gen_monorepo.generate(ws, 8, 2, 2)  # 2 packages
+    monkeypatch.chdir(ws)
+    cache = str(tmp_path / "cache")
+    far = gen_monorepo.package_name(1)
+    b0 = ws / gen_monorepo.package_name(0) / "BUILD"
+    original = b0.read_text()
+    b0.write_text(original + f'neuron_compile(name = "x", model = "//{far}:m", buckets = [":shapes"], '
+                             'target = "//common:trn2")\n')  # (package 0's roots come first: it provides //far:m)
+
+    def plan(memo: bool) -> tuple[Any, ...]:
+        ctx = make_context(cache_dir=cache)
+        graph = ctx.load(["//..."]) if memo else load_targets(ctx.workspace.root, ["//..."], ctx.workspace.cwd_package,
+                                                              None)
+        ag = planner.plan(graph, ctx.settings,
+                          incremental.analysis_memo(ctx.workspace.root, ctx.settings) if memo else None)
+        return (list(ag.actions), [a.fingerprint for a in ag.topological()],
+                [(str(c.label), c.buckets) for c in ag.compiles], [list(ag.graph.successors(fp)) for fp in ag.actions])
+
+    def same() -> None:
+        time.sleep(0.05)
+        assert plan(True) == plan(False)
+
+    incremental.keep_in_memory(True)
+    try:
+        same()  # a first plan (it records where its segments start)
+        b0.write_text(original + 'neuron_compile(name = "x", model = ":m", buckets = [":shapes"], '
+                                 'target = "//common:trn2")\n')
+        same()  # the segments made from the first plan's record: package 1's roots analysed again
+        b0.write_text(original + f'neuron_compile(name = "x", model = "//{far}:m", buckets = [":shapes"], '
+                                 'target = "//common:trn2")\n')
+        same()
+        b0.write_text(original + 'neuron_compile(name = "x", model = ":m", buckets = [":shapes"], '
+                                 'target = "//common:trn2")\n')
+        same()
+    finally:
+        incremental.keep_in_memory(False)
+
+
 def test_the_servers_plan_report_equals_a_fresh_one_as_the_cache_and_workspace_change(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """`plan` as the server makes it (memoised analysis, peek verdicts memoised per cache shard, answered from shard

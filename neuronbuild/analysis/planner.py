@@ -668,11 +668,23 @@ class _Segment:
 
     __slots__ = ("first", "touched", "providers", "actions", "compiles", "bundles")
 
-    def __init__(self, first: tuple[Label, ...], touched: frozenset[Label], providers: dict[Label, Any],
+    def __init__(self, first: tuple[Label, ...], touched: frozenset[Label] | None, providers: dict[Label, Any],
                  actions: dict[str, Action], compiles: tuple[CompileTarget, ...],
                  bundles: tuple[tuple[Label, BundleInfo], ...]) -> None:
         self.first, self.touched, self.providers = first, touched, providers
         self.actions, self.compiles, self.bundles = actions, compiles, bundles
+
+    def touched_in(self, entries: Mapping[Label, _Memo], targets: Mapping[Label, Target]) -> frozenset[Label]:
+        """`touched`, made when first asked (a segment made by _materialised): from the memoised analyses of the
+        targets it provided first, which are those it was made from as long as it is in the plan state (a target
+        analysed again makes its segment redone, not reused), and the kinds of the targets they asked for (a kind
+        changed with its package: its dependants are analysed again)."""
+        t = self.touched
+        if t is None:
+            t = self.touched = frozenset(
+                d for lbl in self.first for d, _p in entries[lbl].deps
+                if (dt := targets.get(d)) is None or dt.kind not in VOLATILE_KINDS).difference(self.first)
+        return t
 
 
 @dataclass
@@ -779,10 +791,8 @@ def _materialised(state: _PlanState, memo: AnalysisMemo) -> _PlanState | None:
                 return None
             provided.append((lbl, v))
         first = tuple(lbl for lbl, _v in provided)
-        touched = frozenset(d for lbl in first for d, _p in entries[lbl].deps
-                            if targets[d].kind not in VOLATILE_KINDS).difference(first)
-        seg = _Segment(first, touched, dict(provided), dict(a_items[b[1]:e[1]]), tuple(compiles[b[2]:e[2]]),
-                       tuple(b_items[b[3]:e[3]]))
+        seg = _Segment(first, None, dict(provided), dict(a_items[b[1]:e[1]]), tuple(compiles[b[2]:e[2]]),
+                       tuple(b_items[b[3]:e[3]]))  # (what it asked for: made when first needed, touched_in)
         segments.append(seg)
         for lbl in first:
             owner[lbl] = seg
@@ -863,9 +873,10 @@ def _plan_segments(ctx: AnalysisContext, memo: AnalysisMemo, roots: list[Label],
             segments.append(None)
             continue
         if seg is not None and id(seg) not in redo and (
-                (same_roots and (not diverged or (diverged.isdisjoint(seg.first) and diverged.isdisjoint(seg.touched))))
+                (same_roots and (not diverged or (diverged.isdisjoint(seg.first) and
+                                                  diverged.isdisjoint(seg.touched_in(entries, targets)))))
                 or (not same_roots and providers.keys().isdisjoint(seg.first) and
-                    all(t in providers for t in seg.touched))):
+                    all(t in providers for t in seg.touched_in(entries, targets)))):
             providers.update(seg.providers)
             actions.update(seg.actions)
             expected += len(seg.actions)
