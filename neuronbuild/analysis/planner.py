@@ -661,6 +661,12 @@ def plan(graph: TargetGraph, settings: PlanSettings | None = None, memo: Analysi
     return ag
 
 
+_PROVIDERS = operator.attrgetter("providers")
+_ACTIONS = operator.attrgetter("actions")
+_COMPILES = operator.attrgetter("compiles")
+_FIRST = operator.attrgetter("first")
+
+
 class _Segment:
     """What one requested root's top-level analysis added to a plan: the targets it provided first (in order; volatile
     ones left out), the already-provided targets it asked for, and the actions, compile targets and bundles it added
@@ -838,6 +844,9 @@ def _plan_segments(ctx: AnalysisContext, memo: AnalysisMemo, roots: list[Label],
         memo.state = _PlanState(ctx.graph.root, ctx.graph.requested, ctx.graph.packages, roots, [], {}, {}, {}, {},
                                 (starts, ends, targets, providers, actions, compiles, bundles), actions)
         return
+    from collections import deque
+    from itertools import compress, count, repeat
+
     same_roots = state.roots is roots
     if same_roots:
         old: list[_Segment | None] = state.segments
@@ -861,7 +870,33 @@ def _plan_segments(ctx: AnalysisContext, memo: AnalysisMemo, roots: list[Label],
     # in order, the first of each fingerprint kept (as one by one)
     expected = len(actions)
     parts: list[Mapping[str, Action]] = [dict(actions)]  # what was added, in order (for _first_wins)
-    for lbl, seg in zip(roots, old, strict=True):
+    # With the same roots and nothing diverged, every root up to the next one to redo is reused or was provided
+    # already (no segment): such a run is appended as a whole, by C-level passes (what the loop below does per root)
+    stops = list(compress(count(), map(redo.__contains__, map(id, old)))) if same_roots else []
+    stop = 0
+    i, n = 0, len(roots)
+    while i < n:
+        if same_roots and not diverged:
+            while stop < len(stops) and stops[stop] < i:
+                stop += 1
+            end = stops[stop] if stop < len(stops) else n
+            if end > i:
+                run = old[i:end]
+                live = list(filter(None, run))
+                deque(map(providers.update, map(_PROVIDERS, live)), maxlen=0)
+                deque(map(actions.update, map(_ACTIONS, live)), maxlen=0)
+                expected += sum(map(len, map(_ACTIONS, live)))
+                parts.extend(map(_ACTIONS, live))
+                deque(map(list.extend, repeat(compiles), map(_COMPILES, live)), maxlen=0)
+                for kept in live:
+                    for k, v in kept.bundles:
+                        dict.__setitem__(bundles, k, v)
+                memo.reused += sum(map(len, map(_FIRST, live)))
+                segments.extend(run)
+                i = end
+                continue
+        lbl, seg = roots[i], old[i]
+        i += 1
         if same_roots and not diverged:
             provided_now = seg is None
         else:
