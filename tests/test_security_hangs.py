@@ -125,9 +125,9 @@ def test_children_of_a_successful_action_do_not_outlive_it(tmp_path: Path) -> No
 
 def test_action_timeout_fails_the_action_and_kills_its_processes(tmp_path: Path) -> None:
     ws = _ws(tmp_path, "hang")
-    proc, took = _build(ws, tmp_path, "--action-timeout", "20")
+    proc, took = _build(ws, tmp_path, "--action-timeout", "8")
     assert proc.returncode == 1, proc.stdout + proc.stderr
-    assert "timed out after 20 s (--action-timeout)" in proc.stderr
+    assert "timed out after 8 s (--action-timeout)" in proc.stderr
     assert took < 90
     assert _gone(_child(tmp_path, "hang"))
     bad = run_cli(["build", "//pkg:all", "--action-timeout", "-1"], ws)
@@ -135,13 +135,13 @@ def test_action_timeout_fails_the_action_and_kills_its_processes(tmp_path: Path)
 
 
 def test_a_targets_timeout_attribute_overrides_the_flag(tmp_path: Path) -> None:
-    ws = _ws(tmp_path, "hang", ", timeout = 15")
+    ws = _ws(tmp_path, "hang", ", timeout = 6")
     proc, took = _build(ws, tmp_path, "--action-timeout", "600")
     assert proc.returncode == 1, proc.stdout + proc.stderr
-    assert "timed out after 15 s (timeout = 15 on //pkg:c)" in proc.stderr
+    assert "timed out after 6 s (timeout = 6 on //pkg:c)" in proc.stderr
     assert took < 90 and "Traceback" not in proc.stderr
     assert _gone(_child(tmp_path, "hang"))
     assert not list((tmp_path / "cache" / "v1" / "ac").rglob("*.json"))
-    (ws / "pkg" / "BUILD").write_text((ws / "pkg" / "BUILD").read_text().replace("timeout = 15", "timeout = -1"))
+    (ws / "pkg" / "BUILD").write_text((ws / "pkg" / "BUILD").read_text().replace("timeout = 6", "timeout = -1"))
     bad = run_cli(["build", "//pkg:all", "--cache-dir", str(tmp_path / "cache")], ws)
     assert bad.returncode == 2 and "pkg/BUILD:" in bad.stderr and "'timeout'" in bad.stderr, bad.stderr
