@@ -555,6 +555,8 @@ def _spliced_deps(dep: list[int], many: list[tuple[int, ...]], splice: tuple[Any
     n_old = len(old_fps)
     if len(dep) != n_old or len(many) > n_old // 4 + 1024:  # (too many entries of removed actions: made afresh)
         return None
+    if keep is None and not inserted:  # (the same order: the same places; the lists are never changed)
+        return (dep, many) if len(fps) == n_old else None
     removed = [] if keep is None else list(compress(range(n_old), map(operator.not_, keep)))
     adj = [q - j for j, q in enumerate(inserted)]
     # shift[p]: how far the action at place p (1-based) of the previous order moved (kept ones only; 0 for removed
@@ -780,6 +782,7 @@ def _materialised(state: _PlanState, memo: AnalysisMemo) -> _PlanState | None:
     files: dict[Label, tuple[tuple[str, str], ...]] = {}
     rdeps: dict[Label, set[Label]] = {}
     volatile: dict[Label, Any] = {}
+    vol = {lbl for lbl, t in targets.items() if t.kind in VOLATILE_KINDS}  # (a few: no lookup per provided target)
     k = 0
     for b in starts:
         if b is None:
@@ -788,21 +791,22 @@ def _materialised(state: _PlanState, memo: AnalysisMemo) -> _PlanState | None:
         e = bounds[k + 1]
         k += 1
         provided = []
+        memos = []
         for lbl, v in p_items[b[0]:e[0]]:
-            if targets[lbl].kind in VOLATILE_KINDS:
+            if lbl in vol:
                 volatile[lbl] = v
                 continue
             m = entries.get(lbl)
             if m is None or m.provider is not v:
                 return None
             provided.append((lbl, v))
+            memos.append(m)
         first = tuple(lbl for lbl, _v in provided)
         seg = _Segment(first, None, dict(provided), dict(a_items[b[1]:e[1]]), tuple(compiles[b[2]:e[2]]),
                        tuple(b_items[b[3]:e[3]]))  # (what it asked for: made when first needed, touched_in)
         segments.append(seg)
-        for lbl in first:
+        for lbl, m in zip(first, memos, strict=True):
             owner[lbl] = seg
-            m = entries[lbl]
             if m.files:
                 files[lbl] = m.files
             for d, _p in m.deps:
