@@ -257,6 +257,9 @@ def needed_actions(ag: Any, cache: Any) -> tuple[list[Any], list[str]]:
         candidates = {s for c in cached for s in succ[c]
                       if all(d.action in cached for d in actions[s].dep_inputs)}
         out = _Needed(ag.actions, cached, {a.fingerprint for a in todo}, dict(state), candidates)
+    elif len(out.need) == len(order):  # (every action is needed: the need set holds only the graph's actions)
+        todo, cached_list = list(order), []
+        ag.__dict__["_todo_fps"] = (todo, ag.order_fingerprints())
     else:
         from itertools import compress
 
@@ -264,6 +267,7 @@ def needed_actions(ag: Any, cache: Any) -> tuple[list[Any], list[str]]:
         mask = list(map(out.need.__contains__, fps))
         todo = list(compress(order, mask))
         ag.__dict__["_todo_fps"] = (todo, list(compress(fps, mask)))  # (for plan_report: no pass over the actions)
+        ag.__dict__["_todo_mask"] = (todo, mask)  # (for its wall-time schedule by place)
         cached_list = list(compress(fps, map(out.cached.__contains__, fps))) if out.cached else []
     if None not in state.values():
         memo.needed = out

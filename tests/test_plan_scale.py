@@ -75,6 +75,32 @@ def test_the_wall_time_estimate_is_the_greedy_list_schedule(action_graph: Any) -
             assert report.wall_s == _greedy(ag.graph, todo, seconds, jobs)
 
 
+def test_the_wall_time_estimate_is_the_greedy_list_schedule_on_random_graphs() -> None:
+    """Random DAGs with actions of several dependencies, dependencies not to run, ties, and durations the fast
+    loop leaves to the reference (negative, infinite: the greedy schedule's answer all the same)."""
+    rng = random.Random(11)
+    for trial in range(60):
+        g = nx.DiGraph()
+        names = [f"{rng.getrandbits(64):016x}" for _ in range(rng.randint(1, 120))]
+        for k, fp in enumerate(names):
+            g.add_node(fp)
+            for dep in rng.sample(names[:k], min(k, rng.choice((0, 1, 1, 1, 2, 3)))):
+                g.add_edge(dep, fp)
+        order = list(nx.lexicographical_topological_sort(g))
+        todo = [_Act(fp) for fp in order if rng.random() < 0.85]
+        seconds = {a.fingerprint: float(rng.randint(0, 3)) if trial % 2 else rng.random() * 10 for a in todo}
+        if trial % 10 == 9 and todo:
+            seconds[rng.choice(todo).fingerprint] = rng.choice((-1.0, -0.5, float("inf")))
+        for jobs in (1, 2, 3, 8):
+            got, want = wall_time(g, todo, seconds, jobs), _greedy(g, todo, seconds, jobs)
+            assert got == want, (trial, jobs)
+
+
+class _Act:
+    def __init__(self, fingerprint: str) -> None:
+        self.fingerprint = fingerprint
+
+
 def _reference_lines(r: PlanReport) -> list[str]:
     """The plan matrix rendered row by row, each cell computed from the report's status() and estimates."""
     out: list[str] = []
@@ -209,6 +235,72 @@ def test_the_server_patches_the_previous_order_into_the_smallest_first_order(act
     new.__dict__["_prev"] = (old.actions, old.__dict__["_order"], old.order_fingerprints())
     with pytest.raises(nx.NetworkXUnfeasible):
         new.topological()
+
+
+def _dep_places(ag: Any) -> list[frozenset[int]]:
+    """Per action of the order: the places (1-based) of its dependencies, as order_deps() says."""
+    dep, many = ag.order_deps()
+    return [frozenset(many[~d]) if d < 0 else frozenset((d,) if d else ()) for d in dep]
+
+
+def test_the_schedule_by_place_patched_with_the_order_is_the_greedy_list_schedule(action_graph: Any) -> None:
+    """ActionGraph.order_deps() patched from the previous plan's (the build server) against the dependencies'
+    places in the graph, over random edits of the generated plan and of a synthetic graph whose actions read
+    several others; and the wall-time estimate by place (PlanReport with the server's memo) against the greedy
+    list schedule, for every action and for a subsequence (needed_actions' mask)."""
+    from neuronbuild.analysis.actions import Action, Bucket, DepInput
+    from neuronbuild.analysis.planner import ActionGraph, action_digraph
+    from neuronbuild.loading.labels import Label
+
+    def act(fp: str, deps: list[str]) -> Action:
+        return Action(fp, "compile", Label("p", "t"), Bucket(()), {}, {},
+                      dep_inputs=tuple(DepInput(d, "o", "o") for d in deps))
+
+    rng = random.Random(5)
+    names = [f"{rng.getrandbits(64):016x}" for _ in range(150)]
+    synthetic: dict[str, Action] = {}
+    for k, fp in enumerate(names):
+        synthetic[fp] = act(fp, rng.sample(names[:k], min(k, rng.choice((0, 1, 2, 3)))))
+    synth = ActionGraph(synthetic, action_digraph(synthetic))
+    spliced = 0
+    for base in (action_graph, synth):
+        fps = list(base.actions)
+        old = _sub_graph(base, _without_consumers_of(base, rng.sample(fps, 2)))
+        old.topological()
+        old.order_deps()
+        before = set(old.actions)
+        for trial in range(40):
+            # every third edit goes back to the graph before the last one (an edit loop: what the last patch added
+            # is what this one removes, found at the places that patch put it)
+            b = before if trial % 3 == 2 else _without_consumers_of(base, rng.sample(fps, rng.choice((1, 2, 4))))
+            before = set(old.actions)
+            new = _sub_graph(base, b)
+            splice = old.__dict__.get("_splice")
+            new.__dict__["_prev"] = (old.actions, old.__dict__["_order"], old.order_fingerprints(),
+                                     splice[2] if splice is not None else None)
+            new.__dict__["_prev_deps"] = (old.order_fingerprints(), *old.order_deps())
+            order = new.topological()
+            assert [a.fingerprint for a in order] == list(nx.lexicographical_topological_sort(new.graph))
+            pos = {fp: i for i, fp in enumerate(new.order_fingerprints(), 1)}
+            want = [frozenset(pos[d] for d in new.graph.predecessors(a.fingerprint)) for a in order]
+            if "_splice" in new.__dict__:
+                spliced += 1
+            assert _dep_places(new) == want, (base is synth, trial)
+            for sub in (1.0, 0.7):
+                mask = [rng.random() < sub for _ in order]
+                todo = [a for a, m in zip(order, mask, strict=True) if m]
+                if sub == 1.0:
+                    assert len(todo) == len(order)
+                new.__dict__["_todo_mask"] = (todo, mask)
+                seconds = {a.fingerprint: float(rng.randint(0, 3)) if trial % 2 else rng.random() * 10 for a in todo}
+                for jobs in (1, 2, 3):
+                    report = PlanReport(new, tuple(todo), frozenset(), {fp: Estimate(x, "own") for fp, x in
+                                                                        seconds.items()}, jobs, memo={})
+                    report.__dict__["_todo_source"] = todo
+                    assert report._wall_at([seconds[a.fingerprint] for a in todo]) is not None
+                    assert report.wall_s == _greedy(new.graph, todo, seconds, jobs), (trial, jobs, sub)
+            old = new
+    assert spliced >= 60
 
 
 def test_the_neuron_toolchain_shares_one_lower_action_per_distinct_lowering(

@@ -620,6 +620,55 @@ def test_memoised_analysis_plans_what_a_fresh_analysis_plans_over_edits_it_could
         incremental.keep_in_memory(False)
 
 
+def test_a_reused_root_whose_target_an_edited_root_provided_first_is_analysed_again(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A requested root asks for a target an earlier root provided first; an edit makes the earlier root stop asking
+    for it: the later root (unchanged, its package too) now provides it first, so its kept segment is not reused,
+    both right after a first plan (segments made from what it recorded) and later; the plan equals a fresh one."""
+    from neuronbuild import incremental
+    from neuronbuild.analysis import planner
+    from neuronbuild.context import make_context
+    from neuronbuild.loading.target_graph import load_targets
+
+    ws = tmp_path / "ws"
+    gen_monorepo.generate(ws, 8, 2, 2)  # 2 packages
+    monkeypatch.chdir(ws)
+    cache = str(tmp_path / "cache")
+    far = gen_monorepo.package_name(1)
+    b0 = ws / gen_monorepo.package_name(0) / "BUILD"
+    original = b0.read_text()
+    b0.write_text(original + f'neuron_compile(name = "x", model = "//{far}:m", buckets = [":shapes"], '
+                             'target = "//common:trn2")\n')  # (package 0's roots come first: it provides //far:m)
+
+    def plan(memo: bool) -> tuple[Any, ...]:
+        ctx = make_context(cache_dir=cache)
+        graph = ctx.load(["//..."]) if memo else load_targets(ctx.workspace.root, ["//..."], ctx.workspace.cwd_package,
+                                                              None)
+        ag = planner.plan(graph, ctx.settings,
+                          incremental.analysis_memo(ctx.workspace.root, ctx.settings) if memo else None)
+        return (list(ag.actions), [a.fingerprint for a in ag.topological()],
+                [(str(c.label), c.buckets) for c in ag.compiles], [list(ag.graph.successors(fp)) for fp in ag.actions])
+
+    def same() -> None:
+        time.sleep(0.05)
+        assert plan(True) == plan(False)
+
+    incremental.keep_in_memory(True)
+    try:
+        same()  # a first plan (it records where its segments start)
+        b0.write_text(original + 'neuron_compile(name = "x", model = ":m", buckets = [":shapes"], '
+                                 'target = "//common:trn2")\n')
+        same()  # the segments made from the first plan's record: package 1's roots analysed again
+        b0.write_text(original + f'neuron_compile(name = "x", model = "//{far}:m", buckets = [":shapes"], '
+                                 'target = "//common:trn2")\n')
+        same()
+        b0.write_text(original + 'neuron_compile(name = "x", model = ":m", buckets = [":shapes"], '
+                                 'target = "//common:trn2")\n')
+        same()
+    finally:
+        incremental.keep_in_memory(False)
+
+
 def test_the_servers_plan_report_equals_a_fresh_one_as_the_cache_and_workspace_change(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """`plan` as the server makes it (memoised analysis, peek verdicts memoised per cache shard, answered from shard
@@ -663,6 +712,13 @@ def test_the_servers_plan_report_equals_a_fresh_one_as_the_cache_and_workspace_c
     try:
         ag = same()
         same()  # the verdicts memoised by the first plan, reused
+        # an edit loop with nothing cached (every action to run): the estimates, their seconds, the dependencies'
+        # places and the places of the removed actions (the last edit's) are patched from the previous plan's
+        build = ws / gen_monorepo.package_name(2) / "BUILD"
+        for size in (30, 31, 32, 31):
+            build.write_text(re.sub(r'"batch": \[([0-9, ]*?)(\d+)\]', rf'"batch": [\g<1>{size}]', build.read_text()))
+            assert same().__dict__.get("_splice") is not None
+        ag = same()
         # results stored for one trace (with its lowerings) and for one compile: cached and unneeded cells, and
         # the recorded durations become the estimates of that trace's other actions
         out = tmp_path / "out"
@@ -708,6 +764,71 @@ def test_the_servers_plan_report_equals_a_fresh_one_as_the_cache_and_workspace_c
         incremental.keep_in_memory(False)
 
 
+def test_the_servers_plan_report_rerenders_a_kept_target_whose_trace_becomes_needed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A compile target the server rendered last time (the same object, replayed) whose trace was not needed (its
+    lowering and compiles cached) and is needed after an edit adds a compile with another lowering of it: its rows
+    are rendered again (the trace's cell changes), as a batch `plan` shows them."""
+    from neuronbuild import incremental
+    from neuronbuild.analysis import planner
+    from neuronbuild.analysis.plan_report import plan_report
+    from neuronbuild.context import make_context
+    from neuronbuild.execution.scheduler import needed_actions
+
+    ws = tmp_path / "ws"
+    gen_monorepo.generate(ws, 8, 2, 2)
+    monkeypatch.chdir(ws)
+    cache_dir = tmp_path / "cache"
+
+    def report(server: bool) -> tuple[list[str], Any]:
+        ctx = make_context(cache_dir=str(cache_dir))
+        graph = ctx.load(["//..."])
+        m = incremental.analysis_memo(ctx.workspace.root, ctx.settings) if server else None
+        ag = planner.plan(graph, ctx.settings, m)
+        cache = ctx.open_cache()
+        peeking = incremental.peeking(cache) if server else cache
+        todo, cached = incremental.needed_actions(ag, peeking) if server else needed_actions(ag, peeking, probe=True)
+        return plan_report(ag, todo, cached, ctx.history(cache), 2, incremental.estimate_memo(peeking)).lines(), ag
+
+    def same() -> tuple[list[str], Any]:
+        time.sleep(0.05)  # out of the racy window of the last change
+        (wl, ag), (fl, _ag) = report(True), report(False)
+        assert wl == fl
+        return wl, ag
+
+    incremental.keep_in_memory(True)
+    try:
+        _lines, ag = same()
+        pkg = gen_monorepo.package_name(1)
+        cts = [ct for ct in ag.compiles if ct.label.package == pkg]
+        compiles = [ag.actions[ct.buckets[0][1]] for ct in cts]
+        lowers = {c.deps[0]: ag.actions[c.deps[0]] for c in compiles}
+        out = tmp_path / "out"
+        out.mkdir()
+        cache = make_context(cache_dir=str(cache_dir)).open_cache()
+        for a in [*lowers.values(), *compiles]:  # (not the trace: it is not needed then)
+            for name in a.outputs:
+                (out / name).write_bytes(f"{a.fingerprint} {name}".encode())
+            cache.store_outputs(a.fingerprint, a.identity, dict(a.record), out, a.outputs, 1.0, {})
+        lines, ag = same()
+        row = next(i for i, ln in enumerate(lines) if ln.startswith(str(cts[0].label))) + 2
+        bucket = str(cts[0].buckets[0][0])
+
+        def cells(ln: str) -> list[str]:  # (the trace's and the compile's status)
+            return ln.split(bucket, 1)[1].split()[:2]
+
+        assert cells(lines[row]) == ["-", "cached"]
+        same()  # (the next plan patches this one's needed actions)
+        build = ws / pkg / "BUILD"
+        build.write_text(build.read_text() + 'neuron_compile(name = "extra", model = ":m", buckets = [":shapes"], '
+                                              'target = "//common:trn2", options = "//common:fast")\n')
+        lines, ag = same()
+        assert ag.compiles[[ct.label for ct in ag.compiles].index(cts[0].label)] is cts[0]  # (replayed: kept)
+        assert cells(lines[row]) == ["build", "cached"]
+    finally:
+        incremental.keep_in_memory(False)
+
+
 def test_output_larger_than_a_frame_reaches_the_client_whole(monkeypatch: pytest.MonkeyPatch) -> None:
     """One write larger than the protocol's frame limit (`plan --output json` prints ~100 MB in one write at 100,000
     graphs: the client refused the frame and reported the server dead) is sent as several frames, in order, with
@@ -749,3 +870,39 @@ def test_output_larger_than_a_frame_reaches_the_client_whole(monkeypatch: pytest
         else:
             joined.append((kind, d))
     assert joined == [("o", big), ("e", "note\n"), ("o", big[:1000] + "end\n")]
+
+
+def test_a_large_write_is_sent_while_the_command_goes_on() -> None:
+    """A write of more than a batch is handed to the Outbox's thread: the command continues (the server computes
+    `plan`'s summary while its 7 MB matrix travels) though the client has not read it yet; everything arrives, in
+    order, once the client reads."""
+    import socket
+    import threading
+    import time
+
+    from neuronbuild.server import protocol
+    from neuronbuild.server.daemon import Outbox
+
+    a, b = socket.socketpair()
+    a.settimeout(5.0)  # (a send waiting longer for the reader fails: the output is then lost, not hung)
+    big = "x" * (4 << 20)  # (far more than the socket's buffer: a send in the writer would wait for the reader)
+    out = Outbox(a)
+    t0 = time.monotonic()
+    out.write("o", big)
+    assert time.monotonic() - t0 < 1.0
+    got: list[str] = []
+
+    def read() -> None:
+        while True:
+            try:
+                got.append(protocol.recv(b)["d"])
+            except EOFError:
+                return
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    out.write("o", "summary\n")
+    out.close()
+    a.close()
+    reader.join(30)
+    assert "".join(got) == big + "summary\n"

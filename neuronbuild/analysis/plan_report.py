@@ -9,7 +9,7 @@ from itertools import compress
 from typing import Any
 
 from neuronbuild.analysis.actions import Action
-from neuronbuild.analysis.estimate import Estimate, Estimator, wall_time_of
+from neuronbuild.analysis.estimate import Estimate, Estimator, wall_time_at, wall_time_of
 from neuronbuild.analysis.planner import ActionGraph
 from neuronbuild.analysis.providers import CompileTarget
 from neuronbuild.history import History
@@ -20,6 +20,7 @@ UNNEEDED = "-"  # a trace whose compiles are all cached is not needed
 _FINGERPRINT = operator.attrgetter("fingerprint")
 _ESTIMATES = ("", "estimates")  # the estimate memo's keys for its kept estimates and matrix rows (no action has
 _BLOCKS = ("", "blocks")  # this fingerprint and identity)
+_PREVIOUS = ("", "previous")  # (and the last report's fingerprints, estimates and seconds, in its order)
 _SECONDS = operator.attrgetter("seconds")
 _RECORDED = operator.attrgetter("recorded")
 
@@ -48,7 +49,8 @@ class PlanReport:
         return known  # type: ignore[no-any-return]
 
     def _seconds(self) -> list[float]:
-        """Each estimate's seconds (0.0 for none), in the estimates' order (a C pass, made once)."""
+        """Each estimate's seconds (0.0 for none), in the estimates' order (a C pass, made once); plan_report with
+        the server's memo sets them in the order of todo (its estimates may be in another)."""
         known = self.__dict__.get("_seconds_list")
         if known is None:
             known = list(map(_SECONDS, self.estimates.values()))
@@ -71,9 +73,8 @@ class PlanReport:
     def _wall_s(self) -> float:
         fps = self.__dict__.get("_todo_fps") or list(map(_FINGERPRINT, self.todo))
         estimates = self.estimates
-        if len(estimates) == len(fps) and next(iter(estimates), None) == (fps[0] if fps else None) and \
-                self.__dict__.get("_todo_fps") is fps:
-            seconds = self._seconds()  # (plan_report made the estimates in the order of fps, one per action)
+        if self.__dict__.get("_todo_fps") is fps and "_seconds_list" in self.__dict__:
+            seconds = self._seconds()  # (plan_report made them in the order of fps, one per action)
         elif len(estimates) == len(fps):  # (estimates hold exactly the actions to execute: no lookup can miss)
             seconds = list(map(_SECONDS, map(estimates.__getitem__, fps)))
             if None in seconds:
@@ -81,7 +82,31 @@ class PlanReport:
         else:
             get = estimates.get
             seconds = [(e.seconds or 0.0) if (e := get(fp)) is not None else 0.0 for fp in fps]
+        if self.memo is not None or "_order_deps" in self.ag.__dict__:  # (the build server: kept for the next plan)
+            wall = self._wall_at(seconds)
+            if wall is not None:
+                return wall
         return wall_time_of(self.ag.graph, fps, seconds, self.jobs)
+
+    def _wall_at(self, seconds: list[float]) -> float | None:
+        """The schedule by place in the graph's order (estimate.wall_time_at), when the actions to run are known
+        as places in it: all of them, or the mask needed_actions made; else None."""
+        ag = self.ag
+        order = ag.topological_seq()
+        if len(self.todo) == len(order):  # (a subsequence of the order as long as it: the order)
+            places: Any = None
+            dep, many = ag.order_deps()
+            deps: Any = dep
+        else:
+            known = ag.__dict__.get("_todo_mask")  # (incremental.needed_actions: todo = compress(order, mask))
+            if known is None or known[0] is not self._todo_list() or len(known[1]) != len(order):
+                return None
+            dep, many = ag.order_deps()
+            places, deps = compress(range(1, len(order) + 1), known[1]), compress(dep, known[1])
+        return wall_time_at(places, deps, many, len(order), seconds, self.jobs)
+
+    def _todo_list(self) -> Any:
+        return self.__dict__.get("_todo_source")
 
     def _cell(self, fp: str) -> dict[str, Any]:
         est = self.estimates.get(fp)
@@ -122,6 +147,12 @@ class PlanReport:
         return f"{ts:<7} {cs:<7} {shown}"
 
     def lines(self) -> list[str]:
+        out = self.matrix_lines()
+        out.append(self.summary_line())
+        return out
+
+    def matrix_lines(self) -> list[str]:
+        """lines() but its last (the summary, which needs the wall-time schedule): `plan` prints these first."""
         out: list[str] = []
         estimates, cached, ag = self.estimates, self.cached, self.ag
         seen: dict[tuple[int, int, bool, bool], str] = {}
@@ -135,10 +166,15 @@ class PlanReport:
         changed: set[str] = set()
         if kept is not None and needed is not None and needed.base is kept[0] and needed.changed is not None:
             old, changed = kept[1], needed.changed
+            # a compile target rendered last time (the same object) shows actions of both graphs: neither added nor
+            # removed (incremental._patch_needed's `changed` holds both; `_diff` is against the same graph), so only
+            # the kept actions whose status changed can make it differ
+            added, removed = ag.__dict__["_diff"]
+            changed = {fp for fp in changed if fp not in added and fp not in removed}
         blocks: dict[int, tuple[CompileTarget, list[str]]] = {}
         for ct in ag.compiles:
             k = old.get(id(ct))
-            if k is not None and k[0] is ct and changed.isdisjoint(_fingerprints(ct, ag)):
+            if k is not None and k[0] is ct and (not changed or changed.isdisjoint(_fingerprints(ct, ag))):
                 out.extend(k[1])
                 blocks[id(ct)] = k
                 continue
@@ -156,14 +192,16 @@ class PlanReport:
                 blocks[id(ct)] = (ct, out[start:])
         if memo is not None:
             memo[_BLOCKS] = (needed, blocks) if needed is not None else None
+        return out
+
+    def summary_line(self) -> str:
         n = len(self.todo)
         line = (f"{len(self.ag.actions)} actions: {n} to execute, {len(self.cached)} cached")
         if n:
             line += f"; estimated {self.serial_s:.1f} s of work, ~{self.wall_s:.1f} s wall with -j {self.jobs}"
             if self.unknown:
                 line += f" ({self.unknown} action(s) without a recorded duration estimated from defaults)"
-        out.append(line)
-        return out
+        return line
 
 
 def _layout(ct: CompileTarget) -> tuple[tuple[str, str], tuple[str, ...]]:
@@ -212,18 +250,76 @@ def plan_report(ag: ActionGraph, todo: Sequence[Action], cached: Sequence[str], 
         last: dict[str, Estimate] = memo.get(_ESTIMATES) or {}
         known = ag.__dict__.get("_todo_fps")  # (incremental.needed_actions': the fingerprints of this very todo)
         fps = known[1] if known is not None and known[0] is todo else list(map(_FINGERPRINT, todo))
-        estimates = dict(zip(fps, map(last.get, fps), strict=True))
-        if len(estimates) != len(fps):  # (an action twice in todo: never from needed_actions; made one by one)
-            estimates = {a.fingerprint: last.get(a.fingerprint) or est.estimate(a) for a in todo}
+        if len(last) > 2 * len(fps) + 1024:
             last = {}
-        elif not all(estimates.values()):  # (an Estimate is always true: the new actions' are None)
-            if len(last) > 2 * len(estimates) + 1024:
+        seconds: list[float] | None = None
+        spliced = _spliced_estimates(ag, fps, memo.get(_PREVIOUS), last, est)
+        if spliced is not None:
+            estimates, seconds = spliced
+        else:
+            estimates = dict(zip(fps, map(last.get, fps), strict=True))
+            if len(estimates) != len(fps):  # (an action twice in todo: never from needed_actions; one by one)
+                estimates = {a.fingerprint: last.get(a.fingerprint) or est.estimate(a) for a in todo}
                 last = {}
-            actions = ag.actions
-            for fp in list(compress(fps, map(operator.not_, estimates.values()))):
-                estimates[fp] = last[fp] = est.estimate(actions[fp])
+            else:
+                if not all(estimates.values()):  # (an Estimate is always true: the new actions' are None)
+                    actions = ag.actions
+                    for fp in list(compress(fps, map(operator.not_, estimates.values()))):
+                        estimates[fp] = last[fp] = est.estimate(actions[fp])
+                seconds = list(map(_SECONDS, estimates.values()))  # (in the order of fps, as the estimates)
+                if None in seconds:
+                    seconds = [s or 0.0 for s in seconds]
         memo[_ESTIMATES] = last
+        memo[_PREVIOUS] = (fps, estimates, seconds) if seconds is not None else None
         report = PlanReport(ag, tuple(todo), frozenset(cached), estimates, jobs, memo)
         report.__dict__["_todo_fps"] = fps  # (for wall_s: the same list, not made again)
+        report.__dict__["_todo_source"] = todo  # (for wall_s: the list needed_actions' mask made)
+        if seconds is not None:
+            report.__dict__["_seconds_list"] = seconds  # (each action's seconds in the order of todo)
         return report
-    return PlanReport(ag, tuple(todo), frozenset(cached), estimates, jobs, memo)
+    report = PlanReport(ag, tuple(todo), frozenset(cached), estimates, jobs, memo)
+    report.__dict__["_todo_source"] = todo
+    return report
+
+
+def _spliced_estimates(ag: ActionGraph, fps: list[str], previous: Any, last: dict[str, Estimate],
+                       est: Estimator) -> tuple[dict[str, Estimate], list[float]] | None:
+    """The build server's re-plan where the previous report and this one execute every action of their graphs and
+    this graph's order was patched from the previous one (ActionGraph._patched): the previous estimates (a copy of
+    the dict, in another order than `fps`: only looked up) without the removed actions and with the added ones', and
+    their seconds in the order of `fps`, the previous list with the same places removed and added (the same numbers
+    in the same order as made from the estimates: the serial sum and the schedule are those of a fresh report).
+    None otherwise (then the estimates are taken one by one from `last`)."""
+    splice = ag.__dict__.get("_splice")
+    diff = ag.__dict__.get("_diff")
+    if previous is None or splice is None or diff is None or fps is not ag.__dict__.get("_order_fps"):
+        return None
+    old_fps, keep, inserted, _rel = splice
+    prev_fps, prev_estimates, prev_seconds = previous
+    added, removed = diff
+    if prev_fps is not old_fps or len(prev_estimates) != len(old_fps) or len(inserted) != len(added) or \
+            len(fps) != len(old_fps) - len(removed) + len(added):
+        return None
+    estimates = prev_estimates.copy()
+    try:
+        for fp in removed:
+            del estimates[fp]
+    except KeyError:
+        return None
+    kept = prev_seconds if keep is None else list(compress(prev_seconds, keep))
+    seconds: list[float] = []
+    actions = ag.actions
+    f = 0
+    for j, q in enumerate(inserted):
+        fp = fps[q]
+        e = last.get(fp)
+        if e is None:
+            e = last[fp] = est.estimate(actions[fp])
+        estimates[fp] = e
+        seconds.extend(kept[f:q - j])
+        f = q - j
+        seconds.append(e.seconds or 0.0)
+    seconds.extend(kept[f:])
+    if len(estimates) != len(fps) or len(seconds) != len(fps):
+        return None
+    return estimates, seconds

@@ -66,7 +66,7 @@ class ActionGraph:
         return fps  # type: ignore[no-any-return]
 
     def _patched(self, old_actions: Mapping[str, Action], old_order: tuple[Action, ...],
-                 old_fps: list[str]) -> tuple[Action, ...] | None:
+                 old_fps: list[str], old_inserted: list[int] | None = None) -> tuple[Action, ...] | None:
         """The order `_topological` gives, patched from the order of a previous graph `old_actions` (the build
         server's previous plan) when only a few actions were added or removed; None when it cannot be (then the full
         order is made). A fingerprint is the digest of a record holding every input of the action, its dependencies'
@@ -75,8 +75,11 @@ class ActionGraph:
         own smallest-first order, i.e. the previous order filtered to U. The added actions D are merged into it as
         Kahn's algorithm takes them: whenever the smallest ready D is smaller than U's next one (which is always
         ready), D goes first. Sets `_diff` = (added, removed) for incremental.needed_actions. The kept actions in
-        the order are the previous graph's objects (the same fingerprint: the same action)."""
+        the order are the previous graph's objects (the same fingerprint: the same action). `old_inserted`: where
+        the previous order placed the actions its own patch added (an edit loop removes what the last edit added:
+        then the removed ones are found there, not by a pass over the previous order)."""
         import heapq
+        from bisect import bisect_right
         from itertools import compress
 
         actions = self.actions
@@ -104,12 +107,20 @@ class ActionGraph:
                 return None
         heap = [d for d, k in waiting.items() if k == 0]
         heapq.heapify(heap)
+        keep: list[bool] | None = None
         if removed:
-            keep = list(map(operator.not_, map(removed.__contains__, old_fps)))  # (one lookup pass for both)
+            at = [q for q in old_inserted or () if old_fps[q] in removed]
+            if len(at) == len(removed):  # (each removed action once in the order: these are all its places)
+                keep = [True] * len(old_fps)
+                for q in at:
+                    keep[q] = False
+            else:
+                keep = list(map(operator.not_, map(removed.__contains__, old_fps)))  # (one lookup pass for both)
             ufps = list(compress(old_fps, keep))
             useq = list(compress(old_order, keep))
         else:
             ufps, useq = list(old_fps), list(old_order)
+        inserted: list[int] = []  # where each added action went in the new order
         rel_at = [k for k, fp in enumerate(ufps) if fp in rel] if rel else []
         bmax = [max(ufps[k:k + _BLOCK]) for k in range(0, len(ufps), _BLOCK)]
         pop, push = heapq.heappop, heapq.heappush
@@ -149,6 +160,7 @@ class ActionGraph:
                     release(ufps[j])
                 else:
                     d = pop(heap)
+                    inserted.append(len(fps))
                     out.append(actions[d])
                     fps.append(d)
                     release(d)
@@ -163,7 +175,30 @@ class ActionGraph:
             return None
         self.__dict__["_diff"] = (added, removed)
         self.__dict__["_order_fps"] = fps
+        # how the order was patched, for order_deps(): the kept actions' mask over the previous order (None: all
+        # kept), where the added actions went, and the new places of the kept actions added ones read
+        adj = [q - j for j, q in enumerate(inserted)]  # (the kept actions' index before which each insertion sits)
+        rel_new = {ufps[k]: k + bisect_right(adj, k) for k in rel_at}
+        self.__dict__["_splice"] = (old_fps, keep, inserted, rel_new)
         return tuple(out)
+
+    def order_deps(self) -> tuple[list[int], list[tuple[int, ...]]]:
+        """For each action of topological(), in its order, where its dependency is in that order (1-based; 0: none;
+        ~k: several, at the places many[k]), and `many`: what the wall-time schedule reads instead of the graph
+        (estimate.wall_time_at). Made once per graph; in the build server, patched from the previous plan's as the
+        order was (`_patched`): the kept actions' places move by how many actions were removed and added before
+        them (a kept action's dependencies are kept), the added actions' are looked up."""
+        known = self.__dict__.get("_order_deps")
+        if known is None:
+            prev = self.__dict__.pop("_prev_deps", None)
+            splice = self.__dict__.get("_splice")
+            fps = self.order_fingerprints()
+            if prev is not None and splice is not None and prev[0] is splice[0]:
+                known = _spliced_deps(prev[1], prev[2], splice, fps, self.graph._pred)
+            if known is None:
+                known = _order_deps(fps, self.graph._pred)
+            self.__dict__["_order_deps"] = known
+        return known  # type: ignore[no-any-return]
 
     def _topological(self) -> tuple[Action, ...]:
         """Kahn's algorithm taking the smallest ready fingerprint first: networkx's lexicographical_topological_sort
@@ -494,6 +529,85 @@ _FINGERPRINT = operator.attrgetter("fingerprint")
 _BLOCK = 256  # the kept order is scanned for the first fingerprint above the smallest ready added one by blocks
 
 
+def _order_deps(fps: list[str], pred: Mapping[str, Mapping[str, Any]]) -> tuple[list[int], list[tuple[int, ...]]]:
+    """ActionGraph.order_deps() made from the graph: C-level passes (a place per fingerprint, each action's first
+    dependency), a loop over the actions with several."""
+    from itertools import compress, repeat
+
+    pos: dict[str | None, int] = dict(zip(fps, range(1, len(fps) + 1), strict=True))
+    preds = list(map(pred.__getitem__, fps))
+    dep: list[int] = list(map(pos.get, map(next, map(iter, preds), repeat(None)), repeat(0)))  # type: ignore[arg-type]
+    many: list[tuple[int, ...]] = []
+    for i in compress(range(len(fps)), map(operator.lt, repeat(1), map(len, preds))):
+        dep[i] = ~len(many)
+        many.append(tuple(map(pos.__getitem__, preds[i])))
+    return dep, many
+
+
+def _spliced_deps(dep: list[int], many: list[tuple[int, ...]], splice: tuple[Any, ...], fps: list[str],
+                  pred: Mapping[str, Mapping[str, Any]]) -> tuple[list[int], list[tuple[int, ...]]] | None:
+    """order_deps() of an order patched from the previous one (`splice`, see ActionGraph._patched) from the previous
+    order's `dep` and `many`; None when an added action reads an action whose place is not known (then they are
+    made from the graph)."""
+    from itertools import compress
+
+    old_fps, keep, inserted, rel_new = splice
+    n_old = len(old_fps)
+    if len(dep) != n_old or len(many) > n_old // 4 + 1024:  # (too many entries of removed actions: made afresh)
+        return None
+    if keep is None and not inserted:  # (the same order: the same places; the lists are never changed)
+        return (dep, many) if len(fps) == n_old else None
+    removed = [] if keep is None else list(compress(range(n_old), map(operator.not_, keep)))
+    adj = [q - j for j, q in enumerate(inserted)]
+    # shift[p]: how far the action at place p (1-based) of the previous order moved (kept ones only; 0 for removed
+    # ones and for "none"), then zeros that the markers ~k of actions with several dependencies index
+    shift = [0]
+    k = r = c = ri = ci = 0
+    while k < n_old:
+        if ri < len(removed) and removed[ri] == k:
+            shift.append(0)
+            ri += 1
+            r += 1
+            k += 1
+            continue
+        while ci < len(adj) and adj[ci] <= k - r:
+            ci += 1
+            c += 1
+        end = min(removed[ri] if ri < len(removed) else n_old, adj[ci] + r if ci < len(adj) else n_old)
+        shift.extend([c - r] * (end - k))
+        k = end
+    shift.extend([0] * len(many))
+    kept = dep if keep is None else list(compress(dep, keep))
+    kept = list(map(operator.add, kept, map(shift.__getitem__, kept)))
+    at = shift.__getitem__
+    many = [tuple(map(operator.add, t, map(at, t))) for t in many]  # (a removed action's: unused)
+    place = dict(rel_new)
+    for q in inserted:
+        place[fps[q]] = q
+    out: list[int] = []
+    f = 0
+    for j, q in enumerate(inserted):
+        out.extend(kept[f:adj[j]])
+        f = adj[j]
+        ds = pred[fps[q]]
+        if not ds:
+            out.append(0)
+            continue
+        try:
+            ps = tuple(place[d] + 1 for d in ds)
+        except KeyError:
+            return None
+        if len(ps) == 1:
+            out.append(ps[0])
+        else:
+            out.append(~len(many))
+            many.append(ps)
+    out.extend(kept[f:])
+    if len(out) != len(fps):
+        return None
+    return out, many
+
+
 def plan(graph: TargetGraph, settings: PlanSettings | None = None, memo: AnalysisMemo | None = None) -> ActionGraph:
     """Analyse every requested target whose kind plans actions (compiles; bundles and the compiles they ship).
 
@@ -540,8 +654,19 @@ def plan(graph: TargetGraph, settings: PlanSettings | None = None, memo: Analysi
         memo.last = ag
         order = last.__dict__.get("_order") if last is not None else None
         if last is not None and order is not None:  # (only the actions and order: no chain of graphs is kept)
-            ag.__dict__["_prev"] = (last.actions, order, last.order_fingerprints())
+            splice = last.__dict__.get("_splice")
+            ag.__dict__["_prev"] = (last.actions, order, last.order_fingerprints(),
+                                    splice[2] if splice is not None else None)
+            deps = last.__dict__.get("_order_deps")
+            if deps is not None:  # (the previous order's, with that order: order_deps() patches them)
+                ag.__dict__["_prev_deps"] = (last.order_fingerprints(), *deps)
     return ag
+
+
+_PROVIDERS = operator.attrgetter("providers")
+_ACTIONS = operator.attrgetter("actions")
+_COMPILES = operator.attrgetter("compiles")
+_FIRST = operator.attrgetter("first")
 
 
 class _Segment:
@@ -551,11 +676,23 @@ class _Segment:
 
     __slots__ = ("first", "touched", "providers", "actions", "compiles", "bundles")
 
-    def __init__(self, first: tuple[Label, ...], touched: frozenset[Label], providers: dict[Label, Any],
+    def __init__(self, first: tuple[Label, ...], touched: frozenset[Label] | None, providers: dict[Label, Any],
                  actions: dict[str, Action], compiles: tuple[CompileTarget, ...],
                  bundles: tuple[tuple[Label, BundleInfo], ...]) -> None:
         self.first, self.touched, self.providers = first, touched, providers
         self.actions, self.compiles, self.bundles = actions, compiles, bundles
+
+    def touched_in(self, entries: Mapping[Label, _Memo], targets: Mapping[Label, Target]) -> frozenset[Label]:
+        """`touched`, made when first asked (a segment made by _materialised): from the memoised analyses of the
+        targets it provided first, which are those it was made from as long as it is in the plan state (a target
+        analysed again makes its segment redone, not reused), and the kinds of the targets they asked for (a kind
+        changed with its package: its dependants are analysed again)."""
+        t = self.touched
+        if t is None:
+            t = self.touched = frozenset(
+                d for lbl in self.first for d, _p in entries[lbl].deps
+                if (dt := targets.get(d)) is None or dt.kind not in VOLATILE_KINDS).difference(self.first)
+        return t
 
 
 @dataclass
@@ -645,6 +782,7 @@ def _materialised(state: _PlanState, memo: AnalysisMemo) -> _PlanState | None:
     files: dict[Label, tuple[tuple[str, str], ...]] = {}
     rdeps: dict[Label, set[Label]] = {}
     volatile: dict[Label, Any] = {}
+    vol = {lbl for lbl, t in targets.items() if t.kind in VOLATILE_KINDS}  # (a few: no lookup per provided target)
     k = 0
     for b in starts:
         if b is None:
@@ -653,23 +791,22 @@ def _materialised(state: _PlanState, memo: AnalysisMemo) -> _PlanState | None:
         e = bounds[k + 1]
         k += 1
         provided = []
+        memos = []
         for lbl, v in p_items[b[0]:e[0]]:
-            if targets[lbl].kind in VOLATILE_KINDS:
+            if lbl in vol:
                 volatile[lbl] = v
                 continue
             m = entries.get(lbl)
             if m is None or m.provider is not v:
                 return None
             provided.append((lbl, v))
+            memos.append(m)
         first = tuple(lbl for lbl, _v in provided)
-        touched = frozenset(d for lbl in first for d, _p in entries[lbl].deps
-                            if targets[d].kind not in VOLATILE_KINDS).difference(first)
-        seg = _Segment(first, touched, dict(provided), dict(a_items[b[1]:e[1]]), tuple(compiles[b[2]:e[2]]),
-                       tuple(b_items[b[3]:e[3]]))
+        seg = _Segment(first, None, dict(provided), dict(a_items[b[1]:e[1]]), tuple(compiles[b[2]:e[2]]),
+                       tuple(b_items[b[3]:e[3]]))  # (what it asked for: made when first needed, touched_in)
         segments.append(seg)
-        for lbl in first:
+        for lbl, m in zip(first, memos, strict=True):
             owner[lbl] = seg
-            m = entries[lbl]
             if m.files:
                 files[lbl] = m.files
             for d, _p in m.deps:
@@ -711,6 +848,9 @@ def _plan_segments(ctx: AnalysisContext, memo: AnalysisMemo, roots: list[Label],
         memo.state = _PlanState(ctx.graph.root, ctx.graph.requested, ctx.graph.packages, roots, [], {}, {}, {}, {},
                                 (starts, ends, targets, providers, actions, compiles, bundles), actions)
         return
+    from collections import deque
+    from itertools import compress, count, repeat
+
     same_roots = state.roots is roots
     if same_roots:
         old: list[_Segment | None] = state.segments
@@ -728,7 +868,39 @@ def _plan_segments(ctx: AnalysisContext, memo: AnalysisMemo, roots: list[Label],
     dropped: list[_Segment] = []  # the previous plan's segments not reused
     volatile_seen: set[Label] = set(state.volatile)
     usable = True
-    for lbl, seg in zip(roots, old, strict=True):
+    # Each reused segment's actions are added with one update: they are new to the plan unless an action some
+    # re-analysed segment added first is among them (then the update replaced that object). The count tells:
+    # every update adding only new fingerprints leaves len(actions) at `expected`; else the actions are made again
+    # in order, the first of each fingerprint kept (as one by one)
+    expected = len(actions)
+    parts: list[Mapping[str, Action]] = [dict(actions)]  # what was added, in order (for _first_wins)
+    # With the same roots and nothing diverged, every root up to the next one to redo is reused or was provided
+    # already (no segment): such a run is appended as a whole, by C-level passes (what the loop below does per root)
+    stops = list(compress(count(), map(redo.__contains__, map(id, old)))) if same_roots else []
+    stop = 0
+    i, n = 0, len(roots)
+    while i < n:
+        if same_roots and not diverged:
+            while stop < len(stops) and stops[stop] < i:
+                stop += 1
+            end = stops[stop] if stop < len(stops) else n
+            if end > i:
+                run = old[i:end]
+                live = list(filter(None, run))
+                deque(map(providers.update, map(_PROVIDERS, live)), maxlen=0)
+                deque(map(actions.update, map(_ACTIONS, live)), maxlen=0)
+                expected += sum(map(len, map(_ACTIONS, live)))
+                parts.extend(map(_ACTIONS, live))
+                deque(map(list.extend, repeat(compiles), map(_COMPILES, live)), maxlen=0)
+                for kept in live:
+                    for k, v in kept.bundles:
+                        dict.__setitem__(bundles, k, v)
+                memo.reused += sum(map(len, map(_FIRST, live)))
+                segments.extend(run)
+                i = end
+                continue
+        lbl, seg = roots[i], old[i]
+        i += 1
         if same_roots and not diverged:
             provided_now = seg is None
         else:
@@ -740,16 +912,14 @@ def _plan_segments(ctx: AnalysisContext, memo: AnalysisMemo, roots: list[Label],
             segments.append(None)
             continue
         if seg is not None and id(seg) not in redo and (
-                (same_roots and (not diverged or (diverged.isdisjoint(seg.first) and diverged.isdisjoint(seg.touched))))
+                (same_roots and (not diverged or (diverged.isdisjoint(seg.first) and
+                                                  diverged.isdisjoint(seg.touched_in(entries, targets)))))
                 or (not same_roots and providers.keys().isdisjoint(seg.first) and
-                    all(t in providers for t in seg.touched))):
+                    all(t in providers for t in seg.touched_in(entries, targets)))):
             providers.update(seg.providers)
-            if actions.keys().isdisjoint(seg.actions):
-                actions.update(seg.actions)
-            else:
-                for fp, a in seg.actions.items():
-                    if fp not in actions:
-                        actions[fp] = a
+            actions.update(seg.actions)
+            expected += len(seg.actions)
+            parts.append(seg.actions)
             if seg.compiles:
                 list.extend(compiles, seg.compiles)
             for k, v in seg.bundles:
@@ -759,8 +929,13 @@ def _plan_segments(ctx: AnalysisContext, memo: AnalysisMemo, roots: list[Label],
             continue
         if seg is not None:
             dropped.append(seg)
+        if len(actions) != expected:  # (before an analysis: it asks for the first action of a fingerprint)
+            _first_wins(actions, parts)
         n_p, n_a, n_c, n_b = len(providers), len(actions), len(compiles), len(bundles)
         ctx.provider(lbl)
+        added_now = dict(_tail(actions, len(actions) - n_a))  # (an analysis adds only new fingerprints)
+        parts.append(added_now)
+        expected = len(actions)
         provided = []
         for k, v in _tail(providers, len(providers) - n_p):
             if targets[k].kind in VOLATILE_KINDS:
@@ -778,10 +953,12 @@ def _plan_segments(ctx: AnalysisContext, memo: AnalysisMemo, roots: list[Label],
             continue
         touched = frozenset(d for k in first for d, _p in entries[k].deps
                             if targets[d].kind not in VOLATILE_KINDS).difference(first)
-        seg = _Segment(first, touched, dict(provided), dict(_tail(actions, len(actions) - n_a)),
-                       tuple(compiles[n_c:]), tuple(_tail(bundles, len(bundles) - n_b)))
+        seg = _Segment(first, touched, dict(provided), added_now, tuple(compiles[n_c:]),
+                       tuple(_tail(bundles, len(bundles) - n_b)))
         segments.append(seg)
         redone.append(seg)
+    if len(actions) != expected:
+        _first_wins(actions, parts)
     if same_roots:  # (else a root of the previous plan may be gone: its segment is in neither list)
         # every action of the previous plan came from one of its segments, each now reused or dropped, and every
         # action of this plan from a reused or redone one: what changed is among the dropped and redone ones'
@@ -812,6 +989,18 @@ def _plan_segments(ctx: AnalysisContext, memo: AnalysisMemo, roots: list[Label],
                     s.add(k)
     memo.state = _PlanState(ctx.graph.root, ctx.graph.requested, ctx.graph.packages, roots, segments, files,
                             volatile, rdeps, owner, actions=actions)
+
+
+def _first_wins(actions: dict[str, Action], parts: list[Mapping[str, Action]]) -> None:
+    """`actions` made again from what was added to it, in order, keeping the first action of each fingerprint (an
+    update with a reused segment's actions replaced one that a re-analysed segment had added first)."""
+    fresh: dict[str, Action] = {}
+    for part in parts:
+        for fp, a in part.items():
+            if fp not in fresh:
+                fresh[fp] = a
+    actions.clear()
+    actions.update(fresh)
 
 
 def action_digraph(actions: Mapping[str, Action]) -> nx.DiGraph:
@@ -876,7 +1065,7 @@ def _patched_digraph(actions: Mapping[str, Action], old_actions: Mapping[str, Ac
                 changed.add(dep)
     for fp in removed:
         changed.update(dep for dep in old_actions[fp].deps if dep in pred)
-    order: list[str] | None = None
+    unsorted: list[tuple[str, list[str]]] = []
     for dep in changed:
         if dep in added:
             consumers = [c for c in added if dep in pred[c]]
@@ -886,10 +1075,17 @@ def _patched_digraph(actions: Mapping[str, Action], old_actions: Mapping[str, Ac
         if len(consumers) > 1:  # (a fresh graph lists consumers in the actions' order)
             if len(consumers) > 64:
                 return None
-            if order is None:
-                order = list(actions)
-            consumers.sort(key=order.index)  # (a few consumers: no position index of every action)
-        succ[dep] = {c: pred[c][dep] for c in consumers}
+            unsorted.append((dep, consumers))
+        else:
+            succ[dep] = {c: pred[c][dep] for c in consumers}
+    if unsorted:  # (the places of these few consumers in the actions' order: one pass for all)
+        from itertools import compress, count
+
+        want = {c for _dep, consumers in unsorted for c in consumers}
+        place = dict(zip(compress(actions, map(want.__contains__, actions)), count(), strict=False))
+        for dep, consumers in unsorted:
+            consumers.sort(key=place.__getitem__)
+            succ[dep] = {c: pred[c][dep] for c in consumers}
     g = nx.DiGraph()
     g._node, g._adj, g._pred = node, succ, pred  # (see action_digraph)
     g.__dict__["_nb_diff"] = (added, removed)  # (taken by plan(): ActionGraph._patched uses it)

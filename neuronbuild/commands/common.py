@@ -89,6 +89,9 @@ def run_plan(args: argparse.Namespace) -> int:
                              incremental.estimate_memo(peeking))
         if getattr(args, "output", "text") == "json":
             print(json.dumps(report.to_json(), indent=1, sort_keys=True))
-        else:
-            print("\n".join(report.lines()))
+        else:  # (the matrix first: the build server sends it while the schedule for the summary is computed)
+            matrix = report.matrix_lines()
+            if matrix:
+                sys.stdout.write("\n".join(matrix) + "\n")
+            print(report.summary_line())
     return EXIT_OK

@@ -23,11 +23,16 @@ from neuronbuild.server import protocol
 
 class Outbox:
     """A command's output on its way to the client: writes are batched (consecutive text of one stream merged, in
-    order across stdout and stderr) and sent every FLUSH_S or when BATCH_BYTES are pending, so a command printing
-    100,000 lines sends a few hundred frames, not 200,000, while progress still reaches the terminal promptly."""
+    order across stdout and stderr) and sent by its thread every FLUSH_S or as soon as BATCH_BYTES are pending, so a
+    command printing 100,000 lines sends a few hundred frames, not 200,000, while progress still reaches the terminal
+    promptly."""
 
     FLUSH_S = 0.05
     BATCH_BYTES = 256 << 10
+    # Text queued at most: a batch is sent by the Outbox's thread while the command goes on (a 7 MB `plan` matrix
+    # reaches the client while the server computes the summary below it); a writer finding more queued than this
+    # sends it itself, at the client's pace, so memory stays bounded
+    MAX_PENDING = 32 << 20
 
     def __init__(self, sock: socket.socket) -> None:
         self._sock = sock
@@ -36,6 +41,7 @@ class Outbox:
         self._pending = 0
         self.broken = False
         self._stop = threading.Event()
+        self._kick = threading.Event()  # a batch is pending: the thread sends it now
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
@@ -46,8 +52,10 @@ class Outbox:
             else:
                 self._frames.append((kind, [s]))
             self._pending += len(s)
-            if self._pending >= self.BATCH_BYTES:
+            if self._pending >= self.MAX_PENDING:
                 self._send_locked()
+            elif self._pending >= self.BATCH_BYTES:
+                self._kick.set()
 
     def flush(self) -> None:
         with self._lock:
@@ -71,11 +79,14 @@ class Outbox:
                     self.broken = True
 
     def _run(self) -> None:
-        while not self._stop.wait(self.FLUSH_S):
+        while not self._stop.is_set():
+            self._kick.wait(self.FLUSH_S)
+            self._kick.clear()
             self.flush()
 
     def close(self) -> None:
         self._stop.set()
+        self._kick.set()
         self._thread.join()
         self.flush()
 
