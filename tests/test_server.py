@@ -669,6 +669,27 @@ def test_a_reused_root_whose_target_an_edited_root_provided_first_is_analysed_ag
         incremental.keep_in_memory(False)
 
 
+def _plan_report(cache_dir: Path, server: bool) -> tuple[Any, Any, Any]:
+    """`plan //...`'s report (in the current directory's workspace) as the build server makes it (memoised analysis,
+    a peeking cache, needed actions patched from the previous plan's when they can be) or as --batch does (the
+    scheduler's needed_actions): (report, action graph, estimate memo)."""
+    from neuronbuild import incremental
+    from neuronbuild.analysis import planner
+    from neuronbuild.analysis.plan_report import plan_report
+    from neuronbuild.context import make_context
+    from neuronbuild.execution.scheduler import needed_actions
+
+    ctx = make_context(cache_dir=str(cache_dir))
+    graph = ctx.load(["//..."])
+    m = incremental.analysis_memo(ctx.workspace.root, ctx.settings) if server else None
+    ag = planner.plan(graph, ctx.settings, m)
+    cache = ctx.open_cache()
+    peeking = incremental.peeking(cache) if server else cache
+    todo, cached = incremental.needed_actions(ag, peeking) if server else needed_actions(ag, peeking, probe=True)
+    memo = incremental.estimate_memo(peeking)
+    return plan_report(ag, todo, cached, ctx.history(cache), 2, memo), ag, memo
+
+
 def test_the_servers_plan_report_equals_a_fresh_one_as_the_cache_and_workspace_change(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """`plan` as the server makes it (memoised analysis, peek verdicts memoised per cache shard, answered from shard
@@ -676,11 +697,8 @@ def test_the_servers_plan_report_equals_a_fresh_one_as_the_cache_and_workspace_c
     text and JSON report after results are stored (cached and unneeded cells, recorded durations), a record and a
     blob go, a bucket list is edited and a package is deleted."""
     from neuronbuild import incremental
-    from neuronbuild.analysis import planner
-    from neuronbuild.analysis.plan_report import plan_report
     from neuronbuild.cache.identity_index import IdentityIndex
     from neuronbuild.context import make_context
-    from neuronbuild.execution.scheduler import needed_actions
 
     ws = tmp_path / "ws"
     gen_monorepo.generate(ws, 16, 2, 2)
@@ -688,17 +706,8 @@ def test_the_servers_plan_report_equals_a_fresh_one_as_the_cache_and_workspace_c
     cache_dir = tmp_path / "cache"
 
     def report(server: bool) -> tuple[list[str], Any, Any]:
-        ctx = make_context(cache_dir=str(cache_dir))
-        graph = ctx.load(["//..."])
-        m = incremental.analysis_memo(ctx.workspace.root, ctx.settings) if server else None
-        ag = planner.plan(graph, ctx.settings, m)
-        cache = ctx.open_cache()
-        peeking = incremental.peeking(cache) if server else cache
-        # the server's needed_actions (patched from the previous plan's when it can be) against the scheduler's
-        todo, cached = incremental.needed_actions(ag, peeking) if server else needed_actions(ag, peeking, probe=True)
-        memo = incremental.estimate_memo(peeking)
+        r, ag, memo = _plan_report(cache_dir, server)
         assert (memo is not None) == server
-        r = plan_report(ag, todo, cached, ctx.history(cache), 2, memo)
         return r.lines(), r.to_json(), ag
 
     def same() -> Any:
@@ -770,10 +779,7 @@ def test_the_servers_plan_report_rerenders_a_kept_target_whose_trace_becomes_nee
     lowering and compiles cached) and is needed after an edit adds a compile with another lowering of it: its rows
     are rendered again (the trace's cell changes), as a batch `plan` shows them."""
     from neuronbuild import incremental
-    from neuronbuild.analysis import planner
-    from neuronbuild.analysis.plan_report import plan_report
     from neuronbuild.context import make_context
-    from neuronbuild.execution.scheduler import needed_actions
 
     ws = tmp_path / "ws"
     gen_monorepo.generate(ws, 8, 2, 2)
@@ -781,14 +787,8 @@ def test_the_servers_plan_report_rerenders_a_kept_target_whose_trace_becomes_nee
     cache_dir = tmp_path / "cache"
 
     def report(server: bool) -> tuple[list[str], Any]:
-        ctx = make_context(cache_dir=str(cache_dir))
-        graph = ctx.load(["//..."])
-        m = incremental.analysis_memo(ctx.workspace.root, ctx.settings) if server else None
-        ag = planner.plan(graph, ctx.settings, m)
-        cache = ctx.open_cache()
-        peeking = incremental.peeking(cache) if server else cache
-        todo, cached = incremental.needed_actions(ag, peeking) if server else needed_actions(ag, peeking, probe=True)
-        return plan_report(ag, todo, cached, ctx.history(cache), 2, incremental.estimate_memo(peeking)).lines(), ag
+        r, ag, _memo = _plan_report(cache_dir, server)
+        return r.lines(), ag
 
     def same() -> tuple[list[str], Any]:
         time.sleep(0.05)  # out of the racy window of the last change

@@ -99,14 +99,11 @@ class PlanReport:
             deps: Any = dep
         else:
             known = ag.__dict__.get("_todo_mask")  # (incremental.needed_actions: todo = compress(order, mask))
-            if known is None or known[0] is not self._todo_list() or len(known[1]) != len(order):
+            if known is None or known[0] is not self.__dict__.get("_todo_source") or len(known[1]) != len(order):
                 return None
             dep, many = ag.order_deps()
             places, deps = compress(range(1, len(order) + 1), known[1]), compress(dep, known[1])
         return wall_time_at(places, deps, many, len(order), seconds, self.jobs)
-
-    def _todo_list(self) -> Any:
-        return self.__dict__.get("_todo_source")
 
     def _cell(self, fp: str) -> dict[str, Any]:
         est = self.estimates.get(fp)

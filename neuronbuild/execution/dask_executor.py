@@ -287,7 +287,7 @@ class DaskExecutor:
 
 _POOLS: dict[tuple[str, int], FarmPool] = {}  # this Dask worker's warm processes, by toolchain tmp and thread share
 _POOLS_LOCK = threading.Lock()
-_RUNNING: dict[str, tuple[FarmPool, str]] = {}  # task key -> the pool running it and its task id there
+_RUNNING: dict[str, FarmPool] = {}  # task key (also its task id in the pool) -> the pool running it
 _CANCELLED: set[str] = set()
 _POLL_S = 1.0  # the farm pool's driver waits this long for results at most (a new task wakes it at once)
 
@@ -432,11 +432,11 @@ def cancel_farm_tasks(keys: list[str]) -> int:
     """Runs on every Dask worker (Client.run): kill the worker processes (process groups) running these tasks."""
     killed = 0
     for key in keys:
-        entry = _RUNNING.get(key)
-        if entry is None:
+        pool = _RUNNING.get(key)
+        if pool is None:
             continue
         _CANCELLED.add(key)
-        entry[0].kill_task(entry[1])
+        pool.kill_task(key)
         killed += 1
     return killed
 
@@ -529,7 +529,7 @@ def farm_run(payload: dict[str, Any]) -> dict[str, Any]:
 
                 secede()  # this thread leaves the Dask worker's pool: its slot runs other tasks (traces) now
             where = f"zygote@{where}"
-        _RUNNING[key] = (pool, key)
+        _RUNNING[key] = pool
         try:
             pool.submit(key, msg, float(limit) or None, str(source))
             result = pool.result(key, lambda: key in _CANCELLED)

@@ -134,13 +134,17 @@ class WorkerProcess:
         if self.proc.poll() is not None:  # exited (and reaped) already: its group id may no longer be ours
             self.close()
             return
+        self.signal_kill()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=10)
+        self.close()
+
+    def signal_kill(self) -> None:
+        """SIGKILL the worker and everything it started (its session's process group), without waiting."""
         with contextlib.suppress(OSError):
             os.killpg(self.proc.pid, signal.SIGKILL)
         with contextlib.suppress(OSError):
             self.proc.kill()
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(timeout=10)
-        self.close()
 
     def close(self) -> None:
         for c in (self.to_child, self.from_child):
@@ -405,9 +409,7 @@ class WorkerPool:
         for w in self._workers.values():
             if w.task == task_id:
                 if w.proc.poll() is None:
-                    with contextlib.suppress(OSError):
-                        os.killpg(w.proc.pid, signal.SIGKILL)
-                    w.proc.kill()
+                    w.signal_kill()
                 return True
         return False
 

@@ -527,7 +527,7 @@ def death_message(returncode: int | None) -> str:
     """How a worker (or an action's process) ended, for the failure it leaves (from its exit status)."""
     if returncode is None:
         return "the worker process died (how is unknown: its exit status was not reported)"
-    if returncode is not None and returncode < 0:
+    if returncode < 0:
         try:
             name = signal.Signals(-returncode).name
         except ValueError:
