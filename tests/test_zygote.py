@@ -110,3 +110,37 @@ def test_workers_are_forked_from_one_zygote_and_actions_in_them_stay_confined(tm
         assert (ws / f"neuronbuild-out/pkg/{name}_trn2/b1/model.hlo.pb").is_file()
     time.sleep(0.5)
     assert not [p for p in everyone if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+
+
+def test_a_worker_that_dies_while_the_zygote_warms_up_is_reported_at_once(monkeypatch: Any) -> None:
+    """The zygote runs a toolchain's warm-up (seconds: a lowering's jax import, a cpu build's headers) in its only
+    thread; a forked worker that dies meanwhile is reaped and its exit status reported during the warm-up, not after
+    it (the pool waits only seconds for the report; without it the action's failure says 'how is unknown' instead of
+    'killed by SIGKILL'). The warm-up's result follows, and no thread is left behind to meet the next fork."""
+    import os
+    import select
+    import signal
+    import socket
+    import threading
+
+    from neuronbuild.execution import worker, zygote
+
+    child = subprocess.Popen(["sleep", "60"])
+    children = {os.pidfd_open(child.pid): child.pid}
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    during: list[bool] = []
+
+    def warm_up(msg: Any, warmed: set[str]) -> dict[str, Any]:
+        child.send_signal(signal.SIGKILL)
+        during.append(bool(select.select([ours], [], [], 10.0)[0]))  # the report came while this ran
+        return {"ok": True, "duration_s": 0.1}
+
+    monkeypatch.setattr(worker, "run_warm_up", warm_up)
+    monkeypatch.setattr(worker, "cap_log", lambda path: None)
+    threads = threading.active_count()
+    zygote._warm(theirs, {"msg": {"log": "unused"}, "task": "t1"}, children, set())
+    assert during == [True]
+    assert json.loads(ours.recv(1 << 16)) == {"exit": child.pid, "code": -signal.SIGKILL}
+    result = json.loads(ours.recv(1 << 16))
+    assert result["task"] == "t1" and result["result"]["ok"]
+    assert not children and threading.active_count() == threads

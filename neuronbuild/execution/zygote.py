@@ -25,6 +25,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -289,14 +290,16 @@ def _reap(sock: socket.socket, children: dict[int, int], pidfd: int) -> None:
 
 def _warm(sock: socket.socket, req: dict[str, Any], children: dict[int, int], warmed: set[str]) -> None:
     """A toolchain warm-up in this process (worker.run_warm_up: toolchain code only, its threads joined before it
-    returns). Workers that exit meanwhile are reaped as soon as it ends."""
+    returns). Workers that exit meanwhile are reaped and reported at once by _Reaper (a warm-up lasts seconds: a
+    lowering's imports jax, a cpu one compiles headers; the pool waits only _EXIT_REPORT_S for a report)."""
     from neuronbuild.execution import worker
 
     msg = req["msg"]
-    try:
-        res = worker.run_warm_up(msg, warmed)
-    except Exception as e:  # noqa: BLE001 - a warm-up's failure is reported, never the zygote's end
-        res = {"ok": False, "error": f"{type(e).__name__}: {e}", "duration_s": 0.0}
+    with _Reaper(sock, children):
+        try:
+            res = worker.run_warm_up(msg, warmed)
+        except Exception as e:  # noqa: BLE001 - a warm-up's failure is reported, never the zygote's end
+            res = {"ok": False, "error": f"{type(e).__name__}: {e}", "duration_s": 0.0}
     worker.cap_log(str(msg["log"]))
     res["action_pid"] = os.getpid()
     try:
@@ -307,9 +310,35 @@ def _warm(sock: socket.socket, req: dict[str, Any], children: dict[int, int], wa
                            "task": req["task"], "keys": sorted(warmed)}).encode()
     with contextlib.suppress(OSError):
         sock.send(data)
-    for fd in list(children):  # workers that exited while it ran
-        if select.select([fd], [], [], 0)[0]:
-            _reap(sock, children, fd)
+
+
+class _Reaper:
+    """While the zygote's one thread runs a warm-up: a thread that reaps the forked workers that exit and reports
+    their exit status. It touches only `children` and the socket, which the warm-up does not, and is joined when the
+    warm-up ends, so a fork (which needs a single-threaded zygote) never meets it."""
+
+    def __init__(self, sock: socket.socket, children: dict[int, int]) -> None:
+        self.sock, self.children = sock, children
+        self._stop_r, self._stop_w = os.pipe()
+        self._thread = threading.Thread(target=self._run, name="neuronbuild-zygote-reaper", daemon=True)
+
+    def __enter__(self) -> _Reaper:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        os.write(self._stop_w, b"x")
+        self._thread.join()
+        os.close(self._stop_r)
+        os.close(self._stop_w)
+
+    def _run(self) -> None:
+        while True:
+            ready = select.select([self._stop_r, *self.children], [], [])[0]
+            if self._stop_r in ready:
+                return
+            for fd in ready:
+                _reap(self.sock, self.children, fd)
 
 
 def _fork(sock: socket.socket, fds: list[int], installation: tuple[str, ...], parent: int,
