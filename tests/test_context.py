@@ -8,6 +8,7 @@ import json
 import shutil
 from pathlib import Path
 
+import pytest
 from helpers import run_cli
 from introspect_ws import STANDIN, cli_json, tiny_ws
 
@@ -58,10 +59,28 @@ def test_pin_gc_and_validate_see_what_a_build_with_action_env_built(tmp_path: Pa
     assert "removed 6 of 6 entries" in _ok(proc)
 
 
-def test_neuronx_cc_from_the_environment_is_seen_by_gc_and_validate(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def shared_tier(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A shared tier holding one build of the tiny workspace (NEURONX_CC unset: HLO modules, no NEFFs), as a team's
+    shared cache would: the tests below start fresh machines from a copy of it instead of building cold."""
+    root = tmp_path_factory.mktemp("context-shared")
+    shared = root / "shared"
+    shared.mkdir()
+    _ok(run_cli(["build", "--cache-dir", str(root / "cache"), "--remote-cache", str(shared)], tiny_ws(root / "ws"),
+                {"NEURONX_CC": ""}))
+    return shared
+
+
+def _tier(shared_tier: Path, tmp_path: Path) -> list[str]:
+    copy = shutil.copytree(shared_tier, tmp_path / "shared")
+    return ["--remote-cache", str(copy)]
+
+
+def test_neuronx_cc_from_the_environment_is_seen_by_gc_and_validate(shared_tier: Path, tmp_path: Path) -> None:
     ws, cache = tiny_ws(tmp_path / "ws"), tmp_path / "cache"
-    env = {"NEURONX_CC": str(STANDIN)}  # as on a host where neuronx-cc is installed
-    _ok(run_cli(["build", "--cache-dir", str(cache)], ws, env))
+    env = {"NEURONX_CC": str(STANDIN)}  # as on a host where neuronx-cc is installed: its compiles are new
+    out = _ok(run_cli(["build", "--cache-dir", str(cache), *_tier(shared_tier, tmp_path)], ws, env))
+    assert "2 executed, 4 cached" in out, out  # the traces and lowerings came from the shared tier
     built = _entries(cache)
     assert len(built) == 6  # 2 buckets x (trace, lower, compile)
     out = _ok(run_cli(["cache", "gc", "--max-size", "1", "--cache-dir", str(cache)], ws, env))
@@ -72,13 +91,11 @@ def test_neuronx_cc_from_the_environment_is_seen_by_gc_and_validate(tmp_path: Pa
     assert "NOT BUILT" not in proc.stdout, proc.stdout
 
 
-def test_plan_dry_run_and_explain_read_the_shared_tier(tmp_path: Path) -> None:
-    ws, shared = tiny_ws(tmp_path / "ws"), tmp_path / "shared"
-    shared.mkdir()
+def test_plan_dry_run_and_explain_read_the_shared_tier(shared_tier: Path, tmp_path: Path) -> None:
+    ws = tiny_ws(tmp_path / "ws")
     env = {"NEURONX_CC": ""}
-    _ok(run_cli(["build", "--cache-dir", str(tmp_path / "a"), "--remote-cache", str(shared)], ws, env))
     empty = tmp_path / "b"  # a fresh machine: empty local cache, the shared tier holds everything
-    tier = ["--cache-dir", str(empty), "--remote-cache", str(shared)]
+    tier = ["--cache-dir", str(empty), *_tier(shared_tier, tmp_path)]
     plan = cli_json(["plan", *tier], ws, env)
     assert plan["execute"] == [], plan["execute"]
     assert "6 actions: 0 to execute, 6 cached" in _ok(run_cli(["build", "--dry-run", *tier], ws, env))
@@ -90,15 +107,17 @@ def test_plan_dry_run_and_explain_read_the_shared_tier(tmp_path: Path) -> None:
     assert len(cli_json(["plan", "--cache-dir", str(tmp_path / "c")], ws, env)["execute"]) == 6
 
 
-def test_a_deleted_target_stops_being_protected(tmp_path: Path) -> None:
+def test_a_deleted_target_stops_being_protected(shared_tier: Path, tmp_path: Path) -> None:
     ws, cache = tiny_ws(tmp_path / "ws"), tmp_path / "cache"
     env = {"NEURONX_CC": "", "NEURONBUILD_CACHE_GC_GRACE_S": "0"}
-    _ok(run_cli(["build", "--cache-dir", str(cache)], ws, env))
+    tier = _tier(shared_tier, tmp_path)
+    _ok(run_cli(["build", "--cache-dir", str(cache), *tier], ws, env))  # filled from the shared tier
     first = _entries(cache)
+    assert len(first) == 6
     build_file = ws / "m" / "BUILD"  # rename the compile target and change its options: 2 new compiles, same traces and lowerings
     build_file.write_text(build_file.read_text().replace('name = "tiny_trn2"', 'name = "tiny_o3"')
                           .replace("opt_level = 2", "opt_level = 3"))
-    _ok(run_cli(["build", "--cache-dir", str(cache)], ws, env))
+    _ok(run_cli(["build", "--cache-dir", str(cache), *tier], ws, env))
     assert len(_entries(cache)) == 8
     out = _ok(run_cli(["cache", "gc", "--max-size", "1", "--cache-dir", str(cache)], ws, env))
     assert "removed 2 of 8 entries" in out, out
