@@ -149,7 +149,7 @@ def test_builds_killed_at_random_moments_and_during_stores_leave_no_partial_entr
         with contextlib.suppress(ProcessLookupError):
             os.killpg(p.pid, signal.SIGKILL)  # reap orphaned workers (they would hold CPU)
 
-    for i in range(4):  # random moments (on a busy machine mostly start-up and tracing; stores come next)
+    for i in range(2):  # random moments (on a busy machine mostly start-up and tracing; stores come next)
         p = build()
         time.sleep(rng.uniform(0.3, 6.0))
         if i % 2:
@@ -159,7 +159,7 @@ def test_builds_killed_at_random_moments_and_during_stores_leave_no_partial_entr
         after_kill(p, f"random kill {i}")
 
     interrupted = 0
-    for i in range(1, 5):  # during a store: a new model variant each round, so every action has outputs to store
+    for i in range(1, 4):  # during a store: a new model variant each round, so every action has outputs to store
         (ws / "pkg" / "m.py").write_text(BIG_MODEL.format(seed=i))
         p = build()
         left_before = _staged(tmps)
@@ -167,7 +167,7 @@ def test_builds_killed_at_random_moments_and_during_stores_leave_no_partial_entr
         after_kill(p, f"store kill {i} (killed: {killed})")
         # A staging file that outlived its writer: the kill hit between the start of a blob's store and its rename.
         interrupted += killed and bool(_staged(tmps) - left_before)
-    assert interrupted >= 3, f"{interrupted} of 4 kills interrupted a store:\n" + "\n".join(rounds)
+    assert interrupted >= 2, f"{interrupted} of 3 kills interrupted a store:\n" + "\n".join(rounds)
 
     proc = run_cli(["build", "//pkg:c", "--jobs", "2", "--cache-dir", str(cache), *remote], ws)
     assert proc.returncode == 0, proc.stdout + proc.stderr
