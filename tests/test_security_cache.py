@@ -37,22 +37,26 @@ def test_corrupt_action_records_are_misses_and_verify_repairs_them(tmp_path: Pat
     records = sorted((cache / "v1" / "ac").glob("*/*.json"))
     assert len(records) >= 2
     n = len(records)
-    for name, data in CORRUPT.items():
+
+    def corrupt(data: bytes) -> None:
         for r in records:
+            r.parent.mkdir(exist_ok=True)
             r.write_bytes(data.replace(b"FP", r.stem.encode()))
+
+    for name, data in CORRUPT.items():
+        corrupt(data)
         again = run_cli([*args[:-2], "--cache-dir", str(cache)], ws)
         assert again.returncode == 0, f"{name}: {again.stderr}"
         assert f"{n} executed" in again.stdout, again.stdout
-        for r in records:
-            r.write_bytes(data.replace(b"FP", r.stem.encode()))
+        corrupt(data)
         v = run_cli(["cache", "verify", "--cache-dir", str(cache)], ws)
         assert v.returncode != 0 and "bad-record" in v.stdout + v.stderr, v.stdout + v.stderr
         assert "Traceback" not in v.stderr
         fixed = run_cli(["cache", "verify", "--repair", "--cache-dir", str(cache)], ws)
         assert "Traceback" not in fixed.stderr
         assert not any(r.exists() for r in records)
-        rebuilt = run_cli(args, ws)
-        assert rebuilt.returncode == 0 and f"{n} executed" in rebuilt.stdout, rebuilt.stdout + rebuilt.stderr
+    rebuilt = run_cli(args, ws)  # after the repairs: every action again
+    assert rebuilt.returncode == 0 and f"{n} executed" in rebuilt.stdout, rebuilt.stdout + rebuilt.stderr
 
 
 def _build_in_umask(ws: Path, cache: Path, umask: str, *patterns: str) -> subprocess.CompletedProcess[str]:
