@@ -218,17 +218,34 @@ class DaskExecutor:
             return Completion(job, False, worker, int(res.get("pid") or 0), str(res.get("error") or ""),
                               float(res.get("duration_s") or 0.0), worker_died=bool(res.get("worker_died")))
         out = self._tmp / job.id.replace("#", "-")
+        digests = {str(name): str(digest) for name, (digest, _size) in res["outputs"].items()}
+        adopt = self._records_here()
         try:
-            for name, (digest, _size) in res["outputs"].items():
-                # Verified, then a hard link where the store is a directory on this filesystem (the scheduler only
-                # reads these files into the local cache and removes them): no second copy of every output.
-                self.shared.place_blob(digest, out / name)
-            if not self._same:  # the shared tier's record, for other clients (blobs are there already)
+            for name, digest in digests.items():
+                if adopt:
+                    # Named, not read: a hard link where the store is a directory on this filesystem (else a copy or
+                    # a verified download). The scheduler's store verifies each against its digest while adopting it
+                    # into the local cache (after handing the freed worker its next task), and the local cache's
+                    # upload records it in the store.
+                    self.shared.link_blob(digest, out / name)
+                else:
+                    self.shared.place_blob(digest, out / name)  # verified
+            if not adopt:  # the shared tier's record, for other clients (blobs are there already)
                 self._record_shared(a, res, out)
         except Exception as e:  # noqa: BLE001 - CorruptBlob, OSError: the action's failure, not the build's
             return Completion(job, False, worker, error=f"fetching outputs from the shared cache failed: {e}")
         return Completion(job, True, worker, int(res.get("pid") or 0), "", float(res["duration_s"]),
-                          float(res.get("peak_rss_mb") or 0.0), res.get("metadata") or {}, out)
+                          float(res.get("peak_rss_mb") or 0.0), res.get("metadata") or {}, out,
+                          digests=digests if adopt else None)
+
+    def _records_here(self) -> bool:
+        """Whether the local cache records outputs in the farm's store itself: it is that store, or its shared tier
+        (the build's --remote-cache) is. Then a worker's outputs are verified once, by the local cache's store."""
+        if self._same:
+            return True
+        shared_url = getattr(self.cache, "shared_url", None)
+        tier = str(shared_url() if callable(shared_url) else "")
+        return bool(tier) and tier.rstrip("/") == self._shared_url.rstrip("/")
 
     def _record_shared(self, a: Any, res: Mapping[str, Any], out: Path) -> None:
         """The shared tier's record of an action's outputs. In a shared directory the worker's blobs (just verified
@@ -549,7 +566,8 @@ def farm_run(payload: dict[str, Any]) -> dict[str, Any]:
                     res = {"ok": False, "error": f"the action did not produce its declared output '{name}'",
                            "duration_s": res.get("duration_s", 0.0)}
                     break
-                digest, size = shared.put_file(p)  # a blob the store has is not sent again
+                digest, size = shared.put_file(p, scratch=True)  # not sent again if the store has it; linked, not
+                # copied, into a store directory on the sandbox's filesystem
                 outs[name] = [digest, size]
             else:
                 res["outputs"] = outs
