@@ -180,3 +180,35 @@ def test_a_farm_client_adopts_its_workers_verified_outputs_without_a_second_copy
                             scratch=True)
     assert cache.lookup("e" * 64) is None and not cache.blobs.has(bad)
     assert not store.blobs.path(bad).exists()
+
+
+def test_a_dask_workers_pool_of_warm_processes_ends_when_its_thread_share_changes(tmp_path: Path) -> None:
+    """A Dask worker keeps its warm processes (a zygote with torch, its workers) between builds, one pool per thread
+    share; when the share changes (workers joined or left the host), the pool of the old share is never used again
+    and must not stay with torch loaded: its processes end (at once when it is idle)."""
+    from neuronbuild.execution import dask_executor as de
+
+    tmp = str(tmp_path / "toolchain-tmp")
+    other = str(tmp_path / "other-client")
+    old = de._farm_pool(tmp, 1, 1)
+    kept = de._farm_pool(other, 1, 1)  # another client's pool (another toolchain tmp) on the same Dask worker
+    try:
+        for p in (old, kept):
+            p.warm()
+        deadline = time.monotonic() + 30
+        while not (old.pool.pids() and kept.pool.pids()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        pids = old.pool.pids()
+        assert pids and all(psutil.pid_exists(p) for p in pids)
+        new = de._farm_pool(tmp, 2, 1)
+        assert new is not old and de._farm_pool(tmp, 2, 1) is new
+        deadline = time.monotonic() + 30
+        while any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids) \
+                and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+        assert kept.pool.pids() and de._farm_pool(other, 1, 1) is kept
+    finally:
+        for key in list(de._POOLS):
+            if key[0] in (tmp, other):
+                de._POOLS.pop(key).retire()

@@ -330,6 +330,7 @@ class FarmPool:
         self._results: dict[str, dict[str, Any]] = {}  # task id -> its result, until its thread takes it
         self._pending: set[str] = set()  # tasks submitted and not yet taken or abandoned
         self._driver: threading.Thread | None = None
+        self._retired = False  # replaced (the Dask worker's thread share changed): its processes end once idle
         self._wake_r, self._wake_w = os.pipe()  # a byte written here ends the driver's wait for results at once
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
@@ -377,6 +378,13 @@ class FarmPool:
             self._kills.append(task_id)
             self._wake()
 
+    def retire(self) -> None:
+        """No new tasks come (another pool replaced this one): its zygote and workers end as soon as it is idle
+        (at once when it is idle now), instead of staying with torch (and jax) loaded for nothing."""
+        with self._cond:
+            self._retired = True
+            self._wake()
+
     def _drive(self) -> None:
         try:
             self._drive_loop()
@@ -403,6 +411,9 @@ class FarmPool:
                     self._inbox.remove(t)
                 if not (kills or warm or take or self._pending or self.pool.busy):
                     self._driver = None  # nothing to do: a later submit starts a new driver
+                    if self._retired:
+                        with contextlib.suppress(Exception):
+                            self.pool.kill_all()
                     return
             for task_id in kills:
                 self.pool.kill_task(task_id)
@@ -493,6 +504,10 @@ def _farm_pool(toolchain_tmp: str | None, threads: int, size: int) -> FarmPool:
         pool = _POOLS.get(key)
         if pool is None:
             pool = _POOLS[key] = FarmPool(toolchain_tmp, threads, size)
+            # The thread share changed (Dask workers joined or left the host): the pool of the old share is not
+            # used again by this toolchain tmp's builds. Pools of other toolchain tmps (other clients) stay.
+            for old in [k for k in _POOLS if k[0] == key[0] and k != key]:
+                _POOLS.pop(old).retire()
         return pool
 
 
