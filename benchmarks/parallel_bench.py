@@ -178,13 +178,22 @@ def utilisation(profile: Path, wall: float) -> str:
              if e.get("ph") == "M" and e["name"] == "thread_name"}
     busy: dict[str, float] = {}
     by_kind: dict[str, list[float]] = {}
+    beyond: list[float] = []  # per action: dispatch to result, minus the action's own time in its worker
+    stores: list[float] = []  # per action: the scheduler storing its outputs (after the freed worker's next dispatch)
     for e in data["traceEvents"]:
         if e.get("ph") == "X" and e.get("cat") in ("action", "warm_up"):
             w = names.get(e["tid"], str(e["tid"]))
             busy[w] = busy.get(w, 0.0) + e["dur"] / 1e6
             by_kind.setdefault(e["name"].split()[0].lower(), []).append(float(e["args"]["duration_s"]))
+            if e.get("cat") == "action" and e["args"].get("ok"):
+                beyond.append(e["dur"] / 1e6 - float(e["args"]["duration_s"]))
+        elif e.get("ph") == "X" and e.get("name") == "store outputs":
+            stores.append(e["dur"] / 1e6)
     per = ", ".join(f"{w.rsplit(' ', 1)[0][-22:]} {s:.0f} s" for w, s in sorted(busy.items()))
     per += "; in-worker s: " + ", ".join(f"{k} {'/'.join(f'{d:.0f}' for d in ds)}" for k, ds in sorted(by_kind.items()))
+    if beyond:
+        per += (f"; per action: {sum(beyond) / len(beyond):.3f} s beyond its own time (dispatch to result), storing "
+                f"{sum(stores) / max(1, len(stores)):.3f} s")
     return (f"outside the scheduler {wall - float(other.get('wall_s', 0)):.1f} s; "
             f"util {float(other.get('utilisation', 0)):.2f} (actions only {float(other.get('action_utilisation', 0)):.2f}"
             f", warm-up {float(other.get('warm_up_s', 0)):.0f} s, first dispatch at "
