@@ -178,17 +178,32 @@ def utilisation(profile: Path, wall: float) -> str:
              if e.get("ph") == "M" and e["name"] == "thread_name"}
     busy: dict[str, float] = {}
     by_kind: dict[str, list[float]] = {}
+    beyond: list[float] = []  # per action: dispatch to result, minus the action's own time in its worker
+    stores: list[float] = []  # per action: the scheduler storing its outputs (after the freed worker's next dispatch)
     for e in data["traceEvents"]:
         if e.get("ph") == "X" and e.get("cat") in ("action", "warm_up"):
             w = names.get(e["tid"], str(e["tid"]))
             busy[w] = busy.get(w, 0.0) + e["dur"] / 1e6
             by_kind.setdefault(e["name"].split()[0].lower(), []).append(float(e["args"]["duration_s"]))
+            if e.get("cat") == "action" and e["args"].get("ok"):
+                beyond.append(e["dur"] / 1e6 - float(e["args"]["duration_s"]))
+        elif e.get("ph") == "X" and e.get("name") == "store outputs":
+            stores.append(e["dur"] / 1e6)
     per = ", ".join(f"{w.rsplit(' ', 1)[0][-22:]} {s:.0f} s" for w, s in sorted(busy.items()))
     per += "; in-worker s: " + ", ".join(f"{k} {'/'.join(f'{d:.0f}' for d in ds)}" for k, ds in sorted(by_kind.items()))
+    if beyond:
+        per += (f"; per action: {sum(beyond) / len(beyond):.3f} s beyond its own time (dispatch to result), storing "
+                f"{sum(stores) / max(1, len(stores)):.3f} s")
     return (f"outside the scheduler {wall - float(other.get('wall_s', 0)):.1f} s; "
             f"util {float(other.get('utilisation', 0)):.2f} (actions only {float(other.get('action_utilisation', 0)):.2f}"
             f", warm-up {float(other.get('warm_up_s', 0)):.0f} s, first dispatch at "
             f"{float(other.get('first_dispatch_s', 0)):.1f} s; {per})")
+
+
+def _shutdown_server(ws: Path, code: Path = REPO) -> None:
+    """Stop the workspace's build server (started by a build with the neuronbuild in `code`)."""
+    env = dict(os.environ, **({"PYTHONPATH": str(code)} if code != REPO else {}))
+    subprocess.run([sys.executable, "-m", "neuronbuild", "shutdown"], cwd=ws, capture_output=True, env=env)
 
 
 def _load() -> str:
@@ -224,16 +239,18 @@ def _free_port() -> int:
 
 
 @contextlib.contextmanager
-def dask_cluster(root: Path, n: int, pin: bool = False) -> Iterator[str]:
+def dask_cluster(root: Path, n: int, pin: bool = False, code: Path = REPO) -> Iterator[str]:
     """`dask scheduler` + n single-thread `dask worker` processes, every listener on 127.0.0.1. With `pin`, worker i
     runs on core i only (its warm processes and compilers inherit that): each Dask worker stands for a one-core
     machine, so its thread budget is 1 (neuronbuild counts the cores a process may run on) whether 1 or 2 workers
-    run; the scheduler and the client are not pinned."""
+    run; the scheduler and the client are not pinned. `code`: the checkout whose neuronbuild the workers run."""
     port = _free_port()
     address = f"tcp://127.0.0.1:{port}"
     logs = root / f"dask-{port}"
     logs.mkdir()
     env = dict(os.environ, OMP_NUM_THREADS="1", TMPDIR=str(logs / "tmp"))  # fresh farm scratch (headers) per cluster
+    if code != REPO:
+        env["PYTHONPATH"] = str(code)
     (logs / "tmp").mkdir()
     procs: list[subprocess.Popen[bytes]] = []
     try:
@@ -291,8 +308,8 @@ def main() -> None:
                          "vocab before the timed build), or both")
     ap.add_argument("--keep", action="store_true", help="keep the scratch directory (profiles, outputs)")
     ap.add_argument("--baseline", type=Path, metavar="CHECKOUT",
-                    help="cpu and neuron sections: also build with the neuronbuild of another checkout (e.g. a "
-                         "worktree of main), interleaved with this one's runs in every round")
+                    help="also build with the neuronbuild of another checkout (e.g. a worktree of main), interleaved "
+                         "with this one's runs in every round (the dask section: its clusters run that checkout too)")
     args = ap.parse_args()
     if not 1 <= args.graphs <= len(SEQS):
         ap.error(f"--graphs must be 1..{len(SEQS)}")
@@ -335,39 +352,38 @@ def main() -> None:
         else:
             target = f"llama_{args.workload if args.workload == 'cpu' else 'trn2'}"
 
-            def farm(k: int, pin: bool = False, long_lived: bool = False) -> Callable[[], tuple[float, str]]:
+            def farm(k: int, pin: bool = False, long_lived: bool = False,
+                     code: Path = REPO) -> Callable[[], tuple[float, str]]:
                 def run() -> tuple[float, str]:
-                    with dask_cluster(root, k, pin) as address:
+                    with dask_cluster(root, k, pin, code) as address:
                         shared = root / f"shared-{bench.vocab + 1}"
                         shared.mkdir()
                         flags = ("--executor", "dask", "--scheduler", address, "--remote-cache", str(shared))
                         if not long_lived:
-                            return bench.build(target, *flags)
+                            return bench.build(target, *flags, code=code)
                         # Untimed: the farm's earlier build (another vocab: nothing to reuse but the workers' warm
                         # processes and the host's headers), through a build server as the local runs of this
                         # variant (so the client side is warm alike: its loading and planning).
                         vocab = bench.vocab + 1
                         ws, cache = bench.workspace(vocab), root / f"cache-ll-{vocab}"
                         try:
-                            bench.build(target, *flags, ws=ws, cache=cache, batch=False)
-                            return bench.build(target, *flags, ws=ws, cache=cache, batch=False)
+                            bench.build(target, *flags, ws=ws, cache=cache, batch=False, code=code)
+                            return bench.build(target, *flags, ws=ws, cache=cache, batch=False, code=code)
                         finally:
-                            subprocess.run([sys.executable, "-m", "neuronbuild", "shutdown"], cwd=ws,
-                                           capture_output=True)
+                            _shutdown_server(ws, code)
                 return run
 
-            def local_long_lived(jobs: str) -> Callable[[], tuple[float, str]]:
+            def local_long_lived(jobs: str, code: Path = REPO) -> Callable[[], tuple[float, str]]:
                 """The local counterpart of a long-lived farm: a build server (warm workers, the zygote's warm-ups)
                 and a cache (headers in its toolchain-tmp) warmed by an untimed build of another vocab."""
                 def run() -> tuple[float, str]:
                     vocab = bench.vocab + 1
                     ws, cache = bench.workspace(vocab), root / f"cache-ll-{vocab}"
                     try:
-                        bench.build(target, "--jobs", jobs, ws=ws, cache=cache, batch=False)  # untimed
-                        return bench.build(target, "--jobs", jobs, ws=ws, cache=cache, batch=False)
+                        bench.build(target, "--jobs", jobs, ws=ws, cache=cache, batch=False, code=code)  # untimed
+                        return bench.build(target, "--jobs", jobs, ws=ws, cache=cache, batch=False, code=code)
                     finally:
-                        subprocess.run([sys.executable, "-m", "neuronbuild", "shutdown"], cwd=ws,
-                                       capture_output=True)
+                        _shutdown_server(ws, code)
                 return run
 
             lifetimes = {"cold": [""], "long-lived": [LONG], "both": ["", LONG]}[args.farm]
@@ -375,36 +391,42 @@ def main() -> None:
                 print("long-lived runs: an untimed build of another vocab, then the timed build, both through one "
                       "build server and cache dir, on one Dask cluster (N=1, N=2) or the local executor alike",
                       flush=True)
+            # With --baseline every run is repeated with the other checkout (its client, workers and build
+            # server), right after this checkout's, labelled "baseline ...".
+            codes = [("", REPO)] + ([("baseline ", base)] if base is not None else [])
             runs = []
             for life in lifetimes:
                 ll = life == LONG
-                if args.pin in ("no", "both"):
-                    runs += [(f"dask, 1 worker{life}", farm(1, False, ll)), (f"dask, 2 workers{life}", farm(2, False, ll))]
-                if args.pin in ("yes", "both"):
-                    runs += [(f"dask, 1 worker, pinned{life}", farm(1, True, ll)),
-                             (f"dask, 2 workers, pinned{life}", farm(2, True, ll))]
-                if ll:
-                    runs += [(f"local --jobs 1{life}", local_long_lived("1")),
-                             (f"local --jobs 2{life}", local_long_lived("2"))]
-                else:
-                    runs += [("local --jobs 1", lambda: bench.build(target, "--jobs", "1")),
-                             ("local --jobs 2", lambda: bench.build(target, "--jobs", "2"))]
+                for who, code in codes:
+                    if args.pin in ("no", "both"):
+                        runs += [(f"{who}dask, 1 worker{life}", farm(1, False, ll, code)),
+                                 (f"{who}dask, 2 workers{life}", farm(2, False, ll, code))]
+                    if args.pin in ("yes", "both"):
+                        runs += [(f"{who}dask, 1 worker, pinned{life}", farm(1, True, ll, code)),
+                                 (f"{who}dask, 2 workers, pinned{life}", farm(2, True, ll, code))]
+                    if ll:
+                        runs += [(f"{who}local --jobs 1{life}", local_long_lived("1", code)),
+                                 (f"{who}local --jobs 2{life}", local_long_lived("2", code))]
+                    else:
+                        runs += [(f"{who}local --jobs 1", lambda c=code: bench.build(target, "--jobs", "1", code=c)),
+                                 (f"{who}local --jobs 2", lambda c=code: bench.build(target, "--jobs", "2", code=c))]
             walls = interleave(runs, args.rounds)
             table(walls, "local --jobs 1" if "" in lifetimes else f"local --jobs 1{LONG}", {})
 
             def mean(k: str) -> float:
                 return sum(walls[k]) / len(walls[k])
 
-            for life in lifetimes:
-                for pin in ("", ", pinned"):
-                    tag = pin + life
-                    if f"dask, 1 worker{tag}" in walls:
-                        d1, d2 = mean(f"dask, 1 worker{tag}"), mean(f"dask, 2 workers{tag}")
-                        l1, l2 = mean(f"local --jobs 1{life}"), mean(f"local --jobs 2{life}")
-                        print(f"dask{tag or ' (unpinned)'}: wall 2 workers / 1 worker {d2 / d1:.2f} (speed-up "
-                              f"{d1 / d2:.2f}x, goal >= 1.8x); 2 workers / local --jobs 2{life} {d2 / l2:.2f} "
-                              f"(goal <= 1.1); 1 worker / local --jobs 1{life} {d1 / l1:.2f}; local speed-up "
-                              f"{l1 / l2:.2f}x")
+            for who, _code in codes:
+                for life in lifetimes:
+                    for pin in ("", ", pinned"):
+                        tag = pin + life
+                        if f"{who}dask, 1 worker{tag}" in walls:
+                            d1, d2 = mean(f"{who}dask, 1 worker{tag}"), mean(f"{who}dask, 2 workers{tag}")
+                            l1, l2 = mean(f"{who}local --jobs 1{life}"), mean(f"{who}local --jobs 2{life}")
+                            print(f"{who}dask{tag or ' (unpinned)'}: wall 2 workers / 1 worker {d2 / d1:.2f} "
+                                  f"(speed-up {d1 / d2:.2f}x, goal >= 1.8x); 2 workers / local --jobs 2{life} "
+                                  f"{d2 / l2:.2f} (goal <= 1.1); 1 worker / local --jobs 1{life} {d1 / l1:.2f}; "
+                                  f"local speed-up {l1 / l2:.2f}x")
     finally:
         if not args.keep:
             shutil.rmtree(root, ignore_errors=True)

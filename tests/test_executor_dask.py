@@ -171,3 +171,9 @@ def test_dask_farm_builds_the_example_like_a_local_build_and_reruns_the_action_o
         assert _manifest_digests(ws, target) == _manifest_digests(local_ws, target)
     # The shared tier holds the records and blobs (what other farm clients reuse).
     assert len(list((shared / "v1" / "ac").rglob("*.json"))) == N_ACTIONS
+    # Each output is stored once on this host: the client's cache adopted the workers' blobs from the shared
+    # directory (verified, hard links), instead of copying and syncing every output a second time.
+    local_blobs = {p.name: p.stat().st_ino for p in (cache / "v1" / "cas").glob("*/*")}
+    shared_blobs = {p.name: p.stat().st_ino for p in (shared / "v1" / "cas").glob("*/*")}
+    outputs = {d for e in finished.values() for d in e["outputs"].values()}
+    assert outputs and all(local_blobs[d] == shared_blobs[d] for d in outputs)

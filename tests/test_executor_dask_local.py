@@ -127,3 +127,88 @@ def test_a_warm_up_whose_dask_worker_is_gone_ends_as_failed_instead_of_waiting_f
         assert len(done) == 1 and not done[0].ok and "left the cluster" in done[0].error, done
     finally:
         ex.shutdown()
+
+
+def test_a_farm_client_adopts_its_workers_verified_outputs_without_a_second_copy(tmp_path: Path) -> None:
+    """What a farm client stores for each output a worker put into the farm's shared directory: the worker's blob,
+    verified against the digest the worker reported and adopted by a hard link (no second copy and sync of every
+    output on the machine); bytes that do not match are refused (nothing recorded, the blob evicted from the shared
+    store: it is untrusted input). An action's output in its sandbox is linked too, unless it has other names (a
+    user's file the action linked into its outputs is copied: editing that file must not reach the cache)."""
+    import pytest
+
+    from neuronbuild.cache.cas import CorruptBlob
+    from neuronbuild.cache.farm_store import open_farm_store
+    from neuronbuild.cache.shared_fs import SharedDirTier
+    from neuronbuild.cache.tiered import TieredCache
+
+    (tmp_path / "shared").mkdir()
+    store = open_farm_store(str(tmp_path / "shared"))  # what the Dask workers write into
+    cache = TieredCache(tmp_path / "cache", SharedDirTier(tmp_path / "shared"))  # the client's cache over it
+    out = tmp_path / "out"  # a worker's outputs in its sandbox
+    out.mkdir()
+    (out / "program.pt2").write_bytes(b"program" * 1000)
+    (out / "params.json").write_bytes(b"{}")
+    user_file = tmp_path / "user.txt"
+    user_file.write_bytes(b"a user's file")
+    os.link(user_file, out / "linked.txt")
+    digests = {n: store.put_file(out / n, scratch=True)[0] for n in ("program.pt2", "params.json")}
+    shared_blob = store.blobs.path(digests["program.pt2"])
+    assert shared_blob.stat().st_ino == (out / "program.pt2").stat().st_ino  # linked, not copied
+    linked = store.put_file(out / "linked.txt", scratch=True)[0]
+    assert store.blobs.path(linked).stat().st_ino != user_file.stat().st_ino  # another name: copied
+
+    # The client places them unverified (hard links) and its store verifies and adopts them.
+    fetched = tmp_path / "fetched"
+    for n, d in digests.items():
+        store.link_blob(d, fetched / n)
+    res = cache.store_outputs("f" * 64, "id", {"a": 1}, fetched, sorted(digests), 1.0, {}, expect=digests,
+                              scratch=True)
+    assert {n: o.digest for n, o in res.outputs.items()} == digests
+    assert cache.blobs.path(digests["program.pt2"]).stat().st_ino == shared_blob.stat().st_ino
+    assert cache.lookup("f" * 64) is not None
+    assert SharedDirTier(tmp_path / "shared").get_record("f" * 64) is not None  # recorded in the shared store
+
+    # A blob changed in the shared store after its worker reported it: refused, evicted, nothing recorded.
+    (out / "other.bin").write_bytes(b"other output")
+    bad = store.put_file(out / "other.bin")[0]
+    os.chmod(store.blobs.path(bad), 0o644)
+    store.blobs.path(bad).write_bytes(b"tampered!!!!")
+    store.link_blob(bad, fetched / "other.bin")
+    with pytest.raises(CorruptBlob):
+        cache.store_outputs("e" * 64, "id", {"a": 2}, fetched, ["other.bin"], 1.0, {}, expect={"other.bin": bad},
+                            scratch=True)
+    assert cache.lookup("e" * 64) is None and not cache.blobs.has(bad)
+    assert not store.blobs.path(bad).exists()
+
+
+def test_a_dask_workers_pool_of_warm_processes_ends_when_its_thread_share_changes(tmp_path: Path) -> None:
+    """A Dask worker keeps its warm processes (a zygote with torch, its workers) between builds, one pool per thread
+    share; when the share changes (workers joined or left the host), the pool of the old share is never used again
+    and must not stay with torch loaded: its processes end (at once when it is idle)."""
+    from neuronbuild.execution import dask_executor as de
+
+    tmp = str(tmp_path / "toolchain-tmp")
+    other = str(tmp_path / "other-client")
+    old = de._farm_pool(tmp, 1, 1)
+    kept = de._farm_pool(other, 1, 1)  # another client's pool (another toolchain tmp) on the same Dask worker
+    try:
+        for p in (old, kept):
+            p.warm()
+        deadline = time.monotonic() + 30
+        while not (old.pool.pids() and kept.pool.pids()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        pids = old.pool.pids()
+        assert pids and all(psutil.pid_exists(p) for p in pids)
+        new = de._farm_pool(tmp, 2, 1)
+        assert new is not old and de._farm_pool(tmp, 2, 1) is new
+        deadline = time.monotonic() + 30
+        while any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids) \
+                and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+        assert kept.pool.pids() and de._farm_pool(other, 1, 1) is kept
+    finally:
+        for key in list(de._POOLS):
+            if key[0] in (tmp, other):
+                de._POOLS.pop(key).retire()

@@ -9,7 +9,9 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import stat
 import tempfile
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
@@ -48,7 +50,12 @@ def _hasher() -> blake3.blake3:
 
 
 class CorruptBlob(OSError):
-    """A blob whose bytes no longer match its digest (it has been removed from the store)."""
+    """A blob whose bytes no longer match its digest (it has been removed from the store); `digest`: its name, when
+    the raiser names it for another store to evict it."""
+
+    def __init__(self, message: str, digest: str = "") -> None:
+        super().__init__(message)
+        self.digest = digest
 
 
 def _signature(st: os.stat_result) -> str:
@@ -129,10 +136,58 @@ class BlobStore:
         os.replace(tmp, dest)
         self._write_stamp(digest)
 
-    def put_file(self, src: Path) -> tuple[str, int]:
+    def _link_staged(self, src: Path, sole: bool) -> str | None:
+        """A new name for `src` in the staging dir (a hard link: no bytes copied), or None when it must be copied: not
+        a regular file of this user's (another user could change its bytes under the store), another filesystem, or
+        (`sole`) a file with other names (a user's file an action linked into its outputs)."""
+        try:
+            st = os.lstat(src)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or (sole and st.st_nlink != 1):
+                return None
+            self.tmp.mkdir(parents=True, exist_ok=True)
+            tmp = f"{self.tmp}/.link-{uuid.uuid4().hex}"
+            os.link(src, tmp, follow_symlinks=False)
+            return tmp
+        except OSError:
+            return None
+
+    def _commit_linked(self, tmp: str, expect: str | None = None) -> tuple[str, int] | None:
+        """Hash a linked file, then store it as its blob (synced; nothing copied): (digest, size), or None (nothing
+        stored) when it is not blob `expect`."""
+        try:
+            digest, size = hash_file(Path(tmp))
+            if expect is not None and digest != expect:
+                os.unlink(tmp)
+                return None
+            if self.check(digest, size) == "ok":  # stored already: this name goes
+                os.unlink(tmp)
+                with contextlib.suppress(OSError):
+                    os.utime(self.path(digest))  # recently used: protects it from a concurrent gc's grace period
+                return digest, size
+            fd = os.open(tmp, os.O_RDONLY)
+            try:
+                os.fsync(fd)  # an action's fresh output is in the page cache only; a synced blob returns at once
+            finally:
+                os.close(fd)
+            self._commit(tmp, digest)
+            return digest, size
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+
+    def put_file(self, src: Path, scratch: bool = False) -> tuple[str, int]:
         """Copy `src` into the store (hashing while copying); returns (digest, size). A large file whose blob is
         stored (and intact) already is hashed, not copied and synced again: every graph of a model writes the same
-        weights file."""
+        weights file. `scratch`: `src` is the caller's scratch file, removed after this (an action's output in its
+        sandbox): when it is this user's, its only name and on this filesystem, it is linked into the store instead
+        of copied (hashed once, synced)."""
+        if scratch:
+            tmp = self._link_staged(src, sole=True)
+            if tmp is not None:
+                done = self._commit_linked(tmp)
+                assert done is not None
+                return done
         with contextlib.suppress(OSError):
             if os.path.getsize(src) >= _CHUNK:
                 digest, size = hash_file(src)
@@ -152,6 +207,17 @@ class BlobStore:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
             raise
+
+    def adopt(self, src: Path, digest: str) -> int | None:
+        """Store `src`, a file holding blob `digest` under another store's name (a farm worker put it into the
+        farm's shared directory), if its bytes hash to `digest`; None (nothing stored) if they do not. Linked, not
+        copied, when it is this user's file on this filesystem (the worker synced it); else copied and verified."""
+        tmp = self._link_staged(src, sole=False)
+        if tmp is not None:
+            done = self._commit_linked(tmp, digest)
+            return None if done is None else done[1]
+        with open(src, "rb") as f:
+            return self.ingest(f, digest)
 
     def ingest(self, src: BinaryIO, digest: str) -> int | None:
         """Store the bytes of `src` as blob `digest` if they hash to it; None (nothing stored) if they do not."""
@@ -253,6 +319,16 @@ class BlobStore:
                     shutil.rmtree(p)
                 else:
                     os.unlink(p)
+
+    def link_unverified(self, digest: str, dest: Path) -> None:
+        """A hard link (else a copy) of a blob at `dest`, not read: the caller verifies it (BlobStore.adopt)."""
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.link(self.path(digest), dest)
+        except FileNotFoundError:
+            raise
+        except OSError:
+            shutil.copyfile(self.path(digest), dest)
 
     def link_or_copy(self, digest: str, dest: Path) -> None:
         """Place a verified read-only copy of a blob at `dest` (sandbox inputs)."""

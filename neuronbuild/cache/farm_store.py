@@ -37,7 +37,7 @@ class TierStore:
         except FileNotFoundError:
             return False
 
-    def put_file(self, path: Path) -> tuple[str, int]:
+    def put_file(self, path: Path, scratch: bool = False) -> tuple[str, int]:
         digest, size = hash_file(path)
         if not self.tier.has_blob(digest, size):
             self.tier.put_blob(digest, path)
@@ -57,6 +57,10 @@ class TierStore:
         finally:
             with contextlib.suppress(OSError):
                 tmp.unlink()
+
+    def link_blob(self, digest: str, dest: Path) -> None:
+        """A download (verified while it is made; the caller verifies it again while storing it)."""
+        self.copy_blob(digest, dest)
 
     def place_blob(self, digest: str, dest: Path) -> None:
         self.copy_blob(digest, dest)

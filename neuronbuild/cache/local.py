@@ -114,9 +114,10 @@ class LocalCache:
         self._hit(fp, "local")
         return res
 
-    def put_file(self, path: Path) -> tuple[str, int]:
-        """Store a file's content (hashing while copying); (digest, size)."""
-        return self.blobs.put_file(path)
+    def put_file(self, path: Path, scratch: bool = False) -> tuple[str, int]:
+        """Store a file's content (hashing while copying; `scratch`: the caller's scratch file, linked rather than
+        copied when it can be, see BlobStore.put_file); (digest, size)."""
+        return self.blobs.put_file(path, scratch)
 
     def has_blob(self, digest: str) -> bool:
         return self.blobs.has(digest)
@@ -149,14 +150,29 @@ class LocalCache:
         return ""
 
     def store_outputs(self, fp: str, identity: str, record: Mapping[str, Any], out_dir: Path,
-                      names: Sequence[str], duration_s: float, metadata: Mapping[str, Any]) -> ActionResult:
-        """Put an action's outputs into the CAS, then (last, atomically) its record: no partial entry is visible."""
+                      names: Sequence[str], duration_s: float, metadata: Mapping[str, Any],
+                      expect: Mapping[str, str] | None = None, scratch: bool = False) -> ActionResult:
+        """Put an action's outputs into the CAS, then (last, atomically) its record: no partial entry is visible.
+
+        `scratch`: `out_dir` is the caller's scratch (an action's sandbox), removed afterwards: its files are linked
+        into the CAS rather than copied where they can be. `expect` ({name: digest}): the outputs are another
+        store's blobs (a farm worker's, in the farm's store): each is verified against its digest (CorruptBlob, and
+        nothing recorded, if one does not match) and adopted by a hard link where the files allow (BlobStore.adopt):
+        not copied and synced a second time."""
         outputs: dict[str, OutputRef] = {}
         for name in names:
             p = out_dir / name
             if not p.is_file():
                 raise FileNotFoundError(f"the action did not produce its declared output '{name}'")
-            digest, size = self.blobs.put_file(p)
+            want = expect.get(name) if expect is not None else None
+            if want is not None:
+                size = self.blobs.adopt(p, want)
+                if size is None:
+                    raise CorruptBlob(f"output '{name}' does not match the digest its worker reported "
+                                      f"({want[:16]}): corrupt in the farm's store", want)
+                digest = want
+            else:
+                digest, size = self.blobs.put_file(p, scratch)
             outputs[name] = OutputRef(digest, size)
         return self.record_outputs(fp, identity, record, outputs, duration_s, metadata)
 
@@ -185,6 +201,11 @@ class LocalCache:
         except CorruptBlob:
             self._complete.clear()  # the blob was evicted: entries using it are no longer complete
             raise
+
+    def link_blob(self, digest: str, dest: Path) -> None:
+        """`dest` named as blob `digest` without reading it (a hard link, else a copy), for a caller that verifies
+        it itself (store_outputs' `expect`): a farm client fetching a worker's outputs from the farm's store."""
+        self.blobs.link_unverified(digest, dest)
 
     def copy_blob(self, digest: str, dest: Path, verified_size: int | None = None) -> int:
         """A verified, atomically written copy of a blob at `dest`, for outputs users see (`verified_size`: the

@@ -173,8 +173,16 @@ class TieredCache(LocalCache):
 
     # -- writes ---------------------------------------------------------------------------------------------------
     def store_outputs(self, fp: str, identity: str, record: Mapping[str, Any], out_dir: Path,
-                      names: Sequence[str], duration_s: float, metadata: Mapping[str, Any]) -> ActionResult:
-        res = super().store_outputs(fp, identity, record, out_dir, names, duration_s, metadata)
+                      names: Sequence[str], duration_s: float, metadata: Mapping[str, Any],
+                      expect: Mapping[str, str] | None = None, scratch: bool = False) -> ActionResult:
+        """Stored locally, then uploaded (a farm's outputs, `expect`, are in the shared tier already: only their
+        record is written there). A farm output that does not match its digest is evicted from the shared tier."""
+        try:
+            res = super().store_outputs(fp, identity, record, out_dir, names, duration_s, metadata, expect, scratch)
+        except CorruptBlob as e:
+            if expect and e.digest and self.shared is not None and not self.readonly:
+                self._remote(self.shared.evict_blob, e.digest, write=True)
+            raise
         self.upload(res)
         return res
 

@@ -65,7 +65,10 @@ class SpawnCache(Protocol):
     def try_claim(self, fp: str) -> Claim | None: ...
 
     def store_outputs(self, fp: str, identity: str, record: Mapping[str, Any], out_dir: Path,
-                      names: Sequence[str], duration_s: float, metadata: Mapping[str, Any]) -> Any: ...
+                      names: Sequence[str], duration_s: float, metadata: Mapping[str, Any],
+                      expect: Mapping[str, str] | None = None, scratch: bool = False) -> Any:
+        """`scratch`: out_dir is the caller's to remove (files may be linked, not copied); `expect`: {name: digest}
+        the outputs must match (a farm worker's blobs, verified here; CorruptBlob if one does not)."""
 
     def record_failure(self, fp: str, identity: str, record: Mapping[str, Any], error: str, log: Path) -> None: ...
 

@@ -3,8 +3,8 @@
 The client puts each action's source inputs into the shared CAS and sends digests; a Dask worker builds the sandbox
 from the shared CAS, runs the action in a warm worker process (FarmPool: one per Dask thread, forked from one zygote
 per Dask worker that starts when a build starts, runs the toolchain warm-ups and is kept between tasks and builds),
-puts the outputs into the shared CAS and returns their digests. The client then writes the records (shared tier and
-local cache). The shared directory has a local cache's layout and the same path on every machine. A worker lost
+puts the outputs into the shared CAS and returns their digests. The client's local cache then verifies and adopts
+those blobs (store_outputs' `expect`) and writes the records (local cache and shared tier). The shared directory has a local cache's layout and the same path on every machine. A worker lost
 mid-action is handled by Dask, which runs the task again on another worker."""
 
 from __future__ import annotations
@@ -218,17 +218,34 @@ class DaskExecutor:
             return Completion(job, False, worker, int(res.get("pid") or 0), str(res.get("error") or ""),
                               float(res.get("duration_s") or 0.0), worker_died=bool(res.get("worker_died")))
         out = self._tmp / job.id.replace("#", "-")
+        digests = {str(name): str(digest) for name, (digest, _size) in res["outputs"].items()}
+        adopt = self._records_here()
         try:
-            for name, (digest, _size) in res["outputs"].items():
-                # Verified, then a hard link where the store is a directory on this filesystem (the scheduler only
-                # reads these files into the local cache and removes them): no second copy of every output.
-                self.shared.place_blob(digest, out / name)
-            if not self._same:  # the shared tier's record, for other clients (blobs are there already)
+            for name, digest in digests.items():
+                if adopt:
+                    # Named, not read: a hard link where the store is a directory on this filesystem (else a copy or
+                    # a verified download). The scheduler's store verifies each against its digest while adopting it
+                    # into the local cache (after handing the freed worker its next task), and the local cache's
+                    # upload records it in the store.
+                    self.shared.link_blob(digest, out / name)
+                else:
+                    self.shared.place_blob(digest, out / name)  # verified
+            if not adopt:  # the shared tier's record, for other clients (blobs are there already)
                 self._record_shared(a, res, out)
         except Exception as e:  # noqa: BLE001 - CorruptBlob, OSError: the action's failure, not the build's
             return Completion(job, False, worker, error=f"fetching outputs from the shared cache failed: {e}")
         return Completion(job, True, worker, int(res.get("pid") or 0), "", float(res["duration_s"]),
-                          float(res.get("peak_rss_mb") or 0.0), res.get("metadata") or {}, out)
+                          float(res.get("peak_rss_mb") or 0.0), res.get("metadata") or {}, out,
+                          digests=digests if adopt else None)
+
+    def _records_here(self) -> bool:
+        """Whether the local cache records outputs in the farm's store itself: it is that store, or its shared tier
+        (the build's --remote-cache) is. Then a worker's outputs are verified once, by the local cache's store."""
+        if self._same:
+            return True
+        shared_url = getattr(self.cache, "shared_url", None)
+        tier = str(shared_url() if callable(shared_url) else "")
+        return bool(tier) and tier.rstrip("/") == self._shared_url.rstrip("/")
 
     def _record_shared(self, a: Any, res: Mapping[str, Any], out: Path) -> None:
         """The shared tier's record of an action's outputs. In a shared directory the worker's blobs (just verified
@@ -313,6 +330,7 @@ class FarmPool:
         self._results: dict[str, dict[str, Any]] = {}  # task id -> its result, until its thread takes it
         self._pending: set[str] = set()  # tasks submitted and not yet taken or abandoned
         self._driver: threading.Thread | None = None
+        self._retired = False  # replaced (the Dask worker's thread share changed): its processes end once idle
         self._wake_r, self._wake_w = os.pipe()  # a byte written here ends the driver's wait for results at once
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
@@ -360,6 +378,13 @@ class FarmPool:
             self._kills.append(task_id)
             self._wake()
 
+    def retire(self) -> None:
+        """No new tasks come (another pool replaced this one): its zygote and workers end as soon as it is idle
+        (at once when it is idle now), instead of staying with torch (and jax) loaded for nothing."""
+        with self._cond:
+            self._retired = True
+            self._wake()
+
     def _drive(self) -> None:
         try:
             self._drive_loop()
@@ -386,6 +411,9 @@ class FarmPool:
                     self._inbox.remove(t)
                 if not (kills or warm or take or self._pending or self.pool.busy):
                     self._driver = None  # nothing to do: a later submit starts a new driver
+                    if self._retired:
+                        with contextlib.suppress(Exception):
+                            self.pool.kill_all()
                     return
             for task_id in kills:
                 self.pool.kill_task(task_id)
@@ -476,6 +504,10 @@ def _farm_pool(toolchain_tmp: str | None, threads: int, size: int) -> FarmPool:
         pool = _POOLS.get(key)
         if pool is None:
             pool = _POOLS[key] = FarmPool(toolchain_tmp, threads, size)
+            # The thread share changed (Dask workers joined or left the host): the pool of the old share is not
+            # used again by this toolchain tmp's builds. Pools of other toolchain tmps (other clients) stay.
+            for old in [k for k in _POOLS if k[0] == key[0] and k != key]:
+                _POOLS.pop(old).retire()
         return pool
 
 
@@ -549,7 +581,8 @@ def farm_run(payload: dict[str, Any]) -> dict[str, Any]:
                     res = {"ok": False, "error": f"the action did not produce its declared output '{name}'",
                            "duration_s": res.get("duration_s", 0.0)}
                     break
-                digest, size = shared.put_file(p)  # a blob the store has is not sent again
+                digest, size = shared.put_file(p, scratch=True)  # not sent again if the store has it; linked, not
+                # copied, into a store directory on the sandbox's filesystem
                 outs[name] = [digest, size]
             else:
                 res["outputs"] = outs

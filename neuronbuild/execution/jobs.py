@@ -34,7 +34,8 @@ class Started:
 
 @dataclass(frozen=True)
 class Completion:
-    """A finished job. On success `outputs` is a local directory holding its declared outputs (for store_outputs)."""
+    """A finished job. On success `outputs` is a local directory holding its declared outputs (for store_outputs;
+    the executor's scratch, removed by `finish`)."""
 
     job: Job
     ok: bool
@@ -46,6 +47,9 @@ class Completion:
     metadata: Mapping[str, Any] = field(default_factory=dict, hash=False, compare=False)
     outputs: Path | None = None
     worker_died: bool = False  # an infrastructure failure (killed, OOM, lost host): worth a retry
+    # {name: digest} the outputs must match when stored: a farm worker's blobs, placed unverified (store_outputs
+    # verifies them while adopting them into the local cache); None: the executor's own files (a local sandbox).
+    digests: Mapping[str, str] | None = field(default=None, hash=False, compare=False)
 
 
 class Executor(Protocol):

@@ -451,7 +451,8 @@ class _Run:
             t = time.time()
             try:
                 self.s.cache.store_outputs(fp, a.identity, a.record, c.outputs, a.outputs, c.duration_s,
-                                           {**c.metadata, "peak_rss_mb": round(c.peak_rss_mb, 1)})
+                                           {**c.metadata, "peak_rss_mb": round(c.peak_rss_mb, 1)},
+                                           expect=c.digests, scratch=True)
             except OSError as e:
                 ok, error = False, f"storing outputs failed: {e}"
             stored_s = time.time() - t
