@@ -437,7 +437,7 @@ def record_noop(key: str, root: Path, cwd_package: str, patterns: Sequence[str],
     if not ok:
         noop.invalidate(cache_dir, key)  # (ignores OSError)
         return False
-    from neuronbuild.packaging.materialize import MANIFEST, target_dir
+    from neuronbuild.packaging.materialize import MANIFEST, target_dir_str
 
     outputs: list[str] = []
     results = {fp: cache.lookup(fp) for fp in ag.actions}
@@ -449,7 +449,7 @@ def record_noop(key: str, root: Path, cwd_package: str, patterns: Sequence[str],
         outputs.append(cache.actions.path_str(fp))  # (str paths: pathlib's joins cost 0.2 s at 1,000 graphs)
         outputs.extend(cache.blobs.path_str(o.digest) for o in res.outputs.values())
     for ct in ag.compiles:
-        out = str(target_dir(root, ct))
+        out = target_dir_str(root, ct)
         outputs.append(f"{out}/{MANIFEST}")
         for bucket, fp in ct.buckets:
             res = results.get(fp)

@@ -82,7 +82,10 @@ class Action:
     @property
     def toolchain(self) -> str:
         """The registered toolchain that runs this action ("" for a trace)."""
-        return str(self.spec.get("toolchain") or "")
+        v = self.__dict__.get("_toolchain")  # (memoised: the estimator asks it of every action of a plan)
+        if v is None:
+            v = self.__dict__["_toolchain"] = str(self.spec.get("toolchain") or "")
+        return v  # type: ignore[no-any-return]
 
     @property
     def versions(self) -> Mapping[str, str]:
@@ -114,4 +117,14 @@ def make_action(kind: str, label: Label, bucket: Bucket, record: Mapping[str, An
     """An Action whose fingerprint is the digest of `record`."""
     from neuronbuild.analysis.fingerprint import fingerprint
 
-    return Action(fingerprint(record), kind, label, bucket, record, spec, files, dep_inputs, outputs, platform, target)
+    # Action(...) as its dataclass __init__ makes it (the same fields in the same order; it has no __post_init__),
+    # at a third of the cost: one attribute set instead of a frozen set per field (160,000 actions at 100,000 graphs)
+    a = _new(Action)
+    _setattr(a, "__dict__", {"fingerprint": fingerprint(record), "kind": kind, "label": label, "bucket": bucket,
+                             "record": record, "spec": spec, "files": files, "dep_inputs": dep_inputs,
+                             "outputs": outputs, "platform": platform, "target": target})
+    return a
+
+
+_new = object.__new__
+_setattr = object.__setattr__
