@@ -146,6 +146,19 @@ class PeekMemo:
             self.listings[shard] = names
         return names  # type: ignore[return-value]
 
+    def nothing_recorded(self, fps: Any) -> bool:
+        """True when no record shard's listing of this command names a record of any of `fps` (a container): then
+        no peek of them can find one (a first plan of 160,000 unbuilt actions: 256 listings, no peek per action).
+        False when some does, or a shard cannot be listed."""
+        for i in range(256):
+            names = self.listed(f"{i:02x}")
+            if names is None:
+                return False
+            for n in names:
+                if n[:-5] in fps and n.endswith(".json"):
+                    return False
+        return True
+
     def refresh(self) -> None:
         now = time.time_ns()
         state: dict[str, int | None] = {}
@@ -244,7 +257,7 @@ def needed_actions(ag: Any, cache: Any) -> tuple[list[Any], list[str]]:
     if prev is not None and ag.__dict__.get("_patched_from") is prev.actions and prev.state == state and \
             None not in state.values():
         out = _patch_needed(ag, order, prev, cache)
-    if out is None and not any(map(cache.peek, ag.order_fingerprints())):
+    if out is None and (memo.nothing_recorded(ag.actions) or not any(map(cache.peek, ag.order_fingerprints()))):
         # nothing is cached (a first plan): no early cutoff either (it needs cached inputs), and every action is
         # needed (each leads to an action without consumers, all to execute): scheduler.needed_actions' answer
         todo, cached_list = list(order), []

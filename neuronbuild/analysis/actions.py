@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from neuronbuild.analysis.fingerprint import fingerprint
 from neuronbuild.loading.labels import Label
 
 TRACE = "trace"
@@ -76,7 +78,7 @@ class Action:
     def deps(self) -> tuple[str, ...]:
         v = self.__dict__.get("_deps")  # memoised in the instance (frozen: written to __dict__ directly)
         if v is None:
-            v = self.__dict__["_deps"] = tuple(d.action for d in self.dep_inputs)
+            v = self.__dict__["_deps"] = tuple(map(_ACTION, self.dep_inputs))
         return v
 
     @property
@@ -115,8 +117,6 @@ def make_action(kind: str, label: Label, bucket: Bucket, record: Mapping[str, An
                 files: tuple[FileInput, ...] = (), dep_inputs: tuple[DepInput, ...] = (), outputs: tuple[str, ...] = (),
                 platform: str = "", target: str = "") -> Action:
     """An Action whose fingerprint is the digest of `record`."""
-    from neuronbuild.analysis.fingerprint import fingerprint
-
     # Action(...) as its dataclass __init__ makes it (the same fields in the same order; it has no __post_init__),
     # at a third of the cost: one attribute set instead of a frozen set per field (160,000 actions at 100,000 graphs)
     a = _new(Action)
@@ -126,5 +126,6 @@ def make_action(kind: str, label: Label, bucket: Bucket, record: Mapping[str, An
     return a
 
 
+_ACTION = operator.attrgetter("action")
 _new = object.__new__
 _setattr = object.__setattr__

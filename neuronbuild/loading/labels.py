@@ -66,11 +66,29 @@ def parse_label(text: str, current_package: str) -> Label:
         if known is not None:
             return known
         lbl = _parse_label(text, current_package)
+        lbl = _CANONICAL.get((lbl.package, lbl.name, lbl.repo)) or canonical_label(lbl.package, lbl.name, lbl.repo)
         if len(_PARSED) >= _PARSED_MAX:
             _PARSED.clear()
         _PARSED[(text, current_package)] = lbl
         return lbl
     return _parse_label(text, current_package)
+
+
+# One Label object per label (while at most _PARSED_MAX are known): `//p:m` and `:m` in package p parse to the same
+# object, so the dicts and sets keyed by labels in loading and analysis find it by identity (the dataclass's __eq__,
+# a Python call, is not run; ~100,000s of lookups at 100,000 graphs).
+_CANONICAL: dict[tuple[str, str, str], Label] = {}
+
+
+def canonical_label(package: str, name: str, repo: str = "") -> Label:
+    """Label(package, name, repo): the one object this process made for it (an equal, valid label)."""
+    key = (package, name, repo)
+    lbl = _CANONICAL.get(key)
+    if lbl is None:
+        if len(_CANONICAL) >= _PARSED_MAX:
+            _CANONICAL.clear()
+        lbl = _CANONICAL[key] = Label(package, name, repo)
+    return lbl
 
 
 def _parse_label(text: str, current_package: str) -> Label:
