@@ -84,10 +84,7 @@ class Action:
     @property
     def toolchain(self) -> str:
         """The registered toolchain that runs this action ("" for a trace)."""
-        v = self.__dict__.get("_toolchain")  # (memoised: the estimator asks it of every action of a plan)
-        if v is None:
-            v = self.__dict__["_toolchain"] = str(self.spec.get("toolchain") or "")
-        return v  # type: ignore[no-any-return]
+        return str(self.spec.get("toolchain") or "")
 
     @property
     def versions(self) -> Mapping[str, str]:

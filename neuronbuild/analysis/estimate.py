@@ -70,7 +70,7 @@ class Estimator:
             if group:
                 return Estimate(_mean(group), f"mean of {len(group)} other bucket(s) of this target")
         kind, platform = action.kind, action.platform  # (= _kind_platform(action.identity), without parsing it)
-        key = (kind, platform, action.toolchain)
+        key = (kind, platform, action.spec.get("toolchain"))  # (the class: Action.toolchain without its str())
         known = self._fallback.get(key)  # the same for every action of a class: made once (100,000s at scale)
         if known is None:
             known = self._fallback[key] = self._class_estimate(action, kind, platform)
