@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import zlib
 from dataclasses import dataclass
 
 _PKG_RE = re.compile(r"^[A-Za-z0-9_\-.]+(/[A-Za-z0-9_\-.]+)*$")
@@ -29,6 +30,14 @@ class Label:
             prefix = f"@{self.repo}" if self.repo else ""
             s = self.__dict__["_text"] = f"{prefix}//{self.package}:{self.name}"
         return str(s)
+
+    def __hash__(self) -> int:
+        """Made once per object (dict and set keys in loading and analysis, 100,000s of lookups at scale), from the
+        fields only, the same in every process (the value travels with a pickled label, e.g. to a Dask worker)."""
+        h = self.__dict__.get("_hash")
+        if h is None:
+            h = self.__dict__["_hash"] = zlib.crc32(f"{self.repo}//{self.package}:{self.name}".encode())
+        return h  # type: ignore[no-any-return]
 
     @property
     def path(self) -> str:
