@@ -236,7 +236,8 @@ class Loader:
         return self.root / package / BUILD_FILE if package else self.root / BUILD_FILE
 
     def has_package(self, package: str) -> bool:
-        return self.build_file_path(package).is_file()
+        root = self._root_text  # (build_file_path(package).is_file() on strings: 5,000 packages per load)
+        return os.path.isfile(f"{root}/{package}/{BUILD_FILE}" if package else f"{root}/{BUILD_FILE}")
 
     def check_source_file(self, label: Label, attr: str) -> None:
         if label.repo:
