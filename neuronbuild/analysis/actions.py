@@ -44,8 +44,15 @@ class Bucket:
     def __str__(self) -> str:
         s = self.__dict__.get("_text")
         if s is None:
-            dims = ", ".join(f"{k}={v}" for k, v in self.dims)
-            s = self.__dict__["_text"] = f"{self.graph}: {dims}" if self.graph else dims
+            key = (self.dims, self.graph)
+            s = _TEXTS.get(key)  # (equal buckets of other objects: each compile target has its own, 100,000s)
+            if s is None:
+                dims = ", ".join(f"{k}={v}" for k, v in self.dims)
+                s = f"{self.graph}: {dims}" if self.graph else dims
+                if len(_TEXTS) >= 1 << 16:
+                    _TEXTS.clear()
+                _TEXTS[key] = s
+            self.__dict__["_text"] = s
         return str(s)
 
 
@@ -131,6 +138,7 @@ def make_action(kind: str, label: Label, bucket: Bucket, record: Mapping[str, An
     return a
 
 
+_TEXTS: dict[tuple[Any, str], str] = {}  # Bucket.__str__ by value
 _ACTION = operator.attrgetter("action")
 _new = object.__new__
 _setattr = object.__setattr__
