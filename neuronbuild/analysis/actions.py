@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import operator
-import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,13 +32,6 @@ class Bucket:
 
     def as_dict(self) -> dict[str, int]:
         return dict(self.dims)
-
-    def __hash__(self) -> int:
-        """Made once per object from the fields only (as Label's: the same in every process)."""
-        h = self.__dict__.get("_hash")
-        if h is None:
-            h = self.__dict__["_hash"] = zlib.crc32(repr((self.dims, self.graph)).encode())
-        return h  # type: ignore[no-any-return]
 
     def __str__(self) -> str:
         s = self.__dict__.get("_text")
