@@ -9,6 +9,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import reduce
 from operator import add
+from typing import Any
 
 import networkx as nx
 
@@ -56,7 +57,7 @@ class Estimator:
     def __init__(self, history: History) -> None:
         self.history = history
         self._by_class: dict[tuple[str, str], list[LatestEntry]] | None = None
-        self._fallback: dict[tuple[str, str, str], Estimate] = {}
+        self._fallback: dict[tuple[str, str, Any], Estimate] = {}  # (kind, platform, the spec's toolchain)
 
     def estimate(self, action: Action) -> Estimate:
         own = self.history.result(action.fingerprint)
