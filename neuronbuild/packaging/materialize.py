@@ -29,12 +29,9 @@ STAGING = ".tmp"
 IN_FLIGHT_S = 3600
 
 
-def target_dir(root: Path, ct: CompileTarget) -> Path:
-    return Path(target_dir_str(root, ct))
-
-
 def target_dir_str(root: Path | str, ct: CompileTarget) -> str:
-    """target_dir() as a string (pathlib's joins cost more than the rest of a kept target's check at 1,000s)."""
+    """A compile target's output directory, neuronbuild-out/<package>/<target>, as a string (pathlib's joins cost
+    more than the rest of a kept target's check, 1,000s per build)."""
     pkg = ct.label.package
     return f"{root}/{OUTPUT_DIR}/{pkg}/{ct.label.name}" if pkg else f"{root}/{OUTPUT_DIR}/{ct.label.name}"
 
