@@ -91,7 +91,7 @@ def parse_label(text: str, current_package: str) -> Label:
         if known is not None:
             return known
         lbl = _parse_label(text, current_package)
-        lbl = _CANONICAL.get((lbl.package, lbl.name, lbl.repo)) or canonical_label(lbl.package, lbl.name, lbl.repo)
+        lbl = _intern(lbl)
         if len(_PARSED) >= _PARSED_MAX:
             _PARSED.clear()
         _PARSED[(text, current_package)] = lbl
@@ -107,13 +107,19 @@ _CANONICAL: dict[tuple[str, str, str], Label] = {}
 
 def canonical_label(package: str, name: str, repo: str = "") -> Label:
     """Label(package, name, repo): the one object this process made for it (an equal, valid label)."""
-    key = (package, name, repo)
-    lbl = _CANONICAL.get(key)
-    if lbl is None:
+    lbl = _CANONICAL.get((package, name, repo))
+    return lbl if lbl is not None else _intern(Label(package, name, repo))
+
+
+def _intern(lbl: Label) -> Label:
+    """The object kept for `lbl`'s label (`lbl` itself if none was)."""
+    key = (lbl.package, lbl.name, lbl.repo)
+    known = _CANONICAL.get(key)
+    if known is None:
         if len(_CANONICAL) >= _PARSED_MAX:
             _CANONICAL.clear()
-        lbl = _CANONICAL[key] = Label(package, name, repo)
-    return lbl
+        known = _CANONICAL[key] = lbl
+    return known
 
 
 def _parse_label(text: str, current_package: str) -> Label:
