@@ -186,6 +186,15 @@ def _server_env(root: Path) -> dict[str, str]:
     return env
 
 
+def _log_times(ws: Path, env: dict[str, str]) -> list[float]:
+    """The seconds the running server's log gives each command so far (its own time: no client, no start)."""
+    try:
+        log = Path(_server_info(ws, env)["log"]).read_text(errors="replace")
+    except (OSError, SystemExit, KeyError, ValueError):
+        return []
+    return [float(m.group(1)) for m in re.finditer(r" -> -?\d+ in ([0-9.]+) s", log)]
+
+
 def _server_info(ws: Path, env: dict[str, str]) -> dict:  # type: ignore[type-arg]
     _w, rc, out, err = run_cli(["info", "--output", "json"], ws, env=env)
     if rc != 0:
@@ -221,6 +230,7 @@ def section_server(ws: Path | None, cache: Path | None, buckets: int, runs: int,
                      _measure_edit(ws, cache, buckets, env, 50_100 + int(time.time()) % 50_000)))
         warm = sorted((_measure_edit(ws, cache, buckets, env, 100_200 + i * 50_000 + int(time.time()) % 50_000)
                        for i in range(3)), key=lambda r: float(r["wall"]) - float(r["crit"]))
+        logged = _log_times(ws, env)[-6:]  # (the three warm edits and their reverts, in order)
         rows.append(("server, warm (workers and caches kept; median of 3 edits)", warm[1]))
         print("| one bucket-list edit | executed | wall | critical path | overhead = wall - critical path |")
         print("|---|---|---|---|---|")
@@ -230,6 +240,8 @@ def section_server(ws: Path | None, cache: Path | None, buckets: int, runs: int,
         print("warm edits' overheads: " + ", ".join(f"{float(r['wall']) - float(r['crit']):.2f} s" for r in warm) +
               "; their reverts (a warm build with nothing to execute): " +
               ", ".join(f"{float(r['revert_wall']):.2f} s" for r in warm))
+        print("the server's log for them (edit, revert, ... in the order run): " +
+              ", ".join(f"{t:.2f} s" for t in logged))
         _shutdown(ws, env)
 
     if graphs <= 0:  # --server-graphs 0: the no-op and edit measures only
@@ -268,12 +280,14 @@ def section_server(ws: Path | None, cache: Path | None, buckets: int, runs: int,
         edit()
         warm.append(timed(env))
     info = _server_info(big, env)
+    logged = _log_times(big, env)[-4:]  # (the cold command and the three warm ones)
     print("| `plan //...` | process wall |")
     print("|---|---|")
     print(f"| --batch, no load cache (first analysis) | {cold_batch:.2f} s |")
     print(f"| --batch, after editing one BUILD file (load cache on disk) | {batch_edit:.2f} s |")
     print(f"| server, cold (this command starts it; load cache on disk), after an edit | {cold_server:.2f} s |")
     print(f"| server, warm, after editing one BUILD file (median of {len(warm)}) | **{statistics.median(warm):.2f} s** |")
+    print("the server's log for the cold and the warm commands: " + ", ".join(f"{t:.2f} s" for t in logged))
     print(f"server RSS after these plans: **{info['rss_kib'] / 1024:.0f} MiB** (pid {info['pid']}; warm workers: "
           f"{info['workers']}; kept: {info.get('kept')})")
     _shutdown(big, env)

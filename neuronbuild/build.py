@@ -154,7 +154,8 @@ def run_build(ctx: BuildContext, req: BuildRequest, listeners: Sequence[Listener
         for note in toolchain_notes(ctx.settings, ag, result.executed):
             ctx.report(note)
         failed = {f.action.fingerprint for f in result.failures}
-        outputs = [str(d.relative_to(root / OUTPUT_DIR)) + "/" for d in materialize(root, ag, cache, failed)]
+        start = len(f"{root}/{OUTPUT_DIR}/")  # (materialize's directories are under it: no pathlib per target)
+        outputs = [f"{str(d)[start:]}/" for d in materialize(root, ag, cache, failed)]
         if ag.bundles:
             from neuronbuild.packaging.bundle import build_bundles
 

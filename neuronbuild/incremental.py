@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import gc
 import hashlib
@@ -146,6 +147,19 @@ class PeekMemo:
             self.listings[shard] = names
         return names  # type: ignore[return-value]
 
+    def nothing_recorded(self, fps: Any) -> bool:
+        """True when no record shard's listing of this command names a record of any of `fps` (a container): then
+        no peek of them can find one (a first plan of 160,000 unbuilt actions: 256 listings, no peek per action).
+        False when some does, or a shard cannot be listed."""
+        for i in range(256):
+            names = self.listed(f"{i:02x}")
+            if names is None:
+                return False
+            for n in names:
+                if n[:-5] in fps and n.endswith(".json"):
+                    return False
+        return True
+
     def refresh(self) -> None:
         now = time.time_ns()
         state: dict[str, int | None] = {}
@@ -244,7 +258,7 @@ def needed_actions(ag: Any, cache: Any) -> tuple[list[Any], list[str]]:
     if prev is not None and ag.__dict__.get("_patched_from") is prev.actions and prev.state == state and \
             None not in state.values():
         out = _patch_needed(ag, order, prev, cache)
-    if out is None and not any(map(cache.peek, ag.order_fingerprints())):
+    if out is None and (memo.nothing_recorded(ag.actions) or not any(map(cache.peek, ag.order_fingerprints()))):
         # nothing is cached (a first plan): no early cutoff either (it needs cached inputs), and every action is
         # needed (each leads to an action without consumers, all to execute): scheduler.needed_actions' answer
         todo, cached_list = list(order), []
@@ -365,8 +379,9 @@ def open_caches(cache_dir: Path, root: Path) -> LoadCache:
         lc = _kept[file]
         lc.hits = lc.misses = 0
         return lc
-    digests.load_persistent(_digest_cache_file(cache_dir, root))
-    lc = LoadCache(file)
+    with analysis_gc():  # (reading 35,000 targets back at 100,000 graphs: the collector's passes cost ~40% of it)
+        digests.load_persistent(_digest_cache_file(cache_dir, root))
+        lc = LoadCache(file)
     if _kept is not None:
         lc.dirs = {}  # (directory listings kept with their mtimes: Loader.find_packages)
         while len(_kept) >= _KEEP_AT_MOST:
@@ -380,11 +395,27 @@ _pending_saves: dict[tuple[Path, Path], LoadCache] = {}
 
 def save_caches(cache_dir: Path, root: Path, load_cache: LoadCache) -> None:
     """Persist what this build learnt (failures to write only cost speed next time). The build server writes them
-    after the command has answered its client (`flush_saves`)."""
+    after the command has answered its client (`flush_saves`). In batch mode the digest cache is written again when
+    the process ends, with the digests analysis made after loading (the model sources': without it every process
+    hashed them again, 5,000 files at 100,000 graphs)."""
     if _kept is not None:
         _pending_saves[(cache_dir, root)] = load_cache
         return
     _save(cache_dir, root, load_cache)
+    if not _exit_saves:
+        atexit.register(_save_digests_at_exit)
+    _exit_saves.add((cache_dir, root))
+
+
+_exit_saves: set[tuple[Path, Path]] = set()
+
+
+def _save_digests_at_exit() -> None:
+    for cache_dir, root in _exit_saves:
+        file = _digest_cache_file(cache_dir, root)
+        with contextlib.suppress(OSError):
+            if file.parent.is_dir():  # (a temporary cache removed meanwhile is not made again)
+                digests.save_persistent(file, root.resolve())
 
 
 def flush_saves() -> None:
@@ -436,7 +467,7 @@ def record_noop(key: str, root: Path, cwd_package: str, patterns: Sequence[str],
     if not ok:
         noop.invalidate(cache_dir, key)  # (ignores OSError)
         return False
-    from neuronbuild.packaging.materialize import MANIFEST, target_dir
+    from neuronbuild.packaging.materialize import MANIFEST, target_dir_str
 
     outputs: list[str] = []
     results = {fp: cache.lookup(fp) for fp in ag.actions}
@@ -448,7 +479,7 @@ def record_noop(key: str, root: Path, cwd_package: str, patterns: Sequence[str],
         outputs.append(cache.actions.path_str(fp))  # (str paths: pathlib's joins cost 0.2 s at 1,000 graphs)
         outputs.extend(cache.blobs.path_str(o.digest) for o in res.outputs.values())
     for ct in ag.compiles:
-        out = str(target_dir(root, ct))
+        out = target_dir_str(root, ct)
         outputs.append(f"{out}/{MANIFEST}")
         for bucket, fp in ct.buckets:
             res = results.get(fp)

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import marshal
 import re
+import sys
 from pathlib import Path
 
-from helpers import copy_example, run_cli
+from helpers import REPO, copy_example, run_cli
+
+sys.path.insert(0, str(REPO / "benchmarks"))
+import gen_monorepo  # noqa: E402
 
 
 def _executed(stderr: str) -> list[tuple[str, str, str]]:
@@ -60,3 +65,16 @@ def test_editing_model_source_reruns_all_of_that_models_actions(built_example, c
     ran = _build(ws, cache_dir)
     assert sorted(k for k, _l, _b in ran) == ["Compile"] * 4 + ["Trace"] * 4
     assert {lbl for k, lbl, _b in ran if k == "Trace"} == {"//models:llama"}
+
+
+def test_a_plan_leaves_the_model_sources_digests_for_the_next_process(tmp_path: Path) -> None:
+    """An unchanged source is never read again by a new process: its digest (made when analysis reads the model,
+    after loading) is in the on-disk digest cache when a batch command ends."""
+    ws, cache = tmp_path / "ws", tmp_path / "cache"
+    gen_monorepo.generate(ws, 2, 1, 2)  # one package: its model.py is read by analysis only
+    proc = run_cli(["plan", "//...", "--cache-dir", str(cache)], ws)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (state,) = (cache / "v1" / "state").glob("digests-*.marshal")
+    entries = marshal.loads(state.read_bytes())["entries"]
+    source = str((ws / gen_monorepo.package_name(0) / "model.py").resolve())
+    assert source in entries and str((ws / gen_monorepo.package_name(0) / "BUILD").resolve()) in entries

@@ -9,6 +9,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import reduce
 from operator import add
+from typing import Any
 
 import networkx as nx
 
@@ -56,7 +57,7 @@ class Estimator:
     def __init__(self, history: History) -> None:
         self.history = history
         self._by_class: dict[tuple[str, str], list[LatestEntry]] | None = None
-        self._fallback: dict[tuple[str, str, str], Estimate] = {}
+        self._fallback: dict[tuple[str, str, Any], Estimate] = {}  # (kind, platform, the spec's toolchain)
 
     def estimate(self, action: Action) -> Estimate:
         own = self.history.result(action.fingerprint)
@@ -70,7 +71,7 @@ class Estimator:
             if group:
                 return Estimate(_mean(group), f"mean of {len(group)} other bucket(s) of this target")
         kind, platform = action.kind, action.platform  # (= _kind_platform(action.identity), without parsing it)
-        key = (kind, platform, action.toolchain)
+        key = (kind, platform, action.spec.get("toolchain"))  # (the class: Action.toolchain without its str())
         known = self._fallback.get(key)  # the same for every action of a class: made once (100,000s at scale)
         if known is None:
             known = self._fallback[key] = self._class_estimate(action, kind, platform)

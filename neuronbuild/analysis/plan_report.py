@@ -259,7 +259,10 @@ def plan_report(ag: ActionGraph, todo: Sequence[Action], cached: Sequence[str], 
                 estimates = {a.fingerprint: last.get(a.fingerprint) or est.estimate(a) for a in todo}
                 last = {}
             else:
-                if not all(estimates.values()):  # (an Estimate is always true: the new actions' are None)
+                if not last:  # (nothing memoised: a first plan makes every estimate, in one pass in todo's order)
+                    estimates = dict(zip(fps, map(est.estimate, todo), strict=True))
+                    last = estimates.copy()
+                elif not all(estimates.values()):  # (an Estimate is always true: the new actions' are None)
                     actions = ag.actions
                     for fp in list(compress(fps, map(operator.not_, estimates.values()))):
                         estimates[fp] = last[fp] = est.estimate(actions[fp])

@@ -44,7 +44,7 @@ class CompileRequest:
         """The canonical record of one of this bucket's actions: everything that can change its output. `fields`
         add (or replace) entries, e.g. the fingerprint of an intermediate action it reads instead of the trace's."""
         assert self.trace is not None
-        return {
+        rec = {
             "format": FORMAT_VERSION,
             "action": action,
             "trace": self.trace.fingerprint,
@@ -53,7 +53,11 @@ class CompileRequest:
             "bucket": self.bucket.as_dict(),
             "inputs": [[k, v] for k, v in self.inputs.items()],  # a list: positional order enters the fingerprint
             "toolchain": dict(versions),
-        } | dict(fields) | dict(self.common)
+        }
+        rec.update(fields)  # (= `rec | fields | common`, without the copies: 100,000 records at 100,000 graphs)
+        if self.common:
+            rec.update(self.common)
+        return rec
 
 
 class Toolchain(Protocol):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import zlib
 from dataclasses import dataclass
 
 _PKG_RE = re.compile(r"^[A-Za-z0-9_\-.]+(/[A-Za-z0-9_\-.]+)*$")
@@ -30,22 +31,46 @@ class Label:
             s = self.__dict__["_text"] = f"{prefix}//{self.package}:{self.name}"
         return str(s)
 
+    def __hash__(self) -> int:
+        """Made once per object (dict and set keys in loading and analysis, 100,000s of lookups at scale), from the
+        fields only, the same in every process (the value travels with a pickled label, e.g. to a Dask worker)."""
+        h = self.__dict__.get("_hash")
+        if h is None:
+            h = self.__dict__["_hash"] = zlib.crc32(f"{self.repo}//{self.package}:{self.name}".encode())
+        return h  # type: ignore[no-any-return]
+
     @property
     def path(self) -> str:
         """Workspace-relative path of a file label (e.g. a .bzl file)."""
         return f"{self.package}/{self.name}" if self.package else self.name
 
 
+# Package and target names found valid (a pure check; the same names recur in 100,000s of labels at scale)
+_VALID_PACKAGES: set[str] = set()
+_VALID_NAMES: set[str] = set()
+_VALID_MAX = 1 << 17
+
+
 def _check_package(pkg: str, text: str) -> None:
+    if pkg in _VALID_PACKAGES:
+        return
     if pkg and (not _PKG_RE.match(pkg) or any(p in ("..", ".") for p in pkg.split("/"))):
         raise LabelError(f"invalid package name in label '{text}'")
+    if len(_VALID_PACKAGES) >= _VALID_MAX:
+        _VALID_PACKAGES.clear()
+    _VALID_PACKAGES.add(pkg)
 
 
 def _check_name(name: str, text: str) -> None:
+    if name in _VALID_NAMES:
+        return
     if not name or not _NAME_RE.match(name) or any(p in ("..", ".") for p in name.split("/")):
         raise LabelError(f"invalid target name in label '{text}'")
     if len(name) > MAX_NAME:
         raise LabelError(f"target name in label '{text[:60]}...' is {len(name)} characters long (the limit is {MAX_NAME})")
+    if len(_VALID_NAMES) >= _VALID_MAX:
+        _VALID_NAMES.clear()
+    _VALID_NAMES.add(name)
 
 
 def check_target_name(name: str) -> None:
@@ -66,11 +91,35 @@ def parse_label(text: str, current_package: str) -> Label:
         if known is not None:
             return known
         lbl = _parse_label(text, current_package)
+        lbl = _intern(lbl)
         if len(_PARSED) >= _PARSED_MAX:
             _PARSED.clear()
         _PARSED[(text, current_package)] = lbl
         return lbl
     return _parse_label(text, current_package)
+
+
+# One Label object per label (while at most _PARSED_MAX are known): `//p:m` and `:m` in package p parse to the same
+# object, so the dicts and sets keyed by labels in loading and analysis find it by identity (the dataclass's __eq__,
+# a Python call, is not run; ~100,000s of lookups at 100,000 graphs).
+_CANONICAL: dict[tuple[str, str, str], Label] = {}
+
+
+def canonical_label(package: str, name: str, repo: str = "") -> Label:
+    """Label(package, name, repo): the one object this process made for it (an equal, valid label)."""
+    lbl = _CANONICAL.get((package, name, repo))
+    return lbl if lbl is not None else _intern(Label(package, name, repo))
+
+
+def _intern(lbl: Label) -> Label:
+    """The object kept for `lbl`'s label (`lbl` itself if none was)."""
+    key = (lbl.package, lbl.name, lbl.repo)
+    known = _CANONICAL.get(key)
+    if known is None:
+        if len(_CANONICAL) >= _PARSED_MAX:
+            _CANONICAL.clear()
+        known = _CANONICAL[key] = lbl
+    return known
 
 
 def _parse_label(text: str, current_package: str) -> Label:

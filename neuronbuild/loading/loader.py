@@ -14,7 +14,7 @@ from typing import Any
 
 from neuronbuild.digests import RACY_NS
 from neuronbuild.errors import Location, UserInputError
-from neuronbuild.loading.labels import BUILTIN_REPO, Label, LabelError, check_target_name, parse_label
+from neuronbuild.loading.labels import BUILTIN_REPO, Label, LabelError, canonical_label, check_target_name, parse_label
 from neuronbuild.loading.schema import RULES, AttrError, validate_call
 from neuronbuild.loading.starlark_adapter import RESERVED_PREFIX, Frame, Interpreter, StarlarkFailure
 from neuronbuild.loading.targets import Package, Target
@@ -216,7 +216,7 @@ class _PackageContext:
                 vals = attrs[a.name] if isinstance(attrs[a.name], tuple) else (attrs[a.name],)
                 for lbl in vals:
                     self.loader.check_source_file(lbl, a.name)
-        label = Label(self.package, name)
+        label = canonical_label(self.package, name)
         self.targets[name] = Target(label, kind, MappingProxyType(attrs), self.build_file, self.index)
 
 
@@ -236,7 +236,8 @@ class Loader:
         return self.root / package / BUILD_FILE if package else self.root / BUILD_FILE
 
     def has_package(self, package: str) -> bool:
-        return self.build_file_path(package).is_file()
+        root = self._root_text  # (build_file_path(package).is_file() on strings: 5,000 packages per load)
+        return os.path.isfile(f"{root}/{package}/{BUILD_FILE}" if package else f"{root}/{BUILD_FILE}")
 
     def check_source_file(self, label: Label, attr: str) -> None:
         if label.repo:

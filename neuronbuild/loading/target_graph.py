@@ -322,7 +322,8 @@ def _no_new_cycle(graph: TargetGraph, labels: AbstractSet[Label], deps_of: Mappi
         iters = [iter(deps(root))]
         on_stack = {root}
         while iters:
-            dep = next((d for _a, d in iters[-1]), None)
+            pair = next(iters[-1], None)  # ((attribute, label): no generator made per step)
+            dep = pair[1] if pair is not None else None
             if dep is None:
                 lbl = stack.pop()
                 iters.pop()
@@ -366,7 +367,8 @@ def _check_cycles(graph: TargetGraph, labels: set[Label], loader: Loader,
         iters = [iter(deps(root))]
         state[root] = 1
         while iters:
-            dep = next((d for _a, d in iters[-1]), None)
+            pair = next(iters[-1], None)  # ((attribute, label): no generator made per step)
+            dep = pair[1] if pair is not None else None
             if dep is None:
                 lbl = stack.pop()
                 state[lbl] = 2

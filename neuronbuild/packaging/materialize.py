@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import operator
 import os
 import shutil
 import time
@@ -28,8 +29,11 @@ STAGING = ".tmp"
 IN_FLIGHT_S = 3600
 
 
-def target_dir(root: Path, ct: CompileTarget) -> Path:
-    return root / OUTPUT_DIR / ct.label.package / ct.label.name
+def target_dir_str(root: Path | str, ct: CompileTarget) -> str:
+    """A compile target's output directory, neuronbuild-out/<package>/<target>, as a string (pathlib's joins cost
+    more than the rest of a kept target's check, 1,000s per build)."""
+    pkg = ct.label.package
+    return f"{root}/{OUTPUT_DIR}/{pkg}/{ct.label.name}" if pkg else f"{root}/{OUTPUT_DIR}/{ct.label.name}"
 
 
 def _traced_outputs(cache: LocalCache, trace_fp: str) -> list[Any]:
@@ -86,11 +90,15 @@ def _walk(top: str) -> list[tuple[str, list[str], list[str]]]:
 Snapshot = tuple[tuple[str, StatKey], ...]
 # Targets this process materialised, by directory: (a digest of the manifest's canonical JSON, a snapshot of the
 # directory tree: every directory and file in it with its lstat key, the same before and after the directory was
-# checked and found right, nothing written). While a target's manifest is the same and every entry still has its key
-# (a file added to or removed from a directory changes the directory's mtime), the directory holds exactly what
+# checked and found right, nothing written, and what the manifest was made from: the CompileTarget and the results
+# of its buckets' actions and of their traces). While a target's manifest is the same and every entry still has its
+# key (a file added to or removed from a directory changes the directory's mtime), the directory holds exactly what
 # materialising would write: it is skipped (a build server's warm builds would otherwise re-read 500 manifests and
-# list 1,500 directories at 1,000 graphs). Anything else takes the full path.
-_done: dict[str, tuple[bytes, Snapshot]] = {}
+# list 1,500 directories at 1,000 graphs). The manifest is a function of those values (frozen; held here, so compared
+# by identity: the build server replays the same CompileTarget and the action cache hands out the same result while
+# its record is unchanged): when they are the same objects it is not even made again. Anything else takes the full
+# path.
+_done: dict[str, tuple[bytes, Snapshot, tuple[Any, ...]]] = {}
 _MAX_DONE = 20_000  # ~2 KiB each: at most ~40 MiB
 
 
@@ -132,13 +140,27 @@ def materialize(root: Path, ag: ActionGraph, cache: LocalCache, failed: set[str]
     remove what else its directory holds. Returns the directories of the targets materialised."""
     done: list[Path] = []
     copied: set[str] = set()  # digests of blobs verified by a copy of this call (later copies are not hashed again)
+    lookup = cache.lookup
     for ct in ag.compiles:
-        if any(fp in failed or cache.lookup(fp) is None for _b, fp in ct.buckets):
+        results: list[Any] = []
+        for _b, fp in ct.buckets:
+            res = None if fp in failed else lookup(fp)
+            if res is None:
+                break
+            results.append(res)
+        if len(results) != len(ct.buckets):  # (an action failed or is not cached)
             continue
-        out = target_dir(root, ct)
+        out_s = target_dir_str(root, ct)
+        done.append(Path(out_s))
+        traces = [ag.trace_of(fp).fingerprint for _b, fp in ct.buckets]
+        made_from = (ct, *results, *map(lookup, traces))  # (each the same object while its record is unchanged)
+        known = _done.get(out_s)
+        if known is not None and len(known[2]) == len(made_from) and \
+                all(map(operator.is_, known[2], made_from)) and _unchanged(known[1]):
+            continue
+        out = Path(out_s)
         buckets = []
-        for bucket, fp in ct.buckets:
-            res = cache.lookup(fp)
+        for (bucket, fp), res, trace_fp in zip(ct.buckets, results, traces, strict=True):
             assert res is not None
             buckets.append({
                 "name": bucket.name,
@@ -146,8 +168,8 @@ def materialize(root: Path, ag: ActionGraph, cache: LocalCache, failed: set[str]
                 **({"graph": bucket.graph, "options": dict(ct.options_of(bucket.graph)),
                     "aliases": dict(ag.trace_of(fp).model.get("aliases") or {})} if bucket.graph else {}),
                 "fingerprint": fp,
-                "trace": ag.trace_of(fp).fingerprint,
-                "model_outputs": _traced_outputs(cache, ag.trace_of(fp).fingerprint),
+                "trace": trace_fp,
+                "model_outputs": _traced_outputs(cache, trace_fp),
                 "outputs": {n: {"digest": r.digest, "size": r.size, "path": f"{bucket.name}/{n}"}
                             for n, r in sorted(res.outputs.items())},
             })
@@ -160,20 +182,19 @@ def materialize(root: Path, ag: ActionGraph, cache: LocalCache, failed: set[str]
             "options": dict(ct.options),
             "buckets": buckets,
         }
-        done.append(out)
         # (without indent: json's C encoder, 10x faster; kept as a digest: the JSON is ~1.5 KiB)
         key = hashlib.blake2b(json.dumps(manifest, sort_keys=True).encode(), digest_size=16).digest()
-        known = _done.get(str(out))
         if known is not None and known[0] == key and _unchanged(known[1]):
+            _done[out_s] = (key, known[1], made_from)
             continue
-        _done.pop(str(out), None)
+        _done.pop(out_s, None)
         keep = {MANIFEST} | {f"{b['name']}/{n}" for b in buckets for n in b["outputs"]}
         before = _snapshot(out, keep)
         _write_target(out, manifest, cache, copied)
         # Kept only when the directory was already right and nothing changed it meanwhile (a concurrent build
         # materialising another version of this target): what was checked is what the snapshot describes.
         if before is not None and before == _snapshot(out, keep) and len(_done) < _MAX_DONE:
-            _done[str(out)] = (key, before)  # (full: the targets kept first stay kept)
+            _done[out_s] = (key, before, made_from)  # (full: the targets kept first stay kept)
     return done
 
 
@@ -204,7 +225,9 @@ def _write_target(out: Path, manifest: dict[str, Any], cache: LocalCache, copied
             copied.add(ref["digest"])
     data = json.dumps(manifest, sort_keys=True, indent=1).encode()
     if not ((out / MANIFEST).is_file() and (out / MANIFEST).read_bytes() == data):
-        atomic_write_bytes(out / MANIFEST, data, out / STAGING, mode=umask_mode())
+        # Not synced, as the outputs beside it (BlobStore.copy_out): the directory is derived from the cache, and
+        # a manifest lost in a crash differs from what the next build would write, which then writes it again
+        atomic_write_bytes(out / MANIFEST, data, out / STAGING, durable=False, mode=umask_mode())
     _prune(out, keep | {STAGING})
     with contextlib.suppress(OSError):
         (out / STAGING).rmdir()  # only when empty: a concurrent build may be writing through it
