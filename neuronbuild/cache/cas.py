@@ -49,6 +49,17 @@ def _hasher() -> blake3.blake3:
     return blake3.blake3()
 
 
+@contextlib.contextmanager
+def _removed_on_failure(tmp: str) -> Iterator[None]:
+    """A staged or temporary file the block fills: removed if the block fails, so no half-written name is left."""
+    try:
+        yield
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
 class CorruptBlob(OSError):
     """A blob whose bytes no longer match its digest (it has been removed from the store); `digest`: its name, when
     the raiser names it for another store to evict it."""
@@ -124,12 +135,16 @@ class BlobStore:
         self.tmp.mkdir(parents=True, exist_ok=True)
         return tempfile.mkstemp(dir=self.tmp, prefix=".blob-")
 
+    def _touch(self, digest: str) -> None:
+        """Mark a stored blob recently used: protects it from a concurrent gc's grace period."""
+        with contextlib.suppress(OSError):
+            os.utime(self.path(digest))
+
     def _commit(self, tmp: str, digest: str) -> None:
         dest = self.path(digest)
         if dest.is_file() and self.check(digest, os.path.getsize(tmp)) == "ok":
             os.unlink(tmp)
-            with contextlib.suppress(OSError):
-                os.utime(dest)  # recently used: protects it from a concurrent gc's grace period
+            self._touch(digest)
             return
         dest.parent.mkdir(parents=True, exist_ok=True)
         os.chmod(tmp, 0o444)
@@ -154,15 +169,14 @@ class BlobStore:
     def _commit_linked(self, tmp: str, expect: str | None = None) -> tuple[str, int] | None:
         """Hash a linked file, then store it as its blob (synced; nothing copied): (digest, size), or None (nothing
         stored) when it is not blob `expect`."""
-        try:
+        with _removed_on_failure(tmp):
             digest, size = hash_file(Path(tmp))
             if expect is not None and digest != expect:
                 os.unlink(tmp)
                 return None
             if self.check(digest, size) == "ok":  # stored already: this name goes
                 os.unlink(tmp)
-                with contextlib.suppress(OSError):
-                    os.utime(self.path(digest))  # recently used: protects it from a concurrent gc's grace period
+                self._touch(digest)
                 return digest, size
             fd = os.open(tmp, os.O_RDONLY)
             try:
@@ -171,10 +185,6 @@ class BlobStore:
                 os.close(fd)
             self._commit(tmp, digest)
             return digest, size
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
 
     def put_file(self, src: Path, scratch: bool = False) -> tuple[str, int]:
         """Copy `src` into the store (hashing while copying); returns (digest, size). A large file whose blob is
@@ -192,21 +202,16 @@ class BlobStore:
             if os.path.getsize(src) >= _CHUNK:
                 digest, size = hash_file(src)
                 if self.check(digest, size) == "ok":
-                    with contextlib.suppress(OSError):
-                        os.utime(self.path(digest))  # recently used: protects it from a concurrent gc's grace period
+                    self._touch(digest)
                     return digest, size
         fd, tmp = self._stage()
-        try:
+        with _removed_on_failure(tmp):
             with os.fdopen(fd, "wb") as out, open(src, "rb") as f:
                 digest, size = copy_hashing(f, out)
                 out.flush()
                 os.fsync(out.fileno())
             self._commit(tmp, digest)
             return digest, size
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
 
     def adopt(self, src: Path, digest: str) -> int | None:
         """Store `src`, a file holding blob `digest` under another store's name (a farm worker put it into the
@@ -222,7 +227,7 @@ class BlobStore:
     def ingest(self, src: BinaryIO, digest: str) -> int | None:
         """Store the bytes of `src` as blob `digest` if they hash to it; None (nothing stored) if they do not."""
         fd, tmp = self._stage()
-        try:
+        with _removed_on_failure(tmp):
             with os.fdopen(fd, "wb") as out:
                 got, size = copy_hashing(src, out)
                 out.flush()
@@ -232,10 +237,6 @@ class BlobStore:
                 return None
             self._commit(tmp, digest)
             return size
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
 
     def check(self, digest: str, size: int | None = None) -> str:
         """'ok', 'missing' or 'corrupt'. Cheap when the blob is unchanged since its last verification."""
@@ -282,7 +283,7 @@ class BlobStore:
         src = self.path(digest)
         dest.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=COPY_TEMP_PREFIX)
-        try:
+        with _removed_on_failure(tmp):
             os.fchmod(fd, umask_mode())  # outputs users see follow the umask, like any file they would write
             if verified_size is not None:
                 with contextlib.suppress(FileNotFoundError):
@@ -300,10 +301,6 @@ class BlobStore:
                 raise CorruptBlob(f"blob {digest[:16]} is corrupt (digest mismatch); evicted")
             os.replace(tmp, dest)
             return size
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
 
     def verify(self, digest: str) -> bool:
         try:
