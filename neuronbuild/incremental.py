@@ -395,13 +395,13 @@ _pending_saves: dict[tuple[Path, Path], LoadCache] = {}
 
 def save_caches(cache_dir: Path, root: Path, load_cache: LoadCache) -> None:
     """Persist what this build learnt (failures to write only cost speed next time). The build server writes them
-    after the command has answered its client (`flush_saves`). In batch mode the digest cache is written again when
-    the process ends, with the digests analysis made after loading (the model sources': without it every process
+    after the command has answered its client (`flush_saves`). In batch mode the digest cache is written when the
+    process ends (once), with the digests analysis made after loading (the model sources': without it every process
     hashed them again, 5,000 files at 100,000 graphs)."""
     if _kept is not None:
         _pending_saves[(cache_dir, root)] = load_cache
         return
-    _save(cache_dir, root, load_cache)
+    _save(cache_dir, root, load_cache, with_digests=False)  # (the digests: once, at exit, with analysis's too)
     if not _exit_saves:
         atexit.register(_save_digests_at_exit)
     _exit_saves.add((cache_dir, root))
@@ -424,10 +424,11 @@ def flush_saves() -> None:
         _save(cache_dir, root, lc)
 
 
-def _save(cache_dir: Path, root: Path, load_cache: LoadCache) -> None:
+def _save(cache_dir: Path, root: Path, load_cache: LoadCache, with_digests: bool = True) -> None:
     try:
         load_cache.save()
-        digests.save_persistent(_digest_cache_file(cache_dir, root), root.resolve())
+        if with_digests:
+            digests.save_persistent(_digest_cache_file(cache_dir, root), root.resolve())
     except OSError:
         pass
 

@@ -4,8 +4,9 @@ The client puts each action's source inputs into the shared CAS and sends digest
 from the shared CAS, runs the action in a warm worker process (FarmPool: one per Dask thread, forked from one zygote
 per Dask worker that starts when a build starts, runs the toolchain warm-ups and is kept between tasks and builds),
 puts the outputs into the shared CAS and returns their digests. The client's local cache then verifies and adopts
-those blobs (store_outputs' `expect`) and writes the records (local cache and shared tier). The shared directory has a local cache's layout and the same path on every machine. A worker lost
-mid-action is handled by Dask, which runs the task again on another worker."""
+those blobs (store_outputs' `expect`) and writes the records (local cache and shared tier). The shared directory
+has a local cache's layout and the same path on every machine. A worker lost mid-action is handled by Dask, which
+runs the task again on another worker."""
 
 from __future__ import annotations
 
