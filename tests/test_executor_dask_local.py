@@ -212,3 +212,44 @@ def test_a_dask_workers_pool_of_warm_processes_ends_when_its_thread_share_change
         for key in list(de._POOLS):
             if key[0] in (tmp, other):
                 de._POOLS.pop(key).retire()
+
+
+def test_a_farm_worker_links_an_input_its_host_hashed_already_and_hashes_a_changed_one_again(tmp_path: Path,
+                                                                                          monkeypatch: Any) -> None:
+    """A farm worker places its inputs from the farm's shared directory: a blob a worker of this host hashed already
+    (an output it stored, an input it verified) and unchanged since is linked without being read again (a lowering's
+    35 MB program, traced on this host moments ago); a blob changed since (its modification time moved) is hashed
+    again, and a corrupt one is refused and evicted, as without stamps."""
+    import tempfile
+
+    import pytest
+
+    from neuronbuild.cache.cas import BlobStore, CorruptBlob
+    from neuronbuild.cache.farm_store import open_farm_store
+    from neuronbuild.execution import dask_executor as de
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))  # this test's farm scratch dir (stamps)
+    hashed: list[str] = []
+    verify = BlobStore.verify
+    monkeypatch.setattr(BlobStore, "verify", lambda self, d: hashed.append(d) or verify(self, d))
+    (tmp_path / "shared").mkdir()
+    store = open_farm_store(str(tmp_path / "shared"))
+    out = tmp_path / "job-1" / "out"  # a trace's output in its sandbox, stored by its worker
+    out.mkdir(parents=True)
+    (out / "program.pt2").write_bytes(os.urandom(1 << 20))
+    os.utime(out / "program.pt2", (time.time() - 60, time.time() - 60))
+    t = time.time_ns()
+    digest, _size = store.put_file(out / "program.pt2", scratch=True)
+    de._stamp(digest, out / "program.pt2", t)
+
+    inputs = tmp_path / "job-2" / "in"  # the lowering's sandbox, on a worker of the same host
+    de._place_input(store, digest, inputs / "program.pt2", True)
+    assert hashed == [] and (inputs / "program.pt2").read_bytes() == (out / "program.pt2").read_bytes()
+
+    blob = store.blobs.path(digest)  # changed in the store since (same size, same inode): hashed, refused, evicted
+    os.chmod(blob, 0o644)
+    with open(blob, "r+b") as f:
+        f.write(b"tampered")
+    with pytest.raises(CorruptBlob):
+        de._place_input(store, digest, tmp_path / "job-3" / "in" / "program.pt2", True)
+    assert hashed == [digest] and not blob.exists()

@@ -126,14 +126,20 @@ def test_workers_joining_mid_build_are_used(farm: Farm, tmp_path: Path) -> None:
     ran_on = {e["worker"] for e in events if e["event"] == "action_finished"}
     assert len(ran_on) == 2, ran_on
     # The scheduler dispatched to both at once: the new worker's thread counts as a slot. An action holds its slot
-    # from dispatch (`start`) to when its worker handed the result back (`end`; storing it, and the finished event,
-    # may come after the freed worker got its next action).
+    # from when it started on its worker (`start`) to when its run there ended (`end`; its outputs are stored after,
+    # beside the worker's next action). Never more at once than the workers' threads, though the client keeps one
+    # more action per thread queued on the workers (its `action_started` event says when it was sent).
     edges = [t for e in events if e["event"] == "action_finished" for t in ((e["start"], 1), (e["end"], -1))]
     in_flight = most = 0
     for _t, step in sorted(edges, key=lambda x: (x[0], x[1])):
         in_flight += step
         most = max(most, in_flight)
     assert most == 2, most
+    # That queued action starts the moment its worker's previous one ends: it was sent before that one ended, instead
+    # of after the result's round trip through the client.
+    sent = {e["fingerprint"]: e["time"] for e in events if e["event"] == "action_started"}
+    runs = sorted((e["worker"], e["start"], e["end"], e["fingerprint"]) for e in events if e["event"] == "action_finished")
+    assert any(a[0] == b[0] and sent[b[3]] < a[2] for a, b in zip(runs, runs[1:], strict=False)), runs
 
     # The farm's next build (a new bucket: 3 actions) runs in the warm processes the first one left on the workers:
     # every action's worker process was forked from a zygote (torch imported, warm-ups run) older than this build.
@@ -152,12 +158,21 @@ def _env() -> dict[str, str]:
     return dict(os.environ)
 
 
+def _actions_on(worker: subprocess.Popen[bytes]) -> list[psutil.Process]:
+    """The worker processes forked from the Dask worker's zygote (its children), and their actions. The zygote itself
+    (the Dask worker's child) runs no action and stays, warm, for the farm's next build."""
+    return [c for c in psutil.Process(worker.pid).children(recursive=True)
+            if "neuronbuild.execution" in " ".join(c.cmdline()) and c.ppid() != worker.pid
+            and c.status() != psutil.STATUS_ZOMBIE]
+
+
 def test_ctrl_c_stops_actions_already_running_on_workers(farm: Farm, tmp_path: Path) -> None:
+    """Ctrl-C kills the action running on a worker, and the one queued behind it on that worker never starts."""
     worker = farm.add_worker()
     ws = write_ws(tmp_path / "ws", {"m/llama.py": SLEEPY_SRC, "m/BUILD": """
 neuron_model(name = "slow", srcs = ["llama.py"], entry = "llama:sleepy",
              config = {"vocab": 64, "hidden": 16, "layers": 1, "heads": 2}, inputs = {"input_ids": "int64[batch, seq]"})
-neuron_buckets(name = "b", dims = {"batch": [1], "seq": [8]})
+neuron_buckets(name = "b", dims = {"batch": [1], "seq": [8, 16]})
 neuron_target(name = "trn2", platform = "trn2")
 neuron_compile(name = "slow_trn2", model = ":slow", buckets = [":b"], target = ":trn2")
 """})
@@ -167,10 +182,7 @@ neuron_compile(name = "slow_trn2", model = ":slow", buckets = [":b"], target = "
     deadline = time.monotonic() + 120
     running: list[psutil.Process] = []
     while not running and time.monotonic() < deadline:
-        # The worker processes forked from the Dask worker's zygote (its children), and their actions. The zygote
-        # itself (the Dask worker's child) runs no action and stays, warm, for the farm's next build.
-        running = [c for c in psutil.Process(worker.pid).children(recursive=True)
-                   if "neuronbuild.execution" in " ".join(c.cmdline()) and c.ppid() != worker.pid]
+        running = _actions_on(worker)
         time.sleep(0.3)
     assert running, "the action never started on the worker"
     time.sleep(3.0)  # the action is in its 600 s sleep
@@ -182,6 +194,8 @@ neuron_compile(name = "slow_trn2", model = ":slow", buckets = [":b"], target = "
         time.sleep(0.2)
     assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in running), \
         "the action kept running on the worker after the build was interrupted"
+    time.sleep(1.0)  # the worker's thread is free: a queued task would have started its action by now
+    assert not _actions_on(worker), "the action queued on the worker started after the build was interrupted"
 
 
 AWS_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",

@@ -16,6 +16,7 @@ import logging
 import os
 import shutil
 import socket
+import stat
 import tempfile
 import threading
 import time
@@ -26,7 +27,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 from neuronbuild.analysis.toolchain_api import WARM_UP
-from neuronbuild.digests import digest_file
+from neuronbuild.digests import RACY_NS, digest_file
 from neuronbuild.errors import NeuronBuildError
 from neuronbuild.execution.cache_api import SpawnCache
 from neuronbuild.execution.env import action_environment, with_threads, worker_threads
@@ -37,6 +38,7 @@ from neuronbuild.execution.worker import first_lines
 
 _LOG_TAIL = 200_000
 SLOTS_REFRESH_S = 2.0
+AHEAD_PER_THREAD = 1  # tasks queued on each Dask thread beyond the one it runs (started the moment it frees)
 
 
 class DaskExecutor:
@@ -84,6 +86,7 @@ class DaskExecutor:
         self._workers_now: set[str] = set()  # the Dask workers' addresses when last asked
         self._slots_checked = time.monotonic()
         self._futures: dict[Any, Job] = {}
+        self._sent: dict[str, float] = {}  # task key -> when it was sent to the cluster
         cache.scratch.mkdir(parents=True, exist_ok=True)
         self._tmp = Path(tempfile.mkdtemp(dir=cache.scratch, prefix="farm-"))
 
@@ -94,6 +97,13 @@ class DaskExecutor:
         with contextlib.suppress(Exception):
             # It only starts processes (no waiting for their imports): one quick round trip.
             self.client.run(farm_prestart, self._toolchain_tmp, dict(self._host_threads), on_error="ignore")
+
+    @property
+    def ahead(self) -> int:
+        """Tasks the scheduler sends beyond the farm's threads: each Dask worker holds the next one in its own queue
+        and starts it the moment its thread frees, instead of idling while the result travels to the client, the
+        client stores it and sends the next (a task also frees its thread before storing its outputs)."""
+        return self.slots * AHEAD_PER_THREAD
 
     @property
     def warms_apart(self) -> bool:
@@ -152,6 +162,7 @@ class DaskExecutor:
         payload["key"] = key
         # A warm-up runs on its Dask worker only (it warms that worker's zygote; see wait() for one whose worker left).
         where: dict[str, Any] = {"workers": [job.host], "allow_other_workers": False} if job.host else {}
+        self._sent[key] = time.time()
         fut = self.client.submit(farm_run, payload, key=key, pure=False, **where)
         self._futures[fut] = job
         return Started("zygote" if a.kind == WARM_UP else "dask", 0)
@@ -203,12 +214,14 @@ class DaskExecutor:
 
     def _completion(self, fut: Any) -> Completion:
         job = self._futures.pop(fut)
+        sent = self._sent.pop(str(fut.key), 0.0)
         a = job.action
         try:
             res = fut.result()
         except Exception as e:  # noqa: BLE001 - KilledWorker (lost too often), cancellation, a broken worker
             return Completion(job, False, "dask", error=first_lines(f"the Dask task failed: {type(e).__name__}: {e}"),
                               worker_died=True)
+        started, ended = _on_worker(res, sent, time.time())
         with contextlib.suppress(OSError), open(job.log, "a", encoding="utf-8") as log:
             log.write(f"# ran on {res.get('worker')} (seconds on the worker: {res.get('farm_s')})\n{res.get('log', '')}")
         worker = str(res.get("worker") or "dask")
@@ -217,7 +230,8 @@ class DaskExecutor:
                               float(res.get("duration_s") or 0.0), metadata=res.get("metadata") or {})
         if not res.get("ok"):
             return Completion(job, False, worker, int(res.get("pid") or 0), str(res.get("error") or ""),
-                              float(res.get("duration_s") or 0.0), worker_died=bool(res.get("worker_died")))
+                              float(res.get("duration_s") or 0.0), worker_died=bool(res.get("worker_died")),
+                              started=started, ended=ended)
         out = self._tmp / job.id.replace("#", "-")
         digests = {str(name): str(digest) for name, (digest, _size) in res["outputs"].items()}
         adopt = self._records_here()
@@ -234,10 +248,11 @@ class DaskExecutor:
             if not adopt:  # the shared tier's record, for other clients (blobs are there already)
                 self._record_shared(a, res, out)
         except Exception as e:  # noqa: BLE001 - CorruptBlob, OSError: the action's failure, not the build's
-            return Completion(job, False, worker, error=f"fetching outputs from the shared cache failed: {e}")
+            return Completion(job, False, worker, error=f"fetching outputs from the shared cache failed: {e}",
+                              started=started, ended=ended)
         return Completion(job, True, worker, int(res.get("pid") or 0), "", float(res["duration_s"]),
                           float(res.get("peak_rss_mb") or 0.0), res.get("metadata") or {}, out,
-                          digests=digests if adopt else None)
+                          digests=digests if adopt else None, started=started, ended=ended)
 
     def _records_here(self) -> bool:
         """Whether the local cache records outputs in the farm's store itself: it is that store, or its shared tier
@@ -276,6 +291,7 @@ class DaskExecutor:
             with contextlib.suppress(Exception):
                 self.client.cancel(list(self._futures), force=True)
         self._futures.clear()
+        self._sent.clear()
 
     def shutdown(self) -> None:
         self.cancel()
@@ -306,7 +322,8 @@ class DaskExecutor:
 _POOLS: dict[tuple[str, int], FarmPool] = {}  # this Dask worker's warm processes, by toolchain tmp and thread share
 _POOLS_LOCK = threading.Lock()
 _RUNNING: dict[str, FarmPool] = {}  # task key (also its task id in the pool) -> the pool running it
-_CANCELLED: set[str] = set()
+_CANCELLED: dict[str, None] = {}  # keys of cancelled tasks (oldest first), also of tasks not started here yet
+_CANCELLED_KEEP = 10_000
 _POLL_S = 1.0  # the farm pool's driver waits this long for results at most (a new task wakes it at once)
 
 
@@ -458,15 +475,19 @@ def quiet_dask_logs() -> dict[str, int]:
 
 
 def cancel_farm_tasks(keys: list[str]) -> int:
-    """Runs on every Dask worker (Client.run): kill the worker processes (process groups) running these tasks."""
+    """Runs on every Dask worker (Client.run): kill the worker processes (process groups) running these tasks. A task
+    still queued on this Dask worker (the client sends some ahead) is marked too: if it starts before Dask's own
+    cancellation reaches the worker, it returns at once instead of running its action."""
     killed = 0
     for key in keys:
+        _CANCELLED[key] = None
         pool = _RUNNING.get(key)
         if pool is None:
             continue
-        _CANCELLED.add(key)
         pool.kill_task(key)
         killed += 1
+    for old in list(_CANCELLED)[:max(0, len(_CANCELLED) - _CANCELLED_KEEP)]:
+        _CANCELLED.pop(old, None)
     return killed
 
 
@@ -526,8 +547,11 @@ def farm_prestart(toolchain_tmp: str | None, host_threads: dict[str, int], dask_
 def farm_run(payload: dict[str, Any]) -> dict[str, Any]:
     """Runs on a Dask worker: sandbox from the shared CAS, the action in a warm worker process, outputs to the CAS. A
     toolchain warm-up runs in the Dask worker's zygote and leaves Dask's thread pool first (distributed.secede), so
-    the worker's thread runs the build's traces meanwhile."""
+    the worker's thread runs the build's traces meanwhile; an action leaves it once its run has ended, so the task
+    queued behind it on this Dask worker starts while it stores the outputs. Returns, beside the result, when it
+    started here and when its run ended (`on_worker`: this host's clock)."""
     t_start = time.perf_counter()
+    started_at = time.time()
     dask_worker: Any = None
     try:
         from distributed import get_worker
@@ -536,6 +560,9 @@ def farm_run(payload: dict[str, Any]) -> dict[str, Any]:
         where = f"{dask_worker.address} ({socket.gethostname()})"
     except (ImportError, ValueError):
         where = f"dask ({socket.gethostname()})"
+    key = str(payload.get("key") or uuid.uuid4().hex)
+    if key in _CANCELLED:  # its build was cancelled while it waited in this Dask worker's queue
+        return {"ok": False, "error": "cancelled", "duration_s": 0.0, "worker": where}
     shared = payload["open_store"](payload["shared"])
     base = _farm_base()
     base.mkdir(parents=True, exist_ok=True)
@@ -545,22 +572,19 @@ def farm_run(payload: dict[str, Any]) -> dict[str, Any]:
         inputs, outputs, log = sb / "in", sb / "out", sb / "action.log"
         inputs.mkdir()
         outputs.mkdir()
+        directory = not str(payload["shared"]).startswith("s3://")  # else every input is a verified download
         for rel, digest in payload["inputs"]:
-            shared.place_blob(digest, inputs / rel)
+            _place_input(shared, digest, inputs / rel, directory)
         t_in = time.perf_counter()
         log.write_text(f"# {payload['description']}\n", encoding="utf-8")
         threads = _threads_here(payload.get("host_threads"), dask_worker)
         pool = _farm_pool(payload.get("toolchain_tmp"), threads, _dask_threads(dask_worker) if dask_worker else 1)
         limit, source = payload.get("timeout") or (0.0, "")  # the pool kills the action's process tree after it
-        key = str(payload.get("key") or uuid.uuid4().hex)
         msg = {"kind": payload["kind"], "spec": payload["spec"], "inputs": str(inputs), "outputs": str(outputs),
                "log": str(log), "expect": payload.get("expect")}
         apart = pool.warms_apart and _is_warm_up_msg(msg)
         if apart and dask_worker is not None:
-            with contextlib.suppress(Exception):
-                from distributed import secede
-
-                secede()  # this thread leaves the Dask worker's pool: its slot runs other tasks (traces) now
+            _secede()  # its slot runs other tasks (traces) now
             where = f"zygote@{where}"
         _RUNNING[key] = pool
         try:
@@ -569,10 +593,14 @@ def farm_run(payload: dict[str, Any]) -> dict[str, Any]:
         finally:
             _RUNNING.pop(key, None)
             cancelled = key in _CANCELLED
-            _CANCELLED.discard(key)
+            _CANCELLED.pop(key, None)
+        ended_at = time.time()
         if cancelled or result is None:
             return {"ok": False, "error": "cancelled", "duration_s": 0.0, "worker": where}
+        if not apart and dask_worker is not None:
+            _secede()  # the next task queued here starts now, in the pool worker this action has just freed
         res = dict(result)
+        res["on_worker"] = [started_at, ended_at]
         t_run = time.perf_counter()
         if res.get("ok"):
             outs: dict[str, list[Any]] = {}
@@ -582,8 +610,11 @@ def farm_run(payload: dict[str, Any]) -> dict[str, Any]:
                     res = {"ok": False, "error": f"the action did not produce its declared output '{name}'",
                            "duration_s": res.get("duration_s", 0.0)}
                     break
+                hashed_from = time.time_ns()
                 digest, size = shared.put_file(p, scratch=True)  # not sent again if the store has it; linked, not
                 # copied, into a store directory on the sandbox's filesystem
+                if directory:
+                    _stamp(digest, p, hashed_from)  # hashed by the store just now (when p is the stored blob)
                 outs[name] = [digest, size]
             else:
                 res["outputs"] = outs
@@ -598,6 +629,89 @@ def farm_run(payload: dict[str, Any]) -> dict[str, Any]:
         return res
     finally:
         shutil.rmtree(sb, ignore_errors=True)
+
+
+def _place_input(shared: Any, digest: str, dest: Path, directory: bool) -> None:
+    """An input from the farm's store into a sandbox: a blob this host hashed already (as it is in the store now) is
+    linked without reading it again, any other one is verified (hashed) while placed, then known here."""
+    if directory:
+        known = _stamp_of(digest)
+        if known:
+            with contextlib.suppress(OSError):
+                shared.link_blob(digest, dest)  # a hard link (no read) where the store is on this filesystem
+                if _signature(dest) == known:
+                    return
+            with contextlib.suppress(OSError):
+                dest.unlink()
+    hashed_from = time.time_ns()
+    shared.place_blob(digest, dest)  # verified (a corrupt blob raises CorruptBlob and is evicted)
+    if directory:
+        _stamp(digest, dest, hashed_from)
+
+
+def _signature(path: Path) -> str:
+    """What a blob's stamp holds: the file's device, inode, size and modification time; "" when `path` is not a
+    second name of a stored blob (a copy, or a file of the store's own that it did not take)."""
+    st = os.stat(path)
+    return f"{st.st_dev} {st.st_ino} {st.st_size} {st.st_mtime_ns}" if st.st_nlink > 1 else ""
+
+
+def _stamps() -> Path | None:
+    """This host's stamps of the store's blobs that its farm workers hashed (shared by the Dask workers of the host):
+    a directory of this user's that nobody else may write, else None (no stamps: every input is hashed)."""
+    d = _farm_base() / "verified"
+    try:
+        d.mkdir(mode=0o700, parents=True, exist_ok=True)
+        st = os.lstat(d)
+    except OSError:
+        return None
+    return d if stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & 0o077 else None
+
+
+def _stamp(digest: str, path: Path, hashed_from: int) -> None:
+    """`path` (a name of blob `digest` in the store) was hashed to `digest` from `hashed_from` (ns) on: stamp it with
+    its signature. A blob written since has another modification time (or inode, or size): its stamp no longer
+    matches and it is hashed again. Not stamped when it was modified so shortly before the hash began that a later
+    write could keep its modification time (the kernel's coarse file clock)."""
+    d = _stamps()
+    with contextlib.suppress(OSError):
+        sig = _signature(path)
+        if d is None or not sig or int(sig.split()[3]) >= hashed_from - RACY_NS:
+            return
+        p = d / digest[:2] / digest
+        p.parent.mkdir(mode=0o700, exist_ok=True)
+        tmp = p.with_name(f".{digest}.{os.getpid()}.{threading.get_ident()}")
+        tmp.write_text(sig, encoding="utf-8")
+        os.replace(tmp, p)
+
+
+def _stamp_of(digest: str) -> str:
+    d = _stamps()
+    try:
+        return (d / digest[:2] / digest).read_text(encoding="utf-8") if d is not None else ""
+    except (OSError, ValueError):
+        return ""
+
+
+def _secede() -> None:
+    """This thread leaves its Dask worker's thread pool: its slot runs the next task (the scheduler no longer counts
+    this one as taking it)."""
+    with contextlib.suppress(Exception):
+        from distributed import secede
+
+        secede()
+
+
+def _on_worker(res: Mapping[str, Any], sent: float, received: float) -> tuple[float, float]:
+    """When a farm task started on its Dask worker and when its run ended there (it freed its thread), from the
+    worker's clock, kept between when the client sent it and when the result came back (clocks of other hosts may
+    differ); (0.0, 0.0) when the worker did not say."""
+    try:
+        w_start, w_end = (float(t) for t in res["on_worker"])
+    except (KeyError, TypeError, ValueError):
+        return 0.0, 0.0
+    ended = min(max(w_end, sent), received)
+    return min(max(w_start, sent), ended), ended
 
 
 def worker_toolchain() -> dict[str, Any]:

@@ -50,12 +50,18 @@ class Completion:
     # {name: digest} the outputs must match when stored: a farm worker's blobs, placed unverified (store_outputs
     # verifies them while adopting them into the local cache); None: the executor's own files (a local sandbox).
     digests: Mapping[str, str] | None = field(default=None, hash=False, compare=False)
+    # When the job started on its worker and when that worker was free of it (seconds since the epoch), where the
+    # executor knows better than dispatch and receipt (a farm task queued on its Dask worker); 0.0: not known.
+    started: float = 0.0
+    ended: float = 0.0
 
 
 class Executor(Protocol):
     """What the scheduler needs from a place that runs actions (local worker processes or a Dask cluster)."""
 
     slots: int  # how many jobs it runs at once
+    # (optional) `ahead: int`: jobs it takes beyond `slots`, queued on its workers so each starts the moment a slot
+    # frees (the Dask farm); the scheduler dispatches up to slots + ahead when no --local-ram budget applies
     local: bool  # runs on this machine (the --local-ram cap applies)
     name: str
 

@@ -359,7 +359,8 @@ class _Run:
 
     def _dispatch_ready(self, ex: Executor, held_back: list[tuple[float, int, str]]) -> None:
         in_slots = sum(1 for w in self.warming.values() if not w.apart)
-        while self.ready and len(self.running) + in_slots < ex.slots:
+        limit = ex.slots + (int(getattr(ex, "ahead", 0)) if self.budget is None else 0)  # a farm queues some ahead
+        while self.ready and len(self.running) + in_slots < limit:
             fp = self.ready[0][2]
             if fp in self.warm_for:
                 held_back.append(heapq.heappop(self.ready))
@@ -461,18 +462,19 @@ class _Run:
                 self.s.bus.emit(ev.OUTPUTS_STORED, at=t + stored_s, fingerprint=fp, start=t, duration_s=stored_s,
                                 worker=c.worker)
         self.s.executor.finish(c.job)
+        start, ended = c.started or r.started, c.ended or ended  # on its worker, when the executor knows (farm)
         if ok:
             r.claim.release()
             self.executed.append(fp)
             self.s.bus.emit(ev.ACTION_FINISHED, **action_fields(a), attempt=c.job.attempt + 1, worker=c.worker,
-                            pid=c.pid, start=r.started, end=ended, duration_s=round(c.duration_s, 3),
+                            pid=c.pid, start=start, end=ended, duration_s=round(c.duration_s, 3),
                             peak_rss_mb=round(c.peak_rss_mb, 1),
                             outputs={k: v for k, v in sorted(self._outputs(fp).items())})
             self._done(fp)
             return
         retry = c.worker_died and self.attempts.get(fp, 0) < self.s.options.retries and not self.stopped
         self.s.bus.emit(ev.ACTION_FAILED, **action_fields(a), attempt=c.job.attempt + 1, worker=c.worker,
-                        pid=c.pid, start=r.started, end=ended, duration_s=round(c.duration_s, 3), error=error,
+                        pid=c.pid, start=start, end=ended, duration_s=round(c.duration_s, 3), error=error,
                         log=str(c.job.log), worker_died=c.worker_died, will_retry=retry)
         if retry:
             self.attempts[fp] = self.attempts.get(fp, 0) + 1
