@@ -214,11 +214,12 @@ def test_a_dask_workers_pool_of_warm_processes_ends_when_its_thread_share_change
                 de._POOLS.pop(key).retire()
 
 
-def test_a_farm_worker_links_an_input_its_host_hashed_already_and_hashes_a_changed_one_again(tmp_path: Path,
-                                                                                          monkeypatch: Any) -> None:
+def test_a_farm_worker_neither_hashes_nor_stores_again_a_blob_its_host_hashed_already(tmp_path: Path,
+                                                                                   monkeypatch: Any) -> None:
     """A farm worker places its inputs from the farm's shared directory: a blob a worker of this host hashed already
     (an output it stored, an input it verified) and unchanged since is linked without being read again (a lowering's
-    35 MB program, traced on this host moments ago); a blob changed since (its modification time moved) is hashed
+    35 MB program, traced on this host moments ago), and an output that is such an input re-emitted (a Neuron
+    compile's weights) is not hashed and stored again; a blob changed since (its modification time moved) is hashed
     again, and a corrupt one is refused and evicted, as without stamps."""
     import tempfile
 
@@ -230,21 +231,29 @@ def test_a_farm_worker_links_an_input_its_host_hashed_already_and_hashes_a_chang
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))  # this test's farm scratch dir (stamps)
     hashed: list[str] = []
-    verify = BlobStore.verify
+    stored: list[str] = []
+    verify, put_file = BlobStore.verify, BlobStore.put_file
     monkeypatch.setattr(BlobStore, "verify", lambda self, d: hashed.append(d) or verify(self, d))
+    monkeypatch.setattr(BlobStore, "put_file", lambda self, p, scratch=False: stored.append(p.name)
+                        or put_file(self, p, scratch))
     (tmp_path / "shared").mkdir()
     store = open_farm_store(str(tmp_path / "shared"))
     out = tmp_path / "job-1" / "out"  # a trace's output in its sandbox, stored by its worker
     out.mkdir(parents=True)
     (out / "program.pt2").write_bytes(os.urandom(1 << 20))
     os.utime(out / "program.pt2", (time.time() - 60, time.time() - 60))
-    t = time.time_ns()
-    digest, _size = store.put_file(out / "program.pt2", scratch=True)
-    de._stamp(digest, out / "program.pt2", t)
+    digest, size = de._store_output(store, out / "program.pt2", True, [])
+    assert stored == ["program.pt2"] and store.blobs.verify(digest)
+    stored.clear()
+    hashed.clear()
 
-    inputs = tmp_path / "job-2" / "in"  # the lowering's sandbox, on a worker of the same host
-    de._place_input(store, digest, inputs / "program.pt2", True)
-    assert hashed == [] and (inputs / "program.pt2").read_bytes() == (out / "program.pt2").read_bytes()
+    job2 = tmp_path / "job-2"  # the next action's sandbox, on a worker of the same host
+    de._place_input(store, digest, job2 / "in" / "program.pt2", True)
+    assert hashed == [] and (job2 / "in" / "program.pt2").read_bytes() == (out / "program.pt2").read_bytes()
+    (job2 / "out").mkdir()
+    os.link(job2 / "in" / "program.pt2", job2 / "out" / "program.pt2")  # re-emitted as an output
+    assert de._store_output(store, job2 / "out" / "program.pt2", True, [digest]) == [digest, size]
+    assert stored == [] and hashed == []
 
     blob = store.blobs.path(digest)  # changed in the store since (same size, same inode): hashed, refused, evicted
     os.chmod(blob, 0o644)

@@ -610,12 +610,7 @@ def farm_run(payload: dict[str, Any]) -> dict[str, Any]:
                     res = {"ok": False, "error": f"the action did not produce its declared output '{name}'",
                            "duration_s": res.get("duration_s", 0.0)}
                     break
-                hashed_from = time.time_ns()
-                digest, size = shared.put_file(p, scratch=True)  # not sent again if the store has it; linked, not
-                # copied, into a store directory on the sandbox's filesystem
-                if directory:
-                    _stamp(digest, p, hashed_from)  # hashed by the store just now (when p is the stored blob)
-                outs[name] = [digest, size]
+                outs[name] = _store_output(shared, p, directory, [d for _rel, d in payload["inputs"]])
             else:
                 res["outputs"] = outs
         res["worker"] = where
@@ -647,6 +642,24 @@ def _place_input(shared: Any, digest: str, dest: Path, directory: bool) -> None:
     shared.place_blob(digest, dest)  # verified (a corrupt blob raises CorruptBlob and is evicted)
     if directory:
         _stamp(digest, dest, hashed_from)
+
+
+def _store_output(shared: Any, p: Path, directory: bool, inputs: list[str]) -> list[Any]:
+    """An action's output into the farm's store: [digest, size]. An output that is one of its inputs, linked (a Neuron
+    compile re-emits its lowering's files) and known here as that stored blob, is there already: neither hashed nor
+    stored again (nor marked used, which would change its modification time and so its stamp)."""
+    if directory:
+        with contextlib.suppress(OSError):
+            sig = _signature(p)
+            for digest in dict.fromkeys(inputs) if sig else ():
+                if _stamp_of(digest) == sig and shared.has_blob(digest):
+                    return [digest, os.stat(p).st_size]
+    hashed_from = time.time_ns()
+    digest, size = shared.put_file(p, scratch=True)  # not sent again if the store has it; linked, not copied, into a
+    # store directory on the sandbox's filesystem
+    if directory:
+        _stamp(digest, p, hashed_from)  # hashed just now: known here when p is the stored blob
+    return [digest, size]
 
 
 def _signature(path: Path) -> str:
