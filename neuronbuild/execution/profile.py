@@ -69,13 +69,15 @@ class TraceProfile:
                 args["error"] = f["error"]
             else:
                 args["peak_rss_mb"] = f["peak_rss_mb"]
+                args["cpu_s"] = f.get("cpu_s", 0.0)
             end = float(f.get("end") or e.time)  # the worker was free from then on (storing came after)
             self._slice(f["description"], "action", f["start"], end, self._tid(f["worker"]), args)
             self._busy(float(f["start"]), end)
             self._action_s += float(f.get("duration_s") or 0.0)
         elif e.kind == ev.WARM_UP_FINISHED:
             self._slice(f["description"], "warm_up", f["start"], e.time, self._tid(f["worker"]),
-                        {"ok": f["ok"], "duration_s": f["duration_s"], **dict(f.get("metadata") or {}),
+                        {"ok": f["ok"], "duration_s": f["duration_s"], "cpu_s": f.get("cpu_s", 0.0),
+                         **dict(f.get("metadata") or {}),
                          **({"error": f["error"]} if not f["ok"] else {})})
             if not str(f["worker"]).startswith("zygote"):  # beside the workers (in a zygote): keeps none busy
                 self._busy(float(f["start"]), e.time)
