@@ -5,6 +5,15 @@ times, ratios, each run's CPU seconds (its process and every process it waited f
 figure the machine's other load barely moves, unlike the wall), each build's worker utilisation (from its --profile)
 and the load averages around every run.
 
+The 2-core CPU bound (cpu_bound): a run's CPU seconds cannot take less wall than prefix + (CPU - prefix) / cores,
+where the prefix (process start, loading, planning, the workers' torch import, and materialising and stopping after
+the last action: one process at a time) is read from the build's profile. A build at ~1.0 of its bound keeps every
+core busy, so only less CPU work makes it faster; the 1-worker run's bound is the best any schedule of its work can
+reach here (its wall / that bound: the largest speed-up 2 workers could show without doing less work). The CPU is
+the build's own processes for --batch local builds (all children of this process), the whole machine's (/proc/stat)
+for Dask clusters and build servers (quiet machine only). Each build's CPU seconds by action kind come from its
+profile (the workers measure every action's process and its compilers).
+
     .venv/bin/python benchmarks/parallel_bench.py --section cpu --graphs 4 --rounds 2     # a few minutes each
     .venv/bin/python benchmarks/parallel_bench.py --section cpu --graphs 8 --rounds 1
     .venv/bin/python benchmarks/parallel_bench.py --section neuron --graphs 12 --rounds 2
@@ -131,8 +140,8 @@ class Bench:
         self.vocab = 32_000 + random.randrange(1, 1_000)  # +1 per run: no run can hit another's caches
         self.notes: list[str] = []
         self.cores = len(os.sched_getaffinity(0))
-        self.last: tuple[float, float] = (0.0, 0.0)  # the last build's (machine CPU seconds, its CPU bound)
-        self.figures: dict[str, list[tuple[float, float]]] = {}  # run name -> (machine CPU, CPU bound) per round
+        self.last: tuple[float, float] = (0.0, 0.0)  # the last build's (CPU seconds, its CPU bound)
+        self.figures: dict[str, list[tuple[float, float]]] = {}  # run name -> (CPU seconds, CPU bound) per round
 
     def _next(self) -> int:
         self.vocab += 1
@@ -159,10 +168,11 @@ class Bench:
                                str(out), self.isa], env=env, capture_output=True, text=True)
         wall = time.perf_counter() - t
         busy = _machine_cpu() - busy
-        self.last = (busy, 0.0)
+        used = _children_cpu() - cpu
+        self.last = (used, 0.0)
         if proc.returncode != 0 or len(list(out.glob("*.pt2"))) != len(self.seqs):
             sys.exit(f"the serial script failed:\n{proc.stdout}\n{proc.stderr}")
-        return wall, f"cpu {_children_cpu() - cpu:.1f} s; machine cpu {busy:.1f} s"
+        return wall, f"cpu {used:.1f} s (machine {busy:.1f} s)"
 
     def build(self, target: str, *flags: str, code: Path = REPO, ws: Path | None = None, cache: Path | None = None,
               batch: bool = True) -> tuple[float, str]:
@@ -190,12 +200,16 @@ class Bench:
             sys.exit(f"neuronbuild {' '.join(flags)} failed:\n{proc.stdout}\n{proc.stderr}")
         # The build's processes: its workers, their actions and compilers (all waited for by the time it exits);
         # not a Dask cluster's (those are not the build's children).
-        used = "" if "dask" in flags or not batch else f"cpu {_children_cpu() - cpu:.1f} s; "
+        # The bound counts the build's own processes where they are all this process's children (a --batch local
+        # build), else every process on the machine (a Dask cluster's, a build server's: read it on a quiet machine).
+        own = "dask" not in flags and batch
+        if own:
+            busy = _children_cpu() - cpu
         data = json.loads(profile.read_text())
         bound = cpu_bound(prefix_s(data, wall), busy, self.cores)
         self.last = (busy, bound)
-        return wall, (f"{used}machine cpu {busy:.1f} s, {self.cores}-core bound {bound:.1f} s (wall / bound "
-                      f"{wall / bound:.2f}); " + utilisation(data, wall))
+        return wall, (f"{'cpu' if own else 'machine cpu'} {busy:.1f} s, {self.cores}-core bound {bound:.1f} s "
+                      f"(wall / bound {wall / bound:.2f}); " + utilisation(data, wall))
 
 
 def prefix_s(data: dict[str, Any], wall: float) -> float:
@@ -289,7 +303,7 @@ def bounds(bench: Bench, walls: dict[str, list[float]], one: str, two: str, base
     if base is not None:
         wb = mean(walls[base])
         vs = f" = {b1 / wb:.2f} of {base}'s wall"
-    print(f"{bench.cores}-core CPU bound: {one} did {c1:.1f} s of machine CPU, which {bench.cores} cores run in no "
+    print(f"{bench.cores}-core CPU bound: {one} did {c1:.1f} s of CPU, which {bench.cores} cores run in no "
           f"less than {b1:.1f} s{vs} (at most {w1 / b1:.2f}x over its {w1:.1f} s); {two} did {c2:.1f} s "
           f"({c2 - c1:+.1f} s), bound {b2:.1f} s, wall {w2:.1f} s = {w2 / b2:.2f} of its bound")
 
