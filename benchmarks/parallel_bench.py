@@ -5,6 +5,15 @@ times, ratios, each run's CPU seconds (its process and every process it waited f
 figure the machine's other load barely moves, unlike the wall), each build's worker utilisation (from its --profile)
 and the load averages around every run.
 
+The 2-core CPU bound (cpu_bound): a run's CPU seconds cannot take less wall than prefix + (CPU - prefix) / cores,
+where the prefix (process start, loading, planning, the workers' torch import, and materialising and stopping after
+the last action: one process at a time) is read from the build's profile. A build at ~1.0 of its bound keeps every
+core busy, so only less CPU work makes it faster; the 1-worker run's bound is the best any schedule of its work can
+reach here (its wall / that bound: the largest speed-up 2 workers could show without doing less work). The CPU is
+the build's own processes for --batch local builds (all children of this process), the whole machine's (/proc/stat)
+for Dask clusters and build servers (quiet machine only). Each build's CPU seconds by action kind come from its
+profile (the workers measure every action's process and its compilers).
+
     .venv/bin/python benchmarks/parallel_bench.py --section cpu --graphs 4 --rounds 2     # a few minutes each
     .venv/bin/python benchmarks/parallel_bench.py --section cpu --graphs 8 --rounds 1
     .venv/bin/python benchmarks/parallel_bench.py --section neuron --graphs 12 --rounds 2
@@ -59,6 +68,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 DASK = str(Path(sys.executable).parent / "dask")
@@ -98,6 +108,24 @@ for seq in {seq}:
 """
 
 
+def _machine_cpu() -> float:
+    """CPU seconds every core of this machine has spent busy so far (/proc/stat: user, nice, system, irq, softirq,
+    steal; not idle or iowait): a run's delta counts every process that ran meanwhile (the build, its workers, a Dask
+    cluster's processes, and anything else: read it on a quiet machine)."""
+    with open("/proc/stat", encoding="ascii") as f:
+        v = [int(x) for x in f.readline().split()[1:]]
+    busy = sum(v[:8]) - v[3] - v[4]  # guest time (v[8:]) is already in user and nice
+    return busy / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_bound(prefix: float, busy: float, cores: int) -> float:
+    """The shortest wall `busy` CPU seconds allow on `cores` cores when the first `prefix` seconds (process start,
+    loading, planning, the workers' torch import, and after the last action materialising and shutting down: one
+    process at a time) keep one core busy: prefix + (busy - prefix) / cores. A build near its bound keeps every core
+    busy; only less CPU work (or a shorter prefix) makes it faster."""
+    return prefix + max(0.0, busy - prefix) / cores
+
+
 def _children_cpu() -> float:
     """CPU seconds (user + system) of this process's waited-for children and their descendants so far."""
     r = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -111,6 +139,9 @@ class Bench:
         self.seqs = seqs
         self.vocab = 32_000 + random.randrange(1, 1_000)  # +1 per run: no run can hit another's caches
         self.notes: list[str] = []
+        self.cores = len(os.sched_getaffinity(0))
+        self.last: tuple[float, float] = (0.0, 0.0)  # the last build's (CPU seconds, its CPU bound)
+        self.figures: dict[str, list[tuple[float, float]]] = {}  # run name -> (CPU seconds, CPU bound) per round
 
     def _next(self) -> int:
         self.vocab += 1
@@ -132,13 +163,16 @@ class Bench:
         tmp.mkdir()
         env = dict(os.environ, TMPDIR=str(tmp), TORCHINDUCTOR_CACHE_DIR=str(tmp / "inductor"), OMP_NUM_THREADS="1",
                    PYTHONPATH=str(REPO))
-        t, cpu = time.perf_counter(), _children_cpu()
+        t, cpu, busy = time.perf_counter(), _children_cpu(), _machine_cpu()
         proc = subprocess.run([sys.executable, "-c", SCRIPT.format(seq=self.seqs), str(ws / "models"), str(vocab),
                                str(out), self.isa], env=env, capture_output=True, text=True)
         wall = time.perf_counter() - t
+        busy = _machine_cpu() - busy
+        used = _children_cpu() - cpu
+        self.last = (used, 0.0)
         if proc.returncode != 0 or len(list(out.glob("*.pt2"))) != len(self.seqs):
             sys.exit(f"the serial script failed:\n{proc.stdout}\n{proc.stderr}")
-        return wall, f"cpu {_children_cpu() - cpu:.1f} s"
+        return wall, f"cpu {used:.1f} s (machine {busy:.1f} s)"
 
     def build(self, target: str, *flags: str, code: Path = REPO, ws: Path | None = None, cache: Path | None = None,
               batch: bool = True) -> tuple[float, str]:
@@ -155,42 +189,61 @@ class Bench:
         # its warm workers; docs/server.md).
         cmd = [sys.executable, "-m", "neuronbuild", *(["--batch"] if batch else []), "build", f"//models:{target}",
                "--cache-dir", str(cache or self.root / f"cache-{vocab}"), "--profile", str(profile), *flags]
-        t, cpu = time.perf_counter(), _children_cpu()
         env = dict(os.environ, OMP_NUM_THREADS="1")
         if code != REPO:
             env["PYTHONPATH"] = str(code)
+        t, cpu, busy = time.perf_counter(), _children_cpu(), _machine_cpu()
         proc = subprocess.run(cmd, cwd=ws, capture_output=True, text=True, env=env)
         wall = time.perf_counter() - t
+        busy = _machine_cpu() - busy
         if proc.returncode != 0 or " 0 cached" not in proc.stdout:
             sys.exit(f"neuronbuild {' '.join(flags)} failed:\n{proc.stdout}\n{proc.stderr}")
         # The build's processes: its workers, their actions and compilers (all waited for by the time it exits);
         # not a Dask cluster's (those are not the build's children).
-        used = "" if "dask" in flags or not batch else f"cpu {_children_cpu() - cpu:.1f} s; "
-        return wall, used + utilisation(profile, wall)
+        # The bound counts the build's own processes where they are all this process's children (a --batch local
+        # build), else every process on the machine (a Dask cluster's, a build server's: read it on a quiet machine).
+        own = "dask" not in flags and batch
+        if own:
+            busy = _children_cpu() - cpu
+        data = json.loads(profile.read_text())
+        bound = cpu_bound(prefix_s(data, wall), busy, self.cores)
+        self.last = (busy, bound)
+        return wall, (f"{'cpu' if own else 'machine cpu'} {busy:.1f} s, {self.cores}-core bound {bound:.1f} s "
+                      f"(wall / bound {wall / bound:.2f}); " + utilisation(data, wall))
 
 
-def utilisation(profile: Path, wall: float) -> str:
-    """The build's utilisation (profile otherData), each worker's busy seconds, and the process's wall outside the
-    scheduler (start, loading, planning, materialising, shutting workers down)."""
-    data = json.loads(profile.read_text())
+def prefix_s(data: dict[str, Any], wall: float) -> float:
+    """A build's seconds before its first action could start or after its scheduler ended (see cpu_bound)."""
+    other = data.get("otherData", {})
+    return wall - float(other.get("wall_s", 0)) + float(other.get("first_dispatch_s", 0))
+
+
+def utilisation(data: dict[str, Any], wall: float) -> str:
+    """The build's utilisation (its profile's otherData), each worker's busy seconds, and the process's wall outside
+    the scheduler (start, loading, planning, materialising, shutting workers down)."""
     other = data.get("otherData", {})
     names = {e["tid"]: e["args"]["name"] for e in data["traceEvents"]
              if e.get("ph") == "M" and e["name"] == "thread_name"}
     busy: dict[str, float] = {}
     by_kind: dict[str, list[float]] = {}
+    cpu_by_kind: dict[str, float] = {}  # CPU seconds of each kind's processes and their compilers (local builds)
     beyond: list[float] = []  # per action: dispatch to result, minus the action's own time in its worker
     stores: list[float] = []  # per action: the scheduler storing its outputs (after the freed worker's next dispatch)
     for e in data["traceEvents"]:
         if e.get("ph") == "X" and e.get("cat") in ("action", "warm_up"):
             w = names.get(e["tid"], str(e["tid"]))
             busy[w] = busy.get(w, 0.0) + e["dur"] / 1e6
-            by_kind.setdefault(e["name"].split()[0].lower(), []).append(float(e["args"]["duration_s"]))
+            kind = e["name"].split()[0].lower()
+            by_kind.setdefault(kind, []).append(float(e["args"]["duration_s"]))
+            cpu_by_kind[kind] = cpu_by_kind.get(kind, 0.0) + float(e["args"].get("cpu_s") or 0.0)
             if e.get("cat") == "action" and e["args"].get("ok"):
                 beyond.append(e["dur"] / 1e6 - float(e["args"]["duration_s"]))
         elif e.get("ph") == "X" and e.get("name") == "store outputs":
             stores.append(e["dur"] / 1e6)
     per = ", ".join(f"{w.rsplit(' ', 1)[0][-22:]} {s:.0f} s" for w, s in sorted(busy.items()))
     per += "; in-worker s: " + ", ".join(f"{k} {'/'.join(f'{d:.0f}' for d in ds)}" for k, ds in sorted(by_kind.items()))
+    if any(cpu_by_kind.values()):
+        per += "; cpu s by kind: " + ", ".join(f"{k} {c:.1f}" for k, c in sorted(cpu_by_kind.items()))
     if beyond:
         per += (f"; per action: {sum(beyond) / len(beyond):.3f} s beyond its own time (dispatch to result), storing "
                 f"{sum(stores) / max(1, len(stores)):.3f} s")
@@ -210,14 +263,18 @@ def _load() -> str:
     return "/".join(f"{x:.1f}" for x in os.getloadavg())
 
 
-def interleave(runs: list[tuple[str, Callable[[], tuple[float, str]]]], rounds: int) -> dict[str, list[float]]:
-    """Each run once per round, in the same order (A B A B ...); prints every run with the load around it."""
+def interleave(runs: list[tuple[str, Callable[[], tuple[float, str]]]], rounds: int,
+               bench: Bench | None = None) -> dict[str, list[float]]:
+    """Each run once per round, in the same order (A B A B ...); prints every run with the load around it. With
+    `bench`, each run's (machine CPU, CPU bound) is kept in bench.figures."""
     walls: dict[str, list[float]] = {name: [] for name, _ in runs}
     for r in range(rounds):
         for name, fn in runs:
             before = _load()
             wall, note = fn()
             walls[name].append(wall)
+            if bench is not None:
+                bench.figures.setdefault(name, []).append(bench.last)
             print(f"  round {r + 1}: {name:<34} {wall:7.1f} s   load {before} -> {_load()}   {note}", flush=True)
     return walls
 
@@ -230,6 +287,25 @@ def table(walls: dict[str, list[float]], base: str, goals: dict[str, str]) -> No
         mean = sum(ws) / len(ws)
         print(f"| {name} | {', '.join(f'{w:.1f}' for w in ws)} s | {mean:.1f} s | {mean / b:.2f} | "
               f"{goals.get(name, '')} |")
+
+
+def bounds(bench: Bench, walls: dict[str, list[float]], one: str, two: str, base: str | None = None) -> None:
+    """What the machine's cores allow: `one` (a 1-worker run)'s CPU work in a wall of cpu_bound on this machine's
+    cores is the best any schedule of that work can do here (for `two`, the 2-worker run, a speed-up over `one` of at
+    most one's wall / that bound); and how near `two` came to its own bound (its CPU work, which may be more)."""
+    def mean(xs: list[float]) -> float:
+        return sum(xs) / len(xs)
+
+    w1, w2 = mean(walls[one]), mean(walls[two])
+    c1, b1 = (mean([f[i] for f in bench.figures[one]]) for i in (0, 1))
+    c2, b2 = (mean([f[i] for f in bench.figures[two]]) for i in (0, 1))
+    vs = ""
+    if base is not None:
+        wb = mean(walls[base])
+        vs = f" = {b1 / wb:.2f} of {base}'s wall"
+    print(f"{bench.cores}-core CPU bound: {one} did {c1:.1f} s of CPU, which {bench.cores} cores run in no "
+          f"less than {b1:.1f} s{vs} (at most {w1 / b1:.2f}x over its {w1:.1f} s); {two} did {c2:.1f} s "
+          f"({c2 - c1:+.1f} s), bound {b2:.1f} s, wall {w2:.1f} s = {w2 / b2:.2f} of its bound")
 
 
 def _free_port() -> int:
@@ -340,12 +416,14 @@ def main() -> None:
         if base is not None:
             print(f"baseline: the neuronbuild in {base} (its runs interleaved with this checkout's)", flush=True)
         if args.section == "cpu":
-            walls = interleave([("serial script", bench.script), *builds("llama_cpu")], args.rounds)
+            walls = interleave([("serial script", bench.script), *builds("llama_cpu")], args.rounds, bench)
             table(walls, "serial script", {"neuronbuild build --jobs 1": "<= 1.0", "neuronbuild build --jobs 2":
                                            "<= 0.55"})
+            bounds(bench, walls, "neuronbuild build --jobs 1", "neuronbuild build --jobs 2", "serial script")
         elif args.section == "neuron":
-            walls = interleave(builds("llama_trn2"), args.rounds)
+            walls = interleave(builds("llama_trn2"), args.rounds, bench)
             table(walls, "neuronbuild build --jobs 1", {"neuronbuild build --jobs 2": "<= 0.556 (>= 1.8x)"})
+            bounds(bench, walls, "neuronbuild build --jobs 1", "neuronbuild build --jobs 2")
             if base is not None:
                 j1, j2 = (sum(walls[f"baseline build --jobs {j}"]) / args.rounds for j in ("1", "2"))
                 print(f"baseline --jobs 2 / its --jobs 1: {j2 / j1:.2f} ({j1 / j2:.2f}x)")
@@ -410,7 +488,7 @@ def main() -> None:
                     else:
                         runs += [(f"{who}local --jobs 1", lambda c=code: bench.build(target, "--jobs", "1", code=c)),
                                  (f"{who}local --jobs 2", lambda c=code: bench.build(target, "--jobs", "2", code=c))]
-            walls = interleave(runs, args.rounds)
+            walls = interleave(runs, args.rounds, bench)
             table(walls, "local --jobs 1" if "" in lifetimes else f"local --jobs 1{LONG}", {})
 
             def mean(k: str) -> float:
@@ -427,6 +505,9 @@ def main() -> None:
                                   f"(speed-up {d1 / d2:.2f}x, goal >= 1.8x); 2 workers / local --jobs 2{life} "
                                   f"{d2 / l2:.2f} (goal <= 1.1); 1 worker / local --jobs 1{life} {d1 / l1:.2f}; "
                                   f"local speed-up {l1 / l2:.2f}x")
+                            bounds(bench, walls, f"{who}dask, 1 worker{tag}", f"{who}dask, 2 workers{tag}")
+                            if not pin:
+                                bounds(bench, walls, f"{who}local --jobs 1{life}", f"{who}local --jobs 2{life}")
     finally:
         if not args.keep:
             shutil.rmtree(root, ignore_errors=True)

@@ -128,6 +128,11 @@ def test_keep_going_builds_the_good_model_and_names_the_broken_action_and_writes
                                                           "Lower //pkg:good [batch=1, seq=4]",
                                                           "Trace //pkg:good [batch=1, seq=4]"]
     assert all(len(e["fingerprint"]) == 64 and e["duration_s"] > 0 for e in finished)
+    # Each action's CPU seconds (its process and its compilers): measured (a trace and a lowering are CPU work),
+    # and no more than its wall allows on this machine's cores.
+    cores = len(os.sched_getaffinity(0))
+    assert all(0 < e["cpu_s"] <= e["duration_s"] * cores + 0.5 for e in finished), finished
+    assert all(e["cpu_s"] > 0.1 for e in finished if not e["description"].startswith("Compile")), finished
     (failed,) = [e for e in events if e["event"] == "action_failed"]
     assert failed["label"] == "//pkg:bad" and failed["log"] == str(log) and not failed["worker_died"]
     assert sorted(e["label"] for e in events if e["event"] == "action_skipped") == ["//pkg:bad", "//pkg:bad_trn2"]
@@ -143,6 +148,8 @@ def test_keep_going_builds_the_good_model_and_names_the_broken_action_and_writes
     slices = [e for e in evs if e["ph"] == "X" and e["cat"] == "action"]
     assert sorted(e["args"]["fingerprint"] for e in slices if e["args"]["ok"]) == \
         sorted(e["fingerprint"] for e in finished)
+    assert {e["args"]["fingerprint"]: e["args"]["cpu_s"] for e in slices if e["args"]["ok"]} == \
+        {e["fingerprint"]: e["cpu_s"] for e in finished}
     assert [e["args"]["fingerprint"] for e in slices if not e["args"]["ok"]] == [failed["fingerprint"]]
     names = {e["tid"]: e["args"]["name"] for e in evs if e["ph"] == "M" and e["name"] == "thread_name"}
     assert {names[e["tid"]] for e in slices} <= {"worker-1", "worker-2"}

@@ -88,6 +88,11 @@ def test_one_worker_warms_the_headers_beside_the_traces_and_every_compile_reuses
     assert sum(1 for e in events if e["event"] == "action_finished" and e["kind"] == "compile") == 2
     other = json.loads((first / "p1.json").read_text())["otherData"]
     assert 0.0 < float(other["utilisation"]) <= 1.0 and float(other["warm_up_s"]) > 0.0
+    # CPU seconds: the warm-up's include its compilers (building the headers is seconds of g++), and the profile's
+    # total is every action's and warm-up's.
+    assert warm["cpu_s"] > 1.0, warm
+    done = [e for e in events if e["event"] == "action_finished"]
+    assert abs(float(other["cpu_s"]) - warm["cpu_s"] - sum(e["cpu_s"] for e in done)) < 0.01, (other, done)
     # Inductor's working files went under the cache's toolchain scratch dir, keyed by torch version and ISA.
     work = list((cache / "v1" / "toolchain-tmp" / "neuronbuild-inductor").iterdir())
     assert len(work) == 1 and work[0].name.startswith("torch-") and "-x86-64" in work[0].name

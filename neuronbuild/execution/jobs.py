@@ -47,6 +47,7 @@ class Completion:
     metadata: Mapping[str, Any] = field(default_factory=dict, hash=False, compare=False)
     outputs: Path | None = None
     worker_died: bool = False  # an infrastructure failure (killed, OOM, lost host): worth a retry
+    cpu_s: float = 0.0  # CPU seconds of the action's process and its compilers (0: not measured, e.g. on Dask)
     # {name: digest} the outputs must match when stored: a farm worker's blobs, placed unverified (store_outputs
     # verifies them while adopting them into the local cache); None: the executor's own files (a local sandbox).
     digests: Mapping[str, str] | None = field(default=None, hash=False, compare=False)

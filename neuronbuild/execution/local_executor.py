@@ -79,7 +79,8 @@ class LocalExecutor:
             out.append(Completion(
                 job, bool(res.get("ok")), _worker_name(r.slot), r.pid, str(res.get("error") or ""),
                 float(res.get("duration_s") or 0.0), float(res.get("peak_rss_mb") or 0.0),
-                res.get("metadata") or {}, sb.outputs if res.get("ok") else None, r.worker_died))
+                res.get("metadata") or {}, sb.outputs if res.get("ok") else None, r.worker_died,
+                cpu_s=float(res.get("cpu_s") or 0.0)))
         return out
 
     def finish(self, job: Job) -> None:

@@ -31,6 +31,7 @@ class TraceProfile:
         self._busy_s = 0.0  # dispatch to completion of every action attempt and warm-up
         self._action_s = 0.0  # run time inside the workers (what actions record as their duration)
         self._warm_up_s = 0.0
+        self._cpu_s = 0.0  # CPU seconds of the actions and warm-ups (their processes and compilers)
         self._wall_s = 0.0
         self._first_start: float | None = None
 
@@ -69,17 +70,21 @@ class TraceProfile:
                 args["error"] = f["error"]
             else:
                 args["peak_rss_mb"] = f["peak_rss_mb"]
+                args["cpu_s"] = f.get("cpu_s", 0.0)
             end = float(f.get("end") or e.time)  # the worker was free from then on (storing came after)
             self._slice(f["description"], "action", f["start"], end, self._tid(f["worker"]), args)
             self._busy(float(f["start"]), end)
             self._action_s += float(f.get("duration_s") or 0.0)
+            self._cpu_s += float(f.get("cpu_s") or 0.0)
         elif e.kind == ev.WARM_UP_FINISHED:
             self._slice(f["description"], "warm_up", f["start"], e.time, self._tid(f["worker"]),
-                        {"ok": f["ok"], "duration_s": f["duration_s"], **dict(f.get("metadata") or {}),
+                        {"ok": f["ok"], "duration_s": f["duration_s"], "cpu_s": f.get("cpu_s", 0.0),
+                         **dict(f.get("metadata") or {}),
                          **({"error": f["error"]} if not f["ok"] else {})})
             if not str(f["worker"]).startswith("zygote"):  # beside the workers (in a zygote): keeps none busy
                 self._busy(float(f["start"]), e.time)
             self._warm_up_s += max(0.0, e.time - float(f["start"]))
+            self._cpu_s += float(f.get("cpu_s") or 0.0)
         elif e.kind == ev.OUTPUTS_STORED:
             self._slice("store outputs", "cache", f["start"], f["start"] + f["duration_s"], _SCHEDULER_TID,
                         {"fingerprint": f["fingerprint"]})
@@ -95,14 +100,15 @@ class TraceProfile:
         """Busy worker-seconds (dispatch to completion of every action attempt and warm-up: a worker still importing
         torch for its first action counts as busy) / (the scheduler's wall time, from the cache check to the end, x
         workers; loading and planning before it are not counted); `action_utilisation` counts only the actions' own
-        run time; `first_dispatch_s`: from the cache check to the first dispatch."""
+        run time; `first_dispatch_s`: from the cache check to the first dispatch; `cpu_s`: the CPU seconds of every
+        action attempt and warm-up, their compilers included (0 where not measured: on Dask)."""
         denom = self._wall_s * self._jobs
         first = (self._first_start - self._t0) if self._first_start is not None and self._t0 is not None else 0.0
         return {"busy_worker_s": round(self._busy_s, 3), "action_s": round(self._action_s, 3),
                 "warm_up_s": round(self._warm_up_s, 3), "wall_s": round(self._wall_s, 3), "workers": self._jobs,
                 "utilisation": round(self._busy_s / denom, 4) if denom > 0 else 0.0,
                 "action_utilisation": round(self._action_s / denom, 4) if denom > 0 else 0.0,
-                "first_dispatch_s": round(max(0.0, first), 3)}
+                "first_dispatch_s": round(max(0.0, first), 3), "cpu_s": round(self._cpu_s, 3)}
 
     def write(self) -> None:
         if self._written:

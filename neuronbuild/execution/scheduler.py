@@ -345,8 +345,8 @@ class _Run:
         desc = warm_up_description(a, c.job.host)
         self.s.bus.emit(ev.WARM_UP_FINISHED, description=desc, toolchain=a.toolchain, key=dict(a.spec["key"]),
                         host=c.job.host, worker=c.worker or w.worker, pid=c.pid or w.pid, start=w.started,
-                        duration_s=round(c.duration_s, 3), ok=c.ok, error=c.error, metadata=dict(c.metadata),
-                        log=str(c.job.log))
+                        duration_s=round(c.duration_s, 3), cpu_s=round(c.cpu_s, 3), ok=c.ok, error=c.error,
+                        metadata=dict(c.metadata), log=str(c.job.log))
 
     def _dispatch(self) -> None:
         ex = self.s.executor
@@ -468,7 +468,7 @@ class _Run:
             self.executed.append(fp)
             self.s.bus.emit(ev.ACTION_FINISHED, **action_fields(a), attempt=c.job.attempt + 1, worker=c.worker,
                             pid=c.pid, start=start, end=ended, duration_s=round(c.duration_s, 3),
-                            peak_rss_mb=round(c.peak_rss_mb, 1),
+                            peak_rss_mb=round(c.peak_rss_mb, 1), cpu_s=round(c.cpu_s, 3),
                             outputs={k: v for k, v in sorted(self._outputs(fp).items())})
             self._done(fp)
             return

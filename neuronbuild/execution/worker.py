@@ -239,10 +239,12 @@ def run_isolated(msg: Mapping[str, Any], installation: tuple[str, ...]) -> dict[
         conn.close()
         if pidfd is not None:
             os.close(pidfd)
-    _pid, status = os.waitpid(pid, 0)
+    _pid, status, usage = os.wait4(pid, 0)
     if res is None:
         code = os.waitstatus_to_exitcode(status)
         res = {"ok": False, "worker_died": True, "error": death_message(code), "duration_s": 0.0}
+    # The action's CPU seconds: its process and every process it waited for (compilers), whatever the cores.
+    res["cpu_s"] = round(usage.ru_utime + usage.ru_stime, 3)
     res["action_pid"] = pid
     res["pid"] = os.getpid()
     return res
@@ -470,12 +472,24 @@ def run_warm_up(msg: Mapping[str, Any], warmed: set[str]) -> dict[str, Any]:
     code, so no confinement), and what it leaves in memory (inductor's memo of the precompiled headers it checked,
     the compiler probes) is inherited by every action forked afterwards. Run only between actions: its threads (if
     any) are joined before it returns, so the next fork copies a single-threaded process."""
+    before = _cpu_here()
     res = run_action(str(msg["kind"]), dict(msg["spec"]), str(msg["inputs"]), str(msg["outputs"]), str(msg["log"]),
                      msg.get("expect"), None)
+    res["cpu_s"] = round(_cpu_here() - before, 3)
     if res.get("ok"):
         warmed.add(_key(msg["spec"]))
     res["action_pid"] = os.getpid()
     return res
+
+
+def _cpu_here() -> float:
+    """CPU seconds of this thread and of the children this process has waited for (a warm-up's compilers; in a
+    zygote also any worker it reaped meanwhile, rare while a build runs)."""
+    import resource
+
+    own = resource.getrusage(getattr(resource, "RUSAGE_THREAD", resource.RUSAGE_SELF))
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
 
 
 def warm_up_spec(msg: Mapping[str, Any]) -> dict[str, Any] | None:
