@@ -125,6 +125,7 @@ def test_workers_joining_mid_build_are_used(farm: Farm, tmp_path: Path) -> None:
     events = [json.loads(line) for line in evf.read_text().splitlines()]
     ran_on = {e["worker"] for e in events if e["event"] == "action_finished"}
     assert len(ran_on) == 2, ran_on
+    assert all(e["cpu_s"] > 0 for e in events if e["event"] == "action_finished")  # measured on the workers
     # The scheduler dispatched to both at once: the new worker's thread counts as a slot. An action holds its slot
     # from when it started on its worker (`start`) to when its run there ended (`end`; its outputs are stored after,
     # beside the worker's next action). Never more at once than the workers' threads, though the client keeps one

@@ -225,13 +225,14 @@ class DaskExecutor:
         with contextlib.suppress(OSError), open(job.log, "a", encoding="utf-8") as log:
             log.write(f"# ran on {res.get('worker')} (seconds on the worker: {res.get('farm_s')})\n{res.get('log', '')}")
         worker = str(res.get("worker") or "dask")
+        cpu_s = float(res.get("cpu_s") or 0.0)  # the action's process and its compilers, on the worker
         if a.kind == WARM_UP:  # a toolchain warm-up: no outputs, no record
             return Completion(job, bool(res.get("ok")), worker, int(res.get("pid") or 0), str(res.get("error") or ""),
-                              float(res.get("duration_s") or 0.0), metadata=res.get("metadata") or {})
+                              float(res.get("duration_s") or 0.0), metadata=res.get("metadata") or {}, cpu_s=cpu_s)
         if not res.get("ok"):
             return Completion(job, False, worker, int(res.get("pid") or 0), str(res.get("error") or ""),
                               float(res.get("duration_s") or 0.0), worker_died=bool(res.get("worker_died")),
-                              started=started, ended=ended)
+                              cpu_s=cpu_s, started=started, ended=ended)
         out = self._tmp / job.id.replace("#", "-")
         digests = {str(name): str(digest) for name, (digest, _size) in res["outputs"].items()}
         adopt = self._records_here()
@@ -249,9 +250,9 @@ class DaskExecutor:
                 self._record_shared(a, res, out)
         except Exception as e:  # noqa: BLE001 - CorruptBlob, OSError: the action's failure, not the build's
             return Completion(job, False, worker, error=f"fetching outputs from the shared cache failed: {e}",
-                              started=started, ended=ended)
+                              cpu_s=cpu_s, started=started, ended=ended)
         return Completion(job, True, worker, int(res.get("pid") or 0), "", float(res["duration_s"]),
-                          float(res.get("peak_rss_mb") or 0.0), res.get("metadata") or {}, out,
+                          float(res.get("peak_rss_mb") or 0.0), res.get("metadata") or {}, out, cpu_s=cpu_s,
                           digests=digests if adopt else None, started=started, ended=ended)
 
     def _records_here(self) -> bool:
