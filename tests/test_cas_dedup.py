@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 from neuronbuild.cache.cas import BlobStore, hash_file
 
@@ -64,3 +65,31 @@ def test_copy_out_of_a_blob_verified_moments_ago_falls_back_to_a_verified_copy(t
         raise AssertionError("a blob not of its verified size was copied out")
     assert not (out / "b2" / "w").exists() and not list((out / "b2").glob("*"))
     assert not store.path(digest).exists()  # evicted: the next build runs the actions again
+
+
+def test_a_blob_marked_used_keeps_its_verification_so_later_stores_do_not_hash_it_again(tmp_path: Path,
+                                                                                         monkeypatch: Any) -> None:
+    store = BlobStore(tmp_path / "cache")
+    digest, size = store.put_file(_weights(tmp_path, "a.safetensors", 5))
+    blob = store.path(digest)
+    old = blob.stat().st_mtime - 3600  # stored an hour ago, verified since (as a later build's check would)
+    os.utime(blob, (old, old))
+    assert store.check(digest, size) == "ok"
+    verified: list[str] = []
+    real = BlobStore.verify
+    monkeypatch.setattr(BlobStore, "verify", lambda self, d: verified.append(d) or real(self, d))
+    assert store.put_file(_weights(tmp_path, "b.safetensors", 5)) == (digest, size)
+    assert blob.stat().st_mtime > old + 3000  # marked used: a concurrent gc's grace period protects it again
+    for name in ("c.safetensors", "d.safetensors"):  # more graphs of the model, the same weights
+        assert store.put_file(_weights(tmp_path, name, 5)) == (digest, size)
+    assert store.adopt(tmp_path / "a farm worker's copy, not needed", digest) == size
+    assert verified == []  # the stored blob was not read again: its stamp followed its new mtime
+
+
+def test_adopting_a_blob_the_store_lacks_verifies_it(tmp_path: Path) -> None:
+    store, other = BlobStore(tmp_path / "cache"), BlobStore(tmp_path / "farm")
+    digest, size = other.put_file(_weights(tmp_path, "a.safetensors", 9))
+    assert store.adopt(other.path(digest), "0" * 64) is None  # not the digest its worker reported: nothing stored
+    assert store.check("0" * 64) == "missing" and store.check(digest) == "missing"
+    assert store.adopt(other.path(digest), digest) == size
+    assert hash_file(store.path(digest)) == (digest, size)

@@ -11,6 +11,7 @@ import os
 import shutil
 import stat
 import tempfile
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -78,6 +79,7 @@ def _signature(st: os.stat_result) -> str:
 # stamp makes (a build server checks ~7,000 blobs per build at 1,000 graphs: one stat each).
 _verified: dict[str, str] = {}
 _MAX_VERIFIED = 200_000  # ~250 bytes each: at most ~50 MiB
+_TOUCH_NS = 60 * 1_000_000_000  # a blob marked used this recently is not marked again (as local.TOUCH_NS for records)
 
 
 def _remember(path: str, sig: str) -> None:
@@ -136,9 +138,15 @@ class BlobStore:
         return tempfile.mkstemp(dir=self.tmp, prefix=".blob-")
 
     def _touch(self, digest: str) -> None:
-        """Mark a stored blob recently used: protects it from a concurrent gc's grace period."""
+        """Mark a stored blob recently used (its mtime: protects it from a concurrent gc's grace period), unless it was
+        marked in the last minute. Called right after the blob passed `check`, so its verification stamp is rewritten
+        for the new mtime: the stamp stays valid and the next check does not hash the blob again (every graph of a
+        model stores the same weights file)."""
         with contextlib.suppress(OSError):
+            if time.time_ns() - os.stat(self.path(digest)).st_mtime_ns < _TOUCH_NS:
+                return
             os.utime(self.path(digest))
+            self._write_stamp(digest)
 
     def _commit(self, tmp: str, digest: str) -> None:
         dest = self.path(digest)
@@ -216,7 +224,14 @@ class BlobStore:
     def adopt(self, src: Path, digest: str) -> int | None:
         """Store `src`, a file holding blob `digest` under another store's name (a farm worker put it into the
         farm's shared directory), if its bytes hash to `digest`; None (nothing stored) if they do not. Linked, not
-        copied, when it is this user's file on this filesystem (the worker synced it); else copied and verified."""
+        copied, when it is this user's file on this filesystem (the worker synced it); else copied and verified. A
+        blob this store holds intact already (every graph of a model has the same weights file) is not read again:
+        `src` is not needed then."""
+        if self.check(digest) == "ok":
+            with contextlib.suppress(OSError):
+                size = os.stat(self.path(digest)).st_size
+                self._touch(digest)
+                return size
         tmp = self._link_staged(src, sole=False)
         if tmp is not None:
             done = self._commit_linked(tmp, digest)
