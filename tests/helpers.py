@@ -45,3 +45,13 @@ def run_cli(args: list[str], cwd: Path, env: dict[str, str] | None = None,
     full_env.update(env or {})
     return subprocess.run([sys.executable, *python_flags, "-m", "neuronbuild", *args], cwd=cwd, env=full_env,
                           capture_output=True, text=True, timeout=1800)
+
+
+def running(pid: int) -> bool:
+    """Whether process `pid` runs (exists and is not a zombie); False too when it ends while being looked at."""
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from helpers import copy_example
+from helpers import copy_example, running
 
 DASK = str(Path(sys.executable).parent / "dask")
 TARGETS = ["//models:llama_trn2", "//models:llama_tiny_cpu"]
@@ -143,7 +143,7 @@ def test_dask_farm_builds_the_example_like_a_local_build_and_reruns_the_action_o
 
     # The lost worker's action process ended with it (it watches its parent).
     time.sleep(2.0)
-    assert not [p for p in doomed if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    assert not [p for p in doomed if running(p)]
     events = [json.loads(ln) for ln in evf.read_text().splitlines()]
     finished = {e["fingerprint"]: e for e in events if e["event"] == "action_finished"}
     assert len(finished) == N_ACTIONS

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import psutil
-from helpers import run_cli, write_ws
+from helpers import run_cli, running, write_ws
 
 MODEL = '''
 import torch
@@ -203,10 +203,10 @@ def test_a_dask_workers_pool_of_warm_processes_ends_when_its_thread_share_change
         new = de._farm_pool(tmp, 2, 1)
         assert new is not old and de._farm_pool(tmp, 2, 1) is new
         deadline = time.monotonic() + 30
-        while any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids) \
+        while any(running(p) for p in pids) \
                 and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert not [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+        assert not [p for p in pids if running(p)]
         assert kept.pool.pids() and de._farm_pool(other, 1, 1) is kept
     finally:
         for key in list(de._POOLS):

@@ -14,7 +14,7 @@ from typing import Any
 
 import blake3
 import psutil
-from helpers import write_ws
+from helpers import running, write_ws
 
 # Tiny models on the trn2 path (a few seconds per action). `gate`: the factory waits while that file exists, so a test
 # can act while an action is certainly running.
@@ -209,7 +209,7 @@ def test_ctrl_c_mid_build_ends_workers_and_leaves_a_clean_cache(tmp_path: Path) 
     assert proc.returncode == 8, out + err
     assert "interrupted" in err and "Traceback" not in err
     time.sleep(0.5)
-    assert not [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    assert not [p for p in pids if running(p)]
     assert json.loads(evf.read_text().splitlines()[-1])["interrupted"] is True
 
     root = cache / "v1"

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import psutil
-from helpers import write_ws
+from helpers import running, write_ws
 
 MODEL = '''
 import os
@@ -109,7 +109,7 @@ def test_workers_are_forked_from_one_zygote_and_actions_in_them_stay_confined(tm
     for name in ("a", "b"):
         assert (ws / f"neuronbuild-out/pkg/{name}_trn2/b1/model.hlo.pb").is_file()
     time.sleep(0.5)
-    assert not [p for p in everyone if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    assert not [p for p in everyone if running(p)]
 
 
 def test_a_worker_that_dies_while_the_zygote_warms_up_is_reported_at_once(monkeypatch: Any) -> None:
