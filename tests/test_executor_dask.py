@@ -158,11 +158,12 @@ def test_dask_farm_builds_the_example_like_a_local_build_and_reruns_the_action_o
     assert not [e for e in events if e["event"] == "action_failed"]
     assert set(ran_on.values()) <= {victim_address, survivor}
     # Each toolchain warm-up (the cpu headers, the Neuron jax import) ran in the surviving Dask worker's zygote while
-    # that worker's single thread ran actions: an action ended there before the warm-up did.
+    # that worker's single thread ran actions: an action started there before the warm-ups were done (a warm-up that
+    # held the thread would have kept every action waiting until it ended).
     warm = [e for e in events if e["event"] == "warm_up_finished" and e["host"] == survivor]
     assert sorted(e["toolchain"] for e in warm) == ["aoti", "neuron"], warm
     assert all(e["ok"] and e["worker"].startswith(f"zygote@{survivor} ") for e in warm), warm
-    assert min(e["end"] for fp, e in finished.items() if ran_on[fp] == survivor) < max(e["time"] for e in warm)
+    assert min(e["start"] for fp, e in finished.items() if ran_on[fp] == survivor) < max(e["time"] for e in warm)
     sched_log = (tmp_path / "dask-logs" / "scheduler.log").read_text(errors="replace")
     assert f"Remove worker addr: {victim_address} name: " in sched_log  # the scheduler saw it go
 
