@@ -2,7 +2,7 @@
 
 Each worker runs in its own session: a terminal's Ctrl-C reaches only the build, which then ends the workers and their
 compilers as a group. A pool of two or more workers forks them from one warm process, the zygote (zygote.py), so they
-import torch once between them instead of once each; a one-worker pool (and any pool where the zygote cannot fork)
+pay one torch import between them instead of one each; a one-worker pool (and any pool where the zygote cannot fork)
 starts each worker as a fresh interpreter (like multiprocessing's spawn, but started with subprocess so it also works
 inside daemonic processes such as Dask workers). Torch is imported in the workers and the zygote, never in the
 pool's process."""
