@@ -59,3 +59,19 @@ def test_the_eta_keeps_moving_while_actions_run_past_their_estimates() -> None:
     past = [t.eta_s(100.0 + s) for s in (12, 20, 40, 60)]  # a and b overrun their 10 s estimates
     assert all(later > earlier for earlier, later in zip(past, past[1:], strict=False)), past
     assert past[0] > 20 / 2  # never less than the work not started yet
+
+
+def test_a_task_queued_on_the_farm_counts_as_running_only_once_a_thread_frees() -> None:
+    t = _Tally()
+    t.update(_started([("a", 10.0), ("b", 10.0), ("c", 10.0)], jobs=2))
+    t.update(BuildEvent(ev.ACTION_STARTED, 100.0, {"fingerprint": "a", "description": "a", "slots": 2}))
+    t.update(BuildEvent(ev.ACTION_STARTED, 100.0, {"fingerprint": "b", "description": "b", "slots": 2}))
+    t.update(BuildEvent(ev.ACTION_STARTED, 100.0, {"fingerprint": "c", "description": "c", "slots": 2,
+                                                   "queued": True}))
+    assert set(t.running) == {"a", "b"} and set(t.queued) == {"c"}
+    assert t.eta_s(108.0) == (2 + 2 + 10) / 2  # c has not begun: its whole estimate is left
+    t.update(BuildEvent(ev.ACTION_FINISHED, 108.0, {"fingerprint": "a", "description": "a"}))
+    assert set(t.running) == {"b", "c"} and not t.queued
+    assert t.running["c"][1] == 108.0  # its elapsed time counts from the freed thread, not from when it was sent
+    t.update(BuildEvent(ev.ACTION_STARTED, 109.0, {"fingerprint": "d", "description": "d", "slots": 3}))
+    assert t.jobs == 3 and set(t.running) == {"b", "c", "d"}  # a worker joined: three run at once

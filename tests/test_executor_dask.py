@@ -17,6 +17,9 @@ import psutil
 import pytest
 from helpers import copy_example, running
 
+from neuronbuild.execution.events import BuildEvent
+from neuronbuild.execution.progress import _Tally
+
 DASK = str(Path(sys.executable).parent / "dask")
 TARGETS = ["//models:llama_trn2", "//models:llama_tiny_cpu"]
 N_ACTIONS = 5 + 4 + 4 + 1  # traces (4 llama graphs + llama_tiny), trn2 lowerings, trn2 compiles, 1 AOTInductor compile
@@ -157,6 +160,13 @@ def test_dask_farm_builds_the_example_like_a_local_build_and_reruns_the_action_o
     assert ran_on[rerun[0]["fingerprint"]] == survivor != victim_address
     assert not [e for e in events if e["event"] == "action_failed"]
     assert set(ran_on.values()) <= {victim_address, survivor}
+    # The client sends a task beyond each Dask thread (queued there); the live display shows those as queued, so it
+    # never counts more actions running than the farm's two threads (it replays these same events).
+    assert [e["queued"] for e in events if e["event"] == "action_started"][:4] == [False, False, True, True]
+    tally = _Tally()
+    for e in events:
+        tally.update(BuildEvent(e["event"], e["time"], e))
+        assert len(tally.running) <= 2, (e, tally.running)
     # Each toolchain warm-up (the cpu headers, the Neuron jax import) ran in the surviving Dask worker's zygote while
     # that worker's single thread ran actions: an action started there before the warm-ups were done (a warm-up that
     # held the thread would have kept every action waiting until it ended).

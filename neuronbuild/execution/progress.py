@@ -25,6 +25,9 @@ class _Tally:
         self.jobs = 1
         self.estimate: dict[str, float] = {}
         self.running: dict[str, tuple[str, float, str]] = {}  # fingerprint -> (description, start, worker)
+        # Sent to a farm beyond its threads (queued on a Dask worker, oldest first): each is counted as running from
+        # when a running action ends (a thread freed), not from when it was sent
+        self.queued: dict[str, tuple[str, float, str]] = {}
         self.finished: set[str] = set()
 
     def update(self, e: BuildEvent) -> None:
@@ -35,9 +38,12 @@ class _Tally:
             self.jobs = max(1, int(f["jobs"]))
             self.estimate = {p["fingerprint"]: float(p["estimate_s"]) for p in f.get("plan", [])}
         elif e.kind == ev.ACTION_STARTED:
-            self.running[f["fingerprint"]] = (f["description"], e.time, f.get("worker", ""))
+            self.jobs = max(1, int(f.get("slots", self.jobs)))  # workers may join (or leave) a farm mid-build
+            (self.queued if f.get("queued") else self.running)[f["fingerprint"]] = (
+                f["description"], e.time, f.get("worker", ""))
+            self._promote(e.time)
         elif e.kind == ev.ACTION_FINISHED:
-            self.running.pop(f["fingerprint"], None)
+            self._ended(f["fingerprint"], e.time)
             self.finished.add(f["fingerprint"])
             self.done += 1
             self.executed += 1
@@ -46,13 +52,25 @@ class _Tally:
             self.done += 1
             self.reused += 1
         elif e.kind == ev.ACTION_FAILED:
-            self.running.pop(f["fingerprint"], None)
+            self._ended(f["fingerprint"], e.time)
             if not f.get("will_retry"):
                 self.finished.add(f["fingerprint"])
                 self.failed += 1
         elif e.kind == ev.ACTION_SKIPPED:
-            self.running.pop(f["fingerprint"], None)
+            self._ended(f["fingerprint"], e.time)
             self.finished.add(f["fingerprint"])
+
+    def _ended(self, fp: str, now: float) -> None:
+        self.running.pop(fp, None)
+        self.queued.pop(fp, None)
+        self._promote(now)
+
+    def _promote(self, now: float) -> None:
+        """A freed thread takes the oldest queued task (which one it really takes is the farm's; the count is right)."""
+        while self.queued and len(self.running) < self.jobs:
+            fp = next(iter(self.queued))
+            desc, _sent, worker = self.queued.pop(fp)
+            self.running[fp] = (desc, now, worker)
 
     def eta_s(self, now: float) -> float:
         """Remaining estimated work spread over the workers (recorded durations, else per-kind estimates)."""
@@ -105,6 +123,8 @@ def event_line(e: BuildEvent, t: _Tally, level: int) -> str | None:
         return None
     if k == ev.ACTION_CACHED:
         return f"CACHED: {f['description']}"
+    if k == ev.ACTION_STARTED and f.get("queued"):
+        return f"QUEUED: {f['description']} on {f['worker']} (attempt {f['attempt']}; starts when a worker thread frees)"
     if k == ev.ACTION_STARTED:
         pid = f" pid {f['pid']}" if f.get("pid") else ""
         return f"START: {f['description']} on {f['worker']}{pid} (attempt {f['attempt']})"
@@ -172,6 +192,8 @@ class RichProgress:
         grid.add_row(head, "", "")
         for desc, start, worker in sorted(t.running.values(), key=lambda r: r[1]):
             grid.add_row(Text("  " + desc), Text(f"{now - start:5.1f} s", style="cyan"), Text(worker, style="dim"))
+        if t.queued:
+            grid.add_row(Text(f"  + {len(t.queued)} queued on the farm's workers", style="dim"), "", "")
         return grid
 
     def on_event(self, e: BuildEvent) -> None:

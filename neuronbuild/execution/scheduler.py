@@ -437,9 +437,11 @@ class _Run:
         except BaseException:
             claim.release()
             raise
+        # Sent beyond the executor's slots (a farm's task queued on its Dask worker): it starts when a thread frees
+        queued = len(self.running) + sum(1 for w in self.warming.values() if not w.apart) >= self.s.executor.slots
         self.running[job.id] = _Running(job, claim, self.mem[fp], time.time())
         self.s.bus.emit(ev.ACTION_STARTED, **action_fields(a), attempt=attempt + 1, worker=started.worker,
-                        pid=started.pid)
+                        pid=started.pid, queued=queued, slots=self.s.executor.slots)
 
     def _complete(self, c: Completion, r: _Running, ended: float) -> None:
         """`ended`: when the executor handed the completion back (the worker was free from then on)."""
