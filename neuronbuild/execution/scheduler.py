@@ -358,7 +358,7 @@ class _Run:
                 heapq.heappush(self.ready, item)
 
     def _dispatch_ready(self, ex: Executor, held_back: list[tuple[float, int, str]]) -> None:
-        in_slots = sum(1 for w in self.warming.values() if not w.apart)
+        in_slots = self._warming_in_slots()
         limit = ex.slots + (int(getattr(ex, "ahead", 0)) if self.budget is None else 0)  # a farm queues some ahead
         while self.ready and len(self.running) + in_slots < limit:
             fp = self.ready[0][2]
@@ -376,6 +376,10 @@ class _Run:
                 if claim is None:
                     continue
             self._start(self.todo[fp], claim)
+
+    def _warming_in_slots(self) -> int:
+        """Warm-ups taking an executor slot (not those running apart, in a zygote beside the workers)."""
+        return sum(1 for w in self.warming.values() if not w.apart)
 
     def _claim(self, fp: str) -> Claim | None:
         """Our claim on fp, or None when its result exists (done) or another build is running it (waiting)."""
@@ -438,7 +442,7 @@ class _Run:
             claim.release()
             raise
         # Sent beyond the executor's slots (a farm's task queued on its Dask worker): it starts when a thread frees
-        queued = len(self.running) + sum(1 for w in self.warming.values() if not w.apart) >= self.s.executor.slots
+        queued = len(self.running) + self._warming_in_slots() >= self.s.executor.slots
         self.running[job.id] = _Running(job, claim, self.mem[fp], time.time())
         self.s.bus.emit(ev.ACTION_STARTED, **action_fields(a), attempt=attempt + 1, worker=started.worker,
                         pid=started.pid, queued=queued, slots=self.s.executor.slots)
