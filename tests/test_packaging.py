@@ -146,16 +146,19 @@ def installed(wheel: Path, built_example, tmp_path_factory: pytest.TempPathFacto
     _ok(run_cli(["deploy", str(ws_example / "neuronbuild-out/models/release_cpu.tar.zst"), "--cache-dir",
                  str(deployed)], ws_example))
     venv = base / "venv"
-    _ok(_run([sys.executable, "-m", "venv", str(venv)], base))
+    _ok(_run([sys.executable, "-m", "venv", "--without-pip", str(venv)], base))
     py, nb = str(venv / "bin" / "python"), str(venv / "bin" / "neuronbuild")
-    _ok(_run([py, "-m", "pip", "install", "-q", str(wheel), "torch==2.13.0"], base))
+    # This pip installs into the new venv (--python): no pip of its own needed; no .pyc compiled ahead (torch's
+    # thousands of modules), each is compiled when first imported, as any install without the step does.
+    pip = [sys.executable, "-m", "pip", "--python", py, "install", "-q", "--no-compile"]
+    _ok(_run([*pip, str(wheel), "torch==2.13.0"], base))
     got = Installed(site=_ok(_run([py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], base)).strip())
     # Phase 1: serving only.
     got.serving = json.loads(_ok(_run([py, "-c", SERVE, str(deployed), *BUILD_ONLY], base)).splitlines()[-1])
     got.reference = json.loads(_ok(_run([sys.executable, "-c", SERVE, str(deployed)], base)).splitlines()[-1])
     got.serving_build = _run([nb, "build", "//..."], ws_example)
     # Phase 2: the build extra.
-    _ok(_run([py, "-m", "pip", "install", "-q", f"{wheel}[build]"], base))
+    _ok(_run([*pip, f"{wheel}[build]"], base))
     got.version = _ok(_run([nb, "--version"], base)).strip()
     ws = write_ws(base / "ws", {"m/mlp.py": MLP, "m/BUILD": TINY_BUILD})
     cache = base / "cache"
