@@ -437,7 +437,7 @@ def open_cache(root: str | Path, strict: bool | None = None, require: Iterable[s
                 log.warning("neuronbuild.runtime: not serving %s: %s", r.dir, e)
         releases = kept
     if not releases and strict and not unsigned:
-        raise RuntimeError(f"strict mode: nothing is deployed in {root} (run `neuronbuild deploy BUNDLE --cache-dir {root}`)")
+        raise RuntimeError(f"strict mode: nothing is deployed in {root} (run `neuronbuild deploy BUNDLE --dest {root}`)")
     cache = DeployedCache(root, strict, releases, current_host(), eager or {}, emulate)
     problems: list[Problem] = []
     for label in required:
