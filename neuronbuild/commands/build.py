@@ -78,6 +78,7 @@ def failure_lines(failures: Any, describe: Any) -> list[str]:
         groups.setdefault((a.kind, str(a.label), a.platform, error_key(f.error)), []).append(f)
     lines: list[str] = []
     for same in groups.values():
+        same.sort(key=lambda f: (f.action.bucket.graph, f.action.bucket.dims))
         lines += describe(same[0])
         if len(same) > 1:
             a = same[0].action
