@@ -41,7 +41,7 @@ AWS_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "
 
 
 def executed(stderr: str) -> list[str]:
-    return re.findall(r"^\[\d+/\d+\] (.+?) \(\d", stderr, re.M)
+    return re.findall(r"^\[\d+/\d+\] (.+?)(?: \(\d|: skipped \()", stderr, re.M)  # (no neuronx-cc: skipped)
 
 
 def warnings(stderr: str) -> list[str]:

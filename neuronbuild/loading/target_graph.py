@@ -48,7 +48,10 @@ def _target_hint(name: str, cwd_package: str, get_package: Callable[[str], Packa
     """For `pkg/word` that is no package but names (or nearly names) targets of `pkg`: `; did you mean :word?` (a
     bare word is a package to patterns, as in Bazel: `build cnn_cpu` in vision/ means //vision/cnn_cpu)."""
     parent, _, word = name.rpartition("/")
-    pkg = get_package(parent) if word else None
+    try:
+        pkg = get_package(parent) if word else None
+    except UserInputError:
+        return ""  # (a broken parent BUILD file: the pattern's own error is the one to report)
     if pkg is None:
         return ""
     names = [t.label.name for t in pkg.targets]

@@ -121,7 +121,10 @@ def build_eager_model(model: dict[str, Any], sandbox: Path) -> torch.nn.Module:
         try:
             module = factory(config)
         except KeyError as e:
-            raise _missing_config_key(e, model, config, sandbox) or e from e
+            missing = _missing_config_key(e, model, config, sandbox)
+            if missing is None:
+                raise
+            raise missing from e
     if not isinstance(module, torch.nn.Module):
         raise ToolchainError(f"factory {model.get('entry')} returned {type(module).__name__}, not a torch.nn.Module")
     module.eval()
