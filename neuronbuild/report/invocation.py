@@ -112,6 +112,7 @@ def record_noop(args: argparse.Namespace, workspace: Path, cache_dir: Path, patt
     inv = Invocation.from_args("build", args, workspace, cache_dir, patterns)
     try:
         base_id = inv.store.base(key)
+        base = next((e for e in inv.store.index() if e.get("id") == base_id), {})
         import re
 
         m = re.match(r"(\d+) actions: 0 executed, (\d+) cached", line)
@@ -122,7 +123,7 @@ def record_noop(args: argparse.Namespace, workspace: Path, cache_dir: Path, patt
                "finished": round(time.time(), 3), "outcome": "ok", "exit_code": 0, "noop": True,
                "same_as": base_id, "executor": "", "jobs": 0, "wall_s": 0.0,
                "total_s": round(time.time() - inv.started, 3), "cpu_s": 0.0, "busy_worker_s": 0.0,
-               "utilisation": 0.0, "peak_rss_mb": 0.0, "saved_s": 0.0, "total": total,
+               "utilisation": 0.0, "peak_rss_mb": 0.0, "saved_s": float(base.get("work_s") or 0.0), "total": total,
                "counts": {"cached_local": cached}, "actions": [], "compiles": [], "slices": []}
         inv.store.write(rec)
         return render_soon(inv.store, rec)

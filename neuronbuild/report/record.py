@@ -128,7 +128,7 @@ def compiles_entry(ag: ActionGraph) -> list[dict[str, Any]]:
     for ct in ag.compiles:
         out.append({"label": str(ct.label), "model": str(ct.model), "platform": ct.platform,
                     "target": ct.description or ct.platform,
-                    "buckets": [{"bucket": str(b), "graph": b.graph, "dims": b.as_dict(), "primary": fp,
+                    "buckets": [{"bucket": str(b), "name": b.name, "graph": b.graph, "dims": b.as_dict(), "primary": fp,
                                  "actions": sorted(ag.closure(fp), key=lambda x: ag.actions[x].kind != "trace")}
                                 for b, fp in ct.buckets]})
     return out
@@ -145,7 +145,8 @@ def build_record(*, inv_id: str, command: str, argv: Iterable[str], patterns: It
     heard = recorder.actions if recorder is not None else {}
     unstarted = set(not_started)
     saved_s = 0.0
-    if ag is not None:
+    large_plan = planned is not None and ag is not None and len(ag.actions) > FULL_RECORDS_UP_TO
+    if ag is not None and not large_plan:  # (a large plan, which must stay fast, records its counts only)
         full = len(ag.actions) <= FULL_RECORDS_UP_TO
         for fp, a in ag.actions.items():
             d = action_entry(a, full)
@@ -171,6 +172,9 @@ def build_record(*, inv_id: str, command: str, argv: Iterable[str], patterns: It
     counts = {s: 0 for s in STATES}
     for d in actions:
         counts[d["state"]] += 1
+    if large_plan and planned is not None:
+        for state in planned.values():
+            counts[state] += 1
     fin = recorder.finished if recorder is not None else {}
     slices = recorder.slices if recorder is not None else []
     t0 = recorder.started if recorder is not None else started
@@ -188,8 +192,10 @@ def build_record(*, inv_id: str, command: str, argv: Iterable[str], patterns: It
         "busy_worker_s": round(busy, 3), "utilisation": round(busy / (wall * jobs), 4) if wall > 0 and jobs else 0.0,
         "peak_rss_mb": max((float(d.get("peak_rss_mb") or 0.0) for d in actions if d["state"] == EXECUTED),
                            default=0.0),
-        "saved_s": round(saved_s, 3), "counts": counts, "total": len(actions), "actions": actions,
-        "compiles": compiles_entry(ag) if ag is not None else [], "slices": slices,
+        "saved_s": round(saved_s, 3),
+        "work_s": round(sum(float(d.get("duration_s") or d.get("recorded_s") or 0.0) for d in actions), 3), "counts": counts, "total": len(ag.actions) if ag is not None else 0,
+        "actions": actions, "compiles": compiles_entry(ag) if ag is not None and not large_plan else [],
+        "slices": slices,
     }
     record.update(extra or {})
     return record

@@ -19,7 +19,7 @@ KEEP = 50  # invocations kept per workspace
 MAX_BYTES = 64 << 20  # and at most this much of them (records + pages)
 DIR = "invocations"
 SUMMARY_FIELDS = ("id", "command", "patterns", "started", "wall_s", "saved_s", "counts", "outcome", "noop", "same_as",
-                  "total")
+                  "total", "work_s")
 KEEP_BASES = 20  # requests whose last full build a no-op may stand for
 
 

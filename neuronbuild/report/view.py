@@ -59,7 +59,7 @@ def matrix(rec: Mapping[str, Any]) -> dict[str, Any]:
         for b in c["buckets"]:
             key = (c["model"], b["graph"], b["bucket"])
             row = rows.setdefault(key, {"model": c["model"], "graph": b["graph"] or "-", "bucket": b["bucket"],
-                                        "dims": b["dims"], "cells": {}})
+                                        "name": b.get("name", ""), "dims": b["dims"], "cells": {}})
             acts = [by_fp[fp] for fp in b["actions"] if fp in by_fp]
             states = [a["state"] for a in acts] or [R.NOT_NEEDED]
             # a cached compile does not need its trace: "not needed" never decides a cell with other states
