@@ -5,13 +5,19 @@ failing neuronx-cc) and of the example workspace (the session's `built_example`)
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
+import signal
 import struct
+import subprocess
+import sys
+import time
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import unquote, urlparse
 
 import pytest
 from helpers import run_cli
@@ -98,10 +104,13 @@ def tiny_runs(tiny_built: tuple[Path, Path], tmp_path_factory: pytest.TempPathFa
     edit(ws / "m/BUILD", '"seq": [8, 16]', '"seq": [8, 32]')
     partial = run_cli(build, ws, env)
     assert partial.returncode == 0 and "6 actions: 3 executed, 3 cached" in partial.stdout, partial.stderr
+    noop = run_cli(build, ws, env)  # the fast path (nothing changed): a record standing for `partial`'s actions
+    assert noop.returncode == 0 and "6 actions: 0 executed, 6 cached" in noop.stdout, noop.stderr
     edit(ws / "m/BUILD", 'model_type = "transformer"', 'model_type = "transformer", flags = ["--standin-mode=fail"]')
     failed = run_cli([*build, "--keep-going", "--neuronx-cc", str(STANDIN)], ws, env)
     assert failed.returncode == 1 and "2 failed" in failed.stdout, failed.stdout + failed.stderr
-    return {"ws": ws, "env": env, "first": _url(first), "partial": _url(partial), "failed": _url(failed)}
+    return {"ws": ws, "env": env, "first": _url(first), "partial": _url(partial), "noop": _url(noop),
+            "failed": _url(failed)}
 
 
 def test_partial_rebuild_matrix_has_one_cell_per_bucket_and_target_with_its_state(browser: Any,
@@ -178,12 +187,12 @@ def test_filter_and_sort_run_without_console_errors(browser: Any, tiny_runs: dic
 
 def test_report_command_renders_last_and_an_explicit_compare(tiny_runs: dict[str, Any], browser: Any) -> None:
     ws, env = tiny_runs["ws"], tiny_runs["env"]
-    last = run_cli(["report"], ws, env)
+    last = run_cli(["report"], ws, env)  # (the failing build's)
     assert last.returncode == 0 and last.stdout.strip() == tiny_runs["failed"], last.stdout + last.stderr
     first_id = tiny_runs["first"].rsplit("/", 1)[1].removesuffix(".html")
-    vs = run_cli(["report", "last~1", "--compare", first_id], ws, env)
+    vs = run_cli(["report", "last~2", "--compare", first_id], ws, env)  # the partial rebuild vs the first build
     assert vs.returncode == 0 and vs.stdout.strip().endswith(f"-vs-{first_id}.html"), vs.stdout + vs.stderr
-    data = json.loads(run_cli(["report", "last~1", "--output", "json"], ws, env).stdout)
+    data = json.loads(run_cli(["report", "last~2", "--output", "json"], ws, env).stdout)
     assert len([c for r in data["matrix"]["rows"] for c in r["cells"].values()]) == 2
     assert [f["field"] for c in data["compare"]["changed"] for f in c["fields"]] == ["bucket.seq"] * 3
     bad = run_cli(["report", "nosuch"], ws, env)
@@ -214,3 +223,41 @@ def test_example_workspace_page_has_every_cell_opens_fast_and_is_not_blank(brows
     assert _png_is_blank(blank.screenshot())  # (the check can fail)
     blank.close()
 
+
+
+def test_noop_page_shows_every_cell_cached(browser: Any, tiny_runs: dict[str, Any]) -> None:
+    path = Path(unquote(urlparse(tiny_runs["noop"]).path))
+    deadline = time.monotonic() + 30
+    while not path.exists() and time.monotonic() < deadline:  # (rendered by a child after the no-op answered)
+        time.sleep(0.1)
+    page = Opened(browser, tiny_runs["noop"])
+    assert sorted((c["bucket"], c["state"]) for c in page.cells()) == [
+        ("batch=1, seq=32", "cached_local"), ("batch=1, seq=8", "cached_local")]
+    assert page.page.inner_text("#n-cached_local") == "6" and page.page.inner_text("#n-executed") == "0"
+    assert "no-op" in page.page.inner_text("header")
+    assert page.errors == []
+    page.close()
+
+
+def test_an_interrupted_build_is_recorded_as_interrupted(tiny_built: tuple[Path, Path], tmp_path: Path) -> None:
+    ws0, cache0 = tiny_built
+    ws, cache = copy_ws(ws0, tmp_path / "ws"), tmp_path / "cache"
+    shutil.copytree(cache0, cache)
+    edit(ws / "m/BUILD", '"seq": [8, 16]', '"seq": [8, 24]')
+    env = {"NEURONX_CC": "", "NEURONBUILD_OUTPUT_USER_ROOT": str(tmp_path / "output-root")}
+    events = tmp_path / "events.jsonl"
+    proc = subprocess.Popen([sys.executable, "-m", "neuronbuild", "build", "--jobs", "1", "--cache-dir", str(cache),
+                             "--build-event-json-file", str(events)], cwd=ws, env={**os.environ, **env},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not (events.exists() and "action_started" in events.read_text()):
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 8, out + err
+    assert LINK.search(err), err  # the link is printed (on stderr) when a build is interrupted too
+    data = json.loads(run_cli(["report", "--output", "json"], ws, env).stdout)
+    assert data["rec"]["outcome"] == "interrupted"
+    states = {a["description"]: a["state"] for a in data["rec"]["actions"]}
+    assert states["Trace //m:tiny [batch=1, seq=24]"] == "stopped", states
+    assert states["Compile //m:tiny_trn2 [batch=1, seq=24] for trn2"] == "not_started", states

@@ -167,11 +167,12 @@ def render_invocation(store: InvocationStore, rec: Mapping[str, Any], other_ref:
 
 
 def render_soon(store: InvocationStore, rec: Mapping[str, Any]) -> Path:
-    """The no-op's page: rendered here where jinja2 is already imported (a build server), else by a forked child
-    after this process has answered (importing jinja2 would cost a batch no-op ~50 ms); its path either way."""
+    """The no-op's page: rendered here where jinja2 is already imported or threads run (a build server), else by a
+    forked child after this process has answered (importing jinja2 would cost a batch no-op ~50 ms); its path."""
     import os
+    import threading
 
-    if "jinja2" in sys.modules or not hasattr(os, "fork"):
+    if "jinja2" in sys.modules or not hasattr(os, "fork") or threading.active_count() > 1:  # (never fork a server)
         return render_invocation(store, rec)
     sys.stdout.flush()
     sys.stderr.flush()

@@ -61,6 +61,7 @@ class InvocationRecorder:
         self.executor = ""
         self.estimates: dict[str, float] = {}
         self.finished: dict[str, Any] = {}
+        self.dispatched: set[str] = set()  # reached a worker (running when a Ctrl-C ended the build: stopped)
 
     def on_event(self, e: BuildEvent) -> None:
         f = e.fields
@@ -71,6 +72,8 @@ class InvocationRecorder:
             self.jobs = int(f.get("jobs") or 1)
             self.executor = str(f.get("executor") or "")
             self.estimates = {p["fingerprint"]: float(p["estimate_s"]) for p in f.get("plan") or ()}
+        elif k == ev.ACTION_STARTED:
+            self.dispatched.add(f["fingerprint"])
         elif k == ev.ACTION_CACHED:
             self.actions[f["fingerprint"]] = {"state": CUTOFF if f.get("cutoff") else CACHED_LOCAL,
                                               "by_other_build": bool(f.get("by_other_build"))}
@@ -134,6 +137,16 @@ def compiles_entry(ag: ActionGraph) -> list[dict[str, Any]]:
     return out
 
 
+def _unfinished(fp: str, unstarted: set[str], recorder: InvocationRecorder | None) -> str:
+    """The state of an action the build ended without a word on: stopped (it was running: Ctrl-C), not started (it
+    was to run), else not needed (only cached consumers need it)."""
+    if recorder is not None and fp in recorder.dispatched:
+        return STOPPED
+    if fp in unstarted or (recorder is not None and fp in recorder.estimates):
+        return NOT_STARTED
+    return NOT_NEEDED
+
+
 def build_record(*, inv_id: str, command: str, argv: Iterable[str], patterns: Iterable[str],
                  flags: Mapping[str, Any], workspace: Path, cache_dir: Path, outcome: str, exit_code: int,
                  started: float, ag: ActionGraph | None, recorder: InvocationRecorder | None,
@@ -153,7 +166,7 @@ def build_record(*, inv_id: str, command: str, argv: Iterable[str], patterns: It
             if planned is not None:
                 d["state"] = planned.get(fp, NOT_NEEDED)
             else:
-                d.update(heard.get(fp) or {"state": NOT_STARTED if fp in unstarted else NOT_NEEDED})
+                d.update(heard.get(fp) or {"state": _unfinished(fp, unstarted, recorder)})
             if d["state"] == CACHED_LOCAL and not d.get("by_other_build"):
                 tier = served.get(fp)
                 d["state"] = CACHED_SHARED if tier == "shared" else CACHED_LOCAL if tier == "local" else CUTOFF
