@@ -261,3 +261,20 @@ def test_an_interrupted_build_is_recorded_as_interrupted(tiny_built: tuple[Path,
     states = {a["description"]: a["state"] for a in data["rec"]["actions"]}
     assert states["Trace //m:tiny [batch=1, seq=24]"] == "stopped", states
     assert states["Compile //m:tiny_trn2 [batch=1, seq=24] for trn2"] == "not_started", states
+
+
+def test_the_store_keeps_the_last_invocations_and_the_base_a_noop_stands_for(tmp_path: Path) -> None:
+    from neuronbuild.report.store import KEEP, InvocationStore
+
+    store = InvocationStore(tmp_path / "base")
+    ids = [f"20260101-000000-{i:03d}-0001" for i in range(KEEP + 5)]
+    for i, inv_id in enumerate(ids):
+        store.write({"format": 1, "id": inv_id, "command": "build", "patterns": ["//..."], "actions": []})
+        if i == 0:
+            store.set_base("request", inv_id)  # a later no-op of that request stands for the first build
+        (store.dir / f"{inv_id}.html").write_text("<html></html>")
+    kept = store.ids()
+    assert kept == [ids[0], *ids[-KEEP:]]
+    assert [e["id"] for e in store.index()] == kept
+    assert not (store.dir / f"{ids[1]}.html").exists() and (store.dir / f"{ids[0]}.html").exists()
+    assert store.resolve("last") == ids[-1] and store.resolve("last~1") == ids[-2] and store.base("request") == ids[0]

@@ -167,26 +167,33 @@ def render_invocation(store: InvocationStore, rec: Mapping[str, Any], other_ref:
 
 
 def render_soon(store: InvocationStore, rec: Mapping[str, Any]) -> Path:
-    """The no-op's page: rendered here where jinja2 is already imported or threads run (a build server), else by a
-    forked child after this process has answered (importing jinja2 would cost a batch no-op ~50 ms); its path."""
+    """The no-op's page: rendered here where jinja2 is already imported (a build server), else by a detached
+    interpreter spawned after the record is written (importing jinja2 would cost a batch no-op ~50 ms of CPU; a fork
+    would cost the exiting parent its copy-on-write faults); its path either way."""
     import os
-    import threading
 
-    if "jinja2" in sys.modules or not hasattr(os, "fork") or threading.active_count() > 1:  # (never fork a server)
+    page = store.page(str(rec["id"]))
+    if "jinja2" in sys.modules or not hasattr(os, "posix_spawn"):
         return render_invocation(store, rec)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    pid = os.fork()
-    if pid:
-        return store.page(str(rec["id"]))
-    try:  # the child: off the caller's pipes (a caller reading to EOF must not wait for it), render, leave
-        os.setsid()
-        null = os.open(os.devnull, os.O_RDWR)
-        for fd in (0, 1, 2):
-            os.dup2(null, fd)
+    pkg_parent = str(Path(__file__).resolve().parent.parent.parent)
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_parent, env.get("PYTHONPATH", "")) if p)
+    code = "import sys; from neuronbuild.report.invocation import render_stored; render_stored(sys.argv[1], sys.argv[2])"
+    devnull = [(os.POSIX_SPAWN_OPEN, fd, os.devnull, os.O_RDWR, 0) for fd in (0, 1, 2)]
+    try:  # off the caller's pipes (a caller reading them to EOF must not wait for it), in a session of its own
+        os.posix_spawn(sys.executable, [sys.executable, "-c", code, str(store.dir), str(rec["id"])], env,
+                       file_actions=devnull, setsid=True)
+    except OSError:
+        return render_invocation(store, rec)
+    return page
+
+
+def render_stored(store_dir: str, inv_id: str) -> None:
+    """The spawned renderer of a no-op's page (render_soon)."""
+    store = InvocationStore(Path(store_dir).parent)
+    rec = store.load(inv_id)
+    if rec is not None:
         render_invocation(store, rec)
-    finally:
-        os._exit(0)
 
 
 def page_url(path: Path) -> str:

@@ -21,6 +21,7 @@ DIR = "invocations"
 SUMMARY_FIELDS = ("id", "command", "patterns", "started", "wall_s", "saved_s", "counts", "outcome", "noop", "same_as",
                   "total", "work_s")
 KEEP_BASES = 20  # requests whose last full build a no-op may stand for
+PAGE_FACTOR = 3  # a record and its page(s) together, as a multiple of the record's size (for MAX_BYTES)
 
 
 def output_base(workspace_root: Path, output_user_root: str | None = None) -> Path:
@@ -52,6 +53,7 @@ class InvocationStore:
         return self.dir / (f"{inv_id}-vs-{compare}.html" if compare else f"{inv_id}.html")
 
     def write(self, record: dict[str, Any]) -> Path:
+        """Write a record, then drop what falls out of the bounds (from the index: no stat of every file)."""
         from neuronbuild.server.protocol import private_dir
 
         private_dir(self.dir.parent)
@@ -59,12 +61,15 @@ class InvocationStore:
         data = json.dumps(record, separators=(",", ":"), default=str).encode()
         dest = self.path(record["id"])
         atomic_write_bytes(dest, data, self.dir, durable=False)  # a report, not cached data: no fsync
-        kept = self.prune()
-        index = [e for e in self.index() if e.get("id") in kept and e.get("id") != record["id"]]
-        index.append({k: record.get(k) for k in SUMMARY_FIELDS})
+        entry = {k: record.get(k) for k in SUMMARY_FIELDS}
+        entry["bytes"] = PAGE_FACTOR * len(data)
+        index = [e for e in self.index() if e.get("id") != record["id"]] + [entry]
         index.sort(key=lambda e: str(e.get("id")))
+        keep = self._keep(index)
+        index = [e for e in index if e.get("id") in keep]
         with contextlib.suppress(OSError):  # advisory (trend plots): concurrent builds may lose an entry
             atomic_write_bytes(self.dir / "index.json", json.dumps(index).encode(), self.dir, durable=False)
+        self._remove_all_but(keep)
         return dest
 
     def index(self) -> list[dict[str, Any]]:
@@ -115,59 +120,62 @@ class InvocationStore:
                     return found
         return None
 
-    def _pointer(self, key: str) -> Path:
-        import hashlib
+    def _bases_file(self) -> Path:
+        return self.dir / "bases.json"
 
-        return self.dir / f"noop-{hashlib.sha256(key.encode()).hexdigest()[:20]}"
+    def bases(self) -> dict[str, str]:
+        """{request key digest: the last full build of that request}, for no-ops to stand for."""
+        try:
+            data = json.loads(self._bases_file().read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return {}
+        return {str(k): str(v) for k, v in data.items()} if isinstance(data, dict) else {}
 
     def set_base(self, key: str, inv_id: str) -> None:
-        """The full build `inv_id` answered request `key`: a later no-op of that request stands for its actions."""
+        """The full build `inv_id` answered request `key`: a later no-op of that request stands for its actions
+        (the KEEP_BASES most recent requests are remembered)."""
+        bases = {k: v for k, v in self.bases().items() if k != _digest(key)}
+        bases[_digest(key)] = inv_id
+        kept = dict(list(bases.items())[-KEEP_BASES:])
         with contextlib.suppress(OSError):
-            atomic_write_bytes(self._pointer(key), inv_id.encode(), self.dir, durable=False)
-        pointers = sorted(self.dir.glob("noop-*"), key=lambda p: p.stat().st_mtime)
-        for p in pointers[:-KEEP_BASES]:
-            with contextlib.suppress(OSError):
-                p.unlink()
+            atomic_write_bytes(self._bases_file(), json.dumps(kept).encode(), self.dir, durable=False)
 
     def base(self, key: str) -> str | None:
-        try:
-            return self._pointer(key).read_text(encoding="utf-8").strip() or None
-        except (OSError, UnicodeDecodeError):
-            return None
+        return self.bases().get(_digest(key))
 
-    def _bases(self) -> set[str]:
-        out = set()
-        for p in self.dir.glob("noop-*"):
-            with contextlib.suppress(OSError, UnicodeDecodeError):
-                out.add(p.read_text(encoding="utf-8").strip())
-        return out
-
-    def prune(self) -> set[str]:
-        """Keep the last KEEP invocations within MAX_BYTES (their pages count too), and the base of every recent
-        request (the invocation a later no-op stands for); the ids kept."""
-        ids = self.ids()
-        names = [n for n in os.listdir(self.dir) if _owner(n)]
-        sizes: dict[str, int] = {}
-        for n in names:
-            with contextlib.suppress(OSError):
-                sizes[_owner(n)] = sizes.get(_owner(n), 0) + os.stat(self.dir / n).st_size
+    def _keep(self, index: list[dict[str, Any]]) -> set[str]:
+        """The last KEEP invocations within MAX_BYTES (records and their pages, estimated), and the base of every
+        recent request (the invocation a later no-op stands for)."""
         keep: set[str] = set()
         total = 0
-        for inv_id in reversed(ids):
-            if len(keep) >= KEEP or (keep and total + sizes.get(inv_id, 0) > MAX_BYTES):
+        for e in reversed(index):
+            size = int(e.get("bytes") or 0)
+            if len(keep) >= KEEP or (keep and total + size > MAX_BYTES):
                 break
-            keep.add(inv_id)
-            total += sizes.get(inv_id, 0)
-        keep |= self._bases()
+            keep.add(str(e.get("id")))
+            total += size
+        return keep | set(self.bases().values())
+
+    def _remove_all_but(self, keep: set[str]) -> None:
+        try:
+            names = os.listdir(self.dir)
+        except OSError:
+            return
         for n in names:
-            if _owner(n) not in keep:
+            owner = _owner(n)
+            if owner and owner not in keep:
                 with contextlib.suppress(OSError):
                     os.unlink(self.dir / n)
-        return keep
+
+
+def _digest(key: str) -> str:
+    import hashlib
+
+    return hashlib.sha256(key.encode()).hexdigest()[:24]
 
 
 def _owner(name: str) -> str:
     """The invocation a file in the store belongs to ("" for the index, pointers and temporary files)."""
-    if name.startswith(".") or name == "index.json" or not name.endswith((".json", ".html")):
+    if name.startswith(".") or name in ("index.json", "bases.json") or not name.endswith((".json", ".html")):
         return ""
     return name[:-5].split("-vs-")[0]

@@ -58,7 +58,8 @@ def matrix(rec: Mapping[str, Any]) -> dict[str, Any]:
         cols.append({"label": c["label"], "platform": c["platform"], "target": c["target"]})
         for b in c["buckets"]:
             key = (c["model"], b["graph"], b["bucket"])
-            row = rows.setdefault(key, {"model": c["model"], "graph": b["graph"] or "-", "bucket": b["bucket"],
+            shape = ", ".join(f"{k}={v}" for k, v in (b["dims"] or {}).items())  # (the graph has its column)
+            row = rows.setdefault(key, {"model": c["model"], "graph": b["graph"] or "-", "bucket": shape,
                                         "name": b.get("name", ""), "dims": b["dims"], "cells": {}})
             acts = [by_fp[fp] for fp in b["actions"] if fp in by_fp]
             states = [a["state"] for a in acts] or [R.NOT_NEEDED]
