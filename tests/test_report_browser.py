@@ -278,3 +278,18 @@ def test_the_store_keeps_the_last_invocations_and_the_base_a_noop_stands_for(tmp
     assert [e["id"] for e in store.index()] == kept
     assert not (store.dir / f"{ids[1]}.html").exists() and (store.dir / f"{ids[0]}.html").exists()
     assert store.resolve("last") == ids[-1] and store.resolve("last~1") == ids[-2] and store.base("request") == ids[0]
+
+
+def test_results_from_the_shared_tier_show_as_cached_shared(browser: Any, tiny_built: tuple[Path, Path],
+                                                            tmp_path: Path) -> None:
+    ws0, cache0 = tiny_built
+    ws, shared = copy_ws(ws0, tmp_path / "ws"), tmp_path / "shared"
+    shutil.copytree(cache0, shared)  # a shared directory tier holding every result; the local cache is empty
+    env = {"NEURONX_CC": "", "NEURONBUILD_OUTPUT_USER_ROOT": str(tmp_path / "output-root")}
+    proc = run_cli(["build", "--cache-dir", str(tmp_path / "local"), "--remote-cache", str(shared)], ws, env)
+    assert proc.returncode == 0 and "0 executed, 6 cached" in proc.stdout, proc.stdout + proc.stderr
+    page = Opened(browser, _url(proc))
+    assert {c["state"] for c in page.cells()} == {"cached_shared"} and len(page.cells()) == 2
+    assert page.page.inner_text("#n-cached_shared") == "6" and page.page.inner_text("#n-cached_local") == "0"
+    assert page.errors == []
+    page.close()
