@@ -23,6 +23,11 @@ def _nb(args: list[str], cwd: Path, env: dict[str, str] | None = None) -> subpro
     return run_cli(args, cwd, {**NO_CC, **(env or {})})
 
 
+def _summary_end(stdout: str) -> str:
+    """The summary's last line (the invocation page's link, which follows it, left out)."""
+    return [ln for ln in stdout.splitlines() if not ln.startswith("Invocation: ")][-1]
+
+
 def _init(where: Path) -> Path:
     proc = run_cli(["init", str(where)], where.parent)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -92,11 +97,11 @@ def test_a_neuron_compile_without_neuronx_cc_says_skipped_and_is_not_estimated(s
 
 def test_every_no_op_ends_with_where_outputs_are_and_verbose_no_ops_print_the_same(started) -> None:  # type: ignore[no-untyped-def]
     ws, cache, first = started
-    assert OUTPUTS.match(first.stdout.splitlines()[-1]), first.stdout
+    assert OUTPUTS.match(_summary_end(first.stdout)), first.stdout
     runs = [_nb(["build", *flags, "--cache-dir", str(cache)], ws) for flags in ([], [], ["-v"], ["-v"], [])]
     for proc in runs:
         assert proc.returncode == 0 and proc.stdout.startswith("8 actions: 0 executed, 8 cached"), proc.stdout
-        assert OUTPUTS.match(proc.stdout.splitlines()[-1]), proc.stdout
+        assert OUTPUTS.match(_summary_end(proc.stdout)), proc.stdout
     verbose = [sorted(ln for ln in p.stderr.splitlines() if ln.startswith("CACHED: ")) for p in runs[2:4]]
     assert len(verbose[0]) == 8 and verbose[0] == verbose[1]
     assert "CACHED:" not in runs[1].stderr + runs[4].stderr
