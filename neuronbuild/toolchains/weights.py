@@ -73,6 +73,11 @@ def write_safetensors(path: Path, entries: Iterable[Entry], value: Callable[[Ent
 
 def read_header(path: Path) -> dict[str, tuple[torch.dtype | None, tuple[int, ...]]]:
     """A safetensors file's tensors by name: (dtype (None when torch has none), shape), from its header only."""
+    return {k: (dt, shape) for k, (dt, shape, _a, _b) in read_layout(path).items()}
+
+
+def read_layout(path: Path) -> dict[str, tuple[torch.dtype | None, tuple[int, ...], int, int]]:
+    """A safetensors file's tensors by name: (dtype, shape, start, end): absolute byte offsets of the data."""
     try:
         with open(path, "rb") as f:
             size = struct.unpack("<Q", f.read(8))[0]
@@ -84,11 +89,13 @@ def read_header(path: Path) -> dict[str, tuple[torch.dtype | None, tuple[int, ..
     if not isinstance(header, dict):
         raise ToolchainError(f"cannot read weights {path.name}: the header is not a JSON object")
     out = {}
+    base = 8 + size
     for k, v in header.items():
         if k == "__metadata__":
             continue
         try:
-            out[str(k)] = (_ST_DTYPE.get(str(v["dtype"])), tuple(int(d) for d in v["shape"]))
+            start, end = (int(x) for x in v["data_offsets"])
+            out[str(k)] = (_ST_DTYPE.get(str(v["dtype"])), tuple(int(d) for d in v["shape"]), base + start, base + end)
         except (KeyError, TypeError, ValueError):
             raise ToolchainError(f"cannot read weights {path.name}: bad header entry for {k!r}") from None
     return out
@@ -96,35 +103,50 @@ def read_header(path: Path) -> dict[str, tuple[torch.dtype | None, tuple[int, ..
 
 class Checkpoint:
     """A model's weight files (one file or shards) as an index, key -> (file, shape, dtype), read from headers only;
-    `tensor(key)` reads one tensor (memory-mapped file, one copy of that tensor)."""
+    `tensor(key)` reads one tensor with plain reads into a tensor of its own (no mapping of the file, whose pages
+    would count against the action's memory as it is read through)."""
 
     def __init__(self, paths: list[Path], label: str, prefix: str = "") -> None:
         self.label = label
         self.index: dict[str, tuple[Path, str, torch.dtype | None, tuple[int, ...]]] = {}
+        self._where: dict[str, tuple[int, int]] = {}
         for path in paths:
             if not path.is_file():
                 raise ToolchainError(f"weights file {path.name} of {label} not found")
-            for key, (dtype, shape) in read_header(path).items():
+            for key, (dtype, shape, start, end) in read_layout(path).items():
                 name = key[len(prefix):] if prefix and key.startswith(prefix) else key
                 if name in self.index:
                     raise ToolchainError(f"weights {label}: key {key} is in more than one shard")
                 self.index[name] = (path, key, dtype, shape)
-        self._open: dict[Path, Any] = {}
+                self._where[name] = (start, end)
 
     def shape(self, name: str) -> tuple[int, ...]:
         return self.index[name][3]
 
     def tensor(self, name: str) -> torch.Tensor:
-        from safetensors import SafetensorError, safe_open
-
-        path, key, _dtype, _shape = self.index[name]
-        handle = self._open.get(path)
+        path, key, dtype, shape = self.index[name]
+        start, end = self._where[name]
+        if dtype is None:
+            raise ToolchainError(f"weights {path.name}: tensor {key} has a dtype torch cannot hold")
+        out = torch.empty(shape, dtype=dtype)
+        if end - start != out.numel() * out.element_size():
+            raise ToolchainError(f"cannot read weights {path.name}: tensor {key} has {end - start} bytes for "
+                                 f"{dtype}{list(shape)}")
+        if not out.numel():
+            return out
+        view = out.reshape(-1).view(torch.uint8).numpy()
         try:
-            if handle is None:
-                handle = self._open[path] = safe_open(str(path), framework="pt")
-            return handle.get_tensor(key)  # type: ignore[no-any-return]
-        except (SafetensorError, OSError) as exc:
+            with open(path, "rb", buffering=0) as f:
+                f.seek(start)
+                done = 0
+                while done < len(view):
+                    n = f.readinto(view[done:].data)
+                    if not n:
+                        raise ToolchainError(f"cannot read weights {path.name}: the file ends inside tensor {key}")
+                    done += n
+        except OSError as exc:
             raise ToolchainError(f"cannot read weights {path.name}: {exc}") from None
+        return out
 
 
 def check_against(expected: Mapping[str, tuple[int, ...]], tied: Mapping[str, set[str]], ckpt: Checkpoint) -> None:
