@@ -130,3 +130,22 @@ def test_the_weights_writer_matches_safetensors_save(tmp_path: Path) -> None:
                              lambda e: tensors[e.name])
     assert (tmp_path / "w.safetensors").read_bytes() == save(tensors)
     assert size == len(save(tensors))
+
+
+def test_checkpoint_tensors_convert_piece_by_piece_to_the_same_bytes(tmp_path: Path) -> None:
+    import torch
+    from safetensors.torch import save, save_file
+
+    from neuronbuild.toolchains.weights import Checkpoint, Entry, write_safetensors
+
+    g = torch.Generator().manual_seed(0)
+    stored = {"w": torch.randn(37, 11, generator=g).to(torch.bfloat16), "b": torch.randn(5, generator=g).half(),
+              "s": torch.tensor(2.5, dtype=torch.bfloat16)}
+    save_file(stored, str(tmp_path / "ckpt.safetensors"))
+    ckpt = Checkpoint([tmp_path / "ckpt.safetensors"], "ckpt.safetensors")
+    assert torch.equal(ckpt.tensor("w"), stored["w"])
+    pieces = list(ckpt.pieces("w", torch.float32, max_bytes=64))  # 32 elements a piece: 13 pieces, the last short
+    assert len(pieces) == 13 and torch.equal(torch.cat(pieces).reshape(37, 11), stored["w"].float())
+    write_safetensors(tmp_path / "out.safetensors", [Entry(k, torch.float32, tuple(v.shape)) for k, v in stored.items()],
+                      lambda e: ckpt.pieces(e.name, torch.float32, max_bytes=16))
+    assert (tmp_path / "out.safetensors").read_bytes() == save({k: v.float() for k, v in stored.items()})

@@ -207,10 +207,11 @@ def build_shape_model(model: dict[str, Any], sandbox: Path) -> tuple[torch.nn.Mo
 
 
 def state_values(model: dict[str, Any], sandbox: Path, wanted: Mapping[str, torch.dtype],
-                 tied: Mapping[str, set[str]]) -> Callable[[str], torch.Tensor]:
+                 tied: Mapping[str, set[str]]) -> Callable[[str], torch.Tensor | Iterator[torch.Tensor]]:
     """name -> the value of one parameter / persistent buffer in the dtype `wanted` names, one tensor at a time: read
     from the model's weight files (a tied key through a key it shares its tensor with), or, for a model without
-    weight files, from the factory's own seeded initialisation (the module is then built for real: small models)."""
+    weight files, from the factory's own seeded initialisation (the module is then built for real: small models).
+    From weight files, a value comes as consecutive flat pieces (write_safetensors takes either)."""
     from neuronbuild.toolchains.weights import Checkpoint
 
     files = _weight_files(model, sandbox)
@@ -219,10 +220,9 @@ def state_values(model: dict[str, Any], sandbox: Path, wanted: Mapping[str, torc
         return lambda name: state[name].detach()
     ckpt = Checkpoint(files[0], files[1], str(model.get("weights_prefix") or ""))
 
-    def value(name: str) -> torch.Tensor:
+    def value(name: str) -> Iterator[torch.Tensor]:
         key = name if name in ckpt.index else next((k for k in sorted(tied.get(name, ())) if k in ckpt.index), name)
-        t = ckpt.tensor(key)
-        return t if t.dtype == wanted[name] else t.to(wanted[name])
+        return ckpt.pieces(key, wanted[name])  # converted piece by piece: never the stored and converted copy whole
 
     return value
 

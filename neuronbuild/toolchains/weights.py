@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import struct
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,8 +42,10 @@ class Entry:
         return n * torch.empty((), dtype=self.dtype).element_size()
 
 
-def write_safetensors(path: Path, entries: Iterable[Entry], value: Callable[[Entry], torch.Tensor]) -> int:
-    """Write `entries` to `path` as safetensors, asking `value(entry)` for one tensor at a time (so at most one is held);
+def write_safetensors(path: Path, entries: Iterable[Entry],
+                      value: Callable[[Entry], torch.Tensor | Iterable[torch.Tensor]]) -> int:
+    """Write `entries` to `path` as safetensors, asking `value(entry)` for one tensor at a time (so at most one is held),
+    or for an iterable of consecutive pieces of it (flat, in order: a large tensor converted piece by piece);
     returns the file's size. Same layout as safetensors.torch.save (tensors by dtype, then name; no metadata)."""
     items = sorted(entries, key=lambda e: (_ST_RANK.get(e.dtype, -1), e.name))
     if len({e.name for e in items}) != len(items):
@@ -61,13 +63,23 @@ def write_safetensors(path: Path, entries: Iterable[Entry], value: Callable[[Ent
         f.write(struct.pack("<Q", len(text)))
         f.write(text)
         for e in items:
-            t = value(e)
-            if t.dtype != e.dtype or tuple(t.shape) != e.shape:
-                raise ToolchainError(f"tensor {e.name}: got {t.dtype}{list(t.shape)}, expected {e.dtype}{list(e.shape)}")
-            data = t.detach().contiguous().reshape(-1)
-            if data.numel():
-                f.write(data.view(torch.uint8).numpy().data)
-            del t, data
+            got = value(e)
+            if isinstance(got, torch.Tensor):
+                if got.dtype != e.dtype or tuple(got.shape) != e.shape:
+                    raise ToolchainError(f"tensor {e.name}: got {got.dtype}{list(got.shape)}, "
+                                         f"expected {e.dtype}{list(e.shape)}")
+                got = (got,)
+            written = 0
+            for piece in got:
+                if piece.dtype != e.dtype:
+                    raise ToolchainError(f"tensor {e.name}: got a {piece.dtype} piece, expected {e.dtype}")
+                data = piece.detach().contiguous().reshape(-1)
+                if data.numel():
+                    f.write(data.view(torch.uint8).numpy().data)
+                    written += data.numel() * data.element_size()
+                del piece, data
+            if written != e.nbytes:
+                raise ToolchainError(f"tensor {e.name}: {written} bytes written, expected {e.nbytes}")
     return 8 + len(text) + offset
 
 
@@ -124,17 +136,46 @@ class Checkpoint:
         return self.index[name][3]
 
     def tensor(self, name: str) -> torch.Tensor:
+        """The whole tensor, as stored."""
+        path, key, dtype, shape = self.index[name]
+        start, end = self._checked(name)
+        out = torch.empty(shape, dtype=dtype)
+        if out.numel():
+            self._read_into(path, key, start, out.reshape(-1))
+        return out
+
+    def pieces(self, name: str, dtype: torch.dtype, max_bytes: int = 64 << 20) -> Iterator[torch.Tensor]:
+        """The tensor flat, in consecutive pieces of at most ~max_bytes as stored, each converted to `dtype`: a large
+        weight is converted without holding it twice (the stored and the converted copy)."""
+        path, key, stored, _shape = self.index[name]
+        start, end = self._checked(name)
+        assert stored is not None
+        size = torch.empty((), dtype=stored).element_size()
+        step = max(1, max_bytes // size)
+        total = (end - start) // size
+        for first in range(0, total, step):
+            n = min(step, total - first)
+            buf = torch.empty(n, dtype=stored)
+            self._read_into(path, key, start + first * size, buf)
+            yield buf if stored == dtype else buf.to(dtype)
+            del buf
+
+    def _checked(self, name: str) -> tuple[int, int]:
         path, key, dtype, shape = self.index[name]
         start, end = self._where[name]
         if dtype is None:
             raise ToolchainError(f"weights {path.name}: tensor {key} has a dtype torch cannot hold")
-        out = torch.empty(shape, dtype=dtype)
-        if end - start != out.numel() * out.element_size():
+        n = 1
+        for d in shape:
+            n *= d
+        if end - start != n * torch.empty((), dtype=dtype).element_size():
             raise ToolchainError(f"cannot read weights {path.name}: tensor {key} has {end - start} bytes for "
                                  f"{dtype}{list(shape)}")
-        if not out.numel():
-            return out
-        view = out.reshape(-1).view(torch.uint8).numpy()
+        return start, end
+
+    @staticmethod
+    def _read_into(path: Path, key: str, start: int, flat: torch.Tensor) -> None:
+        view = flat.view(torch.uint8).numpy()
         try:
             with open(path, "rb", buffering=0) as f:
                 f.seek(start)
@@ -146,7 +187,6 @@ class Checkpoint:
                     done += n
         except OSError as exc:
             raise ToolchainError(f"cannot read weights {path.name}: {exc}") from None
-        return out
 
 
 def check_against(expected: Mapping[str, tuple[int, ...]], tied: Mapping[str, set[str]], ckpt: Checkpoint) -> None:
