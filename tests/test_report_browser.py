@@ -293,3 +293,29 @@ def test_results_from_the_shared_tier_show_as_cached_shared(browser: Any, tiny_b
     assert page.page.inner_text("#n-cached_shared") == "6" and page.page.inner_text("#n-cached_local") == "0"
     assert page.errors == []
     page.close()
+
+
+def test_a_build_server_records_into_the_same_output_base_as_batch_builds(browser: Any, tiny_built: tuple[Path, Path],
+                                                                         tmp_path: Path) -> None:
+    ws0, cache0 = tiny_built
+    ws, cache = copy_ws(ws0, tmp_path / "ws"), tmp_path / "cache"
+    shutil.copytree(cache0, cache)
+    env = {"NEURONX_CC": "", "NEURONBUILD_NO_SERVER": "", "NEURONBUILD_OUTPUT_USER_ROOT": str(tmp_path / "root")}
+    build = ["build", "--jobs", "2", "--cache-dir", str(cache)]
+    try:
+        served = run_cli(build, ws, env)
+        assert served.returncode == 0 and "0 executed, 6 cached" in served.stdout, served.stdout + served.stderr
+        info = json.loads(run_cli(["info", "--output", "json"], ws, env).stdout)
+        assert info["running"], info
+        batch = run_cli(["--batch", *build], ws, env)
+    finally:
+        run_cli(["shutdown"], ws, env)
+    page = Path(unquote(urlparse(_url(served)).path))
+    assert page.parent == Path(info["output_base"]) / "invocations", (page, info)
+    listed = run_cli(["report", "--list"], ws, env).stdout.splitlines()
+    assert len(listed) == 2 and all("build //...  ok  6 actions, 0 executed" in ln for ln in listed), listed
+    opened = Opened(browser, _url(served))
+    assert sorted(c["state"] for c in opened.cells()) == ["cached_local", "cached_local"]
+    assert opened.errors == []
+    opened.close()
+    assert batch.returncode == 0 and _url(batch).rsplit("/", 1)[1].removesuffix(".html") == listed[1].split()[0]

@@ -24,7 +24,16 @@ _SKIP_FLAGS = ("command", "patterns", "func", "directory", "norc", "batch")
 
 
 def command_flags(args: argparse.Namespace) -> dict[str, Any]:
-    return {k: v for k, v in sorted(vars(args).items()) if k not in _SKIP_FLAGS and not callable(v)}
+    """The flags this command was given: those whose value differs from the command's default."""
+    defaults: dict[str, Any] = {}
+    try:
+        from neuronbuild.cli import _parser
+
+        defaults = vars(_parser()[0].parse_args([str(args.command)]))
+    except (Exception, SystemExit):  # noqa: BLE001 - without defaults, every flag is listed
+        pass
+    return {k: v for k, v in sorted(vars(args).items())
+            if k not in _SKIP_FLAGS and not callable(v) and (k not in defaults or defaults[k] != v)}
 
 
 def command_line(command: str, patterns: Sequence[str], flags: Mapping[str, Any]) -> list[str]:
