@@ -18,7 +18,7 @@ from typing import Any
 import networkx as nx
 
 from neuronbuild import FORMAT_VERSION, digests, plugins
-from neuronbuild.analysis.actions import TRACE, TRACE_OUTPUT, Action, Bucket, make_action
+from neuronbuild.analysis.actions import TRACE, TRACE_OUTPUT, TRACE_WEIGHTS, Action, Bucket, make_action
 from neuronbuild.analysis.plan_settings import PlanSettings
 from neuronbuild.analysis.providers import BundleInfo, CompileTarget, ModelInfo
 from neuronbuild.loading.labels import Label
@@ -526,13 +526,14 @@ class AnalysisContext:
             "bucket": bucket.as_dict(),
             # + the third-party distributions the model imports (what-if versions applied like torch's)
             "toolchain": self.settings.trace_toolchain() | self.settings.override(dict(rec.get("imports") or {})),
+            "program": "shapes-1",  # program.pt2 without weight values + the streamed constants.safetensors
         } | self.common
         spec = {"model": {k: rec[k] for k in ("package", "entry", "config", "seed")}
                 | {"srcs": list(rec["srcs"]), "weights": rec["weights"], "weights_prefix": rec.get("weights_prefix", ""),
                    "libraries": sorted(rec.get("deps") or {})},
                 "inputs": rec["inputs"], "outputs": rec.get("outputs") or [], "bucket": bucket.as_dict()}
         return self.add(make_action(TRACE, model.label, bucket, record, spec, files=model.files,
-                                    outputs=(TRACE_OUTPUT,)))
+                                    outputs=(TRACE_OUTPUT, TRACE_WEIGHTS)))
 
 
 _MISSING = object()
