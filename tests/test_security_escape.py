@@ -134,3 +134,40 @@ def test_a_malformed_message_is_refused_not_run(tmp_path: Path) -> None:
     os.close(w)
     assert not (tmp_path / "pwned").exists()
 
+
+# Modules a cloned repository could hold at its root, shadowing what the build server imports after it changes to the
+# client's directory (the standard library's and a dependency's).
+SHADOWS = ("argparse", "difflib", "networkx", "wsplug")
+SHADOW_SRC = 'open({marker!r} + "-" + __name__, "w").close()\n'
+
+
+@pytest.fixture
+def server_env(tmp_path: Path):  # type: ignore[no-untyped-def]
+    env = {"NEURONBUILD_NO_SERVER": "", "NEURONBUILD_OUTPUT_USER_ROOT": str(tmp_path / "ob")}
+    yield env
+    for ws in tmp_path.glob("ws*"):
+        run_cli(["shutdown"], ws, env, ("-P",))
+
+
+def test_the_build_server_imports_nothing_from_the_workspace(tmp_path: Path, server_env: dict[str, str]) -> None:
+    marker = str(tmp_path / "pwned")
+    files = {f"{m}.py": SHADOW_SRC.format(marker=marker) for m in SHADOWS}
+    ws = _one_model_ws(tmp_path / "ws", "import torch\n\n\ndef build(config):\n    return torch.nn.Linear(4, 3)\n", {})
+    write_ws(ws, files)
+    cache = str(tmp_path / "cache")
+    # The client runs with -P (its own sys.path holds no cwd entry), as the `neuronbuild` script does.
+    proc = run_cli(["build", "//pkg:all", "--cache-dir", cache], ws, server_env, ("-P",))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    info = run_cli(["info", "--output", "json"], ws, server_env, ("-P",))
+    assert info.returncode == 0 and json.loads(info.stdout)["pid"], info.stderr  # it ran through a server
+    assert not list(tmp_path.glob("pwned*")), "the build server imported a module from the workspace"
+
+    # A plug-in named in $NEURONBUILD_PLUGINS is found as in batch mode: never in the workspace.
+    env = {**server_env, "NEURONBUILD_PLUGINS": "wsplug"}
+    batch = run_cli(["--batch", "build", "//pkg:all", "--cache-dir", cache], ws, env, ("-P",))
+    served = run_cli(["build", "//pkg:all", "--cache-dir", cache], ws, env, ("-P",))
+    for p in (batch, served):
+        assert p.returncode == 2, p.stdout + p.stderr
+        assert "cannot import plug-in module 'wsplug'" in p.stderr and "Traceback" not in p.stderr
+    assert not list(tmp_path.glob("pwned*")), "a plug-in was imported from the workspace"
+

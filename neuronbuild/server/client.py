@@ -25,7 +25,8 @@ if TYPE_CHECKING:
 EXIT_BUILD_FAILED, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 1, 2, 8
 
 START_TIMEOUT_S = 120.0  # a loaded machine can take a while to import the analysis modules
-_BOOT = ("import sys; sys.path.insert(0, sys.argv[1]); "
+_BOOT = ("import os, sys; sys.path[:] = [p for p in sys.path if os.path.isabs(p)]; "
+         "sys.path.insert(0, sys.argv[1]); "
          "from neuronbuild.server.daemon import main; main(sys.argv[2])")
 
 
@@ -202,7 +203,7 @@ def start_server(paths: ServerPaths, opts: StartupOptions, stamp: str, workspace
         try:
             # Its own session (no terminal signals), no inherited descriptors besides /dev/null and the log: a CI
             # job that waits for our stdout to close is not held open by the daemon.
-            proc = subprocess.Popen([sys.executable, "-c", _BOOT, pkg_parent, config, "neuronbuild-server"],
+            proc = subprocess.Popen([sys.executable, "-P", "-c", _BOOT, pkg_parent, config, "neuronbuild-server"],
                                     stdin=subprocess.DEVNULL, stdout=fd, stderr=fd, close_fds=True,
                                     start_new_session=True, cwd=paths.output_base)
         finally:
