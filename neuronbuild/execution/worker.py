@@ -203,7 +203,7 @@ def run_isolated(msg: Mapping[str, Any], installation: tuple[str, ...]) -> dict[
     env = dict(os.environ)
     spec = msg["spec"]
     policy = policy_for(msg["inputs"], msg["outputs"], env, spec, installation,
-                        [msg["log"], *extra_write_roots()])
+                        [msg["log"], *extra_write_roots()], extra_read_roots())
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:  # the action's process
@@ -311,6 +311,17 @@ def extra_write_roots() -> list[str]:
     scratch = toolchain_scratch()
     scratch.mkdir(parents=True, exist_ok=True)
     return [str(scratch)]
+
+
+def extra_read_roots() -> list[str]:
+    """What actions read but must not write: inductor's precompiled headers (written by warm-ups, in this process)."""
+    try:
+        from neuronbuild.toolchains.compile import header_dir
+    except Exception:  # noqa: BLE001 - a broken toolchain import is reported by the action itself
+        return []
+    headers = header_dir()
+    headers.mkdir(parents=True, exist_ok=True)
+    return [str(headers)]
 
 
 _PR_SET_CHILD_SUBREAPER = 36

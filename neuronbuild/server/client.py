@@ -292,7 +292,7 @@ def run(paths: ServerPaths, opts: StartupOptions, argv: list[str], workspace: st
                 continue
         try:
             try:
-                protocol.send(sock, req)
+                protocol.send(sock, {**req, "secret": protocol.read_secret(paths.secret)})
             except OSError:
                 continue  # it went away between connect and send: start another
             what, val = _stream(sock)
@@ -326,7 +326,7 @@ def request(paths: ServerPaths, msg: dict[str, Any], timeout: float | None = 10.
         return None
     try:
         sock.settimeout(timeout)
-        protocol.send(sock, msg)
+        protocol.send(sock, {**msg, "secret": protocol.read_secret(paths.secret)})
         while True:
             ans = protocol.recv(sock)
             if ans.get("t") not in ("wait", "err", "out"):

@@ -151,6 +151,7 @@ class Server:
         from neuronbuild.server.warm import WarmState
 
         self.warm = WarmState()
+        self.secret = ""  # (serve makes it)
 
     # -- socket side (acceptor thread) ----------------------------------------------------------------------------
     def listen(self) -> socket.socket:
@@ -185,6 +186,15 @@ class Server:
             conn.close()
             return
         kind = msg.get("type")
+        if not protocol.same_secret(msg.get("secret"), self.secret):  # not a client that can read the secret file
+            conn.close()
+            return
+        if kind == "command" and (why := protocol.command_error(msg)) is not None:
+            with contextlib.suppress(OSError):
+                protocol.send(conn, {"t": "err", "d": f"neuronbuild: error: a malformed command ({why})\n"})
+                protocol.send(conn, {"t": "exit", "code": 2})
+            conn.close()
+            return
         if kind == "info":
             with contextlib.suppress(OSError):
                 protocol.send(conn, {"t": "info", **self.info()})
@@ -210,6 +220,7 @@ class Server:
 
     # -- command side (main thread) -------------------------------------------------------------------------------
     def serve(self) -> None:
+        self.secret = protocol.new_secret(str(self.output_base / "server.secret"))  # before clients can connect
         listener = self.listen()
         info = {"pid": os.getpid(), "stamp": self.stamp, "socket": str(self.socket_path), "started": self.started,
                 "opts": self.opts}
@@ -267,6 +278,7 @@ class Server:
             if json.loads((self.output_base / "server.json").read_text()).get("pid") == os.getpid():
                 (self.output_base / "server.json").unlink()
                 self.socket_path.unlink()
+                (self.output_base / "server.secret").unlink()
         self.warm.close()
         print(f"{time.strftime('%Y-%m-%d %H:%M:%S')} server {os.getpid()} stopped", flush=True)
 
