@@ -353,3 +353,69 @@ def test_a_model_cannot_change_the_precompiled_headers_later_compiles_include(tm
     assert hostile.returncode == 1 and "PermissionError" in hostile.stderr, hostile.stdout + hostile.stderr[-3000:]
     assert _header_bytes(cache) == headers  # no later compile, of any workspace, includes the model's code
 
+
+ENVIRON_READER = '''import os
+
+
+def build(config):
+    found = []
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                with open(f"/proc/{pid}/environ", "rb") as f:
+                    if config["secret"].encode() in f.read():
+                        found.append(pid)
+            except OSError:
+                pass
+    raise RuntimeError("ENVIRON " + (",".join(found) or "none"))
+'''
+
+
+def test_a_model_cannot_read_the_build_processs_environment(tmp_path: Path) -> None:
+    secret = f"hunter2-{os.getpid()}-{time.time_ns()}"
+    ws = _one_model_ws(tmp_path / "ws", ENVIRON_READER, {"secret": secret})
+    proc = run_cli(["--batch", "build", "//pkg:all", "--jobs", "1", "--cache-dir", str(tmp_path / "cache")], ws,
+                   env={"AWS_SECRET_ACCESS_KEY": secret})
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "RuntimeError: ENVIRON none" in proc.stderr, proc.stderr[-3000:]
+
+
+SPIN_BUILD = '''def spin():
+    n = 0
+    for i in range(1000000000000):
+        n += i
+    return n
+
+spin()
+'''
+
+
+def test_a_cancelled_endless_starlark_loop_does_not_wedge_the_server(tmp_path: Path,
+                                                                       server_env: dict[str, str]) -> None:
+    import subprocess
+    import sys
+
+    ws = write_ws(tmp_path / "ws", {"pkg/BUILD": SPIN_BUILD})
+    env = {**os.environ, **server_env}
+    cache = str(tmp_path / "cache")
+    spinning = subprocess.Popen([sys.executable, "-P", "-m", "neuronbuild", "plan", "//pkg:all", "--cache-dir", cache],
+                                cwd=ws, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:  # until the server runs the command (busy)
+        info = run_cli(["info", "--output", "json"], ws, server_env, ("-P",))
+        if info.returncode == 0 and json.loads(info.stdout).get("busy"):
+            break
+        time.sleep(0.5)
+    else:
+        spinning.kill()
+        raise AssertionError("the server never ran the command")
+    first = json.loads(info.stdout)["pid"]
+    time.sleep(1.0)  # inside the loop by now
+    spinning.send_signal(signal.SIGINT)  # Ctrl-C: the client asks the server to cancel
+    assert spinning.wait(timeout=60) == 8
+    (ws / "pkg" / "BUILD").write_text('neuron_target(name = "t", platform = "trn2")\n')
+    after = subprocess.run([sys.executable, "-P", "-m", "neuronbuild", "plan", "//pkg:all", "--cache-dir", cache],
+                           cwd=ws, env=env, capture_output=True, text=True, timeout=300)  # never wedged behind it
+    assert after.returncode == 0, after.stdout + after.stderr
+    assert not running(first) or json.loads(
+        run_cli(["info", "--output", "json"], ws, server_env, ("-P",)).stdout)["pid"] != first

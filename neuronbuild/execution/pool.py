@@ -23,6 +23,7 @@ from typing import Any
 import neuronbuild
 from neuronbuild.execution import channel
 from neuronbuild.execution import zygote as zy
+from neuronbuild.execution.env import hide_process_environ
 
 # The package's parent directory, so the worker imports this very neuronbuild (as spawn would, via sys.path).
 _PKG_PARENT = str(Path(neuronbuild.__file__).resolve().parent.parent)
@@ -177,6 +178,7 @@ class WorkerPool:
             use_zygote = self.size >= 2
         self._use_zygote = use_zygote and os.environ.get("NEURONBUILD_ZYGOTE", "1") != "0" and zy.supported()
         self._zygote: zy.Zygote | None = None
+        hide_process_environ()  # before any action runs: /proc/<this pid>/environ shows nothing of ours
 
     def _zygote_now(self) -> zy.Zygote | None:
         """The zygote (started on first use, and again after it ended), or None when this pool spawns workers."""

@@ -304,6 +304,10 @@ class Server:
             with contextlib.suppress(OSError):
                 protocol.send(conn, {"t": "exit", "code": code})
                 conn.shutdown(socket.SHUT_RDWR)  # wakes the client watcher blocked in recv
+            if _starlark_stuck():  # a cancelled endless Starlark loop holds the Starlark thread: start afresh
+                print("a cancelled Starlark evaluation never ended: exiting (the next command starts a new server)",
+                      flush=True)
+                self.stopping = True
             if self.warm.pending >= self.warm.GC_EVERY:
                 self.warm.collect()  # else when the server idles (serve)
 
@@ -370,6 +374,11 @@ class Server:
                 signal.pthread_kill(self.main_thread, signal.SIGINT)
 
 
+def _starlark_stuck() -> bool:
+    adapter = sys.modules.get("neuronbuild.loading.starlark_adapter")  # (not imported when nothing was evaluated)
+    return bool(adapter is not None and adapter.starlark_thread_stuck())
+
+
 def main(config_json: str) -> None:
     config = json.loads(config_json)
     os.umask(0o077)
@@ -381,3 +390,6 @@ def main(config_json: str) -> None:
     except Exception:  # noqa: BLE001
         traceback.print_exc()
         raise SystemExit(EXIT_BUILD_FAILED) from None
+    if _starlark_stuck():  # the spinning thread must not hold up the interpreter's exit
+        sys.stdout.flush()
+        os._exit(0)
