@@ -77,8 +77,8 @@ _hidden = False
 def hide_process_environ() -> bool:
     """Make this process's own environment (AWS keys, tokens) unreadable through /proc/<pid>/environ, which shows the
     region the environment was passed in at start and which any process of the user may read (an action included:
-    its kernel rules let it read /proc). Moves libc's environment to the heap (clearenv, then setenv of each entry:
-    os.environ and getenv() are unchanged), zeroes the original region, and makes the process non-dumpable (then its
+    its kernel rules let it read /proc). Moves libc's environment strings to the heap (setenv of each entry: os.environ
+    and getenv() are unchanged), zeroes the original region, and makes the process non-dumpable (then its
     /proc files, environ and mem included, are root's). Called once by the build process (pool.WorkerPool) before
     any action can run. Returns whether the region was cleared."""
     global _hidden
@@ -103,7 +103,8 @@ def hide_process_environ() -> bool:
         return False
     if not start or end <= start:
         return False
-    libc.clearenv()
+    # setenv(overwrite) points each entry at a heap copy in place (no clearenv: the array is never freed under another
+    # thread's getenv); then nothing refers to the original strings.
     for e in entries:
         name, _, value = e.partition(b"=")
         if name:
