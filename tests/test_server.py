@@ -96,7 +96,7 @@ def _stop(info: Path) -> None:
             socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
         s.settimeout(60)
         s.connect(data["socket"])
-        protocol.send(s, {"type": "shutdown"})
+        protocol.send(s, {"type": "shutdown", "secret": protocol.read_secret(str(info.parent / "server.secret"))})
         protocol.recv(s)
     with contextlib.suppress(AssertionError):
         _wait(lambda: not _alive(pid), 30, "server exit")

@@ -152,6 +152,7 @@ class Server:
         from neuronbuild.server.warm import WarmState
 
         self.warm = WarmState()
+        self.secret = ""  # (serve makes it)
 
     # -- socket side (acceptor thread) ----------------------------------------------------------------------------
     def listen(self) -> socket.socket:
@@ -186,6 +187,15 @@ class Server:
             conn.close()
             return
         kind = msg.get("type")
+        if not protocol.same_secret(msg.get("secret"), self.secret):  # not a client that can read the secret file
+            conn.close()
+            return
+        if kind == "command" and (why := protocol.command_error(msg)) is not None:
+            with contextlib.suppress(OSError):
+                protocol.send(conn, {"t": "err", "d": f"neuronbuild: error: a malformed command ({why})\n"})
+                protocol.send(conn, {"t": "exit", "code": 2})
+            conn.close()
+            return
         if kind == "info":
             with contextlib.suppress(OSError):
                 protocol.send(conn, {"t": "info", **self.info()})
@@ -211,6 +221,7 @@ class Server:
 
     # -- command side (main thread) -------------------------------------------------------------------------------
     def serve(self) -> None:
+        self.secret = protocol.new_secret(str(self.output_base / "server.secret"))  # before clients can connect
         listener = self.listen()
         info = {"pid": os.getpid(), "stamp": self.stamp, "socket": str(self.socket_path), "started": self.started,
                 "opts": self.opts}
@@ -266,6 +277,7 @@ class Server:
             if json.loads((self.output_base / "server.json").read_text()).get("pid") == os.getpid():
                 (self.output_base / "server.json").unlink()
                 self.socket_path.unlink()
+                (self.output_base / "server.secret").unlink()
         self.warm.close()
         print(f"{time.strftime('%Y-%m-%d %H:%M:%S')} server {os.getpid()} stopped", flush=True)
 
@@ -291,6 +303,10 @@ class Server:
             with contextlib.suppress(OSError):
                 protocol.send(conn, {"t": "exit", "code": code})
                 conn.shutdown(socket.SHUT_RDWR)  # wakes the client watcher blocked in recv
+            if _starlark_stuck():  # a cancelled endless Starlark loop holds the Starlark thread: start afresh
+                print("a cancelled Starlark evaluation never ended: exiting (the next command starts a new server)",
+                      flush=True)
+                self.stopping = True
             if self.warm.pending >= self.warm.GC_EVERY:
                 self.warm.collect()  # else when the server idles (serve)
 
@@ -357,6 +373,11 @@ class Server:
                 signal.pthread_kill(self.main_thread, signal.SIGINT)
 
 
+def _starlark_stuck() -> bool:
+    adapter = sys.modules.get("neuronbuild.loading.starlark_adapter")  # (not imported when nothing was evaluated)
+    return bool(adapter is not None and adapter.starlark_thread_stuck())
+
+
 def main(config_json: str) -> None:
     config = json.loads(config_json)
     os.umask(0o077)
@@ -368,3 +389,6 @@ def main(config_json: str) -> None:
     except Exception:  # noqa: BLE001
         traceback.print_exc()
         raise SystemExit(EXIT_BUILD_FAILED) from None
+    if _starlark_stuck():  # the spinning thread must not hold up the interpreter's exit
+        sys.stdout.flush()
+        os._exit(0)
