@@ -103,7 +103,7 @@ def needed_actions(ag: ActionGraph, cache: SpawnCache, probe: bool = False) -> t
                 (cutoff.peek(a, cache, probe=True) if probe else cutoff.reuse(a, cache)) is not None:
             cached.add(a.fingerprint)  # early cutoff: its inputs' outputs are those of an earlier result
     need: set[str] = set()
-    succ = ag.graph._succ  # (the adjacency dicts: no view object per action)
+    succ = ag.graph.succ
     for a in reversed(order):
         if a.fingerprint in cached:
             continue
