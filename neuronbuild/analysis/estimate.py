@@ -106,13 +106,13 @@ def wall_time_of(graph: nx.DiGraph, fps: Sequence[str], seconds: Sequence[float]
     import heapq
 
     finish: dict[str, float] = {}  # (fps is topologically ordered: a dependency to run is in here before its user)
-    pred = graph.pred
+    pred = graph.predecessors
     get = finish.get
     if jobs <= 1:  # (one worker: each action starts when the previous one ends, or its inputs are ready)
         free = 0.0
         for fp, s in zip(fps, seconds, strict=True):
             ready = free
-            for d in pred[fp]:
+            for d in pred(fp):
                 f = get(d)
                 if f is not None and f > ready:
                     ready = f
@@ -122,7 +122,7 @@ def wall_time_of(graph: nx.DiGraph, fps: Sequence[str], seconds: Sequence[float]
         free0 = free1 = 0.0
         for fp, s in zip(fps, seconds, strict=True):
             ready = 0.0
-            for d in pred[fp]:
+            for d in pred(fp):
                 f = get(d)
                 if f is not None and f > ready:
                     ready = f
@@ -135,7 +135,7 @@ def wall_time_of(graph: nx.DiGraph, fps: Sequence[str], seconds: Sequence[float]
     replace = heapq.heapreplace
     for fp, s in zip(fps, seconds, strict=True):
         ready = 0.0
-        for d in pred[fp]:
+        for d in pred(fp):
             f = get(d)
             if f is not None and f > ready:
                 ready = f

@@ -61,9 +61,10 @@ class ActionGraph:
         import heapq
 
         g = self.graph
-        pred, succ, actions = g.pred, g.succ, self.actions
-        ready = [n for n in g if not pred[n]]
-        waiting = {n: len(pred[n]) for n in g if len(pred[n]) > 1}  # (one-input actions are ready once it is)
+        succ, actions = g.successors, self.actions
+        degree = dict(g.in_degree())
+        ready = [n for n, k in degree.items() if not k]
+        waiting = {n: k for n, k in degree.items() if k > 1}  # (one-input actions are ready once it is)
         heapq.heapify(ready)
         pop, push = heapq.heappop, heapq.heappush
         fps: list[str] = []
@@ -71,7 +72,7 @@ class ActionGraph:
         while ready:
             n = pop(ready)
             take(n)
-            for s in succ[n]:
+            for s in succ(n):
                 k = waiting.get(s)
                 if k is None:
                     push(ready, s)
@@ -80,7 +81,7 @@ class ActionGraph:
                 else:
                     del waiting[s]
                     push(ready, s)
-        if len(fps) != len(g):
+        if len(fps) != len(degree):
             raise nx.NetworkXUnfeasible("the action graph has a cycle")
         return tuple(map(actions.__getitem__, fps)), fps
 
@@ -94,13 +95,11 @@ class ActionGraph:
     def closure(self, fp: str) -> set[str]:
         """The action and every action it depends on (nx.ancestors' set and `fp`, over the adjacency dict: a build
         asks this of each of its 1,000s of compiles, where networkx's dispatch costs more than the walk)."""
-        pred = self.graph.pred
-        if fp not in pred:
-            raise nx.NetworkXError(f"The node {fp} is not in the digraph.")
+        pred = self.graph.predecessors  # (raises NetworkXError for a node not in the graph)
         out = {fp}
         stack = [fp]
         while stack:
-            for d in pred[stack.pop()]:
+            for d in pred(stack.pop()):
                 if d not in out:
                     out.add(d)
                     stack.append(d)
