@@ -203,7 +203,7 @@ class Server:
     def info(self) -> dict[str, Any]:
         workers = self.warm.worker_pids()
         return {"pid": os.getpid(), "uptime_s": round(time.time() - self.started, 1), "commands": self.commands,
-                "busy": self.busy.is_set(), "rss_kib": _rss_kib(), "workers": self.warm.worker_count(), "worker_pids": workers,
+                "busy": self.busy.is_set(), "rss_kib": _rss_kib(), "workers": len(workers), "worker_pids": workers,
                 "workers_rss_kib": sum(_rss_kib(p) for p in workers), "max_idle_secs": self.max_idle,
                 "output_base": str(self.output_base), "socket": str(self.socket_path),
                 "log": str(self.output_base / "server.log"), "stamp": self.stamp,

@@ -98,13 +98,6 @@ class WarmState:
         """The kept pool's processes: its workers and its zygote."""
         return self._pool.pids() if self._pool is not None else []
 
-    def worker_count(self) -> int:
-        """The kept pool's workers (its zygote, a warm process too, is not one of them)."""
-        if self._pool is None:
-            return 0
-        z = self._pool.zygote_pid()
-        return len([p for p in self._pool.pids() if p != z])
-
     # Warm workers (with torch imported: ~1.3 GB after `make example`) are released after this long without a
     # command; the server itself stays until --max-idle-secs. NEURONBUILD_WORKERS_IDLE_SECS overrides it.
     WORKERS_IDLE_S = float(os.environ.get("NEURONBUILD_WORKERS_IDLE_SECS") or 300)
