@@ -196,6 +196,8 @@ def start_server(paths: ServerPaths, opts: StartupOptions, stamp: str, workspace
         with contextlib.suppress(OSError):
             if os.stat(paths.log).st_size > 16 << 20:
                 os.unlink(paths.log)  # keep the log bounded
+        print(f"neuronbuild: starting the build server (log {paths.log}; `neuronbuild shutdown` stops it, --batch "
+              "runs without it)", file=sys.stderr, flush=True)
         config = json.dumps({"output_base": paths.output_base, "socket": paths.socket, "stamp": stamp,
                              "opts": opts.to_json(), "workspace": workspace})
         pkg_parent = os.path.dirname(os.path.dirname(os.path.dirname(os.path.realpath(__file__))))
@@ -277,8 +279,10 @@ def run(paths: ServerPaths, opts: StartupOptions, argv: list[str], workspace: st
             env["COLUMNS"] = str(os.get_terminal_size(sys.stderr.fileno()).columns)
         except OSError:
             pass
+    umask = os.umask(0o022)  # (read it: the server writes the command's outputs with the client's umask)
+    os.umask(umask)
     req = {"type": "command", "argv": argv, "cwd": os.getcwd(), "env": env, "tty": tty, "stamp": stamp,
-           "pid": os.getpid()}
+           "pid": os.getpid(), "umask": umask}
     for _attempt in range(3):
         sock = connect(paths)
         if sock is None:

@@ -244,6 +244,8 @@ class Server:
                 except queue.Empty:
                     if self.warm.pending:
                         self.warm.collect()  # idle: nobody waits for the collection
+                    if time.monotonic() - idle_since >= self.warm.WORKERS_IDLE_S and self.warm.release_workers():
+                        print(f"idle for {self.warm.WORKERS_IDLE_S:.0f} s: warm workers released", flush=True)
                     continue
                 except KeyboardInterrupt:  # a late cancel that arrived after its command ended
                     continue
@@ -285,6 +287,7 @@ class Server:
         with conn:
             if msg.get("type") == "shutdown":
                 self.stopping = True
+                print(f"shutdown requested by a client (pid {msg.get('pid', '?')}): exiting", flush=True)
                 with contextlib.suppress(OSError):
                     protocol.send(conn, {"t": "exit", "code": EXIT_OK, "pid": os.getpid()})
                 return
@@ -329,6 +332,8 @@ class Server:
             os.environ.clear()
             os.environ.update({str(k): str(v) for k, v in (msg.get("env") or {}).items()})
             os.chdir(str(msg.get("cwd") or "/"))
+            umask = msg.get("umask")
+            os.umask(umask & 0o777 if isinstance(umask, int) else 0o022)  # outputs: as the client's would be
             sys.stdout, sys.stderr = out, err
             self.cancel_armed.set()
             watcher.start()
@@ -350,6 +355,7 @@ class Server:
             outbox.close()  # everything the command wrote is sent before its exit code
             os.environ.clear()
             os.environ.update(saved_env)
+            os.umask(0o077)  # (the server's own files: private)
             with contextlib.suppress(OSError):
                 os.chdir(self.output_base)
         print(f"{time.strftime('%H:%M:%S')} {' '.join(argv)[:200]} -> {code} in {time.perf_counter() - t0:.2f} s "
