@@ -183,6 +183,24 @@ def toolchain_scratch() -> Path:
     return Path(xdg) / "neuronbuild" / "toolchain-tmp"
 
 
+def header_dir() -> Path:
+    """Where inductor's precompiled headers live: beside the toolchain scratch dir, not in it (in workers
+    <cache>/v1/toolchain-headers). Only toolchain warm-ups (run in the worker itself) write there; actions, whose
+    TMPDIR is the scratch dir, may only read it (execution/worker.py: read-only in the Landlock policy), so no model
+    can change a header that a later compile of any workspace includes."""
+    scratch = toolchain_scratch()
+    return scratch.parent / "toolchain-headers" if scratch.name == "toolchain-tmp" else scratch / "neuronbuild-headers"
+
+
+def _use_header_dir() -> None:
+    """Point inductor's precompiled headers at header_dir() (its lock files stay in the writable scratch dir: a
+    compile that finds its header takes the lock too)."""
+    import torch._inductor.codecache as cc
+
+    cc._HEADER_DIR = str(header_dir())
+    cc._HEADER_LOCK_DIR = str(toolchain_scratch() / "neuronbuild-header-locks")
+
+
 def inductor_cache_dir(isa: str) -> Path:
     """Inductor's working dir for compiles for `isa` in this process (see the note at the top)."""
     return toolchain_scratch() / "neuronbuild-inductor" / f"torch-{torch.__version__}-{isa}-{INDUCTOR_FLAGS_VERSION}"
@@ -202,6 +220,7 @@ def compile_jobs() -> int:
 def _compile_environment(isa: str, target: IsaTarget) -> Iterator[Path]:
     """The pinned vector ISA, inductor's working dir for the ISA and path-free objects, for one compile."""
     cache_dir = inductor_cache_dir(isa)
+    _use_header_dir()
     with _pinned_vec_isa(target), _fixed_cache_dir(cache_dir), _path_free_objects(cache_dir, compile_jobs()):
         yield cache_dir
 
