@@ -186,12 +186,14 @@ def _run_build(ctx: BuildContext, req: BuildRequest, listeners: Sequence[Listene
                 ctx.report(line)
         if outputs:
             result = dataclasses.replace(result, outputs_dir=str(root / OUTPUT_DIR), outputs=tuple(outputs))
+        cache.stats.summary = (len(result.executed), len(result.cached))  # for `cache stats`, as summarised
         if result.ok:
             record_roots(cache.root, root, built_roots(ag), graph.packages, (str(t) for t in graph.targets))
     finally:
         cache.finish()
         auto_gc(cache, set(ag.actions))
     if noop_key is not None:
+        where = result.summary().rpartition("\n")[2] if result.outputs_dir else ""  # "Outputs in ..."
         incremental.record_noop(noop_key, root, ctx.workspace.cwd_package, req.patterns, ctx.cache.dir, graph, ag,
-                                cache, result.ok, started)
+                                cache, result.ok, started, where)
     return result

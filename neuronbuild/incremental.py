@@ -169,8 +169,9 @@ def stamp_inputs(root: Path, cwd_package: str, patterns: Sequence[str], graph: A
 
 
 def record_noop(key: str, root: Path, cwd_package: str, patterns: Sequence[str], cache_dir: Path, graph: Any,
-                ag: Any, cache: Any, ok: bool, started_ns: int) -> bool:
-    """After a build: write its no-op stamp if it succeeded, else drop any old one. Returns whether one was written."""
+                ag: Any, cache: Any, ok: bool, started_ns: int, where: str = "") -> bool:
+    """After a build: write its no-op stamp if it succeeded, else drop any old one. Returns whether one was written.
+    `where`: the summary's line saying where the outputs are, repeated by every no-op the stamp answers."""
     if not ok:
         noop.invalidate(cache_dir, key)  # (ignores OSError)
         return False
@@ -196,7 +197,7 @@ def record_noop(key: str, root: Path, cwd_package: str, patterns: Sequence[str],
             outputs.extend(f"{out}/{bucket.name}/{n}" for n in res.outputs)
     inputs, dirs = stamp_inputs(root, cwd_package, patterns, graph)
     try:
-        return noop.write(cache_dir, key, started_ns, inputs, dirs, outputs, len(ag.actions), cached)
+        return noop.write(cache_dir, key, started_ns, inputs, dirs, outputs, len(ag.actions), cached, where)
     except OSError:
         return False  # a read-only cache (a mounted release cache): the stamp is only a speed-up
 

@@ -6,7 +6,7 @@ A line is `SECTION FLAGS...` (shell quoting; `#` starts a comment). SECTION is a
 command's own lines; for each section the home rc ($HOME/.neuronbuildrc) comes before the workspace rc
 (<workspace root>/.neuronbuildrc). `common` and inherited `build` flags a command does not take are skipped; a flag a
 line's own command does not take, a missing or bad value, or an unknown section is a one-line `rc:line: error:`.
-`deploy` and `verify` take no rc flags: their `--cache-dir` is a serving directory, not the build cache."""
+`deploy` and `verify` take no rc flags: deploy's `--dest` (alias `--cache-dir`) is a serving directory, not the build cache."""
 
 from __future__ import annotations
 

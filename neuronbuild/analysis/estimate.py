@@ -57,6 +57,8 @@ class Estimator:
         self._fallback: dict[tuple[str, str, Any], Estimate] = {}  # (kind, platform, the spec's toolchain)
 
     def estimate(self, action: Action) -> Estimate:
+        if action.spec.get("skipped"):  # its real work is left out (a Neuron compile without neuronx-cc): ~nothing
+            return Estimate(0.0, f"skipped ({action.spec['skipped']})")
         own = self.history.result(action.fingerprint)
         if own is not None:
             return Estimate(own.duration_s, "this fingerprint's recorded run")

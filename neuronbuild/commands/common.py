@@ -10,9 +10,8 @@ if TYPE_CHECKING:
     from neuronbuild.context import BuildContext
 
 
-def add_context_args(p: argparse.ArgumentParser, *, what_if: bool = False) -> None:
-    """Flags that decide which fingerprints a command computes and which cache tiers it reads: the same for every
-    command, so `plan`, `explain`, `validate`, `cache gc` ... see exactly what `build` sees."""
+def add_cache_args(p: argparse.ArgumentParser) -> None:
+    """Flags naming the cache tiers a command reads (the `cache` sub-commands take only these)."""
     p.add_argument("--cache-dir", help="cache directory (default: $NEURONBUILD_CACHE_DIR or ~/.cache/neuronbuild)")
     p.add_argument("--remote-cache", default=os.environ.get("NEURONBUILD_REMOTE_CACHE") or None,
                    metavar="PATH|s3://bucket/prefix",
@@ -22,6 +21,12 @@ def add_context_args(p: argparse.ArgumentParser, *, what_if: bool = False) -> No
                    help="read from the shared tier but never upload to it")
     p.add_argument("--s3-endpoint-url", default=None,
                    help="S3-compatible endpoint for s3:// tiers (default: $NEURONBUILD_S3_ENDPOINT_URL or AWS's)")
+
+
+def add_context_args(p: argparse.ArgumentParser, *, what_if: bool = False) -> None:
+    """Flags that decide which fingerprints a command computes and which cache tiers it reads: the same for every
+    command that plans, so `plan`, `explain`, `validate` ... see exactly what `build` sees."""
+    add_cache_args(p)
     p.add_argument("--action-env", action="append", metavar="NAME[=VALUE]",
                    help="pass this variable to actions (value from your environment, or VALUE); name and value "
                         "enter fingerprints. Repeatable")

@@ -157,12 +157,16 @@ def run_action(kind: str, spec: dict[str, Any], inputs: str, outputs: str, log_p
         return {"ok": True, "metadata": meta, "duration_s": time.perf_counter() - start, "pid": os.getpid(),
                 "peak_rss_mb": peak_rss_mb()}
     except Exception as e:  # noqa: BLE001 - every failure is reported as the action's failure
-        from neuronbuild.toolchains.errors import ToolchainError
+        from neuronbuild.toolchains.errors import ToolchainError, source_frame, workspace_paths
 
         with open(log_path, "a", encoding="utf-8") as log:
             traceback.print_exc(file=log)
-        text = str(e)
+        text = workspace_paths(str(e), inputs)  # paths as the user knows them: vision/cnn.py, not the sandbox's
         msg = text if isinstance(e, ToolchainError) else f"{type(e).__name__}: {text}"
+        at = "" if isinstance(e, ToolchainError) else source_frame(e, inputs)
+        if at:
+            first, nl, rest = msg.partition("\n")
+            msg = f"{first} (at {at}){nl}{rest}"
         denied = None
         if policy is not None:
             violation = first_violation()

@@ -43,6 +43,23 @@ def _did_you_mean(word: str, candidates: Sequence[str]) -> str:
     return f"; did you mean {' or '.join(near)}?" if near else ""
 
 
+def _target_hint(name: str, cwd_package: str, get_package: Callable[[str], Package | None]) -> str:
+    """For `pkg/word` that is no package but names (or nearly names) targets of `pkg`: `; did you mean :word?` (a
+    bare word is a package to patterns, as in Bazel: `build cnn_cpu` in vision/ means //vision/cnn_cpu)."""
+    parent, _, word = name.rpartition("/")
+    try:
+        pkg = get_package(parent) if word else None
+    except UserInputError:
+        return ""  # (a broken parent BUILD file: the pattern's own error is the one to report)
+    if pkg is None:
+        return ""
+    names = [t.label.name for t in pkg.targets]
+    near = [word] if word in names else difflib.get_close_matches(word, names, n=3, cutoff=0.6)
+    if not near:
+        return ""
+    return f"; did you mean {' or '.join((':' if parent == cwd_package else f'//{parent}:') + n for n in near)}?"
+
+
 @dataclass(frozen=True)
 class TargetGraph:
     """The loaded targets: every target reachable from the requested ones, and the requested labels in order."""
@@ -81,7 +98,7 @@ def load_targets(root: Path, patterns: Sequence[str], cwd_package: str = "",
             parsed.append(parse_pattern(p, cwd_package))
         except LabelError as e:
             raise UserInputError(f"bad target pattern '{p}': {e}") from None
-    graph, warnings = run_on_starlark_thread(_load, root, parsed, load_cache, warn is not None)
+    graph, warnings = run_on_starlark_thread(_load, root, parsed, load_cache, warn is not None, cwd_package)
     if warn is not None:
         for w in warnings:
             warn(w)
@@ -103,8 +120,8 @@ def _selection_warnings(pat: TargetPattern, matched: list[Target], selected: lis
             if t.kind == "neuron_compile" and not t.attrs.get("buckets")]
 
 
-def _load(root: Path, patterns: list[TargetPattern],
-          load_cache: LoadCache | None = None, check: bool = True) -> tuple[TargetGraph, list[str]]:
+def _load(root: Path, patterns: list[TargetPattern], load_cache: LoadCache | None = None, check: bool = True,
+          cwd_package: str = "") -> tuple[TargetGraph, list[str]]:
     loader = Loader(root)
     packages: dict[str, Package] = {}
 
@@ -138,7 +155,8 @@ def _load(root: Path, patterns: list[TargetPattern],
             pkg = get_package(name)
             if pkg is None:
                 raise UserInputError(f"no such package '{name}': no BUILD file in {name or 'the workspace root'}"
-                                     + _did_you_mean(f"//{name}", [f"//{n}" for n in loader.find_packages("")]))
+                                     + (_target_hint(name, cwd_package, get_package) or _did_you_mean(
+                                         f"//{name}", [f"//{n}" for n in loader.find_packages("")])))
             if pat.name is None:
                 matched.extend(pkg.targets)
                 selected.extend(t for t in pkg.targets if "manual" not in t.tags)

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from neuronbuild import vocabulary
-from neuronbuild.toolchains.errors import ToolchainError
+from neuronbuild.toolchains.errors import ToolchainError, source_frame
 
 _ENTRY_RE = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*):([A-Za-z_][A-Za-z0-9_]*)$")
 
@@ -117,7 +117,14 @@ def build_eager_model(model: dict[str, Any], sandbox: Path) -> torch.nn.Module:
     with _isolated_import_path(*dirs):
         factory = load_factory(model, sandbox)
         torch.manual_seed(int(model.get("seed", 0) or 0))
-        module = factory(dict(model.get("config") or {}))
+        config = dict(model.get("config") or {})
+        try:
+            module = factory(config)
+        except KeyError as e:
+            missing = _missing_config_key(e, model, config, sandbox)
+            if missing is None:
+                raise
+            raise missing from e
     if not isinstance(module, torch.nn.Module):
         raise ToolchainError(f"factory {model.get('entry')} returned {type(module).__name__}, not a torch.nn.Module")
     module.eval()
@@ -125,6 +132,20 @@ def build_eager_model(model: dict[str, Any], sandbox: Path) -> torch.nn.Module:
     if files is not None:
         _load_weights(module, files[0], files[1], str(model.get("weights_prefix") or ""))
     return module
+
+
+def _missing_config_key(e: KeyError, model: Mapping[str, Any], config: Mapping[str, Any],
+                        sandbox: Path) -> ToolchainError | None:
+    """A KeyError naming a key the model's `config` lacks, raised while its factory ran: the key, where the factory
+    read it and what the BUILD file's config does set (None for any other KeyError)."""
+    key = e.args[0] if len(e.args) == 1 else None
+    if not isinstance(key, str) or key in config:
+        return None
+    at = source_frame(e, sandbox)
+    sets = ", ".join(sorted(map(str, config))) or "nothing"
+    return ToolchainError(f"config key {key!r} is read by the factory {model.get('entry')}"
+                          f"{f' at {at}' if at else ''} but not set in the neuron_model's `config` in BUILD (it "
+                          f"sets: {sets})")
 
 
 def _weight_files(model: Mapping[str, Any], sandbox: Path) -> tuple[list[Path], str] | None:
@@ -173,8 +194,15 @@ def build_shape_model(model: dict[str, Any], sandbox: Path) -> tuple[torch.nn.Mo
     with _isolated_import_path(*dirs):
         factory = load_factory(model, sandbox)
         torch.manual_seed(int(model.get("seed", 0) or 0))
+        config = dict(model.get("config") or {})
         with _parameters_without_values():
-            module = factory(dict(model.get("config") or {}))
+            try:
+                module = factory(config)
+            except KeyError as e:
+                missing = _missing_config_key(e, model, config, sandbox)
+                if missing is None:
+                    raise
+                raise missing from e
     if not isinstance(module, torch.nn.Module):
         raise ToolchainError(f"factory {model.get('entry')} returned {type(module).__name__}, not a torch.nn.Module")
     module.eval()

@@ -4,14 +4,20 @@ from __future__ import annotations
 
 import io
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from neuronbuild.toolchains.errors import ToolchainError
-from neuronbuild.toolchains.model_import import build_shape_model, example_inputs, state_values, tied_aliases
+from neuronbuild.toolchains.errors import ToolchainError, source_frame, workspace_paths
+from neuronbuild.toolchains.model_import import (
+    build_shape_model,
+    example_inputs,
+    input_pairs,
+    state_values,
+    tied_aliases,
+)
 from neuronbuild.toolchains.outputs import FlatForward, declared_follows, describe, inferred_follows
 
 # Node metadata that holds source paths, line numbers or process-dependent values ("from_node" provenance records
@@ -109,6 +115,20 @@ def _shapes_only(ep: torch.export.ExportedProgram, args: tuple[torch.Tensor, ...
     ep.example_inputs = (tuple(args), {})
 
 
+def trace_failure(exc: BaseException, inputs: Any, args: Sequence[Any], sandbox: Path) -> str:
+    """One line: torch's message (first line), where in the model's sources, and each declared input spec with the
+    shape it was traced at (`x: float32[batch, 16] traced as [4, 16]`)."""
+    text = str(exc).strip()
+    first = workspace_paths(text.splitlines()[0], sandbox) if text else "(no message)"
+    at = source_frame(exc, sandbox)
+    traced = "; ".join(
+        f"{name}: {spec.get('dtype')}[{', '.join(map(str, spec.get('dims', ())))}] traced as "
+        f"[{', '.join(map(str, getattr(t, 'shape', ())))}]"
+        for (name, spec), t in zip(input_pairs(inputs), args, strict=False))
+    return (f"tracing failed: {type(exc).__name__}: {first}{f' (at {at})' if at else ''}; the declared inputs "
+            f"(check them against forward()): {traced}")
+
+
 def run_trace(spec: dict[str, Any], sandbox: Path, out_dir: Path) -> dict[str, Any]:
     """Export spec["model"] at spec["bucket"] (zeros example inputs) from shapes only (build_shape_model) to
     out_dir/program.pt2, and write every tensor the program holds to out_dir/constants.safetensors one at a time
@@ -127,10 +147,11 @@ def run_trace(spec: dict[str, Any], sandbox: Path, out_dir: Path) -> dict[str, A
     with torch.no_grad():
         try:
             ep = torch.export.export(module, tuple(mode.from_tensor(a) for a in args), strict=False)
-        except (TypeError, ValueError) as exc:
-            # Typically the input spec does not match forward()'s signature.
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise ToolchainError(f"export failed, check the inputs against forward(): {first}") from None
+        except (OSError, ToolchainError):
+            raise  # (an undeclared file read, a confined write: the worker explains those)
+        except Exception as exc:  # noqa: BLE001 - torch's message, with what was traced beside it
+            # Typically the input spec does not match forward()'s signature or the layers' shapes.
+            raise ToolchainError(trace_failure(exc, inputs, args, sandbox)) from exc
     relative_stack_traces(ep, sandbox)
     nodes = len(ep.graph.nodes)
     state = {name: (t.dtype, tuple(t.shape)) for name, t in ep.state_dict.items()}
