@@ -158,7 +158,9 @@ def check(cache_dir: Path, key: str) -> str | None:
     total, cached = data["total"], data["cached"]
     if not total:
         return None  # nothing to build: the normal path says why (its warnings), and is fast anyway
-    return f"{total} actions: 0 executed, {cached} cached ({time.perf_counter() - start:.1f} s)"
+    where = data.get("where")  # the summary's last line, as the build that wrote the stamp printed it
+    return f"{total} actions: 0 executed, {cached} cached ({time.perf_counter() - start:.1f} s)" + \
+        (f"\n{where}" if where else "")
 
 
 def dir_signature(path: str) -> str:
@@ -185,7 +187,7 @@ def workspace_dirs(root: Path) -> list[str]:
 
 
 def write(cache_dir: Path, key: str, started_ns: int, inputs: Iterable[str], dirs: Iterable[str],
-          outputs: Iterable[str], total: int, cached: int) -> bool:
+          outputs: Iterable[str], total: int, cached: int, where: str = "") -> bool:
     """Write the stamp after a successful build that started at `started_ns` (time.time_ns()).
 
     Returns False (and removes any old stamp) when an input is missing or changed too recently to be trusted."""
@@ -210,7 +212,7 @@ def write(cache_dir: Path, key: str, started_ns: int, inputs: Iterable[str], dir
             os.unlink(target)
         return False
     blob = marshal.dumps({"format": FORMAT, "key": key, "env": environment(), "tools": tools, "paths": paths,
-                          "keys": keys, "dirs": dir_list, "dirsigs": sigs, "total": total, "cached": cached})
+                          "keys": keys, "dirs": dir_list, "dirsigs": sigs, "total": total, "cached": cached, "where": where})
     atomic_write_bytes(target, blob, target.parent, durable=False)  # a speed-up only: no fsync
     return True
 

@@ -32,3 +32,16 @@ def test_build_example_loads_and_plans(tmp_path: Path) -> None:
     assert kinds == set(RULES)
     ag = plan(graph)
     assert {str(c.label) for c in ag.compiles} == {"//pkg:llama_trn2", "//pkg:llama_cpu"}
+
+
+def test_build_example_says_at_its_top_every_file_it_needs() -> None:
+    """Copied alone, BUILD.example cannot build: its opening comment names every file and .bzl it refers to, and
+    points to `neuronbuild init` for a workspace that builds as it is."""
+    text = (REPO / "BUILD.example").read_text()
+    top = "\n".join(ln for ln in text.split("\n\n", 1)[0].splitlines() if ln.startswith("#"))
+    assert "neuronbuild init" in top
+    referenced = set(re.findall(r'(?:srcs|weights|data) = \[?"([\w./-]+\.(?:py|safetensors|json))"', text))
+    referenced |= set(re.findall(r'^load\("(//[\w/]+:[\w.]+)"', text, re.M))
+    assert {"llama.py", "hf.py", "layers.py", "//tools:defs.bzl", "llama/config.json"} <= referenced
+    for name in referenced:
+        assert name in top, name

@@ -38,7 +38,7 @@ def _start(ws: Path, cache: Path, *extra: str) -> subprocess.Popen[str]:
 
 
 def _executed(stderr: str) -> list[str]:
-    return re.findall(r"^\[\d+/\d+\] (.+?) \(\d", stderr, re.M)
+    return re.findall(r"^\[\d+/\d+\] (.+?)(?: \(\d|: skipped \()", stderr, re.M)  # (no neuronx-cc: skipped)
 
 
 def _verify_clean(cache: Path, *extra: str) -> None:

@@ -41,7 +41,7 @@ AWS_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "
 
 
 def executed(stderr: str) -> list[str]:
-    return re.findall(r"^\[\d+/\d+\] (.+?) \(\d", stderr, re.M)
+    return re.findall(r"^\[\d+/\d+\] (.+?)(?: \(\d|: skipped \()", stderr, re.M)  # (no neuronx-cc: skipped)
 
 
 def warnings(stderr: str) -> list[str]:
@@ -134,11 +134,11 @@ def test_empty_local_cache_is_filled_from_the_shared_directory(populated: tuple[
                                                  "lower //pkg:m [batch=2, seq=4]"}  # copied down
     outputs_match_cache(ws, tmp_path / "fresh")
     stats = run_cli(["cache", "stats", "--cache-dir", str(tmp_path / "fresh")], ws)
-    assert re.search(r"^\s+\S+ \S+\s+6 \(0\+6\)\s+0\s+0\s+0\s+0", stats.stdout, re.M), stats.stdout
+    assert re.search(r"^\s+\S+ \S+\s+0\s+6\s+\|\s+6 \(0\+6\)\s+0\s+0\s+0\s+0", stats.stdout, re.M), stats.stdout
     # A second build is served locally.
     proc = build(ws, tmp_path / "fresh", "--remote-cache", str(shared))
     stats = run_cli(["cache", "stats", "--cache-dir", str(tmp_path / "fresh")], ws)
-    assert re.search(r"^\s+\S+ \S+\s+6 \(6\+0\)", stats.stdout, re.M), stats.stdout
+    assert re.search(r"^\s+\S+ \S+\s+0\s+6\s+\|\s+6 \(6\+0\)", stats.stdout, re.M), stats.stdout
 
 
 def test_corrupt_local_blobs_are_not_served_and_are_rebuilt(populated: tuple[Path, Path], ws: Path,

@@ -51,7 +51,7 @@ def test_commands_and_nested_commands(script: tuple[Path, Path]) -> None:
     assert complete(script, "neuronbuild c") == ["cache", "clean", "completion"]
     assert complete(script, "neuronbuild -C examples pl") == ["plan"]
     assert complete(script, "neuronbuild cache ") == ["verify", "gc", "stats", "pin", "unpin"]
-    assert complete(script, "neuronbuild completion ") == ["bash", "zsh"]
+    assert complete(script, "neuronbuild completion ") == ["bash", "zsh", "fish"]
 
 
 def test_flags_and_their_values(script: tuple[Path, Path]) -> None:
@@ -100,5 +100,42 @@ def test_zsh_script_is_generated_from_the_same_definition() -> None:
     assert proc.returncode == 0 and proc.stdout.startswith("#compdef neuronbuild\n")
     for line in ("'build:build targets (default //...)'", "_nb_flags[build]=", "_nb_subs[cache]="):
         assert line in proc.stdout, line
-    bad = run_cli(["completion", "fish"], REPO)
+    bad = run_cli(["completion", "tcsh"], REPO)
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1
+
+
+def _fish_lines(text: str, key: str) -> list[str]:
+    return [ln for ln in text.splitlines() if ln.startswith(f"complete -c neuronbuild -n '__nb_key_is {key}' ")]
+
+
+def test_fish_script_is_generated_from_the_same_definition() -> None:
+    """Without fish: the generated `complete` lines, per command, are those of the CLI definition."""
+    proc = run_cli(["completion", "fish"], REPO)
+    assert proc.returncode == 0 and proc.stdout.startswith("# fish completion for neuronbuild")
+    gc = " ".join(_fish_lines(proc.stdout, "cache:gc"))
+    assert "-l max-size -r" in gc and "-l cache-dir -r -F" in gc and "neuronx-cc" not in gc
+    assert "-l executor -r -f -a 'local dask dask-local'" in " ".join(_fish_lines(proc.stdout, "build"))
+    top = _fish_lines(proc.stdout, "-")
+    assert any("-a 'init' -d " in ln for ln in top) and any("-a 'build' -d 'build targets" in ln for ln in top)
+
+
+@pytest.mark.skipif(shutil.which("fish") is None, reason="fish is not installed here")
+def test_fish_completes_commands_flags_and_labels(script: tuple[Path, Path], tmp_path: Path) -> None:
+    path = tmp_path / "nb.fish"
+    path.write_text(run_cli(["completion", "fish"], REPO).stdout)
+    env = {**os.environ, "PATH": f"{script[1]}:{os.environ['PATH']}", "PYTHONPATH": str(REPO)}
+
+    def fish(line: str) -> list[str]:
+        proc = subprocess.run(["fish", "--no-config", "-c", f"source {path}; complete -C {line!r}"], cwd=EXAMPLES,
+                              env=env, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+        return [w.split("\t")[0] for w in proc.stdout.splitlines()]
+
+    assert {"build", "cache", "init", "help", "version"} <= set(fish("neuronbuild "))
+    assert fish("neuronbuild cache ") == ["gc", "pin", "stats", "unpin", "verify"]
+    gc = fish("neuronbuild cache gc --")
+    assert "--max-size" in gc and "--neuronx-cc" not in gc
+    assert fish("neuronbuild -C x bu") == ["build"]
+    assert fish("neuronbuild build --executor ") == ["dask", "dask-local", "local"]
+    assert fish("neuronbuild build //models:llama_t") == ["//models:llama_tiny", "//models:llama_tiny_cpu",
+                                                          "//models:llama_trn2"]

@@ -57,3 +57,27 @@ def test_unpads_only_recorded_dims_never_by_equal_sizes() -> None:
     assert isinstance(single, torch.Tensor) and single.shape == (2, 64, 3)
     with pytest.raises(NoBucketFits, match="records no output dims to un-pad"):
         r.unpad(torch.randn(4, 64, 3), route)
+
+
+def test_a_batch_larger_than_every_bucket_is_cut_into_bucket_sized_chunks() -> None:
+    r = BucketRouter(INPUTS, BUCKETS)
+    shapes = [(10, 50), (10, 50)]
+    with pytest.raises(NoBucketFits, match="no bucket fits batch=10"):
+        r.route(shapes)
+    assert r.split_dim(shapes) == 4  # the largest batch among buckets with seq >= 50
+    assert r.split_dim([(10, 600), (10, 600)]) is None  # seq fits no bucket: splitting batch cannot help
+    assert r.split_dim([(3, 50), (3, 50)]) is None  # fits as it is
+    assert r.split_dim(shapes, "seq") is None  # seq 50 fits: it is batch that is too large
+    ids = torch.arange(500).reshape(10, 50)
+    chunks = r.split([ids, ids > 3], 4)
+    assert [c[0].shape[0] for c in chunks] == [4, 4, 2] and [r.route([c[0].shape, c[1].shape]).bucket_name
+                                                            for c in chunks] == ["b4_s64"] * 3
+    assert torch.equal(torch.cat([c[0] for c in chunks]), ids)
+    outs = [{"name": "logits", "follows": ["batch", "seq", None]}, {"name": "kv", "follows": [None, "batch"]}]
+    parts = [{"logits": torch.full((len(c[0]), 50, 2), float(i)), "kv": torch.full((2, len(c[0])), float(i))}
+             for i, c in enumerate(chunks)]
+    joined = r.join(parts, outs)
+    assert joined["logits"].shape == (10, 50, 2) and joined["kv"].shape == (2, 10)
+    assert joined["kv"][0].tolist() == [0.0] * 4 + [1.0] * 4 + [2.0] * 2
+    with pytest.raises(NoBucketFits, match="'pooled' does not follow 'batch'"):
+        r.join([{"pooled": torch.zeros(3)}] * 2, [{"name": "pooled", "follows": [None]}])

@@ -50,7 +50,7 @@ print(json.dumps({"hit": c.hit, "miss": c.miss, "error": c.error, "save": c.save
 def deployed(built_example, tmp_path_factory: pytest.TempPathFactory) -> Path:  # type: ignore[no-untyped-def]
     ws, _ = built_example
     dest = tmp_path_factory.mktemp("serve") / "cache"
-    proc = run_cli(["deploy", str(ws / BUNDLE), "--cache-dir", str(dest)], ws)
+    proc = run_cli(["deploy", str(ws / BUNDLE), "--dest", str(dest)], ws)  # (other tests use its alias --cache-dir)
     assert proc.returncode == 0, proc.stderr
     return dest
 
@@ -197,3 +197,22 @@ def test_runtime_imports_without_build_dependencies_or_torch() -> None:
             "assert not heavy, heavy\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_a_batch_larger_than_the_largest_bucket_runs_in_bucket_sized_chunks(built_example, deployed: Path) -> None:  # type: ignore[no-untyped-def]
+    import torch
+
+    from neuronbuild.runtime import NoBucketFits, open_cache
+
+    cache = open_cache(deployed, strict=True, require=["//models:llama_cpu"])
+    model = cache.model("//models:llama_cpu").family("context")  # buckets: batch 1 and 4, seq 32
+    x = torch.randint(0, 512, (6, 32), generator=torch.Generator().manual_seed(7))
+    mask = torch.ones_like(x)
+    out = model(x, mask)  # the default: chunks of 4 and 2 (padded to 4), outputs concatenated along batch
+    with torch.no_grad():
+        ref = _eager(built_example[0])(x, mask)
+    for name in ("logits", "kv"):
+        assert out[name].shape == ref[name].shape, name
+        assert float((out[name] - ref[name]).abs().max()) < 1e-4, name
+    with pytest.raises(NoBucketFits, match="no bucket fits batch=6, seq=32"):
+        model(x, mask, split=False)

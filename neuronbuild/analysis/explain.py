@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from neuronbuild.analysis.actions import TRACE, Action
+from neuronbuild.analysis.actions import COMPILE, TRACE, Action
 from neuronbuild.analysis.planner import ActionGraph
+from neuronbuild.analysis.providers import CompileTarget
 from neuronbuild.history import History, LatestEntry
 
 NEW = "new"  # no previous result for this identity
@@ -60,6 +61,12 @@ class Explanation:
         if self.compared_bucket:
             return f"no previous result for this bucket; compared with [{self.compared_bucket}], no longer built"
         return f"changed against the most recent result ({(self.previous or '')[:12]})"
+
+    @property
+    def may_cut_off(self) -> bool:
+        """Whether early cutoff can skip it: only an action with an earlier result of its own identity (a changed
+        one) may find that result again when its inputs re-run to identical outputs."""
+        return self.reason == CHANGED and not self.compared_bucket
 
     def lines(self) -> list[str]:
         out = [f"{self.action.describe()}  ({self.action.fingerprint[:12]})"]
@@ -189,6 +196,36 @@ def explain_action(ag: ActionGraph, action: Action, history: History, current: s
 
 
 def explain(ag: ActionGraph, todo: Sequence[Action], history: History) -> list[Explanation]:
-    """An explanation for every action in `todo` (the actions a build would execute), in the same order."""
+    """An explanation for every action in `todo` (the actions a build would execute), in display_order."""
     current = {a.identity for a in ag.actions.values()}
-    return [explain_action(ag, a, history, current) for a in todo]
+    return [explain_action(ag, a, history, current) for a in display_order(ag, todo)]
+
+
+# Within one bucket of a target: the trace, then the lowering (Neuron), then the compile (what reads what).
+KIND_ORDER = {TRACE: 0, "lower": 1, COMPILE: 2}
+
+
+def _kind_rank(a: Action) -> tuple[int, str]:
+    return KIND_ORDER.get(a.kind, 1), a.fingerprint
+
+
+def target_actions(ag: ActionGraph, ct: CompileTarget) -> list[str]:
+    """A compile target's actions as people read them: by graph family, then bucket, then trace -> lower -> compile."""
+    out: dict[str, None] = {}
+    for _bucket, fp in sorted(ct.buckets, key=lambda b: (b[0].graph, b[0].dims)):
+        for a in sorted((ag.actions[x] for x in ag.closure(fp)), key=_kind_rank):
+            out.setdefault(a.fingerprint, None)
+    return list(out)
+
+
+def display_order(ag: ActionGraph, actions: Iterable[Action]) -> list[Action]:
+    """`actions` by target (label order), graph, bucket, then trace -> lower -> compile; an action several targets
+    share (a trace) comes under the first of them. Actions of no compile target keep their order, at the end."""
+    wanted = {a.fingerprint: a for a in actions}
+    pos: dict[str, int] = {}
+    for ct in sorted(ag.compiles, key=lambda c: str(c.label)):
+        for fp in target_actions(ag, ct):
+            if fp in wanted:
+                pos.setdefault(fp, len(pos))
+    rest = len(pos)
+    return sorted(wanted.values(), key=lambda a: pos.get(a.fingerprint, rest))

@@ -8,6 +8,7 @@ from typing import Any
 
 from neuronbuild.analysis.actions import Action
 from neuronbuild.analysis.estimate import Estimate, Estimator, wall_time
+from neuronbuild.analysis.explain import target_actions
 from neuronbuild.analysis.planner import ActionGraph
 from neuronbuild.history import History
 
@@ -99,12 +100,8 @@ def upgrade_impact(base: ActionGraph, new: ActionGraph, overrides: Mapping[str, 
             if k in overrides and v not in current.setdefault(k, []):
                 current[k].append(v)
     targets = []
-    for ct in base.compiles:
-        fps: list[str] = []
-        for _bucket, cfp in ct.buckets:
-            for fp in sorted(base.closure(cfp)):
-                if fp not in fps:
-                    fps.append(fp)
+    for ct in sorted(base.compiles, key=lambda c: str(c.label)):
+        fps = target_actions(base, ct)  # by graph, bucket, then trace -> lower -> compile
         targets.append(TargetImpact(str(ct.label), ct.platform, len(fps),
                                     tuple(inval[fp] for fp in fps if fp in inval)))
     changed = tuple(inval.values())

@@ -27,6 +27,9 @@ class BuildStats:
     uploads: int = 0
     errors: int = 0
     shared: str = ""
+    # What the build's summary counted (`N executed, M cached`; -1: not recorded, by builds before this field)
+    executed: int = -1
+    cached: int = -1
 
     @property
     def hits(self) -> int:
@@ -43,6 +46,7 @@ class StatsCounter:
         self.saved: set[str] = set()
         self.uploaded: set[str] = set()
         self.errors = 0
+        self.summary: tuple[int, int] = (-1, -1)  # (executed, cached) as the build's summary says, once it ends
 
     def hit(self, fp: str, tier: str) -> None:
         if fp not in self.saved:
@@ -60,7 +64,7 @@ class StatsCounter:
         misses = (self.missed | self.saved) - set(served)
         return BuildStats(self.started, time.time(), sum(1 for t in served.values() if t == "local"),
                           sum(1 for t in served.values() if t == "shared"), len(misses), len(self.saved),
-                          len(self.uploaded), self.errors, shared)
+                          len(self.uploaded), self.errors, shared, *self.summary)
 
     @property
     def empty(self) -> bool:

@@ -61,9 +61,32 @@ def _record_noop_stats(cache_dir: Path, line: str, started: float) -> None:
 
     m = re.search(r"(\d+) cached", line)
     try:
-        persist(cache_dir / LAYOUT, BuildStats(started, time.time(), hits_local=int(m.group(1)) if m else 0))
+        n = int(m.group(1)) if m else 0
+        persist(cache_dir / LAYOUT, BuildStats(started, time.time(), hits_local=n, executed=0, cached=n))
     except OSError:
         pass  # statistics never fail a build
+
+
+def failure_lines(failures: Any, describe: Any) -> list[str]:
+    """The end-of-build account of failures, once per distinct error of an action kind and label: a mistake hit at
+    every bucket is one entry naming the buckets (its message and log those of the first)."""
+    from neuronbuild.execution.progress import error_key
+
+    groups: dict[tuple[str, str, str, str], list[Any]] = {}
+    for f in failures:
+        a = f.action
+        groups.setdefault((a.kind, str(a.label), a.platform, error_key(f.error)), []).append(f)
+    lines: list[str] = []
+    for same in groups.values():
+        same.sort(key=lambda f: (f.action.bucket.graph, f.action.bucket.dims))
+        lines += describe(same[0])
+        if len(same) > 1:
+            a = same[0].action
+            buckets = ", ".join(f"[{x.action.bucket}]" for x in same)
+            lines[-len(describe(same[0]))] = f"  FAILED {a.describe().replace(f'[{a.bucket}]', buckets, 1)} " \
+                                            f"({len(same)} buckets, the same error)"
+            lines[-1] += f" (and {len(same) - 1} more log(s), one per bucket)"
+    return lines
 
 
 def _check_settings_flags(args: argparse.Namespace) -> None:
@@ -127,11 +150,16 @@ def run(args: argparse.Namespace) -> int:
     key = noop.request_key(ws.root, ws.cwd_package, patterns, cache_dir, noop_flags)
     wants_events = args.profile or args.build_event_json_file
     started = time.time()
-    line = None if wants_events else noop.check(cache_dir, key)  # nothing changed: say so, import nothing
+    # Nothing changed: say so, import nothing. --verbose lists every cached action, which only the normal path knows:
+    # it takes that path, so every verbose no-op prints the same lines.
+    line = None if wants_events or args.verbose else noop.check(cache_dir, key)
     if line is not None:
         _record_noop_stats(cache_dir, line, started)
+        from neuronbuild.report.invocation import note_line, record_noop
+
+        note = note_line(record_noop(args, ws.root, cache_dir, patterns, key, line))
         if not args.quiet:
-            print(line, flush=True)
+            print(line + (f"\n{note}" if note else ""), flush=True)
         return EXIT_OK
 
     from neuronbuild.build import BuildRequest, default_jobs, run_build
@@ -148,14 +176,23 @@ def run(args: argparse.Namespace) -> int:
         event_file=Path(args.build_event_json_file).resolve() if args.build_event_json_file else None,
         action_timeout=args.action_timeout,
     )
+    from neuronbuild.report.invocation import Invocation, note_line
+
+    inv = Invocation.from_args("build", args, ws.root, cache_dir, patterns)
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)  # `kill` ends a build like Ctrl-C does
     try:
-        result = run_build(ctx, req, noop_key=key)
+        result = run_build(ctx, req, noop_key=key, invocation=inv)
+    except KeyboardInterrupt:
+        note = note_line(inv.page)
+        if note:
+            print(note, file=sys.stderr, flush=True)
+        raise
     finally:
         signal.signal(signal.SIGTERM, previous)
     if not args.quiet or result.failures:
-        print(result.summary(), flush=True)
+        note = note_line(inv.page)
+        print(result.summary() + (f"\n{note}" if note else ""), flush=True)
     if result.failures:
-        print("\n".join(line for f in result.failures for line in describe_failure(f)), file=sys.stderr)
+        print("\n".join(failure_lines(result.failures, describe_failure)), file=sys.stderr)
         return EXIT_BUILD_FAILED
     return EXIT_OK

@@ -6,8 +6,13 @@ import argparse
 import sys
 from typing import Any
 
-from neuronbuild.commands.common import add_context_args
+from neuronbuild.commands.common import add_cache_args
 from neuronbuild.errors import EXIT_BAD_INPUT, EXIT_BUILD_FAILED, EXIT_OK
+
+# `cache gc` with neither --max-size nor --max-age: the cache's configured automatic limits ($NEURONBUILD_CACHE_MAX_*,
+# <cache>/config.json), else these (docs/cache.md); a `.neuronbuildrc` line `cache --max-size 50G` replaces them.
+DEFAULT_MAX_SIZE = "20G"
+DEFAULT_MAX_AGE = "30d"
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -16,7 +21,10 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     v = cs.add_parser("verify", help="re-hash every blob and check every entry")
     v.add_argument("--repair", action="store_true", help="remove corrupt blobs and broken entries")
     g = cs.add_parser("gc", help="evict least recently used entries not referenced by the workspace or pins")
-    g.add_argument("--max-size", help="size cap, e.g. 20G")
+    g.add_argument("--max-size", help=f"size cap, e.g. 20G (default policy, when neither limit is given: "
+                                      f"--max-size {DEFAULT_MAX_SIZE} --max-age {DEFAULT_MAX_AGE}, or the automatic "
+                                      f"limits configured for the cache; set yours with a `cache --max-size ...` "
+                                      f".neuronbuildrc line)")
     g.add_argument("--max-age", help="evict entries unused for longer than this, e.g. 30d")
     g.add_argument("--no-workspace", action="store_true",
                    help="do not protect what the last successful builds of workspaces referenced (pins still are)")
@@ -29,7 +37,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     u = cs.add_parser("unpin", help="remove a pin")
     u.add_argument("name")
     for q in (v, g, s, p, u):
-        add_context_args(q)
+        add_cache_args(q)
 
 
 def _err(msg: str) -> int:
@@ -101,7 +109,14 @@ def _gc(ctx: Any, args: argparse.Namespace) -> int:
     except ValueError as e:
         return _err(str(e))
     if max_size is None and max_age is None:
-        return _err("give --max-size and/or --max-age")
+        from neuronbuild.cache.gc import configured_limits
+
+        max_size, max_age = configured_limits(cache) if cache.root.is_dir() else (None, None)
+        where = "the cache's configured limits"
+        if max_size is None and max_age is None:
+            max_size, max_age = parse_size(DEFAULT_MAX_SIZE), parse_age(DEFAULT_MAX_AGE)
+            where = f"the default policy --max-size {DEFAULT_MAX_SIZE} --max-age {DEFAULT_MAX_AGE}"
+        print(f"gc: no --max-size or --max-age given: using {where} (docs/cache.md)")
     if not cache.root.is_dir():
         print("gc: the cache is empty")
         return EXIT_OK
@@ -155,17 +170,23 @@ def _stats(ctx: Any, args: argparse.Namespace) -> int:
         print(f"pins: {e}")
     builds = recent(cache.root, max(0, args.builds))
     if builds:
-        print("recent builds (oldest first):  hits (local+shared)  misses  saves  uploads  errors")
+        # executed/cached: as each build's summary counted its actions (a result reused by early cutoff is cached);
+        # then what the cache saw: lookups served (hits) or not (misses, each fingerprint once), entries saved
+        print("recent builds (oldest first):  executed  cached  | cache: hits (local+shared)  misses  saves  uploads  "
+              "errors")
         import time
 
         for b in builds:
             when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(b.started))
-            print(f"  {when}  {b.hits:5d} ({b.hits_local}+{b.hits_shared})  {b.misses:6d}  {b.saves:5d}  "
-                  f"{b.uploads:7d}  {b.errors:6d}" + (f"  [{b.shared}]" if b.shared else ""))
-        tot_h = sum(b.hits for b in builds)
-        tot = tot_h + sum(b.misses for b in builds)
+            ex, ca = (f"{b.executed:8d}", f"{b.cached:6d}") if b.executed >= 0 else (f"{'?':>8}", f"{'?':>6}")
+            print(f"  {when}  {ex}  {ca}  |        {b.hits:5d} ({b.hits_local}+{b.hits_shared})  {b.misses:6d}  "
+                  f"{b.saves:5d}  {b.uploads:7d}  {b.errors:6d}" + (f"  [{b.shared}]" if b.shared else ""))
+        known = [b for b in builds if b.executed >= 0]
+        tot_c = sum(b.cached for b in known)
+        tot = tot_c + sum(b.executed for b in known)
         if tot:
-            print(f"hit rate over these builds: {100.0 * tot_h / tot:.0f}% ({tot_h}/{tot})")
+            print(f"cached over these builds: {100.0 * tot_c / tot:.0f}% of actions ({tot_c} cached, "
+                  f"{tot - tot_c} executed)")
     return EXIT_OK
 
 

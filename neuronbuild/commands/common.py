@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import argparse
 import os
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from neuronbuild.context import BuildContext
 
 
-def add_context_args(p: argparse.ArgumentParser, *, what_if: bool = False) -> None:
-    """Flags that decide which fingerprints a command computes and which cache tiers it reads: the same for every
-    command, so `plan`, `explain`, `validate`, `cache gc` ... see exactly what `build` sees."""
+def add_cache_args(p: argparse.ArgumentParser) -> None:
+    """Flags naming the cache tiers a command reads (the `cache` sub-commands take only these)."""
     p.add_argument("--cache-dir", help="cache directory (default: $NEURONBUILD_CACHE_DIR or ~/.cache/neuronbuild)")
     p.add_argument("--remote-cache", default=os.environ.get("NEURONBUILD_REMOTE_CACHE") or None,
                    metavar="PATH|s3://bucket/prefix",
@@ -22,6 +21,12 @@ def add_context_args(p: argparse.ArgumentParser, *, what_if: bool = False) -> No
                    help="read from the shared tier but never upload to it")
     p.add_argument("--s3-endpoint-url", default=None,
                    help="S3-compatible endpoint for s3:// tiers (default: $NEURONBUILD_S3_ENDPOINT_URL or AWS's)")
+
+
+def add_context_args(p: argparse.ArgumentParser, *, what_if: bool = False) -> None:
+    """Flags that decide which fingerprints a command computes and which cache tiers it reads: the same for every
+    command that plans, so `plan`, `explain`, `validate` ... see exactly what `build` sees."""
+    add_cache_args(p)
     p.add_argument("--action-env", action="append", metavar="NAME[=VALUE]",
                    help="pass this variable to actions (value from your environment, or VALUE); name and value "
                         "enter fingerprints. Repeatable")
@@ -80,13 +85,12 @@ def run_plan(args: argparse.Namespace) -> int:
     for note in settings_notes(ctx.settings, ag, toolchains=()):  # a plan makes no graphs: no toolchain notes
         print(note, file=sys.stderr)
     from neuronbuild import incremental
+    from neuronbuild.execution.scheduler import needed_actions
 
     cache = ctx.open_cache()
-    peeking = incremental.peeking(cache)
     with incremental.analysis_gc():  # (100,000s of long-lived sets, estimates and lines: no collections meanwhile)
-        todo, cached = incremental.needed_actions(ag, peeking)  # (scheduler.needed_actions; patched in the server)
-        report = plan_report(ag, todo, cached, ctx.history(cache), args.jobs or default_jobs(),
-                             incremental.estimate_memo(peeking))
+        todo, cached = needed_actions(ag, cache, probe=True)
+        report = plan_report(ag, todo, cached, ctx.history(cache), args.jobs or default_jobs())
         if getattr(args, "output", "text") == "json":
             print(json.dumps(report.to_json(), indent=1, sort_keys=True))
         else:  # (the matrix first: the build server sends it while the schedule for the summary is computed)
@@ -94,4 +98,17 @@ def run_plan(args: argparse.Namespace) -> int:
             if matrix:
                 sys.stdout.write("\n".join(matrix) + "\n")
             print(report.summary_line())
+    _record_plan(args, ctx, ag, cache, todo, cached)
     return EXIT_OK
+
+
+def _record_plan(args: argparse.Namespace, ctx: BuildContext, ag: Any, cache: Any, todo: Any, cached: Any) -> None:
+    """A plan is an invocation too (neuronbuild/report/): recorded, its page rendered by `neuronbuild report`."""
+    from neuronbuild.context import patterns_or_default
+    from neuronbuild.report.invocation import Invocation
+    from neuronbuild.report.states import CACHED, TO_BUILD
+
+    inv = Invocation.from_args("plan", args, ctx.workspace.root, ctx.cache.dir, patterns_or_default(args.patterns))
+    inv.ag, inv.cache = ag, cache
+    planned = {**{a.fingerprint: TO_BUILD for a in todo}, **{fp: CACHED for fp in cached}}
+    inv.finish("ok", planned=planned, render=False)

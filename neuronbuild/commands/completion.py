@@ -1,4 +1,4 @@
-"""`neuronbuild completion bash|zsh`: print a shell completion script generated from the CLI definition."""
+"""`neuronbuild completion bash|zsh|fish`: print a shell completion script generated from the CLI definition."""
 
 from __future__ import annotations
 
@@ -9,8 +9,9 @@ from neuronbuild.errors import EXIT_BAD_INPUT, EXIT_OK
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    p = sub.add_parser("completion", help="print a bash or zsh completion script: source <(neuronbuild completion bash)")
-    p.add_argument("shell", nargs="?", choices=("bash", "zsh"), help="the shell to complete for")
+    p = sub.add_parser("completion", help="print a bash, zsh or fish completion script: source <(neuronbuild "
+                                          "completion bash)")
+    p.add_argument("shell", nargs="?", choices=("bash", "zsh", "fish"), help="the shell to complete for")
     p.add_argument("--labels", metavar="PREFIX", help=argparse.SUPPRESS)  # used by the scripts: label candidates
 
 
@@ -23,8 +24,9 @@ def run(args: argparse.Namespace) -> int:
             print(cand)
         return EXIT_OK
     if args.shell is None:
-        print("neuronbuild: error: give a shell: neuronbuild completion bash|zsh", file=sys.stderr)
+        print("neuronbuild: error: give a shell: neuronbuild completion bash|zsh|fish", file=sys.stderr)
         return EXIT_BAD_INPUT
     parser, _ = make_parser()
-    print(completion.bash_script(parser) if args.shell == "bash" else completion.zsh_script(parser), end="")
+    script = {"bash": completion.bash_script, "zsh": completion.zsh_script, "fish": completion.fish_script}
+    print(script[args.shell](parser), end="")
     return EXIT_OK

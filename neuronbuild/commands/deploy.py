@@ -1,4 +1,4 @@
-"""`neuronbuild deploy BUNDLE --cache-dir DIR`: check every digest of a bundle and install it atomically."""
+"""`neuronbuild deploy BUNDLE --dest DIR`: check every digest of a bundle and install it atomically."""
 
 from __future__ import annotations
 
@@ -13,7 +13,9 @@ from neuronbuild.errors import EXIT_BAD_INPUT, EXIT_OK
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     d = sub.add_parser("deploy", help="install a release bundle into a serving directory (atomic, digest-checked)")
     d.add_argument("bundle", help="a bundle archive (neuronbuild-out/<pkg>/<name>.tar.zst)")
-    d.add_argument("--cache-dir", required=True, help="the serving directory production opens with open_cache()")
+    d.add_argument("--dest", "--cache-dir", dest="dest", required=True, metavar="DIR",
+                   help="the serving directory production opens with open_cache() (not a build cache; "
+                        "--cache-dir is an older name of this flag)")
     d.add_argument("--sha256", help="refuse the bundle unless the archive has this sha256 (from <bundle>.sha256)")
     d.add_argument("--trusted-keys", metavar="FILE",
                    help="refuse the bundle unless its manifest is signed by one of these Ed25519 public keys "
@@ -37,7 +39,7 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_BAD_INPUT
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)  # `kill` cleans up like Ctrl-C does
     try:
-        res = deploy(Path(args.bundle), Path(args.cache_dir), args.sha256, keys)
+        res = deploy(Path(args.bundle), Path(args.dest), args.sha256, keys)
     except BundleError as e:
         print(f"neuronbuild: error: {e} (nothing was installed)", file=sys.stderr)
         return EXIT_BAD_INPUT

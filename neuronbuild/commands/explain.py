@@ -18,7 +18,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 
 
 def run(args: argparse.Namespace) -> int:
-    from neuronbuild.analysis.explain import explain
+    from neuronbuild.analysis.explain import display_order, explain
     from neuronbuild.commands.common import context_from_args
     from neuronbuild.execution.cutoff import reason
     from neuronbuild.execution.scheduler import needed_actions
@@ -29,7 +29,12 @@ def run(args: argparse.Namespace) -> int:
     todo, cached = needed_actions(ag, cache, probe=True)
     found = explain(ag, todo, ctx.history(cache))
     reused = _cutoffs(ag, cache, cached)
-    waits = {a.fingerprint for a in todo if any(d.action in {t.fingerprint for t in todo} for d in a.dep_inputs)}
+    order = {a.fingerprint: i for i, a in enumerate(display_order(ag, [a for a, _prev in reused]))}
+    reused.sort(key=lambda r: order[r[0].fingerprint])
+    # Early cutoff may skip an action whose inputs re-run, when it has an earlier result to find again
+    running = {t.fingerprint for t in todo}
+    waits = {e.action.fingerprint for e in found if e.may_cut_off and any(d.action in running
+                                                                          for d in e.action.dep_inputs)}
     if args.output == "json":
         print(json.dumps({"total": len(ag.actions), "cached": len(cached),
                           "execute": [e.to_json() | {"early_cutoff": e.action.fingerprint in waits} for e in found],

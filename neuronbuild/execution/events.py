@@ -48,6 +48,8 @@ def action_fields(a: Action) -> dict[str, Any]:
     if a.platform:
         d["platform"] = a.platform
         d["target"] = a.target
+    if a.spec.get("skipped"):  # the step's real work is left out (e.g. a Neuron compile without neuronx-cc)
+        d["skipped"] = a.spec["skipped"]
     return d
 
 

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import re
 import sys
 import time
+from collections.abc import Mapping
 from typing import IO, Any
 
 from neuronbuild.execution import events as ev
@@ -29,6 +31,7 @@ class _Tally:
         # when a running action ends (a thread freed), not from when it was sent
         self.queued: dict[str, tuple[str, float, str]] = {}
         self.finished: set[str] = set()
+        self.errors: dict[tuple[str, str, str], str] = {}  # (kind, label, error_key) -> the first failure's description
 
     def update(self, e: BuildEvent) -> None:
         f = e.fields
@@ -56,6 +59,7 @@ class _Tally:
             if not f.get("will_retry"):
                 self.finished.add(f["fingerprint"])
                 self.failed += 1
+                self.errors.setdefault(_failure_key(f), f["description"])
         elif e.kind == ev.ACTION_SKIPPED:
             self._ended(f["fingerprint"], e.time)
             self.finished.add(f["fingerprint"])
@@ -84,6 +88,22 @@ class _Tally:
                 left += est
         return left / self.jobs
 
+    def fraction(self, now: float) -> float:
+        """How much of the work to execute is done, by estimated seconds (by count when nothing is estimated)."""
+        total = sum(self.estimate.values())
+        if total <= 0:
+            return self.done / self.to_execute if self.to_execute else 1.0
+        return min(1.0, max(0.0, 1.0 - self.eta_s(now) * self.jobs / total))
+
+
+BAR_WIDTH = 24
+
+
+def progress_bar(fraction: float, width: int = BAR_WIDTH) -> str:
+    """A text bar: `━━━━━━━━━───────────────` for 1/3 (full cells, then the rest)."""
+    full = int(round(max(0.0, min(1.0, fraction)) * width))
+    return "━" * full + "─" * (width - full)
+
 
 OVERRUN_FACTOR = 0.25  # an action past its estimate is assumed to need a quarter of its elapsed time more
 
@@ -106,6 +126,9 @@ def event_line(e: BuildEvent, t: _Tally, level: int) -> str | None:
     if k == ev.ACTION_FAILED:
         if f.get("will_retry"):
             return f"RETRY: {f['description']}: {_first(f['error'])} (attempt {f['attempt'] + 1})"
+        first = t.errors.get(_failure_key(f))
+        if first is not None and first != f["description"]:  # one message per distinct error, not per bucket
+            return f"FAILED: {f['description']}: the same error as {first} (log: {f['log']})"
         return f"FAILED: {f['description']}: {_first(f['error'])} (log: {f['log']})"
     if level < NORMAL:
         return None
@@ -114,6 +137,8 @@ def event_line(e: BuildEvent, t: _Tally, level: int) -> str | None:
                 f"with {f['jobs']} {f['executor']} worker{'s' if f['jobs'] != 1 else ''}")
     if k == ev.ACTION_FINISHED:
         extra = f", {f['worker']}, peak {f['peak_rss_mb']:.0f} MB" if level >= VERBOSE else ""
+        if f.get("skipped"):
+            return f"[{t.done}/{t.to_execute}] {f['description']}: skipped ({f['skipped']}{extra})"
         return f"[{t.done}/{t.to_execute}] {f['description']} ({f['duration_s']:.1f} s{extra})"
     if k == ev.ACTION_CACHED and f.get("cutoff"):
         return f"[{t.done}/{t.to_execute}] {f['description']} ({f['cutoff']}: result reused)"
@@ -138,6 +163,19 @@ def event_line(e: BuildEvent, t: _Tally, level: int) -> str | None:
         return (f"WARM-UP: {f['description']} on {f['worker']} ({f['duration_s']:.1f} s, "
                 + (f"{what})" if f["ok"] else f"failed: {_first(f['error'])})"))
     return None
+
+
+def error_key(error: str) -> str:
+    """An error's message with its numbers left out: the same mistake hit at several buckets (whose sizes the
+    message may quote) has one key."""
+    return _NUMBERS.sub("#", error.strip())
+
+
+_NUMBERS = re.compile(r"\d+")
+
+
+def _failure_key(f: Mapping[str, Any]) -> tuple[str, str, str]:
+    return str(f.get("kind", "")), str(f.get("label", "")), error_key(str(f.get("error", "")))
 
 
 def _first(error: str) -> str:
@@ -188,7 +226,10 @@ class RichProgress:
             head.append(f" (+{t.reused} from a concurrent build)")
         if t.failed:
             head.append(f", failed {t.failed}", style="bold red")
-        head.append(f"  ETA {_fmt_s(t.eta_s(now))}")
+        frac = t.fraction(now)
+        head.append("  ")
+        head.append(progress_bar(frac), style="green")
+        head.append(f" {100 * frac:3.0f}%  ETA {_fmt_s(t.eta_s(now))}")
         grid.add_row(head, "", "")
         for desc, start, worker in sorted(t.running.values(), key=lambda r: r[1]):
             grid.add_row(Text("  " + desc), Text(f"{now - start:5.1f} s", style="cyan"), Text(worker, style="dim"))

@@ -11,7 +11,7 @@ from neuronbuild.analysis.planner import AnalysisContext
 from neuronbuild.analysis.providers import ModelInfo
 from neuronbuild.analysis.toolchain_versions import distributions_of
 from neuronbuild.digests import digest_bytes, digest_file
-from neuronbuild.errors import UserInputError
+from neuronbuild.errors import Location, UserInputError
 from neuronbuild.kinds import py_library
 from neuronbuild.kinds.base import RuleKind
 from neuronbuild.loading.labels import Label
@@ -279,9 +279,12 @@ def _imports_of(root: Any, path: str, digest: str) -> tuple[str, ...]:
         return known
     try:
         data = (root / path).read_bytes()
-        tree = ast.parse(data)
-    except (SyntaxError, ValueError, OSError):
+    except OSError:
         return ()  # the trace reports it
+    try:
+        tree = ast.parse(data)
+    except (SyntaxError, ValueError) as e:
+        raise source_error(path, e) from None
     found: dict[str, None] = {}
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
@@ -294,6 +297,16 @@ def _imports_of(root: Any, path: str, digest: str) -> tuple[str, ...]:
         _IMPORTS.clear()
     _IMPORTS[digest_bytes(data)] = names  # keyed by what was parsed (the file may have changed since `digest`)
     return names
+
+
+def source_error(path: str, e: SyntaxError | ValueError) -> UserInputError:
+    """A model source that does not parse, as one located error at analysis (before anything runs): `path:line:col`
+    with the workspace-relative path, as `python` would say it (SyntaxError's offset is 1-based)."""
+    if isinstance(e, SyntaxError):
+        line, col = e.lineno or 1, max(1, e.offset or 1)
+        what = "indentation error" if isinstance(e, IndentationError) else "syntax error"
+        return UserInputError(f"{what} in a model source: {e.msg}", Location(path, line, col))
+    return UserInputError(f"a model source that Python cannot read: {e}", Location(path))
 
 
 def _imported_modules(root: Any, sources: list[tuple[str, str]]) -> list[str]:

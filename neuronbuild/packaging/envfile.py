@@ -43,5 +43,5 @@ def render_env(manifest: Mapping[str, Any]) -> bytes:
     if platforms:
         lines += ["# Neuron platform this release targets (set only where the host cannot report it):",
                   "# " + _quoted("NEURON_PLATFORM_TARGET_OVERRIDE", platforms[0])]
-    lines += ["# Where `neuronbuild deploy --cache-dir` installed it:", "# NEURONBUILD_DEPLOY_DIR='/srv/neuronbuild'"]
+    lines += ["# Where `neuronbuild deploy --dest` installed it:", "# NEURONBUILD_DEPLOY_DIR='/srv/neuronbuild'"]
     return ("\n".join(lines) + "\n").encode()

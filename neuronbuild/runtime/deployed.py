@@ -163,13 +163,22 @@ class Model:
         """The loaded callable of one bucket (exact shapes, no padding), or None when it is a miss."""
         return self._cache._load(self._slots[bucket_name])
 
-    def __call__(self, *args: Any, pad_value: float = 0) -> Any:
+    def __call__(self, *args: Any, pad_value: float = 0, split: bool | str = True) -> Any:
+        """Run the inputs on the smallest bucket that fits (padded, outputs un-padded). A call whose `batch` is
+        larger than every bucket's runs as bucket-sized chunks whose outputs are concatenated (`split=False`
+        refuses it instead, NoBucketFits; `split="dim"` splits another dim whose rows are independent)."""
         if len(self.families) > 1:
             raise TypeError(f"{self.label} has graph families ({', '.join(self.families)}): call one of them, "
                             f"model.family(name)(...), or use causal_lm() for an hf_causal_lm")
         try:
             route = self.route(*args)
         except NoBucketFits as e:
+            dim = "batch" if split is True else split or ""
+            chunk = self.router.split_dim([tuple(a.shape) for a in args], dim) if dim else None
+            if chunk is not None:  # bucket-sized chunks (the last one padded), outputs concatenated
+                chunks = self.router.split(args, chunk, dim)
+                parts = [self(*c, pad_value=pad_value, split=False) for c in chunks]
+                return self.router.join(parts, self._slots[self.route(*chunks[0]).bucket_name].graph.outputs, dim)
             if self._cache.strict or self._eager is None:
                 raise
             return self._cache._eager_call(self.label, f"no bucket fits ({e})", self._eager, args)
@@ -437,7 +446,7 @@ def open_cache(root: str | Path, strict: bool | None = None, require: Iterable[s
                 log.warning("neuronbuild.runtime: not serving %s: %s", r.dir, e)
         releases = kept
     if not releases and strict and not unsigned:
-        raise RuntimeError(f"strict mode: nothing is deployed in {root} (run `neuronbuild deploy BUNDLE --cache-dir {root}`)")
+        raise RuntimeError(f"strict mode: nothing is deployed in {root} (run `neuronbuild deploy BUNDLE --dest {root}`)")
     cache = DeployedCache(root, strict, releases, current_host(), eager or {}, emulate)
     problems: list[Problem] = []
     for label in required:

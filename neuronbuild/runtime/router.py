@@ -64,6 +64,46 @@ class BucketRouter:
             raise NoBucketFits(f"no bucket fits {want}; compiled buckets: {have}")
         return Route(best[1], dict(self.buckets[best[1]]), actual)
 
+    def split_dim(self, shapes: Sequence[Sequence[int]], dim: str = "batch") -> int | None:
+        """When no bucket fits only because `dim` is larger than every bucket's: the chunk size to run the call in
+        (the largest size of `dim` among the buckets that fit the other dims), else None. Only valid for a dim whose
+        rows are independent (a batch): that is why the dim is named, never guessed."""
+        actual = self.actual_sizes(shapes)
+        if dim not in actual:
+            return None
+        fit = [b[dim] for b in self.buckets.values()
+               if dim in b and all(b.get(d, -1) >= v for d, v in actual.items() if d != dim)]
+        if not fit or max(fit) >= actual[dim]:
+            return None
+        return max(fit)
+
+    def split(self, args: Sequence[Any], chunk: int, dim: str = "batch") -> list[list[Any]]:
+        """The inputs cut into consecutive chunks of `chunk` along `dim` (the last one may be smaller)."""
+        positions = [spec.get("dims", ()).index(dim) if dim in spec.get("dims", ()) else None
+                     for spec in self.inputs.values()]
+        n = next(int(a.shape[p]) for a, p in zip(args, positions, strict=True) if p is not None)
+        return [[a if p is None else a.narrow(p, start, min(chunk, n - start))
+                 for a, p in zip(args, positions, strict=True)] for start in range(0, n, chunk)]
+
+    @staticmethod
+    def join(parts: Sequence[Any], outputs: Sequence[Mapping[str, Any]], dim: str = "batch") -> Any:
+        """The outputs of the chunks of a split call (each a {name: tensor} dict, or one tensor), concatenated
+        along the dim each output is recorded to follow `dim` at; one that follows no such dim: NoBucketFits."""
+        import torch
+
+        follows = {str(o["name"]): list(o.get("follows") or ()) for o in outputs}
+
+        def axis(name: str) -> int:
+            f = follows.get(name, [])
+            if dim not in f:
+                raise NoBucketFits(f"output {name!r} does not follow {dim!r}: the chunks of a split call cannot be "
+                                   f"joined (pass exact sizes, at most the largest bucket's)")
+            return f.index(dim)
+
+        if isinstance(parts[0], torch.Tensor):
+            return torch.cat(list(parts), dim=axis(next(iter(follows), "output")))
+        return {name: torch.cat([p[name] for p in parts], dim=axis(name)) for name in parts[0]}
+
     def pad(self, args: Sequence[Any], route: Route, pad_value: float = 0) -> list[Any]:
         """Inputs padded at the end of each named dim up to the bucket's size."""
         import torch.nn.functional as F

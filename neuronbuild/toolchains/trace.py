@@ -4,14 +4,20 @@ from __future__ import annotations
 
 import io
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from neuronbuild.toolchains.errors import ToolchainError
-from neuronbuild.toolchains.model_import import build_eager_model, example_inputs
+from neuronbuild.toolchains.errors import ToolchainError, source_frame, workspace_paths
+from neuronbuild.toolchains.model_import import (
+    build_shape_model,
+    example_inputs,
+    input_pairs,
+    state_values,
+    tied_aliases,
+)
 from neuronbuild.toolchains.outputs import FlatForward, declared_follows, describe, inferred_follows
 
 # Node metadata that holds source paths, line numbers or process-dependent values ("from_node" provenance records
@@ -65,38 +71,100 @@ def program_bytes(ep: torch.export.ExportedProgram, keep_stack_traces: bool = Fa
     return buf.getvalue()
 
 
+WEIGHTS_FILE = "constants.safetensors"  # the trace's second output: every tensor the program holds, by FQN
+
+
 def load_program(path: Path) -> torch.export.ExportedProgram:
+    """A program.pt2 as the trace wrote it: its parameters and persistent buffers are shapes only (meta tensors in the
+    archive, no bytes), made fake CPU tensors of the graph's own FakeTensorMode here, so lowering and compiling see
+    shapes and dtypes and never allocate a weight. Lifted constants and non-persistent buffers keep their values."""
+    from torch._export.utils import _detect_fake_mode_from_gm
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
     if not path.is_file():
         raise ToolchainError(f"program {path.name} not found")
-    return torch.export.load(str(path))
+    ep = torch.export.load(str(path))
+    mode = _detect_fake_mode_from_gm(ep.graph_module) or FakeTensorMode(allow_non_fake_inputs=True)
+    made: dict[int, torch.Tensor] = {}
+    for name, t in list(ep.state_dict.items()):
+        if t.device.type != "meta":
+            continue
+        fake = made.get(id(t))
+        if fake is None:
+            with mode:
+                fake = torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype)
+            if isinstance(t, torch.nn.Parameter):
+                fake = torch.nn.Parameter(fake, requires_grad=t.requires_grad)
+            made[id(t)] = fake
+        ep.state_dict[name] = fake
+    return ep
+
+
+def _shapes_only(ep: torch.export.ExportedProgram, args: tuple[torch.Tensor, ...]) -> None:
+    """Make `ep` serialisable without weights: state tensors become meta tensors (the archive stores their shape,
+    dtype and stride, no bytes; tied ones stay one tensor), example inputs the real zeros of the bucket."""
+    made: dict[int, torch.Tensor] = {}
+    for name, t in list(ep.state_dict.items()):
+        meta = made.get(id(t))
+        if meta is None:
+            meta = torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype, device="meta")
+            if isinstance(t, torch.nn.Parameter):
+                meta = torch.nn.Parameter(meta, requires_grad=t.requires_grad)
+            made[id(t)] = meta
+        ep.state_dict[name] = meta
+    ep.example_inputs = (tuple(args), {})
+
+
+def trace_failure(exc: BaseException, inputs: Any, args: Sequence[Any], sandbox: Path) -> str:
+    """One line: torch's message (first line), where in the model's sources, and each declared input spec with the
+    shape it was traced at (`x: float32[batch, 16] traced as [4, 16]`)."""
+    text = str(exc).strip()
+    first = workspace_paths(text.splitlines()[0], sandbox) if text else "(no message)"
+    at = source_frame(exc, sandbox)
+    traced = "; ".join(
+        f"{name}: {spec.get('dtype')}[{', '.join(map(str, spec.get('dims', ())))}] traced as "
+        f"[{', '.join(map(str, getattr(t, 'shape', ())))}]"
+        for (name, spec), t in zip(input_pairs(inputs), args, strict=False))
+    return (f"tracing failed: {type(exc).__name__}: {first}{f' (at {at})' if at else ''}; the declared inputs "
+            f"(check them against forward()): {traced}")
 
 
 def run_trace(spec: dict[str, Any], sandbox: Path, out_dir: Path) -> dict[str, Any]:
-    """Export spec["model"] at spec["bucket"] (zeros example inputs) to out_dir/program.pt2; returns metadata, with
-    the flattened outputs (names, shapes, which dims follow which bucket dim)."""
+    """Export spec["model"] at spec["bucket"] (zeros example inputs) from shapes only (build_shape_model) to
+    out_dir/program.pt2, and write every tensor the program holds to out_dir/constants.safetensors one at a time
+    (streamed from the model's weight files); returns metadata, with the flattened outputs (names, shapes, which
+    dims follow which bucket dim)."""
+    from neuronbuild.toolchains.weights import Entry, write_safetensors
+
     sandbox, out_dir = Path(sandbox), Path(out_dir)
     model_spec = spec["model"]
-    module = build_eager_model(model_spec, sandbox)
+    module, mode = build_shape_model(model_spec, sandbox)
+    tied = tied_aliases(module)
     inputs = spec.get("inputs") or []
     bucket = dict(spec.get("bucket") or {})
     args = example_inputs(inputs, bucket)
     flat = FlatForward(module)
     with torch.no_grad():
         try:
-            ep = torch.export.export(module, args, strict=False)
-        except (TypeError, ValueError) as exc:
-            # Typically the input spec does not match forward()'s signature.
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise ToolchainError(f"export failed, check the inputs against forward(): {first}") from None
+            ep = torch.export.export(module, tuple(mode.from_tensor(a) for a in args), strict=False)
+        except (OSError, ToolchainError):
+            raise  # (an undeclared file read, a confined write: the worker explains those)
+        except Exception as exc:  # noqa: BLE001 - torch's message, with what was traced beside it
+            # Typically the input spec does not match forward()'s signature or the layers' shapes.
+            raise ToolchainError(trace_failure(exc, inputs, args, sandbox)) from exc
     relative_stack_traces(ep, sandbox)
+    nodes = len(ep.graph.nodes)
+    state = {name: (t.dtype, tuple(t.shape)) for name, t in ep.state_dict.items()}
+    constants = {k: v for k, v in ep.constants.items() if isinstance(v, torch.Tensor)}
+    _shapes_only(ep, args)
     data = program_bytes(ep, keep_stack_traces=True)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "program.pt2").write_bytes(data)
     n_params = sum(int(p.numel()) for p in module.parameters())
 
     def run(sizes: Mapping[str, int]) -> list[tuple[str, torch.Tensor]]:
-        with torch.no_grad():
-            out = module(*example_inputs(inputs, dict(sizes)))
+        with torch.no_grad(), mode:
+            out = module(*(mode.from_tensor(a) for a in example_inputs(inputs, dict(sizes))))
         tensors = [out] if isinstance(out, torch.Tensor) else list(out)
         return list(zip(flat.names, tensors, strict=True))
 
@@ -109,10 +177,18 @@ def run_trace(spec: dict[str, Any], sandbox: Path, out_dir: Path) -> dict[str, A
         follows = inferred_follows(run, named, bucket)
     single = flat.single
     flat.undo()
+    # Every tensor the program holds (= what the cpu compile's package and the Neuron module's leading parameters
+    # take, plus what inductor folds), by FQN: one file per model for all its graphs, buckets and targets.
+    value = state_values(model_spec, sandbox, {k: dt for k, (dt, _s) in state.items()}, tied)
+    entries = [Entry(k, dt, shape) for k, (dt, shape) in state.items()]
+    entries += [Entry(k, t.dtype, tuple(t.shape)) for k, t in constants.items() if k not in state]
+    size = write_safetensors(out_dir / WEIGHTS_FILE, entries,
+                             lambda e: constants[e.name] if e.name not in state else value(e.name))
     return {
-        "nodes": len(ep.graph.nodes),
+        "nodes": nodes,
         "parameters": n_params,
         "bytes": len(data),
+        "weights_bytes": size,
         "outputs": describe(named, follows),
         "output_tree": "tensor" if single else "tuple",
     }

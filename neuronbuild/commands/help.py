@@ -1,0 +1,46 @@
+"""`neuronbuild help [COMMAND]` and `neuronbuild version`: the help and version as commands (as `-h`/`--version`)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from neuronbuild.errors import EXIT_BAD_INPUT, EXIT_OK
+
+
+def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    h = sub.add_parser("help", help="show the commands, or one command's flags: neuronbuild help cache gc")
+    h.add_argument("topic", nargs="*", metavar="COMMAND", help="a command (and sub-command) to show the flags of")
+    sub.add_parser("version", help="print neuronbuild's version (= neuronbuild --version)")
+
+
+def _subparsers(p: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    for a in p._actions:
+        if isinstance(a, argparse._SubParsersAction):
+            return dict(a.choices)
+    return {}
+
+
+def run(args: argparse.Namespace) -> int:
+    from neuronbuild import __version__
+
+    if args.command == "version":
+        print(f"neuronbuild {__version__}")
+        return EXIT_OK
+    import difflib
+
+    from neuronbuild.cli import make_parser
+
+    parser, _ = make_parser()
+    target = parser
+    for word in args.topic:
+        subs = _subparsers(target)
+        if word not in subs:
+            near = difflib.get_close_matches(word, list(subs), n=1)
+            where = "neuronbuild" if target is parser else target.prog
+            hint = f" (did you mean '{near[0]}'?)" if near else f" (commands: {', '.join(subs)})" if subs else ""
+            print(f"neuronbuild: error: {where} has no command '{word}'{hint}", file=sys.stderr)
+            return EXIT_BAD_INPUT
+        target = subs[word]
+    target.print_help()
+    return EXIT_OK

@@ -1,0 +1,47 @@
+"""`neuronbuild weights convert IN.pt OUT.safetensors`: a torch checkpoint to the safetensors file a model loads."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from neuronbuild.errors import EXIT_BAD_INPUT, EXIT_OK
+
+
+def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    w = sub.add_parser("weights", help="convert model weights: neuronbuild weights convert model.pt model.safetensors")
+    ws = w.add_subparsers(dest="weights_command", required=True, metavar="SUBCOMMAND")
+    c = ws.add_parser("convert", help="a torch state dict (.pt/.pth/.bin) to a .safetensors file for `weights = ...`")
+    c.add_argument("src", metavar="IN", help="a file saved with torch.save(model.state_dict(), ...) (or a checkpoint "
+                                             "dict holding one under 'state_dict' or 'model')")
+    c.add_argument("dest", metavar="OUT", help="the .safetensors file to write (refused if it exists, unless --force)")
+    c.add_argument("--allow-pickle", action="store_true",
+                   help="also accept a whole pickled module (torch.save(model, ...)): unpickling runs code from the "
+                        "file, so only for files you trust")
+    c.add_argument("--prefix", default="",
+                   help="keep only keys starting with this prefix, and strip it (e.g. 'model.')")
+    c.add_argument("--force", action="store_true", help="replace OUT if it exists")
+
+
+def run(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from neuronbuild.toolchains.errors import ToolchainError
+    from neuronbuild.toolchains.weights_convert import convert
+
+    src, dest = Path(args.src), Path(args.dest)
+    if not dest.name.endswith(".safetensors"):
+        return _err(f"{dest}: the output must be a .safetensors file (a neuron_model's `weights` takes those)")
+    if dest.exists() and not args.force:
+        return _err(f"{dest} exists (pass --force to replace it)")
+    try:
+        report = convert(src, dest, allow_pickle=args.allow_pickle, prefix=args.prefix)
+    except ToolchainError as e:
+        return _err(str(e))
+    print(report)
+    return EXIT_OK
+
+
+def _err(msg: str) -> int:
+    print(f"neuronbuild: error: {msg}", file=sys.stderr)
+    return EXIT_BAD_INPUT
