@@ -11,6 +11,17 @@ def _field(config, names, default = None):
         fail("hf_causal_lm: config needs one of %s" % ", ".join(names))
     return default
 
+def _kv_heads(model_type, config, heads):
+    """Key/value heads as each family's transformers attention reads them (MQA/GQA under their own key names)."""
+    if model_type == "falcon":
+        # FalconAttention: num_kv_heads with the new decoder architecture or without multi_query, else one
+        if config.get("new_decoder_architecture", False) or not config.get("multi_query", True):
+            return _field(config, ["num_kv_heads"], heads)
+        return 1
+    if model_type == "gpt_bigcode":
+        return 1 if config.get("multi_query", True) else heads
+    return _field(config, ["num_key_value_heads", "num_kv_heads", "multi_query_group_num"], heads)
+
 def hf_causal_lm(name, config, weights, max_seq = 256, model_type = None, weights_prefix = "", tags = []):
     """A transformers causal LM (llama, mistral, qwen2, gpt2, ...) as served: a `context` graph (prefill: input_ids and
     attention_mask [batch, seq] -> last logits + the KV cache) and a `token` graph (decode: one token per sequence,
@@ -20,7 +31,7 @@ def hf_causal_lm(name, config, weights, max_seq = 256, model_type = None, weight
     layers = _field(config, ["num_hidden_layers", "n_layer"])
     heads = _field(config, ["num_attention_heads", "n_head"])
     hidden = _field(config, ["hidden_size", "n_embd"])
-    kv_heads = _field(config, ["num_key_value_heads"], heads)
+    kv_heads = _kv_heads(mt, config, heads)
     head_dim = _field(config, ["head_dim"], hidden // heads)
     hf = {k: v for k, v in config.items() if k != "model_type"}
     kv = "float32[layers, 2, batch, kv_heads, max_seq, head_dim]"

@@ -1,0 +1,133 @@
+"""The LLM families users serve, built as hf_causal_lm in ONE workspace by one build (cpu, and trn2 whose HLO runs on
+XLA:CPU): `neuronbuild validate --generate` compares every graph with transformers' own model on the same config and
+weights (context and token logits) and the runtime's greedy tokens with transformers' `generate` for batch 1 and a
+padded batch, the prompt plus generation longer than the sliding window where the family has one. A wrapper that
+ignores the window is caught by validate's comparison."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+from helpers import run_cli, write_ws
+
+WINDOW, SEQ, NEW, MAX_SEQ = 4, 8, 8, 16  # prompt (8) + generation (8) > the window (4)
+_BASE = {"vocab_size": 64, "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2,
+         "num_attention_heads": 2, "num_key_value_heads": 1, "max_position_embeddings": 32}
+FAMILIES = {
+    "llama": ("llama", _BASE),
+    "mistral_sw": ("mistral", _BASE | {"sliding_window": WINDOW}),
+    "gemma3_sw": ("gemma3_text", _BASE | {"head_dim": 8, "query_pre_attn_scalar": 8, "sliding_window": WINDOW,
+                                          "layer_types": ["sliding_attention", "full_attention"]}),
+    # soft-capping is monotonic: the capped logits are what validate's tolerance catches, tokens stay the same
+    "gemma2_cap": ("gemma2", _BASE | {"head_dim": 8, "query_pre_attn_scalar": 8, "sliding_window": WINDOW,
+                                      "final_logit_softcapping": 0.05, "attn_logit_softcapping": 0.5}),
+    "phi3": ("phi3", _BASE | {"pad_token_id": 0, "eos_token_id": 1, "bos_token_id": 1}),
+    "qwen2_sw": ("qwen2", _BASE | {"use_sliding_window": True, "sliding_window": WINDOW, "max_window_layers": 1}),
+    "qwen2_moe": ("qwen2_moe", _BASE | {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 8,
+                                        "shared_expert_intermediate_size": 16}),
+    "falcon_mqa": ("falcon", {"vocab_size": 64, "hidden_size": 16, "num_hidden_layers": 2, "num_attention_heads": 2,
+                              "multi_query": True, "parallel_attn": True, "bias": False}),
+    "bloom_alibi": ("bloom", {"vocab_size": 64, "hidden_size": 16, "n_layer": 2, "n_head": 2}),
+}
+
+
+def _write_family_workspace(root: Path) -> Path:
+    import torch
+    from safetensors.torch import save_file
+
+    from neuronbuild.toolchains.hf_causal_lm import hf_model
+
+    lines = ['load("@neuronbuild//rules:llm.bzl", "hf_causal_lm", "llm_buckets", "llm_compile")',
+             'neuron_target(name = "trn2", platform = "trn2")',
+             'neuron_target(name = "cpu", platform = "cpu", isa = "native")',
+             # one context and one token bucket of batch 2: batch 1 runs in it with a dummy row, as the runtime does
+             f'llm_buckets(name = "serve", batch_sizes = [2], context_lengths = [{SEQ}])']
+    root.mkdir(parents=True, exist_ok=True)
+    for name, (model_type, hf) in FAMILIES.items():
+        torch.manual_seed(0)
+        model = hf_model({"model_type": model_type, "hf": hf, "max_seq": MAX_SEQ})
+        save_file({k: v.detach().clone().contiguous() for k, v in model.state_dict().items()},
+                  str(root / f"{name}.safetensors"))
+        lines += [f'hf_causal_lm(name = "{name}", model_type = "{model_type}", config = {json.dumps(hf)}, '
+                  f'weights = "{name}.safetensors", max_seq = {MAX_SEQ})',
+                  f'llm_compile(name = "{name}", model = ":{name}", targets = [":cpu", ":trn2"], '
+                  'buckets = {"context": [":serve_context"], "token": [":serve_token"]})']
+    text = "\n".join(lines).replace("true", "True").replace("false", "False") + "\n"
+    return write_ws(root, {"BUILD": text})
+
+
+@pytest.fixture(scope="session")
+def families_built(tmp_path_factory: pytest.TempPathFactory, cache_dir: Path) -> tuple[Path, float]:
+    """Every family, both targets, in one workspace and one build invocation; returns it and the build's seconds."""
+    ws = _write_family_workspace(tmp_path_factory.mktemp("llm_families") / "ws")
+    start = time.monotonic()
+    proc = run_cli(["build", "//...", "--jobs", "2", "--cache-dir", str(cache_dir)], ws)
+    took = time.monotonic() - start
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    print(f"\nllm families: {len(FAMILIES)} models x 2 targets built in {took:.0f} s", flush=True)
+    return ws, took
+
+
+def test_every_family_validates_and_generates_like_transformers(families_built, cache_dir: Path) -> None:
+    ws, _took = families_built
+    proc = run_cli(["validate", "//...", "--generate", str(NEW), "--cache-dir", str(cache_dir)], ws)
+    out = proc.stdout
+    assert proc.returncode == 0, out + proc.stderr[-3000:]
+    for name in FAMILIES:
+        for target in ("cpu", "trn2"):
+            label = f"//:{name}_{target}"
+            rows = [line for line in out.splitlines() if line.startswith(label + " ")]
+            assert len(rows) == 2 and all(r.endswith(" ok") for r in rows), (label, out)
+            gen = [line for line in out.splitlines() if line.startswith(f"{label}: generate ")]
+            assert [g.split()[2] for g in gen] == ["batch1", "batch2_padded"], (label, out)
+            assert all(f": ok ({NEW} tokens x " in g for g in gen), (label, out)
+
+
+def test_validate_catches_a_wrapper_that_ignores_the_sliding_window(
+        families_built, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The wrapper with every layer treated as full attention (the window dropped) differs from transformers: the
+    context logits beyond the window and the generated tokens are reported as failures."""
+    import torch
+
+    from neuronbuild.toolchains import hf_causal_lm
+    from neuronbuild.toolchains.validate import HfReference, compare_hf, generate_cases
+
+    ws, _took = families_built
+    cfg = {"model_type": "gemma3_text", "hf": FAMILIES["gemma3_sw"][1], "max_seq": MAX_SEQ}
+    spec = {"entry": "neuronbuild.toolchains.hf_causal_lm:context", "config": cfg,
+            "weights": {"gemma3_sw.safetensors": ""}, "srcs": {}, "package": "", "seed": 0,
+            "inputs": [["input_ids", {"dtype": "int64", "dims": ["batch", "seq"]}]]}
+    ref = HfReference(spec, ws)
+    state = ref.model.state_dict()
+    kv = {"dtype": "float32", "dims": [2, 2, "batch", 1, MAX_SEQ, 8]}
+    outs = [["logits", {"dtype": "float32", "dims": ["batch", "vocab"]}], ["kv", kv]]
+    specs = {"context": {"config": cfg, "inputs": [["input_ids", {"dims": ["batch", "seq"]}],
+                                                     ["attention_mask", {"dims": ["batch", "seq"]}]], "outputs": outs},
+             "token": {"config": cfg, "inputs": [["input_ids", {"dims": ["batch", 1]}],
+                                                   ["position_ids", {"dims": ["batch", 1]}],
+                                                   ["cache_mask", {"dims": ["batch", MAX_SEQ]}],
+                                                   ["slot", {"dims": [1]}], ["kv", kv]], "outputs": outs}}
+
+    def graphs() -> dict:  # type: ignore[type-arg]
+        ctx, tok = hf_causal_lm.context(cfg).eval(), hf_causal_lm.token(cfg).eval()
+        ctx.load_state_dict(state)
+        tok.load_state_dict(state)
+        return {"context": {"context_batch2": (specs["context"], {"batch": 2, "seq": SEQ}, ctx)},
+                "token": {"token_batch2": (specs["token"], {"batch": 2}, tok)}}
+
+    def check() -> tuple[float, list[bool]]:
+        g = graphs()
+        with torch.no_grad():
+            ctx_cmp = compare_hf(g["context"]["context_batch2"][2], ref, "context", {"batch": 2, "seq": SEQ},
+                                 ["logits", "kv"], 0)
+        cases = generate_cases("//:gemma3_sw", ref, g, {"kv": "kv"}, NEW, 0)
+        return ctx_cmp.max_abs, [ok for _c, ok, _d in cases]
+
+    faithful_err, faithful_ok = check()
+    assert faithful_err < 1e-5 and faithful_ok == [True, True]
+    monkeypatch.setattr(hf_causal_lm, "layer_types", lambda config: ["full_attention"] * config.num_hidden_layers)
+    windowless_err, windowless_ok = check()
+    assert windowless_err > 1e-3 and not all(windowless_ok), (windowless_err, windowless_ok)
