@@ -22,12 +22,18 @@ def _kv_heads(model_type, config, heads):
         return 1 if config.get("multi_query", True) else heads
     return _field(config, ["num_key_value_heads", "num_kv_heads", "multi_query_group_num"], heads)
 
-def hf_causal_lm(name, config, weights, max_seq = 256, model_type = None, weights_prefix = "", tags = []):
+def hf_causal_lm(name, config, weights, max_seq = 256, model_type = None, weights_prefix = "", weights_drop = [],
+                 tags = []):
     """A transformers causal LM (llama, mistral, qwen2, gpt2, ...) as served: a `context` graph (prefill: input_ids and
     attention_mask [batch, seq] -> last logits + the KV cache) and a `token` graph (decode: one token per sequence,
     its position, the cache mask and slot, the cache -> logits + the cache, aliased), over a static KV cache of
     max_seq slots, sharing one weights file. `config` holds HF config fields (model_type included or given)."""
     mt = model_type or _field(config, ["model_type"])
+    for lt in config.get("layer_types") or []:
+        if lt not in ("full_attention", "sliding_attention"):
+            fail("hf_causal_lm %s: config field layer_types: %r is not supported (full_attention and sliding_attention are)" % (name, lt))
+    if config.get("attention_chunk_size") != None:
+        fail("hf_causal_lm %s: config field attention_chunk_size: chunked attention is not supported" % name)
     layers = _field(config, ["num_hidden_layers", "n_layer"])
     heads = _field(config, ["num_attention_heads", "n_head"])
     hidden = _field(config, ["hidden_size", "n_embd"])
@@ -41,6 +47,7 @@ def hf_causal_lm(name, config, weights, max_seq = 256, model_type = None, weight
         config = {"model_type": mt, "hf": hf, "max_seq": max_seq},
         weights = weights,
         weights_prefix = weights_prefix,
+        weights_drop = weights_drop,
         dims = {"layers": layers, "kv_heads": kv_heads, "max_seq": max_seq, "head_dim": head_dim},
         inputs = {"input_ids": "int64[batch, seq]", "attention_mask": "int64[batch, seq]"},
         outputs = {"logits": "float32[batch, vocab]", "kv": kv},

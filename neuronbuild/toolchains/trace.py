@@ -65,9 +65,30 @@ def program_bytes(ep: torch.export.ExportedProgram, keep_stack_traces: bool = Fa
     return buf.getvalue()
 
 
+def cause_line(exc: BaseException) -> str:
+    """'Type: first line' of the innermost exception `exc` was raised from (or during): the cause a user can act on."""
+    seen = {id(exc)}
+    while (inner := exc.__cause__ or exc.__context__) is not None and id(inner) not in seen:
+        seen.add(id(inner))
+        exc = inner
+    first = (str(exc).strip().splitlines() or [""])[0]
+    first = first if len(first) <= 300 else first[:300] + " ..."
+    return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+
+
 def load_program(path: Path) -> torch.export.ExportedProgram:
     if not path.is_file():
         raise ToolchainError(f"program {path.name} not found")
+    try:  # torch.export.load logs the real error and raises a generic one: read the archive ourselves first
+        from torch.export.pt2_archive._package import load_pt2
+    except ImportError:
+        return torch.export.load(str(path))
+    try:
+        contents = load_pt2(str(path))
+    except Exception as exc:
+        raise ToolchainError(f"cannot load the traced program {path.name}: {cause_line(exc)}") from exc
+    if "model" in contents.exported_programs:
+        return contents.exported_programs["model"]
     return torch.export.load(str(path))
 
 
@@ -86,8 +107,7 @@ def run_trace(spec: dict[str, Any], sandbox: Path, out_dir: Path) -> dict[str, A
             ep = torch.export.export(module, args, strict=False)
         except (TypeError, ValueError) as exc:
             # Typically the input spec does not match forward()'s signature.
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise ToolchainError(f"export failed, check the inputs against forward(): {first}") from None
+            raise ToolchainError(f"export failed, check the inputs against forward(): {cause_line(exc)}") from exc
     relative_stack_traces(ep, sandbox)
     data = program_bytes(ep, keep_stack_traces=True)
     out_dir.mkdir(parents=True, exist_ok=True)
