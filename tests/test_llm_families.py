@@ -43,12 +43,22 @@ def _targets(name: str) -> list[str]:
     return ["cpu", "trn2"] if name in CPU_FAMILIES else ["trn2"]
 
 
-def _write_family_workspace(root: Path) -> Path:
+def _write_weights(root: Path, name: str) -> None:
+    """The family's transformers model, seeded, saved as transformers' keys."""
     import torch
     from safetensors.torch import save_file
 
     from neuronbuild.toolchains.hf_causal_lm import hf_model
 
+    model_type, hf = FAMILIES[name]
+    torch.manual_seed(0)
+    model = hf_model({"model_type": model_type, "hf": hf, "max_seq": MAX_SEQ})
+    root.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.detach().clone().contiguous() for k, v in model.state_dict().items()},
+              str(root / f"{name}.safetensors"))
+
+
+def _write_family_workspace(root: Path) -> Path:
     lines = ['load("@neuronbuild//rules:llm.bzl", "hf_causal_lm", "llm_buckets", "llm_compile")',
              'neuron_target(name = "trn2", platform = "trn2")',
              'neuron_target(name = "cpu", platform = "cpu", isa = "native")',
@@ -56,10 +66,7 @@ def _write_family_workspace(root: Path) -> Path:
              f'llm_buckets(name = "serve", batch_sizes = [2], context_lengths = [{SEQ}])']
     root.mkdir(parents=True, exist_ok=True)
     for name, (model_type, hf) in FAMILIES.items():
-        torch.manual_seed(0)
-        model = hf_model({"model_type": model_type, "hf": hf, "max_seq": MAX_SEQ})
-        save_file({k: v.detach().clone().contiguous() for k, v in model.state_dict().items()},
-                  str(root / f"{name}.safetensors"))
+        _write_weights(root, name)
         lines += [f'hf_causal_lm(name = "{name}", model_type = "{model_type}", config = {json.dumps(hf)}, '
                   f'weights = "{name}.safetensors", max_seq = {MAX_SEQ})',
                   f'llm_compile(name = "{name}", model = ":{name}", targets = {json.dumps([":" + t for t in _targets(name)])}, '
@@ -97,20 +104,21 @@ def test_every_family_validates_and_generates_like_transformers(families_built, 
             assert all(f": ok ({NEW} tokens x " in g for g in gen), (label, out)
 
 
-@pytest.mark.timeout(1800)
 def test_validate_catches_a_wrapper_that_ignores_the_sliding_window(
-        families_built, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The wrapper with every layer treated as full attention (the window dropped) differs from transformers: the
-    context logits beyond the window and the generated tokens are reported as failures."""
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The wrapper passing its own 4-D mask (so the window is dropped, as it once was) differs from transformers: the
+    context logits beyond the window and the generated tokens are reported as failures by validate's comparisons
+    (the graphs run eagerly here: the window is in the traced program, which the build test above compiles)."""
     import torch
 
     from neuronbuild.toolchains import hf_causal_lm
     from neuronbuild.toolchains.validate import HfReference, compare_hf, generate_cases
 
-    ws, _took = families_built
+    ws = tmp_path
+    _write_weights(ws, "gemma3_sw")
     cfg = {"model_type": "gemma3_text", "hf": FAMILIES["gemma3_sw"][1], "max_seq": MAX_SEQ}
     spec = {"entry": "neuronbuild.toolchains.hf_causal_lm:context", "config": cfg,
-            "weights": {"gemma3_sw.safetensors": ""}, "srcs": {}, "package": "", "seed": 0,
+            "weights": "gemma3_sw.safetensors", "srcs": {}, "package": "", "seed": 0,
             "inputs": [["input_ids", {"dtype": "int64", "dims": ["batch", "seq"]}]]}
     ref = HfReference(spec, ws)
     state = ref.model.state_dict()
@@ -127,8 +135,12 @@ def test_validate_catches_a_wrapper_that_ignores_the_sliding_window(
         ctx, tok = hf_causal_lm.context(cfg).eval(), hf_causal_lm.token(cfg).eval()
         ctx.load_state_dict(state)
         tok.load_state_dict(state)
-        return {"context": {"context_batch2": (specs["context"], {"batch": 2, "seq": SEQ}, ctx)},
-                "token": {"token_batch2": (specs["token"], {"batch": 2}, tok)}}
+
+        def flat(module):  # type: ignore[no-untyped-def]  # outputs as a loaded artifact returns them: a list
+            return lambda *args: list(module(*args).values())
+
+        return {"context": {"context_batch2": (specs["context"], {"batch": 2, "seq": SEQ}, flat(ctx))},
+                "token": {"token_batch2": (specs["token"], {"batch": 2}, flat(tok))}}
 
     def check() -> tuple[float, list[bool]]:
         g = graphs()
@@ -136,11 +148,22 @@ def test_validate_catches_a_wrapper_that_ignores_the_sliding_window(
             ctx_cmp = compare_hf(g["context"]["context_batch2"][2], ref, "context", {"batch": 2, "seq": SEQ},
                                  ["logits", "kv"], 0)
         cases = generate_cases("//:gemma3_sw", ref, g, {"kv": "kv"}, NEW, 0)
+        assert [c for c, _ok, _d in cases] == ["batch1", "batch2_padded"], cases
         return ctx_cmp.max_abs, [ok for _c, ok, _d in cases]
 
     faithful_err, faithful_ok = check()
     assert faithful_err < 1e-5 and faithful_ok == [True, True]
-    monkeypatch.setattr(hf_causal_lm, "layer_types", lambda config: ["full_attention"] * config.num_hidden_layers)
+    own_forward = hf_causal_lm._model_forward
+
+    def prepared_mask_forward(self, **kw):  # type: ignore[no-untyped-def]
+        """As the wrapper once did: its own causal + padding 4-D mask, which transformers uses as is on every layer."""
+        mask2d, cache = kw["attention_mask"], kw["past_key_values"]
+        q_pos = (0 if cache.slot is None else cache.slot[0]) + torch.arange(kw["input_ids"].shape[1])
+        allowed = (torch.arange(mask2d.shape[1])[None, :] <= q_pos[:, None])[None] & (mask2d[:, None, :] != 0)
+        kw["attention_mask"] = torch.where(allowed, 0.0, torch.finfo(torch.float32).min)[:, None]
+        return own_forward(self, **kw)
+
+    monkeypatch.setattr(hf_causal_lm, "_model_forward", prepared_mask_forward)
     windowless_err, windowless_ok = check()
     assert windowless_err > 1e-3 and not all(windowless_ok), (windowless_err, windowless_ok)
 
