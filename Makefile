@@ -14,7 +14,7 @@ setup: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q "torch==2.13.0" -e ".[dev,neuron,hf]" --config-settings editable_mode=compat
+	$(BIN)/pip install -q "torch==2.13.0" -e ".[build,dev,neuron,hf]" --config-settings editable_mode=compat
 	touch $@
 	@echo "neuronbuild is installed in $(VENV): run 'source $(VENV)/bin/activate' (or 'make install') to put it on PATH"
 

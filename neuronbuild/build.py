@@ -29,6 +29,7 @@ from neuronbuild.workspace import OUTPUT_DIR
 
 if TYPE_CHECKING:
     from neuronbuild.loading.target_graph import TargetGraph
+    from neuronbuild.report.invocation import Invocation
 
 EXECUTORS = ("local", "dask", "dask-local")
 
@@ -129,10 +130,25 @@ def built_roots(ag: ActionGraph) -> dict[str, set[str]]:
 
 
 def run_build(ctx: BuildContext, req: BuildRequest, listeners: Sequence[Listener] | None = None,
-              noop_key: str | None = None) -> BuildResult:
+              noop_key: str | None = None, invocation: Invocation | None = None) -> BuildResult:
     """Raises KeyboardInterrupt after ending running actions cleanly if interrupted (nothing half-written is cached).
 
-    With `noop_key` (see neuronbuild.noop), a successful build leaves a stamp that lets the next no-op skip it all."""
+    With `noop_key` (see neuronbuild.noop), a successful build leaves a stamp that lets the next no-op skip it all.
+    With `invocation` (neuronbuild.report), the build is recorded in the output base, also when it fails or stops."""
+    if invocation is None:
+        return _run_build(ctx, req, listeners, noop_key, None)
+    try:
+        result = _run_build(ctx, req, listeners, noop_key, invocation)
+    except BaseException as e:
+        if invocation.ag is not None:  # (bad input before planning is not an invocation worth a page)
+            invocation.finish("interrupted" if isinstance(e, KeyboardInterrupt) else "error")
+        raise
+    invocation.finish("ok" if result.ok else "failed", result.not_started, noop_key=noop_key)
+    return result
+
+
+def _run_build(ctx: BuildContext, req: BuildRequest, listeners: Sequence[Listener] | None,
+               noop_key: str | None, invocation: Invocation | None) -> BuildResult:
     started = time.time_ns()
     root = ctx.workspace.root
     graph = ctx.load(req.patterns)
@@ -141,6 +157,9 @@ def run_build(ctx: BuildContext, req: BuildRequest, listeners: Sequence[Listener
         ctx.report(note)
     cache = ctx.open_cache()
     bus = EventBus(default_listeners(ctx, req) if listeners is None else listeners)
+    if invocation is not None:
+        invocation.ag, invocation.cache = ag, cache
+        bus.listeners.append(invocation.recorder)
     try:
         try:
             executor = make_executor(ctx, req, cache, action_timeouts(graph, ag))

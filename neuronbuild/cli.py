@@ -102,6 +102,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:
         _quiet_stdout()
         return 0
+    except ModuleNotFoundError as e:
+        if e.name is None or e.name.split(".")[0] not in BUILD_SIDE:
+            raise
+        # A serving-only install (`pip install neuronbuild`: the runtime's dependencies alone).
+        print(f"neuronbuild: error: this command needs the build side (module {e.name!r} is not installed): "
+              "pip install 'neuronbuild[build]'", file=sys.stderr)
+        return 2
+
+
+# The `build` extra's modules (pyproject.toml): a serving-only install lacks them.
+BUILD_SIDE = frozenset({"starlark_go", "networkx", "blake3", "rich", "jinja2", "zstandard", "cryptography"})
 
 
 def _main(argv: list[str]) -> int:

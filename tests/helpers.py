@@ -33,6 +33,14 @@ def copy_example(dest: Path, hf: bool = False) -> Path:
 # The suite runs in batch mode (no build server): in-process cli.main calls and every child inherit this. Tests of the
 # server (tests/test_server.py) opt in explicitly, with their own output user root, and shut their servers down.
 os.environ["NEURONBUILD_NO_SERVER"] = "1"
+# Builds record their invocations in the workspace's output base (neuronbuild/report/): under a temporary user root
+# here, never the user's ~/.cache/neuronbuild-server (tests that need their own root set it, as test_server.py does).
+if "NEURONBUILD_OUTPUT_USER_ROOT" not in os.environ:
+    import atexit
+    import tempfile
+
+    os.environ["NEURONBUILD_OUTPUT_USER_ROOT"] = tempfile.mkdtemp(prefix="neuronbuild-test-output-root-")
+    atexit.register(shutil.rmtree, os.environ["NEURONBUILD_OUTPUT_USER_ROOT"], True)
 
 _ENV_AT_START = frozenset(os.environ)  # helpers is imported by conftest, before any test imports torch
 

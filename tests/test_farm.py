@@ -118,11 +118,18 @@ def test_workers_joining_mid_build_are_used(farm: Farm, tmp_path: Path) -> None:
     build = subprocess.Popen([sys.executable, "-m", "neuronbuild", *_dask_build(ws, farm, tmp_path),
                               "--build-event-json-file", str(evf)], cwd=ws, text=True,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**_env(), "NEURONX_CC": ""})
-    time.sleep(3.0)
-    farm.add_worker(wait=False)
+    # Mid-build by the events, not by a sleep: the second worker joins once the first action has finished on the
+    # first one (18 actions, one worker thread: most of the build is still to run).
+    deadline = time.monotonic() + 600
+    while '"action_finished"' not in (evf.read_text() if evf.exists() else "") and build.poll() is None:
+        assert time.monotonic() < deadline, "no action finished in 600 s"
+        time.sleep(0.2)
+    farm.add_worker(wait=True)
+    joined = time.time()
     out, err = build.communicate(timeout=900)
     assert build.returncode == 0, out + err
     events = [json.loads(line) for line in evf.read_text().splitlines()]
+    assert any(e["event"] == "action_started" and e["time"] > joined for e in events), "the build ended first"
     ran_on = {e["worker"] for e in events if e["event"] == "action_finished"}
     assert len(ran_on) == 2, ran_on
     assert all(e["cpu_s"] > 0 for e in events if e["event"] == "action_finished")  # measured on the workers

@@ -26,7 +26,7 @@ ALLOWED = {
     "top": {"loading", "analysis", "kinds", "toolchains", "execution", "cache", "packaging", "runtime"},
 }
 TOP = {"__main__", "build", "cli", "context", "incremental", "noop", "commands", "rcfile", "completion", "clean",
-       "server"}
+       "server", "report"}
 
 
 def part(module: str) -> str:

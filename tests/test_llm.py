@@ -6,6 +6,7 @@ changing only the token buckets re-runs only token-graph actions."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -134,11 +135,12 @@ def test_changing_only_token_buckets_reruns_only_token_graph_actions(
     assert old in text
     build.write_text(text.replace(old, old.replace('[":serve_token"]', '[":tok3"]')) +
                      '\nneuron_buckets(name = "tok3", shapes = [{"batch": 1}, {"batch": 3}, {"batch": 4}])\n')
-    proc = run_cli(["explain", CPU, "--cache-dir", str(cache_dir)], ws)
-    assert proc.returncode == 0, proc.stderr
-    heads = [line for line in proc.stdout.splitlines() if line.startswith(("Trace ", "Compile ", "Lower "))]
-    assert heads and all("[token: batch=3]" in h for h in heads), proc.stdout
-    assert "2 of 10 actions would execute (8 cached)" in proc.stdout
+    proc = run_cli(["build", CPU, "--jobs", "2", "--cache-dir", str(cache_dir)], ws)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    # Every action that ran (a progress line each: Trace, Lower, Compile, ...) is the new token bucket's.
+    ran = sorted(re.findall(r"^\[\d+/\d+\] (\w+ //\S+ \[[^\]]+\])", proc.stderr, re.M))
+    assert ran == ["Compile //models:llama_cpu [token: batch=3]", "Trace //models:llama [token: batch=3]"], proc.stderr
+    assert "10 actions: 2 executed, 8 cached" in proc.stdout + proc.stderr, proc.stdout + proc.stderr
 
 
 FAMILIES = {

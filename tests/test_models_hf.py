@@ -5,6 +5,7 @@ version bump re-running exactly the traces of models that import it (one real cp
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -101,9 +102,24 @@ def test_transformers_bump_reruns_exactly_the_traces_that_import_it(built: tuple
     assert same.returncode == 0 and bumped.returncode == 0, same.stderr + bumped.stderr
     before, after = _to_build(json.loads(same.stdout)), _to_build(json.loads(bumped.stdout))
     assert all("llama_tiny" in i for i in before)
-    assert after - before == {f"{kind} //hf:{m}{suffix} [{dims}]{tail}" for m, dims in (
-        ("llama", "batch=2, seq=32"), ("gpt2", "batch=2, seq=32"), ("bert", "batch=2, seq=32"), ("vit", "batch=2"))
-        for kind, suffix, tail in (("trace", "", ""), ("compile", "_cpu", " for cpu"))}
+    buckets = (("llama", "batch=2, seq=32"), ("gpt2", "batch=2, seq=32"), ("bert", "batch=2, seq=32"),
+               ("vit", "batch=2"))
+    assert after - before == {f"{kind} //hf:{m}{suffix} [{dims}]{tail}" for m, dims in buckets
+                              for kind, suffix, tail in (("trace", "", ""), ("compile", "_cpu", " for cpu"))}
+    # The rebuild under the bump: the four traces run again (each progress line is an action that ran); their
+    # programs are byte-identical (the same transformers code is imported), so each compile is reused by early cutoff,
+    # not executed.
+    proc = run_cli(["build", *LABELS, "--jobs", "2", "--cache-dir", str(cache_dir)], ws, env={"PYTHONPATH": str(fake)})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    ran = re.findall(r"^\[\d+/\d+\] (\w+) (//\S+) \[([^\]]+)\](.*)$", proc.stderr, re.M)
+    assert sorted((k, lbl, b) for k, lbl, b, tail in ran if "result reused" not in tail) == sorted(
+        ("Trace", f"//hf:{m}", dims) for m, dims in buckets), proc.stderr
+    assert sorted((k, lbl, b) for k, lbl, b, tail in ran if "result reused" in tail) == sorted(
+        ("Compile", f"//hf:{m}_cpu", dims) for m, dims in buckets), proc.stderr
+    assert re.search(r"\b4 executed\b", proc.stdout + proc.stderr), proc.stdout + proc.stderr
+    again = run_cli(["plan", *LABELS, "--output", "json", "--cache-dir", str(cache_dir)], ws,
+                    env={"PYTHONPATH": str(fake)})
+    assert again.returncode == 0 and _to_build(json.loads(again.stdout)) == set(), again.stdout + again.stderr
     # upgrade-impact takes any recorded distribution.
     proc = run_cli(["upgrade-impact", "--toolchain", "transformers=99.0", "--output", "json",
                     "--cache-dir", str(cache_dir), *patterns], ws)

@@ -203,8 +203,9 @@ def test_hang_is_killed_at_the_timeout(tiny_built, tmp_path: Path) -> None:  # t
     assert "neuronx-cc timed out after 2 s and was killed" in proc.stderr
     log = Path(re.findall(r"log: (\S+\.log)", proc.stderr)[0]).read_text()
     pid = int(re.search(r"\(pid (\d+)\)", log).group(1))  # type: ignore[union-attr]
-    # killed at the timeout: the compiler ran 2 s (plus the kill's latency), not until something else gave up
+    # killed at the timeout: the compiler ran 2 s (plus the kill's latency, bounded generously for a loaded machine),
+    # not until something else gave up (the stand-in sleeps until killed; the test's own limit is 1800 s)
     ran = float(re.search(r"# neuronx-cc: killed after the 2 s timeout \(ran ([0-9.]+) s\)", log).group(1))  # type: ignore[union-attr]
-    assert 2.0 <= ran < 5.0, ran
+    assert 2.0 <= ran < 60.0, ran
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import marshal
 import os
 import pickle
 from pathlib import Path
 
+import pytest
 from helpers import run_cli, write_ws
 
 from neuronbuild.self_stamp import code_stamp
@@ -36,17 +38,38 @@ def test_a_hostile_state_file_in_the_cache_runs_nothing_and_is_a_miss(tmp_path: 
     root = write_ws(tmp_path / "ws", {"pkg/BUILD": BUILD})
     cache = tmp_path / "cache"
     state, key = _state_dir(cache, root)
-    state.mkdir(parents=True)
+    cmd = ["build", "//pkg:all", "--cache-dir", str(cache)]
+    assert run_cli(cmd, root).returncode == 0
+    # The state files the next build reads (the load cache, the digest cache, the no-op stamp), by their own names,
+    # owned by this user: each replaced by a pickle that runs a command when unpickled.
+    planted = sorted(state.iterdir())
+    assert {p.name.split("-")[0] for p in planted} == {"load", "digests", "noop"}, planted
     marker = tmp_path / "pwned"
     payload = pickle.dumps(_Payload(marker))
-    for name in (f"load-{key}.pickle", f"load-{key}.json", f"digests-{key}.marshal"):
-        (state / name).write_bytes(payload)
-    proc = run_cli(["build", "//pkg:all", "--cache-dir", str(cache)], root)
+    for p in planted:
+        p.write_bytes(payload)
+    proc = run_cli(cmd, root)
     assert proc.returncode == 0, proc.stderr
     assert not marker.exists(), "a state file from the cache ran code"
-    # What the build wrote instead is plain JSON.
-    written = json.loads((state / f"load-{key}.json").read_text())
-    assert written["entries"]["pkg"]["build_file"] == "pkg/BUILD"
+    # Each was a miss: the build took the full path (not the no-op stamp's answer), evaluated the BUILD file again
+    # (not the load cache's targets), hashed the files again, and wrote each file anew as plain data.
+    for p in planted:
+        data = p.read_bytes()
+        assert data != payload, p
+        written = json.loads(data) if p.suffix == ".json" else marshal.loads(data)
+        assert isinstance(written, dict) and "format" in written, p
+    assert json.loads((state / f"load-{key}.json").read_text())["entries"]["pkg"]["build_file"] == "pkg/BUILD"
+    # Counted: the planted load cache gives no package (one miss, no hit), and the build still loads every target.
+    from neuronbuild.loading.load_cache import LoadCache
+    from neuronbuild.loading.target_graph import load_targets
+
+    f = state / f"load-{key}.json"
+    f.write_bytes(payload)
+    lc = LoadCache(f)
+    g = load_targets(root, ["//pkg:all"], "", lc)
+    assert (lc.hits, lc.misses) == (0, 1)
+    assert sorted(str(lbl) for lbl in g.targets) == ["//pkg:b", "//pkg:o", "//pkg:t"]
+    assert not marker.exists()
 
 
 def test_a_forged_load_cache_entry_is_validated_like_a_rule_call_and_dropped(tmp_path: Path) -> None:
@@ -111,3 +134,37 @@ def test_state_files_written_by_another_user_are_ignored(tmp_path: Path) -> None
         raise AssertionError(f"{p} was trusted")
     # And a build still works (it evaluates the BUILD file again instead of trusting those files).
     assert run_cli(["build", "//pkg:all", "--cache-dir", str(cache)], root).returncode == 0
+
+
+def test_state_files_owned_by_another_uid_are_ignored(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The uid half of the ownership check: a state file another user owns (mode 0644, as a shared cache holds it)
+    is not read, whatever it says."""
+    root = write_ws(tmp_path / "ws", {"pkg/BUILD": BUILD})
+    cache = tmp_path / "cache"
+    state, key = _state_dir(cache, root)
+    assert run_cli(["build", "//pkg:all", "--cache-dir", str(cache)], root).returncode == 0
+    f = state / f"load-{key}.json"
+    from neuronbuild.atomic import read_own_state
+    from neuronbuild.loading.load_cache import LoadCache
+    from neuronbuild.loading.target_graph import load_targets
+
+    lc = LoadCache(f)
+    load_targets(root, ["//pkg:all"], "", lc)
+    assert lc.hits == 1  # this user's own file is read
+    for p in state.iterdir():
+        os.chmod(p, 0o644)
+        if os.geteuid() == 0:
+            os.chown(p, 65534, 65534)  # nobody's
+    if os.geteuid() != 0:  # (CI runs as root; elsewhere this process takes another identity instead)
+        me = os.geteuid()
+        monkeypatch.setattr(os, "geteuid", lambda: me + 1)
+    lc = LoadCache(f)
+    load_targets(root, ["//pkg:all"], "", lc)
+    assert (lc.hits, lc.misses) == (0, 1)
+    for p in state.iterdir():
+        with pytest.raises(PermissionError):
+            read_own_state(p)
+    if os.geteuid() == 0:  # and a build does not trust them either: it evaluates again and writes its own
+        proc = run_cli(["build", "//pkg:all", "--cache-dir", str(cache), "--verbose"], root)
+        assert proc.returncode == 0, proc.stderr
+        assert all(p.stat().st_uid == 0 for p in state.iterdir())

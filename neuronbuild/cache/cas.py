@@ -19,6 +19,7 @@ from typing import BinaryIO
 
 import blake3
 
+from neuronbuild.atomic import atomic_write_bytes, atomic_writer, umask_mode
 from neuronbuild.digests import copy_hashing
 
 _CHUNK = 4 << 20
@@ -26,24 +27,6 @@ _CHUNK = 4 << 20
 
 # copy_out's in-flight temporary files, next to their destination until renamed onto it.
 COPY_TEMP_PREFIX = ".nb-"
-
-
-def _umask() -> int:
-    try:  # Linux: read it without changing it (os.umask would, for a moment, for every thread)
-        with open("/proc/self/status", encoding="ascii", errors="replace") as f:
-            for line in f:
-                if line.startswith("Umask:"):
-                    return int(line.split()[1], 8)
-    except (OSError, ValueError, IndexError):
-        pass
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
-
-
-def umask_mode(base: int = 0o666) -> int:
-    """`base` as the process umask leaves it: the mode a plain open() would give a new file."""
-    return base & ~_umask()
 
 
 def _hasher() -> blake3.blake3:
@@ -282,11 +265,7 @@ class BlobStore:
         with contextlib.suppress(OSError):
             sig = _signature(self.path(digest).stat())
             _remember(str(self.path(digest)), sig)
-            p = self.stamp_path(digest)
-            p.parent.mkdir(parents=True, exist_ok=True)
-            tmp = p.with_name(f".{p.name}.{os.getpid()}")
-            tmp.write_text(sig)
-            os.replace(tmp, p)
+            atomic_write_bytes(self.stamp_path(digest), sig.encode(), durable=False, mode=umask_mode())
 
     def copy_out(self, digest: str, dest: Path, verified_size: int | None = None) -> int:
         """Copy a blob to `dest` atomically, verifying its digest on the way; a corrupt blob is evicted.
@@ -296,25 +275,20 @@ class BlobStore:
         size falls back to the verified copy. Either way a file of its own (never a link: editing an output must not
         reach the cache) with the umask's mode."""
         src = self.path(digest)
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=COPY_TEMP_PREFIX)
-        with _removed_on_failure(tmp):
-            os.fchmod(fd, umask_mode())  # outputs users see follow the umask, like any file they would write
+        # outputs users see follow the umask, like any file they would write
+        with atomic_writer(dest, durable=False, mode=umask_mode(), prefix=COPY_TEMP_PREFIX) as out:
             if verified_size is not None:
                 with contextlib.suppress(FileNotFoundError):
-                    shutil.copyfile(src, tmp)
-                    if os.stat(tmp).st_size == verified_size:
-                        os.close(fd)
-                        os.replace(tmp, dest)
+                    shutil.copyfile(src, out.name)
+                    if os.stat(out.name).st_size == verified_size:
                         return verified_size
-                os.ftruncate(fd, 0)
-                os.lseek(fd, 0, os.SEEK_SET)
-            with os.fdopen(fd, "wb") as out, open(src, "rb") as f:
+                out.truncate(0)
+                out.seek(0)
+            with open(src, "rb") as f:
                 got, size = copy_hashing(f, out)
             if got != digest:
                 self.evict(digest)
                 raise CorruptBlob(f"blob {digest[:16]} is corrupt (digest mismatch); evicted")
-            os.replace(tmp, dest)
             return size
 
     def verify(self, digest: str) -> bool:

@@ -6,11 +6,11 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-import uuid
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from neuronbuild.atomic import atomic_writer, umask_mode
 from neuronbuild.cache.action_cache import ActionResult, OutputRef
 from neuronbuild.cache.cas import CorruptBlob, hash_file
 from neuronbuild.cache.local import LocalCache
@@ -45,18 +45,11 @@ class TierStore:
 
     def copy_blob(self, digest: str, dest: Path) -> int:
         """Download a blob to `dest`, verifying its digest (a corrupt one raises CorruptBlob; nothing is left)."""
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        tmp = dest.with_name(f".{dest.name}.{uuid.uuid4().hex[:8]}.part")
-        try:
-            with self.tier.open_blob(digest) as src, open(tmp, "wb") as out:
-                got, size = copy_hashing(src, out)
+        with self.tier.open_blob(digest) as src, atomic_writer(dest, durable=False, mode=umask_mode()) as out:
+            got, size = copy_hashing(src, out)
             if got != digest:
                 raise CorruptBlob(f"blob {digest[:16]} in {self.url} is corrupt (digest mismatch)")
-            os.replace(tmp, dest)
-            return size
-        finally:
-            with contextlib.suppress(OSError):
-                tmp.unlink()
+        return size
 
     def link_blob(self, digest: str, dest: Path) -> None:
         """A download (verified while it is made; the caller verifies it again while storing it)."""

@@ -6,7 +6,6 @@ finish. TieredCache (cache/tiered.py) adds a shared tier behind the same interfa
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import os
 import sys
@@ -15,7 +14,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from neuronbuild.atomic import atomic_write_bytes
+from neuronbuild.atomic import atomic_write_bytes, try_lock, unlock
 from neuronbuild.cache.action_cache import ActionCache, ActionResult, OutputRef
 from neuronbuild.cache.cas import BlobStore, CorruptBlob
 from neuronbuild.cache.identity_index import CacheHistory, IdentityIndex
@@ -243,14 +242,8 @@ class LocalCache:
         """Claim the right to execute action `fp`, so concurrent builds execute it once.
 
         Returns None while another build holds the claim (the caller waits and looks the result up again)."""
-        self.locks.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.locks / f"{fp}.lock", os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            return None
-        return Claim(fd)
+        fd = try_lock(self.locks / f"{fp}.lock", blocking=False)
+        return None if fd is None else Claim(fd)
 
 
 class Claim:
@@ -261,7 +254,5 @@ class Claim:
 
     def release(self) -> None:
         if self._fd is not None:
-            with contextlib.suppress(OSError):
-                fcntl.flock(self._fd, fcntl.LOCK_UN)
-            os.close(self._fd)
+            unlock(self._fd)
             self._fd = None

@@ -130,8 +130,11 @@ def run(args: argparse.Namespace) -> int:
     line = None if wants_events else noop.check(cache_dir, key)  # nothing changed: say so, import nothing
     if line is not None:
         _record_noop_stats(cache_dir, line, started)
+        from neuronbuild.report.invocation import note_line, record_noop
+
+        note = note_line(record_noop(args, ws.root, cache_dir, patterns, key, line))
         if not args.quiet:
-            print(line, flush=True)
+            print(line + (f"\n{note}" if note else ""), flush=True)
         return EXIT_OK
 
     from neuronbuild.build import BuildRequest, default_jobs, run_build
@@ -148,13 +151,22 @@ def run(args: argparse.Namespace) -> int:
         event_file=Path(args.build_event_json_file).resolve() if args.build_event_json_file else None,
         action_timeout=args.action_timeout,
     )
+    from neuronbuild.report.invocation import Invocation, note_line
+
+    inv = Invocation.from_args("build", args, ws.root, cache_dir, patterns)
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)  # `kill` ends a build like Ctrl-C does
     try:
-        result = run_build(ctx, req, noop_key=key)
+        result = run_build(ctx, req, noop_key=key, invocation=inv)
+    except KeyboardInterrupt:
+        note = note_line(inv.page)
+        if note:
+            print(note, file=sys.stderr, flush=True)
+        raise
     finally:
         signal.signal(signal.SIGTERM, previous)
     if not args.quiet or result.failures:
-        print(result.summary(), flush=True)
+        note = note_line(inv.page)
+        print(result.summary() + (f"\n{note}" if note else ""), flush=True)
     if result.failures:
         print("\n".join(line for f in result.failures for line in describe_failure(f)), file=sys.stderr)
         return EXIT_BUILD_FAILED

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from neuronbuild.context import BuildContext
@@ -94,4 +94,17 @@ def run_plan(args: argparse.Namespace) -> int:
             if matrix:
                 sys.stdout.write("\n".join(matrix) + "\n")
             print(report.summary_line())
+    _record_plan(args, ctx, ag, cache, todo, cached)
     return EXIT_OK
+
+
+def _record_plan(args: argparse.Namespace, ctx: BuildContext, ag: Any, cache: Any, todo: Any, cached: Any) -> None:
+    """A plan is an invocation too (neuronbuild/report/): recorded, its page rendered by `neuronbuild report`."""
+    from neuronbuild.context import patterns_or_default
+    from neuronbuild.report.invocation import Invocation
+    from neuronbuild.report.states import CACHED, TO_BUILD
+
+    inv = Invocation.from_args("plan", args, ctx.workspace.root, ctx.cache.dir, patterns_or_default(args.patterns))
+    inv.ag, inv.cache = ag, cache
+    planned = {**{a.fingerprint: TO_BUILD for a in todo}, **{fp: CACHED for fp in cached}}
+    inv.finish("ok", planned=planned, render=False)

@@ -27,6 +27,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 from neuronbuild.analysis.toolchain_api import WARM_UP
+from neuronbuild.atomic import atomic_write_bytes
 from neuronbuild.digests import RACY_NS, digest_file
 from neuronbuild.errors import NeuronBuildError
 from neuronbuild.execution.cache_api import SpawnCache
@@ -694,9 +695,7 @@ def _stamp(digest: str, path: Path, hashed_from: int) -> None:
             return
         p = d / digest[:2] / digest
         p.parent.mkdir(mode=0o700, exist_ok=True)
-        tmp = p.with_name(f".{digest}.{os.getpid()}.{threading.get_ident()}")
-        tmp.write_text(sig, encoding="utf-8")
-        os.replace(tmp, p)
+        atomic_write_bytes(p, sig.encode(), durable=False)
 
 
 def _stamp_of(digest: str) -> str:

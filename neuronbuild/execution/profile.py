@@ -7,10 +7,10 @@ build's utilisation: busy worker-seconds / (wall x workers)."""
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
+from neuronbuild.atomic import atomic_write_bytes, umask_mode
 from neuronbuild.execution import events as ev
 from neuronbuild.execution.events import BuildEvent
 
@@ -122,10 +122,7 @@ class TraceProfile:
                  for w, tid in self._tids.items()]
         data = json.dumps({"traceEvents": meta + self._events, "displayTimeUnit": "ms",
                            "otherData": {k: str(v) for k, v in self.utilisation().items()}}, indent=0)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_name(f".{self.path.name}.tmp")
-        tmp.write_text(data, encoding="utf-8")
-        os.replace(tmp, self.path)
+        atomic_write_bytes(self.path, data.encode("utf-8"), durable=False, mode=umask_mode())
 
     def close(self) -> None:
         self.write()

@@ -16,6 +16,7 @@ from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any
 
+from neuronbuild.atomic import atomic_write_bytes, umask_mode
 from neuronbuild.execution.confine import (
     Policy,
     confine,
@@ -75,10 +76,7 @@ def cap_log(log_path: str, limit: int = MAX_LOG_BYTES) -> None:
             f.seek(size - limit)
             tail = f.read(limit)
         note = f"[neuronbuild: log cut to its last {limit} bytes (the cap); {size - limit} earlier bytes dropped]\n"
-        tmp = log_path + ".cut"
-        with open(tmp, "wb") as f:
-            f.write(note.encode() + tail)
-        os.replace(tmp, log_path)
+        atomic_write_bytes(log_path, note.encode() + tail, durable=False, mode=umask_mode())
     except OSError:
         pass
 

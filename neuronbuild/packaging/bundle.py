@@ -10,14 +10,13 @@ import json
 import os
 import re
 import tarfile
-import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
 from neuronbuild.analysis.planner import ActionGraph
-from neuronbuild.atomic import atomic_write_bytes
+from neuronbuild.atomic import atomic_write_bytes, atomic_writer
 from neuronbuild.cache.cas import umask_mode
 from neuronbuild.cache.local import LocalCache
 from neuronbuild.errors import UserInputError
@@ -163,19 +162,10 @@ def build_bundle(root: Path, graph: TargetGraph, ag: ActionGraph, cache: LocalCa
                 return BundleOutput(label, archive, recorded, archive.stat().st_size, False)
     archive.parent.mkdir(parents=True, exist_ok=True)
     mode = umask_mode()
-    fd, tmp = tempfile.mkstemp(dir=archive.parent, prefix=f".{archive.name}.")
-    try:
-        with os.fdopen(fd, "wb") as out:
-            write_archive(out, manifest_bytes, members, compression, signature)
-            out.flush()
-            os.fsync(out.fileno())
-        digest = _sha256(Path(tmp))
-        os.chmod(tmp, mode)
-        os.replace(tmp, archive)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    with atomic_writer(archive, mode=mode, prefix=f".{archive.name}.") as out:
+        write_archive(out, manifest_bytes, members, compression, signature)
+        out.flush()
+        digest = _sha256(Path(out.name))
     atomic_write_bytes(manifest_copy, manifest_bytes, archive.parent / ".tmp", mode=mode)
     if signature is not None:
         atomic_write_bytes(sig_copy, signature, archive.parent / ".tmp", mode=mode)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import io
 import json
@@ -16,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import IO, Any
 
-from neuronbuild.atomic import atomic_write_bytes
+from neuronbuild.atomic import atomic_write_bytes, try_lock, unlock
 from neuronbuild.packaging.envfile import EnvFileError, render_env
 from neuronbuild.runtime.layout import (
     DEPLOY_FORMAT,
@@ -328,9 +327,9 @@ def deploy(archive: Path, dest: Path, expect_sha256: str | None = None,
     releases = dest / RELEASES
     created_releases = False
     staging: Path | None = None
-    lock_fd = os.open(dest, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    lock_fd = try_lock(dest, directory=True)  # on the directory itself: no lock file is left behind
+    assert lock_fd is not None
     try:
-        fcntl.flock(lock_fd, fcntl.LOCK_EX)  # on the directory itself: no lock file is left behind
         if releases.is_symlink() or (releases.exists() and not releases.is_dir()):
             raise BundleError(f"{releases} is not a plain directory (a symlink or a file); refusing to install")
         if (dest / INDEX).is_symlink():
@@ -381,7 +380,7 @@ def deploy(archive: Path, dest: Path, expect_sha256: str | None = None,
     finally:
         if staging is not None:
             shutil.rmtree(staging, ignore_errors=True)
-        os.close(lock_fd)
+        unlock(lock_fd)
         if created:
             with contextlib.suppress(OSError):
                 if not any(dest.iterdir()):

@@ -17,6 +17,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from neuronbuild.atomic import atomic_write_bytes
 from neuronbuild.errors import EXIT_BUILD_FAILED, EXIT_OK
 from neuronbuild.server import protocol
 
@@ -213,9 +214,7 @@ class Server:
         listener = self.listen()
         info = {"pid": os.getpid(), "stamp": self.stamp, "socket": str(self.socket_path), "started": self.started,
                 "opts": self.opts}
-        tmp = self.output_base / f"server.json.{os.getpid()}"
-        tmp.write_text(json.dumps(info))
-        os.replace(tmp, self.output_base / "server.json")
+        atomic_write_bytes(self.output_base / "server.json", json.dumps(info).encode(), durable=False)
         threading.Thread(target=self.accept_loop, args=(listener,), daemon=True).start()
         print(f"{time.strftime('%Y-%m-%d %H:%M:%S')} server {os.getpid()} listening on {self.socket_path}",
               flush=True)

@@ -1,0 +1,1 @@
+"""The invocation page: each build and plan recorded in the output base, rendered as one self-contained HTML file."""

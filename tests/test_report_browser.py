@@ -1,0 +1,321 @@
+"""The invocation page as a person sees it, in a real browser (Debian's headless Chromium driven by playwright; CI
+installs it: .ci/run): pages of real builds of the tiny trn2 workspace (a partial rebuild after a bucket edit, a
+failing neuronx-cc) and of the example workspace (the session's `built_example`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import struct
+import subprocess
+import sys
+import time
+import zlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+from urllib.parse import unquote, urlparse
+
+import pytest
+from helpers import run_cli
+from introspect_ws import (
+    STANDIN,
+    copy_ws,
+    edit,
+    tiny_built_fixture,  # noqa: F401  (registers the session fixture `tiny_built`)
+)
+
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
+                 "--disable-sync", "--no-first-run"]
+LINK = re.compile(r"^Invocation: (file://\S+)$", re.M)
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Any]:
+    if not CHROMIUM.exists():
+        pytest.fail("no /usr/bin/chromium: install Debian's chromium (`apt-get install -y chromium`, as .ci/run does)")
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:  # (launch() gives the browser a fresh temporary profile)
+        b = p.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS, headless=True)
+        yield b
+        b.close()
+
+
+class Opened:
+    """A page opened in the browser, with every console error and uncaught exception it produced."""
+
+    def __init__(self, browser: Any, url: str, js: bool = True) -> None:
+        self.context = browser.new_context(java_script_enabled=js, viewport={"width": 1300, "height": 1000})
+        self.page = self.context.new_page()
+        self.errors: list[str] = []
+        self.page.on("console", lambda m: self.errors.append(m.text) if m.type == "error" else None)
+        self.page.on("pageerror", lambda e: self.errors.append(str(e)))
+        self.page.goto(url, wait_until="load")
+
+    def cells(self) -> list[dict[str, str]]:
+        """The matrix cells as shown: state, target, bucket (and its name) and the text a person reads."""
+        out = []
+        for el in self.page.query_selector_all("td.cell"):
+            out.append({k: el.get_attribute(f"data-{k}") or "" for k in ("state", "target", "bucket", "name")}
+                       | {"text": el.inner_text()})
+        return out
+
+    def close(self) -> None:
+        self.context.close()
+
+
+def _url(proc: Any) -> str:
+    m = LINK.search(proc.stdout)
+    assert m, proc.stdout + proc.stderr
+    assert proc.stdout.rstrip().endswith(m.group(0)), "the page's link is the summary's last line"
+    return m.group(1)
+
+
+def _png_is_blank(png: bytes) -> bool:
+    """Whether a screenshot is one flat colour: its decompressed scanlines (filter byte + pixels) hold few values."""
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+    pos, idat = 8, b""
+    while pos < len(png):
+        (n,) = struct.unpack(">I", png[pos:pos + 4])
+        kind = png[pos + 4:pos + 8]
+        if kind == b"IDAT":
+            idat += png[pos + 8:pos + 8 + n]
+        pos += 12 + n
+    return len(set(zlib.decompress(idat))) < 16
+
+
+@pytest.fixture(scope="module")
+def tiny_runs(tiny_built: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Three builds of a copy of the tiny workspace (its own cache copy and output base): as built (all cached), after
+    a bucket edit (seq 16 -> 32: that bucket's trace, lowering and compile run), and with a neuronx-cc that fails."""
+    ws0, cache0 = tiny_built
+    base = tmp_path_factory.mktemp("report")
+    ws, cache = copy_ws(ws0, base / "ws"), base / "cache"
+    shutil.copytree(cache0, cache)
+    env = {"NEURONX_CC": "", "NEURONBUILD_OUTPUT_USER_ROOT": str(base / "output-root")}
+    build = ["build", "--jobs", "2", "--cache-dir", str(cache)]
+    first = run_cli(build, ws, env)
+    assert first.returncode == 0 and "6 actions: 0 executed, 6 cached" in first.stdout, first.stdout + first.stderr
+    edit(ws / "m/BUILD", '"seq": [8, 16]', '"seq": [8, 32]')
+    partial = run_cli(build, ws, env)
+    assert partial.returncode == 0 and "6 actions: 3 executed, 3 cached" in partial.stdout, partial.stderr
+    noop = run_cli(build, ws, env)  # the fast path (nothing changed): a record standing for `partial`'s actions
+    assert noop.returncode == 0 and "6 actions: 0 executed, 6 cached" in noop.stdout, noop.stderr
+    edit(ws / "m/BUILD", 'model_type = "transformer"', 'model_type = "transformer", flags = ["--standin-mode=fail"]')
+    failed = run_cli([*build, "--keep-going", "--neuronx-cc", str(STANDIN)], ws, env)
+    assert failed.returncode == 1 and "2 failed" in failed.stdout, failed.stdout + failed.stderr
+    return {"ws": ws, "env": env, "first": _url(first), "partial": _url(partial), "noop": _url(noop),
+            "failed": _url(failed)}
+
+
+def test_partial_rebuild_matrix_has_one_cell_per_bucket_and_target_with_its_state(browser: Any,
+                                                                                  tiny_runs: dict[str, Any]) -> None:
+    page = Opened(browser, tiny_runs["partial"])
+    cells = page.cells()
+    assert sorted((c["target"], c["bucket"], c["state"]) for c in cells) == [
+        ("//m:tiny_trn2", "batch=1, seq=32", "executed"), ("//m:tiny_trn2", "batch=1, seq=8", "cached_local")]
+    assert "cached (local)" in next(c["text"] for c in cells if c["state"] == "cached_local")
+    summary = page.page.inner_text("#summary")
+    assert re.search(r"3\s+executed", summary) and re.search(r"3\s+cached \(local\)", summary), summary
+    assert page.page.is_visible("#timeline svg rect.crit"), "the critical path is marked on the timeline"
+    # a cell links to its action's details: the fingerprint record's fields are there
+    href = page.page.get_attribute("td.cell[data-state=executed] a", "href")
+    page.page.click("td.cell[data-state=executed] a")
+    assert href and href.startswith("#") and page.page.url.endswith(href)
+    page.page.click(f"{href} > summary")
+    record = page.page.inner_text(f"{href} table.record")
+    assert "bucket.seq" in record and "32" in record and "Compile //m:tiny_trn2 [batch=1, seq=32]" in \
+        page.page.inner_text(f"{href} > summary")
+    assert page.errors == []
+    page.close()
+
+
+def test_compare_view_lists_the_changed_bucket_field_against_the_previous_build(browser: Any,
+                                                                               tiny_runs: dict[str, Any]) -> None:
+    page = Opened(browser, tiny_runs["partial"])
+    compare = page.page.inner_text("#compare")
+    assert tiny_runs["first"].rsplit("/", 1)[1].removesuffix(".html") in compare  # against the build before it
+    fields = page.page.eval_on_selector_all("li.changed-field", "els => els.map(e => e.dataset.field)")
+    assert fields == ["bucket.seq"] * 3, fields  # the new bucket's trace, lowering and compile
+    assert compare.count("bucket: seq 16 -> 32") == 3 and "compared with [batch=1, seq=16]" in compare
+    assert page.errors == []
+    page.close()
+
+
+def test_failed_actions_come_first_and_their_cells_show_the_error(browser: Any, tiny_runs: dict[str, Any]) -> None:
+    page = Opened(browser, tiny_runs["failed"])
+    assert page.page.inner_text("#outcome") == "failed"
+    sections = page.page.eval_on_selector_all("main > section", "els => els.map(e => e.id)")
+    assert sections[0] == "failures", sections
+    cells = page.cells()
+    assert {c["state"] for c in cells} == {"failed"} and len(cells) == 2
+    for c in cells:
+        assert "neuronx-cc exited with status" in c["text"], c["text"]
+    failure = page.page.inner_text("#failures")
+    assert failure.count("Compile //m:tiny_trn2") == 2 and "log:" in failure
+    excerpt = page.page.inner_text("details.action[open] pre")  # the failed action's log excerpt, open
+    assert "neuronx-cc" in excerpt
+    assert page.errors == []
+    page.close()
+
+
+def test_page_renders_without_javascript(browser: Any, tiny_runs: dict[str, Any]) -> None:
+    page = Opened(browser, tiny_runs["partial"], js=False)
+    cells = page.cells()
+    assert sorted(c["state"] for c in cells) == ["cached_local", "executed"]
+    assert "executed" in page.page.inner_text("#summary")
+    assert page.page.is_visible("#matrix-table") and page.page.is_visible("#compare")
+    page.close()
+
+
+def test_filter_and_sort_run_without_console_errors(browser: Any, tiny_runs: dict[str, Any]) -> None:
+    page = Opened(browser, tiny_runs["failed"])
+    page.page.select_option("#state-filter", "executed")
+    assert page.page.locator("tr.mrow:not(.hidden)").count() == 0  # every cell failed
+    page.page.select_option("#state-filter", "failed")
+    assert page.page.locator("tr.mrow:not(.hidden)").count() == 2
+    page.page.click("#actions-table th[data-col='2']")
+    page.page.click("#actions-table th[data-col='2']")
+    assert page.errors == []
+    page.close()
+
+
+def test_report_command_renders_last_and_an_explicit_compare(tiny_runs: dict[str, Any], browser: Any) -> None:
+    ws, env = tiny_runs["ws"], tiny_runs["env"]
+    last = run_cli(["report"], ws, env)  # (the failing build's)
+    assert last.returncode == 0 and last.stdout.strip() == tiny_runs["failed"], last.stdout + last.stderr
+    first_id = tiny_runs["first"].rsplit("/", 1)[1].removesuffix(".html")
+    vs = run_cli(["report", "last~2", "--compare", first_id], ws, env)  # the partial rebuild vs the first build
+    assert vs.returncode == 0 and vs.stdout.strip().endswith(f"-vs-{first_id}.html"), vs.stdout + vs.stderr
+    data = json.loads(run_cli(["report", "last~2", "--output", "json"], ws, env).stdout)
+    assert len([c for r in data["matrix"]["rows"] for c in r["cells"].values()]) == 2
+    assert [f["field"] for c in data["compare"]["changed"] for f in c["fields"]] == ["bucket.seq"] * 3
+    bad = run_cli(["report", "nosuch"], ws, env)
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "no recorded invocation 'nosuch'" in bad.stderr
+
+
+def test_example_workspace_page_has_every_cell_opens_fast_and_is_not_blank(browser: Any, built_example: Any,
+                                                                          cache_dir: Path) -> None:
+    ws, proc = built_example
+    url = _url(proc)
+    plan = json.loads(run_cli(["plan", "--output", "json", "--cache-dir", str(cache_dir)], ws).stdout)
+    want = sorted((t["label"], b["name"]) for t in plan["targets"] for b in t["buckets"])
+    page = Opened(browser, url)
+    load_ms = page.page.evaluate("performance.getEntriesByType('navigation')[0].loadEventEnd")
+    assert 0 < load_ms < 1000, f"the page took {load_ms:.0f} ms to load"  # (~100 ms here)
+    cells = page.cells()
+    assert sorted((c["target"], c["name"]) for c in cells) == want  # one cell per (model, graph, bucket, target)
+    m = re.search(r"(\d+) actions: (\d+) executed, (\d+) cached", proc.stdout)
+    assert m is not None
+    assert page.page.inner_text("#n-total") == m.group(1) and page.page.inner_text("#n-executed") == m.group(2)
+    assert {c["state"] for c in cells} <= {"executed", "cached_local", "cutoff"}
+    shot = page.page.screenshot(full_page=True)
+    assert not _png_is_blank(shot)
+    assert page.errors == []
+    page.close()
+    blank = browser.new_page()
+    blank.set_content("<html><body></body></html>")
+    assert _png_is_blank(blank.screenshot())  # (the check can fail)
+    blank.close()
+
+
+
+def test_noop_page_shows_every_cell_cached(browser: Any, tiny_runs: dict[str, Any]) -> None:
+    path = Path(unquote(urlparse(tiny_runs["noop"]).path))
+    deadline = time.monotonic() + 30
+    while not path.exists() and time.monotonic() < deadline:  # (rendered by a child after the no-op answered)
+        time.sleep(0.1)
+    page = Opened(browser, tiny_runs["noop"])
+    assert sorted((c["bucket"], c["state"]) for c in page.cells()) == [
+        ("batch=1, seq=32", "cached_local"), ("batch=1, seq=8", "cached_local")]
+    assert page.page.inner_text("#n-cached_local") == "6" and page.page.inner_text("#n-executed") == "0"
+    assert "no-op" in page.page.inner_text("header")
+    assert page.errors == []
+    page.close()
+
+
+def test_an_interrupted_build_is_recorded_as_interrupted(tiny_built: tuple[Path, Path], tmp_path: Path) -> None:
+    ws0, cache0 = tiny_built
+    ws, cache = copy_ws(ws0, tmp_path / "ws"), tmp_path / "cache"
+    shutil.copytree(cache0, cache)
+    edit(ws / "m/BUILD", '"seq": [8, 16]', '"seq": [8, 24]')
+    env = {"NEURONX_CC": "", "NEURONBUILD_OUTPUT_USER_ROOT": str(tmp_path / "output-root")}
+    events = tmp_path / "events.jsonl"
+    proc = subprocess.Popen([sys.executable, "-m", "neuronbuild", "build", "--jobs", "1", "--cache-dir", str(cache),
+                             "--build-event-json-file", str(events)], cwd=ws, env={**os.environ, **env},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not (events.exists() and "action_started" in events.read_text()):
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 8, out + err
+    assert LINK.search(err), err  # the link is printed (on stderr) when a build is interrupted too
+    data = json.loads(run_cli(["report", "--output", "json"], ws, env).stdout)
+    assert data["rec"]["outcome"] == "interrupted"
+    states = {a["description"]: a["state"] for a in data["rec"]["actions"]}
+    assert states["Trace //m:tiny [batch=1, seq=24]"] == "stopped", states
+    assert states["Compile //m:tiny_trn2 [batch=1, seq=24] for trn2"] == "not_started", states
+
+
+def test_the_store_keeps_the_last_invocations_and_the_base_a_noop_stands_for(tmp_path: Path) -> None:
+    from neuronbuild.report.store import KEEP, InvocationStore
+
+    store = InvocationStore(tmp_path / "base")
+    ids = [f"20260101-000000-{i:03d}-0001" for i in range(KEEP + 5)]
+    for i, inv_id in enumerate(ids):
+        store.write({"format": 1, "id": inv_id, "command": "build", "patterns": ["//..."], "actions": []})
+        if i == 0:
+            store.set_base("request", inv_id)  # a later no-op of that request stands for the first build
+        (store.dir / f"{inv_id}.html").write_text("<html></html>")
+    kept = store.ids()
+    assert kept == [ids[0], *ids[-KEEP:]]
+    assert [e["id"] for e in store.index()] == kept
+    assert not (store.dir / f"{ids[1]}.html").exists() and (store.dir / f"{ids[0]}.html").exists()
+    assert store.resolve("last") == ids[-1] and store.resolve("last~1") == ids[-2] and store.base("request") == ids[0]
+
+
+def test_results_from_the_shared_tier_show_as_cached_shared(browser: Any, tiny_built: tuple[Path, Path],
+                                                            tmp_path: Path) -> None:
+    ws0, cache0 = tiny_built
+    ws, shared = copy_ws(ws0, tmp_path / "ws"), tmp_path / "shared"
+    shutil.copytree(cache0, shared)  # a shared directory tier holding every result; the local cache is empty
+    env = {"NEURONX_CC": "", "NEURONBUILD_OUTPUT_USER_ROOT": str(tmp_path / "output-root")}
+    proc = run_cli(["build", "--cache-dir", str(tmp_path / "local"), "--remote-cache", str(shared)], ws, env)
+    assert proc.returncode == 0 and "0 executed, 6 cached" in proc.stdout, proc.stdout + proc.stderr
+    page = Opened(browser, _url(proc))
+    assert {c["state"] for c in page.cells()} == {"cached_shared"} and len(page.cells()) == 2
+    assert page.page.inner_text("#n-cached_shared") == "6" and page.page.inner_text("#n-cached_local") == "0"
+    assert page.errors == []
+    page.close()
+
+
+def test_a_build_server_records_into_the_same_output_base_as_batch_builds(browser: Any, tiny_built: tuple[Path, Path],
+                                                                         tmp_path: Path) -> None:
+    ws0, cache0 = tiny_built
+    ws, cache = copy_ws(ws0, tmp_path / "ws"), tmp_path / "cache"
+    shutil.copytree(cache0, cache)
+    env = {"NEURONX_CC": "", "NEURONBUILD_NO_SERVER": "", "NEURONBUILD_OUTPUT_USER_ROOT": str(tmp_path / "root")}
+    build = ["build", "--jobs", "2", "--cache-dir", str(cache)]
+    try:
+        served = run_cli(build, ws, env)
+        assert served.returncode == 0 and "0 executed, 6 cached" in served.stdout, served.stdout + served.stderr
+        info = json.loads(run_cli(["info", "--output", "json"], ws, env).stdout)
+        assert info["running"], info
+        batch = run_cli(["--batch", *build], ws, env)
+    finally:
+        run_cli(["shutdown"], ws, env)
+    page = Path(unquote(urlparse(_url(served)).path))
+    assert page.parent == Path(info["output_base"]) / "invocations", (page, info)
+    listed = run_cli(["report", "--list"], ws, env).stdout.splitlines()
+    assert len(listed) == 2 and all("build //...  ok  6 actions, 0 executed" in ln for ln in listed), listed
+    opened = Opened(browser, _url(served))
+    assert sorted(c["state"] for c in opened.cells()) == ["cached_local", "cached_local"]
+    assert opened.errors == []
+    opened.close()
+    assert batch.returncode == 0 and _url(batch).rsplit("/", 1)[1].removesuffix(".html") == listed[1].split()[0]
