@@ -22,8 +22,7 @@ def _kv_heads(model_type, config, heads):
         return 1 if config.get("multi_query", True) else heads
     return _field(config, ["num_key_value_heads", "num_kv_heads", "multi_query_group_num"], heads)
 
-def hf_causal_lm(name, config, weights, max_seq = 256, model_type = None, weights_prefix = "", weights_drop = [],
-                 tags = []):
+def hf_causal_lm(name, config, weights, max_seq = 256, model_type = None, weights_prefix = "", tags = []):
     """A transformers causal LM (llama, mistral, qwen2, gpt2, ...) as served: a `context` graph (prefill: input_ids and
     attention_mask [batch, seq] -> last logits + the KV cache) and a `token` graph (decode: one token per sequence,
     its position, the cache mask and slot, the cache -> logits + the cache, aliased), over a static KV cache of
@@ -47,7 +46,6 @@ def hf_causal_lm(name, config, weights, max_seq = 256, model_type = None, weight
         config = {"model_type": mt, "hf": hf, "max_seq": max_seq},
         weights = weights,
         weights_prefix = weights_prefix,
-        weights_drop = weights_drop,
         dims = {"layers": layers, "kv_heads": kv_heads, "max_seq": max_seq, "head_dim": head_dim},
         inputs = {"input_ids": "int64[batch, seq]", "attention_mask": "int64[batch, seq]"},
         outputs = {"logits": "float32[batch, vocab]", "kv": kv},

@@ -168,32 +168,6 @@ def test_validate_catches_a_wrapper_that_ignores_the_sliding_window(
     assert windowless_err > 1e-3 and not all(windowless_ok), (windowless_err, windowless_ok)
 
 
-def test_a_sub_model_takes_its_keys_from_a_larger_checkpoint_and_names_the_dropped_ones(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """An encoder from a seq2seq checkpoint: weights_prefix strips the encoder's prefix, weights_drop leaves out the
-    decoder's keys (listed in the trace's log); a drop prefix that matches nothing is an error, as is loading the
-    whole checkpoint without it."""
-    import torch
-    from safetensors.torch import save_file
-
-    from neuronbuild.toolchains.errors import ToolchainError
-    from neuronbuild.toolchains.model_import import _load_weights
-
-    enc = torch.nn.Linear(4, 4)
-    want = {"weight": torch.full((4, 4), 0.5), "bias": torch.full((4,), 0.25)}
-    save_file({"model.encoder.weight": want["weight"], "model.encoder.bias": want["bias"],
-               "model.decoder.weight": torch.zeros(4, 4), "proj_out.weight": torch.zeros(8, 4)},
-              str(tmp_path / "seq2seq.safetensors"))
-    path = [tmp_path / "seq2seq.safetensors"]
-    _load_weights(enc, path, "seq2seq.safetensors", "model.encoder.", ["model.decoder.", "proj_out."])
-    assert torch.equal(enc.weight, want["weight"]) and torch.equal(enc.bias, want["bias"])
-    assert "dropped 2 key(s) (weights_drop): model.decoder.weight, proj_out.weight" in capsys.readouterr().err
-    with pytest.raises(ToolchainError, match="weights_drop prefix 'lm_head.' matches no key"):
-        _load_weights(enc, path, "seq2seq.safetensors", "model.encoder.", ["model.decoder.", "lm_head."])
-    with pytest.raises(ToolchainError, match="unexpected 2 key"):
-        _load_weights(enc, path, "seq2seq.safetensors", "model.encoder.")
-
-
 def test_a_program_needing_an_unregistered_op_names_the_op_when_loaded(tmp_path: Path) -> None:
     """A traced program using a custom op that the loading process has not registered (as transformers' grouped_mm
     once did) fails naming the op, not with torch's generic 'error when deserializing'."""

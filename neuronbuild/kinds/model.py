@@ -27,7 +27,6 @@ from neuronbuild.loading.schema import (
     NAME,
     OUTPUTS,
     STRING,
-    STRING_LIST,
     TAGS,
     Attr,
     AttrError,
@@ -118,10 +117,6 @@ SCHEMA = RuleSchema(
              "used. Tied weights may be absent from the files.", kinds=("file",)),
         Attr("weights_prefix", STRING, "A prefix the weight files' keys carry and the module's do not (e.g. "
              "'model.'); stripped before loading.", default=""),
-        Attr("weights_drop", STRING_LIST, "Key prefixes of the weight files left out before loading, to take a "
-             "sub-model from a larger checkpoint (e.g. ['model.decoder.', 'proj_out.'] with weights_prefix "
-             "'model.encoder.' for a seq2seq model's encoder); each must match a key, the dropped keys are listed in "
-             "the trace's log.", default=()),
         Attr("data", LABEL_LIST, "Non-Python files the model reads (config.json, tokenizer files), placed in the "
              "sandbox at their workspace paths (read them relative to the module's __file__).", default=(),
              kinds=("file",)),
@@ -183,8 +178,6 @@ def analyze(ctx: AnalysisContext, model: Target) -> ModelInfo:
         record["deps"] = lib_srcs  # library sources by path -> digest (their directory roots go on sys.path)
     if model.attrs["weights_prefix"]:
         record["weights_prefix"] = model.attrs["weights_prefix"]
-    if model.attrs["weights_drop"]:
-        record["weights_drop"] = list(model.attrs["weights_drop"])
     modules = _imported_modules(root, [(lbl.path, srcs[lbl.path]) for lbl in model.attrs["srcs"]] +
                                 list(lib_srcs.items()))
     graphs_attr: Mapping[str, Mapping[str, Any]] = model.attrs.get("graphs") or {}

@@ -128,8 +128,7 @@ def build_eager_model(model: dict[str, Any], sandbox: Path) -> torch.nn.Module:
         else:
             shards = [str(weights)]
         files = [p for p in shards if not p.endswith(".json")]
-        _load_weights(module, [sandbox / p for p in files], shards[0], str(model.get("weights_prefix") or ""),
-                      [str(d) for d in model.get("weights_drop") or ()])
+        _load_weights(module, [sandbox / p for p in files], shards[0], str(model.get("weights_prefix") or ""))
     return module
 
 
@@ -141,8 +140,7 @@ def _tied_aliases(module: torch.nn.Module) -> dict[str, set[str]]:
     return {k: group - {k} for group in by_tensor.values() for k in group}
 
 
-def _load_weights(module: torch.nn.Module, paths: list[Path], label: str, prefix: str = "",
-                  drop: list[str] | None = None) -> None:
+def _load_weights(module: torch.nn.Module, paths: list[Path], label: str, prefix: str = "") -> None:
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
@@ -158,13 +156,6 @@ def _load_weights(module: torch.nn.Module, paths: list[Path], label: str, prefix
         if dup:
             raise ToolchainError(f"weights {label}: key {dup[0]} is in more than one shard")
         state.update(part)
-    if drop:  # a sub-model of a larger checkpoint: the other parts' keys are left out, each prefix checked
-        unused = [d for d in drop if not any(k.startswith(d) for k in state)]
-        if unused:
-            raise ToolchainError(f"weights {label}: weights_drop prefix {unused[0]!r} matches no key")
-        dropped = sorted(k for k in state if k.startswith(tuple(drop)))
-        print(f"weights {label}: dropped {len(dropped)} key(s) (weights_drop): {', '.join(dropped)}", file=sys.stderr)
-        state = {k: v for k, v in state.items() if not k.startswith(tuple(drop))}
     if prefix:
         state = {(k[len(prefix):] if k.startswith(prefix) else k): v for k, v in state.items()}
     expected = module.state_dict()
