@@ -25,6 +25,10 @@ RC_NAME = ".neuronbuildrc"
 COMMON = "common"
 INHERITS_BUILD = ("plan", "explain", "upgrade-impact", "validate")
 NO_RC = ("deploy", "verify", "completion", "help")
+# An rc file holds a few flags per command: a larger file or a longer line is refused before it is split (shlex reads
+# a character at a time: seconds for a megabyte line).
+MAX_RC_BYTES = 256 << 10
+MAX_RC_LINE = 16 << 10
 
 
 class RcError(UserInputError):
@@ -55,13 +59,19 @@ class RcLine:
 def read_rc(path: Path, sections: Sequence[str]) -> list[RcLine]:
     """The lines of one rc file; an unknown section or bad quoting is an RcError. A missing file has no lines."""
     try:
-        text = path.read_text(encoding="utf-8")
+        with open(path, "rb") as f:
+            data = f.read(MAX_RC_BYTES + 1)
+        if len(data) > MAX_RC_BYTES:
+            raise RcError(str(path), f"the rc file is larger than {MAX_RC_BYTES >> 10} KiB")
+        text = data.decode("utf-8")
     except FileNotFoundError:
         return []
     except (OSError, UnicodeDecodeError) as e:
         raise RcError(str(path), f"cannot read the rc file: {e}") from None
     out: list[RcLine] = []
     for n, raw in enumerate(text.splitlines(), 1):
+        if len(raw) > MAX_RC_LINE:
+            raise RcError(f"{path}:{n}", f"the line is longer than {MAX_RC_LINE >> 10} KiB")
         try:
             words = shlex.split(raw, comments=True)
         except ValueError as e:

@@ -49,8 +49,8 @@ def _events(path: Path) -> list[dict[str, Any]]:
 
 
 def _headers(cache: Path) -> dict[str, tuple[int, int]]:
-    """Every precompiled header under the cache's toolchain scratch dir: name -> (inode, mtime_ns)."""
-    found = (cache / "v1" / "toolchain-tmp").glob("torchinductor_*/precompiled_headers/*.gch")
+    """Every precompiled header in the cache's header dir (beside its scratch dir): name -> (inode, mtime_ns)."""
+    found = (cache / "v1" / "toolchain-headers").glob("**/*.gch")
     return {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in found}
 
 

@@ -12,7 +12,8 @@ from neuronbuild.loading.labels import Label
 
 TRACE = "trace"
 COMPILE = "compile"
-TRACE_OUTPUT = "program.pt2"
+TRACE_OUTPUT = "program.pt2"  # shapes only: no weight values inside
+TRACE_WEIGHTS = "constants.safetensors"  # every tensor the program holds, streamed from the weight files
 
 
 @dataclass(frozen=True, order=True)

@@ -5,10 +5,8 @@ so every figure a user sees comes from the same numbers."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from functools import reduce
-from operator import add
 from typing import Any
 
 import networkx as nx
@@ -19,7 +17,6 @@ from neuronbuild.history import History, LatestEntry
 
 TRACE_DEFAULT_S = 4.0  # a trace of a small model, when nothing was recorded
 TRACE_DEFAULT_MB = 800.0
-_INF = float("inf")
 
 
 @dataclass(frozen=True)
@@ -109,13 +106,13 @@ def wall_time_of(graph: nx.DiGraph, fps: Sequence[str], seconds: Sequence[float]
     import heapq
 
     finish: dict[str, float] = {}  # (fps is topologically ordered: a dependency to run is in here before its user)
-    pred = graph._pred  # (the adjacency dicts: no view object per action)
+    pred = graph.predecessors
     get = finish.get
     if jobs <= 1:  # (one worker: each action starts when the previous one ends, or its inputs are ready)
         free = 0.0
         for fp, s in zip(fps, seconds, strict=True):
             ready = free
-            for d in pred[fp]:
+            for d in pred(fp):
                 f = get(d)
                 if f is not None and f > ready:
                     ready = f
@@ -125,7 +122,7 @@ def wall_time_of(graph: nx.DiGraph, fps: Sequence[str], seconds: Sequence[float]
         free0 = free1 = 0.0
         for fp, s in zip(fps, seconds, strict=True):
             ready = 0.0
-            for d in pred[fp]:
+            for d in pred(fp):
                 f = get(d)
                 if f is not None and f > ready:
                     ready = f
@@ -138,7 +135,7 @@ def wall_time_of(graph: nx.DiGraph, fps: Sequence[str], seconds: Sequence[float]
     replace = heapq.heapreplace
     for fp, s in zip(fps, seconds, strict=True):
         ready = 0.0
-        for d in pred[fp]:
+        for d in pred(fp):
             f = get(d)
             if f is not None and f > ready:
                 ready = f
@@ -146,49 +143,3 @@ def wall_time_of(graph: nx.DiGraph, fps: Sequence[str], seconds: Sequence[float]
         end = finish[fp] = (ready if ready > free else free) + s
         replace(workers, (end, i))
     return max(finish.values(), default=0.0)
-
-
-def wall_time_at(places: Iterable[int] | None, deps: Iterable[int], many: Sequence[Sequence[int]], size: int,
-                 seconds: Sequence[float], jobs: int) -> float | None:
-    """wall_time_of() over places instead of fingerprints, for an order whose dependencies are known by place
-    (ActionGraph.order_deps): `places` are those of the actions to run in that order of `size` actions (1-based,
-    increasing; None: all of them), `deps` their dependencies' places (0: none; ~k: several, at many[k]), `seconds`
-    their durations. The loop reads and writes a list of finish times by place (a dependency not to run keeps 0.0,
-    as one not in the schedule counts) instead of dicts by fingerprint: the same greedy schedule, the same float
-    operations in the same order. With durations that are finite and not negative, one worker's finish times never
-    decrease (each action starts when the previous one ends), and with several, the answer is the largest finish,
-    which with two is the later of the two free times (the action goes to the one free first, whichever its index:
-    the pair kept sorted). None for other durations (a damaged history: then wall_time_of answers)."""
-    if not seconds:
-        return 0.0
-    total = sum(seconds)
-    if total != total or total == _INF or min(seconds) < 0.0:
-        return None
-    if jobs <= 1:  # (every dependency ran before, on the one worker)
-        return reduce(add, seconds, 0.0)
-    finish = [0.0] * (size + 1)  # by place; [0]: "none"
-    at = finish.__getitem__
-    pairs = zip(range(1, len(seconds) + 1) if places is None else places, seconds, deps, strict=True)
-    if jobs == 2:  # (the two workers' free times, sorted: a <= b)
-        a = b = 0.0
-        for i, s, d in pairs:
-            ready = finish[d] if d >= 0 else max(map(at, many[~d]))
-            x = finish[i] = (ready if ready > a else a) + s
-            if x < b:
-                a = x
-            else:
-                a, b = b, x
-        return b
-    import heapq
-
-    workers = [(0.0, k) for k in range(jobs)]  # (free at, worker): a heap
-    replace = heapq.heapreplace
-    end = 0.0
-    for i, s, d in pairs:
-        ready = finish[d] if d >= 0 else max(map(at, many[~d]))
-        free, k = workers[0]
-        x = finish[i] = (ready if ready > free else free) + s
-        replace(workers, (x, k))
-        if x > end:
-            end = x
-    return end

@@ -28,11 +28,12 @@ def _packages_distributions() -> Mapping[str, list[str]]:
 def distributions_of(modules: Iterable[str]) -> dict[str, str]:
     """Installed distributions (name -> version) providing these top-level modules; torch is in every trace record
     already, modules no distribution provides (the standard library, the workspace's own) are left out."""
+    wanted = [m for m in modules if m not in sys.stdlib_module_names and m not in ("torch", "neuronbuild")]
+    if not wanted:
+        return {}  # (no scan of every installed distribution: ~1 s per process with torch's environment)
     dists = _packages_distributions()
     out: dict[str, str] = {}
-    for mod in modules:
-        if mod in sys.stdlib_module_names or mod in ("torch", "neuronbuild"):
-            continue
+    for mod in wanted:
         for dist in dists.get(mod, ()):
             name = dist.lower().replace("_", "-")
             if name != "torch":

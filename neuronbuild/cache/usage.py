@@ -12,11 +12,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 SCRATCH = "toolchain-tmp"
+HEADERS = "toolchain-headers"  # inductor's precompiled headers: scratch too, kept apart (read-only to actions)
 # Parts of <cache>/v1, by directory name; anything else is counted as "other".
 PARTS = {"cas": "blobs", "ac": "action records", SCRATCH: "compiler scratch (toolchain-tmp)", "logs": "logs",
          "sandbox": "sandboxes", "failures": "failure records", "identities": "history", "state": "workspace state",
          "verified": "verified marks", "stats": "build stats", "roots": "workspace roots",
-         "pins": "pins"}
+         "pins": "pins", HEADERS: "compiler scratch (toolchain-tmp)"}
 
 
 def tree_bytes(path: Path) -> int:
@@ -69,9 +70,14 @@ def clear_scratch(root: Path, now: float, grace_s: float) -> int:
 
     Returns the bytes freed. Safe while builds run: a file an open compile holds stays readable until closed, and
     what is removed is rebuilt on demand (a slower first compile)."""
-    scratch = root / SCRATCH
-    if not scratch.is_dir():
-        return 0
+    freed = 0
+    for part in (SCRATCH, HEADERS):
+        if (root / part).is_dir():
+            freed += _clear_tree(root / part, now, grace_s)
+    return freed
+
+
+def _clear_tree(scratch: Path, now: float, grace_s: float) -> int:
     freed = 0
     for dirpath, dirnames, filenames in os.walk(scratch, topdown=False):
         for n in filenames:

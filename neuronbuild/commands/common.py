@@ -80,13 +80,12 @@ def run_plan(args: argparse.Namespace) -> int:
     for note in settings_notes(ctx.settings, ag, toolchains=()):  # a plan makes no graphs: no toolchain notes
         print(note, file=sys.stderr)
     from neuronbuild import incremental
+    from neuronbuild.execution.scheduler import needed_actions
 
     cache = ctx.open_cache()
-    peeking = incremental.peeking(cache)
     with incremental.analysis_gc():  # (100,000s of long-lived sets, estimates and lines: no collections meanwhile)
-        todo, cached = incremental.needed_actions(ag, peeking)  # (scheduler.needed_actions; patched in the server)
-        report = plan_report(ag, todo, cached, ctx.history(cache), args.jobs or default_jobs(),
-                             incremental.estimate_memo(peeking))
+        todo, cached = needed_actions(ag, cache, probe=True)
+        report = plan_report(ag, todo, cached, ctx.history(cache), args.jobs or default_jobs())
         if getattr(args, "output", "text") == "json":
             print(json.dumps(report.to_json(), indent=1, sort_keys=True))
         else:  # (the matrix first: the build server sends it while the schedule for the summary is computed)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from neuronbuild.errors import EXIT_OK
@@ -31,7 +32,7 @@ def run(args: argparse.Namespace) -> int:
 
     paths = _paths(args)
     if args.command == "shutdown":
-        ans = request(paths, {"type": "shutdown"}, timeout=None)
+        ans = request(paths, {"type": "shutdown", "pid": os.getpid()}, timeout=None)
         if ans is None:
             print("neuronbuild: no build server is running for this workspace", file=sys.stderr)
             return EXIT_OK

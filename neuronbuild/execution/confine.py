@@ -10,6 +10,10 @@ undone in a process:
   PermissionError whose message names the path and says how to declare it. It also records the first violation, so
   an action whose code caught the exception still fails. Alone, it does not see C extensions or subprocesses.
 
+Sockets and signals: Landlock's TCP rules (ABI >= 4) refuse TCP bind/connect, its scoping (ABI >= 6) refuses
+signals to processes outside the action's domain and abstract Unix sockets made outside it, and a seccomp filter
+refuses new Unix/IPv4/IPv6 sockets and io_uring (so no connect() to the build server's socket, a path).
+
 Reads are allowed under the sandbox, the action's TMPDIR and HOME, the Python installation (prefixes, sys.path,
 site-packages), neuronbuild itself, plug-in paths, PATH dirs and a configured neuronx-cc's install, /usr, /lib*, /dev,
 /proc and /sys (and, for the kernel rules only, /etc and /bin, which libc and compilers read); writes only under the
@@ -118,13 +122,14 @@ def toolchain_roots(env: Mapping[str, str], spec: Mapping[str, Any]) -> tuple[st
 
 
 def policy_for(inputs: str, outputs: str, env: Mapping[str, str], spec: Mapping[str, Any],
-               installation: tuple[str, ...], extra_write: Iterable[str] = ()) -> Policy:
+               installation: tuple[str, ...], extra_write: Iterable[str] = (), extra_read: Iterable[str] = ()) -> Policy:
     """The policy of one action: its sandbox (the inputs' and outputs' common parent), TMPDIR, HOME and
-    `extra_write` writable; the installation and toolchain readable."""
+    `extra_write` writable; the installation, toolchain and `extra_read` (precompiled headers) readable."""
     ins, outs = Path(_real(inputs)), Path(_real(outputs))
     sandbox = [str(ins.parent)] if ins.parent == outs.parent else [str(ins), str(outs)]
     writable = sandbox + [_real(env[k]) for k in ("TMPDIR", "HOME") if env.get(k)] + [_real(p) for p in extra_write]
-    return Policy(read=_dedup([*installation, *toolchain_roots(env, spec)]), write=_dedup(writable))
+    readable = [*installation, *toolchain_roots(env, spec), *(_real(p) for p in extra_read)]
+    return Policy(read=_dedup(readable), write=_dedup(writable))
 
 
 # ----------------------------------------------------------------------------------------------------- audit hook
@@ -213,8 +218,16 @@ _READ = _EXECUTE | _READ_FILE | _READ_DIR
 _FILE_RIGHTS = _EXECUTE | _WRITE_FILE | _READ_FILE | _TRUNCATE  # the only rights a rule on a non-directory may hold
 
 
+# ABI 4: TCP bind and connect (handled with no rule allowing any port: refused); ABI 6: scoping, so the action cannot
+# signal a process outside its Landlock domain (its worker, the build, the server, any process of the user) nor
+# connect to an abstract Unix socket created outside it.
+_NET_BIND_TCP, _NET_CONNECT_TCP = 1 << 0, 1 << 1
+_SCOPE_ABSTRACT_UNIX_SOCKET, _SCOPE_SIGNAL = 1 << 0, 1 << 1
+
+
 class _RulesetAttr(ctypes.Structure):
-    _fields_ = [("handled_access_fs", ctypes.c_uint64)]
+    _fields_ = [("handled_access_fs", ctypes.c_uint64), ("handled_access_net", ctypes.c_uint64),
+                ("scoped", ctypes.c_uint64)]
 
 
 class _PathBeneathAttr(ctypes.Structure):
@@ -241,9 +254,10 @@ def apply_landlock(policy: Policy) -> str | None:
              | _MAKE_BLOCK | _MAKE_SYM | _REFER | (_TRUNCATE if abi >= 3 else 0))
     handled = _READ | write
     libc = ctypes.CDLL(None, use_errno=True)
-    attr = _RulesetAttr(handled)
-    fd = libc.syscall(_SYS_CREATE_RULESET, ctypes.byref(attr), ctypes.c_size_t(ctypes.sizeof(attr)),
-                      ctypes.c_uint32(0))
+    attr = _RulesetAttr(handled, _NET_BIND_TCP | _NET_CONNECT_TCP if abi >= 4 else 0,
+                        _SCOPE_ABSTRACT_UNIX_SOCKET | _SCOPE_SIGNAL if abi >= 6 else 0)
+    size = 24 if abi >= 6 else 16 if abi >= 4 else 8  # the struct as this ABI knows it
+    fd = libc.syscall(_SYS_CREATE_RULESET, ctypes.byref(attr), ctypes.c_size_t(size), ctypes.c_uint32(0))
     if fd < 0:
         return f"Landlock ruleset: {os.strerror(ctypes.get_errno())}"
     try:
@@ -272,6 +286,72 @@ def apply_landlock(policy: Policy) -> str | None:
     return None
 
 
+# ------------------------------------------------------------------------------------------------------- seccomp
+# A filter refusing (EACCES) new Unix, IPv4 and IPv6 sockets and io_uring (whose operations would bypass the filter):
+# an action cannot connect to the build server's socket (a path Landlock's file rules do not cover for connect()),
+# another Unix socket of the user, or the network. socketpair() stays allowed (an anonymous pair, between the
+# action's own processes).
+_PR_SET_SECCOMP, _SECCOMP_MODE_FILTER = 22, 2
+_RET_ALLOW, _RET_ERRNO = 0x7FFF0000, 0x00050000
+_LD_W_ABS, _JEQ_K, _JGE_K, _RET_K = 0x20, 0x15, 0x35, 0x06
+# audit arch -> (socket, io_uring_setup) syscall numbers
+_ARCHES = {0xC000003E: (41, 425), 0xC00000B7: (198, 425)}  # x86_64, aarch64
+_X32_BIT = 0x40000000
+_AF_DENIED = (1, 2, 10)  # AF_UNIX, AF_INET, AF_INET6
+
+
+class _SockFilter(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint16), ("jt", ctypes.c_uint8), ("jf", ctypes.c_uint8), ("k", ctypes.c_uint32)]
+
+
+class _SockFprog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_uint16), ("filter", ctypes.POINTER(_SockFilter))]
+
+
+def _seccomp_program(arch: int) -> list[tuple[int, int, int, int]]:
+    sock_nr, uring_nr = _ARCHES[arch]
+    deny = _RET_ERRNO | errno.EACCES
+    prog = [
+        (_LD_W_ABS, 0, 0, 4),  # arch
+        (_JEQ_K, 1, 0, arch),
+        (_RET_K, 0, 0, deny),  # another ABI (32-bit calls on a 64-bit kernel): nothing is allowed through it
+        (_LD_W_ABS, 0, 0, 0),  # syscall number
+        (_JGE_K, 0, 1, _X32_BIT),
+        (_RET_K, 0, 0, deny),  # x32 calls
+        (_JEQ_K, 0, 1, uring_nr),
+        (_RET_K, 0, 0, deny),
+        (_JEQ_K, 1, 0, sock_nr),
+        (_RET_K, 0, 0, _RET_ALLOW),
+        (_LD_W_ABS, 0, 0, 16),  # socket(domain, ...): the low 32 bits of the first argument
+    ]
+    for i, af in enumerate(_AF_DENIED):
+        left = len(_AF_DENIED) - i - 1  # the tests after this one; then ALLOW, then DENY
+        prog.append((_JEQ_K, left + 1, 0, af))
+    prog += [(_RET_K, 0, 0, _RET_ALLOW), (_RET_K, 0, 0, deny)]
+    return prog
+
+
+def _audit_arch() -> int | None:
+    return {"x86_64": 0xC000003E, "aarch64": 0xC00000B7}.get(os.uname().machine)
+
+
+def apply_seccomp() -> str | None:
+    """Refuse new Unix and IP sockets (and io_uring) to this process and its children for good; None when applied,
+    else why not. Needs no_new_privs (set by apply_landlock; set here too when Landlock was not applied)."""
+    arch = _audit_arch()
+    if arch is None:
+        return "no seccomp filter for this architecture"
+    prog = _seccomp_program(arch)
+    arr = (_SockFilter * len(prog))(*[_SockFilter(*ins) for ins in prog])
+    fprog = _SockFprog(len(prog), arr)
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
+        return f"no_new_privs: {os.strerror(ctypes.get_errno())}"
+    if libc.prctl(_PR_SET_SECCOMP, _SECCOMP_MODE_FILTER, ctypes.byref(fprog), 0, 0) != 0:
+        return f"seccomp: {os.strerror(ctypes.get_errno())}"
+    return None
+
+
 def confine(policy: Policy) -> str | None:
     """Both mechanisms, for this process for good; returns why Landlock was not applied (None when it was)."""
     sys.dont_write_bytecode = True  # imports must not try to write .pyc files into the installation
@@ -279,7 +359,10 @@ def confine(policy: Policy) -> str | None:
     # refused (importlib.metadata, the import system): neuronbuild itself is already imported.
     sys.path[:] = [p for p in sys.path if not os.path.isabs(p) or policy.may_read(_real(p))]
     why = apply_landlock(policy)
+    no_sockets = apply_seccomp()
     install_audit_hook(policy)
+    if no_sockets is not None:  # (stderr is the action's log)
+        print(f"neuronbuild: {no_sockets}; this action may open Unix and network sockets", file=sys.stderr)
     return why
 
 

@@ -69,3 +69,46 @@ def with_threads(env: Mapping[str, str], threads: int) -> dict[str, str]:
     out[THREADS_VAR] = str(max(1, threads))
     out.setdefault("TORCHINDUCTOR_COMPILE_THREADS", str(max(1, threads)))
     return out
+
+
+_hidden = False
+
+
+def hide_process_environ() -> bool:
+    """Make this process's own environment (AWS keys, tokens) unreadable through /proc/<pid>/environ, which shows the
+    region the environment was passed in at start and which any process of the user may read (an action included:
+    its kernel rules let it read /proc). Moves libc's environment strings to the heap (setenv of each entry: os.environ
+    and getenv() are unchanged), zeroes the original region, and makes the process non-dumpable (then its
+    /proc files, environ and mem included, are root's). Called once by the build process (pool.WorkerPool) before
+    any action can run. Returns whether the region was cleared."""
+    global _hidden
+    if _hidden:
+        return True
+    _hidden = True
+    import ctypes
+    import sys
+
+    if sys.platform != "linux":
+        return False
+    try:
+        with open("/proc/self/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        start, end = int(fields[47]), int(fields[48])  # env_start, env_end (fields 50 and 51)
+        libc = ctypes.CDLL(None, use_errno=True)
+        environ = ctypes.POINTER(ctypes.c_char_p).in_dll(libc, "environ")
+        entries: list[bytes] = []
+        while environ and environ[len(entries)] is not None:
+            entries.append(environ[len(entries)])
+    except (OSError, ValueError, IndexError, AttributeError):
+        return False
+    if not start or end <= start:
+        return False
+    # setenv(overwrite) points each entry at a heap copy in place (no clearenv: the array is never freed under another
+    # thread's getenv); then nothing refers to the original strings.
+    for e in entries:
+        name, _, value = e.partition(b"=")
+        if name:
+            libc.setenv(name, value, 1)
+    ctypes.memset(start, 0, end - start)
+    libc.prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE 0
+    return True

@@ -21,11 +21,14 @@ from pathlib import Path
 from typing import Any
 
 import neuronbuild
+from neuronbuild.execution import channel
 from neuronbuild.execution import zygote as zy
+from neuronbuild.execution.env import hide_process_environ
 
 # The package's parent directory, so the worker imports this very neuronbuild (as spawn would, via sys.path).
 _PKG_PARENT = str(Path(neuronbuild.__file__).resolve().parent.parent)
-_BOOT = ("import sys; sys.path.insert(0, sys.argv[1]); "
+_BOOT = ("import os, sys; sys.path[:] = [p for p in sys.path if os.path.isabs(p)]; "
+         "sys.path.insert(0, sys.argv[1]); "
          "from neuronbuild.execution.worker import main; main(int(sys.argv[2]), int(sys.argv[3]))")
 # A task sent to a worker still starting (importing torch) gets this much time for the start on top of its timeout:
 # the timeout is the action's own, but a start that hangs must still end.
@@ -100,7 +103,7 @@ class WorkerProcess:
             err = open(stderr_path, "ab")  # noqa: SIM115 - handed to the child
         try:
             return subprocess.Popen(
-                [sys.executable, "-c", _BOOT, _PKG_PARENT, str(read_fd), str(write_fd), "neuronbuild-worker"],
+                [sys.executable, "-P", "-c", _BOOT, _PKG_PARENT, str(read_fd), str(write_fd), "neuronbuild-worker"],
                 pass_fds=(read_fd, write_fd), env=env, cwd=cwd, start_new_session=True,
                 stdin=subprocess.DEVNULL, stdout=err, stderr=err,
             )
@@ -127,7 +130,7 @@ class WorkerProcess:
         self.task = task_id
         self.started = time.time()
         self.timeout, self.timeout_source = timeout, source
-        self.to_child.send(msg)
+        channel.send(self.to_child, msg)
 
     def kill(self) -> None:
         """End the worker and everything it started (its session's process group)."""
@@ -175,6 +178,7 @@ class WorkerPool:
             use_zygote = self.size >= 2
         self._use_zygote = use_zygote and os.environ.get("NEURONBUILD_ZYGOTE", "1") != "0" and zy.supported()
         self._zygote: zy.Zygote | None = None
+        hide_process_environ()  # before any action runs: /proc/<this pid>/environ shows nothing of ours
 
     def _zygote_now(self) -> zy.Zygote | None:
         """The zygote (started on first use, and again after it ended), or None when this pool spawns workers."""
@@ -221,7 +225,7 @@ class WorkerPool:
         if not (z.keys - w.keys) or not (w.keys <= z.keys):
             return
         with contextlib.suppress(OSError, ValueError):
-            w.to_child.send(None)  # it exits at once (between tasks: nothing to clean up)
+            channel.send(w.to_child, None)  # it exits at once (between tasks: nothing to clean up)
         w.close()
         del self._workers[w.slot]
         self._workers[w.slot] = self._start(w.slot)
@@ -332,10 +336,17 @@ class WorkerPool:
                 self._dead(w, out)  # exited; whatever holds its pipe (a forked child) is ended with its group
                 continue
             try:
-                msg = w.from_child.recv()
+                msg = channel.recv(w.from_child)
+                if msg is None:
+                    raise channel.BadMessage("an empty message")
             except (EOFError, OSError):
                 done.add(w.slot)
                 self._dead(w, out)
+                continue
+            except channel.BadMessage as e:  # not a worker's message: its task fails, the worker is replaced
+                done.add(w.slot)
+                w.signal_kill()
+                self._dead(w, out, f"its worker sent {e}")
                 continue
             if "ready" in msg:
                 w.ready = True
@@ -388,7 +399,7 @@ class WorkerPool:
         except (EOFError, OSError):
             return True  # recv() will report EOF
 
-    def _dead(self, w: WorkerProcess, out: list[TaskResult]) -> None:
+    def _dead(self, w: WorkerProcess, out: list[TaskResult], error: str | None = None) -> None:
         with contextlib.suppress(subprocess.TimeoutExpired):
             w.proc.wait(timeout=5)
         with contextlib.suppress(OSError):
@@ -399,7 +410,7 @@ class WorkerPool:
             from neuronbuild.execution.worker import death_message  # (worker.py's own, for the action's child)
 
             out.append(TaskResult(w.task, w.slot, w.pid, {
-                "ok": False, "worker_died": True, "error": death_message(w.returncode()),
+                "ok": False, "worker_died": error is None, "error": error or death_message(w.returncode()),
                 "duration_s": time.time() - w.started, "pid": w.pid}))
 
     def kill_task(self, task_id: str) -> bool:
@@ -429,7 +440,7 @@ class WorkerPool:
         idle = [w for w in self._workers.values() if w.task is None]
         for w in idle:
             with contextlib.suppress(OSError, ValueError):
-                w.to_child.send(None)
+                channel.send(w.to_child, None)
         deadline = time.monotonic() + 5.0
         for w in idle:
             with contextlib.suppress(subprocess.TimeoutExpired):

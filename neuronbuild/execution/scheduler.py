@@ -103,11 +103,11 @@ def needed_actions(ag: ActionGraph, cache: SpawnCache, probe: bool = False) -> t
                 (cutoff.peek(a, cache, probe=True) if probe else cutoff.reuse(a, cache)) is not None:
             cached.add(a.fingerprint)  # early cutoff: its inputs' outputs are those of an earlier result
     need: set[str] = set()
-    succ = ag.graph._succ  # (the adjacency dicts: no view object per action)
+    succ = ag.graph.successors
     for a in reversed(order):
         if a.fingerprint in cached:
             continue
-        consumers = succ[a.fingerprint]
+        consumers = list(succ(a.fingerprint))
         if not consumers or any(c in need for c in consumers):
             need.add(a.fingerprint)
     return [a for a in order if a.fingerprint in need], [a.fingerprint for a in order if a.fingerprint in cached]

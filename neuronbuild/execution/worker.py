@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from neuronbuild.atomic import atomic_write_bytes, umask_mode
+from neuronbuild.execution import channel
 from neuronbuild.execution.confine import (
     Policy,
     confine,
@@ -200,19 +201,24 @@ def run_isolated(msg: Mapping[str, Any], installation: tuple[str, ...]) -> dict[
     env = dict(os.environ)
     spec = msg["spec"]
     policy = policy_for(msg["inputs"], msg["outputs"], env, spec, installation,
-                        [msg["log"], *extra_write_roots()])
+                        [msg["log"], *extra_write_roots()], extra_read_roots())
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:  # the action's process
         code = 0
         try:
             os.close(r)
+            close_inherited_fds(keep=(w,))  # the worker's pipes to the build process, its pidfds: not the model's
+            null = os.open(os.devnull, os.O_RDWR)  # nor the worker's log (run_action sends 1 and 2 to the action's)
+            for fd in (0, 1, 2):
+                os.dup2(null, fd)
+            os.close(null)
             with contextlib.suppress(Exception):
                 import ctypes
 
                 ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, 9, 0, 0, 0)  # dies with the worker
-            Connection(w, readable=False).send(run_action(msg["kind"], spec, msg["inputs"], msg["outputs"],
-                                                          msg["log"], msg.get("expect"), policy))
+            channel.send(Connection(w, readable=False), run_action(msg["kind"], spec, msg["inputs"], msg["outputs"],
+                                                                   msg["log"], msg.get("expect"), policy))
         except BaseException:  # noqa: BLE001 - reported as a death by the parent
             code = 70
         finally:
@@ -223,13 +229,20 @@ def run_isolated(msg: Mapping[str, Any], installation: tuple[str, ...]) -> dict[
     with contextlib.suppress(AttributeError, OSError):
         pidfd = os.pidfd_open(pid)
     res: dict[str, Any] | None = None
+    bad: str | None = None
     try:
         handles: list[Any] = [conn] if pidfd is None else [conn, pidfd]
         while True:
             ready = wait(handles)
             if conn in ready or conn.poll(0):
-                with contextlib.suppress(EOFError, OSError):
-                    res = conn.recv()
+                try:
+                    res = action_result(channel.recv(conn, MAX_RESULT_BYTES))
+                except (EOFError, OSError):
+                    pass
+                except channel.BadMessage as e:  # model code wrote to its result pipe: the action fails
+                    bad = f"the action's process sent {e} as its result"
+                    with contextlib.suppress(OSError):
+                        os.kill(pid, signal.SIGKILL)
                 break
             if pidfd is not None and pidfd in ready:
                 break
@@ -238,7 +251,9 @@ def run_isolated(msg: Mapping[str, Any], installation: tuple[str, ...]) -> dict[
         if pidfd is not None:
             os.close(pidfd)
     _pid, status, usage = os.wait4(pid, 0)
-    if res is None:
+    if bad is not None:
+        res = {"ok": False, "error": bad, "duration_s": 0.0}
+    elif res is None:
         code = os.waitstatus_to_exitcode(status)
         res = {"ok": False, "worker_died": True, "error": death_message(code), "duration_s": 0.0}
     # The action's CPU seconds: its process and every process it waited for (compilers), whatever the cores.
@@ -246,6 +261,43 @@ def run_isolated(msg: Mapping[str, Any], installation: tuple[str, ...]) -> dict[
     res["action_pid"] = pid
     res["pid"] = os.getpid()
     return res
+
+
+# An action's result: its metadata (recorded in the action cache) and the first lines of an error.
+MAX_RESULT_BYTES = 16 << 20
+_RESULT_TYPES: dict[str, tuple[type, ...]] = {
+    "ok": (bool,), "metadata": (dict,), "error": (str,), "duration_s": (int, float), "pid": (int,),
+    "peak_rss_mb": (int, float), "host": (str,)}
+
+
+def action_result(msg: Any) -> dict[str, Any]:
+    """An action child's result as the worker passes it on: the known fields of the right types only (the child ran
+    model code, which may have written its own message); anything else is channel.BadMessage."""
+    if not isinstance(msg, dict) or not isinstance(msg.get("ok"), bool):
+        raise channel.BadMessage("a message without a boolean 'ok'")
+    out: dict[str, Any] = {}
+    for key, types in _RESULT_TYPES.items():
+        if key in msg:
+            v = msg[key]
+            if not isinstance(v, types) or (types != (bool,) and isinstance(v, bool)):
+                raise channel.BadMessage(f"a message whose {key!r} is a {type(v).__name__}")
+            out[key] = v
+    if not out["ok"]:
+        out["error"] = first_lines(str(out.get("error") or "")) or "the action failed"
+    return out
+
+
+def close_inherited_fds(keep: tuple[int, ...] = ()) -> None:
+    """Close every descriptor of this (just forked) process but stdin, stdout, stderr and `keep`: the model's code
+    must reach no pipe or socket of its worker (the worker's channel to the build process, the pool's pidfd)."""
+    try:
+        fds = sorted(int(n) for n in os.listdir("/proc/self/fd"))
+    except OSError:
+        fds = list(range(3, 1024))
+    for fd in fds:
+        if fd > 2 and fd not in keep:
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
 
 def extra_write_roots() -> list[str]:
@@ -257,6 +309,17 @@ def extra_write_roots() -> list[str]:
     scratch = toolchain_scratch()
     scratch.mkdir(parents=True, exist_ok=True)
     return [str(scratch)]
+
+
+def extra_read_roots() -> list[str]:
+    """What actions read but must not write: inductor's precompiled headers (written by warm-ups, in this process)."""
+    try:
+        from neuronbuild.toolchains.compile import header_dir
+    except Exception:  # noqa: BLE001 - a broken toolchain import is reported by the action itself
+        return []
+    headers = header_dir()
+    headers.mkdir(parents=True, exist_ok=True)
+    return [str(headers)]
 
 
 _PR_SET_CHILD_SUBREAPER = 36
@@ -376,7 +439,7 @@ def main(read_fd: int, write_fd: int) -> None:
     """A worker's life: warm up (import torch and the toolchains once; no model code ever runs here), then run each
     action in a child forked from this warm, clean state (run_isolated) until told to stop.
 
-    Started by pool.WorkerProcess in its own session with the action environment; messages are pickled over two
+    Started by pool.WorkerProcess in its own session with the action environment; messages are JSON (channel.py) over two
     pipes: in, {"kind", "spec", "inputs", "outputs", "log", "expect"} or None (stop); out, run_action's result."""
     for fd in (read_fd, write_fd):
         os.set_inheritable(fd, False)  # compilers started by the toolchain must not hold our pipes open
@@ -411,11 +474,11 @@ def serve(conn_in: Connection, conn_out: Connection, installation: tuple[str, ..
     and send its result, with the keys of the warm-ups this process holds ("warmed"), until told to stop or the pool
     is gone."""
     warmed = set() if warmed is None else warmed  # toolchain warm-ups done in this process (their keys)
-    conn_out.send({"ready": True, "pid": os.getpid()})
+    channel.send(conn_out, {"ready": True, "pid": os.getpid()})
     while True:
         try:
-            msg = conn_in.recv()
-        except (EOFError, OSError):
+            msg = channel.recv(conn_in)
+        except (EOFError, OSError, channel.BadMessage):
             _exit_now()
         if msg is None:
             _exit_now()
@@ -429,7 +492,7 @@ def serve(conn_in: Connection, conn_out: Connection, installation: tuple[str, ..
         end_descendants()  # nothing an action started outlives it
         cap_log(msg["log"])
         result["warmed"] = sorted(warmed)
-        conn_out.send(result)
+        channel.send(conn_out, result)
 
 
 def _watch_pidfd(pidfd: int) -> None:

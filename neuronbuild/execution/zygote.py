@@ -30,7 +30,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-_BOOT = ("import sys; sys.path.insert(0, sys.argv[1]); "
+_BOOT = ("import os, sys; sys.path[:] = [p for p in sys.path if os.path.isabs(p)]; "
+         "sys.path.insert(0, sys.argv[1]); "
          "from neuronbuild.execution.zygote import main; main(int(sys.argv[2]))")
 _MAX_MSG = 1 << 20
 # How long the pool waits for the zygote's exit report of a worker it saw exit (the report follows the reap).
@@ -70,7 +71,7 @@ class Zygote:
         try:
             # "neuronbuild-worker-zygote": a search for the build's worker processes finds it too.
             self.proc = subprocess.Popen(
-                [sys.executable, "-c", _BOOT, pkg_parent, str(child.fileno()), "neuronbuild-worker-zygote"],
+                [sys.executable, "-P", "-c", _BOOT, pkg_parent, str(child.fileno()), "neuronbuild-worker-zygote"],
                 pass_fds=(child.fileno(),), env=env, cwd=cwd, start_new_session=True,
                 stdin=subprocess.DEVNULL, stdout=err, stderr=err,
             )

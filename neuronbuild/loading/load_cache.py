@@ -60,8 +60,6 @@ class LoadCache:
         # process that keeps this cache (the build server), so analysis memoised per Target can check it by identity.
         self._packages: dict[str, tuple[_Entry, Package]] = {}
         self._dirty = False
-        self.checked: Any = None  # the last load's cycle check (target_graph.Checked; in memory: the build server)
-        self.last: Any = None  # the last load (target_graph.Last; in memory: the build server)
         self.dirs: dict[str, Any] | None = None  # the build server's kept directory listings (Loader.find_packages)
         self.hits = 0
         self.misses = 0

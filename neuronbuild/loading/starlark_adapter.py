@@ -122,13 +122,27 @@ def run_on_starlark_thread(fn: Callable[..., T], *args: Any) -> T:
             threading.Thread(target=_serve, args=(_queue,), name="starlark", daemon=True).start()
     fut: Future[T] = Future()
     _queue.put((fn, args, fut))
-    while True:
-        # Poll: a process-directed signal may be taken by one of the Go runtime's threads, whose handler only sets
-        # Python's flag; an untimed wait would never wake to run the handler (seen: 1 Ctrl-C in 10 ignored).
-        try:
-            return fut.result(timeout=0.1)
-        except FutureTimeout:
-            continue
+    try:
+        while True:
+            # Poll: a process-directed signal may be taken by one of the Go runtime's threads, whose handler only sets
+            # Python's flag; an untimed wait would never wake to run the handler (seen: 1 Ctrl-C in 10 ignored).
+            try:
+                return fut.result(timeout=0.1)
+            except FutureTimeout:
+                continue
+    except BaseException:
+        if not fut.cancel() and not fut.done():  # already running: it cannot be stopped, and holds the thread
+            _abandoned.append(fut)
+        raise
+
+
+_abandoned: list[Future[Any]] = []  # evaluations whose caller gave up (Ctrl-C, a cancelled server command)
+
+
+def starlark_thread_stuck() -> bool:
+    """Whether an evaluation whose caller gave up still runs on the Starlark thread (an endless loop): every later
+    evaluation in this process would wait behind it for ever, so a long-lived process (the build server) must end."""
+    return any(not f.done() for f in _abandoned)
 
 
 def _safe_print(prefix: str) -> Callable[[str], None]:

@@ -7,7 +7,6 @@ import operator
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
-from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -122,15 +121,8 @@ def _load(root: Path, patterns: list[TargetPattern],
             packages[name] = cached
         return packages[name]
 
-    last = load_cache.last if load_cache is not None else None
-    if last is not None and last.root == root and last.patterns == tuple(patterns) and last.check == check:
-        assert load_cache is not None
-        fast = _reload(loader, patterns, load_cache, last)
-        if fast is not None:
-            return fast, []
     requested: list[Label] = []
     warnings: list[str] = []
-    all_names: list[list[str]] = []
     for pat in patterns:
         if pat.recursive:
             names = loader.find_packages(pat.package, load_cache.dirs if load_cache is not None else None)
@@ -140,7 +132,6 @@ def _load(root: Path, patterns: list[TargetPattern],
                                                      [f"//{n}/..." for n in loader.find_packages("")]))
         else:
             names = [pat.package]
-        all_names.append(names)
         matched: list[Target] = []
         selected: list[Target] = []
         for name in names:
@@ -200,146 +191,8 @@ def _load(root: Path, patterns: list[TargetPattern],
                 raise UserInputError(f"attribute '{attr}' of '{lbl}' must be a {' or '.join(schema_attr.kinds)} "
                                      f"target, but '{dep}' is a {kind}", loader.locate(t))
             todo.append(dep)
-    checked = load_cache.checked if load_cache is not None else None
-    if checked is None or checked.root != root or (bound := _no_new_cycle(graph, seen, deps_of, checked)) is None:
-        bound = _check_cycles(graph, seen, loader, deps_of)
-    if load_cache is not None:  # (in memory only: the build server's next load checks what changed since this one)
-        labels = frozenset(seen)
-        load_cache.checked = Checked(root, dict(packages), labels, bound)
-        load_cache.last = None
-        if not warnings and len(seen) == len(requested):  # (everything reached is requested: see _reload)
-            load_cache.last = Last(root, tuple(patterns), check, all_names, graph, labels)
+    _check_cycles(graph, seen, loader, deps_of)
     return graph, warnings
-
-
-@dataclass(frozen=True)
-class Last:
-    """The build server's last load of a LoadCache (in memory): its patterns and their packages, and its graph, in
-    which every target reached is a requested one and no warning was given."""
-
-    root: Path
-    patterns: tuple[TargetPattern, ...]
-    check: bool
-    names: list[list[str]] = field(hash=False)
-    graph: TargetGraph = field(hash=False)
-    seen: frozenset[Label] = field(hash=False)
-
-
-def _reload(loader: Loader, patterns: Sequence[TargetPattern], load_cache: LoadCache, last: Last) -> TargetGraph | None:
-    """The build server's re-load when the patterns select the same packages as last time: each package is checked
-    (and evaluated again if changed) as a load does, and only the targets of changed packages are checked again
-    (references, kinds, new cycles). None when the answer could differ from a full load's in more than that (then the
-    full load runs and reports any error): a changed package declares other labels, kinds or manual tags, would
-    warn, or refers outside what the last load reached."""
-    names = [loader.find_packages(p.package, load_cache.dirs) if p.recursive else [p.package] for p in patterns]
-    if names != last.names or not all(names):
-        return None
-    old = last.graph.packages
-    packages: dict[str, Package] = {}
-    changed: list[str] = []
-    try:
-        for name, before in old.items():
-            pkg = load_cache.get(loader, name)  # (its BUILD file gone: a miss, then load_package raises)
-            if pkg is None:
-                started = time.time_ns()
-                pkg = loader.load_package(name)
-                load_cache.put(loader, pkg, started)
-            packages[name] = pkg
-            if pkg is not before:
-                changed.append(name)
-    except UserInputError:
-        return None  # (the full load reports it where a batch load would)
-    graph = TargetGraph(last.graph.root, last.graph.targets, packages, last.graph.requested)
-    seen = last.seen
-    deps_of: dict[Label, list[tuple[str, Label]]] = {}
-    if changed:
-        targets = dict(last.graph.targets)
-        for name in changed:
-            before_targets, now = old[name].targets, packages[name].targets
-            if len(before_targets) != len(now):
-                return None
-            for o, t in zip(before_targets, now, strict=True):
-                if o.label != t.label or o.kind != t.kind or ("manual" in o.tags) != ("manual" in t.tags) or \
-                        (t.kind == "neuron_compile" and not t.attrs.get("buckets") and t.label in seen):
-                    return None
-                targets[t.label] = t
-        graph = TargetGraph(last.graph.root, targets, packages, last.graph.requested)
-        for name in changed:
-            for t in packages[name].targets:
-                if t.label not in seen:
-                    continue
-                label_deps = deps_of[t.label] = graph.label_deps(t)
-                for attr, dep in label_deps:
-                    schema_attr = RULES[t.kind].attr(attr)
-                    if dep.repo or dep not in seen or schema_attr is None or targets[dep].kind not in schema_attr.kinds:
-                        return None
-    checked = load_cache.checked
-    if checked is None or checked.root != last.root or (bound := _no_new_cycle(graph, seen, deps_of, checked)) \
-            is None:
-        return None
-    load_cache.checked = Checked(last.root, dict(packages), seen, bound)
-    load_cache.last = Last(last.root, last.patterns, last.check, names, graph, seen)
-    return graph
-
-
-@dataclass(frozen=True)
-class Checked:
-    """What the last load checked for cycles and chain lengths: its packages (the objects: an unchanged package is
-    the same object in the build server's next load), the labels it checked and an upper bound of the number of
-    targets on its longest dependency chain."""
-
-    root: Path
-    packages: Mapping[str, Package] = field(hash=False)
-    labels: frozenset[Label] = field(hash=False)
-    longest: int = 0
-
-
-def _no_new_cycle(graph: TargetGraph, labels: AbstractSet[Label], deps_of: Mapping[Label, list[tuple[str, Label]]],
-                  before: Checked) -> int | None:
-    """The build server's re-load: when the last load's targets had no cycle and no chain longer than
-    MAX_DEPS_DEPTH, a new cycle or a longer chain must pass through a target that changed since (a target of a
-    package that is not the same object, or one that was not checked then); so a search from those alone decides.
-    Returns the new bound of the longest chain (the old one plus the longest chain starting at a changed target:
-    the part of a chain above its first changed target is an old chain), or None when the full check must run
-    (a cycle, or a bound reaching MAX_DEPS_DEPTH: it finds and reports them as a batch load does)."""
-    old = before.packages
-    changed = [t.label for name, pkg in graph.packages.items() if old.get(name) is not pkg
-               for t in pkg.targets if t.label in labels]
-    changed.extend(labels - before.labels)
-    if not changed:
-        return before.longest
-    targets = graph.targets
-
-    def deps(lbl: Label) -> list[tuple[str, Label]]:
-        d = deps_of.get(lbl)
-        return d if d is not None else graph.label_deps(targets[lbl])
-
-    height: dict[Label, int] = {}  # longest chain starting at a target (counted in targets); absent: on the stack
-    for root in changed:
-        if root in height:
-            continue
-        stack = [root]
-        iters = [iter(deps(root))]
-        on_stack = {root}
-        while iters:
-            pair = next(iters[-1], None)  # ((attribute, label): no generator made per step)
-            dep = pair[1] if pair is not None else None
-            if dep is None:
-                lbl = stack.pop()
-                iters.pop()
-                on_stack.discard(lbl)
-                height[lbl] = 1 + max((height[d] for _a, d in deps(lbl)), default=0)
-                continue
-            if dep in on_stack:
-                return None  # a cycle: the full check reports it
-            if dep not in height:
-                if len(stack) >= MAX_DEPS_DEPTH:
-                    return None
-                on_stack.add(dep)
-                stack.append(dep)
-                iters.append(iter(deps(dep)))
-    longest = before.longest + max(height[c] for c in changed)
-    return longest if longest <= MAX_DEPS_DEPTH else None
 
 
 MAX_DEPS_DEPTH = 256  # longest dependency chain accepted (compiler_options deps merge recursively)

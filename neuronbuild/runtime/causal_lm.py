@@ -10,6 +10,7 @@ cache, is a NoBucketFits naming the largest buckets: nothing is ever compiled or
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -20,6 +21,16 @@ from neuronbuild.runtime.router import NoBucketFits
 CONTEXT, TOKEN = "context", "token"
 CONTEXT_INPUTS = ("input_ids", "attention_mask")
 TOKEN_INPUTS = ("input_ids", "position_ids", "cache_mask", "slot", "kv")
+
+
+def _token_id(t: Any) -> int:
+    """A token id from a list: an integer (bool, float and str refused)."""
+    if isinstance(t, bool) or isinstance(t, float | str | bytes):
+        raise ValueError(f"input_ids must hold integer token ids, got {t!r}")
+    try:
+        return operator.index(t)
+    except TypeError:
+        raise ValueError(f"input_ids must hold integer token ids, got {t!r}") from None
 
 
 def _describe(sizes: Mapping[str, int]) -> str:
@@ -55,6 +66,8 @@ class CausalLM:
         first = eos[0] if isinstance(eos, list) and eos else eos
         self.eos_token_id: int | None = first if isinstance(first, int) else None
         self.pad_token_id: int = int(pad) if isinstance(pad, int) else 0
+        vocab = hf.get("vocab_size")  # token ids outside [0, vocab) would index past the embedding in a kernel
+        self.vocab_size: int | None = vocab if isinstance(vocab, int) and not isinstance(vocab, bool) else None
         self._out_index = {g: [str(o["name"]) for o in fam.graph(next(iter(fam.buckets))).outputs]
                            for g, fam in ((CONTEXT, self._context), (TOKEN, self._token))}
         if strict:  # every graph generate may pick must run here: fail now, not at the first generate
@@ -107,6 +120,18 @@ class CausalLM:
         pad[d] = batch - have
         return torch.cat([kv, kv.new_zeros(pad)], dim=d)
 
+    def _check_ids(self, rows: Sequence[Sequence[int]], pad_token_id: int) -> None:
+        """Every token id (and the pad id) within [0, vocab_size): a ValueError naming the input, never a kernel's
+        out-of-range read (an abort of the serving process)."""
+        top = self.vocab_size
+        for i, r in enumerate(rows):
+            for j, t in enumerate(r):
+                if t < 0 or (top is not None and t >= top):
+                    raise ValueError(f"input_ids[{i}][{j}] = {t} is not a token id of {self.label} "
+                                     f"(0 <= id < vocab_size {top if top is not None else '?'})")
+        if pad_token_id < 0 or (top is not None and pad_token_id >= top):
+            raise ValueError(f"pad_token_id {pad_token_id} is not a token id of {self.label} (vocab_size {top})")
+
     # -- generation ----------------------------------------------------------------------------------------------
 
     def generate(self, input_ids: torch.Tensor | Sequence[Sequence[int]], max_new_tokens: int = 16,
@@ -128,6 +153,8 @@ class CausalLM:
         if isinstance(input_ids, torch.Tensor):
             if input_ids.dim() != 2:
                 raise ValueError(f"input_ids must be [batch, seq], got {list(input_ids.shape)}")
+            if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
+                raise ValueError(f"input_ids must hold integer token ids, got {input_ids.dtype}")
             ids = input_ids.to(torch.int64)
             mask = torch.ones_like(ids) if attention_mask is None else attention_mask.to(torch.int64)
             if mask.shape != ids.shape:
@@ -135,7 +162,7 @@ class CausalLM:
             rows = [ids[i][mask[i] != 0].tolist() for i in range(ids.shape[0])]
             prefix = ids
         else:
-            rows = [[int(t) for t in r] for r in input_ids]
+            rows = [[_token_id(t) for t in r] for r in input_ids]
             width = max((len(r) for r in rows), default=0)
             prefix = torch.full((len(rows), width), pad_token_id, dtype=torch.int64)
             for i, r in enumerate(rows):
@@ -143,6 +170,7 @@ class CausalLM:
                     prefix[i, width - len(r):] = torch.tensor(r, dtype=torch.int64)
         if not rows or any(not r for r in rows):
             raise ValueError("every prompt needs at least one token")
+        self._check_ids(rows, int(pad_token_id))
         batch, longest = len(rows), max(len(r) for r in rows)
         ctx_name = self._pick(CONTEXT, self.context_buckets, {"batch": batch, "seq": longest})
         tok_name = self._pick(TOKEN, self.token_buckets, {"batch": batch})

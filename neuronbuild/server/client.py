@@ -25,7 +25,8 @@ if TYPE_CHECKING:
 EXIT_BUILD_FAILED, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 1, 2, 8
 
 START_TIMEOUT_S = 120.0  # a loaded machine can take a while to import the analysis modules
-_BOOT = ("import sys; sys.path.insert(0, sys.argv[1]); "
+_BOOT = ("import os, sys; sys.path[:] = [p for p in sys.path if os.path.isabs(p)]; "
+         "sys.path.insert(0, sys.argv[1]); "
          "from neuronbuild.server.daemon import main; main(sys.argv[2])")
 
 
@@ -195,6 +196,8 @@ def start_server(paths: ServerPaths, opts: StartupOptions, stamp: str, workspace
         with contextlib.suppress(OSError):
             if os.stat(paths.log).st_size > 16 << 20:
                 os.unlink(paths.log)  # keep the log bounded
+        print(f"neuronbuild: starting the build server (log {paths.log}; `neuronbuild shutdown` stops it, --batch "
+              "runs without it)", file=sys.stderr, flush=True)
         config = json.dumps({"output_base": paths.output_base, "socket": paths.socket, "stamp": stamp,
                              "opts": opts.to_json(), "workspace": workspace})
         pkg_parent = os.path.dirname(os.path.dirname(os.path.dirname(os.path.realpath(__file__))))
@@ -202,7 +205,7 @@ def start_server(paths: ServerPaths, opts: StartupOptions, stamp: str, workspace
         try:
             # Its own session (no terminal signals), no inherited descriptors besides /dev/null and the log: a CI
             # job that waits for our stdout to close is not held open by the daemon.
-            proc = subprocess.Popen([sys.executable, "-c", _BOOT, pkg_parent, config, "neuronbuild-server"],
+            proc = subprocess.Popen([sys.executable, "-P", "-c", _BOOT, pkg_parent, config, "neuronbuild-server"],
                                     stdin=subprocess.DEVNULL, stdout=fd, stderr=fd, close_fds=True,
                                     start_new_session=True, cwd=paths.output_base)
         finally:
@@ -276,8 +279,10 @@ def run(paths: ServerPaths, opts: StartupOptions, argv: list[str], workspace: st
             env["COLUMNS"] = str(os.get_terminal_size(sys.stderr.fileno()).columns)
         except OSError:
             pass
+    umask = os.umask(0o022)  # (read it: the server writes the command's outputs with the client's umask)
+    os.umask(umask)
     req = {"type": "command", "argv": argv, "cwd": os.getcwd(), "env": env, "tty": tty, "stamp": stamp,
-           "pid": os.getpid()}
+           "pid": os.getpid(), "umask": umask}
     for _attempt in range(3):
         sock = connect(paths)
         if sock is None:
@@ -291,7 +296,7 @@ def run(paths: ServerPaths, opts: StartupOptions, argv: list[str], workspace: st
                 continue
         try:
             try:
-                protocol.send(sock, req)
+                protocol.send(sock, {**req, "secret": protocol.read_secret(paths.secret)})
             except OSError:
                 continue  # it went away between connect and send: start another
             what, val = _stream(sock)
@@ -325,7 +330,7 @@ def request(paths: ServerPaths, msg: dict[str, Any], timeout: float | None = 10.
         return None
     try:
         sock.settimeout(timeout)
-        protocol.send(sock, msg)
+        protocol.send(sock, {**msg, "secret": protocol.read_secret(paths.secret)})
         while True:
             ans = protocol.recv(sock)
             if ans.get("t") not in ("wait", "err", "out"):

@@ -152,6 +152,7 @@ class Server:
         from neuronbuild.server.warm import WarmState
 
         self.warm = WarmState()
+        self.secret = ""  # (serve makes it)
 
     # -- socket side (acceptor thread) ----------------------------------------------------------------------------
     def listen(self) -> socket.socket:
@@ -186,6 +187,15 @@ class Server:
             conn.close()
             return
         kind = msg.get("type")
+        if not protocol.same_secret(msg.get("secret"), self.secret):  # not a client that can read the secret file
+            conn.close()
+            return
+        if kind == "command" and (why := protocol.command_error(msg)) is not None:
+            with contextlib.suppress(OSError):
+                protocol.send(conn, {"t": "err", "d": f"neuronbuild: error: a malformed command ({why})\n"})
+                protocol.send(conn, {"t": "exit", "code": 2})
+            conn.close()
+            return
         if kind == "info":
             with contextlib.suppress(OSError):
                 protocol.send(conn, {"t": "info", **self.info()})
@@ -211,6 +221,7 @@ class Server:
 
     # -- command side (main thread) -------------------------------------------------------------------------------
     def serve(self) -> None:
+        self.secret = protocol.new_secret(str(self.output_base / "server.secret"))  # before clients can connect
         listener = self.listen()
         info = {"pid": os.getpid(), "stamp": self.stamp, "socket": str(self.socket_path), "started": self.started,
                 "opts": self.opts}
@@ -233,6 +244,8 @@ class Server:
                 except queue.Empty:
                     if self.warm.pending:
                         self.warm.collect()  # idle: nobody waits for the collection
+                    if time.monotonic() - idle_since >= self.warm.WORKERS_IDLE_S and self.warm.release_workers():
+                        print(f"idle for {self.warm.WORKERS_IDLE_S:.0f} s: warm workers released", flush=True)
                     continue
                 except KeyboardInterrupt:  # a late cancel that arrived after its command ended
                     continue
@@ -266,6 +279,7 @@ class Server:
             if json.loads((self.output_base / "server.json").read_text()).get("pid") == os.getpid():
                 (self.output_base / "server.json").unlink()
                 self.socket_path.unlink()
+                (self.output_base / "server.secret").unlink()
         self.warm.close()
         print(f"{time.strftime('%Y-%m-%d %H:%M:%S')} server {os.getpid()} stopped", flush=True)
 
@@ -273,6 +287,7 @@ class Server:
         with conn:
             if msg.get("type") == "shutdown":
                 self.stopping = True
+                print(f"shutdown requested by a client (pid {msg.get('pid', '?')}): exiting", flush=True)
                 with contextlib.suppress(OSError):
                     protocol.send(conn, {"t": "exit", "code": EXIT_OK, "pid": os.getpid()})
                 return
@@ -291,6 +306,10 @@ class Server:
             with contextlib.suppress(OSError):
                 protocol.send(conn, {"t": "exit", "code": code})
                 conn.shutdown(socket.SHUT_RDWR)  # wakes the client watcher blocked in recv
+            if _starlark_stuck():  # a cancelled endless Starlark loop holds the Starlark thread: start afresh
+                print("a cancelled Starlark evaluation never ended: exiting (the next command starts a new server)",
+                      flush=True)
+                self.stopping = True
             if self.warm.pending >= self.warm.GC_EVERY:
                 self.warm.collect()  # else when the server idles (serve)
 
@@ -313,6 +332,8 @@ class Server:
             os.environ.clear()
             os.environ.update({str(k): str(v) for k, v in (msg.get("env") or {}).items()})
             os.chdir(str(msg.get("cwd") or "/"))
+            umask = msg.get("umask")
+            os.umask(umask & 0o777 if isinstance(umask, int) else 0o022)  # outputs: as the client's would be
             sys.stdout, sys.stderr = out, err
             self.cancel_armed.set()
             watcher.start()
@@ -334,6 +355,7 @@ class Server:
             outbox.close()  # everything the command wrote is sent before its exit code
             os.environ.clear()
             os.environ.update(saved_env)
+            os.umask(0o077)  # (the server's own files: private)
             with contextlib.suppress(OSError):
                 os.chdir(self.output_base)
         print(f"{time.strftime('%H:%M:%S')} {' '.join(argv)[:200]} -> {code} in {time.perf_counter() - t0:.2f} s "
@@ -357,6 +379,11 @@ class Server:
                 signal.pthread_kill(self.main_thread, signal.SIGINT)
 
 
+def _starlark_stuck() -> bool:
+    adapter = sys.modules.get("neuronbuild.loading.starlark_adapter")  # (not imported when nothing was evaluated)
+    return bool(adapter is not None and adapter.starlark_thread_stuck())
+
+
 def main(config_json: str) -> None:
     config = json.loads(config_json)
     os.umask(0o077)
@@ -368,3 +395,6 @@ def main(config_json: str) -> None:
     except Exception:  # noqa: BLE001
         traceback.print_exc()
         raise SystemExit(EXIT_BUILD_FAILED) from None
+    if _starlark_stuck():  # the spinning thread must not hold up the interpreter's exit
+        sys.stdout.flush()
+        os._exit(0)

@@ -139,6 +139,74 @@ class ServerPaths:
     def start_lock(self) -> str:
         return os.path.join(self.output_base, "start.lock")
 
+    @property
+    def secret(self) -> str:
+        """The running server's secret (0600, written before it listens): every request carries it, so a process
+        that can reach the socket but not read this file (an action's, confined) cannot drive the server."""
+        return os.path.join(self.output_base, "server.secret")
+
+
+SECRET_BYTES = 32
+
+
+def new_secret(paths_secret: str) -> str:
+    """Make a fresh secret and write it (mode 0600, replacing any older one) for clients to read."""
+    secret = os.urandom(SECRET_BYTES).hex()
+    tmp = f"{paths_secret}.{os.getpid()}"
+    try:
+        os.unlink(tmp)
+    except FileNotFoundError:
+        pass
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+        os.write(fd, secret.encode())
+    finally:
+        os.close(fd)
+    os.replace(tmp, paths_secret)
+    return secret
+
+
+def read_secret(paths_secret: str) -> str:
+    """The server's secret, or "" when the file is missing, not this user's or readable by others."""
+    try:
+        fd = os.open(paths_secret, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return ""
+    try:
+        st = os.fstat(fd)
+        if st.st_uid != os.geteuid() or st.st_mode & 0o077:
+            return ""
+        return os.read(fd, 256).decode("ascii", "replace").strip()
+    finally:
+        os.close(fd)
+
+
+def same_secret(a: object, b: str) -> bool:
+    import hmac
+
+    return isinstance(a, str) and bool(b) and hmac.compare_digest(a.encode(), b.encode())
+
+
+_MAX_ARGS, _MAX_ENV = 4096, 4096
+
+
+def command_error(msg: dict[str, Any]) -> str | None:
+    """Why a command request is malformed (each field's type and bounds), else None."""
+    argv, env, cwd, tty = msg.get("argv"), msg.get("env"), msg.get("cwd"), msg.get("tty")
+    if not isinstance(argv, list) or len(argv) > _MAX_ARGS or not all(isinstance(a, str) for a in argv):
+        return "argv must be a list of strings"
+    if not isinstance(cwd, str) or not os.path.isabs(cwd) or "\0" in cwd:
+        return "cwd must be an absolute path"
+    if not isinstance(env, dict) or len(env) > _MAX_ENV or not all(
+            isinstance(k, str) and isinstance(v, str) and k and "=" not in k and "\0" not in k + v
+            for k, v in env.items()):
+        return "env must map names to strings"
+    if not isinstance(tty, list) or len(tty) != 2 or not all(isinstance(t, bool) for t in tty):
+        return "tty must be two booleans"
+    if not isinstance(msg.get("stamp"), str) or not isinstance(msg.get("pid", 0), int):
+        return "stamp must be a string and pid an integer"
+    return None
+
 
 def server_paths(workspace_root: Path | str, output_user_root: str) -> ServerPaths:
     """One output base per workspace (per user root), as Bazel keys its output base by the workspace's path."""

@@ -7,6 +7,7 @@ import contextlib
 import functools
 import gc
 import json
+import os
 import sys
 from collections.abc import Iterator
 from typing import Any
@@ -41,13 +42,24 @@ class WarmState:
 
     def _pool_factory(self, *args: Any, **kwargs: Any) -> WorkerPool:
         key = json.dumps([args, kwargs], sort_keys=True, default=str)
-        if self._pool is not None and self._pool_key == key:
+        if self._pool is not None and self._pool_key == key and self._scratch_intact():
             return self._pool
         if self._pool is not None:
             self._pool.shutdown()
             WorkerPool.shutdown(self._pool)
         self._pool, self._pool_key = KeptPool(*args, **kwargs), key
+        env = args[1] if len(args) > 1 else kwargs.get("env") or {}
+        self._sentinel = _scratch_sentinel(env.get("TMPDIR"))
         return self._pool
+
+    _sentinel: str | None = None
+
+    def _scratch_intact(self) -> bool:
+        """Whether nothing the kept workers may rely on in the compiler scratch (TMPDIR: inductor's precompiled header
+        and caches, which a warm worker remembers in memory) can have been removed since the pool was made, by
+        `cache gc` in another process. The sentinel carries the oldest mtime found in the scratch then: gc removes
+        files older than its grace period, so whatever it removed of those files, it removed the sentinel too."""
+        return self._sentinel is None or os.path.exists(self._sentinel)
 
     # Commands run back to back (an edit loop) skip the collection (at 100,000 graphs a full one takes seconds: a
     # command arriving meanwhile would wait); it is made once the server has idled for IDLE_GC_S, or after GC_EVERY
@@ -83,7 +95,19 @@ class WarmState:
         self.pending = 0
 
     def worker_pids(self) -> list[int]:
+        """The kept pool's processes: its workers and its zygote."""
         return self._pool.pids() if self._pool is not None else []
+
+    # Warm workers (with torch imported: ~1.3 GB after `make example`) are released after this long without a
+    # command; the server itself stays until --max-idle-secs. NEURONBUILD_WORKERS_IDLE_SECS overrides it.
+    WORKERS_IDLE_S = float(os.environ.get("NEURONBUILD_WORKERS_IDLE_SECS") or 300)
+
+    def release_workers(self) -> bool:
+        """Stop the kept pool's workers and zygote (the next build starts them again); whether there were any."""
+        if self._pool is None:
+            return False
+        self.close()
+        return True
 
     def describe(self) -> dict[str, Any]:
         from neuronbuild import incremental
@@ -95,6 +119,31 @@ class WarmState:
         if self._pool is not None:
             WorkerPool.shutdown(self._pool)
             self._pool = None
+        if self._sentinel is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(self._sentinel)
+            self._sentinel = None
+
+
+def _scratch_sentinel(tmpdir: str | None) -> str | None:
+    """Create the compiler scratch's sentinel for a new pool (see WarmState._scratch_intact); None if it cannot be."""
+    import time
+
+    if not tmpdir or not os.path.isdir(tmpdir):
+        return None
+    oldest = time.time()
+    for dirpath, _dirs, files in os.walk(tmpdir):
+        for n in files:
+            with contextlib.suppress(OSError):
+                oldest = min(oldest, os.lstat(os.path.join(dirpath, n)).st_mtime)
+    path = os.path.join(tmpdir, f".neuronbuild-server-{os.getpid()}")
+    try:
+        with open(path, "w"):
+            pass
+        os.utime(path, (oldest, oldest))
+    except OSError:
+        return None
+    return path
 
 
 def forget_memoised() -> None:

@@ -21,6 +21,7 @@ from neuronbuild.toolchains.errors import ToolchainError
 from neuronbuild.toolchains.model_import import example_inputs
 from neuronbuild.toolchains.passes import apply_passes
 from neuronbuild.toolchains.trace import load_program, strip_unstable_meta
+from neuronbuild.toolchains.weights import read_header
 
 # Inductor's working files go to a per-ISA dir under this process's temp dir whatever TORCHINDUCTOR_CACHE_DIR says
 # (restored after): in workers that is the cache's toolchain-tmp (their TMPDIR: per user, counted by `cache stats`,
@@ -66,10 +67,39 @@ def _program_and_args(spec: Mapping[str, Any], sandbox: Path) -> tuple[torch.exp
 
 
 def run_cpu_compile(spec: dict[str, Any], sandbox: Path, out_dir: Path) -> dict[str, Any]:
-    """Compile spec["program"] (relative to sandbox) into an AOTInductor package for spec["isa"] in out_dir."""
+    """Compile spec["program"] (relative to sandbox) into an AOTInductor package for spec["isa"] in out_dir, from
+    shapes only (the program holds no weight values); the weights file is the trace's, placed beside it."""
     ep, args = _program_and_args(spec, sandbox)
+    _inlined_values(ep, Path(sandbox) / CONSTANTS_FILE)
     Path(out_dir).mkdir(parents=True, exist_ok=True)
-    return compile_cpu(ep, args, str(spec.get("isa", "")), spec.get("options") or {}, Path(out_dir))
+    return compile_cpu(ep, args, str(spec.get("isa", "")), spec.get("options") or {}, Path(out_dir),
+                       Path(sandbox) / CONSTANTS_FILE)
+
+
+def _inlined_values(ep: torch.export.ExportedProgram, weights: Path) -> None:
+    """Give the weights inductor inlines into the generated code their values (read from the trace's weights file):
+    0-d tensors and 1-d ones of at most 8 elements (`GraphLowering.can_inline_constant`). The only weight values a
+    cpu compile holds: a few bytes each; every other weight stays a fake tensor (shape and dtype only)."""
+    from safetensors import safe_open
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    small = {k: t for k, t in ep.state_dict.items()
+             if isinstance(t, FakeTensor) and (t.dim() == 0 or (t.dim() == 1 and t.shape[0] <= 8))}
+    if not small or not weights.is_file():
+        return
+    made: dict[int, torch.Tensor] = {}
+    with safe_open(str(weights), framework="pt") as f:
+        names = set(f.keys())
+        for k, t in small.items():
+            if k not in names:
+                continue
+            real = made.get(id(t))
+            if real is None:
+                real = f.get_tensor(k)
+                if isinstance(t, torch.nn.Parameter):
+                    real = torch.nn.Parameter(real, requires_grad=t.requires_grad)
+                made[id(t)] = real
+            ep.state_dict[k] = real
 
 
 def _check_inputs(ep: torch.export.ExportedProgram, args: tuple[torch.Tensor, ...]) -> None:
@@ -95,25 +125,32 @@ def compile_cpu(
     isa: str,
     options: Mapping[str, Any],
     out_dir: Path,
+    weights: Path,
 ) -> dict[str, Any]:
     target = isa_target(isa)
     strip_unstable_meta(ep)  # the trace's source lines serve Neuron lowering errors; the package never holds them
     ep = apply_passes(ep, options, args)
     from torch._inductor import aoti_compile_and_package
 
-    with tempfile.TemporaryDirectory(prefix="neuronbuild-aoti-") as tmp, _compile_environment(isa, target):
+    with tempfile.TemporaryDirectory(prefix="neuronbuild-aoti-") as tmp, _compile_environment(isa, target), \
+            _fake_constants_by_storage():
         raw = Path(tmp) / f"{PACKAGE_MODEL_NAME}.pt2"
         with torch.no_grad():
             aoti_compile_and_package(ep, package_path=str(raw), inductor_configs=inductor_configs(target))
         data = canonical_package(raw.read_bytes())
-        # Every tensor the program holds (a superset of what the package asks for: inductor folds some buffers in),
-        # so the file is the same bytes as the Neuron lowering's: one weights file per model for all graphs/targets.
-        held = held_tensors(ep)
-        constants = constants_bytes(held, sorted(set(held) | set(_constant_fqns(raw))))
+        # The trace's weights file holds every tensor the program holds (a superset of what the package asks for:
+        # inductor folds some buffers in), the same file as the Neuron lowering's: one per model for all graphs.
+        if not weights.is_file():
+            raise ToolchainError(f"the trace's {CONSTANTS_FILE} is missing from the sandbox")
+        held = read_header(weights)
+        missing = [n for n in _constant_fqns(raw) if n not in held]
+        if missing:
+            raise ToolchainError(f"the compiled package needs constant(s) the trace's {CONSTANTS_FILE} does not hold: "
+                                 f"{', '.join(missing[:5])}")
     (out_dir / "model.pt2").write_bytes(data)
-    (out_dir / CONSTANTS_FILE).write_bytes(constants)
+    place_file(weights, out_dir / CONSTANTS_FILE)
     return {"artifact": "model.pt2", "bytes": len(data), "isa": isa, "constants": CONSTANTS_FILE,
-            "constants_bytes": len(constants)}
+            "constants_bytes": (out_dir / CONSTANTS_FILE).stat().st_size}
 
 
 def isa_target(isa: str) -> IsaTarget:
@@ -146,6 +183,24 @@ def toolchain_scratch() -> Path:
     return Path(xdg) / "neuronbuild" / "toolchain-tmp"
 
 
+def header_dir() -> Path:
+    """Where inductor's precompiled headers live: beside the toolchain scratch dir, not in it (in workers
+    <cache>/v1/toolchain-headers). Only toolchain warm-ups (run in the worker itself) write there; actions, whose
+    TMPDIR is the scratch dir, may only read it (execution/worker.py: read-only in the Landlock policy), so no model
+    can change a header that a later compile of any workspace includes."""
+    scratch = toolchain_scratch()
+    return scratch.parent / "toolchain-headers" if scratch.name == "toolchain-tmp" else scratch / "neuronbuild-headers"
+
+
+def _use_header_dir() -> None:
+    """Point inductor's precompiled headers at header_dir() (its lock files stay in the writable scratch dir: a
+    compile that finds its header takes the lock too)."""
+    import torch._inductor.codecache as cc
+
+    cc._HEADER_DIR = str(header_dir())
+    cc._HEADER_LOCK_DIR = str(toolchain_scratch() / "neuronbuild-header-locks")
+
+
 def inductor_cache_dir(isa: str) -> Path:
     """Inductor's working dir for compiles for `isa` in this process (see the note at the top)."""
     return toolchain_scratch() / "neuronbuild-inductor" / f"torch-{torch.__version__}-{isa}-{INDUCTOR_FLAGS_VERSION}"
@@ -165,6 +220,7 @@ def compile_jobs() -> int:
 def _compile_environment(isa: str, target: IsaTarget) -> Iterator[Path]:
     """The pinned vector ISA, inductor's working dir for the ISA and path-free objects, for one compile."""
     cache_dir = inductor_cache_dir(isa)
+    _use_header_dir()
     with _pinned_vec_isa(target), _fixed_cache_dir(cache_dir), _path_free_objects(cache_dir, compile_jobs()):
         yield cache_dir
 
@@ -267,6 +323,18 @@ def _constant_fqns(package: Path) -> list[str]:
     return sorted(str(n) for n in loader.get_constant_fqns())
 
 
+def place_file(src: Path, dst: Path) -> None:
+    """dst = src's bytes: a hard link (the CAS stores one copy anyway), else a copy."""
+    import shutil
+
+    if dst.exists():
+        dst.unlink()
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copyfile(src, dst)
+
+
 def held_tensors(ep: torch.export.ExportedProgram) -> dict[str, torch.Tensor]:
     """Every tensor a program holds by FQN: parameters, buffers and lifted tensor constants."""
     return {**dict(ep.state_dict), **{k: v for k, v in ep.constants.items() if isinstance(v, torch.Tensor)}}
@@ -284,6 +352,32 @@ def constants_bytes(available: Mapping[str, torch.Tensor], fqns: list[str]) -> b
         raise ToolchainError(f"the compiled package needs constant(s) the program does not hold: {', '.join(missing[:5])}")
     # Clone: tied weights share storage, which safetensors refuses to save.
     return save({n: available[n].detach().contiguous().clone() for n in fqns})
+
+
+@contextmanager
+def _fake_constants_by_storage() -> Iterator[None]:
+    """Inductor dedups constants by storage address (`is_same_tensor`: one constant for tied weights); a program's
+    weights are fake tensors here (no storage, address 0), so two distinct weights of one shape would become one.
+    For fake tensors, compare the storages themselves (tied weights share one, as real ones share an address)."""
+    import torch._inductor.codegen.cpp_gemm_template as gemm
+    import torch._inductor.graph as graph
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    original = graph.is_same_tensor
+
+    def same(data: torch.Tensor, value: torch.Tensor) -> bool:
+        if not (isinstance(data, FakeTensor) or isinstance(value, FakeTensor)):
+            return bool(original(data, value))
+        return (isinstance(data, FakeTensor) and isinstance(value, FakeTensor) and data.size() == value.size()
+                and data.stride() == value.stride() and data.dtype == value.dtype and data.device == value.device
+                and data.untyped_storage()._cdata == value.untyped_storage()._cdata
+                and data.storage_offset() == value.storage_offset())
+
+    with ExitStack() as stack:
+        for mod in (graph, gemm):
+            stack.callback(setattr, mod, "is_same_tensor", mod.is_same_tensor)
+            mod.is_same_tensor = same  # type: ignore[attr-defined]
+        yield
 
 
 @contextmanager

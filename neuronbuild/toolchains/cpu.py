@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from neuronbuild import plugins
-from neuronbuild.analysis.actions import COMPILE, TRACE_OUTPUT, Action, DepInput, make_action
+from neuronbuild.analysis.actions import COMPILE, TRACE_OUTPUT, TRACE_WEIGHTS, Action, DepInput, make_action
 from neuronbuild.analysis.plan_settings import PlanSettings
 from neuronbuild.analysis.toolchain_api import WARM_UP, CompileRequest
 from neuronbuild.platforms import cxx_version, resolve_isa
@@ -40,7 +40,8 @@ class CpuToolchain:
                 "options": dict(req.options), "inputs": dict(req.inputs), "bucket": req.bucket.as_dict(),
                 "program": TRACE_OUTPUT}
         return [make_action(COMPILE, req.label, req.bucket, record, spec,
-                            dep_inputs=(DepInput(req.trace.fingerprint, TRACE_OUTPUT, TRACE_OUTPUT),),
+                            dep_inputs=tuple(DepInput(req.trace.fingerprint, f, f) for f in (TRACE_OUTPUT,
+                                                                                              TRACE_WEIGHTS)),
                             outputs=OUTPUTS, platform=req.platform, target=self.describe_target(req.target))]
 
     def run(self, step: str, spec: Mapping[str, Any], sandbox: Path, out_dir: Path) -> dict[str, Any]:

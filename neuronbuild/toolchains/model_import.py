@@ -121,18 +121,113 @@ def build_eager_model(model: dict[str, Any], sandbox: Path) -> torch.nn.Module:
     if not isinstance(module, torch.nn.Module):
         raise ToolchainError(f"factory {model.get('entry')} returned {type(module).__name__}, not a torch.nn.Module")
     module.eval()
-    weights = model.get("weights")
-    if weights:
-        if isinstance(weights, Mapping):  # the model record's weights: one file, or shards (index.json first)
-            shards = [str(p) for p, _d in weights.get("shards") or ()] or [str(weights["path"])]
-        else:
-            shards = [str(weights)]
-        files = [p for p in shards if not p.endswith(".json")]
-        _load_weights(module, [sandbox / p for p in files], shards[0], str(model.get("weights_prefix") or ""))
+    files = _weight_files(model, sandbox)
+    if files is not None:
+        _load_weights(module, files[0], files[1], str(model.get("weights_prefix") or ""))
     return module
 
 
-def _tied_aliases(module: torch.nn.Module) -> dict[str, set[str]]:
+def _weight_files(model: Mapping[str, Any], sandbox: Path) -> tuple[list[Path], str] | None:
+    """The model's weight files (sandbox paths; an index.json is only read at analysis) and the label errors use."""
+    weights = model.get("weights")
+    if not weights:
+        return None
+    if isinstance(weights, Mapping):  # the model record's weights: one file, or shards (index.json first)
+        shards = [str(p) for p, _d in weights.get("shards") or ()] or [str(weights["path"])]
+    else:
+        shards = [str(weights)]
+    return [sandbox / p for p in shards if not p.endswith(".json")], shards[0]
+
+
+@contextmanager
+def _parameters_without_values() -> Iterator[None]:
+    """While the factory runs, every parameter a module registers becomes a meta tensor of its shape and dtype (the
+    CPU tensor it was made from is dropped at once, before any initialiser touches it: `torch.empty` never commits
+    its pages). Buffers are left as they are: a value computed in __init__ (rotary tables) is needed."""
+    original = torch.nn.Module.register_parameter
+
+    def register(self: torch.nn.Module, name: str, param: torch.nn.Parameter | None) -> None:
+        if param is not None and param.device.type != "meta":
+            param = torch.nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
+        original(self, name, param)
+
+    torch.nn.Module.register_parameter = register  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        torch.nn.Module.register_parameter = original  # type: ignore[method-assign]
+
+
+def build_shape_model(model: dict[str, Any], sandbox: Path) -> tuple[torch.nn.Module, Any]:
+    """The factory's module without weight values: parameters and persistent buffers are fake CPU tensors (shapes and
+    dtypes, no storage) of the returned FakeTensorMode; non-persistent buffers keep the values __init__ computed.
+    The model's weight files are checked against it (keys, shapes) from their headers only. Tied weights stay tied."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from neuronbuild.toolchains.weights import Checkpoint, check_against
+
+    sandbox = Path(sandbox)
+    package = str(model.get("package", ""))
+    package_dir = (sandbox / package) if package else sandbox
+    dirs = (package_dir, sandbox) if model.get("libraries") else (package_dir,)
+    with _isolated_import_path(*dirs):
+        factory = load_factory(model, sandbox)
+        torch.manual_seed(int(model.get("seed", 0) or 0))
+        with _parameters_without_values():
+            module = factory(dict(model.get("config") or {}))
+    if not isinstance(module, torch.nn.Module):
+        raise ToolchainError(f"factory {model.get('entry')} returned {type(module).__name__}, not a torch.nn.Module")
+    module.eval()
+    files = _weight_files(model, sandbox)
+    if files is not None:
+        expected = {k: tuple(v.shape) for k, v in module.state_dict(keep_vars=True).items()}
+        check_against(expected, tied_aliases(module), Checkpoint(files[0], files[1],
+                                                                  str(model.get("weights_prefix") or "")))
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    fakes: dict[int, torch.Tensor] = {}
+
+    def fake(t: torch.Tensor, param: bool) -> torch.Tensor:
+        made = fakes.get(id(t))
+        if made is None:
+            with mode:
+                made = torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype)
+            if param:
+                made = torch.nn.Parameter(made, requires_grad=t.requires_grad)
+            fakes[id(t)] = made
+        return made
+
+    for mod in module.modules():
+        for name, p in list(mod._parameters.items()):
+            if p is not None:
+                mod._parameters[name] = fake(p, True)  # type: ignore[assignment]
+        for name, b in list(mod._buffers.items()):
+            if b is not None and name not in mod._non_persistent_buffers_set:
+                mod._buffers[name] = fake(b, False)
+    return module, mode
+
+
+def state_values(model: dict[str, Any], sandbox: Path, wanted: Mapping[str, torch.dtype],
+                 tied: Mapping[str, set[str]]) -> Callable[[str], torch.Tensor | Iterator[torch.Tensor]]:
+    """name -> the value of one parameter / persistent buffer in the dtype `wanted` names, one tensor at a time: read
+    from the model's weight files (a tied key through a key it shares its tensor with), or, for a model without
+    weight files, from the factory's own seeded initialisation (the module is then built for real: small models).
+    From weight files, a value comes as consecutive flat pieces (write_safetensors takes either)."""
+    from neuronbuild.toolchains.weights import Checkpoint
+
+    files = _weight_files(model, sandbox)
+    if files is None:
+        state = build_eager_model(model, sandbox).state_dict()
+        return lambda name: state[name].detach()
+    ckpt = Checkpoint(files[0], files[1], str(model.get("weights_prefix") or ""))
+
+    def value(name: str) -> Iterator[torch.Tensor]:
+        key = name if name in ckpt.index else next((k for k in sorted(tied.get(name, ())) if k in ckpt.index), name)
+        return ckpt.pieces(key, wanted[name])  # converted piece by piece: never the stored and converted copy whole
+
+    return value
+
+
+def tied_aliases(module: torch.nn.Module) -> dict[str, set[str]]:
     """State-dict key -> the other keys sharing its tensor (tied weights, e.g. lm_head.weight = embed_tokens.weight)."""
     by_tensor: dict[int, set[str]] = {}
     for name, t in module.state_dict(keep_vars=True).items():
@@ -159,7 +254,7 @@ def _load_weights(module: torch.nn.Module, paths: list[Path], label: str, prefix
     if prefix:
         state = {(k[len(prefix):] if k.startswith(prefix) else k): v for k, v in state.items()}
     expected = module.state_dict()
-    tied = _tied_aliases(module)
+    tied = tied_aliases(module)
     # A tied weight is loaded through the key it shares its tensor with (HF files store it once).
     missing = sorted(k for k in set(expected) - set(state) if not tied.get(k, set()) & set(state))
     unexpected = sorted(set(state) - set(expected))

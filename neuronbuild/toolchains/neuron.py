@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from neuronbuild import FORMAT_VERSION, plugins
-from neuronbuild.analysis.actions import COMPILE, TRACE_OUTPUT, Action, DepInput, make_action
+from neuronbuild.analysis.actions import COMPILE, TRACE_OUTPUT, TRACE_WEIGHTS, Action, DepInput, make_action
 from neuronbuild.analysis.plan_settings import NEURONX_CC, PlanSettings
 from neuronbuild.analysis.toolchain_api import WARM_UP, CompileRequest
 from neuronbuild.analysis.toolchain_versions import package_version
@@ -99,8 +99,8 @@ class NeuronToolchain:
         lower = lowers.get(key)
         if lower is None or lower.record != lower_record or lower.spec != lower_spec or lower.label != req.trace.label:
             lower = lowers[key] = make_action(LOWER, req.trace.label, req.bucket, lower_record, lower_spec,
-                                              dep_inputs=(DepInput(req.trace.fingerprint, TRACE_OUTPUT,
-                                                                   TRACE_OUTPUT),),
+                                              dep_inputs=tuple(DepInput(req.trace.fingerprint, f, f)
+                                                               for f in (TRACE_OUTPUT, TRACE_WEIGHTS)),
                                               outputs=LOWER_OUTPUTS)
         record = req.record(COMPILE, self.versions(req.platform, req.settings), lowering=lower.fingerprint)
         spec: dict[str, Any] = {"toolchain": self.name, "step": COMPILE, "platform": req.platform,

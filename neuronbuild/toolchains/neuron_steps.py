@@ -25,35 +25,38 @@ COMPILE_OUTPUTS = (*LOWER_OUTPUTS, FLAGS_FILE)
 
 
 def run_lower(spec: Mapping[str, Any], sandbox: Path, out_dir: Path) -> dict[str, Any]:
-    """spec["program"] (in the sandbox) -> out_dir/{model.hlo.pb, params.json, constants.safetensors}.
+    """spec["program"] (in the sandbox) -> out_dir/{model.hlo.pb, params.json, constants.safetensors}, from shapes
+    only: the program holds no weight values, and the weights file is the trace's (placed, never read).
 
     spec: program, inputs, bucket, options (the lowering options only: auto_cast, auto_cast_type)."""
-    from neuronbuild.toolchains.compile import _check_inputs, constants_bytes, held_tensors
+    from neuronbuild.toolchains.compile import _check_inputs
     from neuronbuild.toolchains.model_import import example_inputs
     from neuronbuild.toolchains.neuron_hlo import lower_program
     from neuronbuild.toolchains.trace import load_program
+    from neuronbuild.toolchains.weights import read_header
 
     sandbox, out_dir = Path(sandbox), Path(out_dir)
     ep = load_program(sandbox / str(spec["program"]))
     _check_inputs(ep, example_inputs(dict(spec.get("inputs") or {}), dict(spec.get("bucket") or {})))
-    # Lowering may rewrite `ep`'s state (folded buffers): the weights file is written from copies taken before it
-    # (the same values as a second load of the program, without its cost: ~0.3-0.6 s a graph).
-    original = {name: t.detach().clone() for name, t in held_tensors(ep).items()}
-    held = set(original)
+    weights_in = sandbox / WEIGHTS_FILE
+    if not weights_in.is_file():
+        raise ToolchainError(f"the trace's {WEIGHTS_FILE} is missing from the sandbox")
+    held = read_header(weights_in)
     start = time.perf_counter()
     lowered = lower_program(ep, dict(spec.get("options") or {}))
     seconds = time.perf_counter() - start
     state = [p.name for p in lowered.parameters if p.kind != "input"]
-    # Every tensor the program holds, not only those the module takes: the same file (bytes) as the cpu compile's
-    # constants, so one weights file serves all graphs and targets of a model (extra names are simply not bound).
-    weights = constants_bytes(original, sorted(held | set(state)))
+    missing = [n for n in state if n not in held]
+    if missing:
+        raise ToolchainError(f"the lowered module takes weight(s) the trace's {WEIGHTS_FILE} does not hold: "
+                             f"{', '.join(missing[:5])}")
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / HLO_FILE).write_bytes(lowered.proto)
     (out_dir / PARAMS_FILE).write_bytes(lowered.params_json())
-    (out_dir / WEIGHTS_FILE).write_bytes(weights)
+    _place(weights_in, out_dir / WEIGHTS_FILE)
     return {"artifact": HLO_FILE, "bytes": len(lowered.proto), "parameters": len(lowered.parameters),
-            "weights": len(state), "weights_bytes": len(weights), "ops": sum(n for _op, n in lowered.ops),
-            "auto_cast_ops": lowered.cast_ops, "lower_s": round(seconds, 3)}
+            "weights": len(state), "weights_bytes": (out_dir / WEIGHTS_FILE).stat().st_size,
+            "ops": sum(n for _op, n in lowered.ops), "auto_cast_ops": lowered.cast_ops, "lower_s": round(seconds, 3)}
 
 
 def flags_document(platform: str, options: Mapping[str, Any], env_flags: list[str], version: str | None,

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from neuronbuild.toolchains.errors import ToolchainError
-from neuronbuild.toolchains.model_import import build_eager_model, example_inputs
+from neuronbuild.toolchains.model_import import build_shape_model, example_inputs, state_values, tied_aliases
 from neuronbuild.toolchains.outputs import FlatForward, declared_follows, describe, inferred_follows
 
 # Node metadata that holds source paths, line numbers or process-dependent values ("from_node" provenance records
@@ -65,6 +65,9 @@ def program_bytes(ep: torch.export.ExportedProgram, keep_stack_traces: bool = Fa
     return buf.getvalue()
 
 
+WEIGHTS_FILE = "constants.safetensors"  # the trace's second output: every tensor the program holds, by FQN
+
+
 def cause_line(exc: BaseException) -> str:
     """'Type: first line' of the innermost exception `exc` was raised from (or during): the cause a user can act on."""
     seen = {id(exc)}
@@ -77,46 +80,91 @@ def cause_line(exc: BaseException) -> str:
 
 
 def load_program(path: Path) -> torch.export.ExportedProgram:
+    """A program.pt2 as the trace wrote it: its parameters and persistent buffers are shapes only (meta tensors in the
+    archive, no bytes), made fake CPU tensors of the graph's own FakeTensorMode here, so lowering and compiling see
+    shapes and dtypes and never allocate a weight. Lifted constants and non-persistent buffers keep their values."""
+    from torch._export.utils import _detect_fake_mode_from_gm
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
     if not path.is_file():
         raise ToolchainError(f"program {path.name} not found")
     try:  # torch.export.load logs the real error and raises a generic one: read the archive ourselves first
         from torch.export.pt2_archive._package import load_pt2
-    except ImportError:
-        return torch.export.load(str(path))
-    try:
+
         contents = load_pt2(str(path))
+    except ImportError:
+        contents = None
     except Exception as exc:
         raise ToolchainError(f"cannot load the traced program {path.name}: {cause_line(exc)}") from exc
-    if "model" in contents.exported_programs:
-        return contents.exported_programs["model"]
-    return torch.export.load(str(path))
+    if contents is not None and "model" in contents.exported_programs:
+        ep = contents.exported_programs["model"]
+    else:
+        ep = torch.export.load(str(path))
+    mode = _detect_fake_mode_from_gm(ep.graph_module) or FakeTensorMode(allow_non_fake_inputs=True)
+    made: dict[int, torch.Tensor] = {}
+    for name, t in list(ep.state_dict.items()):
+        if t.device.type != "meta":
+            continue
+        fake = made.get(id(t))
+        if fake is None:
+            with mode:
+                fake = torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype)
+            if isinstance(t, torch.nn.Parameter):
+                fake = torch.nn.Parameter(fake, requires_grad=t.requires_grad)
+            made[id(t)] = fake
+        ep.state_dict[name] = fake
+    return ep
+
+
+def _shapes_only(ep: torch.export.ExportedProgram, args: tuple[torch.Tensor, ...]) -> None:
+    """Make `ep` serialisable without weights: state tensors become meta tensors (the archive stores their shape,
+    dtype and stride, no bytes; tied ones stay one tensor), example inputs the real zeros of the bucket."""
+    made: dict[int, torch.Tensor] = {}
+    for name, t in list(ep.state_dict.items()):
+        meta = made.get(id(t))
+        if meta is None:
+            meta = torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype, device="meta")
+            if isinstance(t, torch.nn.Parameter):
+                meta = torch.nn.Parameter(meta, requires_grad=t.requires_grad)
+            made[id(t)] = meta
+        ep.state_dict[name] = meta
+    ep.example_inputs = (tuple(args), {})
 
 
 def run_trace(spec: dict[str, Any], sandbox: Path, out_dir: Path) -> dict[str, Any]:
-    """Export spec["model"] at spec["bucket"] (zeros example inputs) to out_dir/program.pt2; returns metadata, with
-    the flattened outputs (names, shapes, which dims follow which bucket dim)."""
+    """Export spec["model"] at spec["bucket"] (zeros example inputs) from shapes only (build_shape_model) to
+    out_dir/program.pt2, and write every tensor the program holds to out_dir/constants.safetensors one at a time
+    (streamed from the model's weight files); returns metadata, with the flattened outputs (names, shapes, which
+    dims follow which bucket dim)."""
+    from neuronbuild.toolchains.weights import Entry, write_safetensors
+
     sandbox, out_dir = Path(sandbox), Path(out_dir)
     model_spec = spec["model"]
-    module = build_eager_model(model_spec, sandbox)
+    module, mode = build_shape_model(model_spec, sandbox)
+    tied = tied_aliases(module)
     inputs = spec.get("inputs") or []
     bucket = dict(spec.get("bucket") or {})
     args = example_inputs(inputs, bucket)
     flat = FlatForward(module)
     with torch.no_grad():
         try:
-            ep = torch.export.export(module, args, strict=False)
+            ep = torch.export.export(module, tuple(mode.from_tensor(a) for a in args), strict=False)
         except (TypeError, ValueError) as exc:
             # Typically the input spec does not match forward()'s signature.
             raise ToolchainError(f"export failed, check the inputs against forward(): {cause_line(exc)}") from exc
     relative_stack_traces(ep, sandbox)
+    nodes = len(ep.graph.nodes)
+    state = {name: (t.dtype, tuple(t.shape)) for name, t in ep.state_dict.items()}
+    constants = {k: v for k, v in ep.constants.items() if isinstance(v, torch.Tensor)}
+    _shapes_only(ep, args)
     data = program_bytes(ep, keep_stack_traces=True)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "program.pt2").write_bytes(data)
     n_params = sum(int(p.numel()) for p in module.parameters())
 
     def run(sizes: Mapping[str, int]) -> list[tuple[str, torch.Tensor]]:
-        with torch.no_grad():
-            out = module(*example_inputs(inputs, dict(sizes)))
+        with torch.no_grad(), mode:
+            out = module(*(mode.from_tensor(a) for a in example_inputs(inputs, dict(sizes))))
         tensors = [out] if isinstance(out, torch.Tensor) else list(out)
         return list(zip(flat.names, tensors, strict=True))
 
@@ -129,10 +177,18 @@ def run_trace(spec: dict[str, Any], sandbox: Path, out_dir: Path) -> dict[str, A
         follows = inferred_follows(run, named, bucket)
     single = flat.single
     flat.undo()
+    # Every tensor the program holds (= what the cpu compile's package and the Neuron module's leading parameters
+    # take, plus what inductor folds), by FQN: one file per model for all its graphs, buckets and targets.
+    value = state_values(model_spec, sandbox, {k: dt for k, (dt, _s) in state.items()}, tied)
+    entries = [Entry(k, dt, shape) for k, (dt, shape) in state.items()]
+    entries += [Entry(k, t.dtype, tuple(t.shape)) for k, t in constants.items() if k not in state]
+    size = write_safetensors(out_dir / WEIGHTS_FILE, entries,
+                             lambda e: constants[e.name] if e.name not in state else value(e.name))
     return {
-        "nodes": len(ep.graph.nodes),
+        "nodes": nodes,
         "parameters": n_params,
         "bytes": len(data),
+        "weights_bytes": size,
         "outputs": describe(named, follows),
         "output_tree": "tensor" if single else "tuple",
     }

@@ -1,0 +1,173 @@
+"""Real-size models (#28): random bf16 weights in a given HF config's shape, built for trn2 (HLO) and cpu through
+`hf_causal_lm`, bundled, deployed and asked for tokens; prints each action's wall and peak RSS and the bytes of the
+cache, each output target and the bundle against the checkpoint's.
+
+    .venv/bin/python benchmarks/big_model_bench.py --shape llama-3.2-1b --targets trn2 [--workdir DIR] [--keep]
+    .venv/bin/python benchmarks/big_model_bench.py --shape tiny --targets trn2,cpu --generate   # a quick check
+
+Not part of the test suite (CI keeps tiny models). Watch the machine's memory: each action's peak is printed as it
+is recorded by the build (`--profile`). The 8B shape writes a 16 GB checkpoint first."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+SHAPES: dict[str, dict[str, object]] = {
+    "tiny": {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+             "num_attention_heads": 4, "num_key_value_heads": 2, "tie_word_embeddings": True},
+    "llama-3.2-1b": {"vocab_size": 128256, "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
+                     "num_attention_heads": 32, "num_key_value_heads": 8, "tie_word_embeddings": True,
+                     "rope_theta": 500000.0, "rms_norm_eps": 1e-5},
+    "llama-3.1-8b": {"vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+                     "num_attention_heads": 32, "num_key_value_heads": 8, "tie_word_embeddings": False,
+                     "rope_theta": 500000.0, "rms_norm_eps": 1e-5},
+}
+COMMON = {"model_type": "llama", "max_position_embeddings": 131072, "eos_token_id": 2, "bos_token_id": 1,
+          "pad_token_id": 0}
+
+
+def llama_shapes(cfg: dict[str, object]) -> dict[str, tuple[int, ...]]:
+    """Checkpoint keys and shapes of a Llama config, as transformers saves them (a tied lm_head is not stored)."""
+    h, i, v = int(cfg["hidden_size"]), int(cfg["intermediate_size"]), int(cfg["vocab_size"])  # type: ignore[call-overload]
+    heads, kvh = int(cfg["num_attention_heads"]), int(cfg["num_key_value_heads"])  # type: ignore[call-overload]
+    kv = h // heads * kvh
+    out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,)}
+    if not cfg.get("tie_word_embeddings"):
+        out["lm_head.weight"] = (v, h)
+    for layer in range(int(cfg["num_hidden_layers"])):  # type: ignore[call-overload]
+        p = f"model.layers.{layer}."
+        out |= {p + "self_attn.q_proj.weight": (h, h), p + "self_attn.k_proj.weight": (kv, h),
+                p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, h),
+                p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h), p + "mlp.down_proj.weight": (h, i),
+                p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,)}
+    return out
+
+
+def write_checkpoint(path: Path, cfg: dict[str, object], seed: int = 0) -> int:
+    """Random bf16 weights (N(0, 0.02); norms 1), written one tensor at a time."""
+    import torch
+
+    from neuronbuild.toolchains.weights import Entry, write_safetensors
+
+    g = torch.Generator().manual_seed(seed)
+
+    def value(e: Entry) -> torch.Tensor:
+        if len(e.shape) == 1:
+            return torch.ones(e.shape, dtype=torch.bfloat16)
+        return (torch.randn(e.shape, generator=g) * 0.02).to(torch.bfloat16)
+
+    return write_safetensors(path, [Entry(k, torch.bfloat16, s) for k, s in llama_shapes(cfg).items()], value)
+
+
+BUILD = """load("@neuronbuild//rules:llm.bzl", "hf_causal_lm", "llm_buckets")
+
+hf_causal_lm(name = "llm", config = {config}, weights = "model.safetensors", max_seq = {max_seq})
+llm_buckets(name = "serve", batch_sizes = [1], context_lengths = [{context}])
+neuron_target(name = "trn2", platform = "trn2")
+neuron_target(name = "cpu", platform = "cpu", isa = "native")
+{compiles}
+neuron_bundle(name = "release", srcs = [{srcs}])
+"""
+COMPILE = """neuron_compile(name = "llm_{t}", model = ":llm", buckets = {{"context": [":serve_context"], "token": [":serve_token"]}},
+               target = ":{t}")"""
+
+
+def du(path: Path) -> int:
+    """Bytes on disk under `path`, hard links counted once (as the filesystem holds them)."""
+    seen, total = set(), 0
+    for root, _dirs, files in os.walk(path):
+        for f in files:
+            st = os.lstat(os.path.join(root, f))
+            if (st.st_dev, st.st_ino) not in seen:
+                seen.add((st.st_dev, st.st_ino))
+                total += st.st_blocks * 512
+    return total
+
+
+def cli(args: list[str], cwd: Path) -> tuple[float, subprocess.CompletedProcess[str]]:
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "neuronbuild", "--batch", *args], cwd=cwd, capture_output=True,
+                          text=True)
+    if proc.returncode != 0:
+        sys.exit(f"neuronbuild {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    return time.perf_counter() - start, proc
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="llama-3.2-1b")
+    ap.add_argument("--targets", default="trn2", help="comma-separated: trn2, cpu")
+    ap.add_argument("--context", type=int, default=128)
+    ap.add_argument("--max-seq", type=int, default=256)
+    ap.add_argument("--jobs", type=int, default=1)
+    ap.add_argument("--generate", action="store_true", help="deploy the bundle and generate 8 tokens per target")
+    ap.add_argument("--no-bundle", action="store_true", help="build the compile targets only (no bundle)")
+    ap.add_argument("--workdir", type=Path, default=None)
+    ap.add_argument("--keep", action="store_true")
+    args = ap.parse_args()
+    targets = [t.strip() for t in args.targets.split(",") if t.strip()]
+    work = args.workdir or Path(tempfile.mkdtemp(prefix="big-model-bench-"))
+    ws, cache, deployed = work / "ws", work / "cache", work / "deployed"
+    for d in (ws, cache, deployed):
+        shutil.rmtree(d, ignore_errors=True)
+    ws.mkdir(parents=True)
+    (ws / "WORKSPACE.neuronbuild").write_text("")
+    cfg = {**COMMON, **SHAPES[args.shape]}
+    start = time.perf_counter()
+    ckpt = write_checkpoint(ws / "model.safetensors", cfg)
+    print(f"checkpoint: {args.shape}, {ckpt / 1e9:.2f} GB bf16, written in {time.perf_counter() - start:.0f} s")
+    (ws / "BUILD").write_text(BUILD.format(config=json.dumps(cfg).replace("true", "True").replace("false", "False"), max_seq=args.max_seq, context=args.context,
+                                           compiles="\n".join(COMPILE.format(t=t) for t in targets),
+                                           srcs=", ".join(f'":llm_{t}"' for t in targets)))
+    profile = work / "profile.json"
+    goals = [f"//:llm_{t}" for t in targets] if args.no_bundle else ["//:release"]
+    wall, _ = cli(["build", *goals, "--jobs", str(args.jobs), "--cache-dir", str(cache),
+                   "--profile", str(profile)], ws)
+    print(f"build {' '.join(goals)}: {wall:.0f} s wall (under load: other work shares this machine)")
+    events = json.loads(profile.read_text())
+    events = events.get("traceEvents", events) if isinstance(events, dict) else events
+    print(f"{'action':<70} {'wall s':>8} {'cpu s':>8} {'peak RSS MiB':>12}")
+    for e in sorted((e for e in events if e.get("cat") == "action"), key=lambda e: e["ts"]):
+        a = e.get("args") or {}
+        print(f"{e['name'][:70]:<70} {a.get('duration_s', 0):>8.1f} {a.get('cpu_s', 0):>8.1f} "
+              f"{a.get('peak_rss_mb', 0):>12.0f}")
+    out = ws / "neuronbuild-out"
+    stored = du(cache) - sum(du(p) for p in cache.glob("*/toolchain-tmp"))  # (compiler working files, not results)
+    print(f"checkpoint {ckpt / 1e9:.2f} GB; cache {stored / 1e9:.2f} GB ({stored / ckpt:.2f}x; compiler working "
+          "files left out)")
+    for t in targets:
+        d = out / f"llm_{t}"
+        if d.exists():
+            print(f"  out llm_{t}: {du(d) / 1e9:.2f} GB ({du(d) / ckpt:.2f}x)")
+    bundles = sorted(b for b in out.glob("release.tar.*") if not b.name.endswith(".sha256"))
+    for b in bundles:
+        print(f"  bundle {b.name}: {b.stat().st_size / 1e9:.2f} GB ({b.stat().st_size / ckpt:.2f}x)")
+    if args.generate and bundles:
+        wall, _ = cli(["deploy", str(bundles[0]), "--cache-dir", str(deployed)], ws)
+        print(f"deploy: {wall:.0f} s")
+        for t in targets:
+            code = ("import sys; from neuronbuild.runtime import open_cache; "
+                    f"lm = open_cache(sys.argv[1], strict=True, emulate={'None' if t == 'cpu' else repr('xla-cpu')})"
+                    f".causal_lm('//:llm_{t}'); print(lm.generate([[1, 17, 99, 250]], max_new_tokens=8).tolist())")
+            start = time.perf_counter()
+            proc = subprocess.run([sys.executable, "-c", code, str(deployed)], capture_output=True, text=True)
+            tokens = proc.stdout.strip().splitlines()[-1] if proc.returncode == 0 else proc.stderr[-500:]
+            print(f"generate llm_{t}: {time.perf_counter() - start:.0f} s: {tokens}")
+    if not args.keep and args.workdir is None:
+        shutil.rmtree(work, ignore_errors=True)
+    else:
+        print(f"kept: {work}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,421 @@
+"""Model code and workspace files never run anything outside the sandbox: no pickle reaches a process that trusts it
+(every channel between the build process, its workers and an action's child carries JSON), an action's child holds
+no descriptor of its worker's, and the build server imports nothing from the workspace (issue #31)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import time
+from pathlib import Path
+
+import pytest
+from helpers import run_cli, running, write_ws
+
+from neuronbuild.execution import channel
+
+# A model that writes a pickle whose unpickling runs a shell command (which leaves a marker file outside the sandbox)
+# into every pipe and socket it holds, framed as multiprocessing.connection frames a pickled message (a length, then
+# the bytes); also as its own result. Any process that unpickled it would write the marker.
+PICKLER = '''import os
+import pickle
+import stat
+import struct
+
+import torch
+
+
+class Payload:
+    def __reduce__(self):
+        return (os.system, ("touch " + MARKER + "-$$",))
+
+
+def _frames():
+    data = pickle.dumps(Payload())
+    return struct.pack("!i", len(data)) + data
+
+
+def build(config):
+    global MARKER
+    MARKER = config["marker"]
+    frame = _frames()
+    reached = []
+    for name in os.listdir("/proc/self/fd"):
+        fd = int(name)
+        try:
+            mode = os.fstat(fd).st_mode
+        except OSError:
+            continue
+        if not (stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode)):
+            continue
+        try:
+            os.set_blocking(fd, False)
+            os.write(fd, frame * 4)
+            reached.append(fd)
+        except OSError:
+            pass
+    with open("reached.txt", "w") as f:  # in the sandbox (the action's cwd)
+        f.write(repr(reached))
+    return torch.nn.Linear(4, 3)
+'''
+
+
+def _one_model_ws(root: Path, src: str, config: dict[str, str]) -> Path:
+    build = (f'neuron_model(name = "m", srcs = ["m.py"], entry = "m:build", inputs = {{"x": "float32[b, 4]"}},\n'
+             f'             config = {json.dumps(config)})\n'
+             'neuron_buckets(name = "bk", shapes = [{"b": 1}])\n'
+             'neuron_target(name = "t", platform = "trn2")\n'
+             'neuron_compile(name = "c", model = ":m", buckets = [":bk"], target = ":t")\n')
+    return write_ws(root, {"pkg/BUILD": build, "pkg/m.py": src})
+
+
+@pytest.mark.parametrize("jobs", ["1", "2"])  # one spawned worker; two forked from a zygote
+def test_a_models_pickle_payload_written_to_every_descriptor_it_holds_runs_nowhere(tmp_path: Path, jobs: str) -> None:
+    marker = tmp_path / "pwned"
+    ws = _one_model_ws(tmp_path / "ws", PICKLER, {"marker": str(marker)})
+    proc = run_cli(["--batch", "build", "//pkg:all", "--jobs", jobs, "--cache-dir", str(tmp_path / "cache")], ws)
+    assert proc.returncode in (0, 1), proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not list(tmp_path.glob("pwned*")), "a pickle written by model code was unpickled outside the sandbox"
+
+
+FD_LISTER = '''import os
+
+
+def build(config):
+    held = []
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            held.append((int(name), os.readlink(f"/proc/self/fd/{name}")))
+        except OSError:  # the descriptor that listed the directory, closed since
+            pass
+    raise RuntimeError("FDS " + repr(sorted(held)))
+'''
+
+
+def test_an_action_child_holds_no_descriptor_but_its_result_pipe_and_stdio(tmp_path: Path) -> None:
+    src = FD_LISTER
+    ws = _one_model_ws(tmp_path / "ws", src, {"marker": str(tmp_path / "pwned")})
+    proc = run_cli(["--batch", "build", "//pkg:all", "--jobs", "1", "--cache-dir", str(tmp_path / "cache")], ws)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    line = next(x for x in proc.stderr.splitlines() if "FDS " in x)
+    held = re.findall(r"\((\d+), '([^']*)'\)", line.split("FDS ", 1)[1])
+    assert held and held[0] == ("0", "/dev/null"), line
+    # stdio (0: /dev/null; 1 and 2: the action's log), what run_action opened to redirect them, and the result pipe:
+    # nothing of the worker's (its pipes to the build process, its pidfds, its own log).
+    channels = [t for _fd, t in held if t.startswith(("pipe:", "socket:", "anon_inode:"))]
+    assert len(channels) == 1, line  # its own result pipe
+    assert not any(t.endswith("workers.log") for _fd, t in held), line
+    assert not list(tmp_path.glob("pwned*"))
+
+
+def test_a_malformed_message_is_refused_not_run(tmp_path: Path) -> None:
+    import pickle
+    import struct
+    import threading
+    from multiprocessing.connection import Connection
+
+    class Payload:
+        def __reduce__(self) -> tuple[object, tuple[str]]:
+            return (os.system, (f"touch {tmp_path / 'pwned'}",))
+
+    r, w = os.pipe()
+    data = pickle.dumps(Payload())
+    deep = b"[" * 100_000 + b"]" * 100_000
+    frames = [struct.pack("!i", len(data)) + data, struct.pack("!i", len(deep)) + deep,
+              struct.pack("!i", 9) + b'["list"]\n', struct.pack("!i", channel.MAX_MESSAGE + 1)]
+    writer = threading.Thread(target=lambda: [os.write(w, f) for f in frames])
+    writer.start()
+    with Connection(r, writable=False) as conn:
+        for expected in ("not JSON", "not JSON", "a list, not an object", "unreadable"):
+            with pytest.raises(channel.BadMessage, match=expected):
+                channel.recv(conn)
+    writer.join()
+    os.close(w)
+    assert not (tmp_path / "pwned").exists()
+
+
+# Modules a cloned repository could hold at its root, shadowing what the build server imports after it changes to the
+# client's directory (the standard library's and a dependency's).
+SHADOWS = ("argparse", "difflib", "networkx", "wsplug")
+SHADOW_SRC = 'open({marker!r} + "-" + __name__, "w").close()\n'
+
+
+@pytest.fixture
+def server_env(tmp_path: Path):  # type: ignore[no-untyped-def]
+    env = {"NEURONBUILD_NO_SERVER": "", "NEURONBUILD_OUTPUT_USER_ROOT": str(tmp_path / "ob")}
+    yield env
+    for ws in tmp_path.glob("ws*"):
+        run_cli(["shutdown"], ws, env, ("-P",))
+
+
+def test_the_build_server_imports_nothing_from_the_workspace(tmp_path: Path, server_env: dict[str, str]) -> None:
+    marker = str(tmp_path / "pwned")
+    files = {f"{m}.py": SHADOW_SRC.format(marker=marker) for m in SHADOWS}
+    ws = _one_model_ws(tmp_path / "ws", "import torch\n\n\ndef build(config):\n    return torch.nn.Linear(4, 3)\n", {})
+    write_ws(ws, files)
+    cache = str(tmp_path / "cache")
+    # The client runs with -P (its own sys.path holds no cwd entry), as the `neuronbuild` script does.
+    proc = run_cli(["build", "//pkg:all", "--cache-dir", cache], ws, server_env, ("-P",))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    info = run_cli(["info", "--output", "json"], ws, server_env, ("-P",))
+    assert info.returncode == 0 and json.loads(info.stdout)["pid"], info.stderr  # it ran through a server
+    assert not list(tmp_path.glob("pwned*")), "the build server imported a module from the workspace"
+
+    # A plug-in named in $NEURONBUILD_PLUGINS is found as in batch mode: never in the workspace.
+    env = {**server_env, "NEURONBUILD_PLUGINS": "wsplug"}
+    batch = run_cli(["--batch", "build", "//pkg:all", "--cache-dir", cache], ws, env, ("-P",))
+    served = run_cli(["build", "//pkg:all", "--cache-dir", cache], ws, env, ("-P",))
+    for p in (batch, served):
+        assert p.returncode == 2, p.stdout + p.stderr
+        assert "cannot import plug-in module 'wsplug'" in p.stderr and "Traceback" not in p.stderr
+    assert not list(tmp_path.glob("pwned*")), "a plug-in was imported from the workspace"
+
+
+# A model that tries to reach out: the build server's socket (a pathname Unix socket), any listening TCP port on
+# 127.0.0.1, and killing its own worker so a daemon it leaves behind outlives the build.
+REACHER = '''import os
+import signal
+import socket
+import time
+
+import torch
+
+
+def _try(what, fn):
+    try:
+        fn()
+        return what + "=ok"
+    except OSError as e:
+        return what + "=" + type(e).__name__
+
+
+def build(config):
+    out = []
+
+    def unix():
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.connect(config["unix"])
+        s.sendall(b"hello from a model")
+
+    def tcp():
+        s = socket.create_connection(("127.0.0.1", int(config["port"])), timeout=5)
+        s.sendall(b"hello from a model")
+
+    out.append(_try("unix", unix))
+    out.append(_try("tcp", tcp))
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # a daemon: fork again, leave the session, outlive the action
+        os.setsid()
+        if os.fork() == 0:
+            os.write(w, str(os.getpid()).encode())
+            while True:
+                time.sleep(0.2)
+        os._exit(0)
+    os.waitpid(pid, 0)
+    out.append("daemon=" + os.read(r, 32).decode())
+    print("REACHED " + " ".join(out), flush=True)  # into the action's log
+    print("REACHED kill-worker=" + _try("", lambda: os.kill(os.getppid(), signal.SIGKILL)), flush=True)
+    time.sleep(0.5)
+    raise RuntimeError("the model is done")
+'''
+
+
+def test_a_model_cannot_connect_to_a_unix_socket_or_the_network_nor_leave_a_daemon(tmp_path: Path) -> None:
+    import socket
+
+    unix_path = str(tmp_path / "server.sock")  # as the build server's socket
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as us, socket.socket() as ts:
+        us.bind(unix_path)
+        us.listen(4)
+        ts.bind(("127.0.0.1", 0))
+        ts.listen(4)
+        port = ts.getsockname()[1]
+        ws = _one_model_ws(tmp_path / "ws", REACHER, {"unix": unix_path, "port": str(port)})
+        proc = run_cli(["--batch", "build", "//pkg:all", "--jobs", "1", "--cache-dir", str(tmp_path / "cache")], ws)
+        assert proc.returncode == 1, proc.stdout + proc.stderr
+        for s in (us, ts):
+            s.settimeout(0.5)
+            with pytest.raises(TimeoutError):
+                s.accept()  # nobody connected
+    log = "\n".join(p.read_text(errors="replace") for p in (tmp_path / "cache").rglob("*.log"))
+    line = next(x for x in log.splitlines() if x.startswith("REACHED unix"))
+    assert "unix=PermissionError" in line and "tcp=PermissionError" in line, line
+    # The worker is outside the action's Landlock domain: the action cannot signal it (nor any process of the user).
+    assert "REACHED kill-worker==PermissionError" in log, log[-3000:]
+    # Whatever the action started is gone once the build is over (its worker ended it).
+    daemon = int(line.split("daemon=")[1].split()[0])
+    deadline = time.monotonic() + 30
+    while running(daemon) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    if running(daemon):
+        os.kill(daemon, signal.SIGKILL)
+        raise AssertionError("a daemon the model started outlived the build")
+
+
+def _raw(sock_path: str, msg: dict) -> list[dict]:  # type: ignore[type-arg]
+    """Send one request to a server's socket as any process of the user could, and read every answer frame."""
+    import socket
+
+    from neuronbuild.server import protocol
+
+    out = []
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(60)
+        s.connect(sock_path)
+        protocol.send(s, msg)
+        try:
+            while True:
+                out.append(protocol.recv(s))
+        except (OSError, EOFError, protocol.ProtocolError):
+            pass
+    return out
+
+
+def test_the_server_obeys_only_requests_carrying_its_secret_and_checks_every_field(
+        tmp_path: Path, server_env: dict[str, str]) -> None:
+    ws = _one_model_ws(tmp_path / "ws", "import torch\n\n\ndef build(config):\n    return torch.nn.Linear(4, 3)\n", {})
+    started = run_cli(["plan", "//pkg:all", "--cache-dir", str(tmp_path / "cache")], ws, server_env, ("-P",))
+    assert started.returncode == 0, started.stderr
+    info = run_cli(["info", "--output", "json"], ws, server_env, ("-P",))
+    assert info.returncode == 0, info.stderr
+    data = json.loads(info.stdout)
+    assert data["running"] and data["commands"] == 1, data
+    secret_file = Path(data["output_base"]) / "server.secret"
+    assert secret_file.stat().st_mode & 0o777 == 0o600
+    secret = secret_file.read_text().strip()
+    assert len(secret) == 64 and secret not in info.stdout  # never handed out by `info`
+    evil = tmp_path / "evil-bin"
+    evil.mkdir()
+    for tool in ("g++", "c++", "gcc"):  # a PATH whose compiler leaves a marker, as a model's daemon would send
+        (evil / tool).write_text(f"#!/bin/sh\ntouch {tmp_path / 'pwned'}\n")
+        (evil / tool).chmod(0o755)
+    command = {"type": "command", "argv": ["build", "//pkg:all", "--cache-dir", str(tmp_path / "cache")],
+               "cwd": str(ws), "env": {"PATH": f"{evil}:/usr/bin:/bin"}, "tty": [False, False],
+               "stamp": data["stamp"], "pid": 1}
+    sock = data["socket"]
+    for msg in (command, {**command, "secret": "0" * 64}, {"type": "shutdown"}, {"type": "info"}):
+        assert _raw(sock, msg) == [], msg  # no answer: the connection is closed unread
+    bad = _raw(sock, {**command, "secret": secret, "env": {"PATH": 5}})
+    assert bad[-1] == {"t": "exit", "code": 2} and "a malformed command (env must map names to strings)" in bad[0]["d"]
+    after = json.loads(run_cli(["info", "--output", "json"], ws, server_env, ("-P",)).stdout)
+    assert after["pid"] == data["pid"] and after["commands"] == data["commands"]  # alive, and ran nothing
+    assert not (tmp_path / "pwned").exists()
+
+
+CPU_MODEL = '''import os
+
+import torch
+
+
+def build(config):
+    if config["poison"]:  # append a constructor to every precompiled header (and its source) it can find
+        tmp = os.environ["TMPDIR"]
+        for top in (tmp, os.path.join(os.path.dirname(tmp), "toolchain-headers")):
+            for d, _dirs, files in os.walk(top):
+                for n in files:
+                    if n.endswith((".h", ".gch")):
+                        try:
+                            with open(os.path.join(d, n), "ab") as f:
+                                f.write(b"\\n__attribute__((constructor)) static void poisoned(void) {}\\n")
+                        except OSError:
+                            pass
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
+'''
+CPU_BUILD = '''neuron_model(name = "m", srcs = ["m.py"], entry = "m:build", config = {{"poison": {poison}}},
+             inputs = {{"x": "float32[b, 4]"}})
+neuron_buckets(name = "bk", shapes = [{{"b": 1}}])
+neuron_target(name = "cpu", platform = "cpu", isa = "native")
+neuron_compile(name = "c", model = ":m", buckets = [":bk"], target = ":cpu")
+'''
+
+
+def _header_bytes(cache: Path) -> dict[str, str]:
+    import hashlib
+
+    return {str(p.relative_to(cache)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in (cache / "v1").glob("toolchain-*/**/*") if p.is_file() and p.name.endswith((".h", ".gch"))}
+
+
+def test_a_model_cannot_change_the_precompiled_headers_later_compiles_include(tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    good = write_ws(tmp_path / "ws-good", {"pkg/m.py": CPU_MODEL, "pkg/BUILD": CPU_BUILD.format(poison="False")})
+    first = run_cli(["--batch", "build", "//pkg:all", "--jobs", "2", "--cache-dir", str(cache)], good)
+    assert first.returncode == 0, first.stdout + first.stderr[-3000:]  # a compile that read the warmed headers
+    headers = _header_bytes(cache)
+    assert any(h.endswith(".gch") for h in headers), headers
+    evil = write_ws(tmp_path / "ws-evil", {"pkg/m.py": CPU_MODEL, "pkg/BUILD": CPU_BUILD.format(poison="True")})
+    hostile = run_cli(["--batch", "build", "//pkg:all", "--jobs", "2", "--cache-dir", str(cache)], evil)
+    assert hostile.returncode == 1 and "PermissionError" in hostile.stderr, hostile.stdout + hostile.stderr[-3000:]
+    assert _header_bytes(cache) == headers  # no later compile, of any workspace, includes the model's code
+
+
+ENVIRON_READER = '''import os
+
+
+def build(config):
+    found = []
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                with open(f"/proc/{pid}/environ", "rb") as f:
+                    if config["secret"].encode() in f.read():
+                        found.append(pid)
+            except OSError:
+                pass
+    raise RuntimeError("ENVIRON " + (",".join(found) or "none"))
+'''
+
+
+def test_a_model_cannot_read_the_build_processs_environment(tmp_path: Path) -> None:
+    secret = f"hunter2-{os.getpid()}-{time.time_ns()}"
+    ws = _one_model_ws(tmp_path / "ws", ENVIRON_READER, {"secret": secret})
+    proc = run_cli(["--batch", "build", "//pkg:all", "--jobs", "1", "--cache-dir", str(tmp_path / "cache")], ws,
+                   env={"AWS_SECRET_ACCESS_KEY": secret})
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "RuntimeError: ENVIRON none" in proc.stderr, proc.stderr[-3000:]
+
+
+SPIN_BUILD = '''def spin():
+    n = 0
+    for i in range(1000000000000):
+        n += i
+    return n
+
+spin()
+'''
+
+
+def test_a_cancelled_endless_starlark_loop_does_not_wedge_the_server(tmp_path: Path,
+                                                                       server_env: dict[str, str]) -> None:
+    import subprocess
+    import sys
+
+    ws = write_ws(tmp_path / "ws", {"pkg/BUILD": SPIN_BUILD})
+    env = {**os.environ, **server_env}
+    cache = str(tmp_path / "cache")
+    spinning = subprocess.Popen([sys.executable, "-P", "-m", "neuronbuild", "plan", "//pkg:all", "--cache-dir", cache],
+                                cwd=ws, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:  # until the server runs the command (busy)
+        info = run_cli(["info", "--output", "json"], ws, server_env, ("-P",))
+        if info.returncode == 0 and json.loads(info.stdout).get("busy"):
+            break
+        time.sleep(0.5)
+    else:
+        spinning.kill()
+        raise AssertionError("the server never ran the command")
+    first = json.loads(info.stdout)["pid"]
+    time.sleep(1.0)  # inside the loop by now
+    spinning.send_signal(signal.SIGINT)  # Ctrl-C: the client asks the server to cancel
+    assert spinning.wait(timeout=60) == 8
+    (ws / "pkg" / "BUILD").write_text('neuron_target(name = "t", platform = "trn2")\n')
+    after = subprocess.run([sys.executable, "-P", "-m", "neuronbuild", "plan", "//pkg:all", "--cache-dir", cache],
+                           cwd=ws, env=env, capture_output=True, text=True, timeout=300)  # never wedged behind it
+    assert after.returncode == 0, after.stdout + after.stderr
+    assert not running(first) or json.loads(
+        run_cli(["info", "--output", "json"], ws, server_env, ("-P",)).stdout)["pid"] != first

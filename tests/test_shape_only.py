@@ -1,0 +1,151 @@
+"""Graph actions never hold weight values: a model whose parameters cannot be read (made on the meta device) still
+traces, lowers and compiles for cpu from shapes, with its weights streamed from its file, and every output is
+byte-identical to what the previous path (weights loaded into the module and carried in the program) produced."""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+import textwrap
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+MODEL_SRC = textwrap.dedent('''
+    import torch
+
+    class Block(torch.nn.Module):
+        """Casts, a persistent buffer, a lifted constant, int64 ids, embedding, norm, attention, tied weights."""
+
+        def __init__(self, vocab=32, hidden=16):
+            super().__init__()
+            self.emb = torch.nn.Embedding(vocab, hidden)
+            self.norm = torch.nn.LayerNorm(hidden)
+            self.qkv = torch.nn.Linear(hidden, 3 * hidden)
+            self.out = torch.nn.Linear(hidden, vocab, bias=False)
+            self.out.weight = self.emb.weight
+            self.mix = torch.nn.Linear(hidden, hidden)
+            self.register_buffer("scale", torch.full((hidden,), 0.5))
+
+        def forward(self, ids, mask):
+            h = self.emb(ids).to(torch.float16).float()
+            q, k, v = self.qkv(self.norm(h)).chunk(3, dim=-1)
+            a = torch.nn.functional.scaled_dot_product_attention(q[:, None], k[:, None], v[:, None], is_causal=True)
+            h = self.mix(h + a[:, 0] * self.scale + torch.tensor([1.0, 2.0]).sum())
+            return self.out(h * mask.to(h.dtype)[..., None])
+
+    def readable(config):
+        return Block()
+
+    def unreadable(config):
+        # No parameter or buffer has a value: any read fails (the old path could only fail here).
+        with torch.device("meta"):
+            return Block()
+''')
+INPUTS = [["ids", {"dtype": "int64", "dims": ["batch", "seq"]}], ["mask", {"dtype": "int64", "dims": ["batch", "seq"]}]]
+BUCKET = {"batch": 2, "seq": 8}
+# sha256 (first 16 hex) of each output, recorded with the previous path (main at 276956b: the module built for real,
+# its weights loaded, the program holding them; the Lower and cpu compile writing the weights from the program) for
+# the `readable` factory and the same weights file.
+BEFORE = {
+    "model.hlo.pb": "2b8214af40079b88",
+    "params.json": "f12196404889b111",
+    "constants.safetensors": "645b2a94b1e31591",
+    "model.pt2": "73d5ea46f7772bdf",
+}
+
+
+def write_sandbox(root: Path) -> Path:
+    import torch
+    from safetensors.torch import save_file
+
+    sandbox = root / "sandbox"
+    (sandbox / "m").mkdir(parents=True)
+    (sandbox / "m" / "block.py").write_text(MODEL_SRC)
+    ns: dict[str, Any] = {}
+    exec(MODEL_SRC, ns)  # noqa: S102  (the test's own model source)
+    torch.manual_seed(0)
+    state = {k: v.contiguous() for k, v in ns["Block"]().state_dict().items() if k != "out.weight"}  # tied: once
+    save_file(state, str(sandbox / "m" / "block.safetensors"))
+    return sandbox
+
+
+def build(root: Path, entry: str, cpu: bool = True) -> dict[str, str]:
+    """trace -> Lower (-> cpu compile) as the worker runs them; returns each output's digest."""
+    from neuronbuild.toolchains.neuron_steps import run_lower
+    from neuronbuild.toolchains.trace import run_trace
+
+    sandbox = write_sandbox(root)
+    model = {"package": "m", "entry": entry, "config": {}, "seed": 0, "srcs": ["m/block.py"],
+             "weights": "m/block.safetensors"}
+    run_trace({"model": model, "inputs": INPUTS, "bucket": BUCKET}, sandbox, root / "trace")
+    for f in (root / "trace").iterdir():
+        shutil.copy(f, sandbox / f.name)
+    step = {"program": "program.pt2", "inputs": INPUTS, "bucket": BUCKET}
+    run_lower(step | {"options": {}}, sandbox, root / "lower")
+    out = {f: hashlib.sha256((root / "lower" / f).read_bytes()).hexdigest()[:16]
+           for f in ("model.hlo.pb", "params.json", "constants.safetensors")}
+    if cpu:
+        from neuronbuild.toolchains.compile import run_cpu_compile
+
+        run_cpu_compile(step | {"isa": "x86-64-v3", "options": {}}, sandbox, root / "cpu")
+        out["model.pt2"] = hashlib.sha256((root / "cpu" / "model.pt2").read_bytes()).hexdigest()[:16]
+        assert (root / "cpu" / "constants.safetensors").read_bytes() == (root / "lower" / "constants.safetensors").read_bytes()
+    return out
+
+
+@pytest.fixture(scope="module")
+def unreadable(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, str]]:
+    root = tmp_path_factory.mktemp("unreadable")
+    return root, build(root, "block:unreadable")
+
+
+def test_a_model_whose_weights_cannot_be_read_builds_byte_identical_to_the_previous_path(unreadable) -> None:  # type: ignore[no-untyped-def]
+    _root, digests = unreadable
+    assert digests == BEFORE
+
+
+def test_the_program_archive_holds_no_weight_bytes(unreadable) -> None:  # type: ignore[no-untyped-def]
+    root, _ = unreadable
+    with zipfile.ZipFile(root / "trace" / "program.pt2") as z:
+        weights = [i for i in z.infolist() if "/data/weights/" in f"/{i.filename}" and not i.filename.endswith(".json")]
+        assert weights, "the archive lists the program's parameters"
+        assert all(i.file_size == 0 for i in weights), [(i.filename, i.file_size) for i in weights if i.file_size]
+    assert (root / "trace" / "constants.safetensors").stat().st_size > 4 * 32 * 16  # the weights are in their file
+
+
+def test_the_weights_writer_matches_safetensors_save(tmp_path: Path) -> None:
+    import torch
+    from safetensors.torch import save
+
+    from neuronbuild.toolchains.weights import Entry, write_safetensors
+
+    g = torch.Generator().manual_seed(0)
+    tensors = {"b": torch.randn(3, 5, generator=g).to(torch.bfloat16), "a": torch.randn(4, generator=g),
+               "c": torch.arange(6).reshape(2, 3), "h": torch.randn(2, generator=g).half(), "z": torch.zeros(0),
+               "s": torch.tensor(1.5), "m": torch.ones(3, dtype=torch.bool), "i": torch.arange(3, dtype=torch.int32)}
+    size = write_safetensors(tmp_path / "w.safetensors", [Entry(k, v.dtype, tuple(v.shape)) for k, v in tensors.items()],
+                             lambda e: tensors[e.name])
+    assert (tmp_path / "w.safetensors").read_bytes() == save(tensors)
+    assert size == len(save(tensors))
+
+
+def test_checkpoint_tensors_convert_piece_by_piece_to_the_same_bytes(tmp_path: Path) -> None:
+    import torch
+    from safetensors.torch import save, save_file
+
+    from neuronbuild.toolchains.weights import Checkpoint, Entry, write_safetensors
+
+    g = torch.Generator().manual_seed(0)
+    stored = {"w": torch.randn(37, 11, generator=g).to(torch.bfloat16), "b": torch.randn(5, generator=g).half(),
+              "s": torch.tensor(2.5, dtype=torch.bfloat16)}
+    save_file(stored, str(tmp_path / "ckpt.safetensors"))
+    ckpt = Checkpoint([tmp_path / "ckpt.safetensors"], "ckpt.safetensors")
+    assert torch.equal(ckpt.tensor("w"), stored["w"])
+    pieces = list(ckpt.pieces("w", torch.float32, max_bytes=64))  # 32 elements a piece: 13 pieces, the last short
+    assert len(pieces) == 13 and torch.equal(torch.cat(pieces).reshape(37, 11), stored["w"].float())
+    write_safetensors(tmp_path / "out.safetensors", [Entry(k, torch.float32, tuple(v.shape)) for k, v in stored.items()],
+                      lambda e: ckpt.pieces(e.name, torch.float32, max_bytes=16))
+    assert (tmp_path / "out.safetensors").read_bytes() == save({k: v.float() for k, v in stored.items()})
