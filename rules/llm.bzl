@@ -11,16 +11,32 @@ def _field(config, names, default = None):
         fail("hf_causal_lm: config needs one of %s" % ", ".join(names))
     return default
 
+def _kv_heads(model_type, config, heads):
+    """Key/value heads as each family's transformers attention reads them (MQA/GQA under their own key names)."""
+    if model_type == "falcon":
+        # FalconAttention: num_kv_heads with the new decoder architecture or without multi_query, else one
+        if config.get("new_decoder_architecture", False) or not config.get("multi_query", True):
+            return _field(config, ["num_kv_heads"], heads)
+        return 1
+    if model_type == "gpt_bigcode":
+        return 1 if config.get("multi_query", True) else heads
+    return _field(config, ["num_key_value_heads", "num_kv_heads", "multi_query_group_num"], heads)
+
 def hf_causal_lm(name, config, weights, max_seq = 256, model_type = None, weights_prefix = "", tags = []):
     """A transformers causal LM (llama, mistral, qwen2, gpt2, ...) as served: a `context` graph (prefill: input_ids and
     attention_mask [batch, seq] -> last logits + the KV cache) and a `token` graph (decode: one token per sequence,
     its position, the cache mask and slot, the cache -> logits + the cache, aliased), over a static KV cache of
     max_seq slots, sharing one weights file. `config` holds HF config fields (model_type included or given)."""
     mt = model_type or _field(config, ["model_type"])
+    for lt in config.get("layer_types") or []:
+        if lt not in ("full_attention", "sliding_attention"):
+            fail("hf_causal_lm %s: config field layer_types: %r is not supported (full_attention and sliding_attention are)" % (name, lt))
+    if config.get("attention_chunk_size") != None:
+        fail("hf_causal_lm %s: config field attention_chunk_size: chunked attention is not supported" % name)
     layers = _field(config, ["num_hidden_layers", "n_layer"])
     heads = _field(config, ["num_attention_heads", "n_head"])
     hidden = _field(config, ["hidden_size", "n_embd"])
-    kv_heads = _field(config, ["num_key_value_heads"], heads)
+    kv_heads = _kv_heads(mt, config, heads)
     head_dim = _field(config, ["head_dim"], hidden // heads)
     hf = {k: v for k, v in config.items() if k != "model_type"}
     kv = "float32[layers, 2, batch, kv_heads, max_seq, head_dim]"

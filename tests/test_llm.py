@@ -193,3 +193,12 @@ def test_shipped_graphs_decode_like_transformers_for_each_family(model_type: str
                             pad_token_id=0)[:, width:]
     assert torch.stack(got, 1)[:3].tolist() == want.tolist()
     assert kv.shape == (2, 2, batch, FAMILIES[model_type].get("num_key_value_heads", 4), 32, 8)
+
+
+def test_strict_causal_lm_fails_at_open_when_its_graphs_cannot_run_here(deployed: Path) -> None:
+    """trn2 graphs without emulation cannot run on this host: a strict causal_lm() says so when opened, naming the
+    graphs, instead of returning an object whose first generate fails."""
+    from neuronbuild.runtime import open_cache
+
+    with pytest.raises(RuntimeError, match=r"strict mode: //models:llama_trn2"):
+        open_cache(deployed, strict=True).causal_lm(TRN2)

@@ -70,6 +70,12 @@ class CausalLM:
         self.vocab_size: int | None = vocab if isinstance(vocab, int) and not isinstance(vocab, bool) else None
         self._out_index = {g: [str(o["name"]) for o in fam.graph(next(iter(fam.buckets))).outputs]
                            for g, fam in ((CONTEXT, self._context), (TOKEN, self._token))}
+        if strict:  # every graph generate may pick must run here: fail now, not at the first generate
+            unusable = [f"{fam.graph(n).describe()}: {getattr(getattr(fam, '_slots', {}).get(n), 'problem', None)}"
+                        for fam in (self._context, self._token) for n in fam.buckets if fam.bucket_fn(n) is None]
+            if unusable:
+                raise RuntimeError(f"strict mode: {self.label}: {len(unusable)} graph(s) cannot run here: "
+                                   + "; ".join(unusable))
 
     @property
     def context_buckets(self) -> dict[str, dict[str, int]]:

@@ -17,22 +17,65 @@ from typing import Any
 
 import torch
 from torch import nn
+from transformers.cache_utils import Cache, CacheLayerMixin, get_layer_types_and_kwargs
 
 
-class StaticKV:
-    """The duck-typed transformers cache the attention layers call `update(k, v, layer_idx)` on: it writes the new
-    keys/values into per-layer tensors functionally (index_copy, no in-place input mutation) and keeps the results."""
+class _SlotLayer(CacheLayerMixin):
+    """One layer of StaticKV as transformers' mask builders see it: a full-length static layer (sliding or not, as the
+    config's layer types say) whose query offset is the written cache slot."""
 
-    def __init__(self, layers: int, kv: torch.Tensor | None, slot: torch.Tensor | None, max_seq: int) -> None:
+    is_compileable = True
+
+    def __init__(self, owner: StaticKV, idx: int, sliding: bool) -> None:
+        super().__init__()
+        self.owner, self.idx, self.is_sliding = owner, idx, sliding
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        return None
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.owner.write(key_states, value_states, self.idx)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return (query_length if self.owner.kv is None else self.owner.max_seq), 0
+
+    def get_seq_length(self) -> Any:
+        return 0 if self.owner.slot is None else self.owner.slot[0]
+
+    def get_max_length(self) -> int:
+        return self.owner.max_seq
+
+
+def layer_types(config: Any) -> list[str]:
+    """The attention type of every layer, as transformers' own caches read them from the config object (layer_types,
+    or sliding_window for all layers; use_sliding_window=False already cleared it). Only full and sliding attention
+    are served: anything else is a ValueError naming the field."""
+    types, _kwargs = get_layer_types_and_kwargs(config)
+    bad = sorted({t for t in types if t not in ("full_attention", "sliding_attention")})
+    if bad:
+        field = "attention_chunk_size" if "chunked_attention" in bad else "layer_types"
+        raise ValueError(f"config field {field}: layer type(s) {', '.join(bad)} are not supported by hf_causal_lm "
+                         "(full_attention and sliding_attention are)")
+    return list(types)
+
+
+class StaticKV(Cache):
+    """The transformers cache the attention layers call `update(k, v, layer_idx)` on: it writes the new keys/values
+    into per-layer tensors functionally (index_copy, no in-place input mutation) and keeps the results. transformers
+    builds every layer's mask itself from the 2-D padding mask, this cache's sizes and the config (sliding windows,
+    ALiBi, soft-capping stay the model's own): context masks span the prompt, token masks the max_seq slots with the
+    written slot as the query's position in the cache."""
+
+    def __init__(self, config: Any, kv: torch.Tensor | None, slot: torch.Tensor | None, max_seq: int) -> None:
         self.kv = kv
         self.slot = slot
         self.max_seq = max_seq
-        self.updated: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * layers
-        self.is_compileable = True
-        self.layers: list[Any] = []
+        types = layer_types(config)
+        super().__init__(layers=[_SlotLayer(self, i, t == "sliding_attention") for i, t in enumerate(types)])
+        self.updated: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(types)
 
-    def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args: Any,
-               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    def write(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         if self.kv is None:  # context: attention over the prompt only; the cache gets it padded to max_seq
             pad = self.max_seq - key.shape[2]
             self.updated[layer_idx] = (nn.functional.pad(key, (0, 0, 0, pad)), nn.functional.pad(value, (0, 0, 0, pad)))
@@ -43,49 +86,33 @@ class StaticKV:
         self.updated[layer_idx] = (k, v)
         return k, v
 
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return 0
-
     def stacked(self) -> torch.Tensor:
         if any(u is None for u in self.updated):
             raise RuntimeError("the model did not update every layer's cache (unsupported architecture)")
         return torch.stack([torch.stack([k, v]) for k, v in self.updated])  # type: ignore[misc]
 
 
-def _min(dtype: torch.dtype) -> float:
-    return float(torch.finfo(dtype).min)
-
-
-def _base(model: Any) -> nn.Module:
-    return getattr(model, str(model.base_model_prefix))  # type: ignore[no-any-return]
+def _model_forward(self: Any, **kwargs: Any) -> Any:
+    """The transformers model's own causal-LM forward (its masks, final norm, logit scaling and soft-capping), for the
+    last position only."""
+    return super(type(self), self).forward(use_cache=True, logits_to_keep=1, **kwargs)
 
 
 def _context_forward(self: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> dict[str, torch.Tensor]:
-    b, s = input_ids.shape
-    mask = attention_mask != 0
-    position_ids = (attention_mask.cumsum(-1) - 1).masked_fill(~mask, 1)
-    idx = torch.arange(s, device=input_ids.device)
-    causal = idx[None, :] <= idx[:, None]
-    # Padded query rows attend to themselves only: never an all-masked row (NaN), and real rows never see them.
-    allowed = (causal[None] & mask[:, None, :]) | torch.eye(s, dtype=torch.bool, device=input_ids.device)[None]
-    dtype = self.get_output_embeddings().weight.dtype
-    additive = torch.where(allowed, 0.0, _min(dtype)).to(dtype)[:, None]
-    cache = StaticKV(self.config.num_hidden_layers, None, None, self._nb_max_seq)
-    out = _base(self)(input_ids=input_ids, attention_mask=additive, position_ids=position_ids,
-                      past_key_values=cache, use_cache=True)
-    hidden = out[0][:, -1]
-    return {"logits": self.get_output_embeddings()(hidden).float(), "kv": cache.stacked()}
+    # position ids as transformers' generate derives them from a left-padded mask
+    position_ids = (attention_mask.cumsum(-1) - 1).masked_fill(attention_mask == 0, 1)
+    cache = StaticKV(self.config, None, None, self._nb_max_seq)
+    out = _model_forward(self, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                         past_key_values=cache)
+    return {"logits": out.logits[:, -1].float(), "kv": cache.stacked()}
 
 
 def _token_forward(self: Any, input_ids: torch.Tensor, position_ids: torch.Tensor, cache_mask: torch.Tensor,
                    slot: torch.Tensor, kv: torch.Tensor) -> dict[str, torch.Tensor]:
-    dtype = self.get_output_embeddings().weight.dtype
-    additive = torch.where(cache_mask != 0, 0.0, _min(dtype)).to(dtype)[:, None, None, :]
-    cache = StaticKV(self.config.num_hidden_layers, kv, slot, self._nb_max_seq)
-    out = _base(self)(input_ids=input_ids, attention_mask=additive, position_ids=position_ids,
-                      past_key_values=cache, use_cache=True)
-    hidden = out[0][:, -1]
-    return {"logits": self.get_output_embeddings()(hidden).float(), "kv": cache.stacked()}
+    cache = StaticKV(self.config, kv, slot, self._nb_max_seq)
+    out = _model_forward(self, input_ids=input_ids, attention_mask=cache_mask, position_ids=position_ids,
+                         past_key_values=cache)
+    return {"logits": out.logits[:, -1].float(), "kv": cache.stacked()}
 
 
 def hf_model(config: dict[str, Any]) -> nn.Module:
@@ -99,8 +126,41 @@ def hf_model(config: dict[str, Any]) -> nn.Module:
     return AutoModelForCausalLM.from_config(cfg)
 
 
+EXPERTS = "neuronbuild_dense"
+
+
+def _dense_experts(self: Any, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                   top_k_weights: torch.Tensor) -> torch.Tensor:
+    """Mixture-of-experts as a static graph: every expert over every token (two batched matmuls), weighted by a dense
+    [tokens, experts] routing matrix (zero where an expert is not chosen). Intermediates are tokens x experts x
+    the expert's intermediate width, never an expert matrix per (token, expert) pair, and no data-dependent shapes or
+    custom ops (transformers' grouped_mm registers one that deserialisation would need)."""
+    if getattr(self, "has_bias", False) or getattr(self, "is_transposed", False) or not getattr(self, "has_gate", True) \
+            or not getattr(self, "is_concatenated", True) or getattr(self, "has_post_expert_norm", False):
+        raise ValueError(f"{type(self).__name__}: this experts layout (bias, transposed, gateless, interleaved or "
+                         "post-norm weights) is not supported by hf_causal_lm")
+    gate_up = torch.einsum("th,eih->eti", hidden_states, self.gate_up_proj)  # [experts, tokens, 2 * intermediate]
+    down = torch.einsum("eti,ehi->eth", self._apply_gate(gate_up), self.down_proj)  # [experts, tokens, hidden]
+    routing = torch.zeros(hidden_states.shape[0], self.gate_up_proj.shape[0] + 1, dtype=down.dtype,
+                          device=down.device)  # one spare column: transformers marks dropped slots with E
+    routing = routing.scatter_add(1, top_k_index, top_k_weights.to(down.dtype))[:, :-1]
+    return torch.einsum("eth,te->th", down, routing).to(hidden_states.dtype)
+
+
+def _use_dense_experts(model: nn.Module) -> None:
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    if EXPERTS not in ALL_EXPERTS_FUNCTIONS:
+        ALL_EXPERTS_FUNCTIONS.register(EXPERTS, _dense_experts)
+    for m in model.modules():
+        cfg = getattr(m, "config", None)
+        if cfg is not None and hasattr(cfg, "_experts_implementation"):
+            cfg._experts_implementation = EXPERTS
+
+
 def _graph(config: dict[str, Any], forward: Any, suffix: str) -> nn.Module:
     model: Any = hf_model(config)
+    _use_dense_experts(model)
     cls = type(model)
     # A subclass whose forward is the graph's: same parameters and state-dict keys as the checkpoint.
     graph_cls = type(f"{cls.__name__}{suffix}", (cls,), {"forward": forward, "__module__": __name__})

@@ -84,7 +84,7 @@ def load_factory(model: Mapping[str, Any], sandbox: Path) -> Callable[..., Any]:
         try:
             builtin = importlib.import_module(module_name)
         except ImportError as exc:
-            raise ToolchainError(f"cannot import {module_name}: {exc}") from None
+            raise ToolchainError(f"cannot import {module_name}: {exc}") from exc
         factory = getattr(builtin, attr, None)
         if not callable(factory):
             raise ToolchainError(f"{module_name} has no factory {attr!r}")
@@ -274,7 +274,7 @@ def _load_weights(module: torch.nn.Module, paths: list[Path], label: str, prefix
         try:
             part = load_file(str(path))
         except (SafetensorError, OSError) as exc:
-            raise ToolchainError(f"cannot read weights {path.name}: {exc}") from None
+            raise ToolchainError(f"cannot read weights {path.name}: {exc}") from exc
         dup = sorted(set(part) & set(state))
         if dup:
             raise ToolchainError(f"weights {label}: key {dup[0]} is in more than one shard")

@@ -74,6 +74,17 @@ def program_bytes(ep: torch.export.ExportedProgram, keep_stack_traces: bool = Fa
 WEIGHTS_FILE = "constants.safetensors"  # the trace's second output: every tensor the program holds, by FQN
 
 
+def cause_line(exc: BaseException) -> str:
+    """'Type: first line' of the innermost exception `exc` was raised from (or during): the cause a user can act on."""
+    seen = {id(exc)}
+    while (inner := exc.__cause__ or exc.__context__) is not None and id(inner) not in seen:
+        seen.add(id(inner))
+        exc = inner
+    first = (str(exc).strip().splitlines() or [""])[0]
+    first = first if len(first) <= 300 else first[:300] + " ..."
+    return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+
+
 def load_program(path: Path) -> torch.export.ExportedProgram:
     """A program.pt2 as the trace wrote it: its parameters and persistent buffers are shapes only (meta tensors in the
     archive, no bytes), made fake CPU tensors of the graph's own FakeTensorMode here, so lowering and compiling see
@@ -83,7 +94,18 @@ def load_program(path: Path) -> torch.export.ExportedProgram:
 
     if not path.is_file():
         raise ToolchainError(f"program {path.name} not found")
-    ep = torch.export.load(str(path))
+    try:  # torch.export.load logs the real error and raises a generic one: read the archive ourselves first
+        from torch.export.pt2_archive._package import load_pt2
+
+        contents = load_pt2(str(path))
+    except ImportError:
+        contents = None
+    except Exception as exc:
+        raise ToolchainError(f"cannot load the traced program {path.name}: {cause_line(exc)}") from exc
+    if contents is not None and "model" in contents.exported_programs:
+        ep = contents.exported_programs["model"]
+    else:
+        ep = torch.export.load(str(path))
     mode = _detect_fake_mode_from_gm(ep.graph_module) or FakeTensorMode(allow_non_fake_inputs=True)
     made: dict[int, torch.Tensor] = {}
     for name, t in list(ep.state_dict.items()):

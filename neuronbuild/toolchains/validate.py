@@ -67,3 +67,192 @@ def compare(fn: Callable[..., Any], model: Callable[..., Any], inputs: Any, buck
     max_abs = float((out_t - ref_t).abs().max()) if ref_t.numel() else 0.0
     scale = float(ref_t.abs().max()) if ref_t.numel() else 0.0
     return Comparison(max_abs, max_abs / scale if scale > 0 else max_abs, tuple(ref_t.shape))
+
+
+# -- hf_causal_lm: the reference is transformers' own model (same config, same weights) ---------------------------
+
+HF_ENTRY = "neuronbuild.toolchains.hf_causal_lm:"
+
+
+def is_hf_causal_lm(model_spec: Mapping[str, Any]) -> bool:
+    return str(model_spec.get("entry") or "").startswith(HF_ENTRY)
+
+
+class HfReference:
+    """transformers' model class of an hf_causal_lm built from the same config with the graphs' weights (as
+    neuronbuild loads them for the trace), plus the wrapper's eager context graph (only to fill the token graph's
+    cache input: its errors reach the token logits compared with transformers')."""
+
+    def __init__(self, model_spec: Mapping[str, Any], workspace: Path) -> None:
+        from neuronbuild.toolchains import hf_causal_lm
+        from neuronbuild.toolchains.model_import import build_eager_model
+
+        self.config = dict(model_spec.get("config") or {})
+        eager: Any = build_eager_model(dict(model_spec), workspace)
+        state = eager.state_dict()
+        model: Any = hf_causal_lm.hf_model(self.config).eval()
+        model.load_state_dict(state)
+        self.model = model
+        self.context: Any = hf_causal_lm.context(self.config).eval()
+        self.context.load_state_dict(state)
+        self.max_seq = int(self.config["max_seq"])
+        self.vocab = int(model.config.vocab_size)
+
+    def prompts(self, gen: Any, batch: int, width: int) -> tuple[Any, Any]:
+        """Seeded random prompts left-padded to `width` (row 0 full, the others 1..width tokens), pad id 0."""
+        import torch
+
+        ids = torch.randint(0, self.vocab, (batch, width), generator=gen, dtype=torch.int64)
+        lengths = [width] + torch.randint(1, width + 1, (max(batch - 1, 0),), generator=gen).tolist()
+        mask = torch.zeros((batch, width), dtype=torch.int64)
+        for i, n in enumerate(lengths):
+            mask[i, width - n:] = 1
+        return ids.masked_fill(mask == 0, 0), mask
+
+    @staticmethod
+    def positions(mask: Any) -> Any:
+        return (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)  # as transformers' generate derives them
+
+    def context_logits(self, ids: Any, mask: Any) -> Any:
+        return self.model(input_ids=ids, attention_mask=mask, position_ids=self.positions(mask)).logits[:, -1]
+
+    def token_case(self, gen: Any, batch: int) -> tuple[tuple[Any, ...], Any]:
+        """The token graph's inputs after a prefill of max_seq // 2 slots, and transformers' next logits after its
+        own prefill of the same prompts."""
+        import torch
+
+        width = max(1, self.max_seq // 2)
+        ids, mask = self.prompts(gen, batch, width)
+        nxt = torch.randint(0, self.vocab, (batch, 1), generator=gen, dtype=torch.int64)
+        kv = self.context(ids, mask)["kv"]
+        cache_mask = torch.zeros((batch, self.max_seq), dtype=torch.int64)
+        cache_mask[:, :width] = mask
+        cache_mask[:, width] = 1
+        pos = mask.sum(-1, keepdim=True)
+        args = (nxt, pos, cache_mask, torch.tensor([width], dtype=torch.int64), kv)
+        pre = self.model(input_ids=ids, attention_mask=mask, position_ids=self.positions(mask), use_cache=True)
+        full = torch.cat([mask, torch.ones((batch, 1), dtype=torch.int64)], dim=1)
+        want = self.model(input_ids=nxt, attention_mask=full, position_ids=pos, past_key_values=pre.past_key_values,
+                          use_cache=True).logits[:, -1]
+        return args, want
+
+
+def _logits(out: Any, names: list[str]) -> Any:
+    import torch
+
+    tensors = [out] if isinstance(out, torch.Tensor) else list(out.values()) if isinstance(out, dict) else list(out)
+    return dict(zip(names, tensors, strict=False))["logits"]
+
+
+def compare_hf(fn: Callable[..., Any], ref: HfReference, graph: str, bucket: Mapping[str, int], output_names: list[str],
+               seed: int) -> Comparison:
+    """An hf_causal_lm graph against transformers: the context graph's last-position logits against a transformers
+    forward over the same left-padded prompts; the token graph's logits against transformers' next logits after a
+    prefill of the same prompts."""
+    import torch
+
+    gen = torch.Generator().manual_seed(int(seed))
+    try:
+        with torch.no_grad():
+            if graph == "token":
+                args, want = ref.token_case(gen, int(bucket["batch"]))
+            else:
+                args = ref.prompts(gen, int(bucket["batch"]), int(bucket["seq"]))
+                want = ref.context_logits(*args)
+            got = _logits(fn(*args), output_names)
+    except Exception as exc:  # noqa: BLE001 - reported as this graph's result
+        first = (str(exc).strip().splitlines() or [""])[0]
+        return Comparison(float("inf"), float("inf"), (), f"{type(exc).__name__}: {first}")
+    if tuple(got.shape) != tuple(want.shape):
+        return Comparison(float("inf"), float("inf"), tuple(got.shape))
+    max_abs = float((got.float() - want.float()).abs().max())
+    scale = float(want.float().abs().max())
+    return Comparison(max_abs, max_abs / scale if scale > 0 else max_abs, tuple(want.shape))
+
+
+class _Graph:
+    def __init__(self, spec: Mapping[str, Any], bucket: Mapping[str, int], name: str, aliases: Mapping[str, str],
+                 label: str) -> None:
+        self.inputs = {str(n): dict(s) for n, s in spec["inputs"]}
+        self.outputs = [{"name": str(n)} for n, _s in spec.get("outputs") or []]
+        self.aliases = dict(aliases)
+        self.trace_record = {"model": dict(spec)}
+        self.bucket = dict(bucket)
+        self._what = f"{label} [{name}]"
+
+    def describe(self) -> str:
+        return self._what
+
+
+class _Family:
+    """What runtime.causal_lm.CausalLM reads of a deployed model's graph family, over loaded artifacts."""
+
+    def __init__(self, label: str, graphs: dict[str, tuple[_Graph, Callable[..., Any]]]) -> None:
+        self.label = label
+        self._graphs = graphs
+
+    @property
+    def buckets(self) -> dict[str, dict[str, int]]:
+        return {n: dict(g.bucket) for n, (g, _fn) in self._graphs.items()}
+
+    def graph(self, name: str) -> _Graph:
+        return self._graphs[name][0]
+
+    def bucket_fn(self, name: str) -> Callable[..., Any]:
+        return self._graphs[name][1]
+
+
+class _Model:
+    def __init__(self, label: str, families: dict[str, _Family]) -> None:
+        self.label = label
+        self.families = list(families)
+        self._families = families
+
+    def family(self, name: str) -> _Family:
+        return self._families[name]
+
+
+def generate_cases(label: str, ref: HfReference, graphs: Mapping[str, Mapping[str, tuple[Mapping[str, Any],
+                   Mapping[str, int], Callable[..., Any]]]], aliases: Mapping[str, str], new_tokens: int,
+                   seed: int) -> list[tuple[str, bool, str]]:
+    """Greedy tokens from the compiled graphs, run by the runtime's CausalLM as it serves them, against transformers'
+    `generate` on seeded random prompts: batch 1 and (when a bucket holds two rows) a left-padded batch of the
+    largest token-bucket batch. `graphs`: family -> bucket name -> (trace spec, bucket, loaded artifact).
+    Returns (case, equal, detail) per case."""
+    import torch
+
+    from neuronbuild.runtime.causal_lm import CausalLM
+
+    families = {fam: _Family(label, {n: (_Graph(spec, b, n, aliases if fam == "token" else {}, label), fn)
+                                     for n, (spec, b, fn) in by_name.items()})
+                for fam, by_name in graphs.items()}
+    lm = CausalLM(_Model(label, families), strict=True)
+    gen = torch.Generator().manual_seed(int(seed))
+    seqs = sorted({b["seq"] for b in lm.context_buckets.values() if b["seq"] + new_tokens - 1 <= ref.max_seq})
+    if not seqs:
+        return [("generate", False, f"no context bucket leaves room for {new_tokens} new tokens in max_seq "
+                                    f"{ref.max_seq}")]
+    width = seqs[-1]
+    batches = sorted({b["batch"] for b in lm.token_buckets.values()} & {b["batch"] for b in lm.context_buckets.values()})
+    cases = [("batch1", 1)] + ([(f"batch{batches[-1]}_padded", batches[-1])] if batches and batches[-1] > 1 else [])
+    out = []
+    for case, batch in cases:
+        ids, mask = ref.prompts(gen, batch, width)
+        try:
+            with torch.no_grad():
+                got = lm.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, eos_token_id=None)[:, -new_tokens:]
+                want = ref.model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False,
+                                          eos_token_id=None, pad_token_id=0,
+                                          min_new_tokens=new_tokens)[:, width:]
+        except Exception as exc:  # noqa: BLE001 - reported as this case's result
+            first = (str(exc).strip().splitlines() or [""])[0]
+            out.append((case, False, f"{type(exc).__name__}: {first}"))
+            continue
+        if got.tolist() == want.tolist():
+            out.append((case, True, f"{new_tokens} tokens x {batch} equal"))
+            continue
+        diff = (got != want).nonzero().tolist()
+        row, col = diff[0]
+        out.append((case, False, f"row {row} differs from new token {col + 1}: {got[row].tolist()} != "
+                                 f"transformers {want[row].tolist()}"))
+    return out
