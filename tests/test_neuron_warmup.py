@@ -67,11 +67,13 @@ def test_jax_is_imported_once_in_the_zygote_and_lowerings_match_fresh_processes(
     out = ws / "neuronbuild-out" / "pkg" / "c"
     for b in (1, 3):
         (trace,) = [t for t in traces.values() if f"b={b}," in t["description"]]
-        digest = trace["outputs"]["program.pt2"]
-        (program,) = [p for p in (cache / "v1" / "cas").glob(f"*/{digest}") if p.is_file()]
         sandbox, alone = tmp_path / f"in{b}", tmp_path / f"alone{b}"
         sandbox.mkdir()
-        (sandbox / "program.pt2").write_bytes(program.read_bytes())
+        # The trace's outputs the Lower reads: the shape-only program and the weights file it places.
+        for name in ("program.pt2", "constants.safetensors"):
+            digest = trace["outputs"][name]
+            (blob,) = [p for p in (cache / "v1" / "cas").glob(f"*/{digest}") if p.is_file()]
+            (sandbox / name).write_bytes(blob.read_bytes())
         r = subprocess.run([sys.executable, "-c", LOWER_ALONE, str(REPO), str(sandbox), str(b), str(alone)],
                            capture_output=True, text=True, timeout=600)
         assert r.returncode == 0, r.stderr
