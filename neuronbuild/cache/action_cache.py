@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from neuronbuild import jsondata
 from neuronbuild.atomic import atomic_write_bytes
 from neuronbuild.digests import StatKey, is_racy, stat_key
 
@@ -56,7 +57,7 @@ class ActionResult:
         """Parse a record; ValueError for anything that is not exactly a record (records in a shared cache are
         untrusted: wrong types and deep nesting are misses, never exceptions further on)."""
         try:
-            d = json.loads(data)
+            d = jsondata.loads(data)
         except RecursionError:
             raise ValueError("nested too deeply") from None
         if not isinstance(d, dict) or d.get("version") != RECORD_VERSION:
