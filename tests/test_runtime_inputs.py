@@ -30,11 +30,16 @@ def deployed(built_example, tmp_path_factory: pytest.TempPathFactory) -> Path:  
 
 
 @pytest.fixture(scope="module")
-def context(deployed: Path):  # type: ignore[no-untyped-def]
-    """The cpu context graphs (inputs input_ids, attention_mask: int64 [batch, seq]; buckets batch 1 and 4 x seq 32)."""
+def cache(deployed: Path):  # type: ignore[no-untyped-def]
     from neuronbuild.runtime import open_cache
 
-    return open_cache(deployed, strict=True, require=[CPU]).model(CPU).family("context")
+    return open_cache(deployed, strict=True, require=[CPU])
+
+
+@pytest.fixture(scope="module")
+def context(cache):  # type: ignore[no-untyped-def]
+    """The cpu context graphs (inputs input_ids, attention_mask: int64 [batch, seq]; buckets batch 1 and 4 x seq 32)."""
+    return cache.model(CPU).family("context")
 
 
 def test_inputs_by_name_positional_or_numpy_give_the_same_outputs(context) -> None:  # type: ignore[no-untyped-def]
@@ -78,6 +83,17 @@ def test_int32_tokens_for_an_int64_input_are_widened(context) -> None:  # type: 
     # a non-contiguous view (no padding needed at batch 4) runs as its values, not as its strides
     t = ids.t().contiguous().t()
     assert not t.is_contiguous() and torch.equal(context(t, mask)["logits"], want["logits"])
+
+
+def test_generate_takes_numpy_prompts(cache) -> None:  # type: ignore[no-untyped-def]
+    import numpy as np
+
+    lm = cache.causal_lm(CPU)
+    prompts = [[0, 0, 1, 17, 99, 250], [1, 5, 6, 7, 8, 9]]
+    mask = [[0, 0, 1, 1, 1, 1], [1] * 6]
+    want = lm.generate([[1, 17, 99, 250], [1, 5, 6, 7, 8, 9]], max_new_tokens=5)
+    got = lm.generate(np.array(prompts, dtype=np.int32), attention_mask=np.array(mask, dtype=np.int8), max_new_tokens=5)
+    assert got.tolist() == want.tolist()
 
 
 def test_a_float_for_an_int_input_is_refused_naming_the_input_and_both_dtypes(context) -> None:  # type: ignore[no-untyped-def]
