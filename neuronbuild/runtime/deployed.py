@@ -389,8 +389,8 @@ class _EagerModel:
     def __init__(self, cache: DeployedCache, label: str, fn: Callable[..., Any]) -> None:
         self._cache, self.label, self._fn = cache, label, fn
 
-    def __call__(self, *args: Any, **_kw: Any) -> Any:  # no declaration to check against: the eager model's own
-        named = {k: v for k, v in _kw.items() if k not in ("pad_value", "split")}
+    def __call__(self, *args: Any, **kw: Any) -> Any:  # no declaration to check against: the eager model checks
+        named = {k: v for k, v in kw.items() if k not in ("pad_value", "split")}
         return self._cache._eager_call(self.label, "not deployed", self._fn, args, named)
 
 
