@@ -22,8 +22,31 @@ from neuronbuild import FORMAT_VERSION
 from neuronbuild.analysis.actions import Action, Bucket
 from neuronbuild.analysis.plan_settings import PlanSettings
 from neuronbuild.loading.labels import Label
+from neuronbuild.loading.schema import AttrType
 
 WARM_UP = "warm_up"  # the step (and pseudo-action kind) of a toolchain's per-machine warm-up
+
+
+class _Unset:
+    def __repr__(self) -> str:
+        return "UNSET"
+
+
+UNSET: Any = _Unset()  # an option key's default meaning "absent from the options unless set"
+
+
+@dataclass(frozen=True)
+class OptionKey:
+    """One compiler option a toolchain reads (a `compiler_options` attribute). Only the keys a toolchain declares
+    reach its plans and its fingerprints: an option it does not read cannot re-run its actions. `type` is the
+    attribute's loading type (schema.INT, STRING, STRING_LIST); `default` fills the key when unset (UNSET: left out).
+    The `compiler_options` rule's attributes are the union of every registered toolchain's keys."""
+
+    name: str
+    type: AttrType
+    doc: str
+    default: Any = UNSET
+    choices: tuple[Any, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -69,6 +92,7 @@ class Toolchain(Protocol):
     estimate_s: float  # assumed seconds of its primary step when nothing was recorded
     estimate_mb: float  # assumed peak MB of its primary step when nothing was recorded
     validate_note: str  # what `validate` checks of its artifacts when that is less than the real thing ("" if not)
+    option_keys: tuple[OptionKey, ...]  # the compiler options it reads (the only ones entering its fingerprints)
 
     def target_record(self, platform: str, attrs: Mapping[str, Any]) -> dict[str, Any]:
         """The target as it enters fingerprints (e.g. cpu resolves isa='native' to this machine's level)."""
@@ -109,3 +133,20 @@ def warm_up_key(tc: Any, spec: Mapping[str, Any]) -> dict[str, Any] | None:
         return None
     key = hook(spec)
     return dict(key) if key is not None else None
+
+
+def toolchain_options(tc: Any, merged: Mapping[str, Any]) -> dict[str, Any]:
+    """The options `tc` sees and fingerprints: its declared keys, set values over declared defaults; nothing else."""
+    out: dict[str, Any] = {}
+    for key in tc.option_keys:
+        value = merged.get(key.name, key.default)
+        if value is UNSET:
+            continue
+        out[key.name] = list(value) if isinstance(value, list | tuple) else value
+    return out
+
+
+def ignored_options(tc: Any, merged: Mapping[str, Any]) -> tuple[str, ...]:
+    """The keys set in `merged` that `tc` does not read (they change none of its graphs)."""
+    known = {key.name for key in tc.option_keys}
+    return tuple(k for k in merged if k not in known)

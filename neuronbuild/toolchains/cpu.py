@@ -9,9 +9,10 @@ from typing import Any
 from neuronbuild import plugins
 from neuronbuild.analysis.actions import COMPILE, TRACE_OUTPUT, TRACE_WEIGHTS, Action, DepInput, make_action
 from neuronbuild.analysis.plan_settings import PlanSettings
-from neuronbuild.analysis.toolchain_api import WARM_UP, CompileRequest
+from neuronbuild.analysis.toolchain_api import WARM_UP, CompileRequest, OptionKey
+from neuronbuild.loading.schema import STRING
 from neuronbuild.platforms import cxx_version, resolve_isa
-from neuronbuild.vocabulary import CPU_PLATFORM
+from neuronbuild.vocabulary import AUTO_CAST, CPU_PLATFORM
 
 OUTPUTS = ("model.pt2", "constants.safetensors")  # the package (no weights inside) and its weights by FQN
 
@@ -23,6 +24,10 @@ class CpuToolchain:
     estimate_s = 15.0
     estimate_mb = 1200.0
     validate_note = ""
+    # The only option the compile reads (an FX pass before AOTInductor, bf16 only): opt_level, flags and the other
+    # neuronx-cc options change no cpu graph, so they enter no cpu fingerprint.
+    option_keys = (OptionKey("auto_cast", STRING, "Cast matmuls ('matmult') or also convolutions ('all') to "
+                             "auto_cast_type; 'none'.", "none", AUTO_CAST),)
 
     def target_record(self, platform: str, attrs: Mapping[str, Any]) -> dict[str, Any]:
         return {"platform": platform, "isa": resolve_isa(attrs.get("isa"))}

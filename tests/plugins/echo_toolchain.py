@@ -21,6 +21,7 @@ class EchoToolchain:
     estimate_s = 1.0
     estimate_mb = 300.0
     validate_note = ""
+    option_keys = ()  # reads no compiler option
 
     def target_record(self, platform: str, attrs: Mapping[str, Any]) -> dict[str, Any]:
         return {"platform": platform}
