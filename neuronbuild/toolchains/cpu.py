@@ -19,14 +19,15 @@ OUTPUTS = ("model.pt2", "constants.safetensors")  # the package (no weights insi
 
 class CpuToolchain:
     name = "aoti"
-    platforms = (CPU_PLATFORM,)
+    platforms: tuple[str, ...] = (CPU_PLATFORM,)
     artifact_format = "aoti"
     estimate_s = 15.0
     estimate_mb = 1200.0
     validate_note = ""
+    warm_up_shared = True  # inductor's precompiled headers, on disk: every worker of the machine reuses them
     # The only option the compile reads (an FX pass before AOTInductor, bf16 only): opt_level, flags and the other
     # neuronx-cc options change no cpu graph, so they enter no cpu fingerprint.
-    option_keys = (OptionKey("auto_cast", STRING, "Cast matmuls ('matmult') or also convolutions ('all') to "
+    option_keys: tuple[OptionKey, ...] = (OptionKey("auto_cast", STRING, "Cast matmuls ('matmult') or also convolutions ('all') to "
                              "auto_cast_type; 'none'.", "none", AUTO_CAST),)
 
     def target_record(self, platform: str, attrs: Mapping[str, Any]) -> dict[str, Any]:

@@ -45,11 +45,11 @@ OPTION_KEYS = (
 
 class NeuronToolchain:
     name = "neuron"
-    platforms = NEURON_PLATFORMS
+    platforms: tuple[str, ...] = NEURON_PLATFORMS
     artifact_format = "neuron-hlo"
     estimate_s = 4.0
     estimate_mb = 900.0
-    option_keys = OPTION_KEYS
+    option_keys: tuple[OptionKey, ...] = OPTION_KEYS
     warm_up_shared = False  # the warm-up imports jax in the worker process: nothing other workers could reuse
     validate_note = ("Neuron targets: the exact model.hlo.pb run on XLA:CPU (checks the lowering, auto_cast and the "
                      "weights binding; not neuronx-cc, not the device)")

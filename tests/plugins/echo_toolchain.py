@@ -22,6 +22,7 @@ class EchoToolchain:
     estimate_mb = 300.0
     validate_note = ""
     option_keys = ()  # reads no compiler option
+    warm_up_shared = False
 
     def target_record(self, platform: str, attrs: Mapping[str, Any]) -> dict[str, Any]:
         return {"platform": platform}
@@ -50,6 +51,9 @@ class EchoToolchain:
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "summary.json").write_text(json.dumps({"step": step, "nodes": len(ep.graph.nodes), "ops": ops}))
         return {"ops": len(ops)}
+
+    def warm_up_key(self, spec: Mapping[str, Any]) -> dict[str, Any] | None:
+        return None  # nothing to warm
 
     def load_artifact(self, files: Mapping[str, Path]) -> Callable[..., Any]:
         raise NotImplementedError("echo summaries do not run")
