@@ -23,7 +23,7 @@ from neuronbuild import FORMAT_VERSION
 from neuronbuild.analysis.actions import Action, Bucket
 from neuronbuild.analysis.plan_settings import PlanSettings
 from neuronbuild.loading.labels import Label
-from neuronbuild.loading.schema import AttrType
+from neuronbuild.loading.schema import Attr, AttrType
 
 WARM_UP = "warm_up"  # the step (and pseudo-action kind) of a toolchain's per-machine warm-up
 
@@ -94,6 +94,7 @@ class Toolchain(Protocol):
     estimate_mb: float  # assumed peak MB of its primary step when nothing was recorded
     validate_note: str  # what `validate` checks of its artifacts when that is less than the real thing ("" if not)
     option_keys: tuple[OptionKey, ...]  # the compiler options it reads (the only ones entering its fingerprints)
+    target_attrs: tuple[Attr, ...]  # neuron_target attributes it reads besides `platform` (e.g. cpu's isa)
     # Whether its warm-up leaves something other workers on the machine reuse (files): then it gets a pseudo-action
     # at the start of a build; False: each worker warms itself before its first such step (e.g. an import).
     warm_up_shared: bool

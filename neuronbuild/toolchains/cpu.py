@@ -10,9 +10,9 @@ from neuronbuild import plugins
 from neuronbuild.analysis.actions import COMPILE, TRACE_OUTPUT, TRACE_WEIGHTS, Action, DepInput, make_action
 from neuronbuild.analysis.plan_settings import PlanSettings
 from neuronbuild.analysis.toolchain_api import WARM_UP, CompileRequest, OptionKey
-from neuronbuild.loading.schema import STRING
+from neuronbuild.loading.schema import STRING, Attr
 from neuronbuild.platforms import cxx_version, resolve_isa
-from neuronbuild.vocabulary import AUTO_CAST, CPU_PLATFORM
+from neuronbuild.vocabulary import AUTO_CAST, CPU_ISAS, CPU_PLATFORM
 
 OUTPUTS = ("model.pt2", "constants.safetensors")  # the package (no weights inside) and its weights by FQN
 
@@ -24,6 +24,9 @@ class CpuToolchain:
     estimate_s = 15.0
     estimate_mb = 1200.0
     validate_note = ""
+    target_attrs: tuple[Attr, ...] = (
+        Attr("isa", STRING, "cpu only: 'native' (this machine's level, resolved) or an x86-64 level.",
+             choices=CPU_ISAS),)
     warm_up_shared = True  # inductor's precompiled headers, on disk: every worker of the machine reuses them
     # The only option the compile reads (an FX pass before AOTInductor, bf16 only): opt_level, flags and the other
     # neuronx-cc options change no cpu graph, so they enter no cpu fingerprint.

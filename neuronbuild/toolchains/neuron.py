@@ -14,7 +14,7 @@ from neuronbuild.analysis.plan_settings import NEURONX_CC, PlanSettings
 from neuronbuild.analysis.toolchain_api import WARM_UP, CompileRequest, OptionKey
 from neuronbuild.analysis.toolchain_versions import package_version
 from neuronbuild.errors import UserInputError
-from neuronbuild.loading.schema import INT, STRING, STRING_LIST
+from neuronbuild.loading.schema import INT, STRING, STRING_LIST, Attr
 from neuronbuild.toolchains import neuron_flags
 from neuronbuild.vocabulary import AUTO_CAST, NEURON_PLATFORMS, OPT_LEVELS
 
@@ -50,6 +50,7 @@ class NeuronToolchain:
     estimate_s = 4.0
     estimate_mb = 900.0
     option_keys: tuple[OptionKey, ...] = OPTION_KEYS
+    target_attrs: tuple[Attr, ...] = ()  # the platform says it all
     warm_up_shared = False  # the warm-up imports jax in the worker process: nothing other workers could reuse
     validate_note = ("Neuron targets: the exact model.hlo.pb run on XLA:CPU (checks the lowering, auto_cast and the "
                      "weights binding; not neuronx-cc, not the device)")

@@ -22,6 +22,7 @@ class EchoToolchain:
     estimate_mb = 300.0
     validate_note = ""
     option_keys = ()  # reads no compiler option
+    target_attrs = ()
     warm_up_shared = False
 
     def target_record(self, platform: str, attrs: Mapping[str, Any]) -> dict[str, Any]:
