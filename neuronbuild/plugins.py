@@ -94,6 +94,16 @@ def rule(kind: str) -> Any:
     return rules()[kind]
 
 
+def kind_fits(kind: str, wanted: tuple[str, ...]) -> bool:
+    """Whether a `kind` target may be named by a label attribute that takes `wanted` kinds: it is one of them, or
+    its rule kind declares that it stands for one (`stands_for`: it returns the same provider, e.g. an out-of-tree
+    kind planning compiles stands for neuron_compile in a bundle's srcs)."""
+    if kind in wanted:
+        return True
+    r = rules().get(kind)
+    return r is not None and any(k in wanted for k in getattr(r, "stands_for", ()))
+
+
 def toolchains() -> dict[str, Toolchain]:
     _ensure()
     return _toolchains

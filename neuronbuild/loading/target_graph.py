@@ -205,7 +205,7 @@ def _load(root: Path, patterns: list[TargetPattern], load_cache: LoadCache | Non
                 raise UserInputError(f"attribute '{attr}' of '{lbl}' refers to '{dep}', which does not exist "
                                      f"({where})", loader.locate(t))
             kind = targets[dep].kind
-            if kind not in schema_attr.kinds:
+            if not plugins.kind_fits(kind, schema_attr.kinds):
                 raise UserInputError(f"attribute '{attr}' of '{lbl}' must be a {' or '.join(schema_attr.kinds)} "
                                      f"target, but '{dep}' is a {kind}", loader.locate(t))
             todo.append(dep)

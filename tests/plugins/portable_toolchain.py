@@ -1,7 +1,7 @@
 """An out-of-tree toolchain in one module (tests/test_plugin_release.py): platform "cpu-portable" builds AOTInductor
 packages for the x86-64 baseline only (they run on any x86-64 host), in the artifact format the runtime already
 loads ("aoti"). Everything it means is declared here: platform, target attributes (none), the options it reads and
-their defaults, its versions, its actions and worker step, its warm-up (none), its validate loader. Registration is
+their defaults, its versions, its actions and worker step, its warm-up, its validate loader. Registration is
 this module's name in $NEURONBUILD_PLUGINS."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any
 from neuronbuild import plugins
 from neuronbuild.analysis.actions import COMPILE, TRACE_OUTPUT, TRACE_WEIGHTS, Action, DepInput, make_action
 from neuronbuild.analysis.plan_settings import PlanSettings
-from neuronbuild.analysis.toolchain_api import CompileRequest, OptionKey
+from neuronbuild.analysis.toolchain_api import WARM_UP, CompileRequest, OptionKey
 from neuronbuild.loading.schema import STRING, Attr
 
 ISA = "x86-64"  # the baseline every x86-64 machine runs
@@ -30,7 +30,7 @@ class PortableToolchain:
         OptionKey("auto_cast", STRING, "Cast matmuls ('matmult') or also convolutions ('all') to auto_cast_type; "
                   "'none'.", "none", ("none", "matmult", "all")),)
     target_attrs: tuple[Attr, ...] = ()
-    warm_up_shared = False
+    warm_up_shared = True  # inductor's precompiled headers for the baseline ISA, on disk for every worker
 
     def target_record(self, platform: str, attrs: Mapping[str, Any]) -> dict[str, Any]:
         return {"platform": platform, "isa": ISA}
@@ -56,12 +56,14 @@ class PortableToolchain:
                             target=self.describe_target(req.target))]
 
     def run(self, step: str, spec: Mapping[str, Any], sandbox: Path, out_dir: Path) -> dict[str, Any]:
-        from neuronbuild.toolchains.compile import run_cpu_compile
+        from neuronbuild.toolchains.compile import run_cpu_compile, warm_up_cpu
 
+        if step == WARM_UP:  # in the worker, before its first compile: the headers compiles may only read
+            return warm_up_cpu(ISA)
         return run_cpu_compile(dict(spec), sandbox, out_dir)
 
     def warm_up_key(self, spec: Mapping[str, Any]) -> dict[str, Any] | None:
-        return None
+        return {"isa": ISA} if spec.get("step") == COMPILE else None
 
     def load_artifact(self, files: Mapping[str, Path]) -> Callable[..., Any]:
         from neuronbuild.runtime.aoti_loader import load_package, read_constants
