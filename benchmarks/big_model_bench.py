@@ -110,6 +110,7 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=128)
     ap.add_argument("--max-seq", type=int, default=256)
     ap.add_argument("--jobs", type=int, default=1)
+    ap.add_argument("--dtype", default="bfloat16", help="hf_causal_lm's dtype (the checkpoint is bf16 either way)")
     ap.add_argument("--generate", action="store_true", help="deploy the bundle and generate 8 tokens per target")
     ap.add_argument("--no-bundle", action="store_true", help="build the compile targets only (no bundle)")
     ap.add_argument("--workdir", type=Path, default=None)
@@ -122,10 +123,11 @@ def main() -> None:
         shutil.rmtree(d, ignore_errors=True)
     ws.mkdir(parents=True)
     (ws / "WORKSPACE.neuronbuild").write_text("")
-    cfg = {**COMMON, **SHAPES[args.shape]}
+    cfg = {**COMMON, **SHAPES[args.shape], "dtype": args.dtype}
     start = time.perf_counter()
     ckpt = write_checkpoint(ws / "model.safetensors", cfg)
-    print(f"checkpoint: {args.shape}, {ckpt / 1e9:.2f} GB bf16, written in {time.perf_counter() - start:.0f} s")
+    print(f"checkpoint: {args.shape}, {ckpt / 1e9:.2f} GB bf16, written in {time.perf_counter() - start:.0f} s; "
+          f"built as {args.dtype}")
     (ws / "BUILD").write_text(BUILD.format(config=json.dumps(cfg).replace("true", "True").replace("false", "False"), max_seq=args.max_seq, context=args.context,
                                            compiles="\n".join(COMPILE.format(t=t) for t in targets),
                                            srcs=", ".join(f'":llm_{t}"' for t in targets)))
