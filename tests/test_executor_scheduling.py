@@ -325,14 +325,17 @@ def test_a_freed_worker_gets_ready_work_before_the_finished_actions_outputs_are_
     assert ex.stored_before_next_start == [True]  # a compile needs its trace's stored output: it waits for it
 
 
-class WeightsToolchain:
+class WeightsToolchain(WarmingToolchain):
     """A toolchain whose step holds its model's weights (as a weights action does): 100 MB + 1 MB per weight MB."""
 
     name = "weightstest"
     platforms = ("weightstest",)
-    estimate_s = 15.0
+    artifact_format = "weightstest"
     estimate_mb = 100.0
     estimate_mb_per_weight_mb = 1.0
+
+    def warm_up_key(self, spec: dict[str, str]) -> dict[str, str] | None:
+        return None
 
 
 plugins.register_toolchain(WeightsToolchain())
