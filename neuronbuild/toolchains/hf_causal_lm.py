@@ -115,15 +115,31 @@ def _token_forward(self: Any, input_ids: torch.Tensor, position_ids: torch.Tenso
     return {"logits": out.logits[:, -1].float(), "kv": cache.stacked()}
 
 
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def model_dtype(hf: dict[str, Any]) -> torch.dtype:
+    """The dtype an HF config's model computes in: its `dtype` (or older `torch_dtype`), float32 when it names none.
+    rules/llm.bzl hf_causal_lm writes `dtype` (its attribute, else the config's) and declares the KV cache in it."""
+    name = str(hf.get("dtype") or hf.get("torch_dtype") or "float32").removeprefix("torch.")
+    if name not in DTYPES:
+        raise ValueError(f"config field dtype: {name!r} is not supported by hf_causal_lm (float32, bfloat16, float16)")
+    return DTYPES[name]
+
+
 def hf_model(config: dict[str, Any]) -> nn.Module:
-    """The transformers model of `config` (random init; weights are loaded by neuronbuild afterwards)."""
+    """The transformers model of `config` in the config's dtype (random init; weights are loaded by neuronbuild
+    afterwards, in that dtype: a bf16 checkpoint stays bf16 end to end)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     hf = dict(config.get("hf") or {})
     model_type = str(config.get("model_type") or hf.pop("model_type", ""))
     hf.pop("model_type", None)
+    dtype = model_dtype(hf)
+    hf.pop("torch_dtype", None)
+    hf["dtype"] = dtype
     cfg = AutoConfig.for_model(model_type, **hf)
-    return AutoModelForCausalLM.from_config(cfg)
+    return AutoModelForCausalLM.from_config(cfg, dtype=dtype)
 
 
 EXPERTS = "neuronbuild_dense"
