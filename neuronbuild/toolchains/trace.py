@@ -10,9 +10,11 @@ from typing import Any
 
 import torch
 
+from neuronbuild.toolchains import tp_ops  # noqa: F401 - registers the op tensor-parallel programs hold
 from neuronbuild.toolchains.errors import ToolchainError, source_frame, workspace_paths
 from neuronbuild.toolchains.model_import import (
     build_shape_model,
+    whole_values,
     example_inputs,
     input_pairs,
     state_values,
@@ -151,6 +153,28 @@ def trace_failure(exc: BaseException, inputs: Any, args: Sequence[Any], sandbox:
             f"(check them against forward()): {traced}")
 
 
+def _write_shards(out_dir: Path, tp: int, entries: list[Any], constants: Mapping[str, torch.Tensor],
+                  state: Mapping[str, Any], whole: Any) -> int:
+    """rank_<r>.safetensors for every rank: each tensor of the rank's program, sliced from the whole one (read one
+    tensor at a time: never the whole model in memory); returns the bytes written."""
+    from neuronbuild.analysis.actions import rank_weights
+    from neuronbuild.toolchains.tp_ops import shard
+    from neuronbuild.toolchains.weights import write_safetensors
+
+    total = 0
+    for rank in range(tp):
+        def value(e: Any, rank: int = rank) -> torch.Tensor:
+            if e.name not in state:
+                return constants[e.name]
+            try:
+                return shard(whole(e.name), e.shape, rank, tp).contiguous()
+            except ValueError as exc:
+                raise ToolchainError(f"weight {e.name}: {exc}") from None
+
+        total += write_safetensors(out_dir / rank_weights(rank), entries, value)
+    return total
+
+
 def run_trace(spec: dict[str, Any], sandbox: Path, out_dir: Path) -> dict[str, Any]:
     """Export spec["model"] at spec["bucket"] (zeros example inputs) from shapes only (build_shape_model) to
     out_dir/program.pt2, and write every tensor the program holds to out_dir/constants.safetensors one at a time
@@ -160,7 +184,11 @@ def run_trace(spec: dict[str, Any], sandbox: Path, out_dir: Path) -> dict[str, A
 
     sandbox, out_dir = Path(sandbox), Path(out_dir)
     model_spec = spec["model"]
-    module, mode = build_shape_model(model_spec, sandbox)
+    tp = int(spec.get("tp_degree") or 1)
+    whole_spec = model_spec
+    if tp > 1:  # one rank's program (the factory builds that rank's model); the weights: one shard per rank
+        model_spec = {**model_spec, "config": {**dict(model_spec.get("config") or {}), "tp_degree": tp}}
+    module, mode = build_shape_model(model_spec, sandbox, tp)
     tied = tied_aliases(module)
     inputs = spec.get("inputs") or []
     bucket = dict(spec.get("bucket") or {})
@@ -201,11 +229,15 @@ def run_trace(spec: dict[str, Any], sandbox: Path, out_dir: Path) -> dict[str, A
     flat.undo()
     # Every tensor the program holds (= what the cpu compile's package and the Neuron module's leading parameters
     # take, plus what inductor folds), by FQN: one file per model for all its graphs, buckets and targets.
-    value = state_values(model_spec, sandbox, {k: dt for k, (dt, _s) in state.items()}, tied)
     entries = [Entry(k, dt, shape) for k, (dt, shape) in state.items()]
     entries += [Entry(k, t.dtype, tuple(t.shape)) for k, t in constants.items() if k not in state]
-    size = write_safetensors(out_dir / WEIGHTS_FILE, entries,
-                             lambda e: constants[e.name] if e.name not in state else value(e.name))
+    if tp > 1:
+        size = _write_shards(out_dir, tp, entries, constants, state,
+                             whole_values(whole_spec, sandbox, {k: dt for k, (dt, _s) in state.items()}, tied))
+    else:
+        value = state_values(model_spec, sandbox, {k: dt for k, (dt, _s) in state.items()}, tied)
+        size = write_safetensors(out_dir / WEIGHTS_FILE, entries,
+                                 lambda e: constants[e.name] if e.name not in state else value(e.name))
     return {
         "nodes": nodes,
         "parameters": n_params,
