@@ -1,0 +1,127 @@
+"""Tensor parallelism (tp_degree) on the example llama for trn2: one SPMD HLO module per graph and bucket with its
+all-reduces and per-rank shapes, a weights shard per rank, validate on tp XLA:CPU devices within tolerance and
+generate from the deployed bundle (rank_<r>/ shards) equal to transformers' greedy tokens; bad degrees rejected with
+the BUILD file's location."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from helpers import copy_example, run_cli
+
+REPO = Path(__file__).resolve().parents[1]
+LABEL = "//models:llama_trn2_tp2"
+PROMPT = [[1, 17, 99, 250, 3, 48, 7]]
+NEW = 12
+TP_BUILD = """
+llm_buckets(name = "tp", batch_sizes = [1], context_lengths = [16])
+neuron_compile(
+    name = "llama_trn2_tp2",
+    model = ":llama",
+    buckets = {"context": [":tp_context"], "token": [":tp_token"]},
+    target = ":trn2",
+    tp_degree = 2,
+)
+neuron_bundle(name = "tp_release", srcs = [":llama_trn2_tp2"])
+"""
+
+GENERATE = r"""
+import json, sys
+from neuronbuild.runtime import open_cache
+lm = open_cache(sys.argv[1], strict=True, emulate="xla-cpu").causal_lm(sys.argv[2])
+print(json.dumps(lm.generate(json.loads(sys.argv[3]), max_new_tokens=int(sys.argv[4]))[:, -int(sys.argv[4]):].tolist()))
+"""
+
+
+@pytest.fixture(scope="module")
+def tp_ws(tmp_path_factory: pytest.TempPathFactory, cache_dir: Path) -> Path:
+    ws = copy_example(tmp_path_factory.mktemp("tp") / "ws")
+    (ws / "models" / "BUILD").write_text((ws / "models" / "BUILD").read_text() + TP_BUILD)
+    proc = run_cli(["build", "//models:tp_release", "--jobs", "2", "--cache-dir", str(cache_dir)], ws)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return ws
+
+
+def test_tp2_module_holds_all_reduces_and_per_rank_shapes(tp_ws: Path) -> None:
+    from jax._src.lib import xla_client as xc
+
+    out = tp_ws / "neuronbuild-out/models/llama_trn2_tp2"
+    for bucket in ("context_batch1_seq16", "token_batch1"):
+        text = xc.XlaComputation((out / bucket / "model.hlo.pb").read_bytes()).as_hlo_text()
+        reduces = [line for line in text.splitlines() if " all-reduce(" in line]
+        assert len(reduces) == 4  # o_proj and down_proj of each of the 2 layers
+        assert all("replica_groups={{0,1}}" in line for line in reduces)
+        params = json.loads((out / bucket / "params.json").read_text())
+        assert params["tp"]["degree"] == 2 and params["tp"]["collectives"] == "replica"
+        shapes = {p["name"]: p["shape"] for p in params["parameters"]}
+        # 4 heads x 16, 2 kv heads, intermediate 128, hidden 64: each rank holds half of each sharded tensor
+        assert shapes["model.layers.0.self_attn.q_proj.weight"] == [32, 64]
+        assert shapes["model.layers.0.self_attn.k_proj.weight"] == [16, 64]
+        assert shapes["model.layers.0.self_attn.o_proj.weight"] == [64, 32]
+        assert shapes["model.layers.0.mlp.gate_proj.weight"] == [64, 64]
+        assert shapes["model.layers.0.mlp.down_proj.weight"] == [64, 64]
+        assert shapes["model.embed_tokens.weight"] == [512, 64]  # replicated
+        assert sorted(p.name for p in (out / bucket).glob("rank_*.safetensors")) == ["rank_0.safetensors",
+                                                                                    "rank_1.safetensors"]
+
+
+def test_tp2_validate_and_generate_match_transformers(tp_ws: Path, cache_dir: Path) -> None:
+    proc = run_cli(["validate", LABEL, "--generate", "8", "--cache-dir", str(cache_dir)], tp_ws)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = [line for line in proc.stdout.splitlines() if line.startswith(LABEL + " ")]
+    assert len(rows) == 2 and all(line.endswith("  ok") for line in rows)
+    assert "generate batch1 against transformers: ok" in proc.stdout
+
+
+def test_tp2_deployed_bundle_has_rank_dirs_and_generates_transformers_tokens(
+        tp_ws: Path, tmp_path: Path) -> None:
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    dest = tmp_path / "cache"
+    proc = run_cli(["deploy", str(tp_ws / "neuronbuild-out/models/tp_release.tar.zst"), "--cache-dir", str(dest)],
+                   tp_ws)
+    assert proc.returncode == 0, proc.stderr
+    (release,) = list((dest / "releases").iterdir())
+    assert sorted(p.name for p in (release / "weights").iterdir()) == ["rank_0", "rank_1"]
+    manifest = json.loads((release / "manifest.json").read_text())
+    for g in manifest["graphs"]:
+        assert g["tp"]["degree"] == 2 and g["tp"]["ranks"] == ["rank_0.safetensors", "rank_1.safetensors"]
+        assert g["artifacts"]["rank_1.safetensors"]["path"].startswith("weights/rank_1/")
+
+    got = subprocess.run([sys.executable, "-c", GENERATE, str(dest), LABEL, json.dumps(PROMPT), str(NEW)],
+                         capture_output=True, text=True, timeout=600, cwd=dest)
+    assert got.returncode == 0, got.stderr[-3000:]
+    sys.path.insert(0, str(REPO / "examples" / "models"))
+    try:
+        from make_weights import HF_CONFIG
+    finally:
+        sys.path.pop(0)
+    fields = {k: v for k, v in HF_CONFIG.items() if k != "model_type"}
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(str(HF_CONFIG["model_type"]), **fields)).eval()
+    model.load_state_dict(load_file(str(REPO / "examples/models/llama.safetensors")), strict=False)
+    ids = torch.tensor(PROMPT)
+    with torch.no_grad():
+        ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW, do_sample=False)
+    assert json.loads(got.stdout.strip().splitlines()[-1]) == ref[:, ids.shape[1]:].tolist()
+
+
+@pytest.mark.parametrize("target,tp,message", [
+    (":trn2", 3, "tp_degree 3 is not one trn2 accepts (1, 2, 4, 8, 16, 32, 64)"),
+    (":cpu", 2, "tp_degree 2 is not one cpu accepts (1)"),
+    (":trn2", 8, "tp_degree 8 does not divide the model's 4 attention heads"),
+])
+def test_bad_tp_degree_is_a_located_error(tmp_path: Path, target: str, tp: int, message: str) -> None:
+    ws = copy_example(tmp_path / "ws")
+    (ws / "models" / "BUILD").write_text((ws / "models" / "BUILD").read_text() + f"""
+neuron_compile(name = "bad_tp", model = ":llama", buckets = {{"context": [":serve_context"], "token": [":serve_token"]}},
+               target = "{target}", tp_degree = {tp})
+""")
+    proc = run_cli(["plan", "//models:bad_tp", "--cache-dir", str(tmp_path / "c")], ws)
+    assert proc.returncode != 0
+    assert message in proc.stderr and "models/BUILD:" in proc.stderr and "Traceback" not in proc.stderr
