@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from neuronbuild import plugins
+from neuronbuild.analysis import tensor_parallel
 from neuronbuild.analysis.actions import Bucket
 from neuronbuild.analysis.planner import AnalysisContext
 from neuronbuild.analysis.providers import BucketsInfo, CompileTarget, ModelInfo, PlatformInfo
@@ -13,7 +14,6 @@ from neuronbuild.errors import UserInputError
 from neuronbuild.kinds.base import RuleKind
 from neuronbuild.kinds.options import effective
 from neuronbuild.loading.labels import Label
-from neuronbuild.analysis import tensor_parallel
 from neuronbuild.loading.schema import FLOAT, GRAPH_LABEL, GRAPH_LABELS, INT, LABEL, NAME, TAGS, Attr, RuleSchema
 from neuronbuild.loading.target_graph import locate
 from neuronbuild.loading.targets import Target

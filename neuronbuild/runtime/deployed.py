@@ -338,7 +338,7 @@ class DeployedCache:
                 hlo, params = g.artifacts["model.hlo.pb"], g.artifacts["params.json"]
                 tmp = Path(tempfile.gettempdir())
                 weights = ([self._weights_for(rdir / r.path, r) for r in shards] if shards
-                           else self._weights_for(rdir / g.weights.path, g.weights))  # type: ignore[union-attr]
+                           else self._weights_for(rdir / g.weights.path, g.weights))  # type: ignore[union-attr,arg-type]
                 with verified_path(rdir / hlo.path, hlo, tmp) as hlo_path, \
                         verified_path(rdir / params.path, params, tmp) as params_path:
                     slot.fn = load_graph(hlo_path, params_path, weights)

@@ -25,7 +25,7 @@ def _primitive() -> Any:
 
     def lowering(ctx: Any, x: Any, *, tp: int) -> Any:
         aval, = ctx.avals_in
-        groups = ir.DenseIntElementsAttr.get(np.arange(tp, dtype=np.int64).reshape(1, tp))
+        groups = ir.DenseIntElementsAttr.get(np.arange(tp, dtype=np.int64).reshape(1, tp))  # type: ignore[call-overload]
         op = hlo.AllReduceOp([x.type], [x], replica_groups=groups)
         scalar = ir.RankedTensorType.get([], mlir.dtype_to_ir_type(aval.dtype))
         block = op.regions[0].blocks.append(scalar, scalar)

@@ -14,11 +14,11 @@ from neuronbuild.toolchains import tp_ops  # noqa: F401 - registers the op tenso
 from neuronbuild.toolchains.errors import ToolchainError, source_frame, workspace_paths
 from neuronbuild.toolchains.model_import import (
     build_shape_model,
-    whole_values,
     example_inputs,
     input_pairs,
     state_values,
     tied_aliases,
+    whole_values,
 )
 from neuronbuild.toolchains.outputs import FlatForward, declared_follows, describe, inferred_follows
 
