@@ -26,6 +26,13 @@ neuron_compile(
     target = ":trn2",
     tp_degree = 2,
 )
+neuron_compile(
+    name = "llama_trn2_tp4",
+    model = ":llama",
+    buckets = {"context": [":tp_context"], "token": [":tp_token"]},
+    target = ":trn2",
+    tp_degree = 4,
+)
 neuron_bundle(name = "tp_release", srcs = [":llama_trn2_tp2"])
 """
 
@@ -41,38 +48,48 @@ print(json.dumps(lm.generate(json.loads(sys.argv[3]), max_new_tokens=int(sys.arg
 def tp_ws(tmp_path_factory: pytest.TempPathFactory, cache_dir: Path) -> Path:
     ws = copy_example(tmp_path_factory.mktemp("tp") / "ws")
     (ws / "models" / "BUILD").write_text((ws / "models" / "BUILD").read_text() + TP_BUILD)
-    proc = run_cli(["build", "//models:tp_release", "--jobs", "2", "--cache-dir", str(cache_dir)], ws)
+    proc = run_cli(["build", "//models:tp_release", "//models:llama_trn2_tp4", "--jobs", "2", "--cache-dir",
+                    str(cache_dir)], ws)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return ws
 
 
-def test_tp2_module_holds_all_reduces_and_per_rank_shapes(tp_ws: Path) -> None:
+# The example llama: hidden 64, 4 heads x 16, 2 kv heads, intermediate 128. At tp 4 each rank has 1 head and 1 kv
+# head, the 2 kv heads each replicated on 2 ranks.
+SHAPES = {2: {"q_proj": [32, 64], "k_proj": [16, 64], "o_proj": [64, 32], "gate_proj": [64, 64], "down_proj": [64, 64]},
+          4: {"q_proj": [16, 64], "k_proj": [16, 64], "o_proj": [64, 16], "gate_proj": [32, 64], "down_proj": [64, 32]}}
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_tp_module_holds_all_reduces_and_per_rank_shapes(tp_ws: Path, tp: int) -> None:
     from jax._src.lib import xla_client as xc
 
-    out = tp_ws / "neuronbuild-out/models/llama_trn2_tp2"
+    out = tp_ws / f"neuronbuild-out/models/llama_trn2_tp{tp}"
+    groups = "{{" + ",".join(map(str, range(tp))) + "}}"
     for bucket in ("context_batch1_seq16", "token_batch1"):
         text = xc.XlaComputation((out / bucket / "model.hlo.pb").read_bytes()).as_hlo_text()
         reduces = [line for line in text.splitlines() if " all-reduce(" in line]
         assert len(reduces) == 4  # o_proj and down_proj of each of the 2 layers
-        assert all("replica_groups={{0,1}}" in line for line in reduces)
+        assert all(f"replica_groups={groups}" in line for line in reduces)
         params = json.loads((out / bucket / "params.json").read_text())
-        assert params["tp"]["degree"] == 2 and params["tp"]["collectives"] == "replica"
+        assert params["tp"]["degree"] == tp and params["tp"]["collectives"] == "replica"
         shapes = {p["name"]: p["shape"] for p in params["parameters"]}
-        # 4 heads x 16, 2 kv heads, intermediate 128, hidden 64: each rank holds half of each sharded tensor
-        assert shapes["model.layers.0.self_attn.q_proj.weight"] == [32, 64]
-        assert shapes["model.layers.0.self_attn.k_proj.weight"] == [16, 64]
-        assert shapes["model.layers.0.self_attn.o_proj.weight"] == [64, 32]
-        assert shapes["model.layers.0.mlp.gate_proj.weight"] == [64, 64]
-        assert shapes["model.layers.0.mlp.down_proj.weight"] == [64, 64]
+        for layer, shape in SHAPES[tp].items():
+            part = "mlp" if layer.endswith(("gate_proj", "down_proj")) else "self_attn"
+            assert shapes[f"model.layers.0.{part}.{layer}.weight"] == shape, layer
         assert shapes["model.embed_tokens.weight"] == [512, 64]  # replicated
-        assert sorted(p.name for p in (out / bucket).glob("rank_*.safetensors")) == ["rank_0.safetensors",
-                                                                                    "rank_1.safetensors"]
+        kv = [p["shape"] for p in params["parameters"] if p["kind"] == "input" and p["name"] == "kv"]
+        assert kv == ([[2, 2, 1, 1, 64, 16]] if bucket.startswith("token") else [])  # this rank's one kv head
+        assert sorted(p.name for p in (out / bucket).glob("rank_*.safetensors")) == [
+            f"rank_{r}.safetensors" for r in range(tp)]
 
 
-def test_tp2_validate_and_generate_match_transformers(tp_ws: Path, cache_dir: Path) -> None:
-    proc = run_cli(["validate", LABEL, "--generate", "8", "--cache-dir", str(cache_dir)], tp_ws)
+@pytest.mark.parametrize("tp", [2, 4])
+def test_tp_validate_and_generate_match_transformers(tp_ws: Path, cache_dir: Path, tp: int) -> None:
+    label = f"//models:llama_trn2_tp{tp}"
+    proc = run_cli(["validate", label, "--generate", "8", "--cache-dir", str(cache_dir)], tp_ws)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    rows = [line for line in proc.stdout.splitlines() if line.startswith(LABEL + " ")]
+    rows = [line for line in proc.stdout.splitlines() if line.startswith(label + " ")]
     assert len(rows) == 2 and all(line.endswith("  ok") for line in rows)
     assert "generate batch1 against transformers: ok" in proc.stdout
 

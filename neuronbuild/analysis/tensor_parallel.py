@@ -78,15 +78,20 @@ def _with_kv_heads(specs: Any, n: int) -> list[Any]:
 
 def per_rank_record(record: Mapping[str, Any], tp: int) -> dict[str, Any]:
     """The record one rank's program is traced from: the KV cache holds this rank's heads. `tp` says how ranks
-    combine: every user input is the same on every rank except those in `rank_dims` (name -> dim), which the caller
-    holds concatenated over ranks (`global_inputs`: the shapes a caller feeds)."""
+    combine: every user input is the same on every rank except those in `rank_dims` (name -> dim), which callers hold
+    whole (the unsharded model's shape, so they see the model's own interface): rank r takes block r*blocks//tp of
+    `blocks` equal blocks along that dim (kv heads replicated over tp/blocks ranks when fewer than ranks); outputs in
+    `output_rank_dims` (index -> dim) are joined back from one rank per block."""
     kv_r = kv_heads_per_rank(record, tp)
+    _mt, hf = _hf(record)
+    heads = int(hf.get("num_attention_heads") or 0)
+    kv = int(hf.get("num_key_value_heads") or heads)
     rec = dict(record)
-    rec["global_inputs"] = _with_kv_heads(record["inputs"], kv_r * tp)
+    rec["whole_inputs"] = record["inputs"]  # what callers feed (bundle manifests list these)
     rec["inputs"] = _with_kv_heads(record["inputs"], kv_r)
     if record.get("outputs"):
         rec["outputs"] = _with_kv_heads(record["outputs"], kv_r)
     outs = [i for i, (name, _s) in enumerate(record.get("outputs") or []) if name == KV_INPUT]
-    rec["tp"] = {"degree": tp, "rank_dims": {KV_INPUT: KV_HEADS_DIM},
+    rec["tp"] = {"degree": tp, "rank_dims": {KV_INPUT: KV_HEADS_DIM}, "blocks": kv // kv_r,
                  "output_rank_dims": {str(i): KV_HEADS_DIM for i in outs}}
     return rec

@@ -70,13 +70,12 @@ _RANK_WEIGHTS = re.compile(r"rank_(0|[1-9][0-9]*)\.safetensors")
 
 def _tp_entry(model: Any, artifacts: dict[str, Any]) -> dict[str, Any]:
     """A tensor-parallel graph's manifest entry: its degree, which artifact each rank loads, and how ranks hold
-    inputs/outputs (the runtime splits and joins them); the inputs a caller feeds (whole, not per rank)."""
+    inputs/outputs (callers hold them whole; the runtime splits and joins them)."""
     tp = dict(model.get("tp") or {})
     if int(tp.get("degree") or 1) <= 1:
         return {}
     ranks = sorted((n for n in artifacts if _RANK_WEIGHTS.fullmatch(n)), key=lambda n: int(n[5:-12]))
-    return {"tp": tp | {"ranks": ranks},
-            "inputs": [[k, v] for k, v in model.get("global_inputs") or model["inputs"]]}
+    return {"tp": tp | {"ranks": ranks}}
 
 
 def plan_bundle(graph: TargetGraph, ag: ActionGraph, cache: LocalCache, label: Label) -> BundlePlan:
@@ -132,7 +131,8 @@ def plan_bundle(graph: TargetGraph, ag: ActionGraph, cache: LocalCache, label: L
                 "fingerprint": fp,
                 "record": dict(action.record),
                 "trace_record": dict(trace.record),
-                "inputs": [[k, v] for k, v in dict(trace.model["inputs"]).items()],  # positional order
+                # positional order; a tensor-parallel graph's callers feed the whole model's inputs
+                "inputs": [[k, v] for k, v in dict(trace.model.get("whole_inputs") or trace.model["inputs"]).items()],
                 "outputs": list(traced_meta.get("outputs") or []),  # flattened outputs; dims that follow buckets
                 "output_tree": traced_meta.get("output_tree") or "tuple",
                 "toolchain": dict(action.versions),

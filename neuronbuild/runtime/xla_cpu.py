@@ -124,6 +124,7 @@ class XlaCpuModule:
         self.tp = int(tp.get("degree") or 1)
         self.rank_dims = {str(k): int(v) for k, v in dict(tp.get("rank_dims") or {}).items()}
         self.output_rank_dims = {int(k): int(v) for k, v in dict(tp.get("output_rank_dims") or {}).items()}
+        self.blocks = int(tp.get("blocks") or self.tp)  # distinct shards of a per-rank input/output (<= tp)
         self._devices = cpu_devices(self.tp)
         import jax
         from jax._src import xla_bridge
@@ -189,12 +190,16 @@ class XlaCpuModule:
         return self._jax.make_array_from_single_device_arrays((self.tp * shape[0], *shape[1:]), self._sharding, bufs)
 
     def _rank_parts(self, p: ParamSpec, t: torch.Tensor) -> list[torch.Tensor]:
-        """An input as each rank takes it: split along its rank dim (the caller holds it concatenated over ranks),
-        else the same tensor on every rank."""
+        """An input as each rank takes it: the caller holds it whole; along its rank dim, rank r takes block
+        r*blocks//tp of `blocks` (several ranks share one when there are fewer blocks than ranks); any other input
+        is the same tensor on every rank."""
         dim = self.rank_dims.get(p.name)
         if self.tp == 1 or dim is None:
             return [t] * self.tp
-        return list(t.chunk(self.tp, dim))
+        size = p.shape[dim] if dim < len(p.shape) else 0
+        if t.dim() != len(p.shape) or t.shape[dim] != size * self.blocks:
+            return [t]  # (the shape check names what was expected)
+        return [t.narrow(dim, (r * self.blocks // self.tp) * size, size) for r in range(self.tp)]
 
     def __call__(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         specs = self.input_params
@@ -210,15 +215,17 @@ class XlaCpuModule:
                 got = list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
                 want = list(p.shape)
                 if p.name in self.rank_dims and self.tp > 1:
-                    want[self.rank_dims[p.name]] *= self.tp
+                    want[self.rank_dims[p.name]] *= self.blocks
                 raise XlaCpuError(f"input {p.name} must have shape {want}, got {got}")
             args.append(self._put([self._jax.device_put(_to_numpy(x, p.dtype), d)
                                    for x, d in zip(parts, self._devices, strict=True)], p.shape))
         if self.tp == 1:
             results = self._exe.execute(args)
-        else:  # per output, one array per rank: rank dims concatenated, the rest identical on every rank (rank 0's)
+        else:  # per output, one array per rank: held-per-rank ones joined from one rank per block, the rest are
+            # identical on every rank (rank 0's)
             per_rank = self._exe.execute_sharded(args).disassemble_into_single_device_arrays()
-            results = [np.concatenate([np.asarray(a) for a in arrays], axis=self.output_rank_dims[i])
+            results = [np.concatenate([np.asarray(arrays[b * self.tp // self.blocks]) for b in range(self.blocks)],
+                                      axis=self.output_rank_dims[i])
                        if i in self.output_rank_dims else arrays[0] for i, arrays in enumerate(per_rank)]
         sources: Sequence[str | None] = [o.get("source_dtype") for o in self.outputs] or [None] * len(results)
         return tuple(_to_torch(r, s) for r, s in zip(results, sources, strict=False))

@@ -10,7 +10,6 @@ from typing import Any
 
 import torch
 
-from neuronbuild.toolchains import tp_ops  # noqa: F401 - registers the op tensor-parallel programs hold
 from neuronbuild.toolchains.errors import ToolchainError, source_frame, workspace_paths
 from neuronbuild.toolchains.model_import import (
     build_shape_model,
