@@ -6,12 +6,13 @@ the BUILD file's location."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from helpers import copy_example, run_cli
+from helpers import copy_example, run_cli, write_ws
 
 REPO = Path(__file__).resolve().parents[1]
 LABEL = "//models:llama_trn2_tp2"
@@ -142,3 +143,82 @@ neuron_compile(name = "bad_tp", model = ":llama", buckets = {{"context": [":serv
     proc = run_cli(["plan", "//models:bad_tp", "--cache-dir", str(tmp_path / "c")], ws)
     assert proc.returncode != 0
     assert message in proc.stderr and "models/BUILD:" in proc.stderr and "Traceback" not in proc.stderr
+
+
+# A plain neuron_model (no transformers) sharded by its declared plan: up column-parallel (weight and bias split
+# along dim 0), down row-parallel (weight dim 1, followed by an all-reduce; its bias added once).
+MLP_SRC = '''import torch
+from torch import nn
+
+
+class Mlp(nn.Module):
+    def __init__(self, d, h):
+        super().__init__()
+        self.up = nn.Linear(d, h)
+        self.down = nn.Linear(h, d)
+
+    def forward(self, x):
+        return self.down(torch.nn.functional.gelu(self.up(x)))
+
+
+def build(config):
+    return Mlp(config["d"], config["h"])
+'''
+MLP_BUILD = '''
+neuron_model(name = "mlp", srcs = ["mlp.py"], entry = "mlp:build", config = {"d": 16, "h": 32},
+             inputs = {"x": "float32[batch, 16]"}, tp_plan = {"up.*": 0, "down.weight": 1})
+neuron_buckets(name = "bk", shapes = [{"batch": 3}])
+neuron_target(name = "trn2", platform = "trn2")
+neuron_compile(name = "mlp_tp2", model = ":mlp", buckets = [":bk"], target = ":trn2", tp_degree = 2)
+neuron_compile(name = "mlp_tp4", model = ":mlp", buckets = [":bk"], target = ":trn2", tp_degree = 4)
+'''
+
+
+@pytest.fixture(scope="module")
+def mlp_ws(tmp_path_factory: pytest.TempPathFactory, cache_dir: Path) -> Path:
+    ws = write_ws(tmp_path_factory.mktemp("mlp") / "ws", {"pkg/mlp.py": MLP_SRC, "pkg/BUILD": MLP_BUILD})
+    proc = run_cli(["build", "//pkg:mlp_tp2", "//pkg:mlp_tp4", "--jobs", "2", "--cache-dir", str(cache_dir)], ws)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return ws
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_plain_model_plan_gives_per_rank_shapes_an_all_reduce_and_validates(
+        mlp_ws: Path, cache_dir: Path, tp: int) -> None:
+    from jax._src.lib import xla_client as xc
+
+    out = mlp_ws / f"neuronbuild-out/pkg/mlp_tp{tp}/batch3"
+    text = xc.XlaComputation((out / "model.hlo.pb").read_bytes()).as_hlo_text()
+    reduces = [line for line in text.splitlines() if " all-reduce(" in line]
+    assert len(reduces) == 1 and "replica_groups={{" + ",".join(map(str, range(tp))) + "}}" in reduces[0]
+    shapes = {p["name"]: p["shape"] for p in json.loads((out / "params.json").read_text())["parameters"]}
+    assert shapes == {"up.weight": [32 // tp, 16], "up.bias": [32 // tp], "down.weight": [16, 32 // tp],
+                      "down.bias": [16], "x": [3, 16]}
+    assert sorted(p.name for p in out.glob("rank_*.safetensors")) == [f"rank_{r}.safetensors" for r in range(tp)]
+    label = f"//pkg:mlp_tp{tp}"
+    proc = run_cli(["validate", label, "--cache-dir", str(cache_dir)], mlp_ws)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = [line for line in proc.stdout.splitlines() if line.startswith(label + " ")]
+    assert len(rows) == 1 and rows[0].endswith("  ok"), proc.stdout
+
+
+def test_a_plan_pattern_matching_no_parameter_fails_the_trace(tmp_path: Path) -> None:
+    ws = write_ws(tmp_path / "ws", {"pkg/mlp.py": MLP_SRC,
+                                    "pkg/BUILD": MLP_BUILD.replace('"down.weight": 1', '"dwn.weight": 1')})
+    proc = run_cli(["build", "//pkg:mlp_tp2", "--cache-dir", str(tmp_path / "c")], ws)
+    assert proc.returncode != 0
+    assert "tp_plan: pattern 'dwn.weight' matches no parameter of the model" in proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stdout + proc.stderr
+
+
+def test_explain_names_a_tp_degree_change(mlp_ws: Path, tmp_path: Path, cache_dir: Path) -> None:
+    ws = tmp_path / "ws"
+    shutil.copytree(mlp_ws, ws, ignore=shutil.ignore_patterns("neuronbuild-out"))
+    build = ws / "pkg" / "BUILD"
+    build.write_text(build.read_text().replace('target = ":trn2", tp_degree = 2)', 'target = ":trn2", tp_degree = 8)'))
+    proc = run_cli(["explain", "//pkg:mlp_tp2", "--cache-dir", str(cache_dir)], ws)
+    assert proc.returncode == 0, proc.stderr
+    # The per-rank program depends on the degree: trace, lowering and compile re-run, each naming the change.
+    trace, rest = proc.stdout.split("Lower //pkg:mlp [batch=3]")
+    assert "Trace //pkg:mlp [batch=3]" in trace and "tp_degree: " in trace
+    assert "tp_degree: 2 -> 8" in rest.split("Compile //pkg:mlp_tp2 [batch=3] for trn2")[1]

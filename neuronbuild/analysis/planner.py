@@ -423,6 +423,8 @@ class AnalysisContext:
 
     def _make_trace(self, model: ModelInfo, bucket: Bucket, tp_degree: int = 1) -> Action:
         rec = model.record
+        if tp_degree <= 1 and "tp_plan" in rec:  # a sharding plan changes only sharded traces
+            rec = {k: v for k, v in rec.items() if k != "tp_plan"}
         record = {
             "format": FORMAT_VERSION,
             "action": TRACE,
@@ -434,7 +436,8 @@ class AnalysisContext:
         } | self.common
         spec = {"model": {k: rec[k] for k in ("package", "entry", "config", "seed")}
                 | {"srcs": list(rec["srcs"]), "weights": rec["weights"], "weights_prefix": rec.get("weights_prefix", ""),
-                   "libraries": sorted(rec.get("deps") or {})},
+                   "libraries": sorted(rec.get("deps") or {})}
+                | ({"tp_plan": rec["tp_plan"]} if rec.get("tp_plan") else {}),
                 "inputs": rec["inputs"], "outputs": rec.get("outputs") or [], "bucket": bucket.as_dict()}
         if tp_degree > 1:
             record["tp_degree"] = spec["tp_degree"] = tp_degree

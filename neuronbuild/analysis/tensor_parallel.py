@@ -2,8 +2,8 @@
 per-rank model record a tp_degree > 1 trace is made from (no torch here).
 
 The sharding itself (Megatron: q/k/v and gate/up column-parallel, o and down row-parallel with an all-reduce, GQA kv
-heads replicated when fewer than ranks) happens in the trace (toolchains/tensor_parallel.py); the all-reduce's HLO
-form lives in toolchains/neuron_collectives.py."""
+heads replicated when fewer than ranks; for a plain neuron_model, its declared tp_plan) happens in the trace
+(toolchains/hf_causal_lm.py, toolchains/tp_ops.py); the all-reduce's HLO form lives in toolchains/neuron_collectives.py."""
 
 from __future__ import annotations
 
@@ -36,13 +36,13 @@ def check(record: Mapping[str, Any], platform: str, tp: int) -> str | None:
     allowed = TP_DEGREES.get(platform, (1,))
     if tp not in allowed:
         return f"tp_degree {tp} is not one {platform} accepts ({', '.join(map(str, allowed))})"
-    if tp == 1:
+    if tp == 1 or record.get("tp_plan"):  # a declared plan: its dims are checked against the shapes at trace time
         return None
     entry = str(record.get("entry") or "")
     model_type, hf = _hf(record)
     if not entry.startswith(HF_CAUSAL_LM + ":") or model_type not in TP_FAMILIES:
-        return (f"tp_degree {tp}: only hf_causal_lm models of the {', '.join(TP_FAMILIES)} families can be sharded "
-                f"(this model: {model_type or entry})")
+        return (f"tp_degree {tp}: only hf_causal_lm models of the {', '.join(TP_FAMILIES)} families, or a "
+                f"neuron_model with a tp_plan, can be sharded (this model: {model_type or entry})")
     heads = int(hf.get("num_attention_heads") or 0)
     kv = int(hf.get("num_key_value_heads") or heads)
     inter = int(hf.get("intermediate_size") or 0)
@@ -82,6 +82,9 @@ def per_rank_record(record: Mapping[str, Any], tp: int) -> dict[str, Any]:
     whole (the unsharded model's shape, so they see the model's own interface): rank r takes block r*blocks//tp of
     `blocks` equal blocks along that dim (kv heads replicated over tp/blocks ranks when fewer than ranks); outputs in
     `output_rank_dims` (index -> dim) are joined back from one rank per block."""
+    if record.get("tp_plan"):  # a plain model with a declared plan: every input and output the same on every rank
+        return dict(record) | {"whole_inputs": record["inputs"],
+                               "tp": {"degree": tp, "rank_dims": {}, "blocks": tp, "output_rank_dims": {}}}
     kv_r = kv_heads_per_rank(record, tp)
     _mt, hf = _hf(record)
     heads = int(hf.get("num_attention_heads") or 0)

@@ -5,6 +5,9 @@ per-rank module is only ever traced, never run for numbers."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import torch
 
 OP_NAME = "neuronbuild::all_reduce"
@@ -55,3 +58,50 @@ def shard(full: torch.Tensor, rank_shape: tuple[int, ...], rank: int, tp: int) -
     if dim < 0:
         return full
     return full.narrow(dim, (rank * blocks // tp) * rank_shape[dim], rank_shape[dim])
+
+
+def apply_plan(module: torch.nn.Module, mode: Any, plan: Mapping[str, int], tp: int) -> None:
+    """Make `module` (whole, with fake parameters of `mode`) one rank's module of a declared sharding plan: each
+    parameter whose name matches a pattern (fnmatch) gets 1/tp of its size along the pattern's dim; an nn.Linear
+    weight split along dim 1 (row-parallel: it reads this rank's slice of its input) is followed by an all-reduce of
+    its output, its bias added once. Raises ValueError for a pattern matching nothing, patterns disagreeing on a
+    parameter, or a dim the parameter lacks or tp does not divide."""
+    import fnmatch
+
+    used: set[str] = set()
+    for name, param in list(module.named_parameters()):
+        matching = [pat for pat in plan if fnmatch.fnmatchcase(name, pat)]
+        used.update(matching)
+        dims = {int(plan[pat]) for pat in matching}
+        if not dims:
+            continue
+        if len(dims) > 1:
+            raise ValueError(f"tp_plan: patterns give parameter {name} different dims ({sorted(dims)})")
+        dim = dims.pop()
+        shape = list(param.shape)
+        if dim >= len(shape) or shape[dim] % tp:
+            raise ValueError(f"tp_plan: parameter {name} {shape} cannot be split in {tp} along dim {dim}")
+        shape[dim] //= tp
+        owner_name, _, attr = name.rpartition(".")
+        owner = module.get_submodule(owner_name)
+        with mode:
+            made = torch.empty(shape, dtype=param.dtype)
+        owner._parameters[attr] = torch.nn.Parameter(made, requires_grad=param.requires_grad)
+        if dim == 1 and attr == "weight" and isinstance(owner, torch.nn.Linear):
+            if owner.bias is not None and any(fnmatch.fnmatchcase(f"{owner_name}.bias", p) for p in plan):
+                raise ValueError(f"tp_plan: {owner_name} is row-parallel (weight dim 1): its bias is added once, "
+                                 "after the all-reduce, and cannot be split")
+            owner.register_forward_hook(_row_parallel_hook(tp))
+    unused = [p for p in plan if p not in used]
+    if unused:
+        raise ValueError(f"tp_plan: pattern {unused[0]!r} matches no parameter of the model")
+
+
+def _row_parallel_hook(tp: int) -> Any:
+    def hook(m: torch.nn.Module, _args: Any, out: torch.Tensor) -> torch.Tensor:
+        bias = getattr(m, "bias", None)
+        if bias is None:
+            return all_reduce(out, tp)  # type: ignore[no-any-return]
+        return all_reduce(out - bias, tp) + bias  # type: ignore[no-any-return]
+
+    return hook

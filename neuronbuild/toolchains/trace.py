@@ -185,9 +185,17 @@ def run_trace(spec: dict[str, Any], sandbox: Path, out_dir: Path) -> dict[str, A
     model_spec = spec["model"]
     tp = int(spec.get("tp_degree") or 1)
     whole_spec = model_spec
-    if tp > 1:  # one rank's program (the factory builds that rank's model); the weights: one shard per rank
+    plan = dict(model_spec.get("tp_plan") or {}) if tp > 1 else {}
+    if tp > 1 and not plan:  # one rank's program (the factory builds that rank's model); weights: a shard per rank
         model_spec = {**model_spec, "config": {**dict(model_spec.get("config") or {}), "tp_degree": tp}}
     module, mode = build_shape_model(model_spec, sandbox, tp)
+    if plan:  # a plain model's declared plan: its parameters become one rank's shards
+        from neuronbuild.toolchains.tp_ops import apply_plan
+
+        try:
+            apply_plan(module, mode, plan, tp)
+        except ValueError as exc:
+            raise ToolchainError(str(exc)) from None
     tied = tied_aliases(module)
     inputs = spec.get("inputs") or []
     bucket = dict(spec.get("bucket") or {})
