@@ -15,26 +15,26 @@ import pytest
 from helpers import copy_example, run_cli, write_ws
 
 REPO = Path(__file__).resolve().parents[1]
-LABEL = "//models:llama_trn2_tp2"
+LABEL = "//models:llama_tp2"
 PROMPT = [[1, 17, 99, 250, 3, 48, 7]]
 NEW = 12
 TP_BUILD = """
 llm_buckets(name = "tp", batch_sizes = [1], context_lengths = [16])
 neuron_compile(
-    name = "llama_trn2_tp2",
+    name = "llama_tp2",
     model = ":llama",
     buckets = {"context": [":tp_context"], "token": [":tp_token"]},
     target = ":trn2",
     tp_degree = 2,
 )
 neuron_compile(
-    name = "llama_trn2_tp4",
+    name = "llama_tp4",
     model = ":llama",
     buckets = {"context": [":tp_context"], "token": [":tp_token"]},
     target = ":trn2",
     tp_degree = 4,
 )
-neuron_bundle(name = "tp_release", srcs = [":llama_trn2_tp2"])
+neuron_bundle(name = "tp_release", srcs = [":llama_tp2"])
 """
 
 GENERATE = r"""
@@ -49,7 +49,7 @@ print(json.dumps(lm.generate(json.loads(sys.argv[3]), max_new_tokens=int(sys.arg
 def tp_ws(tmp_path_factory: pytest.TempPathFactory, cache_dir: Path) -> Path:
     ws = copy_example(tmp_path_factory.mktemp("tp") / "ws")
     (ws / "models" / "BUILD").write_text((ws / "models" / "BUILD").read_text() + TP_BUILD)
-    proc = run_cli(["build", "//models:tp_release", "//models:llama_trn2_tp4", "--jobs", "2", "--cache-dir",
+    proc = run_cli(["build", "//models:tp_release", "//models:llama_tp4", "--jobs", "2", "--cache-dir",
                     str(cache_dir)], ws)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return ws
@@ -65,7 +65,7 @@ SHAPES = {2: {"q_proj": [32, 64], "k_proj": [16, 64], "o_proj": [64, 32], "gate_
 def test_tp_module_holds_all_reduces_and_per_rank_shapes(tp_ws: Path, tp: int) -> None:
     from jax._src.lib import xla_client as xc
 
-    out = tp_ws / f"neuronbuild-out/models/llama_trn2_tp{tp}"
+    out = tp_ws / f"neuronbuild-out/models/llama_tp{tp}"
     groups = "{{" + ",".join(map(str, range(tp))) + "}}"
     for bucket in ("context_batch1_seq16", "token_batch1"):
         text = xc.XlaComputation((out / bucket / "model.hlo.pb").read_bytes()).as_hlo_text()
@@ -87,7 +87,7 @@ def test_tp_module_holds_all_reduces_and_per_rank_shapes(tp_ws: Path, tp: int) -
 
 @pytest.mark.parametrize("tp", [2, 4])
 def test_tp_validate_and_generate_match_transformers(tp_ws: Path, cache_dir: Path, tp: int) -> None:
-    label = f"//models:llama_trn2_tp{tp}"
+    label = f"//models:llama_tp{tp}"
     proc = run_cli(["validate", label, "--generate", "8", "--cache-dir", str(cache_dir)], tp_ws)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = [line for line in proc.stdout.splitlines() if line.startswith(label + " ")]
@@ -200,6 +200,15 @@ def test_plain_model_plan_gives_per_rank_shapes_an_all_reduce_and_validates(
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = [line for line in proc.stdout.splitlines() if line.startswith(label + " ")]
     assert len(rows) == 1 and rows[0].endswith("  ok"), proc.stdout
+
+
+def test_the_example_tp2_target_plans_by_name_and_stays_out_of_wildcards(tmp_path: Path) -> None:
+    ws = copy_example(tmp_path / "ws")
+    named = run_cli(["plan", "//models:llama_trn2_tp2", "--cache-dir", str(tmp_path / "c")], ws)
+    assert named.returncode == 0, named.stderr
+    assert "\n12 actions: " in named.stdout, named.stdout  # 4 buckets: trace, lowering, compile each
+    every = run_cli(["plan", "//...", "--cache-dir", str(tmp_path / "c")], ws)
+    assert every.returncode == 0 and "llama_trn2_tp2" not in every.stdout, every.stdout
 
 
 def test_a_plan_pattern_matching_no_parameter_fails_the_trace(tmp_path: Path) -> None:
