@@ -4,6 +4,7 @@ cache, each output target and the bundle against the checkpoint's.
 
     .venv/bin/python benchmarks/big_model_bench.py --shape llama-3.2-1b --targets trn2 [--workdir DIR] [--keep]
     .venv/bin/python benchmarks/big_model_bench.py --shape tiny --targets trn2,cpu --generate   # a quick check
+    .venv/bin/python benchmarks/big_model_bench.py --shape llama-3.2-1b --tp 2 --no-bundle     # tensor parallel (#29)
 
 Not part of the test suite (CI keeps tiny models). Watch the machine's memory: each action's peak is printed as it
 is recorded by the build (`--profile`). The 8B shape writes a 16 GB checkpoint first."""
@@ -79,7 +80,7 @@ neuron_target(name = "cpu", platform = "cpu", isa = "native")
 neuron_bundle(name = "release", srcs = [{srcs}])
 """
 COMPILE = """neuron_compile(name = "llm_{t}", model = ":llm", buckets = {{"context": [":serve_context"], "token": [":serve_token"]}},
-               target = ":{t}")"""
+               target = ":{t}"{tp})"""
 
 
 def du(path: Path) -> int:
@@ -114,6 +115,7 @@ def main() -> None:
     ap.add_argument("--no-bundle", action="store_true", help="build the compile targets only (no bundle)")
     ap.add_argument("--workdir", type=Path, default=None)
     ap.add_argument("--keep", action="store_true")
+    ap.add_argument("--tp", type=int, default=1, help="tp_degree of the trn2 compile (#29; cpu stays at 1)")
     args = ap.parse_args()
     targets = [t.strip() for t in args.targets.split(",") if t.strip()]
     work = args.workdir or Path(tempfile.mkdtemp(prefix="big-model-bench-"))
@@ -127,7 +129,8 @@ def main() -> None:
     ckpt = write_checkpoint(ws / "model.safetensors", cfg)
     print(f"checkpoint: {args.shape}, {ckpt / 1e9:.2f} GB bf16, written in {time.perf_counter() - start:.0f} s")
     (ws / "BUILD").write_text(BUILD.format(config=json.dumps(cfg).replace("true", "True").replace("false", "False"), max_seq=args.max_seq, context=args.context,
-                                           compiles="\n".join(COMPILE.format(t=t) for t in targets),
+                                           compiles="\n".join(COMPILE.format(t=t, tp=f", tp_degree = {args.tp}" if t == "trn2" and args.tp > 1 else "")
+                                                              for t in targets),
                                            srcs=", ".join(f'":llm_{t}"' for t in targets)))
     profile = work / "profile.json"
     goals = [f"//:llm_{t}" for t in targets] if args.no_bundle else ["//:release"]
@@ -149,6 +152,9 @@ def main() -> None:
         d = out / f"llm_{t}"
         if d.exists():
             print(f"  out llm_{t}: {du(d) / 1e9:.2f} GB ({du(d) / ckpt:.2f}x)")
+        for shard in sorted(d.glob("*/rank_0.safetensors"))[:1]:  # tensor parallel: every rank's shard is this size
+            size = shard.stat().st_size
+            print(f"  one rank's weights shard (of {args.tp}): {size / 1e9:.2f} GB ({size / ckpt:.3f}x the checkpoint)")
     bundles = sorted(b for b in out.glob("release.tar.*") if not b.name.endswith(".sha256"))
     for b in bundles:
         print(f"  bundle {b.name}: {b.stat().st_size / 1e9:.2f} GB ({b.stat().st_size / ckpt:.2f}x)")

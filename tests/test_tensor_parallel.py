@@ -231,3 +231,25 @@ def test_explain_names_a_tp_degree_change(mlp_ws: Path, tmp_path: Path, cache_di
     trace, rest = proc.stdout.split("Lower //pkg:mlp [batch=3]")
     assert "Trace //pkg:mlp [batch=3]" in trace and "tp_degree: " in trace
     assert "tp_degree: 2 -> 8" in rest.split("Compile //pkg:mlp_tp2 [batch=3] for trn2")[1]
+
+
+def test_tp_degree_and_plan_change_only_the_sharded_graphs_fingerprints(tmp_path: Path) -> None:
+    from neuronbuild.analysis.planner import plan
+    from neuronbuild.loading.target_graph import load_targets
+
+    ws = write_ws(tmp_path / "ws", {"pkg/mlp.py": MLP_SRC})
+    unsharded = 'neuron_compile(name = "mlp_tp1", model = ":mlp", buckets = [":bk"], target = ":trn2")\n'
+
+    def closures(build: str) -> dict[str, set[str]]:
+        (ws / "pkg" / "BUILD").write_text(build)
+        ag = plan(load_targets(ws, ["//pkg:all"]))
+        return {str(c.label): {x for _b, fp in c.buckets for x in ag.closure(fp)} for c in ag.compiles}
+
+    base = closures(MLP_BUILD + unsharded)
+    assert len(base) == 3 and not base["//pkg:mlp_tp2"] & base["//pkg:mlp_tp4"]  # nothing shared across degrees
+    # No plan (and no sharded compile): the unsharded graph's trace, lowering and compile are the same actions.
+    no_plan = MLP_BUILD.split("neuron_compile(")[0].replace(', tp_plan = {"up.*": 0, "down.weight": 1}', "")
+    assert "tp_plan" not in no_plan and closures(no_plan + unsharded)["//pkg:mlp_tp1"] == base["//pkg:mlp_tp1"]
+    changed = closures(MLP_BUILD.replace("tp_degree = 2)", "tp_degree = 8)") + unsharded)
+    assert changed["//pkg:mlp_tp1"] == base["//pkg:mlp_tp1"] and changed["//pkg:mlp_tp4"] == base["//pkg:mlp_tp4"]
+    assert not changed["//pkg:mlp_tp2"] & base["//pkg:mlp_tp2"]  # its trace, lowering and compile all change
