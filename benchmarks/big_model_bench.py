@@ -29,6 +29,10 @@ SHAPES: dict[str, dict[str, object]] = {
     "llama-3.2-1b": {"vocab_size": 128256, "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
                      "num_attention_heads": 32, "num_key_value_heads": 8, "tie_word_embeddings": True,
                      "rope_theta": 500000.0, "rms_norm_eps": 1e-5},
+    # the 1B's vocabulary and widths with 2 layers: its embedding (the largest tensor) at a tenth of the disk (#29)
+    "llama-3.2-1b-2l": {"vocab_size": 128256, "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 2,
+                        "num_attention_heads": 32, "num_key_value_heads": 8, "tie_word_embeddings": True,
+                        "rope_theta": 500000.0, "rms_norm_eps": 1e-5},
     "llama-3.1-8b": {"vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
                      "num_attention_heads": 32, "num_key_value_heads": 8, "tie_word_embeddings": False,
                      "rope_theta": 500000.0, "rms_norm_eps": 1e-5},

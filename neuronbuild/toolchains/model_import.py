@@ -255,21 +255,27 @@ def state_values(model: dict[str, Any], sandbox: Path, wanted: Mapping[str, torc
     return value
 
 
-def whole_values(model: dict[str, Any], sandbox: Path, wanted: Mapping[str, torch.dtype],
-                 tied: Mapping[str, set[str]]) -> Callable[[str], torch.Tensor]:
-    """name -> the whole tensor in the dtype `wanted` names, one at a time (for sharding: a rank's part is a slice of
-    it), from the model's weight files or, without them, the factory's seeded initialisation of `model`."""
+def rank_values(model: dict[str, Any], sandbox: Path, wanted: Mapping[str, torch.dtype],
+                tied: Mapping[str, set[str]], tp: int) -> Callable[[str, tuple[int, ...], int],
+                                                                torch.Tensor | Iterator[torch.Tensor]]:
+    """(name, the rank's shape, rank) -> that rank's part of the tensor in the dtype `wanted` names, one tensor at a
+    time (tp_ops.shard_rule: the rank's shape against the whole one), from the model's weight files or, without them,
+    the factory's seeded initialisation of `model`. A replicated tensor (an embedding) streams as converted pieces,
+    like state_values; a sharded one is read whole and sliced. ValueError when the shapes admit no split."""
+    from neuronbuild.toolchains.tp_ops import shard, shard_rule
     from neuronbuild.toolchains.weights import Checkpoint
 
     files = _weight_files(model, sandbox)
     if files is None:
         state = build_eager_model(model, sandbox).state_dict()
-        return lambda name: state[name].detach().to(wanted[name])
+        return lambda name, shape, rank: shard(state[name].detach().to(wanted[name]), shape, rank, tp).contiguous()
     ckpt = Checkpoint(files[0], files[1], str(model.get("weights_prefix") or ""))
 
-    def value(name: str) -> torch.Tensor:
+    def value(name: str, shape: tuple[int, ...], rank: int) -> torch.Tensor | Iterator[torch.Tensor]:
         key = name if name in ckpt.index else next((k for k in sorted(tied.get(name, ())) if k in ckpt.index), name)
-        return ckpt.tensor(key).to(wanted[name])
+        if shard_rule(ckpt.shape(key), shape, tp) == (-1, 1):
+            return ckpt.pieces(key, wanted[name])
+        return shard(ckpt.tensor(key).to(wanted[name]), shape, rank, tp).contiguous()
 
     return value
 

@@ -15,9 +15,9 @@ from neuronbuild.toolchains.model_import import (
     build_shape_model,
     example_inputs,
     input_pairs,
+    rank_values,
     state_values,
     tied_aliases,
-    whole_values,
 )
 from neuronbuild.toolchains.outputs import FlatForward, declared_follows, describe, inferred_follows
 
@@ -153,20 +153,19 @@ def trace_failure(exc: BaseException, inputs: Any, args: Sequence[Any], sandbox:
 
 
 def _write_shards(out_dir: Path, tp: int, entries: list[Any], constants: Mapping[str, torch.Tensor],
-                  state: Mapping[str, Any], whole: Any) -> int:
-    """rank_<r>.safetensors for every rank: each tensor of the rank's program, sliced from the whole one (read one
-    tensor at a time: never the whole model in memory); returns the bytes written."""
+                  state: Mapping[str, Any], part: Any) -> int:
+    """rank_<r>.safetensors for every rank: each tensor of the rank's program, its part of the whole one
+    (model_import.rank_values: one tensor at a time, never the whole model in memory); returns the bytes written."""
     from neuronbuild.analysis.actions import rank_weights
-    from neuronbuild.toolchains.tp_ops import shard
     from neuronbuild.toolchains.weights import write_safetensors
 
     total = 0
     for rank in range(tp):
-        def value(e: Any, rank: int = rank) -> torch.Tensor:
+        def value(e: Any, rank: int = rank) -> Any:
             if e.name not in state:
                 return constants[e.name]
             try:
-                return shard(whole(e.name), e.shape, rank, tp).contiguous()
+                return part(e.name, tuple(e.shape), rank)
             except ValueError as exc:
                 raise ToolchainError(f"weight {e.name}: {exc}") from None
 
@@ -240,7 +239,7 @@ def run_trace(spec: dict[str, Any], sandbox: Path, out_dir: Path) -> dict[str, A
     entries += [Entry(k, t.dtype, tuple(t.shape)) for k, t in constants.items() if k not in state]
     if tp > 1:
         size = _write_shards(out_dir, tp, entries, constants, state,
-                             whole_values(whole_spec, sandbox, {k: dt for k, (dt, _s) in state.items()}, tied))
+                             rank_values(whole_spec, sandbox, {k: dt for k, (dt, _s) in state.items()}, tied, tp))
     else:
         value = state_values(model_spec, sandbox, {k: dt for k, (dt, _s) in state.items()}, tied)
         size = write_safetensors(out_dir / WEIGHTS_FILE, entries,
