@@ -253,3 +253,12 @@ def test_tp_degree_and_plan_change_only_the_sharded_graphs_fingerprints(tmp_path
     changed = closures(MLP_BUILD.replace("tp_degree = 2)", "tp_degree = 8)") + unsharded)
     assert changed["//pkg:mlp_tp1"] == base["//pkg:mlp_tp1"] and changed["//pkg:mlp_tp4"] == base["//pkg:mlp_tp4"]
     assert not changed["//pkg:mlp_tp2"] & base["//pkg:mlp_tp2"]  # its trace, lowering and compile all change
+
+
+def test_a_bad_plan_value_is_a_located_error(tmp_path: Path) -> None:
+    ws = write_ws(tmp_path / "ws", {"pkg/mlp.py": MLP_SRC,
+                                    "pkg/BUILD": MLP_BUILD.replace('"down.weight": 1', '"down.weight": "rows"')})
+    proc = run_cli(["plan", "//pkg:mlp_tp2", "--cache-dir", str(tmp_path / "c")], ws)
+    assert proc.returncode != 0
+    assert "pkg/BUILD:" in proc.stderr and "attribute 'tp_plan': 'down.weight'" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
