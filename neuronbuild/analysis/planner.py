@@ -432,7 +432,7 @@ class AnalysisContext:
             "bucket": bucket.as_dict(),
             # + the third-party distributions the model imports (what-if versions applied like torch's)
             "toolchain": self.settings.trace_toolchain() | self.settings.override(dict(rec.get("imports") or {})),
-            "program": "shapes-1",  # program.pt2 without weight values + the streamed constants.safetensors
+            "program": "shapes-2",  # program.pt2 without weight values + the streamed constants.safetensors (tied once)
         } | self.common
         spec = {"model": {k: rec[k] for k in ("package", "entry", "config", "seed")}
                 | {"srcs": list(rec["srcs"]), "weights": rec["weights"], "weights_prefix": rec.get("weights_prefix", ""),

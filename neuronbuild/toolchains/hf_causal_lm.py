@@ -115,9 +115,22 @@ def _token_forward(self: Any, input_ids: torch.Tensor, position_ids: torch.Tenso
     return {"logits": out.logits[:, -1].float(), "kv": cache.stacked()}
 
 
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def model_dtype(hf: dict[str, Any]) -> torch.dtype:
+    """The dtype an HF config's model computes in: its `dtype` (or older `torch_dtype`), float32 when it names none.
+    rules/llm.bzl hf_causal_lm writes `dtype` (its attribute, else the config's) and declares the KV cache in it."""
+    name = str(hf.get("dtype") or hf.get("torch_dtype") or "float32").removeprefix("torch.")
+    if name not in DTYPES:
+        raise ValueError(f"config field dtype: {name!r} is not supported by hf_causal_lm (float32, bfloat16, float16)")
+    return DTYPES[name]
+
+
 def hf_model(config: dict[str, Any]) -> nn.Module:
-    """The transformers model of `config` (random init; weights are loaded by neuronbuild afterwards). With
-    config["tp_degree"] > 1, one rank's model of a Megatron tensor-parallel split (see per_rank)."""
+    """The transformers model of `config` in the config's dtype (random init; weights are loaded by neuronbuild
+    afterwards, in that dtype: a bf16 checkpoint stays bf16 end to end). With config["tp_degree"] > 1, one rank's
+    model of a Megatron tensor-parallel split (see per_rank_config)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     hf = dict(config.get("hf") or {})
@@ -126,8 +139,11 @@ def hf_model(config: dict[str, Any]) -> nn.Module:
     tp = int(config.get("tp_degree") or 1)
     if tp > 1:
         hf = per_rank_config(hf, tp)
+    dtype = model_dtype(hf)
+    hf.pop("torch_dtype", None)
+    hf["dtype"] = dtype
     cfg = AutoConfig.for_model(model_type, **hf)
-    model = AutoModelForCausalLM.from_config(cfg)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
     if tp > 1:
         _add_all_reduces(model, tp)
     return model
