@@ -208,9 +208,12 @@ class Checkpoint:
             raise ToolchainError(f"cannot read weights {path.name}: {exc}") from None
 
 
-def check_against(expected: Mapping[str, tuple[int, ...]], tied: Mapping[str, set[str]], ckpt: Checkpoint) -> None:
+def check_against(expected: Mapping[str, tuple[int, ...]], tied: Mapping[str, set[str]], ckpt: Checkpoint,
+                  tp: int = 1) -> None:
     """Keys and shapes of `ckpt` against a module's state (name -> shape; tied: key -> keys sharing its tensor), as a
-    strict load_state_dict would check them: missing and unexpected keys named, then shape mismatches."""
+    strict load_state_dict would check them: missing and unexpected keys named, then shape mismatches. tp > 1: the
+    module is one rank's, so a file tensor matches when the rank's shape is a shard of it (tp_ops.shard_rule)."""
+
     have = set(ckpt.index)
     missing = sorted(k for k in set(expected) - have if not tied.get(k, set()) & have)
     unexpected = sorted(have - set(expected))
@@ -222,7 +225,12 @@ def check_against(expected: Mapping[str, tuple[int, ...]], tied: Mapping[str, se
             more = ", ..." if len(unexpected) > 5 else ""
             parts.append(f"unexpected {len(unexpected)} key(s): {', '.join(unexpected[:5])}{more}")
         raise ToolchainError(f"weights {ckpt.label} do not match the model: {'; '.join(parts)}")
-    bad = [k for k in sorted(have) if ckpt.shape(k) != tuple(expected[k])]
+    if tp > 1:
+        from neuronbuild.toolchains.tp_ops import shard_rule
+
+        bad = [k for k in sorted(have) if shard_rule(ckpt.shape(k), tuple(expected[k]), tp) is None]
+    else:
+        bad = [k for k in sorted(have) if ckpt.shape(k) != tuple(expected[k])]
     if bad:
         k = bad[0]
         raise ToolchainError(
