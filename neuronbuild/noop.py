@@ -53,12 +53,20 @@ def request_key(root: Path, cwd_package: str, patterns: Sequence[str], cache_dir
                 flags: Mapping[str, Any]) -> str:
     """A canonical string naming one build request; flags that cannot change a no-op's outcome are left out."""
     rest = {k: v for k, v in flags.items() if k not in IGNORED_FLAGS and k not in ("patterns", "cache_dir")}
-    # A flag naming an environment variable (e.g. --action-env NAME) makes that variable's value an input too.
-    named = {w: os.environ[w] for w in _words(rest) if _ENV_NAME.match(w) and w in os.environ}
+    # A flag naming an environment variable (e.g. --action-env NAME) makes that variable's value an input too. The key
+    # is stored (in the stamp): --action-env values, which may be secrets, enter it as digests only.
+    named = {w: _secret(os.environ[w]) for w in _words(rest) if _ENV_NAME.match(w) and w in os.environ}
+    if rest.get("action_env"):
+        rest["action_env"] = [f"{n}={_secret(v)}" if eq else n
+                              for n, eq, v in (str(x).partition("=") for x in rest["action_env"])]
     # A flag naming a file (e.g. --neuronx-cc PATH) makes that file an input too: its stat key enters the request key.
     files = {v: list(_key(v)) for v in rest.values() if isinstance(v, str) and os.sep in v and os.path.isfile(v)}
     return json.dumps({"root": str(root), "cwd": cwd_package, "patterns": list(patterns), "cache": str(cache_dir),
                        "flags": rest, "named_env": named, "flag_files": files}, sort_keys=True, default=str)
+
+
+def _secret(value: str) -> str:
+    return hashlib.sha256(value.encode("utf-8", "surrogateescape")).hexdigest()
 
 
 def _words(v: Any) -> list[str]:

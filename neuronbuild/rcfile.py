@@ -6,7 +6,9 @@ A line is `SECTION FLAGS...` (shell quoting; `#` starts a comment). SECTION is a
 command's own lines; for each section the home rc ($HOME/.neuronbuildrc) comes before the workspace rc
 (<workspace root>/.neuronbuildrc). `common` and inherited `build` flags a command does not take are skipped; a flag a
 line's own command does not take, a missing or bad value, or an unknown section is a one-line `rc:line: error:`.
-`deploy` and `verify` take no rc flags: deploy's `--dest` (alias `--cache-dir`) is a serving directory, not the build cache."""
+`deploy` and `verify` take no rc flags: deploy's `--dest` (alias `--cache-dir`) is a serving directory, not the build cache.
+Startup options before the command (`--batch`, `--max-idle-secs N`, ...) do not stop rc files being read. A workspace
+rc file that sets a program the build runs or where results go (NOTED) is named on stderr once per value."""
 
 from __future__ import annotations
 
@@ -191,8 +193,10 @@ def split_command(argv: Sequence[str], parser: argparse.ArgumentParser) -> Comma
     i = 0
     directory: str | None = None
     norc = False
+    top = _options(parser)  # -C, --norc, --version and the startup options (--batch, --max-idle-secs N, ...)
     while i < len(argv) and argv[i].startswith("-"):
         w = argv[i]
+        name, eq, _value = w.partition("=")
         if w == "-C" and i + 1 < len(argv):
             directory = argv[i + 1]
             i += 2
@@ -201,7 +205,14 @@ def split_command(argv: Sequence[str], parser: argparse.ArgumentParser) -> Comma
             directory = w[2:].lstrip("=")
         elif w == "--norc":
             norc = True
-        elif w not in ("-h", "--help", "--version"):
+        elif w in ("-h", "--help"):
+            pass
+        elif name in top and _takes_value(top[name]):
+            if not eq:
+                i += 1  # the startup option's value (argparse checks it)
+                if i >= len(argv):
+                    return None
+        elif w not in top:
             return None  # argparse reports it
         i += 1
     if i >= len(argv) or argv[i] not in commands:
@@ -250,6 +261,7 @@ def expand(argv: Sequence[str], parser: argparse.ArgumentParser, cwd: Path | Non
     everywhere = _all_options(parser)
     chain = [COMMON, *(["build"] if cmd.words[0] in INHERITS_BUILD else []), cmd.words[0]]
     groups: list[tuple[argparse.Action, list[str]]] = []
+    sources: dict[int, tuple[RcLine, str]] = {}  # id(words) -> the line and option that gave them
     for section in chain:
         for ln in lines:
             if ln.section != section:
@@ -262,7 +274,9 @@ def expand(argv: Sequence[str], parser: argparse.ArgumentParser, cwd: Path | Non
                     continue  # a common/inherited flag (or another cache sub-command's) this command does not take
                 _check(ln, known[name], words, name)
                 groups.append((known[name], words))
+                sources[id(words)] = (ln, name)
     groups = _drop_conflicts(target, groups, cmd.rest)
+    _note_workspace_settings(groups, sources)
     rc_words = [w for _a, ws in groups for w in ws]
     return [*cmd.prefix, *cmd.words, *rc_words, *cmd.rest]
 
@@ -279,3 +293,72 @@ def _drop_conflicts(parser: argparse.ArgumentParser, groups: list[tuple[argparse
         last = next((g for g in reversed(groups) if g[0] in members), None)
         groups = [g for g in groups if g[0] not in members or g is last]
     return groups
+
+
+# Flags that choose a program the build runs or where it sends or reads results: a workspace rc file (anyone who can
+# commit to the workspace) that sets one is named on stderr the first time the value is used (issue #31).
+NOTED = {
+    "--neuronx-cc": "the neuronx-cc program the build runs",
+    "--remote-cache": "the shared cache tier results are read from and uploaded to",
+    "--s3-endpoint-url": "the S3 endpoint results are read from and uploaded to",
+    "--scheduler": "the Dask scheduler actions are sent to",
+    "--cache-dir": "the cache directory results are read from",
+    "--signing-key": "the key releases are signed with",
+    "--build-event-json-file": "the file build events are written to",
+}
+NOTICES_FILE = "rc-notices"  # in the output user root: one sha256 per line, of (rc file, option, value) seen
+MAX_NOTICES = 1000
+
+
+def _is_home_rc(path: Path) -> bool:
+    home = os.environ.get("HOME")
+    if not home:
+        return False
+    try:
+        return path.resolve() == (Path(home) / RC_NAME).resolve()
+    except OSError:
+        return False
+
+
+def _note_workspace_settings(groups: list[tuple[argparse.Action, list[str]]],
+                             sources: dict[int, tuple[RcLine, str]]) -> None:
+    """Print `neuronbuild: note: <rc>:<line> sets --flag VALUE (...)` for each NOTED flag a workspace rc file
+    (not the user's home rc) sets, once per rc file, flag and value: the state is the user's (the output user root),
+    never the workspace's, so a workspace cannot mark its own settings as already seen."""
+    import hashlib
+    import sys
+
+    from neuronbuild.atomic import atomic_write_bytes, read_own_state
+    from neuronbuild.server.protocol import default_output_user_root, private_dir
+
+    noted = []
+    for _action, words in groups:
+        src = sources.get(id(words))
+        if src is None or src[1] not in NOTED or _is_home_rc(src[0].path):
+            continue
+        ln, name = src
+        value = _value(words, name)
+        key = hashlib.sha256("\0".join((str(ln.path.resolve()), name, value)).encode()).hexdigest()
+        noted.append((key, f"neuronbuild: note: {ln.where} (a workspace rc file) sets {name} {value!r}: "
+                           f"{NOTED[name]}"))
+    if not noted:
+        return
+    state = Path(default_output_user_root()) / NOTICES_FILE
+    try:
+        seen = set(read_own_state(state)[:MAX_NOTICES * 65].decode("ascii", "replace").split())
+    except OSError:
+        seen = set()
+    new = [(k, msg) for k, msg in noted if k not in seen]
+    for _k, msg in new:
+        print(msg, file=sys.stderr)
+    if not new:
+        return
+    keep = sorted(k for k in seen if len(k) == 64)
+    if len(keep) + len(new) > MAX_NOTICES:
+        keep = []  # bounded: the forgotten settings are noted once more
+    try:
+        private_dir(state.parent)
+        atomic_write_bytes(state, "".join(k + "\n" for k in [*keep, *(k for k, _m in new)]).encode(),
+                           durable=False, mode=0o600)
+    except OSError:
+        pass  # noted again next time

@@ -200,3 +200,32 @@ def test_landlock_probe_matches_the_kernel() -> None:
             "open('/tmp/nb-landlock-probe', 'w')")
     proc = subprocess.run([os.sys.executable, "-c", code], capture_output=True, text=True)  # type: ignore[attr-defined]
     assert proc.stdout.strip() == "None" and "PermissionError" in proc.stderr
+
+
+def test_etc_rules_leave_out_secrets_and_keep_what_libc_reads(tmp_path: Path) -> None:
+    """The kernel rules' /etc: every entry but the secrets (password hashes, sudo rules, host and TLS private keys);
+    of ssh/ and ssl/ only the keys are left out (client config and CA certificates stay readable)."""
+    from neuronbuild.execution.confine import etc_read
+
+    etc = tmp_path / "etc"
+    for d in ("sudoers.d", "ssh", "ssl/certs", "ssl/private", "security"):
+        (etc / d).mkdir(parents=True)
+    for f in ("passwd", "ld.so.cache", "shadow", "gshadow", "sudoers", "ssh/ssh_config", "ssh/ssh_host_ed25519_key",
+              "ssh/ssh_host_ed25519_key.pub", "ssl/openssl.cnf"):
+        (etc / f).write_text("x")
+    got = {p[len(str(etc)) + 1:] for p in etc_read(str(etc))}
+    assert got == {"passwd", "ld.so.cache", "ssh/ssh_config", "ssl/certs", "ssl/openssl.cnf"}
+
+
+def test_a_confined_process_cannot_open_etc_shadow_through_libc_but_opens_passwd() -> None:
+    """What the kernel enforces (not the audit hook): libc's open of /etc/shadow is refused, /etc/passwd is not."""
+    if landlock_abi() < 2:
+        pytest.skip("no Landlock here")
+    if not os.path.exists("/etc/shadow"):
+        pytest.skip("no /etc/shadow here")
+    code = ("import ctypes, os; from neuronbuild.execution.confine import Policy, apply_landlock;"
+            "print(apply_landlock(Policy((), ())));"
+            "libc = ctypes.CDLL(None, use_errno=True);"
+            "print([libc.open(p, os.O_RDONLY) >= 0 for p in (b'/etc/passwd', b'/etc/shadow')])")
+    proc = subprocess.run([os.sys.executable, "-c", code], capture_output=True, text=True)  # type: ignore[attr-defined]
+    assert proc.stdout.split("\n")[:2] == ["None", "[True, False]"], proc.stdout + proc.stderr

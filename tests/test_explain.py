@@ -142,7 +142,7 @@ def test_change_lines_for_each_kind_of_field() -> None:
            "toolchain": {"torch": "2.14.1"}, "target": {"isa": "x86-64-v3"}, "env": {"NEURON_CC_FLAGS": "-O3"}}
     assert [describe_change(p, o, n, new) for p, o, n in diff(old, new)] == [
         "bucket: seq 512 -> 1024",
-        "env NEURON_CC_FLAGS: (unset) -> -O3",
+        "env NEURON_CC_FLAGS: (unset) -> set",
         "src m/a.py: changed", "src m/b.py: added", "src m/c.py: removed",
         "weights: (none) -> m/w.safetensors",
         "options.model_type: (none) -> transformer",

@@ -169,9 +169,15 @@ def _env() -> dict[str, str]:
 def _actions_on(worker: subprocess.Popen[bytes]) -> list[psutil.Process]:
     """The worker processes forked from the Dask worker's zygote (its children), and their actions. The zygote itself
     (the Dask worker's child) runs no action and stays, warm, for the farm's next build."""
-    return [c for c in psutil.Process(worker.pid).children(recursive=True)
-            if "neuronbuild.execution" in " ".join(c.cmdline()) and c.ppid() != worker.pid
-            and c.status() != psutil.STATUS_ZOMBIE]
+    out = []
+    for c in psutil.Process(worker.pid).children(recursive=True):
+        try:  # (a process may end between the listing and the look)
+            if "neuronbuild.execution" in " ".join(c.cmdline()) and c.ppid() != worker.pid \
+                    and c.status() != psutil.STATUS_ZOMBIE:
+                out.append(c)
+        except psutil.Error:
+            continue
+    return out
 
 
 def test_ctrl_c_stops_actions_already_running_on_workers(farm: Farm, tmp_path: Path) -> None:
@@ -187,15 +193,20 @@ neuron_compile(name = "slow_trn2", model = ":slow", buckets = [":b"], target = "
     build = subprocess.Popen([sys.executable, "-m", "neuronbuild", *_dask_build(ws, farm, tmp_path)], cwd=ws,
                              text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                              env={**_env(), "NEURONX_CC": ""})
-    deadline = time.monotonic() + 120
-    running: list[psutil.Process] = []
-    while not running and time.monotonic() < deadline:
-        running = _actions_on(worker)
-        time.sleep(0.3)
-    assert running, "the action never started on the worker"
-    time.sleep(3.0)  # the action is in its 600 s sleep
-    build.send_signal(signal.SIGINT)
-    _out, err = build.communicate(timeout=120)
+    try:
+        deadline = time.monotonic() + 120
+        running: list[psutil.Process] = []
+        while not running and time.monotonic() < deadline and build.poll() is None:
+            running = _actions_on(worker)
+            time.sleep(0.3)
+        assert running, "the action never started on the worker"
+        time.sleep(3.0)  # the action is in its 600 s sleep
+        build.send_signal(signal.SIGINT)
+        _out, err = build.communicate(timeout=120)
+    finally:  # a failure above must not leave the build running (holding the farm and this run's pipes)
+        if build.poll() is None:
+            build.kill()
+            build.communicate(timeout=30)
     assert build.returncode == 8, err
     gone_by = time.monotonic() + 15
     while time.monotonic() < gone_by and any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in running):

@@ -12,7 +12,7 @@ PKG = Path(__file__).resolve().parent.parent / "neuronbuild"
 # What each part of neuronbuild may import besides itself (the base layer: errors, workspace, atomic, digests,
 # platforms, vocabulary, history, plugins).
 BASE = {"__init__", "errors", "workspace", "atomic", "digests", "platforms", "vocabulary", "history",
-        "plugins", "self_stamp"}
+        "plugins", "self_stamp", "jsondata"}
 ALLOWED = {
     "base": set(),
     "loading": set(),

@@ -166,3 +166,54 @@ def test_one_process_sees_records_replaced_and_blobs_damaged_after_it_checked_th
     blob.write_bytes(b"anothe! result")  # same size, other bytes
     cache = LocalCache(tmp_path / "c", report=lambda msg: None)
     assert cache.lookup(fp) is None and not blob.exists()  # evicted: the action runs again
+
+
+def _two_records_one_copied_over_the_other(tmp_path: Path, cache: Path) -> tuple[list[str], Path, Path]:
+    """Two genuine records in `cache`; then the second's copied to the first's place, its `fingerprint` field rewritten
+    to match (well-formed, its blobs intact: checking fields and blobs finds nothing). (fingerprints, real, hostile)"""
+    from neuronbuild.cache.action_cache import OutputRef
+    from neuronbuild.cache.local import LocalCache
+    from neuronbuild.digests import fingerprint
+
+    local = LocalCache(cache)
+    fps = []
+    for i, text in enumerate(("the real program", "a hostile program")):
+        out = tmp_path / f"out{i}"
+        out.write_text(text)
+        digest, size = local.put_file(out)
+        record = {"kind": "compile", "model": f"//pkg:m{i}"}
+        fps.append(fingerprint(record))
+        local.record_outputs(fps[-1], f"//pkg:m{i}", record, {"model.neff": OutputRef(digest, size)}, 1.0, {})
+    real, hostile = (cache / "v1" / "ac" / fp[:2] / f"{fp}.json" for fp in fps)
+    real.write_bytes(hostile.read_bytes().replace(fps[1].encode(), fps[0].encode()))
+    return fps, real, hostile
+
+
+def test_verify_reports_a_record_whose_input_record_is_another_actions(tmp_path: Path) -> None:
+    """`cache verify` re-derives each record's fingerprint from the input record it holds: a record copied to another
+    action's place is reported and removed with --repair; the genuine one is kept."""
+    cache = tmp_path / "cache"
+    fps, real, hostile = _two_records_one_copied_over_the_other(tmp_path, cache)
+    v = run_cli(["cache", "verify", "--cache-dir", str(cache)], tmp_path)
+    assert v.returncode != 0, v.stdout + v.stderr
+    assert f"bad-record {fps[0]}: its input record hashes to {fps[1][:16]}" in v.stdout, v.stdout
+    assert v.stdout.count("bad-record") == 1, v.stdout
+    r = run_cli(["cache", "verify", "--repair", "--cache-dir", str(cache)], tmp_path)
+    assert not real.exists() and hostile.exists(), r.stdout + r.stderr
+
+
+def test_a_shared_tier_record_holding_another_actions_input_record_is_not_served(tmp_path: Path) -> None:
+    """A build reading a shared tier does not take a record copied to another action's place as that action's
+    result (a miss, one warning); the genuine record is served."""
+    from neuronbuild.cache.shared_fs import SharedDirTier
+    from neuronbuild.cache.tiered import TieredCache
+
+    shared = tmp_path / "shared"
+    fps, _real, _hostile = _two_records_one_copied_over_the_other(tmp_path, shared)
+    warnings: list[str] = []
+    tiered = TieredCache(tmp_path / "local", SharedDirTier(shared), report=warnings.append)
+    assert not tiered.peek(fps[0])
+    assert tiered.lookup(fps[0]) is None
+    assert any("holds another action's input record" in w for w in warnings), warnings
+    genuine = tiered.lookup(fps[1])
+    assert genuine is not None and genuine.identity == "//pkg:m1"

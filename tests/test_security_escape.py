@@ -129,7 +129,7 @@ def test_a_malformed_message_is_refused_not_run(tmp_path: Path) -> None:
     writer = threading.Thread(target=lambda: [os.write(w, f) for f in frames])
     writer.start()
     with Connection(r, writable=False) as conn:
-        for expected in ("not JSON", "not JSON", "a list, not an object", "unreadable"):
+        for expected in ("not JSON", "nested deeper than", "a list, not an object", "unreadable"):
             with pytest.raises(channel.BadMessage, match=expected):
                 channel.recv(conn)
     writer.join()
@@ -378,6 +378,33 @@ def test_a_model_cannot_read_the_build_processs_environment(tmp_path: Path) -> N
                    env={"AWS_SECRET_ACCESS_KEY": secret})
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "RuntimeError: ENVIRON none" in proc.stderr, proc.stderr[-3000:]
+
+
+ETC_READER = '''import ctypes
+import errno
+import os
+
+
+def build(config):
+    libc = ctypes.CDLL(None, use_errno=True)  # libc's open: what a C extension or a compiler does (the kernel's rules)
+    seen = []
+    for path in ("/etc/shadow", "/etc/gshadow", "/etc/sudoers", "/etc/passwd", "/etc/ld.so.cache"):
+        if os.path.exists(path):
+            fd = libc.open(path.encode(), os.O_RDONLY)
+            seen.append(f"{path}:{'read' if fd >= 0 else errno.errorcode[ctypes.get_errno()]}")
+    raise RuntimeError("ETC " + " ".join(seen))
+'''
+
+
+def test_a_model_cannot_read_secrets_under_etc_but_libc_reads_the_rest(tmp_path: Path) -> None:
+    ws = _one_model_ws(tmp_path / "ws", ETC_READER, {})
+    proc = run_cli(["--batch", "build", "//pkg:all", "--jobs", "1", "--cache-dir", str(tmp_path / "cache")], ws)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    line = next(ln for ln in proc.stderr.splitlines() if "RuntimeError: ETC " in ln)
+    seen = dict(item.rsplit(":", 1) for item in line.split("RuntimeError: ETC ", 1)[1].split(" (at ")[0].split())
+    assert seen["/etc/passwd"] == "read" and seen["/etc/ld.so.cache"] == "read", line
+    secrets = {k: v for k, v in seen.items() if k in ("/etc/shadow", "/etc/gshadow", "/etc/sudoers")}
+    assert secrets and all(v == "EACCES" for v in secrets.values()), line
 
 
 SPIN_BUILD = '''def spin():

@@ -49,6 +49,36 @@ def test_an_endless_starlark_loop_ends_on_interrupt_promptly(tmp_path: Path, sig
     assert took < 10.0, f"took {took:.2f} s to stop"
 
 
+# 100 bytes that would take terabytes: every element of `keep` is a fresh 1,000,001-element list.
+GREEDY_BUILD = '''big = [0] * 1000000
+keep = [big + [i] for i in range(100000)]
+'''
+
+
+def _limit_address_space() -> None:  # (without the budget, the child fails at 6 GB instead of taking the machine)
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_AS, (6 << 30, 6 << 30))
+
+
+def test_a_build_file_that_allocates_without_bound_fails_located_within_its_memory_budget(tmp_path: Path) -> None:
+    import resource
+
+    ws = write_ws(tmp_path / "ws", {"pkg/BUILD": GREEDY_BUILD})
+    env = {k: v for k, v in os.environ.items() if k in _ENV_AT_START or not k.startswith("TORCHINDUCTOR_")}
+    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    proc = subprocess.run([sys.executable, "-m", "neuronbuild", "plan", "//pkg:all", "--cache-dir",
+                           str(tmp_path / "cache")], cwd=ws, env={**env, "NEURONBUILD_STARLARK_MEMORY_MB": "256"},
+                          capture_output=True, text=True, timeout=300, preexec_fn=_limit_address_space)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr.strip() == ("pkg/BUILD:1:1: error: evaluating pkg/BUILD used more than 256 MiB of memory (the "
+                                   "per-file Starlark budget, $NEURONBUILD_STARLARK_MEMORY_MB); is a loop building "
+                                   "ever larger values?"), proc.stderr[-3000:]
+    peak_kib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    if peak_kib > before:  # (the largest child so far: this one, unless an earlier child of this process was larger)
+        assert peak_kib < 1536 << 10, f"peak RSS {peak_kib >> 10} MiB"
+
+
 MODEL = '''import os
 import time
 

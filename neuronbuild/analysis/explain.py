@@ -110,7 +110,7 @@ def _fmt(v: Any) -> str:
 
 def describe_change(path: tuple[str, ...], old: Any, new: Any, new_record: Mapping[str, Any]) -> str:
     """The user-facing line: `options.opt_level: 2 -> 3`, `src models/llama.py: changed`, `bucket: seq 512 -> 1024`,
-    `toolchain torch: 2.13.0 -> 2.14.1`, `env NAME: a -> b`."""
+    `toolchain torch: 2.13.0 -> 2.14.1`, `env NAME: changed`."""
     status = "added" if old is ABSENT else "removed" if new is ABSENT else "changed"
     if path[:2] == ("model", "srcs") and len(path) == 3:
         return f"src {path[2]}: {status}"
@@ -128,7 +128,12 @@ def describe_change(path: tuple[str, ...], old: Any, new: Any, new_record: Mappi
         return f"tp_degree: {1 if old is ABSENT else _fmt(old)} -> {1 if new is ABSENT else _fmt(new)}"
     if path[:1] == ("bucket",) and len(path) == 2:
         return f"bucket: {path[1]} {_fmt(old)} -> {_fmt(new)}"
-    if path[:1] in (("toolchain",), ("env",)) and len(path) == 2:
+    if path[:1] == ("env",) and len(path) == 2:  # values are digests (they may be secrets): say what happened
+        def state(v: Any) -> str:
+            return "(unset)" if v is ABSENT or v is None else "set"
+
+        return f"env {path[1]}: " + ("changed" if state(old) == state(new) == "set" else f"{state(old)} -> {state(new)}")
+    if path[:1] == ("toolchain",) and len(path) == 2:
         return f"{path[0]} {path[1]}: {_fmt(old)} -> {_fmt(new)}"
     if path in (("trace",), ("lowering",)):
         return f"{path[0]}: {str(old)[:12]} -> {str(new)[:12]} (the previous {path[0]}'s record is not in the cache)"

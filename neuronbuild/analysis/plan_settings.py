@@ -43,7 +43,9 @@ class PlanSettings:
     toolchain_overrides: Mapping[str, str] = field(default_factory=dict, hash=False, compare=False)
 
     def env_record(self) -> dict[str, str | None]:
-        return dict(self.action_env)
+        """The declared variables as every action record holds them: names, each with its value's digest (the value
+        changes fingerprints, but records, manifests and reports never hold it: it may be a secret); None: unset."""
+        return {name: secret_digest(value) if value is not None else None for name, value in self.action_env}
 
     def trace_toolchain(self) -> dict[str, str]:
         return self.override(trace_toolchain())
@@ -54,6 +56,22 @@ class PlanSettings:
             if k in tc:
                 tc[k] = v
         return tc
+
+
+def secret_digest(value: str) -> str:
+    """What stands for an --action-env value wherever it is written down: 'sha256:<hex>' of its UTF-8 bytes."""
+    import hashlib
+
+    return "sha256:" + hashlib.sha256(value.encode("utf-8", "surrogateescape")).hexdigest()
+
+
+def redact_action_env(items: list[str]) -> list[str]:
+    """--action-env words as a report shows them: NAME stays, NAME=VALUE becomes NAME=<sha256:12 hex digits>."""
+    out = []
+    for item in items:
+        name, eq, value = str(item).partition("=")
+        out.append(f"{name}=<{secret_digest(value)[:19]}>" if eq else name)
+    return out
 
 
 def parse_action_env(items: list[str] | None, environ: Mapping[str, str] | None = None) -> tuple[

@@ -12,8 +12,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from neuronbuild import jsondata
 from neuronbuild.atomic import atomic_write_bytes
-from neuronbuild.digests import StatKey, is_racy, stat_key
+from neuronbuild.digests import StatKey, fingerprint, is_racy, stat_key
 
 RECORD_VERSION = 1
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
@@ -56,7 +57,7 @@ class ActionResult:
         """Parse a record; ValueError for anything that is not exactly a record (records in a shared cache are
         untrusted: wrong types and deep nesting are misses, never exceptions further on)."""
         try:
-            d = json.loads(data)
+            d = jsondata.loads(data)
         except RecursionError:
             raise ValueError("nested too deeply") from None
         if not isinstance(d, dict) or d.get("version") != RECORD_VERSION:
@@ -78,6 +79,14 @@ class ActionResult:
             return ActionResult(fp, identity, refs, record, float(d["duration_s"]), meta, float(d.get("created", 0.0)))
         except (KeyError, TypeError, AttributeError) as e:
             raise ValueError(f"malformed record ({type(e).__name__}: {str(e)[:100]})") from None
+
+    def derived_fingerprint(self) -> str:
+        """The fingerprint of the input record this record holds, as analysis computes it ("none" when it cannot be
+        encoded canonically: no action made it). A record whose fingerprint differs is another action's."""
+        try:
+            return fingerprint(self.record)
+        except (TypeError, ValueError):
+            return "none"
 
 
 # Records parsed by this process, by path: the stat key (digests.stat_key) of the file read, and its result. A record

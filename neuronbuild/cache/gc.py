@@ -7,7 +7,6 @@ GRACE_S are left alone too, so a concurrent build never loses what it has just l
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import re
 import shutil
@@ -16,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from neuronbuild import jsondata
 from neuronbuild.atomic import file_lock
 from neuronbuild.cache.pins import pinned
 from neuronbuild.cache.roots import live_roots
@@ -95,7 +95,7 @@ def _scan_records(ac: Path) -> tuple[list[_Entry], list[Path]]:
     for p in ac.glob("*/*.json"):
         try:
             st = p.stat()
-            d = json.loads(p.read_bytes())
+            d = jsondata.loads(p.read_bytes())
             digests = tuple(str(o["digest"]) for o in d["outputs"].values())
         except FileNotFoundError:
             continue
@@ -215,7 +215,7 @@ def configured_limits(cache: LocalCache) -> tuple[int | None, float | None]:
     """The automatic limits: $NEURONBUILD_CACHE_MAX_SIZE / _MAX_AGE, else <cache>/config.json {"max_size", "max_age"}."""
     conf: dict[str, str] = {}
     with contextlib.suppress(OSError, ValueError):
-        data = json.loads((cache.base / CONFIG).read_text())
+        data = jsondata.loads((cache.base / CONFIG).read_text())
         if isinstance(data, dict):
             conf = {k: str(v) for k, v in data.items()}
     size = os.environ.get("NEURONBUILD_CACHE_MAX_SIZE") or conf.get("max_size")

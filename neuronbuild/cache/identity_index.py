@@ -13,6 +13,7 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
+from neuronbuild import jsondata
 from neuronbuild.atomic import atomic_write_bytes
 from neuronbuild.cache.action_cache import ActionCache, ActionResult
 from neuronbuild.digests import digest_bytes
@@ -46,7 +47,7 @@ class IdentityIndex:
 
     def _read(self, p: Path) -> LatestEntry | None:
         try:
-            d = json.loads(p.read_bytes())
+            d = jsondata.loads(p.read_bytes())
             return LatestEntry(str(d["identity"]), str(d["fingerprint"]), dict(d.get("bucket") or {}),
                                float(d.get("duration_s", 0.0)), float(d.get("created", 0.0)),
                                float(d.get("peak_rss_mb", 0.0)))

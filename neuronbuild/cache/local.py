@@ -14,6 +14,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from neuronbuild import jsondata
 from neuronbuild.atomic import atomic_write_bytes, try_lock, unlock
 from neuronbuild.cache.action_cache import ActionCache, ActionResult, OutputRef
 from neuronbuild.cache.cas import BlobStore, CorruptBlob
@@ -233,7 +234,7 @@ class LocalCache:
     def failure(self, fp: str) -> dict[str, Any] | None:
         """The recorded failure of action `fp` (for explain/reports), or None."""
         try:
-            d = json.loads(self.failure_path(fp).read_bytes())
+            d = jsondata.loads(self.failure_path(fp).read_bytes())
         except (OSError, ValueError):
             return None
         return d if isinstance(d, dict) else None

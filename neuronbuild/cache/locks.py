@@ -18,6 +18,8 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+from neuronbuild import jsondata
+
 HEARTBEAT_S = float(os.environ.get("NEURONBUILD_LOCK_HEARTBEAT_S", "10"))
 STALE_S = float(os.environ.get("NEURONBUILD_LOCK_STALE_S", "60"))
 MAX_SKEW_S = 300.0
@@ -39,7 +41,7 @@ class Owner:
     @staticmethod
     def from_json(data: bytes) -> Owner | None:
         try:
-            d = json.loads(data)
+            d = jsondata.loads(data)
             return Owner(str(d["host"]), int(d["pid"]), str(d["token"]), float(d["started"]))
         except (ValueError, KeyError, TypeError):
             return None

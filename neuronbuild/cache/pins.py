@@ -12,6 +12,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from neuronbuild import jsondata
 from neuronbuild.atomic import atomic_write_bytes
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -65,7 +66,7 @@ def load_pins(root: Path) -> list[Pin]:
         return out
     for p in sorted(d.glob("*.json")):
         try:
-            data = json.loads(p.read_bytes())
+            data = jsondata.loads(p.read_bytes())
             fps = frozenset(str(x) for x in data.get("fingerprints", []))
             digests = frozenset(str(x) for x in data.get("digests", []))
         except (OSError, ValueError, AttributeError, TypeError) as e:

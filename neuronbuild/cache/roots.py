@@ -13,6 +13,7 @@ import os
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
+from neuronbuild import jsondata
 from neuronbuild.atomic import atomic_write_bytes, file_lock
 
 MAX_ROOT_FILE = 256 << 20  # a roots file larger than this is not read (treated as absent)
@@ -27,7 +28,7 @@ def _read(p: Path) -> dict[str, object] | None:
     try:
         if p.stat().st_size > MAX_ROOT_FILE:
             return None
-        data = json.loads(p.read_bytes())
+        data = jsondata.loads(p.read_bytes())
     except (OSError, ValueError, RecursionError):
         return None
     return data if isinstance(data, dict) else None

@@ -9,6 +9,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from neuronbuild import jsondata
 from neuronbuild.atomic import atomic_write_bytes
 
 KEEP_BUILDS = 50
@@ -91,7 +92,7 @@ def recent(root: Path, n: int = 10) -> list[BuildStats]:
     out: list[BuildStats] = []
     for p in sorted(stats_dir(root).glob("*.json"))[-n:]:
         try:
-            out.append(BuildStats(**json.loads(p.read_text())))
+            out.append(BuildStats(**jsondata.loads(p.read_text())))
         except (OSError, ValueError, TypeError):
             continue
     return out

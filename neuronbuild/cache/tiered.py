@@ -97,6 +97,8 @@ class TieredCache(LocalCache):
                 res = ActionResult.from_json(data)
             except (ValueError, KeyError, TypeError, RecursionError):
                 return False
+            if res.fingerprint != fp or res.derived_fingerprint() != fp:
+                return False
         shared = self.shared
         return all(self.blobs.check(o.digest, o.size) == "ok" or bool(self._remote(shared.has_blob, o.digest, o.size))
                    for o in res.outputs.values())
@@ -117,7 +119,9 @@ class TieredCache(LocalCache):
                 self.warn_once(f"record:{fp}", f"warning: cache: record {fp[:12]} in the shared cache is "
                                "unreadable; ignored")
                 return None
-            if res.fingerprint != fp:
+            if res.fingerprint != fp or res.derived_fingerprint() != fp:  # another action's record (copied here)
+                self.warn_once(f"record:{fp}", f"warning: cache: record {fp[:12]} in the shared cache holds another "
+                               "action's input record; ignored")
                 return None
         for name, out in res.outputs.items():
             if self.blobs.check(out.digest, out.size) == "ok":

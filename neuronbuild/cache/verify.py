@@ -1,4 +1,5 @@
-"""`cache verify`: re-hash every blob of a tier and check every record; optionally remove what is bad."""
+"""`cache verify`: re-hash every blob of a tier and check every record (its fingerprint re-derived from the input
+record it holds, its outputs against the blobs); optionally remove what is bad."""
 
 from __future__ import annotations
 
@@ -22,8 +23,9 @@ _HEX2 = re.compile(r"^[0-9a-f]{2}$")
 
 @dataclass(frozen=True)
 class Problem:
-    """One bad thing found: a corrupt blob, an unreadable record, a record whose blobs are missing or corrupt, or a
-    file in the store that does not belong (not a blob or record at its place: something wrote into the cache)."""
+    """One bad thing found: a corrupt blob, an unreadable record or one whose input record does not hash to its
+    fingerprint, a record whose blobs are missing or corrupt, or a file in the store that does not belong (not a blob
+    or record at its place: something wrote into the cache)."""
 
     kind: str
     name: str
@@ -112,6 +114,11 @@ def verify_tier(tier: SharedTier, repair: bool = False) -> VerifyReport:
             continue
         if res.fingerprint != fp:
             problems.append(Problem("bad-record", fp, f"holds fingerprint {res.fingerprint[:16]}"))
+            bad_records.append(fp)
+            continue
+        derived = res.derived_fingerprint()
+        if derived != fp:  # an action of another fingerprint (or none): its outputs are not this action's
+            problems.append(Problem("bad-record", fp, f"its input record hashes to {derived[:16]}, not to its name"))
             bad_records.append(fp)
             continue
         for name, out in sorted(res.outputs.items()):

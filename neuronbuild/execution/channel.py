@@ -12,6 +12,8 @@ import json
 from multiprocessing.connection import Connection
 from typing import Any
 
+from neuronbuild import jsondata
+
 # An action's result is small (its metadata and an error's first lines); a task message holds a spec.
 MAX_MESSAGE = 64 << 20
 
@@ -35,7 +37,9 @@ def recv(conn: Connection, maxlength: int = MAX_MESSAGE) -> Any:
     except OSError as e:  # a frame longer than maxlength, or a broken frame
         raise BadMessage(f"an unreadable message ({e})") from None
     try:
-        msg = json.loads(data)
+        msg = jsondata.loads(data)
+    except jsondata.TooDeep as e:
+        raise BadMessage(f"a message {str(e).removeprefix('JSON ')}") from None
     except (ValueError, RecursionError) as e:
         raise BadMessage(f"a message that is not JSON ({type(e).__name__})") from None
     if msg is not None and not isinstance(msg, dict):

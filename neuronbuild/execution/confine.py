@@ -16,7 +16,8 @@ refuses new Unix/IPv4/IPv6 sockets and io_uring (so no connect() to the build se
 
 Reads are allowed under the sandbox, the action's TMPDIR and HOME, the Python installation (prefixes, sys.path,
 site-packages), neuronbuild itself, plug-in paths, PATH dirs and a configured neuronx-cc's install, /usr, /lib*, /dev,
-/proc and /sys (and, for the kernel rules only, /etc and /bin, which libc and compilers read); writes only under the
+/proc and /sys (and, for the kernel rules only, /bin and /etc but its secrets (ETC_SECRETS: shadow, sudoers, host and
+TLS keys, ...), which libc and compilers read); writes only under the
 sandbox, TMPDIR, HOME, inductor's working dir, the action's log and /dev.
 """
 
@@ -33,7 +34,16 @@ from pathlib import Path
 from typing import Any
 
 # Directories every process may read (interpreter, compilers, libc): the kernel rules' read set beyond the policy's.
-SYSTEM_READ = ("/usr", "/lib", "/lib32", "/lib64", "/libx32", "/bin", "/sbin", "/etc", "/dev", "/proc", "/sys")
+# /etc is added entry by entry (etc_read()): all but the secrets.
+SYSTEM_READ = ("/usr", "/lib", "/lib32", "/lib64", "/libx32", "/bin", "/sbin", "/dev", "/proc", "/sys")
+# Entries of /etc that hold secrets (password hashes, sudo rules, host keys, TLS private keys, keytabs, VPN and Wi-Fi
+# credentials): the kernel rules leave them out; everything else in /etc stays readable (libc, compilers, locales).
+ETC_SECRETS = frozenset({
+    "shadow", "shadow-", "gshadow", "gshadow-", "sudoers", "sudoers.d", "security", "krb5.keytab", "credstore",
+    "credstore.encrypted", "wireguard", "NetworkManager", "ppp", "openvpn", "ipsec.secrets", "ipsec.d", "docker",
+    "libvirt", "polkit-1", "audit", "ssh", "ssl", "pki"})
+# Of those, directories whose other entries stay readable (client config, CA certificates): without these entries.
+ETC_PARTLY = {"ssh": lambda n: "key" not in n, "ssl": lambda n: n != "private", "pki": lambda n: "private" not in n}
 # What Python code may read beyond the policy (the audit hook): no /etc, /bin, /sbin: model code has no business there.
 PY_SYSTEM_READ = ("/usr", "/lib", "/lib32", "/lib64", "/libx32", "/dev", "/proc", "/sys")
 SYSTEM_WRITE = ("/dev",)
@@ -245,6 +255,24 @@ def landlock_abi() -> int:
     return max(0, int(v))
 
 
+def etc_read(etc: str = "/etc") -> tuple[str, ...]:
+    """The paths in /etc the kernel rules let actions read: every entry but ETC_SECRETS (and, of ETC_PARTLY, every
+    entry but the keys). Entries made in /etc later are not readable by actions."""
+    out: list[str] = []
+    try:
+        names = sorted(os.listdir(etc))
+    except OSError:
+        return ()
+    for name in names:
+        if name not in ETC_SECRETS:
+            out.append(f"{etc}/{name}")
+        elif name in ETC_PARTLY:
+            with contextlib.suppress(OSError):
+                keep = ETC_PARTLY[name]
+                out.extend(f"{etc}/{name}/{n}" for n in sorted(os.listdir(f"{etc}/{name}")) if keep(n))
+    return tuple(out)
+
+
 def apply_landlock(policy: Policy) -> str | None:
     """Restrict this process and its future children to `policy` for good. None when applied, else why not."""
     abi = landlock_abi()
@@ -261,7 +289,7 @@ def apply_landlock(policy: Policy) -> str | None:
     if fd < 0:
         return f"Landlock ruleset: {os.strerror(ctypes.get_errno())}"
     try:
-        rules = [(r, _READ) for r in (*policy.read, *SYSTEM_READ)]
+        rules = [(r, _READ) for r in (*policy.read, *SYSTEM_READ, *etc_read())]
         rules += [(w, _READ | write) for w in (*policy.write, *SYSTEM_WRITE)]
         for root, access in rules:
             try:
@@ -376,6 +404,6 @@ def explain_denied(e: BaseException, policy: Policy) -> str | None:
     path = os.path.abspath(os.fsdecode(e.filename))
     if policy.may_write(path):
         return None
-    if policy.may_read(path) or _under(path, SYSTEM_READ):
+    if policy.may_read(path) or _under(path, SYSTEM_READ) or _under(path, etc_read()):
         return _message("wrote", path, write=True)
     return _message("read", path, write=False)

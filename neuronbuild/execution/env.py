@@ -80,7 +80,14 @@ def hide_process_environ() -> bool:
     its kernel rules let it read /proc). Moves libc's environment strings to the heap (setenv of each entry: os.environ
     and getenv() are unchanged), zeroes the original region, and makes the process non-dumpable (then its
     /proc files, environ and mem included, are root's). Called once by the build process (pool.WorkerPool) before
-    any action can run. Returns whether the region was cleared."""
+    any action can run. Returns whether the region was cleared.
+
+    In a multi-threaded process (the build server, a Dask worker: it runs where the farm's pool starts, on Dask's
+    event loop thread) this is memory-safe: nothing is freed (the original strings stay mapped, zeroed), each
+    environ slot is swapped with one aligned pointer store under glibc's environment lock, and Python code reads
+    os.environ, a copy. What remains is libc's own caveat for setenv beside threads: a getenv() in another thread that
+    found its entry before the swap and reads the value after the zeroing sees it empty, once; so in a process with
+    other threads the zeroing waits a moment after the swap, long enough for a getenv in flight to have returned."""
     global _hidden
     if _hidden:
         return True
@@ -94,6 +101,7 @@ def hide_process_environ() -> bool:
         with open("/proc/self/stat", "rb") as f:
             fields = f.read().rsplit(b")", 1)[1].split()
         start, end = int(fields[47]), int(fields[48])  # env_start, env_end (fields 50 and 51)
+        threads = int(fields[17])  # num_threads (field 20)
         libc = ctypes.CDLL(None, use_errno=True)
         environ = ctypes.POINTER(ctypes.c_char_p).in_dll(libc, "environ")
         entries: list[bytes] = []
@@ -109,6 +117,10 @@ def hide_process_environ() -> bool:
         name, _, value = e.partition(b"=")
         if name:
             libc.setenv(name, value, 1)
+    if threads > 1:
+        import time
+
+        time.sleep(0.01)
     ctypes.memset(start, 0, end - start)
     libc.prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE 0
     return True

@@ -6,6 +6,7 @@ import ast
 from collections.abc import Mapping
 from typing import Any
 
+from neuronbuild import jsondata
 from neuronbuild.analysis.actions import FileInput
 from neuronbuild.analysis.planner import AnalysisContext
 from neuronbuild.analysis.providers import ModelInfo
@@ -254,14 +255,13 @@ def _weights_record(ctx: AnalysisContext, model: Target, files: list[FileInput])
 
 def _index_shards(ctx: AnalysisContext, model: Target, index: Label) -> list[str]:
     """The shard files an HF *.safetensors.index.json names (next to it), in first-use order."""
-    import json
 
     path = ctx.graph.root / index.path
     where = locate(ctx.graph, model)
     try:
         if path.stat().st_size > _MAX_INDEX_BYTES:
             raise UserInputError(f"weights index {index.path} is larger than 64 MB", where)
-        data = json.loads(path.read_bytes())
+        data = jsondata.loads(path.read_bytes())
     except OSError as e:
         raise UserInputError(f"cannot read weights index {index.path}: {e.strerror or e}", where) from None
     except ValueError as e:

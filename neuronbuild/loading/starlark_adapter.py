@@ -14,16 +14,21 @@ them in BUILD and .bzl files).
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import os
 import queue
 import re
 import sys
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any, TypeVar
+
+from neuronbuild.errors import EXIT_BAD_INPUT, Location, UserInputError
 
 T = TypeVar("T")
 _FRAME_RE = re.compile(r"^\s+(.+):(\d+):(\d+): in (.+)$")
@@ -109,6 +114,85 @@ def _serve(q: queue.SimpleQueue[tuple[Callable[..., Any], tuple[Any, ...], Futur
             fut.set_exception(e)
 
 
+# Memory. starlark-go 1.0.1 has no allocation limit (a 100-byte BUILD file looping over ever larger lists reached
+# 3.1 GB) and its evaluation cannot be interrupted. So the waiting caller watches this process's anonymous memory
+# (where the Go heap lives) while a file is evaluated: growth past the per-file budget fails the load with a located
+# error (the file being evaluated), the evaluation is abandoned (the process must end: the batch command does as it
+# reports the error, the build server after the command), and a runaway that reaches twice the budget before then
+# ends the process at once.
+BUDGET_ENV = "NEURONBUILD_STARLARK_MEMORY_MB"
+DEFAULT_BUDGET_MB = 1024
+_evaluating: tuple[int, str] | None = None  # (a number per evaluation, its file) while the Starlark thread runs one
+_evaluations = 0
+
+
+def memory_budget() -> int:
+    """The per-file Starlark memory budget in bytes ($NEURONBUILD_STARLARK_MEMORY_MB, default 1024 MiB)."""
+    try:
+        mb = int(os.environ.get(BUDGET_ENV, "") or DEFAULT_BUDGET_MB)
+    except ValueError:
+        mb = DEFAULT_BUDGET_MB
+    return max(16, mb) << 20
+
+
+def _anon_bytes() -> int:
+    """This process's resident anonymous memory (resident minus file-backed and shared pages), in bytes."""
+    try:
+        with open("/proc/self/statm", "rb") as f:
+            fields = f.read().split()
+        return (int(fields[1]) - int(fields[2])) * _PAGE
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+class StarlarkMemoryError(UserInputError):
+    """A file whose evaluation outgrew the per-file memory budget (exit 2, located at the file)."""
+
+
+class _Watch:
+    """The waiting caller's view of memory: the reading at its last look, and the evaluation (and the reading just
+    before it began) it is measuring. One /proc read per look (every 50 ms), none per file: a file that ends between
+    two looks is never measured (it cannot allocate much in 50 ms), and a file's baseline is the look before it."""
+
+    __slots__ = ("last", "evaluation", "base")
+
+    def __init__(self) -> None:
+        self.last = _anon_bytes()
+        self.evaluation = -1
+        self.base = 0
+
+    def check(self, fut: Future[Any]) -> None:
+        """Raise StarlarkMemoryError when the file being evaluated has grown this process past its budget."""
+        current = _evaluating
+        now = _anon_bytes()
+        if current is not None and current[0] != self.evaluation:
+            self.evaluation, self.base = current[0], self.last
+        self.last = now
+        if current is None or now - self.base <= (budget := memory_budget()):
+            return
+        _reap_if_runaway(fut, self.base, budget)
+        raise StarlarkMemoryError(
+            f"evaluating {current[1]} used more than {budget >> 20} MiB of memory (the per-file Starlark budget, "
+            f"${BUDGET_ENV}); is a loop building ever larger values?", Location(current[1]))
+
+
+def _reap_if_runaway(fut: Future[Any], start: int, budget: int) -> None:
+    """While the abandoned evaluation runs on, end this process if it reaches twice the budget (it cannot be stopped
+    otherwise; the caller reports the error and exits, or the server ends after the command, normally sooner)."""
+    def watch() -> None:
+        while not fut.done():
+            if _anon_bytes() - start > 2 * budget:
+                with contextlib.suppress(OSError):
+                    os.write(2, b"neuronbuild: a Starlark evaluation over its memory budget kept allocating: exiting\n")
+                os._exit(EXIT_BAD_INPUT)
+            time.sleep(0.02)
+
+    threading.Thread(target=watch, name="starlark-reaper", daemon=True).start()
+
+
 def run_on_starlark_thread(fn: Callable[..., T], *args: Any) -> T:
     """Run fn on the dedicated Starlark thread (main-thread calls are ~20x slower with this binding).
 
@@ -121,15 +205,16 @@ def run_on_starlark_thread(fn: Callable[..., T], *args: Any) -> T:
             _queue = queue.SimpleQueue()
             threading.Thread(target=_serve, args=(_queue,), name="starlark", daemon=True).start()
     fut: Future[T] = Future()
+    watch = _Watch()
     _queue.put((fn, args, fut))
     try:
         while True:
             # Poll: a process-directed signal may be taken by one of the Go runtime's threads, whose handler only sets
             # Python's flag; an untimed wait would never wake to run the handler (seen: 1 Ctrl-C in 10 ignored).
             try:
-                return fut.result(timeout=0.1)
+                return fut.result(timeout=0.05)
             except FutureTimeout:
-                continue
+                watch.check(fut)
     except BaseException:
         if not fut.cancel() and not fut.done():  # already running: it cannot be stopped, and holds the thread
             _abandoned.append(fut)
@@ -203,7 +288,10 @@ class Interpreter:
         """Execute source; raise StarlarkFailure with file:line:col on any error."""
         import starlark_go
 
+        global _evaluating, _evaluations
         self._guard_error = None
+        _evaluations += 1
+        _evaluating = (_evaluations, filename)
         try:
             self._sl.exec(source, filename=filename)
         except starlark_go.SyntaxError as e:
@@ -227,3 +315,5 @@ class Interpreter:
             raise StarlarkFailure(msg, str(e.filename), int(e.line), int(e.column)) from None
         except starlark_go.StarlarkError as e:
             raise StarlarkFailure(str(e), filename, 1, 1) from None
+        finally:
+            _evaluating = None

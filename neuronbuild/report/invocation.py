@@ -32,8 +32,13 @@ def command_flags(args: argparse.Namespace) -> dict[str, Any]:
         defaults = vars(_parser()[0].parse_args([str(args.command)]))
     except (Exception, SystemExit):  # noqa: BLE001 - without defaults, every flag is listed
         pass
-    return {k: v for k, v in sorted(vars(args).items())
-            if k not in _SKIP_FLAGS and not callable(v) and (k not in defaults or defaults[k] != v)}
+    flags = {k: v for k, v in sorted(vars(args).items())
+             if k not in _SKIP_FLAGS and not callable(v) and (k not in defaults or defaults[k] != v)}
+    if flags.get("action_env"):  # values may be secrets: reports show their digests
+        from neuronbuild.analysis.plan_settings import redact_action_env
+
+        flags["action_env"] = redact_action_env(flags["action_env"])
+    return flags
 
 
 def command_line(command: str, patterns: Sequence[str], flags: Mapping[str, Any]) -> list[str]:

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from neuronbuild import jsondata
 from neuronbuild.atomic import atomic_write_bytes
 
 FORMAT = 1
@@ -75,7 +76,7 @@ class InvocationStore:
     def index(self) -> list[dict[str, Any]]:
         """The kept invocations' summaries (what trend plots need), oldest first."""
         try:
-            data = json.loads((self.dir / "index.json").read_text(encoding="utf-8"))
+            data = jsondata.loads((self.dir / "index.json").read_text(encoding="utf-8"))
         except (OSError, ValueError):
             return []
         return [e for e in data if isinstance(e, dict)] if isinstance(data, list) else []
@@ -90,7 +91,7 @@ class InvocationStore:
 
     def load(self, inv_id: str) -> dict[str, Any] | None:
         try:
-            data = json.loads(self.path(inv_id).read_text(encoding="utf-8"))
+            data = jsondata.loads(self.path(inv_id).read_text(encoding="utf-8"))
         except (OSError, ValueError):
             return None
         return data if isinstance(data, dict) and data.get("format") == FORMAT else None
@@ -126,7 +127,7 @@ class InvocationStore:
     def bases(self) -> dict[str, str]:
         """{request key digest: the last full build of that request}, for no-ops to stand for."""
         try:
-            data = json.loads(self._bases_file().read_text(encoding="utf-8"))
+            data = jsondata.loads(self._bases_file().read_text(encoding="utf-8"))
         except (OSError, ValueError):
             return {}
         return {str(k): str(v) for k, v in data.items()} if isinstance(data, dict) else {}

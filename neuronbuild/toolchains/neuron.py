@@ -91,8 +91,8 @@ class NeuronToolchain:
         lowering = neuron_flags.lowering_options(req.options)
         try:
             # NEURON_CC_FLAGS counts only when declared (--action-env NEURON_CC_FLAGS): then its value is in every
-            # record's env already; an ambient one changes nothing and gets the undeclared-variable warning.
-            env_flags = neuron_flags.neuron_cc_env_flags(req.settings.env_record().get(NEURON_CC_FLAGS_ENV))
+            # record's env already (as a digest); an ambient one changes nothing and gets the undeclared-variable warning.
+            env_flags = neuron_flags.neuron_cc_env_flags(dict(req.settings.action_env).get(NEURON_CC_FLAGS_ENV))
             neuron_flags.neuronx_cc_args(req.platform, req.options, env_flags)  # bad options fail at plan time
         except ValueError as exc:
             raise UserInputError(f"{req.label}: {exc}") from None

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from neuronbuild import jsondata
+
 
 @dataclass(frozen=True)
 class Comparison:
@@ -21,14 +23,13 @@ class Comparison:
 def value_config(model_spec: Mapping[str, Any], workspace: Path) -> dict[str, Any]:
     """The keys that size random integer inputs: the model's `config`, over the top-level keys of any declared
     `config.json` data file (HF models read theirs from there)."""
-    import json
 
     merged: dict[str, Any] = {}
     for path in sorted(model_spec.get("data") or {}):
         if not str(path).endswith("config.json"):
             continue
         try:
-            data = json.loads((Path(workspace) / path).read_bytes()[: 1 << 20])
+            data = jsondata.loads((Path(workspace) / path).read_bytes()[: 1 << 20])
         except (OSError, ValueError):
             continue
         if isinstance(data, dict):

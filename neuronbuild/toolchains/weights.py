@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from neuronbuild import jsondata
 from neuronbuild.runtime.verified import TIED_KEY, tied_names
 from neuronbuild.toolchains.errors import ToolchainError
 
@@ -105,7 +106,7 @@ def read_layout(path: Path) -> dict[str, tuple[torch.dtype | None, tuple[int, ..
             size = struct.unpack("<Q", f.read(8))[0]
             if size > 100 << 20:
                 raise ToolchainError(f"weights file {path.name}: header of {size} bytes is not believable")
-            header = json.loads(f.read(size))
+            header = jsondata.loads(f.read(size))
     except (OSError, struct.error, ValueError, UnicodeDecodeError) as exc:
         raise ToolchainError(f"cannot read weights {path.name}: {exc}") from None
     if not isinstance(header, dict):
