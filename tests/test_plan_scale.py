@@ -269,3 +269,40 @@ def test_loadings_path_checks_answer_as_pathlib_did(tmp_path: Path) -> None:
                       and "nested" not in p.parts and p.is_file())
         assert loader.find_packages() == want and "a/b" in want
         assert loader.find_packages("deep") == ["deep/er/est"]
+
+
+def test_a_plans_probe_from_shard_listings_finds_exactly_the_records_there_and_the_next_pass_sees_new_ones(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from neuronbuild.cache.action_cache import ActionCache
+    from neuronbuild.cache.local import LocalCache
+
+    cache = LocalCache(tmp_path / "cache")
+    monkeypatch.setattr(ActionCache, "LISTING_AFTER", 0)  # every lookup of the pass through the listings
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "o").write_bytes(b"x")
+    fps = [f"{i:02x}{i:062x}" for i in range(40)]
+    for fp in fps[::3]:
+        cache.store_outputs(fp, f"compile {fp[:4]}", {}, tmp_path / "out", ["o"], 1.0, {})
+    with cache.listing():
+        assert [fp for fp in fps if cache.peek(fp)] == fps[::3]
+    cache.store_outputs(fps[1], "compile new", {}, tmp_path / "out", ["o"], 1.0, {})
+    with cache.listing():  # a new pass lists again: the record written since is found
+        assert cache.peek(fps[1])
+    assert [fp for fp in fps if cache.peek(fp)] == sorted([*fps[::3], fps[1]])
+
+
+def test_an_equal_re_plan_returns_the_previous_action_graph_and_a_changed_one_a_new_value(tmp_path: Path) -> None:
+    from neuronbuild.analysis.planner import AnalysisMemo, plan
+    from neuronbuild.loading.target_graph import load_targets
+
+    ws = tmp_path / "ws"
+    gen_monorepo.generate(ws, 8, 2, 2)
+    memo = AnalysisMemo()
+    first = plan(load_targets(ws, ["//..."]), memo=memo)
+    assert plan(load_targets(ws, ["//..."]), memo=memo) is first
+    build = next(p for p in sorted(ws.rglob("BUILD")) if '"batch"' in p.read_text())
+    build.write_text(build.read_text().replace('"batch": [', '"batch": [77, ', 1))
+    changed = plan(load_targets(ws, ["//..."]), memo=memo)
+    assert changed is not first and set(changed.actions) != set(first.actions)
+    assert list(changed.actions) == list(plan(load_targets(ws, ["//..."])).actions)  # = a fresh engine's
+    assert [a.fingerprint for a in changed.topological()] == list(nx.lexicographical_topological_sort(changed.graph))

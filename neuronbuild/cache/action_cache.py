@@ -7,7 +7,7 @@ import json
 import os
 import re
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -97,6 +97,38 @@ class ActionCache:
         self._dir = str(self.dir)
         self.tmp = root / "tmp"
         self.mtimes: dict[str, int] = {}  # fingerprint -> mtime_ns of its record as get() found it
+        self._listings: dict[str, frozenset[str]] | None = None  # within listing(): shard -> record names
+        self._asked = 0
+
+    LISTING_AFTER = 512  # gets in one listing() pass before shards are listed (a small plan: a stat each is less)
+
+    @contextlib.contextmanager
+    def listing(self) -> Iterator[None]:
+        """Within: after LISTING_AFTER gets, get() answers "no record" from one listing of each shard directory
+        (made on first use) instead of a stat per fingerprint. Only for passes of this process that write no record
+        (a plan's probe of every action); a record another process writes meanwhile may be missed, as one written
+        just after a stat is."""
+        self._listings, self._asked = {}, 0
+        try:
+            yield
+        finally:
+            self._listings = None
+
+    def _unlisted(self, fp: str) -> bool:
+        listings = self._listings
+        assert listings is not None
+        self._asked += 1
+        if self._asked <= self.LISTING_AFTER:
+            return False
+        shard = fp[:2]
+        names = listings.get(shard)
+        if names is None:
+            try:
+                names = frozenset(os.listdir(f"{self._dir}/{shard}"))
+            except OSError:
+                names = frozenset()
+            listings[shard] = names
+        return f"{fp}.json" not in names
 
     def path(self, fp: str) -> Path:
         return self.dir / fp[:2] / f"{fp}.json"
@@ -105,6 +137,8 @@ class ActionCache:
         return f"{self._dir}/{fp[:2]}/{fp}.json"  # (a str: pathlib's joins cost more than the read at 100,000s)
 
     def get(self, fp: str) -> ActionResult | None:
+        if self._listings is not None and self._unlisted(fp):
+            return None
         p = f"{self._dir}/{fp[:2]}/{fp}.json"
         try:
             st = os.stat(p)

@@ -81,6 +81,10 @@ class LocalCache:
         self.warn_once(f"corrupt:{tier}:{digest}",
                        f"warning: cache: blob {digest[:16]} ({what}) in the {tier} cache is corrupt; not served")
 
+    def listing(self) -> contextlib.AbstractContextManager[None]:
+        """A pass that writes no record (a plan's probe): local records found from shard listings (ActionCache)."""
+        return self.actions.listing()
+
     def lookup_local(self, fp: str) -> tuple[ActionResult | None, list[str]]:
         """The local record for `fp` (None if absent or unreadable) and the digests of its missing/corrupt blobs.
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import time
 from dataclasses import dataclass, field
@@ -96,20 +97,24 @@ def needed_actions(ag: ActionGraph, cache: SpawnCache, probe: bool = False) -> t
     With `probe` (plan, explain, dry runs) entries are only checked, never fetched from a shared tier or counted."""
     order = ag.topological()
     cached: set[str] = set()
-    for a in order:
-        if (cache.peek(a.fingerprint) if probe else cache.lookup(a.fingerprint) is not None):
-            cached.add(a.fingerprint)
-        elif a.dep_inputs and all(d.action in cached for d in a.dep_inputs) and \
-                (cutoff.peek(a, cache, probe=True) if probe else cutoff.reuse(a, cache)) is not None:
-            cached.add(a.fingerprint)  # early cutoff: its inputs' outputs are those of an earlier result
+    # a probe writes no record: the local records may be found from one listing per shard (LocalCache.listing)
+    listing = getattr(cache, "listing", None) if probe else None
+    with listing() if listing is not None else contextlib.nullcontext():
+        for a in order:
+            if (cache.peek(a.fingerprint) if probe else cache.lookup(a.fingerprint) is not None):
+                cached.add(a.fingerprint)
+            elif a.dep_inputs and all(d.action in cached for d in a.dep_inputs) and \
+                    (cutoff.peek(a, cache, probe=True) if probe else cutoff.reuse(a, cache)) is not None:
+                cached.add(a.fingerprint)  # early cutoff: its inputs' outputs are those of an earlier result
     need: set[str] = set()
-    succ = ag.graph.successors
+    consumers_of = ag.consumers
     for a in reversed(order):
-        if a.fingerprint in cached:
+        fp = a.fingerprint
+        if fp in cached:
             continue
-        consumers = list(succ(a.fingerprint))
-        if not consumers or any(c in need for c in consumers):
-            need.add(a.fingerprint)
+        consumers = consumers_of[fp]
+        if not consumers or not need.isdisjoint(consumers):
+            need.add(fp)
     return [a for a in order if a.fingerprint in need], [a.fingerprint for a in order if a.fingerprint in cached]
 
 
@@ -118,7 +123,7 @@ def critical_paths(ag: ActionGraph, todo: list[Action], duration: dict[str, floa
     need = {a.fingerprint for a in todo}
     cp: dict[str, float] = {}
     for a in reversed(todo):  # todo is topological: consumers come first here
-        tail = max((cp[s] for s in ag.graph.successors(a.fingerprint) if s in need), default=0.0)
+        tail = max((cp[s] for s in ag.consumers[a.fingerprint] if s in need), default=0.0)
         cp[a.fingerprint] = duration[a.fingerprint] + tail
     return cp
 
