@@ -55,8 +55,7 @@ class PlanReport:
         fps = list(map(_FINGERPRINT, self.todo))
         get = self.estimates.get
         seconds = [(e.seconds or 0.0) if (e := get(fp)) is not None else 0.0 for fp in fps]
-        actions = self.ag.actions
-        return wall_time_of(lambda fp: actions[fp].deps, fps, seconds, self.jobs)
+        return wall_time_of(self.ag.inputs.__getitem__, fps, seconds, self.jobs)
 
     def _cell(self, fp: str) -> dict[str, Any]:
         est = self.estimates.get(fp)

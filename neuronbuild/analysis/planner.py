@@ -57,18 +57,32 @@ class ActionGraph:
     def consumers(self) -> Mapping[str, tuple[str, ...]]:
         """{fingerprint: the distinct actions reading its outputs, in action order}; a dependency never registered
         is a key too (the digraph's nodes)."""
+        return self._adjacency[1]
+
+    @cached_property
+    def inputs(self) -> Mapping[str, tuple[str, ...]]:
+        """{fingerprint: the distinct actions whose outputs it reads} (the digraph's predecessors)."""
+        return self._adjacency[0]
+
+    @cached_property
+    def _adjacency(self) -> tuple[dict[str, tuple[str, ...]], dict[str, tuple[str, ...]]]:
+        ins: dict[str, tuple[str, ...]] = {}
         out: dict[str, list[str]] = {fp: [] for fp in self.actions}
         get = out.get
         for fp, a in self.actions.items():
-            ins = a.dep_inputs
-            if not ins:
+            dep_inputs = a.dep_inputs
+            if not dep_inputs:
+                ins[fp] = ()
                 continue
-            for d in dict.fromkeys(map(_ACTION_OF, ins)) if len(ins) > 1 else (ins[0].action,):
+            deps = ins[fp] = tuple(dict.fromkeys(map(_ACTION_OF, dep_inputs))) if len(dep_inputs) > 1 else \
+                (dep_inputs[0].action,)
+            for d in deps:
                 lst = get(d)
                 if lst is None:
                     lst = out[d] = []
+                    ins[d] = ()
                 lst.append(fp)
-        return {fp: tuple(c) for fp, c in out.items()}
+        return ins, {fp: tuple(c) for fp, c in out.items()}
 
     def topological(self) -> list[Action]:
         return list(self.topological_seq())
@@ -90,10 +104,9 @@ class ActionGraph:
         cons = self.consumers
         actions = self.actions
         waiting: dict[str, int] = {}  # (one-input actions are ready once it is)
-        ready: list[str] = [fp for fp in cons if fp not in actions]  # (never-registered dependencies: no inputs)
-        for fp, a in actions.items():
-            ins = a.dep_inputs
-            k = len(ins) if len(ins) < 2 else len(set(map(_ACTION_OF, ins)))
+        ready: list[str] = []
+        for fp, deps in self.inputs.items():  # (never-registered dependencies too: no inputs)
+            k = len(deps)
             if not k:
                 ready.append(fp)
             elif k > 1:

@@ -7,7 +7,7 @@ import json
 import os
 import re
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -97,38 +97,30 @@ class ActionCache:
         self._dir = str(self.dir)
         self.tmp = root / "tmp"
         self.mtimes: dict[str, int] = {}  # fingerprint -> mtime_ns of its record as get() found it
-        self._listings: dict[str, frozenset[str]] | None = None  # within listing(): shard -> record names
-        self._asked = 0
 
-    LISTING_AFTER = 512  # gets in one listing() pass before shards are listed (a small plan: a stat each is less)
+    LISTING_AFTER = 512  # fingerprints asked at once beyond which shards are listed (fewer: a stat each costs less)
 
-    @contextlib.contextmanager
-    def listing(self) -> Iterator[None]:
-        """Within: after LISTING_AFTER gets, get() answers "no record" from one listing of each shard directory
-        (made on first use) instead of a stat per fingerprint. Only for passes of this process that write no record
-        (a plan's probe of every action); a record another process writes meanwhile may be missed, as one written
-        just after a stat is."""
-        self._listings, self._asked = {}, 0
-        try:
-            yield
-        finally:
-            self._listings = None
-
-    def _unlisted(self, fp: str) -> bool:
-        listings = self._listings
-        assert listings is not None
-        self._asked += 1
-        if self._asked <= self.LISTING_AFTER:
-            return False
-        shard = fp[:2]
-        names = listings.get(shard)
-        if names is None:
-            try:
-                names = frozenset(os.listdir(f"{self._dir}/{shard}"))
-            except OSError:
-                names = frozenset()
-            listings[shard] = names
-        return f"{fp}.json" not in names
+    def candidates(self, fps: Sequence[str]) -> list[str]:
+        """Those of `fps` that may have a record: from one listing of each shard directory asked (made now), once
+        more than LISTING_AFTER are asked; else all of them. For a pass of this process that writes no record (a
+        plan's probe of every action); a record another process writes meanwhile may be missed, as one written just
+        after a stat is."""
+        if len(fps) <= self.LISTING_AFTER:
+            return list(fps)
+        listed: dict[str, frozenset[str]] = {}
+        out = []
+        for fp in fps:
+            shard = fp[:2]
+            names = listed.get(shard)
+            if names is None:
+                try:
+                    names = frozenset(n[:-5] for n in os.listdir(f"{self._dir}/{shard}") if n.endswith(".json"))
+                except OSError:
+                    names = frozenset()
+                listed[shard] = names
+            if fp in names:
+                out.append(fp)
+        return out
 
     def path(self, fp: str) -> Path:
         return self.dir / fp[:2] / f"{fp}.json"
@@ -137,8 +129,6 @@ class ActionCache:
         return f"{self._dir}/{fp[:2]}/{fp}.json"  # (a str: pathlib's joins cost more than the read at 100,000s)
 
     def get(self, fp: str) -> ActionResult | None:
-        if self._listings is not None and self._unlisted(fp):
-            return None
         p = f"{self._dir}/{fp[:2]}/{fp}.json"
         try:
             st = os.stat(p)

@@ -81,10 +81,6 @@ class LocalCache:
         self.warn_once(f"corrupt:{tier}:{digest}",
                        f"warning: cache: blob {digest[:16]} ({what}) in the {tier} cache is corrupt; not served")
 
-    def listing(self) -> contextlib.AbstractContextManager[None]:
-        """A pass that writes no record (a plan's probe): local records found from shard listings (ActionCache)."""
-        return self.actions.listing()
-
     def lookup_local(self, fp: str) -> tuple[ActionResult | None, list[str]]:
         """The local record for `fp` (None if absent or unreadable) and the digests of its missing/corrupt blobs.
 
@@ -133,6 +129,12 @@ class LocalCache:
         """Whether a lookup would hit, without counting it or fetching anything."""
         res, bad = self.lookup_local(fp)
         return res is not None and not bad
+
+    def peek_many(self, fps: Sequence[str]) -> set[str]:
+        """Those of `fps` whose peek() is true (a plan's probe of every action, which writes no record): the record
+        shards are listed once (ActionCache.candidates) instead of a stat per fingerprint."""
+        peek = self.peek
+        return {fp for fp in self.actions.candidates(fps) if peek(fp)}
 
     def _hit(self, fp: str, tier: str) -> None:
         self.stats.hit(fp, tier)

@@ -101,6 +101,12 @@ class TieredCache(LocalCache):
         return all(self.blobs.check(o.digest, o.size) == "ok" or bool(self._remote(shared.has_blob, o.digest, o.size))
                    for o in res.outputs.values())
 
+    def peek_many(self, fps: Sequence[str]) -> set[str]:
+        if self.shared is None:
+            return super().peek_many(fps)
+        peek = self.peek  # (a local miss asks the shared tier)
+        return {fp for fp in fps if peek(fp)}
+
     def _fetch_entry(self, fp: str, local: ActionResult | None) -> ActionResult | None:
         """Copy an entry down from the shared tier (its record unless we have one, and every blob we lack)."""
         if self.shared is None:

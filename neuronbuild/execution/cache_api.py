@@ -62,6 +62,9 @@ class SpawnCache(Protocol):
 
     def peek(self, fp: str) -> bool: ...
 
+    def peek_many(self, fps: Sequence[str]) -> set[str]:
+        """Those of `fps` whose peek() is true (one pass that writes nothing)."""
+
     def try_claim(self, fp: str) -> Claim | None: ...
 
     def store_outputs(self, fp: str, identity: str, record: Mapping[str, Any], out_dir: Path,

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import heapq
 import time
 from dataclasses import dataclass, field
@@ -97,15 +96,14 @@ def needed_actions(ag: ActionGraph, cache: SpawnCache, probe: bool = False) -> t
     With `probe` (plan, explain, dry runs) entries are only checked, never fetched from a shared tier or counted."""
     order = ag.topological()
     cached: set[str] = set()
-    # a probe writes no record: the local records may be found from one listing per shard (LocalCache.listing)
-    listing = getattr(cache, "listing", None) if probe else None
-    with listing() if listing is not None else contextlib.nullcontext():
-        for a in order:
-            if (cache.peek(a.fingerprint) if probe else cache.lookup(a.fingerprint) is not None):
-                cached.add(a.fingerprint)
-            elif a.dep_inputs and all(d.action in cached for d in a.dep_inputs) and \
-                    (cutoff.peek(a, cache, probe=True) if probe else cutoff.reuse(a, cache)) is not None:
-                cached.add(a.fingerprint)  # early cutoff: its inputs' outputs are those of an earlier result
+    hits = cache.peek_many(ag.order_fingerprints()) if probe else None  # (a probe writes nothing: one pass)
+    for a in order:
+        fp = a.fingerprint
+        if fp in hits if hits is not None else cache.lookup(fp) is not None:
+            cached.add(fp)
+        elif a.dep_inputs and all(d.action in cached for d in a.dep_inputs) and \
+                (cutoff.peek(a, cache, probe=True) if probe else cutoff.reuse(a, cache)) is not None:
+            cached.add(fp)  # early cutoff: its inputs' outputs are those of an earlier result
     need: set[str] = set()
     consumers_of = ag.consumers
     for a in reversed(order):
