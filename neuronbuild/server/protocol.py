@@ -152,6 +152,8 @@ SECRET_BYTES = 32
 def new_secret(paths_secret: str) -> str:
     """Make a fresh secret and write it (mode 0600, replacing any older one) for clients to read."""
     secret = os.urandom(SECRET_BYTES).hex()
+    # Not atomic.atomic_writer: this module stays free of tempfile/pathlib imports (the no-op client imports it).
+    # O_EXCL|O_NOFOLLOW on a pid-named temp in the 0700 output base, then a rename: the same guarantee.
     tmp = f"{paths_secret}.{os.getpid()}"
     try:
         os.unlink(tmp)

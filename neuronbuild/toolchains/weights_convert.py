@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import os
 import pickle
 from collections.abc import Mapping
 from pathlib import Path
@@ -11,6 +10,7 @@ from typing import Any
 
 import torch
 
+from neuronbuild.atomic import atomic_writer, umask_mode
 from neuronbuild.toolchains.errors import ToolchainError
 
 # Keys under which training loops commonly keep the model's state dict in a checkpoint dict.
@@ -75,14 +75,9 @@ def convert(src: Path, dest: Path, allow_pickle: bool = False, prefix: str = "")
             raise ToolchainError(f"no key of {src} starts with {prefix!r}")
     # safetensors refuses tensors sharing storage (tied weights) and views: each is written as its own copy.
     out = {k: v.detach().to("cpu").contiguous().clone() for k, v in tensors.items()}
-    tmp = dest.with_name(f".{dest.name}.tmp{os.getpid()}")
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        save_file(out, str(tmp))
-        os.replace(tmp, dest)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
+    # safetensors writes by path: into the atomic writer's temp file (renamed onto dest once whole, removed if not).
+    with atomic_writer(dest, mode=umask_mode()) as f:
+        save_file(out, f.name)
     size = dest.stat().st_size
     return (f"wrote {len(out)} tensors ({size / 1e6:.1f} MB) from {what} in {src} to {dest}; use it as "
             f"`weights = \"{dest.name}\"` in a neuron_model next to it")
