@@ -119,11 +119,11 @@ class ActionGraph:
             n = pop(ready)
             take(n)
             for s in cons[n]:
-                k = waiting.get(s)
-                if k is None:
+                left = waiting.get(s)
+                if left is None:
                     push(ready, s)
-                elif k > 1:
-                    waiting[s] = k - 1
+                elif left > 1:
+                    waiting[s] = left - 1
                 else:
                     del waiting[s]
                     push(ready, s)

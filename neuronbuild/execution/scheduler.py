@@ -505,7 +505,7 @@ class _Run:
         elif reused:
             self.reused.append(fp)
             self.s.bus.emit(ev.ACTION_CACHED, **action_fields(self.todo[fp]), by_other_build=True)
-        for succ in self.ag.graph.successors(fp):
+        for succ in self.ag.consumers[fp]:
             deps = self.blockers.get(succ)
             if deps is not None and fp in deps:
                 deps.discard(fp)
