@@ -88,6 +88,27 @@ _parsed: dict[str, tuple[StatKey, ActionResult]] = {}
 _MAX_PARSED = 20_000  # ~6 KiB each (a record holds its action's full input record): at most ~120 MiB
 
 
+def listed_records(ac_dir: str, fps: Sequence[str]) -> list[str]:
+    """Those of `fps` (in their order) that may have a record in the record directory `ac_dir` (<first two hex>/
+    <fingerprint>.json), from one listing of each shard directory asked. A shard that is absent holds none; one that
+    cannot be listed (permissions, I/O) may hold any of them: they are all kept, for a lookup to decide."""
+    listed: dict[str, frozenset[str] | None] = {}
+    out = []
+    for fp in fps:
+        shard = fp[:2]
+        if shard not in listed:
+            try:
+                listed[shard] = frozenset(n[:-5] for n in os.listdir(f"{ac_dir}/{shard}") if n.endswith(".json"))
+            except (FileNotFoundError, NotADirectoryError):
+                listed[shard] = frozenset()
+            except OSError:
+                listed[shard] = None
+        names = listed[shard]
+        if names is None or fp in names:
+            out.append(fp)
+    return out
+
+
 class ActionCache:
     """Records under <root>/ac/<first two hex>/<fingerprint>.json; an unreadable record counts as a miss."""
 
@@ -107,20 +128,7 @@ class ActionCache:
         after a stat is."""
         if len(fps) <= self.LISTING_AFTER:
             return list(fps)
-        listed: dict[str, frozenset[str]] = {}
-        out = []
-        for fp in fps:
-            shard = fp[:2]
-            names = listed.get(shard)
-            if names is None:
-                try:
-                    names = frozenset(n[:-5] for n in os.listdir(f"{self._dir}/{shard}") if n.endswith(".json"))
-                except OSError:
-                    names = frozenset()
-                listed[shard] = names
-            if fp in names:
-                out.append(fp)
-        return out
+        return listed_records(self._dir, fps)
 
     def path(self, fp: str) -> Path:
         return self.dir / fp[:2] / f"{fp}.json"
