@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from neuronbuild import incremental, plugins
+from neuronbuild.analysis.explain import ignored_option_warnings
 from neuronbuild.analysis.plan_settings import PlanSettings
 from neuronbuild.analysis.planner import ActionGraph
 from neuronbuild.cache.farm_store import open_farm_store
@@ -154,6 +155,8 @@ def _run_build(ctx: BuildContext, req: BuildRequest, listeners: Sequence[Listene
     graph = ctx.load(req.patterns)
     ag = ctx.plan(graph)
     for note in settings_notes(ctx.settings, ag, toolchains=()):  # toolchain notes: after execution, if it ran any
+        ctx.report(note)
+    for note in ignored_option_warnings(graph, ag):
         ctx.report(note)
     cache = ctx.open_cache()
     bus = EventBus(default_listeners(ctx, req) if listeners is None else listeners)

@@ -13,16 +13,19 @@ import importlib
 import os
 import sys
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from neuronbuild.errors import UserInputError
+
+if TYPE_CHECKING:
+    from neuronbuild.analysis.toolchain_api import Toolchain
 
 BUILTIN = ("neuronbuild.kinds", "neuronbuild.toolchains.cpu", "neuronbuild.toolchains.neuron")
 PLUGINS_ENV = "NEURONBUILD_PLUGINS"
 PLUGIN_PATH_ENV = "NEURONBUILD_PLUGIN_PATH"
 
 _rules: dict[str, Any] = {}  # kind name -> RuleKind (kinds/base.py)
-_toolchains: dict[str, Any] = {}  # toolchain name -> Toolchain
+_toolchains: dict[str, Toolchain] = {}  # toolchain name -> Toolchain
 _platforms: dict[str, str] = {}  # platform -> toolchain name
 _lock = threading.RLock()
 _loaded = False
@@ -59,8 +62,19 @@ def register_rule(kind: Any) -> Any:
     return kind
 
 
-def register_toolchain(tc: Any) -> Any:
-    """Register a toolchain (an object with .name and .platforms, see analysis/toolchain_api.py); returns it."""
+# What a toolchain must have (analysis/toolchain_api.Toolchain; mypy checks the built-ins against it, this checks a
+# plug-in at registration, so a missing member is one clear error naming it, not an AttributeError mid-build).
+TOOLCHAIN_MEMBERS = ("name", "platforms", "artifact_format", "estimate_s", "estimate_mb", "validate_note",
+                     "option_keys", "target_attrs", "warm_up_shared", "target_record", "describe_target", "versions", "plan", "run",
+                     "warm_up_key", "load_artifact", "notes")
+
+
+def register_toolchain(tc: Toolchain) -> Toolchain:
+    """Register a toolchain (implementing analysis/toolchain_api.Toolchain); returns it."""
+    missing = [m for m in TOOLCHAIN_MEMBERS if not hasattr(tc, m)]
+    if missing:
+        raise TypeError(f"toolchain {getattr(tc, 'name', tc)!r} does not implement the Toolchain protocol "
+                        f"(analysis/toolchain_api.py): missing {', '.join(missing)}")
     with _lock:
         for p in tc.platforms:
             owner = _platforms.get(p)
@@ -80,12 +94,22 @@ def rule(kind: str) -> Any:
     return rules()[kind]
 
 
-def toolchains() -> dict[str, Any]:
+def kind_fits(kind: str, wanted: tuple[str, ...]) -> bool:
+    """Whether a `kind` target may be named by a label attribute that takes `wanted` kinds: it is one of them, or
+    its rule kind declares that it stands for one (`stands_for`: it returns the same provider, e.g. an out-of-tree
+    kind planning compiles stands for neuron_compile in a bundle's srcs)."""
+    if kind in wanted:
+        return True
+    r = rules().get(kind)
+    return r is not None and any(k in wanted for k in getattr(r, "stands_for", ()))
+
+
+def toolchains() -> dict[str, Toolchain]:
     _ensure()
     return _toolchains
 
 
-def toolchain(name: str) -> Any:
+def toolchain(name: str) -> Toolchain:
     return toolchains()[name]
 
 
@@ -94,7 +118,7 @@ def platforms() -> tuple[str, ...]:
     return tuple(_platforms)
 
 
-def toolchain_for(platform: str) -> Any:
+def toolchain_for(platform: str) -> Toolchain:
     """The toolchain serving `platform`; UserInputError naming the known platforms otherwise."""
     _ensure()
     name = _platforms.get(platform)

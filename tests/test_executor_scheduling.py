@@ -138,14 +138,41 @@ class WarmingToolchain:
 
     name = "warmtest"
     platforms = ("warmtest",)
+    artifact_format = "warmtest"
     estimate_s = 15.0
     estimate_mb = 100.0
+    validate_note = ""
+    option_keys = ()
+    target_attrs = ()
+    warm_up_shared = True
+
+    # (the scheduler tests run its actions through a recording executor: nothing plans, runs or loads them)
+    def target_record(self, platform: str, attrs: object) -> dict[str, str]:
+        return {"platform": platform}
+
+    def describe_target(self, target: dict[str, str]) -> str:
+        return target["platform"]
+
+    def versions(self, platform: str, settings: object) -> dict[str, str]:
+        return {"x": "1"}
+
+    def plan(self, req: object) -> list[object]:
+        raise AssertionError("not planned in these tests")
+
+    def run(self, step: str, spec: object, sandbox: object, out_dir: object) -> dict[str, object]:
+        raise AssertionError("not run in these tests")
+
+    def load_artifact(self, files: object) -> object:
+        raise AssertionError("not loaded in these tests")
+
+    def notes(self, settings: object) -> list[str]:
+        return []
 
     def warm_up_key(self, spec: dict[str, str]) -> dict[str, str] | None:
         return {"isa": spec["isa"]} if spec.get("step") == COMPILE else None
 
 
-plugins.register_toolchain(WarmingToolchain())
+plugins.register_toolchain(WarmingToolchain())  # type: ignore[arg-type]
 
 
 class ProcessWarmingToolchain(WarmingToolchain):
@@ -156,7 +183,7 @@ class ProcessWarmingToolchain(WarmingToolchain):
     warm_up_shared = False
 
 
-plugins.register_toolchain(ProcessWarmingToolchain())
+plugins.register_toolchain(ProcessWarmingToolchain())  # type: ignore[arg-type]
 
 
 class Events:

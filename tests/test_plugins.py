@@ -50,3 +50,17 @@ def test_an_unknown_platform_names_the_registered_ones(tmp_path: Path) -> None:
         proc.stderr, proc.stderr
     bad = run_cli(["plan"], ws, {"NEURONBUILD_PLUGINS": "no_such_plugin_module"})
     assert bad.returncode == 2 and "no_such_plugin_module" in bad.stderr and bad.stderr.count("\n") == 1
+
+
+def test_a_toolchain_missing_protocol_members_is_refused_at_registration_naming_them() -> None:
+    import pytest
+
+    from neuronbuild import plugins
+
+    class Half:
+        name = "half"
+        platforms = ("half",)
+
+    with pytest.raises(TypeError, match=r"toolchain 'half' .*missing artifact_format, .*option_keys.*warm_up_key"):
+        plugins.register_toolchain(Half())  # type: ignore[arg-type]
+    assert "half" not in plugins.toolchains() and "half" not in plugins.platforms()

@@ -48,12 +48,12 @@ INPUTS = [["ids", {"dtype": "int64", "dims": ["batch", "seq"]}], ["mask", {"dtyp
 BUCKET = {"batch": 2, "seq": 8}
 # sha256 (first 16 hex) of each output, recorded with the previous path (main at 276956b: the module built for real,
 # its weights loaded, the program holding them; the Lower and cpu compile writing the weights from the program) for
-# the `readable` factory and the same weights file.
+# the `readable` factory and the same weights file. model.pt2 is not pinned: its shared library is built by this
+# host's C++ compiler, so its bytes differ between machines; the test compares it with the `readable` build instead.
 BEFORE = {
     "model.hlo.pb": "2b8214af40079b88",
     "params.json": "f12196404889b111",
     "constants.safetensors": "645b2a94b1e31591",
-    "model.pt2": "73d5ea46f7772bdf",
 }
 
 
@@ -102,9 +102,13 @@ def unreadable(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str
     return root, build(root, "block:unreadable")
 
 
-def test_a_model_whose_weights_cannot_be_read_builds_byte_identical_to_the_previous_path(unreadable) -> None:  # type: ignore[no-untyped-def]
+def test_a_model_whose_weights_cannot_be_read_builds_byte_identical_to_the_previous_path(
+        unreadable, tmp_path_factory: pytest.TempPathFactory) -> None:  # type: ignore[no-untyped-def]
     _root, digests = unreadable
-    assert digests == BEFORE
+    assert {k: digests[k] for k in BEFORE} == BEFORE
+    # The cpu compile from shapes alone equals the one from a module whose weights hold their values, on this host.
+    readable = build(tmp_path_factory.mktemp("readable"), "block:readable")
+    assert digests == readable
 
 
 def test_the_program_archive_holds_no_weight_bytes(unreadable) -> None:  # type: ignore[no-untyped-def]

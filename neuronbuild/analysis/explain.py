@@ -11,6 +11,7 @@ from neuronbuild.analysis.actions import COMPILE, TRACE, Action
 from neuronbuild.analysis.planner import ActionGraph
 from neuronbuild.analysis.providers import CompileTarget
 from neuronbuild.history import History, LatestEntry
+from neuronbuild.loading.target_graph import TargetGraph, locate
 
 NEW = "new"  # no previous result for this identity
 CHANGED = "changed"  # fields changed against the identity's most recent result
@@ -229,3 +230,34 @@ def display_order(ag: ActionGraph, actions: Iterable[Action]) -> list[Action]:
                 pos.setdefault(fp, len(pos))
     rest = len(pos)
     return sorted(wanted.values(), key=lambda a: pos.get(a.fingerprint, rest))
+
+
+def ignored_options(ag: ActionGraph) -> list[tuple[CompileTarget, str]]:
+    """Compile targets with options set that their toolchain does not read, each with the sentence saying so (an
+    ignored option enters none of that toolchain's fingerprints: changing it re-runs nothing)."""
+    out = []
+    for ct in sorted(ag.compiles, key=lambda c: str(c.label)):
+        if ct.ignored_options:
+            keys = ", ".join(ct.ignored_options)
+            out.append((ct, f"{ct.label}: toolchain '{ct.toolchain}' ({ct.description or ct.platform}) ignores "
+                            f"option{'s' if len(ct.ignored_options) > 1 else ''} {keys}: "
+                            f"{'they change' if len(ct.ignored_options) > 1 else 'it changes'} none of its graphs"))
+    return out
+
+
+MAX_OPTION_WARNINGS = 10  # located warnings per command (locating re-reads a BUILD file); the rest are counted
+
+
+def ignored_option_warnings(graph: TargetGraph, ag: ActionGraph) -> list[str]:
+    """`warning: FILE:LINE:COL: //pkg:t: toolchain 'aoti' (cpu/x86-64-v3) ignores option opt_level: ...`, at the
+    compile targets' call sites."""
+    found = ignored_options(ag)
+    out = []
+    for ct, text in found[:MAX_OPTION_WARNINGS]:
+        t = graph.targets.get(ct.label)
+        where = f"{locate(graph, t)}: " if t is not None else ""
+        out.append(f"warning: {where}{text}")
+    if len(found) > MAX_OPTION_WARNINGS:
+        out.append(f"warning: {len(found) - MAX_OPTION_WARNINGS} more compile targets set options their toolchain "
+                   "ignores (`neuronbuild explain` lists them)")
+    return out

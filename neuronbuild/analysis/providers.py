@@ -62,6 +62,7 @@ class CompileTarget:
     tolerance: float = 1e-4  # accepted max abs error against eager (validate)
     artifact_format: str = ""
     graph_options: Mapping[str, Mapping[str, Any]] = field(default_factory=dict, hash=False, compare=False)
+    ignored_options: tuple[str, ...] = ()  # options set for it that its toolchain does not read (they change nothing)
 
     def options_of(self, graph: str) -> Mapping[str, Any]:
         """The effective options one graph family was compiled with (per-graph options, else the target's)."""

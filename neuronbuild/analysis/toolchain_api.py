@@ -1,4 +1,5 @@
 """The toolchain protocol: what a registered toolchain tells analysis, and the request it plans compile actions for.
+The registry (neuronbuild.plugins) is typed with it, so mypy checks every use of a toolchain against it.
 
 A toolchain serves platforms; for one (trace, target, options, bucket) it plans one or more actions (the last is the
 primary one: its outputs are the graph's artifacts), names the versions that enter their fingerprints, runs its steps
@@ -22,8 +23,31 @@ from neuronbuild import FORMAT_VERSION
 from neuronbuild.analysis.actions import Action, Bucket
 from neuronbuild.analysis.plan_settings import PlanSettings
 from neuronbuild.loading.labels import Label
+from neuronbuild.loading.schema import Attr, AttrType
 
 WARM_UP = "warm_up"  # the step (and pseudo-action kind) of a toolchain's per-machine warm-up
+
+
+class _Unset:
+    def __repr__(self) -> str:
+        return "UNSET"
+
+
+UNSET: Any = _Unset()  # an option key's default meaning "absent from the options unless set"
+
+
+@dataclass(frozen=True)
+class OptionKey:
+    """One compiler option a toolchain reads (a `compiler_options` attribute). Only the keys a toolchain declares
+    reach its plans and its fingerprints: an option it does not read cannot re-run its actions. `type` is the
+    attribute's loading type (schema.INT, STRING, STRING_LIST); `default` fills the key when unset (UNSET: left out).
+    The `compiler_options` rule's attributes are the union of every registered toolchain's keys."""
+
+    name: str
+    type: AttrType
+    doc: str
+    default: Any = UNSET
+    choices: tuple[Any, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -69,6 +93,11 @@ class Toolchain(Protocol):
     estimate_s: float  # assumed seconds of its primary step when nothing was recorded
     estimate_mb: float  # assumed peak MB of its primary step when nothing was recorded
     validate_note: str  # what `validate` checks of its artifacts when that is less than the real thing ("" if not)
+    option_keys: tuple[OptionKey, ...]  # the compiler options it reads (the only ones entering its fingerprints)
+    target_attrs: tuple[Attr, ...]  # neuron_target attributes it reads besides `platform` (e.g. cpu's isa)
+    # Whether its warm-up leaves something other workers on the machine reuse (files): then it gets a pseudo-action
+    # at the start of a build; False: each worker warms itself before its first such step (e.g. an import).
+    warm_up_shared: bool
 
     def target_record(self, platform: str, attrs: Mapping[str, Any]) -> dict[str, Any]:
         """The target as it enters fingerprints (e.g. cpu resolves isa='native' to this machine's level)."""
@@ -90,6 +119,10 @@ class Toolchain(Protocol):
         """Run one of its steps in a worker process (may import torch); returns JSON-able metadata."""
         ...
 
+    def warm_up_key(self, spec: Mapping[str, Any]) -> Mapping[str, Any] | None:
+        """What the step `spec` needs warm on its machine (see the module doc), or None (no warm-up)."""
+        ...
+
     def load_artifact(self, files: Mapping[str, Path]) -> Callable[..., Any]:
         """A callable running the artifacts on this machine, for `neuronbuild validate`."""
         ...
@@ -99,13 +132,27 @@ class Toolchain(Protocol):
         ...
 
 
-def warm_up_key(tc: Any, spec: Mapping[str, Any]) -> dict[str, Any] | None:
+def warm_up_key(tc: Toolchain, spec: Mapping[str, Any]) -> dict[str, Any] | None:
     """What a toolchain's step needs warm on the machine that runs it (JSON-able; steps with equal keys share one
     warm-up), or None: nothing, or the toolchain has no warm-up. Called in the build process: must not import torch.
     The key only groups steps: what the artifact is keyed by on disk (flags, ISA, compiler and torch versions) is
     the toolchain's business, so a warm-up can never hand a step an artifact made for other flags."""
-    hook = getattr(tc, "warm_up_key", None)
-    if hook is None:
-        return None
-    key = hook(spec)
+    key = tc.warm_up_key(spec)
     return dict(key) if key is not None else None
+
+
+def toolchain_options(tc: Toolchain, merged: Mapping[str, Any]) -> dict[str, Any]:
+    """The options `tc` sees and fingerprints: its declared keys, set values over declared defaults; nothing else."""
+    out: dict[str, Any] = {}
+    for key in tc.option_keys:
+        value = merged.get(key.name, key.default)
+        if value is UNSET:
+            continue
+        out[key.name] = list(value) if isinstance(value, list | tuple) else value
+    return out
+
+
+def ignored_options(tc: Toolchain, merged: Mapping[str, Any]) -> tuple[str, ...]:
+    """The keys set in `merged` that `tc` does not read (they change none of its graphs)."""
+    known = {key.name for key in tc.option_keys}
+    return tuple(k for k in merged if k not in known)

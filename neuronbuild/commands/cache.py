@@ -191,6 +191,7 @@ def _stats(ctx: Any, args: argparse.Namespace) -> int:
 
 
 def _pin(ctx: Any, args: argparse.Namespace) -> int:
+    from neuronbuild import plugins
     from neuronbuild.cache.pins import PinError, check_name, write_pin
     from neuronbuild.cache.roots import workspace_roots
 
@@ -203,8 +204,8 @@ def _pin(ctx: Any, args: argparse.Namespace) -> int:
     if args.patterns or not fps:
         graph = ctx.load(args.patterns)
         built = workspace_roots(cache.root, ctx.workspace.root)
-        wanted = [str(lbl) for lbl in graph.requested if str(lbl) in built or graph.targets[lbl].kind in
-                  ("neuron_compile", "neuron_bundle")]
+        wanted = [str(lbl) for lbl in graph.requested if str(lbl) in built or
+                  plugins.rule(graph.targets[lbl].kind).plans_actions]
         missing = [lbl for lbl in wanted if lbl not in built]
         if missing:
             return _err(f"{missing[0]} has no successful build in this workspace to pin (run `neuronbuild build "

@@ -81,8 +81,13 @@ def run_plan(args: argparse.Namespace) -> int:
         print(f"neuronbuild: error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
     ctx = context_from_args(args)
-    ag = ctx.plan(ctx.load(args.patterns))
+    graph = ctx.load(args.patterns)
+    ag = ctx.plan(graph)
     for note in settings_notes(ctx.settings, ag, toolchains=()):  # a plan makes no graphs: no toolchain notes
+        print(note, file=sys.stderr)
+    from neuronbuild.analysis.explain import ignored_option_warnings
+
+    for note in ignored_option_warnings(graph, ag):
         print(note, file=sys.stderr)
     from neuronbuild import incremental
     from neuronbuild.execution.scheduler import needed_actions

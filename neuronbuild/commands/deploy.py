@@ -7,7 +7,7 @@ import signal
 import sys
 from typing import Any
 
-from neuronbuild.errors import EXIT_BAD_INPUT, EXIT_OK
+from neuronbuild.errors import EXIT_BAD_INPUT, EXIT_BUILD_FAILED, EXIT_OK
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -20,17 +20,37 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     d.add_argument("--trusted-keys", metavar="FILE",
                    help="refuse the bundle unless its manifest is signed by one of these Ed25519 public keys "
                         "(OpenSSH lines as in authorized_keys, or PEM)")
+    d.add_argument("--host", action="store_true",
+                   help="refuse the bundle (nothing is installed) unless this host can run every graph in it (torch "
+                        "version, CPU ISA, Neuron platform), as `verify --host` checks; without it such a bundle is "
+                        "installed with a warning")
 
 
 def _raise_interrupt(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt
 
 
+class _HostCannotRun(Exception):
+    """`deploy --host`: the bundle has graphs this host cannot run."""
+
+
 def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from neuronbuild.packaging.deploy import BundleError, deploy
+    from neuronbuild.runtime.host import current_host, unrunnable
+    from neuronbuild.runtime.layout import Manifest
     from neuronbuild.runtime.signing import SignatureError, load_trusted_keys
+
+    host = current_host()
+    report: list[tuple[int, int, list[str]]] = []  # (graphs this host cannot run, graphs, one line per label)
+
+    def check_host(manifest: Manifest) -> None:  # before anything is extracted
+        count, lines = unrunnable(manifest.graphs, host)
+        report.append((count, len(manifest.graphs), lines))
+        if count and args.host:
+            raise _HostCannotRun(f"this host ({host.describe()}) cannot run {count} of {len(manifest.graphs)} "
+                                 f"graph(s) of {manifest.label} (nothing was installed):\n  " + "\n  ".join(lines))
 
     try:
         keys = load_trusted_keys(args.trusted_keys) if args.trusted_keys else None
@@ -39,13 +59,22 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_BAD_INPUT
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)  # `kill` cleans up like Ctrl-C does
     try:
-        res = deploy(Path(args.bundle), Path(args.dest), args.sha256, keys)
+        res = deploy(Path(args.bundle), Path(args.dest), args.sha256, keys, check=check_host)
     except BundleError as e:
         print(f"neuronbuild: error: {e} (nothing was installed)", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except _HostCannotRun as e:
+        print(f"neuronbuild: error: {e}", file=sys.stderr)
+        return EXIT_BUILD_FAILED
     finally:
         signal.signal(signal.SIGTERM, previous)
     state = ("was damaged; repaired and made current" if res.repaired
              else "already installed; made current" if res.already else "installed")
     print(f"{res.label}: release {res.id} {state} in {res.dir} ({res.files} files)")
+    count, total, lines = report[0] if report else (0, 0, [])
+    if count:  # installed all the same: a serving directory may be prepared on another host than the one it serves
+        print(f"neuronbuild: warning: this host ({host.describe()}) cannot run {count} of {total} graph(s) of this "
+              f"release:\n  " + "\n  ".join(lines) + f"\n  it is now the newest release in {args.dest}: a strict "
+              f"open_cache() on this host refuses those graphs (`deploy --host` refuses such a bundle; "
+              f"`verify --host` checks one without installing it)", file=sys.stderr)
     return EXIT_OK

@@ -18,7 +18,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 
 
 def run(args: argparse.Namespace) -> int:
-    from neuronbuild.analysis.explain import display_order, explain
+    from neuronbuild.analysis.explain import display_order, explain, ignored_options
     from neuronbuild.commands.common import context_from_args
     from neuronbuild.execution.cutoff import reason
     from neuronbuild.execution.scheduler import needed_actions
@@ -35,8 +35,11 @@ def run(args: argparse.Namespace) -> int:
     running = {t.fingerprint for t in todo}
     waits = {e.action.fingerprint for e in found if e.may_cut_off and any(d.action in running
                                                                           for d in e.action.dep_inputs)}
+    ignored = ignored_options(ag)
     if args.output == "json":
         print(json.dumps({"total": len(ag.actions), "cached": len(cached),
+                          "ignored_options": [{"label": str(ct.label), "toolchain": ct.toolchain,
+                                               "options": list(ct.ignored_options)} for ct, _text in ignored],
                           "execute": [e.to_json() | {"early_cutoff": e.action.fingerprint in waits} for e in found],
                           "cutoff": [{"description": a.describe(), "fingerprint": a.fingerprint, "reuses": prev,
                                       "reason": reason(a)} for a, prev in reused]},
@@ -48,6 +51,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"  (skipped if its inputs re-run to identical outputs: {reason(e.action)})")
     for a, prev in reused:
         print(f"{a.describe()}  ({a.fingerprint[:12]})\n  {reason(a)}: cached, the result of {prev[:12]}")
+    for _ct, text in ignored:
+        print(f"options: {text}")
     if found:
         print(f"{len(found)} of {len(ag.actions)} actions would execute ({len(cached)} cached)")
     else:

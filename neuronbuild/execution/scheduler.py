@@ -143,7 +143,7 @@ def warm_ups(todo: list[Action], apart: bool = False) -> dict[str, Action]:
             continue
         try:
             tc = plugins.toolchain(a.toolchain)
-            key = warm_up_key(tc, a.spec) if apart or getattr(tc, "warm_up_shared", True) else None
+            key = warm_up_key(tc, a.spec) if apart or tc.warm_up_shared else None
         except Exception:  # noqa: BLE001 - a plug-in's broken hook costs its warm-up, never the build
             key = None
         if key is None:

@@ -17,6 +17,7 @@ class RuleKind:
     schema: RuleSchema
     analyze: Callable[[Any, Any], Any] = field(compare=False)
     plans_actions: bool = False
+    stands_for: tuple[str, ...] = ()  # kinds whose place its targets may take in label attributes (same provider)
 
     @property
     def name(self) -> str:

@@ -8,10 +8,10 @@ from neuronbuild import plugins
 from neuronbuild.analysis.actions import Bucket
 from neuronbuild.analysis.planner import AnalysisContext
 from neuronbuild.analysis.providers import BucketsInfo, CompileTarget, ModelInfo, PlatformInfo
-from neuronbuild.analysis.toolchain_api import CompileRequest
+from neuronbuild.analysis.toolchain_api import CompileRequest, ignored_options, toolchain_options
 from neuronbuild.errors import UserInputError
 from neuronbuild.kinds.base import RuleKind
-from neuronbuild.kinds.options import effective
+from neuronbuild.kinds.options import merged_options
 from neuronbuild.loading.labels import Label
 from neuronbuild.loading.schema import FLOAT, GRAPH_LABEL, GRAPH_LABELS, LABEL, NAME, TAGS, Attr, RuleSchema
 from neuronbuild.loading.target_graph import locate
@@ -78,11 +78,16 @@ def analyze(ctx: AnalysisContext, t: Target) -> CompileTarget:
     _per_graph(ctx, t, "options", names)
     opts_attr = t.attrs.get("options")
 
-    def options_for(graph: str) -> Mapping[str, object]:
-        lbl = opts_attr.get(graph) if isinstance(opts_attr, dict) else opts_attr
-        return effective(ctx.provider(lbl) if lbl is not None else None)
-
     tc = plugins.toolchain(plat.toolchain)
+    ignored: dict[str, None] = {}
+
+    def options_for(graph: str) -> Mapping[str, object]:
+        """The options this toolchain reads (its declared keys and defaults): only those reach its fingerprints."""
+        lbl = opts_attr.get(graph) if isinstance(opts_attr, dict) else opts_attr
+        merged = merged_options(ctx.provider(lbl) if lbl is not None else None)
+        ignored.update(dict.fromkeys(ignored_options(tc, merged)))
+        return toolchain_options(tc, merged)
+
     entries: list[tuple[Bucket, str]] = []
     buckets_attr = t.attrs["buckets"]
     families = list(model.graphs) or [("", model)]
@@ -105,7 +110,7 @@ def analyze(ctx: AnalysisContext, t: Target) -> CompileTarget:
     first = next(iter(graph_options.values()), None)
     ct = CompileTarget(t.label, model.label, plat.platform, tc.name, plat.target, plat.description,
                        first if first is not None else options_for(""), tuple(entries), float(t.attrs["tolerance"]),
-                       tc.artifact_format, graph_options)
+                       tc.artifact_format, graph_options, tuple(ignored))
     ctx.compiles.append(ct)
     return ct
 

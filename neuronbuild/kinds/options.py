@@ -1,62 +1,104 @@
-"""The compiler_options rule: a composable option set (deps merge in order, own values win, flags concatenate)."""
+"""The compiler_options rule: a composable option set (deps merge in order, own values win, flags concatenate).
+
+Its option attributes are not named here: they are the union of the option keys the registered toolchains declare
+(analysis/toolchain_api.OptionKey), and each compile passes a toolchain only the keys it declared."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 from typing import Any
 
+from neuronbuild import plugins
 from neuronbuild.analysis.planner import AnalysisContext
 from neuronbuild.analysis.providers import OptionsInfo
-from neuronbuild.kinds.base import RuleKind
-from neuronbuild.loading.schema import INT, LABEL_LIST, NAME, STRING, STRING_LIST, TAGS, Attr, RuleSchema
+from neuronbuild.analysis.toolchain_api import OptionKey
+from neuronbuild.loading.schema import LABEL_LIST, NAME, STRING_LIST, TAGS, Attr, RuleSchema
 from neuronbuild.loading.targets import Target
-from neuronbuild.vocabulary import AUTO_CAST, OPT_LEVELS
 
-# auto_cast_type and lnc have no default entry: effective options (and fingerprints) carry them only when set.
-OPTION_KEYS = ("opt_level", "auto_cast", "auto_cast_type", "model_type", "lnc", "flags")
-DEFAULTS: dict[str, Any] = {"opt_level": 2, "auto_cast": "none", "model_type": None, "flags": []}
+KIND_NAME = "compiler_options"
+LIST_KEYS_CONCATENATE = STRING_LIST  # list-valued options (e.g. flags) concatenate along deps instead of replacing
 
-SCHEMA = RuleSchema(
-    "compiler_options",
-    "A composable set of compiler options; deps merge in order and this target's own values win.",
-    (
-        NAME,
-        Attr("deps", LABEL_LIST, "Option sets merged first, in order.", default=(), kinds=("compiler_options",)),
-        Attr("opt_level", INT, "Optimisation level (neuronx-cc -O1/-O2/-O3).", choices=OPT_LEVELS),
-        Attr("auto_cast", STRING, "Cast matmuls ('matmult') or also convolutions ('all') to auto_cast_type; 'none'.",
-             choices=AUTO_CAST),
-        Attr("auto_cast_type", STRING, "The type auto_cast casts to: 'bf16' (default) or 'fp16'.",
-             choices=("bf16", "fp16")),
-        Attr("model_type", STRING, "Model family hint (neuronx-cc --model-type): generic, transformer, unet-inference.",
-             choices=("generic", "transformer", "unet-inference")),
-        Attr("lnc", INT, "trn2 only: logical NeuronCore config (neuronx-cc --lnc), 1 or 2.", choices=(1, 2)),
-        Attr("flags", STRING_LIST, "Extra compiler flags, appended after the deps' flags."),
-        TAGS,
-    ),
-)
+
+def option_keys(toolchains: Iterable[Any]) -> dict[str, OptionKey]:
+    """Every option key some toolchain reads, by name (the first declaration wins; choices are unioned)."""
+    out: dict[str, OptionKey] = {}
+    for tc in toolchains:
+        for key in tc.option_keys:
+            known = out.get(key.name)
+            if known is None:
+                out[key.name] = key
+            elif known.type != key.type:
+                raise ValueError(f"option {key.name!r}: toolchain {tc.name!r} declares type {key.type.name}, "
+                                 f"another toolchain {known.type.name}")
+            elif known.choices is not None:
+                extra = tuple(c for c in key.choices or () if c not in known.choices)
+                out[key.name] = OptionKey(known.name, known.type, known.doc, known.default,
+                                          None if key.choices is None else known.choices + extra)
+    return out
+
+
+def _schema(keys: tuple[OptionKey, ...]) -> RuleSchema:
+    return RuleSchema(
+        KIND_NAME,
+        "A composable set of compiler options; deps merge in order and this target's own values win. A toolchain "
+        "sees (and fingerprints) only the options it reads.",
+        (
+            NAME,
+            Attr("deps", LABEL_LIST, "Option sets merged first, in order.", default=(), kinds=(KIND_NAME,)),
+            *(Attr(k.name, k.type, k.doc, choices=tuple(k.choices or ())) for k in keys),
+            TAGS,
+        ),
+    )
 
 
 def analyze(ctx: AnalysisContext, t: Target) -> OptionsInfo:
     merged: dict[str, Any] = {}
-    flags: list[str] = []
+    lists: dict[str, list[Any]] = {}
+    schema = plugins.rule(t.kind).schema
+    concat = {a.name for a in schema.attrs if a.type is LIST_KEYS_CONCATENATE and a.name != "tags"}
     for dep in t.attrs.get("deps") or ():
         d = ctx.provider(dep).merged
-        flags.extend(d.get("flags", []))
-        merged.update({k: v for k, v in d.items() if k != "flags"})
-    own = {k: t.attrs[k] for k in OPTION_KEYS if t.attrs.get(k) is not None}
-    flags.extend(own.pop("flags", ()))
-    merged.update(own)
-    if flags:
-        merged["flags"] = flags
+        for k, v in d.items():
+            if k in concat:
+                lists.setdefault(k, []).extend(v)
+            else:
+                merged[k] = v
+    own = {a.name: t.attrs[a.name] for a in schema.attrs
+           if a.name not in ("name", "deps", "tags") and t.attrs.get(a.name) is not None}
+    for k, v in own.items():
+        if k in concat:
+            lists.setdefault(k, []).extend(v)
+        else:
+            merged[k] = v
+    for k, v in lists.items():
+        if v:
+            merged[k] = v
     return OptionsInfo(merged)
 
 
-def effective(info: OptionsInfo | None) -> dict[str, Any]:
-    """The resolved option set (defaults filled in) that enters fingerprints and that toolchains see."""
-    out = dict(DEFAULTS)
-    if info is not None:
-        out.update(info.merged)
-    out["flags"] = list(out.get("flags") or [])
-    return out
+def merged_options(info: OptionsInfo | None) -> dict[str, Any]:
+    """The options a target set (itself and through deps), before any toolchain picks its keys and defaults."""
+    return dict(info.merged) if info is not None else {}
 
 
-KIND = RuleKind(SCHEMA, analyze)
+@dataclass(frozen=True)
+class OptionsKind:
+    """The compiler_options rule kind, its schema made from the registered toolchains' option keys when first read
+    (toolchains register after the built-in kinds)."""
+
+    analyze: Any = field(default=analyze, compare=False)
+    plans_actions: bool = False
+    name: str = KIND_NAME
+
+    @property
+    def schema(self) -> RuleSchema:
+        keys = tuple(option_keys(plugins.toolchains().values()).values())
+        cached = _SCHEMAS.get(keys)
+        if cached is None:
+            cached = _SCHEMAS[keys] = _schema(keys)
+        return cached
+
+
+_SCHEMAS: dict[tuple[OptionKey, ...], RuleSchema] = {}
+KIND = OptionsKind()

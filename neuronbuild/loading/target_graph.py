@@ -117,7 +117,7 @@ def _selection_warnings(pat: TargetPattern, matched: list[Target], selected: lis
         return [f"warning: pattern '{pat}' selects nothing buildable (only {', '.join(kinds)}; outputs come from "
                 f"{' and '.join(_buildable_kinds())} targets)"]
     return [f"warning: {t.label} has no buckets (buckets = []): it builds nothing" for t in selected
-            if t.kind == "neuron_compile" and not t.attrs.get("buckets")]
+            if _buildable(t) and "buckets" in t.attrs and not t.attrs["buckets"]]
 
 
 def _load(root: Path, patterns: list[TargetPattern], load_cache: LoadCache | None = None, check: bool = True,
@@ -205,7 +205,7 @@ def _load(root: Path, patterns: list[TargetPattern], load_cache: LoadCache | Non
                 raise UserInputError(f"attribute '{attr}' of '{lbl}' refers to '{dep}', which does not exist "
                                      f"({where})", loader.locate(t))
             kind = targets[dep].kind
-            if kind not in schema_attr.kinds:
+            if not plugins.kind_fits(kind, schema_attr.kinds):
                 raise UserInputError(f"attribute '{attr}' of '{lbl}' must be a {' or '.join(schema_attr.kinds)} "
                                      f"target, but '{dep}' is a {kind}", loader.locate(t))
             todo.append(dep)

@@ -184,7 +184,7 @@ def build_bundles(root: Path, graph: TargetGraph, ag: ActionGraph, cache: LocalC
     outs: list[BundleOutput] = []
     skipped: list[str] = []
     for lbl in graph.requested:
-        if graph.targets[lbl].kind != "neuron_bundle":
+        if lbl not in ag.bundles:  # (a bundle's analysis registers it; other requested targets are not bundles)
             continue
         try:
             outs.append(build_bundle(root, graph, ag, cache, lbl))

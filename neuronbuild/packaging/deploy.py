@@ -304,12 +304,20 @@ def _check_space(dest: Path, manifest: Manifest, manifest_bytes_len: int) -> Non
         raise BundleError(f"not enough free space in {dest}: the bundle needs {need} bytes, {free} are free")
 
 
+def _accept(manifest: Manifest, dest: Path, check: Callable[[Manifest], None] | None) -> None:
+    if check is not None:
+        check(manifest)
+    _check_space(dest, manifest, 0)
+
+
 def deploy(archive: Path, dest: Path, expect_sha256: str | None = None,
-           trusted_keys: list[TrustedKey] | None = None) -> Deployed:
+           trusted_keys: list[TrustedKey] | None = None,
+           check: Callable[[Manifest], None] | None = None) -> Deployed:
     """Install a bundle into `dest` atomically: on any failure `dest` is left exactly as it was.
 
-    With `trusted_keys`, only bundles whose manifest is signed by one of them are installed. Deploying a bundle
-    that is already installed checks the installed files and replaces the release when any is damaged."""
+    With `trusted_keys`, only bundles whose manifest is signed by one of them are installed. `check(manifest)` is
+    called once the manifest is accepted, before anything is extracted; it refuses the bundle by raising. Deploying a
+    bundle that is already installed checks the installed files and replaces the release when any is damaged."""
     archive, dest = Path(archive), Path(dest).absolute()
     if not archive.is_file():
         raise BundleError(f"no bundle at {archive}")
@@ -342,7 +350,7 @@ def deploy(archive: Path, dest: Path, expect_sha256: str | None = None,
         staging = Path(tempfile.mkdtemp(dir=dest, prefix=STAGING_PREFIX))
         os.chmod(staging, 0o755)
         manifest, manifest_bytes = read_bundle(archive, _writer(staging), trusted_keys,
-                                               lambda m: _check_space(dest, m, 0))
+                                               lambda m: _accept(m, dest, check))
         rid = release_id(manifest_bytes)
         target = releases / rid
         already = target.is_dir() and not target.is_symlink()

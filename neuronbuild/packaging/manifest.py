@@ -140,8 +140,10 @@ def requirements(graphs: list[dict[str, Any]]) -> dict[str, Any]:
     return {
         "torch": sorted({g["toolchain"].get("torch", "") for g in graphs}),
         "python": sorted({g["toolchain"].get("python", "") for g in graphs}),
-        "cpu_isa": sorted({g["target"]["isa"] for g in graphs if g["target"]["platform"] == "cpu"}),
-        "neuron_platforms": sorted({g["target"]["platform"] for g in graphs if g["target"]["platform"] != "cpu"}),
+        # A target with an ISA level (any toolchain writing x86-64 code: cpu, a plug-in's) needs that level; the others
+        # need their platform's device.
+        "cpu_isa": sorted({g["target"]["isa"] for g in graphs if g["target"].get("isa")}),
+        "neuron_platforms": sorted({g["target"]["platform"] for g in graphs if not g["target"].get("isa")}),
     }
 
 

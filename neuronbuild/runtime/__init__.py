@@ -4,6 +4,7 @@ Importing this package needs neither torch nor the build-side dependencies (star
 imported when the first graph loads."""
 
 from neuronbuild.runtime.deployed import Counters, DeployedCache, Model, open_cache
+from neuronbuild.runtime.inputs import InputError
 from neuronbuild.runtime.router import BucketRouter, NoBucketFits
 
-__all__ = ["BucketRouter", "Counters", "DeployedCache", "Model", "NoBucketFits", "open_cache"]
+__all__ = ["BucketRouter", "Counters", "DeployedCache", "InputError", "Model", "NoBucketFits", "open_cache"]

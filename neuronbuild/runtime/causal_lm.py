@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from neuronbuild.runtime.inputs import from_numpy
 from neuronbuild.runtime.router import NoBucketFits
 
 CONTEXT, TOKEN = "context", "token"
@@ -138,9 +139,9 @@ class CausalLM:
                  attention_mask: torch.Tensor | None = None, eos_token_id: int | None | str = "config",
                  pad_token_id: int | None = None) -> torch.Tensor:
         """Greedy decoding, as transformers' generate(do_sample=False): returns the (left-padded) prompts followed by
-        the new tokens, int64 [batch, prompt width + new]. input_ids: a tensor (with attention_mask: 1 = token,
-        0 = padding, either side) or a list of token lists (ragged). After `eos_token_id` a row gets pad_token_id;
-        generation stops early when every row has ended. Both default to the model config's (eos_token_id="config";
+        the new tokens, int64 [batch, prompt width + new]. input_ids: a tensor or numpy array (with attention_mask:
+        1 = token, 0 = padding, either side) or a list of token lists (ragged). After `eos_token_id` a row gets
+        pad_token_id; generation stops early when every row has ended. Both default to the model config's (eos_token_id="config";
         pass None for no end token), as transformers' generate does."""
         if eos_token_id == "config":
             eos_token_id = self.eos_token_id
@@ -150,6 +151,9 @@ class CausalLM:
             pad_token_id = self.pad_token_id
         if max_new_tokens < 1:
             raise ValueError("max_new_tokens must be >= 1")
+        input_ids = from_numpy(input_ids, "input_ids", self.label)  # numpy arrays as tensors, lists as they are
+        if attention_mask is not None:
+            attention_mask = from_numpy(attention_mask, "attention_mask", self.label)
         if isinstance(input_ids, torch.Tensor):
             if input_ids.dim() != 2:
                 raise ValueError(f"input_ids must be [batch, seq], got {list(input_ids.shape)}")

@@ -11,12 +11,13 @@ import logging
 import os
 import tempfile
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from neuronbuild.runtime.host import Host, check_graph, current_host
+from neuronbuild.runtime.inputs import prepare
 from neuronbuild.runtime.layout import (
     AOTI_FORMAT,
     NEURON_HLO_FORMAT,
@@ -156,22 +157,35 @@ class Model:
     def graph(self, bucket_name: str) -> Graph:
         return self._slots[bucket_name].graph
 
-    def route(self, *args: Any) -> Route:
-        return self.router.route([tuple(a.shape) for a in args])
+    @property
+    def inputs(self) -> dict[str, dict[str, Any]]:
+        """The declared inputs, in call order: name -> {"dtype", "dims"}."""
+        return {n: dict(s) for n, s in self.router.inputs.items()}
+
+    def _prepare(self, args: tuple[Any, ...], named: Mapping[str, Any]) -> list[Any]:
+        return prepare(self.router.inputs, args, named, self.label)
+
+    def route(self, *args: Any, **named: Any) -> Route:
+        """The bucket a call with these inputs (positional and/or by name) runs on."""
+        return self.router.route([tuple(a.shape) for a in self._prepare(args, named)])
 
     def bucket_fn(self, bucket_name: str) -> Callable[..., Any] | None:
         """The loaded callable of one bucket (exact shapes, no padding), or None when it is a miss."""
         return self._cache._load(self._slots[bucket_name])
 
-    def __call__(self, *args: Any, pad_value: float = 0, split: bool | str = True) -> Any:
-        """Run the inputs on the smallest bucket that fits (padded, outputs un-padded). A call whose `batch` is
-        larger than every bucket's runs as bucket-sized chunks whose outputs are concatenated (`split=False`
-        refuses it instead, NoBucketFits; `split="dim"` splits another dim whose rows are independent)."""
+    def __call__(self, *args: Any, pad_value: float = 0, split: bool | str = True, **named: Any) -> Any:
+        """Run the inputs on the smallest bucket that fits (padded, outputs un-padded). Inputs are given
+        positionally (declaration order) and/or by their declared names, as torch tensors or numpy arrays; dtypes
+        are checked against the manifest first (lossless integer widening done, anything else an InputError naming
+        the input). A call whose `batch` is larger than every bucket's runs as bucket-sized chunks whose outputs
+        are concatenated (`split=False` refuses it instead, NoBucketFits; `split="dim"` splits another dim whose
+        rows are independent)."""
         if len(self.families) > 1:
             raise TypeError(f"{self.label} has graph families ({', '.join(self.families)}): call one of them, "
                             f"model.family(name)(...), or use causal_lm() for an hf_causal_lm")
+        args = tuple(self._prepare(args, named))
         try:
-            route = self.route(*args)
+            route = self.router.route([tuple(a.shape) for a in args])
         except NoBucketFits as e:
             dim = "batch" if split is True else split or ""
             chunk = self.router.split_dim([tuple(a.shape) for a in args], dim) if dim else None
@@ -224,6 +238,9 @@ class DeployedCache:
         return list(seen)
 
     def model(self, label: str) -> Model:
+        """The deployed model `label`. In strict mode every graph of it must run here: each is loaded now, and a
+        graph that cannot run on this host (or is missing, damaged, or fails to load) is a RuntimeError listing them
+        all, as `require` at open does, instead of an error at the first call."""
         if label not in self._models:
             slots = self._slots.get(label) or self._select(label, None)[0]
             if not slots:
@@ -232,6 +249,13 @@ class DeployedCache:
                 self._counts["miss"] += 1
                 log.warning("neuronbuild.runtime: miss: %s is not deployed; running it eagerly", label)
                 return _EagerModel(self, label, self._eager[label])  # type: ignore[return-value]
+            if self.strict:
+                unusable = [f"{s.graph.describe()}: {s.problem}" for s in slots.values() if s.problem is not None]
+                if unusable:
+                    raise RuntimeError(f"strict mode: {label}: {len(unusable)} graph(s) cannot run here (host: "
+                                       f"{self.host.describe()}):\n  " + "\n  ".join(unusable))
+                for slot in slots.values():
+                    self._load(slot)  # strict: a load failure raises, naming the graph
             self._slots[label] = slots
             self._models[label] = Model(self, label, slots, self._eager.get(label))
         return self._models[label]
@@ -244,11 +268,7 @@ class DeployedCache:
         model = self.model(label)
         if not isinstance(model, Model):
             raise KeyError(f"{label} is not deployed in {self.root}")
-        lm = CausalLM(model, strict=self.strict)
-        if self.strict:
-            for slot in self._slots.get(label, {}).values():
-                self._load(slot)
-        return lm
+        return CausalLM(model, strict=self.strict)  # strict: model() loaded every graph, or raised
 
     # -- resolution ------------------------------------------------------------------------------------------------
 
@@ -354,12 +374,13 @@ class DeployedCache:
         self._counts["emulated" if emulated else "hit"] += 1
         return slot.fn
 
-    def _eager_call(self, label: str, why: str, fn: Callable[..., Any], args: tuple[Any, ...]) -> Any:
+    def _eager_call(self, label: str, why: str, fn: Callable[..., Any], args: Sequence[Any],
+                    named: Mapping[str, Any] | None = None) -> Any:
         self._counts["eager"] += 1
         if self._counts["eager"] == 1 or self._counts["eager"] % 1000 == 0:
             log.warning("neuronbuild.runtime: %s: running eagerly (%s); %d eager call(s) so far",
                         label, why, self._counts["eager"])
-        return fn(*args)
+        return fn(*args, **(named or {}))
 
 
 class _EagerModel:
@@ -368,8 +389,9 @@ class _EagerModel:
     def __init__(self, cache: DeployedCache, label: str, fn: Callable[..., Any]) -> None:
         self._cache, self.label, self._fn = cache, label, fn
 
-    def __call__(self, *args: Any, **_kw: Any) -> Any:
-        return self._cache._eager_call(self.label, "not deployed", self._fn, args)
+    def __call__(self, *args: Any, **kw: Any) -> Any:  # no declaration to check against: the eager model checks
+        named = {k: v for k, v in kw.items() if k not in ("pad_value", "split")}
+        return self._cache._eager_call(self.label, "not deployed", self._fn, args, named)
 
 
 class NeuronRuntimeUnavailable(RuntimeError):

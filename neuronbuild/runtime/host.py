@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import platform
+from collections.abc import Iterable
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
@@ -89,3 +90,22 @@ def check_graph(g: Graph, host: Host) -> list[Mismatch]:
                             host.neuron_platform or "no Neuron device; open_cache(..., emulate='xla-cpu') runs its HLO on "
                             "XLA:CPU instead, counted as emulated"))
     return out
+
+
+def unrunnable(graphs: Iterable[Graph], host: Host) -> tuple[int, list[str]]:
+    """How many of `graphs` cannot run on `host`, and one line per label saying how many of its graphs and why
+    (each distinct reason once)."""
+    count = 0
+    by_label: dict[str, tuple[list[int], dict[str, None]]] = {}
+    for g in graphs:
+        n, reasons = by_label.setdefault(g.label, ([0, 0], {}))
+        n[1] += 1
+        found = check_graph(g, host)
+        if found:
+            count += 1
+            n[0] += 1
+            for m in found:
+                reasons.setdefault(f"{m.field} differs (built for {m.built}, this host has {m.here})", None)
+    lines = [f"{label}: {n[0]} of {n[1]} graph(s): {'; '.join(reasons)}"
+             for label, (n, reasons) in by_label.items() if n[0]]
+    return count, lines

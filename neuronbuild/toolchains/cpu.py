@@ -9,20 +9,29 @@ from typing import Any
 from neuronbuild import plugins
 from neuronbuild.analysis.actions import COMPILE, TRACE_OUTPUT, TRACE_WEIGHTS, Action, DepInput, make_action
 from neuronbuild.analysis.plan_settings import PlanSettings
-from neuronbuild.analysis.toolchain_api import WARM_UP, CompileRequest
+from neuronbuild.analysis.toolchain_api import WARM_UP, CompileRequest, OptionKey
+from neuronbuild.loading.schema import STRING, Attr
 from neuronbuild.platforms import cxx_version, resolve_isa
-from neuronbuild.vocabulary import CPU_PLATFORM
+from neuronbuild.vocabulary import AUTO_CAST, CPU_ISAS, CPU_PLATFORM
 
 OUTPUTS = ("model.pt2", "constants.safetensors")  # the package (no weights inside) and its weights by FQN
 
 
 class CpuToolchain:
     name = "aoti"
-    platforms = (CPU_PLATFORM,)
+    platforms: tuple[str, ...] = (CPU_PLATFORM,)
     artifact_format = "aoti"
     estimate_s = 15.0
     estimate_mb = 1200.0
     validate_note = ""
+    target_attrs: tuple[Attr, ...] = (
+        Attr("isa", STRING, "cpu only: 'native' (this machine's level, resolved) or an x86-64 level.",
+             choices=CPU_ISAS),)
+    warm_up_shared = True  # inductor's precompiled headers, on disk: every worker of the machine reuses them
+    # The only option the compile reads (an FX pass before AOTInductor, bf16 only): opt_level, flags and the other
+    # neuronx-cc options change no cpu graph, so they enter no cpu fingerprint.
+    option_keys: tuple[OptionKey, ...] = (OptionKey("auto_cast", STRING, "Cast matmuls ('matmult') or also convolutions ('all') to "
+                             "auto_cast_type; 'none'.", "none", AUTO_CAST),)
 
     def target_record(self, platform: str, attrs: Mapping[str, Any]) -> dict[str, Any]:
         return {"platform": platform, "isa": resolve_isa(attrs.get("isa"))}

@@ -11,11 +11,12 @@ from typing import Any
 from neuronbuild import FORMAT_VERSION, plugins
 from neuronbuild.analysis.actions import COMPILE, TRACE_OUTPUT, TRACE_WEIGHTS, Action, DepInput, make_action
 from neuronbuild.analysis.plan_settings import NEURONX_CC, PlanSettings
-from neuronbuild.analysis.toolchain_api import WARM_UP, CompileRequest
+from neuronbuild.analysis.toolchain_api import WARM_UP, CompileRequest, OptionKey
 from neuronbuild.analysis.toolchain_versions import package_version
 from neuronbuild.errors import UserInputError
+from neuronbuild.loading.schema import INT, STRING, STRING_LIST, Attr
 from neuronbuild.toolchains import neuron_flags
-from neuronbuild.vocabulary import NEURON_PLATFORMS
+from neuronbuild.vocabulary import AUTO_CAST, NEURON_PLATFORMS, OPT_LEVELS
 
 LOWER = "lower"
 HLO_FILE = neuron_flags.HLO_FILE
@@ -27,14 +28,29 @@ OUTPUTS = (*LOWER_OUTPUTS, FLAGS_FILE)
 NEFF_OUTPUT = neuron_flags.NEFF_FILE  # when a neuronx-cc is configured
 NEURON_CC_FLAGS_ENV = "NEURON_CC_FLAGS"
 LOWERING_PACKAGES = ("torchax", "jax", "jaxlib")
+# The compiler_options keys neuronx-cc reads (auto_cast_type and lnc: in the options only when set).
+OPTION_KEYS = (
+    OptionKey("opt_level", INT, "Optimisation level (neuronx-cc -O1/-O2/-O3).", neuron_flags.DEFAULT_OPT_LEVEL,
+              OPT_LEVELS),
+    OptionKey("auto_cast", STRING, "Cast matmuls ('matmult') or also convolutions ('all') to auto_cast_type; 'none'.",
+              "none", AUTO_CAST),
+    OptionKey("auto_cast_type", STRING, "The type auto_cast casts to: 'bf16' (default) or 'fp16'.",
+              choices=neuron_flags.AUTO_CAST_TYPES),
+    OptionKey("model_type", STRING, "Model family hint (neuronx-cc --model-type): generic, transformer, "
+              "unet-inference.", None, neuron_flags.MODEL_TYPES),
+    OptionKey("lnc", INT, "trn2 only: logical NeuronCore config (neuronx-cc --lnc), 1 or 2.", choices=(1, 2)),
+    OptionKey("flags", STRING_LIST, "Extra compiler flags, appended after the deps' flags.", ()),
+)
 
 
 class NeuronToolchain:
     name = "neuron"
-    platforms = NEURON_PLATFORMS
+    platforms: tuple[str, ...] = NEURON_PLATFORMS
     artifact_format = "neuron-hlo"
     estimate_s = 4.0
     estimate_mb = 900.0
+    option_keys: tuple[OptionKey, ...] = OPTION_KEYS
+    target_attrs: tuple[Attr, ...] = ()  # the platform says it all
     warm_up_shared = False  # the warm-up imports jax in the worker process: nothing other workers could reuse
     validate_note = ("Neuron targets: the exact model.hlo.pb run on XLA:CPU (checks the lowering, auto_cast and the "
                      "weights binding; not neuronx-cc, not the device)")

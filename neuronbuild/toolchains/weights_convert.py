@@ -1,8 +1,10 @@
 """Torch checkpoints (state dicts; whole pickled modules only when allowed) to safetensors files, for
-`neuronbuild weights convert`."""
+`neuronbuild weights convert`; also a sub-model's keys from a larger checkpoint (a seq2seq model's encoder from the
+whole .safetensors file: `--prefix model.encoder.`, `--drop decoder.`), the keys left out listed."""
 
 from __future__ import annotations
 
+import json
 import pickle
 from collections.abc import Mapping
 from pathlib import Path
@@ -48,14 +50,71 @@ def state_dict_of(obj: Any, allow_pickle: bool) -> tuple[dict[str, torch.Tensor]
     raise ToolchainError(f"no state dict found: the file holds a {type(obj).__name__}")
 
 
-def convert(src: Path, dest: Path, allow_pickle: bool = False, prefix: str = "") -> str:
-    """Write `src`'s state dict to `dest` (atomically); returns a one-line report. ToolchainError on bad input."""
-    from safetensors.torch import save_file
+def select_keys(keys: list[str], prefix: str, drop: list[str], src: Path) -> tuple[dict[str, str], list[str]]:
+    """A sub-model's keys from a larger checkpoint: ({key written: key in the file}, [keys left out]). Keys starting
+    with a `drop` prefix are left out, then, with `prefix`, those not starting with it; the prefix is stripped. Each
+    prefix must match a key, and something must be left."""
+    unused = [d for d in drop if not any(k.startswith(d) for k in keys)]
+    if unused:
+        raise ToolchainError(f"--drop {unused[0]!r} matches no key of {src}")
+    if prefix and not any(k.startswith(prefix) for k in keys):
+        raise ToolchainError(f"no key of {src} starts with {prefix!r}")
+    kept: dict[str, str] = {}
+    dropped: list[str] = []
+    for k in keys:
+        if k.startswith(tuple(drop)) or not k.startswith(prefix):
+            dropped.append(k)
+        else:
+            kept[k[len(prefix):]] = k
+    if not kept:
+        raise ToolchainError(f"--drop leaves no key of {src}")
+    return kept, sorted(dropped)
 
-    if not src.is_file():
-        raise ToolchainError(f"{src}: no such file")
+
+def _safetensors_keys(src: Path) -> dict[str, Path]:
+    """key -> the file holding it, for a .safetensors file or an HF *.safetensors.index.json (shards next to it)."""
+    from safetensors import SafetensorError, safe_open
+
+    if src.name.endswith(".json"):
+        try:
+            weight_map = json.loads(src.read_text())["weight_map"]
+            if not isinstance(weight_map, dict):
+                raise TypeError("weight_map is not an object")
+            shards = {str(k): str(v) for k, v in weight_map.items()}
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise ToolchainError(f"{src}: not a safetensors index ({type(e).__name__}: {e})") from None
+        bad = next((v for v in shards.values() if "/" in v or "\\" in v or v in ("", ".", "..")), None)
+        if bad is not None:
+            raise ToolchainError(f"{src}: shard name {bad!r} is not a file name next to the index")
+        return {k: src.parent / v for k, v in shards.items()}
     try:
-        obj = torch.load(src, map_location="cpu", weights_only=True)
+        with safe_open(str(src), framework="pt") as f:
+            return {str(k): src for k in f.keys()}
+    except (SafetensorError, OSError) as e:
+        raise ToolchainError(f"cannot read {src} as safetensors: {str(e).strip().splitlines()[0]}") from None
+
+
+def _read_safetensors(where: Mapping[str, Path], keys: Mapping[str, str]) -> dict[str, torch.Tensor]:
+    """The tensors `keys` names ({key written: key in the file}), each read from its file (no other key is read)."""
+    from safetensors import SafetensorError, safe_open
+
+    by_file: dict[Path, list[tuple[str, str]]] = {}
+    for new, old in keys.items():
+        by_file.setdefault(where[old], []).append((new, old))
+    out: dict[str, torch.Tensor] = {}
+    for path, pairs in by_file.items():
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                for new, old in pairs:
+                    out[new] = f.get_tensor(old)
+        except (SafetensorError, OSError) as e:
+            raise ToolchainError(f"cannot read {path} as safetensors: {str(e).strip().splitlines()[0]}") from None
+    return out
+
+
+def _load_torch(src: Path, allow_pickle: bool) -> Any:
+    try:
+        return torch.load(src, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
         if not allow_pickle:
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
@@ -63,21 +122,36 @@ def convert(src: Path, dest: Path, allow_pickle: bool = False, prefix: str = "")
                                  "if it is a whole pickled module from a source you trust, pass --allow-pickle "
                                  "(unpickling runs code from the file)") from None
         try:
-            obj = torch.load(src, map_location="cpu", weights_only=False)
+            return torch.load(src, map_location="cpu", weights_only=False)
         except Exception as e2:  # noqa: BLE001 - any unpickling failure is the file's
             raise ToolchainError(f"cannot load {src}: {type(e2).__name__}: {e2}") from None
     except (RuntimeError, OSError, EOFError, ValueError) as e:
         raise ToolchainError(f"cannot load {src} as a torch checkpoint: {str(e).strip().splitlines()[0]}") from None
-    tensors, what = state_dict_of(obj, allow_pickle)
-    if prefix:
-        tensors = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
-        if not tensors:
-            raise ToolchainError(f"no key of {src} starts with {prefix!r}")
-    # safetensors refuses tensors sharing storage (tied weights) and views: each is written as its own copy.
-    out = {k: v.detach().to("cpu").contiguous().clone() for k, v in tensors.items()}
+
+
+def convert(src: Path, dest: Path, allow_pickle: bool = False, prefix: str = "",
+            drop: list[str] | None = None) -> tuple[str, list[str]]:
+    """Write `src`'s state dict (a torch checkpoint, or a .safetensors file / index: a larger checkpoint to take a
+    sub-model from) to `dest` (atomically), keeping the keys `select_keys` keeps; returns a one-line report and the
+    keys left out. ToolchainError on bad input."""
+    from safetensors.torch import save_file
+
+    if not src.is_file():
+        raise ToolchainError(f"{src}: no such file")
+    if src.name.endswith((".safetensors", ".safetensors.index.json")):
+        where = _safetensors_keys(src)
+        kept, dropped = select_keys(list(where), prefix, list(drop or ()), src)
+        out = _read_safetensors(where, kept)
+        what = "the safetensors checkpoint"
+    else:
+        tensors, what = state_dict_of(_load_torch(src, allow_pickle), allow_pickle)
+        kept, dropped = select_keys(list(tensors), prefix, list(drop or ()), src)
+        # safetensors refuses tensors sharing storage (tied weights) and views: each is written as its own copy.
+        out = {new: tensors[old].detach().to("cpu").contiguous().clone() for new, old in kept.items()}
     # safetensors writes by path: into the atomic writer's temp file (renamed onto dest once whole, removed if not).
     with atomic_writer(dest, mode=umask_mode()) as f:
         save_file(out, f.name)
     size = dest.stat().st_size
-    return (f"wrote {len(out)} tensors ({size / 1e6:.1f} MB) from {what} in {src} to {dest}; use it as "
-            f"`weights = \"{dest.name}\"` in a neuron_model next to it")
+    left = f"; left out {len(dropped)} key(s) (--verbose lists them)" if dropped else ""
+    return (f"wrote {len(out)} tensors ({size / 1e6:.1f} MB) from {what} in {src} to {dest}{left}; use it as "
+            f"`weights = \"{dest.name}\"` in a neuron_model next to it", dropped)

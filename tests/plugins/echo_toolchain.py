@@ -21,6 +21,9 @@ class EchoToolchain:
     estimate_s = 1.0
     estimate_mb = 300.0
     validate_note = ""
+    option_keys = ()  # reads no compiler option
+    target_attrs = ()
+    warm_up_shared = False
 
     def target_record(self, platform: str, attrs: Mapping[str, Any]) -> dict[str, Any]:
         return {"platform": platform}
@@ -49,6 +52,9 @@ class EchoToolchain:
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "summary.json").write_text(json.dumps({"step": step, "nodes": len(ep.graph.nodes), "ops": ops}))
         return {"ops": len(ops)}
+
+    def warm_up_key(self, spec: Mapping[str, Any]) -> dict[str, Any] | None:
+        return None  # nothing to warm
 
     def load_artifact(self, files: Mapping[str, Path]) -> Callable[..., Any]:
         raise NotImplementedError("echo summaries do not run")

@@ -1,0 +1,59 @@
+"""Options reach only the graphs they change: a toolchain fingerprints only the compiler options it declares, so an
+opt_level edit (a neuronx-cc option) re-runs the trn2 compile and no cpu action, and says that cpu ignores it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from helpers import MODEL_SRC, run_cli, write_ws
+
+BUILD = """
+neuron_model(name = "tiny", srcs = ["llama.py"], entry = "llama:build_model",
+             config = {{"vocab": 64, "hidden": 16, "layers": 1, "heads": 2}},
+             inputs = {{"input_ids": "int64[batch, seq]"}})
+neuron_buckets(name = "b", dims = {{"batch": [1], "seq": [8]}})
+neuron_target(name = "cpu", platform = "cpu")
+neuron_target(name = "trn2", platform = "trn2")
+compiler_options(name = "opts", opt_level = {level})
+neuron_compile(name = "tiny_cpu", model = ":tiny", buckets = [":b"], target = ":cpu", options = ":opts")
+neuron_compile(name = "tiny_trn2", model = ":tiny", buckets = [":b"], target = ":trn2", options = ":opts")
+"""
+
+
+def test_an_opt_level_edit_reruns_the_trn2_compile_and_no_cpu_action(tmp_path: Path) -> None:
+    ws = write_ws(tmp_path / "ws", {"m/llama.py": MODEL_SRC, "m/BUILD": BUILD.format(level=2)})
+    cache = ["--cache-dir", str(tmp_path / "cache"), "--jobs", "1"]
+    first = run_cli(["build", *cache], ws)
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert "4 actions: 4 executed" in first.stdout, first.stdout
+    # The cpu compile is told, at its call site, that its toolchain does not read opt_level.
+    warning = [line for line in first.stderr.splitlines() if "ignores option" in line]
+    assert len(warning) == 1 and warning[0].startswith("warning: m/BUILD:9:"), first.stderr
+    assert "//m:tiny_cpu" in warning[0] and "opt_level" in warning[0], warning
+    cpu_manifest = json.loads((ws / "neuronbuild-out/m/tiny_cpu/manifest.json").read_text())
+    assert cpu_manifest["options"] == {"auto_cast": "none"}, cpu_manifest["options"]
+
+    (ws / "m/BUILD").write_text(BUILD.format(level=3))
+    explained = run_cli(["explain", "--output", "json", *cache[:2]], ws)
+    assert explained.returncode == 0, explained.stderr
+    report = json.loads(explained.stdout)
+    todo = [(e["platform"], e["kind"], [c["field"] for c in e["changes"]]) for e in report["execute"]]
+    assert todo == [("trn2", "compile", ["options.opt_level"])], todo
+    assert report["ignored_options"] == [{"label": "//m:tiny_cpu", "toolchain": "aoti", "options": ["opt_level"]}]
+    text = run_cli(["explain", *cache[:2]], ws)
+    assert "toolchain 'aoti' (cpu/" in text.stdout and "ignores option opt_level" in text.stdout, text.stdout
+
+    again = run_cli(["build", *cache], ws)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert "4 actions: 1 executed, 3 cached" in again.stdout, again.stdout
+    flags = json.loads(next((ws / "neuronbuild-out/m/tiny_trn2").glob("*/compile_flags.json")).read_text())
+    assert "-O3" in json.dumps(flags), flags
+
+
+def test_an_option_no_toolchain_reads_is_refused_at_its_call_site(tmp_path: Path) -> None:
+    ws = write_ws(tmp_path / "ws", {"m/llama.py": MODEL_SRC,
+                                    "m/BUILD": BUILD.format(level=2) + 'compiler_options(name = "x", isa = "v3")\n'})
+    proc = run_cli(["plan", "--cache-dir", str(tmp_path / "cache")], ws)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert proc.stderr.startswith("m/BUILD:11:") and "unknown attribute 'isa'" in proc.stderr, proc.stderr
