@@ -312,8 +312,10 @@ def section_replan(graphs: int, plan_buckets: int, plan_compiles: int, workdir: 
     for r in runs:
         info = _server_info(big, r["env"], r["bin"])
         logged = _log_times(big, r["env"], r["bin"])[-warm_runs:]
+        rss = f"**{info['rss_kib'] / 1024:.0f} MiB**" if "rss_kib" in info else \
+            f"none (no server answered: {json.dumps(info)[:200]})"
         print(f"{r['label']}: the server's log for the warm commands: " + ", ".join(f"{t:.2f} s" for t in logged)
-              + f"; server RSS after these plans: **{info['rss_kib'] / 1024:.0f} MiB**")
+              + f"; server RSS after these plans: {rss}")
         _shutdown(big, r["env"], r["bin"])
         shutil.rmtree(r["cache"], ignore_errors=True)
     shutil.rmtree(big, ignore_errors=True)
