@@ -4,6 +4,7 @@ cache, each output target and the bundle against the checkpoint's.
 
     .venv/bin/python benchmarks/big_model_bench.py --shape llama-3.2-1b --targets trn2 [--workdir DIR] [--keep]
     .venv/bin/python benchmarks/big_model_bench.py --shape tiny --targets trn2,cpu --generate   # a quick check
+    .venv/bin/python benchmarks/big_model_bench.py --shape llama-3.2-1b --tp 2 --no-bundle     # tensor parallel (#29)
 
 Not part of the test suite (CI keeps tiny models). Watch the machine's memory: each action's peak is printed as it
 is recorded by the build (`--profile`). The 8B shape writes a 16 GB checkpoint first."""
@@ -28,6 +29,10 @@ SHAPES: dict[str, dict[str, object]] = {
     "llama-3.2-1b": {"vocab_size": 128256, "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
                      "num_attention_heads": 32, "num_key_value_heads": 8, "tie_word_embeddings": True,
                      "rope_theta": 500000.0, "rms_norm_eps": 1e-5},
+    # the 1B's vocabulary and widths with 2 layers: its embedding (the largest tensor) at a tenth of the disk (#29)
+    "llama-3.2-1b-2l": {"vocab_size": 128256, "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 2,
+                        "num_attention_heads": 32, "num_key_value_heads": 8, "tie_word_embeddings": True,
+                        "rope_theta": 500000.0, "rms_norm_eps": 1e-5},
     "llama-3.1-8b": {"vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
                      "num_attention_heads": 32, "num_key_value_heads": 8, "tie_word_embeddings": False,
                      "rope_theta": 500000.0, "rms_norm_eps": 1e-5},
@@ -79,7 +84,7 @@ neuron_target(name = "cpu", platform = "cpu", isa = "native")
 neuron_bundle(name = "release", srcs = [{srcs}])
 """
 COMPILE = """neuron_compile(name = "llm_{t}", model = ":llm", buckets = {{"context": [":serve_context"], "token": [":serve_token"]}},
-               target = ":{t}")"""
+               target = ":{t}"{tp})"""
 
 
 def du(path: Path) -> int:
@@ -110,10 +115,12 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=128)
     ap.add_argument("--max-seq", type=int, default=256)
     ap.add_argument("--jobs", type=int, default=1)
+    ap.add_argument("--dtype", default="bfloat16", help="hf_causal_lm's dtype (the checkpoint is bf16 either way)")
     ap.add_argument("--generate", action="store_true", help="deploy the bundle and generate 8 tokens per target")
     ap.add_argument("--no-bundle", action="store_true", help="build the compile targets only (no bundle)")
     ap.add_argument("--workdir", type=Path, default=None)
     ap.add_argument("--keep", action="store_true")
+    ap.add_argument("--tp", type=int, default=1, help="tp_degree of the trn2 compile (#29; cpu stays at 1)")
     args = ap.parse_args()
     targets = [t.strip() for t in args.targets.split(",") if t.strip()]
     work = args.workdir or Path(tempfile.mkdtemp(prefix="big-model-bench-"))
@@ -122,18 +129,23 @@ def main() -> None:
         shutil.rmtree(d, ignore_errors=True)
     ws.mkdir(parents=True)
     (ws / "WORKSPACE.neuronbuild").write_text("")
-    cfg = {**COMMON, **SHAPES[args.shape]}
+    cfg = {**COMMON, **SHAPES[args.shape], "dtype": args.dtype}
     start = time.perf_counter()
     ckpt = write_checkpoint(ws / "model.safetensors", cfg)
-    print(f"checkpoint: {args.shape}, {ckpt / 1e9:.2f} GB bf16, written in {time.perf_counter() - start:.0f} s")
+    print(f"checkpoint: {args.shape}, {ckpt / 1e9:.2f} GB bf16, written in {time.perf_counter() - start:.0f} s; "
+          f"built as {args.dtype}")
     (ws / "BUILD").write_text(BUILD.format(config=json.dumps(cfg).replace("true", "True").replace("false", "False"), max_seq=args.max_seq, context=args.context,
-                                           compiles="\n".join(COMPILE.format(t=t) for t in targets),
+                                           compiles="\n".join(COMPILE.format(t=t, tp=f", tp_degree = {args.tp}" if t == "trn2" and args.tp > 1 else "")
+                                                              for t in targets),
                                            srcs=", ".join(f'":llm_{t}"' for t in targets)))
     profile = work / "profile.json"
-    goals = [f"//:llm_{t}" for t in targets] if args.no_bundle else ["//:release"]
+    goals = [f"//:llm_{t}" for t in targets]
     wall, _ = cli(["build", *goals, "--jobs", str(args.jobs), "--cache-dir", str(cache),
                    "--profile", str(profile)], ws)
     print(f"build {' '.join(goals)}: {wall:.0f} s wall (under load: other work shares this machine)")
+    if not args.no_bundle:  # the graphs are cached now: this invocation only writes the bundle
+        bwall, _ = cli(["build", "//:release", "--jobs", str(args.jobs), "--cache-dir", str(cache)], ws)
+        print(f"bundle //:release (graphs cached: packaging only): {bwall:.0f} s wall, process start included")
     events = json.loads(profile.read_text())
     events = events.get("traceEvents", events) if isinstance(events, dict) else events
     print(f"{'action':<70} {'wall s':>8} {'cpu s':>8} {'peak RSS MiB':>12}")
@@ -149,6 +161,9 @@ def main() -> None:
         d = out / f"llm_{t}"
         if d.exists():
             print(f"  out llm_{t}: {du(d) / 1e9:.2f} GB ({du(d) / ckpt:.2f}x)")
+        for shard in sorted(d.glob("*/rank_0.safetensors"))[:1]:  # tensor parallel: every rank's shard is this size
+            size = shard.stat().st_size
+            print(f"  one rank's weights shard (of {args.tp}): {size / 1e9:.2f} GB ({size / ckpt:.3f}x the checkpoint)")
     bundles = sorted(b for b in out.glob("release.tar.*") if not b.name.endswith(".sha256"))
     for b in bundles:
         print(f"  bundle {b.name}: {b.stat().st_size / 1e9:.2f} GB ({b.stat().st_size / ckpt:.2f}x)")

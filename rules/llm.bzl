@@ -22,12 +22,26 @@ def _kv_heads(model_type, config, heads):
         return 1 if config.get("multi_query", True) else heads
     return _field(config, ["num_key_value_heads", "num_kv_heads", "multi_query_group_num"], heads)
 
-def hf_causal_lm(name, config, weights, max_seq = 256, model_type = None, weights_prefix = "", tags = []):
+_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16", "fp32": "float32", "bf16": "bfloat16",
+           "fp16": "float16", "float": "float32", "half": "float16"}
+
+def _dtype(name, config, dtype):
+    """The dtype the model computes in (weights, activations, KV cache): `dtype` if given, else the config's
+    `dtype` / `torch_dtype` (as transformers reads it), else float32."""
+    d = dtype or config.get("dtype") or config.get("torch_dtype") or "float32"
+    if type(d) != "string" or d.replace("torch.", "") not in _DTYPES:
+        fail("hf_causal_lm %s: dtype %r is not supported (float32, bfloat16 or float16)" % (name, d))
+    return _DTYPES[d.replace("torch.", "")]
+
+def hf_causal_lm(name, config, weights, max_seq = 256, model_type = None, weights_prefix = "", dtype = None, tags = []):
     """A transformers causal LM (llama, mistral, qwen2, gpt2, ...) as served: a `context` graph (prefill: input_ids and
     attention_mask [batch, seq] -> last logits + the KV cache) and a `token` graph (decode: one token per sequence,
     its position, the cache mask and slot, the cache -> logits + the cache, aliased), over a static KV cache of
-    max_seq slots, sharing one weights file. `config` holds HF config fields (model_type included or given)."""
+    max_seq slots, sharing one weights file. `config` holds HF config fields (model_type included or given).
+    `dtype` (float32, bfloat16, float16) is what the weights, activations and KV cache are held in: by default the
+    config's `dtype` / `torch_dtype`, else float32. Logits are float32 whatever the dtype."""
     mt = model_type or _field(config, ["model_type"])
+    dt = _dtype(name, config, dtype)
     for lt in config.get("layer_types") or []:
         if lt not in ("full_attention", "sliding_attention"):
             fail("hf_causal_lm %s: config field layer_types: %r is not supported (full_attention and sliding_attention are)" % (name, lt))
@@ -38,8 +52,10 @@ def hf_causal_lm(name, config, weights, max_seq = 256, model_type = None, weight
     hidden = _field(config, ["hidden_size", "n_embd"])
     kv_heads = _kv_heads(mt, config, heads)
     head_dim = _field(config, ["head_dim"], hidden // heads)
-    hf = {k: v for k, v in config.items() if k != "model_type"}
-    kv = "float32[layers, 2, batch, kv_heads, max_seq, head_dim]"
+    hf = {k: v for k, v in config.items() if k not in ("model_type", "torch_dtype", "dtype")}
+    if dt != "float32":  # (float32 is transformers' default: such configs stay as they were)
+        hf["dtype"] = dt
+    kv = dt + "[layers, 2, batch, kv_heads, max_seq, head_dim]"
     neuron_model(
         name = name,
         entry = _GRAPHS_MODULE + ":context",

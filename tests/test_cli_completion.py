@@ -69,7 +69,7 @@ def test_flags_and_their_values(script: tuple[Path, Path]) -> None:
 def test_target_labels(script: tuple[Path, Path]) -> None:
     # bash completes the word after the last ':' (COMP_WORDBREAKS), so candidates come without "//models:".
     assert complete(script, "neuronbuild build //models:llama_") == [
-        "llama_cpu", "llama_tiny", "llama_tiny_cpu", "llama_trn2"]
+        "llama_cpu", "llama_tiny", "llama_tiny_cpu", "llama_trn2", "llama_trn2_tp2"]
     assert complete(script, "neuronbuild build //t") == ["//tools/...", "//tools:"]
     assert "//models/..." in complete(script, "neuronbuild plan ")
     assert complete(script, "neuronbuild validate :rel", EXAMPLES / "models") == ["release", "release_cpu"]
@@ -138,4 +138,4 @@ def test_fish_completes_commands_flags_and_labels(script: tuple[Path, Path], tmp
     assert fish("neuronbuild -C x bu") == ["build"]
     assert fish("neuronbuild build --executor ") == ["dask", "dask-local", "local"]
     assert fish("neuronbuild build //models:llama_t") == ["//models:llama_tiny", "//models:llama_tiny_cpu",
-                                                          "//models:llama_trn2"]
+                                                          "//models:llama_trn2", "//models:llama_trn2_tp2"]

@@ -151,6 +151,11 @@ def test_keep_going_builds_the_good_model_and_names_the_broken_action_and_writes
     assert {e["args"]["fingerprint"]: e["args"]["cpu_s"] for e in slices if e["args"]["ok"]} == \
         {e["fingerprint"]: e["cpu_s"] for e in finished}
     assert [e["args"]["fingerprint"] for e in slices if not e["args"]["ok"]] == [failed["fingerprint"]]
+    # Each executed action's measured peak beside the memory estimate --local-ram admitted it by (the same as in
+    # its action_started event).
+    admitted = {e["fingerprint"]: e["estimate_mb"] for e in events if e["event"] == "action_started"}
+    assert all(e["args"]["peak_rss_mb"] > 0 and e["args"]["estimate_mb"] == admitted[e["args"]["fingerprint"]] > 0
+               for e in slices if e["args"]["ok"])
     names = {e["tid"]: e["args"]["name"] for e in evs if e["ph"] == "M" and e["name"] == "thread_name"}
     assert {names[e["tid"]] for e in slices} <= {"worker-1", "worker-2"}
     assert any(e["name"] == "cache check" for e in evs)

@@ -323,3 +323,111 @@ def test_a_freed_worker_gets_ready_work_before_the_finished_actions_outputs_are_
     ex = StoreWatchingExecutor(1, LocalCache(tmp_path / "c2"), tmp_path / "out2")
     assert Scheduler(tmp_path, ex.cache, ex, SchedulerOptions()).run(_graph({"a": 1})).ok
     assert ex.stored_before_next_start == [True]  # a compile needs its trace's stored output: it waits for it
+
+
+class WeightsToolchain(WarmingToolchain):
+    """A toolchain whose step holds its model's weights (as a weights action does): 100 MB + 1 MB per weight MB."""
+
+    name = "weightstest"
+    platforms = ("weightstest",)
+    artifact_format = "weightstest"
+    estimate_mb = 100.0
+    estimate_mb_per_weight_mb = 1.0
+
+    def warm_up_key(self, spec: dict[str, str]) -> dict[str, str] | None:
+        return None
+
+
+plugins.register_toolchain(WeightsToolchain())
+
+
+def _weights_graph(ws: Path, sizes_mb: dict[str, int], buckets: int = 2) -> ActionGraph:
+    """Per model: a weights file of the given size (sparse) in `ws`, its trace, and one weightstest step per bucket."""
+    g = nx.DiGraph()
+    actions: dict[str, Action] = {}
+    for name, mb in sizes_mb.items():
+        with open(ws / f"{name}.safetensors", "wb") as f:
+            f.truncate(mb << 20)
+        b0 = Bucket((("batch", 1),))
+        t = Action(f"t-{name}".ljust(64, "0"), TRACE, Label("p", name), b0, {},
+                   {"model": {"weights": {"path": f"{name}.safetensors", "digest": "d"}}}, outputs=("program.pt2",))
+        actions[t.fingerprint] = t
+        g.add_node(t.fingerprint)
+        for i in range(buckets):
+            c = Action(f"c-{name}-{i}".ljust(64, "0"), COMPILE, Label("p", f"{name}_w"), Bucket((("batch", i + 1),)),
+                       {"toolchain": {"x": "1"}}, {"toolchain": "weightstest", "step": COMPILE},
+                       dep_inputs=(DepInput(t.fingerprint, "program.pt2", "program.pt2"),), outputs=("out",),
+                       platform="weightstest", target="weightstest")
+            actions[c.fingerprint] = c
+            g.add_edge(t.fingerprint, c.fingerprint)
+    return ActionGraph(actions, g, ())
+
+
+class SnapshotExecutor(RecordingExecutor):
+    """Records, at each start, the fingerprints of every job in flight then (the one starting included)."""
+
+    def __init__(self, slots: int, cache: LocalCache, tmp: Path) -> None:
+        super().__init__(slots, cache, tmp)
+        self.snapshots: list[list[str]] = []
+
+    def start(self, job: Job) -> Started:
+        started = super().start(job)
+        self.snapshots.append([j.action.fingerprint for j in self.queue])
+        return started
+
+
+def _admitted_sets(ex: SnapshotExecutor, got: Events) -> list[dict[str, float]]:
+    """At each start: label[bucket] -> estimate (MB) of every action in flight then."""
+    est = {e.fields["fingerprint"]: float(e.fields["estimate_mb"]) for e in got.kinds(ev.ACTION_STARTED)}
+    name = {e.fields["fingerprint"]: e.fields["label"] + str(e.fields["bucket"]) for e in got.kinds(ev.ACTION_STARTED)}
+    return [{name[fp]: est[fp] for fp in snap} for snap in ex.snapshots]
+
+
+def test_first_build_estimates_come_from_weight_bytes_and_never_exceed_local_ram_together(tmp_path: Path) -> None:
+    """Nothing recorded yet: a step estimated from its model's declared weight bytes (1000 MB -> 1100 MB) never starts
+    beside another whose estimate would take the sum past --local-ram, while the same graph with small weights runs
+    both steps at once; a trace on shapes is estimated small whatever its weights."""
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    cache = LocalCache(tmp_path / "cache")
+    got = Events()
+    ex = SnapshotExecutor(4, cache, tmp_path / "out")
+    result = Scheduler(ws, cache, ex, SchedulerOptions(local_ram_mb=2000), EventBus([got])).run(
+        _weights_graph(ws, {"big": 1000}))
+    assert result.ok and len(result.executed) == 3
+    est = {e.fields["label"] + str(e.fields.get("bucket")): e.fields["estimate_mb"]
+           for e in got.kinds(ev.ACTION_STARTED)}
+    steps = {k: v for k, v in est.items() if "big_w" in k}
+    assert len(steps) == 2 and all(v == 1100.0 for v in steps.values())  # 100 + 1.0 x 1000 MB of weights
+    assert [v for k, v in est.items() if "big_w" not in k] == [800.0 + 128.0]  # the trace: its default + one piece
+    plan = got.kinds(ev.BUILD_STARTED)[0].fields["plan"]
+    assert all("weights" in p["estimate_mb_source"] for p in plan)
+    sets = _admitted_sets(ex, got)
+    assert all(sum(s.values()) <= 2000 for s in sets)
+    assert max(len([k for k in s if "big_w" in k]) for s in sets) == 1  # the two steps one after the other
+    finished = {e.fields["label"] + str(e.fields.get("bucket")): e.fields for e in got.kinds(ev.ACTION_FINISHED)}
+    assert all(f["estimate_mb"] == est[k] and "peak_rss_mb" in f for k, f in finished.items())
+
+    # The same graph with 10 MB of weights: both steps fit together.
+    ws2 = tmp_path / "ws2"
+    ws2.mkdir()
+    got2 = Events()
+    ex2 = SnapshotExecutor(4, LocalCache(tmp_path / "cache2"), tmp_path / "out2")
+    assert Scheduler(ws2, ex2.cache, ex2, SchedulerOptions(local_ram_mb=2000), EventBus([got2])).run(
+        _weights_graph(ws2, {"small": 10})).ok
+    assert max(len([k for k in s if "small_w" in k]) for s in _admitted_sets(ex2, got2)) == 2
+
+
+def test_a_recorded_peak_of_one_bucket_estimates_the_other_buckets(tmp_path: Path) -> None:
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    cache = LocalCache(tmp_path / "cache")
+    ag = _weights_graph(ws, {"m": 1000}, buckets=3)
+    first = next(a for a in ag.actions.values() if a.kind == COMPILE)
+    IdentityIndex(cache.root).record(ActionResult("f" * 64, first.identity, {}, {}, 5.0, {"peak_rss_mb": 300.0}))
+    got = Events()
+    ex = SnapshotExecutor(4, cache, tmp_path / "out")
+    assert Scheduler(ws, cache, ex, SchedulerOptions(local_ram_mb=2000), EventBus([got])).run(ag).ok
+    steps = [e.fields["estimate_mb"] for e in got.kinds(ev.ACTION_STARTED) if e.fields["label"].endswith("m_w")]
+    assert steps == [300.0, 300.0, 300.0]  # the recorded bucket's peak, not 100 + 1000 from the weights
+    assert max(len([k for k in s if "m_w" in k]) for s in _admitted_sets(ex, got)) == 3

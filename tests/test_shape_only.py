@@ -5,7 +5,9 @@ byte-identical to what the previous path (weights loaded into the module and car
 from __future__ import annotations
 
 import hashlib
+import json
 import shutil
+import struct
 import textwrap
 import zipfile
 from pathlib import Path
@@ -50,10 +52,13 @@ BUCKET = {"batch": 2, "seq": 8}
 # its weights loaded, the program holding them; the Lower and cpu compile writing the weights from the program) for
 # the `readable` factory and the same weights file. model.pt2 is not pinned: its shared library is built by this
 # host's C++ compiler, so its bytes differ between machines; the test compares it with the `readable` build instead.
+# constants.safetensors was re-recorded when #28 stored tied weights once (out.weight an alias of emb.weight in the
+# file's metadata; test_the_weights_file_holds_the_models_tensors_with_tied_ones_once checks its contents against the
+# module's own state dict).
 BEFORE = {
     "model.hlo.pb": "2b8214af40079b88",
     "params.json": "f12196404889b111",
-    "constants.safetensors": "645b2a94b1e31591",
+    "constants.safetensors": "3a3507d49d725f2e",
 }
 
 
@@ -118,6 +123,27 @@ def test_the_program_archive_holds_no_weight_bytes(unreadable) -> None:  # type:
         assert weights, "the archive lists the program's parameters"
         assert all(i.file_size == 0 for i in weights), [(i.filename, i.file_size) for i in weights if i.file_size]
     assert (root / "trace" / "constants.safetensors").stat().st_size > 4 * 32 * 16  # the weights are in their file
+
+
+def test_the_weights_file_holds_the_models_tensors_with_tied_ones_once(unreadable) -> None:  # type: ignore[no-untyped-def]
+    import torch
+
+    from neuronbuild.runtime.aoti_loader import read_constants
+    from neuronbuild.toolchains.weights import read_header
+
+    root, _ = unreadable
+    ns: dict[str, Any] = {}
+    exec(MODEL_SRC, ns)  # noqa: S102  (the test's own model source)
+    torch.manual_seed(0)
+    want = ns["Block"]().state_dict()
+    got = read_constants(root / "trace" / "constants.safetensors")
+    assert set(want) <= set(got)
+    assert all(torch.equal(got[k], v) for k, v in want.items())
+    assert got["out.weight"] is got["emb.weight"]  # one tensor under both names, as in the module
+    assert "out.weight" in read_header(root / "trace" / "constants.safetensors")  # (readers see the alias)
+    with open(root / "trace" / "constants.safetensors", "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        assert "out.weight" not in json.loads(f.read(n))  # stored once
 
 
 def test_the_weights_writer_matches_safetensors_save(tmp_path: Path) -> None:

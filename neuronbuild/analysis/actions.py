@@ -16,6 +16,17 @@ TRACE_OUTPUT = "program.pt2"  # shapes only: no weight values inside
 TRACE_WEIGHTS = "constants.safetensors"  # every tensor the program holds, streamed from the weight files
 
 
+def rank_weights(rank: int) -> str:
+    """A tensor-parallel trace's weights output for one rank (instead of TRACE_WEIGHTS): that rank's shard of every
+    tensor the per-rank program holds."""
+    return f"rank_{rank}.safetensors"
+
+
+def trace_weights(tp_degree: int) -> tuple[str, ...]:
+    """The weights files a trace at `tp_degree` writes: the one file, or one per rank."""
+    return (TRACE_WEIGHTS,) if tp_degree <= 1 else tuple(rank_weights(r) for r in range(tp_degree))
+
+
 @dataclass(frozen=True, order=True)
 class Bucket:
     """One static input shape: ordered (dimension, size) pairs, of one graph of the model ("" when it has one)."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import networkx as nx
@@ -17,6 +18,10 @@ from neuronbuild.history import History, LatestEntry
 
 TRACE_DEFAULT_S = 4.0  # a trace of a small model, when nothing was recorded
 TRACE_DEFAULT_MB = 800.0
+# A trace runs on shapes and streams the weights into its constants file in pieces of at most 64 MB (stored and
+# converted copy): what it holds beyond torch does not grow with the weights (1B-shaped model: < 700 MiB, see
+# docs/benchmarks.md #28).
+TRACE_STREAM_MB = 128.0
 
 
 @dataclass(frozen=True)
@@ -26,6 +31,15 @@ class Estimate:
     seconds: float
     source: str
     recorded: bool = True  # False: a default, nothing recorded to go by
+
+
+@dataclass(frozen=True)
+class PeakEstimate:
+    """Peak resident MB one action is expected to need and where the figure comes from."""
+
+    mb: float
+    source: str
+    recorded: bool = True
 
 
 def _kind_platform(identity: str) -> tuple[str, str]:
@@ -44,6 +58,46 @@ def default_estimate(action: Action) -> tuple[float, float]:
         return TRACE_DEFAULT_S, TRACE_DEFAULT_MB
     tc = plugins.toolchain(action.toolchain)
     return float(tc.estimate_s), float(tc.estimate_mb)
+
+
+def default_peak_mb(action: Action, weight_mb: float) -> float:
+    """The peak MB assumed for an action nothing was recorded for, from the weight bytes of its model: a trace (on
+    shapes, weights streamed) holds its default plus one streamed piece; a toolchain step its `estimate_mb` plus
+    `estimate_mb_per_weight_mb` (optional, 0 when left out: the step works on shapes) times the weights' MB."""
+    if action.kind == TRACE or not action.toolchain:
+        return TRACE_DEFAULT_MB + (TRACE_STREAM_MB if weight_mb > 0 else 0.0)
+    tc = plugins.toolchain(action.toolchain)
+    return float(tc.estimate_mb) + float(getattr(tc, "estimate_mb_per_weight_mb", 0.0)) * weight_mb
+
+
+def declared_weight_mb(todo: Iterable[Action], actions: Mapping[str, Action], root: Path) -> dict[str, float]:
+    """Per action of `todo`: the MB of the weight files its model declares (a trace: its own; a compile step: its trace's,
+    through the steps before it), from their sizes on disk; 0.0 for a model without weight files."""
+    by_trace: dict[str, float] = {}
+    out: dict[str, float] = {}
+
+    def of_trace(a: Action) -> float:
+        known = by_trace.get(a.fingerprint)
+        if known is None:
+            w = (a.spec.get("model") or {}).get("weights") or {}
+            paths = [s[0] for s in w.get("shards") or ()] or ([w["path"]] if w.get("path") else [])
+            total = 0
+            for p in paths:
+                try:
+                    total += (root / str(p)).stat().st_size
+                except (OSError, ValueError):
+                    pass
+            known = by_trace[a.fingerprint] = total / (1 << 20)
+        return known
+
+    for a in todo:
+        cur: Action | None = a
+        for _ in range(64):  # (a chain of steps back to its trace: a handful)
+            if cur is None or cur.kind == TRACE:
+                break
+            cur = next((actions[d.action] for d in cur.dep_inputs if d.action in actions), None)
+        out[a.fingerprint] = of_trace(cur) if cur is not None and cur.kind == TRACE else 0.0
+    return out
 
 
 class Estimator:
@@ -94,12 +148,19 @@ class Estimator:
         return Estimate(seconds, f"default for a {action.kind}" + (f" ({action.toolchain})" if action.toolchain
                                                                    else ""), recorded=False)
 
-    def peak_mb(self, action: Action) -> float:
-        """The memory an action is expected to need: the identity's recorded peak, else the default."""
+    def peak_mb(self, action: Action, weight_mb: float = 0.0) -> PeakEstimate:
+        """The memory an action is expected to need (what --local-ram admits it by): the identity's recorded peak, else
+        the highest recorded peak of the other buckets of its label and target, else default_peak_mb from the weight
+        bytes of its model (`weight_mb`)."""
         latest = self.history.latest(action.identity)
         if latest is not None and latest.peak_rss_mb > 0:
-            return latest.peak_rss_mb
-        return default_estimate(action)[1]
+            return PeakEstimate(latest.peak_rss_mb, "the last run of this action identity")
+        peaks = [e.peak_rss_mb for e in self.history.group(action.identity) if e.peak_rss_mb > 0]
+        if peaks:
+            return PeakEstimate(max(peaks), f"the highest of {len(peaks)} other bucket(s) of this target")
+        return PeakEstimate(default_peak_mb(action, weight_mb),
+                            f"default for a {action.kind}" + (f" with {weight_mb:.0f} MB of weights" if weight_mb else ""),
+                            recorded=False)
 
 
 def wall_time(graph: nx.DiGraph, todo: Sequence[Action], seconds: Mapping[str, float], jobs: int) -> float:

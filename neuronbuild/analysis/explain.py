@@ -124,6 +124,8 @@ def describe_change(path: tuple[str, ...], old: Any, new: Any, new_record: Mappi
         return f"weights: {wpath(old)} -> {wpath(new)}"
     if path == ("model", "weights", "path"):
         return f"weights: {_fmt(old)} -> {_fmt(new)}"
+    if path == ("tp_degree",):  # absent: an unsharded graph
+        return f"tp_degree: {1 if old is ABSENT else _fmt(old)} -> {1 if new is ABSENT else _fmt(new)}"
     if path[:1] == ("bucket",) and len(path) == 2:
         return f"bucket: {path[1]} {_fmt(old)} -> {_fmt(new)}"
     if path[:1] in (("toolchain",), ("env",)) and len(path) == 2:

@@ -21,7 +21,7 @@ from typing import Any
 import networkx as nx
 
 from neuronbuild import FORMAT_VERSION, digests, plugins
-from neuronbuild.analysis.actions import TRACE, TRACE_OUTPUT, TRACE_WEIGHTS, Action, Bucket, make_action
+from neuronbuild.analysis.actions import TRACE, TRACE_OUTPUT, Action, Bucket, make_action, trace_weights
 from neuronbuild.analysis.plan_settings import PlanSettings
 from neuronbuild.analysis.providers import BundleInfo, CompileTarget, ModelInfo
 from neuronbuild.loading.labels import Label
@@ -308,7 +308,7 @@ class AnalysisContext:
         self.memo = memo
         self._frames: list[_Recorder] = []
         self._valid: dict[Label, bool] = {}
-        self._traces: dict[tuple[int, Bucket], tuple[ModelInfo, Action]] = {}
+        self._traces: dict[tuple[int, Bucket, int], tuple[ModelInfo, Action]] = {}
 
     def target(self, label: Label) -> Target:
         return self.graph.targets[label]
@@ -474,18 +474,22 @@ class AnalysisContext:
             known = self.actions[action.fingerprint] = action
         return known
 
-    def trace(self, model: ModelInfo, bucket: Bucket) -> Action:
-        """The trace of `model` at `bucket`: one per (model, bucket), shared by every compile that needs it."""
-        key = (id(model), bucket)
+    def trace(self, model: ModelInfo, bucket: Bucket, tp_degree: int = 1) -> Action:
+        """The trace of `model` at `bucket`: one per (model, bucket, tp_degree), shared by every compile that needs
+        it. tp_degree > 1 traces one rank's program (every rank runs the same one) and writes one weights shard per
+        rank; tp_degree 1 leaves the record as it was (fingerprints of untouched graphs unchanged)."""
+        key = (id(model), bucket, tp_degree)
         known = self._traces.get(key)
         if known is not None and known[0] is model:  # (the model info is held, so its id is not reused)
             return self.add(known[1])
-        action = self._make_trace(model, bucket)
+        action = self._make_trace(model, bucket, tp_degree)
         self._traces[key] = (model, action)
         return action
 
-    def _make_trace(self, model: ModelInfo, bucket: Bucket) -> Action:
+    def _make_trace(self, model: ModelInfo, bucket: Bucket, tp_degree: int = 1) -> Action:
         rec = model.record
+        if tp_degree <= 1 and "tp_plan" in rec:  # a sharding plan changes only sharded traces
+            rec = {k: v for k, v in rec.items() if k != "tp_plan"}
         record = {
             "format": FORMAT_VERSION,
             "action": TRACE,
@@ -493,14 +497,17 @@ class AnalysisContext:
             "bucket": bucket.as_dict(),
             # + the third-party distributions the model imports (what-if versions applied like torch's)
             "toolchain": self.settings.trace_toolchain() | self.settings.override(dict(rec.get("imports") or {})),
-            "program": "shapes-1",  # program.pt2 without weight values + the streamed constants.safetensors
+            "program": "shapes-2",  # program.pt2 without weight values + the streamed constants.safetensors (tied once)
         } | self.common
         spec = {"model": {k: rec[k] for k in ("package", "entry", "config", "seed")}
                 | {"srcs": list(rec["srcs"]), "weights": rec["weights"], "weights_prefix": rec.get("weights_prefix", ""),
-                   "libraries": sorted(rec.get("deps") or {})},
+                   "libraries": sorted(rec.get("deps") or {})}
+                | ({"tp_plan": rec["tp_plan"]} if rec.get("tp_plan") else {}),
                 "inputs": rec["inputs"], "outputs": rec.get("outputs") or [], "bucket": bucket.as_dict()}
+        if tp_degree > 1:
+            record["tp_degree"] = spec["tp_degree"] = tp_degree
         return self.add(make_action(TRACE, model.label, bucket, record, spec, files=model.files,
-                                    outputs=(TRACE_OUTPUT, TRACE_WEIGHTS)))
+                                    outputs=(TRACE_OUTPUT, *trace_weights(tp_degree))))
 
 
 _MISSING = object()

@@ -92,6 +92,8 @@ class Toolchain(Protocol):
     artifact_format: str  # how the runtime recognises its artifacts (written into manifests)
     estimate_s: float  # assumed seconds of its primary step when nothing was recorded
     estimate_mb: float  # assumed peak MB of its primary step when nothing was recorded
+    # Optional (read with getattr, 0.0 when absent): MB more per MB of the model's declared weight files, for a step
+    # that holds the weights (estimate.default_peak_mb); steps on shapes leave it out.
     validate_note: str  # what `validate` checks of its artifacts when that is less than the real thing ("" if not)
     option_keys: tuple[OptionKey, ...]  # the compiler options it reads (the only ones entering its fingerprints)
     target_attrs: tuple[Attr, ...]  # neuron_target attributes it reads besides `platform` (e.g. cpu's isa)

@@ -70,6 +70,8 @@ class TraceProfile:
                 args["error"] = f["error"]
             else:
                 args["peak_rss_mb"] = f["peak_rss_mb"]
+                if "estimate_mb" in f:  # what --local-ram admitted it by
+                    args["estimate_mb"] = f["estimate_mb"]
                 args["cpu_s"] = f.get("cpu_s", 0.0)
             end = float(f.get("end") or e.time)  # the worker was free from then on (storing came after)
             self._slice(f["description"], "action", f["start"], end, self._tid(f["worker"]), args)

@@ -11,7 +11,7 @@ import networkx as nx
 
 from neuronbuild import plugins
 from neuronbuild.analysis.actions import Action, Bucket, make_action
-from neuronbuild.analysis.estimate import Estimator
+from neuronbuild.analysis.estimate import Estimator, declared_weight_mb
 from neuronbuild.analysis.planner import ActionGraph
 from neuronbuild.analysis.toolchain_api import WARM_UP, warm_up_key
 from neuronbuild.execution import cutoff
@@ -206,11 +206,15 @@ class Scheduler:
         est = Estimator(self.cache.history())
         duration = {a.fingerprint: est.estimate(a).seconds for a in todo}
         prio = critical_paths(ag, todo, duration)
-        mem = {a.fingerprint: est.peak_mb(a) for a in todo}
+        weight_mb = declared_weight_mb(todo, ag.actions, self.root)
+        peaks = {a.fingerprint: est.peak_mb(a, weight_mb[a.fingerprint]) for a in todo}
+        mem = {fp: p.mb for fp, p in peaks.items()}
         self.bus.emit(ev.BUILD_STARTED, total_actions=len(ag.actions), to_execute=len(todo), cached=len(cached_list),
                       jobs=self.executor.slots, executor=self.executor.name,
                       plan=[{"fingerprint": a.fingerprint, "description": a.describe(),
                              "estimate_s": round(duration[a.fingerprint], 3),
+                             "estimate_mb": round(mem[a.fingerprint], 1),
+                             "estimate_mb_source": peaks[a.fingerprint].source,
                              "critical_path_s": round(prio[a.fingerprint], 3)} for a in todo])
         for fp in cached_list:
             self.bus.emit(ev.ACTION_CACHED, **action_fields(ag.actions[fp]))
@@ -448,7 +452,7 @@ class _Run:
         queued = len(self.running) + self._warming_in_slots() >= self.s.executor.slots
         self.running[job.id] = _Running(job, claim, self.mem[fp], time.time())
         self.s.bus.emit(ev.ACTION_STARTED, **action_fields(a), attempt=attempt + 1, worker=started.worker,
-                        pid=started.pid, queued=queued, slots=self.s.executor.slots)
+                        pid=started.pid, queued=queued, slots=self.s.executor.slots, estimate_mb=round(self.mem[fp], 1))
 
     def _complete(self, c: Completion, r: _Running, ended: float) -> None:
         """`ended`: when the executor handed the completion back (the worker was free from then on)."""
@@ -477,8 +481,8 @@ class _Run:
             self.executed.append(fp)
             self.s.bus.emit(ev.ACTION_FINISHED, **action_fields(a), attempt=c.job.attempt + 1, worker=c.worker,
                             pid=c.pid, start=start, end=ended, duration_s=round(c.duration_s, 3),
-                            peak_rss_mb=round(c.peak_rss_mb, 1), cpu_s=round(c.cpu_s, 3),
-                            outputs={k: v for k, v in sorted(self._outputs(fp).items())})
+                            peak_rss_mb=round(c.peak_rss_mb, 1), estimate_mb=round(r.mem_mb, 1),
+                            cpu_s=round(c.cpu_s, 3), outputs={k: v for k, v in sorted(self._outputs(fp).items())})
             self._done(fp)
             return
         retry = c.worker_died and self.attempts.get(fp, 0) < self.s.options.retries and not self.stopped

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from neuronbuild import plugins
+from neuronbuild.analysis import tensor_parallel
 from neuronbuild.analysis.actions import Bucket
 from neuronbuild.analysis.planner import AnalysisContext
 from neuronbuild.analysis.providers import BucketsInfo, CompileTarget, ModelInfo, PlatformInfo
@@ -13,7 +14,7 @@ from neuronbuild.errors import UserInputError
 from neuronbuild.kinds.base import RuleKind
 from neuronbuild.kinds.options import merged_options
 from neuronbuild.loading.labels import Label
-from neuronbuild.loading.schema import FLOAT, GRAPH_LABEL, GRAPH_LABELS, LABEL, NAME, TAGS, Attr, RuleSchema
+from neuronbuild.loading.schema import FLOAT, GRAPH_LABEL, GRAPH_LABELS, INT, LABEL, NAME, TAGS, Attr, RuleSchema
 from neuronbuild.loading.target_graph import locate
 from neuronbuild.loading.targets import Target
 
@@ -29,6 +30,9 @@ SCHEMA = RuleSchema(
         Attr("target", LABEL, "The neuron_target compiled for.", required=True, kinds=("neuron_target",)),
         Attr("options", GRAPH_LABEL, "A compiler_options target (default: no options), or {graph: label} per graph "
              "family (e.g. context at -O1, token at -O2).", kinds=("compiler_options",)),
+        Attr("tp_degree", INT, "Tensor-parallel degree: each graph becomes one SPMD program for tp_degree NeuronCores "
+             "with one weights shard per rank (hf_causal_lm llama-family models; a degree the platform accepts).",
+             default=1),
         Attr("tolerance", FLOAT, "Max abs error against eager accepted by `neuronbuild validate`.", default=1e-4),
         Attr("timeout", FLOAT, "Seconds each action of this target may run (trace, lowering, compile); overrides "
              "--action-timeout (0: the flag's value). Not fingerprinted.", default=0.0),
@@ -88,6 +92,7 @@ def analyze(ctx: AnalysisContext, t: Target) -> CompileTarget:
         ignored.update(dict.fromkeys(ignored_options(tc, merged)))
         return toolchain_options(tc, merged)
 
+    tp = int(t.attrs.get("tp_degree") or 1)
     entries: list[tuple[Bucket, str]] = []
     buckets_attr = t.attrs["buckets"]
     families = list(model.graphs) or [("", model)]
@@ -97,9 +102,15 @@ def analyze(ctx: AnalysisContext, t: Target) -> CompileTarget:
         opts = options_for(gname)
         if gname:
             graph_options[gname] = opts
-        inputs: Mapping[str, object] = dict(ginfo.record["inputs"])  # ordered: the record holds [name, spec] pairs
+        problem = tensor_parallel.check(ginfo.record, plat.platform, tp)
+        if problem:
+            raise UserInputError(f"{t.label}: {problem}", locate(ctx.graph, t))
+        traced = ginfo
+        if tp > 1:  # one rank's program: its KV cache holds its heads
+            traced = ModelInfo(ginfo.label, tensor_parallel.per_rank_record(ginfo.record, tp), ginfo.files, ginfo.dims)
+        inputs: Mapping[str, object] = dict(traced.record["inputs"])  # ordered: the record holds [name, spec] pairs
         for bucket in buckets_of(ctx, t, ginfo, labels, gname):
-            trace = ctx.trace(ginfo, bucket)
+            trace = ctx.trace(traced, bucket, tp)
             req = CompileRequest(t.label, plat.platform, plat.target, opts, bucket, inputs, trace, ctx.settings,
                                  ctx.common)
             primary = None

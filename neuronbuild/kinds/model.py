@@ -80,6 +80,10 @@ def _check(a: Mapping[str, Any]) -> None:
             if outputs and out not in outputs:
                 raise AttrError(f"attribute 'graphs': graph '{name}' aliases '{out}', which is not one of its "
                                 f"outputs ({', '.join(outputs)})")
+    for pattern, dim in (a.get("tp_plan") or {}).items():
+        if not pattern or not isinstance(dim, int) or isinstance(dim, bool) or dim < 0:
+            raise AttrError(f"attribute 'tp_plan': {pattern!r}: want a parameter name pattern -> a dim (an int >= 0), "
+                            f"got {dim!r}")
     for src in a["srcs"]:
         if not src.name.endswith(".py"):
             raise AttrError(f"attribute 'srcs': '{src}' is not a .py file")
@@ -123,6 +127,11 @@ SCHEMA = RuleSchema(
         Attr("deps", LABEL_LIST, "neuron_py_library targets the sources import (by workspace path).", default=(),
              kinds=("neuron_py_library",)),
         Attr("seed", INT, "torch.manual_seed value used before calling the factory.", default=0),
+        Attr("tp_plan", DICT, "Tensor-parallel sharding plan, used by a neuron_compile with tp_degree > 1: parameter "
+             "name pattern (fnmatch, e.g. 'blocks.*.up.*') -> the dim each rank holds 1/tp_degree of; unmatched "
+             "parameters are replicated. An nn.Linear weight split along dim 1 (row-parallel) is followed by an "
+             "all-reduce; any other layout must suit the model's code (validate checks it). Default: none (the "
+             "model is not sharded).", default={}),
         Attr("graphs", GRAPHS, "Optional graph families sharing the weights, e.g. {'context': {}, 'token': {'entry': "
              "..., 'inputs': {...}, 'outputs': {...}, 'aliases': {'kv': 'kv'}}}; entry/inputs/outputs default to the "
              "model's own; aliases map an output to the input it updates (state fed back between calls).",
@@ -176,6 +185,8 @@ def analyze(ctx: AnalysisContext, model: Target) -> ModelInfo:
         record["data"] = dict(sorted(data.items()))
     if lib_srcs:
         record["deps"] = lib_srcs  # library sources by path -> digest (their directory roots go on sys.path)
+    if model.attrs.get("tp_plan"):  # (absent when unset: fingerprints of unsharded models unchanged)
+        record["tp_plan"] = dict(model.attrs["tp_plan"])
     if model.attrs["weights_prefix"]:
         record["weights_prefix"] = model.attrs["weights_prefix"]
     modules = _imported_modules(root, [(lbl.path, srcs[lbl.path]) for lbl in model.attrs["srcs"]] +

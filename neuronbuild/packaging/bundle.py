@@ -10,7 +10,6 @@ import json
 import os
 import re
 import tarfile
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -28,10 +27,18 @@ from neuronbuild.runtime.layout import ENV_FILE, MANIFEST, README
 from neuronbuild.runtime.signing import SIGNATURE, SIGNING_KEY_ENV, SignatureError, sign_manifest
 from neuronbuild.workspace import OUTPUT_DIR
 
-ZSTD_LEVEL = 10
-# Long-distance matching over a 128 MiB window (the default decoder limit): repeated weights across Neuron buckets
-# compress away. Single-threaded so the bytes never depend on the machine.
+# Compression level chosen per member: weights (`weights/`) are floats that hardly compress (bf16: ~0.78 at any
+# level), so they take a fast level at disk speed; graphs, HLO, manifests and docs are small and compress well, so they
+# take a high level with long-distance matching over a 128 MiB window (the default decoder limit). Each run of members
+# with one level is its own zstd (or gzip) frame; deploy reads across frames.
+FAST, HIGH = "fast", "high"
+ZSTD_LEVELS = {FAST: 1, HIGH: 10}
+GZIP_LEVELS = {FAST: 1, HIGH: 9}
 ZSTD_WINDOW_LOG = 27
+# zstd's multi-threaded mode: its output is the same for any number of workers >= 1 (and any write sizes), so the
+# bytes never depend on the machine. Jobs of the high level are capped so memory stays bounded on many-core hosts.
+ZSTD_MAX_THREADS = 8
+ZSTD_HIGH_JOB_SIZE = 32 << 20
 SUFFIX = {"zstd": ".tar.zst", "gzip": ".tar.gz"}
 _CHUNK = 1 << 20
 
@@ -84,35 +91,84 @@ def _tarinfo(path: str, size: int) -> tarfile.TarInfo:
     return info
 
 
-@contextlib.contextmanager
-def _compressed(out: IO[bytes], compression: str) -> Iterator[IO[bytes]]:
-    if compression == "gzip":
-        with gzip.GzipFile(filename="", mode="wb", fileobj=out, mtime=0, compresslevel=6) as gz:
-            yield gz  # type: ignore[misc]
-        return
-    import zstandard
+def member_level(path: str) -> str:
+    """FAST for weights files, HIGH for everything else (graphs, HLO, params, manifest, signature, docs)."""
+    return FAST if path.startswith("weights/") else HIGH
 
-    params = zstandard.ZstdCompressionParameters.from_level(
-        ZSTD_LEVEL, window_log=ZSTD_WINDOW_LOG, enable_ldm=True, threads=0)
-    with zstandard.ZstdCompressor(compression_params=params).stream_writer(out, closefd=False) as zw:
-        yield zw  # type: ignore[misc]
+
+def zstd_threads() -> int:
+    """Worker threads for zstd: the host's CPUs, at least 1 (multi-threaded mode) and at most ZSTD_MAX_THREADS."""
+    return max(1, min(os.cpu_count() or 1, ZSTD_MAX_THREADS))
+
+
+class _FramedWriter:
+    """A write-only stream that compresses into `out`, one frame per run of writes at one level (`level()`).
+
+    tarfile writes to it unbuffered in "w" mode (header, data, padding per member), so a member's bytes are all in
+    the frame chosen before it; tell() is the uncompressed offset tarfile keeps its blocks aligned to."""
+
+    def __init__(self, out: IO[bytes], compression: str) -> None:
+        self._out = out
+        self._compression = compression
+        self._level: str | None = None
+        self._frame: Any = None
+        self._pos = 0
+
+    def level(self, level: str) -> None:
+        if level == self._level:
+            return
+        self._end_frame()
+        self._level = level
+        if self._compression == "gzip":
+            self._frame = gzip.GzipFile(filename="", mode="wb", fileobj=self._out, mtime=0,
+                                        compresslevel=GZIP_LEVELS[level])
+            return
+        import zstandard
+
+        extra: dict[str, Any] = (dict(window_log=ZSTD_WINDOW_LOG, enable_ldm=True, job_size=ZSTD_HIGH_JOB_SIZE)
+                                 if level == HIGH else {})
+        params = zstandard.ZstdCompressionParameters.from_level(ZSTD_LEVELS[level], threads=zstd_threads(), **extra)
+        self._frame = zstandard.ZstdCompressor(compression_params=params).stream_writer(self._out, closefd=False)
+
+    def write(self, data: bytes) -> int:
+        assert self._frame is not None, "level() first"
+        self._frame.write(data)
+        self._pos += len(data)
+        return len(data)
+
+    def tell(self) -> int:
+        return self._pos
+
+    def _end_frame(self) -> None:
+        if self._frame is not None:
+            self._frame.close()  # ends the frame; `out` stays open (closefd=False / fileobj given)
+            self._frame = None
+
+    def close(self) -> None:
+        self._end_frame()
 
 
 def write_archive(dest: IO[bytes], manifest_bytes: bytes, members: list[Member], compression: str,
                   signature: bytes | None = None) -> None:
-    """manifest.json first (deploy reads it before anything else), its signature (if signed), then members sorted."""
-    with _compressed(dest, compression) as stream, \
-            tarfile.open(fileobj=stream, mode="w|", format=tarfile.USTAR_FORMAT) as tar:
-        tar.addfile(_tarinfo(MANIFEST, len(manifest_bytes)), io.BytesIO(manifest_bytes))
-        if signature is not None:
-            tar.addfile(_tarinfo(SIGNATURE, len(signature)), io.BytesIO(signature))
-        for m in sorted(members, key=lambda m: m.path):
-            if m.data is not None:
-                tar.addfile(_tarinfo(m.path, m.size), io.BytesIO(m.data))
-            else:
-                assert m.source is not None
-                with open(m.source, "rb") as f:
-                    tar.addfile(_tarinfo(m.path, m.size), f)
+    """manifest.json first (deploy reads it before anything else), its signature (if signed), then members sorted;
+    each member compressed at its level (member_level)."""
+    stream = _FramedWriter(dest, compression)
+    stream.level(HIGH)
+    tar = tarfile.TarFile(fileobj=stream, mode="w", format=tarfile.USTAR_FORMAT)  # type: ignore[arg-type]
+    tar.addfile(_tarinfo(MANIFEST, len(manifest_bytes)), io.BytesIO(manifest_bytes))
+    if signature is not None:
+        tar.addfile(_tarinfo(SIGNATURE, len(signature)), io.BytesIO(signature))
+    for m in sorted(members, key=lambda m: m.path):
+        stream.level(member_level(m.path))
+        if m.data is not None:
+            tar.addfile(_tarinfo(m.path, m.size), io.BytesIO(m.data))
+        else:
+            assert m.source is not None
+            with open(m.source, "rb") as f:
+                tar.addfile(_tarinfo(m.path, m.size), f)
+    stream.level(HIGH)  # the end-of-archive blocks
+    tar.close()
+    stream.close()
 
 
 def _sha256(path: Path) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -64,6 +65,19 @@ def _hash_blob(cache: LocalCache, digest: str) -> tuple[str, int]:
     return sha.hexdigest(), size
 
 
+_RANK_WEIGHTS = re.compile(r"rank_(0|[1-9][0-9]*)\.safetensors")
+
+
+def _tp_entry(model: Any, artifacts: dict[str, Any]) -> dict[str, Any]:
+    """A tensor-parallel graph's manifest entry: its degree, which artifact each rank loads, and how ranks hold
+    inputs/outputs (callers hold them whole; the runtime splits and joins them)."""
+    tp = dict(model.get("tp") or {})
+    if int(tp.get("degree") or 1) <= 1:
+        return {}
+    ranks = sorted((n for n in artifacts if _RANK_WEIGHTS.fullmatch(n)), key=lambda n: int(n[5:-12]))
+    return {"tp": tp | {"ranks": ranks}}
+
+
 def plan_bundle(graph: TargetGraph, ag: ActionGraph, cache: LocalCache, label: Label) -> BundlePlan:
     """Collect the bundle's graphs from the cache (never compiles). MissingResult when a graph is not built."""
     by_label: dict[Label, CompileTarget] = {ct.label: ct for ct in ag.compiles}
@@ -100,6 +114,9 @@ def plan_bundle(graph: TargetGraph, ag: ActionGraph, cache: LocalCache, label: L
                 if name == CONSTANTS_OUTPUT:
                     weights = add(ref.digest, lambda sha: f"weights/{sha}.safetensors")
                     weights_models.setdefault(weights["path"], set()).add(str(model_label))
+                elif _RANK_WEIGHTS.fullmatch(name):  # a tensor-parallel graph's shard: one directory per rank
+                    artifacts[name] = add(ref.digest, lambda sha, name=name: f"weights/{name[:-12]}/{sha}.safetensors")
+                    weights_models.setdefault(artifacts[name]["path"], set()).add(str(model_label))
                 else:
                     artifacts[name] = add(ref.digest, lambda _sha, name=name, gdir=gdir: f"{gdir}/{name}")
             graphs.append({
@@ -114,7 +131,8 @@ def plan_bundle(graph: TargetGraph, ag: ActionGraph, cache: LocalCache, label: L
                 "fingerprint": fp,
                 "record": dict(action.record),
                 "trace_record": dict(trace.record),
-                "inputs": [[k, v] for k, v in dict(trace.model["inputs"]).items()],  # positional order
+                # positional order; a tensor-parallel graph's callers feed the whole model's inputs
+                "inputs": [[k, v] for k, v in dict(trace.model.get("whole_inputs") or trace.model["inputs"]).items()],
                 "outputs": list(traced_meta.get("outputs") or []),  # flattened outputs; dims that follow buckets
                 "output_tree": traced_meta.get("output_tree") or "tuple",
                 "toolchain": dict(action.versions),
@@ -122,6 +140,7 @@ def plan_bundle(graph: TargetGraph, ag: ActionGraph, cache: LocalCache, label: L
                    else {}),
                 "artifacts": artifacts,
                 "weights": weights,
+                **_tp_entry(trace.model, artifacts),
             })
     manifest: dict[str, Any] = {
         "bundle_format": BUNDLE_FORMAT,

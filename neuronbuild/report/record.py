@@ -80,7 +80,8 @@ class InvocationRecorder:
         elif k == ev.ACTION_FINISHED:
             self.actions[f["fingerprint"]] = {
                 "state": EXECUTED, "duration_s": f["duration_s"], "cpu_s": f.get("cpu_s", 0.0),
-                "peak_rss_mb": f.get("peak_rss_mb", 0.0), "worker": f.get("worker", ""), "attempt": f["attempt"],
+                "peak_rss_mb": f.get("peak_rss_mb", 0.0), "estimate_mb": f.get("estimate_mb", 0.0),
+                "worker": f.get("worker", ""), "attempt": f["attempt"],
                 "start": f.get("start"), "end": f.get("end"), "outputs": dict(f.get("outputs") or {})}
             self._slice(f, True)
         elif k == ev.ACTION_FAILED:

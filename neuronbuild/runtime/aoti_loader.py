@@ -10,6 +10,8 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
+from neuronbuild.runtime.verified import with_tied
+
 MODEL_NAME = "model"
 CONSTANTS_FILE = "constants.safetensors"  # written next to model.pt2 by the cpu compile
 
@@ -33,10 +35,14 @@ class LoadedPackage:
 
 
 def read_constants(path: Path) -> dict[str, torch.Tensor]:
-    """A constants/weights safetensors file as {FQN: tensor} (read into memory, no compiler, no torch._inductor)."""
+    """A constants/weights safetensors file as {FQN: tensor}, tied aliases included (read into memory, no
+    compiler, no torch._inductor)."""
+    from safetensors import safe_open
     from safetensors.torch import load_file
 
-    return dict(load_file(str(path)))
+    with safe_open(str(path), framework="pt") as f:
+        metadata = f.metadata()
+    return with_tied(dict(load_file(str(path))), metadata)
 
 
 def load_package(path: Path, constants: Mapping[str, torch.Tensor] | None = None) -> Callable[..., Any]:

@@ -352,13 +352,16 @@ class DeployedCache:
             elif g.format == NEURON_HLO_FORMAT and self.emulate == "xla-cpu":
                 from neuronbuild.runtime.xla_cpu import load_graph
 
-                if g.weights is None:
+                shards = g.rank_weights  # tensor-parallel: one shard per rank, each rank's device fed its own
+                if g.weights is None and not shards:
                     raise RuntimeError("the manifest names no weights file for this Neuron graph")
                 hlo, params = g.artifacts["model.hlo.pb"], g.artifacts["params.json"]
                 tmp = Path(tempfile.gettempdir())
+                weights = ([self._weights_for(rdir / r.path, r) for r in shards] if shards
+                           else self._weights_for(rdir / g.weights.path, g.weights))  # type: ignore[union-attr,arg-type]
                 with verified_path(rdir / hlo.path, hlo, tmp) as hlo_path, \
                         verified_path(rdir / params.path, params, tmp) as params_path:
-                    slot.fn = load_graph(hlo_path, params_path, self._weights_for(rdir / g.weights.path, g.weights))
+                    slot.fn = load_graph(hlo_path, params_path, weights)
                 emulated = True
             elif g.format == NEURON_HLO_FORMAT:
                 slot.fn = _load_neff(g)

@@ -79,6 +79,13 @@ class Graph:
     format: str = ""  # the artifacts' format, named by the toolchain that built them ("aoti", "neuron-hlo", ...)
     graph: str = ""  # the graph family (e.g. "context", "token"); "" for a one-graph model
     aliases: Mapping[str, str] = field(default_factory=dict, hash=False, compare=False)  # output -> input it updates
+    # tensor parallelism: {"degree", "ranks": [the artifact each rank loads, by rank], "rank_dims", ...}; {} for one
+    tp: Mapping[str, Any] = field(default_factory=dict, hash=False, compare=False)
+
+    @property
+    def rank_weights(self) -> list[FileRef]:
+        """The weights shard of each rank of a tensor-parallel graph, in rank order ([] otherwise)."""
+        return [self.artifacts[str(n)] for n in self.tp.get("ranks") or ()]
 
     @property
     def key(self) -> tuple[str, str]:
@@ -200,6 +207,7 @@ def parse_manifest(data: bytes | Mapping[str, Any], source: str = MANIFEST) -> M
                 weights=_ref(g["weights"]) if g.get("weights") else None, tolerance=float(g["tolerance"]),
                 format=str(g.get("format") or ("aoti" if "model.pt2" in g["artifacts"] else "neuron-lowered")),
                 graph=_text(g.get("graph") or "", "graph"), aliases=_aliases(g.get("aliases")),
+                tp=dict(g.get("tp") or {}),
             )
             for g in raw["graphs"]
         )

@@ -23,7 +23,7 @@ import os
 import shutil
 import tempfile
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -101,6 +101,36 @@ _DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat
 _MAX_HEADER = 100 << 20
 
 
+# A weights file's `__metadata__` entry naming tied tensors stored once: JSON {alias FQN: stored FQN}
+# (lm_head.weight = model.embed_tokens.weight). Readers bind the alias to the stored tensor itself.
+TIED_KEY = "neuronbuild.tied"
+
+
+def tied_names(metadata: Mapping[str, Any] | None) -> dict[str, str]:
+    """{alias: stored name} from a safetensors header's `__metadata__` (empty when it names none); ValueError when
+    the entry is not a JSON object of names (the file is then malformed)."""
+    raw = (metadata or {}).get(TIED_KEY) if isinstance(metadata, Mapping) else None
+    if raw is None:
+        return {}
+    try:
+        tied = json.loads(raw) if isinstance(raw, str) else None
+    except (ValueError, RecursionError):
+        tied = None
+    if not isinstance(tied, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in tied.items()):
+        raise ValueError(f"metadata {TIED_KEY} is not an object of tensor names")
+    return tied
+
+
+def with_tied(tensors: dict[str, Any], metadata: Mapping[str, Any] | None) -> dict[str, Any]:
+    """`tensors` plus each tied alias bound to its stored tensor (the same tensor, not a copy); ValueError when an
+    alias names a tensor the file does not hold or shadows one it does."""
+    for alias, stored in tied_names(metadata).items():
+        if stored not in tensors or alias in tensors:
+            raise ValueError(f"metadata {TIED_KEY}: {alias!r} -> {stored!r} does not name one stored tensor")
+        tensors[alias] = tensors[stored]
+    return tensors
+
+
 class BadWeights(ValueError):
     """A weights file whose bytes match the manifest but are not a well-formed safetensors file."""
 
@@ -145,7 +175,10 @@ def load_weights_verified(path: Path, ref: FileRef) -> dict[str, Any]:
             out[name] = torch.empty(shape, dtype=dtype)
             continue
         out[name] = torch.frombuffer(buf, dtype=dtype, count=count, offset=base + start).reshape(shape)
-    return out
+    try:
+        return with_tied(out, header.get("__metadata__"))
+    except ValueError as e:
+        raise BadWeights(f"{path}: not a well-formed weights file ({e})") from None
 
 
 class Scratch:

@@ -32,6 +32,36 @@ class ParamSpec:
     source_dtype: str
 
 
+# Host devices XLA:CPU is started with when this module starts it: enough for any tensor-parallel degree a graph
+# is built with here (a jax already started elsewhere keeps its count: XlaCpuError says what to set).
+HOST_DEVICES = 64
+
+
+def cpu_devices(n: int) -> list[Any]:
+    """n XLA:CPU devices of this process (XLA starts with HOST_DEVICES of them unless already started)."""
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    import jax
+    from jax._src import xla_bridge
+
+    if not xla_bridge.backends_are_initialized() and "xla_force_host_platform_device_count" not in \
+            os.environ.get("XLA_FLAGS", ""):
+        jax.config.update("jax_num_cpu_devices", max(n, HOST_DEVICES))
+    devices = list(xla_bridge.get_backend("cpu").local_devices())
+    if len(devices) < n:
+        raise XlaCpuError(f"a tp_degree {n} graph needs {n} XLA:CPU devices, this process has {len(devices)} (set "
+                          f"XLA_FLAGS=--xla_force_host_platform_device_count={n} before jax starts)")
+    return devices[:n]
+
+
+def read_tp(data: bytes | str) -> dict[str, Any]:
+    """params.json's tensor-parallel entry ({} for a one-device module)."""
+    try:
+        tp = json.loads(data).get("tp") or {}
+    except (ValueError, AttributeError) as exc:
+        raise XlaCpuError(f"params.json is malformed: {exc}") from None
+    return dict(tp) if isinstance(tp, dict) else {}
+
+
 def read_params(data: bytes | str) -> tuple[list[ParamSpec], list[dict[str, Any]]]:
     """params.json -> (parameters in order, outputs)."""
     try:
@@ -90,7 +120,12 @@ class XlaCpuModule:
                 raise XlaCpuError(f"params.json says parameter {p.index} ({p.name}) is {p.dtype}{list(p.shape)}, "
                                   f"{source} says {shape}")
         self.summary = summary
-        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+        tp = read_tp(params_json)
+        self.tp = int(tp.get("degree") or 1)
+        self.rank_dims = {str(k): int(v) for k, v in dict(tp.get("rank_dims") or {}).items()}
+        self.output_rank_dims = {int(k): int(v) for k, v in dict(tp.get("output_rank_dims") or {}).items()}
+        self.blocks = int(tp.get("blocks") or self.tp)  # distinct shards of a per-rank input/output (<= tp)
+        self._devices = cpu_devices(self.tp)
         import jax
         from jax._src import xla_bridge
         from jax._src.lib import _jax
@@ -98,10 +133,19 @@ class XlaCpuModule:
 
         self._jax = jax
         backend = xla_bridge.get_backend("cpu")
-        self._device = backend.local_devices()[0]
+        self._device = self._devices[0]
         computation = xc.XlaComputation(proto)
         mlir = _jax.mlir.xla_computation_to_mlir_module(computation)
-        self._exe = backend.compile_and_load(mlir, xc.DeviceList((self._device,)), xc.CompileOptions())
+        options = xc.CompileOptions()
+        if self.tp > 1:  # one program on tp devices as replicas (the collectives' form: neuron_collectives.py)
+            import numpy as np
+
+            options.num_replicas = self.tp
+            options.num_partitions = 1
+            options.device_assignment = xc.DeviceAssignment.create(np.arange(self.tp).reshape(self.tp, 1))
+            mesh = jax.sharding.Mesh(np.array(self._devices), ("tp",))
+            self._sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("tp"))
+        self._exe = backend.compile_and_load(mlir, xc.DeviceList(tuple(self._devices)), options)
         self._state: list[Any] = []
 
     @property
@@ -112,21 +156,50 @@ class XlaCpuModule:
     def input_params(self) -> list[ParamSpec]:
         return [p for p in self.params if p.kind == "input"]
 
-    def bind(self, weights: Mapping[str, torch.Tensor]) -> XlaCpuModule:
-        """Supply the leading (state) parameters by name, transferred once; missing or mis-shaped ones fail."""
+    def bind(self, weights: Mapping[str, torch.Tensor] | Sequence[Mapping[str, torch.Tensor]]) -> XlaCpuModule:
+        """Supply the leading (state) parameters by name, transferred once; missing or mis-shaped ones fail. A
+        tensor-parallel module takes one mapping per rank (that rank's shard)."""
+        per_rank = [weights] if isinstance(weights, Mapping) else list(weights)
+        if len(per_rank) != self.tp:
+            raise XlaCpuError(f"the module runs on {self.tp} rank(s), got weights for {len(per_rank)}")
         state = []
-        missing = [n for n in self.state_names if n not in weights]
-        if missing:
-            raise XlaCpuError(f"weights lack {len(missing)} tensor(s) the module takes: {', '.join(missing[:5])}")
+        for rank, w in enumerate(per_rank):
+            missing = [n for n in self.state_names if n not in w]
+            if missing:
+                raise XlaCpuError(f"weights{f' of rank {rank}' if self.tp > 1 else ''} lack {len(missing)} tensor(s) "
+                                  f"the module takes: {', '.join(missing[:5])}")
         for p in self.params:
             if p.kind == "input":
                 continue
-            t = weights[p.name]
-            if tuple(t.shape) != p.shape:
-                raise XlaCpuError(f"weight {p.name} has shape {list(t.shape)}, the module takes {list(p.shape)}")
-            state.append(self._jax.device_put(_to_numpy(t, p.dtype), self._device))
+            bufs = []
+            for rank, w in enumerate(per_rank):
+                t = w[p.name]
+                if tuple(t.shape) != p.shape:
+                    raise XlaCpuError(f"weight {p.name} has shape {list(t.shape)}, the module takes {list(p.shape)}")
+                bufs.append(self._jax.device_put(_to_numpy(t, p.dtype), self._devices[rank]))
+            state.append(self._put(bufs, p.shape))
         self._state = state
         return self
+
+    def _put(self, bufs: list[Any], shape: tuple[int, ...]) -> Any:
+        """One argument: its buffer, or (tensor-parallel) one buffer per device as one array over the devices."""
+        if self.tp == 1:
+            return bufs[0]
+        if not shape:
+            raise XlaCpuError("a tensor-parallel module cannot take a 0-d parameter")
+        return self._jax.make_array_from_single_device_arrays((self.tp * shape[0], *shape[1:]), self._sharding, bufs)
+
+    def _rank_parts(self, p: ParamSpec, t: torch.Tensor) -> list[torch.Tensor]:
+        """An input as each rank takes it: the caller holds it whole; along its rank dim, rank r takes block
+        r*blocks//tp of `blocks` (several ranks share one when there are fewer blocks than ranks); any other input
+        is the same tensor on every rank."""
+        dim = self.rank_dims.get(p.name)
+        if self.tp == 1 or dim is None:
+            return [t] * self.tp
+        size = p.shape[dim] if dim < len(p.shape) else 0
+        if t.dim() != len(p.shape) or t.shape[dim] != size * self.blocks:
+            return [t]  # (the shape check names what was expected)
+        return [t.narrow(dim, (r * self.blocks // self.tp) * size, size) for r in range(self.tp)]
 
     def __call__(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         specs = self.input_params
@@ -136,11 +209,24 @@ class XlaCpuModule:
             raise XlaCpuError(f"the module takes {len(specs)} input(s), got {len(inputs)}")
         args = list(self._state)
         for p, t in zip(specs, inputs, strict=True):
-            if not isinstance(t, torch.Tensor) or tuple(t.shape) != p.shape:
+            parts = self._rank_parts(p, t) if isinstance(t, torch.Tensor) else [t]
+            if not all(isinstance(x, torch.Tensor) and tuple(x.shape) == p.shape for x in parts) \
+                    or len(parts) != self.tp:
                 got = list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-                raise XlaCpuError(f"input {p.name} must have shape {list(p.shape)}, got {got}")
-            args.append(self._jax.device_put(_to_numpy(t, p.dtype), self._device))
-        results = self._exe.execute(args)
+                want = list(p.shape)
+                if p.name in self.rank_dims and self.tp > 1:
+                    want[self.rank_dims[p.name]] *= self.blocks
+                raise XlaCpuError(f"input {p.name} must have shape {want}, got {got}")
+            args.append(self._put([self._jax.device_put(_to_numpy(x, p.dtype), d)
+                                   for x, d in zip(parts, self._devices, strict=True)], p.shape))
+        if self.tp == 1:
+            results = self._exe.execute(args)
+        else:  # per output, one array per rank: held-per-rank ones joined from one rank per block, the rest are
+            # identical on every rank (rank 0's)
+            per_rank = self._exe.execute_sharded(args).disassemble_into_single_device_arrays()
+            results = [np.concatenate([np.asarray(arrays[b * self.tp // self.blocks]) for b in range(self.blocks)],
+                                      axis=self.output_rank_dims[i])
+                       if i in self.output_rank_dims else arrays[0] for i, arrays in enumerate(per_rank)]
         sources: Sequence[str | None] = [o.get("source_dtype") for o in self.outputs] or [None] * len(results)
         return tuple(_to_torch(r, s) for r, s in zip(results, sources, strict=False))
 
@@ -154,8 +240,11 @@ def load(hlo: Path, params: Path) -> XlaCpuModule:
     return XlaCpuModule(proto, manifest, source=Path(hlo).name)
 
 
-def load_graph(hlo: Path, params: Path, weights: Mapping[str, torch.Tensor]) -> Any:
-    """A Neuron graph as a callable on XLA:CPU: takes the user inputs, returns the single output or a tuple."""
+def load_graph(hlo: Path, params: Path,
+               weights: Mapping[str, torch.Tensor] | Sequence[Mapping[str, torch.Tensor]]) -> Any:
+    """A Neuron graph as a callable on XLA:CPU: takes the user inputs, returns the single output or a tuple. A
+    tensor-parallel graph takes one weights mapping per rank and runs on that many host devices; its callers see
+    whole tensors (inputs and outputs held per rank are concatenated over ranks)."""
     module = load(hlo, params).bind(weights)
 
     def run(*args: torch.Tensor) -> Any:

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from neuronbuild.platforms import THREADS_VAR, host_cores
+from neuronbuild.runtime.verified import tied_names
 from neuronbuild.toolchains.errors import ToolchainError
 from neuronbuild.toolchains.model_import import example_inputs
 from neuronbuild.toolchains.passes import apply_passes
@@ -90,12 +91,13 @@ def _inlined_values(ep: torch.export.ExportedProgram, weights: Path) -> None:
     made: dict[int, torch.Tensor] = {}
     with safe_open(str(weights), framework="pt") as f:
         names = set(f.keys())
+        tied = tied_names(f.metadata())  # a tied weight stored once reads its stored name's tensor
         for k, t in small.items():
-            if k not in names:
+            if tied.get(k, k) not in names:
                 continue
             real = made.get(id(t))
             if real is None:
-                real = f.get_tensor(k)
+                real = f.get_tensor(tied.get(k, k))
                 if isinstance(t, torch.nn.Parameter):
                     real = torch.nn.Parameter(real, requires_grad=t.requires_grad)
                 made[id(t)] = real

@@ -115,15 +115,67 @@ def _token_forward(self: Any, input_ids: torch.Tensor, position_ids: torch.Tenso
     return {"logits": out.logits[:, -1].float(), "kv": cache.stacked()}
 
 
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def model_dtype(hf: dict[str, Any]) -> torch.dtype:
+    """The dtype an HF config's model computes in: its `dtype` (or older `torch_dtype`), float32 when it names none.
+    rules/llm.bzl hf_causal_lm writes `dtype` (its attribute, else the config's) and declares the KV cache in it."""
+    name = str(hf.get("dtype") or hf.get("torch_dtype") or "float32").removeprefix("torch.")
+    if name not in DTYPES:
+        raise ValueError(f"config field dtype: {name!r} is not supported by hf_causal_lm (float32, bfloat16, float16)")
+    return DTYPES[name]
+
+
 def hf_model(config: dict[str, Any]) -> nn.Module:
-    """The transformers model of `config` (random init; weights are loaded by neuronbuild afterwards)."""
+    """The transformers model of `config` in the config's dtype (random init; weights are loaded by neuronbuild
+    afterwards, in that dtype: a bf16 checkpoint stays bf16 end to end). With config["tp_degree"] > 1, one rank's
+    model of a Megatron tensor-parallel split (see per_rank_config)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     hf = dict(config.get("hf") or {})
     model_type = str(config.get("model_type") or hf.pop("model_type", ""))
     hf.pop("model_type", None)
+    tp = int(config.get("tp_degree") or 1)
+    if tp > 1:
+        hf = per_rank_config(hf, tp)
+    dtype = model_dtype(hf)
+    hf.pop("torch_dtype", None)
+    hf["dtype"] = dtype
     cfg = AutoConfig.for_model(model_type, **hf)
-    return AutoModelForCausalLM.from_config(cfg)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    if tp > 1:
+        _add_all_reduces(model, tp)
+    return model
+
+
+def per_rank_config(hf: dict[str, Any], tp: int) -> dict[str, Any]:
+    """One rank's HF config of a llama-family model: its attention heads (q/k/v column-parallel by heads, kv heads
+    replicated when fewer than ranks) and its slice of the MLP's intermediate width (gate/up column-parallel);
+    head_dim stays the model's. o_proj and down_proj then take this rank's inputs (row-parallel) and are followed by
+    an all-reduce (_add_all_reduces). Embeddings, norms and lm_head are replicated."""
+    heads = int(hf["num_attention_heads"])
+    kv = int(hf.get("num_key_value_heads") or heads)
+    out = dict(hf)
+    out["head_dim"] = int(hf.get("head_dim") or int(hf["hidden_size"]) // heads)
+    out["num_attention_heads"] = heads // tp
+    out["num_key_value_heads"] = max(1, kv // tp)
+    out["intermediate_size"] = int(hf["intermediate_size"]) // tp
+    return out
+
+
+def _add_all_reduces(model: nn.Module, tp: int) -> None:
+    from neuronbuild.toolchains.tp_ops import all_reduce
+
+    def reduce(_m: nn.Module, _args: Any, out: torch.Tensor) -> torch.Tensor:
+        return all_reduce(out, tp)  # type: ignore[no-any-return]
+
+    for name, m in model.named_modules():
+        if name.endswith(".self_attn.o_proj") or name.endswith(".mlp.down_proj"):
+            if getattr(m, "bias", None) is not None:
+                raise ValueError(f"{name} has a bias: row-parallel layers with a bias are not supported for "
+                                 "tensor parallelism")
+            m.register_forward_hook(reduce)
 
 
 EXPERTS = "neuronbuild_dense"

@@ -179,7 +179,7 @@ def _parameters_without_values() -> Iterator[None]:
         torch.nn.Module.register_parameter = original  # type: ignore[method-assign]
 
 
-def build_shape_model(model: dict[str, Any], sandbox: Path) -> tuple[torch.nn.Module, Any]:
+def build_shape_model(model: dict[str, Any], sandbox: Path, tp: int = 1) -> tuple[torch.nn.Module, Any]:
     """The factory's module without weight values: parameters and persistent buffers are fake CPU tensors (shapes and
     dtypes, no storage) of the returned FakeTensorMode; non-persistent buffers keep the values __init__ computed.
     The model's weight files are checked against it (keys, shapes) from their headers only. Tied weights stay tied."""
@@ -210,7 +210,7 @@ def build_shape_model(model: dict[str, Any], sandbox: Path) -> tuple[torch.nn.Mo
     if files is not None:
         expected = {k: tuple(v.shape) for k, v in module.state_dict(keep_vars=True).items()}
         check_against(expected, tied_aliases(module), Checkpoint(files[0], files[1],
-                                                                  str(model.get("weights_prefix") or "")))
+                                                                  str(model.get("weights_prefix") or "")), tp)
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     fakes: dict[int, torch.Tensor] = {}
 
@@ -251,6 +251,31 @@ def state_values(model: dict[str, Any], sandbox: Path, wanted: Mapping[str, torc
     def value(name: str) -> Iterator[torch.Tensor]:
         key = name if name in ckpt.index else next((k for k in sorted(tied.get(name, ())) if k in ckpt.index), name)
         return ckpt.pieces(key, wanted[name])  # converted piece by piece: never the stored and converted copy whole
+
+    return value
+
+
+def rank_values(model: dict[str, Any], sandbox: Path, wanted: Mapping[str, torch.dtype],
+                tied: Mapping[str, set[str]], tp: int) -> Callable[[str, tuple[int, ...], int],
+                                                                torch.Tensor | Iterator[torch.Tensor]]:
+    """(name, the rank's shape, rank) -> that rank's part of the tensor in the dtype `wanted` names, one tensor at a
+    time (tp_ops.shard_rule: the rank's shape against the whole one), from the model's weight files or, without them,
+    the factory's seeded initialisation of `model`. A replicated tensor (an embedding) streams as converted pieces,
+    like state_values; a sharded one is read whole and sliced. ValueError when the shapes admit no split."""
+    from neuronbuild.toolchains.tp_ops import shard, shard_rule
+    from neuronbuild.toolchains.weights import Checkpoint
+
+    files = _weight_files(model, sandbox)
+    if files is None:
+        state = build_eager_model(model, sandbox).state_dict()
+        return lambda name, shape, rank: shard(state[name].detach().to(wanted[name]), shape, rank, tp).contiguous()
+    ckpt = Checkpoint(files[0], files[1], str(model.get("weights_prefix") or ""))
+
+    def value(name: str, shape: tuple[int, ...], rank: int) -> torch.Tensor | Iterator[torch.Tensor]:
+        key = name if name in ckpt.index else next((k for k in sorted(tied.get(name, ())) if k in ckpt.index), name)
+        if shard_rule(ckpt.shape(key), shape, tp) == (-1, 1):
+            return ckpt.pieces(key, wanted[name])
+        return shard(ckpt.tensor(key).to(wanted[name]), shape, rank, tp).contiguous()
 
     return value
 

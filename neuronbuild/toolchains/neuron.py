@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from neuronbuild import FORMAT_VERSION, plugins
-from neuronbuild.analysis.actions import COMPILE, TRACE_OUTPUT, TRACE_WEIGHTS, Action, DepInput, make_action
+from neuronbuild.analysis.actions import COMPILE, TRACE_OUTPUT, Action, DepInput, make_action, trace_weights
 from neuronbuild.analysis.plan_settings import NEURONX_CC, PlanSettings
 from neuronbuild.analysis.toolchain_api import WARM_UP, CompileRequest, OptionKey
 from neuronbuild.analysis.toolchain_versions import package_version
@@ -97,6 +97,9 @@ class NeuronToolchain:
         except ValueError as exc:
             raise UserInputError(f"{req.label}: {exc}") from None
         inputs, bucket = dict(req.inputs), req.bucket.as_dict()
+        tp = int(req.trace.record.get("tp_degree") or 1)
+        weights = trace_weights(tp)  # the trace's weights file, or one shard per rank
+        lower_outputs, outputs_ = (HLO_FILE, PARAMS_FILE, *weights), (HLO_FILE, PARAMS_FILE, *weights, FLAGS_FILE)
         lower_record = {
             "format": FORMAT_VERSION,
             "action": LOWER,
@@ -109,6 +112,11 @@ class NeuronToolchain:
         } | dict(req.common)
         lower_spec = {"toolchain": self.name, "step": LOWER, "program": TRACE_OUTPUT, "inputs": inputs,
                       "bucket": bucket, "options": lowering}
+        if tp > 1:  # one SPMD module for every rank; how its collectives look is neuron_collectives.FORM's
+            from neuronbuild.toolchains.neuron_collectives import FORM
+
+            tp_info = dict(req.trace.model.get("tp") or {})
+            lower_record["tp"] = lower_spec["tp"] = tp_info | {"collectives": FORM}
         # Labelled by the model, like the trace: one Lower per (trace, lowering options), whatever the platform.
         lowers = self._lowers(req)
         key = (req.trace.fingerprint, req.bucket, repr(lowering))
@@ -116,19 +124,21 @@ class NeuronToolchain:
         if lower is None or lower.record != lower_record or lower.spec != lower_spec or lower.label != req.trace.label:
             lower = lowers[key] = make_action(LOWER, req.trace.label, req.bucket, lower_record, lower_spec,
                                               dep_inputs=tuple(DepInput(req.trace.fingerprint, f, f)
-                                                               for f in (TRACE_OUTPUT, TRACE_WEIGHTS)),
-                                              outputs=LOWER_OUTPUTS)
+                                                               for f in (TRACE_OUTPUT, *weights)),
+                                              outputs=lower_outputs)
         record = req.record(COMPILE, self.versions(req.platform, req.settings), lowering=lower.fingerprint)
         spec: dict[str, Any] = {"toolchain": self.name, "step": COMPILE, "platform": req.platform,
                                 "options": dict(req.options), "env_flags": env_flags, "neuronx_cc": None}
-        outputs: tuple[str, ...] = OUTPUTS
+        outputs: tuple[str, ...] = outputs_
+        if tp > 1:
+            spec["tp_degree"] = tp
         if req.settings.neuronx_cc is not None:
             spec["neuronx_cc"] = req.settings.neuronx_cc.spec()
             outputs = (*outputs, NEFF_OUTPUT)
         else:  # the step only writes compile_flags.json: progress says so, estimates count it as nothing
             spec["skipped"] = "no neuronx-cc"
         compile_ = make_action(COMPILE, req.label, req.bucket, record, spec,
-                               dep_inputs=tuple(DepInput(lower.fingerprint, f, f) for f in LOWER_OUTPUTS),
+                               dep_inputs=tuple(DepInput(lower.fingerprint, f, f) for f in lower_outputs),
                                outputs=outputs, platform=req.platform, target=self.describe_target(req.target))
         return [lower, compile_]
 
@@ -153,6 +163,9 @@ class NeuronToolchain:
         from neuronbuild.runtime.aoti_loader import read_constants
         from neuronbuild.runtime.xla_cpu import load_graph
 
+        if WEIGHTS_FILE not in files:  # tensor-parallel: rank_<r>.safetensors, one per rank
+            ranks = sorted((n for n in files if n.startswith("rank_")), key=lambda n: int(n[5:].split(".")[0]))
+            return load_graph(files[HLO_FILE], files[PARAMS_FILE], [read_constants(files[n]) for n in ranks])
         return load_graph(files[HLO_FILE], files[PARAMS_FILE], read_constants(files[WEIGHTS_FILE]))
 
     def notes(self, settings: PlanSettings) -> list[str]:

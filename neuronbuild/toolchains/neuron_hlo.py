@@ -20,6 +20,7 @@ from torch.export.graph_signature import InputKind, OutputKind
 from neuronbuild.runtime import hlo_proto as neuron_hlo_proto
 from neuronbuild.toolchains.errors import ToolchainError
 from neuronbuild.toolchains.passes import ALL_EXTRA_OPS, MATMUL_OPS
+from neuronbuild.toolchains.tp_ops import is_all_reduce
 
 HLO_FILE = "model.hlo.pb"
 PARAMS_FILE = "params.json"
@@ -75,8 +76,10 @@ class LoweredModule:
     auto_cast_type: str
     cast_ops: int  # how many ops auto_cast cast
 
-    def params_json(self) -> bytes:
-        """params.json: every entry parameter (index, name, kind, shape, dtype) and output, in order, one per line."""
+    def params_json(self, tp: Mapping[str, Any] | None = None) -> bytes:
+        """params.json: every entry parameter (index, name, kind, shape, dtype) and output, in order, one per line;
+        for a tensor-parallel module, `tp`: its degree, the inputs/outputs held per rank (name -> dim along which
+        ranks concatenate) and the collectives' form."""
         params = [{"index": p.index, "name": p.name, "kind": p.kind, "shape": list(p.shape), "dtype": p.dtype,
                    "source_dtype": p.source_dtype} for p in self.parameters]
         outputs = [{"index": o.index, "shape": list(o.shape), "dtype": o.dtype, "source_dtype": o.source_dtype}
@@ -85,7 +88,10 @@ class LoweredModule:
         def rows(items: list[dict[str, Any]]) -> str:
             return "[\n" + ",\n".join("    " + json.dumps(i, sort_keys=True) for i in items) + "\n  ]" if items else "[]"
 
-        head = {"format": PARAMS_FORMAT, "auto_cast": self.auto_cast, "auto_cast_type": self.auto_cast_type}
+        head: dict[str, Any] = {"format": PARAMS_FORMAT, "auto_cast": self.auto_cast,
+                                "auto_cast_type": self.auto_cast_type}
+        if tp:
+            head["tp"] = dict(tp)
         body = "".join(f"  {json.dumps(k)}: {json.dumps(v)},\n" for k, v in sorted(head.items()))
         return f"{{\n{body}  \"parameters\": {rows(params)},\n  \"outputs\": {rows(outputs)}\n}}\n".encode()
 
@@ -134,7 +140,7 @@ def _check_supported(gm: torch.fx.GraphModule, registry: Any) -> None:
         if node.op != "call_function":
             continue
         target = node.target
-        if target is operator.getitem or str(target) in _ASSERTION_OPS:
+        if target is operator.getitem or str(target) in _ASSERTION_OPS or is_all_reduce(target):
             continue
         if not isinstance(target, torch._ops.OpOverload) or _lowering(registry, target) is None:
             unsupported.setdefault(_op_name(target), node)
@@ -181,6 +187,10 @@ def _lower_graph(ep: torch.export.ExportedProgram, registry: Any, cast_targets: 
                 return super().call_function(target, args, kwargs)
             if str(target) in _ASSERTION_OPS:
                 return None
+            if is_all_reduce(target):  # a tensor-parallel program's collective: its form is neuron_collectives'
+                from neuronbuild.toolchains.neuron_collectives import all_reduce
+
+                return all_reduce(args[0], int(args[1]))
             impl = _lowering(registry, target)
             assert impl is not None and self.current is not None  # checked up front
             val = self.current.meta.get("val")

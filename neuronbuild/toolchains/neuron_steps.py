@@ -24,6 +24,13 @@ LOWER_OUTPUTS = (HLO_FILE, PARAMS_FILE, WEIGHTS_FILE)
 COMPILE_OUTPUTS = (*LOWER_OUTPUTS, FLAGS_FILE)
 
 
+def weights_files(tp: int) -> tuple[str, ...]:
+    """The weights a graph at tp_degree `tp` carries: constants.safetensors, or rank_<r>.safetensors per rank."""
+    from neuronbuild.analysis.actions import trace_weights
+
+    return trace_weights(tp)
+
+
 def run_lower(spec: Mapping[str, Any], sandbox: Path, out_dir: Path) -> dict[str, Any]:
     """spec["program"] (in the sandbox) -> out_dir/{model.hlo.pb, params.json, constants.safetensors}, from shapes
     only: the program holds no weight values, and the weights file is the trace's (placed, never read).
@@ -38,10 +45,13 @@ def run_lower(spec: Mapping[str, Any], sandbox: Path, out_dir: Path) -> dict[str
     sandbox, out_dir = Path(sandbox), Path(out_dir)
     ep = load_program(sandbox / str(spec["program"]))
     _check_inputs(ep, example_inputs(dict(spec.get("inputs") or {}), dict(spec.get("bucket") or {})))
-    weights_in = sandbox / WEIGHTS_FILE
-    if not weights_in.is_file():
-        raise ToolchainError(f"the trace's {WEIGHTS_FILE} is missing from the sandbox")
-    held = read_header(weights_in)
+    tp_info = dict(spec.get("tp") or {})
+    tp = int(tp_info.get("degree") or 1)
+    names = weights_files(tp)
+    for name in names:
+        if not (sandbox / name).is_file():
+            raise ToolchainError(f"the trace's {name} is missing from the sandbox")
+    held = read_header(sandbox / names[0])
     start = time.perf_counter()
     lowered = lower_program(ep, dict(spec.get("options") or {}))
     seconds = time.perf_counter() - start
@@ -52,10 +62,12 @@ def run_lower(spec: Mapping[str, Any], sandbox: Path, out_dir: Path) -> dict[str
                              f"{', '.join(missing[:5])}")
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / HLO_FILE).write_bytes(lowered.proto)
-    (out_dir / PARAMS_FILE).write_bytes(lowered.params_json())
-    _place(weights_in, out_dir / WEIGHTS_FILE)
+    (out_dir / PARAMS_FILE).write_bytes(lowered.params_json(tp_info))
+    for name in names:
+        _place(sandbox / name, out_dir / name)
     return {"artifact": HLO_FILE, "bytes": len(lowered.proto), "parameters": len(lowered.parameters),
-            "weights": len(state), "weights_bytes": (out_dir / WEIGHTS_FILE).stat().st_size,
+            "weights": len(state), "weights_bytes": sum((out_dir / n).stat().st_size for n in names),
+            **({"tp_degree": tp} if tp > 1 else {}),
             "ops": sum(n for _op, n in lowered.ops), "auto_cast_ops": lowered.cast_ops, "lower_s": round(seconds, 3)}
 
 
@@ -94,7 +106,7 @@ def run_neuron_compile(spec: Mapping[str, Any], sandbox: Path, out_dir: Path) ->
     env_flags = [str(f) for f in spec.get("env_flags") or ()]
     cc = spec.get("neuronx_cc")
     out_dir.mkdir(parents=True, exist_ok=True)
-    for name in LOWER_OUTPUTS:
+    for name in (HLO_FILE, PARAMS_FILE, *weights_files(int(spec.get("tp_degree") or 1))):
         if not (sandbox / name).is_file():
             raise ToolchainError(f"the lowering's {name} is missing from the sandbox")
         _place(sandbox / name, out_dir / name)

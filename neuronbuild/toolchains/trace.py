@@ -15,6 +15,7 @@ from neuronbuild.toolchains.model_import import (
     build_shape_model,
     example_inputs,
     input_pairs,
+    rank_values,
     state_values,
     tied_aliases,
 )
@@ -151,16 +152,50 @@ def trace_failure(exc: BaseException, inputs: Any, args: Sequence[Any], sandbox:
             f"(check them against forward()): {traced}")
 
 
+def _write_shards(out_dir: Path, tp: int, entries: list[Any], constants: Mapping[str, torch.Tensor],
+                  state: Mapping[str, Any], part: Any, stored_as: Mapping[str, str]) -> int:
+    """rank_<r>.safetensors for every rank: each tensor of the rank's program, its part of the whole one
+    (model_import.rank_values: one tensor at a time, never the whole model in memory); returns the bytes written."""
+    from neuronbuild.analysis.actions import rank_weights
+    from neuronbuild.toolchains.weights import write_safetensors
+
+    total = 0
+    for rank in range(tp):
+        def value(e: Any, rank: int = rank) -> Any:
+            if e.name not in state:
+                return constants[e.name]
+            try:
+                return part(e.name, tuple(e.shape), rank)
+            except ValueError as exc:
+                raise ToolchainError(f"weight {e.name}: {exc}") from None
+
+        total += write_safetensors(out_dir / rank_weights(rank), entries, value, stored_as)
+    return total
+
+
 def run_trace(spec: dict[str, Any], sandbox: Path, out_dir: Path) -> dict[str, Any]:
     """Export spec["model"] at spec["bucket"] (zeros example inputs) from shapes only (build_shape_model) to
     out_dir/program.pt2, and write every tensor the program holds to out_dir/constants.safetensors one at a time
-    (streamed from the model's weight files); returns metadata, with the flattened outputs (names, shapes, which
+    (streamed from the model's weight files, in the dtype the model holds them: a bf16 model's stay bf16; tied ones
+    once); returns metadata, with the flattened outputs (names, shapes, which
     dims follow which bucket dim)."""
     from neuronbuild.toolchains.weights import Entry, write_safetensors
 
     sandbox, out_dir = Path(sandbox), Path(out_dir)
     model_spec = spec["model"]
-    module, mode = build_shape_model(model_spec, sandbox)
+    tp = int(spec.get("tp_degree") or 1)
+    whole_spec = model_spec
+    plan = dict(model_spec.get("tp_plan") or {}) if tp > 1 else {}
+    if tp > 1 and not plan:  # one rank's program (the factory builds that rank's model); weights: a shard per rank
+        model_spec = {**model_spec, "config": {**dict(model_spec.get("config") or {}), "tp_degree": tp}}
+    module, mode = build_shape_model(model_spec, sandbox, tp)
+    if plan:  # a plain model's declared plan: its parameters become one rank's shards
+        from neuronbuild.toolchains.tp_ops import apply_plan
+
+        try:
+            apply_plan(module, mode, plan, tp)
+        except ValueError as exc:
+            raise ToolchainError(str(exc)) from None
     tied = tied_aliases(module)
     inputs = spec.get("inputs") or []
     bucket = dict(spec.get("bucket") or {})
@@ -177,6 +212,12 @@ def run_trace(spec: dict[str, Any], sandbox: Path, out_dir: Path) -> dict[str, A
     relative_stack_traces(ep, sandbox)
     nodes = len(ep.graph.nodes)
     state = {name: (t.dtype, tuple(t.shape)) for name, t in ep.state_dict.items()}
+    # Tied weights (one tensor under several names, e.g. lm_head.weight = model.embed_tokens.weight) are stored once,
+    # under the name the module lists first; the others are aliases in the file's metadata.
+    by_tensor: dict[int, list[str]] = {}
+    for name, t in ep.state_dict.items():
+        by_tensor.setdefault(id(t), []).append(name)
+    stored_as = {alias: names[0] for names in by_tensor.values() for alias in names[1:]}
     constants = {k: v for k, v in ep.constants.items() if isinstance(v, torch.Tensor)}
     _shapes_only(ep, args)
     data = program_bytes(ep, keep_stack_traces=True)
@@ -201,11 +242,16 @@ def run_trace(spec: dict[str, Any], sandbox: Path, out_dir: Path) -> dict[str, A
     flat.undo()
     # Every tensor the program holds (= what the cpu compile's package and the Neuron module's leading parameters
     # take, plus what inductor folds), by FQN: one file per model for all its graphs, buckets and targets.
-    value = state_values(model_spec, sandbox, {k: dt for k, (dt, _s) in state.items()}, tied)
-    entries = [Entry(k, dt, shape) for k, (dt, shape) in state.items()]
+    entries = [Entry(k, dt, shape) for k, (dt, shape) in state.items() if k not in stored_as]
     entries += [Entry(k, t.dtype, tuple(t.shape)) for k, t in constants.items() if k not in state]
-    size = write_safetensors(out_dir / WEIGHTS_FILE, entries,
-                             lambda e: constants[e.name] if e.name not in state else value(e.name))
+    if tp > 1:
+        size = _write_shards(out_dir, tp, entries, constants, state,
+                             rank_values(whole_spec, sandbox, {k: dt for k, (dt, _s) in state.items()}, tied, tp),
+                             stored_as)
+    else:
+        value = state_values(model_spec, sandbox, {k: dt for k, (dt, _s) in state.items()}, tied)
+        size = write_safetensors(out_dir / WEIGHTS_FILE, entries,
+                                 lambda e: constants[e.name] if e.name not in state else value(e.name), stored_as)
     return {
         "nodes": nodes,
         "parameters": n_params,

@@ -78,6 +78,32 @@ def is_hf_causal_lm(model_spec: Mapping[str, Any]) -> bool:
     return str(model_spec.get("entry") or "").startswith(HF_ENTRY)
 
 
+# The error a graph computing in a 16-bit float dtype is allowed on top of the target's `tolerance`, relative to the
+# largest reference logit: 8 units in the last place of bfloat16 (2^-8 each), of float16 (2^-11 each). The compiled
+# graph and transformers' eager model round differently (fused kernels keep float32 intermediates), one last place per
+# op at worst; tokens are compared exactly all the same (validate --generate).
+LOW_PRECISION_REL = {"bfloat16": 2.0 ** -5, "float16": 2.0 ** -8}
+
+
+def hf_dtype(model_spec: Mapping[str, Any]) -> str:
+    """The dtype an hf_causal_lm computes in (its config's), float32 for any other model."""
+    if not is_hf_causal_lm(model_spec):
+        return "float32"
+    from neuronbuild.toolchains.hf_causal_lm import model_dtype
+
+    return str(model_dtype(dict((model_spec.get("config") or {}).get("hf") or {}))).removeprefix("torch.")
+
+
+def accepted_error(tolerance: float, dtype: str, cmp: Comparison) -> float:
+    """The max abs error accepted for one comparison: the target's `tolerance`, or for a bfloat16 / float16 model
+    LOW_PRECISION_REL of the largest reference value when that is larger."""
+    rel = LOW_PRECISION_REL.get(dtype)
+    if rel is None or not cmp.max_rel or cmp.max_rel == float("inf"):
+        return tolerance
+    scale = cmp.max_abs / cmp.max_rel if cmp.max_abs else 0.0
+    return max(tolerance, rel * scale)
+
+
 class HfReference:
     """transformers' model class of an hf_causal_lm built from the same config with the graphs' weights (as
     neuronbuild loads them for the trace), plus the wrapper's eager context graph (only to fill the token graph's

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from neuronbuild.runtime.verified import TIED_KEY, tied_names
 from neuronbuild.toolchains.errors import ToolchainError
 
 # safetensors' names of torch dtypes, in the order its `save` lays tensors out (descending, then by name).
@@ -43,14 +44,22 @@ class Entry:
 
 
 def write_safetensors(path: Path, entries: Iterable[Entry],
-                      value: Callable[[Entry], torch.Tensor | Iterable[torch.Tensor]]) -> int:
+                      value: Callable[[Entry], torch.Tensor | Iterable[torch.Tensor]],
+                      tied: Mapping[str, str] | None = None) -> int:
     """Write `entries` to `path` as safetensors, asking `value(entry)` for one tensor at a time (so at most one is held),
     or for an iterable of consecutive pieces of it (flat, in order: a large tensor converted piece by piece);
-    returns the file's size. Same layout as safetensors.torch.save (tensors by dtype, then name; no metadata)."""
+    returns the file's size. Same layout as safetensors.torch.save (tensors by dtype, then name; no metadata).
+    `tied` ({alias: stored entry's name}): names bound to a stored tensor, written once; recorded in the header's
+    `__metadata__` (TIED_KEY), which every reader of weights files here resolves (runtime.verified.with_tied)."""
     items = sorted(entries, key=lambda e: (_ST_RANK.get(e.dtype, -1), e.name))
     if len({e.name for e in items}) != len(items):
         raise ToolchainError("internal: a weights file names a tensor twice")
     header: dict[str, Any] = {}
+    if tied:
+        names = {e.name for e in items}
+        if any(s not in names or a in names for a, s in tied.items()):
+            raise ToolchainError("internal: a tied name must alias a stored tensor and not be stored itself")
+        header["__metadata__"] = {TIED_KEY: json.dumps(dict(sorted(tied.items())), separators=(",", ":"))}
     offset = 0
     for e in items:
         if e.dtype not in _ST_NAME:
@@ -89,7 +98,8 @@ def read_header(path: Path) -> dict[str, tuple[torch.dtype | None, tuple[int, ..
 
 
 def read_layout(path: Path) -> dict[str, tuple[torch.dtype | None, tuple[int, ...], int, int]]:
-    """A safetensors file's tensors by name: (dtype, shape, start, end): absolute byte offsets of the data."""
+    """A safetensors file's tensors by name: (dtype, shape, start, end): absolute byte offsets of the data; a tied
+    name (stored once, see write_safetensors) has its stored tensor's."""
     try:
         with open(path, "rb") as f:
             size = struct.unpack("<Q", f.read(8))[0]
@@ -100,6 +110,10 @@ def read_layout(path: Path) -> dict[str, tuple[torch.dtype | None, tuple[int, ..
         raise ToolchainError(f"cannot read weights {path.name}: {exc}") from None
     if not isinstance(header, dict):
         raise ToolchainError(f"cannot read weights {path.name}: the header is not a JSON object")
+    try:
+        tied = tied_names(header.get("__metadata__"))
+    except ValueError as exc:
+        raise ToolchainError(f"cannot read weights {path.name}: {exc}") from None
     out = {}
     base = 8 + size
     for k, v in header.items():
@@ -110,6 +124,10 @@ def read_layout(path: Path) -> dict[str, tuple[torch.dtype | None, tuple[int, ..
             out[str(k)] = (_ST_DTYPE.get(str(v["dtype"])), tuple(int(d) for d in v["shape"]), base + start, base + end)
         except (KeyError, TypeError, ValueError):
             raise ToolchainError(f"cannot read weights {path.name}: bad header entry for {k!r}") from None
+    for alias, stored in tied.items():  # a tied name reads its stored tensor's bytes
+        if stored not in out or alias in out:
+            raise ToolchainError(f"cannot read weights {path.name}: tied name {alias!r} does not alias one tensor")
+        out[alias] = out[stored]
     return out
 
 
@@ -189,9 +207,12 @@ class Checkpoint:
             raise ToolchainError(f"cannot read weights {path.name}: {exc}") from None
 
 
-def check_against(expected: Mapping[str, tuple[int, ...]], tied: Mapping[str, set[str]], ckpt: Checkpoint) -> None:
+def check_against(expected: Mapping[str, tuple[int, ...]], tied: Mapping[str, set[str]], ckpt: Checkpoint,
+                  tp: int = 1) -> None:
     """Keys and shapes of `ckpt` against a module's state (name -> shape; tied: key -> keys sharing its tensor), as a
-    strict load_state_dict would check them: missing and unexpected keys named, then shape mismatches."""
+    strict load_state_dict would check them: missing and unexpected keys named, then shape mismatches. tp > 1: the
+    module is one rank's, so a file tensor matches when the rank's shape is a shard of it (tp_ops.shard_rule)."""
+
     have = set(ckpt.index)
     missing = sorted(k for k in set(expected) - have if not tied.get(k, set()) & have)
     unexpected = sorted(have - set(expected))
@@ -203,7 +224,12 @@ def check_against(expected: Mapping[str, tuple[int, ...]], tied: Mapping[str, se
             more = ", ..." if len(unexpected) > 5 else ""
             parts.append(f"unexpected {len(unexpected)} key(s): {', '.join(unexpected[:5])}{more}")
         raise ToolchainError(f"weights {ckpt.label} do not match the model: {'; '.join(parts)}")
-    bad = [k for k in sorted(have) if ckpt.shape(k) != tuple(expected[k])]
+    if tp > 1:
+        from neuronbuild.toolchains.tp_ops import shard_rule
+
+        bad = [k for k in sorted(have) if shard_rule(ckpt.shape(k), tuple(expected[k]), tp) is None]
+    else:
+        bad = [k for k in sorted(have) if ckpt.shape(k) != tuple(expected[k])]
     if bad:
         k = bad[0]
         raise ToolchainError(
