@@ -260,6 +260,60 @@ def test_dead_s3_endpoint_costs_one_warning(populated: tuple[Path, Path], ws: Pa
     assert len(warnings(proc.stderr)) == 1 and "unavailable" in warnings(proc.stderr)[0], proc.stderr
 
 
+@pytest.mark.parametrize("listing_after", [0, 512])  # (0: every pass through the shard listings)
+@pytest.mark.parametrize("tier", ["dir", "s3"])
+def test_a_plans_probe_of_a_tiered_cache_finds_exactly_the_entries_a_lookup_takes(
+        tier: str, listing_after: int, tmp_path: Path, request: pytest.FixtureRequest,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import uuid
+
+    from neuronbuild.cache.action_cache import ActionCache
+    from neuronbuild.cache.local import LocalCache
+    from neuronbuild.cache.tiered import TieredCache, open_shared
+
+    monkeypatch.setattr(ActionCache, "LISTING_AFTER", listing_after)
+    local, shared = LocalCache(tmp_path / "local"), LocalCache(tmp_path / "shared")
+    out = tmp_path / "out"
+    out.mkdir()
+    fps = [f"{i % 7:02x}{i:062x}" for i in range(40)]  # (several entries per shard)
+
+    def store(cache: LocalCache, fp: str) -> str:
+        (out / "o").write_text(fp)  # (one blob per entry)
+        return cache.store_outputs(fp, f"compile {fp[-4:]}", {}, out, ["o"], 1.0, {}).outputs["o"].digest
+
+    for fp in fps[0::5]:
+        store(local, fp)  # local only
+    for fp in fps[1::5]:
+        store(shared, fp)  # shared only
+    for fp in fps[2::5]:
+        store(shared, fp)
+        local.blobs.evict(store(local, fp))  # both, the local blob lost: the shared one serves
+    for fp in fps[3::5]:
+        shared.blobs.evict(store(shared, fp))  # shared record without its blob
+    mislabelled = fps[4]  # a shared record of another action filed under this one's name
+    (shared.root / "ac" / mislabelled[:2]).mkdir(exist_ok=True)
+    shutil.copyfile(shared.actions.path(fps[1]), shared.actions.path(mislabelled))
+    url = str(tmp_path / "shared")
+    if tier == "s3":
+        endpoint = request.getfixturevalue("s3_url")
+        for k, v in AWS_ENV.items():
+            monkeypatch.setenv(k, v)
+        bucket = f"probe-{uuid.uuid4().hex[:12]}"
+        s3_client(endpoint).create_bucket(Bucket=bucket)
+        upload_dir(s3_client(endpoint), bucket, "nb", tmp_path / "shared")
+        url = f"s3://{bucket}/nb"
+
+    def tiered() -> TieredCache:
+        return TieredCache(tmp_path / "local", open_shared(url, endpoint if tier == "s3" else None))
+
+    want = {*fps[0::5], *fps[1::5], *fps[2::5]}
+    assert tiered().peek_many(fps) == want
+    assert {fp for fp in fps if tiered().peek(fp)} == want
+    cache = tiered()
+    assert {fp for fp in fps if cache.lookup(fp) is not None} == want  # (copies the shared entries down)
+    assert cache.peek_many(fps) == want and cache.stats.errors == 0
+
+
 # -- gc, pins, failures ----------------------------------------------------------------------------------------------
 def test_gc_under_a_size_cap_keeps_referenced_and_pinned_entries(populated: tuple[Path, Path], ws: Path,
                                                                  tmp_path: Path) -> None:

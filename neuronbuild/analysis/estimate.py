@@ -5,7 +5,7 @@ so every figure a user sees comes from the same numbers."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -109,10 +109,15 @@ class Estimator:
         self.history = history
         self._by_class: dict[tuple[str, str], list[LatestEntry]] | None = None
         self._fallback: dict[tuple[str, str, Any], Estimate] = {}  # (kind, platform, the spec's toolchain)
+        self._skipped: dict[Any, Estimate] = {}
 
     def estimate(self, action: Action) -> Estimate:
-        if action.spec.get("skipped"):  # its real work is left out (a Neuron compile without neuronx-cc): ~nothing
-            return Estimate(0.0, f"skipped ({action.spec['skipped']})")
+        skipped = action.spec.get("skipped")
+        if skipped:  # its real work is left out (a Neuron compile without neuronx-cc): ~nothing
+            known = self._skipped.get(skipped)  # (one value per reason: the plan's matrix shares its rows by value)
+            if known is None:
+                known = self._skipped[skipped] = Estimate(0.0, f"skipped ({skipped})")
+            return known
         own = self.history.result(action.fingerprint)
         if own is not None:
             return Estimate(own.duration_s, "this fingerprint's recorded run")
@@ -161,15 +166,16 @@ class Estimator:
 def wall_time(graph: nx.DiGraph, todo: Sequence[Action], seconds: Mapping[str, float], jobs: int) -> float:
     """Greedy list schedule of `todo` on `jobs` workers in dependency order (each action on the worker free first)."""
     fps = [a.fingerprint for a in todo]
-    return wall_time_of(graph, fps, [seconds.get(fp, 0.0) for fp in fps], jobs)
+    return wall_time_of(graph.predecessors, fps, [seconds.get(fp, 0.0) for fp in fps], jobs)
 
 
-def wall_time_of(graph: nx.DiGraph, fps: Sequence[str], seconds: Sequence[float], jobs: int) -> float:
-    """wall_time() of the actions `fps` (topologically ordered) taking `seconds` each (a list in the same order)."""
+def wall_time_of(pred: Callable[[str], Iterable[str]], fps: Sequence[str], seconds: Sequence[float],
+                 jobs: int) -> float:
+    """wall_time() of the actions `fps` (topologically ordered) taking `seconds` each (a list in the same order);
+    `pred`: an action's dependencies (a digraph's predecessors, or the actions' own deps)."""
     import heapq
 
     finish: dict[str, float] = {}  # (fps is topologically ordered: a dependency to run is in here before its user)
-    pred = graph.predecessors
     get = finish.get
     if jobs <= 1:  # (one worker: each action starts when the previous one ends, or its inputs are ready)
         free = 0.0

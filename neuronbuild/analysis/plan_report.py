@@ -55,7 +55,7 @@ class PlanReport:
         fps = list(map(_FINGERPRINT, self.todo))
         get = self.estimates.get
         seconds = [(e.seconds or 0.0) if (e := get(fp)) is not None else 0.0 for fp in fps]
-        return wall_time_of(self.ag.graph, fps, seconds, self.jobs)
+        return wall_time_of(self.ag.inputs.__getitem__, fps, seconds, self.jobs)
 
     def _cell(self, fp: str) -> dict[str, Any]:
         est = self.estimates.get(fp)
@@ -106,9 +106,9 @@ class PlanReport:
         estimates, cached, ag = self.estimates, self.cached, self.ag
         seen: dict[tuple[int, int, bool, bool], str] = {}
         for ct in ag.compiles:
-            head, prefixes = _layout(ct)
+            head, prefixes, traces = _layout(ct, ag)
             out.extend(head)
-            for prefix, (_bucket, fp), trace_fp in zip(prefixes, ct.buckets, _traces(ct, ag), strict=True):
+            for prefix, (_bucket, fp), trace_fp in zip(prefixes, ct.buckets, traces, strict=True):
                 te, ce = estimates.get(trace_fp), estimates.get(fp)  # (inlined status(): 100,000s)
                 key = (id(te), id(ce), trace_fp in cached, fp in cached)  # (estimates are shared: few distinct rows)
                 cells = seen.get(key)
@@ -127,7 +127,26 @@ class PlanReport:
         return line
 
 
-def _layout(ct: CompileTarget) -> tuple[tuple[str, str], tuple[str, ...]]:
+# A compile target's matrix layout and the trace of each of its buckets' compile are a function of its value alone
+# (fingerprints are content addresses: a compile's fingerprint fixes its inputs' actions): kept per CompileTarget
+# object (analysis replays the same objects for unchanged targets), held with it so its id is not reused.
+_Layout = tuple[tuple[str, str], tuple[str, ...], tuple[str, ...]]
+_layouts: dict[int, tuple[CompileTarget, _Layout]] = {}
+_MAX_LAYOUTS = 200_000
+
+
+def _layout(ct: CompileTarget, ag: ActionGraph) -> _Layout:
+    known = _layouts.get(id(ct))
+    if known is not None and known[0] is ct:
+        return known[1]
+    out = (*_make_layout(ct), _traces(ct, ag))
+    if len(_layouts) >= _MAX_LAYOUTS:
+        _layouts.clear()
+    _layouts[id(ct)] = (ct, out)
+    return out
+
+
+def _make_layout(ct: CompileTarget) -> tuple[tuple[str, str], tuple[str, ...]]:
     """A compile target's matrix heading and the start of each bucket's row."""
     opts = " ".join(f"{k}={','.join(v) if isinstance(v, list) else v}" for k, v in ct.options.items()
                     if v not in (None, []))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import operator
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -36,12 +37,52 @@ VOLATILE_KINDS = frozenset({"neuron_target"})
 
 @dataclass(frozen=True)
 class ActionGraph:
-    """Every action needed for the requested targets; edges run from producer to consumer."""
+    """Every action needed for the requested targets; edges run from producer to consumer.
+
+    A plain value: the actions (by fingerprint, in the order analysis added them), the compile targets and bundles.
+    What is derived from them (the networkx digraph, the consumers of each action, the topological order) is made on
+    first use and kept with the value; the planner's hot paths use the plain `consumers` map and `Action.deps`."""
 
     actions: Mapping[str, Action] = field(hash=False)
-    graph: nx.DiGraph = field(hash=False, compare=False)
+    given_graph: nx.DiGraph | None = field(default=None, hash=False, compare=False, repr=False)
     compiles: tuple[CompileTarget, ...] = ()
     bundles: Mapping[Label, BundleInfo] = field(default_factory=dict, hash=False, compare=False)
+
+    @cached_property
+    def graph(self) -> nx.DiGraph:
+        """The producer -> consumer digraph (networkx, public API): for queries, explain and the scheduler."""
+        return self.given_graph if self.given_graph is not None else action_digraph(self.actions)
+
+    @cached_property
+    def consumers(self) -> Mapping[str, tuple[str, ...]]:
+        """{fingerprint: the distinct actions reading its outputs, in action order}; a dependency never registered
+        is a key too (the digraph's nodes)."""
+        return self._adjacency[1]
+
+    @cached_property
+    def inputs(self) -> Mapping[str, tuple[str, ...]]:
+        """{fingerprint: the distinct actions whose outputs it reads} (the digraph's predecessors)."""
+        return self._adjacency[0]
+
+    @cached_property
+    def _adjacency(self) -> tuple[dict[str, tuple[str, ...]], dict[str, tuple[str, ...]]]:
+        ins: dict[str, tuple[str, ...]] = {}
+        out: dict[str, list[str]] = {fp: [] for fp in self.actions}
+        get = out.get
+        for fp, a in self.actions.items():
+            dep_inputs = a.dep_inputs
+            if not dep_inputs:
+                ins[fp] = ()
+                continue
+            deps = ins[fp] = tuple(dict.fromkeys(map(_ACTION_OF, dep_inputs))) if len(dep_inputs) > 1 else \
+                (dep_inputs[0].action,)
+            for d in deps:
+                lst = get(d)
+                if lst is None:
+                    lst = out[d] = []
+                    ins[d] = ()
+                lst.append(fp)
+        return ins, {fp: tuple(c) for fp, c in out.items()}
 
     def topological(self) -> list[Action]:
         return list(self.topological_seq())
@@ -57,14 +98,19 @@ class ActionGraph:
     @cached_property
     def _ordered(self) -> tuple[tuple[Action, ...], list[str]]:
         """Kahn's algorithm taking the smallest ready fingerprint first: networkx's lexicographical_topological_sort
-        order, at a fraction of its cost."""
+        order, at a fraction of its cost (over `consumers`, not the digraph)."""
         import heapq
 
-        g = self.graph
-        succ, actions = g.successors, self.actions
-        degree = dict(g.in_degree())
-        ready = [n for n, k in degree.items() if not k]
-        waiting = {n: k for n, k in degree.items() if k > 1}  # (one-input actions are ready once it is)
+        cons = self.consumers
+        actions = self.actions
+        waiting: dict[str, int] = {}  # (one-input actions are ready once it is)
+        ready: list[str] = []
+        for fp, deps in self.inputs.items():  # (never-registered dependencies too: no inputs)
+            k = len(deps)
+            if not k:
+                ready.append(fp)
+            elif k > 1:
+                waiting[fp] = k
         heapq.heapify(ready)
         pop, push = heapq.heappop, heapq.heappush
         fps: list[str] = []
@@ -72,16 +118,16 @@ class ActionGraph:
         while ready:
             n = pop(ready)
             take(n)
-            for s in succ(n):
-                k = waiting.get(s)
-                if k is None:
+            for s in cons[n]:
+                left = waiting.get(s)
+                if left is None:
                     push(ready, s)
-                elif k > 1:
-                    waiting[s] = k - 1
+                elif left > 1:
+                    waiting[s] = left - 1
                 else:
                     del waiting[s]
                     push(ready, s)
-        if len(fps) != len(degree):
+        if len(fps) != len(cons):
             raise nx.NetworkXUnfeasible("the action graph has a cycle")
         return tuple(map(actions.__getitem__, fps)), fps
 
@@ -93,13 +139,16 @@ class ActionGraph:
         return a
 
     def closure(self, fp: str) -> set[str]:
-        """The action and every action it depends on (nx.ancestors' set and `fp`, over the adjacency dict: a build
-        asks this of each of its 1,000s of compiles, where networkx's dispatch costs more than the walk)."""
-        pred = self.graph.predecessors  # (raises NetworkXError for a node not in the graph)
+        """The action and every action it depends on (nx.ancestors' set and `fp`, over `Action.deps`: a build asks
+        this of each of its 1,000s of compiles, where networkx's dispatch costs more than the walk)."""
+        actions = self.actions
+        if fp not in actions:
+            raise nx.NetworkXError(f"The node {fp} is not in the digraph.")
         out = {fp}
         stack = [fp]
         while stack:
-            for d in pred(stack.pop()):
+            a = actions.get(stack.pop())
+            for d in a.deps if a is not None else ():
                 if d not in out:
                     out.add(d)
                     stack.append(d)
@@ -143,6 +192,7 @@ class AnalysisMemo:
         self.trace_toolchain: dict[str, str] = {}
         self.revision = 0
         self.reused = self.analysed = self.cutoffs = 0
+        self.last: ActionGraph | None = None  # the previous plan's action graph (the node's value)
 
     def begin(self, settings: PlanSettings) -> None:
         key = settings_key(settings)
@@ -151,9 +201,24 @@ class AnalysisMemo:
                 any(_versions(tc, platform, settings) != v for (tc, platform), v in self.env.items()):
             self.entries.clear()
             self.env.clear()
+            self.last = None
         self.settings_key, self.trace_toolchain = key, trace_tc
         self.revision += 1
         self.reused = self.analysed = self.cutoffs = 0
+
+    def action_graph(self, actions: dict[str, Action], compiles: tuple[CompileTarget, ...],
+                     bundles: dict[Label, BundleInfo]) -> ActionGraph:
+        """The plan's ActionGraph node: a value of its actions (fingerprints are content addresses: equal
+        fingerprints in the same order are equal actions), compile targets and bundles. When they equal the previous
+        plan's, that value is returned (early cutoff), with what was derived from it (order, consumers, digraph), and
+        so are the values derived from it further on (AnalysisMemo.derived)."""
+        last = self.last
+        if last is not None and len(last.actions) == len(actions) and list(last.actions) == list(actions) and \
+                len(last.compiles) == len(compiles) and all(map(_same_value, last.compiles, compiles)) and \
+                list(last.bundles) == list(bundles) and _same_value(list(last.bundles.values()), list(bundles.values())):
+            return last
+        self.last = ActionGraph(actions, None, compiles, bundles)
+        return self.last
 
 
 def settings_key(settings: PlanSettings) -> str:
@@ -446,6 +511,7 @@ class AnalysisContext:
 
 
 _MISSING = object()
+_ACTION_OF = operator.attrgetter("action")
 
 
 def _changed_at(m: _Memo | None) -> int:
@@ -468,7 +534,7 @@ def plan(graph: TargetGraph, settings: PlanSettings | None = None, memo: Analysi
     for lbl in graph.requested:
         if plugins.rule(graph.targets[lbl].kind).plans_actions:
             ctx.provider(lbl)
-    return ActionGraph(ctx.actions, action_digraph(ctx.actions), tuple(ctx.compiles), dict(ctx.bundles))
+    return memo.action_graph(ctx.actions, tuple(ctx.compiles), dict(ctx.bundles))
 
 
 def action_digraph(actions: Mapping[str, Action]) -> nx.DiGraph:

@@ -7,7 +7,7 @@ import json
 import os
 import re
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -97,6 +97,27 @@ _parsed: dict[str, tuple[StatKey, ActionResult]] = {}
 _MAX_PARSED = 20_000  # ~6 KiB each (a record holds its action's full input record): at most ~120 MiB
 
 
+def listed_records(ac_dir: str, fps: Sequence[str]) -> list[str]:
+    """Those of `fps` (in their order) that may have a record in the record directory `ac_dir` (<first two hex>/
+    <fingerprint>.json), from one listing of each shard directory asked. A shard that is absent holds none; one that
+    cannot be listed (permissions, I/O) may hold any of them: they are all kept, for a lookup to decide."""
+    listed: dict[str, frozenset[str] | None] = {}
+    out = []
+    for fp in fps:
+        shard = fp[:2]
+        if shard not in listed:
+            try:
+                listed[shard] = frozenset(n[:-5] for n in os.listdir(f"{ac_dir}/{shard}") if n.endswith(".json"))
+            except (FileNotFoundError, NotADirectoryError):
+                listed[shard] = frozenset()
+            except OSError:
+                listed[shard] = None
+        names = listed[shard]
+        if names is None or fp in names:
+            out.append(fp)
+    return out
+
+
 class ActionCache:
     """Records under <root>/ac/<first two hex>/<fingerprint>.json; an unreadable record counts as a miss."""
 
@@ -106,6 +127,17 @@ class ActionCache:
         self._dir = str(self.dir)
         self.tmp = root / "tmp"
         self.mtimes: dict[str, int] = {}  # fingerprint -> mtime_ns of its record as get() found it
+
+    LISTING_AFTER = 512  # fingerprints asked at once beyond which shards are listed (fewer: a stat each costs less)
+
+    def candidates(self, fps: Sequence[str]) -> list[str]:
+        """Those of `fps` that may have a record: from one listing of each shard directory asked (made now), once
+        more than LISTING_AFTER are asked; else all of them. For a pass of this process that writes no record (a
+        plan's probe of every action); a record another process writes meanwhile may be missed, as one written just
+        after a stat is."""
+        if len(fps) <= self.LISTING_AFTER:
+            return list(fps)
+        return listed_records(self._dir, fps)
 
     def path(self, fp: str) -> Path:
         return self.dir / fp[:2] / f"{fp}.json"

@@ -131,6 +131,12 @@ class LocalCache:
         res, bad = self.lookup_local(fp)
         return res is not None and not bad
 
+    def peek_many(self, fps: Sequence[str]) -> set[str]:
+        """Those of `fps` whose peek() is true (a plan's probe of every action, which writes no record): the record
+        shards are listed once (ActionCache.candidates) instead of a stat per fingerprint."""
+        peek = self.peek
+        return {fp for fp in self.actions.candidates(fps) if peek(fp)}
+
     def _hit(self, fp: str, tier: str) -> None:
         self.stats.hit(fp, tier)
         if fp not in self._touched:  # record mtime = last use, for LRU garbage collection (to within TOUCH_NS)

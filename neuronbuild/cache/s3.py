@@ -12,12 +12,13 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from neuronbuild.cache.action_cache import ActionCache
 from neuronbuild.cache.locks import HEARTBEAT_S, HOST, MAX_SKEW_S, STALE_S, Owner, _pid_alive
-from neuronbuild.cache.tier import TierReadOnly, TierUnavailable
+from neuronbuild.cache.tier import SharedTier, TierReadOnly, TierUnavailable
 
 LAYOUT = "v1"
 ENDPOINT_ENV = "NEURONBUILD_S3_ENDPOINT_URL"
@@ -53,7 +54,7 @@ class S3Lease:
             self.tier.client.delete_object(Bucket=self.tier.bucket, Key=self.key, IfMatch=self.etag)
 
 
-class S3Tier:
+class S3Tier(SharedTier):
     """A shared cache in an S3 bucket. boto3 is imported only when an s3:// tier is used."""
 
     def __init__(self, url: str, endpoint_url: str | None = None) -> None:
@@ -119,6 +120,22 @@ class S3Tier:
             return bytes(self._call(False, "get_object", Key=self.record_key(fp))["Body"].read())
         except FileNotFoundError:
             return None
+
+    def records_among(self, fps: Sequence[str]) -> set[str]:
+        """From one listing (LIST pages of 1,000 keys) of each shard asked, once more than ActionCache.LISTING_AFTER
+        are asked: a GET per fingerprint is a round trip each."""
+        if len(fps) <= ActionCache.LISTING_AFTER:
+            return set(fps)
+        wanted: dict[str, set[str]] = {}
+        for fp in fps:
+            wanted.setdefault(fp[:2], set()).add(fp)
+        out: set[str] = set()
+        for shard, asked in wanted.items():
+            for obj in self._list(f"ac/{shard}"):
+                fp = obj["Key"].rsplit("/", 1)[-1].removesuffix(".json")
+                if fp in asked:
+                    out.add(fp)
+        return out
 
     @contextlib.contextmanager
     def open_blob(self, digest: str) -> Iterator[BinaryIO]:

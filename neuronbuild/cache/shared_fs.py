@@ -6,20 +6,21 @@ import contextlib
 import errno
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import BinaryIO
 
 from neuronbuild.atomic import atomic_write_bytes
+from neuronbuild.cache.action_cache import ActionCache, listed_records
 from neuronbuild.cache.cas import BlobStore
 from neuronbuild.cache.locks import LockDir, LockFile
-from neuronbuild.cache.tier import TierReadOnly, TierUnavailable
+from neuronbuild.cache.tier import SharedTier, TierReadOnly, TierUnavailable
 
 LAYOUT = "v1"
 _READ_ONLY = {errno.EROFS, errno.EACCES, errno.EPERM}
 
 
-class SharedDirTier:
+class SharedDirTier(SharedTier):
     """A shared cache directory. The directory itself must exist (a missing mount is 'unreachable', not created)."""
 
     def __init__(self, base: Path) -> None:
@@ -55,6 +56,13 @@ class SharedDirTier:
             return self.record_path(fp).read_bytes()
         except FileNotFoundError:
             return None
+
+    def records_among(self, fps: Sequence[str]) -> set[str]:
+        """From one listing of each shard asked, once more than ActionCache.LISTING_AFTER are asked."""
+        self._ready()
+        if len(fps) <= ActionCache.LISTING_AFTER:
+            return set(fps)
+        return set(listed_records(str(self.root / "ac"), fps))
 
     @contextlib.contextmanager
     def open_blob(self, digest: str) -> Iterator[BinaryIO]:

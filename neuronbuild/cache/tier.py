@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import BinaryIO, Protocol
@@ -23,11 +23,18 @@ class Lease(Protocol):
 
 
 class SharedTier(Protocol):
-    """Same layout as the local cache (v1/ac, v1/cas, v1/locks) on shared storage. Records are written after blobs."""
+    """Same layout as the local cache (v1/ac, v1/cas, v1/locks) on shared storage. Records are written after blobs.
+    The tiers subclass it (for its defaults)."""
 
     url: str
 
     def get_record(self, fp: str) -> bytes | None: ...
+
+    def records_among(self, fps: Sequence[str]) -> set[str]:
+        """Those of `fps` that may have a record here: every one that has one when the call begins (a superset is
+        correct, get_record decides). A tier answers a long list from one listing of each shard asked; this default,
+        for a tier that cannot list, keeps them all."""
+        return set(fps)
 
     def open_blob(self, digest: str) -> AbstractContextManager[BinaryIO]:
         """A readable stream of a blob; raises FileNotFoundError when it is absent."""

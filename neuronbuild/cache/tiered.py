@@ -83,7 +83,8 @@ class TieredCache(LocalCache):
         return fetched
 
     def peek(self, fp: str) -> bool:
-        """A hit in the local tier, or a readable record in the shared tier whose every blob is there."""
+        """A hit in the local tier, or a record in the shared tier that lookup() would take (readable, of `fp`)
+        whose every blob is there."""
         res, bad = self.lookup_local(fp)
         if res is not None and not bad:
             return True
@@ -98,10 +99,23 @@ class TieredCache(LocalCache):
             except (ValueError, KeyError, TypeError, RecursionError):
                 return False
             if res.fingerprint != fp or res.derived_fingerprint() != fp:
-                return False
+                return False  # (lookup() takes no record filed under another action's name, nor one not re-deriving)
         shared = self.shared
         return all(self.blobs.check(o.digest, o.size) == "ok" or bool(self._remote(shared.has_blob, o.digest, o.size))
                    for o in res.outputs.values())
+
+    def peek_many(self, fps: Sequence[str]) -> set[str]:
+        """Those of `fps` whose peek() is true: only those with a record in the local tier (its shard listings) or
+        the shared one (SharedTier.records_among: one listing per shard, not a request per fingerprint) are
+        peeked."""
+        if self.shared is None:
+            return super().peek_many(fps)
+        local = set(self.actions.candidates(fps))
+        rest = [fp for fp in fps if fp not in local]
+        shared = self._remote(self.shared.records_among, rest) if rest else None
+        maybe = local | (shared or set())
+        peek = self.peek  # (a local record with a blob missing asks the shared tier for it)
+        return {fp for fp in fps if fp in maybe and peek(fp)}
 
     def _fetch_entry(self, fp: str, local: ActionResult | None) -> ActionResult | None:
         """Copy an entry down from the shared tier (its record unless we have one, and every blob we lack)."""

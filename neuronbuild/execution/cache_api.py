@@ -62,6 +62,11 @@ class SpawnCache(Protocol):
 
     def peek(self, fp: str) -> bool: ...
 
+    def peek_many(self, fps: Sequence[str]) -> set[str]:
+        """Those of `fps` whose peek() is true (one pass that writes nothing: a plan's probe of every action). A
+        cache may answer from listings instead of a lookup each; this default asks peek() for each."""
+        return {fp for fp in fps if self.peek(fp)}
+
     def try_claim(self, fp: str) -> Claim | None: ...
 
     def store_outputs(self, fp: str, identity: str, record: Mapping[str, Any], out_dir: Path,

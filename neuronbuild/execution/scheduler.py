@@ -96,20 +96,23 @@ def needed_actions(ag: ActionGraph, cache: SpawnCache, probe: bool = False) -> t
     With `probe` (plan, explain, dry runs) entries are only checked, never fetched from a shared tier or counted."""
     order = ag.topological()
     cached: set[str] = set()
+    hits = cache.peek_many(ag.order_fingerprints()) if probe else None  # (a probe writes nothing: one pass)
     for a in order:
-        if (cache.peek(a.fingerprint) if probe else cache.lookup(a.fingerprint) is not None):
-            cached.add(a.fingerprint)
+        fp = a.fingerprint
+        if fp in hits if hits is not None else cache.lookup(fp) is not None:
+            cached.add(fp)
         elif a.dep_inputs and all(d.action in cached for d in a.dep_inputs) and \
                 (cutoff.peek(a, cache, probe=True) if probe else cutoff.reuse(a, cache)) is not None:
-            cached.add(a.fingerprint)  # early cutoff: its inputs' outputs are those of an earlier result
+            cached.add(fp)  # early cutoff: its inputs' outputs are those of an earlier result
     need: set[str] = set()
-    succ = ag.graph.successors
+    consumers_of = ag.consumers
     for a in reversed(order):
-        if a.fingerprint in cached:
+        fp = a.fingerprint
+        if fp in cached:
             continue
-        consumers = list(succ(a.fingerprint))
-        if not consumers or any(c in need for c in consumers):
-            need.add(a.fingerprint)
+        consumers = consumers_of[fp]
+        if not consumers or not need.isdisjoint(consumers):
+            need.add(fp)
     return [a for a in order if a.fingerprint in need], [a.fingerprint for a in order if a.fingerprint in cached]
 
 
@@ -118,7 +121,7 @@ def critical_paths(ag: ActionGraph, todo: list[Action], duration: dict[str, floa
     need = {a.fingerprint for a in todo}
     cp: dict[str, float] = {}
     for a in reversed(todo):  # todo is topological: consumers come first here
-        tail = max((cp[s] for s in ag.graph.successors(a.fingerprint) if s in need), default=0.0)
+        tail = max((cp[s] for s in ag.consumers[a.fingerprint] if s in need), default=0.0)
         cp[a.fingerprint] = duration[a.fingerprint] + tail
     return cp
 
@@ -506,7 +509,7 @@ class _Run:
         elif reused:
             self.reused.append(fp)
             self.s.bus.emit(ev.ACTION_CACHED, **action_fields(self.todo[fp]), by_other_build=True)
-        for succ in self.ag.graph.successors(fp):
+        for succ in self.ag.consumers[fp]:
             deps = self.blockers.get(succ)
             if deps is not None and fp in deps:
                 deps.discard(fp)
