@@ -270,16 +270,18 @@ def test_a_plans_probe_of_a_tiered_cache_finds_exactly_the_entries_a_lookup_take
     from neuronbuild.cache.action_cache import ActionCache
     from neuronbuild.cache.local import LocalCache
     from neuronbuild.cache.tiered import TieredCache, open_shared
+    from neuronbuild.digests import fingerprint
 
     monkeypatch.setattr(ActionCache, "LISTING_AFTER", listing_after)
     local, shared = LocalCache(tmp_path / "local"), LocalCache(tmp_path / "shared")
     out = tmp_path / "out"
     out.mkdir()
-    fps = [f"{i % 7:02x}{i:062x}" for i in range(40)]  # (several entries per shard)
+    records = {fingerprint(r): r for r in ({"action": i} for i in range(40))}  # (records that re-derive)
+    fps = list(records)
 
     def store(cache: LocalCache, fp: str) -> str:
         (out / "o").write_text(fp)  # (one blob per entry)
-        return cache.store_outputs(fp, f"compile {fp[-4:]}", {}, out, ["o"], 1.0, {}).outputs["o"].digest
+        return cache.store_outputs(fp, f"compile {fp[-4:]}", records[fp], out, ["o"], 1.0, {}).outputs["o"].digest
 
     for fp in fps[0::5]:
         store(local, fp)  # local only
