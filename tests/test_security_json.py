@@ -58,3 +58,12 @@ def test_deep_pin_files_config_and_records_in_a_cache_are_one_line_errors_or_mis
     proc = run_cli(["cache", "gc", "--max-size", "1", "--cache-dir", str(cache)], ws)
     assert proc.returncode != 0 and proc.stderr.count("\n") == 1, proc.stderr[-2000:]
     assert "rel.json: unreadable pin file (JSON nested deeper than" in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("depth", [500, 100_000])
+def test_a_deep_params_json_in_a_neuron_graph_is_a_one_line_runtime_error(depth: int) -> None:
+    from neuronbuild.runtime.xla_cpu import XlaCpuError, read_params, read_tp
+
+    for read in (read_tp, read_params):
+        with pytest.raises(XlaCpuError, match="params.json is malformed: JSON nested deeper than"):
+            read(_nested(depth))

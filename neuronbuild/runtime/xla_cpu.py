@@ -5,7 +5,6 @@ Neuron execution. Relies on private jaxlib APIs, hence the pinned jax/jaxlib ver
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -15,6 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from neuronbuild import jsondata
 from neuronbuild.runtime.hlo_proto import ProtoError, parse_hlo_module
 
 
@@ -56,7 +56,7 @@ def cpu_devices(n: int) -> list[Any]:
 def read_tp(data: bytes | str) -> dict[str, Any]:
     """params.json's tensor-parallel entry ({} for a one-device module)."""
     try:
-        tp = json.loads(data).get("tp") or {}
+        tp = jsondata.loads(data).get("tp") or {}
     except (ValueError, AttributeError) as exc:
         raise XlaCpuError(f"params.json is malformed: {exc}") from None
     return dict(tp) if isinstance(tp, dict) else {}
@@ -65,7 +65,7 @@ def read_tp(data: bytes | str) -> dict[str, Any]:
 def read_params(data: bytes | str) -> tuple[list[ParamSpec], list[dict[str, Any]]]:
     """params.json -> (parameters in order, outputs)."""
     try:
-        doc = json.loads(data)
+        doc = jsondata.loads(data)
         params = [ParamSpec(int(p["index"]), str(p["name"]), str(p["kind"]), tuple(int(d) for d in p["shape"]),
                             str(p["dtype"]), str(p.get("source_dtype", p["dtype"]))) for p in doc["parameters"]]
         outputs = [dict(o) for o in doc.get("outputs", [])]
