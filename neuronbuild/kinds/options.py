@@ -5,6 +5,7 @@ Its option attributes are not named here: they are the union of the option keys 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,6 +39,7 @@ def option_keys(toolchains: Iterable[Any]) -> dict[str, OptionKey]:
     return out
 
 
+@functools.cache  # one schema per set of registered declarations
 def _schema(keys: tuple[OptionKey, ...]) -> RuleSchema:
     return RuleSchema(
         KIND_NAME,
@@ -94,11 +96,7 @@ class OptionsKind:
     @property
     def schema(self) -> RuleSchema:
         keys = tuple(option_keys(plugins.toolchains().values()).values())
-        cached = _SCHEMAS.get(keys)
-        if cached is None:
-            cached = _SCHEMAS[keys] = _schema(keys)
-        return cached
+        return _schema(keys)
 
 
-_SCHEMAS: dict[tuple[OptionKey, ...], RuleSchema] = {}
 KIND = OptionsKind()

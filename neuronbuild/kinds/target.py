@@ -5,6 +5,7 @@ Its attributes besides `platform` are not named here: each toolchain declares th
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,6 +41,7 @@ def _check(a: Mapping[str, Any]) -> None:
                             f"only, not '{a['platform']}'")
 
 
+@functools.cache  # one schema per set of registered declarations
 def _schema(attrs: tuple[Attr, ...]) -> RuleSchema:
     return RuleSchema(
         KIND_NAME,
@@ -78,11 +80,7 @@ class TargetKind:
     @property
     def schema(self) -> RuleSchema:
         attrs = tuple(a for a, _platforms in _owners().values())
-        cached = _SCHEMAS.get(attrs)
-        if cached is None:
-            cached = _SCHEMAS[attrs] = _schema(attrs)
-        return cached
+        return _schema(attrs)
 
 
-_SCHEMAS: dict[tuple[Attr, ...], RuleSchema] = {}
 KIND = TargetKind()
