@@ -23,3 +23,31 @@ def built_example(tmp_path_factory: pytest.TempPathFactory, cache_dir: Path):  #
     proc = run_cli(["build", "//...", "--jobs", "2", "--cache-dir", str(cache_dir)], ws)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return ws, proc
+
+
+def _uses_built_example(rootpath: Path, nodeid: str, _seen: dict[str, bool] = {}) -> bool:  # noqa: B006 (a memo)
+    """Whether the test file of `nodeid` uses the session's `built_example` (read from its text: the scheduler runs in
+    the controller, which does not collect)."""
+    file = nodeid.split("::", 1)[0]
+    if file not in _seen:
+        try:
+            _seen[file] = "built_example" in (rootpath / file).read_text()
+        except OSError:
+            _seen[file] = False
+    return _seen[file]
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    """`make test` runs the suite on two pytest-xdist workers with `--dist loadfile`: every test file runs whole on one
+    worker (its module fixtures are made once, its tests run in file order), and every file that uses the session's
+    `built_example` runs on the same worker, which builds the example once for all of them (they share its workspace
+    and cache; some rebuild in that workspace). Other session fixtures are per worker, as in a serial run."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class ExampleAwareFileScheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return "built_example" if _uses_built_example(config.rootpath, nodeid) else super()._split_scope(nodeid)
+
+    return ExampleAwareFileScheduling(config, log)  # type: ignore[arg-type]
