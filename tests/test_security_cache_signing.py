@@ -152,6 +152,29 @@ def test_without_trusted_keys_shared_records_are_served_with_one_warning_unless_
     assert declared.lookup(fps["unsigned"]) is not None and quiet == []
 
 
+def test_records_copied_down_before_keys_were_trusted_are_checked_again(keys: dict[str, Path], tmp_path: Path,
+                                                                        request: pytest.FixtureRequest,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A local cache filled by builds that trusted no keys keeps the shared records it copied down marked as
+    unverified: a later build trusting keys asks the shared tier again instead of serving them locally."""
+    from neuronbuild.cache.tiered import TieredCache, open_shared
+    from neuronbuild.runtime.signing import SigningKey, TrustedKeys
+
+    url, _ = _shared_url("dir", tmp_path, request, monkeypatch)
+    fps = _entries(tmp_path, url, None, keys)
+    before = TieredCache(tmp_path / "local", open_shared(url), report=lambda msg: None)
+    assert all(before.lookup(fp) is not None for fp in (fps["genuine"], fps["unsigned"]))  # (copied down)
+    warnings: list[str] = []
+    after = TieredCache(tmp_path / "local", open_shared(url), report=warnings.append,
+                        trusted=TrustedKeys(keys["trusted"]))
+    assert not after.peek(fps["unsigned"]) and after.lookup(fps["unsigned"]) is None
+    assert len(warnings) == 1 and "is not signed" in warnings[0]
+    genuine = after.lookup(fps["genuine"])
+    assert genuine is not None and genuine.writer == SigningKey(keys["ci"]).key_id
+    again = TieredCache(tmp_path / "local", open_shared(url), trusted=TrustedKeys(keys["trusted"]))
+    assert again.lookup(fps["genuine"]) is not None and again.stats.served == {fps["genuine"]: "local"}
+
+
 def test_a_reader_trusting_keys_without_a_signing_key_uploads_nothing(keys: dict[str, Path], tmp_path: Path) -> None:
     from neuronbuild.cache.tiered import TieredCache, open_shared
     from neuronbuild.runtime.signing import TrustedKeys

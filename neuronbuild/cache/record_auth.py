@@ -25,6 +25,9 @@ from typing import Any, Protocol
 from neuronbuild import jsondata
 
 DOMAIN = b"neuronbuild-action-record-v1\x00"
+# The writer of a local record copied down from a shared tier without checking a signature (no trusted keys then): a
+# build that trusts keys does not serve it from the local tier, it asks the shared tier again. ("" : built here.)
+UNVERIFIED = "unverified"
 
 
 class RecordSigner(Protocol):
@@ -68,17 +71,17 @@ def record_writer(data: bytes) -> str:
     return w[:100] if isinstance(w, str) else ""
 
 
-def check_record(data: bytes, trusted: RecordVerifier) -> str | None:
-    """None when the record is signed by one of the `trusted` keys; else why not (one short phrase)."""
+def check_record(data: bytes, trusted: RecordVerifier) -> tuple[str, str | None]:
+    """(the id of the trusted key that signed the record, None), or ("", why not: one short phrase)."""
     try:
         d = jsondata.loads(data)
     except ValueError:
-        return "unreadable"
+        return "", "unreadable"
     if not isinstance(d, dict):
-        return "unreadable"
+        return "", "unreadable"
     sig = d.pop("signature", None)
     if sig is None:
-        return "not signed"
+        return "", "not signed"
     writer = d.get("writer")
     named = f"writer {writer[:60]!r}" if isinstance(writer, str) else "no writer"
     try:
@@ -86,13 +89,14 @@ def check_record(data: bytes, trusted: RecordVerifier) -> str | None:
     except (ValueError, binascii.Error):
         raw = b""
     if len(raw) != 64:
-        return f"signed malformedly ({named})"
+        return "", f"signed malformedly ({named})"
     try:
         message = _message(d)
     except (TypeError, ValueError):
-        return "unreadable"
-    if trusted.verify(message, raw) is not None:
-        return None
+        return "", "unreadable"
+    signer = trusted.verify(message, raw)
+    if signer is not None:
+        return signer, None
     if isinstance(writer, str) and trusted.knows(writer):
-        return f"not what its writer signed (altered after signing; {named})"
-    return f"not signed by a trusted key (it names {named})"
+        return "", f"not what its writer signed (altered after signing; {named})"
+    return "", f"not signed by a trusted key (it names {named})"

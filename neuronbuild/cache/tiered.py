@@ -13,6 +13,7 @@ refuse its unsigned records)."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,7 @@ from typing import Any
 from neuronbuild.cache.action_cache import ActionResult
 from neuronbuild.cache.cas import CorruptBlob
 from neuronbuild.cache.local import Claim, LocalCache
-from neuronbuild.cache.record_auth import RecordSigner, RecordVerifier, check_record, sign_record
+from neuronbuild.cache.record_auth import UNVERIFIED, RecordSigner, RecordVerifier, check_record, sign_record
 from neuronbuild.cache.tier import Lease, SharedTier, TierReadOnly
 from neuronbuild.errors import UserInputError
 
@@ -98,24 +99,33 @@ class TieredCache(LocalCache):
                                f"{self.shared_url()} holds another action's input record; ignored")
             return None
         if self.trusted is not None:
-            why = check_record(data, self.trusted)
-            if why is not None:
-                if warn:
-                    self.stats.errors += 1
-                    self.warn_once(f"record:{fp}", f"warning: cache: record {fp[:12]} ({res.identity[:120]}) in the "
-                                   f"shared cache {self.shared_url()} is {why}; not served (--remote-cache-trusted-keys "
-                                   f"{self.trusted.path}): running the action")
-                return None
-        elif not self.trust_writers:
+            signer, why = check_record(data, self.trusted)
+            if why is None:
+                return dataclasses.replace(res, writer=signer)
+            if warn:
+                self.stats.errors += 1
+                self.warn_once(f"record:{fp}", f"warning: cache: record {fp[:12]} ({res.identity[:120]}) in the "
+                               f"shared cache {self.shared_url()} is {why}; not served (--remote-cache-trusted-keys "
+                               f"{self.trusted.path}): running the action")
+            return None
+        if not self.trust_writers:
             self.warn_once("unauthenticated", f"warning: shared cache {self.shared_url()}: serving records no "
                            "trusted key signed (whoever can write the tier chooses these outputs); declare the "
                            "writers' keys with --remote-cache-trusted-keys FILE, or the tier trusted with "
                            "--remote-cache-trust-writers (docs/security.md)")
-        return res
+        return dataclasses.replace(res, writer=UNVERIFIED)  # (what it names was not checked)
+
+    def _local_entry(self, fp: str) -> tuple[ActionResult | None, list[str]]:
+        """lookup_local, less a record copied down from a shared tier that these trusted keys did not sign (copied
+        by a build trusting no keys, or signed by a key no longer trusted): the shared tier is asked again."""
+        res, bad = self.lookup_local(fp)
+        if res is not None and res.writer and self.trusted is not None and not self.trusted.knows(res.writer):
+            return None, []
+        return res, bad
 
     # -- reads ----------------------------------------------------------------------------------------------------
     def lookup(self, fp: str) -> ActionResult | None:
-        res, bad = self.lookup_local(fp)
+        res, bad = self._local_entry(fp)
         if res is not None and not bad:
             self._hit(fp, "local")
             return res
@@ -129,7 +139,7 @@ class TieredCache(LocalCache):
     def peek(self, fp: str) -> bool:
         """A hit in the local tier, or a record in the shared tier that lookup() would take (readable, of `fp`)
         whose every blob is there."""
-        res, bad = self.lookup_local(fp)
+        res, bad = self._local_entry(fp)
         if res is not None and not bad:
             return True
         if self.shared is None:

@@ -124,7 +124,7 @@ def verify_tier(tier: SharedTier, repair: bool = False, trusted: RecordVerifier 
             problems.append(Problem("bad-record", fp, f"its input record hashes to {derived[:16]}, not to its name"))
             bad_records.append(fp)
             continue
-        why = check_record(data, trusted) if trusted is not None else None
+        why = check_record(data, trusted)[1] if trusted is not None else None
         if why is not None:  # a build trusting these keys does not serve it
             problems.append(Problem("untrusted-record", fp, f"{why} ({res.identity[:120]})"))
             bad_records.append(fp)
