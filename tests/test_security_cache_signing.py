@@ -275,3 +275,30 @@ def test_a_signing_key_actions_could_read_is_refused(keys: dict[str, Path], tmp_
     both = run_cli(["build", "//pkg:c", "--cache-dir", str(cache), "--remote-cache", str(tmp_path / "shared"),
                     "--remote-cache-trusted-keys", str(keys["trusted"]), "--remote-cache-trust-writers"], ws)
     assert both.returncode == 2 and "contradict" in both.stderr, both.stderr
+
+
+@pytest.mark.parametrize("tier", ["dir", "s3"])
+def test_an_oversized_shared_record_is_a_miss_not_read_into_memory(tier: str, keys: dict[str, Path], tmp_path: Path,
+                                                                  request: pytest.FixtureRequest,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Anyone who can write the tier could put a record of gigabytes there: over the cap it is unreadable (a miss,
+    one warning; a bad-record for verify). (The cap is lowered here to keep the test small.)"""
+    from neuronbuild.cache import s3, shared_fs
+    from neuronbuild.cache.tiered import TieredCache, open_shared
+    from neuronbuild.cache.verify import verify_tier
+
+    url, endpoint = _shared_url(tier, tmp_path, request, monkeypatch)
+    fps = _entries(tmp_path, url, endpoint, keys)
+    cap = len(open_shared(url, endpoint).get_record(fps["genuine"]) or b"") + 10
+    monkeypatch.setattr(shared_fs, "MAX_RECORD_BYTES", cap)
+    monkeypatch.setattr(s3, "MAX_RECORD_BYTES", cap)
+    tier_ = open_shared(url, endpoint)
+    big = json.loads(tier_.get_record(fps["unsigned"]) or b"")
+    big["metadata"] = {"padding": "x" * (2 * cap)}
+    tier_.put_record(fps["unsigned"], json.dumps(big).encode())
+    warnings: list[str] = []
+    reader = TieredCache(tmp_path / "reader", tier_, report=warnings.append, trust_writers=True)
+    assert reader.lookup(fps["unsigned"]) is None and reader.lookup(fps["genuine"]) is not None
+    assert len(warnings) == 1 and "unreadable" in warnings[0] and fps["unsigned"][:12] in warnings[0], warnings
+    rep = verify_tier(tier_)
+    assert [(p.kind, p.name) for p in rep.problems] == [("bad-record", fps["unsigned"])]
