@@ -302,3 +302,21 @@ def test_an_oversized_shared_record_is_a_miss_not_read_into_memory(tier: str, ke
     assert len(warnings) == 1 and "unreadable" in warnings[0] and fps["unsigned"][:12] in warnings[0], warnings
     rep = verify_tier(tier_)
     assert [(p.kind, p.name) for p in rep.problems] == [("bad-record", fps["unsigned"])]
+
+
+def test_where_actions_can_read_a_key_follows_their_rules_not_the_build_processs_cwd(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`python -m neuronbuild` puts the current directory on the build process's sys.path, never on a worker's (-P):
+    a key beside the workspace is not refused for it; one in the installation, /etc or the actions' HOME is."""
+    import sys
+
+    from neuronbuild.execution.confine import readable_by_actions
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    env = {"PATH": "/usr/bin:/bin", "TMPDIR": str(tmp_path / "tmp"), "HOME": str(tmp_path / "home")}
+    assert readable_by_actions(tmp_path / "ci_key", env) is None
+    assert readable_by_actions(Path(sys.prefix) / "ci_key", env) is not None
+    assert readable_by_actions(tmp_path / "home" / "ci_key", env) == str((tmp_path / "home").resolve())
+    assert readable_by_actions("/etc/neuronbuild_ci_key", env) is None  # (no such entry)
+    assert readable_by_actions("/etc/hostname", env) == "/etc"
