@@ -320,3 +320,23 @@ def test_where_actions_can_read_a_key_follows_their_rules_not_the_build_processs
     assert readable_by_actions(tmp_path / "home" / "ci_key", env) == str((tmp_path / "home").resolve())
     assert readable_by_actions("/etc/neuronbuild_ci_key", env) is None  # (no such entry)
     assert readable_by_actions("/etc/hostname", env) == "/etc"
+
+
+def test_a_workspace_rc_that_changes_whose_shared_records_are_served_is_named_on_stderr(keys: dict[str, Path],
+                                                                                        tmp_path: Path) -> None:
+    """A cloned repo's .neuronbuildrc could turn the signature checks off or trust its own key: said once."""
+    ws = write_ws(tmp_path / "ws", {"pkg/BUILD": 'neuron_target(name = "t", platform = "trn2")\n'})
+    rc = ws / ".neuronbuildrc"
+    home = tmp_path / "home"
+    home.mkdir()
+    env = {"HOME": str(home), "NEURONBUILD_OUTPUT_USER_ROOT": str(tmp_path / "our")}
+    for line, shown in (("--remote-cache-trust-writers", "--remote-cache-trust-writers: serving shared-cache "
+                                                         "records no trusted key signed"),
+                        (f"--remote-cache-trusted-keys {keys['trusted']}",
+                         f"--remote-cache-trusted-keys '{keys['trusted']}': the keys whose shared-cache records are "
+                         "served")):
+        rc.write_text(f"build {line}\n")
+        proc = run_cli(["plan", "//pkg:all", "--cache-dir", str(tmp_path / "cache")], ws, env=env)
+        notes = [ln for ln in proc.stderr.splitlines() if ln.startswith("neuronbuild: note:")]
+        assert proc.returncode == 0 and notes == [f"neuronbuild: note: {rc}:1 (a workspace rc file) sets {shown}"], \
+            proc.stderr
