@@ -38,10 +38,10 @@ def _uses_built_example(rootpath: Path, nodeid: str, _seen: dict[str, bool] = {}
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
-    """`make test` runs the suite on two pytest-xdist workers with `--dist loadfile`: every test file runs whole on one
-    worker (its module fixtures are made once, its tests run in file order), and every file that uses the session's
-    `built_example` runs on the same worker, which builds the example once for all of them (they share its workspace
-    and cache; some rebuild in that workspace). Other session fixtures are per worker, as in a serial run."""
+    """`make test TEST_WORKERS=2` runs the suite on two pytest-xdist workers with `--dist loadfile`: each test file runs
+    whole on one worker (its module fixtures are made once, its tests run in file order), and every file using the
+    session's `built_example` runs on the same worker, which builds the example once for all of them (they share its
+    workspace and cache; some rebuild in that workspace). Other session fixtures are per worker, as in a serial run."""
     if config.getvalue("dist") != "loadfile":
         return None
     from xdist.scheduler import LoadFileScheduling
