@@ -93,6 +93,7 @@ def analyze(ctx: AnalysisContext, t: Target) -> CompileTarget:
         return toolchain_options(tc, merged)
 
     tp = int(t.attrs.get("tp_degree") or 1)
+    weights = None  # the model's one weights action (made once the checks below have passed)
     entries: list[tuple[Bucket, str]] = []
     buckets_attr = t.attrs["buckets"]
     families = list(model.graphs) or [("", model)]
@@ -111,10 +112,15 @@ def analyze(ctx: AnalysisContext, t: Target) -> CompileTarget:
         inputs: Mapping[str, object] = dict(traced.record["inputs"])  # ordered: the record holds [name, spec] pairs
         for bucket in buckets_of(ctx, t, ginfo, labels, gname):
             trace = ctx.trace(traced, bucket, tp)
+            if weights is None:
+                weights = ctx.weights(model, tp)
             req = CompileRequest(t.label, plat.platform, plat.target, opts, bucket, inputs, trace, ctx.settings,
-                                 ctx.common)
+                                 ctx.common, weights)
             primary = None
-            for action in tc.plan(req):
+            planned = tc.plan(req)
+            if any(d.action == weights.fingerprint for a in planned for d in a.dep_inputs):
+                ctx.add(weights)  # (only when a step binds the weights: a toolchain on shapes alone needs none)
+            for action in planned:
                 primary = ctx.add(action)
             assert primary is not None, f"toolchain {tc.name} planned no action"
             entries.append((bucket, primary.fingerprint))

@@ -39,6 +39,7 @@ STRICT_ENV = "NEURONBUILD_STRICT"
 REQUIRE_ENV = "NEURONBUILD_REQUIRE"
 EMULATE_ENV = "NEURONBUILD_EMULATE"
 EMULATE_MODES = ("xla-cpu",)
+PROGRAM_CONSTANTS = "program_constants.safetensors"  # a graph's own tensors beside the model's weights
 log = logging.getLogger("neuronbuild.runtime")
 
 
@@ -328,6 +329,14 @@ class DeployedCache:
             self._weights[key] = load_weights_verified(path, ref)  # every byte checked before use, read once
         return self._weights[key]
 
+    def _with_own(self, weights: Mapping[str, Any], g: Any, rdir: Path) -> Any:
+        """The model's weights and the graph's own tensors (program_constants.safetensors, when the graph has one:
+        non-persistent buffers, lifted constants; small), each byte checked."""
+        ref = g.artifacts.get(PROGRAM_CONSTANTS)
+        if ref is None:
+            return weights
+        return {**weights, **self._weights_for(rdir / ref.path, ref)}
+
     def _load(self, slot: _Slot) -> Callable[..., Any] | None:
         if slot.fn is not None:
             return slot.fn
@@ -344,6 +353,7 @@ class DeployedCache:
                 from neuronbuild.runtime.aoti_loader import load_package
 
                 weights = self._weights_for(rdir / g.weights.path, g.weights) if g.weights else None
+                weights = self._with_own(weights or {}, g, rdir)
                 ref = g.artifacts["model.pt2"]
                 # The C++ loader needs a path: it gets a private copy of the checked bytes, so the shared library it
                 # loads is the one checked (a file swapped after the check never reaches it).
@@ -357,8 +367,9 @@ class DeployedCache:
                     raise RuntimeError("the manifest names no weights file for this Neuron graph")
                 hlo, params = g.artifacts["model.hlo.pb"], g.artifacts["params.json"]
                 tmp = Path(tempfile.gettempdir())
-                weights = ([self._weights_for(rdir / r.path, r) for r in shards] if shards
-                           else self._weights_for(rdir / g.weights.path, g.weights))  # type: ignore[union-attr,arg-type]
+                weights = ([self._with_own(self._weights_for(rdir / r.path, r), g, rdir) for r in shards] if shards
+                           else self._with_own(self._weights_for(rdir / g.weights.path, g.weights),  # type: ignore[union-attr,arg-type]
+                                               g, rdir))
                 with verified_path(rdir / hlo.path, hlo, tmp) as hlo_path, \
                         verified_path(rdir / params.path, params, tmp) as params_path:
                     slot.fn = load_graph(hlo_path, params_path, weights)
