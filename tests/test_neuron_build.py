@@ -73,7 +73,7 @@ def test_trn1_and_trn2_share_one_lowering_per_bucket(built) -> None:  # type: ig
     for bucket in ("batch1_seq8", "batch2_seq4"):
         d1, d2 = (ws / f"neuronbuild-out/pkg/{t}/{bucket}" for t in ("c_trn1", "c_trn2"))
         assert {p.name for p in d2.iterdir()} == {"model.hlo.pb", "params.json", "constants.safetensors",
-                                                 "compile_flags.json"}
+                                                 "program_constants.safetensors", "compile_flags.json"}
         assert (d1 / "model.hlo.pb").read_bytes() == (d2 / "model.hlo.pb").read_bytes()
         a1 = json.loads((d1 / "compile_flags.json").read_text())["argv"]
         a2 = json.loads((d2 / "compile_flags.json").read_text())["argv"]

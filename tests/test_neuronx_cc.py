@@ -163,6 +163,7 @@ def test_success_stores_the_neff_and_logs_the_compiler(tiny_built, tmp_path: Pat
     assert [b["name"] for b in manifest["buckets"]] == ["batch1_seq8"]
     for b in manifest["buckets"]:
         assert set(b["outputs"]) == {"model.hlo.pb", "params.json", "constants.safetensors", "compile_flags.json",
+                                     "program_constants.safetensors",
                                      "model.neff"}
         d = out / b["name"]
         neff = (d / "model.neff").read_bytes()
