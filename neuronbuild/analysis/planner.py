@@ -33,6 +33,7 @@ from neuronbuild.analysis.actions import (
 )
 from neuronbuild.analysis.plan_settings import PlanSettings
 from neuronbuild.analysis.providers import BundleInfo, CompileTarget, ModelInfo
+from neuronbuild.analysis.toolchain_api import CompileRequest, Toolchain
 from neuronbuild.loading.labels import Label
 from neuronbuild.loading.target_graph import TargetGraph
 from neuronbuild.loading.targets import Target
@@ -535,6 +536,16 @@ class AnalysisContext:
             record["tp_degree"] = spec["tp_degree"] = tp_degree
         return self.add(make_action(TRACE, model.label, bucket, record, spec, files=_source_files(model),
                                     outputs=(TRACE_OUTPUT,)))
+
+    def plan_bucket(self, tc: Toolchain, req: CompileRequest) -> list[Action]:
+        """The actions toolchain `tc` plans for one bucket (`req`: a CompileRequest), registered, with the model's
+        weights action first when one of them binds it (a toolchain on shapes alone adds none); the last one is the
+        bucket's primary action."""
+        planned = tc.plan(req)
+        w = req.weights
+        if w is not None and any(d.action == w.fingerprint for a in planned for d in a.dep_inputs):
+            self.add(w)
+        return [self.add(a) for a in planned]
 
     def weights(self, model: ModelInfo, tp_degree: int = 1) -> Action:
         """The weights action of `model` (the model itself, not one of its graph families: they share its weights):

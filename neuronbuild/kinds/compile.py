@@ -116,14 +116,9 @@ def analyze(ctx: AnalysisContext, t: Target) -> CompileTarget:
                 weights = ctx.weights(model, tp)
             req = CompileRequest(t.label, plat.platform, plat.target, opts, bucket, inputs, trace, ctx.settings,
                                  ctx.common, weights)
-            primary = None
-            planned = tc.plan(req)
-            if any(d.action == weights.fingerprint for a in planned for d in a.dep_inputs):
-                ctx.add(weights)  # (only when a step binds the weights: a toolchain on shapes alone needs none)
-            for action in planned:
-                primary = ctx.add(action)
-            assert primary is not None, f"toolchain {tc.name} planned no action"
-            entries.append((bucket, primary.fingerprint))
+            planned = ctx.plan_bucket(tc, req)
+            assert planned, f"toolchain {tc.name} planned no action"
+            entries.append((bucket, planned[-1].fingerprint))
     first = next(iter(graph_options.values()), None)
     ct = CompileTarget(t.label, model.label, plat.platform, tc.name, plat.target, plat.description,
                        first if first is not None else options_for(""), tuple(entries), float(t.attrs["tolerance"]),
