@@ -125,12 +125,14 @@ class Action:
         """What a user calls "the same action" across edits: label + bucket (+ target for compiles)."""
         v = self.__dict__.get("_identity")
         if v is None:
-            base = f"{self.kind} {self.label} [{self.bucket}]"
+            base = f"{self.kind} {self.label}" if self.kind == WEIGHTS else f"{self.kind} {self.label} [{self.bucket}]"
+            if self.kind == WEIGHTS and len(self.outputs) > 1:  # one per layout: a tensor-parallel one names its degree
+                base += f" (tp {len(self.outputs)})"
             v = self.__dict__["_identity"] = f"{base} for {self.platform}" if self.platform else base
         return v
 
     def describe(self) -> str:
-        base = f"{self.kind.capitalize()} {self.label} [{self.bucket}]"
+        base = f"{self.kind.capitalize()} {self.label}" + ("" if self.kind == WEIGHTS else f" [{self.bucket}]")
         return f"{base} for {self.target or self.platform}" if self.platform else base
 
 

@@ -129,7 +129,9 @@ class NeuronToolchain:
                                               dep_inputs=(DepInput(req.trace.fingerprint, TRACE_OUTPUT,
                                                                            TRACE_OUTPUT),),
                                               outputs=lower_outputs)
-        record = req.record(COMPILE, self.versions(req.platform, req.settings), lowering=lower.fingerprint)
+        assert req.weights is not None
+        record = req.record(COMPILE, self.versions(req.platform, req.settings), lowering=lower.fingerprint,
+                            weights=req.weights.fingerprint)  # the weights it binds beside the module
         spec: dict[str, Any] = {"toolchain": self.name, "step": COMPILE, "platform": req.platform,
                                 "options": dict(req.options), "env_flags": env_flags, "neuronx_cc": None}
         outputs: tuple[str, ...] = outputs_
