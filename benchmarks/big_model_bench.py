@@ -99,6 +99,34 @@ def du(path: Path) -> int:
     return total
 
 
+PROMPT = [1, 17, 99, 250]
+NEW_TOKENS = 8
+
+
+def reference_tokens(cfg: dict[str, object], ckpt: Path) -> list[list[int]]:
+    """transformers' own greedy tokens for PROMPT from the checkpoint, in the config's dtype (the model made on the
+    meta device, the file's tensors assigned: no random init of a full-size model)."""
+    import torch
+    import transformers
+    from safetensors.torch import load_file
+
+    config = transformers.AutoConfig.for_model(**{k: v for k, v in cfg.items() if k != "dtype"})
+    dtype = getattr(torch, str(cfg.get("dtype") or "float32"))
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.load_state_dict(load_file(str(ckpt)), strict=False, assign=True)
+    model.tie_weights()
+    model.eval()
+    for name, mod in list(model.named_modules()):  # rotary tables (buffers computed in __init__): made on the CPU
+        if type(mod).__name__.endswith("RotaryEmbedding"):
+            parent, _, leaf = name.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, leaf, type(mod)(config=model.config))
+    with torch.no_grad():
+        out = model.generate(torch.tensor([PROMPT]), max_new_tokens=NEW_TOKENS, do_sample=False,
+                             pad_token_id=int(cfg.get("pad_token_id") or 0))
+    return out.tolist()  # the prompt and the new tokens, as the runtime's generate returns them
+
+
 def cli(args: list[str], cwd: Path) -> tuple[float, subprocess.CompletedProcess[str]]:
     start = time.perf_counter()
     proc = subprocess.run([sys.executable, "-m", "neuronbuild", "--batch", *args], cwd=cwd, capture_output=True,
@@ -120,6 +148,8 @@ def main() -> None:
     ap.add_argument("--no-bundle", action="store_true", help="build the compile targets only (no bundle)")
     ap.add_argument("--workdir", type=Path, default=None)
     ap.add_argument("--keep", action="store_true")
+    ap.add_argument("--lean", action="store_true", help="delete the output target directories once measured (before "
+                    "deploying): less disk at once")
     ap.add_argument("--tp", type=int, default=1, help="tp_degree of the trn2 compile (#29; cpu stays at 1)")
     args = ap.parse_args()
     targets = [t.strip() for t in args.targets.split(",") if t.strip()]
@@ -167,17 +197,24 @@ def main() -> None:
     bundles = sorted(b for b in out.glob("release.tar.*") if not b.name.endswith(".sha256"))
     for b in bundles:
         print(f"  bundle {b.name}: {b.stat().st_size / 1e9:.2f} GB ({b.stat().st_size / ckpt:.2f}x)")
+    if args.lean:
+        for t in targets:
+            shutil.rmtree(out / f"llm_{t}", ignore_errors=True)
     if args.generate and bundles:
         wall, _ = cli(["deploy", str(bundles[0]), "--cache-dir", str(deployed)], ws)
-        print(f"deploy: {wall:.0f} s")
+        print(f"deploy: {wall:.0f} s; deployed {du(deployed) / 1e9:.2f} GB ({du(deployed) / ckpt:.2f}x)")
+        start = time.perf_counter()
+        want = reference_tokens(cfg, ws / "model.safetensors")
+        print(f"transformers greedy tokens ({time.perf_counter() - start:.0f} s): {want}")
         for t in targets:
             code = ("import sys; from neuronbuild.runtime import open_cache; "
                     f"lm = open_cache(sys.argv[1], strict=True, emulate={'None' if t == 'cpu' else repr('xla-cpu')})"
-                    f".causal_lm('//:llm_{t}'); print(lm.generate([[1, 17, 99, 250]], max_new_tokens=8).tolist())")
+                    f".causal_lm('//:llm_{t}'); print(lm.generate([{PROMPT}], max_new_tokens={NEW_TOKENS}).tolist())")
             start = time.perf_counter()
             proc = subprocess.run([sys.executable, "-c", code, str(deployed)], capture_output=True, text=True)
             tokens = proc.stdout.strip().splitlines()[-1] if proc.returncode == 0 else proc.stderr[-500:]
-            print(f"generate llm_{t}: {time.perf_counter() - start:.0f} s: {tokens}")
+            same = "equal to transformers'" if tokens == str(want) else "DIFFERENT from transformers'"
+            print(f"generate llm_{t}: {time.perf_counter() - start:.0f} s: {tokens} ({same})")
     if not args.keep and args.workdir is None:
         shutil.rmtree(work, ignore_errors=True)
     else:

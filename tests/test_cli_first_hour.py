@@ -227,7 +227,7 @@ NOTE = "NEFFs were not produced"
 
 def test_the_neuronx_cc_note_comes_once_from_a_build_that_made_neuron_graphs(tiny) -> None:  # type: ignore[no-untyped-def]
     ws, cache, first = tiny
-    assert "3 executed" in first.stdout and first.stderr.count(NOTE) == 1  # trace, lowering, compile
+    assert "4 executed" in first.stdout and first.stderr.count(NOTE) == 1  # weights, trace, lowering, compile
     for args in (["build"], ["build", "--verbose"], ["plan"], ["explain"], ["build", "--dry-run"]):
         proc = _nb([*args, "--cache-dir", str(cache)], ws)
         assert proc.returncode == 0 and NOTE not in proc.stderr, (args, proc.stderr)

@@ -111,7 +111,8 @@ def test_keep_going_builds_the_good_model_and_names_the_broken_action_and_writes
     assert proc.returncode == 1, out + err
     assert (ws / "neuronbuild-out/pkg/good_trn2/batch1_seq4/model.hlo.pb").is_file()
     assert not (ws / "neuronbuild-out/pkg/bad_trn2").exists()
-    assert "6 actions: 3 executed, 0 cached" in out and "1 failed, 2 not run" in out
+    # the good model's 4 actions; the bad one's factory fails its weights action and its trace
+    assert "8 actions: 4 executed, 0 cached" in out and "2 failed, 2 not run" in out, out
     # The summary names the failed action (label, bucket), the first line of its error and its full log.
     summary = err[err.index("  FAILED"):]
     assert "FAILED Trace //pkg:bad [batch=1, seq=4]" in summary
@@ -172,6 +173,8 @@ def test_worker_killed_mid_action_fails_only_that_action_then_retries_on_a_new_w
                    "--build-event-json-file", str(evf)], ws)
     victim = _wait_for(evf, _started("Trace //pkg:a [batch=1, seq=4]"), proc)["pid"]
     os.kill(victim, signal.SIGKILL)
+    # (a's weights action calls the gated factory too: killed the same way, so the build can end)
+    os.kill(_wait_for(evf, _started("Weights //pkg:a"), proc)["pid"], signal.SIGKILL)
     out, err = proc.communicate(timeout=600)
     assert proc.returncode == 1, out + err
     assert "FAILED Trace //pkg:a [batch=1, seq=4]" in err
@@ -189,7 +192,7 @@ def test_worker_killed_mid_action_fails_only_that_action_then_retries_on_a_new_w
     gate.unlink()
     out, err = proc.communicate(timeout=600)
     assert proc.returncode == 0, out + err
-    assert "6 actions: 3 executed, 3 cached" in out
+    assert "8 actions: 4 executed, 4 cached" in out, out  # a's 4 actions (its weights failed in step 1); b cached
     assert "RETRY: Trace //pkg:a [batch=1, seq=4]: the worker process died: killed by SIGKILL" in err
     events = _events(evf)
     (retried,) = [e for e in events if e["event"] == "action_failed"]

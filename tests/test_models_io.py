@@ -180,7 +180,7 @@ def test_comment_only_edit_reruns_the_trace_only(built: tuple[Path, Path], cache
     proc = run_cli(["build", "//m:step_cpu", "--cache-dir", str(cache_dir)], ws)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
-    assert "2 actions: 1 executed, 1 cached" in out, out
+    assert "3 actions: 2 executed, 1 cached" in out, out  # the trace and the weights action (its sources changed)
     assert "(trace output unchanged: result reused)" in out
     after = run_cli(["explain", "//m:step_cpu", "--cache-dir", str(cache_dir)], ws)
     assert "trace output unchanged: cached, the result of" in after.stdout, after.stdout

@@ -206,7 +206,7 @@ def test_the_example_tp2_target_plans_by_name_and_stays_out_of_wildcards(tmp_pat
     ws = copy_example(tmp_path / "ws")
     named = run_cli(["plan", "//models:llama_trn2_tp2", "--cache-dir", str(tmp_path / "c")], ws)
     assert named.returncode == 0, named.stderr
-    assert "\n12 actions: " in named.stdout, named.stdout  # 4 buckets: trace, lowering, compile each
+    assert "\n13 actions: " in named.stdout, named.stdout  # 4 buckets: trace, lowering, compile each; weights
     every = run_cli(["plan", "//...", "--cache-dir", str(tmp_path / "c")], ws)
     assert every.returncode == 0 and "llama_trn2_tp2" not in every.stdout, every.stdout
 

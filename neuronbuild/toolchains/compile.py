@@ -83,7 +83,7 @@ def run_cpu_compile(spec: dict[str, Any], sandbox: Path, out_dir: Path) -> dict[
 
 
 def _inlined_values(ep: torch.export.ExportedProgram, weights: Path) -> None:
-    """Give the weights inductor inlines into the generated code their values (read from the trace's weights file):
+    """Give the weights inductor inlines into the generated code their values (read from the model's weights file):
     0-d tensors and 1-d ones of at most 8 elements (`GraphLowering.can_inline_constant`). The only weight values a
     cpu compile holds: a few bytes each; every other weight stays a fake tensor (shape and dtype only)."""
     from safetensors import safe_open
