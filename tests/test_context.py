@@ -113,13 +113,13 @@ def test_a_deleted_target_stops_being_protected(shared_tier: Path, tmp_path: Pat
     tier = _tier(shared_tier, tmp_path)
     _ok(run_cli(["build", "--cache-dir", str(cache), *tier], ws, env))  # filled from the shared tier
     first = _entries(cache)
-    assert len(first) == 6
+    assert len(first) == 7
     build_file = ws / "m" / "BUILD"  # rename the compile target and change its options: 2 new compiles, same traces and lowerings
     build_file.write_text(build_file.read_text().replace('name = "tiny_trn2"', 'name = "tiny_o3"')
                           .replace("opt_level = 2", "opt_level = 3"))
     _ok(run_cli(["build", "--cache-dir", str(cache), *tier], ws, env))
-    assert len(_entries(cache)) == 8
+    assert len(_entries(cache)) == 9
     out = _ok(run_cli(["cache", "gc", "--max-size", "1", "--cache-dir", str(cache)], ws, env))
-    assert "removed 2 of 8 entries" in out, out
+    assert "removed 2 of 9 entries" in out, out
     kept = _entries(cache)
-    assert len(kept) == 6 and len(kept & first) == 4  # the shared traces and lowerings stay; the old compiles go
+    assert len(kept) == 7 and len(kept & first) == 5  # the shared weights, traces and lowerings stay; the old compiles go
