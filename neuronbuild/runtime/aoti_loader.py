@@ -48,11 +48,11 @@ def read_constants(path: Path) -> dict[str, torch.Tensor]:
 
 def with_program_constants(weights: Mapping[str, torch.Tensor], path: Path | None) -> dict[str, torch.Tensor]:
     """A graph's tensors: the model's weights (shared by its graphs) and, when the graph has the file, its own
-    (non-persistent buffers, lifted constants; a few small tensors) read from `path`."""
-    out = dict(weights)
-    if path is not None and Path(path).is_file():
-        out.update(read_constants(Path(path)))
-    return out
+    (non-persistent buffers, lifted constants; a few small tensors) read from `path`. A name in both keeps the
+    weights file's value (a tensor-parallel rank's shard holds its own values of per-rank buffers)."""
+    if path is None or not Path(path).is_file():
+        return dict(weights)
+    return {**read_constants(Path(path)), **weights}
 
 
 def load_package(path: Path, constants: Mapping[str, torch.Tensor] | None = None) -> Callable[..., Any]:

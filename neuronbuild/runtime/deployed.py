@@ -331,11 +331,12 @@ class DeployedCache:
 
     def _with_own(self, weights: Mapping[str, Any], g: Any, rdir: Path) -> Any:
         """The model's weights and the graph's own tensors (program_constants.safetensors, when the graph has one:
-        non-persistent buffers, lifted constants; small), each byte checked."""
+        non-persistent buffers, lifted constants; small), each byte checked; a name in both keeps the weights file's
+        value (a tensor-parallel rank's shard holds its own values of per-rank buffers)."""
         ref = g.artifacts.get(PROGRAM_CONSTANTS)
         if ref is None:
             return weights
-        return {**weights, **self._weights_for(rdir / ref.path, ref)}
+        return {**self._weights_for(rdir / ref.path, ref), **weights}
 
     def _load(self, slot: _Slot) -> Callable[..., Any] | None:
         if slot.fn is not None:

@@ -283,7 +283,11 @@ def run_weights(spec: dict[str, Any], sandbox: Path, out_dir: Path) -> dict[str,
     wanted = {k: dt for k, (dt, _s) in state.items()}
     out_dir.mkdir(parents=True, exist_ok=True)
     if tp > 1:
-        size = _write_shards(out_dir, tp, entries, {}, state, rank_values(whole_spec, sandbox, wanted, tied, tp),
+        # A rank's shard also holds the module's non-persistent buffers (small; computed in __init__): where a rank
+        # has its own value of one, the shard's wins over the graph's program constants at load.
+        own = {k: b.detach() for k, b in module.named_buffers() if k not in state and isinstance(b, torch.Tensor)}
+        entries += [Entry(k, b.dtype, tuple(b.shape)) for k, b in own.items()]
+        size = _write_shards(out_dir, tp, entries, own, state, rank_values(whole_spec, sandbox, wanted, tied, tp),
                              stored_as)
     else:
         value = state_values(model_spec, sandbox, wanted, tied)
