@@ -90,6 +90,9 @@ class Toolchain(Protocol):
     name: str
     platforms: tuple[str, ...]
     artifact_format: str  # how the runtime recognises its artifacts (written into manifests)
+    # The module registering the runtime loader of `artifact_format` (plugins.register_loader, runtime/loaders.py);
+    # it imports nothing of the build side, so serving-only installs load these graphs ("" if they are never served).
+    runtime_loader: str
     estimate_s: float  # assumed seconds of its primary step when nothing was recorded
     estimate_mb: float  # assumed peak MB of its primary step when nothing was recorded
     # Optional (read with getattr, 0.0 when absent): MB more per MB of the model's declared weight files, for a step

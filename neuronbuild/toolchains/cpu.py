@@ -12,6 +12,7 @@ from neuronbuild.analysis.plan_settings import PlanSettings
 from neuronbuild.analysis.toolchain_api import WARM_UP, CompileRequest, OptionKey
 from neuronbuild.loading.schema import STRING, Attr
 from neuronbuild.platforms import cxx_version, resolve_isa
+from neuronbuild.toolchains import cpu_runtime
 from neuronbuild.vocabulary import AUTO_CAST, CPU_ISAS, CPU_PLATFORM
 
 OUTPUTS = ("model.pt2", "constants.safetensors")  # the package (no weights inside) and its weights by FQN
@@ -20,7 +21,8 @@ OUTPUTS = ("model.pt2", "constants.safetensors")  # the package (no weights insi
 class CpuToolchain:
     name = "aoti"
     platforms: tuple[str, ...] = (CPU_PLATFORM,)
-    artifact_format = "aoti"
+    artifact_format = cpu_runtime.FORMAT
+    runtime_loader = "neuronbuild.toolchains.cpu_runtime"
     estimate_s = 15.0
     estimate_mb = 1200.0
     validate_note = ""

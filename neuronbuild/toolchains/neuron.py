@@ -15,7 +15,7 @@ from neuronbuild.analysis.toolchain_api import WARM_UP, CompileRequest, OptionKe
 from neuronbuild.analysis.toolchain_versions import package_version
 from neuronbuild.errors import UserInputError
 from neuronbuild.loading.schema import INT, STRING, STRING_LIST, Attr
-from neuronbuild.toolchains import neuron_flags
+from neuronbuild.toolchains import neuron_flags, neuron_runtime
 from neuronbuild.vocabulary import AUTO_CAST, NEURON_PLATFORMS, OPT_LEVELS
 
 LOWER = "lower"
@@ -46,7 +46,8 @@ OPTION_KEYS = (
 class NeuronToolchain:
     name = "neuron"
     platforms: tuple[str, ...] = NEURON_PLATFORMS
-    artifact_format = "neuron-hlo"
+    artifact_format = neuron_runtime.FORMAT
+    runtime_loader = "neuronbuild.toolchains.neuron_runtime"
     estimate_s = 4.0
     estimate_mb = 900.0
     option_keys: tuple[OptionKey, ...] = OPTION_KEYS

@@ -18,6 +18,7 @@ class EchoToolchain:
     name = "echo"
     platforms = ("echo",)
     artifact_format = "echo-summary"
+    runtime_loader = ""
     estimate_s = 1.0
     estimate_mb = 300.0
     validate_note = ""
