@@ -18,7 +18,7 @@ from typing import Any
 from neuronbuild import plugins
 from neuronbuild.analysis.actions import COMPILE, TRACE_OUTPUT, TRACE_WEIGHTS, Action, DepInput, make_action
 from neuronbuild.analysis.plan_settings import PlanSettings
-from neuronbuild.analysis.toolchain_api import WARM_UP, CompileRequest, OptionKey
+from neuronbuild.analysis.toolchain_api import WARM_UP, CompileRequest, OptionKey, StepDirs
 from neuronbuild.loading.schema import STRING, Attr
 from neuronbuild.runtime.host import Host, Mismatch
 from neuronbuild.runtime.layout import Graph
@@ -75,6 +75,19 @@ class PortableToolchain:
 
     def warm_up_key(self, spec: Mapping[str, Any]) -> dict[str, Any] | None:
         return {"isa": ISA} if spec.get("step") == COMPILE else None
+
+    def prepare_worker(self) -> None:
+        import neuronbuild.toolchains.compile  # noqa: F401  (torch, inductor's codecache: every compile's imports)
+
+    def step_dirs(self, spec: Mapping[str, Any]) -> StepDirs:
+        from neuronbuild.toolchains.compile import inductor_dirs
+
+        return inductor_dirs()
+
+    def host_status(self) -> dict[str, str | None]:
+        from neuronbuild.platforms import cxx_version
+
+        return {"cxx": cxx_version()}
 
     def load_artifact(self, files: Mapping[str, Path]) -> Callable[..., Any]:
         from neuronbuild.runtime.aoti_loader import load_package, read_constants
