@@ -142,6 +142,20 @@ def policy_for(inputs: str, outputs: str, env: Mapping[str, str], spec: Mapping[
     return Policy(read=_dedup(readable), write=_dedup(writable))
 
 
+def readable_by_actions(path: str | os.PathLike[str], env: Mapping[str, str], extra: Iterable[str] = ()) -> str | None:
+    """The root under which an action could read `path` (the installation, PATH tools, system dirs, /etc but its
+    secrets, the action environment's TMPDIR and HOME, `extra`), or None: for files actions must never read (a key
+    records or releases are signed with), checked in the build process before any action runs."""
+    p = _real(path)
+    cwd = _real(os.getcwd())  # (on this process's sys.path under `python -m`; workers start with -P: not theirs)
+    roots = [*(r for r in installation_roots() if r != cwd), *toolchain_roots(env, {}), *SYSTEM_READ,
+             *(_real(env[k]) for k in ("TMPDIR", "HOME") if env.get(k)), *(_real(x) for x in extra)]
+    for r in roots:
+        if _under(p, (r,)):
+            return r
+    return "/etc" if _under(p, etc_read()) else None
+
+
 # ----------------------------------------------------------------------------------------------------- audit hook
 _violations: list[str] = []
 
