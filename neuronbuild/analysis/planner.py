@@ -30,9 +30,12 @@ from neuronbuild.loading.targets import Target
 
 __all__ = ["ActionGraph", "AnalysisContext", "AnalysisMemo", "CompileTarget", "plan"]
 
-# Kinds whose analysis reads the machine (cpu `isa = "native"` resolves to this host's level): never memoised, their
-# providers are computed afresh by every plan and compared with what memoised dependants saw.
-VOLATILE_KINDS = frozenset({"neuron_target"})
+
+def _volatile(kind: str) -> bool:
+    """Whether the kind's analysis reads the machine (its rule kind's `volatile`, e.g. a target record resolving
+    isa = "native"): never memoised, its provider is computed afresh by every plan and compared with what memoised
+    dependants saw."""
+    return bool(getattr(plugins.rules().get(kind), "volatile", False))
 
 
 @dataclass(frozen=True)
@@ -347,10 +350,10 @@ class AnalysisContext:
         finally:
             self._frames.pop()
         memo.analysed += 1
-        if t.kind not in VOLATILE_KINDS:
+        if not _volatile(t.kind):
             entries = memo.entries
             events = tuple(frame.events)
-            deps = tuple((ev[1], ev[2] if self.graph.targets[ev[1]].kind in VOLATILE_KINDS else
+            deps = tuple((ev[1], ev[2] if _volatile(self.graph.targets[ev[1]].kind) else
                           _changed_at(entries.get(ev[1]))) for ev in events if ev[0] == "dep")
             old = entries.get(label)
             changed_at = memo.revision
@@ -397,7 +400,7 @@ class AnalysisContext:
                 dt = targets.get(dep)
                 if dt is None:
                     return False
-                if dt.kind in VOLATILE_KINDS:
+                if _volatile(dt.kind):
                     if not _same_value(self.provider_fresh(dep), seen):
                         return False
                     continue
