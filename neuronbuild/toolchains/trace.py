@@ -157,11 +157,14 @@ def _write_shards(out_dir: Path, tp: int, entries: list[Any], constants: Mapping
     """rank_<r>.safetensors for every rank: each tensor of the rank's program, its part of the whole one
     (model_import.rank_values: one tensor at a time, never the whole model in memory); returns the bytes written."""
     from neuronbuild.analysis.actions import rank_weights
+    from neuronbuild.toolchains.tp_ops import is_rank_buffer, rank_value
     from neuronbuild.toolchains.weights import write_safetensors
 
     total = 0
     for rank in range(tp):
         def value(e: Any, rank: int = rank) -> Any:
+            if is_rank_buffer(e.name):  # the program's rank id: each rank's own
+                return rank_value(rank)
             if e.name not in state:
                 return constants[e.name]
             try:
