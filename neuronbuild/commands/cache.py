@@ -216,7 +216,7 @@ def _pin(ctx: Any, args: argparse.Namespace) -> int:
             return _err(f"{missing[0]} has no successful build in this workspace to pin (run `neuronbuild build "
                         f"{missing[0]}` first{'' if len(missing) == 1 else f'; {len(missing) - 1} more'})")
         if not wanted:
-            return _err("the patterns select no neuron_compile or neuron_bundle target")
+            return _err("the patterns select no target that compiles graphs or bundles them")
         for lbl in wanted:
             fps.update(built[lbl])
     path = write_pin(cache.root, args.name, fps)
