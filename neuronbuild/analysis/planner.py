@@ -47,6 +47,8 @@ class ActionGraph:
     given_graph: nx.DiGraph | None = field(default=None, hash=False, compare=False, repr=False)
     compiles: tuple[CompileTarget, ...] = ()
     bundles: Mapping[Label, BundleInfo] = field(default_factory=dict, hash=False, compare=False)
+    # The analysis engine knows the registration order is topological (every root's segment is: _Segment.closed).
+    registered_topologically: bool = field(default=False, hash=False, compare=False, repr=False)
 
     @cached_property
     def graph(self) -> nx.DiGraph:
@@ -88,7 +90,9 @@ class ActionGraph:
         return list(self.topological_seq())
 
     def topological_seq(self) -> tuple[Action, ...]:
-        """The actions in topological order, the smallest ready fingerprint first (made once per graph)."""
+        """The actions in topological order (made once per graph): the order analysis registered them in, which is
+        one whenever every action's dependencies were registered before it (analysis makes a consumer from its
+        inputs' actions, so this is the rule); else the smallest ready fingerprint first."""
         return self._ordered[0]
 
     def order_fingerprints(self) -> list[str]:
@@ -97,8 +101,22 @@ class ActionGraph:
 
     @cached_property
     def _ordered(self) -> tuple[tuple[Action, ...], list[str]]:
-        """Kahn's algorithm taking the smallest ready fingerprint first: networkx's lexicographical_topological_sort
-        order, at a fraction of its cost (over `consumers`, not the digraph)."""
+        actions = self.actions
+        if self.registered_topologically:
+            return tuple(actions.values()), list(actions)
+        seen: set[str] = set()
+        add, covers = seen.add, seen.issuperset
+        for fp, a in actions.items():  # (one pass, a set operation each: the registration order is topological?)
+            deps = a.deps
+            if deps and not covers(deps):
+                return self._kahn()
+            add(fp)
+        return tuple(actions.values()), list(actions)
+
+    def _kahn(self) -> tuple[tuple[Action, ...], list[str]]:
+        """Kahn's algorithm taking the smallest ready fingerprint first (networkx's lexicographical_topological_sort
+        order, over `consumers`): for action sets whose registration order is not topological (a dependency
+        registered after its consumer, or never registered: then a KeyError; a cycle: NetworkXUnfeasible)."""
         import heapq
 
         cons = self.consumers
@@ -175,6 +193,23 @@ class _Memo:
     changed_at: int
 
 
+@dataclass(frozen=True)
+class _Segment:
+    """A requested root's whole analysis as one node of the engine: every memoised node of its closure (label and
+    the `_Memo` it was made from, in the order a fresh analysis provides them), the volatile targets it asked for
+    with the providers seen, every action its closure adds (in the order a fresh analysis adds them first), and the
+    compile targets and bundles each node registers. It is valid exactly when each of those nodes still has the
+    same `_Memo` and its own inputs (Target value, files) are unchanged and each volatile provider is equal: then
+    each node is valid by the engine's rule, and providing the root adds what the segment holds, in its order."""
+
+    labels: tuple[Label, ...]
+    memos: tuple[_Memo, ...]
+    volatile: tuple[tuple[Label, Any], ...]
+    actions: dict[str, Action]
+    events: tuple[tuple[Label, tuple[Any, ...]], ...]  # (node, ("compile", ct) | ("bundle", label, info))
+    closed: bool  # every action's dependencies come before it in `actions` (its order is topological)
+
+
 class AnalysisMemo:
     """The analysis engine's memo: one node per analysed target (`_Memo`), kept between plans of one workspace with
     one set of settings by the build server, and made empty for each batch command (the same engine, starting empty).
@@ -185,8 +220,12 @@ class AnalysisMemo:
     it: the settings and, per (toolchain, platform) the memoised analyses used, the versions the toolchain reports
     now (a C++ compiler or neuronx-cc replaced between commands empties the memo)."""
 
-    def __init__(self) -> None:
+    def __init__(self, segments: bool = True) -> None:
         self.entries: dict[Label, _Memo] = {}
+        # Per requested root: its segment (_Segment), made after each plan when `segments` (the build server: a batch
+        # command's engine is used once, so it makes none).
+        self.keep_segments = segments
+        self.segments: dict[Label, _Segment] = {}
         self.env: dict[tuple[str, str], dict[str, str]] = {}
         self.settings_key: str | None = None
         self.trace_toolchain: dict[str, str] = {}
@@ -200,6 +239,7 @@ class AnalysisMemo:
         if key != self.settings_key or trace_tc != self.trace_toolchain or \
                 any(_versions(tc, platform, settings) != v for (tc, platform), v in self.env.items()):
             self.entries.clear()
+            self.segments.clear()
             self.env.clear()
             self.last = None
         self.settings_key, self.trace_toolchain = key, trace_tc
@@ -207,7 +247,7 @@ class AnalysisMemo:
         self.reused = self.analysed = self.cutoffs = 0
 
     def action_graph(self, actions: dict[str, Action], compiles: tuple[CompileTarget, ...],
-                     bundles: dict[Label, BundleInfo]) -> ActionGraph:
+                     bundles: dict[Label, BundleInfo], topological: bool = False) -> ActionGraph:
         """The plan's ActionGraph node: a value of its actions (fingerprints are content addresses: equal
         fingerprints in the same order are equal actions), compile targets and bundles. When they equal the previous
         plan's, that value is returned (early cutoff), with what was derived from it (order, consumers, digraph), and
@@ -217,7 +257,7 @@ class AnalysisMemo:
                 len(last.compiles) == len(compiles) and all(map(_same_value, last.compiles, compiles)) and \
                 list(last.bundles) == list(bundles) and _same_value(list(last.bundles.values()), list(bundles.values())):
             return last
-        self.last = ActionGraph(actions, None, compiles, bundles)
+        self.last = ActionGraph(actions, None, compiles, bundles, topological)
         return self.last
 
 
@@ -309,6 +349,9 @@ class AnalysisContext:
         self._frames: list[_Recorder] = []
         self._valid: dict[Label, bool] = {}
         self._traces: dict[tuple[int, Bucket, int], tuple[ModelInfo, Action]] = {}
+        self._bad: set[Label] | None = None  # memoised nodes whose own inputs changed (made on first need)
+        self._volatile_same: dict[tuple[Label, int], bool] = {}
+        self._volatile_actions = False  # a volatile analysis added actions: no segments this plan
 
     def target(self, label: Label) -> Target:
         return self.graph.targets[label]
@@ -398,7 +441,7 @@ class AnalysisContext:
                 if dt is None:
                     return False
                 if dt.kind in VOLATILE_KINDS:
-                    if not _same_value(self.provider_fresh(dep), seen):
+                    if not self._same_volatile(dep, seen):
                         return False
                     continue
                 dm = entries.get(dep)
@@ -441,8 +484,129 @@ class AnalysisContext:
         """The provider of a volatile target (computed once per plan, never memoised)."""
         if label not in self._providers:
             t = self.graph.targets[label]
+            n = len(self.actions)
             self._providers[label] = plugins.rule(t.kind).analyze(self, t)
+            if len(self.actions) != n:
+                self._volatile_actions = True
         return self._providers[label]
+
+    def _same_volatile(self, label: Label, seen: Any) -> bool:
+        """Whether a volatile target's provider now equals `seen` (what a memoised node saw): compared once per
+        (target, seen value) per plan (the nodes analysed in one plan saw the same object; it is held by them)."""
+        key = (label, id(seen))
+        v = self._volatile_same.get(key)
+        if v is None:
+            v = self._volatile_same[key] = _same_value(self.provider_fresh(label), seen)
+        return v
+
+    def _surface_bad(self) -> set[Label]:
+        """The memoised nodes whose own inputs changed: their Target value (or the target is gone) or a file their
+        analysis digested (checked by digest through the stat-keyed digest cache)."""
+        assert self.memo is not None
+        bad: set[Label] = set()
+        targets = self.graph.targets
+        for lbl, m in self.memo.entries.items():
+            t = targets.get(lbl)
+            if t is not m.target and (t is None or not (m.target == t and m.target.attrs == t.attrs)):
+                bad.add(lbl)
+                continue
+            for path, digest in m.files:
+                try:
+                    if digests.digest_file(path) != digest:
+                        bad.add(lbl)
+                        break
+                except OSError:
+                    bad.add(lbl)
+                    break
+        return bad
+
+    def use_segment(self, root: Label) -> bool:
+        """Provide `root` from its segment (_Segment) if that is valid; whether it was."""
+        memo = self.memo
+        seg = memo.segments.get(root) if memo is not None else None
+        if seg is None or root in self._providers:
+            return False
+        assert memo is not None
+        if self._bad is None:
+            self._bad = self._surface_bad()
+        if not self._bad.isdisjoint(seg.labels) or \
+                not all(map(operator.is_, map(memo.entries.get, seg.labels), seg.memos)):
+            return False
+        targets = self.graph.targets
+        for lbl, seen in seg.volatile:
+            t = targets.get(lbl)
+            if t is None or t.kind not in VOLATILE_KINDS or not self._same_volatile(lbl, seen):
+                return False
+        providers, valid = self._providers, self._valid
+        new = [(lbl, m) for lbl, m in zip(seg.labels, seg.memos, strict=True) if lbl not in providers]
+        actions = self.actions
+        if actions.keys().isdisjoint(seg.actions):
+            actions.update(seg.actions)
+        else:  # an action added already keeps its place and its object (its label: the first target to add it)
+            for fp, a in seg.actions.items():
+                if fp not in actions:
+                    actions[fp] = a
+        if seg.events:
+            fresh = {lbl for lbl, _m in new}
+            for lbl, ev in seg.events:
+                if lbl in fresh:
+                    if ev[0] == "compile":
+                        list.append(self.compiles, ev[1])
+                    else:
+                        dict.__setitem__(self.bundles, ev[1], ev[2])
+        for lbl, m in new:
+            providers[lbl] = m.provider
+            valid[lbl] = True
+        memo.reused += len(new)
+        return True
+
+    def make_segment(self, root: Label) -> _Segment | None:
+        """The segment of `root` from the memo's current nodes (after a plan that provided it), as a fresh analysis
+        would provide it: each node's events in order, a dependency's expanded where it is first asked for."""
+        assert self.memo is not None
+        entries, targets = self.memo.entries, self.graph.targets
+        m = entries.get(root)
+        if m is None:
+            return None
+        labels: list[Label] = [root]
+        memos: list[_Memo] = [m]
+        volatile: list[tuple[Label, Any]] = []
+        actions: dict[str, Action] = {}
+        events: list[tuple[Label, tuple[Any, ...]]] = []
+        seen = {root}
+        closed = True
+        stack = [(root, iter(m.events))]
+        while stack:
+            lbl, it = stack[-1]
+            for ev in it:
+                kind = ev[0]
+                if kind == "add":
+                    a = ev[1]
+                    if a.fingerprint not in actions:
+                        if closed and a.dep_inputs and not all(d in actions for d in a.deps):
+                            closed = False
+                        actions[a.fingerprint] = a
+                elif kind == "dep":
+                    d = ev[1]
+                    if d in seen:
+                        continue
+                    seen.add(d)
+                    t = targets.get(d)
+                    if t is not None and t.kind in VOLATILE_KINDS:
+                        volatile.append((d, ev[2]))
+                        continue
+                    dm = entries.get(d)
+                    if dm is None:
+                        return None
+                    labels.append(d)
+                    memos.append(dm)
+                    stack.append((d, iter(dm.events)))
+                    break
+                else:
+                    events.append((lbl, ev))
+            else:
+                stack.pop()
+        return _Segment(tuple(labels), tuple(memos), tuple(volatile), actions, tuple(events), closed)
 
     def _replay(self, m: _Memo) -> Any:
         """Redo what the memoised analysis did, in its order (its own events only; dependencies replay theirs)."""
@@ -528,13 +692,36 @@ def plan(graph: TargetGraph, settings: PlanSettings | None = None, memo: Analysi
     (batch mode). Either way the same engine runs, so the plan is the one a fresh process makes."""
     settings = settings or PlanSettings()
     if memo is None:
-        memo = AnalysisMemo()
+        memo = AnalysisMemo(segments=False)
     memo.begin(settings)
     ctx = AnalysisContext(graph, settings, memo)
+    segments = memo.segments if memo.keep_segments else None
+    roots: list[Label] = []
+    made: list[Label] = []
     for lbl in graph.requested:
         if plugins.rule(graph.targets[lbl].kind).plans_actions:
-            ctx.provider(lbl)
-    return memo.action_graph(ctx.actions, tuple(ctx.compiles), dict(ctx.bundles))
+            roots.append(lbl)
+            if segments is None or not ctx.use_segment(lbl):
+                ctx.provider(lbl)
+                made.append(lbl)
+    topological = False
+    if segments is not None:
+        if ctx._volatile_actions:  # (a volatile analysis added actions: they are in no segment)
+            segments.clear()
+        else:
+            for lbl in made:
+                seg = ctx.make_segment(lbl)
+                if seg is None:
+                    segments.pop(lbl, None)
+                else:
+                    segments[lbl] = seg
+            if len(segments) > 2 * len(memo.entries) + 1000:  # (roots gone: keep the memory bounded)
+                for lbl in [k for k in segments if k not in memo.entries]:
+                    del segments[lbl]
+            # Providing the roots in order adds each one's segment's actions not yet added, in its order: the
+            # registration order is topological when every segment's is.
+            topological = all(lbl in segments and segments[lbl].closed for lbl in roots)
+    return memo.action_graph(ctx.actions, tuple(ctx.compiles), dict(ctx.bundles), topological)
 
 
 def action_digraph(actions: Mapping[str, Action]) -> nx.DiGraph:
