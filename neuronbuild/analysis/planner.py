@@ -204,9 +204,10 @@ class _Segment:
 
     labels: tuple[Label, ...]
     memos: tuple[_Memo, ...]
+    ids: frozenset[int]  # id() of each of `memos` (held here, so not reused): checked without hashing labels
     volatile: tuple[tuple[Label, Any], ...]
     actions: dict[str, Action]
-    events: tuple[tuple[Label, tuple[Any, ...]], ...]  # (node, ("compile", ct) | ("bundle", label, info))
+    events: tuple[tuple[int, tuple[Any, ...]], ...]  # (id of the node's _Memo, ("compile", ct) | ("bundle", ...))
     closed: bool  # every action's dependencies come before it in `actions` (its order is topological)
 
 
@@ -226,6 +227,9 @@ class AnalysisMemo:
         # command's engine is used once, so it makes none).
         self.keep_segments = segments
         self.segments: dict[Label, _Segment] = {}
+        # id() of every _Memo replaced since the segments were made (a segment holding one is stale; segments hold
+        # their nodes, so such an id is not reused while a segment could ask)
+        self.retired: set[int] = set()
         self.env: dict[tuple[str, str], dict[str, str]] = {}
         self.settings_key: str | None = None
         self.trace_toolchain: dict[str, str] = {}
@@ -240,6 +244,7 @@ class AnalysisMemo:
                 any(_versions(tc, platform, settings) != v for (tc, platform), v in self.env.items()):
             self.entries.clear()
             self.segments.clear()
+            self.retired.clear()
             self.env.clear()
             self.last = None
         self.settings_key, self.trace_toolchain = key, trace_tc
@@ -349,8 +354,10 @@ class AnalysisContext:
         self._frames: list[_Recorder] = []
         self._valid: dict[Label, bool] = {}
         self._traces: dict[tuple[int, Bucket, int], tuple[ModelInfo, Action]] = {}
-        self._bad: set[Label] | None = None  # memoised nodes whose own inputs changed (made on first need)
-        self._volatile_same: dict[tuple[Label, int], bool] = {}
+        self._bad: set[int] | None = None  # id() of memoised nodes whose own inputs changed (made on first need)
+        self._volatile_same: dict[int, tuple[Label, bool]] = {}
+        self._from_segments: set[int] = set()  # id() of the nodes provided from segments
+        self._all_from_segments = True  # (no node provided otherwise yet: a node is provided iff its id is above)
         self._volatile_actions = False  # a volatile analysis added actions: no segments this plan
 
     def target(self, label: Label) -> Target:
@@ -364,6 +371,7 @@ class AnalysisContext:
         """The provider of `label` (its kind's analysis runs once per plan)."""
         p = self._providers.get(label, _MISSING)
         if p is _MISSING:
+            self._all_from_segments = False
             memo = self.memo
             m = memo.entries.get(label) if memo is not None else None
             if m is not None and self._is_valid(label):
@@ -401,6 +409,8 @@ class AnalysisContext:
                 changed_at = old.changed_at  # early cutoff: what depends on it stays valid
                 memo.cutoffs += 1
             entries[label] = _Memo(t, p, events, tuple(files), deps, changed_at)
+            if old is not None:
+                memo.retired.add(id(old))
             for ev in events:
                 if ev[0] == "compile":
                     key = (ev[1].toolchain, ev[1].platform)
@@ -493,30 +503,31 @@ class AnalysisContext:
     def _same_volatile(self, label: Label, seen: Any) -> bool:
         """Whether a volatile target's provider now equals `seen` (what a memoised node saw): compared once per
         (target, seen value) per plan (the nodes analysed in one plan saw the same object; it is held by them)."""
-        key = (label, id(seen))
-        v = self._volatile_same.get(key)
-        if v is None:
-            v = self._volatile_same[key] = _same_value(self.provider_fresh(label), seen)
+        known = self._volatile_same.get(id(seen))
+        if known is not None and known[0] is label:
+            return known[1]
+        v = _same_value(self.provider_fresh(label), seen)
+        self._volatile_same[id(seen)] = (label, v)
         return v
 
-    def _surface_bad(self) -> set[Label]:
-        """The memoised nodes whose own inputs changed: their Target value (or the target is gone) or a file their
-        analysis digested (checked by digest through the stat-keyed digest cache)."""
+    def _surface_bad(self) -> set[int]:
+        """id() of the memoised nodes whose own inputs changed: their Target value (or the target is gone) or a file
+        their analysis digested (checked by digest through the stat-keyed digest cache)."""
         assert self.memo is not None
-        bad: set[Label] = set()
+        bad: set[int] = set()
         targets = self.graph.targets
         for lbl, m in self.memo.entries.items():
             t = targets.get(lbl)
             if t is not m.target and (t is None or not (m.target == t and m.target.attrs == t.attrs)):
-                bad.add(lbl)
+                bad.add(id(m))
                 continue
             for path, digest in m.files:
                 try:
                     if digests.digest_file(path) != digest:
-                        bad.add(lbl)
+                        bad.add(id(m))
                         break
                 except OSError:
-                    bad.add(lbl)
+                    bad.add(id(m))
                     break
         return bad
 
@@ -529,16 +540,21 @@ class AnalysisContext:
         assert memo is not None
         if self._bad is None:
             self._bad = self._surface_bad()
-        if not self._bad.isdisjoint(seg.labels) or \
-                not all(map(operator.is_, map(memo.entries.get, seg.labels), seg.memos)):
-            return False
+        if not self._bad.isdisjoint(seg.ids) or not memo.retired.isdisjoint(seg.ids):
+            return False  # (a node whose inputs changed, or replaced since: not every node is the current valid one)
         targets = self.graph.targets
         for lbl, seen in seg.volatile:
             t = targets.get(lbl)
             if t is None or t.kind not in VOLATILE_KINDS or not self._same_volatile(lbl, seen):
                 return False
-        providers, valid = self._providers, self._valid
-        new = [(lbl, m) for lbl, m in zip(seg.labels, seg.memos, strict=True) if lbl not in providers]
+        providers, done = self._providers, self._from_segments
+        if done.isdisjoint(seg.ids) and self._all_from_segments:
+            new = list(zip(seg.labels, seg.memos, strict=True))  # (the common case: a root of its own package)
+        elif self._all_from_segments:  # (provided so far only from segments: a node is provided iff its _Memo is)
+            new = [(lbl, m) for lbl, m in zip(seg.labels, seg.memos, strict=True) if id(m) not in done]
+        else:
+            new = [(lbl, m) for lbl, m in zip(seg.labels, seg.memos, strict=True)
+                   if id(m) not in done and lbl not in providers]
         actions = self.actions
         if actions.keys().isdisjoint(seg.actions):
             actions.update(seg.actions)
@@ -547,16 +563,17 @@ class AnalysisContext:
                 if fp not in actions:
                     actions[fp] = a
         if seg.events:
-            fresh = {lbl for lbl, _m in new}
-            for lbl, ev in seg.events:
-                if lbl in fresh:
+            every = len(new) == len(seg.memos)
+            fresh = set() if every else {id(m) for _lbl, m in new}
+            for mid, ev in seg.events:
+                if every or mid in fresh:
                     if ev[0] == "compile":
                         list.append(self.compiles, ev[1])
                     else:
                         dict.__setitem__(self.bundles, ev[1], ev[2])
         for lbl, m in new:
             providers[lbl] = m.provider
-            valid[lbl] = True
+        done |= seg.ids
         memo.reused += len(new)
         return True
 
@@ -572,7 +589,7 @@ class AnalysisContext:
         memos: list[_Memo] = [m]
         volatile: list[tuple[Label, Any]] = []
         actions: dict[str, Action] = {}
-        events: list[tuple[Label, tuple[Any, ...]]] = []
+        events: list[tuple[int, tuple[Any, ...]]] = []
         seen = {root}
         closed = True
         stack = [(root, iter(m.events))]
@@ -603,10 +620,11 @@ class AnalysisContext:
                     stack.append((d, iter(dm.events)))
                     break
                 else:
-                    events.append((lbl, ev))
+                    events.append((id(entries[lbl]), ev))
             else:
                 stack.pop()
-        return _Segment(tuple(labels), tuple(memos), tuple(volatile), actions, tuple(events), closed)
+        return _Segment(tuple(labels), tuple(memos), frozenset(map(id, memos)), tuple(volatile), actions,
+                        tuple(events), closed)
 
     def _replay(self, m: _Memo) -> Any:
         """Redo what the memoised analysis did, in its order (its own events only; dependencies replay theirs)."""
@@ -718,6 +736,9 @@ def plan(graph: TargetGraph, settings: PlanSettings | None = None, memo: Analysi
             if len(segments) > 2 * len(memo.entries) + 1000:  # (roots gone: keep the memory bounded)
                 for lbl in [k for k in segments if k not in memo.entries]:
                     del segments[lbl]
+            if len(memo.retired) > 100_000:  # (forgetting them needs every segment gone that could hold one)
+                segments.clear()
+                memo.retired.clear()
             # Providing the roots in order adds each one's segment's actions not yet added, in its order: the
             # registration order is topological when every segment's is.
             topological = all(lbl in segments and segments[lbl].closed for lbl in roots)
