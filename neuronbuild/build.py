@@ -6,7 +6,7 @@ import dataclasses
 import functools
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -20,6 +20,7 @@ from neuronbuild.cache.gc import auto_gc
 from neuronbuild.cache.local import LocalCache
 from neuronbuild.cache.roots import record_roots
 from neuronbuild.context import BuildContext
+from neuronbuild.errors import UserInputError
 from neuronbuild.execution.env import action_environment, undeclared_warning
 from neuronbuild.execution.events import EventBus, JsonLinesWriter, Listener
 from neuronbuild.execution.jobs import Executor
@@ -88,10 +89,24 @@ def action_timeouts(graph: TargetGraph, ag: ActionGraph) -> dict[str, tuple[floa
     return out
 
 
+def _check_keys_unreadable(ctx: BuildContext, env: Mapping[str, str]) -> None:
+    """A private key that model code could read would let any model sign forged records or releases: refused."""
+    from neuronbuild.execution.confine import readable_by_actions
+
+    keys = (("--remote-cache-signing-key", ctx.cache.signing_key),
+            ("--signing-key", os.environ.get("NEURONBUILD_SIGNING_KEY", "").strip() or None))
+    for flag, key in keys:
+        root = readable_by_actions(key, env) if key else None
+        if root is not None:
+            raise UserInputError(f"{flag} {key}: actions can read it (it is under {root}, which confined model code "
+                                 "may read): keep the key elsewhere (e.g. a 0600 file under your home directory)")
+
+
 def make_executor(ctx: BuildContext, req: BuildRequest, cache: LocalCache,
                   timeouts: dict[str, tuple[float, str]] | None = None) -> Executor:
     root = ctx.workspace.root
     env = action_environment(cache.toolchain_tmp, cache.root / "home", ctx.settings.action_env)
+    _check_keys_unreadable(ctx, env)
     if req.executor == "local":
         from neuronbuild.execution.local_executor import LocalExecutor
 

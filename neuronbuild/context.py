@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from neuronbuild.errors import UserInputError
 from neuronbuild.workspace import Workspace, find_workspace
@@ -32,6 +32,12 @@ class CacheConfig:
     remote: str | None = None  # an absolute directory or s3://bucket/prefix
     remote_readonly: bool = False
     s3_endpoint_url: str | None = None
+    # Who signs the records this build uploads, and whose records it serves (cache/record_auth.py): the keys are
+    # loaded once here (a bad file is exit 2 before anything runs); only key ids are ever shown or written.
+    signer: Any = field(default=None, compare=False, repr=False)  # runtime.signing.SigningKey
+    signing_key: str | None = None  # its path (to check that actions cannot read it)
+    trusted: Any = field(default=None, compare=False, repr=False)  # runtime.signing.TrustedKeys
+    trust_writers: bool = False
 
 
 @dataclass(frozen=True)
@@ -80,7 +86,8 @@ class BuildContext:
         from neuronbuild.cache.tiered import open_cache
 
         c = self.cache
-        return open_cache(c.dir, c.remote, c.remote_readonly, c.s3_endpoint_url, self.report)
+        return open_cache(c.dir, c.remote, c.remote_readonly, c.s3_endpoint_url, self.report, signer=c.signer,
+                          trusted=c.trusted, trust_writers=c.trust_writers)
 
     def history(self, cache: LocalCache) -> History:
         """Past results (records + latest result per identity) of the local tier, for explanations and estimates."""
@@ -96,7 +103,9 @@ def patterns_or_default(patterns: Sequence[str]) -> tuple[str, ...]:
 
 
 def make_context(*, cache_dir: str | None = None, remote_cache: str | None = None, remote_cache_readonly: bool = False,
-                 s3_endpoint_url: str | None = None, action_env: list[str] | None = None,
+                 s3_endpoint_url: str | None = None, remote_cache_trusted_keys: str | None = None,
+                 remote_cache_trust_writers: bool = False, remote_cache_signing_key: str | None = None,
+                 action_env: list[str] | None = None,
                  neuronx_cc: str | None = None, neuronx_cc_timeout: float | None = None,
                  toolchain: list[str] | None = None, verbosity: int | None = None,
                  workspace: Workspace | None = None, need_workspace: bool = True) -> BuildContext:
@@ -114,6 +123,30 @@ def make_context(*, cache_dir: str | None = None, remote_cache: str | None = Non
     remote = remote_cache or None
     if remote and "://" not in remote:
         remote = str(Path(remote).expanduser().resolve())
-    cfg = CacheConfig(resolve_cache_dir(cache_dir), remote, remote_cache_readonly, s3_endpoint_url)
+    signer, trusted, key_path = _record_keys(remote_cache_trusted_keys, remote_cache_trust_writers,
+                                            remote_cache_signing_key)
+    cfg = CacheConfig(resolve_cache_dir(cache_dir), remote, remote_cache_readonly, s3_endpoint_url, signer, key_path,
+                      trusted, remote_cache_trust_writers)
     settings = resolve_settings(action_env, neuronx_cc, neuronx_cc_timeout, toolchain)
     return BuildContext(ws, cfg, settings, NORMAL if verbosity is None else verbosity)
+
+
+def _record_keys(trusted_keys: str | None, trust_writers: bool, signing_key: str | None) -> tuple[Any, Any, str | None]:
+    """(signer, trusted keys, signing key path) from the shared-tier trust flags; UserInputError (exit 2) for a key
+    that cannot be used or flags that contradict each other."""
+    if not trusted_keys and not signing_key:
+        return None, None, None
+    from neuronbuild.runtime.signing import SignatureError, SigningKey, TrustedKeys
+
+    if trusted_keys and trust_writers:
+        raise UserInputError("--remote-cache-trusted-keys and --remote-cache-trust-writers contradict each other: "
+                             "give one (trusted keys: only signed records are served; trust writers: any record)")
+    flag = "--remote-cache-trusted-keys"
+    try:
+        trusted = TrustedKeys(Path(trusted_keys).expanduser()) if trusted_keys else None
+        flag = "--remote-cache-signing-key"
+        path = str(Path(signing_key).expanduser().resolve()) if signing_key else None
+        signer = SigningKey(Path(path)) if path else None
+    except SignatureError as e:
+        raise UserInputError(f"{flag}: {e}") from None
+    return signer, trusted, path

@@ -19,14 +19,19 @@ from neuronbuild.errors import UserInputError
 
 if TYPE_CHECKING:
     from neuronbuild.analysis.toolchain_api import Toolchain
+    from neuronbuild.runtime.loaders import ArtifactLoader
 
 BUILTIN = ("neuronbuild.kinds", "neuronbuild.toolchains.cpu", "neuronbuild.toolchains.neuron")
+# The built-in toolchains' runtime halves (their `runtime_loader` modules): importable without the build side.
+RUNTIME_BUILTIN = ("neuronbuild.toolchains.cpu_runtime", "neuronbuild.toolchains.neuron_runtime")
 PLUGINS_ENV = "NEURONBUILD_PLUGINS"
 PLUGIN_PATH_ENV = "NEURONBUILD_PLUGIN_PATH"
 
 _rules: dict[str, Any] = {}  # kind name -> RuleKind (kinds/base.py)
 _toolchains: dict[str, Toolchain] = {}  # toolchain name -> Toolchain
 _platforms: dict[str, str] = {}  # platform -> toolchain name
+_loaders: dict[str, ArtifactLoader] = {}  # artifact format -> the runtime's loader for it
+_loader_modules_tried: dict[str, str | None] = {}  # module -> None (imported) or why it could not be
 _lock = threading.RLock()
 _loaded = False
 
@@ -64,9 +69,9 @@ def register_rule(kind: Any) -> Any:
 
 # What a toolchain must have (analysis/toolchain_api.Toolchain; mypy checks the built-ins against it, this checks a
 # plug-in at registration, so a missing member is one clear error naming it, not an AttributeError mid-build).
-TOOLCHAIN_MEMBERS = ("name", "platforms", "artifact_format", "estimate_s", "estimate_mb", "validate_note",
+TOOLCHAIN_MEMBERS = ("name", "platforms", "artifact_format", "runtime_loader", "estimate_s", "estimate_mb", "validate_note",
                      "option_keys", "target_attrs", "warm_up_shared", "target_record", "describe_target", "versions", "plan", "run",
-                     "warm_up_key", "load_artifact", "notes")
+                     "warm_up_key", "prepare_worker", "step_dirs", "host_status", "load_artifact", "notes")
 
 
 def register_toolchain(tc: Toolchain) -> Toolchain:
@@ -125,3 +130,50 @@ def toolchain_for(platform: str) -> Toolchain:
     if name is None:
         raise UserInputError(f"no toolchain serves platform {platform!r} (known: {', '.join(_platforms)})")
     return _toolchains[name]
+
+
+# What a runtime loader must have (runtime/loaders.ArtifactLoader), checked at registration.
+LOADER_MEMBERS = ("format", "host_mismatches", "load", "scratch_bytes")
+
+
+def register_loader(loader: ArtifactLoader) -> ArtifactLoader:
+    """Register the runtime loader of one artifact format (runtime/loaders.ArtifactLoader); returns it."""
+    missing = [m for m in LOADER_MEMBERS if not hasattr(loader, m)]
+    if missing:
+        raise TypeError(f"runtime loader {getattr(loader, 'format', loader)!r} does not implement ArtifactLoader "
+                        f"(runtime/loaders.py): missing {', '.join(missing)}")
+    with _lock:
+        owner = _loaders.get(loader.format)
+        if owner is not None and owner is not loader and type(owner) is not type(loader):
+            raise ValueError(f"artifact format {loader.format!r} has a runtime loader already")
+        _loaders[loader.format] = loader
+    return loader
+
+
+def loader_for(fmt: str) -> ArtifactLoader | None:
+    """The runtime loader registered for artifact format `fmt`, importing the built-in loader modules and those of
+    $NEURONBUILD_PLUGINS not tried yet (never a toolchain registry: the serving runtime has no build side); None
+    when none registers it (`loader_problems` says which modules could not be imported)."""
+    found = _loaders.get(fmt)
+    if found is not None:
+        return found
+    with _lock:
+        for d in os.environ.get(PLUGIN_PATH_ENV, "").split(os.pathsep):
+            if d and d not in sys.path:
+                sys.path.append(d)
+        for name in RUNTIME_BUILTIN + plugin_modules()[len(BUILTIN):]:
+            if name in _loader_modules_tried:
+                continue
+            try:
+                importlib.import_module(name)
+                _loader_modules_tried[name] = None
+            except Exception as e:  # noqa: BLE001 - e.g. a build-side plug-in on a serving-only host
+                _loader_modules_tried[name] = f"{type(e).__name__}: {e}"
+            if fmt in _loaders:
+                break
+        return _loaders.get(fmt)
+
+
+def loader_problems() -> list[str]:
+    """The plug-in modules the runtime could not import while looking for loaders, with why."""
+    return [f"{m} ({why})" for m, why in _loader_modules_tried.items() if why is not None]

@@ -304,6 +304,9 @@ NOTED = {
     "--scheduler": "the Dask scheduler actions are sent to",
     "--cache-dir": "the cache directory results are read from",
     "--signing-key": "the key releases are signed with",
+    "--remote-cache-signing-key": "the key records uploaded to the shared cache are signed with",
+    "--remote-cache-trusted-keys": "the keys whose shared-cache records are served",
+    "--remote-cache-trust-writers": "serving shared-cache records no trusted key signed",
     "--build-event-json-file": "the file build events are written to",
 }
 NOTICES_FILE = "rc-notices"  # in the output user root: one sha256 per line, of (rc file, option, value) seen
@@ -339,8 +342,8 @@ def _note_workspace_settings(groups: list[tuple[argparse.Action, list[str]]],
         ln, name = src
         value = _value(words, name)
         key = hashlib.sha256("\0".join((str(ln.path.resolve()), name, value)).encode()).hexdigest()
-        noted.append((key, f"neuronbuild: note: {ln.where} (a workspace rc file) sets {name} {value!r}: "
-                           f"{NOTED[name]}"))
+        shown = f"{name} {value!r}" if value else name  # (a switch has no value)
+        noted.append((key, f"neuronbuild: note: {ln.where} (a workspace rc file) sets {shown}: {NOTED[name]}"))
     if not noted:
         return
     state = Path(default_output_user_root()) / NOTICES_FILE

@@ -128,7 +128,9 @@ def test_empty_local_cache_is_filled_from_the_shared_directory(populated: tuple[
     _local, shared = populated
     proc = build(ws, tmp_path / "fresh", "--remote-cache", str(shared))
     assert "6 actions: 0 executed, 6 cached" in proc.stdout
-    assert executed(proc.stderr) == [] and warnings(proc.stderr) == []
+    # No trusted keys and the tier not declared trusted: served, with one warning that no one vouched for them.
+    assert executed(proc.stderr) == [] and len(warnings(proc.stderr)) == 1, proc.stderr
+    assert "serving records no trusted key signed" in warnings(proc.stderr)[0]
     assert set(entries(tmp_path / "fresh")) == {C1, C2, "trace //pkg:m [batch=1, seq=4]",
                                                  "trace //pkg:m [batch=2, seq=4]", "lower //pkg:m [batch=1, seq=4]",
                                                  "lower //pkg:m [batch=2, seq=4]"}  # copied down
@@ -175,7 +177,7 @@ def test_corrupt_shared_blobs_are_not_served_and_are_rebuilt_and_reuploaded(popu
     proc = build(ws, tmp_path / "local", "--remote-cache", str(shared))
     assert sorted(executed(proc.stderr)) == ["Compile //pkg:c [batch=1, seq=4] for trn2",
                                              "Compile //pkg:c [batch=2, seq=4] for trn2"]
-    assert len([w for w in warnings(proc.stderr) if "corrupt" in w and "shared" in w]) == 2
+    assert len([w for w in warnings(proc.stderr) if "is corrupt" in w and "shared cache" in w]) == 2
     outputs_match_cache(ws, tmp_path / "local")
     v = verify(tmp_path / "local", "--remote-cache", str(shared))
     assert v.returncode == 0 and v.stdout.count("verified: ok") == 2, v.stdout + v.stderr
@@ -221,7 +223,7 @@ def test_s3_tier_serves_hits_and_corrupt_objects_are_rebuilt(populated: tuple[Pa
     client = s3_client(s3_url)
     client.create_bucket(Bucket="team")
     upload_dir(client, "team", "nb/cache", populated[1])
-    remote = ("--remote-cache", "s3://team/nb/cache", "--s3-endpoint-url", s3_url)
+    remote = ("--remote-cache", "s3://team/nb/cache", "--s3-endpoint-url", s3_url, "--remote-cache-trust-writers")
     proc = build(ws, tmp_path / "l1", *remote)
     assert "6 actions: 0 executed, 6 cached" in proc.stdout and warnings(proc.stderr) == []
     outputs_match_cache(ws, tmp_path / "l1")

@@ -1,14 +1,37 @@
 """A toolchain and a rule kind added in one module plus one registration each ($NEURONBUILD_PLUGINS) ship like
 built-in ones: their graphs build, validate against eager, go into a release bundle, deploy, and load strictly in the
-runtime (tests/plugins/portable_toolchain.py: platform "cpu-portable", AOTInductor packages for the x86-64 baseline;
+runtime (tests/plugins/portable_toolchain.py: platform "cpu-portable", AOTInductor packages for the x86-64 baseline in an
+artifact format of its own, which the runtime loads through the loader that module registers;
 tests/plugins/portable_kind.py: `portable_compile`, compiling for it without a neuron_target)."""
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 from helpers import MODEL_SRC, run_cli, write_ws
+
+# A strict open of the deployed release in a fresh process (the serving one): which loader ran each graph, and the
+# logits of both labels.
+SERVE = r"""
+import json, sys
+import torch
+from neuronbuild.runtime import open_cache
+rt = open_cache(sys.argv[1], strict=True, require=["//m:tiny_portable", "//m:tiny_kind"])
+x = torch.randint(0, 64, (1, 8), generator=torch.Generator().manual_seed(0))
+outs = []
+for label in ("//m:tiny_portable", "//m:tiny_kind"):
+    model = rt.model(label)
+    assert model.route(x).bucket_name == "batch1_seq8"
+    y = model(x)
+    outs.append(y if isinstance(y, torch.Tensor) else next(iter(y.values())) if isinstance(y, dict) else y[0])
+import portable_toolchain
+print(json.dumps({"loaded": sorted(portable_toolchain.LOADED), "shape": list(outs[0].shape),
+                  "finite": all(bool(torch.isfinite(o).all()) for o in outs), "equal": torch.equal(outs[0], outs[1]),
+                  "counters": [rt.counters.hit, rt.counters.miss, rt.counters.eager]}))
+"""
 
 PLUGIN_ENV = {"NEURONBUILD_PLUGINS": "portable_toolchain,portable_kind",
               "NEURONBUILD_PLUGIN_PATH": str(Path(__file__).resolve().parent / "plugins")}
@@ -47,23 +70,27 @@ def test_an_out_of_tree_toolchain_and_kind_build_validate_bundle_deploy_and_load
 
     bundle = out / "release.tar.zst"
     assert bundle.is_file(), sorted(p.name for p in out.iterdir())
+    assert manifest["artifact_format"] == "aoti-x86-64", manifest
     serve = tmp_path / "serve"
-    deployed = run_cli(["deploy", str(bundle), "--dest", str(serve)], ws)  # deploying needs no plug-in
+    # Deploying needs no plug-in, but without it nothing here knows how to load (or check) the toolchain's format.
+    deployed = run_cli(["deploy", str(bundle), "--dest", str(serve)], ws)
     assert deployed.returncode == 0, deployed.stderr
+    assert "no runtime loader for artifact format 'aoti-x86-64'" in deployed.stderr, deployed.stderr
 
-    import torch
+    def serve_strictly(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+        import os
 
-    from neuronbuild.runtime import open_cache
+        return subprocess.run([sys.executable, "-c", SERVE, str(serve)], capture_output=True, text=True, timeout=600,
+                              env={**os.environ, **env}, cwd=tmp_path)
 
-    rt = open_cache(serve, strict=True, require=["//m:tiny_portable", "//m:tiny_kind"])
-    x = torch.randint(0, 64, (1, 8), generator=torch.Generator().manual_seed(0))
-    outs = []
-    for label in ("//m:tiny_portable", "//m:tiny_kind"):
-        model = rt.model(label)
-        assert model.route(x).bucket_name == "batch1_seq8"
-        y = model(x)
-        logits = y if isinstance(y, torch.Tensor) else next(iter(y.values())) if isinstance(y, dict) else y[0]
-        assert logits.shape[:2] == (1, 8) and bool(torch.isfinite(logits).all())
-        outs.append(logits)
-    assert torch.equal(outs[0], outs[1])  # the same graph, however it was declared
-    assert rt.counters.hit == 2 and rt.counters.miss == 0 and rt.counters.eager == 0
+    refused = serve_strictly({})  # a serving process without the plug-in: a strict open refuses, naming the format
+    assert refused.returncode != 0 and "no runtime loader for artifact format 'aoti-x86-64'" in refused.stderr, \
+        refused.stderr[-2000:]
+    served = serve_strictly(PLUGIN_ENV)  # with it: the plug-in's loader loads both labels' graphs
+    assert served.returncode == 0, served.stderr[-4000:]
+    got = json.loads(served.stdout.splitlines()[-1])
+    # Both labels' graphs (equal records: one fingerprint, deployed once) went through the plug-in's loader.
+    assert len(got["loaded"]) == 2 and all(s.endswith("@batch1_seq8") for s in got["loaded"]), got
+    assert got["shape"][:2] == [1, 8] and got["finite"], got
+    assert got["equal"], got  # the same graph, however it was declared
+    assert got["counters"] == [2, 0, 0], got  # two hits, no miss, nothing eager

@@ -64,3 +64,27 @@ def test_a_toolchain_missing_protocol_members_is_refused_at_registration_naming_
     with pytest.raises(TypeError, match=r"toolchain 'half' .*missing artifact_format, .*option_keys.*warm_up_key"):
         plugins.register_toolchain(Half())  # type: ignore[arg-type]
     assert "half" not in plugins.toolchains() and "half" not in plugins.platforms()
+
+
+def test_a_label_attribute_declared_own_package_refuses_another_packages_file_located(tmp_path: Path) -> None:
+    # neuron_model's srcs declare own_package (loading/schema.Attr): the loader checks the declaration, not the kind.
+    ws = write_ws(tmp_path / "ws", {"n/a.py": "x = 1\n", "n/BUILD": "",
+                                    "m/BUILD": 'neuron_model(name = "tiny", srcs = ["//n:a.py"], entry = "a:b",\n'
+                                               '             inputs = {"x": "float32[2]"})\n'})
+    proc = run_cli(["query", "//..."], ws)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert proc.stderr.startswith("m/BUILD:1:") and "'//n:a.py' is in package //n, not in this package (//m)" in \
+        proc.stderr, proc.stderr
+
+
+def test_a_runtime_loader_missing_protocol_members_is_refused_at_registration_naming_them() -> None:
+    import pytest
+
+    from neuronbuild import plugins
+
+    class Half:
+        format = "half-format"
+
+    with pytest.raises(TypeError, match=r"runtime loader 'half-format' .*missing host_mismatches, load, scratch_bytes"):
+        plugins.register_loader(Half())  # type: ignore[arg-type]
+    assert plugins.loader_for("half-format") is None

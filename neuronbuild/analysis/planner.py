@@ -30,9 +30,12 @@ from neuronbuild.loading.targets import Target
 
 __all__ = ["ActionGraph", "AnalysisContext", "AnalysisMemo", "CompileTarget", "plan"]
 
-# Kinds whose analysis reads the machine (cpu `isa = "native"` resolves to this host's level): never memoised, their
-# providers are computed afresh by every plan and compared with what memoised dependants saw.
-VOLATILE_KINDS = frozenset({"neuron_target"})
+
+def _volatile(kind: str) -> bool:
+    """Whether the kind's analysis reads the machine (its rule kind's `volatile`, e.g. a target record resolving
+    isa = "native"): never memoised, its provider is computed afresh by every plan and compared with what memoised
+    dependants saw."""
+    return bool(getattr(plugins.rules().get(kind), "volatile", False))
 
 
 @dataclass(frozen=True)
@@ -398,10 +401,10 @@ class AnalysisContext:
         finally:
             self._frames.pop()
         memo.analysed += 1
-        if t.kind not in VOLATILE_KINDS:
+        if not _volatile(t.kind):
             entries = memo.entries
             events = tuple(frame.events)
-            deps = tuple((ev[1], ev[2] if self.graph.targets[ev[1]].kind in VOLATILE_KINDS else
+            deps = tuple((ev[1], ev[2] if _volatile(self.graph.targets[ev[1]].kind) else
                           _changed_at(entries.get(ev[1]))) for ev in events if ev[0] == "dep")
             old = entries.get(label)
             changed_at = memo.revision
@@ -450,7 +453,7 @@ class AnalysisContext:
                 dt = targets.get(dep)
                 if dt is None:
                     return False
-                if dt.kind in VOLATILE_KINDS:
+                if _volatile(dt.kind):
                     if not self._same_volatile(dep, seen):
                         return False
                     continue
@@ -545,7 +548,7 @@ class AnalysisContext:
         targets = self.graph.targets
         for lbl, seen in seg.volatile:
             t = targets.get(lbl)
-            if t is None or t.kind not in VOLATILE_KINDS or not self._same_volatile(lbl, seen):
+            if t is None or not _volatile(t.kind) or not self._same_volatile(lbl, seen):
                 return False
         providers, done = self._providers, self._from_segments
         if done.isdisjoint(seg.ids) and self._all_from_segments:
@@ -609,7 +612,7 @@ class AnalysisContext:
                         continue
                     seen.add(d)
                     t = targets.get(d)
-                    if t is not None and t.kind in VOLATILE_KINDS:
+                    if t is not None and _volatile(t.kind):
                         volatile.append((d, ev[2]))
                         continue
                     dm = entries.get(d)

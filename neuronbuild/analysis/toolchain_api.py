@@ -51,6 +51,16 @@ class OptionKey:
 
 
 @dataclass(frozen=True)
+class StepDirs:
+    """Directories (absolute) one of a toolchain's steps uses outside its sandbox, TMPDIR and HOME, granted by the
+    worker's confinement (execution/confine.py): `write` (e.g. inductor's per-user working dir) and `read`
+    (read-only: e.g. precompiled headers its warm-up writes, a configured compiler's installation)."""
+
+    write: tuple[str, ...] = ()
+    read: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
 class CompileRequest:
     """One bucket of one compile target, as its toolchain plans it."""
 
@@ -90,6 +100,9 @@ class Toolchain(Protocol):
     name: str
     platforms: tuple[str, ...]
     artifact_format: str  # how the runtime recognises its artifacts (written into manifests)
+    # The module registering the runtime loader of `artifact_format` (plugins.register_loader, runtime/loaders.py);
+    # it imports nothing of the build side, so serving-only installs load these graphs ("" if they are never served).
+    runtime_loader: str
     estimate_s: float  # assumed seconds of its primary step when nothing was recorded
     estimate_mb: float  # assumed peak MB of its primary step when nothing was recorded
     # Optional (read with getattr, 0.0 when absent): MB more per MB of the model's declared weight files, for a step
@@ -123,6 +136,23 @@ class Toolchain(Protocol):
 
     def warm_up_key(self, spec: Mapping[str, Any]) -> Mapping[str, Any] | None:
         """What the step `spec` needs warm on its machine (see the module doc), or None (no warm-up)."""
+        ...
+
+    def prepare_worker(self) -> None:
+        """Once in each worker process before it runs anything (forked workers inherit it): import what its steps
+        import, so the actions forked from the worker start warm. It must start no thread and run no torch op (a
+        fork copies only the forking thread); a failure here is ignored (the step reports it)."""
+        ...
+
+    def step_dirs(self, spec: Mapping[str, Any]) -> StepDirs:
+        """In the worker, before its step `spec` runs confined: the directories it may use besides its sandbox
+        (created by the toolchain when they are its own)."""
+        ...
+
+    def host_status(self) -> dict[str, str | None]:
+        """What this machine would build its graphs with, as its fingerprints record it (columns of `farm status`,
+        run on each farm worker; may run tools, must not import torch): e.g. {"cxx": ..., "isa": ...}. None: absent
+        (e.g. no compiler configured); a broken tool is reported in its value, not raised."""
         ...
 
     def load_artifact(self, files: Mapping[str, Path]) -> Callable[..., Any]:

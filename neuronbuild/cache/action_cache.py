@@ -39,9 +39,11 @@ class ActionResult:
     duration_s: float = 0.0
     metadata: Mapping[str, Any] = field(default_factory=dict, hash=False, compare=False)
     created: float = 0.0
+    writer: str = field(default="", compare=False)  # the key id that signed it in a shared tier ("": unsigned)
 
     def to_json(self) -> bytes:
-        return json.dumps({
+        extra = {"writer": self.writer} if self.writer else {}
+        return json.dumps({**extra,
             "version": RECORD_VERSION,
             "fingerprint": self.fingerprint,
             "identity": self.identity,
@@ -76,7 +78,9 @@ class ActionResult:
             if not isinstance(fp, str) or not isinstance(identity, str) or not isinstance(record, dict) \
                     or not isinstance(meta, dict):
                 raise ValueError("fingerprint, identity, record or metadata has the wrong type")
-            return ActionResult(fp, identity, refs, record, float(d["duration_s"]), meta, float(d.get("created", 0.0)))
+            writer = d.get("writer", "")
+            return ActionResult(fp, identity, refs, record, float(d["duration_s"]), meta, float(d.get("created", 0.0)),
+                                writer[:100] if isinstance(writer, str) else "")
         except (KeyError, TypeError, AttributeError) as e:
             raise ValueError(f"malformed record ({type(e).__name__}: {str(e)[:100]})") from None
 

@@ -18,7 +18,7 @@ from typing import Any, BinaryIO
 
 from neuronbuild.cache.action_cache import ActionCache
 from neuronbuild.cache.locks import HEARTBEAT_S, HOST, MAX_SKEW_S, STALE_S, Owner, _pid_alive
-from neuronbuild.cache.tier import SharedTier, TierReadOnly, TierUnavailable
+from neuronbuild.cache.tier import MAX_RECORD_BYTES, SharedTier, TierReadOnly, TierUnavailable
 
 LAYOUT = "v1"
 ENDPOINT_ENV = "NEURONBUILD_S3_ENDPOINT_URL"
@@ -115,9 +115,21 @@ class S3Tier(SharedTier):
         except self._errors.BotoCoreError as e:
             raise TierUnavailable(f"{self.url}: {e}") from e
 
+    def _read_record(self, key: str) -> bytes:
+        """A record object's bytes; b"" (unreadable) when it is over MAX_RECORD_BYTES (not downloaded)."""
+        r = self._call(False, "get_object", Key=key)
+        body = r["Body"]
+        try:
+            if int(r.get("ContentLength") or 0) > MAX_RECORD_BYTES:
+                return b""
+            data = bytes(body.read(MAX_RECORD_BYTES + 1))
+            return b"" if len(data) > MAX_RECORD_BYTES else data
+        finally:
+            body.close()
+
     def get_record(self, fp: str) -> bytes | None:
         try:
-            return bytes(self._call(False, "get_object", Key=self.record_key(fp))["Body"].read())
+            return self._read_record(self.record_key(fp))
         except FileNotFoundError:
             return None
 
@@ -190,7 +202,7 @@ class S3Tier(SharedTier):
         for obj in self._list("ac"):
             fp = obj["Key"].rsplit("/", 1)[-1].removesuffix(".json")
             with contextlib.suppress(FileNotFoundError):
-                yield fp, bytes(self._call(False, "get_object", Key=obj["Key"])["Body"].read())
+                yield fp, self._read_record(obj["Key"])
 
     def blobs(self) -> Iterator[tuple[str, int]]:
         for obj in self._list("cas"):

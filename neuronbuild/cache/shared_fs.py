@@ -14,7 +14,7 @@ from neuronbuild.atomic import atomic_write_bytes
 from neuronbuild.cache.action_cache import ActionCache, listed_records
 from neuronbuild.cache.cas import BlobStore
 from neuronbuild.cache.locks import LockDir, LockFile
-from neuronbuild.cache.tier import SharedTier, TierReadOnly, TierUnavailable
+from neuronbuild.cache.tier import MAX_RECORD_BYTES, SharedTier, TierReadOnly, TierUnavailable
 
 LAYOUT = "v1"
 _READ_ONLY = {errno.EROFS, errno.EACCES, errno.EPERM}
@@ -53,7 +53,7 @@ class SharedDirTier(SharedTier):
     def get_record(self, fp: str) -> bytes | None:
         self._ready()
         try:
-            return self.record_path(fp).read_bytes()
+            return _read_capped(self.record_path(fp))
         except FileNotFoundError:
             return None
 
@@ -107,7 +107,7 @@ class SharedDirTier(SharedTier):
             return
         for p in sorted(ac.glob("*/*.json")):
             try:
-                data = p.read_bytes()
+                data = _read_capped(p)
             except FileNotFoundError:
                 continue  # removed meanwhile (gc)
             except OSError:
@@ -119,3 +119,10 @@ class SharedDirTier(SharedTier):
         for digest, p in self.blobstore.digests():
             with contextlib.suppress(OSError):
                 yield digest, p.stat().st_size
+
+
+def _read_capped(p: Path) -> bytes:
+    """A record's bytes; b"" (unreadable: a miss, a bad record for verify) when it is over MAX_RECORD_BYTES."""
+    with open(p, "rb") as f:
+        data = f.read(MAX_RECORD_BYTES + 1)
+    return b"" if len(data) > MAX_RECORD_BYTES else data

@@ -7,6 +7,10 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import BinaryIO, Protocol
 
+# A record larger than this in a shared tier is read as unreadable (a miss), never into memory: records are a few KiB
+# (an action's input record, its outputs' digests), and anyone who can write the tier could put gigabytes there.
+MAX_RECORD_BYTES = 64 << 20
+
 
 class TierUnavailable(Exception):
     """The shared tier cannot be reached (missing directory, dead endpoint, no credentials...)."""

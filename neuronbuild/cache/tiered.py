@@ -2,11 +2,18 @@
 
 A shared tier that fails (unreachable, read-only) costs one warning and is then ignored for the rest of the process;
 it never fails the build. Blobs fetched from it are verified before they enter the local store; a corrupt one is
-evicted from the shared tier (when writable), reported once and treated as a miss."""
+evicted from the shared tier (when writable), reported once and treated as a miss.
+
+Who wrote a shared record (cache/record_auth.py): with `trusted` keys, only records one of them signed are served
+(anything else is an error and a miss, one warning per record: the action runs again); with none, records are served
+unauthenticated (one warning per process, unless the tier is declared trusted: `trust_writers`). With a `signer`,
+every record uploaded is signed; a reader that trusts keys but holds none uploads nothing (readers like it would
+refuse its unsigned records)."""
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -14,6 +21,7 @@ from typing import Any
 from neuronbuild.cache.action_cache import ActionResult
 from neuronbuild.cache.cas import CorruptBlob
 from neuronbuild.cache.local import Claim, LocalCache
+from neuronbuild.cache.record_auth import UNVERIFIED, RecordSigner, RecordVerifier, check_record, sign_record
 from neuronbuild.cache.tier import Lease, SharedTier, TierReadOnly
 from neuronbuild.errors import UserInputError
 
@@ -37,10 +45,14 @@ class TieredCache(LocalCache):
     """A LocalCache with a shared tier under it."""
 
     def __init__(self, base: Path, shared: SharedTier, readonly: bool = False,
-                 report: Callable[[str], None] | None = None) -> None:
+                 report: Callable[[str], None] | None = None, *, signer: RecordSigner | None = None,
+                 trusted: RecordVerifier | None = None, trust_writers: bool = False) -> None:
         super().__init__(base, report)
         self.shared: SharedTier | None = shared
         self.readonly = readonly
+        self.signer = signer
+        self.trusted = trusted
+        self.trust_writers = trust_writers
 
     def shared_url(self) -> str:
         return self.shared.url if self.shared is not None else ""
@@ -69,9 +81,51 @@ class TieredCache(LocalCache):
             self._unreachable(e)
         return None
 
+    # -- who wrote a record ---------------------------------------------------------------------------------------
+    def _shared_record(self, fp: str, data: bytes, warn: bool) -> ActionResult | None:
+        """A record read from the shared tier, if this reader takes it: well-formed, of `fp` (its input record hashes
+        to it), and signed by a trusted key when keys are trusted. Else None (with `warn`: counted, one warning)."""
+        try:
+            res = ActionResult.from_json(data)
+        except (ValueError, KeyError, TypeError, RecursionError):
+            if warn:
+                self.stats.errors += 1
+                self.warn_once(f"record:{fp}", f"warning: cache: record {fp[:12]} in the shared cache "
+                               f"{self.shared_url()} is unreadable; ignored")
+            return None
+        if res.fingerprint != fp or res.derived_fingerprint() != fp:  # another action's record (copied here)
+            if warn:
+                self.warn_once(f"record:{fp}", f"warning: cache: record {fp[:12]} in the shared cache "
+                               f"{self.shared_url()} holds another action's input record; ignored")
+            return None
+        if self.trusted is not None:
+            signer, why = check_record(data, self.trusted)
+            if why is None:
+                return dataclasses.replace(res, writer=signer)
+            if warn:
+                self.stats.errors += 1
+                self.warn_once(f"record:{fp}", f"warning: cache: record {fp[:12]} ({res.identity[:120]}) in the "
+                               f"shared cache {self.shared_url()} is {why}; not served (--remote-cache-trusted-keys "
+                               f"{self.trusted.path}): running the action")
+            return None
+        if not self.trust_writers:
+            self.warn_once("unauthenticated", f"warning: shared cache {self.shared_url()}: serving records no "
+                           "trusted key signed (whoever can write the tier chooses these outputs); declare the "
+                           "writers' keys with --remote-cache-trusted-keys FILE, or the tier trusted with "
+                           "--remote-cache-trust-writers (docs/security.md)")
+        return dataclasses.replace(res, writer=UNVERIFIED)  # (what it names was not checked)
+
+    def _local_entry(self, fp: str) -> tuple[ActionResult | None, list[str]]:
+        """lookup_local, less a record copied down from a shared tier that these trusted keys did not sign (copied
+        by a build trusting no keys, or signed by a key no longer trusted): the shared tier is asked again."""
+        res, bad = self.lookup_local(fp)
+        if res is not None and res.writer and self.trusted is not None and not self.trusted.knows(res.writer):
+            return None, []
+        return res, bad
+
     # -- reads ----------------------------------------------------------------------------------------------------
     def lookup(self, fp: str) -> ActionResult | None:
-        res, bad = self.lookup_local(fp)
+        res, bad = self._local_entry(fp)
         if res is not None and not bad:
             self._hit(fp, "local")
             return res
@@ -85,7 +139,7 @@ class TieredCache(LocalCache):
     def peek(self, fp: str) -> bool:
         """A hit in the local tier, or a record in the shared tier that lookup() would take (readable, of `fp`)
         whose every blob is there."""
-        res, bad = self.lookup_local(fp)
+        res, bad = self._local_entry(fp)
         if res is not None and not bad:
             return True
         if self.shared is None:
@@ -94,12 +148,9 @@ class TieredCache(LocalCache):
             data = self._remote(self.shared.get_record, fp)
             if data is None:
                 return False
-            try:
-                res = ActionResult.from_json(data)
-            except (ValueError, KeyError, TypeError, RecursionError):
+            res = self._shared_record(fp, data, warn=False)  # (as lookup() would take it; lookup() warns)
+            if res is None:
                 return False
-            if res.fingerprint != fp or res.derived_fingerprint() != fp:
-                return False  # (lookup() takes no record filed under another action's name, nor one not re-deriving)
         shared = self.shared
         return all(self.blobs.check(o.digest, o.size) == "ok" or bool(self._remote(shared.has_blob, o.digest, o.size))
                    for o in res.outputs.values())
@@ -126,16 +177,8 @@ class TieredCache(LocalCache):
             data = self._remote(self.shared.get_record, fp)
             if data is None:
                 return None
-            try:
-                res = ActionResult.from_json(data)
-            except (ValueError, KeyError, TypeError):
-                self.stats.errors += 1
-                self.warn_once(f"record:{fp}", f"warning: cache: record {fp[:12]} in the shared cache is "
-                               "unreadable; ignored")
-                return None
-            if res.fingerprint != fp or res.derived_fingerprint() != fp:  # another action's record (copied here)
-                self.warn_once(f"record:{fp}", f"warning: cache: record {fp[:12]} in the shared cache holds another "
-                               "action's input record; ignored")
+            res = self._shared_record(fp, data, warn=True)
+            if res is None:
                 return None
         for name, out in res.outputs.items():
             if self.blobs.check(out.digest, out.size) == "ok":
@@ -209,6 +252,10 @@ class TieredCache(LocalCache):
         shared = self.shared
         if shared is None or self.readonly:
             return False
+        if self.signer is None and self.trusted is not None:
+            self.warn_once("unsigned-upload", f"note: not uploading to the shared cache {self.shared_url()}: this "
+                           "build trusts only signed records and has no --remote-cache-signing-key to sign its own")
+            return False
         for out in res.outputs.values():
             present = self._remote(shared.has_blob, out.digest, out.size)
             if present is None:
@@ -217,7 +264,8 @@ class TieredCache(LocalCache):
                 self._remote(shared.put_blob, out.digest, self.blobs.path(out.digest), write=True)
                 if self.shared is None or self.readonly:
                     return False
-        self._remote(shared.put_record, res.fingerprint, res.to_json(), write=True)
+        data = res.to_json() if self.signer is None else sign_record(res.to_json(), self.signer)
+        self._remote(shared.put_record, res.fingerprint, data, write=True)
         if self.shared is None or self.readonly:
             return False
         self.stats.uploaded.add(res.fingerprint)
@@ -260,8 +308,11 @@ def open_shared(url: str, s3_endpoint_url: str | None = None) -> SharedTier:
 
 
 def open_cache(cache_dir: Path, remote: str | None = None, readonly: bool = False,
-               s3_endpoint_url: str | None = None, report: Callable[[str], None] | None = None) -> LocalCache:
-    """The cache a build uses: local only, or local + shared tier."""
+               s3_endpoint_url: str | None = None, report: Callable[[str], None] | None = None, *,
+               signer: RecordSigner | None = None, trusted: RecordVerifier | None = None,
+               trust_writers: bool = False) -> LocalCache:
+    """The cache a build uses: local only, or local + shared tier (with who signs and whose records are taken)."""
     if not remote:
         return LocalCache(cache_dir, report)
-    return TieredCache(cache_dir, open_shared(remote, s3_endpoint_url), readonly, report)
+    return TieredCache(cache_dir, open_shared(remote, s3_endpoint_url), readonly, report, signer=signer,
+                       trusted=trusted, trust_writers=trust_writers)

@@ -1,5 +1,6 @@
 """`cache verify`: re-hash every blob of a tier and check every record (its fingerprint re-derived from the input
-record it holds, its outputs against the blobs); optionally remove what is bad."""
+record it holds, its outputs against the blobs, and, given trusted keys, its signature); optionally remove what is
+bad."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from pathlib import Path
 import blake3
 
 from neuronbuild.cache.action_cache import ActionResult
+from neuronbuild.cache.record_auth import RecordVerifier, check_record
 from neuronbuild.cache.tier import SharedTier
 
 _CHUNK = 4 << 20
@@ -84,8 +86,9 @@ def _remove(p: Path) -> None:
             os.unlink(p)
 
 
-def verify_tier(tier: SharedTier, repair: bool = False) -> VerifyReport:
-    """Re-hash every blob, check every record references intact blobs; with `repair`, remove bad blobs and records."""
+def verify_tier(tier: SharedTier, repair: bool = False, trusted: RecordVerifier | None = None) -> VerifyReport:
+    """Re-hash every blob, check every record references intact blobs (and, with `trusted` keys, is signed by one of
+    them: an `untrusted-record` otherwise); with `repair`, remove bad blobs and records."""
     problems: list[Problem] = []
     sizes: dict[str, int] = {}
     bad: set[str] = set()
@@ -119,6 +122,11 @@ def verify_tier(tier: SharedTier, repair: bool = False) -> VerifyReport:
         derived = res.derived_fingerprint()
         if derived != fp:  # an action of another fingerprint (or none): its outputs are not this action's
             problems.append(Problem("bad-record", fp, f"its input record hashes to {derived[:16]}, not to its name"))
+            bad_records.append(fp)
+            continue
+        why = check_record(data, trusted)[1] if trusted is not None else None
+        if why is not None:  # a build trusting these keys does not serve it
+            problems.append(Problem("untrusted-record", fp, f"{why} ({res.identity[:120]})"))
             bad_records.append(fp)
             continue
         for name, out in sorted(res.outputs.items()):

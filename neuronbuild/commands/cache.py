@@ -18,7 +18,8 @@ DEFAULT_MAX_AGE = "30d"
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     c = sub.add_parser("cache", help="verify, garbage-collect, inspect or pin the cache")
     cs = c.add_subparsers(dest="cache_command", required=True)
-    v = cs.add_parser("verify", help="re-hash every blob and check every entry")
+    v = cs.add_parser("verify", help="re-hash every blob and check every entry (shared-tier records against "
+                                     "--remote-cache-trusted-keys)")
     v.add_argument("--repair", action="store_true", help="remove corrupt blobs and broken entries")
     g = cs.add_parser("gc", help="evict least recently used entries not referenced by the workspace or pins")
     g.add_argument("--max-size", help=f"size cap, e.g. 20G (default policy, when neither limit is given: "
@@ -83,7 +84,7 @@ def _verify(ctx: Any, args: argparse.Namespace) -> int:
             print(f"local {cache.base}: empty (no cache directory)")
             continue
         try:
-            rep = verify_tier(tier, args.repair)
+            rep = verify_tier(tier, args.repair, ctx.cache.trusted if label == "shared" else None)
         except (TierUnavailable, TierReadOnly, OSError) as e:
             print(f"neuronbuild: error: {label} cache {tier.url} is unavailable: {e}", file=sys.stderr)
             return EXIT_BUILD_FAILED
@@ -91,7 +92,11 @@ def _verify(ctx: Any, args: argparse.Namespace) -> int:
             print(f"{label}: {p}")
         state = "ok" if rep.ok else (f"{len(rep.problems)} problems, removed" if args.repair
                                      else f"{len(rep.problems)} problems (run with --repair to remove them)")
-        print(f"{label} {rep.tier}: {rep.blobs} blobs, {rep.records} entries verified: {state}")
+        signed = ""
+        if label == "shared":
+            signed = (f"; records signed by a key in {ctx.cache.trusted.path}" if ctx.cache.trusted is not None
+                      else "; records not authenticated (no --remote-cache-trusted-keys)")
+        print(f"{label} {rep.tier}: {rep.blobs} blobs, {rep.records} entries verified: {state}{signed}")
         if not rep.ok and not args.repair:
             bad += 1
     return EXIT_BUILD_FAILED if bad else EXIT_OK
@@ -211,7 +216,7 @@ def _pin(ctx: Any, args: argparse.Namespace) -> int:
             return _err(f"{missing[0]} has no successful build in this workspace to pin (run `neuronbuild build "
                         f"{missing[0]}` first{'' if len(missing) == 1 else f'; {len(missing) - 1} more'})")
         if not wanted:
-            return _err("the patterns select no neuron_compile or neuron_bundle target")
+            return _err("the patterns select no target that compiles graphs or bundles them")
         for lbl in wanted:
             fps.update(built[lbl])
     path = write_pin(cache.root, args.name, fps)

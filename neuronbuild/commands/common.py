@@ -21,6 +21,18 @@ def add_cache_args(p: argparse.ArgumentParser) -> None:
                    help="read from the shared tier but never upload to it")
     p.add_argument("--s3-endpoint-url", default=None,
                    help="S3-compatible endpoint for s3:// tiers (default: $NEURONBUILD_S3_ENDPOINT_URL or AWS's)")
+    p.add_argument("--remote-cache-trusted-keys", metavar="FILE",
+                   default=os.environ.get("NEURONBUILD_REMOTE_CACHE_TRUSTED_KEYS") or None,
+                   help="serve only shared-tier records signed by one of these Ed25519 public keys (ssh-ed25519 "
+                        "lines or PEM; default: $NEURONBUILD_REMOTE_CACHE_TRUSTED_KEYS); others are rebuilt")
+    p.add_argument("--remote-cache-trust-writers", action="store_true",
+                   default=os.environ.get("NEURONBUILD_REMOTE_CACHE_TRUST_WRITERS", "") not in ("", "0"),
+                   help="declare whoever can write the shared tier trusted: serve its records unsigned, without "
+                        "the warning (Bazel's model; default: $NEURONBUILD_REMOTE_CACHE_TRUST_WRITERS)")
+    p.add_argument("--remote-cache-signing-key", metavar="FILE",
+                   default=os.environ.get("NEURONBUILD_REMOTE_CACHE_SIGNING_KEY") or None,
+                   help="sign the records this build uploads with this Ed25519 private key (default: "
+                        "$NEURONBUILD_REMOTE_CACHE_SIGNING_KEY); keep it where actions cannot read it")
 
 
 def add_context_args(p: argparse.ArgumentParser, *, what_if: bool = False) -> None:
@@ -53,6 +65,9 @@ def context_from_args(args: argparse.Namespace, verbosity: int | None = None,
         remote_cache=getattr(args, "remote_cache", None),
         remote_cache_readonly=bool(getattr(args, "remote_cache_readonly", False)),
         s3_endpoint_url=getattr(args, "s3_endpoint_url", None),
+        remote_cache_trusted_keys=getattr(args, "remote_cache_trusted_keys", None),
+        remote_cache_trust_writers=bool(getattr(args, "remote_cache_trust_writers", False)),
+        remote_cache_signing_key=getattr(args, "remote_cache_signing_key", None),
         action_env=getattr(args, "action_env", None),
         neuronx_cc=getattr(args, "neuronx_cc", None),
         neuronx_cc_timeout=getattr(args, "neuronx_cc_timeout", None),

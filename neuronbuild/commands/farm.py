@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any
 
 from neuronbuild.errors import EXIT_BUILD_FAILED, EXIT_OK
 
@@ -37,16 +38,23 @@ def run(args: argparse.Namespace) -> int:
         processing = client.processing()
     print(f"scheduler {args.scheduler}: {len(workers)} worker(s), "
           f"{sum(int(w.get('nthreads', 0)) for w in workers.values())} thread(s)")
-    header = ("worker", "host", "pid", "threads", "running", "memory", "python", "torch", "cxx", "isa", "neuronx-cc")
+    # The toolchains' columns (Toolchain.host_status) as the workers report them, in the order first seen.
+    columns: dict[str, None] = {}
+    for tc in toolchains.values():
+        if isinstance(tc, dict) and isinstance(tc.get("status"), dict):
+            columns.update(dict.fromkeys(tc["status"]))
+    header = ("worker", "host", "pid", "threads", "running", "memory", "python", "torch", *columns)
     rows = [header]
     for addr, w in sorted(workers.items()):
         tc = toolchains.get(addr)
         tc = tc if isinstance(tc, dict) else {"host": f"error: {tc}"}
+        got = tc.get("status")
+        status: dict[str, Any] = got if isinstance(got, dict) else {}
         mem = float((w.get("metrics") or {}).get("memory") or 0) / (1 << 20)
         rows.append((addr, str(tc.get("host", "?")), str(tc.get("pid", "?")), str(w.get("nthreads", "?")),
                      str(len(processing.get(addr, ()))), f"{mem:.0f} MiB", str(tc.get("python", "?")),
-                     str(tc.get("torch", "?")), str(tc.get("cxx", "?")), str(tc.get("isa", "?")),
-                     str(tc.get("neuronx-cc") or "-")))
+                     str(tc.get("torch", "?")),
+                     *(str(status[c]) if status.get(c) is not None else "-" if c in status else "?" for c in columns)))
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     for r in rows:
         print("  ".join(c.ljust(wd) for c, wd in zip(r, widths, strict=True)).rstrip())

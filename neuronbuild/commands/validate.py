@@ -13,7 +13,7 @@ from neuronbuild.errors import EXIT_BUILD_FAILED, EXIT_OK
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     v = sub.add_parser("validate", help="compare built artifacts with the eager model (max abs/rel error per bucket)")
-    v.add_argument("patterns", nargs="*", help="target patterns (default //...); neuron_bundle targets check their srcs")
+    v.add_argument("patterns", nargs="*", help="target patterns (default //...); a bundle checks its srcs")
     v.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default 0)")
     v.add_argument("--generate", type=int, default=0, metavar="N",
                    help="hf_causal_lm targets: also generate N greedy tokens from the compiled graphs (batch 1 and a "
@@ -34,7 +34,7 @@ def run(args: argparse.Namespace) -> int:
     ag = ctx.plan(graph)
     cache = ctx.open_cache()
     if not ag.compiles:
-        print("neuronbuild: nothing to validate: the patterns match no neuron_compile target", file=sys.stderr)
+        print("neuronbuild: nothing to validate: the patterns match no target that compiles graphs", file=sys.stderr)
         return EXIT_OK
 
     graphs = sum(len(ct.buckets) for ct in ag.compiles)

@@ -15,10 +15,11 @@ signals to processes outside the action's domain and abstract Unix sockets made 
 refuses new Unix/IPv4/IPv6 sockets and io_uring (so no connect() to the build server's socket, a path).
 
 Reads are allowed under the sandbox, the action's TMPDIR and HOME, the Python installation (prefixes, sys.path,
-site-packages), neuronbuild itself, plug-in paths, PATH dirs and a configured neuronx-cc's install, /usr, /lib*, /dev,
+site-packages), neuronbuild itself, plug-in paths, PATH dirs and what the step's toolchain declares (step_dirs: e.g. a
+configured neuronx-cc's install, inductor's precompiled headers), /usr, /lib*, /dev,
 /proc and /sys (and, for the kernel rules only, /bin and /etc but its secrets (ETC_SECRETS: shadow, sudoers, host and
 TLS keys, ...), which libc and compilers read); writes only under the
-sandbox, TMPDIR, HOME, inductor's working dir, the action's log and /dev.
+sandbox, TMPDIR, HOME, the toolchain's declared scratch dirs (inductor's working dir), the action's log and /dev.
 """
 
 from __future__ import annotations
@@ -112,7 +113,8 @@ def installation_roots() -> tuple[str, ...]:
 
 
 def toolchain_roots(env: Mapping[str, str], spec: Mapping[str, Any]) -> tuple[str, ...]:
-    """Tools an action may run: PATH dirs and a configured neuronx-cc's installation (the dir above its bin/)."""
+    """Tools an action may run: PATH dirs (and their installations). What else a toolchain's step reads (e.g. a
+    configured compiler's installation) comes from its `step_dirs`."""
     roots = [d for d in env.get("PATH", "").split(os.pathsep) if d and os.path.isabs(d) and os.path.isdir(d)]
     # A tool in <prefix>/bin (or a pyenv shim) reads its installation: the prefix, unless that is / or a home dir.
     homes = {"/", _real(os.path.expanduser("~"))}
@@ -124,10 +126,6 @@ def toolchain_roots(env: Mapping[str, str], spec: Mapping[str, Any]) -> tuple[st
         parent = os.path.dirname(_real(d))
         if os.path.basename(_real(d)) in ("bin", "sbin", "shims") and parent not in homes:
             roots.append(parent)
-    cc = spec.get("neuronx_cc")
-    if isinstance(cc, Mapping) and isinstance(cc.get("path"), str) and os.path.isabs(cc["path"]):
-        exe = Path(_real(cc["path"]))
-        roots.append(str(exe.parent.parent if exe.parent.name == "bin" else exe.parent))
     return _dedup(_real(r) for r in roots)
 
 
@@ -140,6 +138,20 @@ def policy_for(inputs: str, outputs: str, env: Mapping[str, str], spec: Mapping[
     writable = sandbox + [_real(env[k]) for k in ("TMPDIR", "HOME") if env.get(k)] + [_real(p) for p in extra_write]
     readable = [*installation, *toolchain_roots(env, spec), *(_real(p) for p in extra_read)]
     return Policy(read=_dedup(readable), write=_dedup(writable))
+
+
+def readable_by_actions(path: str | os.PathLike[str], env: Mapping[str, str], extra: Iterable[str] = ()) -> str | None:
+    """The root under which an action could read `path` (the installation, PATH tools, system dirs, /etc but its
+    secrets, the action environment's TMPDIR and HOME, `extra`), or None: for files actions must never read (a key
+    records or releases are signed with), checked in the build process before any action runs."""
+    p = _real(path)
+    cwd = _real(os.getcwd())  # (on this process's sys.path under `python -m`; workers start with -P: not theirs)
+    roots = [*(r for r in installation_roots() if r != cwd), *toolchain_roots(env, {}), *SYSTEM_READ,
+             *(_real(env[k]) for k in ("TMPDIR", "HOME") if env.get(k)), *(_real(x) for x in extra)]
+    for r in roots:
+        if _under(p, (r,)):
+            return r
+    return "/etc" if _under(p, etc_read()) else None
 
 
 # ----------------------------------------------------------------------------------------------------- audit hook

@@ -728,16 +728,17 @@ def _on_worker(res: Mapping[str, Any], sent: float, received: float) -> tuple[fl
 
 
 def worker_toolchain() -> dict[str, Any]:
-    """Runs on a Dask worker (Client.run): what this host would build with, as fingerprints record it."""
-    from neuronbuild.analysis.plan_settings import find_neuronx_cc, neuronx_cc_version
+    """Runs on a Dask worker (Client.run): what this host would build with, as fingerprints record it: the trace's
+    versions, then what each registered toolchain reports (Toolchain.host_status), under "status" in registry order
+    (a key two toolchains report is shown once)."""
+    from neuronbuild import plugins
     from neuronbuild.analysis.toolchain_versions import trace_toolchain
-    from neuronbuild.platforms import cxx_version, host_isa
 
-    out: dict[str, Any] = {"host": socket.gethostname(), "pid": os.getpid(), **trace_toolchain(),
-                           "cxx": cxx_version(), "isa": host_isa()}
-    try:
-        cc = find_neuronx_cc(None)
-        out["neuronx-cc"] = neuronx_cc_version(cc) if cc else None
-    except Exception as e:  # noqa: BLE001 - a broken compiler is reported, not raised
-        out["neuronx-cc"] = f"broken ({e})"
-    return out
+    status: dict[str, str | None] = {}
+    for tc in plugins.toolchains().values():
+        try:
+            for k, v in tc.host_status().items():
+                status.setdefault(k, v)
+        except Exception as e:  # noqa: BLE001 - a broken toolchain is reported, not raised
+            status.setdefault(tc.name, f"broken ({e})")
+    return {"host": socket.gethostname(), "pid": os.getpid(), **trace_toolchain(), "status": status}

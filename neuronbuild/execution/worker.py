@@ -16,6 +16,7 @@ from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any
 
+from neuronbuild.analysis.toolchain_api import StepDirs
 from neuronbuild.atomic import atomic_write_bytes, umask_mode
 from neuronbuild.execution import channel
 from neuronbuild.execution.confine import (
@@ -204,8 +205,8 @@ def run_isolated(msg: Mapping[str, Any], installation: tuple[str, ...]) -> dict[
     death (a crash, os._exit, the OOM killer) fails the action as a worker death (retried with --retries)."""
     env = dict(os.environ)
     spec = msg["spec"]
-    policy = policy_for(msg["inputs"], msg["outputs"], env, spec, installation,
-                        [msg["log"], *extra_write_roots()], extra_read_roots())
+    dirs = step_dirs(spec)
+    policy = policy_for(msg["inputs"], msg["outputs"], env, spec, installation, [msg["log"], *dirs.write], dirs.read)
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:  # the action's process
@@ -304,26 +305,19 @@ def close_inherited_fds(keep: tuple[int, ...] = ()) -> None:
                 os.close(fd)
 
 
-def extra_write_roots() -> list[str]:
-    """Scratch dirs toolchains write outside TMPDIR: inductor's per-user working dir (under TMPDIR in workers)."""
+def step_dirs(spec: Mapping[str, Any]) -> StepDirs:
+    """What the step `spec` may use besides its sandbox, as its toolchain declares (Toolchain.step_dirs): e.g. the
+    cpu toolchain's inductor working dir (writable) and precompiled headers (read-only: written by warm-ups, in this
+    process). A trace (no toolchain) gets nothing more."""
+    name = spec.get("toolchain")
+    if not isinstance(name, str):
+        return StepDirs()
     try:
-        from neuronbuild.toolchains.compile import toolchain_scratch
-    except Exception:  # noqa: BLE001 - a broken toolchain import is reported by the action itself
-        return []
-    scratch = toolchain_scratch()
-    scratch.mkdir(parents=True, exist_ok=True)
-    return [str(scratch)]
+        from neuronbuild import plugins
 
-
-def extra_read_roots() -> list[str]:
-    """What actions read but must not write: inductor's precompiled headers (written by warm-ups, in this process)."""
-    try:
-        from neuronbuild.toolchains.compile import header_dir
+        return plugins.toolchain(name).step_dirs(spec)
     except Exception:  # noqa: BLE001 - a broken toolchain import is reported by the action itself
-        return []
-    headers = header_dir()
-    headers.mkdir(parents=True, exist_ok=True)
-    return [str(headers)]
+        return StepDirs()
 
 
 _PR_SET_CHILD_SUBREAPER = 36
@@ -401,9 +395,10 @@ def warm_imports() -> None:
 
     What every action needs (export, and saving or loading a program: ~0.1 s of CPU less in each forked action
     than importing them there), in the order an action would import them, and no more: the worker's start is on
-    every build's critical path (no action runs before it). What one toolchain's steps need comes with that
-    toolchain's warm-up, which runs in this process before the worker's first such step (run_warm_up, warm_before):
-    the cpu toolchain's imports inductor's compile_fx (~0.7 s that a Neuron-only build never needs)."""
+    every build's critical path (no action runs before it). What one toolchain's steps import comes with its
+    `prepare_worker` (prepare_process) and its warm-up, which runs in this process before the worker's first such step
+    (run_warm_up, warm_before): the cpu toolchain's imports inductor's compile_fx (~0.7 s that a Neuron-only build
+    never needs)."""
     import torch._dynamo  # noqa: F401
     import torch.export  # noqa: F401
     import torch.export._trace  # noqa: F401  (what torch.export.export imports first)
@@ -420,11 +415,12 @@ def prepare_process() -> tuple[str, ...]:
             Path(os.environ[var]).mkdir(parents=True, exist_ok=True)
     no_monitor_thread()
     with contextlib.suppress(Exception):  # a broken toolchain import is reported by the first action instead
-        import neuronbuild.toolchains.compile  # noqa: F401
         import neuronbuild.toolchains.trace  # noqa: F401
         from neuronbuild import plugins
 
-        plugins.toolchains()
+        for tc in plugins.toolchains().values():  # what each toolchain's steps import (Toolchain.prepare_worker)
+            with contextlib.suppress(Exception):
+                tc.prepare_worker()
         warm_imports()
     return installation_roots()
 

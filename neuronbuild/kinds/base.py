@@ -18,6 +18,9 @@ class RuleKind:
     analyze: Callable[[Any, Any], Any] = field(compare=False)
     plans_actions: bool = False
     stands_for: tuple[str, ...] = ()  # kinds whose place its targets may take in label attributes (same provider)
+    # Its analysis reads the machine (e.g. a target record resolving isa = "native"): never memoised, its provider is
+    # computed afresh by every plan and compared with what memoised dependants saw (analysis/planner.py).
+    volatile: bool = False
 
     @property
     def name(self) -> str:

@@ -105,7 +105,8 @@ SCHEMA = RuleSchema(
     (
         NAME,
         Attr("srcs", LABEL_LIST, "Python sources of the model (files in this package); may be empty when every "
-             "entry is a wrapper neuronbuild ships (neuronbuild.toolchains.*).", default=(), kinds=("file",)),
+             "entry is a wrapper neuronbuild ships (neuronbuild.toolchains.*).", default=(), kinds=("file",),
+             own_package=True),
         Attr("entry", STRING, "'module:function' building the nn.Module from the config dict.", required=True),
         Attr("config", DICT, "Config dict passed to the factory.", default={}),
         Attr("inputs", INPUTS, "Positional inputs in order: name -> 'dtype[dim, ...]'; a dim is a bucket dimension, a "

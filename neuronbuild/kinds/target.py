@@ -75,6 +75,8 @@ class TargetKind:
 
     analyze: Any = field(default=analyze, compare=False)
     plans_actions: bool = False
+    stands_for: tuple[str, ...] = ()
+    volatile: bool = True  # a toolchain's target record may read the machine (cpu resolves isa = "native")
     name: str = KIND_NAME
 
     @property

@@ -155,17 +155,19 @@ def _parse_bzl(display: str, path: Path, package: str) -> _SourceFile:
 
 
 def validate_rule(kind: str, kwargs: dict[str, Any], package: str) -> dict[str, Any]:
-    """validate_call plus what the loader adds: the name is a valid label name, a model's srcs are in its package."""
+    """validate_call plus what the loader adds: the name is a valid label name, labels of `own_package` attributes (a
+    model's srcs) are in the target's package."""
     attrs = validate_call(kind, kwargs, package)
     try:
         check_target_name(attrs["name"])
     except LabelError as e:
         raise AttrError(str(e)) from None
-    if kind == "neuron_model":
-        for src in attrs["srcs"]:
-            if src.package != package:
-                raise AttrError(f"attribute 'srcs': '{src}' is in package //{src.package}, not in this package "
-                                f"(//{package}); a model's sources must live in its own package")
+    for name in RULES[kind].own_package_attrs:
+        value = attrs.get(name)
+        for lbl in value if isinstance(value, list | tuple) else [value] if value is not None else []:
+            if getattr(lbl, "package", package) != package:
+                raise AttrError(f"attribute '{name}': '{lbl}' is in package //{lbl.package}, not in this package "
+                                f"(//{package}); a {kind}'s {name} must live in its own package")
     return attrs
 
 

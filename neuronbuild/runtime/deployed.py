@@ -1,6 +1,7 @@
 """open_cache(): a deployed directory opened for serving, strict (cache-hit-only, checked at open) or lenient.
 
-Never compiles: cpu graphs load through the direct AOTInductor loader. A Neuron graph runs only on a Neuron device
+Never compiles: each graph loads through the runtime loader its toolchain registered for its artifact format
+(runtime/loaders.py; cpu graphs through the direct AOTInductor loader). A Neuron graph runs only on a Neuron device
 (its NEFF through the Neuron runtime), never silently on the CPU; `emulate="xla-cpu"` runs its exact HLO module on
 XLA:CPU instead, for development and CI, counted as `emulated`, never as a hit. Counters follow the Neuron precompile
 cache (hit, miss, error, save); save stays 0 here because production never compiles and therefore never saves."""
@@ -9,18 +10,16 @@ from __future__ import annotations
 
 import logging
 import os
-import tempfile
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from neuronbuild.runtime.host import Host, check_graph, current_host
+from neuronbuild import plugins
+from neuronbuild.runtime.host import Host, check_graph, current_host, no_loader
 from neuronbuild.runtime.inputs import prepare
 from neuronbuild.runtime.layout import (
-    AOTI_FORMAT,
-    NEURON_HLO_FORMAT,
     FileRef,
     Graph,
     LayoutError,
@@ -30,10 +29,11 @@ from neuronbuild.runtime.layout import (
     read_manifest,
     read_releases,
 )
+from neuronbuild.runtime.loaders import LoadRequest
 from neuronbuild.runtime.router import BucketRouter, NoBucketFits, Route
 from neuronbuild.runtime.signing import SIGNATURE as SIGNATURE_FILE
 from neuronbuild.runtime.signing import TRUSTED_KEYS_ENV, SignatureError, TrustedKey, load_trusted_keys, verify_manifest
-from neuronbuild.runtime.verified import Scratch, load_weights_verified, verified_path
+from neuronbuild.runtime.verified import Scratch, load_weights_verified
 
 STRICT_ENV = "NEURONBUILD_STRICT"
 REQUIRE_ENV = "NEURONBUILD_REQUIRE"
@@ -307,9 +307,7 @@ class DeployedCache:
                     for name, why in _artifact_diff(eg, hit[0]):
                         slot.problem = f"{name} differs from the expected manifest ({why})"
                         problems.append(Problem(eg.describe(), slot.problem))
-                for m in check_graph(hit[0], self.host):
-                    if self.emulate and hit[0].format == NEURON_HLO_FORMAT and m.field == "target.platform":
-                        continue  # emulated on XLA:CPU: no device needed
+                for m in check_graph(hit[0], self.host, self.emulate):
                     slot.problem = f"{m.field} differs (built for {m.built}, this host has {m.here})"
                     problems.append(Problem(eg.describe(), slot.problem))
                 for ref in [*hit[0].artifacts.values(), *([hit[0].weights] if hit[0].weights else [])]:
@@ -328,6 +326,9 @@ class DeployedCache:
             self._weights[key] = load_weights_verified(path, ref)  # every byte checked before use, read once
         return self._weights[key]
 
+    def _weights_ref(self, rdir: Path) -> Callable[[FileRef], Any]:
+        return lambda ref: self._weights_for(rdir / ref.path, ref)
+
     def _load(self, slot: _Slot) -> Callable[..., Any] | None:
         if slot.fn is not None:
             return slot.fn
@@ -337,36 +338,15 @@ class DeployedCache:
                 self._counts["miss"] += 1
                 log.warning("neuronbuild.runtime: miss: %s: %s", slot.graph.describe(), slot.problem or "missing")
             return None
-        g, rdir = slot.graph, slot.release.dir
+        g = slot.graph
         emulated = False
-        try:
-            if g.format == AOTI_FORMAT:
-                from neuronbuild.runtime.aoti_loader import load_package
-
-                weights = self._weights_for(rdir / g.weights.path, g.weights) if g.weights else None
-                ref = g.artifacts["model.pt2"]
-                # The C++ loader needs a path: it gets a private copy of the checked bytes, so the shared library it
-                # loads is the one checked (a file swapped after the check never reaches it).
-                with verified_path(rdir / ref.path, ref, Path(tempfile.gettempdir()), self._scratch) as checked:
-                    slot.fn = load_package(checked, constants=weights or {})
-            elif g.format == NEURON_HLO_FORMAT and self.emulate == "xla-cpu":
-                from neuronbuild.runtime.xla_cpu import load_graph
-
-                shards = g.rank_weights  # tensor-parallel: one shard per rank, each rank's device fed its own
-                if g.weights is None and not shards:
-                    raise RuntimeError("the manifest names no weights file for this Neuron graph")
-                hlo, params = g.artifacts["model.hlo.pb"], g.artifacts["params.json"]
-                tmp = Path(tempfile.gettempdir())
-                weights = ([self._weights_for(rdir / r.path, r) for r in shards] if shards
-                           else self._weights_for(rdir / g.weights.path, g.weights))  # type: ignore[union-attr,arg-type]
-                with verified_path(rdir / hlo.path, hlo, tmp) as hlo_path, \
-                        verified_path(rdir / params.path, params, tmp) as params_path:
-                    slot.fn = load_graph(hlo_path, params_path, weights)
-                emulated = True
-            elif g.format == NEURON_HLO_FORMAT:
-                slot.fn = _load_neff(g)
-            else:
-                raise RuntimeError(f"artifact format {g.format!r} is not one this runtime loads")
+        try:  # through the runtime loader its toolchain registered for the format (runtime/loaders.py)
+            loader = plugins.loader_for(g.format)
+            if loader is None:
+                raise RuntimeError(no_loader(g.format))
+            loaded = loader.load(LoadRequest(g, slot.release.dir, self.emulate, self._weights_ref(slot.release.dir),
+                                             self._scratch))
+            slot.fn, emulated = loaded.fn, loaded.emulated
         except Exception as e:  # noqa: BLE001 - any load failure is this graph's error
             self._counts["error"] += 1
             slot.problem = f"failed to load: {type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
@@ -397,18 +377,9 @@ class _EagerModel:
         return self._cache._eager_call(self.label, "not deployed", self._fn, args, named)
 
 
-class NeuronRuntimeUnavailable(RuntimeError):
-    """A Neuron graph asked to run for real where that cannot happen."""
-
-
-def _load_neff(g: Graph) -> Callable[..., Any]:
-    """A Neuron graph on a Neuron host: its NEFF through the Neuron runtime. Not available in this runtime: the Neuron
-    runtime (libnrt) cannot be installed or tested here, so this fails with the reason instead of running anything."""
-    if "model.neff" not in g.artifacts:
-        raise NeuronRuntimeUnavailable("the bundle has no model.neff for this graph (built without neuronx-cc); "
-                                       "open with emulate='xla-cpu' to run its HLO on XLA:CPU")
-    raise NeuronRuntimeUnavailable("running a NEFF needs the Neuron runtime (libnrt), which this runtime does not "
-                                   "load; open with emulate='xla-cpu' to run the graph's HLO on XLA:CPU")
+def _scratch_bytes(g: Graph) -> int:
+    loader = plugins.loader_for(g.format)
+    return loader.scratch_bytes(g) if loader is not None else 0
 
 
 def _expected(expect: str | Path | Manifest | Mapping[str, Any] | None) -> Manifest | None:
@@ -494,9 +465,8 @@ def open_cache(root: str | Path, strict: bool | None = None, require: Iterable[s
         log.warning("neuronbuild.runtime: %s", p)
     if strict:
         to_load = [s for label in required for s in cache._slots.get(label, {}).values()]
-        cache._scratch = Scratch.create(max((s.graph.artifacts["model.pt2"].size for s in to_load
-                                             if s.graph.format == AOTI_FORMAT and "model.pt2" in s.graph.artifacts
-                                             and s.problem is None), default=0))
+        cache._scratch = Scratch.create(max((_scratch_bytes(s.graph) for s in to_load if s.problem is None),
+                                            default=0))
         try:
             for slot in to_load:
                 cache._load(slot)

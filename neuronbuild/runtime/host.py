@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import os
-import platform
 from collections.abc import Iterable
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
+from neuronbuild import plugins
 from neuronbuild.platforms import host_isa  # stdlib-only module (no build-side dependencies)
-from neuronbuild.runtime.layout import AOTI_FORMAT, Graph
+from neuronbuild.runtime.layout import Graph
 
 NEURON_PLATFORM_ENV = "NEURON_PLATFORM_TARGET_OVERRIDE"
 ISA_LEVELS = ("x86-64", "x86-64-v2", "x86-64-v3", "x86-64-v4")
@@ -73,23 +73,28 @@ def _public(version: str) -> str:
     return version.split("+", 1)[0]
 
 
-def check_graph(g: Graph, host: Host) -> list[Mismatch]:
-    """Every reason `g` cannot run on `host` (empty when it can)."""
+def check_graph(g: Graph, host: Host, emulate: str | None = None) -> list[Mismatch]:
+    """Every reason `g` cannot run on `host` (empty when it can): the torch version, then what the runtime loader
+    of its artifact format checks (e.g. the ISA level of a cpu package, the Neuron platform of a Neuron graph)."""
     out: list[Mismatch] = []
     built_torch = str(g.toolchain.get("torch", ""))
     if _public(built_torch) != _public(host.torch):
         out.append(Mismatch(g.describe(), "toolchain.torch", built_torch, host.torch))
-    if g.format == AOTI_FORMAT:  # a cpu package: the host's ISA level must cover the one it was built for
-        isa = str(g.isa or "")
-        if platform.machine() not in ("x86_64", "AMD64") or host.isa not in ISA_LEVELS:
-            out.append(Mismatch(g.describe(), "target.isa", isa, host.isa))
-        elif isa not in ISA_LEVELS or ISA_LEVELS.index(isa) > ISA_LEVELS.index(host.isa):
-            out.append(Mismatch(g.describe(), "target.isa", isa, host.isa))
-    elif g.platform != host.neuron_platform:
-        out.append(Mismatch(g.describe(), "target.platform", g.platform,
-                            host.neuron_platform or "no Neuron device; open_cache(..., emulate='xla-cpu') runs its HLO on "
-                            "XLA:CPU instead, counted as emulated"))
+    loader = plugins.loader_for(g.format)
+    if loader is None:
+        out.append(Mismatch(g.describe(), "format", g.format, no_loader(g.format)))
+    else:
+        out.extend(loader.host_mismatches(g, host, emulate))
     return out
+
+
+def no_loader(fmt: str) -> str:
+    """Why a graph of format `fmt` cannot be loaded here: no registered runtime loader (and which plug-in modules
+    could not be imported)."""
+    skipped = plugins.loader_problems()
+    return (f"no runtime loader for artifact format {fmt!r} (its toolchain's `runtime_loader` module must be "
+            f"importable here: a built-in, or named in ${plugins.PLUGINS_ENV})"
+            + (f"; could not import {', '.join(skipped)}" if skipped else ""))
 
 
 def unrunnable(graphs: Iterable[Graph], host: Host) -> tuple[int, list[str]]:

@@ -52,10 +52,6 @@ class FileRef:
     blake3: str | None = field(default=None, compare=False)  # the file list holds sha256 and size only
 
 
-AOTI_FORMAT = "aoti"  # AOTInductor packages (the cpu toolchain's artifact format)
-NEURON_HLO_FORMAT = "neuron-hlo"  # the Neuron toolchain's: model.hlo.pb + params.json + weights (+ model.neff)
-
-
 @dataclass(frozen=True)
 class Graph:
     """One compiled graph (a compile target at one bucket) as the manifest describes it."""
@@ -76,7 +72,7 @@ class Graph:
     artifacts: Mapping[str, FileRef] = field(default_factory=dict, hash=False, compare=False)
     weights: FileRef | None = None
     tolerance: float = 1e-4
-    format: str = ""  # the artifacts' format, named by the toolchain that built them ("aoti", "neuron-hlo", ...)
+    format: str = ""  # the artifacts' format, named by the toolchain that built them (the key of its runtime loader)
     graph: str = ""  # the graph family (e.g. "context", "token"); "" for a one-graph model
     aliases: Mapping[str, str] = field(default_factory=dict, hash=False, compare=False)  # output -> input it updates
     # tensor parallelism: {"degree", "ranks": [the artifact each rank loads, by rank], "rank_dims", ...}; {} for one
@@ -205,7 +201,7 @@ def parse_manifest(data: bytes | Mapping[str, Any], source: str = MANIFEST) -> M
                 inputs=dict(g["inputs"]), outputs=tuple(dict(o) for o in g.get("outputs") or ()),
                 output_tree=str(g.get("output_tree") or "tuple"), artifacts={k: _ref(v) for k, v in g["artifacts"].items()},
                 weights=_ref(g["weights"]) if g.get("weights") else None, tolerance=float(g["tolerance"]),
-                format=str(g.get("format") or ("aoti" if "model.pt2" in g["artifacts"] else "neuron-lowered")),
+                format=_text(g["format"], "format"),
                 graph=_text(g.get("graph") or "", "graph"), aliases=_aliases(g.get("aliases")),
                 tp=dict(g.get("tp") or {}),
             )

@@ -73,6 +73,48 @@ def _raw_public(key: Any) -> bytes:
     return bytes(key.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw))
 
 
+class SigningKey:
+    """A private Ed25519 key loaded once into this process (the file is not read again): what shared-cache records
+    are signed with. Only the key id ever leaves it; never the key or its path."""
+
+    def __init__(self, key_file: Path) -> None:
+        self._key = _load_private(Path(key_file))
+        self.key_id = key_id(_raw_public(self._key.public_key()))
+
+    def sign(self, message: bytes) -> bytes:
+        """The raw 64-byte Ed25519 signature of `message` (the caller adds its own domain-separation prefix)."""
+        return bytes(self._key.sign(message))
+
+    def __repr__(self) -> str:
+        return f"SigningKey({self.key_id})"
+
+
+class TrustedKeys:
+    """Public keys whose signatures are accepted (a trusted-keys file, as for releases)."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = str(path)
+        self.keys = load_trusted_keys(path)
+
+    def verify(self, message: bytes, signature: bytes) -> str | None:
+        """The id of the trusted key that signed `message`, or None."""
+        from cryptography.exceptions import InvalidSignature
+        from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+
+        if len(signature) != 64:
+            return None
+        for k in self.keys:
+            try:
+                Ed25519PublicKey.from_public_bytes(k.raw).verify(signature, message)
+            except InvalidSignature:
+                continue
+            return k.key_id
+        return None
+
+    def knows(self, kid: str) -> bool:
+        return any(k.key_id == kid for k in self.keys)
+
+
 def sign_manifest(manifest_bytes: bytes, key_file: Path) -> bytes:
     """The signature file for these manifest bytes (deterministic: the same key and manifest give the same bytes)."""
     key = _load_private(Path(key_file))

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from neuronbuild.analysis.toolchain_api import StepDirs
 from neuronbuild.platforms import THREADS_VAR, host_cores
 from neuronbuild.runtime.verified import tied_names
 from neuronbuild.toolchains.errors import ToolchainError
@@ -192,6 +193,15 @@ def header_dir() -> Path:
     can change a header that a later compile of any workspace includes."""
     scratch = toolchain_scratch()
     return scratch.parent / "toolchain-headers" if scratch.name == "toolchain-tmp" else scratch / "neuronbuild-headers"
+
+
+def inductor_dirs() -> StepDirs:
+    """What a step compiling with inductor uses besides its sandbox (Toolchain.step_dirs): the scratch dir (writable)
+    and the precompiled headers (read-only), both created here."""
+    scratch, headers = toolchain_scratch(), header_dir()
+    scratch.mkdir(parents=True, exist_ok=True)
+    headers.mkdir(parents=True, exist_ok=True)
+    return StepDirs(write=(str(scratch),), read=(str(headers),))
 
 
 def _use_header_dir() -> None:

@@ -9,9 +9,10 @@ from typing import Any
 from neuronbuild import plugins
 from neuronbuild.analysis.actions import COMPILE, TRACE_OUTPUT, TRACE_WEIGHTS, Action, DepInput, make_action
 from neuronbuild.analysis.plan_settings import PlanSettings
-from neuronbuild.analysis.toolchain_api import WARM_UP, CompileRequest, OptionKey
+from neuronbuild.analysis.toolchain_api import WARM_UP, CompileRequest, OptionKey, StepDirs
 from neuronbuild.loading.schema import STRING, Attr
 from neuronbuild.platforms import cxx_version, resolve_isa
+from neuronbuild.toolchains import cpu_runtime
 from neuronbuild.vocabulary import AUTO_CAST, CPU_ISAS, CPU_PLATFORM
 
 OUTPUTS = ("model.pt2", "constants.safetensors")  # the package (no weights inside) and its weights by FQN
@@ -20,7 +21,8 @@ OUTPUTS = ("model.pt2", "constants.safetensors")  # the package (no weights insi
 class CpuToolchain:
     name = "aoti"
     platforms: tuple[str, ...] = (CPU_PLATFORM,)
-    artifact_format = "aoti"
+    artifact_format = cpu_runtime.FORMAT
+    runtime_loader = "neuronbuild.toolchains.cpu_runtime"
     estimate_s = 15.0
     estimate_mb = 1200.0
     validate_note = ""
@@ -64,6 +66,17 @@ class CpuToolchain:
         """Compiles for one ISA share inductor's precompiled headers (named on disk by the full compile command: ISA,
         flags, torch headers, g++ version); warming them is worth it only for compiles."""
         return {"isa": str(spec["isa"])} if spec.get("step") == COMPILE and spec.get("isa") else None
+
+    def prepare_worker(self) -> None:
+        import neuronbuild.toolchains.compile  # noqa: F401  (torch, inductor's codecache: every compile's imports)
+
+    def step_dirs(self, spec: Mapping[str, Any]) -> StepDirs:
+        from neuronbuild.toolchains.compile import inductor_dirs
+
+        return inductor_dirs()
+
+    def host_status(self) -> dict[str, str | None]:
+        return {"cxx": cxx_version(), "isa": resolve_isa("native")}
 
     def load_artifact(self, files: Mapping[str, Path]) -> Callable[..., Any]:
         from neuronbuild.runtime.aoti_loader import load_package, read_constants

@@ -4,6 +4,7 @@ when a compiler is configured). Planning here; the worker steps in neuron_steps.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -11,11 +12,11 @@ from typing import Any
 from neuronbuild import FORMAT_VERSION, plugins
 from neuronbuild.analysis.actions import COMPILE, TRACE_OUTPUT, Action, DepInput, make_action, trace_weights
 from neuronbuild.analysis.plan_settings import NEURONX_CC, PlanSettings
-from neuronbuild.analysis.toolchain_api import WARM_UP, CompileRequest, OptionKey
+from neuronbuild.analysis.toolchain_api import WARM_UP, CompileRequest, OptionKey, StepDirs
 from neuronbuild.analysis.toolchain_versions import package_version
 from neuronbuild.errors import UserInputError
 from neuronbuild.loading.schema import INT, STRING, STRING_LIST, Attr
-from neuronbuild.toolchains import neuron_flags
+from neuronbuild.toolchains import neuron_flags, neuron_runtime
 from neuronbuild.vocabulary import AUTO_CAST, NEURON_PLATFORMS, OPT_LEVELS
 
 LOWER = "lower"
@@ -46,7 +47,8 @@ OPTION_KEYS = (
 class NeuronToolchain:
     name = "neuron"
     platforms: tuple[str, ...] = NEURON_PLATFORMS
-    artifact_format = "neuron-hlo"
+    artifact_format = neuron_runtime.FORMAT
+    runtime_loader = "neuronbuild.toolchains.neuron_runtime"
     estimate_s = 4.0
     estimate_mb = 900.0
     option_keys: tuple[OptionKey, ...] = OPTION_KEYS
@@ -158,6 +160,26 @@ class NeuronToolchain:
         if step == LOWER:
             return neuron_steps.run_lower(spec, sandbox, out_dir)
         return neuron_steps.run_neuron_compile(spec, sandbox, out_dir)
+
+    def prepare_worker(self) -> None:
+        pass  # jax comes with the warm-up before a worker's first lowering (warm_up_key): a cpu-only build never needs it
+
+    def step_dirs(self, spec: Mapping[str, Any]) -> StepDirs:
+        """A configured neuronx-cc's installation is readable (the dir above its bin/: its Python and libraries)."""
+        cc = spec.get("neuronx_cc")
+        if not (isinstance(cc, Mapping) and isinstance(cc.get("path"), str) and os.path.isabs(cc["path"])):
+            return StepDirs()
+        exe = Path(os.path.realpath(cc["path"]))
+        return StepDirs(read=(str(exe.parent.parent if exe.parent.name == "bin" else exe.parent),))
+
+    def host_status(self) -> dict[str, str | None]:
+        from neuronbuild.analysis.plan_settings import find_neuronx_cc, neuronx_cc_version
+
+        try:
+            cc = find_neuronx_cc(None)
+            return {NEURONX_CC: neuronx_cc_version(cc) if cc else None}
+        except Exception as e:  # noqa: BLE001 - a broken compiler is reported, not raised
+            return {NEURONX_CC: f"broken ({e})"}
 
     def load_artifact(self, files: Mapping[str, Path]) -> Callable[..., Any]:
         from neuronbuild.runtime.aoti_loader import read_constants

@@ -11,13 +11,14 @@ from typing import Any
 from neuronbuild import FORMAT_VERSION, plugins
 from neuronbuild.analysis.actions import TRACE_OUTPUT, Action, DepInput, make_action
 from neuronbuild.analysis.plan_settings import PlanSettings
-from neuronbuild.analysis.toolchain_api import CompileRequest
+from neuronbuild.analysis.toolchain_api import CompileRequest, StepDirs
 
 
 class EchoToolchain:
     name = "echo"
     platforms = ("echo",)
     artifact_format = "echo-summary"
+    runtime_loader = ""
     estimate_s = 1.0
     estimate_mb = 300.0
     validate_note = ""
@@ -55,6 +56,15 @@ class EchoToolchain:
 
     def warm_up_key(self, spec: Mapping[str, Any]) -> dict[str, Any] | None:
         return None  # nothing to warm
+
+    def prepare_worker(self) -> None:
+        pass
+
+    def step_dirs(self, spec: Mapping[str, Any]) -> StepDirs:
+        return StepDirs()
+
+    def host_status(self) -> dict[str, str | None]:
+        return {"echo": "1.0"}
 
     def load_artifact(self, files: Mapping[str, Path]) -> Callable[..., Any]:
         raise NotImplementedError("echo summaries do not run")

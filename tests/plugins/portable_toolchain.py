@@ -1,11 +1,16 @@
 """An out-of-tree toolchain in one module (tests/test_plugin_release.py): platform "cpu-portable" builds AOTInductor
-packages for the x86-64 baseline only (they run on any x86-64 host), in the artifact format the runtime already
-loads ("aoti"). Everything it means is declared here: platform, target attributes (none), the options it reads and
-their defaults, its versions, its actions and worker step, its warm-up, its validate loader. Registration is
-this module's name in $NEURONBUILD_PLUGINS."""
+packages for the x86-64 baseline only (they run on any x86-64 host), in an artifact format of its own
+("aoti-x86-64"), which the runtime loads through the loader this module registers. Everything it means is declared
+here: platform, target attributes (none), the options it reads and their defaults, its versions, its actions and
+worker step, its warm-up, its validate loader, its runtime loader. Registration is this module's name in
+$NEURONBUILD_PLUGINS (in the building process and in the serving one: the runtime finds its loader there).
+
+(A plug-in served from a serving-only install, without the `build` extra, puts its runtime loader in a module of its
+own that imports only neuronbuild.runtime, and names that module in `runtime_loader` and $NEURONBUILD_PLUGINS.)"""
 
 from __future__ import annotations
 
+import platform as host_platform
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -13,16 +18,22 @@ from typing import Any
 from neuronbuild import plugins
 from neuronbuild.analysis.actions import COMPILE, TRACE_OUTPUT, TRACE_WEIGHTS, Action, DepInput, make_action
 from neuronbuild.analysis.plan_settings import PlanSettings
-from neuronbuild.analysis.toolchain_api import WARM_UP, CompileRequest, OptionKey
+from neuronbuild.analysis.toolchain_api import WARM_UP, CompileRequest, OptionKey, StepDirs
 from neuronbuild.loading.schema import STRING, Attr
+from neuronbuild.runtime.host import Host, Mismatch
+from neuronbuild.runtime.layout import Graph
+from neuronbuild.runtime.loaders import Loaded, LoadRequest
 
 ISA = "x86-64"  # the baseline every x86-64 machine runs
+FORMAT = "aoti-x86-64"  # a format no built-in runtime loader knows
+LOADED: list[str] = []  # graphs loaded through PortableLoader in this process (the test checks a load went here)
 
 
 class PortableToolchain:
     name = "portable"
     platforms: tuple[str, ...] = ("cpu-portable",)
-    artifact_format = "aoti"
+    artifact_format = FORMAT
+    runtime_loader = __name__  # this module registers the runtime loader too (below)
     estimate_s = 15.0
     estimate_mb = 1200.0
     validate_note = ""
@@ -65,6 +76,19 @@ class PortableToolchain:
     def warm_up_key(self, spec: Mapping[str, Any]) -> dict[str, Any] | None:
         return {"isa": ISA} if spec.get("step") == COMPILE else None
 
+    def prepare_worker(self) -> None:
+        import neuronbuild.toolchains.compile  # noqa: F401  (torch, inductor's codecache: every compile's imports)
+
+    def step_dirs(self, spec: Mapping[str, Any]) -> StepDirs:
+        from neuronbuild.toolchains.compile import inductor_dirs
+
+        return inductor_dirs()
+
+    def host_status(self) -> dict[str, str | None]:
+        from neuronbuild.platforms import cxx_version
+
+        return {"cxx": cxx_version()}
+
     def load_artifact(self, files: Mapping[str, Path]) -> Callable[..., Any]:
         from neuronbuild.runtime.aoti_loader import load_package, read_constants
 
@@ -74,4 +98,28 @@ class PortableToolchain:
         return []
 
 
+class PortableLoader:
+    """The runtime half: any x86-64 host runs these packages."""
+
+    format = FORMAT
+
+    def host_mismatches(self, g: Graph, host: Host, emulate: str | None) -> list[Mismatch]:
+        machine = host_platform.machine()
+        return [] if machine in ("x86_64", "AMD64") else [Mismatch(g.describe(), "machine", "x86-64", machine)]
+
+    def load(self, req: LoadRequest) -> Loaded:
+        from neuronbuild.runtime.aoti_loader import load_package
+
+        g = req.graph
+        constants = req.weights(g.weights) if g.weights else {}
+        with req.verified(g.artifacts["model.pt2"], scratch=True) as package:
+            fn = load_package(package, constants=constants)
+        LOADED.append(f"{g.label}@{g.bucket_name}")
+        return Loaded(fn)
+
+    def scratch_bytes(self, g: Graph) -> int:
+        return g.artifacts["model.pt2"].size
+
+
 TOOLCHAIN = plugins.register_toolchain(PortableToolchain())
+LOADER = plugins.register_loader(PortableLoader())
