@@ -5,6 +5,10 @@ cache, each output target and the bundle against the checkpoint's.
     .venv/bin/python benchmarks/big_model_bench.py --shape llama-3.2-1b --targets trn2 [--workdir DIR] [--keep]
     .venv/bin/python benchmarks/big_model_bench.py --shape tiny --targets trn2,cpu --generate   # a quick check
     .venv/bin/python benchmarks/big_model_bench.py --shape llama-3.2-1b --tp 2 --no-bundle     # tensor parallel (#29)
+    .venv/bin/python benchmarks/big_model_bench.py --shape llama-3.2-1b --targets cpu --generate --lean  # + transformers tokens
+    .venv/bin/python benchmarks/big_model_bench.py --shape llama-3.1-8b-2l --tp 8 --no-bundle --validate
+    .venv/bin/python benchmarks/big_model_bench.py --shape llama-3.1-8b --tp 8 --no-bundle --graphs context \
+        --workdir /big/dir --keep            # then --graphs token --reuse-checkpoint (one graph family at a time)
 
 Not part of the test suite (CI keeps tiny models). Watch the machine's memory: each action's peak is printed as it
 is recorded by the build (`--profile`). The 8B shape writes a 16 GB checkpoint first."""
@@ -32,6 +36,10 @@ SHAPES: dict[str, dict[str, object]] = {
     # the 1B's vocabulary and widths with 2 layers: its embedding (the largest tensor) at a tenth of the disk (#29)
     "llama-3.2-1b-2l": {"vocab_size": 128256, "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 2,
                         "num_attention_heads": 32, "num_key_value_heads": 8, "tie_word_embeddings": True,
+                        "rope_theta": 500000.0, "rms_norm_eps": 1e-5},
+    # the 8B's vocabulary, widths and heads with 2 layers: the tp 8 correctness check against transformers (#29)
+    "llama-3.1-8b-2l": {"vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 2,
+                        "num_attention_heads": 32, "num_key_value_heads": 8, "tie_word_embeddings": False,
                         "rope_theta": 500000.0, "rms_norm_eps": 1e-5},
     "llama-3.1-8b": {"vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
                      "num_attention_heads": 32, "num_key_value_heads": 8, "tie_word_embeddings": False,
@@ -83,7 +91,7 @@ neuron_target(name = "cpu", platform = "cpu", isa = "native")
 {compiles}
 neuron_bundle(name = "release", srcs = [{srcs}])
 """
-COMPILE = """neuron_compile(name = "llm_{t}", model = ":llm", buckets = {{"context": [":serve_context"], "token": [":serve_token"]}},
+COMPILE = """neuron_compile(name = "llm_{t}", model = ":llm", buckets = {{{buckets}}},
                target = ":{t}"{tp})"""
 
 
@@ -99,13 +107,64 @@ def du(path: Path) -> int:
     return total
 
 
-def cli(args: list[str], cwd: Path) -> tuple[float, subprocess.CompletedProcess[str]]:
+PROMPT = [1, 17, 99, 250]
+NEW_TOKENS = 8
+
+
+def reference_tokens(cfg: dict[str, object], ckpt: Path) -> list[list[int]]:
+    """transformers' own greedy tokens for PROMPT from the checkpoint, in the config's dtype (the model made on the
+    meta device, the file's tensors assigned: no random init of a full-size model)."""
+    import torch
+    import transformers
+    from safetensors.torch import load_file
+
+    config = transformers.AutoConfig.for_model(**{k: v for k, v in cfg.items() if k != "dtype"})
+    dtype = getattr(torch, str(cfg.get("dtype") or "float32"))
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.load_state_dict(load_file(str(ckpt)), strict=False, assign=True)
+    model.tie_weights()
+    model.eval()
+    for name, mod in list(model.named_modules()):  # rotary tables (buffers computed in __init__): made on the CPU
+        if type(mod).__name__.endswith("RotaryEmbedding"):
+            parent, _, leaf = name.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, leaf, type(mod)(config=model.config))
+    with torch.no_grad():
+        out = model.generate(torch.tensor([PROMPT]), max_new_tokens=NEW_TOKENS, do_sample=False,
+                             pad_token_id=int(cfg.get("pad_token_id") or 0))
+    return out.tolist()  # the prompt and the new tokens, as the runtime's generate returns them
+
+
+def cli(args: list[str], cwd: Path, check: bool = True) -> tuple[float, subprocess.CompletedProcess[str]]:
     start = time.perf_counter()
     proc = subprocess.run([sys.executable, "-m", "neuronbuild", "--batch", *args], cwd=cwd, capture_output=True,
                           text=True)
-    if proc.returncode != 0:
+    if check and proc.returncode != 0:
         sys.exit(f"neuronbuild {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     return time.perf_counter() - start, proc
+
+
+def build_dropping_checkpoint(args: list[str], cwd: Path, work: Path, ckpt: Path) -> tuple[float, int]:
+    """`build ARGS`, deleting the checkpoint once the model's weights action has finished (nothing after it reads it:
+    traces work on shapes, the compiles take the weights action's file or shards), so the build's outputs never sit
+    beside it: returns the wall time and the workdir's peak bytes on disk (polled)."""
+    events = work / "events.jsonl"
+    start, peak = time.perf_counter(), 0
+    cmd = [sys.executable, "-m", "neuronbuild", "--batch", "build", *args, "--build-event-json-file", str(events)]
+    with subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
+        while proc.poll() is None:
+            time.sleep(5)
+            peak = max(peak, du(work))
+            if ckpt.exists() and events.exists():
+                done = [json.loads(line) for line in events.read_text().splitlines() if line.strip()]
+                if any(e.get("event") in ("action_finished", "action_cached") and e.get("kind") == "weights"
+                       for e in done):
+                    ckpt.unlink()
+                    print(f"  checkpoint deleted after the weights action, {time.perf_counter() - start:.0f} s into the build")
+        out = proc.stdout.read() if proc.stdout else ""
+    if proc.returncode:
+        sys.exit(f"build failed ({proc.returncode}):\n{out[-3000:]}")
+    return time.perf_counter() - start, peak
 
 
 def main() -> None:
@@ -120,29 +179,63 @@ def main() -> None:
     ap.add_argument("--no-bundle", action="store_true", help="build the compile targets only (no bundle)")
     ap.add_argument("--workdir", type=Path, default=None)
     ap.add_argument("--keep", action="store_true")
+    ap.add_argument("--lean", action="store_true", help="delete the output target directories once measured (before "
+                    "deploying): less disk at once")
     ap.add_argument("--tp", type=int, default=1, help="tp_degree of the trn2 compile (#29; cpu stays at 1)")
+    ap.add_argument("--graphs", default="context,token",
+                    help="graph families to build (one at a time keeps a large model's disk peak at one set of shards)")
+    ap.add_argument("--reuse-checkpoint", action="store_true",
+                    help="keep the workdir's checkpoint when it is this shape's (written by an earlier run)")
+    ap.add_argument("--drop-checkpoint", action="store_true",
+                    help="delete the checkpoint once the weights action is done (disk: it never sits beside the outputs)")
+    ap.add_argument("--validate", action="store_true",
+                    help="`validate --generate 8` each compile against transformers (XLA:CPU; small shapes only)")
     args = ap.parse_args()
     targets = [t.strip() for t in args.targets.split(",") if t.strip()]
     work = args.workdir or Path(tempfile.mkdtemp(prefix="big-model-bench-"))
     ws, cache, deployed = work / "ws", work / "cache", work / "deployed"
+    cfg = {**COMMON, **SHAPES[args.shape], "dtype": args.dtype}
+    stamp = work / "checkpoint.json"  # which shape ws/model.safetensors holds (--reuse-checkpoint)
+    kept = work / "model.safetensors.kept"
+    reuse = args.reuse_checkpoint and stamp.is_file() and json.loads(stamp.read_text()) == SHAPES[args.shape] \
+        and (ws / "model.safetensors").is_file()
+    if reuse:
+        (ws / "model.safetensors").rename(kept)
     for d in (ws, cache, deployed):
         shutil.rmtree(d, ignore_errors=True)
     ws.mkdir(parents=True)
     (ws / "WORKSPACE.neuronbuild").write_text("")
-    cfg = {**COMMON, **SHAPES[args.shape], "dtype": args.dtype}
     start = time.perf_counter()
-    ckpt = write_checkpoint(ws / "model.safetensors", cfg)
-    print(f"checkpoint: {args.shape}, {ckpt / 1e9:.2f} GB bf16, written in {time.perf_counter() - start:.0f} s; "
-          f"built as {args.dtype}")
+    if reuse:
+        kept.rename(ws / "model.safetensors")
+        ckpt = (ws / "model.safetensors").stat().st_size
+        print(f"checkpoint: {args.shape}, {ckpt / 1e9:.2f} GB bf16, reused; built as {args.dtype}")
+    else:
+        stamp.unlink(missing_ok=True)
+        ckpt = write_checkpoint(ws / "model.safetensors", cfg)
+        stamp.write_text(json.dumps(SHAPES[args.shape]))
+        print(f"checkpoint: {args.shape}, {ckpt / 1e9:.2f} GB bf16, written in {time.perf_counter() - start:.0f} s; "
+              f"built as {args.dtype}")
+    families = [g.strip() for g in args.graphs.split(",") if g.strip()]
+    buckets = ", ".join(f'"{g}": [":serve_{g}"]' for g in families)
     (ws / "BUILD").write_text(BUILD.format(config=json.dumps(cfg).replace("true", "True").replace("false", "False"), max_seq=args.max_seq, context=args.context,
-                                           compiles="\n".join(COMPILE.format(t=t, tp=f", tp_degree = {args.tp}" if t == "trn2" and args.tp > 1 else "")
+                                           compiles="\n".join(COMPILE.format(t=t, buckets=buckets, tp=f", tp_degree = {args.tp}" if t == "trn2" and args.tp > 1 else "")
                                                               for t in targets),
                                            srcs=", ".join(f'":llm_{t}"' for t in targets)))
     profile = work / "profile.json"
     goals = [f"//:llm_{t}" for t in targets]
-    wall, _ = cli(["build", *goals, "--jobs", str(args.jobs), "--cache-dir", str(cache),
-                   "--profile", str(profile)], ws)
-    print(f"build {' '.join(goals)}: {wall:.0f} s wall (under load: other work shares this machine)")
+    build_args = [*goals, "--jobs", str(args.jobs), "--cache-dir", str(cache), "--profile", str(profile)]
+    if args.drop_checkpoint:
+        wall, peak = build_dropping_checkpoint(build_args, ws, work, ws / "model.safetensors")
+        print(f"build {' '.join(goals)}: {wall:.0f} s wall (under load: other work shares this machine); workdir "
+              f"peak {peak / 1e9:.2f} GB on disk (polled every 5 s)")
+    else:
+        wall, _ = cli(["build", *build_args], ws)
+        print(f"build {' '.join(goals)}: {wall:.0f} s wall (under load: other work shares this machine)")
+    for goal in goals if args.validate else ():
+        vwall, proc = cli(["validate", goal, "--generate", "8", "--cache-dir", str(cache)], ws, check=False)
+        print(f"validate {goal} --generate 8 ({vwall:.0f} s): {'ok' if proc.returncode == 0 else 'FAILED'}")
+        print("\n".join("  " + line for line in (proc.stdout + proc.stderr).strip().splitlines()[-10:]))
     if not args.no_bundle:  # the graphs are cached now: this invocation only writes the bundle
         bwall, _ = cli(["build", "//:release", "--jobs", str(args.jobs), "--cache-dir", str(cache)], ws)
         print(f"bundle //:release (graphs cached: packaging only): {bwall:.0f} s wall, process start included")
@@ -167,17 +260,24 @@ def main() -> None:
     bundles = sorted(b for b in out.glob("release.tar.*") if not b.name.endswith(".sha256"))
     for b in bundles:
         print(f"  bundle {b.name}: {b.stat().st_size / 1e9:.2f} GB ({b.stat().st_size / ckpt:.2f}x)")
+    if args.lean:
+        for t in targets:
+            shutil.rmtree(out / f"llm_{t}", ignore_errors=True)
     if args.generate and bundles:
         wall, _ = cli(["deploy", str(bundles[0]), "--cache-dir", str(deployed)], ws)
-        print(f"deploy: {wall:.0f} s")
+        print(f"deploy: {wall:.0f} s; deployed {du(deployed) / 1e9:.2f} GB ({du(deployed) / ckpt:.2f}x)")
+        start = time.perf_counter()
+        want = reference_tokens(cfg, ws / "model.safetensors")
+        print(f"transformers greedy tokens ({time.perf_counter() - start:.0f} s): {want}")
         for t in targets:
             code = ("import sys; from neuronbuild.runtime import open_cache; "
                     f"lm = open_cache(sys.argv[1], strict=True, emulate={'None' if t == 'cpu' else repr('xla-cpu')})"
-                    f".causal_lm('//:llm_{t}'); print(lm.generate([[1, 17, 99, 250]], max_new_tokens=8).tolist())")
+                    f".causal_lm('//:llm_{t}'); print(lm.generate([{PROMPT}], max_new_tokens={NEW_TOKENS}).tolist())")
             start = time.perf_counter()
             proc = subprocess.run([sys.executable, "-c", code, str(deployed)], capture_output=True, text=True)
             tokens = proc.stdout.strip().splitlines()[-1] if proc.returncode == 0 else proc.stderr[-500:]
-            print(f"generate llm_{t}: {time.perf_counter() - start:.0f} s: {tokens}")
+            same = "equal to transformers'" if tokens == str(want) else "DIFFERENT from transformers'"
+            print(f"generate llm_{t}: {time.perf_counter() - start:.0f} s: {tokens} ({same})")
     if not args.keep and args.workdir is None:
         shutil.rmtree(work, ignore_errors=True)
     else:

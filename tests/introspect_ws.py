@@ -47,11 +47,12 @@ def copy_ws(ws: Path, dest: Path) -> Path:
 
 @pytest.fixture(scope="session", name="tiny_built")
 def tiny_built_fixture(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    """The tiny workspace built once into its own cache (2 traces, 2 lowerings, 2 trn2 compiles); tests never modify either
+    """The tiny workspace built once into its own cache (its weights action, 2 traces, 2 lowerings, 2 trn2
+    compiles); tests never modify either
     (copy the workspace to edit it, copy the cache to build into it)."""
     base = tmp_path_factory.mktemp("tiny")
     ws, cache = tiny_ws(base / "ws"), base / "cache"
     proc = run_cli(["build", "--jobs", "2", "--cache-dir", str(cache)], ws, {"NEURONX_CC": ""})
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "6 actions: 6 executed, 0 cached" in proc.stdout
+    assert "7 actions: 7 executed, 0 cached" in proc.stdout
     return ws, cache

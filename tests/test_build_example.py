@@ -17,8 +17,9 @@ def _manifest(ws: Path, target: str) -> dict:
 def test_build_all_executes_every_action_once(built_example) -> None:  # type: ignore[no-untyped-def]
     _ws, proc = built_example
     # 5 traces (4 llama graphs: 2 context + 2 token buckets, + 1 llama_tiny) shared by 9 compiles: the cpu target
-    # reuses trn2's traces; one lowering per trn2 graph.
-    assert "18 actions: 18 executed, 0 cached" in proc.stdout
+    # reuses trn2's traces; one lowering per trn2 graph; one weights action per model (2), shared by its graphs.
+    assert "20 actions: 20 executed, 0 cached" in proc.stdout
+    assert len(re.findall(r"\] Weights //\S+", proc.stderr)) == 2
     traces = re.findall(r"\] Trace (//\S+) \[([^\]]+)\]", proc.stderr)
     assert len(traces) == len(set(traces)) == 5
 
@@ -120,7 +121,7 @@ def test_noop_rebuild_runs_nothing_and_never_imports_torch(built_example, cache_
     ws, _ = built_example
     proc = run_cli(["build", "//models:llama_cpu", "--cache-dir", str(cache_dir)], ws, python_flags=("-X", "importtime"))
     assert proc.returncode == 0, proc.stderr
-    assert "8 actions: 0 executed, 8 cached" in proc.stdout, proc.stdout
+    assert "9 actions: 0 executed, 9 cached" in proc.stdout, proc.stdout
     imported = {line.split("|")[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
     assert "neuronbuild.cli" in imported  # the check itself works
     heavy = ("torch", "jax", "jaxlib", "torchax")
@@ -137,8 +138,8 @@ def test_outputs_are_restored_from_cache_when_deleted(built_example, cache_dir: 
     assert art.read_bytes() == before
 
 
-@pytest.mark.parametrize("pattern,expected", [("//models:all", "18 actions"), ("//models/...", "18 actions"),
-                                               ("//tools/...", "0 actions"), ("//models:llama_trn2", "12 actions")])
+@pytest.mark.parametrize("pattern,expected", [("//models:all", "20 actions"), ("//models/...", "20 actions"),
+                                               ("//tools/...", "0 actions"), ("//models:llama_trn2", "13 actions")])
 def test_patterns_select_targets(built_example, cache_dir: Path, pattern: str, expected: str) -> None:  # type: ignore[no-untyped-def]
     ws, _ = built_example
     proc = run_cli(["build", pattern, "--cache-dir", str(cache_dir)], ws)

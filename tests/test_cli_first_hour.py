@@ -215,7 +215,8 @@ def test_a_target_dir_holds_exactly_its_current_outputs(built_example, cache_dir
     proc = run_cli(["build", "//models:llama_cpu", "--cache-dir", str(cache_dir)], ws)
     assert proc.returncode == 0 and "0 executed" in proc.stdout, proc.stdout + proc.stderr
     assert {p.name for p in out.iterdir()} == {"manifest.json"} | graphs - {"token_batch4"}
-    assert {p.name for p in (out / "token_batch1").iterdir()} == {"model.pt2", "constants.safetensors"}
+    assert {p.name for p in (out / "token_batch1").iterdir()} == {"model.pt2", "constants.safetensors",
+                                                                  "program_constants.safetensors"}
     manifest = json.loads((out / "manifest.json").read_text())
     assert [b["name"] for b in manifest["buckets"]] == ["context_batch1_seq32", "context_batch4_seq32", "token_batch1"]
 
@@ -226,7 +227,7 @@ NOTE = "NEFFs were not produced"
 
 def test_the_neuronx_cc_note_comes_once_from_a_build_that_made_neuron_graphs(tiny) -> None:  # type: ignore[no-untyped-def]
     ws, cache, first = tiny
-    assert "3 executed" in first.stdout and first.stderr.count(NOTE) == 1  # trace, lowering, compile
+    assert "4 executed" in first.stdout and first.stderr.count(NOTE) == 1  # weights, trace, lowering, compile
     for args in (["build"], ["build", "--verbose"], ["plan"], ["explain"], ["build", "--dry-run"]):
         proc = _nb([*args, "--cache-dir", str(cache)], ws)
         assert proc.returncode == 0 and NOTE not in proc.stderr, (args, proc.stderr)

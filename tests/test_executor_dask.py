@@ -22,7 +22,8 @@ from neuronbuild.execution.progress import _Tally
 
 DASK = str(Path(sys.executable).parent / "dask")
 TARGETS = ["//models:llama_trn2", "//models:llama_tiny_cpu"]
-N_ACTIONS = 5 + 4 + 4 + 1  # traces (4 llama graphs + llama_tiny), trn2 lowerings, trn2 compiles, 1 AOTInductor compile
+N_ACTIONS = 2 + 5 + 4 + 4 + 1  # weights (llama, llama_tiny), traces (4 llama graphs + llama_tiny), trn2 lowerings,
+# trn2 compiles, 1 AOTInductor compile
 
 
 def _free_port() -> int:

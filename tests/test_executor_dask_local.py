@@ -54,10 +54,10 @@ def test_dask_local_builds_a_workspace_like_the_local_executor(tmp_path: Path) -
                             start_new_session=True)
     out, err = proc.communicate(timeout=900)
     assert proc.returncode == 0, out + err
-    assert "6 actions: 6 executed, 0 cached" in out and "Traceback" not in err
+    assert "7 actions: 7 executed, 0 cached" in out and "Traceback" not in err
     events = [json.loads(ln) for ln in evf.read_text().splitlines()]
     finished = [e for e in events if e["event"] == "action_finished"]
-    assert len(finished) == 6
+    assert len(finished) == 7
     # Every action ran on a LocalCluster worker (its address), none in the build process's own pool.
     assert all(e["worker"].startswith("tcp://127.0.0.1:") for e in finished), [e["worker"] for e in finished]
     # The cluster, its workers and their warm action processes are gone with the build.
@@ -70,12 +70,12 @@ def test_dask_local_builds_a_workspace_like_the_local_executor(tmp_path: Path) -
     local_ws = write_ws(tmp_path / "local" / "ws", {"pkg/BUILD": BUILD, "pkg/m.py": MODEL})
     local = run_cli(["build", "//pkg:c", "--jobs", "2", "--cache-dir", str(tmp_path / "local" / "cache")], local_ws)
     assert local.returncode == 0, local.stdout + local.stderr
-    assert "6 executed" in local.stdout
+    assert "7 executed" in local.stdout
     assert _digests(ws) == _digests(local_ws) and len(_digests(ws)) == 8  # 2 buckets x 4 files
 
     # What dask-local stored is an ordinary cache: the local executor finds every action there.
     again = run_cli(["build", "//pkg:c", "--cache-dir", str(cache)], ws)
-    assert again.returncode == 0 and "6 actions: 0 executed, 6 cached" in again.stdout, again.stdout + again.stderr
+    assert again.returncode == 0 and "7 actions: 0 executed, 7 cached" in again.stdout, again.stdout + again.stderr
     verify = run_cli(["cache", "verify", "--cache-dir", str(cache)], ws)
     assert verify.returncode == 0 and "problems" not in verify.stdout, verify.stdout + verify.stderr
 

@@ -27,7 +27,7 @@ def test_nothing_to_explain_after_a_build(tiny_built: tuple[Path, Path]) -> None
     ws, cache = tiny_built
     assert _explain(ws, cache) == {}
     proc = run_cli(["explain", "--cache-dir", str(cache)], ws)
-    assert "nothing would execute: all 6 actions are cached" in proc.stdout
+    assert "nothing would execute: all 7 actions are cached" in proc.stdout
 
 
 def test_opt_level_edit_names_the_option_on_the_compiles_only(tiny_built: tuple[Path, Path], tmp_path: Path) -> None:
@@ -39,7 +39,7 @@ def test_opt_level_edit_names_the_option_on_the_compiles_only(tiny_built: tuple[
         "Compile //m:tiny_trn2 [batch=1, seq=16] for trn2": ["options.opt_level: 2 -> 3"],
     }
     text = run_cli(["explain", "--cache-dir", str(cache)], ws).stdout
-    assert "  options.opt_level: 2 -> 3" in text and "2 of 6 actions would execute (4 cached)" in text
+    assert "  options.opt_level: 2 -> 3" in text and "2 of 7 actions would execute (5 cached)" in text
 
 
 def test_bucket_edit_names_the_bucket_on_that_buckets_actions(tiny_built: tuple[Path, Path], tmp_path: Path) -> None:
@@ -62,7 +62,7 @@ def test_model_source_edit_names_the_file_on_every_action_of_the_model(tiny_buil
     (ws / "m/llama.py").write_text((ws / "m/llama.py").read_text() + "\n# an edit\n")
     got = _explain(ws, cache)
     assert sorted(got) == sorted([
-        "Trace //m:tiny [batch=1, seq=8]", "Trace //m:tiny [batch=1, seq=16]",
+        "Weights //m:tiny", "Trace //m:tiny [batch=1, seq=8]", "Trace //m:tiny [batch=1, seq=16]",
         "Lower //m:tiny [batch=1, seq=8]", "Lower //m:tiny [batch=1, seq=16]",
         "Compile //m:tiny_trn2 [batch=1, seq=8] for trn2", "Compile //m:tiny_trn2 [batch=1, seq=16] for trn2",
     ])
@@ -73,7 +73,7 @@ def test_torch_version_change_names_the_toolchain_on_every_action(tiny_built: tu
     ws, cache = tiny_built
     torch_version = metadata.version("torch")
     got = _explain(ws, cache, "--toolchain", "torch=2.14.1")
-    assert len(got) == 6
+    assert len(got) == 7  # the weights action too: it builds the module with torch
     assert set(map(tuple, got.values())) == {(f"toolchain torch: {torch_version} -> 2.14.1",)}
 
 
@@ -102,7 +102,7 @@ def test_dry_run_matches_the_following_build(tiny_built: tuple[Path, Path], tmp_
     assert dry.returncode == 0
     text = run_cli(["plan", "--cache-dir", str(cache)], ws).stdout
     assert dry.stdout == text
-    assert "6 actions: 4 to execute, 2 cached" in text  # seq=32: trace, lower, compile; seq=8: the compile only
+    assert "7 actions: 4 to execute, 3 cached" in text  # seq=32: trace, lower, compile; seq=8: the compile only
     assert re.search(r"batch=1, seq=32\s+build\s+build\s+\d+\.\d s", text)  # estimated from the fixture's durations
     assert re.search(r"batch=1, seq=8\s+cached\s+build", text)
     assert cli_json(["plan", "--cache-dir", str(cache)], ws) == planned  # the dry run ran and stored nothing
@@ -120,7 +120,7 @@ def test_upgrade_impact_reports_invalidated_fingerprints_and_time(tiny_built: tu
     ws, cache = tiny_built
     out = cli_json(["upgrade-impact", "--toolchain", "torch=2.14.1", "--cache-dir", str(cache)], ws)
     (target,) = out["targets"]
-    assert target["label"] == "//m:tiny_trn2" and target["actions"] == 6 and target["changed"] == 6
+    assert target["label"] == "//m:tiny_trn2" and target["actions"] == 7 and target["changed"] == 7
     assert all(i["cached_now"] and (i["estimate_s"] > 0 or i["estimate_source"] == "skipped (no neuronx-cc)")
                for i in target["invalidated"])  # (compiles without neuronx-cc write only compile_flags.json)
     assert all(i["new_fingerprint"] != i["fingerprint"] for i in target["invalidated"])

@@ -119,7 +119,7 @@ def test_workers_joining_mid_build_are_used(farm: Farm, tmp_path: Path) -> None:
                               "--build-event-json-file", str(evf)], cwd=ws, text=True,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**_env(), "NEURONX_CC": ""})
     # Mid-build by the events, not by a sleep: the second worker joins once the first action has finished on the
-    # first one (18 actions, one worker thread: most of the build is still to run).
+    # first one (20 actions, one worker thread: most of the build is still to run).
     deadline = time.monotonic() + 600
     while '"action_finished"' not in (evf.read_text() if evf.exists() else "") and build.poll() is None:
         assert time.monotonic() < deadline, "no action finished in 600 s"
@@ -242,14 +242,14 @@ def test_a_farm_without_a_shared_filesystem_works_through_s3(tmp_path: Path) -> 
         proc = run_cli(["build", "--executor", "dask", "--scheduler", farm.address, *tier,
                         "--cache-dir", str(tmp_path / "cache")], ws, env)
         assert proc.returncode == 0, proc.stdout + proc.stderr
-        assert "6 actions: 6 executed" in proc.stdout
+        assert "7 actions: 7 executed" in proc.stdout
         keys = [o["Key"] for o in s3.list_objects_v2(Bucket="farm", Prefix="ci/v1/ac/").get("Contents", [])]
-        assert len(keys) == 6  # every record went to S3 (the workers share no directory with the client)
+        assert len(keys) == 7  # every record went to S3 (the workers share no directory with the client)
         manifest = json.loads((ws / "neuronbuild-out" / "m" / "tiny_trn2" / "manifest.json").read_text())
         assert [len(b["outputs"]) > 0 for b in manifest["buckets"]] == [True, True]
         # Another machine with an empty cache and no farm: everything comes from S3.
         again = run_cli(["build", *tier, "--cache-dir", str(tmp_path / "other")], ws, env)
-        assert again.returncode == 0 and "0 executed, 6 cached" in again.stdout, again.stdout + again.stderr
+        assert again.returncode == 0 and "0 executed, 7 cached" in again.stdout, again.stdout + again.stderr
     finally:
         farm.close()
         server.stop()

@@ -1,6 +1,7 @@
-"""Materialised outputs that several buckets share (a model's weights file): every bucket gets a file of its own, not
-a link to the cache or to another bucket; editing one never reaches the cache or the others; a blob that no longer
-matches its digest is never copied out (the first copy of each blob in a materialisation is verified)."""
+"""Materialised outputs that several buckets share (a model's weights file): the target's directory holds one copy,
+every bucket's name a hard link to it (#28: one weights copy per output target), never a link to the cache; editing
+it never reaches the cache; a blob that no longer matches its digest is never copied out (the first copy of each
+blob in a materialisation is verified)."""
 
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ def _blob(cache: Path, digest: str) -> Path:
     return found
 
 
-def test_buckets_sharing_a_blob_get_independent_verified_copies(tmp_path: Path) -> None:
+def test_buckets_sharing_a_blob_share_one_verified_copy_apart_from_the_cache(tmp_path: Path) -> None:
     ws = write_ws(tmp_path / "ws", {"pkg/BUILD": BUILD, "pkg/m.py": MODEL})
     cache = tmp_path / "cache"
     env = {k: v for k, v in os.environ.items() if k in _ENV_AT_START or not k.startswith("TORCHINDUCTOR_")}
@@ -55,17 +56,20 @@ def test_buckets_sharing_a_blob_get_independent_verified_copies(tmp_path: Path) 
     blob = _blob(cache, digest)
     data = blob.read_bytes()
     inodes = {p.stat().st_ino for p in files.values()}
-    assert len(inodes) == 3 and blob.stat().st_ino not in inodes  # files of their own: no links
-    assert all(p.stat().st_nlink == 1 and p.read_bytes() == data for p in files.values())
+    assert len(inodes) == 1 and blob.stat().st_ino not in inodes  # one copy for the target, not the cache's file
+    assert all(p.stat().st_nlink == 3 and p.read_bytes() == data for p in files.values())
     assert {oct(p.stat().st_mode & 0o777) for p in files.values()} == {"0o640"}  # the umask, as copy_blob's
 
-    # Editing one bucket's weights in place reaches neither the cache nor the other buckets.
+    # Editing the target's weights in place does not reach the cache; the next build puts the right bytes back.
     edited = files["b2_n64"]
     with open(edited, "r+b") as f:
         f.write(b"\0" * 64)
     assert blob.read_bytes() == data
-    assert all(p.read_bytes() == data for name, p in files.items() if name != "b2_n64")
     assert run_cli(["cache", "verify", "--cache-dir", str(cache)], ws).returncode == 0
+    for p in files.values():
+        p.unlink()
+    assert run_cli(["build", "//pkg:c", "--jobs", "1", "--cache-dir", str(cache)], ws).returncode == 0
+    assert all(p.read_bytes() == data for p in _weights(ws).values())
 
     # A blob that no longer matches its digest is never copied out to any bucket, however many share it.
     for p in files.values():

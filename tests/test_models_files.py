@@ -115,17 +115,20 @@ def test_data_library_shards_tied_and_prefix_build_and_validate(built: tuple[Pat
 
     ag = plan(load_targets(ws, ["//m:tied_cpu"]))
     trace = next(a for a in ag.actions.values() if a.kind == "trace")
-    spec = dict(trace.spec["model"])
+    weights = next(a for a in ag.actions.values() if a.kind == "weights")
+    spec = dict(weights.spec["model"])
     model = build_eager_model(spec, ws)
     assert torch.equal(model.embed.weight.detach(), tensors["wrapper.embed.weight"])  # type: ignore[arg-type]
     assert model.head.weight is model.embed.weight
     assert sorted(trace.model["data"]) == ["m/config.json"] and sorted(trace.model["deps"]) == ["common/layers.py"]
-    assert [p for p, _d in trace.model["weights"]["shards"]] == [
+    assert "weights" not in trace.model  # a trace works on shapes: the checkpoint is the weights action's
+    assert [p for p, _d in weights.model["weights"]["shards"]] == [
         "m/weights/model.safetensors.index.json", "m/weights/model-00001-of-00002.safetensors",
         "m/weights/model-00002-of-00002.safetensors"]
 
 
-def test_editing_a_data_file_or_a_shard_reruns_the_trace(built: tuple[Path, dict[str, object]]) -> None:
+def test_editing_a_data_file_reruns_the_trace_and_a_shard_only_the_weights_action(
+        built: tuple[Path, dict[str, object]]) -> None:
     from neuronbuild.analysis.planner import plan
     from neuronbuild.loading.target_graph import load_targets
 
@@ -147,6 +150,20 @@ def test_editing_a_data_file_or_a_shard_reruns_the_trace(built: tuple[Path, dict
     build.write_text(text.replace('input_ranges = {"ids": [0, 50]}', 'input_ranges = {"ids": [0, 10]}'))
     assert trace_fp() == base  # validate-only: never a rebuild
     build.write_text(text)
+
+    def weights_fp() -> str:
+        ag = plan(load_targets(ws, ["//m:tied_cpu"]))
+        return next(fp for fp, a in ag.actions.items() if a.kind == "weights")
+
+    shard = ws / "m/weights/model-00002-of-00002.safetensors"
+    data = shard.read_bytes()
+    before = weights_fp()
+    shard.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))  # one weight value changed
+    try:
+        assert weights_fp() != before
+        assert trace_fp() == base  # the trace works on shapes: a weight value is not its input
+    finally:
+        shard.write_bytes(data)
 
 
 def test_missing_keys_are_named_and_bad_indexes_are_one_line_errors(tmp_path: Path, cache_dir: Path) -> None:

@@ -67,13 +67,13 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, str]:
 def test_trn1_and_trn2_share_one_lowering_per_bucket(built) -> None:  # type: ignore[no-untyped-def]
     ws, _cache, out = built
     # 2 buckets: 2 traces, 2 lowerings (shared by both platforms), 4 compiles (and the bundle)
-    assert "8 actions: 8 executed, 0 cached" in out
+    assert "9 actions: 9 executed, 0 cached" in out
     ran = re.findall(r"\] (Trace|Lower|Compile|Bundle) (//\S+) \[?([^\]\n(]*)", out)
     assert sorted(r[0] for r in ran).count("Lower") == 2 and [r for r in ran if r[0] == "Lower"][0][1] == "//pkg:m"
     for bucket in ("batch1_seq8", "batch2_seq4"):
         d1, d2 = (ws / f"neuronbuild-out/pkg/{t}/{bucket}" for t in ("c_trn1", "c_trn2"))
         assert {p.name for p in d2.iterdir()} == {"model.hlo.pb", "params.json", "constants.safetensors",
-                                                 "compile_flags.json"}
+                                                 "program_constants.safetensors", "compile_flags.json"}
         assert (d1 / "model.hlo.pb").read_bytes() == (d2 / "model.hlo.pb").read_bytes()
         a1 = json.loads((d1 / "compile_flags.json").read_text())["argv"]
         a2 = json.loads((d2 / "compile_flags.json").read_text())["argv"]
@@ -93,7 +93,7 @@ def test_flags_only_change_never_relowers(built, tmp_path: Path) -> None:  # typ
     changes = {c["text"] for a in explained["execute"] for c in a["changes"]}
     assert changes == {"options.opt_level: 2 -> 3", "options.lnc: 1 -> 2", "options.model_type: transformer -> generic"}
     out = _ok(run_cli(["build", "//pkg:c_trn1", "//pkg:c_trn2", "--cache-dir", str(cache)], ws, NO_CC))
-    assert "8 actions: 4 executed, 4 cached" in out  # the 4 compiles; traces and lowerings cached
+    assert "9 actions: 4 executed, 5 cached" in out  # the 4 compiles; weights, traces and lowerings cached
     # auto_cast changes the module: that re-lowers (once, for both platforms' compiles of each bucket)
     edit(ws / "pkg/BUILD", 'opt_level = 3, lnc = 2', 'opt_level = 3, lnc = 2, auto_cast = "matmult"')
     planned = cli_json(["plan", "//pkg:c_trn2", "--cache-dir", str(cache)], ws, NO_CC)

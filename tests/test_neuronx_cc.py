@@ -147,7 +147,7 @@ def test_version_enters_compile_fingerprints_only(tiny_built, tmp_path: Path) ->
 def test_without_neuronx_cc_the_build_says_once_that_no_neffs_were_produced(tiny_built, tmp_path) -> None:  # type: ignore[no-untyped-def]
     ws = copy_ws(tiny_built[0], tmp_path / "ws")
     proc = run_cli(["build", "--cache-dir", str(tmp_path / "cache")], ws, NO_CC)
-    assert proc.returncode == 0 and " 6 executed" in proc.stdout  # 2 buckets: trace, lower, compile each
+    assert proc.returncode == 0 and " 7 executed" in proc.stdout  # 2 buckets: trace, lower, compile each; weights
     assert proc.stderr.count("NEFFs were not produced") == 1
     assert not list((ws / "neuronbuild-out").rglob("*.neff"))
 
@@ -156,13 +156,14 @@ def test_success_stores_the_neff_and_logs_the_compiler(tiny_built, tmp_path: Pat
     ws, cache = _setup(tiny_built, tmp_path)
     proc = run_cli(["build", "--jobs", "2", "--cache-dir", str(cache), "--neuronx-cc", str(STANDIN)], ws)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "3 actions: 1 executed, 2 cached" in proc.stdout  # the trace and the lowering are reused
+    assert "4 actions: 1 executed, 3 cached" in proc.stdout  # the weights, trace and lowering are reused
     assert "NEFFs were not produced" not in proc.stderr
     out = ws / "neuronbuild-out/m/tiny_trn2"
     manifest = json.loads((out / "manifest.json").read_text())
     assert [b["name"] for b in manifest["buckets"]] == ["batch1_seq8"]
     for b in manifest["buckets"]:
         assert set(b["outputs"]) == {"model.hlo.pb", "params.json", "constants.safetensors", "compile_flags.json",
+                                     "program_constants.safetensors",
                                      "model.neff"}
         d = out / b["name"]
         neff = (d / "model.neff").read_bytes()

@@ -26,7 +26,7 @@ def test_an_opt_level_edit_reruns_the_trn2_compile_and_no_cpu_action(tmp_path: P
     cache = ["--cache-dir", str(tmp_path / "cache"), "--jobs", "1"]
     first = run_cli(["build", *cache], ws)
     assert first.returncode == 0, first.stdout + first.stderr
-    assert "4 actions: 4 executed" in first.stdout, first.stdout
+    assert "5 actions: 5 executed" in first.stdout, first.stdout
     # The cpu compile is told, at its call site, that its toolchain does not read opt_level.
     warning = [line for line in first.stderr.splitlines() if "ignores option" in line]
     assert len(warning) == 1 and warning[0].startswith("warning: m/BUILD:9:"), first.stderr
@@ -46,7 +46,7 @@ def test_an_opt_level_edit_reruns_the_trn2_compile_and_no_cpu_action(tmp_path: P
 
     again = run_cli(["build", *cache], ws)
     assert again.returncode == 0, again.stdout + again.stderr
-    assert "4 actions: 1 executed, 3 cached" in again.stdout, again.stdout
+    assert "5 actions: 1 executed, 4 cached" in again.stdout, again.stdout
     flags = json.loads(next((ws / "neuronbuild-out/m/tiny_trn2").glob("*/compile_flags.json")).read_text())
     assert "-O3" in json.dumps(flags), flags
 

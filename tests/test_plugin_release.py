@@ -61,9 +61,9 @@ def test_an_out_of_tree_toolchain_and_kind_build_validate_bundle_deploy_and_load
     manifest = json.loads((out / "tiny_portable" / "manifest.json").read_text())
     assert manifest["platform"] == "cpu-portable" and manifest["options"] == {"auto_cast": "none"}, manifest
 
-    # Both compile targets share the trace, and their compile records are equal (same toolchain, platform, bucket,
-    # and options: opt_level is not one the toolchain reads): one compile action serves both.
-    assert "2 actions: 2 executed" in built.stdout, built.stdout
+    # Both compile targets share the weights and the trace, and their compile records are equal (same toolchain,
+    # platform, bucket, and options: opt_level is not one the toolchain reads): one compile action serves both.
+    assert "3 actions: 3 executed" in built.stdout, built.stdout
     validated = run_cli(["validate", *cache, "//m:release"], ws, PLUGIN_ENV)
     assert validated.returncode == 0, validated.stdout + validated.stderr
     assert "//m:tiny_kind" in validated.stdout + validated.stderr, validated.stdout + validated.stderr

@@ -100,12 +100,12 @@ def tiny_runs(tiny_built: tuple[Path, Path], tmp_path_factory: pytest.TempPathFa
     env = {"NEURONX_CC": "", "NEURONBUILD_OUTPUT_USER_ROOT": str(base / "output-root")}
     build = ["build", "--jobs", "2", "--cache-dir", str(cache)]
     first = run_cli(build, ws, env)
-    assert first.returncode == 0 and "6 actions: 0 executed, 6 cached" in first.stdout, first.stdout + first.stderr
+    assert first.returncode == 0 and "7 actions: 0 executed, 7 cached" in first.stdout, first.stdout + first.stderr
     edit(ws / "m/BUILD", '"seq": [8, 16]', '"seq": [8, 32]')
     partial = run_cli(build, ws, env)
-    assert partial.returncode == 0 and "6 actions: 3 executed, 3 cached" in partial.stdout, partial.stderr
+    assert partial.returncode == 0 and "7 actions: 3 executed, 4 cached" in partial.stdout, partial.stderr
     noop = run_cli(build, ws, env)  # the fast path (nothing changed): a record standing for `partial`'s actions
-    assert noop.returncode == 0 and "6 actions: 0 executed, 6 cached" in noop.stdout, noop.stderr
+    assert noop.returncode == 0 and "7 actions: 0 executed, 7 cached" in noop.stdout, noop.stderr
     edit(ws / "m/BUILD", 'model_type = "transformer"', 'model_type = "transformer", flags = ["--standin-mode=fail"]')
     failed = run_cli([*build, "--keep-going", "--neuronx-cc", str(STANDIN)], ws, env)
     assert failed.returncode == 1 and "2 failed" in failed.stdout, failed.stdout + failed.stderr
@@ -233,7 +233,7 @@ def test_noop_page_shows_every_cell_cached(browser: Any, tiny_runs: dict[str, An
     page = Opened(browser, tiny_runs["noop"])
     assert sorted((c["bucket"], c["state"]) for c in page.cells()) == [
         ("batch=1, seq=32", "cached_local"), ("batch=1, seq=8", "cached_local")]
-    assert page.page.inner_text("#n-cached_local") == "6" and page.page.inner_text("#n-executed") == "0"
+    assert page.page.inner_text("#n-cached_local") == "7" and page.page.inner_text("#n-executed") == "0"
     assert "no-op" in page.page.inner_text("header")
     assert page.errors == []
     page.close()
@@ -287,10 +287,10 @@ def test_results_from_the_shared_tier_show_as_cached_shared(browser: Any, tiny_b
     shutil.copytree(cache0, shared)  # a shared directory tier holding every result; the local cache is empty
     env = {"NEURONX_CC": "", "NEURONBUILD_OUTPUT_USER_ROOT": str(tmp_path / "output-root")}
     proc = run_cli(["build", "--cache-dir", str(tmp_path / "local"), "--remote-cache", str(shared)], ws, env)
-    assert proc.returncode == 0 and "0 executed, 6 cached" in proc.stdout, proc.stdout + proc.stderr
+    assert proc.returncode == 0 and "0 executed, 7 cached" in proc.stdout, proc.stdout + proc.stderr
     page = Opened(browser, _url(proc))
     assert {c["state"] for c in page.cells()} == {"cached_shared"} and len(page.cells()) == 2
-    assert page.page.inner_text("#n-cached_shared") == "6" and page.page.inner_text("#n-cached_local") == "0"
+    assert page.page.inner_text("#n-cached_shared") == "7" and page.page.inner_text("#n-cached_local") == "0"
     assert page.errors == []
     page.close()
 
@@ -304,7 +304,7 @@ def test_a_build_server_records_into_the_same_output_base_as_batch_builds(browse
     build = ["build", "--jobs", "2", "--cache-dir", str(cache)]
     try:
         served = run_cli(build, ws, env)
-        assert served.returncode == 0 and "0 executed, 6 cached" in served.stdout, served.stdout + served.stderr
+        assert served.returncode == 0 and "0 executed, 7 cached" in served.stdout, served.stdout + served.stderr
         info = json.loads(run_cli(["info", "--output", "json"], ws, env).stdout)
         assert info["running"], info
         batch = run_cli(["--batch", *build], ws, env)
@@ -313,7 +313,7 @@ def test_a_build_server_records_into_the_same_output_base_as_batch_builds(browse
     page = Path(unquote(urlparse(_url(served)).path))
     assert page.parent == Path(info["output_base"]) / "invocations", (page, info)
     listed = run_cli(["report", "--list"], ws, env).stdout.splitlines()
-    assert len(listed) == 2 and all("build //...  ok  6 actions, 0 executed" in ln for ln in listed), listed
+    assert len(listed) == 2 and all("build //...  ok  7 actions, 0 executed" in ln for ln in listed), listed
     opened = Opened(browser, _url(served))
     assert sorted(c["state"] for c in opened.cells()) == ["cached_local", "cached_local"]
     assert opened.errors == []

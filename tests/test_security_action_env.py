@@ -25,7 +25,7 @@ def test_action_env_values_are_in_no_record_manifest_event_or_report_but_change_
     flags = ["--cache-dir", str(cache), "--action-env", "MY_TOKEN", "--action-env", f"OTHER={OTHER}"]
     proc = run_cli(["build", *flags, "--build-event-json-file", str(tmp_path / "events.jsonl")], ws, env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "3 executed" in proc.stdout, proc.stdout
+    assert "4 executed" in proc.stdout, proc.stdout  # weights, trace, lower, compile
     again = run_cli(["build", *flags], ws, env)  # a no-op: writes its stamp
     assert again.returncode == 0 and "0 executed" in again.stdout, again.stdout + again.stderr
     for secret in (TOKEN, OTHER):
@@ -33,9 +33,9 @@ def test_action_env_values_are_in_no_record_manifest_event_or_report_but_change_
     assert (ws / "neuronbuild-out" / "m" / "tiny_trn2" / "manifest.json").is_file()  # (scanned above)
     # The records keep the names (what was declared).
     records = [json.loads(p.read_text()) for p in (cache / "v1" / "ac").glob("*/*.json")]
-    assert len(records) == 3 and all(set(r["record"]["env"]) == {"MY_TOKEN", "OTHER"} for r in records)
+    assert len(records) == 4 and all(set(r["record"]["env"]) == {"MY_TOKEN", "OTHER"} for r in records)
     # The value still decides the fingerprints: another value is another build, the same value a cache hit.
     plan = run_cli(["plan", "--output", "json", *flags], ws, {**env, "MY_TOKEN": "another"})
-    assert plan.returncode == 0 and len(json.loads(plan.stdout)["execute"]) == 3, plan.stderr
+    assert plan.returncode == 0 and len(json.loads(plan.stdout)["execute"]) == 4, plan.stderr
     plan = run_cli(["plan", "--output", "json", *flags], ws, env)
     assert plan.returncode == 0 and json.loads(plan.stdout)["execute"] == [], plan.stderr

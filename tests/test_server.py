@@ -116,7 +116,7 @@ def servers(tmp_path: Path) -> Iterator[Servers]:
 
 def _ws(base: Path, model: str | None = None) -> Path:
     ws = base / "ws"
-    gen_monorepo.generate(ws, 2, 1, 2)  # one package: 1 trace, 2 lowerings, 2 Neuron compiles (via load()ed macros)
+    gen_monorepo.generate(ws, 2, 1, 2)  # one package: weights, 1 trace, 2 lowerings, 2 Neuron compiles (load()ed macros)
     if model is not None:
         (ws / PKG / "model.py").write_text(model)
     return ws
@@ -298,7 +298,7 @@ def test_ctrl_c_in_the_client_cancels_the_builds_actions(servers: Servers, tmp_p
     assert after["running"] and not after["busy"] and after["pid"] == info["pid"]  # the server lives on
     (ws / PKG / "model.py").write_text(gen_monorepo.MODEL_PY)
     p = servers.build(ws)
-    assert "5 actions" in p.stdout
+    assert "6 actions" in p.stdout
     verify = servers.run(["--batch", "cache", "verify", "--cache-dir", str(shared_cache)], ws)
     assert verify.returncode == 0, verify.stdout + verify.stderr
 
@@ -328,7 +328,7 @@ def test_a_server_killed_mid_build_costs_the_next_command_only_a_restart(servers
     _wait(lambda: not any(_alive(p) for p in workers), 60, "the dead server's workers to end")
     (ws / PKG / "model.py").write_text(gen_monorepo.MODEL_PY)
     p = servers.build(ws)  # a new server, and a correct build
-    assert "5 actions" in p.stdout and "failed" not in p.stdout
+    assert "6 actions" in p.stdout and "failed" not in p.stdout
     assert servers.info(ws)["pid"] != info["pid"]
     verify = servers.run(["--batch", "cache", "verify", "--cache-dir", str(shared_cache)], ws)
     assert verify.returncode == 0, verify.stdout + verify.stderr
@@ -377,7 +377,7 @@ def test_concurrent_commands_wait_with_a_message(servers: Servers, tmp_path: Pat
             first.kill()
     assert second.returncode == 0, second.stderr
     assert "another command is running in the server; waiting" in second.stderr
-    assert "5 actions" in second.stdout  # the plan ran after the build: everything cached
+    assert "6 actions" in second.stdout  # the plan ran after the build: everything cached
     assert "0 to execute" in second.stdout or "cached" in second.stdout
 
 
@@ -414,7 +414,7 @@ def test_the_shared_cache_tier_works_through_the_server(servers: Servers, tmp_pa
     remote.mkdir()
     p = servers.run(["build", "//...", "--jobs", "2", "--cache-dir", str(tmp_path / "c1"), "--remote-cache",
                      str(remote)], ws)
-    assert p.returncode == 0 and "5 executed" in p.stdout, p.stdout + p.stderr[-3000:]
+    assert p.returncode == 0 and "6 executed" in p.stdout, p.stdout + p.stderr[-3000:]
     shutil.rmtree(ws / "neuronbuild-out")
     p = servers.run(["build", "//...", "--jobs", "2", "--cache-dir", str(tmp_path / "c2"), "--remote-cache",
                      str(remote)], ws)

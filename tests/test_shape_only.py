@@ -1,6 +1,7 @@
 """Graph actions never hold weight values: a model whose parameters cannot be read (made on the meta device) still
-traces, lowers and compiles for cpu from shapes, with its weights streamed from its file, and every output is
-byte-identical to what the previous path (weights loaded into the module and carried in the program) produced."""
+traces, lowers and compiles for cpu from shapes, with its weights streamed from its file by the weights action (the
+trace and the Lower run without the checkpoint in their sandbox), and every graph output is byte-identical to what
+the previous path (weights loaded into the module and carried in the program) produced."""
 
 from __future__ import annotations
 
@@ -49,16 +50,15 @@ MODEL_SRC = textwrap.dedent('''
 INPUTS = [["ids", {"dtype": "int64", "dims": ["batch", "seq"]}], ["mask", {"dtype": "int64", "dims": ["batch", "seq"]}]]
 BUCKET = {"batch": 2, "seq": 8}
 # sha256 (first 16 hex) of each output, recorded with the previous path (main at 276956b: the module built for real,
-# its weights loaded, the program holding them; the Lower and cpu compile writing the weights from the program) for
-# the `readable` factory and the same weights file. model.pt2 is not pinned: its shared library is built by this
-# host's C++ compiler, so its bytes differ between machines; the test compares it with the `readable` build instead.
-# constants.safetensors was re-recorded when #28 stored tied weights once (out.weight an alias of emb.weight in the
-# file's metadata; test_the_weights_file_holds_the_models_tensors_with_tied_ones_once checks its contents against the
-# module's own state dict).
+# its weights loaded, the program holding them; the Lower writing the weights from the program) for the `readable`
+# factory. model.pt2 is not pinned: its shared library is built by this host's C++ compiler, so its bytes differ
+# between machines; the test compares it with the `readable` build instead. The weights file is not pinned either:
+# since the weights action (#28) it holds the model's state only (the program's own tensors are in
+# program_constants.safetensors); test_the_weights_file_holds_the_models_tensors_with_tied_ones_once checks its
+# contents against the module's own state dict.
 BEFORE = {
     "model.hlo.pb": "2b8214af40079b88",
     "params.json": "f12196404889b111",
-    "constants.safetensors": "3a3507d49d725f2e",
 }
 
 
@@ -78,26 +78,32 @@ def write_sandbox(root: Path) -> Path:
 
 
 def build(root: Path, entry: str, cpu: bool = True) -> dict[str, str]:
-    """trace -> Lower (-> cpu compile) as the worker runs them; returns each output's digest."""
+    """weights action, then trace -> Lower (-> cpu compile) as the worker runs them, the checkpoint removed from the
+    sandbox before the trace; returns each graph output's digest."""
     from neuronbuild.toolchains.neuron_steps import run_lower
-    from neuronbuild.toolchains.trace import run_trace
+    from neuronbuild.toolchains.trace import run_trace, run_weights
 
     sandbox = write_sandbox(root)
-    model = {"package": "m", "entry": entry, "config": {}, "seed": 0, "srcs": ["m/block.py"],
-             "weights": "m/block.safetensors"}
+    model = {"package": "m", "entry": entry, "config": {}, "seed": 0, "srcs": ["m/block.py"]}
+    run_weights({"model": model | {"weights": "m/block.safetensors"}}, sandbox, root / "weights")
+    (sandbox / "m" / "block.safetensors").unlink()  # graph actions never see the checkpoint
     run_trace({"model": model, "inputs": INPUTS, "bucket": BUCKET}, sandbox, root / "trace")
-    for f in (root / "trace").iterdir():
-        shutil.copy(f, sandbox / f.name)
+    assert sorted(f.name for f in (root / "trace").iterdir()) == ["program.pt2"]
+    shutil.copy(root / "trace" / "program.pt2", sandbox / "program.pt2")
     step = {"program": "program.pt2", "inputs": INPUTS, "bucket": BUCKET}
     run_lower(step | {"options": {}}, sandbox, root / "lower")
     out = {f: hashlib.sha256((root / "lower" / f).read_bytes()).hexdigest()[:16]
-           for f in ("model.hlo.pb", "params.json", "constants.safetensors")}
+           for f in ("model.hlo.pb", "params.json", "program_constants.safetensors")}
     if cpu:
         from neuronbuild.toolchains.compile import run_cpu_compile
 
+        shutil.copy(root / "weights" / "constants.safetensors", sandbox / "constants.safetensors")
         run_cpu_compile(step | {"isa": "x86-64-v3", "options": {}}, sandbox, root / "cpu")
         out["model.pt2"] = hashlib.sha256((root / "cpu" / "model.pt2").read_bytes()).hexdigest()[:16]
-        assert (root / "cpu" / "constants.safetensors").read_bytes() == (root / "lower" / "constants.safetensors").read_bytes()
+        assert (root / "cpu" / "constants.safetensors").read_bytes() == \
+            (root / "weights" / "constants.safetensors").read_bytes()
+        assert (root / "cpu" / "program_constants.safetensors").read_bytes() == \
+            (root / "lower" / "program_constants.safetensors").read_bytes()
     return out
 
 
@@ -122,7 +128,7 @@ def test_the_program_archive_holds_no_weight_bytes(unreadable) -> None:  # type:
         weights = [i for i in z.infolist() if "/data/weights/" in f"/{i.filename}" and not i.filename.endswith(".json")]
         assert weights, "the archive lists the program's parameters"
         assert all(i.file_size == 0 for i in weights), [(i.filename, i.file_size) for i in weights if i.file_size]
-    assert (root / "trace" / "constants.safetensors").stat().st_size > 4 * 32 * 16  # the weights are in their file
+    assert (root / "weights" / "constants.safetensors").stat().st_size > 4 * 32 * 16  # the weights are in their file
 
 
 def test_the_weights_file_holds_the_models_tensors_with_tied_ones_once(unreadable) -> None:  # type: ignore[no-untyped-def]
@@ -136,14 +142,26 @@ def test_the_weights_file_holds_the_models_tensors_with_tied_ones_once(unreadabl
     exec(MODEL_SRC, ns)  # noqa: S102  (the test's own model source)
     torch.manual_seed(0)
     want = ns["Block"]().state_dict()
-    got = read_constants(root / "trace" / "constants.safetensors")
-    assert set(want) <= set(got)
+    got = read_constants(root / "weights" / "constants.safetensors")
+    assert set(want) == set(got)  # the state: parameters and persistent buffers, nothing the program computes
     assert all(torch.equal(got[k], v) for k, v in want.items())
     assert got["out.weight"] is got["emb.weight"]  # one tensor under both names, as in the module
-    assert "out.weight" in read_header(root / "trace" / "constants.safetensors")  # (readers see the alias)
-    with open(root / "trace" / "constants.safetensors", "rb") as f:
+    assert "out.weight" in read_header(root / "weights" / "constants.safetensors")  # (readers see the alias)
+    with open(root / "weights" / "constants.safetensors", "rb") as f:
         (n,) = struct.unpack("<Q", f.read(8))
         assert "out.weight" not in json.loads(f.read(n))  # stored once
+
+
+def test_the_programs_own_tensors_are_beside_the_graph_not_in_the_weights(unreadable) -> None:  # type: ignore[no-untyped-def]
+    import torch
+
+    from neuronbuild.runtime.aoti_loader import read_constants
+    from neuronbuild.toolchains.weights import read_header
+
+    root, _ = unreadable
+    own = read_constants(root / "lower" / "program_constants.safetensors")
+    assert any(torch.equal(t, torch.tensor([1.0, 2.0])) for t in own.values())  # the lifted constant of forward()
+    assert not set(own) & set(read_header(root / "weights" / "constants.safetensors"))
 
 
 def test_the_weights_writer_matches_safetensors_save(tmp_path: Path) -> None:

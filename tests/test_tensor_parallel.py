@@ -35,7 +35,31 @@ neuron_compile(
     tp_degree = 4,
 )
 neuron_bundle(name = "tp_release", srcs = [":llama_tp2"])
+
+# A vocabulary no degree divides (509 = 2*255 - 1 = 4*128 - 3), tied embeddings: vocab-parallel with padding.
+hf_causal_lm(name = "odd", config = ODD_CONFIG, weights = "odd.safetensors", max_seq = 32)
+neuron_compile(name = "odd_tp2", model = ":odd", buckets = {"context": [":tp_context"], "token": [":tp_token"]},
+               target = ":trn2", tp_degree = 2)
+neuron_compile(name = "odd_tp4", model = ":odd", buckets = {"context": [":tp_context"], "token": [":tp_token"]},
+               target = ":trn2", tp_degree = 4)
 """
+ODD_CONFIG = {"model_type": "llama", "vocab_size": 509, "hidden_size": 32, "intermediate_size": 64,
+              "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 4,
+              "max_position_embeddings": 64, "eos_token_id": 2, "bos_token_id": 1, "pad_token_id": 0,
+              "tie_word_embeddings": True}
+
+
+def write_odd_weights(path: Path) -> None:
+    """Seeded random weights of ODD_CONFIG, the tied lm_head stored once (under the embedding's name)."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(7)
+    fields = {k: v for k, v in ODD_CONFIG.items() if k != "model_type"}
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **fields))
+    save_file({k: v.detach().contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"},
+              str(path))
 
 GENERATE = r"""
 import json, sys
@@ -48,9 +72,11 @@ print(json.dumps(lm.generate(json.loads(sys.argv[3]), max_new_tokens=int(sys.arg
 @pytest.fixture(scope="module")
 def tp_ws(tmp_path_factory: pytest.TempPathFactory, cache_dir: Path) -> Path:
     ws = copy_example(tmp_path_factory.mktemp("tp") / "ws")
-    (ws / "models" / "BUILD").write_text((ws / "models" / "BUILD").read_text() + TP_BUILD)
-    proc = run_cli(["build", "//models:tp_release", "//models:llama_tp4", "--jobs", "2", "--cache-dir",
-                    str(cache_dir)], ws)
+    odd = json.dumps(ODD_CONFIG).replace("true", "True")
+    (ws / "models" / "BUILD").write_text((ws / "models" / "BUILD").read_text() + TP_BUILD.replace("ODD_CONFIG", odd))
+    write_odd_weights(ws / "models" / "odd.safetensors")
+    proc = run_cli(["build", "//models:tp_release", "//models:llama_tp4", "//models:odd_tp2", "//models:odd_tp4",
+                    "--jobs", "2", "--cache-dir", str(cache_dir)], ws)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return ws
 
@@ -70,15 +96,20 @@ def test_tp_module_holds_all_reduces_and_per_rank_shapes(tp_ws: Path, tp: int) -
     for bucket in ("context_batch1_seq16", "token_batch1"):
         text = xc.XlaComputation((out / bucket / "model.hlo.pb").read_bytes()).as_hlo_text()
         reduces = [line for line in text.splitlines() if " all-reduce(" in line]
-        assert len(reduces) == 4  # o_proj and down_proj of each of the 2 layers
-        assert all(f"replica_groups={groups}" in line for line in reduces)
+        assert len(reduces) == 5  # the embedding's, o_proj and down_proj of each of the 2 layers
+        gathers = [line for line in text.splitlines() if " all-gather(" in line]
+        # lm_head's logits: each rank's block of the vocabulary, gathered whole
+        assert len(gathers) == 1 and "f32[1,1,512]" in gathers[0] and "dimensions={2}" in gathers[0]
+        assert all(f"replica_groups={groups}" in line for line in reduces + gathers)
         params = json.loads((out / bucket / "params.json").read_text())
         assert params["tp"]["degree"] == tp and params["tp"]["collectives"] == "replica"
         shapes = {p["name"]: p["shape"] for p in params["parameters"]}
         for layer, shape in SHAPES[tp].items():
             part = "mlp" if layer.endswith(("gate_proj", "down_proj")) else "self_attn"
             assert shapes[f"model.layers.0.{part}.{layer}.weight"] == shape, layer
-        assert shapes["model.embed_tokens.weight"] == [512, 64]  # replicated
+        # vocabulary-parallel: each rank holds its block of the embedding and lm_head, and its rank id
+        assert shapes["model.embed_tokens.weight"] == shapes["lm_head.weight"] == [512 // tp, 64]
+        assert shapes["model.embed_tokens.nb_tp_rank"] == [1]
         kv = [p["shape"] for p in params["parameters"] if p["kind"] == "input" and p["name"] == "kv"]
         assert kv == ([[2, 2, 1, 1, 64, 16]] if bucket.startswith("token") else [])  # this rank's one kv head
         assert sorted(p.name for p in (out / bucket).glob("rank_*.safetensors")) == [
@@ -86,8 +117,27 @@ def test_tp_module_holds_all_reduces_and_per_rank_shapes(tp_ws: Path, tp: int) -
 
 
 @pytest.mark.parametrize("tp", [2, 4])
-def test_tp_validate_and_generate_match_transformers(tp_ws: Path, cache_dir: Path, tp: int) -> None:
-    label = f"//models:llama_tp{tp}"
+def test_vocab_parallel_shards_pad_an_undivided_vocabulary_and_hold_one_tied_block(tp_ws: Path, tp: int) -> None:
+    from safetensors.torch import load_file
+
+    whole = load_file(str(tp_ws / "models" / "odd.safetensors"))["model.embed_tokens.weight"]
+    rows = -(-509 // tp)
+    out = tp_ws / f"neuronbuild-out/models/odd_tp{tp}/token_batch1"
+    shapes = {p["name"]: p["shape"] for p in json.loads((out / "params.json").read_text())["parameters"]}
+    assert shapes["model.embed_tokens.weight"] == shapes["lm_head.weight"] == [rows, 32]
+    for r in range(tp):
+        shard = load_file(str(out / f"rank_{r}.safetensors"))
+        assert shard["model.embed_tokens.nb_tp_rank"].tolist() == [r]
+        block = shard["model.embed_tokens.weight"]
+        assert "lm_head.weight" not in shard  # tied: the one block serves both (an alias in the file's metadata)
+        held = whole[r * rows:(r + 1) * rows]
+        assert block.shape == (rows, 32) and bool((block[:len(held)] == held).all())
+        assert bool((block[len(held):] == 0).all())  # the padding past the vocabulary
+
+
+@pytest.mark.parametrize("name", ["llama_tp2", "llama_tp4", "odd_tp2", "odd_tp4"])
+def test_tp_validate_and_generate_match_transformers(tp_ws: Path, cache_dir: Path, name: str) -> None:
+    label = f"//models:{name}"
     proc = run_cli(["validate", label, "--generate", "8", "--cache-dir", str(cache_dir)], tp_ws)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = [line for line in proc.stdout.splitlines() if line.startswith(label + " ")]
@@ -206,7 +256,7 @@ def test_the_example_tp2_target_plans_by_name_and_stays_out_of_wildcards(tmp_pat
     ws = copy_example(tmp_path / "ws")
     named = run_cli(["plan", "//models:llama_trn2_tp2", "--cache-dir", str(tmp_path / "c")], ws)
     assert named.returncode == 0, named.stderr
-    assert "\n12 actions: " in named.stdout, named.stdout  # 4 buckets: trace, lowering, compile each
+    assert "\n13 actions: " in named.stdout, named.stdout  # 4 buckets: trace, lowering, compile each; weights
     every = run_cli(["plan", "//...", "--cache-dir", str(tmp_path / "c")], ws)
     assert every.returncode == 0 and "llama_trn2_tp2" not in every.stdout, every.stdout
 

@@ -12,8 +12,12 @@ from neuronbuild.loading.labels import Label
 
 TRACE = "trace"
 COMPILE = "compile"
+WEIGHTS = "weights"  # one per (model, dtype, layout): the checkpoint streamed into the model's weights file(s)
 TRACE_OUTPUT = "program.pt2"  # shapes only: no weight values inside
-TRACE_WEIGHTS = "constants.safetensors"  # every tensor the program holds, streamed from the weight files
+TRACE_WEIGHTS = "constants.safetensors"  # the model's weights action's output: its state by FQN (tied once)
+# A graph's own tensors (non-persistent buffers, lifted constants: what the program computes, never a checkpoint's
+# values), written beside the graph by the step that compiles or lowers its program; small.
+PROGRAM_CONSTANTS = "program_constants.safetensors"
 
 
 def rank_weights(rank: int) -> str:
@@ -23,7 +27,7 @@ def rank_weights(rank: int) -> str:
 
 
 def trace_weights(tp_degree: int) -> tuple[str, ...]:
-    """The weights files a trace at `tp_degree` writes: the one file, or one per rank."""
+    """The weights files a weights action at `tp_degree` writes: the one file, or one per rank."""
     return (TRACE_WEIGHTS,) if tp_degree <= 1 else tuple(rank_weights(r) for r in range(tp_degree))
 
 
@@ -112,20 +116,23 @@ class Action:
 
     @property
     def model(self) -> Mapping[str, Any]:
-        """A trace's model record (package, srcs by digest, entry, config, weights, seed, inputs); {} otherwise."""
-        return self.record.get("model") or {} if self.kind == TRACE else {}
+        """A trace's model record (package, srcs by digest, entry, config, seed, inputs) or a weights action's (+ the
+        checkpoint: weights, weights_prefix; no graph, inputs or outputs); {} otherwise."""
+        return self.record.get("model") or {} if self.kind in (TRACE, WEIGHTS) else {}
 
     @property
     def identity(self) -> str:
         """What a user calls "the same action" across edits: label + bucket (+ target for compiles)."""
         v = self.__dict__.get("_identity")
         if v is None:
-            base = f"{self.kind} {self.label} [{self.bucket}]"
+            base = f"{self.kind} {self.label}" if self.kind == WEIGHTS else f"{self.kind} {self.label} [{self.bucket}]"
+            if self.kind == WEIGHTS and len(self.outputs) > 1:  # one per layout: a tensor-parallel one names its degree
+                base += f" (tp {len(self.outputs)})"
             v = self.__dict__["_identity"] = f"{base} for {self.platform}" if self.platform else base
         return v
 
     def describe(self) -> str:
-        base = f"{self.kind.capitalize()} {self.label} [{self.bucket}]"
+        base = f"{self.kind.capitalize()} {self.label}" + ("" if self.kind == WEIGHTS else f" [{self.bucket}]")
         return f"{base} for {self.target or self.platform}" if self.platform else base
 
 

@@ -13,14 +13,14 @@ from typing import Any
 import networkx as nx
 
 from neuronbuild import plugins
-from neuronbuild.analysis.actions import TRACE, Action
+from neuronbuild.analysis.actions import TRACE, WEIGHTS, Action
 from neuronbuild.history import History, LatestEntry
 
 TRACE_DEFAULT_S = 4.0  # a trace of a small model, when nothing was recorded
 TRACE_DEFAULT_MB = 800.0
-# A trace runs on shapes and streams the weights into its constants file in pieces of at most 64 MB (stored and
-# converted copy): what it holds beyond torch does not grow with the weights (1B-shaped model: < 700 MiB, see
-# docs/benchmarks.md #28).
+# A trace runs on shapes; the model's weights action streams the weights into its file in pieces of at most 64 MB
+# (stored and converted copy): what it holds beyond torch does not grow with the weights (1B-shaped model: < 700
+# MiB, see docs/benchmarks.md #28).
 TRACE_STREAM_MB = 128.0
 
 
@@ -71,8 +71,9 @@ def default_peak_mb(action: Action, weight_mb: float) -> float:
 
 
 def declared_weight_mb(todo: Iterable[Action], actions: Mapping[str, Action], root: Path) -> dict[str, float]:
-    """Per action of `todo`: the MB of the weight files its model declares (a trace: its own; a compile step: its trace's,
-    through the steps before it), from their sizes on disk; 0.0 for a model without weight files."""
+    """Per action of `todo`: the MB of the weight files it streams (a weights action: its model's; a compile step that
+    binds them: its weights action's), from their sizes on disk; 0.0 for a step on shapes only (a trace, a Lower) and
+    for a model without weight files."""
     by_trace: dict[str, float] = {}
     out: dict[str, float] = {}
 
@@ -91,12 +92,12 @@ def declared_weight_mb(todo: Iterable[Action], actions: Mapping[str, Action], ro
         return known
 
     for a in todo:
-        cur: Action | None = a
-        for _ in range(64):  # (a chain of steps back to its trace: a handful)
-            if cur is None or cur.kind == TRACE:
-                break
-            cur = next((actions[d.action] for d in cur.dep_inputs if d.action in actions), None)
-        out[a.fingerprint] = of_trace(cur) if cur is not None and cur.kind == TRACE else 0.0
+        if a.kind == WEIGHTS:
+            out[a.fingerprint] = of_trace(a)
+            continue
+        w = next((actions[d.action] for d in a.dep_inputs
+                  if d.action in actions and actions[d.action].kind == WEIGHTS), None)
+        out[a.fingerprint] = of_trace(w) if w is not None else 0.0
     return out
 
 

@@ -7,7 +7,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from neuronbuild.analysis.actions import COMPILE, TRACE, Action
+from neuronbuild.analysis.actions import COMPILE, TRACE, WEIGHTS, Action
 from neuronbuild.analysis.planner import ActionGraph
 from neuronbuild.analysis.providers import CompileTarget
 from neuronbuild.history import History, LatestEntry
@@ -135,14 +135,15 @@ def describe_change(path: tuple[str, ...], old: Any, new: Any, new_record: Mappi
         return f"env {path[1]}: " + ("changed" if state(old) == state(new) == "set" else f"{state(old)} -> {state(new)}")
     if path[:1] == ("toolchain",) and len(path) == 2:
         return f"{path[0]} {path[1]}: {_fmt(old)} -> {_fmt(new)}"
-    if path in (("trace",), ("lowering",)):
+    if path in (("trace",), ("lowering",), ("weights",)):
         return f"{path[0]}: {str(old)[:12]} -> {str(new)[:12]} (the previous {path[0]}'s record is not in the cache)"
     return f"{'.'.join(path)}: {_fmt(old)} -> {_fmt(new)}"
 
 
 # Record fields holding the fingerprint of the action whose outputs this one reads (a compile's trace, a Neuron
-# compile's lowering): a change there is explained by that action's own changed fields, when its old record is cached.
-DEP_FIELDS = ("trace", "lowering")
+# compile's lowering, the model's weights action): a change there is explained by that action's own changed fields,
+# when its old record is cached.
+DEP_FIELDS = ("trace", "lowering", "weights")
 
 
 def _caused_changes(ag: ActionGraph, old: Mapping[str, Any], new: Mapping[str, Any], history: History,
@@ -166,7 +167,8 @@ def record_changes(ag: ActionGraph, action: Action, old: Mapping[str, Any], hist
     """Changed fields of `action`'s record against `old`. A changed dependency fingerprint (`trace`, `lowering`) is
     replaced by that dependency's own changed fields (the cause), when its old record is still in the cache."""
     new = action.record
-    found = _caused_changes(ag, old, new, history) if action.kind != TRACE else diff(dict(old), dict(new))
+    found = (_caused_changes(ag, old, new, history) if action.kind not in (TRACE, WEIGHTS)
+             else diff(dict(old), dict(new)))
     return tuple(Change(p, o, n, describe_change(p, o, n, new)) for p, o, n in found)
 
 
@@ -210,7 +212,7 @@ def explain(ag: ActionGraph, todo: Sequence[Action], history: History) -> list[E
 
 
 # Within one bucket of a target: the trace, then the lowering (Neuron), then the compile (what reads what).
-KIND_ORDER = {TRACE: 0, "lower": 1, COMPILE: 2}
+KIND_ORDER = {WEIGHTS: -1, TRACE: 0, "lower": 1, COMPILE: 2}
 
 
 def _kind_rank(a: Action) -> tuple[int, str]:

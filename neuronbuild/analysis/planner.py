@@ -21,9 +21,19 @@ from typing import Any
 import networkx as nx
 
 from neuronbuild import FORMAT_VERSION, digests, plugins
-from neuronbuild.analysis.actions import TRACE, TRACE_OUTPUT, Action, Bucket, make_action, trace_weights
+from neuronbuild.analysis.actions import (
+    TRACE,
+    TRACE_OUTPUT,
+    WEIGHTS,
+    Action,
+    Bucket,
+    FileInput,
+    make_action,
+    trace_weights,
+)
 from neuronbuild.analysis.plan_settings import PlanSettings
 from neuronbuild.analysis.providers import BundleInfo, CompileTarget, ModelInfo
+from neuronbuild.analysis.toolchain_api import CompileRequest, Toolchain
 from neuronbuild.loading.labels import Label
 from neuronbuild.loading.target_graph import TargetGraph
 from neuronbuild.loading.targets import Target
@@ -158,6 +168,24 @@ class ActionGraph:
         while a.kind != TRACE:
             a = self.actions[a.deps[0]]
         return a
+
+    def weights_of(self, fp: str) -> Action | None:
+        """The model's weights action an action's outputs bind (itself for one), or None (a trace, a Lower)."""
+        for d in self.closure(fp):
+            a = self.actions.get(d)
+            if a is not None and a.kind == WEIGHTS:
+                return a
+        return None
+
+    def model_of(self, fp: str) -> dict[str, Any]:
+        """The model record an action's outputs come from: its trace's (the graph's entry, inputs, outputs) with the
+        checkpoint the weights action read (weights, weights_prefix), as `validate` rebuilds the eager model."""
+        rec = dict(self.trace_of(fp).model)
+        w = self.weights_of(fp)
+        if w is not None:
+            wrec = w.record.get("model") or {}
+            rec.update({k: wrec[k] for k in ("weights", "weights_prefix") if k in wrec})
+        return rec
 
     def closure(self, fp: str) -> set[str]:
         """The action and every action it depends on (nx.ancestors' set and `fp`, over `Action.deps`: a build asks
@@ -357,6 +385,7 @@ class AnalysisContext:
         self._frames: list[_Recorder] = []
         self._valid: dict[Label, bool] = {}
         self._traces: dict[tuple[int, Bucket, int], tuple[ModelInfo, Action]] = {}
+        self._weights: dict[tuple[int, int], tuple[ModelInfo, Action]] = {}
         self._bad: set[int] | None = None  # id() of memoised nodes whose own inputs changed (made on first need)
         self._volatile_same: dict[int, tuple[Label, bool]] = {}
         self._from_segments: set[int] = set()  # id() of the nodes provided from segments
@@ -672,7 +701,7 @@ class AnalysisContext:
         return action
 
     def _make_trace(self, model: ModelInfo, bucket: Bucket, tp_degree: int = 1) -> Action:
-        rec = model.record
+        rec = _without_weights(model.record)
         if tp_degree <= 1 and "tp_plan" in rec:  # a sharding plan changes only sharded traces
             rec = {k: v for k, v in rec.items() if k != "tp_plan"}
         record = {
@@ -682,17 +711,80 @@ class AnalysisContext:
             "bucket": bucket.as_dict(),
             # + the third-party distributions the model imports (what-if versions applied like torch's)
             "toolchain": self.settings.trace_toolchain() | self.settings.override(dict(rec.get("imports") or {})),
-            "program": "shapes-2",  # program.pt2 without weight values + the streamed constants.safetensors (tied once)
+            "program": "shapes-3",  # program.pt2 only: no weight values, no weight files read (the weights action's)
         } | self.common
         spec = {"model": {k: rec[k] for k in ("package", "entry", "config", "seed")}
-                | {"srcs": list(rec["srcs"]), "weights": rec["weights"], "weights_prefix": rec.get("weights_prefix", ""),
-                   "libraries": sorted(rec.get("deps") or {})}
+                | {"srcs": list(rec["srcs"]), "libraries": sorted(rec.get("deps") or {})}
                 | ({"tp_plan": rec["tp_plan"]} if rec.get("tp_plan") else {}),
                 "inputs": rec["inputs"], "outputs": rec.get("outputs") or [], "bucket": bucket.as_dict()}
         if tp_degree > 1:
             record["tp_degree"] = spec["tp_degree"] = tp_degree
-        return self.add(make_action(TRACE, model.label, bucket, record, spec, files=model.files,
-                                    outputs=(TRACE_OUTPUT, *trace_weights(tp_degree))))
+        return self.add(make_action(TRACE, model.label, bucket, record, spec, files=_source_files(model),
+                                    outputs=(TRACE_OUTPUT,)))
+
+    def plan_bucket(self, tc: Toolchain, req: CompileRequest) -> list[Action]:
+        """The actions toolchain `tc` plans for one bucket (`req`: a CompileRequest), registered, with the model's
+        weights action first when one of them binds it (a toolchain on shapes alone adds none); the last one is the
+        bucket's primary action."""
+        planned = tc.plan(req)
+        w = req.weights
+        if w is not None and any(d.action == w.fingerprint for a in planned for d in a.dep_inputs):
+            self.add(w)
+        return [self.add(a) for a in planned]
+
+    def weights(self, model: ModelInfo, tp_degree: int = 1) -> Action:
+        """The weights action of `model` (the model itself, not one of its graph families: they share its weights):
+        one per (model, dtype, layout), shared by every graph, bucket and target that binds its weights. It streams
+        the checkpoint into `constants.safetensors` (or one shard per rank at tp_degree > 1) in the dtypes the
+        module holds. Its record: the checkpoint's digests (+ prefix), what decides the module's state names, dtypes
+        and shapes (sources, entry, config with its dtype, seed, libraries, imported distributions) and the layout
+        (tp_degree and tp_plan when sharded); no bucket, input or output spec and no option, so changing those never
+        re-runs it. Made here, not added: the caller adds it when a planned step reads it."""
+        key = (id(model), tp_degree)
+        known = self._weights.get(key)
+        if known is not None and known[0] is model:
+            return known[1]
+        rec = {k: v for k, v in model.record.items() if k not in _GRAPH_KEYS}
+        if tp_degree <= 1:
+            rec.pop("tp_plan", None)
+        record = {
+            "format": FORMAT_VERSION,
+            "action": WEIGHTS,
+            "model": rec,
+            "toolchain": self.settings.trace_toolchain() | self.settings.override(dict(rec.get("imports") or {})),
+            "layout": "state-1",  # parameters and persistent buffers by FQN, tied ones once (an alias)
+        } | self.common
+        spec: dict[str, Any] = {"model": {k: rec[k] for k in ("package", "entry", "config", "seed")}
+                | {"srcs": list(rec["srcs"]), "weights": rec.get("weights"),
+                   "weights_prefix": rec.get("weights_prefix", ""), "libraries": sorted(rec.get("deps") or {})}
+                | ({"tp_plan": rec["tp_plan"]} if rec.get("tp_plan") else {})}
+        if tp_degree > 1:
+            record["tp_degree"] = spec["tp_degree"] = tp_degree
+        action = make_action(WEIGHTS, model.label, Bucket(()), record, spec, files=model.files,
+                             outputs=trace_weights(tp_degree))
+        self._weights[key] = (model, action)
+        return action  # (added by the compile whose steps bind it: AnalysisContext.add)
+
+
+# A graph family's own record keys (a weights action is the model's: its graphs share it).
+_GRAPH_KEYS = ("graph", "inputs", "outputs", "aliases", "whole_inputs", "tp")
+
+
+def _weight_paths(record: Mapping[str, Any]) -> set[str]:
+    w = record.get("weights") or {}
+    return {str(p) for p, _d in w.get("shards") or ()} | ({str(w["path"])} if w.get("path") else set())
+
+
+def _without_weights(record: Mapping[str, Any]) -> dict[str, Any]:
+    """A model record as a trace sees it: the checkpoint is the weights action's (a trace works on shapes only, so
+    weight values, and which files hold them, do not enter its fingerprint)."""
+    return {k: v for k, v in record.items() if k not in ("weights", "weights_prefix")}
+
+
+def _source_files(model: ModelInfo) -> tuple[FileInput, ...]:
+    """The model's declared files but its weight files (a trace's sandbox holds no checkpoint)."""
+    paths = _weight_paths(model.record)
+    return tuple(f for f in model.files if f.path not in paths) if paths else model.files
 
 
 _MISSING = object()

@@ -2,8 +2,9 @@
 per-rank model record a tp_degree > 1 trace is made from (no torch here).
 
 The sharding itself (Megatron: q/k/v and gate/up column-parallel, o and down row-parallel with an all-reduce, GQA kv
-heads replicated when fewer than ranks; for a plain neuron_model, its declared tp_plan) happens in the trace
-(toolchains/hf_causal_lm.py, toolchains/tp_ops.py); the all-reduce's HLO form lives in toolchains/neuron_collectives.py."""
+heads replicated when fewer than ranks, embedding and lm_head over the vocabulary padded to a multiple of tp; for a
+plain neuron_model, its declared tp_plan) happens in the trace (toolchains/hf_causal_lm.py, toolchains/tp_ops.py); the
+collectives' HLO form lives in toolchains/neuron_collectives.py."""
 
 from __future__ import annotations
 
@@ -52,6 +53,9 @@ def check(record: Mapping[str, Any], platform: str, tp: int) -> str | None:
         return f"tp_degree {tp}: the model's {kv} key/value heads neither divide by it nor divide it"
     if inter % tp:
         return f"tp_degree {tp} does not divide the model's intermediate_size {inter}"
+    vocab = int(hf.get("vocab_size") or 0)
+    if vocab < tp:  # (each rank holds a block of the vocabulary, padded to a multiple of tp)
+        return f"tp_degree {tp}: the model's vocab_size {vocab} is smaller than it"
     if hf.get("attention_bias") or hf.get("mlp_bias"):
         return f"tp_degree {tp}: models with attention_bias or mlp_bias are not supported (row-parallel biases)"
     return None

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from neuronbuild import FORMAT_VERSION
-from neuronbuild.analysis.actions import Action, Bucket
+from neuronbuild.analysis.actions import Action, Bucket, DepInput
 from neuronbuild.analysis.plan_settings import PlanSettings
 from neuronbuild.loading.labels import Label
 from neuronbuild.loading.schema import Attr, AttrType
@@ -73,6 +73,15 @@ class CompileRequest:
     trace: Action | None = None  # the trace action whose program the toolchain compiles
     settings: PlanSettings = field(default_factory=PlanSettings)
     common: Mapping[str, Any] = field(default_factory=dict, hash=False)  # record fields every action carries (env)
+    # The model's weights action (one per model, dtype and layout; its outputs: constants.safetensors, or
+    # rank_<r>.safetensors per rank): a step that binds or ships the weights reads them from it (weights_inputs).
+    weights: Action | None = None
+
+    def weights_inputs(self) -> tuple[DepInput, ...]:
+        """The model's weights files as inputs of a step (each under its own name in the sandbox); a step that only
+        needs shapes takes none, so changing weight values never re-runs it."""
+        assert self.weights is not None
+        return tuple(DepInput(self.weights.fingerprint, f, f) for f in self.weights.outputs)
 
     def record(self, action: str, versions: Mapping[str, str], **fields: Any) -> dict[str, Any]:
         """The canonical record of one of this bucket's actions: everything that can change its output. `fields`

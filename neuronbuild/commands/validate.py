@@ -78,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
                 print(f"{row} {'-':>10} {'-':>10} {tol:>10.1e}  NOT BUILT (run neuronbuild build {ct.label})",
                       flush=True)
                 continue
-            spec = dict(ag.trace_of(fp).model)
+            spec = ag.model_of(fp)
             spec["libraries"] = sorted(spec.get("deps") or {})
             tmp = tmp_root / fp
             tmp.mkdir(parents=True, exist_ok=True)

@@ -121,7 +121,7 @@ def toolchain_mismatch(expect: Mapping[str, str]) -> str | None:
 
 def run_action(kind: str, spec: dict[str, Any], inputs: str, outputs: str, log_path: str,
                expect: Mapping[str, str] | None = None, policy: Policy | None = None) -> dict[str, Any]:
-    """Run a trace or a toolchain step in this process, after checking this worker's toolchain against `expect` (the
+    """Run a trace, a weights action or a toolchain step in this process, after checking this worker's toolchain against `expect` (the
     versions in the action's fingerprint) and, with a `policy`, confining this process to it for good (so: only in
     a per-action child, see run_isolated). Returns {"ok", "metadata"|"error", "duration_s", "pid", "peak_rss_mb"}."""
     start = time.perf_counter()
@@ -144,6 +144,10 @@ def run_action(kind: str, spec: dict[str, Any], inputs: str, outputs: str, log_p
                     from neuronbuild.toolchains.trace import run_trace
 
                     meta = run_trace(spec, Path(inputs), Path(outputs))
+                elif kind == "weights":
+                    from neuronbuild.toolchains.trace import run_weights
+
+                    meta = run_weights(spec, Path(inputs), Path(outputs))
                 else:  # a toolchain's step: the registered toolchain named in the spec runs it
                     from neuronbuild import plugins
 

@@ -93,6 +93,7 @@ def analyze(ctx: AnalysisContext, t: Target) -> CompileTarget:
         return toolchain_options(tc, merged)
 
     tp = int(t.attrs.get("tp_degree") or 1)
+    weights = None  # the model's one weights action (made once the checks below have passed)
     entries: list[tuple[Bucket, str]] = []
     buckets_attr = t.attrs["buckets"]
     families = list(model.graphs) or [("", model)]
@@ -111,13 +112,13 @@ def analyze(ctx: AnalysisContext, t: Target) -> CompileTarget:
         inputs: Mapping[str, object] = dict(traced.record["inputs"])  # ordered: the record holds [name, spec] pairs
         for bucket in buckets_of(ctx, t, ginfo, labels, gname):
             trace = ctx.trace(traced, bucket, tp)
+            if weights is None:
+                weights = ctx.weights(model, tp)
             req = CompileRequest(t.label, plat.platform, plat.target, opts, bucket, inputs, trace, ctx.settings,
-                                 ctx.common)
-            primary = None
-            for action in tc.plan(req):
-                primary = ctx.add(action)
-            assert primary is not None, f"toolchain {tc.name} planned no action"
-            entries.append((bucket, primary.fingerprint))
+                                 ctx.common, weights)
+            planned = ctx.plan_bucket(tc, req)
+            assert planned, f"toolchain {tc.name} planned no action"
+            entries.append((bucket, planned[-1].fingerprint))
     first = next(iter(graph_options.values()), None)
     ct = CompileTarget(t.label, model.label, plat.platform, tc.name, plat.target, plat.description,
                        first if first is not None else options_for(""), tuple(entries), float(t.attrs["tolerance"]),

@@ -198,6 +198,30 @@ def materialize(root: Path, ag: ActionGraph, cache: LocalCache, failed: set[str]
     return done
 
 
+def _link_to(first: Path, dest: Path) -> bool:
+    """Make `dest` a hard link to `first` (already checked or copied: the same blob); False where the filesystem
+    cannot link (then it gets a copy of its own)."""
+    try:
+        if os.path.samefile(first, dest):
+            return True
+    except OSError:
+        pass
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.with_name(f"{COPY_TEMP_PREFIX}{dest.name}.{os.getpid()}")
+    try:
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+        os.link(first, tmp)
+        if dest.is_dir() and not dest.is_symlink():
+            shutil.rmtree(dest)
+        os.replace(tmp, dest)
+        return True
+    except OSError:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        return False
+
+
 def _write_target(out: Path, manifest: dict[str, Any], cache: LocalCache, copied: set[str]) -> None:
     """Make `out` hold exactly the outputs and manifest: files whose digest and size the old manifest and the
     directory confirm are kept, others copied from the cache (the first copy of each blob in this materialisation
@@ -212,17 +236,26 @@ def _write_target(out: Path, manifest: dict[str, Any], cache: LocalCache, copied
     old_files = {(b.get("name"), n): o.get("digest") for b in old.get("buckets", [])
                  for n, o in b.get("outputs", {}).items()}
     keep = {MANIFEST}
+    # One copy per blob in the target's directory: the buckets' equal files (the model's weights file, which every
+    # bucket ships) are hard links to the first bucket's.
+    placed: dict[str, Path] = {}
     for b in manifest["buckets"]:
         for name, ref in b["outputs"].items():
             dest = out / b["name"] / name
             keep.add(f"{b['name']}/{name}")
-            if old_files.get((b["name"], name)) == ref["digest"] and dest.is_file() and \
+            first = placed.get(ref["digest"])
+            if first is not None:
+                if _link_to(first, dest):
+                    continue
+            elif old_files.get((b["name"], name)) == ref["digest"] and dest.is_file() and \
                     dest.stat().st_size == ref["size"]:
+                placed[ref["digest"]] = dest
                 continue
             if dest.is_dir() and not dest.is_symlink():
                 shutil.rmtree(dest)
             cache.copy_blob(ref["digest"], dest, ref["size"] if ref["digest"] in copied else None)
             copied.add(ref["digest"])
+            placed.setdefault(ref["digest"], dest)
     data = json.dumps(manifest, sort_keys=True, indent=1).encode()
     if not ((out / MANIFEST).is_file() and (out / MANIFEST).read_bytes() == data):
         # Not synced, as the outputs beside it (BlobStore.copy_out): the directory is derived from the cache, and

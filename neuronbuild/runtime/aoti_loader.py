@@ -14,6 +14,7 @@ from neuronbuild.runtime.verified import with_tied
 
 MODEL_NAME = "model"
 CONSTANTS_FILE = "constants.safetensors"  # written next to model.pt2 by the cpu compile
+PROGRAM_CONSTANTS_FILE = "program_constants.safetensors"  # the graph's own tensors (absent in older outputs)
 
 
 class LoadedPackage:
@@ -45,6 +46,15 @@ def read_constants(path: Path) -> dict[str, torch.Tensor]:
     return with_tied(dict(load_file(str(path))), metadata)
 
 
+def with_program_constants(weights: Mapping[str, torch.Tensor], path: Path | None) -> dict[str, torch.Tensor]:
+    """A graph's tensors: the model's weights (shared by its graphs) and, when the graph has the file, its own
+    (non-persistent buffers, lifted constants; a few small tensors) read from `path`. A name in both keeps the
+    weights file's value (a tensor-parallel rank's shard holds its own values of per-rank buffers)."""
+    if path is None or not Path(path).is_file():
+        return dict(weights)
+    return {**read_constants(Path(path)), **weights}
+
+
 def load_package(path: Path, constants: Mapping[str, torch.Tensor] | None = None) -> Callable[..., Any]:
     """Load model.pt2 with the C++ package loader (ms, no g++); fall back to torch._inductor.aoti_load_package.
 
@@ -57,7 +67,8 @@ def load_package(path: Path, constants: Mapping[str, torch.Tensor] | None = None
     if not path.is_file():
         raise FileNotFoundError(f"no AOTInductor package at {path}")
     if constants is None and (path.parent / CONSTANTS_FILE).is_file():
-        constants = read_constants(path.parent / CONSTANTS_FILE)
+        constants = with_program_constants(read_constants(path.parent / CONSTANTS_FILE),
+                                           path.parent / PROGRAM_CONSTANTS_FILE)
     try:
         loader = torch._C._aoti.AOTIModelPackageLoader(str(path), MODEL_NAME, False, 1, -1)
     except (AttributeError, RuntimeError, TypeError):

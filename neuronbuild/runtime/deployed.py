@@ -39,6 +39,7 @@ STRICT_ENV = "NEURONBUILD_STRICT"
 REQUIRE_ENV = "NEURONBUILD_REQUIRE"
 EMULATE_ENV = "NEURONBUILD_EMULATE"
 EMULATE_MODES = ("xla-cpu",)
+PROGRAM_CONSTANTS = "program_constants.safetensors"  # a graph's own tensors beside the model's weights
 log = logging.getLogger("neuronbuild.runtime")
 
 
@@ -326,8 +327,15 @@ class DeployedCache:
             self._weights[key] = load_weights_verified(path, ref)  # every byte checked before use, read once
         return self._weights[key]
 
-    def _weights_ref(self, rdir: Path) -> Callable[[FileRef], Any]:
-        return lambda ref: self._weights_for(rdir / ref.path, ref)
+    def _weights_ref(self, rdir: Path, g: Graph) -> Callable[[FileRef], Any]:
+        """A weights file's tensors for graph `g`: the model's weights (or a rank's shard) and the graph's own tensors
+        (program_constants.safetensors, when the graph has one: non-persistent buffers, lifted constants; small), each
+        byte checked; a name in both keeps the weights file's value (a tensor-parallel rank's shard holds its own
+        values of per-rank buffers)."""
+        own = g.artifacts.get(PROGRAM_CONSTANTS)
+        if own is None:
+            return lambda ref: self._weights_for(rdir / ref.path, ref)
+        return lambda ref: {**self._weights_for(rdir / own.path, own), **self._weights_for(rdir / ref.path, ref)}
 
     def _load(self, slot: _Slot) -> Callable[..., Any] | None:
         if slot.fn is not None:
@@ -344,7 +352,7 @@ class DeployedCache:
             loader = plugins.loader_for(g.format)
             if loader is None:
                 raise RuntimeError(no_loader(g.format))
-            loaded = loader.load(LoadRequest(g, slot.release.dir, self.emulate, self._weights_ref(slot.release.dir),
+            loaded = loader.load(LoadRequest(g, slot.release.dir, self.emulate, self._weights_ref(slot.release.dir, g),
                                              self._scratch))
             slot.fn, emulated = loaded.fn, loaded.emulated
         except Exception as e:  # noqa: BLE001 - any load failure is this graph's error

@@ -40,7 +40,8 @@ from neuronbuild.toolchains.weights import read_header
 INDUCTOR_FLAGS_VERSION = 2
 TORCH_DIR = Path(torch.__file__).resolve().parent
 PACKAGE_MODEL_NAME = "model"
-CONSTANTS_FILE = "constants.safetensors"  # the cpu compile's second output: the package's weights by FQN  # the top folder inside the canonical model.pt2 and the name load_package asks for
+CONSTANTS_FILE = "constants.safetensors"  # the cpu compile's second output: the model's weights by FQN
+PROGRAM_CONSTANTS_FILE = "program_constants.safetensors"  # its third: the program's own tensors
 _ZIP_EPOCH = (1980, 1, 1, 0, 0, 0)
 _KERNEL_NOTE = "// Triton kernels are embedded as comments in "  # how inductor opens an AOT kernel source
 
@@ -70,16 +71,20 @@ def _program_and_args(spec: Mapping[str, Any], sandbox: Path) -> tuple[torch.exp
 
 def run_cpu_compile(spec: dict[str, Any], sandbox: Path, out_dir: Path) -> dict[str, Any]:
     """Compile spec["program"] (relative to sandbox) into an AOTInductor package for spec["isa"] in out_dir, from
-    shapes only (the program holds no weight values); the weights file is the trace's, placed beside it."""
+    shapes only (the program holds no weight values); the weights file is the model's weights action's, placed
+    beside it, with the program's own tensors (program_constants.safetensors)."""
+    from neuronbuild.toolchains.trace import write_program_constants
+
     ep, args = _program_and_args(spec, sandbox)
     _inlined_values(ep, Path(sandbox) / CONSTANTS_FILE)
     Path(out_dir).mkdir(parents=True, exist_ok=True)
+    write_program_constants(ep, Path(out_dir) / PROGRAM_CONSTANTS_FILE)
     return compile_cpu(ep, args, str(spec.get("isa", "")), spec.get("options") or {}, Path(out_dir),
                        Path(sandbox) / CONSTANTS_FILE)
 
 
 def _inlined_values(ep: torch.export.ExportedProgram, weights: Path) -> None:
-    """Give the weights inductor inlines into the generated code their values (read from the trace's weights file):
+    """Give the weights inductor inlines into the generated code their values (read from the model's weights file):
     0-d tensors and 1-d ones of at most 8 elements (`GraphLowering.can_inline_constant`). The only weight values a
     cpu compile holds: a few bytes each; every other weight stays a fake tensor (shape and dtype only)."""
     from safetensors import safe_open
@@ -141,15 +146,17 @@ def compile_cpu(
         with torch.no_grad():
             aoti_compile_and_package(ep, package_path=str(raw), inductor_configs=inductor_configs(target))
         data = canonical_package(raw.read_bytes())
-        # The trace's weights file holds every tensor the program holds (a superset of what the package asks for:
-        # inductor folds some buffers in), the same file as the Neuron lowering's: one per model for all graphs.
+        # The model's weights file (its state) and the program's own tensors hold every tensor the program holds
+        # (a superset of what the package asks for: inductor folds some buffers in); the weights file is one per
+        # model for all graphs, buckets and targets.
         if not weights.is_file():
-            raise ToolchainError(f"the trace's {CONSTANTS_FILE} is missing from the sandbox")
-        held = read_header(weights)
+            raise ToolchainError(f"the model's {CONSTANTS_FILE} is missing from the sandbox")
+        own = out_dir / PROGRAM_CONSTANTS_FILE
+        held = {**read_header(weights), **(read_header(own) if own.is_file() else {})}
         missing = [n for n in _constant_fqns(raw) if n not in held]
         if missing:
-            raise ToolchainError(f"the compiled package needs constant(s) the trace's {CONSTANTS_FILE} does not hold: "
-                                 f"{', '.join(missing[:5])}")
+            raise ToolchainError(f"the compiled package needs constant(s) the model's {CONSTANTS_FILE} does not "
+                                 f"hold: {', '.join(missing[:5])}")
     (out_dir / "model.pt2").write_bytes(data)
     place_file(weights, out_dir / CONSTANTS_FILE)
     return {"artifact": "model.pt2", "bytes": len(data), "isa": isa, "constants": CONSTANTS_FILE,

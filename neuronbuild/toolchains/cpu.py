@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from neuronbuild import plugins
-from neuronbuild.analysis.actions import COMPILE, TRACE_OUTPUT, TRACE_WEIGHTS, Action, DepInput, make_action
+from neuronbuild.analysis.actions import COMPILE, PROGRAM_CONSTANTS, TRACE_OUTPUT, Action, DepInput, make_action
 from neuronbuild.analysis.plan_settings import PlanSettings
 from neuronbuild.analysis.toolchain_api import WARM_UP, CompileRequest, OptionKey, StepDirs
 from neuronbuild.loading.schema import STRING, Attr
@@ -15,7 +15,9 @@ from neuronbuild.platforms import cxx_version, resolve_isa
 from neuronbuild.toolchains import cpu_runtime
 from neuronbuild.vocabulary import AUTO_CAST, CPU_ISAS, CPU_PLATFORM
 
-OUTPUTS = ("model.pt2", "constants.safetensors")  # the package (no weights inside) and its weights by FQN
+# the package (no weights inside), the model's weights by FQN (the weights action's file, linked) and the program's own
+# tensors (non-persistent buffers, lifted constants)
+OUTPUTS = ("model.pt2", "constants.safetensors", PROGRAM_CONSTANTS)
 
 
 class CpuToolchain:
@@ -46,13 +48,16 @@ class CpuToolchain:
 
     def plan(self, req: CompileRequest) -> list[Action]:
         assert req.trace is not None
-        record = req.record(COMPILE, self.versions(req.platform, req.settings), weights="held-1")
+        assert req.weights is not None
+        # The weights enter through the weights action's fingerprint: inductor inlines a few tiny weights' values
+        # into the code, and the package ships beside the model's weights file.
+        record = req.record(COMPILE, self.versions(req.platform, req.settings), weights=req.weights.fingerprint)
         spec = {"toolchain": self.name, "step": COMPILE, "platform": req.platform, "isa": req.target["isa"],
                 "options": dict(req.options), "inputs": dict(req.inputs), "bucket": req.bucket.as_dict(),
                 "program": TRACE_OUTPUT}
         return [make_action(COMPILE, req.label, req.bucket, record, spec,
-                            dep_inputs=tuple(DepInput(req.trace.fingerprint, f, f) for f in (TRACE_OUTPUT,
-                                                                                              TRACE_WEIGHTS)),
+                            dep_inputs=(DepInput(req.trace.fingerprint, TRACE_OUTPUT, TRACE_OUTPUT),
+                                        *req.weights_inputs()),
                             outputs=OUTPUTS, platform=req.platform, target=self.describe_target(req.target))]
 
     def run(self, step: str, spec: Mapping[str, Any], sandbox: Path, out_dir: Path) -> dict[str, Any]:
@@ -79,9 +84,10 @@ class CpuToolchain:
         return {"cxx": cxx_version(), "isa": resolve_isa("native")}
 
     def load_artifact(self, files: Mapping[str, Path]) -> Callable[..., Any]:
-        from neuronbuild.runtime.aoti_loader import load_package, read_constants
+        from neuronbuild.runtime.aoti_loader import load_package, read_constants, with_program_constants
 
-        return load_package(files["model.pt2"], constants=read_constants(files["constants.safetensors"]))
+        return load_package(files["model.pt2"], constants=with_program_constants(
+            read_constants(files["constants.safetensors"]), files.get(PROGRAM_CONSTANTS)))
 
     def notes(self, settings: PlanSettings) -> list[str]:
         return []

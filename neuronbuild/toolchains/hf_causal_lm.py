@@ -137,6 +137,7 @@ def hf_model(config: dict[str, Any]) -> nn.Module:
     model_type = str(config.get("model_type") or hf.pop("model_type", ""))
     hf.pop("model_type", None)
     tp = int(config.get("tp_degree") or 1)
+    vocab = int(hf.get("vocab_size") or 0)
     if tp > 1:
         hf = per_rank_config(hf, tp)
     dtype = model_dtype(hf)
@@ -146,6 +147,7 @@ def hf_model(config: dict[str, Any]) -> nn.Module:
     model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
     if tp > 1:
         _add_all_reduces(model, tp)
+        _vocab_parallel(model, tp, vocab)
     return model
 
 
@@ -153,7 +155,10 @@ def per_rank_config(hf: dict[str, Any], tp: int) -> dict[str, Any]:
     """One rank's HF config of a llama-family model: its attention heads (q/k/v column-parallel by heads, kv heads
     replicated when fewer than ranks) and its slice of the MLP's intermediate width (gate/up column-parallel);
     head_dim stays the model's. o_proj and down_proj then take this rank's inputs (row-parallel) and are followed by
-    an all-reduce (_add_all_reduces). Embeddings, norms and lm_head are replicated."""
+    an all-reduce (_add_all_reduces). The embedding and lm_head hold the rank's block of the vocabulary padded to a
+    multiple of tp (_vocab_parallel); norms are replicated."""
+    from neuronbuild.toolchains.tp_ops import vocab_rows
+
     heads = int(hf["num_attention_heads"])
     kv = int(hf.get("num_key_value_heads") or heads)
     out = dict(hf)
@@ -161,7 +166,23 @@ def per_rank_config(hf: dict[str, Any], tp: int) -> dict[str, Any]:
     out["num_attention_heads"] = heads // tp
     out["num_key_value_heads"] = max(1, kv // tp)
     out["intermediate_size"] = int(hf["intermediate_size"]) // tp
+    out["vocab_size"] = vocab_rows(int(hf["vocab_size"]), tp)
+    out["pad_token_id"] = None  # (the embedding's padding_idx: a global id, and only init and gradients use it)
     return out
+
+
+def _vocab_parallel(model: nn.Module, tp: int, vocab: int) -> None:
+    """Vocabulary-parallel embedding and lm_head (Megatron, as NxD Inference): each rank's embedding looks up its
+    block of ids, zeros elsewhere, all-reduced (tp_ops.VocabParallelEmbedding); its lm_head is column-parallel over
+    the same blocks, its logits all-gathered and the padding cut, so the graph outputs the whole model's logits. A
+    tied lm_head is the embedding's own weight: one shard serves both."""
+    from neuronbuild.toolchains.tp_ops import gather_vocab, make_vocab_parallel
+
+    embed, head = model.get_input_embeddings(), model.get_output_embeddings()  # type: ignore[operator]
+    if head is None or getattr(head, "bias", None) is not None:
+        raise ValueError("tensor parallelism: the model's lm_head is missing or has a bias")
+    make_vocab_parallel(embed, tp)
+    gather_vocab(head, tp, vocab)
 
 
 def _add_all_reduces(model: nn.Module, tp: int) -> None:

@@ -260,9 +260,10 @@ def rank_values(model: dict[str, Any], sandbox: Path, wanted: Mapping[str, torch
                                                                 torch.Tensor | Iterator[torch.Tensor]]:
     """(name, the rank's shape, rank) -> that rank's part of the tensor in the dtype `wanted` names, one tensor at a
     time (tp_ops.shard_rule: the rank's shape against the whole one), from the model's weight files or, without them,
-    the factory's seeded initialisation of `model`. A replicated tensor (an embedding) streams as converted pieces,
-    like state_values; a sharded one is read whole and sliced. ValueError when the shapes admit no split."""
-    from neuronbuild.toolchains.tp_ops import shard, shard_rule
+    the factory's seeded initialisation of `model`. A replicated tensor (a norm) streams as converted pieces, like
+    state_values; one split along dim 0 (column-parallel, the vocabulary) reads only the rank's rows; one split along
+    another dim (row-parallel) is read whole and sliced. ValueError when the shapes admit no split."""
+    from neuronbuild.toolchains.tp_ops import block, padded, shard
     from neuronbuild.toolchains.weights import Checkpoint
 
     files = _weight_files(model, sandbox)
@@ -273,8 +274,11 @@ def rank_values(model: dict[str, Any], sandbox: Path, wanted: Mapping[str, torch
 
     def value(name: str, shape: tuple[int, ...], rank: int) -> torch.Tensor | Iterator[torch.Tensor]:
         key = name if name in ckpt.index else next((k for k in sorted(tied.get(name, ())) if k in ckpt.index), name)
-        if shard_rule(ckpt.shape(key), shape, tp) == (-1, 1):
+        dim, start, held = block(ckpt.shape(key), shape, rank, tp)
+        if dim < 0:
             return ckpt.pieces(key, wanted[name])
+        if dim == 0:
+            return padded(ckpt.rows(key, start, held).to(wanted[name]), shape, 0)
         return shard(ckpt.tensor(key).to(wanted[name]), shape, rank, tp).contiguous()
 
     return value

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from neuronbuild import FORMAT_VERSION, plugins
-from neuronbuild.analysis.actions import COMPILE, TRACE_OUTPUT, Action, DepInput, make_action, trace_weights
+from neuronbuild.analysis.actions import COMPILE, PROGRAM_CONSTANTS, TRACE_OUTPUT, Action, DepInput, make_action
 from neuronbuild.analysis.plan_settings import NEURONX_CC, PlanSettings
 from neuronbuild.analysis.toolchain_api import WARM_UP, CompileRequest, OptionKey, StepDirs
 from neuronbuild.analysis.toolchain_versions import package_version
@@ -24,8 +24,8 @@ HLO_FILE = neuron_flags.HLO_FILE
 PARAMS_FILE = "params.json"
 WEIGHTS_FILE = "constants.safetensors"
 FLAGS_FILE = "compile_flags.json"
-LOWER_OUTPUTS = (HLO_FILE, PARAMS_FILE, WEIGHTS_FILE)
-OUTPUTS = (*LOWER_OUTPUTS, FLAGS_FILE)
+LOWER_OUTPUTS = (HLO_FILE, PARAMS_FILE, PROGRAM_CONSTANTS)  # from shapes only: no weights file
+OUTPUTS = (*LOWER_OUTPUTS, WEIGHTS_FILE, FLAGS_FILE)
 NEFF_OUTPUT = neuron_flags.NEFF_FILE  # when a neuronx-cc is configured
 NEURON_CC_FLAGS_ENV = "NEURON_CC_FLAGS"
 LOWERING_PACKAGES = ("torchax", "jax", "jaxlib")
@@ -100,8 +100,11 @@ class NeuronToolchain:
             raise UserInputError(f"{req.label}: {exc}") from None
         inputs, bucket = dict(req.inputs), req.bucket.as_dict()
         tp = int(req.trace.record.get("tp_degree") or 1)
-        weights = trace_weights(tp)  # the trace's weights file, or one shard per rank
-        lower_outputs, outputs_ = (HLO_FILE, PARAMS_FILE, *weights), (HLO_FILE, PARAMS_FILE, *weights, FLAGS_FILE)
+        # The Lower works on shapes (no weights input: a weights change never re-runs it); the Compile binds the
+        # model's weights action's file(s) (one, or one shard per rank) beside the module.
+        weights = req.weights_inputs()
+        lower_outputs = LOWER_OUTPUTS
+        outputs_ = (*LOWER_OUTPUTS, *(d.output for d in weights), FLAGS_FILE)
         lower_record = {
             "format": FORMAT_VERSION,
             "action": LOWER,
@@ -110,7 +113,7 @@ class NeuronToolchain:
             "bucket": bucket,
             "inputs": inputs,
             "toolchain": self.lowering_versions(req.settings),
-            "weights": "held-1",  # constants.safetensors holds every tensor of the program (= the cpu compile's file)
+            "weights": "shapes-2",  # no weights read; the program's own tensors in program_constants.safetensors
         } | dict(req.common)
         lower_spec = {"toolchain": self.name, "step": LOWER, "program": TRACE_OUTPUT, "inputs": inputs,
                       "bucket": bucket, "options": lowering}
@@ -125,10 +128,12 @@ class NeuronToolchain:
         lower = lowers.get(key)
         if lower is None or lower.record != lower_record or lower.spec != lower_spec or lower.label != req.trace.label:
             lower = lowers[key] = make_action(LOWER, req.trace.label, req.bucket, lower_record, lower_spec,
-                                              dep_inputs=tuple(DepInput(req.trace.fingerprint, f, f)
-                                                               for f in (TRACE_OUTPUT, *weights)),
+                                              dep_inputs=(DepInput(req.trace.fingerprint, TRACE_OUTPUT,
+                                                                           TRACE_OUTPUT),),
                                               outputs=lower_outputs)
-        record = req.record(COMPILE, self.versions(req.platform, req.settings), lowering=lower.fingerprint)
+        assert req.weights is not None
+        record = req.record(COMPILE, self.versions(req.platform, req.settings), lowering=lower.fingerprint,
+                            weights=req.weights.fingerprint)  # the weights it binds beside the module
         spec: dict[str, Any] = {"toolchain": self.name, "step": COMPILE, "platform": req.platform,
                                 "options": dict(req.options), "env_flags": env_flags, "neuronx_cc": None}
         outputs: tuple[str, ...] = outputs_
@@ -140,7 +145,7 @@ class NeuronToolchain:
         else:  # the step only writes compile_flags.json: progress says so, estimates count it as nothing
             spec["skipped"] = "no neuronx-cc"
         compile_ = make_action(COMPILE, req.label, req.bucket, record, spec,
-                               dep_inputs=tuple(DepInput(lower.fingerprint, f, f) for f in lower_outputs),
+                               dep_inputs=(*(DepInput(lower.fingerprint, f, f) for f in lower_outputs), *weights),
                                outputs=outputs, platform=req.platform, target=self.describe_target(req.target))
         return [lower, compile_]
 
@@ -182,13 +187,16 @@ class NeuronToolchain:
             return {NEURONX_CC: f"broken ({e})"}
 
     def load_artifact(self, files: Mapping[str, Path]) -> Callable[..., Any]:
-        from neuronbuild.runtime.aoti_loader import read_constants
+        from neuronbuild.runtime.aoti_loader import read_constants, with_program_constants
         from neuronbuild.runtime.xla_cpu import load_graph
 
+        own = files.get(PROGRAM_CONSTANTS)
         if WEIGHTS_FILE not in files:  # tensor-parallel: rank_<r>.safetensors, one per rank
             ranks = sorted((n for n in files if n.startswith("rank_")), key=lambda n: int(n[5:].split(".")[0]))
-            return load_graph(files[HLO_FILE], files[PARAMS_FILE], [read_constants(files[n]) for n in ranks])
-        return load_graph(files[HLO_FILE], files[PARAMS_FILE], read_constants(files[WEIGHTS_FILE]))
+            return load_graph(files[HLO_FILE], files[PARAMS_FILE],
+                              [with_program_constants(read_constants(files[n]), own) for n in ranks])
+        return load_graph(files[HLO_FILE], files[PARAMS_FILE],
+                          with_program_constants(read_constants(files[WEIGHTS_FILE]), own))
 
     def notes(self, settings: PlanSettings) -> list[str]:
         if settings.neuronx_cc is not None:

@@ -20,7 +20,7 @@ from torch.export.graph_signature import InputKind, OutputKind
 from neuronbuild.runtime import hlo_proto as neuron_hlo_proto
 from neuronbuild.toolchains.errors import ToolchainError
 from neuronbuild.toolchains.passes import ALL_EXTRA_OPS, MATMUL_OPS
-from neuronbuild.toolchains.tp_ops import is_all_reduce
+from neuronbuild.toolchains.tp_ops import collective
 
 HLO_FILE = "model.hlo.pb"
 PARAMS_FILE = "params.json"
@@ -140,7 +140,7 @@ def _check_supported(gm: torch.fx.GraphModule, registry: Any) -> None:
         if node.op != "call_function":
             continue
         target = node.target
-        if target is operator.getitem or str(target) in _ASSERTION_OPS or is_all_reduce(target):
+        if target is operator.getitem or str(target) in _ASSERTION_OPS or collective(target):
             continue
         if not isinstance(target, torch._ops.OpOverload) or _lowering(registry, target) is None:
             unsupported.setdefault(_op_name(target), node)
@@ -187,10 +187,11 @@ def _lower_graph(ep: torch.export.ExportedProgram, registry: Any, cast_targets: 
                 return super().call_function(target, args, kwargs)
             if str(target) in _ASSERTION_OPS:
                 return None
-            if is_all_reduce(target):  # a tensor-parallel program's collective: its form is neuron_collectives'
-                from neuronbuild.toolchains.neuron_collectives import all_reduce
+            kind = collective(target)
+            if kind:  # a tensor-parallel program's collective: its form is neuron_collectives'
+                from neuronbuild.toolchains import neuron_collectives
 
-                return all_reduce(args[0], int(args[1]))
+                return getattr(neuron_collectives, kind)(args[0], int(args[1]))
             impl = _lowering(registry, target)
             assert impl is not None and self.current is not None  # checked up front
             val = self.current.meta.get("val")

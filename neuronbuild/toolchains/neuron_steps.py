@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from neuronbuild import jsondata
 from neuronbuild.toolchains import neuron_flags
 from neuronbuild.toolchains.errors import ToolchainError
 
@@ -20,8 +21,9 @@ PARAMS_FILE = "params.json"
 WEIGHTS_FILE = "constants.safetensors"  # the same name and bytes as a cpu compile's weights: stored once per model
 FLAGS_FILE = "compile_flags.json"
 NEFF_FILE = neuron_flags.NEFF_FILE
-LOWER_OUTPUTS = (HLO_FILE, PARAMS_FILE, WEIGHTS_FILE)
-COMPILE_OUTPUTS = (*LOWER_OUTPUTS, FLAGS_FILE)
+PROGRAM_CONSTANTS = "program_constants.safetensors"  # the program's own tensors (analysis.actions.PROGRAM_CONSTANTS)
+LOWER_OUTPUTS = (HLO_FILE, PARAMS_FILE, PROGRAM_CONSTANTS)
+COMPILE_OUTPUTS = (*LOWER_OUTPUTS, WEIGHTS_FILE, FLAGS_FILE)
 
 
 def weights_files(tp: int) -> tuple[str, ...]:
@@ -32,43 +34,53 @@ def weights_files(tp: int) -> tuple[str, ...]:
 
 
 def run_lower(spec: Mapping[str, Any], sandbox: Path, out_dir: Path) -> dict[str, Any]:
-    """spec["program"] (in the sandbox) -> out_dir/{model.hlo.pb, params.json, constants.safetensors}, from shapes
-    only: the program holds no weight values, and the weights file is the trace's (placed, never read).
+    """spec["program"] (in the sandbox) -> out_dir/{model.hlo.pb, params.json, program_constants.safetensors}, from
+    shapes only: the program holds no weight values and no weights file is an input (the Compile binds the model's).
+    program_constants.safetensors: the program's own tensors (non-persistent buffers, lifted constants), the
+    module's parameters that are not weights.
 
     spec: program, inputs, bucket, options (the lowering options only: auto_cast, auto_cast_type)."""
     from neuronbuild.toolchains.compile import _check_inputs
     from neuronbuild.toolchains.model_import import example_inputs
     from neuronbuild.toolchains.neuron_hlo import lower_program
-    from neuronbuild.toolchains.trace import load_program
-    from neuronbuild.toolchains.weights import read_header
+    from neuronbuild.toolchains.trace import load_program, write_program_constants
 
     sandbox, out_dir = Path(sandbox), Path(out_dir)
     ep = load_program(sandbox / str(spec["program"]))
     _check_inputs(ep, example_inputs(dict(spec.get("inputs") or {}), dict(spec.get("bucket") or {})))
     tp_info = dict(spec.get("tp") or {})
     tp = int(tp_info.get("degree") or 1)
-    names = weights_files(tp)
-    for name in names:
-        if not (sandbox / name).is_file():
-            raise ToolchainError(f"the trace's {name} is missing from the sandbox")
-    held = read_header(sandbox / names[0])
+    out_dir.mkdir(parents=True, exist_ok=True)
+    write_program_constants(ep, out_dir / PROGRAM_CONSTANTS)
     start = time.perf_counter()
     lowered = lower_program(ep, dict(spec.get("options") or {}))
     seconds = time.perf_counter() - start
     state = [p.name for p in lowered.parameters if p.kind != "input"]
-    missing = [n for n in state if n not in held]
-    if missing:
-        raise ToolchainError(f"the lowered module takes weight(s) the trace's {WEIGHTS_FILE} does not hold: "
-                             f"{', '.join(missing[:5])}")
-    out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / HLO_FILE).write_bytes(lowered.proto)
     (out_dir / PARAMS_FILE).write_bytes(lowered.params_json(tp_info))
-    for name in names:
-        _place(sandbox / name, out_dir / name)
     return {"artifact": HLO_FILE, "bytes": len(lowered.proto), "parameters": len(lowered.parameters),
-            "weights": len(state), "weights_bytes": sum((out_dir / n).stat().st_size for n in names),
-            **({"tp_degree": tp} if tp > 1 else {}),
+            "weights": len(state), **({"tp_degree": tp} if tp > 1 else {}),
             "ops": sum(n for _op, n in lowered.ops), "auto_cast_ops": lowered.cast_ops, "lower_s": round(seconds, 3)}
+
+
+def check_bound(params: Path, held: Mapping[str, tuple[Any, tuple[int, ...]]]) -> None:
+    """Every non-input parameter of the lowered module (params.json) is held (weights file or program constants) with
+    its shape: a graph whose weights action built another module's state fails here, not at load."""
+    doc = jsondata.loads(params.read_bytes())
+    missing, bad = [], []
+    for p in doc.get("parameters") or ():
+        if p.get("kind") == "input":
+            continue
+        name = str(p.get("name"))
+        if name not in held:
+            missing.append(name)
+        elif list(held[name][1]) != list(p.get("shape") or []):
+            bad.append(f"{name}: module {list(p.get('shape') or [])} vs weights {list(held[name][1])}")
+    if missing:
+        raise ToolchainError(f"the lowered module takes weight(s) the model's {WEIGHTS_FILE} does not hold: "
+                             f"{', '.join(missing[:5])}")
+    if bad:
+        raise ToolchainError(f"the lowered module's weights do not match the model's {WEIGHTS_FILE}: {bad[0]}")
 
 
 def flags_document(platform: str, options: Mapping[str, Any], env_flags: list[str], version: str | None,
@@ -106,10 +118,14 @@ def run_neuron_compile(spec: Mapping[str, Any], sandbox: Path, out_dir: Path) ->
     env_flags = [str(f) for f in spec.get("env_flags") or ()]
     cc = spec.get("neuronx_cc")
     out_dir.mkdir(parents=True, exist_ok=True)
-    for name in (HLO_FILE, PARAMS_FILE, *weights_files(int(spec.get("tp_degree") or 1))):
+    weights = weights_files(int(spec.get("tp_degree") or 1))
+    for name in (HLO_FILE, PARAMS_FILE, PROGRAM_CONSTANTS, *weights):
         if not (sandbox / name).is_file():
             raise ToolchainError(f"the lowering's {name} is missing from the sandbox")
-        _place(sandbox / name, out_dir / name)
+        _place(sandbox / name, out_dir / name)  # (the weights: a link to the weights action's file, never read)
+    from neuronbuild.toolchains.weights import read_header
+
+    check_bound(out_dir / PARAMS_FILE, {**read_header(out_dir / weights[0]), **read_header(out_dir / PROGRAM_CONSTANTS)})
     version = str(cc["version"]) if cc else None
     (out_dir / FLAGS_FILE).write_bytes(flags_document(platform, options, env_flags, version,
                                                       (out_dir / HLO_FILE).read_bytes()))

@@ -1,7 +1,9 @@
-"""The torch side of tensor parallelism: `neuronbuild::all_reduce(x, tp)`, the one collective a per-rank program holds
-(the sum of x over the tp ranks). Tracing sees it as an op of its own; the Neuron lowering turns it into an HLO
-all-reduce (neuron_collectives.py). Eager execution of a single rank has no peers: there it is the identity, so a
-per-rank module is only ever traced, never run for numbers."""
+"""The torch side of tensor parallelism: the collectives a per-rank program holds, `neuronbuild::all_reduce(x, tp)`
+(the sum of x over the tp ranks) and `neuronbuild::all_gather(x, tp)` (the ranks' x joined along the last dim, rank
+order), the vocabulary-parallel embedding and how a rank's weights come from the whole ones. Tracing sees each
+collective as an op of its own; the Neuron lowering turns it into an HLO all-reduce / all-gather
+(neuron_collectives.py). Eager execution of a single rank has no peers (all_reduce is the identity, all_gather
+repeats x), so a per-rank module is only ever traced, never run for numbers."""
 
 from __future__ import annotations
 
@@ -11,6 +13,10 @@ from typing import Any
 import torch
 
 OP_NAME = "neuronbuild::all_reduce"
+GATHER_OP_NAME = "neuronbuild::all_gather"
+# A per-rank program's rank id: a non-persistent int32[1] buffer of the vocabulary-parallel embedding, which the
+# shards give each rank its own value of (rank r: [r]), as NxD Inference's SPMDRank does (no replica-id op needed).
+RANK_BUFFER = "nb_tp_rank"
 
 
 @torch.library.custom_op(OP_NAME, mutates_args=())
@@ -23,14 +29,82 @@ def _all_reduce_fake(x: torch.Tensor, tp: int) -> torch.Tensor:
     return torch.empty_like(x)
 
 
+@torch.library.custom_op(GATHER_OP_NAME, mutates_args=())
+def all_gather(x: torch.Tensor, tp: int) -> torch.Tensor:
+    return torch.cat([x] * tp, dim=-1)
+
+
+@all_gather.register_fake
+def _all_gather_fake(x: torch.Tensor, tp: int) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], x.shape[-1] * tp))
+
+
+def collective(target: object) -> str | None:
+    """Which collective an FX node target is ("all_reduce", "all_gather"; its overload or packet), else None."""
+    name = str(target).replace("neuronbuild.", "neuronbuild::").removesuffix(".default")
+    return {OP_NAME: "all_reduce", GATHER_OP_NAME: "all_gather"}.get(name)
+
+
 def is_all_reduce(target: object) -> bool:
-    """Whether an FX node target is this op (its overload or packet)."""
-    return str(target) in (OP_NAME, f"{OP_NAME}.default", "neuronbuild.all_reduce", "neuronbuild.all_reduce.default")
+    """Whether an FX node target is the all-reduce op (its overload or packet)."""
+    return collective(target) == "all_reduce"
+
+
+def is_rank_buffer(name: str) -> bool:
+    """Whether a program's state name is its rank id (RANK_BUFFER), whose value differs per rank."""
+    return name.rpartition(".")[2] == RANK_BUFFER
+
+
+def rank_value(rank: int) -> torch.Tensor:
+    """The rank id buffer's value on rank `rank`."""
+    return torch.tensor([rank], dtype=torch.int32)
+
+
+def vocab_rows(vocab: int, tp: int) -> int:
+    """Rows of the vocabulary each rank holds: the vocabulary padded to a multiple of tp, split in tp blocks."""
+    return -(-vocab // tp)
+
+
+class VocabParallelEmbedding(torch.nn.Embedding):
+    """One rank's block of a vocabulary-parallel embedding (Megatron, as NxD Inference's ParallelEmbedding): its
+    weight holds rows [rank*rows, (rank+1)*rows) of the vocabulary padded to tp*rows; an id outside that range looks
+    up zeros, and the all-reduce sums the one rank that holds it with the zeros of the others (exact in any dtype).
+    Made from an nn.Embedding by `make_vocab_parallel`, so the weight keeps its name (and any tie)."""
+
+    nb_tp: int
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = self.weight.shape[0]
+        local = ids - getattr(self, RANK_BUFFER).to(ids.dtype) * rows
+        inside = (local >= 0) & (local < rows)
+        out = torch.nn.functional.embedding(torch.where(inside, local, torch.zeros_like(local)), self.weight)
+        out = torch.where(inside.unsqueeze(-1), out, torch.zeros((), dtype=out.dtype))
+        return all_reduce(out, self.nb_tp)  # type: ignore[no-any-return]
+
+
+def make_vocab_parallel(embedding: torch.nn.Module, tp: int) -> None:
+    """Turn one rank's nn.Embedding (of `vocab_rows` rows) into that rank's VocabParallelEmbedding, with its rank id
+    buffer (a program input each rank's shard gives its value)."""
+    if type(embedding) is not torch.nn.Embedding:
+        raise ValueError(f"vocabulary-parallel embedding: {type(embedding).__name__} is not a plain nn.Embedding")
+    embedding.__class__ = VocabParallelEmbedding
+    setattr(embedding, "nb_tp", tp)  # noqa: B010 - (now a VocabParallelEmbedding's attribute)
+    embedding.register_buffer(RANK_BUFFER, torch.zeros(1, dtype=torch.int32), persistent=False)
+
+
+def gather_vocab(linear: torch.nn.Module, tp: int, vocab: int) -> None:
+    """Make one rank's column-parallel lm_head (vocab_rows rows of the padded vocabulary) output the whole logits: its
+    output all-gathered over the ranks along the vocabulary, the padding cut off (`vocab` columns)."""
+    def hook(_m: torch.nn.Module, _args: Any, out: torch.Tensor) -> torch.Tensor:
+        return all_gather(out, tp)[..., :vocab]  # type: ignore[no-any-return]
+
+    linear.register_forward_hook(hook)
 
 
 def shard_rule(full: tuple[int, ...], rank: tuple[int, ...], tp: int) -> tuple[int, int] | None:
     """How a rank's tensor of shape `rank` comes from the whole one of shape `full`: (-1, 1) replicated; (dim, tp)
-    split in tp equal blocks along dim (rank r holds block r); (dim, n) with n < tp blocks, each held by tp/n
+    split in tp equal blocks along dim (rank r holds block r; when tp blocks of that size overrun the dim, as a
+    vocabulary padded to a multiple of tp does, the overrun is zeros); (dim, n) with n < tp blocks, each held by tp/n
     consecutive ranks (GQA kv heads replicated when fewer than ranks); None when no such rule exists."""
     full, rank = tuple(full), tuple(rank)
     if full == rank:
@@ -42,22 +116,41 @@ def shard_rule(full: tuple[int, ...], rank: tuple[int, ...], tp: int) -> tuple[i
         return None
     d = diff[0]
     f, p = full[d], rank[d]
-    if f % p:
-        return None
-    blocks = f // p
-    return (d, blocks) if blocks == tp or (blocks < tp and tp % blocks == 0) else None
+    blocks = 0 if f % p else f // p
+    if blocks == tp or (0 < blocks < tp and tp % blocks == 0):
+        return (d, blocks)
+    return (d, tp) if vocab_rows(f, tp) == p else None  # padded to tp * p (a vocabulary of at least tp rows)
+
+
+def block(full: tuple[int, ...], rank_shape: tuple[int, ...], rank: int, tp: int) -> tuple[int, int, int]:
+    """Where rank `rank`'s part of a tensor of shape `full` lies: (dim, start, held), `held` <= rank_shape[dim]
+    indices of `dim` from `start` (fewer at a padded end; the rest are zeros); (-1, 0, 0) when replicated.
+    ValueError when the shapes admit no split (see shard_rule)."""
+    rule = shard_rule(tuple(full), tuple(rank_shape), tp)
+    if rule is None:
+        raise ValueError(f"a tensor of shape {list(full)} cannot be sharded into {list(rank_shape)} over {tp} ranks")
+    dim, blocks = rule
+    if dim < 0:
+        return -1, 0, 0
+    size = rank_shape[dim]
+    start = (rank * blocks // tp) * size
+    return dim, start, max(0, min(size, full[dim] - start))
+
+
+def padded(part: torch.Tensor, rank_shape: tuple[int, ...], dim: int) -> torch.Tensor:
+    """`part` (a block's held indices along dim) as the rank's shape: zeros past it (the padded end of a vocabulary:
+    looked up by no id, cut from the logits)."""
+    if tuple(part.shape) == tuple(rank_shape):
+        return part
+    out = part.new_zeros(rank_shape)
+    out.narrow(dim, 0, part.shape[dim]).copy_(part)
+    return out
 
 
 def shard(full: torch.Tensor, rank_shape: tuple[int, ...], rank: int, tp: int) -> torch.Tensor:
-    """Rank `rank`'s part of `full` (a view; see shard_rule)."""
-    rule = shard_rule(tuple(full.shape), tuple(rank_shape), tp)
-    if rule is None:
-        raise ValueError(f"a tensor of shape {list(full.shape)} cannot be sharded into {list(rank_shape)} over "
-                         f"{tp} ranks")
-    dim, blocks = rule
-    if dim < 0:
-        return full
-    return full.narrow(dim, (rank * blocks // tp) * rank_shape[dim], rank_shape[dim])
+    """Rank `rank`'s part of `full` (a view unless padded; see shard_rule)."""
+    dim, start, held = block(tuple(full.shape), tuple(rank_shape), rank, tp)
+    return full if dim < 0 else padded(full.narrow(dim, start, held), tuple(rank_shape), dim)
 
 
 def apply_plan(module: torch.nn.Module, mode: Any, plan: Mapping[str, int], tp: int) -> None:

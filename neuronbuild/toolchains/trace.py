@@ -72,7 +72,7 @@ def program_bytes(ep: torch.export.ExportedProgram, keep_stack_traces: bool = Fa
     return buf.getvalue()
 
 
-WEIGHTS_FILE = "constants.safetensors"  # the trace's second output: every tensor the program holds, by FQN
+WEIGHTS_FILE = "constants.safetensors"  # the weights action's output: the model's state by FQN (tied once)
 
 
 def cause_line(exc: BaseException) -> str:
@@ -157,11 +157,14 @@ def _write_shards(out_dir: Path, tp: int, entries: list[Any], constants: Mapping
     """rank_<r>.safetensors for every rank: each tensor of the rank's program, its part of the whole one
     (model_import.rank_values: one tensor at a time, never the whole model in memory); returns the bytes written."""
     from neuronbuild.analysis.actions import rank_weights
+    from neuronbuild.toolchains.tp_ops import is_rank_buffer, rank_value
     from neuronbuild.toolchains.weights import write_safetensors
 
     total = 0
     for rank in range(tp):
         def value(e: Any, rank: int = rank) -> Any:
+            if is_rank_buffer(e.name):  # the program's rank id: each rank's own
+                return rank_value(rank)
             if e.name not in state:
                 return constants[e.name]
             try:
@@ -173,18 +176,24 @@ def _write_shards(out_dir: Path, tp: int, entries: list[Any], constants: Mapping
     return total
 
 
-def run_trace(spec: dict[str, Any], sandbox: Path, out_dir: Path) -> dict[str, Any]:
-    """Export spec["model"] at spec["bucket"] (zeros example inputs) from shapes only (build_shape_model) to
-    out_dir/program.pt2, and write every tensor the program holds to out_dir/constants.safetensors one at a time
-    (streamed from the model's weight files, in the dtype the model holds them: a bf16 model's stay bf16; tied ones
-    once); returns metadata, with the flattened outputs (names, shapes, which
-    dims follow which bucket dim)."""
+def write_program_constants(ep: torch.export.ExportedProgram, path: Path) -> int:
+    """The program's own tensors (non-persistent buffers, lifted constants: computed by the factory or the forward,
+    never a checkpoint's values; the archive holds them) by FQN to `path` as safetensors; returns its size."""
     from neuronbuild.toolchains.weights import Entry, write_safetensors
 
+    constants = {k: v for k, v in ep.constants.items() if isinstance(v, torch.Tensor)}
+    return write_safetensors(path, [Entry(k, t.dtype, tuple(t.shape)) for k, t in constants.items()],
+                             lambda e: constants[e.name])
+
+
+def run_trace(spec: dict[str, Any], sandbox: Path, out_dir: Path) -> dict[str, Any]:
+    """Export spec["model"] at spec["bucket"] (zeros example inputs) from shapes only (build_shape_model) to
+    out_dir/program.pt2. No weight file is read or written here (the sandbox holds none): the model's weights action
+    (run_weights) streams them once for every graph and bucket. Returns metadata, with the flattened outputs
+    (names, shapes, which dims follow which bucket dim)."""
     sandbox, out_dir = Path(sandbox), Path(out_dir)
     model_spec = spec["model"]
     tp = int(spec.get("tp_degree") or 1)
-    whole_spec = model_spec
     plan = dict(model_spec.get("tp_plan") or {}) if tp > 1 else {}
     if tp > 1 and not plan:  # one rank's program (the factory builds that rank's model); weights: a shard per rank
         model_spec = {**model_spec, "config": {**dict(model_spec.get("config") or {}), "tp_degree": tp}}
@@ -196,7 +205,6 @@ def run_trace(spec: dict[str, Any], sandbox: Path, out_dir: Path) -> dict[str, A
             apply_plan(module, mode, plan, tp)
         except ValueError as exc:
             raise ToolchainError(str(exc)) from None
-    tied = tied_aliases(module)
     inputs = spec.get("inputs") or []
     bucket = dict(spec.get("bucket") or {})
     args = example_inputs(inputs, bucket)
@@ -211,14 +219,6 @@ def run_trace(spec: dict[str, Any], sandbox: Path, out_dir: Path) -> dict[str, A
             raise ToolchainError(trace_failure(exc, inputs, args, sandbox)) from exc
     relative_stack_traces(ep, sandbox)
     nodes = len(ep.graph.nodes)
-    state = {name: (t.dtype, tuple(t.shape)) for name, t in ep.state_dict.items()}
-    # Tied weights (one tensor under several names, e.g. lm_head.weight = model.embed_tokens.weight) are stored once,
-    # under the name the module lists first; the others are aliases in the file's metadata.
-    by_tensor: dict[int, list[str]] = {}
-    for name, t in ep.state_dict.items():
-        by_tensor.setdefault(id(t), []).append(name)
-    stored_as = {alias: names[0] for names in by_tensor.values() for alias in names[1:]}
-    constants = {k: v for k, v in ep.constants.items() if isinstance(v, torch.Tensor)}
     _shapes_only(ep, args)
     data = program_bytes(ep, keep_stack_traces=True)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -240,23 +240,60 @@ def run_trace(spec: dict[str, Any], sandbox: Path, out_dir: Path) -> dict[str, A
         follows = inferred_follows(run, named, bucket)
     single = flat.single
     flat.undo()
-    # Every tensor the program holds (= what the cpu compile's package and the Neuron module's leading parameters
-    # take, plus what inductor folds), by FQN: one file per model for all its graphs, buckets and targets.
-    entries = [Entry(k, dt, shape) for k, (dt, shape) in state.items() if k not in stored_as]
-    entries += [Entry(k, t.dtype, tuple(t.shape)) for k, t in constants.items() if k not in state]
-    if tp > 1:
-        size = _write_shards(out_dir, tp, entries, constants, state,
-                             rank_values(whole_spec, sandbox, {k: dt for k, (dt, _s) in state.items()}, tied, tp),
-                             stored_as)
-    else:
-        value = state_values(model_spec, sandbox, {k: dt for k, (dt, _s) in state.items()}, tied)
-        size = write_safetensors(out_dir / WEIGHTS_FILE, entries,
-                                 lambda e: constants[e.name] if e.name not in state else value(e.name), stored_as)
     return {
         "nodes": nodes,
         "parameters": n_params,
         "bytes": len(data),
-        "weights_bytes": size,
         "outputs": describe(named, follows),
         "output_tree": "tensor" if single else "tuple",
     }
+
+
+def run_weights(spec: dict[str, Any], sandbox: Path, out_dir: Path) -> dict[str, Any]:
+    """The weights action: the model's state (parameters, persistent buffers; from shapes: build_shape_model, which
+    checks the checkpoint's keys and shapes from its headers) streamed from its weight files one tensor at a time, in
+    the dtype the module holds each (a bf16 model's stay bf16), to out_dir/constants.safetensors, or one shard per
+    rank (rank_<r>.safetensors) at tp_degree > 1; tied ones stored once. A model without weight files: the factory's
+    own seeded values. Returns the bytes written."""
+    from neuronbuild.toolchains.weights import Entry, write_safetensors
+
+    sandbox, out_dir = Path(sandbox), Path(out_dir)
+    model_spec = spec["model"]
+    tp = int(spec.get("tp_degree") or 1)
+    whole_spec = model_spec
+    plan = dict(model_spec.get("tp_plan") or {}) if tp > 1 else {}
+    if tp > 1 and not plan:  # one rank's module (the factory builds that rank's model): its shapes are the shards'
+        model_spec = {**model_spec, "config": {**dict(model_spec.get("config") or {}), "tp_degree": tp}}
+    module, mode = build_shape_model(model_spec, sandbox, tp)
+    if plan:
+        from neuronbuild.toolchains.tp_ops import apply_plan
+
+        try:
+            apply_plan(module, mode, plan, tp)
+        except ValueError as exc:
+            raise ToolchainError(str(exc)) from None
+    tied = tied_aliases(module)
+    held = module.state_dict(keep_vars=True)
+    state = {name: (t.dtype, tuple(t.shape)) for name, t in held.items()}
+    # Tied weights (one tensor under several names, e.g. lm_head.weight = model.embed_tokens.weight) are stored once,
+    # under the name the module lists first; the others are aliases in the file's metadata.
+    by_tensor: dict[int, list[str]] = {}
+    for name, t in held.items():
+        by_tensor.setdefault(id(t), []).append(name)
+    stored_as = {alias: names[0] for names in by_tensor.values() for alias in names[1:]}
+    del held
+    entries = [Entry(k, dt, shape) for k, (dt, shape) in state.items() if k not in stored_as]
+    wanted = {k: dt for k, (dt, _s) in state.items()}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if tp > 1:
+        # A rank's shard also holds the module's non-persistent buffers (small; computed in __init__): where a rank
+        # has its own value of one, the shard's wins over the graph's program constants at load.
+        own = {k: b.detach() for k, b in module.named_buffers() if k not in state and isinstance(b, torch.Tensor)}
+        entries += [Entry(k, b.dtype, tuple(b.shape)) for k, b in own.items()]
+        size = _write_shards(out_dir, tp, entries, own, state, rank_values(whole_spec, sandbox, wanted, tied, tp),
+                             stored_as)
+    else:
+        value = state_values(model_spec, sandbox, wanted, tied)
+        size = write_safetensors(out_dir / WEIGHTS_FILE, entries, lambda e: value(e.name), stored_as)
+    return {"tensors": len(entries), "tied": len(stored_as), "weights_bytes": size,
+            **({"tp_degree": tp} if tp > 1 else {})}

@@ -163,6 +163,20 @@ class Checkpoint:
             self._read_into(path, key, start, out.reshape(-1))
         return out
 
+    def rows(self, name: str, first: int, count: int) -> torch.Tensor:
+        """Rows [first, first + count) of the tensor along its dim 0, as stored (one contiguous read: a rank's block
+        of a tensor split along dim 0 without reading the rest)."""
+        path, key, dtype, shape = self.index[name]
+        start, _end = self._checked(name)
+        if not shape or first < 0 or count < 0 or first + count > shape[0]:
+            raise ToolchainError(f"weights {path.name}: rows [{first}, {first + count}) are not in tensor {key} "
+                                 f"{list(shape)}")
+        out = torch.empty((count, *shape[1:]), dtype=dtype)
+        if out.numel():
+            row = out[0].numel() * out.element_size()
+            self._read_into(path, key, start + first * row, out.reshape(-1))
+        return out
+
     def pieces(self, name: str, dtype: torch.dtype, max_bytes: int = 64 << 20) -> Iterator[torch.Tensor]:
         """The tensor flat, in consecutive pieces of at most ~max_bytes as stored, each converted to `dtype`: a large
         weight is converted without holding it twice (the stored and the converted copy)."""

@@ -38,8 +38,8 @@ def analyze(ctx: AnalysisContext, t: Target) -> CompileTarget:
     entries = []
     for bucket in buckets_of(ctx, t, model):
         req = CompileRequest(t.label, PLATFORM, record, options, bucket, inputs, ctx.trace(model, bucket),
-                             ctx.settings, ctx.common)
-        actions = [ctx.add(a) for a in tc.plan(req)]
+                             ctx.settings, ctx.common, ctx.weights(model))
+        actions = ctx.plan_bucket(tc, req)
         entries.append((bucket, actions[-1].fingerprint))
     ct = CompileTarget(t.label, model.label, PLATFORM, tc.name, record, tc.describe_target(record), options,
                        tuple(entries), 1e-4, tc.artifact_format)

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from neuronbuild import plugins
-from neuronbuild.analysis.actions import COMPILE, TRACE_OUTPUT, TRACE_WEIGHTS, Action, DepInput, make_action
+from neuronbuild.analysis.actions import COMPILE, PROGRAM_CONSTANTS, TRACE_OUTPUT, Action, DepInput, make_action
 from neuronbuild.analysis.plan_settings import PlanSettings
 from neuronbuild.analysis.toolchain_api import WARM_UP, CompileRequest, OptionKey, StepDirs
 from neuronbuild.loading.schema import STRING, Attr
@@ -56,14 +56,15 @@ class PortableToolchain:
 
     def plan(self, req: CompileRequest) -> list[Action]:
         assert req.trace is not None
-        record = req.record(COMPILE, self.versions(req.platform, req.settings), weights="held-1")
+        assert req.weights is not None
+        record = req.record(COMPILE, self.versions(req.platform, req.settings), weights=req.weights.fingerprint)
         spec = {"toolchain": self.name, "step": COMPILE, "platform": req.platform, "isa": ISA,
                 "options": dict(req.options), "inputs": dict(req.inputs), "bucket": req.bucket.as_dict(),
                 "program": TRACE_OUTPUT}
         return [make_action(COMPILE, req.label, req.bucket, record, spec,
-                            dep_inputs=tuple(DepInput(req.trace.fingerprint, f, f) for f in (TRACE_OUTPUT,
-                                                                                              TRACE_WEIGHTS)),
-                            outputs=("model.pt2", "constants.safetensors"), platform=req.platform,
+                            dep_inputs=(DepInput(req.trace.fingerprint, TRACE_OUTPUT, TRACE_OUTPUT),
+                                        *req.weights_inputs()),
+                            outputs=("model.pt2", "constants.safetensors", PROGRAM_CONSTANTS), platform=req.platform,
                             target=self.describe_target(req.target))]
 
     def run(self, step: str, spec: Mapping[str, Any], sandbox: Path, out_dir: Path) -> dict[str, Any]:
@@ -90,9 +91,10 @@ class PortableToolchain:
         return {"cxx": cxx_version()}
 
     def load_artifact(self, files: Mapping[str, Path]) -> Callable[..., Any]:
-        from neuronbuild.runtime.aoti_loader import load_package, read_constants
+        from neuronbuild.runtime.aoti_loader import load_package, read_constants, with_program_constants
 
-        return load_package(files["model.pt2"], constants=read_constants(files["constants.safetensors"]))
+        return load_package(files["model.pt2"], constants=with_program_constants(
+            read_constants(files["constants.safetensors"]), files.get(PROGRAM_CONSTANTS)))
 
     def notes(self, settings: PlanSettings) -> list[str]:
         return []
