@@ -20,6 +20,7 @@ UNNEEDED = "-"  # a trace whose compiles are all cached is not needed
 _FINGERPRINT = operator.attrgetter("fingerprint")
 _SECONDS = operator.attrgetter("seconds")
 _RECORDED = operator.attrgetter("recorded")
+_DEPS = operator.attrgetter("deps")
 
 
 @dataclass(frozen=True)
@@ -55,7 +56,9 @@ class PlanReport:
         fps = list(map(_FINGERPRINT, self.todo))
         get = self.estimates.get
         seconds = [(e.seconds or 0.0) if (e := get(fp)) is not None else 0.0 for fp in fps]
-        return wall_time_of(self.ag.inputs.__getitem__, fps, seconds, self.jobs)
+        # (an action's own deps, the digraph's predecessors without making the adjacency, through a C-level getter)
+        deps = dict(zip(fps, map(_DEPS, self.todo), strict=True))
+        return wall_time_of(deps.__getitem__, fps, seconds, self.jobs)
 
     def _cell(self, fp: str) -> dict[str, Any]:
         est = self.estimates.get(fp)

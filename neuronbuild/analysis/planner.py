@@ -60,6 +60,8 @@ class ActionGraph:
     given_graph: nx.DiGraph | None = field(default=None, hash=False, compare=False, repr=False)
     compiles: tuple[CompileTarget, ...] = ()
     bundles: Mapping[Label, BundleInfo] = field(default_factory=dict, hash=False, compare=False)
+    # The analysis engine knows the registration order is topological (every root's segment is: _Segment.closed).
+    registered_topologically: bool = field(default=False, hash=False, compare=False, repr=False)
 
     @cached_property
     def graph(self) -> nx.DiGraph:
@@ -101,7 +103,9 @@ class ActionGraph:
         return list(self.topological_seq())
 
     def topological_seq(self) -> tuple[Action, ...]:
-        """The actions in topological order, the smallest ready fingerprint first (made once per graph)."""
+        """The actions in topological order (made once per graph): the order analysis registered them in, which is
+        one whenever every action's dependencies were registered before it (analysis makes a consumer from its
+        inputs' actions, so this is the rule); else the smallest ready fingerprint first."""
         return self._ordered[0]
 
     def order_fingerprints(self) -> list[str]:
@@ -110,8 +114,22 @@ class ActionGraph:
 
     @cached_property
     def _ordered(self) -> tuple[tuple[Action, ...], list[str]]:
-        """Kahn's algorithm taking the smallest ready fingerprint first: networkx's lexicographical_topological_sort
-        order, at a fraction of its cost (over `consumers`, not the digraph)."""
+        actions = self.actions
+        if self.registered_topologically:
+            return tuple(actions.values()), list(actions)
+        seen: set[str] = set()
+        add, covers = seen.add, seen.issuperset
+        for fp, a in actions.items():  # (one pass, a set operation each: the registration order is topological?)
+            deps = a.deps
+            if deps and not covers(deps):
+                return self._kahn()
+            add(fp)
+        return tuple(actions.values()), list(actions)
+
+    def _kahn(self) -> tuple[tuple[Action, ...], list[str]]:
+        """Kahn's algorithm taking the smallest ready fingerprint first (networkx's lexicographical_topological_sort
+        order, over `consumers`): for action sets whose registration order is not topological (a dependency
+        registered after its consumer, or never registered: then a KeyError; a cycle: NetworkXUnfeasible)."""
         import heapq
 
         cons = self.consumers
@@ -206,6 +224,24 @@ class _Memo:
     changed_at: int
 
 
+@dataclass(frozen=True)
+class _Segment:
+    """A requested root's whole analysis as one node of the engine: every memoised node of its closure (label and
+    the `_Memo` it was made from, in the order a fresh analysis provides them), the volatile targets it asked for
+    with the providers seen, every action its closure adds (in the order a fresh analysis adds them first), and the
+    compile targets and bundles each node registers. It is valid exactly when each of those nodes still has the
+    same `_Memo` and its own inputs (Target value, files) are unchanged and each volatile provider is equal: then
+    each node is valid by the engine's rule, and providing the root adds what the segment holds, in its order."""
+
+    labels: tuple[Label, ...]
+    memos: tuple[_Memo, ...]
+    ids: frozenset[int]  # id() of each of `memos` (held here, so not reused): checked without hashing labels
+    volatile: tuple[tuple[Label, Any], ...]
+    actions: dict[str, Action]
+    events: tuple[tuple[int, tuple[Any, ...]], ...]  # (id of the node's _Memo, ("compile", ct) | ("bundle", ...))
+    closed: bool  # every action's dependencies come before it in `actions` (its order is topological)
+
+
 class AnalysisMemo:
     """The analysis engine's memo: one node per analysed target (`_Memo`), kept between plans of one workspace with
     one set of settings by the build server, and made empty for each batch command (the same engine, starting empty).
@@ -216,8 +252,15 @@ class AnalysisMemo:
     it: the settings and, per (toolchain, platform) the memoised analyses used, the versions the toolchain reports
     now (a C++ compiler or neuronx-cc replaced between commands empties the memo)."""
 
-    def __init__(self) -> None:
+    def __init__(self, segments: bool = True) -> None:
         self.entries: dict[Label, _Memo] = {}
+        # Per requested root: its segment (_Segment), made after each plan when `segments` (the build server: a batch
+        # command's engine is used once, so it makes none).
+        self.keep_segments = segments
+        self.segments: dict[Label, _Segment] = {}
+        # id() of every _Memo replaced since the segments were made (a segment holding one is stale; segments hold
+        # their nodes, so such an id is not reused while a segment could ask)
+        self.retired: set[int] = set()
         self.env: dict[tuple[str, str], dict[str, str]] = {}
         self.settings_key: str | None = None
         self.trace_toolchain: dict[str, str] = {}
@@ -231,6 +274,8 @@ class AnalysisMemo:
         if key != self.settings_key or trace_tc != self.trace_toolchain or \
                 any(_versions(tc, platform, settings) != v for (tc, platform), v in self.env.items()):
             self.entries.clear()
+            self.segments.clear()
+            self.retired.clear()
             self.env.clear()
             self.last = None
         self.settings_key, self.trace_toolchain = key, trace_tc
@@ -238,7 +283,7 @@ class AnalysisMemo:
         self.reused = self.analysed = self.cutoffs = 0
 
     def action_graph(self, actions: dict[str, Action], compiles: tuple[CompileTarget, ...],
-                     bundles: dict[Label, BundleInfo]) -> ActionGraph:
+                     bundles: dict[Label, BundleInfo], topological: bool = False) -> ActionGraph:
         """The plan's ActionGraph node: a value of its actions (fingerprints are content addresses: equal
         fingerprints in the same order are equal actions), compile targets and bundles. When they equal the previous
         plan's, that value is returned (early cutoff), with what was derived from it (order, consumers, digraph), and
@@ -248,7 +293,7 @@ class AnalysisMemo:
                 len(last.compiles) == len(compiles) and all(map(_same_value, last.compiles, compiles)) and \
                 list(last.bundles) == list(bundles) and _same_value(list(last.bundles.values()), list(bundles.values())):
             return last
-        self.last = ActionGraph(actions, None, compiles, bundles)
+        self.last = ActionGraph(actions, None, compiles, bundles, topological)
         return self.last
 
 
@@ -341,6 +386,11 @@ class AnalysisContext:
         self._valid: dict[Label, bool] = {}
         self._traces: dict[tuple[int, Bucket, int], tuple[ModelInfo, Action]] = {}
         self._weights: dict[tuple[int, int], tuple[ModelInfo, Action]] = {}
+        self._bad: set[int] | None = None  # id() of memoised nodes whose own inputs changed (made on first need)
+        self._volatile_same: dict[int, tuple[Label, bool]] = {}
+        self._from_segments: set[int] = set()  # id() of the nodes provided from segments
+        self._all_from_segments = True  # (no node provided otherwise yet: a node is provided iff its id is above)
+        self._volatile_actions = False  # a volatile analysis added actions: no segments this plan
 
     def target(self, label: Label) -> Target:
         return self.graph.targets[label]
@@ -353,6 +403,7 @@ class AnalysisContext:
         """The provider of `label` (its kind's analysis runs once per plan)."""
         p = self._providers.get(label, _MISSING)
         if p is _MISSING:
+            self._all_from_segments = False
             memo = self.memo
             m = memo.entries.get(label) if memo is not None else None
             if m is not None and self._is_valid(label):
@@ -390,6 +441,8 @@ class AnalysisContext:
                 changed_at = old.changed_at  # early cutoff: what depends on it stays valid
                 memo.cutoffs += 1
             entries[label] = _Memo(t, p, events, tuple(files), deps, changed_at)
+            if old is not None:
+                memo.retired.add(id(old))
             for ev in events:
                 if ev[0] == "compile":
                     key = (ev[1].toolchain, ev[1].platform)
@@ -430,7 +483,7 @@ class AnalysisContext:
                 if dt is None:
                     return False
                 if _volatile(dt.kind):
-                    if not _same_value(self.provider_fresh(dep), seen):
+                    if not self._same_volatile(dep, seen):
                         return False
                     continue
                 dm = entries.get(dep)
@@ -473,8 +526,137 @@ class AnalysisContext:
         """The provider of a volatile target (computed once per plan, never memoised)."""
         if label not in self._providers:
             t = self.graph.targets[label]
+            n = len(self.actions)
             self._providers[label] = plugins.rule(t.kind).analyze(self, t)
+            if len(self.actions) != n:
+                self._volatile_actions = True
         return self._providers[label]
+
+    def _same_volatile(self, label: Label, seen: Any) -> bool:
+        """Whether a volatile target's provider now equals `seen` (what a memoised node saw): compared once per
+        (target, seen value) per plan (the nodes analysed in one plan saw the same object; it is held by them)."""
+        known = self._volatile_same.get(id(seen))
+        if known is not None and known[0] is label:
+            return known[1]
+        v = _same_value(self.provider_fresh(label), seen)
+        self._volatile_same[id(seen)] = (label, v)
+        return v
+
+    def _surface_bad(self) -> set[int]:
+        """id() of the memoised nodes whose own inputs changed: their Target value (or the target is gone) or a file
+        their analysis digested (checked by digest through the stat-keyed digest cache)."""
+        assert self.memo is not None
+        bad: set[int] = set()
+        targets = self.graph.targets
+        for lbl, m in self.memo.entries.items():
+            t = targets.get(lbl)
+            if t is not m.target and (t is None or not (m.target == t and m.target.attrs == t.attrs)):
+                bad.add(id(m))
+                continue
+            for path, digest in m.files:
+                try:
+                    if digests.digest_file(path) != digest:
+                        bad.add(id(m))
+                        break
+                except OSError:
+                    bad.add(id(m))
+                    break
+        return bad
+
+    def use_segment(self, root: Label) -> bool:
+        """Provide `root` from its segment (_Segment) if that is valid; whether it was."""
+        memo = self.memo
+        seg = memo.segments.get(root) if memo is not None else None
+        if seg is None or root in self._providers:
+            return False
+        assert memo is not None
+        if self._bad is None:
+            self._bad = self._surface_bad()
+        if not self._bad.isdisjoint(seg.ids) or not memo.retired.isdisjoint(seg.ids):
+            return False  # (a node whose inputs changed, or replaced since: not every node is the current valid one)
+        targets = self.graph.targets
+        for lbl, seen in seg.volatile:
+            t = targets.get(lbl)
+            if t is None or not _volatile(t.kind) or not self._same_volatile(lbl, seen):
+                return False
+        providers, done = self._providers, self._from_segments
+        if done.isdisjoint(seg.ids) and self._all_from_segments:
+            new = list(zip(seg.labels, seg.memos, strict=True))  # (the common case: a root of its own package)
+        elif self._all_from_segments:  # (provided so far only from segments: a node is provided iff its _Memo is)
+            new = [(lbl, m) for lbl, m in zip(seg.labels, seg.memos, strict=True) if id(m) not in done]
+        else:
+            new = [(lbl, m) for lbl, m in zip(seg.labels, seg.memos, strict=True)
+                   if id(m) not in done and lbl not in providers]
+        actions = self.actions
+        if actions.keys().isdisjoint(seg.actions):
+            actions.update(seg.actions)
+        else:  # an action added already keeps its place and its object (its label: the first target to add it)
+            for fp, a in seg.actions.items():
+                if fp not in actions:
+                    actions[fp] = a
+        if seg.events:
+            every = len(new) == len(seg.memos)
+            fresh = set() if every else {id(m) for _lbl, m in new}
+            for mid, ev in seg.events:
+                if every or mid in fresh:
+                    if ev[0] == "compile":
+                        list.append(self.compiles, ev[1])
+                    else:
+                        dict.__setitem__(self.bundles, ev[1], ev[2])
+        for lbl, m in new:
+            providers[lbl] = m.provider
+        done |= seg.ids
+        memo.reused += len(new)
+        return True
+
+    def make_segment(self, root: Label) -> _Segment | None:
+        """The segment of `root` from the memo's current nodes (after a plan that provided it), as a fresh analysis
+        would provide it: each node's events in order, a dependency's expanded where it is first asked for."""
+        assert self.memo is not None
+        entries, targets = self.memo.entries, self.graph.targets
+        m = entries.get(root)
+        if m is None:
+            return None
+        labels: list[Label] = [root]
+        memos: list[_Memo] = [m]
+        volatile: list[tuple[Label, Any]] = []
+        actions: dict[str, Action] = {}
+        events: list[tuple[int, tuple[Any, ...]]] = []
+        seen = {root}
+        closed = True
+        stack = [(root, iter(m.events))]
+        while stack:
+            lbl, it = stack[-1]
+            for ev in it:
+                kind = ev[0]
+                if kind == "add":
+                    a = ev[1]
+                    if a.fingerprint not in actions:
+                        if closed and a.dep_inputs and not all(d in actions for d in a.deps):
+                            closed = False
+                        actions[a.fingerprint] = a
+                elif kind == "dep":
+                    d = ev[1]
+                    if d in seen:
+                        continue
+                    seen.add(d)
+                    t = targets.get(d)
+                    if t is not None and _volatile(t.kind):
+                        volatile.append((d, ev[2]))
+                        continue
+                    dm = entries.get(d)
+                    if dm is None:
+                        return None
+                    labels.append(d)
+                    memos.append(dm)
+                    stack.append((d, iter(dm.events)))
+                    break
+                else:
+                    events.append((id(entries[lbl]), ev))
+            else:
+                stack.pop()
+        return _Segment(tuple(labels), tuple(memos), frozenset(map(id, memos)), tuple(volatile), actions,
+                        tuple(events), closed)
 
     def _replay(self, m: _Memo) -> Any:
         """Redo what the memoised analysis did, in its order (its own events only; dependencies replay theirs)."""
@@ -623,13 +805,39 @@ def plan(graph: TargetGraph, settings: PlanSettings | None = None, memo: Analysi
     (batch mode). Either way the same engine runs, so the plan is the one a fresh process makes."""
     settings = settings or PlanSettings()
     if memo is None:
-        memo = AnalysisMemo()
+        memo = AnalysisMemo(segments=False)
     memo.begin(settings)
     ctx = AnalysisContext(graph, settings, memo)
+    segments = memo.segments if memo.keep_segments else None
+    roots: list[Label] = []
+    made: list[Label] = []
     for lbl in graph.requested:
         if plugins.rule(graph.targets[lbl].kind).plans_actions:
-            ctx.provider(lbl)
-    return memo.action_graph(ctx.actions, tuple(ctx.compiles), dict(ctx.bundles))
+            roots.append(lbl)
+            if segments is None or not ctx.use_segment(lbl):
+                ctx.provider(lbl)
+                made.append(lbl)
+    topological = False
+    if segments is not None:
+        if ctx._volatile_actions:  # (a volatile analysis added actions: they are in no segment)
+            segments.clear()
+        else:
+            for lbl in made:
+                seg = ctx.make_segment(lbl)
+                if seg is None:
+                    segments.pop(lbl, None)
+                else:
+                    segments[lbl] = seg
+            if len(segments) > 2 * len(memo.entries) + 1000:  # (roots gone: keep the memory bounded)
+                for lbl in [k for k in segments if k not in memo.entries]:
+                    del segments[lbl]
+            if len(memo.retired) > 100_000:  # (forgetting them needs every segment gone that could hold one)
+                segments.clear()
+                memo.retired.clear()
+            # Providing the roots in order adds each one's segment's actions not yet added, in its order: the
+            # registration order is topological when every segment's is.
+            topological = all(lbl in segments and segments[lbl].closed for lbl in roots)
+    return memo.action_graph(ctx.actions, tuple(ctx.compiles), dict(ctx.bundles), topological)
 
 
 def action_digraph(actions: Mapping[str, Action]) -> nx.DiGraph:

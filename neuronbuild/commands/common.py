@@ -130,5 +130,6 @@ def _record_plan(args: argparse.Namespace, ctx: BuildContext, ag: Any, cache: An
 
     inv = Invocation.from_args("plan", args, ctx.workspace.root, ctx.cache.dir, patterns_or_default(args.patterns))
     inv.ag, inv.cache = ag, cache
-    planned = {**{a.fingerprint: TO_BUILD for a in todo}, **{fp: CACHED for fp in cached}}
+    planned = dict.fromkeys([a.fingerprint for a in todo], TO_BUILD)
+    planned.update(dict.fromkeys(cached, CACHED))
     inv.finish("ok", planned=planned, render=False)

@@ -94,26 +94,30 @@ def needed_actions(ag: ActionGraph, cache: SpawnCache, probe: bool = False) -> t
 
     A producer is only needed when one of its consumers must run: a cached compile never forces its trace.
     With `probe` (plan, explain, dry runs) entries are only checked, never fetched from a shared tier or counted."""
-    order = ag.topological()
-    cached: set[str] = set()
+    order = ag.topological_seq()
     hits = cache.peek_many(ag.order_fingerprints()) if probe else None  # (a probe writes nothing: one pass)
-    for a in order:
-        fp = a.fingerprint
-        if fp in hits if hits is not None else cache.lookup(fp) is not None:
-            cached.add(fp)
+    if hits is not None and not hits:
+        # Nothing is cached: nothing can be cut off either (that needs cached inputs), and every uncached action is
+        # needed (a sink is; every other one has consumers, all uncached and, by induction, needed).
+        return list(order), []
+    cached: set[str] = set(hits) if hits is not None else set()
+    missing = [a for a in order if a.fingerprint not in cached] if hits is not None else order
+    for a in missing:  # (in topological order: an input cut off is in `cached` before its consumers are asked)
+        if hits is None and cache.lookup(a.fingerprint) is not None:
+            cached.add(a.fingerprint)
         elif a.dep_inputs and all(d.action in cached for d in a.dep_inputs) and \
                 (cutoff.peek(a, cache, probe=True) if probe else cutoff.reuse(a, cache)) is not None:
-            cached.add(fp)  # early cutoff: its inputs' outputs are those of an earlier result
+            cached.add(a.fingerprint)  # early cutoff: its inputs' outputs are those of an earlier result
     need: set[str] = set()
-    consumers_of = ag.consumers
-    for a in reversed(order):
-        fp = a.fingerprint
-        if fp in cached:
-            continue
-        consumers = consumers_of[fp]
-        if not consumers or not need.isdisjoint(consumers):
-            need.add(fp)
-    return [a for a in order if a.fingerprint in need], [a.fingerprint for a in order if a.fingerprint in cached]
+    uncached = [a for a in missing if a.fingerprint not in cached]
+    if uncached:
+        consumers_of = ag.consumers
+        for a in reversed(uncached):  # (an action is needed when a consumer is: consumers come first here)
+            fp = a.fingerprint
+            consumers = consumers_of[fp]
+            if not consumers or not need.isdisjoint(consumers):
+                need.add(fp)
+    return [a for a in uncached if a.fingerprint in need], [a.fingerprint for a in order if a.fingerprint in cached]
 
 
 def critical_paths(ag: ActionGraph, todo: list[Action], duration: dict[str, float]) -> dict[str, float]:
