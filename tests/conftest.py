@@ -1,5 +1,6 @@
 """pytest configuration: makes tests/helpers importable."""
 
+import importlib.util
 import sys
 from pathlib import Path
 
@@ -37,17 +38,19 @@ def _uses_built_example(rootpath: Path, nodeid: str, _seen: dict[str, bool] = {}
     return _seen[file]
 
 
-def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
-    """`make test TEST_WORKERS=2` runs the suite on two pytest-xdist workers with `--dist loadfile`: each test file runs
-    whole on one worker (its module fixtures are made once, its tests run in file order), and every file using the
-    session's `built_example` runs on the same worker, which builds the example once for all of them (they share its
-    workspace and cache; some rebuild in that workspace). Other session fixtures are per worker, as in a serial run."""
-    if config.getvalue("dist") != "loadfile":
-        return None
-    from xdist.scheduler import LoadFileScheduling
+if importlib.util.find_spec("xdist") is not None:  # (pytest refuses the hook of a plug-in it does not have)
 
-    class ExampleAwareFileScheduling(LoadFileScheduling):
-        def _split_scope(self, nodeid: str) -> str:
-            return "built_example" if _uses_built_example(config.rootpath, nodeid) else super()._split_scope(nodeid)
+    def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+        """`make test TEST_WORKERS=2` runs the suite on two pytest-xdist workers with `--dist loadfile`: each test file runs
+        whole on one worker (its module fixtures are made once, its tests run in file order), and every file using the
+        session's `built_example` runs on the same worker, which builds the example once for all of them (they share its
+        workspace and cache; some rebuild in that workspace). Other session fixtures are per worker, as in a serial run."""
+        if config.getvalue("dist") != "loadfile":
+            return None
+        from xdist.scheduler import LoadFileScheduling
 
-    return ExampleAwareFileScheduling(config, log)  # type: ignore[arg-type]
+        class ExampleAwareFileScheduling(LoadFileScheduling):
+            def _split_scope(self, nodeid: str) -> str:
+                return "built_example" if _uses_built_example(config.rootpath, nodeid) else super()._split_scope(nodeid)
+
+        return ExampleAwareFileScheduling(config, log)  # type: ignore[arg-type]

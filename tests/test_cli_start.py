@@ -103,7 +103,7 @@ def test_every_no_op_ends_with_where_outputs_are_and_verbose_no_ops_print_the_sa
         assert proc.returncode == 0 and proc.stdout.startswith("9 actions: 0 executed, 9 cached"), proc.stdout
         assert OUTPUTS.match(_summary_end(proc.stdout)), proc.stdout
     verbose = [sorted(ln for ln in p.stderr.splitlines() if ln.startswith("CACHED: ")) for p in runs[2:4]]
-    assert len(verbose[0]) == 8 and verbose[0] == verbose[1]
+    assert len(verbose[0]) == 9 and verbose[0] == verbose[1]  # the weights action, 2 traces, 2 Lowers, 4 compiles
     assert "CACHED:" not in runs[1].stderr + runs[4].stderr
 
 
@@ -121,7 +121,7 @@ def test_explain_and_upgrade_impact_list_by_target_bucket_then_trace_lower_compi
         proc = _nb(["explain", "--cache-dir", str(cache)], ws)
         assert proc.returncode == 0, proc.stderr
         heads = [ln for ln in proc.stdout.splitlines() if ln and not ln.startswith(" ") and "would execute" not in ln]
-        expected = []
+        expected = ["Weights //models:tiny"]  # the model's, shared by every bucket: its sources changed
         for b in (1, 2, 4):
             expected += [f"Trace //models:tiny [batch={b}]", f"Compile //models:tiny_cpu [batch={b}]"]
         for b in (1, 2, 4):
@@ -162,7 +162,7 @@ def test_cache_stats_counts_what_the_summary_counts(started, tmp_path: Path) -> 
     header = next(ln for ln in stats.stdout.splitlines() if ln.startswith("recent builds"))
     assert "executed  cached" in header
     rows = [ln for ln in stats.stdout.splitlines() if ln.startswith("  ") and "|" in ln]
-    assert rows[-1].split()[2:4] == ["2", "6"], stats.stdout  # the last build, as its summary said
+    assert rows[-1].split()[2:4] == ["3", "6"], stats.stdout  # the last build, as its summary said
     assert rows[-1].split()[5:7] == ["6", "(6+0)"]  # the cache lookups beside it
 
 

@@ -71,7 +71,7 @@ def test_dask_local_builds_a_workspace_like_the_local_executor(tmp_path: Path) -
     local = run_cli(["build", "//pkg:c", "--jobs", "2", "--cache-dir", str(tmp_path / "local" / "cache")], local_ws)
     assert local.returncode == 0, local.stdout + local.stderr
     assert "7 executed" in local.stdout
-    assert _digests(ws) == _digests(local_ws) and len(_digests(ws)) == 8  # 2 buckets x 4 files
+    assert _digests(ws) == _digests(local_ws) and len(_digests(ws)) == 10  # 2 buckets x 5 files (+ program constants)
 
     # What dask-local stored is an ordinary cache: the local executor finds every action there.
     again = run_cli(["build", "//pkg:c", "--cache-dir", str(cache)], ws)

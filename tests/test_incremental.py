@@ -16,8 +16,8 @@ import gen_monorepo  # noqa: E402
 def _executed(stderr: str) -> list[tuple[str, str, str]]:
     """(kind, label, bucket) of each action that ran (Trace, Lower, Compile, ...), from the progress lines: every
     `[done/total] Kind //label [bucket]` line, whether the action executed or early cutoff reused its result."""
-    return [(m.group(1), m.group(2), m.group(3))
-            for m in re.finditer(r"^\[\d+/\d+\] (\w+) (//\S+) \[([^\]]+)\]", stderr, re.M)]
+    return [(m.group(1), m.group(2), m.group(3) or "")  # a weights action is the model's: no bucket
+            for m in re.finditer(r"^\[\d+/\d+\] (\w+) (//\S+)(?: \[([^\]]+)\])?", stderr, re.M)]
 
 
 def _build(ws: Path, cache: Path, *targets: str) -> list[tuple[str, str, str]]:
@@ -70,7 +70,8 @@ def test_editing_model_source_reruns_all_of_that_models_actions(built_example, c
     _edit(ws / "models/llama.py", "eps: float = 1e-5", "eps: float = 1e-6")
     ran = _build(ws, cache_dir, "//models:llama_tiny_cpu", "//models:llama_trn2")
     assert sorted(ran) == [("Compile", "//models:llama_tiny_cpu", "batch=4, seq=1"),
-                           ("Trace", "//models:llama_tiny", "batch=4, seq=1")]
+                           ("Trace", "//models:llama_tiny", "batch=4, seq=1"),
+                           ("Weights", "//models:llama_tiny", "")]  # the module's state is its source's too
 
 
 def test_a_plan_leaves_the_model_sources_digests_for_the_next_process(tmp_path: Path) -> None:

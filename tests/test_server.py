@@ -166,7 +166,7 @@ def test_server_rebuilds_exactly_what_batch_rebuilds_over_every_kind_of_edit(ser
     pp.mkdir()
     env = {"PYTHONPATH": str(pp)}
     first = _executed(ws, servers, batch=False, cache=cs, env=env)
-    assert len(first) == 5  # 1 trace, 2 lowerings, 2 Neuron compiles
+    assert len(first) == 6  # the weights action, 1 trace, 2 lowerings, 2 Neuron compiles
     shutil.copytree(cs, cb)
 
     def same(expect: int = 0) -> set[str]:
