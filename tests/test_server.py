@@ -438,6 +438,55 @@ def test_shutdown_and_idle_timeout_end_the_server_and_its_workers(servers: Serve
     _wait(lambda: not _alive(pid), 30, "the idle server to exit")
 
 
+def test_a_cached_build_warms_workers_after_its_answer_and_idle_ones_are_released(
+        servers: Servers, tmp_path: Path, shared_cache: Path) -> None:
+    """A build whose actions were all cached starts no worker while it runs; once its answer is sent the server warms
+    them in the background (so the first edit's build finds them warm), `info` counts them, and after
+    NEURONBUILD_WORKERS_IDLE_SECS without a command they are ended while the server stays, and `info` says none."""
+    servers.cache = shared_cache
+    ws = _ws(tmp_path)
+    servers.build(ws, batch=True)  # every action cached
+    events = tmp_path / "events.jsonl"  # (asking for events takes the full build path, not the no-op stamp)
+    env = {"NEURONBUILD_WORKERS_IDLE_SECS": "10"}  # read by the server this command starts
+    p = servers.run(["build", "//...", "--jobs", "2", "--cache-dir", str(shared_cache), "--build-event-json-file",
+                     str(events)], ws, env)
+    assert p.returncode == 0 and "0 executed" in p.stdout, p.stdout + p.stderr[-3000:]
+    assert not [ln for ln in events.read_text().splitlines() if '"action_started"' in ln]
+    info = servers.info(ws)
+    log = Path(info["output_base"]) / "server.log"
+    assert info["workers_idle_secs"] == 10
+
+    def warm_line() -> str | None:
+        return next((ln for ln in log.read_text().splitlines() if "warm workers starting in the background" in ln),
+                    None)
+
+    _wait(lambda: warm_line() is not None, 30, "the background warm-up")
+    lines = log.read_text().splitlines()
+    answered = next(i for i, ln in enumerate(lines) if " build //... " in ln and "-> 0 in" in ln)
+    started = lines.index(str(warm_line()))
+    assert started > answered, lines  # the warm-up starts once the command has answered
+    pids = [int(x) for x in re.findall(r"\d+", str(warm_line()).rpartition("pids")[2])]
+    assert pids and all(_alive(q) for q in pids), (pids, lines)
+    seen = servers.info(ws)
+    assert "warm workers released" not in log.read_text(), "released before `info` could count them"
+    assert seen["workers"] == len(pids) and sorted(_worker_pids(seen)) == sorted(pids), (seen, pids)
+    assert seen["pid"] == info["pid"]
+
+    _wait(lambda: "warm workers released" in log.read_text(), 120, "the idle workers' release")
+    _wait(lambda: not any(_alive(q) for q in pids), 30, "the released workers to end")
+    after = servers.info(ws)
+    assert after["running"] and after["pid"] == info["pid"]  # the server stays
+    assert after["workers"] == 0 and after["worker_pids"] == [] and after["workers_rss_kib"] == 0, after
+    text = log.read_text()
+    assert text.index("warm workers released") > text.index("warm workers starting in the background")
+    # the next build starts them again (and, all cached, warms them again once answered)
+    p = servers.run(["build", "//...", "--jobs", "2", "--cache-dir", str(shared_cache), "--build-event-json-file",
+                     str(events)], ws)
+    assert p.returncode == 0 and "0 executed" in p.stdout, p.stdout + p.stderr[-3000:]
+    _wait(lambda: len(re.findall("warm workers starting in the background", log.read_text())) == 2, 30,
+          "the second background warm-up")
+
+
 def test_batch_and_no_server_env_run_in_the_client(servers: Servers, tmp_path: Path, shared_cache: Path) -> None:
     servers.cache = shared_cache
     ws = _ws(tmp_path)

@@ -55,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
           f"{', running one now' if ans.get('busy') else ''}")
     print(f"server RSS: {ans['rss_kib'] / 1024:.0f} MiB; warm workers: {ans['workers']} "
           f"({ans['workers_rss_kib'] / 1024:.0f} MiB RSS together)")
-    print(f"idle timeout: {ans['max_idle_secs']} s")
+    print(f"idle timeout: {ans['max_idle_secs']} s (warm workers: {ans.get('workers_idle_secs', 300):g} s)")
     print(f"socket: {ans['socket']}")
     print(f"log: {ans['log']}")
     return EXIT_OK

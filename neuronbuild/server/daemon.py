@@ -215,6 +215,7 @@ class Server:
         return {"pid": os.getpid(), "uptime_s": round(time.time() - self.started, 1), "commands": self.commands,
                 "busy": self.busy.is_set(), "rss_kib": _rss_kib(), "workers": len(workers), "worker_pids": workers,
                 "workers_rss_kib": sum(_rss_kib(p) for p in workers), "max_idle_secs": self.max_idle,
+                "workers_idle_secs": self.warm.workers_idle_s,
                 "output_base": str(self.output_base), "socket": str(self.socket_path),
                 "log": str(self.output_base / "server.log"), "stamp": self.stamp,
                 "kept": self.warm.describe()}
@@ -239,13 +240,16 @@ class Server:
                 if not self._still_wanted():
                     print("the workspace or the output base is gone: exiting", flush=True)
                     break
+                wait = min(left, self.warm.IDLE_GC_S if self.warm.pending else 5.0)
+                if self.warm.worker_pids():  # (released on time, not up to 5 s late)
+                    wait = min(wait, max(0.1, self.warm.workers_idle_s - (time.monotonic() - idle_since)))
                 try:
-                    conn, msg = self.queue.get(timeout=min(left, self.warm.IDLE_GC_S if self.warm.pending else 5.0))
+                    conn, msg = self.queue.get(timeout=wait)
                 except queue.Empty:
                     if self.warm.pending:
                         self.warm.collect()  # idle: nobody waits for the collection
-                    if time.monotonic() - idle_since >= self.warm.WORKERS_IDLE_S and self.warm.release_workers():
-                        print(f"idle for {self.warm.WORKERS_IDLE_S:.0f} s: warm workers released", flush=True)
+                    if time.monotonic() - idle_since >= self.warm.workers_idle_s and self.warm.release_workers():
+                        print(f"idle for {self.warm.workers_idle_s:g} s: warm workers released", flush=True)
                     continue
                 except KeyboardInterrupt:  # a late cancel that arrived after its command ended
                     continue
@@ -312,6 +316,20 @@ class Server:
                 self.stopping = True
             if self.warm.pending >= self.warm.GC_EVERY:
                 self.warm.collect()  # else when the server idles (serve)
+            if not self.stopping:
+                self._warm_after_answer()
+
+    def _warm_after_answer(self) -> None:
+        """The answer is sent: start the warm workers a build made without starting (all its actions cached), while
+        the user reads it, so the first edit's build is as fast as later ones. Released after workers_idle_s idle."""
+        try:
+            pids = self.warm.warm_in_background()
+        except Exception:  # noqa: BLE001 - a worker that cannot start fails the next build, not the server
+            traceback.print_exc()
+            return
+        if pids:
+            print(f"{time.strftime('%H:%M:%S')} warm workers starting in the background (pids "
+                  f"{' '.join(map(str, pids))})", flush=True)
 
     def run_command(self, conn: socket.socket, msg: dict[str, Any]) -> int:
         from neuronbuild import cli

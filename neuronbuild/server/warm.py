@@ -38,7 +38,12 @@ class WarmState:
     def __init__(self) -> None:
         self._pool_key: str | None = None
         self._pool: KeptPool | None = None
+        self._umask = 0o022  # the umask of the command that made the kept pool (its processes inherit it)
         self.pending = 0  # commands since the last collection
+        # Warm workers (with torch imported: ~1.3 GB after `make example`) are released after this long without a
+        # command; the server itself stays until --max-idle-secs. NEURONBUILD_WORKERS_IDLE_SECS (in the environment
+        # of the client that starts the server) overrides it.
+        self.workers_idle_s = _workers_idle_secs()
 
     def _pool_factory(self, *args: Any, **kwargs: Any) -> WorkerPool:
         key = json.dumps([args, kwargs], sort_keys=True, default=str)
@@ -48,6 +53,8 @@ class WarmState:
             self._pool.shutdown()
             WorkerPool.shutdown(self._pool)
         self._pool, self._pool_key = KeptPool(*args, **kwargs), key
+        self._umask = os.umask(0o077)  # (during the command: the client's)
+        os.umask(self._umask)
         env = args[1] if len(args) > 1 else kwargs.get("env") or {}
         self._sentinel = _scratch_sentinel(env.get("TMPDIR"))
         return self._pool
@@ -96,11 +103,8 @@ class WarmState:
 
     def worker_pids(self) -> list[int]:
         """The kept pool's processes: its workers and its zygote."""
-        return self._pool.pids() if self._pool is not None else []
-
-    # Warm workers (with torch imported: ~1.3 GB after `make example`) are released after this long without a
-    # command; the server itself stays until --max-idle-secs. NEURONBUILD_WORKERS_IDLE_SECS overrides it.
-    WORKERS_IDLE_S = float(os.environ.get("NEURONBUILD_WORKERS_IDLE_SECS") or 300)
+        pool = self._pool  # (read once: `info` asks from another thread while the main one may release it)
+        return pool.pids() if pool is not None else []
 
     def release_workers(self) -> bool:
         """Stop the kept pool's workers and zygote (the next build starts them again); whether there were any."""
@@ -108,6 +112,21 @@ class WarmState:
             return False
         self.close()
         return True
+
+    def warm_in_background(self) -> list[int]:
+        """After a command's answer was sent: start the processes of a kept pool that has none (a build whose actions
+        were all cached made it without starting any), so the next build, the first edit's, finds them warm. With a
+        zygote only the zygote starts (it imports torch in its own process; the workers are forked from it when tasks
+        come). Returns the pids started (none when there is no such pool or nothing could start)."""
+        pool = self._pool
+        if pool is None or pool.pids() or not self._scratch_intact():
+            return []
+        old = os.umask(self._umask)  # the processes the build would have started: with the client's umask
+        try:
+            pool.warm(pool.size)
+        finally:
+            os.umask(old)
+        return pool.pids()
 
     def describe(self) -> dict[str, Any]:
         from neuronbuild import incremental
@@ -123,6 +142,15 @@ class WarmState:
             with contextlib.suppress(OSError):
                 os.unlink(self._sentinel)
             self._sentinel = None
+
+
+def _workers_idle_secs() -> float:
+    raw = os.environ.get("NEURONBUILD_WORKERS_IDLE_SECS") or ""
+    try:
+        value = float(raw) if raw else 300.0
+    except ValueError:
+        value = 300.0
+    return value if value > 0 else 300.0
 
 
 def _scratch_sentinel(tmpdir: str | None) -> str | None:
