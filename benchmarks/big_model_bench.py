@@ -200,7 +200,8 @@ def main() -> None:
     ap.add_argument("--max-seq", type=int, default=256)
     ap.add_argument("--jobs", type=int, default=1)
     ap.add_argument("--dtype", default="bfloat16", help="hf_causal_lm's dtype (the checkpoint is bf16 either way)")
-    ap.add_argument("--generate", action="store_true", help="deploy the bundle and generate 8 tokens per target")
+    ap.add_argument("--generate", action="store_true", help="deploy the bundle, generate 8 tokens per target and compare "
+                    "each step's logits with transformers' (max abs difference, top-2 gap)")
     ap.add_argument("--no-bundle", action="store_true", help="build the compile targets only (no bundle)")
     ap.add_argument("--workdir", type=Path, default=None)
     ap.add_argument("--keep", action="store_true")
