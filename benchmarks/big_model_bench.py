@@ -7,8 +7,9 @@ cache, each output target and the bundle against the checkpoint's.
     .venv/bin/python benchmarks/big_model_bench.py --shape llama-3.2-1b --tp 2 --no-bundle     # tensor parallel (#29)
     .venv/bin/python benchmarks/big_model_bench.py --shape llama-3.2-1b --targets cpu --generate --lean  # + transformers tokens
     .venv/bin/python benchmarks/big_model_bench.py --shape llama-3.1-8b-2l --tp 8 --no-bundle --validate
-    .venv/bin/python benchmarks/big_model_bench.py --shape llama-3.1-8b --tp 8 --no-bundle --graphs context \
-        --workdir /big/dir --keep            # then --graphs token --reuse-checkpoint (one graph family at a time)
+    .venv/bin/python benchmarks/big_model_bench.py --shape llama-3.1-8b --tp 8 --no-bundle --drop-checkpoint \
+        --workdir /big/dir --keep            # both families: ~2x the checkpoint on disk at peak (--graphs context
+                                             # [--reuse-checkpoint] builds one family at a time)
 
 Not part of the test suite (CI keeps tiny models). Watch the machine's memory: each action's peak is printed as it
 is recorded by the build (`--profile`). The 8B shape writes a 16 GB checkpoint first."""
