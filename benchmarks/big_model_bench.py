@@ -113,18 +113,20 @@ PROMPT = [1, 17, 99, 250]
 NEW_TOKENS = 8
 
 
-def reference_tokens(cfg: dict[str, object], ckpt: Path) -> list[list[int]]:
-    """transformers' own greedy tokens for PROMPT from the checkpoint, in the config's dtype (the model made on the
-    meta device, the file's tensors assigned: no random init of a full-size model)."""
+def reference_tokens(cfg: dict[str, object], ckpt: Path, dtype: str | None = None) -> tuple[list[list[int]], list[list[float]]]:
+    """transformers' own greedy tokens for PROMPT from the checkpoint, in `dtype` (default the config's), and its
+    float32 logits for the prompt and each generated step (the model made on the meta device, the file's tensors
+    converted to the dtype and assigned: no random init of a full-size model)."""
     import torch
     import transformers
     from safetensors.torch import load_file
 
     config = transformers.AutoConfig.for_model(**{k: v for k, v in cfg.items() if k != "dtype"})
-    dtype = getattr(torch, str(cfg.get("dtype") or "float32"))
+    dtype_ = getattr(torch, dtype or str(cfg.get("dtype") or "float32"))
     with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
-    model.load_state_dict(load_file(str(ckpt)), strict=False, assign=True)
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype_)
+    # assign=True keeps the state dict's dtype: converted first, or a float32 model would hold the bf16 tensors
+    model.load_state_dict({k: v.to(dtype_) for k, v in load_file(str(ckpt)).items()}, strict=False, assign=True)
     model.tie_weights()
     model.eval()
     for name, mod in list(model.named_modules()):  # rotary tables (buffers computed in __init__): made on the CPU
@@ -133,8 +135,31 @@ def reference_tokens(cfg: dict[str, object], ckpt: Path) -> list[list[int]]:
             setattr(model.get_submodule(parent) if parent else model, leaf, type(mod)(config=model.config))
     with torch.no_grad():
         out = model.generate(torch.tensor([PROMPT]), max_new_tokens=NEW_TOKENS, do_sample=False,
-                             pad_token_id=int(cfg.get("pad_token_id") or 0))
-    return out.tolist()  # the prompt and the new tokens, as the runtime's generate returns them
+                             pad_token_id=int(cfg.get("pad_token_id") or 0), output_logits=True,
+                             return_dict_in_generate=True)
+    # the prompt and the new tokens, as the runtime's generate returns them; one logits row per new token
+    return out.sequences.tolist(), [step[0].float().tolist() for step in out.logits]
+
+
+def compare_logits(name: str, tokens: list[int], logits: list[list[float]], ref_tokens: list[int],
+                   ref_logits: list[list[float]]) -> None:
+    """Per step while the token sequences agree (the same context on both sides): the max abs difference of the two
+    logits vectors and the reference's top-2 gap; a token differing where the gap is below the difference is
+    rounding, not a different model."""
+    import torch
+
+    new = tokens[len(PROMPT):]
+    want = ref_tokens[len(PROMPT):]
+    for t, (a, b) in enumerate(zip(logits, ref_logits, strict=False)):
+        x, y = torch.tensor(a), torch.tensor(b)
+        top2 = y.topk(2).values
+        diff, gap = float((x - y).abs().max()), float(top2[0] - top2[1])
+        verdict = "equal" if new[t] == want[t] else ("DIVERGES: gap < diff (rounding)" if gap < diff
+                                                      else "DIVERGES: gap >= diff (NOT rounding)")
+        print(f"  {name} step {t}: max |logits - ref| {diff:.3g} (ref max |logit| {float(y.abs().max()):.3g}); "
+              f"ref top-2 gap {gap:.3g}; token {new[t]} vs {want[t]} {verdict}")
+        if new[t] != want[t]:
+            break  # later steps see different contexts
 
 
 def cli(args: list[str], cwd: Path, check: bool = True) -> tuple[float, subprocess.CompletedProcess[str]]:
@@ -195,7 +220,8 @@ def main() -> None:
     ap.add_argument("--max-seq", type=int, default=256)
     ap.add_argument("--jobs", type=int, default=1)
     ap.add_argument("--dtype", default="bfloat16", help="hf_causal_lm's dtype (the checkpoint is bf16 either way)")
-    ap.add_argument("--generate", action="store_true", help="deploy the bundle and generate 8 tokens per target")
+    ap.add_argument("--generate", action="store_true", help="deploy the bundle, generate 8 tokens per target and compare "
+                    "each step's logits with transformers' (max abs difference, top-2 gap)")
     ap.add_argument("--no-bundle", action="store_true", help="build the compile targets only (no bundle)")
     ap.add_argument("--workdir", type=Path, default=None)
     ap.add_argument("--keep", action="store_true")
@@ -287,17 +313,32 @@ def main() -> None:
         wall, _ = cli(["deploy", str(bundles[0]), "--cache-dir", str(deployed)], ws)
         print(f"deploy: {wall:.0f} s; deployed {du(deployed) / 1e9:.2f} GB ({du(deployed) / ckpt:.2f}x)")
         start = time.perf_counter()
-        want = reference_tokens(cfg, ws / "model.safetensors")
+        want, want_logits = reference_tokens(cfg, ws / "model.safetensors")
         print(f"transformers greedy tokens ({time.perf_counter() - start:.0f} s): {want}")
+        if args.dtype != "float32":  # scale: how far transformers itself in this dtype is from float32
+            fp32, fp32_logits = reference_tokens(cfg, ws / "model.safetensors", "float32")
+            print(f"transformers float32 greedy tokens: {fp32}")
+            compare_logits(f"transformers-{args.dtype} vs transformers-float32", want[0], want_logits, fp32[0],
+                           fp32_logits)
         for t in targets:
-            code = ("import sys; from neuronbuild.runtime import open_cache; "
+            # the logits of every step recorded as the runtime's generate computes them (its outputs by name)
+            code = ("import sys, json; from neuronbuild.runtime import open_cache; "
                     f"lm = open_cache(sys.argv[1], strict=True, emulate={'None' if t == 'cpu' else repr('xla-cpu')})"
-                    f".causal_lm('//:llm_{t}'); print(lm.generate([{PROMPT}], max_new_tokens={NEW_TOKENS}).tolist())")
+                    f".causal_lm('//:llm_{t}'); seen = []; named = lm._named\n"
+                    "def record(family, out):\n"
+                    "    d = named(family, out); seen.append(d['logits'][0].float().tolist()); return d\n"
+                    f"lm._named = record; ids = lm.generate([{PROMPT}], max_new_tokens={NEW_TOKENS}).tolist()\n"
+                    "json.dump(seen, open(sys.argv[2], 'w')); print(ids)")
             start = time.perf_counter()
-            proc = subprocess.run([sys.executable, "-c", code, str(deployed)], capture_output=True, text=True)
+            logits_file = work / f"logits_{t}.json"
+            proc = subprocess.run([sys.executable, "-c", code, str(deployed), str(logits_file)], capture_output=True,
+                                  text=True)
             tokens = proc.stdout.strip().splitlines()[-1] if proc.returncode == 0 else proc.stderr[-500:]
             same = "equal to transformers'" if tokens == str(want) else "DIFFERENT from transformers'"
             print(f"generate llm_{t}: {time.perf_counter() - start:.0f} s: {tokens} ({same})")
+            if proc.returncode == 0:
+                compare_logits(f"llm_{t} vs transformers-{args.dtype}", json.loads(tokens)[0],
+                               json.loads(logits_file.read_text()), want[0], want_logits)
     if not args.keep and args.workdir is None:
         shutil.rmtree(work, ignore_errors=True)
     else:

@@ -138,9 +138,11 @@ def test_explain_and_upgrade_impact_list_by_target_bucket_then_trace_lower_compi
     up = _nb(["upgrade-impact", "--toolchain", "torch=99.0", "--cache-dir", str(cache)], ws)
     assert up.returncode == 0, up.stderr
     rows = [ln.strip() for ln in up.stdout.splitlines() if ln.startswith("  ")]
-    assert _kinds([r.split("  ")[0] for r in rows]) == [
+    assert _kinds([r.split("  ")[0] for r in rows]) == [  # each target's: its model's weights, then by bucket
+        "Weights //models:tiny",
         "Trace //models:tiny [batch=1]", "Compile //models:tiny_cpu [batch=1]",
         "Trace //models:tiny [batch=4]", "Compile //models:tiny_cpu [batch=4]",
+        "Weights //models:tiny",
         "Trace //models:tiny [batch=1]", "Lower //models:tiny [batch=1]", "Compile //models:tiny_trn2 [batch=1]",
         "Trace //models:tiny [batch=4]", "Lower //models:tiny [batch=4]", "Compile //models:tiny_trn2 [batch=4]"]
 
