@@ -7,8 +7,9 @@ cache, each output target and the bundle against the checkpoint's.
     .venv/bin/python benchmarks/big_model_bench.py --shape llama-3.2-1b --tp 2 --no-bundle     # tensor parallel (#29)
     .venv/bin/python benchmarks/big_model_bench.py --shape llama-3.2-1b --targets cpu --generate --lean  # + transformers tokens
     .venv/bin/python benchmarks/big_model_bench.py --shape llama-3.1-8b-2l --tp 8 --no-bundle --validate
-    .venv/bin/python benchmarks/big_model_bench.py --shape llama-3.1-8b --tp 8 --no-bundle --graphs context \
-        --workdir /big/dir --keep            # then --graphs token --reuse-checkpoint (one graph family at a time)
+    .venv/bin/python benchmarks/big_model_bench.py --shape llama-3.1-8b --tp 8 --no-bundle --drop-checkpoint \
+        --workdir /big/dir --keep            # both families: ~2x the checkpoint on disk at peak (--graphs context
+                                             # [--reuse-checkpoint] builds one family at a time)
 
 Not part of the test suite (CI keeps tiny models). Watch the machine's memory: each action's peak is printed as it
 is recorded by the build (`--profile`). The 8B shape writes a 16 GB checkpoint first."""
@@ -16,6 +17,7 @@ is recorded by the build (`--profile`). The 8B shape writes a 16 GB checkpoint f
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -169,10 +171,23 @@ def cli(args: list[str], cwd: Path, check: bool = True) -> tuple[float, subproce
     return time.perf_counter() - start, proc
 
 
+def weights_copy_in_use(work: Path, ckpt: Path) -> bool:
+    """Whether the weights action's sandbox holds its whole, verified copy of the checkpoint: a sandbox (under the
+    cache's scratch dir) whose input copy is the checkpoint's size and whose output dir has files (the action runs:
+    the sandbox checked the copy's digest before starting it)."""
+    size = ckpt.stat().st_size
+    for copy in (work / "cache").glob(f"**/in/{ckpt.name}"):
+        with contextlib.suppress(OSError):
+            if copy.stat().st_size == size and any((copy.parent.parent / "out").iterdir()):
+                return True
+    return False
+
+
 def build_dropping_checkpoint(args: list[str], cwd: Path, work: Path, ckpt: Path) -> tuple[float, int]:
-    """`build ARGS`, deleting the checkpoint once the model's weights action has finished (nothing after it reads it:
-    traces work on shapes, the compiles take the weights action's file or shards), so the build's outputs never sit
-    beside it: returns the wall time and the workdir's peak bytes on disk (polled)."""
+    """`build ARGS`, deleting the checkpoint once the model's weights action is running on its sandbox's copy of it
+    (nothing else reads it: traces work on shapes, the compiles take the weights action's file or shards), so the
+    checkpoint, its sandbox copy and the shards are never on disk together: returns the wall time and the workdir's
+    peak bytes on disk (polled)."""
     events = work / "events.jsonl"
     start, peak = time.perf_counter(), 0
     cmd = [sys.executable, "-m", "neuronbuild", "--batch", "build", *args, "--build-event-json-file", str(events)]
@@ -180,12 +195,17 @@ def build_dropping_checkpoint(args: list[str], cwd: Path, work: Path, ckpt: Path
         while proc.poll() is None:
             time.sleep(5)
             peak = max(peak, du(work))
-            if ckpt.exists() and events.exists():
+            if ckpt.exists() and weights_copy_in_use(work, ckpt):
+                ckpt.unlink()
+                print(f"  checkpoint deleted once the weights action ran on its sandbox copy, "
+                      f"{time.perf_counter() - start:.0f} s into the build", flush=True)
+            elif ckpt.exists() and events.exists():
                 done = [json.loads(line) for line in events.read_text().splitlines() if line.strip()]
                 if any(e.get("event") in ("action_finished", "action_cached") and e.get("kind") == "weights"
                        for e in done):
                     ckpt.unlink()
-                    print(f"  checkpoint deleted after the weights action, {time.perf_counter() - start:.0f} s into the build")
+                    print(f"  checkpoint deleted after the weights action, {time.perf_counter() - start:.0f} s into "
+                          "the build", flush=True)
         out = proc.stdout.read() if proc.stdout else ""
     if proc.returncode:
         sys.exit(f"build failed ({proc.returncode}):\n{out[-3000:]}")
