@@ -58,8 +58,8 @@ def _run_three(ws: Path, caches: list[Path], *extra: str) -> collections.Counter
     return runs
 
 
-# A Neuron graph is three actions: trace, lower (to the HLO module), compile.
-ALL = {"Trace //pkg:m [batch=1, seq=4]", "Trace //pkg:m [batch=2, seq=4]",
+# A Neuron graph is three actions: trace, lower (to the HLO module), compile; the model's weights action is shared.
+ALL = {"Weights //pkg:m", "Trace //pkg:m [batch=1, seq=4]", "Trace //pkg:m [batch=2, seq=4]",
        "Lower //pkg:m [batch=1, seq=4]", "Lower //pkg:m [batch=2, seq=4]",
        "Compile //pkg:c [batch=1, seq=4] for trn2", "Compile //pkg:c [batch=2, seq=4] for trn2"}
 

@@ -49,7 +49,7 @@ def test_rc_flags_apply_per_command_and_the_command_line_wins(built_example, ws:
     assert run_cli(["query", "//models:llama"], ws, env).stdout == "//models:llama\n"
     # --norc reads no rc file.
     none = run_cli(["--norc", "plan", "--output", "json", "//models:llama_cpu"], ws, env)
-    assert len(json.loads(none.stdout)["execute"]) == 8  # the empty default cache (XDG_CACHE_HOME) holds nothing
+    assert len(json.loads(none.stdout)["execute"]) == 9  # the empty default cache (XDG_CACHE_HOME) holds nothing
 
 
 def test_rc_mutually_exclusive_flags_yield_to_the_command_line(built_example, ws: Path, tmp_path: Path,  # type: ignore[no-untyped-def]

@@ -11,6 +11,7 @@ import networkx as nx
 from neuronbuild import plugins
 from neuronbuild.analysis.actions import COMPILE, TRACE, WEIGHTS, Action, Bucket, DepInput
 from neuronbuild.analysis.planner import ActionGraph
+from neuronbuild.analysis.toolchain_api import StepDirs
 from neuronbuild.cache.action_cache import ActionResult
 from neuronbuild.cache.identity_index import IdentityIndex
 from neuronbuild.cache.local import LocalCache
@@ -145,6 +146,7 @@ class WarmingToolchain:
     option_keys = ()
     target_attrs = ()
     warm_up_shared = True
+    runtime_loader = ""
 
     # (the scheduler tests run its actions through a recording executor: nothing plans, runs or loads them)
     def target_record(self, platform: str, attrs: object) -> dict[str, str]:
@@ -170,6 +172,15 @@ class WarmingToolchain:
 
     def warm_up_key(self, spec: dict[str, str]) -> dict[str, str] | None:
         return {"isa": spec["isa"]} if spec.get("step") == COMPILE else None
+
+    def prepare_worker(self) -> None:
+        pass
+
+    def step_dirs(self, spec: object) -> StepDirs:
+        return StepDirs()
+
+    def host_status(self) -> dict[str, str | None]:
+        return {}
 
 
 plugins.register_toolchain(WarmingToolchain())  # type: ignore[arg-type]

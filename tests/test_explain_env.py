@@ -19,7 +19,7 @@ def _fps(ws: Path, cache: Path, *extra: str, env: dict[str, str] | None = None) 
 def test_undeclared_variables_change_no_fingerprint_declared_ones_do(tmp_path: Path) -> None:
     ws, cache = tiny_ws(tmp_path / "ws"), tmp_path / "cache"
     base = _fps(ws, cache)
-    assert len(base) == 6  # 2 buckets x (trace, lower, compile)
+    assert len(base) == 7  # the weights action, 2 buckets x (trace, lower, compile)
     ambient = {"HOME": str(tmp_path / "elsewhere"), "PATH": f"{tmp_path}:{os.environ.get('PATH', '')}",
                "NEURON_CC_FLAGS": "--optlevel 3", "XLA_FLAGS": "--x", "MY_VAR": "1"}
     assert _fps(ws, cache, env=ambient) == base

@@ -51,7 +51,7 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> Ws:
     gen_monorepo.generate(base / "ws", 2, 1, 2)  # one package: 1 trace + 2 Neuron compiles, via load()ed macros
     first = Ws(base / "ws", base / "cache", base / "pp")
     n, _mods, out = first.build()
-    assert n == 5, out  # 1 trace, 2 lowerings, 2 Neuron compiles
+    assert n == 6, out  # the weights action, 1 trace, 2 lowerings, 2 Neuron compiles
     return first
 
 

@@ -350,7 +350,9 @@ def test_a_model_cannot_change_the_precompiled_headers_later_compiles_include(tm
     assert any(h.endswith(".gch") for h in headers), headers
     evil = write_ws(tmp_path / "ws-evil", {"pkg/m.py": CPU_MODEL, "pkg/BUILD": CPU_BUILD.format(poison="True")})
     hostile = run_cli(["--batch", "build", "//pkg:all", "--jobs", "2", "--cache-dir", str(cache)], evil)
-    assert hostile.returncode == 1 and "PermissionError" in hostile.stderr, hostile.stdout + hostile.stderr[-3000:]
+    # The steps running model code (its weights action and trace) either see no header directory at all (only a
+    # compile step is given it) or are refused the write: in neither case does a header change.
+    assert hostile.returncode == 0 or "PermissionError" in hostile.stderr, hostile.stdout + hostile.stderr[-3000:]
     assert _header_bytes(cache) == headers  # no later compile, of any workspace, includes the model's code
 
 
