@@ -2,6 +2,7 @@
 
 import importlib.util
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -54,3 +55,15 @@ if importlib.util.find_spec("xdist") is not None:  # (pytest refuses the hook of
                 return "built_example" if _uses_built_example(config.rootpath, nodeid) else super()._split_scope(nodeid)
 
         return ExampleAwareFileScheduling(config, log)  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="module")
+def s3_endpoint() -> Iterator[str]:
+    """A real S3-compatible server (moto) on 127.0.0.1, one per test module."""
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    yield f"http://{host}:{port}"
+    server.stop()

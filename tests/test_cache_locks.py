@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import subprocess
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -64,17 +63,6 @@ def test_release_does_not_remove_a_lock_someone_else_took_over(tmp_path: Path) -
     d.path("fp").write_bytes(Owner("other-machine", 1, "theirs", time.time()).to_json())
     mine.release()
     assert d.path("fp").exists()
-
-
-@pytest.fixture(scope="module")
-def s3_endpoint() -> Iterator[str]:
-    from moto.server import ThreadedMotoServer
-
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    yield f"http://{host}:{port}"
-    server.stop()
 
 
 def test_s3_leases_exclude_each_other_and_dead_owners_are_replaced(s3_endpoint: str,

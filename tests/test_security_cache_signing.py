@@ -9,7 +9,6 @@ import json
 import re
 import subprocess
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -33,17 +32,6 @@ def keys(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     trusted = d / "trusted.pub"
     trusted.write_text(Path(f"{ci}.pub").read_text())
     return {"ci": ci, "other": other, "trusted": trusted}
-
-
-@pytest.fixture(scope="module")
-def s3_endpoint() -> Iterator[str]:
-    from moto.server import ThreadedMotoServer
-
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    yield f"http://{host}:{port}"
-    server.stop()
 
 
 def _shared_url(tier: str, tmp_path: Path, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> \
