@@ -104,7 +104,7 @@ def _one_model_ws(root: Path, src: str, config: dict[str, str]) -> Path:
 
 
 # The model's factory runs in its weights action and in its trace: whichever fails first stops the build.
-FAILED_RUNNING_MODEL = r"FAILED:? (Trace //pkg:m \[b=1\]|Weights //pkg:m)\b"
+FAILED_RUNNING_MODEL = r"FAILED:? (Trace //pkg:m \[b=1\]|Weights //pkg:m)[:\s]"
 
 
 @pytest.mark.parametrize("where", ["cas", "workspace", "home"])
