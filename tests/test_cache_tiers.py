@@ -9,7 +9,6 @@ import os
 import re
 import shutil
 import socket
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -194,14 +193,8 @@ def test_missing_shared_directory_costs_one_warning(populated: tuple[Path, Path]
 
 # -- S3 -----------------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def s3_url() -> Iterator[str]:
-    from moto.server import ThreadedMotoServer
-
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    yield f"http://{host}:{port}"
-    server.stop()
+def s3_url(s3_endpoint: str) -> str:  # (conftest's moto server, one per module)
+    return s3_endpoint
 
 
 def s3_client(endpoint: str) -> Any:
