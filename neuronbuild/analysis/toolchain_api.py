@@ -173,6 +173,33 @@ class Toolchain(Protocol):
         ...
 
 
+class ToolSettings(Protocol):
+    """What a toolchain adds to the plan-wide settings (registered with `plugins.register_settings`, in a module that
+    imports built-in modules only: the command-line parser, the no-op stamp and the build server's client read it;
+    the same module as the toolchain for a plug-in, `*_settings.py` for the built-ins). The core names none of it:
+    - `flags` (`plugins.Flag`): added to every command that plans, accepted in rc files; their values (by `dest`,
+      None when absent) reach `check` and `resolve`;
+    - `tools`: executables whose files the no-op and server stamps watch (names found on PATH; `$VAR`: the one a
+      variable names);
+    - `components`: what a what-if `--toolchain NAME=VERSION` may name besides python and torch;
+    - `check(values)`: the checks needing no subprocess, made before the no-op fast path (UserInputError: exit 2);
+    - `resolve(values)`: a JSON value entering the plan settings under `name` (the analysis engine's input and, as
+      the toolchain's `versions` reads it through `PlanSettings.tool`, its fingerprints), or None: nothing set;
+    - `worker_versions(expect)`: of the components an action's record holds (`expect`), the versions this worker
+      has (a farm worker refuses an action whose versions differ from its own)."""
+
+    name: str
+    flags: tuple[Any, ...]  # plugins.Flag
+    tools: tuple[str, ...]
+    components: tuple[str, ...]
+
+    def check(self, values: Mapping[str, Any]) -> None: ...
+
+    def resolve(self, values: Mapping[str, Any]) -> Any: ...
+
+    def worker_versions(self, expect: Mapping[str, str]) -> dict[str, str]: ...
+
+
 def warm_up_key(tc: Toolchain, spec: Mapping[str, Any]) -> dict[str, Any] | None:
     """What a toolchain's step needs warm on the machine that runs it (JSON-able; steps with equal keys share one
     warm-up), or None: nothing, or the toolchain has no warm-up. Called in the build process: must not import torch.
