@@ -78,7 +78,7 @@ def register_rule(kind: Any) -> Any:
 # What a toolchain must have (analysis/toolchain_api.Toolchain; mypy checks the built-ins against it, this checks a
 # plug-in at registration, so a missing member is one clear error naming it, not an AttributeError mid-build).
 TOOLCHAIN_MEMBERS = ("name", "platforms", "artifact_format", "runtime_loader", "estimate_s", "estimate_mb", "validate_note",
-                     "option_keys", "target_attrs", "warm_up_shared", "target_record", "describe_target", "versions", "plan", "run",
+                     "option_keys", "target_attrs", "tp_degrees", "warm_up_shared", "target_record", "describe_target", "versions", "plan", "run",
                      "warm_up_key", "prepare_worker", "step_dirs", "host_status", "load_artifact", "notes")
 
 

@@ -109,7 +109,9 @@ def resolve_settings(action_env: list[str] | None = None, tool_flags: Mapping[st
     values = dict(tool_flags or {})
     tools = []
     for s in plugins.tool_settings():
-        value = s.resolve({f.dest: values.get(f.dest) for f in s.flags})
+        own = {f.dest: values.get(f.dest) for f in s.flags}
+        s.check(own)
+        value = s.resolve(own)
         if value is not None:
             tools.append((s.name, value))
     return PlanSettings(parse_action_env(action_env), tuple(sorted(tools, key=lambda t: t[0])),

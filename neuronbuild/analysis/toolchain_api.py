@@ -119,6 +119,9 @@ class Toolchain(Protocol):
     validate_note: str  # what `validate` checks of its artifacts when that is less than the real thing ("" if not)
     option_keys: tuple[OptionKey, ...]  # the compiler options it reads (the only ones entering its fingerprints)
     target_attrs: tuple[Attr, ...]  # neuron_target attributes it reads besides `platform` (e.g. cpu's isa)
+    # The tensor-parallel degrees (a neuron_compile's tp_degree) each of its platforms' runtime accepts; a platform
+    # not in it: 1 only (its graphs are never sharded).
+    tp_degrees: Mapping[str, tuple[int, ...]]
     # Whether its warm-up leaves something other workers on the machine reuse (files): then it gets a pseudo-action
     # at the start of a build; False: each worker warms itself before its first such step (e.g. an import).
     warm_up_shared: bool
@@ -183,7 +186,7 @@ class ToolSettings(Protocol):
       variable names);
     - `components`: what a what-if `--toolchain NAME=VERSION` may name besides python and torch;
     - `check(values)`: the checks needing no subprocess, made before the no-op fast path (UserInputError: exit 2);
-    - `resolve(values)`: a JSON value entering the plan settings under `name` (the analysis engine's input and, as
+    - `resolve(values)` (after `check`): a JSON value entering the plan settings under `name` (the analysis engine's input and, as
       the toolchain's `versions` reads it through `PlanSettings.tool`, its fingerprints), or None: nothing set;
     - `worker_versions(expect)`: of the components an action's record holds (`expect`), the versions this worker
       has (a farm worker refuses an action whose versions differ from its own)."""

@@ -31,6 +31,7 @@ class CpuToolchain:
     target_attrs: tuple[Attr, ...] = (
         Attr("isa", STRING, "cpu only: 'native' (this machine's level, resolved) or an x86-64 level.",
              choices=CPU_ISAS),)
+    tp_degrees: Mapping[str, tuple[int, ...]] = {}  # cpu graphs are never sharded
     warm_up_shared = True  # inductor's precompiled headers, on disk: every worker of the machine reuses them
     # The only option the compile reads (an FX pass before AOTInductor, bf16 only): opt_level, flags and the other
     # neuronx-cc options change no cpu graph, so they enter no cpu fingerprint.

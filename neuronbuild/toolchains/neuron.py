@@ -54,6 +54,13 @@ class NeuronToolchain:
     estimate_mb = 900.0
     option_keys: tuple[OptionKey, ...] = OPTION_KEYS
     target_attrs: tuple[Attr, ...] = ()  # the platform says it all
+    # The degrees each platform's runtime accepts (NxD Inference feature guide).
+    tp_degrees: Mapping[str, tuple[int, ...]] = {
+        "trn2": (1, 2, 4, 8, 16, 32, 64),
+        "trn3": (1, 2, 4, 8, 16, 32, 64),  # not in the guide: assumed as trn2
+        "trn1": (1, 2, 8, 16, 32),
+        "inf2": (1, 2, 4, 8, 24),
+    }
     warm_up_shared = False  # the warm-up imports jax in the worker process: nothing other workers could reuse
     validate_note = ("Neuron targets: the exact model.hlo.pb run on XLA:CPU (checks the lowering, auto_cast and the "
                      "weights binding; not neuronx-cc, not the device)")

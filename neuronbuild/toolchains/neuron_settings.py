@@ -59,7 +59,6 @@ class NeuronxCcSettings:
 
     def resolve(self, values: Mapping[str, Any]) -> dict[str, Any] | None:
         """The configured neuronx-cc: {"path", "version" (enters fingerprints), "timeout_s"}, or None."""
-        self.check(values)
         path = find_neuronx_cc(values.get("neuronx_cc"))
         if path is None:
             return None
