@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import run_cli, running, write_ws
+from helpers import _ENV_AT_START, run_cli, running, write_ws
 
 from neuronbuild.execution import channel
 
@@ -356,30 +356,123 @@ def test_a_model_cannot_change_the_precompiled_headers_later_compiles_include(tm
     assert _header_bytes(cache) == headers  # no later compile, of any workspace, includes the model's code
 
 
-ENVIRON_READER = '''import os
+# Two models built at once (--jobs 2): the reader waits until its sibling runs (each names itself in /proc/<pid>/comm,
+# which stays readable), then tries every other process's environ, maps, mem and open descriptors: its worker, the
+# zygote, the build process, the build's parent (`timeout`, standing for the user's shell), the sibling action, pid 1.
+PROC_READER = """import ctypes
+import json
+import os
+import time
+
+
+def comm(pid):
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def ancestors():
+    out, pid = [], os.getppid()
+    while pid > 1:
+        out.append(pid)
+        with open(f"/proc/{pid}/stat") as f:
+            pid = int(f.read().rsplit(")", 1)[1].split()[1])
+    return out
+
+
+def attempt(pid, what):
+    try:
+        if what == "fd":
+            return [os.readlink(f"/proc/{pid}/fd/{n}") for n in os.listdir(f"/proc/{pid}/fd")] and "read"
+        with open(f"/proc/{pid}/{what}", "rb") as f:
+            data = f.read(1 << 20)
+        return "SECRET" if SECRET in data else "read"
+    except OSError as e:
+        return "refused" if e.errno in (1, 13) else "gone"
 
 
 def build(config):
-    found = []
-    for pid in os.listdir("/proc"):
-        if pid.isdigit():
+    global SECRET
+    SECRET = config["secret"].encode()
+    ctypes.CDLL(None).prctl(15, b"nbreader", 0, 0, 0)  # PR_SET_NAME
+    sibling, deadline = None, time.monotonic() + 120
+    while sibling is None and time.monotonic() < deadline:
+        sibling = next((int(p) for p in os.listdir("/proc") if p.isdigit() and comm(p) == "nbsibling"), None)
+        time.sleep(0.1)
+    me = os.getpid()
+    seen = {}
+    for p in os.listdir("/proc"):
+        if p.isdigit() and int(p) != me:
+            seen[p] = {w: attempt(p, w) for w in ("environ", "maps", "mem", "fd")}
+    print("PROCS " + json.dumps({"sibling": sibling, "ancestors": ancestors(), "seen": seen,
+                                 "own": attempt(me, "environ")}), flush=True)
+    raise RuntimeError("the reader is done")
+"""
+
+PROC_SIBLING = """import ctypes
+import os
+import time
+
+import torch
+
+
+def build(config):
+    ctypes.CDLL(None).prctl(15, b"nbsibling", 0, 0, 0)
+    seen, deadline = False, time.monotonic() + 150
+    while time.monotonic() < deadline:  # until the reader has come and gone
+        names = set()
+        for p in os.listdir("/proc"):
             try:
-                with open(f"/proc/{pid}/environ", "rb") as f:
-                    if config["secret"].encode() in f.read():
-                        found.append(pid)
+                with open(f"/proc/{p}/comm") as f:
+                    names.add(f.read().strip())
             except OSError:
                 pass
-    raise RuntimeError("ENVIRON " + (",".join(found) or "none"))
-'''
+        if "nbreader" in names:
+            seen = True
+        elif seen:
+            break
+        time.sleep(0.1)
+    return torch.nn.Linear(4, 3)
+"""
 
 
-def test_a_model_cannot_read_the_build_processs_environment(tmp_path: Path) -> None:
+def test_a_model_reads_no_other_processs_environ_maps_memory_or_descriptors(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
     secret = f"hunter2-{os.getpid()}-{time.time_ns()}"
-    ws = _one_model_ws(tmp_path / "ws", ENVIRON_READER, {"secret": secret})
-    proc = run_cli(["--batch", "build", "//pkg:all", "--jobs", "1", "--cache-dir", str(tmp_path / "cache")], ws,
-                   env={"AWS_SECRET_ACCESS_KEY": secret})
-    assert proc.returncode == 1, proc.stdout + proc.stderr
-    assert "RuntimeError: ENVIRON none" in proc.stderr, proc.stderr[-3000:]
+    build_file = "".join(
+        f'neuron_model(name = "{n}", srcs = ["{n}.py"], entry = "{n}:build", inputs = {{"x": "float32[b, 4]"}},\n'
+        f'             config = {{"secret": "{secret}"}})\n'
+        f'neuron_buckets(name = "{n}_bk", shapes = [{{"b": 1}}])\n'
+        f'neuron_compile(name = "{n}_c", model = ":{n}", buckets = [":{n}_bk"], target = ":t")\n'
+        for n in ("reader", "sibling")) + 'neuron_target(name = "t", platform = "trn2")\n'
+
+    ws = write_ws(tmp_path / "ws", {"pkg/BUILD": build_file, "pkg/reader.py": PROC_READER,
+                                    "pkg/sibling.py": PROC_SIBLING})
+    env = {k: v for k, v in os.environ.items() if k in _ENV_AT_START or not k.startswith("TORCHINDUCTOR_")}
+    env.update(AWS_SECRET_ACCESS_KEY=secret, NB_TEST_TOKEN=secret)  # the build's (and its parent's) environment
+    # `timeout` holds the secret in its own environ, as the user's shell would; every worker and action holds it too
+    # (a declared --action-env), so a sibling's or a worker's environ would give it away.
+    proc = subprocess.run(["timeout", "900", sys.executable, "-m", "neuronbuild", "--batch", "build", "//pkg:all",
+                           "--jobs", "2", "--action-env", "NB_TEST_TOKEN", "--cache-dir", str(tmp_path / "cache")],
+                          cwd=ws, env=env, capture_output=True, text=True, timeout=1000)
+    assert proc.returncode == 1, proc.stdout + proc.stderr[-3000:]
+    assert "the reader is done" in proc.stderr, proc.stderr[-3000:]
+    log = "\n".join(p.read_text(errors="replace") for p in (tmp_path / "cache").rglob("*.log"))
+    report = json.loads(next(x for x in log.splitlines() if x.startswith("PROCS "))[len("PROCS "):])
+    seen = report["seen"]
+    assert report["own"] == "SECRET"  # its own environ is its own (the declared variable is there)
+    assert report["sibling"] is not None, "the two actions never ran at the same time"
+    ancestors = report["ancestors"]  # worker, (zygote), build process, timeout, pytest, ...
+    assert len(ancestors) >= 3, ancestors
+    for pid in [report["sibling"], *ancestors, 1]:
+        got = seen.get(str(pid))
+        assert got is not None and all(v in ("refused", "gone") for v in got.values()), (pid, got)
+    leaked = {pid: got for pid, got in seen.items() if "SECRET" in got.values()}
+    assert not leaked, leaked
 
 
 ETC_READER = '''import ctypes

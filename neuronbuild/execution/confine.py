@@ -392,17 +392,83 @@ def apply_seccomp() -> str | None:
     return None
 
 
+# ------------------------------------------------------------------------------------------- other processes
+# What stops an action from reading /proc/<pid>/environ, maps, mem, fd/* of another process (the build process, its
+# parent, sibling actions, their workers, the user's shell): the kernel's ptrace-read check, which procfs applies to
+# those files. It passes for a reader with the target's uid and at least its capabilities, unless the target is
+# non-dumpable (then CAP_SYS_PTRACE is needed) or the reader is Landlock-confined and the target is outside its
+# domain. Measured on Linux 6.18 (tests/test_security_escape.py): a non-root action is refused by Landlock alone;
+# a root action keeping its capabilities is not (Landlock then refuses only `mem`), so an action drops every
+# capability (drop_capabilities) before Landlock applies. Workers and the zygote are non-dumpable too
+# (set_dumpable(False)): the fallback where Landlock is missing, for a non-root user.
+_PR_SET_DUMPABLE, _PR_CAPBSET_DROP, _PR_CAP_AMBIENT, _PR_CAP_AMBIENT_CLEAR_ALL = 4, 24, 47, 4
+_CAPABILITY_VERSION_3 = 0x20080522
+
+
+class _CapHeader(ctypes.Structure):
+    _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+
+class _CapData(ctypes.Structure):
+    _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32)]
+
+
+def set_dumpable(on: bool) -> None:
+    """PR_SET_DUMPABLE: off, this process's /proc files (environ, maps, mem, fd) are root's and the ptrace-read check
+    needs CAP_SYS_PTRACE, so no other process of the user (an action included) reads them; a fork inherits it, an
+    exec resets it. The action's child turns it back on (non-root, its own /proc/self/fd would be unreadable)."""
+    with contextlib.suppress(Exception):
+        ctypes.CDLL(None).prctl(_PR_SET_DUMPABLE, 1 if on else 0, 0, 0, 0)
+
+
+def capabilities() -> int:
+    """The capabilities this process holds (effective | permitted | inheritable, as one mask); 0 for a non-root user."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    head, data = _CapHeader(_CAPABILITY_VERSION_3, 0), (_CapData * 2)()
+    if libc.capget(ctypes.byref(head), data) != 0:
+        return 0
+    return sum((d.effective | d.permitted | d.inheritable) << (32 * i) for i, d in enumerate(data))
+
+
+def drop_capabilities() -> str | None:
+    """Drop every capability of this process and everything it starts, for good: the bounding and ambient sets, then
+    effective, permitted and inheritable. A process running as root keeps only its uid: it cannot read the /proc files
+    of a process holding capabilities it lacks (the build, its parent, the shell, pid 1) nor of a non-dumpable one
+    (dropping them makes this one non-dumpable too), cannot write files it does not own, and an exec'd binary
+    regains nothing (the bounding set is empty; no_new_privs). Nothing to do without capabilities (a non-root user).
+    None when done, else why not."""
+    if capabilities() == 0:
+        return None
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_CAP_AMBIENT, _PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0)
+    try:
+        with open("/proc/sys/kernel/cap_last_cap", encoding="ascii") as f:
+            last = int(f.read().strip())
+    except (OSError, ValueError):
+        last = 63
+    for cap in range(last + 1):
+        libc.prctl(_PR_CAPBSET_DROP, cap, 0, 0, 0)  # needs CAP_SETPCAP, dropped from the effective set only below
+    head, data = _CapHeader(_CAPABILITY_VERSION_3, 0), (_CapData * 2)()
+    if libc.capset(ctypes.byref(head), data) != 0:
+        return f"dropping capabilities: {os.strerror(ctypes.get_errno())}"
+    return None
+
+
 def confine(policy: Policy) -> str | None:
-    """Both mechanisms, for this process for good; returns why Landlock was not applied (None when it was)."""
+    """No capabilities, Landlock, seccomp and the audit hook, for this process for good; returns why Landlock was not
+    applied (None when it was)."""
     sys.dont_write_bytecode = True  # imports must not try to write .pyc files into the installation
     # sys.path entries outside the policy (the checkout neuronbuild was started from) would only be scanned and
     # refused (importlib.metadata, the import system): neuronbuild itself is already imported.
     sys.path[:] = [p for p in sys.path if not os.path.isabs(p) or policy.may_read(_real(p))]
+    caps = drop_capabilities()  # before Landlock: a root action keeping them would read other processes' /proc
     why = apply_landlock(policy)
     no_sockets = apply_seccomp()
     install_audit_hook(policy)
     if no_sockets is not None:  # (stderr is the action's log)
         print(f"neuronbuild: {no_sockets}; this action may open Unix and network sockets", file=sys.stderr)
+    if caps is not None:
+        print(f"neuronbuild: {caps}; this action may read other processes' /proc files", file=sys.stderr)
     return why
 
 

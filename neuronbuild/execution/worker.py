@@ -26,6 +26,7 @@ from neuronbuild.execution.confine import (
     first_violation,
     installation_roots,
     policy_for,
+    set_dumpable,
 )
 
 HOST = socket.gethostname()
@@ -216,6 +217,7 @@ def run_isolated(msg: Mapping[str, Any], installation: tuple[str, ...]) -> dict[
     if pid == 0:  # the action's process
         code = 0
         try:
+            set_dumpable(True)  # the worker is not (confine.set_dumpable); this process's own /proc stays its own
             os.close(r)
             close_inherited_fds(keep=(w,))  # the worker's pipes to the build process, its pidfds: not the model's
             null = os.open(os.devnull, os.O_RDWR)  # nor the worker's log (run_action sends 1 and 2 to the action's)
@@ -414,6 +416,7 @@ def prepare_process() -> tuple[str, ...]:
     (warm_imports; no model code, no thread, no torch op). Returns the installation's roots (confine.installation_roots),
     computed before any action could add to sys.path. Run by a spawned worker (main) and by the zygote, whose forked
     workers inherit all of it (zygote.py)."""
+    set_dumpable(False)  # no action (another worker's) reads this process's environ, maps or memory
     for var in ("TMPDIR", "HOME"):
         if os.environ.get(var):
             Path(os.environ[var]).mkdir(parents=True, exist_ok=True)
