@@ -255,6 +255,7 @@ def test_a_signing_key_actions_could_read_is_refused(keys: dict[str, Path], tmp_
     home.mkdir(parents=True)
     key = home / "ci_key"
     key.write_bytes(keys["ci"].read_bytes())
+    key.chmod(0o600)
     (tmp_path / "shared").mkdir()
     proc = run_cli(["build", "//pkg:c", "--cache-dir", str(cache), "--remote-cache", str(tmp_path / "shared"),
                     "--remote-cache-signing-key", str(key)], ws)
@@ -375,3 +376,30 @@ def test_records_a_dask_build_writes_to_a_farm_store_other_than_its_remote_cache
     anyone = TieredCache(tmp_path / "reader2", open_shared(farm_url, endpoint), trust_writers=True)
     assert anyone.lookup(fp2) is None  # nothing recorded: readers trusting keys would refuse it
     assert len(notes) == 1 and "not uploading" in notes[0], notes
+
+
+@pytest.mark.parametrize("flag", ["--remote-cache-signing-key", "--signing-key"])
+def test_a_private_key_group_or_others_may_read_is_refused_as_ssh_refuses_it(flag: str, keys: dict[str, Path],
+                                                                           tmp_path: Path) -> None:
+    import os
+    import shutil
+
+    ws = write_ws(tmp_path / "ws", {"pkg/BUILD": BUILD, "pkg/m.py": MODEL})
+    (tmp_path / "shared").mkdir()
+    key = tmp_path / "private" / "ci_key"
+    key.parent.mkdir()
+    shutil.copyfile(keys["ci"], key)
+    base = ["build", "//pkg:c", "--cache-dir", str(tmp_path / "cache"), "--remote-cache", str(tmp_path / "shared")]
+    for mode in (0o644, 0o640, 0o604):
+        os.chmod(key, mode)
+        proc = run_cli([*base, flag, str(key)], ws)
+        assert proc.returncode == 2, proc.stdout + proc.stderr[-3000:]
+        assert proc.stderr.strip().count("\n") == 0 and "Traceback" not in proc.stderr, proc.stderr
+        assert flag in proc.stderr and f"permissions {mode:04o} are too open" in proc.stderr, proc.stderr
+        assert f"chmod 600 {key}" in proc.stderr, proc.stderr
+    os.chmod(key, 0o600)  # the owner's only: taken (and a trusted-keys file, public, may be world-readable)
+    trusted = tmp_path / "trusted.pub"
+    trusted.write_text(keys["trusted"].read_text())
+    trusted.chmod(0o644)
+    ok = run_cli([*base, flag, str(key), "--remote-cache-trusted-keys", str(trusted)], ws)
+    assert ok.returncode == 0, ok.stdout + ok.stderr[-3000:]
