@@ -312,21 +312,22 @@ import torch
 
 
 def build(config):
-    if config["poison"]:  # append a constructor to every precompiled header (and its source) it can find
+    if config["poison"]:  # append a constructor to every precompiled header, header and inductor source it can find
         tmp = os.environ["TMPDIR"]
         for top in (tmp, os.path.join(os.path.dirname(tmp), "toolchain-headers")):
             for d, _dirs, files in os.walk(top):
                 for n in files:
-                    if n.endswith((".h", ".gch")):
+                    if n.endswith((".h", ".gch", ".cpp")):
                         try:
                             with open(os.path.join(d, n), "ab") as f:
-                                f.write(b"\\n__attribute__((constructor)) static void poisoned(void) {}\\n")
+                                f.write(b"\\n__attribute__((constructor)) static void poisoned(void) {}\\n"
+                                        b"__attribute__((used)) static const char nb_mark[] = \\"NB_POISONED_BY\\";\\n")
                         except OSError:
                             pass
-    torch.manual_seed(0)
+    torch.manual_seed(int(config["seed"]))
     return torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
 '''
-CPU_BUILD = '''neuron_model(name = "m", srcs = ["m.py"], entry = "m:build", config = {{"poison": {poison}}},
+CPU_BUILD = '''neuron_model(name = "m", srcs = ["m.py"], entry = "m:build", config = {{"poison": {poison}, "seed": {seed}}},
              inputs = {{"x": "float32[b, 4]"}})
 neuron_buckets(name = "bk", shapes = [{{"b": 1}}])
 neuron_target(name = "cpu", platform = "cpu", isa = "native")
@@ -341,19 +342,31 @@ def _header_bytes(cache: Path) -> dict[str, str]:
             for p in (cache / "v1").glob("toolchain-*/**/*") if p.is_file() and p.name.endswith((".h", ".gch"))}
 
 
-def test_a_model_cannot_change_the_precompiled_headers_later_compiles_include(tmp_path: Path) -> None:
+def test_a_model_cannot_change_the_precompiled_headers_or_sources_later_compiles_build(tmp_path: Path) -> None:
+    import zipfile
+
     cache = tmp_path / "cache"
-    good = write_ws(tmp_path / "ws-good", {"pkg/m.py": CPU_MODEL, "pkg/BUILD": CPU_BUILD.format(poison="False")})
+    good = write_ws(tmp_path / "ws-good", {"pkg/m.py": CPU_MODEL,
+                                           "pkg/BUILD": CPU_BUILD.format(poison="False", seed=0)})
     first = run_cli(["--batch", "build", "//pkg:all", "--jobs", "2", "--cache-dir", str(cache)], good)
     assert first.returncode == 0, first.stdout + first.stderr[-3000:]  # a compile that read the warmed headers
     headers = _header_bytes(cache)
     assert any(h.endswith(".gch") for h in headers), headers
-    evil = write_ws(tmp_path / "ws-evil", {"pkg/m.py": CPU_MODEL, "pkg/BUILD": CPU_BUILD.format(poison="True")})
+    evil = write_ws(tmp_path / "ws-evil", {"pkg/m.py": CPU_MODEL,
+                                           "pkg/BUILD": CPU_BUILD.format(poison="True", seed=0)})
     hostile = run_cli(["--batch", "build", "//pkg:all", "--jobs", "2", "--cache-dir", str(cache)], evil)
     # The steps running model code (its weights action and trace) either see no header directory at all (only a
     # compile step is given it) or are refused the write: in neither case does a header change.
     assert hostile.returncode == 0 or "PermissionError" in hostile.stderr, hostile.stdout + hostile.stderr[-3000:]
     assert _header_bytes(cache) == headers  # no later compile, of any workspace, includes the model's code
+    # New weights, the same program: the compile runs again and generates the same kernel and wrapper sources, under
+    # the same content-hash names, as the first one did. None of them is the model's version.
+    (good / "pkg" / "BUILD").write_text(CPU_BUILD.format(poison="False", seed=1))
+    again = run_cli(["--batch", "build", "//pkg:all", "--jobs", "2", "--cache-dir", str(cache)], good)
+    assert again.returncode == 0 and " 0 executed" not in again.stderr, again.stdout + again.stderr[-3000:]
+    (package,) = (good / "neuronbuild-out").rglob("model.pt2")
+    with zipfile.ZipFile(package) as z:
+        assert not [n for n in z.namelist() if b"NB_POISONED_BY" in z.read(n)]
 
 
 # Two models built at once (--jobs 2): the reader waits until its sibling runs (each names itself in /proc/<pid>/comm,
@@ -541,3 +554,31 @@ def test_a_cancelled_endless_starlark_loop_does_not_wedge_the_server(tmp_path: P
     assert after.returncode == 0, after.stdout + after.stderr
     assert not running(first) or json.loads(
         run_cli(["info", "--output", "json"], ws, server_env, ("-P",)).stdout)["pid"] != first
+
+
+def test_python_started_with_the_action_environment_runs_no_pth_an_action_left_in_the_shared_home(
+        tmp_path: Path) -> None:
+    """Every action shares $HOME (<cache>/v1/home): a model could leave a .pth in its user site-packages, which a
+    Python interpreter outside a virtualenv runs at start: a worker spawned for the next build (unconfined), or a
+    compiler written in Python that a later action starts. The action environment turns user site-packages off."""
+    import subprocess
+    import sys
+
+    from neuronbuild.execution.env import action_environment
+
+    env = action_environment(tmp_path / "tmp", tmp_path / "home")
+    python = getattr(sys, "_base_executable", sys.executable)  # an installation's python: user site-packages on
+    without = {k: v for k, v in env.items() if k != "PYTHONNOUSERSITE"}
+    probe = "import site, sys; print(site.getusersitepackages())"
+    user_site = Path(subprocess.run([python, "-c", probe], env=without, capture_output=True, text=True,
+                                    check=True).stdout.strip())
+    assert user_site.is_relative_to(tmp_path / "home"), user_site
+    user_site.mkdir(parents=True)
+    marker = tmp_path / "ran"
+    (user_site / "evil.pth").write_text(f"import os; open({str(marker)!r}, 'w').close()\n")
+    subprocess.run([python, "-c", "pass"], env=without, check=True)
+    assert marker.exists()  # (the control: such an interpreter runs it)
+    marker.unlink()
+    subprocess.run([python, "-c", "pass"], env=env, check=True)
+    subprocess.run([python, "-P", "-s", "-c", "pass"], env=without, check=True)  # a worker's flags
+    assert not marker.exists()

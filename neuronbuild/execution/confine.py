@@ -14,6 +14,9 @@ Sockets and signals: Landlock's TCP rules (ABI >= 4) refuse TCP bind/connect, it
 signals to processes outside the action's domain and abstract Unix sockets made outside it, and a seccomp filter
 refuses new Unix/IPv4/IPv6 sockets and io_uring (so no connect() to the build server's socket, a path).
 
+Other processes' /proc files (environ, maps, mem, fd): Landlock's ptrace scoping refuses them for a non-root action;
+a root action first drops every capability (drop_capabilities), without which Landlock did not refuse them.
+
 Reads are allowed under the sandbox, the action's TMPDIR and HOME, the Python installation (prefixes, sys.path,
 site-packages), neuronbuild itself, plug-in paths, PATH dirs and what the step's toolchain declares (step_dirs: e.g. a
 configured neuronx-cc's install, inductor's precompiled headers), /usr, /lib*, /dev,
