@@ -206,6 +206,7 @@ def build(config):
 
     out.append(_try("unix", unix))
     out.append(_try("tcp", tcp))
+    out.append(_try("vsock", lambda: socket.socket(socket.AF_VSOCK, socket.SOCK_STREAM)))  # a VM's way to its host
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:  # a daemon: fork again, leave the session, outlive the action
@@ -244,6 +245,7 @@ def test_a_model_cannot_connect_to_a_unix_socket_or_the_network_nor_leave_a_daem
     log = "\n".join(p.read_text(errors="replace") for p in (tmp_path / "cache").rglob("*.log"))
     line = next(x for x in log.splitlines() if x.startswith("REACHED unix"))
     assert "unix=PermissionError" in line and "tcp=PermissionError" in line, line
+    assert "vsock=PermissionError" in line, line
     # The worker is outside the action's Landlock domain: the action cannot signal it (nor any process of the user).
     assert "REACHED kill-worker==PermissionError" in log, log[-3000:]
     # Whatever the action started is gone once the build is over (its worker ended it).

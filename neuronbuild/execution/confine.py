@@ -12,7 +12,7 @@ undone in a process:
 
 Sockets and signals: Landlock's TCP rules (ABI >= 4) refuse TCP bind/connect, its scoping (ABI >= 6) refuses
 signals to processes outside the action's domain and abstract Unix sockets made outside it, and a seccomp filter
-refuses new Unix/IPv4/IPv6 sockets and io_uring (so no connect() to the build server's socket, a path).
+refuses new sockets of every family but netlink (Unix, IP, vsock, ...) and io_uring (so no connect() to the build server's socket, a path).
 
 Other processes' /proc files (environ, maps, mem, fd): Landlock's ptrace scoping refuses them for a non-root action;
 a root action first drops every capability (drop_capabilities), without which Landlock did not refuse them.
@@ -330,9 +330,9 @@ def apply_landlock(policy: Policy) -> str | None:
 
 
 # ------------------------------------------------------------------------------------------------------- seccomp
-# A filter refusing (EACCES) new Unix, IPv4 and IPv6 sockets and io_uring (whose operations would bypass the filter):
-# an action cannot connect to the build server's socket (a path Landlock's file rules do not cover for connect()),
-# another Unix socket of the user, or the network. socketpair() stays allowed (an anonymous pair, between the
+# A filter refusing (EACCES) new sockets of every family but netlink (Unix, IPv4, IPv6, vsock to a VM's host, packet,
+# ...) and io_uring (whose operations would bypass the filter): an action cannot connect to the build server's socket
+# (a path Landlock's file rules do not cover for connect()), another Unix socket of the user, or any network. socketpair() stays allowed (an anonymous pair, between the
 # action's own processes).
 _PR_SET_SECCOMP, _SECCOMP_MODE_FILTER = 22, 2
 _RET_ALLOW, _RET_ERRNO = 0x7FFF0000, 0x00050000
@@ -340,7 +340,7 @@ _LD_W_ABS, _JEQ_K, _JGE_K, _RET_K = 0x20, 0x15, 0x35, 0x06
 # audit arch -> (socket, io_uring_setup) syscall numbers
 _ARCHES = {0xC000003E: (41, 425), 0xC00000B7: (198, 425)}  # x86_64, aarch64
 _X32_BIT = 0x40000000
-_AF_DENIED = (1, 2, 10)  # AF_UNIX, AF_INET, AF_INET6
+_AF_NETLINK = 16  # the only family socket() may create: glibc asks the kernel's routing netlink (getaddrinfo)
 
 
 class _SockFilter(ctypes.Structure):
@@ -366,11 +366,10 @@ def _seccomp_program(arch: int) -> list[tuple[int, int, int, int]]:
         (_JEQ_K, 1, 0, sock_nr),
         (_RET_K, 0, 0, _RET_ALLOW),
         (_LD_W_ABS, 0, 0, 16),  # socket(domain, ...): the low 32 bits of the first argument
+        (_JEQ_K, 0, 1, _AF_NETLINK),
+        (_RET_K, 0, 0, _RET_ALLOW),
+        (_RET_K, 0, 0, deny),  # Unix, IPv4, IPv6, vsock (the VM's host), packet, Bluetooth, ...: every other family
     ]
-    for i, af in enumerate(_AF_DENIED):
-        left = len(_AF_DENIED) - i - 1  # the tests after this one; then ALLOW, then DENY
-        prog.append((_JEQ_K, left + 1, 0, af))
-    prog += [(_RET_K, 0, 0, _RET_ALLOW), (_RET_K, 0, 0, deny)]
     return prog
 
 
@@ -379,8 +378,8 @@ def _audit_arch() -> int | None:
 
 
 def apply_seccomp() -> str | None:
-    """Refuse new Unix and IP sockets (and io_uring) to this process and its children for good; None when applied,
-    else why not. Needs no_new_privs (set by apply_landlock; set here too when Landlock was not applied)."""
+    """Refuse new sockets of every family but netlink (and io_uring) to this process and its children for good; None
+    when applied, else why not. Needs no_new_privs (set by apply_landlock; set here too when Landlock was not applied)."""
     arch = _audit_arch()
     if arch is None:
         return "no seccomp filter for this architecture"
