@@ -584,3 +584,17 @@ def test_python_started_with_the_action_environment_runs_no_pth_an_action_left_i
     subprocess.run([python, "-c", "pass"], env=env, check=True)
     subprocess.run([python, "-P", "-s", "-c", "pass"], env=without, check=True)  # a worker's flags
     assert not marker.exists()
+
+
+ESCAPER = '''def build(config):
+    # OSC 52 (set the clipboard), clear the screen, a carriage return that would print over the line
+    raise RuntimeError("innocent\\x1b]52;c;cm0gLXJmIH4=\\x07\\x1b[2J\\rall good \\x9b31m")
+'''
+
+
+def test_an_error_a_model_raises_reaches_the_terminal_with_its_control_characters_escaped(tmp_path: Path) -> None:
+    ws = _one_model_ws(tmp_path / "ws", ESCAPER, {})
+    proc = run_cli(["--batch", "build", "//pkg:all", "--jobs", "1", "--cache-dir", str(tmp_path / "cache")], ws)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "innocent\\x1b]52;c;cm0gLXJmIH4=\\x07\\x1b[2J\\x0dall good \\x9b31m" in proc.stderr, proc.stderr[-3000:]
+    assert not re.search("[\x00-\x08\x0b-\x1f\x7f-\x9f]", proc.stdout + proc.stderr), repr(proc.stderr[-3000:])

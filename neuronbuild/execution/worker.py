@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import sys
@@ -59,8 +60,15 @@ def _redirect_fds(log_path: str) -> Iterator[None]:
         os.close(fd)
 
 
+# Control characters but newline and tab (C0, DEL, C1): an error message comes from model code and reaches the user's
+# terminal; an escape sequence there could rewrite what was printed, set the title or the clipboard (OSC 52).
+_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
 def first_lines(msg: str, n: int = ERROR_LINES, cap: int = ERROR_CHARS) -> str:
-    """The first `n` non-empty lines of an error, at most `cap` characters (saying so when cut)."""
+    """The first `n` non-empty lines of an error, at most `cap` characters (saying so when cut), with control
+    characters shown escaped (`\\x1b`), never sent to a terminal as they are."""
+    msg = _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", msg.replace("\r\n", "\n"))
     head = msg[: cap * 2]
     lines = [ln.rstrip() for ln in head.strip().splitlines() if ln.strip()]
     out = "\n".join(lines[:n])
