@@ -92,10 +92,14 @@ def action_timeouts(graph: TargetGraph, ag: ActionGraph) -> dict[str, tuple[floa
 def _check_keys_unreadable(ctx: BuildContext, env: Mapping[str, str]) -> None:
     """A private key that model code could read would let any model sign forged records or releases: refused."""
     from neuronbuild.execution.confine import readable_by_actions
+    from neuronbuild.runtime.signing import key_too_open
 
     keys = (("--remote-cache-signing-key", ctx.cache.signing_key),
             ("--signing-key", os.environ.get("NEURONBUILD_SIGNING_KEY", "").strip() or None))
     for flag, key in keys:
+        too_open = key_too_open(key) if key else None
+        if too_open is not None:
+            raise UserInputError(f"{flag}: {too_open}")
         root = readable_by_actions(key, env) if key else None
         if root is not None:
             raise UserInputError(f"{flag} {key}: actions can read it (it is under {root}, which confined model code "

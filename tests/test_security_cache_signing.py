@@ -255,6 +255,7 @@ def test_a_signing_key_actions_could_read_is_refused(keys: dict[str, Path], tmp_
     home.mkdir(parents=True)
     key = home / "ci_key"
     key.write_bytes(keys["ci"].read_bytes())
+    key.chmod(0o600)
     (tmp_path / "shared").mkdir()
     proc = run_cli(["build", "//pkg:c", "--cache-dir", str(cache), "--remote-cache", str(tmp_path / "shared"),
                     "--remote-cache-signing-key", str(key)], ws)
@@ -328,3 +329,77 @@ def test_a_workspace_rc_that_changes_whose_shared_records_are_served_is_named_on
         notes = [ln for ln in proc.stderr.splitlines() if ln.startswith("neuronbuild: note:")]
         assert proc.returncode == 0 and notes == [f"neuronbuild: note: {rc}:1 (a workspace rc file) sets {shown}"], \
             proc.stderr
+
+
+@pytest.mark.parametrize("tier", ["dir", "s3"])
+def test_records_a_dask_build_writes_to_a_farm_store_other_than_its_remote_cache_are_signed(
+        tier: str, keys: dict[str, Path], tmp_path: Path, request: pytest.FixtureRequest,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Dask executor records a farm action in the farm's store itself when its build's cache does not (the farm
+    store is not the build's --remote-cache, or that tier failed during the build): the record is signed with the
+    build's key like every record it uploads, and a build trusting keys but holding none writes no record there."""
+    from types import SimpleNamespace
+
+    from neuronbuild.cache.farm_store import open_farm_store
+    from neuronbuild.cache.tiered import TieredCache, open_shared
+    from neuronbuild.digests import fingerprint
+    from neuronbuild.execution.dask_executor import DaskExecutor
+    from neuronbuild.runtime.signing import SigningKey, TrustedKeys
+
+    farm_url, endpoint = _shared_url(tier, tmp_path, request, monkeypatch)
+    (tmp_path / "remote").mkdir()
+
+    def farm_record(name: str, cache: TieredCache) -> str:
+        record = {"action": "compile", "target": f"//pkg:{name}"}
+        fp = fingerprint(record)
+        out = tmp_path / name
+        out.mkdir()
+        (out / "model.neff").write_text(f"the program of {name}")
+        store = open_farm_store(farm_url, endpoint)
+        digest, size = store.put_file(out / "model.neff")  # as the Dask worker leaves it
+        executor = DaskExecutor.__new__(DaskExecutor)  # (no cluster: only the client's recording is exercised)
+        executor.cache, executor.shared = cache, store
+        executor._record_shared(SimpleNamespace(fingerprint=fp, identity=f"compile //pkg:{name}", record=record,
+                                                outputs=["model.neff"]),
+                                {"outputs": {"model.neff": (digest, size)}, "duration_s": 1.0, "metadata": {}}, out)
+        return fp
+
+    signer = TieredCache(tmp_path / "ci", open_shared(str(tmp_path / "remote")), signer=SigningKey(keys["ci"]))
+    fp = farm_record("signed", signer)
+    reader = TieredCache(tmp_path / "reader", open_shared(farm_url, endpoint), trusted=TrustedKeys(keys["trusted"]))
+    served = reader.lookup(fp)
+    assert served is not None and served.writer == SigningKey(keys["ci"]).key_id
+    notes: list[str] = []
+    keyless = TieredCache(tmp_path / "dev", open_shared(str(tmp_path / "remote")), report=notes.append,
+                          trusted=TrustedKeys(keys["trusted"]))
+    fp2 = farm_record("keyless", keyless)
+    anyone = TieredCache(tmp_path / "reader2", open_shared(farm_url, endpoint), trust_writers=True)
+    assert anyone.lookup(fp2) is None  # nothing recorded: readers trusting keys would refuse it
+    assert len(notes) == 1 and "not uploading" in notes[0], notes
+
+
+@pytest.mark.parametrize("flag", ["--remote-cache-signing-key", "--signing-key"])
+def test_a_private_key_group_or_others_may_read_is_refused_as_ssh_refuses_it(flag: str, keys: dict[str, Path],
+                                                                           tmp_path: Path) -> None:
+    import os
+    import shutil
+
+    ws = write_ws(tmp_path / "ws", {"pkg/BUILD": BUILD, "pkg/m.py": MODEL})
+    (tmp_path / "shared").mkdir()
+    key = tmp_path / "private" / "ci_key"
+    key.parent.mkdir()
+    shutil.copyfile(keys["ci"], key)
+    base = ["build", "//pkg:c", "--cache-dir", str(tmp_path / "cache"), "--remote-cache", str(tmp_path / "shared")]
+    for mode in (0o644, 0o640, 0o604):
+        os.chmod(key, mode)
+        proc = run_cli([*base, flag, str(key)], ws)
+        assert proc.returncode == 2, proc.stdout + proc.stderr[-3000:]
+        assert proc.stderr.strip().count("\n") == 0 and "Traceback" not in proc.stderr, proc.stderr
+        assert flag in proc.stderr and f"permissions {mode:04o} are too open" in proc.stderr, proc.stderr
+        assert f"chmod 600 {key}" in proc.stderr, proc.stderr
+    os.chmod(key, 0o600)  # the owner's only: taken (and a trusted-keys file, public, may be world-readable)
+    trusted = tmp_path / "trusted.pub"
+    trusted.write_text(keys["trusted"].read_text())
+    trusted.chmod(0o644)
+    ok = run_cli([*base, flag, str(key), "--remote-cache-trusted-keys", str(trusted)], ws)
+    assert ok.returncode == 0, ok.stdout + ok.stderr[-3000:]

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import run_cli, running, write_ws
+from helpers import _ENV_AT_START, run_cli, running, write_ws
 
 from neuronbuild.execution import channel
 
@@ -206,6 +206,7 @@ def build(config):
 
     out.append(_try("unix", unix))
     out.append(_try("tcp", tcp))
+    out.append(_try("vsock", lambda: socket.socket(socket.AF_VSOCK, socket.SOCK_STREAM)))  # a VM's way to its host
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:  # a daemon: fork again, leave the session, outlive the action
@@ -244,6 +245,7 @@ def test_a_model_cannot_connect_to_a_unix_socket_or_the_network_nor_leave_a_daem
     log = "\n".join(p.read_text(errors="replace") for p in (tmp_path / "cache").rglob("*.log"))
     line = next(x for x in log.splitlines() if x.startswith("REACHED unix"))
     assert "unix=PermissionError" in line and "tcp=PermissionError" in line, line
+    assert "vsock=PermissionError" in line, line
     # The worker is outside the action's Landlock domain: the action cannot signal it (nor any process of the user).
     assert "REACHED kill-worker==PermissionError" in log, log[-3000:]
     # Whatever the action started is gone once the build is over (its worker ended it).
@@ -312,21 +314,22 @@ import torch
 
 
 def build(config):
-    if config["poison"]:  # append a constructor to every precompiled header (and its source) it can find
+    if config["poison"]:  # append a constructor to every precompiled header, header and inductor source it can find
         tmp = os.environ["TMPDIR"]
         for top in (tmp, os.path.join(os.path.dirname(tmp), "toolchain-headers")):
             for d, _dirs, files in os.walk(top):
                 for n in files:
-                    if n.endswith((".h", ".gch")):
+                    if n.endswith((".h", ".gch", ".cpp")):
                         try:
                             with open(os.path.join(d, n), "ab") as f:
-                                f.write(b"\\n__attribute__((constructor)) static void poisoned(void) {}\\n")
+                                f.write(b"\\n__attribute__((constructor)) static void poisoned(void) {}\\n"
+                                        b"__attribute__((used)) static const char nb_mark[] = \\"NB_POISONED_BY\\";\\n")
                         except OSError:
                             pass
-    torch.manual_seed(0)
+    torch.manual_seed(int(config["seed"]))
     return torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
 '''
-CPU_BUILD = '''neuron_model(name = "m", srcs = ["m.py"], entry = "m:build", config = {{"poison": {poison}}},
+CPU_BUILD = '''neuron_model(name = "m", srcs = ["m.py"], entry = "m:build", config = {{"poison": {poison}, "seed": {seed}}},
              inputs = {{"x": "float32[b, 4]"}})
 neuron_buckets(name = "bk", shapes = [{{"b": 1}}])
 neuron_target(name = "cpu", platform = "cpu", isa = "native")
@@ -341,45 +344,150 @@ def _header_bytes(cache: Path) -> dict[str, str]:
             for p in (cache / "v1").glob("toolchain-*/**/*") if p.is_file() and p.name.endswith((".h", ".gch"))}
 
 
-def test_a_model_cannot_change_the_precompiled_headers_later_compiles_include(tmp_path: Path) -> None:
+def test_a_model_cannot_change_the_precompiled_headers_or_sources_later_compiles_build(tmp_path: Path) -> None:
+    import zipfile
+
     cache = tmp_path / "cache"
-    good = write_ws(tmp_path / "ws-good", {"pkg/m.py": CPU_MODEL, "pkg/BUILD": CPU_BUILD.format(poison="False")})
+    good = write_ws(tmp_path / "ws-good", {"pkg/m.py": CPU_MODEL,
+                                           "pkg/BUILD": CPU_BUILD.format(poison="False", seed=0)})
     first = run_cli(["--batch", "build", "//pkg:all", "--jobs", "2", "--cache-dir", str(cache)], good)
     assert first.returncode == 0, first.stdout + first.stderr[-3000:]  # a compile that read the warmed headers
     headers = _header_bytes(cache)
     assert any(h.endswith(".gch") for h in headers), headers
-    evil = write_ws(tmp_path / "ws-evil", {"pkg/m.py": CPU_MODEL, "pkg/BUILD": CPU_BUILD.format(poison="True")})
+    evil = write_ws(tmp_path / "ws-evil", {"pkg/m.py": CPU_MODEL,
+                                           "pkg/BUILD": CPU_BUILD.format(poison="True", seed=0)})
     hostile = run_cli(["--batch", "build", "//pkg:all", "--jobs", "2", "--cache-dir", str(cache)], evil)
     # The steps running model code (its weights action and trace) either see no header directory at all (only a
     # compile step is given it) or are refused the write: in neither case does a header change.
     assert hostile.returncode == 0 or "PermissionError" in hostile.stderr, hostile.stdout + hostile.stderr[-3000:]
     assert _header_bytes(cache) == headers  # no later compile, of any workspace, includes the model's code
+    # New weights, the same program: the compile runs again and generates the same kernel and wrapper sources, under
+    # the same content-hash names, as the first one did. None of them is the model's version.
+    (good / "pkg" / "BUILD").write_text(CPU_BUILD.format(poison="False", seed=1))
+    again = run_cli(["--batch", "build", "//pkg:all", "--jobs", "2", "--cache-dir", str(cache)], good)
+    assert again.returncode == 0 and " 0 executed" not in again.stderr, again.stdout + again.stderr[-3000:]
+    (package,) = (good / "neuronbuild-out").rglob("model.pt2")
+    with zipfile.ZipFile(package) as z:
+        assert not [n for n in z.namelist() if b"NB_POISONED_BY" in z.read(n)]
 
 
-ENVIRON_READER = '''import os
+# Two models built at once (--jobs 2): the reader waits until its sibling runs (each names itself in /proc/<pid>/comm,
+# which stays readable), then tries every other process's environ, maps, mem and open descriptors: its worker, the
+# zygote, the build process, the build's parent (`timeout`, standing for the user's shell), the sibling action, pid 1.
+PROC_READER = """import ctypes
+import json
+import os
+import time
+
+
+def comm(pid):
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def ancestors():
+    out, pid = [], os.getppid()
+    while pid > 1:
+        out.append(pid)
+        with open(f"/proc/{pid}/stat") as f:
+            pid = int(f.read().rsplit(")", 1)[1].split()[1])
+    return out
+
+
+def attempt(pid, what):
+    try:
+        if what == "fd":
+            return [os.readlink(f"/proc/{pid}/fd/{n}") for n in os.listdir(f"/proc/{pid}/fd")] and "read"
+        with open(f"/proc/{pid}/{what}", "rb") as f:
+            data = f.read(1 << 20)
+        return "SECRET" if SECRET in data else "read"
+    except OSError as e:
+        return "refused" if e.errno in (1, 13) else "gone"
 
 
 def build(config):
-    found = []
-    for pid in os.listdir("/proc"):
-        if pid.isdigit():
+    global SECRET
+    SECRET = config["secret"].encode()
+    ctypes.CDLL(None).prctl(15, b"nbreader", 0, 0, 0)  # PR_SET_NAME
+    sibling, deadline = None, time.monotonic() + 120
+    while sibling is None and time.monotonic() < deadline:
+        sibling = next((int(p) for p in os.listdir("/proc") if p.isdigit() and comm(p) == "nbsibling"), None)
+        time.sleep(0.1)
+    me = os.getpid()
+    seen = {}
+    for p in os.listdir("/proc"):
+        if p.isdigit() and int(p) != me:
+            seen[p] = {w: attempt(p, w) for w in ("environ", "maps", "mem", "fd")}
+    print("PROCS " + json.dumps({"sibling": sibling, "ancestors": ancestors(), "seen": seen,
+                                 "own": attempt(me, "environ")}), flush=True)
+    raise RuntimeError("the reader is done")
+"""
+
+PROC_SIBLING = """import ctypes
+import os
+import time
+
+import torch
+
+
+def build(config):
+    ctypes.CDLL(None).prctl(15, b"nbsibling", 0, 0, 0)
+    seen, deadline = False, time.monotonic() + 150
+    while time.monotonic() < deadline:  # until the reader has come and gone
+        names = set()
+        for p in os.listdir("/proc"):
             try:
-                with open(f"/proc/{pid}/environ", "rb") as f:
-                    if config["secret"].encode() in f.read():
-                        found.append(pid)
+                with open(f"/proc/{p}/comm") as f:
+                    names.add(f.read().strip())
             except OSError:
                 pass
-    raise RuntimeError("ENVIRON " + (",".join(found) or "none"))
-'''
+        if "nbreader" in names:
+            seen = True
+        elif seen:
+            break
+        time.sleep(0.1)
+    return torch.nn.Linear(4, 3)
+"""
 
 
-def test_a_model_cannot_read_the_build_processs_environment(tmp_path: Path) -> None:
+def test_a_model_reads_no_other_processs_environ_maps_memory_or_descriptors(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
     secret = f"hunter2-{os.getpid()}-{time.time_ns()}"
-    ws = _one_model_ws(tmp_path / "ws", ENVIRON_READER, {"secret": secret})
-    proc = run_cli(["--batch", "build", "//pkg:all", "--jobs", "1", "--cache-dir", str(tmp_path / "cache")], ws,
-                   env={"AWS_SECRET_ACCESS_KEY": secret})
-    assert proc.returncode == 1, proc.stdout + proc.stderr
-    assert "RuntimeError: ENVIRON none" in proc.stderr, proc.stderr[-3000:]
+    build_file = "".join(
+        f'neuron_model(name = "{n}", srcs = ["{n}.py"], entry = "{n}:build", inputs = {{"x": "float32[b, 4]"}},\n'
+        f'             config = {{"secret": "{secret}"}})\n'
+        f'neuron_buckets(name = "{n}_bk", shapes = [{{"b": 1}}])\n'
+        f'neuron_compile(name = "{n}_c", model = ":{n}", buckets = [":{n}_bk"], target = ":t")\n'
+        for n in ("reader", "sibling")) + 'neuron_target(name = "t", platform = "trn2")\n'
+
+    ws = write_ws(tmp_path / "ws", {"pkg/BUILD": build_file, "pkg/reader.py": PROC_READER,
+                                    "pkg/sibling.py": PROC_SIBLING})
+    env = {k: v for k, v in os.environ.items() if k in _ENV_AT_START or not k.startswith("TORCHINDUCTOR_")}
+    env.update(AWS_SECRET_ACCESS_KEY=secret, NB_TEST_TOKEN=secret)  # the build's (and its parent's) environment
+    # `timeout` holds the secret in its own environ, as the user's shell would; every worker and action holds it too
+    # (a declared --action-env), so a sibling's or a worker's environ would give it away.
+    proc = subprocess.run(["timeout", "900", sys.executable, "-m", "neuronbuild", "--batch", "build", "//pkg:all",
+                           "--jobs", "2", "--action-env", "NB_TEST_TOKEN", "--cache-dir", str(tmp_path / "cache")],
+                          cwd=ws, env=env, capture_output=True, text=True, timeout=1000)
+    assert proc.returncode == 1, proc.stdout + proc.stderr[-3000:]
+    assert "the reader is done" in proc.stderr, proc.stderr[-3000:]
+    log = "\n".join(p.read_text(errors="replace") for p in (tmp_path / "cache").rglob("*.log"))
+    report = json.loads(next(x for x in log.splitlines() if x.startswith("PROCS "))[len("PROCS "):])
+    seen = report["seen"]
+    assert report["own"] == "SECRET"  # its own environ is its own (the declared variable is there)
+    assert report["sibling"] is not None, "the two actions never ran at the same time"
+    ancestors = report["ancestors"]  # worker, (zygote), build process, timeout, pytest, ...
+    assert len(ancestors) >= 3, ancestors
+    for pid in [report["sibling"], *ancestors, 1]:
+        got = seen.get(str(pid))
+        assert got is not None and all(v in ("refused", "gone") for v in got.values()), (pid, got)
+    leaked = {pid: got for pid, got in seen.items() if "SECRET" in got.values()}
+    assert not leaked, leaked
 
 
 ETC_READER = '''import ctypes
@@ -448,3 +556,45 @@ def test_a_cancelled_endless_starlark_loop_does_not_wedge_the_server(tmp_path: P
     assert after.returncode == 0, after.stdout + after.stderr
     assert not running(first) or json.loads(
         run_cli(["info", "--output", "json"], ws, server_env, ("-P",)).stdout)["pid"] != first
+
+
+def test_python_started_with_the_action_environment_runs_no_pth_an_action_left_in_the_shared_home(
+        tmp_path: Path) -> None:
+    """Every action shares $HOME (<cache>/v1/home): a model could leave a .pth in its user site-packages, which a
+    Python interpreter outside a virtualenv runs at start: a worker spawned for the next build (unconfined), or a
+    compiler written in Python that a later action starts. The action environment turns user site-packages off."""
+    import subprocess
+    import sys
+
+    from neuronbuild.execution.env import action_environment
+
+    env = action_environment(tmp_path / "tmp", tmp_path / "home")
+    python = getattr(sys, "_base_executable", sys.executable)  # an installation's python: user site-packages on
+    without = {k: v for k, v in env.items() if k != "PYTHONNOUSERSITE"}
+    probe = "import site, sys; print(site.getusersitepackages())"
+    user_site = Path(subprocess.run([python, "-c", probe], env=without, capture_output=True, text=True,
+                                    check=True).stdout.strip())
+    assert user_site.is_relative_to(tmp_path / "home"), user_site
+    user_site.mkdir(parents=True)
+    marker = tmp_path / "ran"
+    (user_site / "evil.pth").write_text(f"import os; open({str(marker)!r}, 'w').close()\n")
+    subprocess.run([python, "-c", "pass"], env=without, check=True)
+    assert marker.exists()  # (the control: such an interpreter runs it)
+    marker.unlink()
+    subprocess.run([python, "-c", "pass"], env=env, check=True)
+    subprocess.run([python, "-P", "-s", "-c", "pass"], env=without, check=True)  # a worker's flags
+    assert not marker.exists()
+
+
+ESCAPER = '''def build(config):
+    # OSC 52 (set the clipboard), clear the screen, a carriage return that would print over the line
+    raise RuntimeError("innocent\\x1b]52;c;cm0gLXJmIH4=\\x07\\x1b[2J\\rall good \\x9b31m")
+'''
+
+
+def test_an_error_a_model_raises_reaches_the_terminal_with_its_control_characters_escaped(tmp_path: Path) -> None:
+    ws = _one_model_ws(tmp_path / "ws", ESCAPER, {})
+    proc = run_cli(["--batch", "build", "//pkg:all", "--jobs", "1", "--cache-dir", str(tmp_path / "cache")], ws)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "innocent\\x1b]52;c;cm0gLXJmIH4=\\x07\\x1b[2J\\x0dall good \\x9b31m" in proc.stderr, proc.stderr[-3000:]
+    assert not re.search("[\x00-\x08\x0b-\x1f\x7f-\x9f]", proc.stdout + proc.stderr), repr(proc.stderr[-3000:])

@@ -180,5 +180,6 @@ class ActionCache:
             _parsed[p] = (key, res)
         return res
 
-    def put(self, result: ActionResult) -> None:
-        atomic_write_bytes(self.path(result.fingerprint), result.to_json(), self.tmp)
+    def put(self, result: ActionResult, data: bytes | None = None) -> None:
+        """Write `result`'s record: its JSON, or `data` (the same record signed: record_auth.sign_record)."""
+        atomic_write_bytes(self.path(result.fingerprint), result.to_json() if data is None else data, self.tmp)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -61,14 +61,20 @@ class TierStore:
             os.chmod(dest, 0o444)
 
     def store_outputs(self, fp: str, identity: str, record: Mapping[str, Any], out_dir: Path,
-                      names: Sequence[str], duration_s: float, metadata: Mapping[str, Any]) -> ActionResult:
-        """Blobs first, the record last: a reader never sees a record whose blobs are missing."""
+                      names: Sequence[str], duration_s: float, metadata: Mapping[str, Any],
+                      sign: Callable[[bytes], bytes | None] | None = None) -> ActionResult:
+        """Blobs first, the record last: a reader never sees a record whose blobs are missing. `sign`: the writing
+        build's shared_record (its record signed with its key), None from it: no record is written."""
+        if sign is not None and sign(b"{}") is None:
+            return ActionResult(fp, identity, {}, dict(record), duration_s, dict(metadata), time.time())  # no write
         outputs = {}
         for name in names:
             digest, size = self.put_file(out_dir / name)
             outputs[name] = OutputRef(digest, size)
         res = ActionResult(fp, identity, outputs, dict(record), duration_s, dict(metadata), time.time())
-        self.tier.put_record(fp, res.to_json())
+        data = sign(res.to_json()) if sign is not None else res.to_json()
+        if data is not None:
+            self.tier.put_record(fp, data)
         return res
 
 

@@ -155,10 +155,17 @@ class LocalCache:
     def shared_url(self) -> str:
         return ""
 
+    def shared_record(self, data: bytes) -> bytes | None:
+        """A record's JSON as this build writes it to a shared tier (TieredCache: signed with its key), or None when
+        it must write none there. Without a shared tier of its own, no key is configured: `data` as it is."""
+        return data
+
     def store_outputs(self, fp: str, identity: str, record: Mapping[str, Any], out_dir: Path,
                       names: Sequence[str], duration_s: float, metadata: Mapping[str, Any],
-                      expect: Mapping[str, str] | None = None, scratch: bool = False) -> ActionResult:
+                      expect: Mapping[str, str] | None = None, scratch: bool = False,
+                      sign: Callable[[bytes], bytes | None] | None = None) -> ActionResult:
         """Put an action's outputs into the CAS, then (last, atomically) its record: no partial entry is visible.
+        `sign`: as record_outputs'.
 
         `scratch`: `out_dir` is the caller's scratch (an action's sandbox), removed afterwards: its files are linked
         into the CAS rather than copied where they can be. `expect` ({name: digest}): the outputs are another
@@ -180,13 +187,19 @@ class LocalCache:
             else:
                 digest, size = self.blobs.put_file(p, scratch)
             outputs[name] = OutputRef(digest, size)
-        return self.record_outputs(fp, identity, record, outputs, duration_s, metadata)
+        return self.record_outputs(fp, identity, record, outputs, duration_s, metadata, sign)
 
     def record_outputs(self, fp: str, identity: str, record: Mapping[str, Any], outputs: Mapping[str, OutputRef],
-                       duration_s: float, metadata: Mapping[str, Any]) -> ActionResult:
-        """The record of an action whose output blobs are in this CAS already (a farm worker put them there)."""
+                       duration_s: float, metadata: Mapping[str, Any],
+                       sign: Callable[[bytes], bytes | None] | None = None) -> ActionResult:
+        """The record of an action whose output blobs are in this CAS already (a farm worker put them there).
+        `sign`: this store is a shared tier of other builds (a farm's store): the record is written as `sign` makes
+        it (the writing build's shared_record: signed), or not at all when that gives None."""
         res = ActionResult(fp, identity, dict(outputs), record, duration_s, dict(metadata), time.time())
-        self.actions.put(res)
+        data = sign(res.to_json()) if sign is not None else None
+        if sign is not None and data is None:
+            return res  # (not written)
+        self.actions.put(res, data)
         IdentityIndex(self.root).record(res)  # explain/plan/upgrade-impact: this identity's most recent result
         self.stats.save(fp)
         self._touched.add(fp)
@@ -195,10 +208,11 @@ class LocalCache:
         return res
 
     def record_stored(self, fp: str, identity: str, record: Mapping[str, Any], outputs: Mapping[str, tuple[str, int]],
-                      duration_s: float, metadata: Mapping[str, Any]) -> ActionResult:
+                      duration_s: float, metadata: Mapping[str, Any],
+                      sign: Callable[[bytes], bytes | None] | None = None) -> ActionResult:
         """`record_outputs` for callers outside the cache package (the farm): outputs as {name: (digest, size)}."""
         refs = {name: OutputRef(str(d), int(n)) for name, (d, n) in outputs.items()}
-        return self.record_outputs(fp, identity, record, refs, duration_s, metadata)
+        return self.record_outputs(fp, identity, record, refs, duration_s, metadata, sign)
 
     def place_blob(self, digest: str, dest: Path) -> None:
         """A verified copy (or hard link) of a blob at `dest`, for sandbox inputs."""

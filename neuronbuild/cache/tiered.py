@@ -57,6 +57,22 @@ class TieredCache(LocalCache):
     def shared_url(self) -> str:
         return self.shared.url if self.shared is not None else ""
 
+    def shared_record(self, data: bytes) -> bytes | None:
+        """A record's JSON as this build writes it to any shared tier (its --remote-cache, a farm's store): signed
+        with its key (--remote-cache-signing-key); as it is without one; None (after one note) when the build trusts
+        only signed records and holds no key (readers like it would refuse its unsigned records)."""
+        if not self._may_write_shared():
+            return None
+        return data if self.signer is None else sign_record(data, self.signer)
+
+    def _may_write_shared(self) -> bool:
+        if self.signer is None and self.trusted is not None:
+            where = self.shared_url() or "the farm's store"
+            self.warn_once("unsigned-upload", f"note: not uploading to the shared cache {where}: this build trusts "
+                           "only signed records and has no --remote-cache-signing-key to sign its own")
+            return False
+        return True
+
     # -- tier failures ------------------------------------------------------------------------------------------
     def _unreachable(self, e: BaseException) -> None:
         self.stats.errors += 1
@@ -235,11 +251,13 @@ class TieredCache(LocalCache):
     # -- writes ---------------------------------------------------------------------------------------------------
     def store_outputs(self, fp: str, identity: str, record: Mapping[str, Any], out_dir: Path,
                       names: Sequence[str], duration_s: float, metadata: Mapping[str, Any],
-                      expect: Mapping[str, str] | None = None, scratch: bool = False) -> ActionResult:
+                      expect: Mapping[str, str] | None = None, scratch: bool = False,
+                      sign: Callable[[bytes], bytes | None] | None = None) -> ActionResult:
         """Stored locally, then uploaded (a farm's outputs, `expect`, are in the shared tier already: only their
         record is written there). A farm output that does not match its digest is evicted from the shared tier."""
         try:
-            res = super().store_outputs(fp, identity, record, out_dir, names, duration_s, metadata, expect, scratch)
+            res = super().store_outputs(fp, identity, record, out_dir, names, duration_s, metadata, expect, scratch,
+                                        sign)
         except CorruptBlob as e:
             if expect and e.digest and self.shared is not None and not self.readonly:
                 self._remote(self.shared.evict_blob, e.digest, write=True)
@@ -252,9 +270,7 @@ class TieredCache(LocalCache):
         shared = self.shared
         if shared is None or self.readonly:
             return False
-        if self.signer is None and self.trusted is not None:
-            self.warn_once("unsigned-upload", f"note: not uploading to the shared cache {self.shared_url()}: this "
-                           "build trusts only signed records and has no --remote-cache-signing-key to sign its own")
+        if not self._may_write_shared():
             return False
         for out in res.outputs.values():
             present = self._remote(shared.has_blob, out.digest, out.size)
@@ -264,7 +280,9 @@ class TieredCache(LocalCache):
                 self._remote(shared.put_blob, out.digest, self.blobs.path(out.digest), write=True)
                 if self.shared is None or self.readonly:
                     return False
-        data = res.to_json() if self.signer is None else sign_record(res.to_json(), self.signer)
+        data = self.shared_record(res.to_json())
+        if data is None:
+            return False
         self._remote(shared.put_record, res.fingerprint, data, write=True)
         if self.shared is None or self.readonly:
             return False

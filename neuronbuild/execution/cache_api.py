@@ -75,6 +75,10 @@ class SpawnCache(Protocol):
         """`scratch`: out_dir is the caller's to remove (files may be linked, not copied); `expect`: {name: digest}
         the outputs must match (a farm worker's blobs, verified here; CorruptBlob if one does not)."""
 
+    def shared_record(self, data: bytes) -> bytes | None:
+        """A record's JSON (bytes) as this build writes it to any shared tier, a farm's store included: signed with
+        its key when it has one; None when it must write none (it trusts only signed records and holds no key)."""
+
     def record_failure(self, fp: str, identity: str, record: Mapping[str, Any], error: str, log: Path) -> None: ...
 
     def place_blob(self, digest: str, dest: Path) -> None: ...

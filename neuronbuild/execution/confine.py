@@ -12,7 +12,10 @@ undone in a process:
 
 Sockets and signals: Landlock's TCP rules (ABI >= 4) refuse TCP bind/connect, its scoping (ABI >= 6) refuses
 signals to processes outside the action's domain and abstract Unix sockets made outside it, and a seccomp filter
-refuses new Unix/IPv4/IPv6 sockets and io_uring (so no connect() to the build server's socket, a path).
+refuses new sockets of every family but netlink (Unix, IP, vsock, ...) and io_uring (so no connect() to the build server's socket, a path).
+
+Other processes' /proc files (environ, maps, mem, fd): Landlock's ptrace scoping refuses them for a non-root action;
+a root action first drops every capability (drop_capabilities), without which Landlock did not refuse them.
 
 Reads are allowed under the sandbox, the action's TMPDIR and HOME, the Python installation (prefixes, sys.path,
 site-packages), neuronbuild itself, plug-in paths, PATH dirs and what the step's toolchain declares (step_dirs: e.g. a
@@ -327,9 +330,9 @@ def apply_landlock(policy: Policy) -> str | None:
 
 
 # ------------------------------------------------------------------------------------------------------- seccomp
-# A filter refusing (EACCES) new Unix, IPv4 and IPv6 sockets and io_uring (whose operations would bypass the filter):
-# an action cannot connect to the build server's socket (a path Landlock's file rules do not cover for connect()),
-# another Unix socket of the user, or the network. socketpair() stays allowed (an anonymous pair, between the
+# A filter refusing (EACCES) new sockets of every family but netlink (Unix, IPv4, IPv6, vsock to a VM's host, packet,
+# ...) and io_uring (whose operations would bypass the filter): an action cannot connect to the build server's socket
+# (a path Landlock's file rules do not cover for connect()), another Unix socket of the user, or any network. socketpair() stays allowed (an anonymous pair, between the
 # action's own processes).
 _PR_SET_SECCOMP, _SECCOMP_MODE_FILTER = 22, 2
 _RET_ALLOW, _RET_ERRNO = 0x7FFF0000, 0x00050000
@@ -337,7 +340,7 @@ _LD_W_ABS, _JEQ_K, _JGE_K, _RET_K = 0x20, 0x15, 0x35, 0x06
 # audit arch -> (socket, io_uring_setup) syscall numbers
 _ARCHES = {0xC000003E: (41, 425), 0xC00000B7: (198, 425)}  # x86_64, aarch64
 _X32_BIT = 0x40000000
-_AF_DENIED = (1, 2, 10)  # AF_UNIX, AF_INET, AF_INET6
+_AF_NETLINK = 16  # the only family socket() may create: glibc asks the kernel's routing netlink (getaddrinfo)
 
 
 class _SockFilter(ctypes.Structure):
@@ -363,11 +366,10 @@ def _seccomp_program(arch: int) -> list[tuple[int, int, int, int]]:
         (_JEQ_K, 1, 0, sock_nr),
         (_RET_K, 0, 0, _RET_ALLOW),
         (_LD_W_ABS, 0, 0, 16),  # socket(domain, ...): the low 32 bits of the first argument
+        (_JEQ_K, 0, 1, _AF_NETLINK),
+        (_RET_K, 0, 0, _RET_ALLOW),
+        (_RET_K, 0, 0, deny),  # Unix, IPv4, IPv6, vsock (the VM's host), packet, Bluetooth, ...: every other family
     ]
-    for i, af in enumerate(_AF_DENIED):
-        left = len(_AF_DENIED) - i - 1  # the tests after this one; then ALLOW, then DENY
-        prog.append((_JEQ_K, left + 1, 0, af))
-    prog += [(_RET_K, 0, 0, _RET_ALLOW), (_RET_K, 0, 0, deny)]
     return prog
 
 
@@ -376,8 +378,8 @@ def _audit_arch() -> int | None:
 
 
 def apply_seccomp() -> str | None:
-    """Refuse new Unix and IP sockets (and io_uring) to this process and its children for good; None when applied,
-    else why not. Needs no_new_privs (set by apply_landlock; set here too when Landlock was not applied)."""
+    """Refuse new sockets of every family but netlink (and io_uring) to this process and its children for good; None
+    when applied, else why not. Needs no_new_privs (set by apply_landlock; set here too when Landlock was not applied)."""
     arch = _audit_arch()
     if arch is None:
         return "no seccomp filter for this architecture"
@@ -392,17 +394,83 @@ def apply_seccomp() -> str | None:
     return None
 
 
+# ------------------------------------------------------------------------------------------- other processes
+# What stops an action from reading /proc/<pid>/environ, maps, mem, fd/* of another process (the build process, its
+# parent, sibling actions, their workers, the user's shell): the kernel's ptrace-read check, which procfs applies to
+# those files. It passes for a reader with the target's uid and at least its capabilities, unless the target is
+# non-dumpable (then CAP_SYS_PTRACE is needed) or the reader is Landlock-confined and the target is outside its
+# domain. Measured on Linux 6.18 (tests/test_security_escape.py): a non-root action is refused by Landlock alone;
+# a root action keeping its capabilities is not (Landlock then refuses only `mem`), so an action drops every
+# capability (drop_capabilities) before Landlock applies. Workers and the zygote are non-dumpable too
+# (set_dumpable(False)): the fallback where Landlock is missing, for a non-root user.
+_PR_SET_DUMPABLE, _PR_CAPBSET_DROP, _PR_CAP_AMBIENT, _PR_CAP_AMBIENT_CLEAR_ALL = 4, 24, 47, 4
+_CAPABILITY_VERSION_3 = 0x20080522
+
+
+class _CapHeader(ctypes.Structure):
+    _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+
+class _CapData(ctypes.Structure):
+    _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32)]
+
+
+def set_dumpable(on: bool) -> None:
+    """PR_SET_DUMPABLE: off, this process's /proc files (environ, maps, mem, fd) are root's and the ptrace-read check
+    needs CAP_SYS_PTRACE, so no other process of the user (an action included) reads them; a fork inherits it, an
+    exec resets it. The action's child turns it back on (non-root, its own /proc/self/fd would be unreadable)."""
+    with contextlib.suppress(Exception):
+        ctypes.CDLL(None).prctl(_PR_SET_DUMPABLE, 1 if on else 0, 0, 0, 0)
+
+
+def capabilities() -> int:
+    """The capabilities this process holds (effective | permitted | inheritable, as one mask); 0 for a non-root user."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    head, data = _CapHeader(_CAPABILITY_VERSION_3, 0), (_CapData * 2)()
+    if libc.capget(ctypes.byref(head), data) != 0:
+        return 0
+    return sum((d.effective | d.permitted | d.inheritable) << (32 * i) for i, d in enumerate(data))
+
+
+def drop_capabilities() -> str | None:
+    """Drop every capability of this process and everything it starts, for good: the bounding and ambient sets, then
+    effective, permitted and inheritable. A process running as root keeps only its uid: it cannot read the /proc files
+    of a process holding capabilities it lacks (the build, its parent, the shell, pid 1) nor of a non-dumpable one
+    (dropping them makes this one non-dumpable too), cannot write files it does not own, and an exec'd binary
+    regains nothing (the bounding set is empty; no_new_privs). Nothing to do without capabilities (a non-root user).
+    None when done, else why not."""
+    if capabilities() == 0:
+        return None
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_CAP_AMBIENT, _PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0)
+    try:
+        with open("/proc/sys/kernel/cap_last_cap", encoding="ascii") as f:
+            last = int(f.read().strip())
+    except (OSError, ValueError):
+        last = 63
+    for cap in range(last + 1):
+        libc.prctl(_PR_CAPBSET_DROP, cap, 0, 0, 0)  # needs CAP_SETPCAP, dropped from the effective set only below
+    head, data = _CapHeader(_CAPABILITY_VERSION_3, 0), (_CapData * 2)()
+    if libc.capset(ctypes.byref(head), data) != 0:
+        return f"dropping capabilities: {os.strerror(ctypes.get_errno())}"
+    return None
+
+
 def confine(policy: Policy) -> str | None:
-    """Both mechanisms, for this process for good; returns why Landlock was not applied (None when it was)."""
+    """No capabilities, Landlock, seccomp and the audit hook, for this process for good; returns why Landlock was not
+    applied (None when it was)."""
     sys.dont_write_bytecode = True  # imports must not try to write .pyc files into the installation
     # sys.path entries outside the policy (the checkout neuronbuild was started from) would only be scanned and
     # refused (importlib.metadata, the import system): neuronbuild itself is already imported.
     sys.path[:] = [p for p in sys.path if not os.path.isabs(p) or policy.may_read(_real(p))]
+    caps = drop_capabilities()  # before Landlock: a root action keeping them would read other processes' /proc
     why = apply_landlock(policy)
     no_sockets = apply_seccomp()
     install_audit_hook(policy)
     if no_sockets is not None:  # (stderr is the action's log)
         print(f"neuronbuild: {no_sockets}; this action may open Unix and network sockets", file=sys.stderr)
+    if caps is not None:
+        print(f"neuronbuild: {caps}; this action may read other processes' /proc files", file=sys.stderr)
     return why
 
 

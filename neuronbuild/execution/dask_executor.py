@@ -266,19 +266,23 @@ class DaskExecutor:
         return bool(tier) and tier.rstrip("/") == self._shared_url.rstrip("/")
 
     def _record_shared(self, a: Any, res: Mapping[str, Any], out: Path) -> None:
-        """The shared tier's record of an action's outputs. In a shared directory the worker's blobs (just verified
-        while placing them) are recorded as they are, not copied into it a second time; an S3 tier checks (HEAD)."""
+        """The farm store's record of an action's outputs, for other clients (whose shared tier it is): written as
+        the build writes every shared record (SpawnCache.shared_record: signed with its --remote-cache-signing-key,
+        none at all when it trusts only signed records and holds no key). In a shared directory the worker's blobs
+        (just verified while placing them) are recorded as they are, not copied into it a second time; an S3 tier
+        checks (HEAD)."""
         metadata = res.get("metadata") or {}
         sizes = {name: (str(d), (out / name).stat().st_size) for name, (d, _size) in res["outputs"].items()}
+        sign = self.cache.shared_record
         # A directory tier (cache/local.py) records blobs it holds already; execution reaches it only through the
         # SpawnCache protocol (tests/test_layering.py), so the method is looked up, not the class.
         record_stored = getattr(self.shared, "record_stored", None)
         if callable(record_stored) and set(sizes) == set(a.outputs) and \
                 all(self.shared.has_blob(d) for d, _n in sizes.values()):
-            record_stored(a.fingerprint, a.identity, a.record, sizes, float(res["duration_s"]), metadata)
+            record_stored(a.fingerprint, a.identity, a.record, sizes, float(res["duration_s"]), metadata, sign)
             return
         self.shared.store_outputs(a.fingerprint, a.identity, a.record, out, a.outputs, float(res["duration_s"]),
-                                  metadata)
+                                  metadata, sign=sign)
 
     def finish(self, job: Job) -> None:
         shutil.rmtree(self._tmp / job.id.replace("#", "-"), ignore_errors=True)

@@ -29,6 +29,9 @@ def action_environment(toolchain_tmp: Path, home: Path,
         "PYTHONHASHSEED": "0",
         "OMP_NUM_THREADS": "1",  # one worker per core; codegen does not follow this (the toolchain pins threads)
         "AOTI_RUNTIME_CHECK_INPUTS": "1",
+        # HOME is shared by every action: no Python process started with this environment (a worker, a compiler
+        # written in Python) imports a .pth an action left in ~/.local (user site-packages run .pth code at start).
+        "PYTHONNOUSERSITE": "1",
     })
     for name, value in declared:
         if value is None:

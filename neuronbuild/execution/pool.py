@@ -103,7 +103,7 @@ class WorkerProcess:
             err = open(stderr_path, "ab")  # noqa: SIM115 - handed to the child
         try:
             return subprocess.Popen(
-                [sys.executable, "-P", "-c", _BOOT, _PKG_PARENT, str(read_fd), str(write_fd), "neuronbuild-worker"],
+                [sys.executable, "-P", "-s", "-c", _BOOT, _PKG_PARENT, str(read_fd), str(write_fd), "neuronbuild-worker"],
                 pass_fds=(read_fd, write_fd), env=env, cwd=cwd, start_new_session=True,
                 stdin=subprocess.DEVNULL, stdout=err, stderr=err,
             )

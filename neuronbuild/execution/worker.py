@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import sys
@@ -26,6 +27,7 @@ from neuronbuild.execution.confine import (
     first_violation,
     installation_roots,
     policy_for,
+    set_dumpable,
 )
 
 HOST = socket.gethostname()
@@ -58,8 +60,15 @@ def _redirect_fds(log_path: str) -> Iterator[None]:
         os.close(fd)
 
 
+# Control characters but newline and tab (C0, DEL, C1): an error message comes from model code and reaches the user's
+# terminal; an escape sequence there could rewrite what was printed, set the title or the clipboard (OSC 52).
+_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
 def first_lines(msg: str, n: int = ERROR_LINES, cap: int = ERROR_CHARS) -> str:
-    """The first `n` non-empty lines of an error, at most `cap` characters (saying so when cut)."""
+    """The first `n` non-empty lines of an error, at most `cap` characters (saying so when cut), with control
+    characters shown escaped (`\\x1b`), never sent to a terminal as they are."""
+    msg = _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", msg.replace("\r\n", "\n"))
     head = msg[: cap * 2]
     lines = [ln.rstrip() for ln in head.strip().splitlines() if ln.strip()]
     out = "\n".join(lines[:n])
@@ -215,6 +224,7 @@ def run_isolated(msg: Mapping[str, Any], installation: tuple[str, ...]) -> dict[
     if pid == 0:  # the action's process
         code = 0
         try:
+            set_dumpable(True)  # the worker is not (confine.set_dumpable); this process's own /proc stays its own
             os.close(r)
             close_inherited_fds(keep=(w,))  # the worker's pipes to the build process, its pidfds: not the model's
             null = os.open(os.devnull, os.O_RDWR)  # nor the worker's log (run_action sends 1 and 2 to the action's)
@@ -413,6 +423,7 @@ def prepare_process() -> tuple[str, ...]:
     (warm_imports; no model code, no thread, no torch op). Returns the installation's roots (confine.installation_roots),
     computed before any action could add to sys.path. Run by a spawned worker (main) and by the zygote, whose forked
     workers inherit all of it (zygote.py)."""
+    set_dumpable(False)  # no action (another worker's) reads this process's environ, maps or memory
     for var in ("TMPDIR", "HOME"):
         if os.environ.get(var):
             Path(os.environ[var]).mkdir(parents=True, exist_ok=True)

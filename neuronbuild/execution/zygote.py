@@ -71,7 +71,7 @@ class Zygote:
         try:
             # "neuronbuild-worker-zygote": a search for the build's worker processes finds it too.
             self.proc = subprocess.Popen(
-                [sys.executable, "-P", "-c", _BOOT, pkg_parent, str(child.fileno()), "neuronbuild-worker-zygote"],
+                [sys.executable, "-P", "-s", "-c", _BOOT, pkg_parent, str(child.fileno()), "neuronbuild-worker-zygote"],
                 pass_fds=(child.fileno(),), env=env, cwd=cwd, start_new_session=True,
                 stdin=subprocess.DEVNULL, stdout=err, stderr=err,
             )

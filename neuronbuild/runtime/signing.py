@@ -11,6 +11,7 @@ import base64
 import hashlib
 import json
 import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,14 +44,37 @@ def key_id(raw_public: bytes) -> str:
     return "SHA256:" + base64.b64encode(hashlib.sha256(blob).digest()).decode().rstrip("=")
 
 
+MAX_PRIVATE_KEY_BYTES = 64 << 10  # an OpenSSH Ed25519 key is about 400 bytes
+
+
+def key_too_open(path: str | os.PathLike[str], mode: int | None = None) -> str | None:
+    """Why a private key file is refused, as ssh refuses one: group or others may read or write it (any of 0o077);
+    else None. (Public keys, trusted-keys files, are not checked.) A file that cannot be read is left to its reader."""
+    if mode is None:
+        try:
+            mode = os.stat(path).st_mode
+        except OSError:
+            return None
+    if mode & 0o077:
+        return (f"signing key {path}: permissions {stat.S_IMODE(mode):04o} are too open (group or others may "
+                f"read it): a private key must be readable by its owner only (chmod 600 {path})")
+    return None
+
+
 def _load_private(path: Path) -> Any:
     from cryptography.hazmat.primitives import serialization
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
     try:
-        data = path.read_bytes()
+        with open(path, "rb") as f:
+            why = key_too_open(path, os.fstat(f.fileno()).st_mode)  # the file read, not the path's later state
+            if why is not None:
+                raise SignatureError(why)
+            data = f.read(MAX_PRIVATE_KEY_BYTES + 1)
     except OSError as e:
         raise SignatureError(f"cannot read signing key {path}: {e.strerror or e}") from None
+    if len(data) > MAX_PRIVATE_KEY_BYTES:
+        raise SignatureError(f"signing key {path}: not a usable private key (over {MAX_PRIVATE_KEY_BYTES} bytes)")
     password = os.environ.get("NEURONBUILD_SIGNING_KEY_PASSPHRASE")
     pw = password.encode() if password else None
     key: Any

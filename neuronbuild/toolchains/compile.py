@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import io
 import os
+import shutil
 import tempfile
 import threading
 import zipfile
@@ -25,19 +26,19 @@ from neuronbuild.toolchains.passes import apply_passes
 from neuronbuild.toolchains.trace import load_program, strip_unstable_meta
 from neuronbuild.toolchains.weights import read_header
 
-# Inductor's working files go to a per-ISA dir under this process's temp dir whatever TORCHINDUCTOR_CACHE_DIR says
-# (restored after): in workers that is the cache's toolchain-tmp (their TMPDIR: per user, counted by `cache stats`,
-# bounded by `cache gc --max-size`), shared by the workers of every build using that cache (inductor takes file
-# locks), keyed by torch version and ISA, safe to delete at any time. The objects do not name it (-ffile-prefix-map
-# below maps it to /inductor and torch's headers to /torch), so artifact bytes depend neither on the sandbox nor on the
-# cache or venv location (tested: two cache dirs, identical packages). The trailing number versions our flag patches.
+# Inductor's working files go to a fresh dir per compile, whatever TORCHINDUCTOR_CACHE_DIR says (restored after):
+# inside the compile's own output dir (removed before its outputs are stored), which no other action can write; a
+# warm-up's, beside the precompiled headers (actions only read there). Never a dir shared between actions: inductor
+# keeps a source file it finds under its content-hash name, so a model could otherwise plant or change what a later
+# compile of any workspace builds (issue #31; tests/test_security_escape.py). The objects do not name the dir
+# (-ffile-prefix-map below maps it to /inductor and torch's headers to /torch), so artifact bytes depend neither on
+# the sandbox nor on the cache or venv location (tested: two cache dirs, identical packages).
 # Note: the ISA pin and the flag patch are process-global monkeypatches held for the duration of one compile: compile
 # one graph at a time per process (the worker model), not from several threads.
 # Inductor's precompiled headers (~10 s of a process's first compile, ~140 MB each) live in its own dir under the
 # temp dir (torchinductor_$USER/precompiled_headers), named by a hash of the full compile command (our -march and
 # prefix maps included), the preprocessed header (the torch version's headers) and the compiler version, so one
 # built for another ISA, flag set, torch or g++ is never used; warm_up_cpu builds them ahead of the first compile.
-INDUCTOR_FLAGS_VERSION = 2
 TORCH_DIR = Path(torch.__file__).resolve().parent
 PACKAGE_MODEL_NAME = "model"
 CONSTANTS_FILE = "constants.safetensors"  # the cpu compile's second output: the model's weights by FQN
@@ -140,9 +141,13 @@ def compile_cpu(
     ep = apply_passes(ep, options, args)
     from torch._inductor import aoti_compile_and_package
 
-    with tempfile.TemporaryDirectory(prefix="neuronbuild-aoti-") as tmp, _compile_environment(isa, target), \
+    # Inductor's working dir and the raw package live in the action's own output dir, which no other action can write
+    # (a shared working dir let a model plant or change the sources a later compile of any workspace builds: inductor
+    # keeps a source file it finds under its content-hash name). Removed before the outputs are stored. Its temp files
+    # too: $TMPDIR is every action's.
+    with _private_dir(out_dir) as tmp, _compile_environment(isa, target, tmp / "inductor"), _temp_dir(tmp), \
             _fake_constants_by_storage():
-        raw = Path(tmp) / f"{PACKAGE_MODEL_NAME}.pt2"
+        raw = tmp / f"{PACKAGE_MODEL_NAME}.pt2"
         with torch.no_grad():
             aoti_compile_and_package(ep, package_path=str(raw), inductor_configs=inductor_configs(target))
         data = canonical_package(raw.read_bytes())
@@ -220,9 +225,16 @@ def _use_header_dir() -> None:
     cc._HEADER_LOCK_DIR = str(toolchain_scratch() / "neuronbuild-header-locks")
 
 
-def inductor_cache_dir(isa: str) -> Path:
-    """Inductor's working dir for compiles for `isa` in this process (see the note at the top)."""
-    return toolchain_scratch() / "neuronbuild-inductor" / f"torch-{torch.__version__}-{isa}-{INDUCTOR_FLAGS_VERSION}"
+@contextmanager
+def _private_dir(parent: Path) -> Iterator[Path]:
+    """A fresh directory under `parent` (a compile's output dir, a warm-up's header dir: written by nothing but this
+    process), removed afterwards: inductor's working files, never shared between compiles (see the note at the top)."""
+    parent.mkdir(parents=True, exist_ok=True)
+    path = Path(tempfile.mkdtemp(prefix=".neuronbuild-inductor-", dir=parent))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def compile_jobs() -> int:
@@ -236,9 +248,9 @@ def compile_jobs() -> int:
 
 
 @contextmanager
-def _compile_environment(isa: str, target: IsaTarget) -> Iterator[Path]:
-    """The pinned vector ISA, inductor's working dir for the ISA and path-free objects, for one compile."""
-    cache_dir = inductor_cache_dir(isa)
+def _compile_environment(isa: str, target: IsaTarget, cache_dir: Path) -> Iterator[Path]:
+    """The pinned vector ISA, inductor's working dir (`cache_dir`, private to this compile) and path-free objects,
+    for one compile."""
     _use_header_dir()
     with _pinned_vec_isa(target), _fixed_cache_dir(cache_dir), _path_free_objects(cache_dir, compile_jobs()):
         yield cache_dir
@@ -260,7 +272,10 @@ def warm_up_cpu(isa: str) -> dict[str, Any]:
     from torch._inductor.cpp_builder import CppBuilder, CppTorchDeviceOptions
     from torch._inductor.utils import determine_aoti_mmap_flags
 
-    with _compile_environment(isa, target), config.patch(inductor_configs(target)):
+    # The warm-up runs in the worker, unconfined: its working files (and the preprocessed headers inductor hashes to
+    # name a precompiled header) go where actions cannot write (beside the headers), not into their $TMPDIR.
+    with _private_dir(header_dir()) as work, _compile_environment(isa, target, work / "inductor"), \
+            config.patch(inductor_configs(target)), _temp_dir(work):
         if not config.aot_inductor.precompile_headers:
             return {"isa": isa, "headers": [], "built": 0, "codegen_s": warm_codegen(),
                     "seconds": round(time.perf_counter() - start, 3)}
@@ -397,6 +412,17 @@ def _fake_constants_by_storage() -> Iterator[None]:
             stack.callback(setattr, mod, "is_same_tensor", mod.is_same_tensor)
             mod.is_same_tensor = same  # type: ignore[attr-defined]
         yield
+
+
+@contextmanager
+def _temp_dir(path: Path) -> Iterator[None]:
+    """tempfile's directory is `path` meanwhile (this thread's and the pool threads' temp files: the warm-up's)."""
+    before = tempfile.tempdir
+    tempfile.tempdir = str(path)
+    try:
+        yield
+    finally:
+        tempfile.tempdir = before
 
 
 @contextmanager
