@@ -507,9 +507,9 @@ def test_a_first_command_that_starts_no_worker_still_warms_them_after_its_answer
         info = servers.info(ws)
         log = Path(info["output_base"]) / "server.log"
 
-        def this_server() -> list[str]:
+        def this_server(log: Path = log, pid: int = info["pid"]) -> list[str]:
             lines = log.read_text().splitlines()
-            start = max(i for i, ln in enumerate(lines) if f"server {info['pid']} listening" in ln)
+            start = max(i for i, ln in enumerate(lines) if f"server {pid} listening" in ln)
             return lines[start:]
 
         def warm_line() -> str | None:
@@ -524,7 +524,7 @@ def test_a_first_command_that_starts_no_worker_still_warms_them_after_its_answer
         if first[0] == "build":
             assert "0 executed" in p.stdout and info["kept"]["memoised_targets"] == 0, (p.stdout, info)  # (no analysis)
         _wait(lambda: any("warm workers released" in ln for ln in this_server()), 120, "the idle workers' release")
-        _wait(lambda: not any(_alive(q) for q in pids), 30, "the released workers to end")
+        _wait(lambda pids=pids: not any(_alive(q) for q in pids), 30, "the released workers to end")
         _shutdown(servers, ws)
 
 
