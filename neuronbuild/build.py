@@ -21,7 +21,7 @@ from neuronbuild.cache.local import LocalCache
 from neuronbuild.cache.roots import record_roots
 from neuronbuild.context import BuildContext
 from neuronbuild.errors import UserInputError
-from neuronbuild.execution.env import action_environment, undeclared_warning
+from neuronbuild.execution.env import action_environment, default_jobs, undeclared_warning  # noqa: F401 (default_jobs: re-exported)
 from neuronbuild.execution.events import EventBus, JsonLinesWriter, Listener
 from neuronbuild.execution.jobs import Executor
 from neuronbuild.execution.progress import make_progress
@@ -34,11 +34,6 @@ if TYPE_CHECKING:
     from neuronbuild.report.invocation import Invocation
 
 EXECUTORS = ("local", "dask", "dask-local")
-
-
-def default_jobs() -> int:
-    """The Neuron docs' default of 8 parallel compile workers, capped by this machine's cores."""
-    return max(1, min(8, os.cpu_count() or 1))
 
 
 @dataclass(frozen=True)

@@ -90,6 +90,7 @@ def open_caches(cache_dir: Path, root: Path) -> LoadCache:
         lc = LoadCache(file)
     if _kept is not None:
         lc.dirs = {}  # (directory listings kept with their mtimes: Loader.find_packages)
+        lc.keep_checks = True  # (the last accepted graph check: target_graph.CheckedGraph)
         while len(_kept) >= _KEEP_AT_MOST:
             del _kept[next(iter(_kept))]
         _kept[file] = lc

@@ -487,6 +487,47 @@ def test_a_cached_build_warms_workers_after_its_answer_and_idle_ones_are_release
           "the second background warm-up")
 
 
+def test_a_first_command_that_starts_no_worker_still_warms_them_after_its_answer(
+        servers: Servers, tmp_path: Path, shared_cache: Path) -> None:
+    """A fresh server whose first command makes no worker pool (a build answered from its no-op stamp, a plan, a
+    query) warms the workers the next build would use once its answer is sent (so the first edit's build finds them
+    warm), and releases them after NEURONBUILD_WORKERS_IDLE_SECS. Checked by the order of the server log's lines."""
+    servers.cache = shared_cache
+    ws = _ws(tmp_path)
+    servers.build(ws, batch=True)  # every action cached
+    env = {"NEURONBUILD_WORKERS_IDLE_SECS": "8", "NEURONBUILD_CACHE_DIR": str(shared_cache)}
+    build = ["build", "//...", "--jobs", "2", "--cache-dir", str(shared_cache)]
+    assert servers.run(build, ws, env).returncode == 0  # (writes the no-op stamp for this environment)
+    _shutdown(servers, ws)
+    for first in (build,
+                  ["plan", "//...", "--jobs", "2", "--cache-dir", str(shared_cache)],
+                  ["query", "//..."]):
+        p = servers.run(first, ws, env)
+        assert p.returncode == 0, p.stdout + p.stderr[-3000:]
+        info = servers.info(ws)
+        log = Path(info["output_base"]) / "server.log"
+
+        def this_server(log: Path = log, pid: int = info["pid"]) -> list[str]:
+            lines = log.read_text().splitlines()
+            start = max(i for i, ln in enumerate(lines) if f"server {pid} listening" in ln)
+            return lines[start:]
+
+        def warm_line() -> str | None:
+            return next((ln for ln in this_server() if "warm workers starting in the background" in ln), None)
+
+        _wait(lambda: warm_line() is not None, 60, f"the background warm-up after `{first[0]}`")
+        lines = this_server()
+        answered = next(i for i, ln in enumerate(lines) if f" {first[0]} " in ln and "-> 0 in" in ln)
+        assert lines.index(str(warm_line())) > answered, lines  # once the command has answered
+        pids = [int(x) for x in re.findall(r"\d+", str(warm_line()).rpartition("pids")[2])]
+        assert pids, lines
+        if first[0] == "build":
+            assert "0 executed" in p.stdout and info["kept"]["memoised_targets"] == 0, (p.stdout, info)  # (no analysis)
+        _wait(lambda: any("warm workers released" in ln for ln in this_server()), 120, "the idle workers' release")
+        _wait(lambda pids=pids: not any(_alive(q) for q in pids), 30, "the released workers to end")
+        _shutdown(servers, ws)
+
+
 def test_batch_and_no_server_env_run_in_the_client(servers: Servers, tmp_path: Path, shared_cache: Path) -> None:
     servers.cache = shared_cache
     ws = _ws(tmp_path)

@@ -174,15 +174,20 @@ def wall_time_of(pred: Callable[[str], Iterable[str]], fps: Sequence[str], secon
                  jobs: int) -> float:
     """wall_time() of the actions `fps` (topologically ordered) taking `seconds` each (a list in the same order);
     `pred`: an action's dependencies (a digraph's predecessors, or the actions' own deps)."""
+    return schedule(fps, list(map(pred, fps)), seconds, jobs)
+
+
+def schedule(fps: Sequence[str], deps: Sequence[Iterable[str]], seconds: Sequence[float], jobs: int) -> float:
+    """wall_time_of() with each action's dependencies given in a list aligned with `fps`."""
     import heapq
 
     finish: dict[str, float] = {}  # (fps is topologically ordered: a dependency to run is in here before its user)
     get = finish.get
     if jobs <= 1:  # (one worker: each action starts when the previous one ends, or its inputs are ready)
         free = 0.0
-        for fp, s in zip(fps, seconds, strict=True):
+        for fp, s, ds in zip(fps, seconds, deps, strict=True):
             ready = free
-            for d in pred(fp):
+            for d in ds:
                 f = get(d)
                 if f is not None and f > ready:
                     ready = f
@@ -190,9 +195,9 @@ def wall_time_of(pred: Callable[[str], Iterable[str]], fps: Sequence[str], secon
         return max(finish.values(), default=0.0)
     if jobs == 2:  # (the heap of two workers as two numbers: the first free, the lower index on a tie)
         free0 = free1 = 0.0
-        for fp, s in zip(fps, seconds, strict=True):
+        for fp, s, ds in zip(fps, seconds, deps, strict=True):
             ready = 0.0
-            for d in pred(fp):
+            for d in ds:
                 f = get(d)
                 if f is not None and f > ready:
                     ready = f
@@ -203,9 +208,9 @@ def wall_time_of(pred: Callable[[str], Iterable[str]], fps: Sequence[str], secon
         return max(finish.values(), default=0.0)
     workers = [(0.0, i) for i in range(jobs)]  # (free at, worker): a heap
     replace = heapq.heapreplace
-    for fp, s in zip(fps, seconds, strict=True):
+    for fp, s, ds in zip(fps, seconds, deps, strict=True):
         ready = 0.0
-        for d in pred(fp):
+        for d in ds:
             f = get(d)
             if f is not None and f > ready:
                 ready = f

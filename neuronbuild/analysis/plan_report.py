@@ -9,7 +9,7 @@ from functools import cached_property
 from typing import Any
 
 from neuronbuild.analysis.actions import Action
-from neuronbuild.analysis.estimate import Estimate, Estimator, wall_time_of
+from neuronbuild.analysis.estimate import Estimate, Estimator, schedule
 from neuronbuild.analysis.planner import ActionGraph
 from neuronbuild.analysis.providers import CompileTarget
 from neuronbuild.history import History
@@ -53,12 +53,15 @@ class PlanReport:
 
     @cached_property
     def wall_s(self) -> float:
-        fps = list(map(_FINGERPRINT, self.todo))
-        get = self.estimates.get
-        seconds = [(e.seconds or 0.0) if (e := get(fp)) is not None else 0.0 for fp in fps]
-        # (an action's own deps, the digraph's predecessors without making the adjacency, through a C-level getter)
-        deps = dict(zip(fps, map(_DEPS, self.todo), strict=True))
-        return wall_time_of(deps.__getitem__, fps, seconds, self.jobs)
+        # (the estimates hold exactly the actions of todo, in its order: _seconds is aligned with todo; an action's
+        # own deps stand for the digraph's predecessors, without making the adjacency)
+        todo = self.todo
+        if len(self.estimates) != len(todo):  # (a report made by hand)
+            get = self.estimates.get
+            seconds = [(e.seconds or 0.0) if (e := get(a.fingerprint)) is not None else 0.0 for a in todo]
+        else:
+            seconds = self._seconds
+        return schedule(list(map(_FINGERPRINT, todo)), list(map(_DEPS, todo)), seconds, self.jobs)
 
     def _cell(self, fp: str) -> dict[str, Any]:
         est = self.estimates.get(fp)

@@ -97,6 +97,25 @@ def _check_settings_flags(args: argparse.Namespace) -> None:
     parse_action_env(args.action_env)
 
 
+def _want_workers(args: argparse.Namespace, cache_dir: Path) -> None:
+    """In the build server, after a build answered from its no-op stamp (which starts no worker): name the pool the next
+    build would make, so the server warms it once the answer is sent (local_executor.want_workers). Outside the server
+    nothing is imported."""
+    le = sys.modules.get("neuronbuild.execution.local_executor")
+    if le is None or le.pool_wanted is None or args.executor != "local":
+        return
+    from neuronbuild.analysis.plan_settings import parse_action_env
+    from neuronbuild.cache.local import LocalCache
+    from neuronbuild.errors import UserInputError
+    from neuronbuild.execution.env import default_jobs
+
+    try:
+        declared = parse_action_env(args.action_env)
+    except UserInputError:
+        return
+    le.want_workers(LocalCache(cache_dir), args.jobs or default_jobs(), declared)
+
+
 def run(args: argparse.Namespace) -> int:
     from neuronbuild import noop
 
@@ -157,6 +176,7 @@ def run(args: argparse.Namespace) -> int:
         note = note_line(record_noop(args, ws.root, cache_dir, patterns, key, line))
         if not args.quiet:
             print(line + (f"\n{note}" if note else ""), flush=True)
+        _want_workers(args, cache_dir)
         return EXIT_OK
 
     from neuronbuild.build import BuildRequest, default_jobs, run_build

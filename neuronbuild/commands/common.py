@@ -120,6 +120,9 @@ def run_plan(args: argparse.Namespace) -> int:
                 sys.stdout.write("\n".join(matrix) + "\n")
             print(report.summary_line())
     _record_plan(args, ctx, ag, cache, todo, cached)
+    from neuronbuild.execution.local_executor import want_workers
+
+    want_workers(cache, args.jobs or default_jobs(), ctx.settings.action_env)  # (the build server warms them)
     return EXIT_OK
 
 

@@ -28,4 +28,17 @@ def run(args: argparse.Namespace) -> int:
     else:
         for label in result:
             print(label)
+    _want_workers()
     return EXIT_OK
+
+
+def _want_workers() -> None:
+    """In the build server: the workers a build with the default cache and jobs would use (warmed once answered)."""
+    from neuronbuild.execution import local_executor
+
+    if local_executor.pool_wanted is None:
+        return
+    from neuronbuild.cache.local import LocalCache, resolve_cache_dir
+    from neuronbuild.execution.env import default_jobs
+
+    local_executor.want_workers(LocalCache(resolve_cache_dir(None)), default_jobs())

@@ -127,3 +127,8 @@ def hide_process_environ() -> bool:
     ctypes.memset(start, 0, end - start)
     libc.prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE 0
     return True
+
+
+def default_jobs() -> int:
+    """The Neuron docs' default of 8 parallel compile workers, capped by this machine's cores."""
+    return max(1, min(8, os.cpu_count() or 1))

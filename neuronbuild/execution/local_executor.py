@@ -3,19 +3,46 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import tempfile
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from neuronbuild.execution import sandbox as sandboxes
 from neuronbuild.execution.cache_api import SpawnCache
-from neuronbuild.execution.env import with_threads, worker_threads
+from neuronbuild.execution.env import action_environment, with_threads, worker_threads
 from neuronbuild.execution.jobs import Completion, Job, Started
 from neuronbuild.execution.pool import WorkerPool
 
 # Makes each build's worker pool; the build server (neuronbuild/server/warm.py) installs one that keeps idle workers.
 pool_factory: Callable[..., WorkerPool] = WorkerPool
+# The build server's, while it keeps no pool: told the pool a local build would make after a command that made none
+# (a build answered from its no-op stamp, a plan, a query), so it can start that pool's processes once the answer is
+# sent. None otherwise (and outside the server).
+pool_wanted: Callable[..., None] | None = None
+
+
+def pool_args(cache: SpawnCache, jobs: int, env: dict[str, str],
+              action_timeout: float = 0.0) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The arguments of the worker pool a local build running `jobs` actions at once makes (LocalExecutor)."""
+    slots = max(1, jobs)
+    return ((slots, with_threads(env, worker_threads(slots)), cache.scratch, cache.logs / "workers.log",
+             action_timeout), {"use_zygote": True})
+
+
+def want_workers(cache: Any, jobs: int, declared: Sequence[tuple[str, str | None]] = ()) -> None:
+    """In the build server, after a command that made no worker pool (a build answered from its no-op stamp, a plan, a
+    query): name the pool a local build running `jobs` actions with this cache (a LocalCache: its local paths only)
+    and these declared --action-env values would make, so the server can start its processes once the answer is sent
+    (server/warm.py). Nothing outside the server, or while it keeps a pool."""
+    wanted = pool_wanted
+    if wanted is None or not (os.path.isdir(cache.scratch) and os.path.isdir(cache.logs)):
+        return  # (a cache that never ran an action: its first build makes the directories and starts the workers)
+    env = action_environment(cache.toolchain_tmp, cache.root / "home", declared)
+    args, kwargs = pool_args(cache, jobs, env)
+    wanted(*args, **kwargs)
 
 
 class LocalExecutor:
@@ -31,8 +58,8 @@ class LocalExecutor:
         self.cache = cache
         self.slots = max(1, jobs)
         self.threads = worker_threads(self.slots)  # each worker's share of the machine's cores
-        self._pool = pool_factory(self.slots, with_threads(env, self.threads), cache.scratch,
-                                  cache.logs / "workers.log", action_timeout, use_zygote=True)
+        args, kwargs = pool_args(cache, jobs, env, action_timeout)
+        self._pool = pool_factory(*args, **kwargs)
         self._running: dict[str, tuple[Job, sandboxes.Sandbox]] = {}
         # This build's sandboxes live under one directory, removed whole at the end (even after a Ctrl-C that
         # struck while a sandbox was being made). Made on the first action: a fully cached build writes nothing to

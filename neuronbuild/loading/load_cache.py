@@ -61,6 +61,8 @@ class LoadCache:
         self._packages: dict[str, tuple[_Entry, Package]] = {}
         self._dirty = False
         self.dirs: dict[str, Any] | None = None  # the build server's kept directory listings (Loader.find_packages)
+        self.keep_checks = False  # (the build server: keep the last accepted graph check, target_graph.CheckedGraph)
+        self.checked: Any = None
         self.hits = 0
         self.misses = 0
         if file is not None:

@@ -70,18 +70,23 @@ class TargetGraph:
     requested: tuple[Label, ...] = ()
 
     def label_deps(self, target: Target) -> list[tuple[str, Label]]:
-        """(attribute, label) for every rule-target reference of `target` (source files excluded); kept in the
-        (frozen) Target, which the build server's load cache hands out unchanged from one command to the next."""
-        known = target.__dict__.get("_label_deps")
-        if known is not None:
-            return known  # type: ignore[no-any-return]
-        out: list[tuple[str, Label]] = []
-        for a in RULES[target.kind].attrs:
-            if a.kinds and "file" not in a.kinds and target.attrs.get(a.name) is not None:
-                for lbl in label_values(target.attrs[a.name]):
-                    out.append((a.name, lbl))
-        target.__dict__["_label_deps"] = out
-        return out
+        """(attribute, label) for every rule-target reference of `target` (source files excluded)."""
+        return _label_deps(target)
+
+
+def _label_deps(target: Target) -> list[tuple[str, Label]]:
+    """TargetGraph.label_deps; kept in the (frozen) Target, which the build server's load cache hands out unchanged
+    from one command to the next."""
+    known = target.__dict__.get("_label_deps")
+    if known is not None:
+        return known  # type: ignore[no-any-return]
+    out: list[tuple[str, Label]] = []
+    for a in RULES[target.kind].attrs:
+        if a.kinds and "file" not in a.kinds and target.attrs.get(a.name) is not None:
+            for lbl in label_values(target.attrs[a.name]):
+                out.append((a.name, lbl))
+    target.__dict__["_label_deps"] = out
+    return out
 
 
 def load_targets(root: Path, patterns: Sequence[str], cwd_package: str = "",
@@ -120,6 +125,55 @@ def _selection_warnings(pat: TargetPattern, matched: list[Target], selected: lis
             if _buildable(t) and "buckets" in t.attrs and not t.attrs["buckets"]]
 
 
+@dataclass(frozen=True)
+class _Summary:
+    """What loading asks of a package as a whole, made once per Package object (the build server's load cache hands
+    out an unchanged package as the same object): its targets by label, the ones a whole-package pattern selects (not
+    tagged manual), and what _selection_warnings asks of them."""
+
+    by_label: dict[Label, Target]
+    selected_labels: tuple[Label, ...]
+    manual_buildable: Target | None  # the first buildable target tagged manual
+    any_buildable_selected: bool
+    selected_kinds: frozenset[str]
+    no_buckets: tuple[Target, ...]  # selected buildable targets with buckets = []
+
+
+_summaries: dict[int, tuple[Package, _Summary]] = {}
+_MAX_SUMMARIES = 200_000
+
+
+def _summary(pkg: Package) -> _Summary:
+    known = _summaries.get(id(pkg))
+    if known is not None and known[0] is pkg:
+        return known[1]
+    selected = [t for t in pkg.targets if "manual" not in t.tags]
+    out = _Summary({t.label: t for t in pkg.targets}, tuple(t.label for t in selected),
+                   next((t for t in pkg.targets if _buildable(t) and "manual" in t.tags), None),
+                   any(_buildable(t) for t in selected), frozenset(t.kind for t in selected),
+                   tuple(t for t in selected if _buildable(t) and "buckets" in t.attrs and not t.attrs["buckets"]))
+    if len(_summaries) >= _MAX_SUMMARIES:
+        _summaries.clear()
+    _summaries[id(pkg)] = (pkg, out)  # (held with its package, so the id is not reused meanwhile)
+    return out
+
+
+def _whole_package_warnings(pat: TargetPattern, whole: list[_Summary]) -> list[str]:
+    """_selection_warnings for a pattern selecting whole packages, from their summaries (the same warnings)."""
+    if not any(sm.by_label for sm in whole):
+        raise UserInputError(f"pattern '{pat}' matches no targets (its BUILD files declare none)")
+    if not any(sm.any_buildable_selected for sm in whole):
+        manual = next((sm.manual_buildable for sm in whole if sm.manual_buildable is not None), None)
+        if manual is not None:
+            return [f"warning: pattern '{pat}' builds nothing: its buildable targets are all tagged manual (name "
+                    f"them to build them, e.g. {manual.label})"]
+        kinds = sorted(frozenset().union(*(sm.selected_kinds for sm in whole)))
+        return [f"warning: pattern '{pat}' selects nothing buildable (only {', '.join(kinds)}; outputs come from "
+                f"{' and '.join(_buildable_kinds())} targets)"]
+    return [f"warning: {t.label} has no buckets (buckets = []): it builds nothing" for sm in whole
+            for t in sm.no_buckets]
+
+
 def _load(root: Path, patterns: list[TargetPattern], load_cache: LoadCache | None = None, check: bool = True,
           cwd_package: str = "") -> tuple[TargetGraph, list[str]]:
     loader = Loader(root)
@@ -151,6 +205,7 @@ def _load(root: Path, patterns: list[TargetPattern], load_cache: LoadCache | Non
             names = [pat.package]
         matched: list[Target] = []
         selected: list[Target] = []
+        whole: list[_Summary] = []  # (pat.name is None: each package's summary, in order)
         for name in names:
             pkg = get_package(name)
             if pkg is None:
@@ -158,8 +213,7 @@ def _load(root: Path, patterns: list[TargetPattern], load_cache: LoadCache | Non
                                      + (_target_hint(name, cwd_package, get_package) or _did_you_mean(
                                          f"//{name}", [f"//{n}" for n in loader.find_packages("")])))
             if pat.name is None:
-                matched.extend(pkg.targets)
-                selected.extend(t for t in pkg.targets if "manual" not in t.tags)
+                whole.append(_summary(pkg))
             else:
                 found = [t for t in pkg.targets if t.label.name == pat.name]
                 if not found:
@@ -168,17 +222,26 @@ def _load(root: Path, patterns: list[TargetPattern], load_cache: LoadCache | Non
                                                          [str(t.label) for t in pkg.targets]))
                 matched.extend(found)
                 selected.extend(found)
-        if check:
-            warnings += _selection_warnings(pat, matched, selected)
-        requested.extend(t.label for t in selected)
-    requested = list(dict.fromkeys(requested))
+        if pat.name is None:
+            if check:
+                warnings += _whole_package_warnings(pat, whole)
+            for sm in whole:
+                requested.extend(sm.selected_labels)
+        else:
+            if check:
+                warnings += _selection_warnings(pat, matched, selected)
+            requested.extend(t.label for t in selected)
+    if len(patterns) > 1 or patterns[0].name is not None:  # (one whole-package pattern names each target once)
+        requested = list(dict.fromkeys(requested))
 
     targets: dict[Label, Target] = {}
     for pkg in packages.values():
-        for t in pkg.targets:
-            targets[t.label] = t
+        targets.update(_summary(pkg).by_label)  # (a dict's update reuses its stored hashes)
     graph = TargetGraph(root, targets, packages, tuple(requested))
-    # Transitive closure with reference and kind checks.
+    # Transitive closure with reference and kind checks (skipped for the targets of a package the last accepted load
+    # checked, when it and every package it refers to are the same objects: CheckedGraph.unchanged).
+    prev: CheckedGraph | None = load_cache.checked if load_cache is not None and load_cache.keep_checks else None
+    stable: dict[str, bool] = {}
     todo = list(requested)
     seen: set[Label] = set()
     deps_of: dict[Label, list[tuple[str, Label]]] = {}
@@ -189,6 +252,13 @@ def _load(root: Path, patterns: list[TargetPattern], load_cache: LoadCache | Non
         seen.add(lbl)
         t = targets[lbl]
         deps_of[lbl] = label_deps = graph.label_deps(t)
+        if prev is not None:
+            ok = stable.get(lbl.package)
+            if ok is None:
+                ok = stable[lbl.package] = prev.unchanged(lbl.package, packages)
+            if ok:  # (these checks passed in prev against the same targets: they pass again)
+                todo.extend(map(_DEP_LABEL, label_deps))
+                continue
         for attr, dep in label_deps:
             schema_attr = RULES[t.kind].attr(attr)
             assert schema_attr is not None
@@ -209,8 +279,75 @@ def _load(root: Path, patterns: list[TargetPattern], load_cache: LoadCache | Non
                 raise UserInputError(f"attribute '{attr}' of '{lbl}' must be a {' or '.join(schema_attr.kinds)} "
                                      f"target, but '{dep}' is a {kind}", loader.locate(t))
             todo.append(dep)
-    _check_cycles(graph, seen, loader, deps_of)
+    checked = _check_acyclic(graph, seen, loader, deps_of, prev)
+    if load_cache is not None and load_cache.keep_checks:
+        load_cache.checked = checked.completed(stable)
     return graph, warnings
+
+
+_DEP_LABEL = operator.itemgetter(1)
+
+
+@dataclass(frozen=True)
+class CheckedGraph:
+    """Loading's check node (kept by the build server with its load cache): the targets a load found free of cycles
+    and of chains longer than MAX_DEPS_DEPTH (`seen`, each from its Package object in `packages`), and `height`, an
+    upper bound of the longest chain among them (exact after a full check). `complete`: per package whose every
+    target was in `seen` (so had its references and kinds checked), the packages its targets refer to."""
+
+    packages: Mapping[str, Package] = field(hash=False)
+    seen: frozenset[Label] | set[Label] = field(hash=False)
+    height: int = 0
+    complete: Mapping[str, frozenset[str]] = field(default_factory=dict, hash=False)
+
+    def unchanged(self, name: str, packages: Mapping[str, Package]) -> bool:
+        """Whether package `name`'s targets were all checked here, and it and every package they refer to are the
+        same objects in `packages` (then each reference resolves to the same Target: the checks pass again)."""
+        pkg = packages.get(name)
+        if pkg is None or self.packages.get(name) is not pkg:
+            return False
+        refers = self.complete.get(name)
+        return refers is not None and all(
+            (p := packages.get(n)) is not None and self.packages.get(n) is p for n in refers)
+
+    def completed(self, stable: Mapping[str, bool]) -> CheckedGraph:
+        """This check with `complete` made for its packages (carried over for the `stable` ones)."""
+        seen, complete = self.seen, {}
+        old = self.complete
+        for name, pkg in self.packages.items():
+            if stable.get(name) and name in old:
+                complete[name] = old[name]
+            elif all(t.label in seen for t in pkg.targets):
+                complete[name] = frozenset(dep.package for t in pkg.targets for _a, dep in _label_deps(t))
+        return CheckedGraph(self.packages, seen, self.height, complete)
+
+
+def _check_acyclic(graph: TargetGraph, seen: set[Label], loader: Loader, deps_of: Mapping[Label, list[tuple[str, Label]]],
+                   prev: CheckedGraph | None) -> CheckedGraph:
+    """_check_cycles over `seen`, re-checking only what changed since `prev` when that proves the same answer.
+
+    A target is unchanged when it was checked in `prev` and comes from the same Package object (so the same Target,
+    with the same references). A cycle made only of unchanged targets would have been found in `prev`, so every new
+    cycle goes through a changed target: a search from the changed ones finds it. A chain is a run of unchanged
+    targets (at most prev.height: it was a chain then) followed, from its first changed target on, by at most the
+    largest height the search computes: so prev.height + that bounds every chain. Only an accepted graph is decided
+    here; anything else (a cycle, a bound above the limit, many changes) is the full check's, whose error a fresh
+    process reports too."""
+    if prev is not None:
+        old = prev.packages
+        changed = {t.label for name, pkg in graph.packages.items() if old.get(name) is not pkg for t in pkg.targets}
+        changed &= seen
+        changed |= seen - prev.seen
+        if len(changed) * 4 <= len(seen):
+            try:
+                reach = _check_cycles(graph, changed, loader, deps_of) if changed else 0
+            except UserInputError:
+                reach = MAX_DEPS_DEPTH + 1
+            bound = prev.height + reach
+            if bound <= MAX_DEPS_DEPTH:
+                return CheckedGraph(dict(graph.packages), seen, bound, prev.complete)
+    return CheckedGraph(dict(graph.packages), seen, _check_cycles(graph, seen, loader, deps_of),
+                        prev.complete if prev is not None else {})
 
 
 MAX_DEPS_DEPTH = 256  # longest dependency chain accepted (compiler_options deps merge recursively)

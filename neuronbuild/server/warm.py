@@ -44,6 +44,9 @@ class WarmState:
         # command; the server itself stays until --max-idle-secs. NEURONBUILD_WORKERS_IDLE_SECS (in the environment
         # of the client that starts the server) overrides it.
         self.workers_idle_s = _workers_idle_secs()
+        # The pool a command that made none named (local_executor.want_workers): its args, kwargs and the command's
+        # umask; made and warmed once the answer is sent (warm_in_background), then forgotten.
+        self._wanted: tuple[tuple[Any, ...], dict[str, Any], int] | None = None
 
     def _pool_factory(self, *args: Any, **kwargs: Any) -> WorkerPool:
         key = json.dumps([args, kwargs], sort_keys=True, default=str)
@@ -81,11 +84,14 @@ class WarmState:
 
         forget_memoised()
         local_executor.pool_factory = self._pool_factory
+        self._wanted = None
+        local_executor.pool_wanted = self._want_pool if self._pool is None else None
         incremental.keep_in_memory(True)
         try:
             yield
         finally:
             local_executor.pool_factory = WorkerPool
+            local_executor.pool_wanted = None
             gc.freeze()  # what the command keeps (memos) is not scanned by the collections of the next one
             self.pending += 1
 
@@ -113,11 +119,26 @@ class WarmState:
         self.close()
         return True
 
+    def _want_pool(self, *args: Any, **kwargs: Any) -> None:
+        umask = os.umask(0o077)  # (during the command: the client's)
+        os.umask(umask)
+        self._wanted = (args, kwargs, umask)
+
     def warm_in_background(self) -> list[int]:
         """After a command's answer was sent: start the processes of a kept pool that has none (a build whose actions
         were all cached made it without starting any), so the next build, the first edit's, finds them warm. With a
         zygote only the zygote starts (it imports torch in its own process; the workers are forked from it when tasks
-        come). Returns the pids started (none when there is no such pool or nothing could start)."""
+        come). A command that made no pool but named the one a build would make (a build answered from its no-op
+        stamp, a plan, a query: local_executor.want_workers) has that pool made now, with the command's umask, and
+        warmed the same way. Returns the pids started (none when there is no such pool or nothing could start)."""
+        wanted, self._wanted = self._wanted, None
+        if self._pool is None and wanted is not None:
+            args, kwargs, umask = wanted
+            old = os.umask(umask)
+            try:
+                self._pool_factory(*args, **kwargs)
+            finally:
+                os.umask(old)
         pool = self._pool
         if pool is None or pool.pids() or not self._scratch_intact():
             return []
