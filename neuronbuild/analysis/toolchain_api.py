@@ -83,6 +83,13 @@ class CompileRequest:
         assert self.weights is not None
         return tuple(DepInput(self.weights.fingerprint, f, f) for f in self.weights.outputs)
 
+    def weights_shipped(self) -> tuple[DepInput, ...]:
+        """The model's weights files as what a step ships beside its outputs (`Action.ships`) without reading them:
+        a step whose output does not depend on weight values (weights bound at load: a Neuron module's parameters,
+        an AOTInductor package without constants), so a weights-only change re-runs the weights action alone."""
+        assert self.weights is not None
+        return tuple(DepInput(self.weights.fingerprint, f, f) for f in self.weights.outputs)
+
     def record(self, action: str, versions: Mapping[str, str], **fields: Any) -> dict[str, Any]:
         """The canonical record of one of this bucket's actions: everything that can change its output. `fields`
         add (or replace) entries, e.g. the fingerprint of an intermediate action it reads instead of the trace's."""

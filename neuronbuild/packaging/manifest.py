@@ -110,7 +110,10 @@ def plan_bundle(graph: TargetGraph, ag: ActionGraph, cache: LocalCache, label: L
             gdir = f"graphs/{src.package}/{src.name}/{bucket.name}" if src.package else f"graphs/{src.name}/{bucket.name}"
             artifacts: dict[str, Any] = {}
             weights = None
-            for name, ref in sorted(res.outputs.items()):
+            outs = ag.shipped_outputs(fp, cache.lookup)  # (+ the model's weights, shipped from its weights action)
+            if outs is None:
+                raise MissingResult(f"{src} [{bucket}]: its model's weights are not built")
+            for name, ref in sorted(outs.items()):
                 if name == CONSTANTS_OUTPUT:
                     weights = add(ref.digest, lambda sha: f"weights/{sha}.safetensors")
                     weights_models.setdefault(weights["path"], set()).add(str(model_label))
