@@ -1,4 +1,5 @@
-"""Copies cached compile outputs to neuronbuild-out/<package>/<target>/<bucket>/ with a manifest.json per target.
+"""Copies cached compile outputs (and what they ship: the model's weights) to neuronbuild-out/<package>/<target>/
+<bucket>/ with a manifest.json per target; files of LINK_MIN_BYTES or more are read-only links to the cache's blob.
 
 A target's directory is made to hold exactly its current outputs, as Bazel's output tree does: bucket directories
 of buckets no longer declared and files no longer produced (a model.neff once neuronx-cc is not configured) go."""
@@ -255,7 +256,7 @@ def _linked_out(cache: LocalCache, digest: str, dest: Path) -> bool:
 
 def _write_target(out: Path, manifest: dict[str, Any], cache: LocalCache, copied: set[str]) -> None:
     """Make `out` hold exactly the outputs and manifest: files whose digest and size the old manifest and the
-    directory confirm are kept, others copied from the cache (the first copy of each blob in this materialisation
+    directory confirm are kept, big ones linked read-only to the cache's verified blob, others copied from the cache (the first copy of each blob in this materialisation
     verified on the way, the others copied by the kernel: copy_blob's verified_size); the rest pruned."""
     if out.is_file() or out.is_symlink():
         out.unlink()  # a stale file where the target's directory goes

@@ -70,7 +70,7 @@ def _program_and_args(spec: Mapping[str, Any], sandbox: Path) -> tuple[torch.exp
 
 def run_cpu_compile(spec: dict[str, Any], sandbox: Path, out_dir: Path) -> dict[str, Any]:
     """Compile spec["program"] (relative to sandbox) into an AOTInductor package for spec["isa"] in out_dir, from
-    shapes only (the program holds no weight values, and none is inlined: always_keep_tensor_constants), with the
+    shapes only (the program holds no weight values, and none is inlined: _weights_never_inlined), with the
     program's own tensors (program_constants.safetensors). The model's weights file is the weights action's, which
     ships beside the package (Action.ships) and is bound at load: a weights-only change never re-runs this."""
     from neuronbuild.toolchains.trace import write_program_constants
@@ -111,7 +111,7 @@ def compile_cpu(
     from torch._inductor import aoti_compile_and_package
 
     with tempfile.TemporaryDirectory(prefix="neuronbuild-aoti-") as tmp, _compile_environment(isa, target), \
-            _fake_constants_by_storage():
+            _fake_constants_by_storage(), _weights_never_inlined():
         raw = Path(tmp) / f"{PACKAGE_MODEL_NAME}.pt2"
         with torch.no_grad():
             aoti_compile_and_package(ep, package_path=str(raw), inductor_configs=inductor_configs(target))
@@ -144,9 +144,6 @@ def inductor_configs(target: IsaTarget) -> dict[str, Any]:
         # Weights stay out of the package (one constants file per graph, identical across a model's buckets, so the
         # CAS and bundles store them once); loaders must call load_constants before the first run (else a crash).
         "aot_inductor.package_constants_in_so": False,
-        # No weight is inlined into the code (inductor inlines 0-d and <= 8-element 1-d tensors by default): the
-        # package is a function of the program's shapes, every weight bound at load, so it never reads the weights.
-        "always_keep_tensor_constants": True,
         # Debug line tables carry source paths and make the .so ~25% larger.
         "aot_inductor.enable_line_tables": False,
     }
@@ -327,6 +324,31 @@ def constants_bytes(available: Mapping[str, torch.Tensor], fqns: list[str]) -> b
         raise ToolchainError(f"the compiled package needs constant(s) the program does not hold: {', '.join(missing[:5])}")
     # Clone: tied weights share storage, which safetensors refuses to save.
     return save({n: available[n].detach().contiguous().clone() for n in fqns})
+
+
+@contextmanager
+def _weights_never_inlined() -> Iterator[None]:
+    """Inductor inlines 0-d and <= 8-element 1-d constants into the generated code (`GraphLowering.get_attr`); a
+    program's weights are fake tensors here (no values), so each is kept a constant bound at load instead
+    (`always_keep_tensor_constants` for that one attribute): the package is a function of the program's shapes and
+    never needs a weight value. Constants inductor makes itself (real tensors) are inlined as before."""
+    import torch._inductor.graph as graph
+    from torch._inductor import config
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    original = graph.GraphLowering.get_attr
+
+    def get_attr(self: Any, target: Any, args: Any, kwargs: Any) -> Any:
+        if isinstance(graph.getattr_recursive(self.module, target), FakeTensor):
+            with config.patch(always_keep_tensor_constants=True):
+                return original(self, target, args, kwargs)
+        return original(self, target, args, kwargs)
+
+    graph.GraphLowering.get_attr = get_attr  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        graph.GraphLowering.get_attr = original  # type: ignore[method-assign]
 
 
 @contextmanager
