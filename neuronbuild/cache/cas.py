@@ -104,6 +104,25 @@ class BlobStore:
     def stamp_path(self, digest: str) -> Path:
         return self.stamps / digest[:2] / digest
 
+    def sha256_path(self, digest: str) -> Path:
+        return self.root / "sha256" / digest[:2] / digest
+
+    def known_sha256(self, digest: str) -> tuple[str, int] | None:
+        """(sha256, size) of a blob recorded by `remember_sha256` when it was last hashed whole (a bundle's member),
+        if the blob is unchanged since: its stat signature now (ctime included) is the one recorded with it."""
+        try:
+            sig, sha = self.sha256_path(digest).read_text(encoding="utf-8").rsplit(" ", 1)
+            st = os.stat(self.path(digest))
+        except (OSError, ValueError):
+            return None
+        return (sha, st.st_size) if sig == _signature(st) and len(sha) == 64 else None
+
+    def remember_sha256(self, digest: str, sha: str, before: os.stat_result) -> None:
+        """Record a blob's sha256, hashed (with its BLAKE3 digest verified) from the state `before` describes."""
+        with contextlib.suppress(OSError):
+            atomic_write_bytes(self.sha256_path(digest), f"{_signature(before)} {sha}".encode(), durable=False,
+                               mode=umask_mode())
+
     def has(self, digest: str) -> bool:
         return self.path(digest).is_file()
 
@@ -301,7 +320,7 @@ class BlobStore:
 
     def evict(self, digest: str) -> None:
         _verified.pop(str(self.path(digest)), None)
-        for p in (self.path(digest), self.stamp_path(digest)):
+        for p in (self.path(digest), self.stamp_path(digest), self.sha256_path(digest)):
             with contextlib.suppress(OSError):
                 if p.is_dir() and not p.is_symlink():  # a directory where a blob belongs (damage): remove it whole
                     shutil.rmtree(p)
