@@ -1,5 +1,5 @@
 """Entry point for `python -m neuronbuild`."""
 
-from neuronbuild.cli import main
+from neuronbuild.cli import entry
 
-raise SystemExit(main())
+entry()

@@ -157,5 +157,23 @@ def _main(argv: list[str]) -> int:
         return EXIT_BUILD_FAILED
 
 
+def entry() -> None:
+    """The `neuronbuild` command and `python -m neuronbuild`: main(), then the process ends with its code."""
+    code = main()
+    adapter = sys.modules.get("neuronbuild.loading.starlark_adapter")
+    if adapter is not None and adapter.starlark_thread_stuck():
+        # A Starlark evaluation this command gave up on (an endless loop that was interrupted, a runaway allocation
+        # over its budget) still runs and cannot be stopped: end now, with the error already reported, rather than
+        # through the interpreter's shutdown, while a runaway would go on allocating (seen: the Go runtime's own
+        # out-of-memory abort under an address-space limit, after the located error had been printed).
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(code)
+    raise SystemExit(code)
+
+
 if __name__ == "__main__":
-    raise SystemExit(main())
+    entry()

@@ -6,7 +6,7 @@ Made once per command by `make_context` from the common flags (commands/common.p
 from __future__ import annotations
 
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -105,11 +105,11 @@ def patterns_or_default(patterns: Sequence[str]) -> tuple[str, ...]:
 def make_context(*, cache_dir: str | None = None, remote_cache: str | None = None, remote_cache_readonly: bool = False,
                  s3_endpoint_url: str | None = None, remote_cache_trusted_keys: str | None = None,
                  remote_cache_trust_writers: bool = False, remote_cache_signing_key: str | None = None,
-                 action_env: list[str] | None = None,
-                 neuronx_cc: str | None = None, neuronx_cc_timeout: float | None = None,
+                 action_env: list[str] | None = None, tool_flags: Mapping[str, Any] | None = None,
                  toolchain: list[str] | None = None, verbosity: int | None = None,
                  workspace: Workspace | None = None, need_workspace: bool = True) -> BuildContext:
-    """The one function that turns the common flags into a BuildContext."""
+    """The one function that turns the common flags into a BuildContext. `tool_flags`: the toolchain settings
+    flags' values by dest (plan_settings.tool_values)."""
     from neuronbuild.analysis.plan_settings import resolve_settings
     from neuronbuild.cache.local import resolve_cache_dir
 
@@ -127,7 +127,7 @@ def make_context(*, cache_dir: str | None = None, remote_cache: str | None = Non
                                             remote_cache_signing_key)
     cfg = CacheConfig(resolve_cache_dir(cache_dir), remote, remote_cache_readonly, s3_endpoint_url, signer, key_path,
                       trusted, remote_cache_trust_writers)
-    settings = resolve_settings(action_env, neuronx_cc, neuronx_cc_timeout, toolchain)
+    settings = resolve_settings(action_env, tool_flags, toolchain)
     return BuildContext(ws, cfg, settings, NORMAL if verbosity is None else verbosity)
 
 

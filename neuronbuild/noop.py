@@ -7,7 +7,8 @@ The stamp (one file per workspace + request + cache directory, under <cache>/v1/
   neuronbuild's own code (`self_stamp`), the variables in ENV_PREFIXES/ENV_NAMES and any variable a flag names;
 - stat keys (size, mtime_ns, inode, ctime_ns) of every input: BUILD and load()ed .bzl files, the source and weights
   files of every loaded target, and the toolchain: each sys.path entry (installing or upgrading a package rewrites
-  its dist-info directory there) and the compilers (`TOOLS`) as PATH resolves them now;
+  its dist-info directory there) and the executables each toolchain's settings declare (`plugins.tool_files`: its
+  compilers) as PATH resolves them now;
 - the listing signature (subdirectories, BUILD and marker presence) of every directory from the cwd up to the root and,
   when a pattern is recursive, of every directory of the workspace: a new, removed or renamed package is seen;
 - stat keys of every action record and output blob in the cache, and of every materialised output and manifest.
@@ -41,7 +42,6 @@ FORMAT = "nb-noop-1"
 RACY_NS = 20_000_000  # as analysis/digests.py: twice the kernel's coarse timestamp clock tick
 ENV_PREFIXES = ("NEURON", "TORCH", "AOTI", "ATEN_", "OMP_", "PYTHON")
 ENV_NAMES = ("PATH", "CXX", "CC", "LD_LIBRARY_PATH", "TMPDIR", "HOME")
-TOOLS = ("g++", "c++", "neuronx-cc")
 IGNORED_FLAGS = ("jobs", "keep_going", "command", "directory")
 _SKIP_DIRS = ("neuronbuild-out", "__pycache__")
 
@@ -103,11 +103,13 @@ def _cpu_flags() -> str:
 
 
 def toolchain_paths() -> list[str]:
-    """Paths whose stat keys change when the Python packages or the compilers that builds use change."""
+    """Paths whose stat keys change when the Python packages or the compilers that builds use change (the
+    executables the toolchains' settings declare: plugins.tool_files)."""
+    from neuronbuild.plugins import tool_files
+
     skip = checkout_dir()  # a source checkout on sys.path: code_stamp covers what builds use of it
     out = [p for p in sys.path[1:] if p and p != skip and os.path.isdir(p)]  # [0] is the script's or cwd's directory
-    tools = list(TOOLS) + [os.environ[v] for v in ("CXX", "CC") if os.environ.get(v)]
-    for t in tools:
+    for t in tool_files():
         found = shutil.which(t)
         if found:
             out.append(os.path.realpath(found))

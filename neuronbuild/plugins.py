@@ -12,18 +12,22 @@ from __future__ import annotations
 import importlib
 import os
 import sys
-import threading
-from typing import TYPE_CHECKING, Any
+from _thread import RLock  # (threading's RLock; importing threading costs the build server's client milliseconds)
 
-from neuronbuild.errors import UserInputError
-
+TYPE_CHECKING = False  # (not typing's: the build server's client imports this module for toolchain settings)
 if TYPE_CHECKING:
-    from neuronbuild.analysis.toolchain_api import Toolchain
+    from collections.abc import Callable
+    from typing import Any
+
+    from neuronbuild.analysis.toolchain_api import Toolchain, ToolSettings
     from neuronbuild.runtime.loaders import ArtifactLoader
 
 BUILTIN = ("neuronbuild.kinds", "neuronbuild.toolchains.cpu", "neuronbuild.toolchains.neuron")
 # The built-in toolchains' runtime halves (their `runtime_loader` modules): importable without the build side.
 RUNTIME_BUILTIN = ("neuronbuild.toolchains.cpu_runtime", "neuronbuild.toolchains.neuron_runtime")
+# The built-in toolchains' settings (flags, tool files, components: analysis/toolchain_api.ToolSettings), in modules
+# importing built-in modules only: the command-line parser, the no-op stamp and the build server's client read them.
+SETTINGS_BUILTIN = ("neuronbuild.toolchains.cpu_settings", "neuronbuild.toolchains.neuron_settings")
 PLUGINS_ENV = "NEURONBUILD_PLUGINS"
 PLUGIN_PATH_ENV = "NEURONBUILD_PLUGIN_PATH"
 
@@ -32,7 +36,9 @@ _toolchains: dict[str, Toolchain] = {}  # toolchain name -> Toolchain
 _platforms: dict[str, str] = {}  # platform -> toolchain name
 _loaders: dict[str, ArtifactLoader] = {}  # artifact format -> the runtime's loader for it
 _loader_modules_tried: dict[str, str | None] = {}  # module -> None (imported) or why it could not be
-_lock = threading.RLock()
+_settings: dict[str, ToolSettings] = {}  # settings name -> a toolchain's settings
+_settings_modules_tried: set[str] = set()
+_lock = RLock()
 _loaded = False
 
 
@@ -56,6 +62,8 @@ def _ensure() -> None:
             try:
                 importlib.import_module(name)
             except ImportError as e:
+                from neuronbuild.errors import UserInputError
+
                 _loaded = False
                 raise UserInputError(f"${PLUGINS_ENV}: cannot import plug-in module {name!r}: {e}") from None
 
@@ -70,7 +78,7 @@ def register_rule(kind: Any) -> Any:
 # What a toolchain must have (analysis/toolchain_api.Toolchain; mypy checks the built-ins against it, this checks a
 # plug-in at registration, so a missing member is one clear error naming it, not an AttributeError mid-build).
 TOOLCHAIN_MEMBERS = ("name", "platforms", "artifact_format", "runtime_loader", "estimate_s", "estimate_mb", "validate_note",
-                     "option_keys", "target_attrs", "warm_up_shared", "target_record", "describe_target", "versions", "plan", "run",
+                     "option_keys", "target_attrs", "tp_degrees", "warm_up_shared", "target_record", "describe_target", "versions", "plan", "run",
                      "warm_up_key", "prepare_worker", "step_dirs", "host_status", "load_artifact", "notes")
 
 
@@ -128,6 +136,8 @@ def toolchain_for(platform: str) -> Toolchain:
     _ensure()
     name = _platforms.get(platform)
     if name is None:
+        from neuronbuild.errors import UserInputError
+
         raise UserInputError(f"no toolchain serves platform {platform!r} (known: {', '.join(_platforms)})")
     return _toolchains[name]
 
@@ -177,3 +187,88 @@ def loader_for(fmt: str) -> ArtifactLoader | None:
 def loader_problems() -> list[str]:
     """The plug-in modules the runtime could not import while looking for loaders, with why."""
     return [f"{m} ({why})" for m, why in _loader_modules_tried.items() if why is not None]
+
+
+class Flag:
+    """A command-line flag a toolchain's settings add to every command that plans (build, plan, explain, validate,
+    upgrade-impact; `cache` reads its settings from the environment only): it is accepted in rc files like any
+    flag, and its value reaches the settings' `check` and `resolve` under `dest` (`--neuronx-cc` -> `neuronx_cc`)."""
+
+    __slots__ = ("name", "help", "metavar", "type")
+
+    def __init__(self, name: str, help: str, metavar: str | None = None,
+                 type: Callable[[str], Any] | None = None) -> None:
+        if not name.startswith("--"):
+            raise ValueError(f"a toolchain flag is a long option (--name), not {name!r}")
+        self.name, self.help, self.metavar, self.type = name, help, metavar, type
+
+    @property
+    def dest(self) -> str:
+        return self.name[2:].replace("-", "_")
+
+
+SETTINGS_MEMBERS = ("name", "flags", "tools", "components", "check", "resolve", "worker_versions")
+
+
+def register_settings(settings: ToolSettings) -> ToolSettings:
+    """Register a toolchain's settings (analysis/toolchain_api.ToolSettings); returns them."""
+    missing = [m for m in SETTINGS_MEMBERS if not hasattr(settings, m)]
+    if missing:
+        raise TypeError(f"toolchain settings {getattr(settings, 'name', settings)!r} do not implement ToolSettings "
+                        f"(analysis/toolchain_api.py): missing {', '.join(missing)}")
+    with _lock:
+        taken = {f.name for other in _settings.values() if other.name != settings.name for f in other.flags}
+        clash = [f.name for f in settings.flags if f.name in taken]
+        if clash:
+            raise ValueError(f"toolchain settings {settings.name!r}: flag {clash[0]} is declared already")
+        _settings[settings.name] = settings
+    return settings
+
+
+def tool_settings(builtin_only: bool = False) -> list[ToolSettings]:
+    """Every toolchain's settings: the built-ins' (SETTINGS_BUILTIN) and those the modules of $NEURONBUILD_PLUGINS
+    register (one module declares a toolchain and its settings). `builtin_only`: not importing plug-ins (the build
+    server's client, which must stay light; the server's stamp covers the plug-in files themselves). A plug-in that
+    cannot be imported adds nothing here: the registry reports it when the command plans."""
+    with _lock:
+        extra = () if builtin_only else plugin_modules()[len(BUILTIN):]
+        todo = [m for m in SETTINGS_BUILTIN + extra if m not in _settings_modules_tried]
+        if todo:
+            for d in os.environ.get(PLUGIN_PATH_ENV, "").split(os.pathsep) if extra else ():
+                if d and d not in sys.path:
+                    sys.path.append(d)
+            for name in todo:
+                _settings_modules_tried.add(name)
+                try:
+                    importlib.import_module(name)
+                except Exception:  # noqa: BLE001 - reported by _ensure, with the plug-in's name, when a command plans
+                    if name in SETTINGS_BUILTIN:
+                        raise
+                    _settings_modules_tried.discard(name)
+        return list(_settings.values())
+
+
+def settings_flags() -> list[Flag]:
+    """The flags every toolchain's settings add, in registration order."""
+    return [f for s in tool_settings() for f in s.flags]
+
+
+def toolchain_components() -> tuple[str, ...]:
+    """The toolchain components a what-if (--toolchain NAME=VERSION) may name: Python and torch (every trace) and
+    what each toolchain's settings declare (e.g. its compiler)."""
+    return ("python", "torch", *dict.fromkeys(c for s in tool_settings() for c in s.components))
+
+
+def tool_files(builtin_only: bool = False) -> list[str]:
+    """The executables whose files the no-op and server stamps watch, as declared by each toolchain's settings:
+    names resolved on PATH, or `$VAR` for the executable a variable names (when set)."""
+    out: list[str] = []
+    for s in tool_settings(builtin_only):
+        for t in s.tools:
+            if t.startswith("$"):
+                v = os.environ.get(t[1:])
+                if v:
+                    out.append(v)
+            else:
+                out.append(t)
+    return list(dict.fromkeys(out))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 CPU_PLATFORM = "cpu"
 NEURON_PLATFORMS = ("inf2", "trn1", "trn2", "trn3")  # what neuronx-cc --target accepts
+NEURON_INSTANCE_FAMILIES = (*NEURON_PLATFORMS, "inf1")  # what a Neuron host may report (DMI product name's family)
 X86_LEVELS = ("x86-64", "x86-64-v2", "x86-64-v3", "x86-64-v4")  # oldest first
 CPU_ISAS = ("native", *X86_LEVELS)  # what a cpu neuron_target's `isa` may say ("native": this machine's level)
 AUTO_CAST = ("none", "matmult", "all")

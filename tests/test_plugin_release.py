@@ -2,7 +2,8 @@
 built-in ones: their graphs build, validate against eager, go into a release bundle, deploy, and load strictly in the
 runtime (tests/plugins/portable_toolchain.py: platform "cpu-portable", AOTInductor packages for the x86-64 baseline in an
 artifact format of its own, which the runtime loads through the loader that module registers;
-tests/plugins/portable_kind.py: `portable_compile`, compiling for it without a neuron_target)."""
+tests/plugins/portable_kind.py: `portable_compile`, compiling for it without a neuron_target). The toolchain's module
+declares a command-line flag of its own too (--portable-release), which reaches its fingerprints only."""
 
 from __future__ import annotations
 
@@ -64,6 +65,17 @@ def test_an_out_of_tree_toolchain_and_kind_build_validate_bundle_deploy_and_load
     # Both compile targets share the weights and the trace, and their compile records are equal (same toolchain,
     # platform, bucket, and options: opt_level is not one the toolchain reads): one compile action serves both.
     assert "3 actions: 3 executed" in built.stdout, built.stdout
+    # The plug-in's own flag (declared in its module: no core file names it), here from the workspace's rc file:
+    # its value enters its compile records only, so the compile would run again, the trace and weights would not.
+    (ws / ".neuronbuildrc").write_text("plan --portable-release r2\n")
+    planned = run_cli(["plan", *cache], ws, PLUGIN_ENV)
+    assert planned.returncode == 0 and "3 actions: 1 to execute, 2 cached" in planned.stdout, \
+        planned.stdout + planned.stderr
+    (ws / ".neuronbuildrc").unlink()
+    bad = run_cli(["plan", *cache, "--portable-release", "r 2"], ws, PLUGIN_ENV)
+    assert bad.returncode == 2 and "--portable-release: 'r 2' is not a release name" in bad.stderr, bad.stderr
+    helped = run_cli(["build", "--help"], ws, PLUGIN_ENV)
+    assert "--portable-release NAME" in helped.stdout and "--neuronx-cc PATH" in helped.stdout, helped.stdout
     validated = run_cli(["validate", *cache, "//m:release"], ws, PLUGIN_ENV)
     assert validated.returncode == 0, validated.stdout + validated.stderr
     assert "//m:tiny_kind" in validated.stdout + validated.stderr, validated.stdout + validated.stderr

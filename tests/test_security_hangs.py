@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -13,7 +14,9 @@ from pathlib import Path
 import pytest
 from helpers import _ENV_AT_START, run_cli, write_ws
 
-LOOP_BUILD = '''def spin():
+LOOP_BUILD = '''print("spinning")
+
+def spin():
     for i in range(1000000000000000):
         pass
 
@@ -23,6 +26,7 @@ spin()
 
 def _popen(args: list[str], cwd: Path) -> subprocess.Popen[str]:
     env = {k: v for k, v in os.environ.items() if k in _ENV_AT_START or not k.startswith("TORCHINDUCTOR_")}
+    env["PYTHONFAULTHANDLER"] = "1"  # a process that hangs is sent SIGABRT: every thread's stack is on its stderr
     return subprocess.Popen([sys.executable, "-m", "neuronbuild", *args], cwd=cwd, env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
@@ -31,12 +35,20 @@ def _popen(args: list[str], cwd: Path) -> subprocess.Popen[str]:
 def test_an_endless_starlark_loop_ends_on_interrupt_promptly(tmp_path: Path, sig: int) -> None:
     ws = write_ws(tmp_path / "ws", {"pkg/BUILD": LOOP_BUILD})
     proc = _popen(["build", "//pkg:all", "--cache-dir", str(tmp_path / "cache")], ws)
-    time.sleep(3.0)  # well inside the loop by now
+    assert proc.stderr is not None
+    # The BUILD file's print, just before its loop: signal only once it runs (a loaded machine starts slowly).
+    ready, _, _ = select.select([proc.stderr], [], [], 300)
+    seen = proc.stderr.readline() if ready else "(nothing on stderr in 300 s)"
+    assert "spinning" in seen, seen + proc.communicate()[1]
+    time.sleep(0.5)  # inside the loop
     assert proc.poll() is None, proc.communicate()
     sent = time.monotonic()
     proc.send_signal(sig)
     try:
         proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGABRT)  # the faulthandler's dump of where it hangs is the failure's message
+        pytest.fail(f"no exit 30 s after signal {sig}:\n{proc.communicate(timeout=30)[1][-6000:]}")
     finally:
         if proc.poll() is None:
             proc.kill()

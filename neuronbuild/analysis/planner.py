@@ -326,9 +326,8 @@ class AnalysisMemo:
 
 
 def settings_key(settings: PlanSettings) -> str:
-    cc = settings.neuronx_cc
-    return json.dumps([list(settings.action_env), cc.spec() if cc is not None else None,
-                       sorted(settings.toolchain_overrides.items())], default=str)
+    return json.dumps([list(settings.action_env), list(settings.tools), sorted(settings.toolchain_overrides.items())],
+                      default=str)
 
 
 def _versions(tc: str, platform: str, settings: PlanSettings) -> dict[str, str] | None:

@@ -11,14 +11,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-# The degrees each platform's runtime accepts (NxD Inference feature guide); cpu graphs are never sharded.
-TP_DEGREES: dict[str, tuple[int, ...]] = {
-    "trn2": (1, 2, 4, 8, 16, 32, 64),
-    "trn3": (1, 2, 4, 8, 16, 32, 64),  # not in the guide: assumed as trn2
-    "trn1": (1, 2, 8, 16, 32),
-    "inf2": (1, 2, 4, 8, 24),
-    "cpu": (1,),
-}
 HF_CAUSAL_LM = "neuronbuild.toolchains.hf_causal_lm"
 # transformers families whose decoder layers are llama's (q/k/v/o, gate/up/down): the sharding is verified on llama.
 TP_FAMILIES = ("llama", "mistral")
@@ -32,9 +24,9 @@ def _hf(record: Mapping[str, Any]) -> tuple[str, Mapping[str, Any]]:
     return str(config.get("model_type") or ""), hf if isinstance(hf, Mapping) else {}
 
 
-def check(record: Mapping[str, Any], platform: str, tp: int) -> str | None:
-    """Why `record` (a graph's model record) cannot be compiled for `platform` at tp_degree `tp`, or None."""
-    allowed = TP_DEGREES.get(platform, (1,))
+def check(record: Mapping[str, Any], platform: str, tp: int, allowed: tuple[int, ...] = (1,)) -> str | None:
+    """Why `record` (a graph's model record) cannot be compiled for `platform` at tp_degree `tp`, or None. `allowed`:
+    the degrees the platform's runtime accepts (its toolchain's `tp_degrees`)."""
     if tp not in allowed:
         return f"tp_degree {tp} is not one {platform} accepts ({', '.join(map(str, allowed))})"
     if tp == 1 or record.get("tp_plan"):  # a declared plan: its dims are checked against the shapes at trace time

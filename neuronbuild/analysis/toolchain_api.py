@@ -126,6 +126,9 @@ class Toolchain(Protocol):
     validate_note: str  # what `validate` checks of its artifacts when that is less than the real thing ("" if not)
     option_keys: tuple[OptionKey, ...]  # the compiler options it reads (the only ones entering its fingerprints)
     target_attrs: tuple[Attr, ...]  # neuron_target attributes it reads besides `platform` (e.g. cpu's isa)
+    # The tensor-parallel degrees (a neuron_compile's tp_degree) each of its platforms' runtime accepts; a platform
+    # not in it: 1 only (its graphs are never sharded).
+    tp_degrees: Mapping[str, tuple[int, ...]]
     # Whether its warm-up leaves something other workers on the machine reuse (files): then it gets a pseudo-action
     # at the start of a build; False: each worker warms itself before its first such step (e.g. an import).
     warm_up_shared: bool
@@ -178,6 +181,33 @@ class Toolchain(Protocol):
     def notes(self, settings: PlanSettings) -> list[str]:
         """Said once per build that has graphs for this toolchain (e.g. 'no neuronx-cc configured')."""
         ...
+
+
+class ToolSettings(Protocol):
+    """What a toolchain adds to the plan-wide settings (registered with `plugins.register_settings`, in a module that
+    imports built-in modules only: the command-line parser, the no-op stamp and the build server's client read it;
+    the same module as the toolchain for a plug-in, `*_settings.py` for the built-ins). The core names none of it:
+    - `flags` (`plugins.Flag`): added to every command that plans, accepted in rc files; their values (by `dest`,
+      None when absent) reach `check` and `resolve`;
+    - `tools`: executables whose files the no-op and server stamps watch (names found on PATH; `$VAR`: the one a
+      variable names);
+    - `components`: what a what-if `--toolchain NAME=VERSION` may name besides python and torch;
+    - `check(values)`: the checks needing no subprocess, made before the no-op fast path (UserInputError: exit 2);
+    - `resolve(values)` (after `check`): a JSON value entering the plan settings under `name` (the analysis engine's input and, as
+      the toolchain's `versions` reads it through `PlanSettings.tool`, its fingerprints), or None: nothing set;
+    - `worker_versions(expect)`: of the components an action's record holds (`expect`), the versions this worker
+      has (a farm worker refuses an action whose versions differ from its own)."""
+
+    name: str
+    flags: tuple[Any, ...]  # plugins.Flag
+    tools: tuple[str, ...]
+    components: tuple[str, ...]
+
+    def check(self, values: Mapping[str, Any]) -> None: ...
+
+    def resolve(self, values: Mapping[str, Any]) -> Any: ...
+
+    def worker_versions(self, expect: Mapping[str, str]) -> dict[str, str]: ...
 
 
 def warm_up_key(tc: Toolchain, spec: Mapping[str, Any]) -> dict[str, Any] | None:

@@ -91,13 +91,10 @@ def failure_lines(failures: Any, describe: Any) -> list[str]:
 
 def _check_settings_flags(args: argparse.Namespace) -> None:
     """The checks of the fingerprint-settings flags that need no subprocess, made before the no-op fast path."""
-    from neuronbuild.analysis.plan_settings import find_neuronx_cc, parse_action_env
-    from neuronbuild.errors import UserInputError
+    from neuronbuild.analysis.plan_settings import check_tool_settings, parse_action_env, tool_values
 
-    if args.neuronx_cc_timeout is not None and args.neuronx_cc_timeout <= 0:
-        raise UserInputError("--neuronx-cc-timeout must be a positive number of seconds")
+    check_tool_settings(tool_values(args))  # each toolchain's own flags (e.g. a compiler path that is no executable)
     parse_action_env(args.action_env)
-    find_neuronx_cc(args.neuronx_cc)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -42,13 +42,14 @@ def add_context_args(p: argparse.ArgumentParser, *, what_if: bool = False) -> No
     p.add_argument("--action-env", action="append", metavar="NAME[=VALUE]",
                    help="pass this variable to actions (value from your environment, or VALUE); name and value "
                         "enter fingerprints. Repeatable")
-    p.add_argument("--neuronx-cc", metavar="PATH",
-                   help="neuronx-cc executable for Neuron targets (default: $NEURONX_CC, else neuronx-cc on PATH)")
-    p.add_argument("--neuronx-cc-timeout", type=float, metavar="SECONDS",
-                   help="kill neuronx-cc and fail the action after this long (default 3600)")
+    from neuronbuild import plugins
+
+    for flag in plugins.settings_flags():  # what each toolchain's settings add (e.g. its compiler's path)
+        p.add_argument(flag.name, dest=flag.dest, metavar=flag.metavar, type=flag.type or str, help=flag.help)
     if what_if:
         p.add_argument("--toolchain", action="append", metavar="COMPONENT=VERSION",
-                       help="plan as if a toolchain component (python, torch, cxx, neuronx-cc, ...) had this version")
+                       help=f"plan as if a toolchain component ({', '.join(plugins.toolchain_components())}, "
+                            "...) had this version")
 
 
 def add_output_arg(p: argparse.ArgumentParser) -> None:
@@ -58,6 +59,7 @@ def add_output_arg(p: argparse.ArgumentParser) -> None:
 def context_from_args(args: argparse.Namespace, verbosity: int | None = None,
                       need_workspace: bool = True) -> BuildContext:
     """The one BuildContext of this command (bad values raise UserInputError: exit 2)."""
+    from neuronbuild.analysis.plan_settings import tool_values
     from neuronbuild.context import make_context
 
     return make_context(
@@ -69,8 +71,7 @@ def context_from_args(args: argparse.Namespace, verbosity: int | None = None,
         remote_cache_trust_writers=bool(getattr(args, "remote_cache_trust_writers", False)),
         remote_cache_signing_key=getattr(args, "remote_cache_signing_key", None),
         action_env=getattr(args, "action_env", None),
-        neuronx_cc=getattr(args, "neuronx_cc", None),
-        neuronx_cc_timeout=getattr(args, "neuronx_cc_timeout", None),
+        tool_flags=tool_values(args),
         toolchain=getattr(args, "toolchain", None),
         verbosity=verbosity,
         need_workspace=need_workspace,

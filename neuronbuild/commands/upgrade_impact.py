@@ -36,13 +36,14 @@ def run(args: argparse.Namespace) -> int:
     base_ctx = ctx.without_overrides()
     graph = ctx.load(args.patterns)
     base, new = base_ctx.plan(graph), ctx.plan(graph)
-    from neuronbuild.analysis.plan_settings import TOOLCHAIN_COMPONENTS
+    from neuronbuild.plugins import toolchain_components
 
+    known = toolchain_components()
     recorded = {k for a in base.actions.values() for k in a.versions}
     for name in ctx.settings.toolchain_overrides:
-        if name not in TOOLCHAIN_COMPONENTS and name not in recorded:
+        if name not in known and name not in recorded:
             print(f"neuronbuild: error: --toolchain: unknown component {name!r} (known: "
-                  f"{', '.join(TOOLCHAIN_COMPONENTS)}, or a distribution a model imports; no model here imports it)",
+                  f"{', '.join(known)}, or a distribution a model imports; no model here imports it)",
                   file=sys.stderr)
             return EXIT_BAD_INPUT
     cache = ctx.open_cache()

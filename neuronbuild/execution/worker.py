@@ -106,13 +106,12 @@ def toolchain_mismatch(expect: Mapping[str, str]) -> str | None:
     """Why this process cannot produce what an action's fingerprint promises (the versions it records of Python, torch
     and the C++ compiler differ from this worker's), or None. A farm worker with another toolchain must refuse rather
     than store an artifact under a fingerprint that names other versions."""
+    from neuronbuild import plugins
     from neuronbuild.analysis.toolchain_versions import trace_toolchain
 
     here = trace_toolchain()
-    if "cxx" in expect:
-        from neuronbuild.platforms import cxx_version
-
-        here["cxx"] = cxx_version()
+    for settings in plugins.tool_settings():  # each toolchain's components this worker has (e.g. its C++ compiler)
+        here.update(settings.worker_versions(expect))
     diffs = [f"{k} {here[k]} here, the action needs {expect[k]}" for k in sorted(here) if k in expect
              and str(expect[k]) != here[k]]
     if not diffs:

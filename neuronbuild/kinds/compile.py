@@ -103,7 +103,7 @@ def analyze(ctx: AnalysisContext, t: Target) -> CompileTarget:
         opts = options_for(gname)
         if gname:
             graph_options[gname] = opts
-        problem = tensor_parallel.check(ginfo.record, plat.platform, tp)
+        problem = tensor_parallel.check(ginfo.record, plat.platform, tp, tc.tp_degrees.get(plat.platform, (1,)))
         if problem:
             raise UserInputError(f"{t.label}: {problem}", locate(ctx.graph, t))
         traced = ginfo

@@ -11,10 +11,10 @@ from pathlib import Path
 from neuronbuild import plugins
 from neuronbuild.platforms import host_isa  # stdlib-only module (no build-side dependencies)
 from neuronbuild.runtime.layout import Graph
+from neuronbuild.vocabulary import NEURON_INSTANCE_FAMILIES
 
 NEURON_PLATFORM_ENV = "NEURON_PLATFORM_TARGET_OVERRIDE"
 ISA_LEVELS = ("x86-64", "x86-64-v2", "x86-64-v3", "x86-64-v4")
-_NEURON_FAMILIES = ("trn1", "trn2", "trn3", "inf1", "inf2")
 
 
 @dataclass(frozen=True)
@@ -62,7 +62,7 @@ def neuron_platform() -> str | None:
     except OSError:
         return None
     family = product.split(".", 1)[0]
-    return family if family in _NEURON_FAMILIES else None
+    return family if family in NEURON_INSTANCE_FAMILIES else None
 
 
 def current_host() -> Host:

@@ -270,11 +270,13 @@ def _which(name: str) -> str | None:
 
 def _toolchain_paths() -> list[str]:
     """noop.toolchain_paths without importing noop (and shutil): sys.path entries (but a checkout neuronbuild runs
-    from: code_stamp covers its sources) and the compilers on PATH."""
+    from: code_stamp covers its sources) and the executables the built-in toolchains' settings declare (their
+    compilers), on PATH (plug-ins' settings are not imported here: the stamp covers the plug-in files)."""
+    from neuronbuild.plugins import tool_files
+
     skip = checkout_dir()
     out = [p for p in sys.path[1:] if p and p != skip and os.path.isdir(p)]
-    tools = ["g++", "c++", "neuronx-cc"] + [os.environ[v] for v in ("CXX", "CC") if os.environ.get(v)]
-    for t in tools:
+    for t in tool_files(builtin_only=True):
         found = t if os.sep in t and os.path.isfile(t) else _which(t)
         if found:
             out.append(os.path.realpath(found))

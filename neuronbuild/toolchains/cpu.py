@@ -12,7 +12,7 @@ from neuronbuild.analysis.plan_settings import PlanSettings
 from neuronbuild.analysis.toolchain_api import WARM_UP, CompileRequest, OptionKey, StepDirs
 from neuronbuild.loading.schema import STRING, Attr
 from neuronbuild.platforms import cxx_version, resolve_isa
-from neuronbuild.toolchains import cpu_runtime
+from neuronbuild.toolchains import cpu_runtime, cpu_settings
 from neuronbuild.vocabulary import AUTO_CAST, CPU_ISAS, CPU_PLATFORM
 
 # the package (no weights inside) and the program's own tensors (non-persistent buffers, lifted constants); the model's
@@ -31,6 +31,7 @@ class CpuToolchain:
     target_attrs: tuple[Attr, ...] = (
         Attr("isa", STRING, "cpu only: 'native' (this machine's level, resolved) or an x86-64 level.",
              choices=CPU_ISAS),)
+    tp_degrees: Mapping[str, tuple[int, ...]] = {}  # cpu graphs are never sharded
     warm_up_shared = True  # inductor's precompiled headers, on disk: every worker of the machine reuses them
     # The only option the compile reads (an FX pass before AOTInductor, bf16 only): opt_level, flags and the other
     # neuronx-cc options change no cpu graph, so they enter no cpu fingerprint.
@@ -44,7 +45,7 @@ class CpuToolchain:
         return f"{target['platform']}/{target['isa']}"
 
     def versions(self, platform: str, settings: PlanSettings) -> dict[str, str]:
-        return settings.override({**settings.trace_toolchain(), "cxx": cxx_version()})
+        return settings.override({**settings.trace_toolchain(), cpu_settings.CXX: cxx_version()})
 
     def plan(self, req: CompileRequest) -> list[Action]:
         assert req.trace is not None
@@ -80,7 +81,7 @@ class CpuToolchain:
         return inductor_dirs()
 
     def host_status(self) -> dict[str, str | None]:
-        return {"cxx": cxx_version(), "isa": resolve_isa("native")}
+        return {cpu_settings.CXX: cxx_version(), "isa": resolve_isa("native")}
 
     def load_artifact(self, files: Mapping[str, Path]) -> Callable[..., Any]:
         from neuronbuild.runtime.aoti_loader import load_package, read_constants, with_program_constants

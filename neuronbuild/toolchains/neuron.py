@@ -11,12 +11,13 @@ from typing import Any
 
 from neuronbuild import FORMAT_VERSION, plugins
 from neuronbuild.analysis.actions import COMPILE, PROGRAM_CONSTANTS, TRACE_OUTPUT, Action, DepInput, make_action
-from neuronbuild.analysis.plan_settings import NEURONX_CC, PlanSettings
+from neuronbuild.analysis.plan_settings import PlanSettings
 from neuronbuild.analysis.toolchain_api import WARM_UP, CompileRequest, OptionKey, StepDirs
 from neuronbuild.analysis.toolchain_versions import package_version
 from neuronbuild.errors import UserInputError
 from neuronbuild.loading.schema import INT, STRING, STRING_LIST, Attr
-from neuronbuild.toolchains import neuron_flags, neuron_runtime
+from neuronbuild.toolchains import neuron_flags, neuron_runtime, neuron_settings
+from neuronbuild.toolchains.neuron_settings import NAME as NEURONX_CC
 from neuronbuild.vocabulary import AUTO_CAST, NEURON_PLATFORMS, OPT_LEVELS
 
 LOWER = "lower"
@@ -53,6 +54,13 @@ class NeuronToolchain:
     estimate_mb = 900.0
     option_keys: tuple[OptionKey, ...] = OPTION_KEYS
     target_attrs: tuple[Attr, ...] = ()  # the platform says it all
+    # The degrees each platform's runtime accepts (NxD Inference feature guide).
+    tp_degrees: Mapping[str, tuple[int, ...]] = {
+        "trn2": (1, 2, 4, 8, 16, 32, 64),
+        "trn3": (1, 2, 4, 8, 16, 32, 64),  # not in the guide: assumed as trn2
+        "trn1": (1, 2, 8, 16, 32),
+        "inf2": (1, 2, 4, 8, 24),
+    }
     warm_up_shared = False  # the warm-up imports jax in the worker process: nothing other workers could reuse
     validate_note = ("Neuron targets: the exact model.hlo.pb run on XLA:CPU (checks the lowering, auto_cast and the "
                      "weights binding; not neuronx-cc, not the device)")
@@ -84,8 +92,9 @@ class NeuronToolchain:
 
     def versions(self, platform: str, settings: PlanSettings) -> dict[str, str]:
         tc = self.lowering_versions(settings)
-        if settings.neuronx_cc is not None:
-            tc[NEURONX_CC] = settings.neuronx_cc.version
+        cc = settings.tool(NEURONX_CC)  # a configured neuronx-cc (neuron_settings: --neuronx-cc, $NEURONX_CC, PATH)
+        if cc is not None:
+            tc[NEURONX_CC] = str(cc["version"])
         return settings.override(tc)
 
     def plan(self, req: CompileRequest) -> list[Action]:
@@ -140,8 +149,9 @@ class NeuronToolchain:
         outputs: tuple[str, ...] = outputs_
         if tp > 1:
             spec["tp_degree"] = tp
-        if req.settings.neuronx_cc is not None:
-            spec["neuronx_cc"] = req.settings.neuronx_cc.spec()
+        cc = req.settings.tool(NEURONX_CC)
+        if cc is not None:
+            spec["neuronx_cc"] = dict(cc)
             outputs = (*outputs, NEFF_OUTPUT)
         else:  # the step only writes compile_flags.json: progress says so, estimates count it as nothing
             spec["skipped"] = "no neuronx-cc"
@@ -180,10 +190,10 @@ class NeuronToolchain:
         return StepDirs(read=(str(exe.parent.parent if exe.parent.name == "bin" else exe.parent),))
 
     def host_status(self) -> dict[str, str | None]:
-        from neuronbuild.analysis.plan_settings import find_neuronx_cc, neuronx_cc_version
+        from neuronbuild.toolchains.neuronx_cc import neuronx_cc_version
 
         try:
-            cc = find_neuronx_cc(None)
+            cc = neuron_settings.find_neuronx_cc(None)
             return {NEURONX_CC: neuronx_cc_version(cc) if cc else None}
         except Exception as e:  # noqa: BLE001 - a broken compiler is reported, not raised
             return {NEURONX_CC: f"broken ({e})"}
@@ -201,7 +211,7 @@ class NeuronToolchain:
                           with_program_constants(read_constants(files[WEIGHTS_FILE]), own))
 
     def notes(self, settings: PlanSettings) -> list[str]:
-        if settings.neuronx_cc is not None:
+        if settings.tool(NEURONX_CC) is not None:
             return []
         return ["note: no neuronx-cc found (--neuronx-cc PATH, $NEURONX_CC or PATH): Neuron targets get HLO "
                 "modules (model.hlo.pb) and their compile_flags.json only; NEFFs were not produced"]

@@ -8,7 +8,9 @@ compiler cannot be installed here: tests run a stand-in that enforces this contr
 
 from __future__ import annotations
 
+import functools
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -35,8 +37,29 @@ def neuronx_cc_command(exe: str, platform: str, options: Mapping[str, Any],
         raise ToolchainError(str(exc)) from None
 
 
+@functools.cache
+def neuronx_cc_version(path: str) -> str:
+    """The version neuronx-cc reports (`neuronx-cc --version`, e.g. 'NeuronX Compiler version 2.15.128.0+...')."""
+    from neuronbuild.errors import UserInputError
+
+    try:
+        proc = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError) as e:
+        raise UserInputError(f"neuronx-cc at {path} does not run: {e}") from None
+    text = (proc.stdout or "") + (proc.stderr or "")
+    if proc.returncode != 0:
+        raise UserInputError(f"'{path} --version' exited with status {proc.returncode}: "
+                             f"{text.strip().splitlines()[-1] if text.strip() else 'no output'}")
+    m = re.search(r"version\s+(\S+)", text, re.IGNORECASE)
+    if m:
+        return m.group(1)
+    lines = text.strip().splitlines()
+    if not lines:
+        raise UserInputError(f"'{path} --version' printed nothing")
+    return lines[0].strip()
+
+
 def _check_version(exe: str, expected: str) -> None:
-    from neuronbuild.analysis.plan_settings import neuronx_cc_version
     from neuronbuild.errors import UserInputError
 
     try:

@@ -24,6 +24,7 @@ class EchoToolchain:
     validate_note = ""
     option_keys = ()  # reads no compiler option
     target_attrs = ()
+    tp_degrees: dict[str, tuple[int, ...]] = {}  # never sharded
     warm_up_shared = False
 
     def target_record(self, platform: str, attrs: Mapping[str, Any]) -> dict[str, Any]:

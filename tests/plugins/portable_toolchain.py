@@ -1,8 +1,9 @@
 """An out-of-tree toolchain in one module (tests/test_plugin_release.py): platform "cpu-portable" builds AOTInductor
 packages for the x86-64 baseline only (they run on any x86-64 host), in an artifact format of its own
 ("aoti-x86-64"), which the runtime loads through the loader this module registers. Everything it means is declared
-here: platform, target attributes (none), the options it reads and their defaults, its versions, its actions and
-worker step, its warm-up, its validate loader, its runtime loader. Registration is this module's name in
+here: platform, target attributes (none), the options it reads and their defaults, its settings (a flag of its own,
+`--portable-release NAME`, else $PORTABLE_RELEASE: a release name its compile records carry), its versions, its
+actions and worker step, its warm-up, its validate loader, its runtime loader. Registration is this module's name in
 $NEURONBUILD_PLUGINS (in the building process and in the serving one: the runtime finds its loader there).
 
 (A plug-in served from a serving-only install, without the `build` extra, puts its runtime loader in a module of its
@@ -41,6 +42,7 @@ class PortableToolchain:
         OptionKey("auto_cast", STRING, "Cast matmuls ('matmult') or also convolutions ('all') to auto_cast_type; "
                   "'none'.", "none", ("none", "matmult", "all")),)
     target_attrs: tuple[Attr, ...] = ()
+    tp_degrees: dict[str, tuple[int, ...]] = {}  # never sharded
     warm_up_shared = True  # inductor's precompiled headers for the baseline ISA, on disk for every worker
 
     def target_record(self, platform: str, attrs: Mapping[str, Any]) -> dict[str, Any]:
@@ -52,7 +54,9 @@ class PortableToolchain:
     def versions(self, platform: str, settings: PlanSettings) -> dict[str, str]:
         from neuronbuild.platforms import cxx_version
 
-        return settings.override({**settings.trace_toolchain(), "cxx": cxx_version()})
+        release = settings.tool(SETTINGS.name)  # (--portable-release: only this toolchain's records carry it)
+        return settings.override({**settings.trace_toolchain(), "cxx": cxx_version(),
+                                  **({SETTINGS.name: release} if release else {})})
 
     def plan(self, req: CompileRequest) -> list[Action]:
         assert req.trace is not None
@@ -100,6 +104,32 @@ class PortableToolchain:
         return []
 
 
+class PortableSettings:
+    """Its settings (analysis/toolchain_api.ToolSettings): one flag, read by every command that plans and accepted in
+    rc files; the value enters this toolchain's fingerprints (and no other's)."""
+
+    name = "portable-release"
+    flags = (plugins.Flag("--portable-release", "a release name the portable toolchain's compile records carry "
+                          "(default: $PORTABLE_RELEASE)", metavar="NAME"),)
+    tools: tuple[str, ...] = ()  # it runs the C++ compiler the built-in cpu settings watch already
+    components: tuple[str, ...] = ()
+
+    def check(self, values: Mapping[str, Any]) -> None:
+        value = self.resolve(values)
+        if value is not None and not value.replace("-", "").replace(".", "").isalnum():
+            from neuronbuild.errors import UserInputError
+
+            raise UserInputError(f"--portable-release: {value!r} is not a release name (letters, digits, - and .)")
+
+    def resolve(self, values: Mapping[str, Any]) -> str | None:
+        import os
+
+        return values.get("portable_release") or os.environ.get("PORTABLE_RELEASE") or None
+
+    def worker_versions(self, expect: Mapping[str, str]) -> dict[str, str]:
+        return {}
+
+
 class PortableLoader:
     """The runtime half: any x86-64 host runs these packages."""
 
@@ -123,5 +153,6 @@ class PortableLoader:
         return g.artifacts["model.pt2"].size
 
 
+SETTINGS = plugins.register_settings(PortableSettings())
 TOOLCHAIN = plugins.register_toolchain(PortableToolchain())
 LOADER = plugins.register_loader(PortableLoader())
