@@ -74,7 +74,8 @@ class CompileRequest:
     settings: PlanSettings = field(default_factory=PlanSettings)
     common: Mapping[str, Any] = field(default_factory=dict, hash=False)  # record fields every action carries (env)
     # The model's weights action (one per model, dtype and layout; its outputs: constants.safetensors, or
-    # rank_<r>.safetensors per rank): a step that binds or ships the weights reads them from it (weights_inputs).
+    # rank_<r>.safetensors per rank): a step that reads them takes weights_inputs(); one that only ships them beside
+    # its outputs (weights bound at load: the cpu and Neuron compiles) weights_shipped().
     weights: Action | None = None
 
     def weights_inputs(self) -> tuple[DepInput, ...]:
