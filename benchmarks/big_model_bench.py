@@ -97,9 +97,19 @@ COMPILE = """neuron_compile(name = "llm_{t}", model = ":llm", buckets = {{{bucke
                target = ":{t}"{tp})"""
 
 
-def du(path: Path) -> int:
-    """Bytes on disk under `path`, hard links counted once (as the filesystem holds them)."""
-    seen, total = set(), 0
+def _inodes(path: Path) -> set[tuple[int, int]]:
+    out = set()
+    for root, _dirs, files in os.walk(path):
+        for f in files:
+            st = os.lstat(os.path.join(root, f))
+            out.add((st.st_dev, st.st_ino))
+    return out
+
+
+def du(path: Path, beyond: Path | None = None) -> int:
+    """Bytes on disk under `path`, hard links counted once (as the filesystem holds them); with `beyond`, only the
+    files that are not also under `beyond` (an output target's read-only links to the cache's blobs cost nothing)."""
+    seen, total = _inodes(beyond) if beyond is not None else set(), 0
     for root, _dirs, files in os.walk(path):
         for f in files:
             st = os.lstat(os.path.join(root, f))
@@ -299,7 +309,9 @@ def main() -> None:
     for t in targets:
         d = out / f"llm_{t}"
         if d.exists():
-            print(f"  out llm_{t}: {du(d) / 1e9:.2f} GB ({du(d) / ckpt:.2f}x)")
+            own = du(d, beyond=cache)
+            print(f"  out llm_{t}: {du(d) / 1e9:.2f} GB ({du(d) / ckpt:.2f}x); on disk beyond the cache's blobs "
+                  f"{own / 1e9:.2f} GB ({own / ckpt:.2f}x: big files are read-only links to them)")
         for shard in sorted(d.glob("*/rank_0.safetensors"))[:1]:  # tensor parallel: every rank's shard is this size
             size = shard.stat().st_size
             print(f"  one rank's weights shard (of {args.tp}): {size / 1e9:.2f} GB ({size / ckpt:.3f}x the checkpoint)")

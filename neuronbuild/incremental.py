@@ -195,7 +195,12 @@ def record_noop(key: str, root: Path, cwd_package: str, patterns: Sequence[str],
             if res is None:
                 noop.invalidate(cache_dir, key)
                 return False
-            outputs.extend(f"{out}/{bucket.name}/{n}" for n in res.outputs)
+            outputs.extend(f"{out}/{bucket.name}/{n}" for n in (*res.outputs, *(s.path for s in ag.actions[fp].ships)))
+    if ag.bundles:  # a bundle's archive, its manifest copy and sha256 file: one deleted is rebuilt, not a no-op
+        from neuronbuild.packaging.bundle import bundle_paths
+
+        for lbl, info in ag.bundles.items():
+            outputs.extend(map(str, bundle_paths(root, lbl, info.compression)))
     inputs, dirs = stamp_inputs(root, cwd_package, patterns, graph)
     try:
         return noop.write(cache_dir, key, started_ns, inputs, dirs, outputs, len(ag.actions), cached, where)

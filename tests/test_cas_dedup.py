@@ -7,6 +7,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from neuronbuild.cache.cas import BlobStore, hash_file
 
 SIZE = 6 << 20  # above the size from which put_file hashes before copying
@@ -93,3 +95,35 @@ def test_adopting_a_blob_the_store_lacks_verifies_it(tmp_path: Path) -> None:
     assert store.check("0" * 64) == "missing" and store.check(digest) == "missing"
     assert store.adopt(other.path(digest), digest) == size
     assert hash_file(store.path(digest)) == (digest, size)
+
+
+def test_a_bundle_member_hashed_once_is_not_read_again_until_it_changes(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A bundle's members need their sha256 (the manifest's digests): a blob hashed by one bundle is not read again by
+    the next while it is unchanged (a re-bundle of a model's weights costs no pass over them); once it changed (same
+    size, even with its mtime put back), it is read again and refused as corrupt."""
+    import hashlib
+
+    from neuronbuild.cache.cas import CorruptBlob
+    from neuronbuild.cache.local import LocalCache
+    from neuronbuild.packaging import manifest
+
+    cache = LocalCache(tmp_path / "cache")
+    data = os.urandom(10_000)
+    (tmp_path / "w").write_bytes(data)
+    digest, size = cache.put_file(tmp_path / "w")
+    assert manifest._hash_blob(cache, digest) == (hashlib.sha256(data).hexdigest(), size)
+
+    def unread(*_a: object, **_k: object) -> None:
+        raise AssertionError("the blob was read again")
+
+    monkeypatch.setattr(manifest, "open", unread, raising=False)
+    assert manifest._hash_blob(cache, digest) == (hashlib.sha256(data).hexdigest(), size)
+    monkeypatch.undo()
+
+    blob = cache.blobs.path(digest)
+    st = blob.stat()
+    os.chmod(blob, 0o644)
+    blob.write_bytes(bytes([data[0] ^ 1]) + data[1:])
+    os.utime(blob, ns=(st.st_atime_ns, st.st_mtime_ns))
+    with pytest.raises(CorruptBlob):
+        manifest._hash_blob(cache, digest)

@@ -147,6 +147,7 @@ class WarmingToolchain:
     target_attrs = ()
     warm_up_shared = True
     runtime_loader = ""
+    tp_degrees: dict[str, tuple[int, ...]] = {}  # never sharded
 
     # (the scheduler tests run its actions through a recording executor: nothing plans, runs or loads them)
     def target_record(self, platform: str, attrs: object) -> dict[str, str]:

@@ -1,6 +1,6 @@
 """Materialised outputs that several buckets share (a model's weights file): the target's directory holds one copy,
-every bucket's name a hard link to it (#28: one weights copy per output target), never a link to the cache; editing
-it never reaches the cache; a blob that no longer matches its digest is never copied out (the first copy of each
+every bucket's name a hard link to it (#28: one weights copy per output target); below LINK_MIN_BYTES never a link to
+the cache, so editing it never reaches the cache (bigger ones are read-only links the cache does not trust); a blob that no longer matches its digest is never copied out (the first copy of each
 blob in a materialisation is verified)."""
 
 from __future__ import annotations
@@ -83,3 +83,39 @@ def test_buckets_sharing_a_blob_share_one_verified_copy_apart_from_the_cache(tmp
     assert "corrupt" in third.stderr  # seen, not served: the actions ran again and stored the right bytes
     again = _weights(ws)
     assert len(again) == 3 and all(p.read_bytes() == data for p in again.values()), third.stdout + third.stderr
+
+
+def test_big_outputs_are_read_only_links_the_cache_does_not_trust(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """An output at least LINK_MIN_BYTES big (a model's weights) is a read-only hard link to the cache's blob: one
+    copy on disk for cache and output target. A change made through it (chmod, write, the mtime put back) is found
+    by the cache's next check: the blob is found corrupt there (callers evict it), never handed out again as it is."""
+    from neuronbuild.cache.local import LocalCache
+    from neuronbuild.packaging import materialize
+
+    monkeypatch.setattr(materialize, "LINK_MIN_BYTES", 1024)
+    cache = LocalCache(tmp_path / "cache")
+    src = tmp_path / "w.bin"
+    src.write_bytes(os.urandom(4096))
+    digest, size = cache.put_file(src)
+    small = tmp_path / "s.bin"
+    small.write_bytes(b"x" * 100)
+    sdigest, ssize = cache.put_file(small)
+    out = tmp_path / "out" / "c"
+    manifest = {"buckets": [{"name": b, "outputs": {"constants.safetensors": {"digest": digest, "size": size},
+                                                    "params.json": {"digest": sdigest, "size": ssize}}}
+                            for b in ("b1", "b2")]}
+    materialize._write_target(out, manifest, cache, set())
+    blob = cache.blobs.path(digest)
+    big = [out / b / "constants.safetensors" for b in ("b1", "b2")]
+    assert all(p.stat().st_ino == blob.stat().st_ino for p in big)  # no copy: the cache's blob itself
+    assert all(p.stat().st_mode & 0o777 == 0o444 for p in big)
+    assert (out / "b1" / "params.json").stat().st_ino != cache.blobs.path(sdigest).stat().st_ino  # small: a copy
+    assert cache.blobs.check(digest, size) == "ok"  # verified when linked: no second hash
+
+    # Changed through the output's name, its mtime put back: the cache notices (ctime) and never uses the bytes.
+    st = big[0].stat()
+    os.chmod(big[0], 0o644)
+    with open(big[0], "r+b") as f:
+        f.write(b"\0" * 16)
+    os.utime(big[0], ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert cache.blobs.check(digest, size) == "corrupt"

@@ -1,15 +1,20 @@
 """One weights action per (model, dtype, layout) (#28): it streams the checkpoint once for every graph, bucket and
-target; traces and Lowers work on shapes and never read it. Counted from the build's events: changing buckets or
-options never re-runs it; changing a weight value re-runs it and the steps that bind the weights (the Compiles), not
-the traces nor the Lowers; the output target holds the weights once."""
+target; traces, Lowers and Compiles work on shapes and never read it (the weights are the module's parameters, bound
+at load: they ship beside a Compile's outputs). Counted from the build's events, with neuronx-cc configured (the
+stand-in): changing buckets or options never re-runs it; changing a weight value re-runs it alone, not a trace, a
+Lower nor a Compile (the NEFFs are unchanged), and the output target and the deployed bundle hold the new weights,
+once."""
 
 from __future__ import annotations
 
 import json
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
-from helpers import run_cli, write_ws
+from helpers import REPO, run_cli, write_ws
+
+STANDIN = REPO / "tests" / "standins" / "neuronx-cc"
 
 MODEL = '''import torch
 
@@ -34,23 +39,26 @@ neuron_buckets(name = "bk", dims = {{"b": {sizes}, "n": [16]}})
 neuron_target(name = "t", platform = "trn2")
 compiler_options(name = "o", opt_level = {opt})
 neuron_compile(name = "c", model = ":m", buckets = [":bk"], target = ":t", options = ":o")
+neuron_bundle(name = "rel", srcs = [":c"])
 '''
 
 
-def _weights(path: Path, scale: float) -> None:
+def _weights(path: Path, scale: float) -> dict[str, Any]:
     import torch
     from safetensors.torch import save_file
 
     g = torch.Generator().manual_seed(0)
-    save_file({"lin.weight": torch.randn(8, 16, generator=g) * scale, "lin.bias": torch.randn(8, generator=g)},
-              str(path))
+    state = {"lin.weight": torch.randn(8, 16, generator=g) * scale, "lin.bias": torch.randn(8, generator=g)}
+    save_file(state, str(path))
+    return state
 
 
-def _build(ws: Path, cache: Path, events: Path) -> Counter[str]:
-    """Build //pkg:c; the kinds of the actions it executed (from its build events), counted."""
+def _build(ws: Path, cache: Path, events: Path, target: str = "//pkg:c") -> Counter[str]:
+    """Build `target` with the neuronx-cc stand-in configured; the kinds of the actions it executed (from its build
+    events), counted."""
     events.unlink(missing_ok=True)
-    proc = run_cli(["build", "//pkg:c", "--jobs", "2", "--cache-dir", str(cache), "--build-event-json-file",
-                    str(events)], ws)
+    proc = run_cli(["build", target, "--jobs", "2", "--cache-dir", str(cache), "--neuronx-cc", str(STANDIN),
+                    "--build-event-json-file", str(events)], ws)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     got = [json.loads(line) for line in events.read_text().splitlines() if line.strip()]
     return Counter(e["kind"] for e in got if e["event"] == "action_finished")
@@ -73,11 +81,14 @@ def test_the_weights_action_runs_once_and_only_when_the_checkpoint_changes(tmp_p
     assert second["weights"] == 0 and second["trace"] == 1 and second["lower"] == 1, second
     assert second["compile"] == 3, second  # opt_level changes every Compile
 
-    # Other weight values, same shapes: the weights action and the Compiles that bind it; traces and Lowers work on
-    # shapes, so they do not run.
-    _weights(ws / "pkg" / "m.safetensors", 2.0)
+    # Other weight values, same shapes: the weights action alone. Traces, Lowers and Compiles work on shapes (the
+    # NEFF is the module's and the flags'), so none runs; the NEFFs are the same bytes.
+    neffs = {f.parent.name: f.read_bytes() for f in out.glob("*/model.neff")}
+    assert len(neffs) == 3
+    state = _weights(ws / "pkg" / "m.safetensors", 2.0)
     third = _build(ws, cache, events)
-    assert third == {"weights": 1, "compile": 3}, third
+    assert third == {"weights": 1}, third
+    assert {f.parent.name: f.read_bytes() for f in out.glob("*/model.neff")} == neffs
     manifest = json.loads((out / "manifest.json").read_text())
     digests = {b["outputs"]["constants.safetensors"]["digest"] for b in manifest["buckets"]}
     assert len(digests) == 1 and all("program_constants.safetensors" in b["outputs"] for b in manifest["buckets"])
@@ -87,3 +98,20 @@ def test_the_weights_action_runs_once_and_only_when_the_checkpoint_changes(tmp_p
     assert set(got) == {"lin.weight", "lin.bias"}  # the state only: the non-persistent buffer is the graph's own
     assert float(got["lin.weight"].abs().max()) > 0 and "steps" in load_file(
         str(out / "b4_n16" / "program_constants.safetensors"))
+    assert got["lin.weight"].equal(state["lin.weight"])  # the new values (fp32 model: stored as read)
+
+    # The release bundle (its graphs cached: nothing compiles) deploys with the new weights, and the deployed graph
+    # computes with them (its HLO on XLA:CPU).
+    assert _build(ws, cache, events, "//pkg:rel") == {}
+    dest = tmp_path / "serve"
+    proc = run_cli(["deploy", str(ws / "neuronbuild-out" / "pkg" / "rel.tar.zst"), "--cache-dir", str(dest)], ws)
+    assert proc.returncode == 0, proc.stderr
+    import torch
+
+    from neuronbuild.runtime import open_cache
+
+    model = open_cache(dest, strict=True, emulate="xla-cpu").model("//pkg:c")
+    x = torch.randn(2, 16, generator=torch.Generator().manual_seed(1))
+    want = torch.softmax(x @ state["lin.weight"].T + state["lin.bias"] + torch.arange(8.0), dim=-1)
+    got_out = model(x)
+    assert torch.allclose(got_out, want, atol=1e-5), (got_out, want)

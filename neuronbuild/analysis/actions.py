@@ -96,6 +96,11 @@ class Action:
     outputs: tuple[str, ...] = ()
     platform: str = ""  # toolchain actions: the platform compiled for
     target: str = ""  # toolchain actions: how the target is named in progress lines (e.g. "cpu/x86-64-v3")
+    # Outputs of other actions that reach users beside this action's own (output targets, bundles, validate), as
+    # (action, output, name among this action's outputs): a compile's model weights, which the weights action
+    # writes and the compile never reads. Not inputs: no sandbox file, no fingerprint field, no ordering, no cutoff;
+    # they count in the closure (what a target is made of: gc roots, bundles' provenance).
+    ships: tuple[DepInput, ...] = ()
 
     @property
     def deps(self) -> tuple[str, ...]:
@@ -138,14 +143,14 @@ class Action:
 
 def make_action(kind: str, label: Label, bucket: Bucket, record: Mapping[str, Any], spec: Mapping[str, Any], *,
                 files: tuple[FileInput, ...] = (), dep_inputs: tuple[DepInput, ...] = (), outputs: tuple[str, ...] = (),
-                platform: str = "", target: str = "") -> Action:
+                platform: str = "", target: str = "", ships: tuple[DepInput, ...] = ()) -> Action:
     """An Action whose fingerprint is the digest of `record`."""
     # Action(...) as its dataclass __init__ makes it (the same fields in the same order; it has no __post_init__),
     # at a third of the cost: one attribute set instead of a frozen set per field (160,000 actions at 100,000 graphs)
     a = _new(Action)
     _setattr(a, "__dict__", {"fingerprint": fingerprint(record), "kind": kind, "label": label, "bucket": bucket,
                              "record": record, "spec": spec, "files": files, "dep_inputs": dep_inputs,
-                             "outputs": outputs, "platform": platform, "target": target})
+                             "outputs": outputs, "platform": platform, "target": target, "ships": ships})
     return a
 
 

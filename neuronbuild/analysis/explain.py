@@ -141,8 +141,8 @@ def describe_change(path: tuple[str, ...], old: Any, new: Any, new_record: Mappi
 
 
 # Record fields holding the fingerprint of the action whose outputs this one reads (a compile's trace, a Neuron
-# compile's lowering, the model's weights action): a change there is explained by that action's own changed fields,
-# when its old record is cached.
+# compile's lowering; `weights`: a compile's before #28's shipped weights, "shipped-1" since): a change there is
+# explained by that action's own changed fields, when its old record is cached.
 DEP_FIELDS = ("trace", "lowering", "weights")
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import operator
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
@@ -171,6 +171,10 @@ class ActionGraph:
 
     def weights_of(self, fp: str) -> Action | None:
         """The model's weights action an action's outputs bind (itself for one), or None (a trace, a Lower)."""
+        for s in self.actions[fp].ships:  # (a compile ships its model's weights beside its outputs)
+            w = self.actions.get(s.action)
+            if w is not None and w.kind == WEIGHTS:
+                return w
         for d in self.closure(fp):
             a = self.actions.get(d)
             if a is not None and a.kind == WEIGHTS:
@@ -197,10 +201,34 @@ class ActionGraph:
         stack = [fp]
         while stack:
             a = actions.get(stack.pop())
-            for d in a.deps if a is not None else ():
+            if a is None:
+                continue
+            for d in a.deps:
                 if d not in out:
                     out.add(d)
                     stack.append(d)
+            for s in a.ships:  # (what reaches users with its outputs is part of what it is made of)
+                if s.action not in out:
+                    out.add(s.action)
+                    stack.append(s.action)
+        return out
+
+    def shipped_outputs(self, fp: str, lookup: Callable[[str], Any]) -> dict[str, Any] | None:
+        """{name: output ref} of what action `fp`'s outputs are to users (an output target's bucket, a bundle's
+        graph): its cached result's outputs plus the outputs it ships (`Action.ships`: a compile's model weights,
+        from the weights action's result); None when any of those results is not cached."""
+        res = lookup(fp)
+        if res is None:
+            return None
+        ships = self.actions[fp].ships
+        if not ships:
+            return dict(res.outputs)
+        out = dict(res.outputs)
+        for s in ships:
+            other = lookup(s.action)
+            if other is None or s.output not in other.outputs:
+                return None
+            out[s.path] = other.outputs[s.output]
         return out
 
     @property
@@ -727,7 +755,7 @@ class AnalysisContext:
         bucket's primary action."""
         planned = tc.plan(req)
         w = req.weights
-        if w is not None and any(d.action == w.fingerprint for a in planned for d in a.dep_inputs):
+        if w is not None and any(d.action == w.fingerprint for a in planned for d in (*a.dep_inputs, *a.ships)):
             self.add(w)
         return [self.add(a) for a in planned]
 

@@ -74,12 +74,20 @@ class CompileRequest:
     settings: PlanSettings = field(default_factory=PlanSettings)
     common: Mapping[str, Any] = field(default_factory=dict, hash=False)  # record fields every action carries (env)
     # The model's weights action (one per model, dtype and layout; its outputs: constants.safetensors, or
-    # rank_<r>.safetensors per rank): a step that binds or ships the weights reads them from it (weights_inputs).
+    # rank_<r>.safetensors per rank): a step that reads them takes weights_inputs(); one that only ships them beside
+    # its outputs (weights bound at load: the cpu and Neuron compiles) weights_shipped().
     weights: Action | None = None
 
     def weights_inputs(self) -> tuple[DepInput, ...]:
         """The model's weights files as inputs of a step (each under its own name in the sandbox); a step that only
         needs shapes takes none, so changing weight values never re-runs it."""
+        assert self.weights is not None
+        return tuple(DepInput(self.weights.fingerprint, f, f) for f in self.weights.outputs)
+
+    def weights_shipped(self) -> tuple[DepInput, ...]:
+        """The model's weights files as what a step ships beside its outputs (`Action.ships`) without reading them:
+        a step whose output does not depend on weight values (weights bound at load: a Neuron module's parameters,
+        an AOTInductor package without constants), so a weights-only change re-runs the weights action alone."""
         assert self.weights is not None
         return tuple(DepInput(self.weights.fingerprint, f, f) for f in self.weights.outputs)
 

@@ -54,7 +54,9 @@ class CorruptBlob(OSError):
 
 
 def _signature(st: os.stat_result) -> str:
-    return f"{st.st_ino} {st.st_size} {st.st_mtime_ns}"
+    # ctime too: a blob may have another name (an output target's read-only link, BlobStore.link_out), and any
+    # change through it (chmod, a write, even with the mtime put back) moves the ctime, which no caller can set.
+    return f"{st.st_ino} {st.st_size} {st.st_mtime_ns} {st.st_ctime_ns}"
 
 
 # Blobs this process verified (hashed, or found with a verification stamp matching them), by path: the signature
@@ -101,6 +103,25 @@ class BlobStore:
 
     def stamp_path(self, digest: str) -> Path:
         return self.stamps / digest[:2] / digest
+
+    def sha256_path(self, digest: str) -> Path:
+        return self.root / "sha256" / digest[:2] / digest
+
+    def known_sha256(self, digest: str) -> tuple[str, int] | None:
+        """(sha256, size) of a blob recorded by `remember_sha256` when it was last hashed whole (a bundle's member),
+        if the blob is unchanged since: its stat signature now (ctime included) is the one recorded with it."""
+        try:
+            sig, sha = self.sha256_path(digest).read_text(encoding="utf-8").rsplit(" ", 1)
+            st = os.stat(self.path(digest))
+        except (OSError, ValueError):
+            return None
+        return (sha, st.st_size) if sig == _signature(st) and len(sha) == 64 else None
+
+    def remember_sha256(self, digest: str, sha: str, before: os.stat_result) -> None:
+        """Record a blob's sha256, hashed (with its BLAKE3 digest verified) from the state `before` describes."""
+        with contextlib.suppress(OSError):
+            atomic_write_bytes(self.sha256_path(digest), f"{_signature(before)} {sha}".encode(), durable=False,
+                               mode=umask_mode())
 
     def has(self, digest: str) -> bool:
         return self.path(digest).is_file()
@@ -299,7 +320,7 @@ class BlobStore:
 
     def evict(self, digest: str) -> None:
         _verified.pop(str(self.path(digest)), None)
-        for p in (self.path(digest), self.stamp_path(digest)):
+        for p in (self.path(digest), self.stamp_path(digest), self.sha256_path(digest)):
             with contextlib.suppress(OSError):
                 if p.is_dir() and not p.is_symlink():  # a directory where a blob belongs (damage): remove it whole
                     shutil.rmtree(p)
@@ -316,14 +337,50 @@ class BlobStore:
         except OSError:
             shutil.copyfile(self.path(digest), dest)
 
-    def link_or_copy(self, digest: str, dest: Path) -> None:
-        """Place a verified read-only copy of a blob at `dest` (sandbox inputs)."""
-        if not self.verify(digest):
+    def link_out(self, digest: str, dest: Path) -> int | None:
+        """`dest` made a read-only hard link to the blob (an output target's big file: no second copy on disk); None
+        where the filesystem cannot link (the caller copies). The cache does not trust the link: the blob is hashed
+        after it is made, and the stamp then written holds its ctime, which anything done through the link moves (the
+        next check hashes it again: a changed blob is found corrupt and evicted, never used)."""
+        src = self.path(digest)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tmp = dest.with_name(f"{COPY_TEMP_PREFIX}{dest.name}.{os.getpid()}")
+        try:
+            with contextlib.suppress(FileNotFoundError):
+                tmp.unlink()
+            os.link(src, tmp)
+        except FileNotFoundError:
+            raise
+        except OSError:
+            return None
+        try:
+            if os.stat(tmp).st_mode & 0o222:
+                os.chmod(tmp, 0o444)
+            got, size = hash_file(tmp)
+            if got != digest:
+                self.evict(digest)
+                raise CorruptBlob(f"blob {digest[:16]} is corrupt (digest mismatch); evicted")
+            self._write_stamp(digest)
+            if dest.is_dir() and not dest.is_symlink():
+                shutil.rmtree(dest)
+            os.replace(tmp, dest)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            raise
+        return size
+
+    def copy_read_only(self, digest: str, dest: Path) -> None:
+        """Place a verified read-only copy of a blob at `dest` (sandbox inputs), hashed as it is written. A copy,
+        never a hard link: the sandbox is writable by the action, which owns its files and could make a linked
+        blob writable again (chmod is no Landlock right) and change the cache's bytes. Sandbox inputs are small
+        (programs, HLO modules): no step reads a model's weights file (they ship beside its outputs)."""
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.path(digest), "rb") as src, open(dest, "wb") as out:
+            got, _size = copy_hashing(src, out)
+        if got != digest:
+            with contextlib.suppress(OSError):
+                dest.unlink()
             self.evict(digest)
             raise CorruptBlob(f"blob {digest[:16]} is corrupt (digest mismatch); evicted")
-        self._write_stamp(digest)
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            os.link(self.path(digest), dest)
-        except OSError:
-            shutil.copyfile(self.path(digest), dest)
+        os.chmod(dest, 0o444)

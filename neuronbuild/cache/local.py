@@ -215,9 +215,9 @@ class LocalCache:
         return self.record_outputs(fp, identity, record, refs, duration_s, metadata, sign)
 
     def place_blob(self, digest: str, dest: Path) -> None:
-        """A verified copy (or hard link) of a blob at `dest`, for sandbox inputs."""
+        """A verified read-only copy of a blob at `dest`, for sandbox inputs (never a link: BlobStore.copy_read_only)."""
         try:
-            self.blobs.link_or_copy(digest, dest)
+            self.blobs.copy_read_only(digest, dest)
         except CorruptBlob:
             self._complete.clear()  # the blob was evicted: entries using it are no longer complete
             raise
@@ -226,6 +226,15 @@ class LocalCache:
         """`dest` named as blob `digest` without reading it (a hard link, else a copy), for a caller that verifies
         it itself (store_outputs' `expect`): a farm client fetching a worker's outputs from the farm's store."""
         self.blobs.link_unverified(digest, dest)
+
+    def link_out(self, digest: str, dest: Path) -> int | None:
+        """A read-only hard link of a blob at `dest` for an output target, verified (BlobStore.link_out); None where
+        the filesystem cannot link (then copy_blob)."""
+        try:
+            return self.blobs.link_out(digest, dest)
+        except CorruptBlob:
+            self._complete.clear()
+            raise
 
     def copy_blob(self, digest: str, dest: Path, verified_size: int | None = None) -> int:
         """A verified, atomically written copy of a blob at `dest`, for outputs users see (`verified_size`: the

@@ -83,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
             tmp = tmp_root / fp
             tmp.mkdir(parents=True, exist_ok=True)
             files = {}
-            for name, ref in res.outputs.items():
+            for name, ref in (ag.shipped_outputs(fp, cache.lookup) or res.outputs).items():
                 cache.copy_blob(ref.digest, tmp / name)
                 files[name] = tmp / name
             fn = tc.load_artifact(files)

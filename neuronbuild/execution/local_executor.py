@@ -103,6 +103,9 @@ class LocalExecutor:
         for r in self._pool.wait(timeout):
             job, sb = self._running[r.task_id]
             res = r.result
+            changed = sb.changed_input() if res.get("ok") and sb.linked else None
+            if changed is not None:  # a linked input edited while the action ran: its result names other bytes
+                res = {**res, "ok": False, "error": f"input '{changed}' changed during the build; run the build again"}
             out.append(Completion(
                 job, bool(res.get("ok")), _worker_name(r.slot), r.pid, str(res.get("error") or ""),
                 float(res.get("duration_s") or 0.0), float(res.get("peak_rss_mb") or 0.0),

@@ -2,30 +2,96 @@
 
 from __future__ import annotations
 
+import functools
+import os
 import shutil
+import stat
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from neuronbuild.analysis.actions import Action
+import blake3
+
+from neuronbuild.analysis.actions import Action, FileInput
 from neuronbuild.digests import copy_hashing
 from neuronbuild.execution.cache_api import SpawnCache
+
+# Declared source files at least this big (a checkpoint) are not copied into the sandbox where Landlock can keep the
+# action from writing them: a hard link of the workspace file in the sandbox's read-only sibling directory
+# (`read_only_dir`: readable, never writable, by the action's policy), named in the sandbox by a symlink. The sandbox
+# itself is writable, so a link there would let an action change the user's file (and a copy costs the checkpoint's
+# size on disk again). Smaller files (sources) are copies: their paths are the ones tracebacks and programs name.
+LINK_MIN_BYTES = 64 << 20
+READ_ONLY_SUFFIX = "-ro"
 
 
 class InputChanged(Exception):
     """A declared source file changed between analysis and execution."""
 
 
+def read_only_dir(inputs: str | Path) -> Path:
+    """The read-only sibling of the sandbox whose input directory is `inputs` (the worker's policy reads it)."""
+    base = Path(inputs).parent
+    return base.with_name(base.name + READ_ONLY_SUFFIX)
+
+
+@functools.cache
+def _confined_read_only() -> bool:
+    """Landlock can refuse writes and truncation to a path on this kernel (ABI >= 3: truncate is handled)."""
+    from neuronbuild.execution.confine import landlock_abi
+
+    return landlock_abi() >= 3
+
+
+def _signature(st: os.stat_result) -> tuple[int, int, int, int]:
+    return (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
 @dataclass(frozen=True)
 class Sandbox:
-    """Where one action runs: `inputs` (its cwd) and `outputs`, removed after the action."""
+    """Where one action runs: `inputs` (its cwd) and `outputs`, removed after the action. `linked`: the big source
+    files placed as read-only links (workspace path, stat signature when hashed)."""
 
     base: Path
     inputs: Path
     outputs: Path
+    linked: tuple[tuple[str, tuple[int, int, int, int]], ...] = ()
 
     def remove(self) -> None:
         shutil.rmtree(self.base, ignore_errors=True)
+        shutil.rmtree(read_only_dir(self.inputs), ignore_errors=True)
+
+    def changed_input(self) -> str | None:
+        """A linked input whose file changed since it was hashed (the user edited it during the action), else None:
+        the action may have read other bytes than its fingerprint names, so its result must not be stored."""
+        ro = read_only_dir(self.inputs)
+        for path, sig in self.linked:
+            try:
+                if _signature(os.stat(ro / path)) != sig:
+                    return path
+            except OSError:
+                return path
+        return None
+
+
+def _link_read_only(src: Path, ro: Path, dest: Path, f: FileInput) -> tuple[int, int, int, int] | None:
+    """`src` hard-linked at `ro` (read-only for the action), hashed there and named at `dest` by a symlink; its stat
+    signature. None when it is not a big regular file or cannot be linked (the caller copies)."""
+    try:
+        st = os.stat(src)
+        if not stat.S_ISREG(st.st_mode) or st.st_size < LINK_MIN_BYTES:
+            return None
+        ro.parent.mkdir(parents=True, exist_ok=True)
+        os.link(src, ro)
+    except OSError:
+        return None
+    before = os.stat(ro)
+    h = blake3.blake3(max_threads=blake3.blake3.AUTO)
+    h.update_mmap(str(ro))
+    if h.hexdigest() != f.digest or _signature(os.stat(ro)) != _signature(before):
+        raise InputChanged(f"input '{f.path}' changed during the build; run the build again")
+    dest.symlink_to(ro)
+    return _signature(before)
 
 
 def prepare(action: Action, root: Path, cache: SpawnCache, parent: Path | None = None) -> Sandbox:
@@ -34,12 +100,18 @@ def prepare(action: Action, root: Path, cache: SpawnCache, parent: Path | None =
     parent.mkdir(parents=True, exist_ok=True)
     base = Path(tempfile.mkdtemp(dir=parent, prefix=f"{action.fingerprint[:12]}-"))
     sb = Sandbox(base, base / "in", base / "out")
+    linked: list[tuple[str, tuple[int, int, int, int]]] = []
     try:
         sb.inputs.mkdir()
         sb.outputs.mkdir()
         for f in action.files:
             dest = sb.inputs / f.path
             dest.parent.mkdir(parents=True, exist_ok=True)
+            sig = _link_read_only(root / f.path, read_only_dir(sb.inputs) / f.path, dest, f) \
+                if _confined_read_only() else None
+            if sig is not None:
+                linked.append((f.path, sig))
+                continue
             with open(root / f.path, "rb") as src, open(dest, "wb") as out:
                 digest, _size = copy_hashing(src, out)  # one read: the copy is hashed as it is written
             if digest != f.digest:
@@ -52,4 +124,4 @@ def prepare(action: Action, root: Path, cache: SpawnCache, parent: Path | None =
     except BaseException:  # including Ctrl-C: no half-built sandbox is left behind
         sb.remove()
         raise
-    return sb
+    return Sandbox(sb.base, sb.inputs, sb.outputs, tuple(linked)) if linked else sb

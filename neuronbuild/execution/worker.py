@@ -29,6 +29,7 @@ from neuronbuild.execution.confine import (
     policy_for,
     set_dumpable,
 )
+from neuronbuild.execution.sandbox import read_only_dir
 
 HOST = socket.gethostname()
 
@@ -211,14 +212,21 @@ def _root_cause(e: BaseException) -> BaseException:
 _PR_SET_PDEATHSIG = 1
 
 
+def action_policy(msg: Mapping[str, Any], env: Mapping[str, str], installation: tuple[str, ...]) -> Policy:
+    """The confinement of the action `msg` describes: its sandbox and log writable; the installation, its step's
+    dirs and the sandbox's read-only sibling (big source files linked there: execution/sandbox.py) readable."""
+    dirs = step_dirs(msg["spec"])
+    ro = read_only_dir(msg["inputs"])
+    return policy_for(msg["inputs"], msg["outputs"], env, msg["spec"], installation, [msg["log"], *dirs.write],
+                      [*dirs.read, *([str(ro)] if ro.is_dir() else [])])
+
+
 def run_isolated(msg: Mapping[str, Any], installation: tuple[str, ...]) -> dict[str, Any]:
     """Run one action in a child forked from this (warm, model-free) worker and confined to its sandbox: whatever the
     model's code changes in the interpreter (monkeypatches, sys.modules, audit hooks) ends with the child. The child's
     death (a crash, os._exit, the OOM killer) fails the action as a worker death (retried with --retries)."""
-    env = dict(os.environ)
     spec = msg["spec"]
-    dirs = step_dirs(spec)
-    policy = policy_for(msg["inputs"], msg["outputs"], env, spec, installation, [msg["log"], *dirs.write], dirs.read)
+    policy = action_policy(msg, dict(os.environ), installation)
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:  # the action's process

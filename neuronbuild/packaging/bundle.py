@@ -171,6 +171,21 @@ def write_archive(dest: IO[bytes], manifest_bytes: bytes, members: list[Member],
     stream.close()
 
 
+class _HashingWriter:
+    """Writes through to `out`, hashing what passes (sha256)."""
+
+    def __init__(self, out: IO[bytes]) -> None:
+        self._out = out
+        self.sha256 = hashlib.sha256()
+
+    def write(self, data: bytes) -> int:
+        self.sha256.update(data)
+        return self._out.write(data)
+
+    def flush(self) -> None:
+        self._out.flush()
+
+
 def _sha256(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -219,9 +234,10 @@ def build_bundle(root: Path, graph: TargetGraph, ag: ActionGraph, cache: LocalCa
     archive.parent.mkdir(parents=True, exist_ok=True)
     mode = umask_mode()
     with atomic_writer(archive, mode=mode, prefix=f".{archive.name}.") as out:
-        write_archive(out, manifest_bytes, members, compression, signature)
+        hashing = _HashingWriter(out)  # the archive's sha256 as it is written (not read back: ~1x the weights)
+        write_archive(hashing, manifest_bytes, members, compression, signature)  # type: ignore[arg-type]
         out.flush()
-        digest = _sha256(Path(out.name))
+        digest = hashing.sha256.hexdigest()
     atomic_write_bytes(manifest_copy, manifest_bytes, archive.parent / ".tmp", mode=mode)
     if signature is not None:
         atomic_write_bytes(sig_copy, signature, archive.parent / ".tmp", mode=mode)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -49,12 +50,18 @@ class MissingResult(Exception):
 
 
 def _hash_blob(cache: LocalCache, digest: str) -> tuple[str, int]:
-    """sha256 and size of a CAS blob, verifying its BLAKE3 digest on the way (a corrupt blob is evicted)."""
+    """sha256 and size of a CAS blob, verifying its BLAKE3 digest on the way (a corrupt blob is evicted); a blob
+    unchanged since an earlier bundle hashed it is not read again (BlobStore.known_sha256: a re-bundle of a model's
+    weights costs no pass over them)."""
     import blake3
 
+    known = cache.blobs.known_sha256(digest)
+    if known is not None:
+        return known
     path = cache.blobs.path(digest)
     sha, b3, size = hashlib.sha256(), blake3.blake3(), 0
     with open(path, "rb") as f:
+        before = os.fstat(f.fileno())
         while chunk := f.read(_CHUNK):
             sha.update(chunk)
             b3.update(chunk)
@@ -62,6 +69,7 @@ def _hash_blob(cache: LocalCache, digest: str) -> tuple[str, int]:
     if b3.hexdigest() != digest:
         cache.blobs.evict(digest)
         raise CorruptBlob(f"blob {digest[:16]} is corrupt (digest mismatch); evicted")
+    cache.blobs.remember_sha256(digest, sha.hexdigest(), before)
     return sha.hexdigest(), size
 
 
@@ -110,7 +118,10 @@ def plan_bundle(graph: TargetGraph, ag: ActionGraph, cache: LocalCache, label: L
             gdir = f"graphs/{src.package}/{src.name}/{bucket.name}" if src.package else f"graphs/{src.name}/{bucket.name}"
             artifacts: dict[str, Any] = {}
             weights = None
-            for name, ref in sorted(res.outputs.items()):
+            outs = ag.shipped_outputs(fp, cache.lookup)  # (+ the model's weights, shipped from its weights action)
+            if outs is None:
+                raise MissingResult(f"{src} [{bucket}]: its model's weights are not built")
+            for name, ref in sorted(outs.items()):
                 if name == CONSTANTS_OUTPUT:
                     weights = add(ref.digest, lambda sha: f"weights/{sha}.safetensors")
                     weights_models.setdefault(weights["path"], set()).add(str(model_label))

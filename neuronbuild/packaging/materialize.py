@@ -1,4 +1,5 @@
-"""Copies cached compile outputs to neuronbuild-out/<package>/<target>/<bucket>/ with a manifest.json per target.
+"""Copies cached compile outputs (and what they ship: the model's weights) to neuronbuild-out/<package>/<target>/
+<bucket>/ with a manifest.json per target; files of LINK_MIN_BYTES or more are read-only links to the cache's blob.
 
 A target's directory is made to hold exactly its current outputs, as Bazel's output tree does: bucket directories
 of buckets no longer declared and files no longer produced (a model.neff once neuronx-cc is not configured) go."""
@@ -18,7 +19,7 @@ from typing import Any
 from neuronbuild import FORMAT_VERSION
 from neuronbuild.analysis.planner import ActionGraph, CompileTarget
 from neuronbuild.atomic import atomic_write_bytes
-from neuronbuild.cache.cas import COPY_TEMP_PREFIX, umask_mode
+from neuronbuild.cache.cas import COPY_TEMP_PREFIX, CorruptBlob, umask_mode
 from neuronbuild.cache.local import LocalCache
 from neuronbuild.digests import StatKey, is_racy, stat_key
 from neuronbuild.workspace import OUTPUT_DIR
@@ -27,6 +28,10 @@ MANIFEST = "manifest.json"
 STAGING = ".tmp"
 # A copy in flight younger than this may be a concurrent build's, about to be renamed onto its output: left alone.
 IN_FLIGHT_S = 3600
+# Outputs at least this big (a model's weights) are read-only hard links to the cache's blob, not copies: one copy on
+# disk for cache and output target (#28). The cache does not trust them (BlobStore.link_out); smaller ones are copies
+# of their own that users may edit.
+LINK_MIN_BYTES = 64 << 20
 
 
 def target_dir_str(root: Path | str, ct: CompileTarget) -> str:
@@ -143,8 +148,17 @@ def materialize(root: Path, ag: ActionGraph, cache: LocalCache, failed: set[str]
     lookup = cache.lookup
     for ct in ag.compiles:
         results: list[Any] = []
+        shipped: list[Any] = []  # the results of what the buckets ship beside their outputs (the model's weights)
         for _b, fp in ct.buckets:
             res = None if fp in failed else lookup(fp)
+            if res is None:
+                break
+            for s in ag.actions[fp].ships:
+                other = None if s.action in failed else lookup(s.action)
+                if other is None or s.output not in other.outputs:
+                    res = None
+                    break
+                shipped.append(other)
             if res is None:
                 break
             results.append(res)
@@ -153,7 +167,7 @@ def materialize(root: Path, ag: ActionGraph, cache: LocalCache, failed: set[str]
         out_s = target_dir_str(root, ct)
         done.append(Path(out_s))
         traces = [ag.trace_of(fp).fingerprint for _b, fp in ct.buckets]
-        made_from = (ct, *results, *map(lookup, traces))  # (each the same object while its record is unchanged)
+        made_from = (ct, *results, *shipped, *map(lookup, traces))  # (the same objects while records are unchanged)
         known = _done.get(out_s)
         if known is not None and len(known[2]) == len(made_from) and \
                 all(map(operator.is_, known[2], made_from)) and _unchanged(known[1]):
@@ -171,7 +185,7 @@ def materialize(root: Path, ag: ActionGraph, cache: LocalCache, failed: set[str]
                 "trace": trace_fp,
                 "model_outputs": _traced_outputs(cache, trace_fp),
                 "outputs": {n: {"digest": r.digest, "size": r.size, "path": f"{bucket.name}/{n}"}
-                            for n, r in sorted(res.outputs.items())},
+                            for n, r in sorted(_with_shipped(ag, fp, res, lookup).items())},
             })
         manifest = {
             "format": FORMAT_VERSION,
@@ -198,6 +212,15 @@ def materialize(root: Path, ag: ActionGraph, cache: LocalCache, failed: set[str]
     return done
 
 
+def _with_shipped(ag: ActionGraph, fp: str, res: Any, lookup: Any) -> dict[str, Any]:
+    """A bucket's files: its action's outputs and what it ships (ActionGraph.shipped_outputs; all cached here)."""
+    if not ag.actions[fp].ships:
+        return dict(res.outputs)
+    out = ag.shipped_outputs(fp, lookup)
+    assert out is not None
+    return out
+
+
 def _link_to(first: Path, dest: Path) -> bool:
     """Make `dest` a hard link to `first` (already checked or copied: the same blob); False where the filesystem
     cannot link (then it gets a copy of its own)."""
@@ -222,9 +245,18 @@ def _link_to(first: Path, dest: Path) -> bool:
         return False
 
 
+def _linked_out(cache: LocalCache, digest: str, dest: Path) -> bool:
+    """`dest` a read-only hard link to the cache's verified blob (LocalCache.link_out); False where it cannot be
+    (another filesystem, a blob only a remote tier holds, a corrupt one): the caller copies."""
+    try:
+        return cache.link_out(digest, dest) is not None
+    except (OSError, CorruptBlob):
+        return False
+
+
 def _write_target(out: Path, manifest: dict[str, Any], cache: LocalCache, copied: set[str]) -> None:
     """Make `out` hold exactly the outputs and manifest: files whose digest and size the old manifest and the
-    directory confirm are kept, others copied from the cache (the first copy of each blob in this materialisation
+    directory confirm are kept, big ones linked read-only to the cache's verified blob, others copied from the cache (the first copy of each blob in this materialisation
     verified on the way, the others copied by the kernel: copy_blob's verified_size); the rest pruned."""
     if out.is_file() or out.is_symlink():
         out.unlink()  # a stale file where the target's directory goes
@@ -250,6 +282,10 @@ def _write_target(out: Path, manifest: dict[str, Any], cache: LocalCache, copied
             elif old_files.get((b["name"], name)) == ref["digest"] and dest.is_file() and \
                     dest.stat().st_size == ref["size"]:
                 placed[ref["digest"]] = dest
+                continue
+            if ref["size"] >= LINK_MIN_BYTES and _linked_out(cache, ref["digest"], dest):
+                copied.add(ref["digest"])
+                placed.setdefault(ref["digest"], dest)
                 continue
             if dest.is_dir() and not dest.is_symlink():
                 shutil.rmtree(dest)

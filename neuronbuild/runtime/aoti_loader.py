@@ -13,7 +13,7 @@ import torch.utils._pytree as pytree
 from neuronbuild.runtime.verified import with_tied
 
 MODEL_NAME = "model"
-CONSTANTS_FILE = "constants.safetensors"  # written next to model.pt2 by the cpu compile
+CONSTANTS_FILE = "constants.safetensors"  # next to model.pt2: the model's weights (its weights action's)
 PROGRAM_CONSTANTS_FILE = "program_constants.safetensors"  # the graph's own tensors (absent in older outputs)
 
 

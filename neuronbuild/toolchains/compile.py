@@ -19,7 +19,6 @@ import torch
 
 from neuronbuild.analysis.toolchain_api import StepDirs
 from neuronbuild.platforms import THREADS_VAR, host_cores
-from neuronbuild.runtime.verified import tied_names
 from neuronbuild.toolchains.errors import ToolchainError
 from neuronbuild.toolchains.model_import import example_inputs
 from neuronbuild.toolchains.passes import apply_passes
@@ -41,8 +40,8 @@ from neuronbuild.toolchains.weights import read_header
 # built for another ISA, flag set, torch or g++ is never used; warm_up_cpu builds them ahead of the first compile.
 TORCH_DIR = Path(torch.__file__).resolve().parent
 PACKAGE_MODEL_NAME = "model"
-CONSTANTS_FILE = "constants.safetensors"  # the cpu compile's second output: the model's weights by FQN
-PROGRAM_CONSTANTS_FILE = "program_constants.safetensors"  # its third: the program's own tensors
+CONSTANTS_FILE = "constants.safetensors"  # the model's weights by FQN (the weights action's, shipped beside)
+PROGRAM_CONSTANTS_FILE = "program_constants.safetensors"  # the compile's second output: the program's own tensors
 _ZIP_EPOCH = (1980, 1, 1, 0, 0, 0)
 _KERNEL_NOTE = "// Triton kernels are embedded as comments in "  # how inductor opens an AOT kernel source
 
@@ -72,43 +71,15 @@ def _program_and_args(spec: Mapping[str, Any], sandbox: Path) -> tuple[torch.exp
 
 def run_cpu_compile(spec: dict[str, Any], sandbox: Path, out_dir: Path) -> dict[str, Any]:
     """Compile spec["program"] (relative to sandbox) into an AOTInductor package for spec["isa"] in out_dir, from
-    shapes only (the program holds no weight values); the weights file is the model's weights action's, placed
-    beside it, with the program's own tensors (program_constants.safetensors)."""
+    shapes only (the program holds no weight values, and none is inlined: _weights_never_inlined), with the
+    program's own tensors (program_constants.safetensors). The model's weights file is the weights action's, which
+    ships beside the package (Action.ships) and is bound at load: a weights-only change never re-runs this."""
     from neuronbuild.toolchains.trace import write_program_constants
 
     ep, args = _program_and_args(spec, sandbox)
-    _inlined_values(ep, Path(sandbox) / CONSTANTS_FILE)
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     write_program_constants(ep, Path(out_dir) / PROGRAM_CONSTANTS_FILE)
-    return compile_cpu(ep, args, str(spec.get("isa", "")), spec.get("options") or {}, Path(out_dir),
-                       Path(sandbox) / CONSTANTS_FILE)
-
-
-def _inlined_values(ep: torch.export.ExportedProgram, weights: Path) -> None:
-    """Give the weights inductor inlines into the generated code their values (read from the model's weights file):
-    0-d tensors and 1-d ones of at most 8 elements (`GraphLowering.can_inline_constant`). The only weight values a
-    cpu compile holds: a few bytes each; every other weight stays a fake tensor (shape and dtype only)."""
-    from safetensors import safe_open
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    small = {k: t for k, t in ep.state_dict.items()
-             if isinstance(t, FakeTensor) and (t.dim() == 0 or (t.dim() == 1 and t.shape[0] <= 8))}
-    if not small or not weights.is_file():
-        return
-    made: dict[int, torch.Tensor] = {}
-    with safe_open(str(weights), framework="pt") as f:
-        names = set(f.keys())
-        tied = tied_names(f.metadata())  # a tied weight stored once reads its stored name's tensor
-        for k, t in small.items():
-            if tied.get(k, k) not in names:
-                continue
-            real = made.get(id(t))
-            if real is None:
-                real = f.get_tensor(tied.get(k, k))
-                if isinstance(t, torch.nn.Parameter):
-                    real = torch.nn.Parameter(real, requires_grad=t.requires_grad)
-                made[id(t)] = real
-            ep.state_dict[k] = real
+    return compile_cpu(ep, args, str(spec.get("isa", "")), spec.get("options") or {}, Path(out_dir))
 
 
 def _check_inputs(ep: torch.export.ExportedProgram, args: tuple[torch.Tensor, ...]) -> None:
@@ -134,7 +105,6 @@ def compile_cpu(
     isa: str,
     options: Mapping[str, Any],
     out_dir: Path,
-    weights: Path,
 ) -> dict[str, Any]:
     target = isa_target(isa)
     strip_unstable_meta(ep)  # the trace's source lines serve Neuron lowering errors; the package never holds them
@@ -146,26 +116,21 @@ def compile_cpu(
     # keeps a source file it finds under its content-hash name). Removed before the outputs are stored. Its temp files
     # too: $TMPDIR is every action's.
     with _private_dir(out_dir) as tmp, _compile_environment(isa, target, tmp / "inductor"), _temp_dir(tmp), \
-            _fake_constants_by_storage():
+            _fake_constants_by_storage(), _weights_never_inlined():
         raw = tmp / f"{PACKAGE_MODEL_NAME}.pt2"
         with torch.no_grad():
             aoti_compile_and_package(ep, package_path=str(raw), inductor_configs=inductor_configs(target))
         data = canonical_package(raw.read_bytes())
-        # The model's weights file (its state) and the program's own tensors hold every tensor the program holds
-        # (a superset of what the package asks for: inductor folds some buffers in); the weights file is one per
-        # model for all graphs, buckets and targets.
-        if not weights.is_file():
-            raise ToolchainError(f"the model's {CONSTANTS_FILE} is missing from the sandbox")
+        # The program's state (what the weights action writes: the same module's parameters and persistent
+        # buffers by FQN) and its own tensors hold every tensor the package asks for at load.
         own = out_dir / PROGRAM_CONSTANTS_FILE
-        held = {**read_header(weights), **(read_header(own) if own.is_file() else {})}
+        held = {*ep.state_dict, *(read_header(own) if own.is_file() else {})}
         missing = [n for n in _constant_fqns(raw) if n not in held]
         if missing:
             raise ToolchainError(f"the compiled package needs constant(s) the model's {CONSTANTS_FILE} does not "
                                  f"hold: {', '.join(missing[:5])}")
     (out_dir / "model.pt2").write_bytes(data)
-    place_file(weights, out_dir / CONSTANTS_FILE)
-    return {"artifact": "model.pt2", "bytes": len(data), "isa": isa, "constants": CONSTANTS_FILE,
-            "constants_bytes": (out_dir / CONSTANTS_FILE).stat().st_size}
+    return {"artifact": "model.pt2", "bytes": len(data), "isa": isa, "constants": CONSTANTS_FILE}
 
 
 def isa_target(isa: str) -> IsaTarget:
@@ -357,18 +322,6 @@ def _constant_fqns(package: Path) -> list[str]:
     return sorted(str(n) for n in loader.get_constant_fqns())
 
 
-def place_file(src: Path, dst: Path) -> None:
-    """dst = src's bytes: a hard link (the CAS stores one copy anyway), else a copy."""
-    import shutil
-
-    if dst.exists():
-        dst.unlink()
-    try:
-        os.link(src, dst)
-    except OSError:
-        shutil.copyfile(src, dst)
-
-
 def held_tensors(ep: torch.export.ExportedProgram) -> dict[str, torch.Tensor]:
     """Every tensor a program holds by FQN: parameters, buffers and lifted tensor constants."""
     return {**dict(ep.state_dict), **{k: v for k, v in ep.constants.items() if isinstance(v, torch.Tensor)}}
@@ -386,6 +339,31 @@ def constants_bytes(available: Mapping[str, torch.Tensor], fqns: list[str]) -> b
         raise ToolchainError(f"the compiled package needs constant(s) the program does not hold: {', '.join(missing[:5])}")
     # Clone: tied weights share storage, which safetensors refuses to save.
     return save({n: available[n].detach().contiguous().clone() for n in fqns})
+
+
+@contextmanager
+def _weights_never_inlined() -> Iterator[None]:
+    """Inductor inlines 0-d and <= 8-element 1-d constants into the generated code (`GraphLowering.get_attr`); a
+    program's weights are fake tensors here (no values), so each is kept a constant bound at load instead
+    (`always_keep_tensor_constants` for that one attribute): the package is a function of the program's shapes and
+    never needs a weight value. Constants inductor makes itself (real tensors) are inlined as before."""
+    import torch._inductor.graph as graph
+    from torch._inductor import config
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    original = graph.GraphLowering.get_attr
+
+    def get_attr(self: Any, target: Any, args: Any, kwargs: Any) -> Any:
+        if isinstance(graph.getattr_recursive(self.module, target), FakeTensor):
+            with config.patch(always_keep_tensor_constants=True):
+                return original(self, target, args, kwargs)
+        return original(self, target, args, kwargs)
+
+    graph.GraphLowering.get_attr = get_attr  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        graph.GraphLowering.get_attr = original  # type: ignore[method-assign]
 
 
 @contextmanager

@@ -15,9 +15,9 @@ from neuronbuild.platforms import cxx_version, resolve_isa
 from neuronbuild.toolchains import cpu_runtime, cpu_settings
 from neuronbuild.vocabulary import AUTO_CAST, CPU_ISAS, CPU_PLATFORM
 
-# the package (no weights inside), the model's weights by FQN (the weights action's file, linked) and the program's own
-# tensors (non-persistent buffers, lifted constants)
-OUTPUTS = ("model.pt2", "constants.safetensors", PROGRAM_CONSTANTS)
+# the package (no weights inside) and the program's own tensors (non-persistent buffers, lifted constants); the model's
+# weights by FQN (constants.safetensors) ship beside them from the weights action (Action.ships)
+OUTPUTS = ("model.pt2", PROGRAM_CONSTANTS)
 
 
 class CpuToolchain:
@@ -49,17 +49,16 @@ class CpuToolchain:
 
     def plan(self, req: CompileRequest) -> list[Action]:
         assert req.trace is not None
-        assert req.weights is not None
-        # The weights enter through the weights action's fingerprint: inductor inlines a few tiny weights' values
-        # into the code, and the package ships beside the model's weights file.
-        record = req.record(COMPILE, self.versions(req.platform, req.settings), weights=req.weights.fingerprint)
+        # From shapes only: no weight value is inlined (compile.inductor_configs) and all are bound at load, so the
+        # model's weights file ships beside the package (Action.ships) without being an input of the compile.
+        record = req.record(COMPILE, self.versions(req.platform, req.settings), weights="shipped-1")
         spec = {"toolchain": self.name, "step": COMPILE, "platform": req.platform, "isa": req.target["isa"],
                 "options": dict(req.options), "inputs": dict(req.inputs), "bucket": req.bucket.as_dict(),
                 "program": TRACE_OUTPUT}
         return [make_action(COMPILE, req.label, req.bucket, record, spec,
-                            dep_inputs=(DepInput(req.trace.fingerprint, TRACE_OUTPUT, TRACE_OUTPUT),
-                                        *req.weights_inputs()),
-                            outputs=OUTPUTS, platform=req.platform, target=self.describe_target(req.target))]
+                            dep_inputs=(DepInput(req.trace.fingerprint, TRACE_OUTPUT, TRACE_OUTPUT),),
+                            outputs=OUTPUTS, platform=req.platform, target=self.describe_target(req.target),
+                            ships=req.weights_shipped())]
 
     def run(self, step: str, spec: Mapping[str, Any], sandbox: Path, out_dir: Path) -> dict[str, Any]:
         if step == WARM_UP:

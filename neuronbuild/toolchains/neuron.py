@@ -26,7 +26,7 @@ PARAMS_FILE = "params.json"
 WEIGHTS_FILE = "constants.safetensors"
 FLAGS_FILE = "compile_flags.json"
 LOWER_OUTPUTS = (HLO_FILE, PARAMS_FILE, PROGRAM_CONSTANTS)  # from shapes only: no weights file
-OUTPUTS = (*LOWER_OUTPUTS, WEIGHTS_FILE, FLAGS_FILE)
+OUTPUTS = (*LOWER_OUTPUTS, FLAGS_FILE)  # the Compile's (+ the NEFF); it ships the weights action's file(s)
 NEFF_OUTPUT = neuron_flags.NEFF_FILE  # when a neuronx-cc is configured
 NEURON_CC_FLAGS_ENV = "NEURON_CC_FLAGS"
 LOWERING_PACKAGES = ("torchax", "jax", "jaxlib")
@@ -109,11 +109,13 @@ class NeuronToolchain:
             raise UserInputError(f"{req.label}: {exc}") from None
         inputs, bucket = dict(req.inputs), req.bucket.as_dict()
         tp = int(req.trace.record.get("tp_degree") or 1)
-        # The Lower works on shapes (no weights input: a weights change never re-runs it); the Compile binds the
-        # model's weights action's file(s) (one, or one shard per rank) beside the module.
-        weights = req.weights_inputs()
+        # The Lower works on shapes, and so does the Compile: the weights are the module's parameters, so the NEFF
+        # is a function of the module and the flags only. The model's weights action's file(s) (one, or one shard
+        # per rank) ship beside the Compile's outputs (Action.ships) without being its input: a weights-only
+        # change re-runs the weights action and nothing else.
+        weights = req.weights_shipped()
         lower_outputs = LOWER_OUTPUTS
-        outputs_ = (*LOWER_OUTPUTS, *(d.output for d in weights), FLAGS_FILE)
+        outputs_ = (*LOWER_OUTPUTS, FLAGS_FILE)
         lower_record = {
             "format": FORMAT_VERSION,
             "action": LOWER,
@@ -140,9 +142,8 @@ class NeuronToolchain:
                                               dep_inputs=(DepInput(req.trace.fingerprint, TRACE_OUTPUT,
                                                                            TRACE_OUTPUT),),
                                               outputs=lower_outputs)
-        assert req.weights is not None
         record = req.record(COMPILE, self.versions(req.platform, req.settings), lowering=lower.fingerprint,
-                            weights=req.weights.fingerprint)  # the weights it binds beside the module
+                            weights="shipped-1")  # bound at load: the weights action's file(s), not read here
         spec: dict[str, Any] = {"toolchain": self.name, "step": COMPILE, "platform": req.platform,
                                 "options": dict(req.options), "env_flags": env_flags, "neuronx_cc": None}
         outputs: tuple[str, ...] = outputs_
@@ -155,8 +156,9 @@ class NeuronToolchain:
         else:  # the step only writes compile_flags.json: progress says so, estimates count it as nothing
             spec["skipped"] = "no neuronx-cc"
         compile_ = make_action(COMPILE, req.label, req.bucket, record, spec,
-                               dep_inputs=(*(DepInput(lower.fingerprint, f, f) for f in lower_outputs), *weights),
-                               outputs=outputs, platform=req.platform, target=self.describe_target(req.target))
+                               dep_inputs=tuple(DepInput(lower.fingerprint, f, f) for f in lower_outputs),
+                               outputs=outputs, platform=req.platform, target=self.describe_target(req.target),
+                               ships=weights)
         return [lower, compile_]
 
     def warm_up_key(self, spec: Mapping[str, Any]) -> dict[str, Any] | None:

@@ -12,25 +12,16 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from neuronbuild import jsondata
 from neuronbuild.toolchains import neuron_flags
 from neuronbuild.toolchains.errors import ToolchainError
 
 HLO_FILE = neuron_flags.HLO_FILE
 PARAMS_FILE = "params.json"
-WEIGHTS_FILE = "constants.safetensors"  # the same name and bytes as a cpu compile's weights: stored once per model
 FLAGS_FILE = "compile_flags.json"
 NEFF_FILE = neuron_flags.NEFF_FILE
 PROGRAM_CONSTANTS = "program_constants.safetensors"  # the program's own tensors (analysis.actions.PROGRAM_CONSTANTS)
 LOWER_OUTPUTS = (HLO_FILE, PARAMS_FILE, PROGRAM_CONSTANTS)
-COMPILE_OUTPUTS = (*LOWER_OUTPUTS, WEIGHTS_FILE, FLAGS_FILE)
-
-
-def weights_files(tp: int) -> tuple[str, ...]:
-    """The weights a graph at tp_degree `tp` carries: constants.safetensors, or rank_<r>.safetensors per rank."""
-    from neuronbuild.analysis.actions import trace_weights
-
-    return trace_weights(tp)
+COMPILE_OUTPUTS = (*LOWER_OUTPUTS, FLAGS_FILE)  # (+ model.neff): the weights ship from the weights action
 
 
 def run_lower(spec: Mapping[str, Any], sandbox: Path, out_dir: Path) -> dict[str, Any]:
@@ -61,26 +52,6 @@ def run_lower(spec: Mapping[str, Any], sandbox: Path, out_dir: Path) -> dict[str
     return {"artifact": HLO_FILE, "bytes": len(lowered.proto), "parameters": len(lowered.parameters),
             "weights": len(state), **({"tp_degree": tp} if tp > 1 else {}),
             "ops": sum(n for _op, n in lowered.ops), "auto_cast_ops": lowered.cast_ops, "lower_s": round(seconds, 3)}
-
-
-def check_bound(params: Path, held: Mapping[str, tuple[Any, tuple[int, ...]]]) -> None:
-    """Every non-input parameter of the lowered module (params.json) is held (weights file or program constants) with
-    its shape: a graph whose weights action built another module's state fails here, not at load."""
-    doc = jsondata.loads(params.read_bytes())
-    missing, bad = [], []
-    for p in doc.get("parameters") or ():
-        if p.get("kind") == "input":
-            continue
-        name = str(p.get("name"))
-        if name not in held:
-            missing.append(name)
-        elif list(held[name][1]) != list(p.get("shape") or []):
-            bad.append(f"{name}: module {list(p.get('shape') or [])} vs weights {list(held[name][1])}")
-    if missing:
-        raise ToolchainError(f"the lowered module takes weight(s) the model's {WEIGHTS_FILE} does not hold: "
-                             f"{', '.join(missing[:5])}")
-    if bad:
-        raise ToolchainError(f"the lowered module's weights do not match the model's {WEIGHTS_FILE}: {bad[0]}")
 
 
 def flags_document(platform: str, options: Mapping[str, Any], env_flags: list[str], version: str | None,
@@ -118,14 +89,12 @@ def run_neuron_compile(spec: Mapping[str, Any], sandbox: Path, out_dir: Path) ->
     env_flags = [str(f) for f in spec.get("env_flags") or ()]
     cc = spec.get("neuronx_cc")
     out_dir.mkdir(parents=True, exist_ok=True)
-    weights = weights_files(int(spec.get("tp_degree") or 1))
-    for name in (HLO_FILE, PARAMS_FILE, PROGRAM_CONSTANTS, *weights):
+    # No weights here: they are the module's parameters, bound at load (the weights action's file(s) ship beside
+    # these outputs; the runtime's bind checks them against params.json at load).
+    for name in (HLO_FILE, PARAMS_FILE, PROGRAM_CONSTANTS):
         if not (sandbox / name).is_file():
             raise ToolchainError(f"the lowering's {name} is missing from the sandbox")
-        _place(sandbox / name, out_dir / name)  # (the weights: a link to the weights action's file, never read)
-    from neuronbuild.toolchains.weights import read_header
-
-    check_bound(out_dir / PARAMS_FILE, {**read_header(out_dir / weights[0]), **read_header(out_dir / PROGRAM_CONSTANTS)})
+        _place(sandbox / name, out_dir / name)
     version = str(cc["version"]) if cc else None
     (out_dir / FLAGS_FILE).write_bytes(flags_document(platform, options, env_flags, version,
                                                       (out_dir / HLO_FILE).read_bytes()))

@@ -60,16 +60,15 @@ class PortableToolchain:
 
     def plan(self, req: CompileRequest) -> list[Action]:
         assert req.trace is not None
-        assert req.weights is not None
-        record = req.record(COMPILE, self.versions(req.platform, req.settings), weights=req.weights.fingerprint)
+        # As the cpu toolchain: the package holds no weight, the model's weights file ships beside it (bound at load).
+        record = req.record(COMPILE, self.versions(req.platform, req.settings), weights="shipped-1")
         spec = {"toolchain": self.name, "step": COMPILE, "platform": req.platform, "isa": ISA,
                 "options": dict(req.options), "inputs": dict(req.inputs), "bucket": req.bucket.as_dict(),
                 "program": TRACE_OUTPUT}
         return [make_action(COMPILE, req.label, req.bucket, record, spec,
-                            dep_inputs=(DepInput(req.trace.fingerprint, TRACE_OUTPUT, TRACE_OUTPUT),
-                                        *req.weights_inputs()),
-                            outputs=("model.pt2", "constants.safetensors", PROGRAM_CONSTANTS), platform=req.platform,
-                            target=self.describe_target(req.target))]
+                            dep_inputs=(DepInput(req.trace.fingerprint, TRACE_OUTPUT, TRACE_OUTPUT),),
+                            outputs=("model.pt2", PROGRAM_CONSTANTS), platform=req.platform,
+                            target=self.describe_target(req.target), ships=req.weights_shipped())]
 
     def run(self, step: str, spec: Mapping[str, Any], sandbox: Path, out_dir: Path) -> dict[str, Any]:
         from neuronbuild.toolchains.compile import run_cpu_compile, warm_up_cpu

@@ -1,0 +1,80 @@
+"""Big declared source files (a checkpoint) reach an action's sandbox as read-only links, not copies (#28: no second
+copy of the checkpoint on disk): a hard link in the sandbox's read-only sibling, which the action's Landlock policy
+lets it read and never write or truncate, so a hostile action cannot change the user's file; an edit of the user's
+file while the action runs is noticed (its result is not stored). Small files stay copies."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from neuronbuild.analysis.actions import Bucket, FileInput, make_action
+from neuronbuild.cache.local import LocalCache
+from neuronbuild.digests import digest_file
+from neuronbuild.execution import sandbox
+from neuronbuild.execution.confine import confine, installation_roots
+from neuronbuild.execution.worker import action_policy
+from neuronbuild.loading.labels import parse_label
+
+pytestmark = pytest.mark.skipif(not sandbox._confined_read_only(), reason="needs Landlock ABI >= 3")
+
+
+def _action(ws: Path, names: list[str]) -> object:
+    files = tuple(FileInput(n, digest_file(ws / n)) for n in names)
+    return make_action("weights", parse_label("//pkg:m", ""), Bucket(()), {"t": 1}, {"step": "weights"}, files=files)
+
+
+def test_a_big_input_is_a_read_only_link_the_action_cannot_change(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setattr(sandbox, "LINK_MIN_BYTES", 4096)
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    data = os.urandom(8192)
+    (ws / "w.safetensors").write_bytes(data)
+    (ws / "m.py").write_text("x = 1\n")
+    cache = LocalCache(tmp_path / "cache")
+    sb = sandbox.prepare(_action(ws, ["w.safetensors", "m.py"]), ws, cache)  # type: ignore[arg-type]
+    try:
+        big, small = sb.inputs / "w.safetensors", sb.inputs / "m.py"
+        assert big.is_symlink() and big.stat().st_ino == (ws / "w.safetensors").stat().st_ino  # no copy
+        assert not small.is_symlink() and small.stat().st_ino != (ws / "m.py").stat().st_ino  # a copy
+        assert [p for p, _s in sb.linked] == ["w.safetensors"] and sb.changed_input() is None
+
+        # The action's process, confined as the worker confines it: it reads the file, cannot write or truncate it.
+        msg = {"spec": {"step": "weights"}, "inputs": str(sb.inputs), "outputs": str(sb.outputs),
+               "log": str(tmp_path / "log")}
+        policy = action_policy(msg, dict(os.environ), installation_roots())
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                os.close(r)
+                confine(policy)
+                results = [str(big.read_bytes() == data)]
+                for attempt in (lambda: open(big, "r+b").write(b"\0"), lambda: os.truncate(big, 0),
+                                lambda: open(big.resolve(), "wb")):
+                    try:
+                        attempt()
+                        results.append("written")
+                    except PermissionError:
+                        results.append("refused")
+                os.write(w, " ".join(results).encode())
+                code = 0
+            finally:
+                os._exit(code)
+        os.close(w)
+        got = os.read(r, 1000).decode()
+        os.close(r)
+        assert os.waitpid(pid, 0)[1] == 0
+        assert got == "True refused refused refused", got
+        assert (ws / "w.safetensors").read_bytes() == data
+
+        # The user edits the file while the action runs: noticed, the result must not be stored.
+        with open(ws / "w.safetensors", "r+b") as f:
+            f.write(b"\0")
+        assert sb.changed_input() == "w.safetensors"
+    finally:
+        sb.remove()
+    assert not sandbox.read_only_dir(sb.inputs).exists() and (ws / "w.safetensors").stat().st_nlink == 1
