@@ -22,20 +22,21 @@ MODEL = '''import torch
 
 
 class M(torch.nn.Module):
-    def __init__(self, n):
+    def __init__(self, n, act):
         super().__init__()
         self.lin = torch.nn.Linear(n, 4)
+        self.act = getattr(torch, act)
 
     def forward(self, x):
-        return torch.relu(self.lin(x))
+        return self.act(self.lin(x))
 
 
 def build(config):
-    return M(int(config["n"]))
+    return M(int(config["n"]), config.get("act", "relu"))
 '''
 BUILD = '''neuron_model(name = "m", srcs = ["m.py"], entry = "m:build", config = {"n": 8}, inputs = {"x": "float32[batch, n]"})
-neuron_model(name = "m2", srcs = ["m.py"], entry = "m:build", config = {"n": 8}, inputs = {"x": "float32[batch, n]"},
-             seed = 7)
+neuron_model(name = "m2", srcs = ["m.py"], entry = "m:build", config = {"n": 8, "act": "tanh"},
+             inputs = {"x": "float32[batch, n]"}, seed = 7)
 neuron_buckets(name = "b", shapes = [{"batch": 2, "n": 8}])
 neuron_target(name = "cpu", platform = "cpu", isa = "x86-64")
 neuron_target(name = "trn2", platform = "trn2")
@@ -132,7 +133,8 @@ def test_bundles_are_signed_and_deploy_refuses_unsigned_or_wrongly_signed(signed
 
     # One artifact replaced by another model's, digests updated: self-consistent, but the signature no longer fits.
     other_pt2 = next(d for m, d in _members(ws / OTHER) if m.name.endswith("model.pt2"))
-    target = next(m.name for m, _ in _members(archive) if m.name.endswith("model.pt2"))
+    target, mine = next((m.name, d) for m, d in _members(archive) if m.name.endswith("model.pt2"))
+    assert other_pt2 != mine  # another program (packages hold no weights: a seed alone would not differ)
     forged = _write(tmp_path / "forged.tar.zst", _forge(archive, {target: other_pt2}))
     unsigned = _write(tmp_path / "unsigned.tar.zst", _forge(archive, {target: other_pt2}, keep_signature=False))
     for bad, msg in ((forged, "bad signature"), (unsigned, "not signed")):
@@ -183,17 +185,19 @@ def test_strict_open_refuses_unsigned_releases_and_pins_artifact_digests(signed:
 
 
 def test_a_pin_covers_the_digest_the_runtime_checks(signed: dict[str, Path], tmp_path: Path, trn2_host: None) -> None:
-    # After deploy, an artifact is replaced and the deployed manifest's BLAKE3 for it (the digest strict open checks)
-    # rewritten to fit, its sha256 left as pinned. The pin must still refuse it: by its BLAKE3 when the expected
+    # After deploy, an artifact is replaced (same size, one byte changed) and the deployed manifest's BLAKE3 for it
+    # (the digest strict open checks) rewritten to fit, its sha256 left as pinned. The pin must still refuse it: by its BLAKE3 when the expected
     # manifest gives one, else by checking the sha256 it pins.
     ws = signed["ws"]
     archive = ws / ARCHIVE
     genuine = ws / "neuronbuild-out/pkg/release.manifest.json"
-    other_pt2 = next(d for m, d in _members(ws / OTHER) if m.name.endswith("model.pt2"))
     dest = tmp_path / "serve"
     res = deploy(archive, dest)
     manifest = json.loads((res.dir / "manifest.json").read_text())
     ref = next(g["artifacts"]["model.pt2"] for g in manifest["graphs"] if "model.pt2" in g["artifacts"])
+    evil = bytearray((res.dir / ref["path"]).read_bytes())
+    evil[len(evil) // 2] ^= 0xFF
+    other_pt2 = bytes(evil)
     assert ref["blake3"]  # graph artifacts carry their BLAKE3
     (res.dir / ref["path"]).write_bytes(other_pt2)
     ref["blake3"] = blake3.blake3(other_pt2).hexdigest()
