@@ -70,3 +70,15 @@ def running(pid: int) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+def user_signals() -> None:
+    """preexec_fn for a child that stands for a command typed at a terminal: Ctrl-C and SIGTERM reach it. Python
+    keeps an inherited SIG_IGN for SIGINT (it installs KeyboardInterrupt only over SIG_DFL), and a blocked mask is
+    inherited too; a test process may have either from a library it ran (seen on xdist workers: an interrupted build
+    spun on for 30 s)."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_SETMASK, set())

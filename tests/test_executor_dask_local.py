@@ -232,8 +232,10 @@ def test_a_farm_worker_neither_hashes_nor_stores_again_a_blob_its_host_hashed_al
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))  # this test's farm scratch dir (stamps)
     hashed: list[str] = []
     stored: list[str] = []
-    verify, put_file = BlobStore.verify, BlobStore.put_file
+    verify, put_file, copy_read_only = BlobStore.verify, BlobStore.put_file, BlobStore.copy_read_only
     monkeypatch.setattr(BlobStore, "verify", lambda self, d: hashed.append(d) or verify(self, d))
+    monkeypatch.setattr(BlobStore, "copy_read_only",  # a verified copy: hashed as it is written
+                        lambda self, d, dest: hashed.append(d) or copy_read_only(self, d, dest))
     monkeypatch.setattr(BlobStore, "put_file", lambda self, p, scratch=False: stored.append(p.name)
                         or put_file(self, p, scratch))
     (tmp_path / "shared").mkdir()

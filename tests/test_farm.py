@@ -15,7 +15,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from helpers import MODEL_SRC, run_cli, write_ws
+from helpers import MODEL_SRC, run_cli, user_signals, write_ws
 from introspect_ws import tiny_ws
 
 from neuronbuild.analysis.toolchain_versions import package_version
@@ -192,7 +192,7 @@ neuron_compile(name = "slow_trn2", model = ":slow", buckets = [":b"], target = "
 """})
     build = subprocess.Popen([sys.executable, "-m", "neuronbuild", *_dask_build(ws, farm, tmp_path)], cwd=ws,
                              text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             env={**_env(), "NEURONX_CC": ""})
+                             env={**_env(), "NEURONX_CC": ""}, preexec_fn=user_signals)
     try:
         deadline = time.monotonic() + 120
         running: list[psutil.Process] = []

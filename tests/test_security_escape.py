@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import _ENV_AT_START, run_cli, running, write_ws
+from helpers import _ENV_AT_START, run_cli, running, user_signals, write_ws
 
 from neuronbuild.execution import channel
 
@@ -536,7 +536,8 @@ def test_a_cancelled_endless_starlark_loop_does_not_wedge_the_server(tmp_path: P
     env = {**os.environ, **server_env}
     cache = str(tmp_path / "cache")
     spinning = subprocess.Popen([sys.executable, "-P", "-m", "neuronbuild", "plan", "//pkg:all", "--cache-dir", cache],
-                                cwd=ws, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                                cwd=ws, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                preexec_fn=user_signals)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:  # until the server runs the command (busy)
         info = run_cli(["info", "--output", "json"], ws, server_env, ("-P",))

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import _ENV_AT_START, run_cli, write_ws
+from helpers import _ENV_AT_START, run_cli, user_signals, write_ws
 
 LOOP_BUILD = '''print("spinning")
 
@@ -28,7 +28,7 @@ def _popen(args: list[str], cwd: Path) -> subprocess.Popen[str]:
     env = {k: v for k, v in os.environ.items() if k in _ENV_AT_START or not k.startswith("TORCHINDUCTOR_")}
     env["PYTHONFAULTHANDLER"] = "1"  # a process that hangs is sent SIGABRT: every thread's stack is on its stderr
     return subprocess.Popen([sys.executable, "-m", "neuronbuild", *args], cwd=cwd, env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=user_signals)
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])

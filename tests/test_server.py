@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import REPO, run_cli
+from helpers import REPO, run_cli, user_signals
 
 sys.path.insert(0, str(REPO / "benchmarks"))
 import gen_monorepo  # noqa: E402
@@ -66,7 +66,7 @@ class Servers:
         full = {**os.environ, **self.env}
         with open(out, "wb") as f:
             return subprocess.Popen([sys.executable, "-m", "neuronbuild", *args], cwd=cwd, env=full, stdout=f,
-                                    stderr=subprocess.STDOUT)
+                                    stderr=subprocess.STDOUT, preexec_fn=user_signals)
 
     def build(self, ws: Path, *extra: str, batch: bool = False, expect: int = 0) -> subprocess.CompletedProcess[str]:
         args = (["--batch"] if batch else []) + ["build", "//...", "--jobs", "2", "--cache-dir", str(self.cache),
