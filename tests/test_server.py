@@ -240,15 +240,16 @@ def test_server_rebuilds_exactly_what_batch_rebuilds_over_every_kind_of_edit(ser
     # 6. a new package
     shutil.copytree(ws / PKG, ws / "g000" / "p00001")
     (ws / "g000" / "p00001" / "BUILD").write_text(gen_monorepo.build_file(1, 1, 2))
-    assert len(same()) >= 3
-    # 6b. a weights file declared in it, then its bytes changed (same size): its trace and what follows run again
+    assert len(same()) >= 1  # at least its weights action (programs equal to ones built already are cached)
+    # 6b. a weights file declared in it, then its bytes changed (same size): its weights action runs again (traces,
+    # Lowers and compiles work on shapes and never read the weights file)
     new_pkg = ws / "g000" / "p00001"
     _weights_file(new_pkg / "w.safetensors", 0)
     (new_pkg / "BUILD").write_text((new_pkg / "BUILD").read_text().replace(
         "seed = 1)", 'seed = 1, weights = "w.safetensors")'))
-    assert len(same()) >= 3
+    assert len(same()) >= 1
     _weights_file(new_pkg / "w.safetensors", 1)
-    assert len(same()) >= 3
+    assert len(same()) == 1
     # 7. a removed package
     shutil.rmtree(ws / "g000" / "p00001")
     assert same() == set()
