@@ -82,12 +82,17 @@ TOOLCHAIN_MEMBERS = ("name", "platforms", "artifact_format", "runtime_loader", "
                      "warm_up_key", "prepare_worker", "step_dirs", "host_status", "load_artifact", "notes")
 
 
+def _require_members(obj: object, members: tuple[str, ...], what: str) -> None:
+    """TypeError naming what `obj` (its name in `what`'s {!r}) lacks of `members`, its protocol's."""
+    missing = [m for m in members if not hasattr(obj, m)]
+    if missing:
+        raise TypeError(what.format(getattr(obj, "name", obj)) +
+                        f" (analysis/toolchain_api.py): missing {', '.join(missing)}")
+
+
 def register_toolchain(tc: Toolchain) -> Toolchain:
     """Register a toolchain (implementing analysis/toolchain_api.Toolchain); returns it."""
-    missing = [m for m in TOOLCHAIN_MEMBERS if not hasattr(tc, m)]
-    if missing:
-        raise TypeError(f"toolchain {getattr(tc, 'name', tc)!r} does not implement the Toolchain protocol "
-                        f"(analysis/toolchain_api.py): missing {', '.join(missing)}")
+    _require_members(tc, TOOLCHAIN_MEMBERS, "toolchain {!r} does not implement the Toolchain protocol")
     with _lock:
         for p in tc.platforms:
             owner = _platforms.get(p)
@@ -212,10 +217,7 @@ SETTINGS_MEMBERS = ("name", "flags", "tools", "components", "check", "resolve", 
 
 def register_settings(settings: ToolSettings) -> ToolSettings:
     """Register a toolchain's settings (analysis/toolchain_api.ToolSettings); returns them."""
-    missing = [m for m in SETTINGS_MEMBERS if not hasattr(settings, m)]
-    if missing:
-        raise TypeError(f"toolchain settings {getattr(settings, 'name', settings)!r} do not implement ToolSettings "
-                        f"(analysis/toolchain_api.py): missing {', '.join(missing)}")
+    _require_members(settings, SETTINGS_MEMBERS, "toolchain settings {!r} do not implement ToolSettings")
     with _lock:
         taken = {f.name for other in _settings.values() if other.name != settings.name for f in other.flags}
         clash = [f.name for f in settings.flags if f.name in taken]
