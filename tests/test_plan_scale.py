@@ -99,6 +99,46 @@ def test_the_wall_time_estimate_is_the_greedy_list_schedule_on_random_graphs() -
             assert got == want, (trial, jobs)
 
 
+def test_a_wall_time_schedule_resumed_from_the_previous_plans_equals_a_full_one(monkeypatch: Any) -> None:
+    """The build server keeps the last schedule (estimate.Schedule) and resumes it where the actions, their order and
+    seconds are unchanged: after random edits (an action's seconds, actions inserted, removed, the workers) the figure
+    equals the greedy schedule's and a fresh full run's, exactly."""
+    from neuronbuild.analysis import estimate
+
+    monkeypatch.setattr(estimate, "CHECK", 4)  # (resume points every 4 actions: small graphs resume often)
+    rng = random.Random(23)
+    resumed = 0
+    for trial in range(40):
+        g = nx.DiGraph()
+        names = [f"{rng.getrandbits(64):016x}" for _ in range(rng.randint(1, 80))]
+        for k, fp in enumerate(names):
+            g.add_node(fp)
+            for dep in rng.sample(names[:k], min(k, rng.choice((0, 1, 1, 2)))):
+                g.add_edge(dep, fp)
+        order = list(nx.lexicographical_topological_sort(g))
+        prior = None
+        todo = [fp for fp in order if rng.random() < 0.9]
+        seconds = {fp: float(rng.randint(0, 3)) if trial % 2 else rng.random() * 10 for fp in order}
+        jobs = rng.choice((1, 2, 3))
+        for _edit in range(6):
+            deps = [list(g.predecessors(fp)) for fp in todo]
+            secs = [seconds[fp] for fp in todo]
+            wall, prior = estimate.schedule_from(prior, todo, deps, secs, jobs)
+            want = _greedy(g, [_Act(fp) for fp in todo], seconds, jobs)
+            assert wall == want == estimate.schedule(todo, deps, secs, jobs), (trial, _edit)
+            what = rng.choice(("seconds", "drop", "add", "jobs", "none"))
+            if what == "seconds" and todo:
+                seconds[rng.choice(todo)] = float(rng.randint(0, 5))
+            elif what == "drop" and todo:
+                todo.remove(rng.choice(todo))
+            elif what == "add":
+                todo = [fp for fp in order if fp in todo or rng.random() < 0.2]
+            elif what == "jobs":
+                jobs = rng.choice((1, 2, 3))
+            resumed += estimate._resume(prior, todo, [seconds[fp] for fp in todo], jobs) > 0
+    assert resumed > 40  # (resuming happens: not a full run every time)
+
+
 class _Act:
     def __init__(self, fingerprint: str) -> None:
         self.fingerprint = fingerprint

@@ -560,16 +560,20 @@ def _weights_file(path: Path, fill: int) -> None:
     path.write_bytes(len(raw).to_bytes(8, "little") + raw + bytes([fill]) * (4 * n * n + 4 * n))
 
 
+@pytest.mark.parametrize("group_roots", [64, 3])
 def test_memoised_analysis_plans_what_a_fresh_analysis_plans_over_edits_it_could_get_wrong(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, group_roots: int) -> None:
     """The server's memoised analysis (analysis/planner.AnalysisMemo, kept across commands in one process) against
     a fresh analysis after each edit: the same actions, in the same order, the same compile targets and bundles; and
-    only the edited targets (and those depending on them) are analysed again."""
+    only the edited targets (and those depending on them) are analysed again. With groups of 3 roots (planner._Group)
+    the 8 roots make several groups, sharing nodes (option sets, bucket sets, targets) across their boundaries."""
     from neuronbuild import incremental
     from neuronbuild.analysis import planner
     from neuronbuild.context import make_context
     from neuronbuild.errors import UserInputError
     from neuronbuild.loading.target_graph import load_targets
+
+    monkeypatch.setattr(planner, "GROUP_ROOTS", group_roots)
 
     ws = tmp_path / "ws"
     gen_monorepo.generate(ws, 16, 2, 2)  # 4 packages: 0 and 2 through the load()ed macros, 1 and 3 direct
@@ -586,7 +590,7 @@ def test_memoised_analysis_plans_what_a_fresh_analysis_plans_over_edits_it_could
             graph = load_targets(ctx.workspace.root, ["//..."], ctx.workspace.cwd_package, None)
         m = incremental.analysis_memo(ctx.workspace.root, ctx.settings) if memo else None
         ag = planner.plan(graph, ctx.settings, m)  # memo None: a fresh analysis, as in batch mode
-        counts = (m.reused, m.analysed) if m is not None else (0, 0)
+        counts = (m.reused, m.analysed, m.grouped) if m is not None else (0, 0, 0)
         # the loaded targets and packages; the whole graph: actions in registration order, the topological order,
         # every node's predecessors and successors in networkx's order
         return ([(str(lbl), t.kind, dict(t.attrs)) for lbl, t in graph.targets.items()], list(graph.packages),
@@ -619,8 +623,8 @@ def test_memoised_analysis_plans_what_a_fresh_analysis_plans_over_edits_it_could
             return warm[-1]
 
         pkg = [ws / gen_monorepo.package_name(i) for i in range(4)]
-        reused, analysed = same()  # nothing changed: everything replayed
-        assert analysed == 0 and reused > 0
+        reused, analysed, grouped = same()  # nothing changed: everything replayed
+        assert analysed == 0 and reused > 0 and grouped == 8  # (every root provided by a group: 8 roots)
         # a bucket-list edit: that package's bucket set and the compiles using it
         gen_monorepo.edit_one_bucket_list(ws, 0, 2, 40)
         assert same()[1] == 3  # shapes + 2 compiles of package 0
@@ -644,6 +648,17 @@ def test_memoised_analysis_plans_what_a_fresh_analysis_plans_over_edits_it_could
         with open(pkg[1] / "BUILD", "a") as f:
             f.write(f'neuron_compile(name = "other", model = "//{gen_monorepo.package_name(0)}:m", '
                     'buckets = [":shapes"], target = "//common:trn2")\n')
+        same()
+        # a bundle in package 1 shipping a compile of its own and one of package 3 (provided by the bundle's root
+        # before package 3's roots ask for it: a node with events shared across groups); package 3 edited; removed
+        b1 = pkg[1] / "BUILD"
+        before = b1.read_text()
+        b1.write_text(before + f'neuron_bundle(name = "rel", srcs = [":c_0", "//{gen_monorepo.package_name(3)}:c_1"])\n')
+        same()
+        assert same()[2] == 11  # (nothing changed: all 11 roots by groups; package 3's leaves out what the bundle added)
+        gen_monorepo.edit_one_bucket_list(ws, 3, 2, 41)
+        same()
+        b1.write_text(before)
         same()
         b0 = pkg[0] / "BUILD"
         b0.write_text(b0.read_text().replace("width = 16, seed = 0", "width = 16, seed = 7"))

@@ -177,44 +177,105 @@ def wall_time_of(pred: Callable[[str], Iterable[str]], fps: Sequence[str], secon
     return schedule(fps, list(map(pred, fps)), seconds, jobs)
 
 
+@dataclass(frozen=True)
+class Schedule:
+    """A finished wall-time schedule as a node of the analysis engine (kept with the build server's AnalysisMemo):
+    its inputs (the actions in order, their seconds, the workers) and what the list schedule held before every
+    CHECK-th action. A schedule of the same actions in the same order with the same seconds up to some point is the
+    same up to there (an action's dependencies are a function of its fingerprint), so it resumes there."""
+
+    fps: list[str]
+    seconds: list[float]
+    jobs: int
+    ends: list[float]  # each action's finish, in order
+    states: list[Any]  # before action i * CHECK: the workers' free times
+
+
+CHECK = 1024
+
+
 def schedule(fps: Sequence[str], deps: Sequence[Iterable[str]], seconds: Sequence[float], jobs: int) -> float:
     """wall_time_of() with each action's dependencies given in a list aligned with `fps`."""
+    return schedule_from(None, fps, deps, seconds, jobs)[0]
+
+
+def _resume(prior: Schedule | None, fps: Sequence[str], seconds: Sequence[float], jobs: int) -> int:
+    """How many actions at the start of `fps` the `prior` schedule has already placed exactly so (a multiple of
+    CHECK): the same actions, in the same order, with the same seconds."""
+    if prior is None or prior.jobs != jobs:
+        return 0
+    n = min(len(fps), len(prior.fps))
+    done = 0
+    while done + CHECK <= n and prior.fps[done:done + CHECK] == fps[done:done + CHECK] and \
+            prior.seconds[done:done + CHECK] == seconds[done:done + CHECK]:
+        done += CHECK
+    return done
+
+
+def schedule_from(prior: Schedule | None, fps: Sequence[str], deps: Sequence[Iterable[str]],
+                  seconds: Sequence[float], jobs: int) -> tuple[float, Schedule]:
+    """schedule() and the Schedule node it makes, resumed from `prior` (the previous one, or None) where its
+    actions, order and seconds are still the same: each action after that is placed as a full run places it, from
+    the same state, so the figure is the one a full run computes."""
     import heapq
 
-    finish: dict[str, float] = {}  # (fps is topologically ordered: a dependency to run is in here before its user)
+    fps, seconds = list(fps), list(seconds)
+    start = _resume(prior, fps, seconds, jobs)
+    states: list[Any]
+    if start:
+        assert prior is not None
+        states = prior.states[:start // CHECK + 1]
+        finish = dict(zip(fps[:start], prior.ends[:start], strict=True))
+        state = states[-1]
+    else:
+        states = []
+        finish = {}  # (fps is topologically ordered: a dependency to run is in here before its user)
+        state = 0.0 if jobs <= 1 else (0.0, 0.0) if jobs == 2 else [(0.0, i) for i in range(jobs)]
+        states.append(state)
     get = finish.get
-    if jobs <= 1:  # (one worker: each action starts when the previous one ends, or its inputs are ready)
-        free = 0.0
-        for fp, s, ds in zip(fps, seconds, deps, strict=True):
-            ready = free
-            for d in ds:
-                f = get(d)
-                if f is not None and f > ready:
-                    ready = f
-            free = finish[fp] = ready + s
-        return max(finish.values(), default=0.0)
-    if jobs == 2:  # (the heap of two workers as two numbers: the first free, the lower index on a tie)
-        free0 = free1 = 0.0
-        for fp, s, ds in zip(fps, seconds, deps, strict=True):
-            ready = 0.0
-            for d in ds:
-                f = get(d)
-                if f is not None and f > ready:
-                    ready = f
-            if free0 <= free1:
-                free0 = finish[fp] = (ready if ready > free0 else free0) + s
-            else:
-                free1 = finish[fp] = (ready if ready > free1 else free1) + s
-        return max(finish.values(), default=0.0)
-    workers = [(0.0, i) for i in range(jobs)]  # (free at, worker): a heap
-    replace = heapq.heapreplace
-    for fp, s, ds in zip(fps, seconds, deps, strict=True):
-        ready = 0.0
-        for d in ds:
-            f = get(d)
-            if f is not None and f > ready:
-                ready = f
-        free, i = workers[0]
-        end = finish[fp] = (ready if ready > free else free) + s
-        replace(workers, (end, i))
-    return max(finish.values(), default=0.0)
+    n = len(fps)
+    for b in range(start, n, CHECK):
+        e = min(b + CHECK, n)
+        if b > start:
+            states.append(list(state) if jobs > 2 else state)
+        block = zip(fps[b:e], seconds[b:e], deps[b:e], strict=True)
+        if jobs <= 1:  # (one worker: each action starts when the previous one ends, or its inputs are ready)
+            free = state
+            for fp, s, ds in block:
+                ready = free
+                for d in ds:
+                    f = get(d)
+                    if f is not None and f > ready:
+                        ready = f
+                free = finish[fp] = ready + s
+            state = free
+        elif jobs == 2:  # (the heap of two workers as two numbers: the first free, the lower index on a tie)
+            free0, free1 = state
+            for fp, s, ds in block:
+                ready = 0.0
+                for d in ds:
+                    f = get(d)
+                    if f is not None and f > ready:
+                        ready = f
+                if free0 <= free1:
+                    free0 = finish[fp] = (ready if ready > free0 else free0) + s
+                else:
+                    free1 = finish[fp] = (ready if ready > free1 else free1) + s
+            state = (free0, free1)
+        else:
+            workers = list(state)  # (free at, worker): a heap
+            replace = heapq.heapreplace
+            for fp, s, ds in block:
+                ready = 0.0
+                for d in ds:
+                    f = get(d)
+                    if f is not None and f > ready:
+                        ready = f
+                free, i = workers[0]
+                end = finish[fp] = (ready if ready > free else free) + s
+                replace(workers, (end, i))
+            state = workers
+    ends = list(finish.values())
+    if len(ends) != n:  # (an action twice: nothing to resume from)
+        return max(ends, default=0.0), Schedule([], [], jobs, [], [])
+    return max(ends, default=0.0), Schedule(fps, seconds, jobs, ends, states)

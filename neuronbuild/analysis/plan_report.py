@@ -9,7 +9,7 @@ from functools import cached_property
 from typing import Any
 
 from neuronbuild.analysis.actions import Action
-from neuronbuild.analysis.estimate import Estimate, Estimator, schedule
+from neuronbuild.analysis.estimate import Estimate, Estimator, schedule, schedule_from
 from neuronbuild.analysis.planner import ActionGraph
 from neuronbuild.analysis.providers import CompileTarget
 from neuronbuild.history import History
@@ -32,6 +32,8 @@ class PlanReport:
     cached: frozenset[str] = frozenset()
     estimates: dict[str, Estimate] = field(default_factory=dict, hash=False, compare=False)
     jobs: int = 1
+    # the analysis engine (planner.AnalysisMemo) the wall-time schedule is a node of, or None (batch: made afresh)
+    engine: Any = field(default=None, hash=False, compare=False, repr=False)
 
     def status(self, fp: str) -> str:
         if fp in self.cached:
@@ -61,7 +63,12 @@ class PlanReport:
             seconds = [(e.seconds or 0.0) if (e := get(a.fingerprint)) is not None else 0.0 for a in todo]
         else:
             seconds = self._seconds
-        return schedule(list(map(_FINGERPRINT, todo)), list(map(_DEPS, todo)), seconds, self.jobs)
+        engine = self.engine
+        if engine is None:
+            return schedule(list(map(_FINGERPRINT, todo)), list(map(_DEPS, todo)), seconds, self.jobs)
+        wall, engine.schedule = schedule_from(engine.schedule, list(map(_FINGERPRINT, todo)), list(map(_DEPS, todo)),
+                                              seconds, self.jobs)
+        return wall
 
     def _cell(self, fp: str) -> dict[str, Any]:
         est = self.estimates.get(fp)
@@ -167,8 +174,9 @@ def _traces(ct: CompileTarget, ag: ActionGraph) -> tuple[str, ...]:
 
 
 def plan_report(ag: ActionGraph, todo: Sequence[Action], cached: Sequence[str], history: History,
-                jobs: int) -> PlanReport:
-    """`todo`/`cached` come from the scheduler's own needed_actions(), so the report matches what a build runs."""
+                jobs: int, engine: Any = None) -> PlanReport:
+    """`todo`/`cached` come from the scheduler's own needed_actions(), so the report matches what a build runs.
+    `engine`: the build server's analysis engine (planner.AnalysisMemo), which keeps the wall-time schedule."""
     est = Estimator(history)
     estimates = {a.fingerprint: est.estimate(a) for a in todo}
-    return PlanReport(ag, tuple(todo), frozenset(cached), estimates, jobs)
+    return PlanReport(ag, tuple(todo), frozenset(cached), estimates, jobs, engine)

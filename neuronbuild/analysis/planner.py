@@ -270,6 +270,69 @@ class _Segment:
     closed: bool  # every action's dependencies come before it in `actions` (its order is topological)
 
 
+@dataclass(frozen=True)
+class _Group:
+    """Consecutive requested roots (at most GROUP_ROOTS, the same slice of the plan's roots every time) provided from
+    their segments as one node of the engine: what providing them in order from their segments adds, starting from
+    nothing provided (the nodes with their providers, the actions in order, the compile targets and bundles), made
+    from those segments. It reads exactly what they read, so it is valid exactly when each of them is: each node is
+    still current (`ids`) and each volatile provider is equal. A re-plan provides a valid group in one step when none
+    of its nodes or actions is provided yet; else root by root from the segments, as before."""
+
+    roots: tuple[Label, ...]
+    memos: tuple[_Memo, ...]  # the nodes, in the order provided (held, so their ids are not reused)
+    ids: frozenset[int]
+    volatile: tuple[tuple[Label, Any], ...]  # (one per distinct value seen)
+    providers: dict[Label, Any]  # (in the order of `memos`)
+    actions: dict[str, Action]
+    events: tuple[tuple[int, tuple[Any, ...]], ...]  # (id of the node's _Memo, ("compile", ct) | ("bundle", ...))
+    compiles: tuple[CompileTarget, ...]  # (the events' compile targets, and bundles, in order)
+    bundles: tuple[tuple[Label, BundleInfo], ...]
+    event_ids: frozenset[int]  # the ids and labels of the nodes with events
+    event_labels: frozenset[Label]
+    closed: bool
+
+
+GROUP_ROOTS = 64
+
+
+def _make_group(roots: tuple[Label, ...], segments: Mapping[Label, _Segment]) -> _Group | None:
+    """The group of `roots` from their current segments (None when one has none): what providing each root in turn
+    from its segment adds (AnalysisContext.use_segment), starting from nothing provided."""
+    segs = [segments.get(r) for r in roots]
+    labels: dict[Label, Any] = {}
+    memos: list[_Memo] = []
+    ids: set[int] = set()
+    volatile: dict[int, tuple[Label, Any]] = {}
+    actions: dict[str, Action] = {}
+    events: list[tuple[int, tuple[Any, ...]]] = []
+    closed = True
+    for root, seg in zip(roots, segs, strict=True):
+        if seg is None:
+            return None
+        closed = closed and seg.closed
+        for v in seg.volatile:
+            volatile.setdefault(id(v[1]), v)
+        if root in labels:  # (provided by an earlier root of the group: a plan adds nothing for it)
+            continue
+        every = ids.isdisjoint(seg.ids)
+        fresh = {id(m) for m in seg.memos if id(m) not in ids}
+        for fp, a in seg.actions.items():
+            if fp not in actions:
+                actions[fp] = a
+        events.extend(e for e in seg.events if every or e[0] in fresh)
+        for lbl, m in zip(seg.labels, seg.memos, strict=True):
+            if every or id(m) in fresh:
+                labels[lbl] = m.provider
+                memos.append(m)
+        ids |= seg.ids
+    event_ids = frozenset(mid for mid, _ev in events)
+    return _Group(roots, tuple(memos), frozenset(ids), tuple(volatile.values()), labels, actions, tuple(events),
+                  tuple(ev[1] for _mid, ev in events if ev[0] == "compile"),
+                  tuple((ev[1], ev[2]) for _mid, ev in events if ev[0] != "compile"), event_ids,
+                  frozenset(lbl for lbl, m in zip(labels, memos, strict=True) if id(m) in event_ids), closed)
+
+
 class AnalysisMemo:
     """The analysis engine's memo: one node per analysed target (`_Memo`), kept between plans of one workspace with
     one set of settings by the build server, and made empty for each batch command (the same engine, starting empty).
@@ -286,6 +349,8 @@ class AnalysisMemo:
         # command's engine is used once, so it makes none).
         self.keep_segments = segments
         self.segments: dict[Label, _Segment] = {}
+        # Per slice of GROUP_ROOTS requested roots (by its index): the group made from their segments (_Group)
+        self.groups: dict[int, _Group] = {}
         # id() of every _Memo replaced since the segments were made (a segment holding one is stale; segments hold
         # their nodes, so such an id is not reused while a segment could ask)
         self.retired: set[int] = set()
@@ -293,8 +358,9 @@ class AnalysisMemo:
         self.settings_key: str | None = None
         self.trace_toolchain: dict[str, str] = {}
         self.revision = 0
-        self.reused = self.analysed = self.cutoffs = 0
+        self.reused = self.analysed = self.cutoffs = self.grouped = 0  # (this plan's: nodes; roots by groups)
         self.last: ActionGraph | None = None  # the previous plan's action graph (the node's value)
+        self.schedule: Any = None  # the last plan's wall-time schedule (estimate.Schedule: resumed where equal)
 
     def begin(self, settings: PlanSettings) -> None:
         key = settings_key(settings)
@@ -303,12 +369,13 @@ class AnalysisMemo:
                 any(_versions(tc, platform, settings) != v for (tc, platform), v in self.env.items()):
             self.entries.clear()
             self.segments.clear()
+            self.groups.clear()
             self.retired.clear()
             self.env.clear()
             self.last = None
         self.settings_key, self.trace_toolchain = key, trace_tc
         self.revision += 1
-        self.reused = self.analysed = self.cutoffs = 0
+        self.reused = self.analysed = self.cutoffs = self.grouped = 0
 
     def action_graph(self, actions: dict[str, Action], compiles: tuple[CompileTarget, ...],
                      bundles: dict[Label, BundleInfo], topological: bool = False) -> ActionGraph:
@@ -636,6 +703,53 @@ class AnalysisContext:
         memo.reused += len(new)
         return True
 
+    def use_group(self, group: _Group) -> bool:
+        """Provide the roots of `group` (_Group) in one step if it is valid and every node provided so far came from
+        a segment or group: this adds what providing each root from its segment would (the nodes provided already,
+        shared with earlier roots, and their events left out; an action added already keeping its place and
+        object); whether it did."""
+        memo = self.memo
+        assert memo is not None
+        if self._bad is None:
+            self._bad = self._surface_bad()
+        ids = group.ids
+        if not self._bad.isdisjoint(ids) or not memo.retired.isdisjoint(ids):
+            return False
+        targets = self.graph.targets
+        for lbl, seen in group.volatile:
+            t = targets.get(lbl)
+            if t is None or not _volatile(t.kind) or not self._same_volatile(lbl, seen):
+                return False
+        actions, done, providers = self.actions, self._from_segments, self._providers
+        if actions.keys().isdisjoint(group.actions):
+            actions.update(group.actions)
+        else:
+            for fp, a in group.actions.items():
+                if fp not in actions:
+                    actions[fp] = a
+        # The events (compile targets, bundles) of the nodes not provided yet: a node provided already, from a segment
+        # (its id is in `done`) or otherwise (its label), has added its own (as use_segment)
+        if done.isdisjoint(group.event_ids) and \
+                (self._all_from_segments or providers.keys().isdisjoint(group.event_labels)):
+            list.extend(self.compiles, group.compiles)  # (the common case)
+            dict.update(self.bundles, group.bundles)
+        else:
+            skip = {id(m) for (lbl, _p), m in zip(group.providers.items(), group.memos, strict=True)
+                    if id(m) in done or lbl in providers}
+            for mid, ev in group.events:
+                if mid not in skip:
+                    if ev[0] == "compile":
+                        list.append(self.compiles, ev[1])
+                    else:
+                        dict.__setitem__(self.bundles, ev[1], ev[2])
+        # A node provided already has the provider of the group's node (the same _Memo, else the group is not valid):
+        # writing it again changes nothing
+        memo.reused += len(ids) - len(done & ids)
+        providers.update(group.providers)
+        done |= ids
+        memo.grouped += len(group.roots)
+        return True
+
     def make_segment(self, root: Label) -> _Segment | None:
         """The segment of `root` from the memo's current nodes (after a plan that provided it), as a fresh analysis
         would provide it: each node's events in order, a dependency's expanded where it is first asked for."""
@@ -836,34 +950,58 @@ def plan(graph: TargetGraph, settings: PlanSettings | None = None, memo: Analysi
     memo.begin(settings)
     ctx = AnalysisContext(graph, settings, memo)
     segments = memo.segments if memo.keep_segments else None
-    roots: list[Label] = []
+    plans_actions = {kind: bool(r.plans_actions) for kind, r in plugins.rules().items()}
+    targets = graph.targets
+    roots = [lbl for lbl in graph.requested if plans_actions[targets[lbl].kind]]
     made: list[Label] = []
-    for lbl in graph.requested:
-        if plugins.rule(graph.targets[lbl].kind).plans_actions:
-            roots.append(lbl)
-            if segments is None or not ctx.use_segment(lbl):
+    if segments is None:
+        for lbl in roots:
+            ctx.provider(lbl)
+        return memo.action_graph(ctx.actions, tuple(ctx.compiles), dict(ctx.bundles))
+    groups = memo.groups
+    regroup: list[int] = []  # (slices provided otherwise: their groups are made afresh)
+    closed = True  # (every root provided from a closed segment or group so far)
+    for start in range(0, len(roots), GROUP_ROOTS):
+        chunk = roots[start:start + GROUP_ROOTS]
+        g = groups.get(start)
+        if g is not None and g.roots == tuple(chunk) and ctx.use_group(g):
+            closed = closed and g.closed
+            continue
+        regroup.append(start)
+        for lbl in chunk:
+            if not ctx.use_segment(lbl):
                 ctx.provider(lbl)
                 made.append(lbl)
     topological = False
-    if segments is not None:
-        if ctx._volatile_actions:  # (a volatile analysis added actions: they are in no segment)
+    if ctx._volatile_actions:  # (a volatile analysis added actions: they are in no segment)
+        segments.clear()
+        groups.clear()
+    else:
+        for lbl in made:
+            seg = ctx.make_segment(lbl)
+            if seg is None:
+                segments.pop(lbl, None)
+            else:
+                segments[lbl] = seg
+        if len(segments) > 2 * len(memo.entries) + 1000:  # (roots gone: keep the memory bounded)
+            for lbl in [k for k in segments if k not in memo.entries]:
+                del segments[lbl]
+        if len(memo.retired) > 100_000:  # (forgetting them needs every segment gone that could hold one)
             segments.clear()
-        else:
-            for lbl in made:
-                seg = ctx.make_segment(lbl)
-                if seg is None:
-                    segments.pop(lbl, None)
-                else:
-                    segments[lbl] = seg
-            if len(segments) > 2 * len(memo.entries) + 1000:  # (roots gone: keep the memory bounded)
-                for lbl in [k for k in segments if k not in memo.entries]:
-                    del segments[lbl]
-            if len(memo.retired) > 100_000:  # (forgetting them needs every segment gone that could hold one)
-                segments.clear()
-                memo.retired.clear()
-            # Providing the roots in order adds each one's segment's actions not yet added, in its order: the
-            # registration order is topological when every segment's is.
-            topological = all(lbl in segments and segments[lbl].closed for lbl in roots)
+            groups.clear()
+            memo.retired.clear()
+        for start in regroup:
+            g = _make_group(tuple(roots[start:start + GROUP_ROOTS]), segments)
+            if g is None:
+                groups.pop(start, None)
+            else:
+                groups[start] = g
+            closed = closed and g is not None and g.closed
+        for start in [k for k in groups if k >= len(roots)]:  # (fewer roots than before)
+            del groups[start]
+        # Providing the roots in order adds each one's segment's actions not yet added, in its order: the
+        # registration order is topological when every segment's is (a group's is when its segments' are).
+        topological = closed
     return memo.action_graph(ctx.actions, tuple(ctx.compiles), dict(ctx.bundles), topological)
 
 
