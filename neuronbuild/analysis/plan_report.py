@@ -61,13 +61,13 @@ class PlanReport:
         if len(self.estimates) != len(todo):  # (a report made by hand)
             get = self.estimates.get
             seconds = [(e.seconds or 0.0) if (e := get(a.fingerprint)) is not None else 0.0 for a in todo]
+            fps = list(map(_FINGERPRINT, todo))
         else:
-            seconds = self._seconds
+            seconds, fps = self._seconds, list(self.estimates)  # (the estimates' keys: todo's fingerprints in order)
         engine = self.engine
         if engine is None:
-            return schedule(list(map(_FINGERPRINT, todo)), list(map(_DEPS, todo)), seconds, self.jobs)
-        wall, engine.schedule = schedule_from(engine.schedule, list(map(_FINGERPRINT, todo)), list(map(_DEPS, todo)),
-                                              seconds, self.jobs)
+            return schedule(fps, list(map(_DEPS, todo)), seconds, self.jobs)
+        wall, engine.schedule = schedule_from(engine.schedule, fps, list(map(_DEPS, todo)), seconds, self.jobs)
         return wall
 
     def _cell(self, fp: str) -> dict[str, Any]:
