@@ -721,12 +721,11 @@ class AnalysisContext:
             if t is None or not _volatile(t.kind) or not self._same_volatile(lbl, seen):
                 return False
         actions, done, providers = self.actions, self._from_segments, self._providers
-        if actions.keys().isdisjoint(group.actions):
-            actions.update(group.actions)
-        else:
-            for fp, a in group.actions.items():
-                if fp not in actions:
-                    actions[fp] = a
+        # (shared: e.g. the traces of a package whose roots two slices split)
+        kept = {fp: actions[fp] for fp in actions.keys() & group.actions.keys()}
+        actions.update(group.actions)  # (new keys in the group's order; a key added already keeps its place...)
+        if kept:
+            actions.update(kept)  # (... and its object)
         # The events (compile targets, bundles) of the nodes not provided yet: a node provided already, from a segment
         # (its id is in `done`) or otherwise (its label), has added its own (as use_segment)
         if done.isdisjoint(group.event_ids) and \
