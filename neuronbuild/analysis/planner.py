@@ -282,7 +282,7 @@ class _Group:
     roots: tuple[Label, ...]
     memos: tuple[_Memo, ...]  # the nodes, in the order provided (held, so their ids are not reused)
     ids: frozenset[int]
-    volatile: tuple[tuple[Label, Any], ...]  # (one per distinct value seen)
+    volatile: tuple[tuple[Label, Any], ...]  # (one per volatile target and value seen)
     providers: dict[Label, Any]  # (in the order of `memos`)
     actions: dict[str, Action]
     events: tuple[tuple[int, tuple[Any, ...]], ...]  # (id of the node's _Memo, ("compile", ct) | ("bundle", ...))
@@ -303,7 +303,7 @@ def _make_group(roots: tuple[Label, ...], segments: Mapping[Label, _Segment]) ->
     labels: dict[Label, Any] = {}
     memos: list[_Memo] = []
     ids: set[int] = set()
-    volatile: dict[int, tuple[Label, Any]] = {}
+    volatile: dict[tuple[Label, int], tuple[Label, Any]] = {}
     actions: dict[str, Action] = {}
     events: list[tuple[int, tuple[Any, ...]]] = []
     closed = True
@@ -312,7 +312,7 @@ def _make_group(roots: tuple[Label, ...], segments: Mapping[Label, _Segment]) ->
             return None
         closed = closed and seg.closed
         for v in seg.volatile:
-            volatile.setdefault(id(v[1]), v)
+            volatile.setdefault((v[0], id(v[1])), v)
         if root in labels:  # (provided by an earlier root of the group: a plan adds nothing for it)
             continue
         every = ids.isdisjoint(seg.ids)
