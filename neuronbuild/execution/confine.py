@@ -134,11 +134,13 @@ def toolchain_roots(env: Mapping[str, str], spec: Mapping[str, Any]) -> tuple[st
 
 def policy_for(inputs: str, outputs: str, env: Mapping[str, str], spec: Mapping[str, Any],
                installation: tuple[str, ...], extra_write: Iterable[str] = (), extra_read: Iterable[str] = ()) -> Policy:
-    """The policy of one action: its sandbox (the inputs' and outputs' common parent), TMPDIR, HOME and
-    `extra_write` writable; the installation, toolchain and `extra_read` (precompiled headers) readable."""
+    """The policy of one action: its sandbox (the inputs' and outputs' common parent, which holds the action's own
+    $HOME and $TMPDIR: execution/sandbox.private_dirs) and `extra_write` writable; the installation, toolchain and
+    `extra_read` (precompiled headers) readable. The machine's shared TMPDIR and HOME of `env` (the workers') are
+    neither: nothing one action writes there could be read by another."""
     ins, outs = Path(_real(inputs)), Path(_real(outputs))
     sandbox = [str(ins.parent)] if ins.parent == outs.parent else [str(ins), str(outs)]
-    writable = sandbox + [_real(env[k]) for k in ("TMPDIR", "HOME") if env.get(k)] + [_real(p) for p in extra_write]
+    writable = sandbox + [_real(p) for p in extra_write]
     readable = [*installation, *toolchain_roots(env, spec), *(_real(p) for p in extra_read)]
     return Policy(read=_dedup(readable), write=_dedup(writable))
 

@@ -35,6 +35,14 @@ def read_only_dir(inputs: str | Path) -> Path:
     return base.with_name(base.name + READ_ONLY_SUFFIX)
 
 
+def private_dirs(inputs: str | Path) -> tuple[Path, Path]:
+    """The action's own $HOME and $TMPDIR: fresh directories in its sandbox (beside `inputs` and the outputs), made
+    by its process before the model runs and removed with the sandbox, so nothing one action leaves there is seen by
+    another. Their paths differ per action and enter neither fingerprints nor outputs."""
+    base = Path(inputs).parent
+    return base / "home", base / "tmp"
+
+
 @functools.cache
 def _confined_read_only() -> bool:
     """Landlock can refuse writes and truncation to a path on this kernel (ABI >= 3: truncate is handled)."""
