@@ -9,6 +9,7 @@ import stat
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import blake3
 
@@ -102,6 +103,14 @@ def _link_read_only(src: Path, ro: Path, dest: Path, f: FileInput) -> tuple[int,
     return _signature(before)
 
 
+def place_input(store: Any, digest: str, dest: Path) -> None:
+    """Another action's output (blob `digest` of `store`: the local cache, or a farm's store on a Dask worker) as a
+    sandbox input: a verified read-only copy (store.place_blob: hashed as it is written, 0444; a corrupt blob raises
+    CorruptBlob and is evicted), never a link, since the sandbox is the action's and a linked blob could be made
+    writable again (chmod is no Landlock right) and the store's bytes changed. Both executors place inputs here."""
+    store.place_blob(digest, dest)
+
+
 def prepare(action: Action, root: Path, cache: SpawnCache, parent: Path | None = None) -> Sandbox:
     """A sandbox under `parent` (default: the cache's scratch dir; executors pass a per-build dir they remove whole)."""
     parent = parent or cache.scratch
@@ -128,7 +137,7 @@ def prepare(action: Action, root: Path, cache: SpawnCache, parent: Path | None =
             res = cache.lookup(d.action)
             if res is None or d.output not in res.outputs:
                 raise InputChanged(f"output '{d.output}' of action {d.action[:12]} is missing from the cache")
-            cache.place_blob(res.outputs[d.output].digest, sb.inputs / d.path)
+            place_input(cache, res.outputs[d.output].digest, sb.inputs / d.path)
     except BaseException:  # including Ctrl-C: no half-built sandbox is left behind
         sb.remove()
         raise
