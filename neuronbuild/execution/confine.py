@@ -17,12 +17,13 @@ refuses new sockets of every family but netlink (Unix, IP, vsock, ...) and io_ur
 Other processes' /proc files (environ, maps, mem, fd): Landlock's ptrace scoping refuses them for a non-root action;
 a root action first drops every capability (drop_capabilities), without which Landlock did not refuse them.
 
-Reads are allowed under the sandbox, the action's TMPDIR and HOME, the Python installation (prefixes, sys.path,
+Reads are allowed under the sandbox (which holds the action's own TMPDIR and HOME), the Python installation (prefixes, sys.path,
 site-packages), neuronbuild itself, plug-in paths, PATH dirs and what the step's toolchain declares (step_dirs: e.g. a
 configured neuronx-cc's install, inductor's precompiled headers), /usr, /lib*, /dev,
 /proc and /sys (and, for the kernel rules only, /bin and /etc but its secrets (ETC_SECRETS: shadow, sudoers, host and
 TLS keys, ...), which libc and compilers read); writes only under the
-sandbox, TMPDIR, HOME, the toolchain's declared scratch dirs (inductor's working dir), the action's log and /dev.
+sandbox (with its TMPDIR and HOME), the toolchain's declared scratch dirs, the action's log and /dev. The workers'
+shared TMPDIR and HOME are neither. Its pid and mount namespaces: confine_ns.py.
 """
 
 from __future__ import annotations

@@ -114,7 +114,7 @@ def compile_cpu(
     # Inductor's working dir and the raw package live in the action's own output dir, which no other action can write
     # (a shared working dir let a model plant or change the sources a later compile of any workspace builds: inductor
     # keeps a source file it finds under its content-hash name). Removed before the outputs are stored. Its temp files
-    # too: $TMPDIR is every action's.
+    # too.
     with _private_dir(out_dir) as tmp, _compile_environment(isa, target, tmp / "inductor"), _temp_dir(tmp), \
             _fake_constants_by_storage(), _weights_never_inlined():
         raw = tmp / f"{PACKAGE_MODEL_NAME}.pt2"
