@@ -228,8 +228,12 @@ def test_a_farm_worker_places_verified_read_only_copies_an_action_cannot_change_
 
     hashed: list[str] = []
     copy_read_only = BlobStore.copy_read_only
-    monkeypatch.setattr(BlobStore, "copy_read_only",  # a verified copy: hashed as it is written
-                        lambda self, d, dest: hashed.append(d) or copy_read_only(self, d, dest))
+
+    def counted(self: BlobStore, d: str, dest: Path) -> None:  # a verified copy: hashed as it is written
+        hashed.append(d)
+        copy_read_only(self, d, dest)
+
+    monkeypatch.setattr(BlobStore, "copy_read_only", counted)
     (tmp_path / "shared").mkdir()
     store = open_farm_store(str(tmp_path / "shared"))
     out = tmp_path / "job-1" / "out"  # a trace's output in its sandbox, stored by its worker
