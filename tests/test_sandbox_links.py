@@ -80,14 +80,20 @@ def test_a_big_input_is_a_read_only_link_the_action_cannot_change(tmp_path: Path
     assert not sandbox.read_only_dir(sb.inputs).exists() and (ws / "w.safetensors").stat().st_nlink == 1
 
 
-def test_an_action_cannot_chmod_or_touch_a_linked_big_input(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("bind", ["read-only bind mount", "refused"])
+def test_an_action_cannot_chmod_or_touch_a_linked_big_input(tmp_path: Path, monkeypatch, bind: str) -> None:  # type: ignore[no-untyped-def]
     """chmod and utime are no Landlock rights: where the action has its own mount namespace, the read-only sibling is
-    a read-only bind mount there, so changing the user's checkpoint's mode or times fails (EROFS) like writing it."""
+    a read-only bind mount there, so changing the user's checkpoint's mode or times fails (EROFS) like writing it.
+    Where that mount is refused, they succeed, and the executor gives the file its mode and times back
+    (Sandbox.restore_linked) and does not store the result (changed_input)."""
     from test_action_namespaces import needs_namespaces
 
-    if needs_namespaces.args[0]:
+    from neuronbuild.execution import confine_ns, worker
+
+    if bind == "refused":
+        monkeypatch.setattr(confine_ns, "read_only_bind", lambda path: "read-only bind mount: refused (the test)")
+    elif needs_namespaces.args[0]:
         pytest.skip("namespaces are refused here")
-    from neuronbuild.execution import worker
 
     monkeypatch.setattr(sandbox, "LINK_MIN_BYTES", 4096)
     ws = tmp_path / "ws"
@@ -121,8 +127,16 @@ def test_an_action_cannot_chmod_or_touch_a_linked_big_input(tmp_path: Path, monk
                "log": str(tmp_path / "log")}
         res = worker.run_isolated(msg, installation_roots())
         assert res["ok"], res
+        if bind == "refused":  # chmod and utime succeed; Landlock still refuses the write
+            assert res["metadata"]["got"] == ["changed", "changed", "changed", "EACCES"], res["metadata"]
+            assert user.stat().st_mode & 0o777 == 0o666
+            assert sb.restore_linked() == ["w.safetensors"] and sb.changed_input() == "w.safetensors"
+            after = user.stat()
+            assert (after.st_mode, after.st_mtime_ns) == (before.st_mode, before.st_mtime_ns)
+            return
         # EROFS: the read-only mount (checked before Landlock, which refuses the write open too)
         assert res["metadata"] == {"got": ["EROFS"] * 4, "notes": []}, res["metadata"]
+        assert sb.restore_linked() == []
         after = user.stat()
         assert (after.st_mode, after.st_mtime_ns, after.st_ino) == (before.st_mode, before.st_mtime_ns, before.st_ino)
         assert user.read_bytes() == data and sb.changed_input() is None

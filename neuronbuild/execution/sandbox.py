@@ -65,10 +65,31 @@ class Sandbox:
     inputs: Path
     outputs: Path
     linked: tuple[tuple[str, tuple[int, int, int, int]], ...] = ()
+    linked_meta: tuple[tuple[str, int, int, int], ...] = ()  # (path, mode, atime_ns, mtime_ns) when linked
 
     def remove(self) -> None:
         shutil.rmtree(self.base, ignore_errors=True)
         shutil.rmtree(read_only_dir(self.inputs), ignore_errors=True)
+
+    def restore_linked(self) -> list[str]:
+        """Give the linked inputs (the user's files) back the mode and times they had when linked, where they differ:
+        without its own mount namespace (no read-only bind mount) an action can chmod or utime them (no Landlock
+        right covers either; it owns them). Returns the paths restored (their change also moved their ctime, so
+        changed_input() names them too and the action's result is not stored)."""
+        ro = read_only_dir(self.inputs)
+        out = []
+        for path, mode, atime, mtime in self.linked_meta:
+            try:
+                st = os.stat(ro / path)
+                if stat.S_IMODE(st.st_mode) != mode:
+                    os.chmod(ro / path, mode)
+                    out.append(path)
+                if st.st_mtime_ns != mtime:
+                    os.utime(ro / path, ns=(atime, mtime))
+                    out.append(path)
+            except OSError:
+                continue
+        return list(dict.fromkeys(out))
 
     def changed_input(self) -> str | None:
         """A linked input whose file changed since it was hashed (the user edited it during the action), else None:
@@ -118,6 +139,7 @@ def prepare(action: Action, root: Path, cache: SpawnCache, parent: Path | None =
     base = Path(tempfile.mkdtemp(dir=parent, prefix=f"{action.fingerprint[:12]}-"))
     sb = Sandbox(base, base / "in", base / "out")
     linked: list[tuple[str, tuple[int, int, int, int]]] = []
+    meta: list[tuple[str, int, int, int]] = []
     try:
         sb.inputs.mkdir()
         sb.outputs.mkdir()
@@ -128,6 +150,8 @@ def prepare(action: Action, root: Path, cache: SpawnCache, parent: Path | None =
                 if _confined_read_only() else None
             if sig is not None:
                 linked.append((f.path, sig))
+                st = os.stat(root / f.path)
+                meta.append((f.path, stat.S_IMODE(st.st_mode), st.st_atime_ns, st.st_mtime_ns))
                 continue
             with open(root / f.path, "rb") as src, open(dest, "wb") as out:
                 digest, _size = copy_hashing(src, out)  # one read: the copy is hashed as it is written
@@ -141,4 +165,4 @@ def prepare(action: Action, root: Path, cache: SpawnCache, parent: Path | None =
     except BaseException:  # including Ctrl-C: no half-built sandbox is left behind
         sb.remove()
         raise
-    return Sandbox(sb.base, sb.inputs, sb.outputs, tuple(linked)) if linked else sb
+    return Sandbox(sb.base, sb.inputs, sb.outputs, tuple(linked), tuple(meta)) if linked else sb
