@@ -589,9 +589,10 @@ def test_a_cancelled_endless_starlark_loop_does_not_wedge_the_server(tmp_path: P
 
 def test_python_started_with_the_action_environment_runs_no_pth_an_action_left_in_the_shared_home(
         tmp_path: Path) -> None:
-    """Every action shares $HOME (<cache>/v1/home): a model could leave a .pth in its user site-packages, which a
-    Python interpreter outside a virtualenv runs at start: a worker spawned for the next build (unconfined), or a
-    compiler written in Python that a later action starts. The action environment turns user site-packages off."""
+    """Workers share $HOME (<cache>/v1/home; each action has its own, which actions cannot reach, but a second line
+    of defence): a .pth left in its user site-packages would run in any Python interpreter outside a virtualenv at
+    start: a worker spawned for the next build (unconfined), or a compiler written in Python. The action environment
+    turns user site-packages off."""
     import subprocess
     import sys
 
