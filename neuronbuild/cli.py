@@ -21,6 +21,13 @@ def _parser_class() -> type[argparse.ArgumentParser]:
 
     class _Parser(argparse.ArgumentParser):
         def error(self, message: str) -> None:  # type: ignore[override]
+            if message.startswith("unrecognized arguments"):
+                from neuronbuild.plugins import PLUGINS_ENV, settings_problems
+
+                # A plug-in that could not be imported declared no flags: say so, not only that its flag is unknown.
+                for mod, why in settings_problems().items():
+                    message += (f" (plug-in {mod} from ${PLUGINS_ENV} could not be imported, so its flags are "
+                                f"unknown: {why})")
             print(f"neuronbuild: error: {message}", file=sys.stderr)
             raise SystemExit(EXIT_BAD_INPUT)
 

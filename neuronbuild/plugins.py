@@ -38,6 +38,7 @@ _loaders: dict[str, ArtifactLoader] = {}  # artifact format -> the runtime's loa
 _loader_modules_tried: dict[str, str | None] = {}  # module -> None (imported) or why it could not be
 _settings: dict[str, ToolSettings] = {}  # settings name -> a toolchain's settings
 _settings_modules_tried: set[str] = set()
+_settings_import_errors: dict[str, str] = {}  # plug-in module -> why its settings could not be imported
 _lock = RLock()
 _loaded = False
 
@@ -243,11 +244,20 @@ def tool_settings(builtin_only: bool = False) -> list[ToolSettings]:
                 _settings_modules_tried.add(name)
                 try:
                     importlib.import_module(name)
-                except Exception:  # noqa: BLE001 - reported by _ensure, with the plug-in's name, when a command plans
+                    _settings_import_errors.pop(name, None)
+                except Exception as e:  # noqa: BLE001 - reported by _ensure, with the plug-in's name, when a command plans
                     if name in SETTINGS_BUILTIN:
                         raise
                     _settings_modules_tried.discard(name)
+                    _settings_import_errors[name] = f"{type(e).__name__}: {e}".splitlines()[0]
         return list(_settings.values())
+
+
+def settings_problems() -> dict[str, str]:
+    """The $NEURONBUILD_PLUGINS modules that could not be imported when their settings (and flags) were looked for,
+    with why: their flags are unknown to the command line."""
+    with _lock:
+        return dict(_settings_import_errors)
 
 
 def settings_flags() -> list[Flag]:

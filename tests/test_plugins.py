@@ -52,6 +52,20 @@ def test_an_unknown_platform_names_the_registered_ones(tmp_path: Path) -> None:
     assert bad.returncode == 2 and "no_such_plugin_module" in bad.stderr and bad.stderr.count("\n") == 1
 
 
+def test_a_flag_of_a_plug_in_that_cannot_be_imported_names_the_plug_in_and_why(tmp_path: Path) -> None:
+    # The plug-in declares --portable-release; broken, it declares nothing, and its flag is unknown: the one-line
+    # error says which plug-in failed to import and why, not only that the flag is unrecognized.
+    plugins = tmp_path / "plugins"
+    plugins.mkdir()
+    (plugins / "broken_release.py").write_text("import no_such_dependency_of_the_plugin\n")
+    ws = write_ws(tmp_path / "ws", {"m/llama.py": MODEL_SRC, "m/BUILD": BUILD})
+    env = {"NEURONBUILD_PLUGINS": "broken_release", "NEURONBUILD_PLUGIN_PATH": str(plugins)}
+    bad = run_cli(["plan", "--portable-release", "r2"], ws, env)
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1, bad.stderr
+    assert "unrecognized arguments: --portable-release" in bad.stderr, bad.stderr
+    assert "plug-in broken_release" in bad.stderr and "no_such_dependency_of_the_plugin" in bad.stderr, bad.stderr
+
+
 def test_a_toolchain_missing_protocol_members_is_refused_at_registration_naming_them() -> None:
     import pytest
 
