@@ -2,7 +2,9 @@
 
 In one process set up as a worker is (action environment, toolchains and warm imports loaded, no model code), runs the
 same real trace action (a tiny Linear model, torch.export) N times each way, side by side:
-  forked:     worker.run_isolated: fork, Landlock + audit hook, run, report over a pipe, reap (what builds do)
+  forked:     worker.run_isolated: fork, namespaces (pid, mount, private /proc: a second fork, the namespace's init),
+              Landlock + audit hook, run, report over a pipe, reap (what builds do); and the same without namespaces
+              (as where the kernel refuses them), interleaved
   in-process: worker.run_action in this process (what workers did before: state leaks from one model to the next)
 and a bare fork + exit + wait of this process. The forked runs go first, so the process forks before it ever ran a
 torch op (as a worker does). Prints medians (first run of each way reported apart: warm-up) and the overhead.
@@ -80,7 +82,12 @@ def main() -> None:
         installation = installation_roots()
         worker.become_subreaper()
 
-        def one(forked: bool) -> float:
+        from neuronbuild.execution import confine_ns
+
+        enter = confine_ns.enter
+
+        def one(forked: bool, namespaces: bool = True) -> float:
+            confine_ns.enter = enter if namespaces else (lambda: "off (fork_bench)")  # type: ignore[assignment]
             sb = sandboxes.prepare(trace, ws, cache, tmp / "sandboxes")
             msg = {"kind": trace.kind, "spec": json.loads(json.dumps(trace.spec)), "inputs": str(sb.inputs),
                    "outputs": str(sb.outputs), "log": str(tmp / "log.txt"), "expect": dict(trace.versions)}
@@ -105,9 +112,14 @@ def main() -> None:
                 os._exit(0)
             os.waitpid(pid, 0)
             bare.append(time.perf_counter() - s)
-        forked = [one(True) for _ in range(args.runs + 1)]
+        forked, plain = [], []
+        for _ in range(args.runs + 1):  # interleaved: the machine's load falls on both alike
+            forked.append(one(True))
+            plain.append(one(True, namespaces=False))
+        confine_ns.enter = enter  # type: ignore[assignment]
         inproc = [one(False) for _ in range(args.runs + 1)]
         f_med, i_med = statistics.median(forked[1:]), statistics.median(inproc[1:])
+        p_med = statistics.median(plain[1:])
         rss = next(ln.split()[1] for ln in Path("/proc/self/status").read_text().splitlines()
                    if ln.startswith("VmRSS:"))
         print(f"worker warm-up (toolchains + warm imports): {warm_s:.2f} s; worker RSS {int(rss) // 1024} MB; "
@@ -115,8 +127,10 @@ def main() -> None:
         print(f"bare fork+exit+wait of the warm worker: median {statistics.median(bare) * 1000:.1f} ms (20 runs)")
         print(f"{'trace action (tiny MLP)':<28}{'first':>10}{'median':>10}  (runs: {args.runs} after the first)")
         print(f"{'  forked (confined child)':<28}{forked[0]:>9.3f}s{f_med:>9.3f}s")
+        print(f"{'  forked, no namespaces':<28}{plain[0]:>9.3f}s{p_med:>9.3f}s")
         print(f"{'  in-process (old worker)':<28}{inproc[0]:>9.3f}s{i_med:>9.3f}s")
-        print(f"per-action overhead of the fork: {(f_med - i_med) * 1000:+.0f} ms ({f_med / i_med:.2f}x)")
+        print(f"per-action overhead of the fork: {(f_med - i_med) * 1000:+.0f} ms ({f_med / i_med:.2f}x); of the "
+              f"namespaces (pid, mount, private /proc, the init's fork): {(f_med - p_med) * 1000:+.0f} ms")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

@@ -15,6 +15,9 @@ _LEVELS = (
 )
 # A worker's thread budget (execution/env.py sets it: the machine's cores / workers; toolchains/compile.py reads it).
 THREADS_VAR = "NEURONBUILD_THREADS"
+# In an action's process, the machine's shared toolchain scratch dir (the workers' $TMPDIR; the action's own $TMPDIR
+# is private: execution/worker.py sets both), where toolchains/compile.py finds the precompiled headers beside it.
+SHARED_TMP_VAR = "NEURONBUILD_SHARED_TMPDIR"
 HOST_ISA_ENV = "NEURONBUILD_HOST_ISA"  # overrides detection (testing, or pinning a farm to a lower level)
 
 

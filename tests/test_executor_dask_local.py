@@ -214,53 +214,47 @@ def test_a_dask_workers_pool_of_warm_processes_ends_when_its_thread_share_change
                 de._POOLS.pop(key).retire()
 
 
-def test_a_farm_worker_neither_hashes_nor_stores_again_a_blob_its_host_hashed_already(tmp_path: Path,
-                                                                                   monkeypatch: Any) -> None:
-    """A farm worker places its inputs from the farm's shared directory: a blob a worker of this host hashed already
-    (an output it stored, an input it verified) and unchanged since is linked without being read again (a lowering's
-    35 MB program, traced on this host moments ago), and an output that is such an input re-emitted (a Neuron
-    compile's weights) is not hashed and stored again; a blob changed since (its modification time moved) is hashed
-    again, and a corrupt one is refused and evicted, as without stamps."""
-    import tempfile
-
+def test_a_farm_worker_places_verified_read_only_copies_an_action_cannot_change_the_store_through(
+        tmp_path: Path, monkeypatch: Any) -> None:
+    """A farm worker places its inputs from the farm's shared directory as the local executor does
+    (sandbox.place_input): a verified read-only copy, never a hard link to the store's blob (the action owns its
+    sandbox's files: through a link it could chmod the blob and change the bytes every later reader gets); a corrupt
+    blob is refused and evicted."""
     import pytest
 
     from neuronbuild.cache.cas import BlobStore, CorruptBlob
     from neuronbuild.cache.farm_store import open_farm_store
     from neuronbuild.execution import dask_executor as de
 
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))  # this test's farm scratch dir (stamps)
     hashed: list[str] = []
-    stored: list[str] = []
-    verify, put_file, copy_read_only = BlobStore.verify, BlobStore.put_file, BlobStore.copy_read_only
-    monkeypatch.setattr(BlobStore, "verify", lambda self, d: hashed.append(d) or verify(self, d))
-    monkeypatch.setattr(BlobStore, "copy_read_only",  # a verified copy: hashed as it is written
-                        lambda self, d, dest: hashed.append(d) or copy_read_only(self, d, dest))
-    monkeypatch.setattr(BlobStore, "put_file", lambda self, p, scratch=False: stored.append(p.name)
-                        or put_file(self, p, scratch))
+    copy_read_only = BlobStore.copy_read_only
+
+    def counted(self: BlobStore, d: str, dest: Path) -> None:  # a verified copy: hashed as it is written
+        hashed.append(d)
+        copy_read_only(self, d, dest)
+
+    monkeypatch.setattr(BlobStore, "copy_read_only", counted)
     (tmp_path / "shared").mkdir()
     store = open_farm_store(str(tmp_path / "shared"))
     out = tmp_path / "job-1" / "out"  # a trace's output in its sandbox, stored by its worker
     out.mkdir(parents=True)
-    (out / "program.pt2").write_bytes(os.urandom(1 << 20))
-    os.utime(out / "program.pt2", (time.time() - 60, time.time() - 60))
-    digest, size = de._store_output(store, out / "program.pt2", True, [])
-    assert stored == ["program.pt2"] and store.blobs.verify(digest)
-    stored.clear()
-    hashed.clear()
+    data = os.urandom(1 << 20)
+    (out / "program.pt2").write_bytes(data)
+    digest, _size = de._store_output(store, out / "program.pt2")
+    assert store.blobs.verify(digest)
 
-    job2 = tmp_path / "job-2"  # the next action's sandbox, on a worker of the same host
-    de._place_input(store, digest, job2 / "in" / "program.pt2", True)
-    assert hashed == [] and (job2 / "in" / "program.pt2").read_bytes() == (out / "program.pt2").read_bytes()
-    (job2 / "out").mkdir()
-    os.link(job2 / "in" / "program.pt2", job2 / "out" / "program.pt2")  # re-emitted as an output
-    assert de._store_output(store, job2 / "out" / "program.pt2", True, [digest]) == [digest, size]
-    assert stored == [] and hashed == []
+    placed = tmp_path / "job-2" / "in" / "program.pt2"  # the next action's sandbox
+    de._place_input(store, digest, placed)
+    blob = store.blobs.path(digest)
+    assert hashed == [digest] and placed.read_bytes() == data
+    assert placed.stat().st_ino != blob.stat().st_ino and placed.stat().st_mode & 0o777 == 0o444
+    os.chmod(placed, 0o644)  # what a hostile action can do to its own input
+    placed.write_bytes(b"tampered")
+    assert blob.read_bytes() == data and store.blobs.verify(digest)
 
-    blob = store.blobs.path(digest)  # changed in the store since (same size, same inode): hashed, refused, evicted
-    os.chmod(blob, 0o644)
+    os.chmod(blob, 0o644)  # changed in the store: refused and evicted
     with open(blob, "r+b") as f:
         f.write(b"tampered")
     with pytest.raises(CorruptBlob):
-        de._place_input(store, digest, tmp_path / "job-3" / "in" / "program.pt2", True)
-    assert hashed == [digest] and not blob.exists()
+        de._place_input(store, digest, tmp_path / "job-3" / "in" / "program.pt2")
+    assert not blob.exists()

@@ -212,6 +212,10 @@ def build(config):
     if pid == 0:  # a daemon: fork again, leave the session, outlive the action
         os.setsid()
         if os.fork() == 0:
+            import ctypes
+
+            ctypes.CDLL(None).prctl(1, 0, 0, 0, 0)  # PR_SET_PDEATHSIG 0: nothing ends it when its parent dies
+            ctypes.CDLL(None).prctl(15, config["token"].encode(), 0, 0, 0)  # PR_SET_NAME: found by the test
             os.write(w, str(os.getpid()).encode())
             while True:
                 time.sleep(0.2)
@@ -235,7 +239,8 @@ def test_a_model_cannot_connect_to_a_unix_socket_or_the_network_nor_leave_a_daem
         ts.bind(("127.0.0.1", 0))
         ts.listen(4)
         port = ts.getsockname()[1]
-        ws = _one_model_ws(tmp_path / "ws", REACHER, {"unix": unix_path, "port": str(port)})
+        token = f"nbdaemon{os.getpid() % 10000}"
+        ws = _one_model_ws(tmp_path / "ws", REACHER, {"unix": unix_path, "port": str(port), "token": token})
         proc = run_cli(["--batch", "build", "//pkg:all", "--jobs", "1", "--cache-dir", str(tmp_path / "cache")], ws)
         assert proc.returncode == 1, proc.stdout + proc.stderr
         for s in (us, ts):
@@ -248,14 +253,28 @@ def test_a_model_cannot_connect_to_a_unix_socket_or_the_network_nor_leave_a_daem
     assert "vsock=PermissionError" in line, line
     # The worker is outside the action's Landlock domain: the action cannot signal it (nor any process of the user).
     assert "REACHED kill-worker==PermissionError" in log, log[-3000:]
-    # Whatever the action started is gone once the build is over (its worker ended it).
-    daemon = int(line.split("daemon=")[1].split()[0])
+    # Whatever the action started is gone once the build is over (its namespace's init, or its worker, ended it):
+    # found by its name (its pid as the action saw it is its pid namespace's).
+    assert int(line.split("daemon=")[1].split()[0]) > 0, line
     deadline = time.monotonic() + 30
-    while running(daemon) and time.monotonic() < deadline:
+    while (left := _named(token)) and time.monotonic() < deadline:
         time.sleep(0.2)
-    if running(daemon):
+    for daemon in left:
         os.kill(daemon, signal.SIGKILL)
-        raise AssertionError("a daemon the model started outlived the build")
+    assert not left, "a daemon the model started outlived the build"
+
+
+def _named(comm: str) -> list[int]:
+    """The processes whose name (comm) is `comm`."""
+    out = []
+    for p in os.listdir("/proc"):
+        if p.isdigit():
+            try:
+                if Path(f"/proc/{p}/comm").read_text().strip() == comm and running(int(p)):
+                    out.append(int(p))
+            except OSError:
+                pass
+    return out
 
 
 def _raw(sock_path: str, msg: dict) -> list[dict]:  # type: ignore[type-arg]
@@ -412,7 +431,8 @@ def build(config):
     global SECRET
     SECRET = config["secret"].encode()
     ctypes.CDLL(None).prctl(15, b"nbreader", 0, 0, 0)  # PR_SET_NAME
-    sibling, deadline = None, time.monotonic() + 120
+    ns = os.getppid() == 1  # pid 2 of its own pid namespace (its init is 1): no other process to wait for
+    sibling, deadline = None, time.monotonic() + (0 if ns else 120)
     while sibling is None and time.monotonic() < deadline:
         sibling = next((int(p) for p in os.listdir("/proc") if p.isdigit() and comm(p) == "nbsibling"), None)
         time.sleep(0.1)
@@ -421,7 +441,9 @@ def build(config):
     for p in os.listdir("/proc"):
         if p.isdigit() and int(p) != me:
             seen[p] = {w: attempt(p, w) for w in ("environ", "maps", "mem", "fd")}
-    print("PROCS " + json.dumps({"sibling": sibling, "ancestors": ancestors(), "seen": seen,
+    outer = int(config["outer"])  # the test's process, outside any namespace of the build
+    print("PROCS " + json.dumps({"sibling": sibling, "ancestors": ancestors(), "seen": seen, "ns": ns,
+                                 "outer": {w: attempt(outer, w) for w in ("environ", "cmdline", "status")},
                                  "own": attempt(me, "environ")}), flush=True)
     raise RuntimeError("the reader is done")
 """
@@ -435,7 +457,7 @@ import torch
 
 def build(config):
     ctypes.CDLL(None).prctl(15, b"nbsibling", 0, 0, 0)
-    seen, deadline = False, time.monotonic() + 150
+    seen, deadline = False, time.monotonic() + (0 if os.getppid() == 1 else 150)  # (its own pid namespace: 0)
     while time.monotonic() < deadline:  # until the reader has come and gone
         names = set()
         for p in os.listdir("/proc"):
@@ -460,7 +482,7 @@ def test_a_model_reads_no_other_processs_environ_maps_memory_or_descriptors(tmp_
     secret = f"hunter2-{os.getpid()}-{time.time_ns()}"
     build_file = "".join(
         f'neuron_model(name = "{n}", srcs = ["{n}.py"], entry = "{n}:build", inputs = {{"x": "float32[b, 4]"}},\n'
-        f'             config = {{"secret": "{secret}"}})\n'
+        f'             config = {{"secret": "{secret}", "outer": "{os.getpid()}"}})\n'
         f'neuron_buckets(name = "{n}_bk", shapes = [{{"b": 1}}])\n'
         f'neuron_compile(name = "{n}_c", model = ":{n}", buckets = [":{n}_bk"], target = ":t")\n'
         for n in ("reader", "sibling")) + 'neuron_target(name = "t", platform = "trn2")\n'
@@ -480,6 +502,12 @@ def test_a_model_reads_no_other_processs_environ_maps_memory_or_descriptors(tmp_
     report = json.loads(next(x for x in log.splitlines() if x.startswith("PROCS "))[len("PROCS "):])
     seen = report["seen"]
     assert report["own"] == "SECRET"  # its own environ is its own (the declared variable is there)
+    if report["ns"]:  # its own pid namespace and /proc: it sees its init (pid 1) and itself, nothing outside
+        assert set(seen) <= {"1"} and report["sibling"] is None, report
+        assert report["ancestors"] == [] and set(report["outer"].values()) == {"gone"}, report
+        got = seen.get("1")  # the init (a fork of the worker: it holds the declared secret) is not readable
+        assert got is not None and all(v in ("refused", "gone") for v in got.values()), got
+        return
     assert report["sibling"] is not None, "the two actions never ran at the same time"
     ancestors = report["ancestors"]  # worker, (zygote), build process, timeout, pytest, ...
     assert len(ancestors) >= 3, ancestors
@@ -561,9 +589,10 @@ def test_a_cancelled_endless_starlark_loop_does_not_wedge_the_server(tmp_path: P
 
 def test_python_started_with_the_action_environment_runs_no_pth_an_action_left_in_the_shared_home(
         tmp_path: Path) -> None:
-    """Every action shares $HOME (<cache>/v1/home): a model could leave a .pth in its user site-packages, which a
-    Python interpreter outside a virtualenv runs at start: a worker spawned for the next build (unconfined), or a
-    compiler written in Python that a later action starts. The action environment turns user site-packages off."""
+    """Workers share $HOME (<cache>/v1/home; each action has its own, which actions cannot reach, but a second line
+    of defence): a .pth left in its user site-packages would run in any Python interpreter outside a virtualenv at
+    start: a worker spawned for the next build (unconfined), or a compiler written in Python. The action environment
+    turns user site-packages off."""
     import subprocess
     import sys
 

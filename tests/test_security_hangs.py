@@ -91,7 +91,9 @@ def test_a_build_file_that_allocates_without_bound_fails_located_within_its_memo
         assert peak_kib < 1536 << 10, f"peak RSS {peak_kib >> 10} MiB"
 
 
-MODEL = '''import os
+MODEL = '''import ctypes
+import os
+import sys
 import time
 
 import torch
@@ -100,10 +102,10 @@ import torch
 def build(config):
     pid = os.fork()
     if pid == 0:  # the child: holds every inherited descriptor, including the worker's result pipe
+        ctypes.CDLL(None).prctl(15, config["name"].encode(), 0, 0, 0)  # PR_SET_NAME: how the test finds it
         time.sleep(600)
         os._exit(0)
-    with open(os.path.join(os.environ["TMPDIR"], config["pidfile"]), "w") as f:  # actions may write only there
-        f.write(str(pid))
+    print("FORKED " + config["name"], file=sys.stderr, flush=True)  # into the action's log
     if config["mode"] == "die":
         os._exit(3)
     if config["mode"] == "hang":
@@ -112,14 +114,38 @@ def build(config):
 '''
 
 
-def _ws(tmp_path: Path, mode: str, compile_attrs: str = "") -> Path:
-    pidfile = f"child-{mode}.pid"  # in the action's $TMPDIR: <cache>/v1/toolchain-tmp
+def child_name(where: Path, mode: str) -> str:
+    """The name (comm, at most 15 characters) the model's forked child takes: unique to this test's directory, so
+    runs of this test elsewhere on the machine are never mistaken for it (its pid is its action's namespace's)."""
+    import hashlib
+
+    return "nb" + hashlib.sha1(f"{where}:{mode}".encode()).hexdigest()[:12]
+
+
+def model_ws(root: Path, name: str, mode: str, compile_attrs: str = "") -> Path:
     build = (f'neuron_model(name = "m", srcs = ["m.py"], entry = "m:build", inputs = {{"x": "float32[b, n]"}},\n'
-             f'             config = {{"pidfile": "{pidfile}", "mode": "{mode}"}})\n'
+             f'             config = {{"name": "{name}", "mode": "{mode}"}})\n'
              'neuron_buckets(name = "bk", shapes = [{"b": 1, "n": 4}])\n'
              'neuron_target(name = "t", platform = "trn2")\n'
              f'neuron_compile(name = "c", model = ":m", buckets = [":bk"], target = ":t"{compile_attrs})\n')
-    return write_ws(tmp_path / f"ws-{mode}", {"pkg/BUILD": build, "pkg/m.py": MODEL})
+    return write_ws(root, {"pkg/BUILD": build, "pkg/m.py": MODEL})
+
+
+def _ws(tmp_path: Path, mode: str, compile_attrs: str = "") -> Path:
+    return model_ws(tmp_path / f"ws-{mode}", child_name(tmp_path, mode), mode, compile_attrs)
+
+
+def named(name: str) -> list[int]:
+    """The live (not zombie) processes called `name`."""
+    out = []
+    for p in os.listdir("/proc"):
+        if p.isdigit():
+            try:
+                if Path(f"/proc/{p}/comm").read_text().strip() == name and _alive(int(p)):
+                    out.append(int(p))
+            except OSError:
+                pass
+    return out
 
 
 def _alive(pid: int) -> bool:
@@ -130,16 +156,41 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def _gone(pid: int, within: float = 5.0) -> bool:
-    """The process is gone (or a zombie) within `within` seconds (SIGKILL is delivered asynchronously)."""
+def none_left(name: str, within: float = 5.0) -> bool:
+    """No process called `name` is left within `within` seconds (SIGKILL is delivered asynchronously); kills any
+    that are, so a failing test leaves nothing behind."""
     deadline = time.monotonic() + within
-    while _alive(pid) and time.monotonic() < deadline:
+    while named(name) and time.monotonic() < deadline:
         time.sleep(0.1)
-    return not _alive(pid)
+    left = named(name)
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    return not left
 
 
-def _child(tmp_path: Path, mode: str) -> int:
-    return int((tmp_path / "cache" / "v1" / "toolchain-tmp" / f"child-{mode}.pid").read_text())
+def build_watching(args: list[str], ws: Path, name: str, env: dict[str, str] | None = None
+                   ) -> tuple[subprocess.CompletedProcess[str], float, bool]:
+    """Run the CLI, looking meanwhile for a process called `name`: (its result, seconds, whether it was seen)."""
+    full = {k: v for k, v in os.environ.items() if k in _ENV_AT_START or not k.startswith("TORCHINDUCTOR_")}
+    full.update(env or {})
+    start = time.monotonic()
+    proc = subprocess.Popen([sys.executable, "-m", "neuronbuild", *args], cwd=ws, env=full, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=user_signals)
+    seen = False
+    try:
+        while proc.poll() is None:
+            seen = seen or bool(named(name))
+            time.sleep(0.2)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err), time.monotonic() - start, seen
+
+
+def _forked(tmp_path: Path, name: str) -> bool:
+    """The model reached its fork (it says so in its action's log)."""
+    return any(f"FORKED {name}" in p.read_text(errors="replace") for p in (tmp_path / "cache").rglob("*.log"))
 
 
 def _build(ws: Path, tmp_path: Path, *extra: str) -> tuple[subprocess.CompletedProcess[str], float]:
@@ -153,38 +204,42 @@ def test_a_model_that_forks_and_dies_fails_its_action_instead_of_hanging(tmp_pat
     proc, took = _build(ws, tmp_path)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "worker process died" in proc.stderr and took < 120
-    child = _child(tmp_path, "die")
-    deadline = time.monotonic() + 5
-    while _alive(child) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not _alive(child), "the forked child outlived the build"
+    name = child_name(tmp_path, "die")
+    assert _forked(tmp_path, name)
+    assert none_left(name), "the forked child outlived the build"
 
 
 def test_children_of_a_successful_action_do_not_outlive_it(tmp_path: Path) -> None:
     ws = _ws(tmp_path, "ok")
     proc, _took = _build(ws, tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert not _alive(_child(tmp_path, "ok")), "the forked child outlived the build"
+    name = child_name(tmp_path, "ok")
+    assert _forked(tmp_path, name)
+    assert none_left(name, within=0.5), "the forked child outlived the build"
 
 
 def test_action_timeout_fails_the_action_and_kills_its_processes(tmp_path: Path) -> None:
     ws = _ws(tmp_path, "hang")
-    proc, took = _build(ws, tmp_path, "--action-timeout", "8")
+    name = child_name(tmp_path, "hang")
+    proc, took, seen = build_watching(["build", "//pkg:all", "--jobs", "1", "--cache-dir", str(tmp_path / "cache"),
+                                       "--action-timeout", "8"], ws, name)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "timed out after 8 s (--action-timeout)" in proc.stderr
-    assert took < 90
-    assert _gone(_child(tmp_path, "hang"))
+    assert took < 90 and seen
+    assert none_left(name)
     bad = run_cli(["build", "//pkg:all", "--action-timeout", "-1"], ws)
     assert bad.returncode == 2 and "--action-timeout" in bad.stderr
 
 
 def test_a_targets_timeout_attribute_overrides_the_flag(tmp_path: Path) -> None:
     ws = _ws(tmp_path, "hang", ", timeout = 6")
-    proc, took = _build(ws, tmp_path, "--action-timeout", "600")
+    name = child_name(tmp_path, "hang")
+    proc, took, seen = build_watching(["build", "//pkg:all", "--jobs", "1", "--cache-dir", str(tmp_path / "cache"),
+                                       "--action-timeout", "600"], ws, name)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "timed out after 6 s (timeout = 6 on //pkg:c)" in proc.stderr
-    assert took < 90 and "Traceback" not in proc.stderr
-    assert _gone(_child(tmp_path, "hang"))
+    assert took < 90 and "Traceback" not in proc.stderr and seen
+    assert none_left(name)
     assert not list((tmp_path / "cache" / "v1" / "ac").rglob("*.json"))
     (ws / "pkg" / "BUILD").write_text((ws / "pkg" / "BUILD").read_text().replace("timeout = 6", "timeout = -1"))
     bad = run_cli(["build", "//pkg:all", "--cache-dir", str(tmp_path / "cache")], ws)

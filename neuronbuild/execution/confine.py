@@ -17,12 +17,13 @@ refuses new sockets of every family but netlink (Unix, IP, vsock, ...) and io_ur
 Other processes' /proc files (environ, maps, mem, fd): Landlock's ptrace scoping refuses them for a non-root action;
 a root action first drops every capability (drop_capabilities), without which Landlock did not refuse them.
 
-Reads are allowed under the sandbox, the action's TMPDIR and HOME, the Python installation (prefixes, sys.path,
+Reads are allowed under the sandbox (which holds the action's own TMPDIR and HOME), the Python installation (prefixes, sys.path,
 site-packages), neuronbuild itself, plug-in paths, PATH dirs and what the step's toolchain declares (step_dirs: e.g. a
 configured neuronx-cc's install, inductor's precompiled headers), /usr, /lib*, /dev,
 /proc and /sys (and, for the kernel rules only, /bin and /etc but its secrets (ETC_SECRETS: shadow, sudoers, host and
 TLS keys, ...), which libc and compilers read); writes only under the
-sandbox, TMPDIR, HOME, the toolchain's declared scratch dirs (inductor's working dir), the action's log and /dev.
+sandbox (with its TMPDIR and HOME), the toolchain's declared scratch dirs, the action's log and /dev. The workers'
+shared TMPDIR and HOME are neither. Its pid and mount namespaces: confine_ns.py.
 """
 
 from __future__ import annotations
@@ -134,11 +135,13 @@ def toolchain_roots(env: Mapping[str, str], spec: Mapping[str, Any]) -> tuple[st
 
 def policy_for(inputs: str, outputs: str, env: Mapping[str, str], spec: Mapping[str, Any],
                installation: tuple[str, ...], extra_write: Iterable[str] = (), extra_read: Iterable[str] = ()) -> Policy:
-    """The policy of one action: its sandbox (the inputs' and outputs' common parent), TMPDIR, HOME and
-    `extra_write` writable; the installation, toolchain and `extra_read` (precompiled headers) readable."""
+    """The policy of one action: its sandbox (the inputs' and outputs' common parent, which holds the action's own
+    $HOME and $TMPDIR: execution/sandbox.private_dirs) and `extra_write` writable; the installation, toolchain and
+    `extra_read` (precompiled headers) readable. The machine's shared TMPDIR and HOME of `env` (the workers') are
+    neither: nothing one action writes there could be read by another."""
     ins, outs = Path(_real(inputs)), Path(_real(outputs))
     sandbox = [str(ins.parent)] if ins.parent == outs.parent else [str(ins), str(outs)]
-    writable = sandbox + [_real(env[k]) for k in ("TMPDIR", "HOME") if env.get(k)] + [_real(p) for p in extra_write]
+    writable = sandbox + [_real(p) for p in extra_write]
     readable = [*installation, *toolchain_roots(env, spec), *(_real(p) for p in extra_read)]
     return Policy(read=_dedup(readable), write=_dedup(writable))
 

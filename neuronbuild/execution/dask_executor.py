@@ -16,7 +16,6 @@ import logging
 import os
 import shutil
 import socket
-import stat
 import tempfile
 import threading
 import time
@@ -27,14 +26,13 @@ from typing import Any
 from urllib.parse import urlparse
 
 from neuronbuild.analysis.toolchain_api import WARM_UP
-from neuronbuild.atomic import atomic_write_bytes
-from neuronbuild.digests import RACY_NS, digest_file
+from neuronbuild.digests import digest_file
 from neuronbuild.errors import NeuronBuildError
 from neuronbuild.execution.cache_api import SpawnCache
 from neuronbuild.execution.env import action_environment, with_threads, worker_threads
 from neuronbuild.execution.jobs import Completion, Job, Started
 from neuronbuild.execution.pool import WorkerPool
-from neuronbuild.execution.sandbox import InputChanged
+from neuronbuild.execution.sandbox import InputChanged, place_input
 from neuronbuild.execution.worker import first_lines
 
 _LOG_TAIL = 200_000
@@ -578,9 +576,8 @@ def farm_run(payload: dict[str, Any]) -> dict[str, Any]:
         inputs, outputs, log = sb / "in", sb / "out", sb / "action.log"
         inputs.mkdir()
         outputs.mkdir()
-        directory = not str(payload["shared"]).startswith("s3://")  # else every input is a verified download
         for rel, digest in payload["inputs"]:
-            _place_input(shared, digest, inputs / rel, directory)
+            _place_input(shared, digest, inputs / rel)
         t_in = time.perf_counter()
         log.write_text(f"# {payload['description']}\n", encoding="utf-8")
         threads = _threads_here(payload.get("host_threads"), dask_worker)
@@ -616,7 +613,7 @@ def farm_run(payload: dict[str, Any]) -> dict[str, Any]:
                     res = {"ok": False, "error": f"the action did not produce its declared output '{name}'",
                            "duration_s": res.get("duration_s", 0.0)}
                     break
-                outs[name] = _store_output(shared, p, directory, [d for _rel, d in payload["inputs"]])
+                outs[name] = _store_output(shared, p)
             else:
                 res["outputs"] = outs
         res["worker"] = where
@@ -632,82 +629,17 @@ def farm_run(payload: dict[str, Any]) -> dict[str, Any]:
         shutil.rmtree(sb, ignore_errors=True)
 
 
-def _place_input(shared: Any, digest: str, dest: Path, directory: bool) -> None:
-    """An input from the farm's store into a sandbox: a blob this host hashed already (as it is in the store now) is
-    linked without reading it again, any other one is verified (hashed) while placed, then known here."""
-    if directory:
-        known = _stamp_of(digest)
-        if known:
-            with contextlib.suppress(OSError):
-                shared.link_blob(digest, dest)  # a hard link (no read) where the store is on this filesystem
-                if _signature(dest) == known:
-                    return
-            with contextlib.suppress(OSError):
-                dest.unlink()
-    hashed_from = time.time_ns()
-    shared.place_blob(digest, dest)  # verified (a corrupt blob raises CorruptBlob and is evicted)
-    if directory:
-        _stamp(digest, dest, hashed_from)
+def _place_input(shared: Any, digest: str, dest: Path) -> None:
+    """An input from the farm's store into a sandbox: a verified read-only copy, as the local executor places its
+    own (sandbox.place_input); never a link to the store, which the action could chmod and write through."""
+    place_input(shared, digest, dest)
 
 
-def _store_output(shared: Any, p: Path, directory: bool, inputs: list[str]) -> list[Any]:
-    """An action's output into the farm's store: [digest, size]. An output that is one of its inputs, linked (a Neuron
-    compile re-emits its lowering's files) and known here as that stored blob, is there already: neither hashed nor
-    stored again (nor marked used, which would change its modification time and so its stamp)."""
-    if directory:
-        with contextlib.suppress(OSError):
-            sig = _signature(p)
-            for digest in dict.fromkeys(inputs) if sig else ():
-                if _stamp_of(digest) == sig and shared.has_blob(digest):
-                    return [digest, os.stat(p).st_size]
-    hashed_from = time.time_ns()
-    digest, size = shared.put_file(p, scratch=True)  # not sent again if the store has it; linked, not copied, into a
-    # store directory on the sandbox's filesystem
-    if directory:
-        _stamp(digest, p, hashed_from)  # hashed just now: known here when p is the stored blob
+def _store_output(shared: Any, p: Path) -> list[Any]:
+    """An action's output into the farm's store: [digest, size] (hashed; not sent again if the store has it;
+    linked, not copied, into a store directory on the sandbox's filesystem)."""
+    digest, size = shared.put_file(p, scratch=True)
     return [digest, size]
-
-
-def _signature(path: Path) -> str:
-    """What a blob's stamp holds: the file's device, inode, size and modification time; "" when `path` is not a
-    second name of a stored blob (a copy, or a file of the store's own that it did not take)."""
-    st = os.stat(path)
-    return f"{st.st_dev} {st.st_ino} {st.st_size} {st.st_mtime_ns}" if st.st_nlink > 1 else ""
-
-
-def _stamps() -> Path | None:
-    """This host's stamps of the store's blobs that its farm workers hashed (shared by the Dask workers of the host):
-    a directory of this user's that nobody else may write, else None (no stamps: every input is hashed)."""
-    d = _farm_base() / "verified"
-    try:
-        d.mkdir(mode=0o700, parents=True, exist_ok=True)
-        st = os.lstat(d)
-    except OSError:
-        return None
-    return d if stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & 0o077 else None
-
-
-def _stamp(digest: str, path: Path, hashed_from: int) -> None:
-    """`path` (a name of blob `digest` in the store) was hashed to `digest` from `hashed_from` (ns) on: stamp it with
-    its signature. A blob written since has another modification time (or inode, or size): its stamp no longer
-    matches and it is hashed again. Not stamped when it was modified so shortly before the hash began that a later
-    write could keep its modification time (the kernel's coarse file clock)."""
-    d = _stamps()
-    with contextlib.suppress(OSError):
-        sig = _signature(path)
-        if d is None or not sig or int(sig.split()[3]) >= hashed_from - RACY_NS:
-            return
-        p = d / digest[:2] / digest
-        p.parent.mkdir(mode=0o700, exist_ok=True)
-        atomic_write_bytes(p, sig.encode(), durable=False)
-
-
-def _stamp_of(digest: str) -> str:
-    d = _stamps()
-    try:
-        return (d / digest[:2] / digest).read_text(encoding="utf-8") if d is not None else ""
-    except (OSError, ValueError):
-        return ""
 
 
 def _secede() -> None:

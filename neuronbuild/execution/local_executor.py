@@ -103,6 +103,8 @@ class LocalExecutor:
         for r in self._pool.wait(timeout):
             job, sb = self._running[r.task_id]
             res = r.result
+            if sb.linked:
+                sb.restore_linked()  # the user's files' mode and times, where the action could change them
             changed = sb.changed_input() if res.get("ok") and sb.linked else None
             if changed is not None:  # a linked input edited while the action ran: its result names other bytes
                 res = {**res, "ok": False, "error": f"input '{changed}' changed during the build; run the build again"}

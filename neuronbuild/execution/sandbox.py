@@ -9,6 +9,7 @@ import stat
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import blake3
 
@@ -35,6 +36,14 @@ def read_only_dir(inputs: str | Path) -> Path:
     return base.with_name(base.name + READ_ONLY_SUFFIX)
 
 
+def private_dirs(inputs: str | Path) -> tuple[Path, Path]:
+    """The action's own $HOME and $TMPDIR: fresh directories in its sandbox (beside `inputs` and the outputs), made
+    by its process before the model runs and removed with the sandbox, so nothing one action leaves there is seen by
+    another. Their paths differ per action and enter neither fingerprints nor outputs."""
+    base = Path(inputs).parent
+    return base / "home", base / "tmp"
+
+
 @functools.cache
 def _confined_read_only() -> bool:
     """Landlock can refuse writes and truncation to a path on this kernel (ABI >= 3: truncate is handled)."""
@@ -56,10 +65,31 @@ class Sandbox:
     inputs: Path
     outputs: Path
     linked: tuple[tuple[str, tuple[int, int, int, int]], ...] = ()
+    linked_meta: tuple[tuple[str, int, int, int], ...] = ()  # (path, mode, atime_ns, mtime_ns) when linked
 
     def remove(self) -> None:
         shutil.rmtree(self.base, ignore_errors=True)
         shutil.rmtree(read_only_dir(self.inputs), ignore_errors=True)
+
+    def restore_linked(self) -> list[str]:
+        """Give the linked inputs (the user's files) back the mode and times they had when linked, where they differ:
+        without its own mount namespace (no read-only bind mount) an action can chmod or utime them (no Landlock
+        right covers either; it owns them). Returns the paths restored (their change also moved their ctime, so
+        changed_input() names them too and the action's result is not stored)."""
+        ro = read_only_dir(self.inputs)
+        out = []
+        for path, mode, atime, mtime in self.linked_meta:
+            try:
+                st = os.stat(ro / path)
+                if stat.S_IMODE(st.st_mode) != mode:
+                    os.chmod(ro / path, mode)
+                    out.append(path)
+                if st.st_mtime_ns != mtime:
+                    os.utime(ro / path, ns=(atime, mtime))
+                    out.append(path)
+            except OSError:
+                continue
+        return list(dict.fromkeys(out))
 
     def changed_input(self) -> str | None:
         """A linked input whose file changed since it was hashed (the user edited it during the action), else None:
@@ -94,6 +124,14 @@ def _link_read_only(src: Path, ro: Path, dest: Path, f: FileInput) -> tuple[int,
     return _signature(before)
 
 
+def place_input(store: Any, digest: str, dest: Path) -> None:
+    """Another action's output (blob `digest` of `store`: the local cache, or a farm's store on a Dask worker) as a
+    sandbox input: a verified read-only copy (store.place_blob: hashed as it is written, 0444; a corrupt blob raises
+    CorruptBlob and is evicted), never a link, since the sandbox is the action's and a linked blob could be made
+    writable again (chmod is no Landlock right) and the store's bytes changed. Both executors place inputs here."""
+    store.place_blob(digest, dest)
+
+
 def prepare(action: Action, root: Path, cache: SpawnCache, parent: Path | None = None) -> Sandbox:
     """A sandbox under `parent` (default: the cache's scratch dir; executors pass a per-build dir they remove whole)."""
     parent = parent or cache.scratch
@@ -101,6 +139,7 @@ def prepare(action: Action, root: Path, cache: SpawnCache, parent: Path | None =
     base = Path(tempfile.mkdtemp(dir=parent, prefix=f"{action.fingerprint[:12]}-"))
     sb = Sandbox(base, base / "in", base / "out")
     linked: list[tuple[str, tuple[int, int, int, int]]] = []
+    meta: list[tuple[str, int, int, int]] = []
     try:
         sb.inputs.mkdir()
         sb.outputs.mkdir()
@@ -111,6 +150,8 @@ def prepare(action: Action, root: Path, cache: SpawnCache, parent: Path | None =
                 if _confined_read_only() else None
             if sig is not None:
                 linked.append((f.path, sig))
+                st = os.stat(root / f.path)
+                meta.append((f.path, stat.S_IMODE(st.st_mode), st.st_atime_ns, st.st_mtime_ns))
                 continue
             with open(root / f.path, "rb") as src, open(dest, "wb") as out:
                 digest, _size = copy_hashing(src, out)  # one read: the copy is hashed as it is written
@@ -120,8 +161,8 @@ def prepare(action: Action, root: Path, cache: SpawnCache, parent: Path | None =
             res = cache.lookup(d.action)
             if res is None or d.output not in res.outputs:
                 raise InputChanged(f"output '{d.output}' of action {d.action[:12]} is missing from the cache")
-            cache.place_blob(res.outputs[d.output].digest, sb.inputs / d.path)
+            place_input(cache, res.outputs[d.output].digest, sb.inputs / d.path)
     except BaseException:  # including Ctrl-C: no half-built sandbox is left behind
         sb.remove()
         raise
-    return Sandbox(sb.base, sb.inputs, sb.outputs, tuple(linked)) if linked else sb
+    return Sandbox(sb.base, sb.inputs, sb.outputs, tuple(linked), tuple(meta)) if linked else sb

@@ -12,14 +12,14 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any
 
 from neuronbuild.analysis.toolchain_api import StepDirs
 from neuronbuild.atomic import atomic_write_bytes, umask_mode
-from neuronbuild.execution import channel
+from neuronbuild.execution import channel, confine_ns
 from neuronbuild.execution.confine import (
     Policy,
     confine,
@@ -29,7 +29,8 @@ from neuronbuild.execution.confine import (
     policy_for,
     set_dumpable,
 )
-from neuronbuild.execution.sandbox import read_only_dir
+from neuronbuild.execution.sandbox import private_dirs, read_only_dir
+from neuronbuild.platforms import SHARED_TMP_VAR
 
 HOST = socket.gethostname()
 
@@ -129,7 +130,8 @@ def toolchain_mismatch(expect: Mapping[str, str]) -> str | None:
 
 
 def run_action(kind: str, spec: dict[str, Any], inputs: str, outputs: str, log_path: str,
-               expect: Mapping[str, str] | None = None, policy: Policy | None = None) -> dict[str, Any]:
+               expect: Mapping[str, str] | None = None, policy: Policy | None = None,
+               notes: Sequence[str] = ()) -> dict[str, Any]:
     """Run a trace, a weights action or a toolchain step in this process, after checking this worker's toolchain against `expect` (the
     versions in the action's fingerprint) and, with a `policy`, confining this process to it for good (so: only in
     a per-action child, see run_isolated). Returns {"ok", "metadata"|"error", "duration_s", "pid", "peak_rss_mb"}."""
@@ -143,6 +145,8 @@ def run_action(kind: str, spec: dict[str, Any], inputs: str, outputs: str, log_p
     Path(log_path).parent.mkdir(parents=True, exist_ok=True)
     try:
         with _redirect_fds(log_path):
+            for note in notes:  # what of its confinement this machine does not give the action
+                print(f"neuronbuild: {note}", file=sys.stderr)
             if policy is not None:
                 why = confine(policy)
                 if why is not None:
@@ -224,27 +228,55 @@ def action_policy(msg: Mapping[str, Any], env: Mapping[str, str], installation: 
 def run_isolated(msg: Mapping[str, Any], installation: tuple[str, ...]) -> dict[str, Any]:
     """Run one action in a child forked from this (warm, model-free) worker and confined to its sandbox: whatever the
     model's code changes in the interpreter (monkeypatches, sys.modules, audit hooks) ends with the child. The child's
-    death (a crash, os._exit, the OOM killer) fails the action as a worker death (retried with --retries)."""
-    spec = msg["spec"]
+    death (a crash, os._exit, the OOM killer) fails the action as a worker death (retried with --retries).
+
+    The child (outside) enters new pid and mount namespaces (confine_ns.enter) and forks the namespace's init, which
+    mounts a private /proc and the sandbox's read-only sibling read-only, then forks the action's process (pid 2 of
+    the namespace: it sees no process but its own and the init). When it ends, the init exits and the kernel kills
+    whatever it left; the outside child ends as it did (its exit status or signal: confine_ns.reraise), so this
+    worker's wait4 gives the action's end and CPU time as before. Where namespaces are refused, the outside child
+    runs the action itself (as before; its log says so)."""
     policy = action_policy(msg, dict(os.environ), installation)
     r, w = os.pipe()
+    worker_pid = os.getpid()
     pid = os.fork()
-    if pid == 0:  # the action's process
-        code = 0
+    if pid == 0:  # the action's outside process
+        code = 70
         try:
-            set_dumpable(True)  # the worker is not (confine.set_dumpable); this process's own /proc stays its own
+            set_dumpable(True)  # the worker is not (confine.set_dumpable); the namespaces' maps go through /proc/self
             os.close(r)
             close_inherited_fds(keep=(w,))  # the worker's pipes to the build process, its pidfds: not the model's
             null = os.open(os.devnull, os.O_RDWR)  # nor the worker's log (run_action sends 1 and 2 to the action's)
             for fd in (0, 1, 2):
                 os.dup2(null, fd)
             os.close(null)
-            with contextlib.suppress(Exception):
-                import ctypes
-
-                ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, 9, 0, 0, 0)  # dies with the worker
-            channel.send(Connection(w, readable=False), run_action(msg["kind"], spec, msg["inputs"], msg["outputs"],
-                                                                   msg["log"], msg.get("expect"), policy))
+            _die_with_parent(worker_pid)
+            why = confine_ns.enter()
+            if why is not None:  # the kernel or the container refuses namespaces: this process runs the action
+                _run_child(msg, policy, w, worker_pid,
+                           [f"no pid namespace for this action ({why}); it may read other processes' cmdline, comm, "
+                            "stat and status, and what it forks is ended by its worker"])
+            set_dumpable(False)  # (the init inherits this; the action's process turns it back on)
+            outside = os.getpid()
+            init = os.fork()
+            if init == 0:  # pid 1 of the action's namespaces; runs no model code
+                _die_with_parent(outside, check=False)
+                notes = []
+                if (why := confine_ns.private_proc()) is not None:
+                    notes.append(f"no private /proc ({why}); this action may read other processes' cmdline, comm, "
+                                 "stat and status")
+                ro = read_only_dir(msg["inputs"])
+                if ro.is_dir() and (why := confine_ns.read_only_bind(str(ro))) is not None:
+                    notes.append(f"{why}; the linked big inputs are protected against writes only (Landlock)")
+                child = os.fork()
+                if child == 0:
+                    _run_child(msg, policy, w, 1, notes)
+                os.close(w)
+                os._exit(confine_ns.init_wait(child))
+            os.close(w)
+            _pid, status = os.waitpid(init, 0)
+            ended = os.waitstatus_to_exitcode(status)
+            confine_ns.reraise(128 - ended if ended < 0 else ended)
         except BaseException:  # noqa: BLE001 - reported as a death by the parent
             code = 70
         finally:
@@ -287,6 +319,52 @@ def run_isolated(msg: Mapping[str, Any], installation: tuple[str, ...]) -> dict[
     res["action_pid"] = pid
     res["pid"] = os.getpid()
     return res
+
+
+def _die_with_parent(parent: int, check: bool = True) -> None:
+    """This process is killed when its parent dies (PR_SET_PDEATHSIG); `check`: it exits now when `parent` died
+    already (a namespace's init cannot tell: its parent is outside its pid namespace)."""
+    with contextlib.suppress(Exception):
+        import ctypes
+
+        ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, 9, 0, 0, 0)
+    if check and os.getppid() != parent:
+        os._exit(70)
+
+
+def _rebase_environ(shared: str | None, private: str) -> None:
+    """Variables the worker's libraries derived from its shared $TMPDIR or $HOME (torch sets TORCHINDUCTOR_CACHE_DIR
+    to <TMPDIR>/torchinductor_<user> on first use) point at the same place in the action's private one."""
+    if not shared or not os.path.isabs(shared):
+        return
+    for name, value in list(os.environ.items()):
+        if name not in ("HOME", "TMPDIR", SHARED_TMP_VAR) and value.startswith(shared.rstrip("/") + "/"):
+            os.environ[name] = private + value[len(shared.rstrip("/")):]
+
+
+def _run_child(msg: Mapping[str, Any], policy: Policy, w: int, parent: int, notes: list[str]) -> None:
+    """The action's process: its own $HOME and $TMPDIR (fresh, in its sandbox), then the action, confined; its result
+    to the pipe `w`. Never returns."""
+    code = 0
+    try:
+        set_dumpable(True)  # this process's own /proc stays its own (non-root: /proc/self/fd)
+        _die_with_parent(parent)
+        if os.environ.get("TMPDIR"):  # toolchains find the shared precompiled headers beside it (read-only)
+            os.environ[SHARED_TMP_VAR] = os.environ["TMPDIR"]
+        for var, d in zip(("HOME", "TMPDIR"), private_dirs(msg["inputs"]), strict=True):
+            d.mkdir(mode=0o700, exist_ok=True)
+            _rebase_environ(os.environ.get(var), str(d))
+            os.environ[var] = str(d)  # (g++, neuronx-cc and every process it starts inherit them)
+        import tempfile
+
+        tempfile.tempdir = None  # the worker's choice (the shared scratch dir) is not this action's
+        channel.send(Connection(w, readable=False), run_action(msg["kind"], msg["spec"], msg["inputs"],
+                                                               msg["outputs"], msg["log"], msg.get("expect"), policy,
+                                                               notes))
+    except BaseException:  # noqa: BLE001 - reported as a death by the worker
+        code = 70
+    finally:
+        os._exit(code)
 
 
 # An action's result: its metadata (recorded in the action cache) and the first lines of an error.

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from neuronbuild.analysis.toolchain_api import StepDirs
-from neuronbuild.platforms import THREADS_VAR, host_cores
+from neuronbuild.platforms import SHARED_TMP_VAR, THREADS_VAR, host_cores
 from neuronbuild.toolchains.errors import ToolchainError
 from neuronbuild.toolchains.model_import import example_inputs
 from neuronbuild.toolchains.passes import apply_passes
@@ -114,7 +114,7 @@ def compile_cpu(
     # Inductor's working dir and the raw package live in the action's own output dir, which no other action can write
     # (a shared working dir let a model plant or change the sources a later compile of any workspace builds: inductor
     # keeps a source file it finds under its content-hash name). Removed before the outputs are stored. Its temp files
-    # too: $TMPDIR is every action's.
+    # too.
     with _private_dir(out_dir) as tmp, _compile_environment(isa, target, tmp / "inductor"), _temp_dir(tmp), \
             _fake_constants_by_storage(), _weights_never_inlined():
         raw = tmp / f"{PACKAGE_MODEL_NAME}.pt2"
@@ -163,31 +163,43 @@ def toolchain_scratch() -> Path:
     return Path(xdg) / "neuronbuild" / "toolchain-tmp"
 
 
+def shared_scratch() -> Path:
+    """The machine's toolchain scratch dir shared by its workers (their $TMPDIR, the cache's toolchain-tmp), also in
+    an action's process, whose own $TMPDIR is private (SHARED_TMP_VAR names the shared one there)."""
+    shared = os.environ.get(SHARED_TMP_VAR)
+    return Path(shared) if shared and os.path.isabs(shared) else toolchain_scratch()
+
+
 def header_dir() -> Path:
-    """Where inductor's precompiled headers live: beside the toolchain scratch dir, not in it (in workers
+    """Where inductor's precompiled headers live: beside the shared toolchain scratch dir, not in it (in workers
     <cache>/v1/toolchain-headers). Only toolchain warm-ups (run in the worker itself) write there; actions, whose
-    TMPDIR is the scratch dir, may only read it (execution/worker.py: read-only in the Landlock policy), so no model
+    TMPDIR is private, may only read it (execution/worker.py: read-only in the Landlock policy), so no model
     can change a header that a later compile of any workspace includes."""
-    scratch = toolchain_scratch()
+    scratch = shared_scratch()
     return scratch.parent / "toolchain-headers" if scratch.name == "toolchain-tmp" else scratch / "neuronbuild-headers"
 
 
+def header_lock_dir() -> Path:
+    """Inductor's per-header lock files: in the shared scratch dir, which actions can neither write nor read (their
+    $TMPDIR is private; a file an action could open, even read-only, it could flock and hold, stalling every warm-up
+    of the machine). Only warm-ups, in workers, take them; a compile finds its headers in the memo it inherits."""
+    return shared_scratch() / "neuronbuild-header-locks"
+
+
 def inductor_dirs() -> StepDirs:
-    """What a step compiling with inductor uses besides its sandbox (Toolchain.step_dirs): the scratch dir (writable)
-    and the precompiled headers (read-only), both created here."""
-    scratch, headers = toolchain_scratch(), header_dir()
-    scratch.mkdir(parents=True, exist_ok=True)
+    """What a step compiling with inductor uses besides its sandbox (Toolchain.step_dirs): the precompiled headers
+    (read-only), created here. Its working files go to its own output dir and $TMPDIR (private)."""
+    headers = header_dir()
     headers.mkdir(parents=True, exist_ok=True)
-    return StepDirs(write=(str(scratch),), read=(str(headers),))
+    return StepDirs(read=(str(headers),))
 
 
 def _use_header_dir() -> None:
-    """Point inductor's precompiled headers at header_dir() (its lock files stay in the writable scratch dir: a
-    compile that finds its header takes the lock too)."""
+    """Point inductor's precompiled headers at header_dir() and their lock files at header_lock_dir()."""
     import torch._inductor.codecache as cc
 
     cc._HEADER_DIR = str(header_dir())
-    cc._HEADER_LOCK_DIR = str(toolchain_scratch() / "neuronbuild-header-locks")
+    cc._HEADER_LOCK_DIR = str(header_lock_dir())
 
 
 @contextmanager

@@ -1,0 +1,137 @@
+"""Namespaces per action: a pid namespace with a private /proc, in a private mount namespace (and, for a non-root
+user, a user namespace owning both), so an action sees only its own processes and everything it starts dies with it.
+
+How run_isolated (worker.py) uses them: the action's first child (outside) calls `enter` (unshare(2): its next child
+is pid 1 of a new pid namespace); that child, the namespace's init (it runs no model code), mounts a fresh /proc
+(`private_proc`) and makes the sandbox's read-only sibling a read-only bind mount (`read_only_bind`), then forks the
+action's process. When the action's process ends, the init exits and the kernel kills every process left in the
+namespace (a double-forked daemon, one that cleared its parent-death signal or left the session: none escapes).
+
+Only stdlib and ctypes: a kernel or container that refuses namespaces (EPERM, ENOSPC, a seccomp filter) makes each
+call return why, and the action runs as before, its log saying so.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+
+CLONE_NEWNS = 0x00020000
+CLONE_NEWUSER = 0x10000000
+CLONE_NEWPID = 0x20000000
+_MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_NOEXEC = 1, 2, 4, 8
+_MS_REMOUNT, _MS_BIND, _MS_REC, _MS_PRIVATE = 32, 4096, 16384, 1 << 18
+# statvfs flags (ST_*) that a read-only remount of a bind mount must keep (a user namespace may not clear flags the
+# original mount has: they are locked) -> the mount(2) flag of the same meaning.
+_KEEP = {2: _MS_NOSUID, 4: _MS_NODEV, 8: _MS_NOEXEC, 16: 16, 64: 64, 1024: 1024, 2048: 2048, 4096: 1 << 21}
+
+
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def _err(what: str) -> str:
+    return f"{what}: {os.strerror(ctypes.get_errno())}"
+
+
+def _write(path: str, text: str) -> None:
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        os.write(fd, text.encode())
+    finally:
+        os.close(fd)
+
+
+def enter() -> str | None:
+    """unshare(2) this process's next children into a new pid namespace, with a new mount namespace (and a new user
+    namespace mapping this uid and gid to themselves, when not root or when root may not do it alone). Call in a
+    single-threaded, dumpable process (the maps are written through its own /proc). None when done, else why not."""
+    libc = _libc()
+    uid, gid = os.getuid(), os.getgid()
+    tries = [CLONE_NEWPID | CLONE_NEWNS] if uid == 0 else []
+    tries.append(CLONE_NEWUSER | CLONE_NEWPID | CLONE_NEWNS)
+    why = ""
+    for flags in tries:
+        if libc.unshare(ctypes.c_int(flags)) != 0:
+            why = _err("unshare")
+            continue
+        if flags & CLONE_NEWUSER:
+            try:
+                _write("/proc/self/setgroups", "deny")
+                _write("/proc/self/uid_map", f"{uid} {uid} 1\n")
+                _write("/proc/self/gid_map", f"{gid} {gid} 1\n")
+            except OSError as e:
+                return f"user namespace maps: {e.strerror}"
+        return None
+    return why or "unshare: not available"
+
+
+def private_proc() -> str | None:
+    """In the pid namespace's init: mounts made private (nothing done here reaches the machine's mount table), then a
+    fresh /proc showing this namespace's processes only. None when done, else why not (the machine's /proc stays)."""
+    libc = _libc()
+    if libc.mount(None, b"/", None, ctypes.c_ulong(_MS_REC | _MS_PRIVATE), None) != 0:
+        return _err("making mounts private")
+    if libc.mount(b"proc", b"/proc", b"proc", ctypes.c_ulong(_MS_NOSUID | _MS_NODEV | _MS_NOEXEC), None) != 0:
+        return _err("mounting a private /proc")
+    return None
+
+
+def read_only_bind(path: str) -> str | None:
+    """`path` bind-mounted on itself read-only, in this (private) mount namespace: writing, truncating, chmod, chown,
+    utime and setxattr of the files under it fail with EROFS for every process of the namespace, whatever their
+    rights. None when done, else why not."""
+    libc = _libc()
+    p = os.fsencode(path)
+    try:
+        st = os.statvfs(path)
+    except OSError as e:
+        return f"read-only bind mount of {path}: {e.strerror}"
+    keep = 0
+    for bit, flag in _KEEP.items():
+        if st.f_flag & bit:
+            keep |= flag
+    if libc.mount(p, p, None, ctypes.c_ulong(_MS_BIND | _MS_REC), None) != 0:
+        return _err(f"bind mount of {path}")
+    if libc.mount(None, p, None, ctypes.c_ulong(_MS_REMOUNT | _MS_BIND | _MS_RDONLY | keep), None) != 0:
+        return _err(f"read-only remount of {path}")
+    return None
+
+
+def status_code(status: int) -> int:
+    """What the namespace's init exits with for its child's wait status: its exit code, or 128 + the signal that
+    killed it (the init, pid 1 of its namespace, cannot re-raise a signal on itself; `reraise` does, outside)."""
+    if os.WIFSIGNALED(status):
+        return 128 + os.WTERMSIG(status)
+    return os.WEXITSTATUS(status) if os.WIFEXITED(status) else 70
+
+
+def init_wait(child: int) -> int:
+    """The namespace's init: reap every process that ends (orphans are re-parented here) until `child` (the action's
+    process) has; returns the code to exit with (status_code). Exiting then kills the rest of the namespace."""
+    while True:
+        try:
+            pid, status = os.waitpid(-1, 0)
+        except ChildProcessError:
+            return 70
+        except InterruptedError:
+            continue
+        if pid == child:
+            return status_code(status)
+
+
+def reraise(code: int) -> None:
+    """Outside the namespace, end this process as the action's process ended: a code above 128 naming a signal is
+    that signal, raised on this process (so the worker's wait status says 'killed by SIGKILL' for the OOM killer);
+    else exit with `code`. Never returns."""
+    import signal
+
+    sig = code - 128 if code > 128 else 0
+    if sig and sig in {s.value for s in signal.Signals} and sig not in (signal.SIGSTOP, signal.SIGTSTP,
+                                                                      signal.SIGTTIN, signal.SIGTTOU):
+        for step in (lambda: signal.signal(sig, signal.SIG_DFL),  # (refused for SIGKILL: needed by none)
+                     lambda: signal.pthread_sigmask(signal.SIG_UNBLOCK, {sig}), lambda: os.kill(os.getpid(), sig)):
+            with contextlib.suppress(OSError, ValueError):
+                step()
+    os._exit(code)

@@ -1,0 +1,256 @@
+"""Each action runs in its own pid and mount namespaces with a private /proc, and with its own $HOME and $TMPDIR
+(issue #31): it sees no process but its own (not the cmdline, comm, stat or status of any other), whatever it forks
+ends with it (a daemon that left the session and cleared its parent-death signal included), nothing it leaves in
+$HOME or $TMPDIR is seen by the next action, it can neither write the machine's shared scratch dir nor open the lock
+files of the precompiled headers there (holding one would stall every warm-up).
+
+These run worker.run_isolated, the worker's own code path, from the test process with the action replaced by a probe
+(run_action monkeypatched: the forked processes run it), confined by the real policy."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from neuronbuild.execution import confine_ns, worker
+from neuronbuild.execution.confine import confine, installation_roots
+
+
+def _namespaces_allowed() -> bool:
+    """Whether this machine lets a process enter pid and mount namespaces (a forked probe)."""
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0 if confine_ns.enter() is None else 1)
+    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+
+
+needs_namespaces = pytest.mark.skipif(not _namespaces_allowed(), reason="namespaces are refused here")
+
+
+def _run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, probe: Callable[[], dict[str, Any]],
+         spec: dict[str, Any] | None = None, name: str = "a") -> dict[str, Any]:
+    """One action through run_isolated whose work is `probe`, run confined; returns its result."""
+    base = tmp_path / f"sandbox-{name}"
+    (base / "in").mkdir(parents=True)
+    (base / "out").mkdir()
+    log = tmp_path / f"{name}.log"
+
+    def fake_run_action(kind: str, spec: dict[str, Any], inputs: str, outputs: str, log_path: str,
+                        expect: Any = None, policy: Any = None, notes: Any = ()) -> dict[str, Any]:
+        with open(log_path, "a", encoding="utf-8") as f:
+            f.writelines(f"neuronbuild: {n}\n" for n in notes)
+        assert policy is not None
+        confine(policy)
+        os.chdir(inputs)
+        return {"ok": True, "metadata": probe()}
+
+    monkeypatch.setattr(worker, "run_action", fake_run_action)
+    msg = {"kind": "weights", "spec": spec or {"step": "weights"}, "inputs": str(base / "in"),
+           "outputs": str(base / "out"), "log": str(log)}
+    res = worker.run_isolated(msg, installation_roots())
+    assert res["ok"], (res, log.read_text() if log.exists() else "")
+    return dict(res["metadata"])
+
+
+def _comms() -> dict[int, str]:
+    out = {}
+    for p in os.listdir("/proc"):
+        if p.isdigit():
+            try:
+                out[int(p)] = Path(f"/proc/{p}/comm").read_text().strip()
+            except OSError:
+                pass
+    return out
+
+
+@needs_namespaces
+def test_an_action_sees_only_its_own_processes_and_nothing_it_forks_outlives_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    token = f"nbd{os.getpid() % 100000}"  # the daemon's name (comm: at most 15 characters)
+    outer = os.getpid()  # this test process (the action's worker here): outside the action's namespace
+
+    def probe() -> dict[str, Any]:
+        seen = {str(p): c for p, c in _comms().items()}
+        got = {}
+        for what in ("cmdline", "comm", "stat", "status"):
+            try:
+                Path(f"/proc/{outer}/{what}").read_bytes()
+                got[what] = "read"
+            except OSError:
+                got[what] = "absent"
+        status = Path("/proc/self/status").read_text()  # its own /proc works (g++, inductor read it)
+        own = int(next(ln for ln in status.splitlines() if ln.startswith("Pid:")).split()[1])
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # a daemon: leaves the session, forks again, clears its parent-death signal, sleeps
+            os.setsid()
+            if os.fork() == 0:
+                libc = ctypes.CDLL(None)
+                libc.prctl(1, 0, 0, 0, 0)  # PR_SET_PDEATHSIG 0
+                libc.prctl(15, token.encode(), 0, 0, 0)  # PR_SET_NAME
+                os.write(w, b"x")
+                while True:
+                    time.sleep(0.2)
+            os._exit(0)
+        os.waitpid(pid, 0)
+        os.read(r, 1)
+        return {"seen": seen, "outer": got, "pid": os.getpid(), "own": own}
+
+    got = _run(tmp_path, monkeypatch, probe)
+    assert got["own"] == got["pid"]
+    # Only the namespace's init (pid 1) and the action itself: no sibling, worker, build process or shell.
+    assert sorted(int(p) for p in got["seen"]) == [1, got["pid"]], got["seen"]
+    assert got["outer"] == {w: "absent" for w in ("cmdline", "comm", "stat", "status")}, got["outer"]
+    left = [p for p, c in _comms().items() if c == token]
+    deadline = time.monotonic() + 30
+    while left and time.monotonic() < deadline:  # (the kernel ends them as the namespace's init exits)
+        time.sleep(0.1)
+        left = [p for p, c in _comms().items() if c == token]
+    for p in left:
+        os.kill(p, 9)
+    assert not left, "a daemon the action started outlived it"
+
+
+def test_an_actions_home_and_tmpdir_are_its_own_and_the_shared_ones_are_not_writable(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    shared_tmp, shared_home = tmp_path / "v1" / "toolchain-tmp", tmp_path / "v1" / "home"
+    shared_tmp.mkdir(parents=True)
+    shared_home.mkdir()
+    monkeypatch.setenv("TMPDIR", str(shared_tmp))  # as a worker's action environment has them
+    monkeypatch.setenv("HOME", str(shared_home))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(shared_tmp / "torchinductor_x"))  # what torch derives from it
+
+    def probe() -> dict[str, Any]:
+        home, tmp = Path(os.environ["HOME"]), Path(tempfile.gettempdir())
+        found = sorted(p.name for d in (home, tmp) for p in d.iterdir())
+        (home / ".cache").mkdir()
+        (home / ".cache" / "left-by-an-action").write_text("x")
+        (tmp / "left-by-an-action").write_text("x")
+        shared = []
+        for d in (shared_tmp, shared_home):
+            try:
+                (d / "planted").write_text("x")
+                shared.append("written")
+            except PermissionError:
+                shared.append("refused")
+        return {"home": str(home), "tmp": str(tmp), "env_tmp": os.environ["TMPDIR"], "found": found,
+                "shared": shared, "inductor": os.environ["TORCHINDUCTOR_CACHE_DIR"]}
+
+    first = _run(tmp_path, monkeypatch, probe, name="a")
+    second = _run(tmp_path, monkeypatch, probe, name="b")
+    assert second["found"] == [] and first["found"] == [], (first, second)  # nothing the first left is seen
+    for got, name in ((first, "a"), (second, "b")):
+        assert got["home"] == str(tmp_path / f"sandbox-{name}" / "home")
+        assert got["tmp"] == got["env_tmp"] == str(tmp_path / f"sandbox-{name}" / "tmp")
+        assert got["inductor"] == str(tmp_path / f"sandbox-{name}" / "tmp" / "torchinductor_x")
+        assert got["shared"] == ["refused", "refused"], got
+    assert sorted(p.name for d in (shared_tmp, shared_home) for p in d.iterdir()) == []
+
+
+def test_an_action_cannot_open_the_precompiled_headers_lock_files(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Inductor's per-header lock files: a warm-up (in the worker) waits for each; an action that could open one (even
+    read-only: flock needs no write right) could hold it and stall every warm-up of the machine."""
+    pytest.importorskip("torch")
+    from neuronbuild.toolchains import compile as cc
+
+    shared_tmp = tmp_path / "v1" / "toolchain-tmp"
+    shared_tmp.mkdir(parents=True)
+    monkeypatch.setenv("TMPDIR", str(shared_tmp))
+    monkeypatch.delenv("NEURONBUILD_SHARED_TMPDIR", raising=False)
+    tempfile.tempdir = None
+    try:
+        locks = cc.header_lock_dir()  # where the worker's warm-up takes them
+        headers = cc.header_dir()
+        locks.mkdir(parents=True)
+        (locks / "abc.lock").write_text("")
+    finally:
+        tempfile.tempdir = None
+
+    def probe() -> dict[str, Any]:
+        import fcntl
+
+        try:
+            fd = os.open(locks / "abc.lock", os.O_RDONLY)
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            held = "held"
+        except PermissionError:
+            held = "refused"
+        return {"held": held, "locks": str(cc.header_lock_dir()), "headers": str(cc.header_dir())}
+
+    got = _run(tmp_path, monkeypatch, probe, spec={"toolchain": "cpu", "step": "compile", "isa": "x86-64"})
+    assert got["held"] == "refused", got
+    assert got["locks"] == str(locks) and got["headers"] == str(headers), got  # the same dirs as the warm-up's
+
+
+def test_the_namespaces_work_for_a_non_root_user(tmp_path: Path) -> None:
+    """The namespace path as uid 65534 (a user namespace owns the pid and mount namespaces): the action sees only
+    its own processes, a read-only bind mount refuses chmod, and a signal death is reported as such."""
+    python = shutil.which("python3", path="/usr/bin:/bin")
+    setpriv = shutil.which("setpriv")
+    if os.getuid() != 0 or python is None or setpriv is None:
+        pytest.skip("needs root, setpriv and a system python3 another user can run")
+    d = Path(tempfile.mkdtemp(prefix="nb-ns-", dir="/tmp"))
+    try:
+        (d / "pkg").mkdir()
+        shutil.copy(confine_ns.__file__, d / "pkg" / "confine_ns.py")
+        ro = d / "ro"
+        ro.mkdir()
+        (ro / "big").write_text("weights")
+        for p in (d, d / "pkg", d / "pkg" / "confine_ns.py", ro):
+            os.chmod(p, 0o755)
+        os.chown(ro / "big", 65534, 65534)
+        os.chmod(ro / "big", 0o444)
+        script = NON_ROOT.replace("RO", repr(str(ro)))
+        proc = subprocess.run([setpriv, "--reuid", "65534", "--regid", "65534", "--clear-groups", python, "-I",
+                               "-c", script], cwd=d / "pkg", env={"PATH": "/usr/bin:/bin"},
+                              capture_output=True, text=True, timeout=60)
+        if proc.returncode == 3:
+            pytest.skip(f"unprivileged user namespaces are refused here: {proc.stdout.strip()}")
+        assert proc.returncode == -9, proc.stdout + proc.stderr  # the action's process died by SIGKILL
+        assert proc.stdout.split() == ["uid=65534", "pids=[1,", "2]", "chmod=EROFS"], proc.stdout
+        assert (ro / "big").stat().st_mode & 0o777 == 0o444
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+NON_ROOT = r'''
+import errno, os, sys
+sys.path.insert(0, os.getcwd())
+import confine_ns
+
+why = confine_ns.enter()
+if why is not None:
+    print(why)
+    sys.exit(3)
+r, w = os.pipe()
+init = os.fork()
+if init == 0:
+    problems = [x for x in (confine_ns.private_proc(), confine_ns.read_only_bind(RO)) if x]
+    child = os.fork()
+    if child == 0:
+        try:
+            os.chmod(os.path.join(RO, "big"), 0o666)
+            ch = "changed"
+        except OSError as e:
+            ch = errno.errorcode[e.errno]
+        pids = sorted(int(p) for p in os.listdir("/proc") if p.isdigit())
+        os.write(w, f"uid={os.getuid()} pids={pids} chmod={ch} {' '.join(problems)}".encode())
+        os.kill(os.getpid(), 9)
+    os._exit(confine_ns.init_wait(child))
+os.close(w)
+out = os.read(r, 1000).decode()
+code = os.waitstatus_to_exitcode(os.waitpid(init, 0)[1])
+print(out, flush=True)
+confine_ns.reraise(128 - code if code < 0 else code)  # as the worker's child relays it (no fork here: the namespace
+# this process forks into has ended with its init)
+'''
