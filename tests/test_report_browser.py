@@ -55,6 +55,10 @@ class Opened:
         self.errors: list[str] = []
         self.page.on("console", lambda m: self.errors.append(m.text) if m.type == "error" else None)
         self.page.on("pageerror", lambda e: self.errors.append(str(e)))
+        path = Path(unquote(urlparse(url).path))
+        deadline = time.monotonic() + 60
+        while not path.exists() and time.monotonic() < deadline:  # (rendered by a child after the command answered)
+            time.sleep(0.1)
         self.page.goto(url, wait_until="load")
 
     def cells(self) -> list[dict[str, str]]:
@@ -226,10 +230,6 @@ def test_example_workspace_page_has_every_cell_opens_fast_and_is_not_blank(brows
 
 
 def test_noop_page_shows_every_cell_cached(browser: Any, tiny_runs: dict[str, Any]) -> None:
-    path = Path(unquote(urlparse(tiny_runs["noop"]).path))
-    deadline = time.monotonic() + 30
-    while not path.exists() and time.monotonic() < deadline:  # (rendered by a child after the no-op answered)
-        time.sleep(0.1)
     page = Opened(browser, tiny_runs["noop"])
     assert sorted((c["bucket"], c["state"]) for c in page.cells()) == [
         ("batch=1, seq=32", "cached_local"), ("batch=1, seq=8", "cached_local")]

@@ -5,6 +5,7 @@ invocation reports, no-op stamps (issue #31)."""
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 from helpers import run_cli
@@ -28,6 +29,12 @@ def test_action_env_values_are_in_no_record_manifest_event_or_report_but_change_
     assert "4 executed" in proc.stdout, proc.stdout  # weights, trace, lower, compile
     again = run_cli(["build", *flags], ws, env)  # a no-op: writes its stamp
     assert again.returncode == 0 and "0 executed" in again.stdout, again.stdout + again.stderr
+    # The invocations' pages are rendered by a child after each command answers: scan them once they are all there.
+    records = lambda: {p.stem for p in our.rglob("invocations/*.json") if p.stem not in ("index", "bases")}  # noqa: E731
+    deadline = time.monotonic() + 60
+    while {p.stem for p in our.rglob("invocations/*.html")} < records() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert len(records()) == 2 and {p.stem for p in our.rglob("invocations/*.html")} >= records()
     for secret in (TOKEN, OTHER):
         assert _files_holding(tmp_path, secret) == []
     assert (ws / "neuronbuild-out" / "m" / "tiny_trn2" / "manifest.json").is_file()  # (scanned above)

@@ -112,7 +112,7 @@ class Invocation:
                 self.store.set_base(noop_key, self.id)
             self.page = self.store.page(self.id)
             if render and rec["total"] <= RENDER_UP_TO:
-                render_invocation(self.store, rec)
+                render_soon(self.store, rec)
             return self.page
         except Exception as e:  # noqa: BLE001 - recording never fails the build it records
             print(f"warning: the invocation record was not written: {e}", file=sys.stderr)
@@ -181,13 +181,15 @@ def render_invocation(store: InvocationStore, rec: Mapping[str, Any], other_ref:
 
 
 def render_soon(store: InvocationStore, rec: Mapping[str, Any]) -> Path:
-    """The no-op's page: rendered here where jinja2 is already imported (a build server), else by a detached
-    interpreter spawned after the record is written (importing jinja2 would cost a batch no-op ~50 ms of CPU; a fork
-    would cost the exiting parent its copy-on-write faults); its path either way."""
+    """An invocation's page, rendered by a detached interpreter spawned once the record is written, in batch mode and
+    in the build server alike: the command answers without waiting for it (rendering the page of 2,624 actions took
+    0.85 s of a warm server's no-op, which otherwise takes ~0.04 s), and a batch command never imports jinja2 (~50 ms
+    of CPU). posix_spawn, not fork: no copy-on-write cost, and safe in the server's threaded process. The page
+    appears shortly after the command's answer (a page opened at once may not be there yet); its path."""
     import os
 
     page = store.page(str(rec["id"]))
-    if "jinja2" in sys.modules or not hasattr(os, "posix_spawn"):
+    if not hasattr(os, "posix_spawn"):
         return render_invocation(store, rec)
     pkg_parent = str(Path(__file__).resolve().parent.parent.parent)
     env = dict(os.environ)
