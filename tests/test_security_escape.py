@@ -628,3 +628,45 @@ def test_an_error_a_model_raises_reaches_the_terminal_with_its_control_character
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "innocent\\x1b]52;c;cm0gLXJmIH4=\\x07\\x1b[2J\\x0dall good \\x9b31m" in proc.stderr, proc.stderr[-3000:]
     assert not re.search("[\x00-\x08\x0b-\x1f\x7f-\x9f]", proc.stdout + proc.stderr), repr(proc.stderr[-3000:])
+
+
+# A model that, once its trace's outputs are written and its result sent, turns each output into a symbolic link to a
+# file it may not read (os._exit replaced: the action's process ends through it): the build process, unconfined,
+# would copy that file into the cache (a shared tier, bundles) as the trace's program.
+OUTPUT_LINKER = '''import os
+
+import torch
+
+
+def build(config):
+    real_exit = os._exit
+    outdir = os.path.join(os.path.dirname(os.getcwd()), "out")
+
+    def link_outputs_then_exit(code):
+        for name in os.listdir(outdir):
+            path = os.path.join(outdir, name)
+            if os.path.isfile(path) and not os.path.islink(path):
+                os.unlink(path)
+                os.symlink(config["secret"], path)
+        real_exit(code)
+
+    os._exit = link_outputs_then_exit
+    return torch.nn.Linear(4, 3)
+'''
+
+
+def test_an_output_a_model_turned_into_a_link_to_a_file_it_may_not_read_is_not_stored(tmp_path: Path) -> None:
+    secret_dir = tmp_path / "private"
+    secret_dir.mkdir(mode=0o700)
+    secret = secret_dir / "credentials"
+    token = f"nb-secret-{os.getpid()}-{time.time_ns()}"
+    secret.write_text(token)
+    secret.chmod(0o600)
+    ws = _one_model_ws(tmp_path / "ws", OUTPUT_LINKER, {"secret": str(secret)})
+    cache = tmp_path / "cache"
+    proc = run_cli(["--batch", "build", "//pkg:all", "--jobs", "1", "--cache-dir", str(cache)], ws)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "in its outputs as a symbolic link" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
+    stored = [p for p in cache.rglob("*") if p.is_file() and not p.is_symlink() and token.encode() in p.read_bytes()]
+    assert not stored, f"a file the model may not read was stored as its output: {stored}"
