@@ -229,6 +229,22 @@ def build(config):
 '''
 
 
+def test_a_batch_build_and_the_page_it_renders_import_nothing_from_the_workspace(tmp_path: Path) -> None:
+    """The invocation page is rendered by an interpreter spawned after the command answers, in the workspace: started
+    as `python -c`, it put the workspace first on sys.path, and a cloned repo's json.py or argparse.py ran there."""
+    marker = str(tmp_path / "pwned")
+    ws = _one_model_ws(tmp_path / "ws", "import torch\n\n\ndef build(config):\n    return torch.nn.Linear(4, 3)\n", {})
+    write_ws(ws, {f"{m}.py": SHADOW_SRC.format(marker=marker) for m in ("json", "argparse", "difflib", "html")})
+    proc = run_cli(["--batch", "build", "//pkg:all", "--cache-dir", str(tmp_path / "cache")], ws, python_flags=("-P",))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    page = Path(re.findall(r"Invocation: file://(\S+)", proc.stdout + proc.stderr)[-1])
+    deadline = time.monotonic() + 120
+    while not page.exists() and not list(tmp_path.glob("pwned*")) and time.monotonic() < deadline:
+        time.sleep(0.2)  # (rendered after the command answered)
+    assert not list(tmp_path.glob("pwned*")), "a module from the workspace was imported"
+    assert page.exists(), "the invocation page was never rendered"
+
+
 def test_a_model_cannot_connect_to_a_unix_socket_or_the_network_nor_leave_a_daemon(tmp_path: Path) -> None:
     import socket
 
