@@ -8,6 +8,8 @@ import json
 import os
 import re
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -243,6 +245,25 @@ def test_a_batch_build_and_the_page_it_renders_import_nothing_from_the_workspace
         time.sleep(0.2)  # (rendered after the command answered)
     assert not list(tmp_path.glob("pwned*")), "a module from the workspace was imported"
     assert page.exists(), "the invocation page was never rendered"
+
+
+def test_a_dask_local_build_spawns_workers_that_import_nothing_from_the_workspace(tmp_path: Path) -> None:
+    """dask-local's worker processes are spawned by multiprocessing (`python -c ...`) in the build's working
+    directory, the workspace: a cloned repo's multiprocessing.py there ran in each of them before they took the build
+    process's sys.path."""
+    pytest.importorskip("distributed")
+    marker = str(tmp_path / "pwned")
+    ws = _one_model_ws(tmp_path / "ws", "import torch\n\n\ndef build(config):\n    return torch.nn.Linear(4, 3)\n", {})
+    write_ws(ws, {f"{m}.py": SHADOW_SRC.format(marker=marker) for m in ("multiprocessing", "pickle", "socket")})
+    script = Path(sys.executable).parent / "neuronbuild"  # as users start it (not -m: that puts the cwd first)
+    if not script.is_file():
+        pytest.skip("no neuronbuild script beside this interpreter")
+    env = {k: v for k, v in os.environ.items() if k in _ENV_AT_START or not k.startswith("TORCHINDUCTOR_")}
+    proc = subprocess.run([str(script), "--batch", "build", "//pkg:all", "--executor", "dask-local", "--jobs", "1",
+                           "--cache-dir", str(tmp_path / "cache")], cwd=ws, env=env, capture_output=True, text=True,
+                          timeout=900)
+    assert not list(tmp_path.glob("pwned*")), "a module from the workspace was imported: " + proc.stderr[-2000:]
+    assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
 def test_a_model_cannot_connect_to_a_unix_socket_or_the_network_nor_leave_a_daemon(tmp_path: Path) -> None:
