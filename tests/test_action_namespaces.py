@@ -9,6 +9,7 @@ These run worker.run_isolated, the worker's own code path, from the test process
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import shutil
@@ -190,6 +191,91 @@ def test_an_action_cannot_open_the_precompiled_headers_lock_files(tmp_path: Path
     got = _run(tmp_path, monkeypatch, probe, spec={"toolchain": "cpu", "step": "compile", "isa": "x86-64"})
     assert got["held"] == "refused", got
     assert got["locks"] == str(locks) and got["headers"] == str(headers), got  # the same dirs as the warm-up's
+
+
+# Device nodes no action uses, harmless to open read-only (no watchdog, nothing that starts anything).
+_OTHER_DEVICES = ("/dev/kvm", "/dev/vcs", "/dev/vcsa", "/dev/loop-control", "/dev/hwrng", "/dev/btrfs-control",
+                  "/dev/vga_arbiter", "/dev/userfaultfd", "/dev/fuse", "/dev/ptmx", "/dev/kmsg", "/dev/mem")
+
+
+def _other_devices() -> list[str]:
+    """Devices outside confine.DEV_NODES this process may open read-only: the list above and the machine's block
+    devices (its disks: /sys/block)."""
+    names = [*_OTHER_DEVICES]
+    with contextlib.suppress(OSError):
+        names += [f"/dev/{b}" for b in sorted(os.listdir("/sys/block"))]
+    out = []
+    for d in names:
+        try:
+            fd = os.open(d, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY)
+        except OSError:
+            continue
+        os.close(fd)
+        out.append(d)
+    return out
+
+
+def test_an_action_opens_no_device_but_the_few_it_uses_and_changes_nothing_in_dev(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """As root an action owns every node of /dev: a rule allowing all of /dev let it read and write the machine's
+    block devices (every file on a disk, past every other rule), open /dev/kvm or a console's screen, and create or
+    remove entries of /dev (the machine's /dev/null). The kernel (Landlock) must refuse all but null, zero, full,
+    random, urandom, tty and /dev/shm; opened through libc, not Python (whose audit hook refuses them too)."""
+    devices = _other_devices()
+    if not devices:
+        pytest.skip("no device outside the actions' ones can be opened here")
+    probe_name, shm_name = f"/dev/nb-probe-{os.getpid()}", f"/dev/shm/nb-probe-{os.getpid()}"
+
+    def probe() -> dict[str, Any]:
+        libc = ctypes.CDLL(None, use_errno=True)
+
+        def c_open(path: str, flags: int) -> str:
+            fd = libc.open(path.encode(), ctypes.c_int(flags | os.O_NONBLOCK | os.O_NOCTTY), ctypes.c_int(0o600))
+            if fd < 0:
+                return os.strerror(ctypes.get_errno())
+            os.close(fd)
+            return "opened"
+
+        return {"others": {d: c_open(d, os.O_RDONLY) for d in devices},
+                "others_rw": {d: c_open(d, os.O_RDWR) for d in devices},
+                "create": c_open(probe_name, os.O_CREAT | os.O_WRONLY),
+                "null": c_open("/dev/null", os.O_RDWR), "urandom": c_open("/dev/urandom", os.O_RDONLY),
+                "shm": c_open(shm_name, os.O_CREAT | os.O_RDWR)}
+
+    try:
+        got = _run(tmp_path, monkeypatch, probe)
+    finally:
+        for left in (probe_name, shm_name):
+            with contextlib.suppress(OSError):
+                os.unlink(left)
+    assert set(got["others"].values()) | set(got["others_rw"].values()) == {"Permission denied"}, got
+    assert got["create"] == "Permission denied", got
+    assert got["null"] == got["urandom"] == got["shm"] == "opened", got
+
+
+@needs_namespaces
+def test_what_an_action_leaves_in_dev_shm_is_its_own_and_ends_with_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """/dev/shm (POSIX shared memory, semaphores: writable by every action) is a fresh tmpfs in each action's mount
+    namespace: nothing one action leaves there is seen by the next, nor stays on the machine (the machine's /dev/shm
+    is memory: an action could otherwise fill it for good)."""
+    name = f"nb-left-{os.getpid()}"
+
+    def probe() -> dict[str, Any]:
+        found = sorted(os.listdir("/dev/shm"))
+        with open(f"/dev/shm/{name}", "w") as f:
+            f.write("left by an action")
+        return {"found": found}
+
+    try:
+        first = _run(tmp_path, monkeypatch, probe, name="a")
+        second = _run(tmp_path, monkeypatch, probe, name="b")
+        left = os.path.exists(f"/dev/shm/{name}")
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(f"/dev/shm/{name}")
+    assert name not in second["found"] and name not in first["found"], (first, second)
+    assert not left, "what an action wrote to /dev/shm outlived it, on the machine's /dev/shm"
 
 
 def test_the_namespaces_work_for_a_non_root_user(tmp_path: Path) -> None:

@@ -8,6 +8,8 @@ import json
 import os
 import re
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -227,6 +229,41 @@ def build(config):
     time.sleep(0.5)
     raise RuntimeError("the model is done")
 '''
+
+
+def test_a_batch_build_and_the_page_it_renders_import_nothing_from_the_workspace(tmp_path: Path) -> None:
+    """The invocation page is rendered by an interpreter spawned after the command answers, in the workspace: started
+    as `python -c`, it put the workspace first on sys.path, and a cloned repo's json.py or argparse.py ran there."""
+    marker = str(tmp_path / "pwned")
+    ws = _one_model_ws(tmp_path / "ws", "import torch\n\n\ndef build(config):\n    return torch.nn.Linear(4, 3)\n", {})
+    write_ws(ws, {f"{m}.py": SHADOW_SRC.format(marker=marker) for m in ("json", "argparse", "difflib", "html")})
+    proc = run_cli(["--batch", "build", "//pkg:all", "--cache-dir", str(tmp_path / "cache")], ws, python_flags=("-P",))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    page = Path(re.findall(r"Invocation: file://(\S+)", proc.stdout + proc.stderr)[-1])
+    deadline = time.monotonic() + 120
+    while not page.exists() and not list(tmp_path.glob("pwned*")) and time.monotonic() < deadline:
+        time.sleep(0.2)  # (rendered after the command answered)
+    assert not list(tmp_path.glob("pwned*")), "a module from the workspace was imported"
+    assert page.exists(), "the invocation page was never rendered"
+
+
+def test_a_dask_local_build_spawns_workers_that_import_nothing_from_the_workspace(tmp_path: Path) -> None:
+    """dask-local's worker processes are spawned by multiprocessing (`python -c ...`) in the build's working
+    directory, the workspace: a cloned repo's multiprocessing.py there ran in each of them before they took the build
+    process's sys.path."""
+    pytest.importorskip("distributed")
+    marker = str(tmp_path / "pwned")
+    ws = _one_model_ws(tmp_path / "ws", "import torch\n\n\ndef build(config):\n    return torch.nn.Linear(4, 3)\n", {})
+    write_ws(ws, {f"{m}.py": SHADOW_SRC.format(marker=marker) for m in ("multiprocessing", "pickle", "socket")})
+    script = Path(sys.executable).parent / "neuronbuild"  # as users start it (not -m: that puts the cwd first)
+    if not script.is_file():
+        pytest.skip("no neuronbuild script beside this interpreter")
+    env = {k: v for k, v in os.environ.items() if k in _ENV_AT_START or not k.startswith("TORCHINDUCTOR_")}
+    proc = subprocess.run([str(script), "--batch", "build", "//pkg:all", "--executor", "dask-local", "--jobs", "1",
+                           "--cache-dir", str(tmp_path / "cache")], cwd=ws, env=env, capture_output=True, text=True,
+                          timeout=900)
+    assert not list(tmp_path.glob("pwned*")), "a module from the workspace was imported: " + proc.stderr[-2000:]
+    assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
 def test_a_model_cannot_connect_to_a_unix_socket_or_the_network_nor_leave_a_daemon(tmp_path: Path) -> None:
@@ -628,3 +665,45 @@ def test_an_error_a_model_raises_reaches_the_terminal_with_its_control_character
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "innocent\\x1b]52;c;cm0gLXJmIH4=\\x07\\x1b[2J\\x0dall good \\x9b31m" in proc.stderr, proc.stderr[-3000:]
     assert not re.search("[\x00-\x08\x0b-\x1f\x7f-\x9f]", proc.stdout + proc.stderr), repr(proc.stderr[-3000:])
+
+
+# A model that, once its trace's outputs are written and its result sent, turns each output into a symbolic link to a
+# file it may not read (os._exit replaced: the action's process ends through it): the build process, unconfined,
+# would copy that file into the cache (a shared tier, bundles) as the trace's program.
+OUTPUT_LINKER = '''import os
+
+import torch
+
+
+def build(config):
+    real_exit = os._exit
+    outdir = os.path.join(os.path.dirname(os.getcwd()), "out")
+
+    def link_outputs_then_exit(code):
+        for name in os.listdir(outdir):
+            path = os.path.join(outdir, name)
+            if os.path.isfile(path) and not os.path.islink(path):
+                os.unlink(path)
+                os.symlink(config["secret"], path)
+        real_exit(code)
+
+    os._exit = link_outputs_then_exit
+    return torch.nn.Linear(4, 3)
+'''
+
+
+def test_an_output_a_model_turned_into_a_link_to_a_file_it_may_not_read_is_not_stored(tmp_path: Path) -> None:
+    secret_dir = tmp_path / "private"
+    secret_dir.mkdir(mode=0o700)
+    secret = secret_dir / "credentials"
+    token = f"nb-secret-{os.getpid()}-{time.time_ns()}"
+    secret.write_text(token)
+    secret.chmod(0o600)
+    ws = _one_model_ws(tmp_path / "ws", OUTPUT_LINKER, {"secret": str(secret)})
+    cache = tmp_path / "cache"
+    proc = run_cli(["--batch", "build", "//pkg:all", "--jobs", "1", "--cache-dir", str(cache)], ws)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "in its outputs as a symbolic link" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
+    stored = [p for p in cache.rglob("*") if p.is_file() and not p.is_symlink() and token.encode() in p.read_bytes()]
+    assert not stored, f"a file the model may not read was stored as its output: {stored}"

@@ -38,9 +38,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+# Of /dev, the nodes actions use (libc, Python, compilers, multiprocessing's semaphores in /dev/shm), read and written
+# by rules of their own: never all of /dev, where an action running as root (it owns the nodes, so no capability is
+# needed) would read and write the machine's block devices (every file on its disks, past every rule), open /dev/kvm
+# or a console's screen (/dev/vcs), and create or remove entries of the machine's /dev (its /dev/null).
+DEV_NODES = ("/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom", "/dev/tty", "/dev/shm")
+# Links in /dev to the process's own descriptors (/proc/self/fd): Python code may name them (the kernel rules apply
+# to what they resolve to).
+DEV_LINKS = ("/dev/fd", "/dev/stdin", "/dev/stdout", "/dev/stderr")
 # Directories every process may read (interpreter, compilers, libc): the kernel rules' read set beyond the policy's.
 # /etc is added entry by entry (etc_read()): all but the secrets.
-SYSTEM_READ = ("/usr", "/lib", "/lib32", "/lib64", "/libx32", "/bin", "/sbin", "/dev", "/proc", "/sys")
+SYSTEM_READ = ("/usr", "/lib", "/lib32", "/lib64", "/libx32", "/bin", "/sbin", *DEV_NODES, "/proc", "/sys")
 # Entries of /etc that hold secrets (password hashes, sudo rules, host keys, TLS private keys, keytabs, VPN and Wi-Fi
 # credentials): the kernel rules leave them out; everything else in /etc stays readable (libc, compilers, locales).
 ETC_SECRETS = frozenset({
@@ -50,8 +58,8 @@ ETC_SECRETS = frozenset({
 # Of those, directories whose other entries stay readable (client config, CA certificates): without these entries.
 ETC_PARTLY = {"ssh": lambda n: "key" not in n, "ssl": lambda n: n != "private", "pki": lambda n: "private" not in n}
 # What Python code may read beyond the policy (the audit hook): no /etc, /bin, /sbin: model code has no business there.
-PY_SYSTEM_READ = ("/usr", "/lib", "/lib32", "/lib64", "/libx32", "/dev", "/proc", "/sys")
-SYSTEM_WRITE = ("/dev",)
+PY_SYSTEM_READ = ("/usr", "/lib", "/lib32", "/lib64", "/libx32", *DEV_NODES, *DEV_LINKS, "/proc", "/sys")
+SYSTEM_WRITE = tuple(d for d in DEV_NODES if d not in ("/dev/random", "/dev/urandom"))
 
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
 
@@ -199,7 +207,7 @@ def install_audit_hook(policy: Policy) -> None:
 
     def allowed(path: str, write: bool) -> bool:
         if write:
-            return policy.may_write(path) or path.startswith("/dev/")
+            return policy.may_write(path) or _under(path, (*SYSTEM_WRITE, *DEV_LINKS))
         return _under(path, py_read) or policy.may_write(path)
 
     def check(op: str, raw: Any, write: bool) -> None:

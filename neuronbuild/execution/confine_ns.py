@@ -3,7 +3,7 @@ user, a user namespace owning both), so an action sees only its own processes an
 
 How run_isolated (worker.py) uses them: the action's first child (outside) calls `enter` (unshare(2): its next child
 is pid 1 of a new pid namespace); that child, the namespace's init (it runs no model code), mounts a fresh /proc
-(`private_proc`) and makes the sandbox's read-only sibling a read-only bind mount (`read_only_bind`), then forks the
+(`private_proc`) and /dev/shm (`private_shm`), makes the sandbox's read-only sibling a read-only bind mount (`read_only_bind`), then forks the
 action's process. When the action's process ends, the init exits and the kernel kills every process left in the
 namespace (a double-forked daemon, one that cleared its parent-death signal or left the session: none escapes).
 
@@ -75,6 +75,18 @@ def private_proc() -> str | None:
         return _err("making mounts private")
     if libc.mount(b"proc", b"/proc", b"proc", ctypes.c_ulong(_MS_NOSUID | _MS_NODEV | _MS_NOEXEC), None) != 0:
         return _err("mounting a private /proc")
+    return None
+
+
+def private_shm(path: str = "/dev/shm") -> str | None:
+    """In the init, after private_proc: a fresh tmpfs on `path` (POSIX shared memory, semaphores), seen by this
+    namespace only and gone with it: nothing an action leaves there reaches another action or outlives it (the
+    machine's /dev/shm is one directory every action could write). None when done or there is none, else why not."""
+    if not os.path.isdir(path):
+        return None
+    if _libc().mount(b"tmpfs", os.fsencode(path), b"tmpfs", ctypes.c_ulong(_MS_NOSUID | _MS_NODEV),
+                     b"mode=1777") != 0:
+        return _err(f"mounting a private {path}")
     return None
 
 

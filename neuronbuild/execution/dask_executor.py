@@ -70,6 +70,10 @@ class DaskExecutor:
         try:
             if address is None:
                 self.name = "dask-local"
+                # Its worker processes are spawned (`python -c ...`) in this process's working directory, the
+                # workspace in batch mode: without -P (PYTHONSAFEPATH) a cloned repo's multiprocessing.py, pickle.py
+                # or socket.py there ran in them, unconfined, before they took this process's sys.path.
+                os.environ["PYTHONSAFEPATH"] = "1"
                 self._cluster = LocalCluster(n_workers=max(1, jobs), threads_per_worker=1, processes=True,
                                              host="127.0.0.1", dashboard_address=None)
                 self.client: Any = Client(self._cluster)
@@ -77,7 +81,7 @@ class DaskExecutor:
                 self.name = "dask"
                 self.client = Client(address, timeout="30s")
                 self.client.wait_for_workers(1, timeout=120)
-        except (OSError, TimeoutError) as e:
+        except (OSError, TimeoutError, RuntimeError) as e:  # (a Nanny that failed to start: RuntimeError)
             self.shutdown()
             raise NeuronBuildError(f"cannot use the Dask cluster at {address or 'a LocalCluster'}: {e}") from None
         self.slots = max(1, sum(self.client.nthreads().values()))

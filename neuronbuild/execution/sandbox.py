@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import shutil
@@ -42,6 +43,44 @@ def private_dirs(inputs: str | Path) -> tuple[Path, Path]:
     another. Their paths differ per action and enter neither fingerprints nor outputs."""
     base = Path(inputs).parent
     return base / "home", base / "tmp"
+
+
+def foreign_entry(outputs: str | Path, log: str | Path) -> str | None:
+    """What an ended action left in its sandbox that the unconfined processes reading it after the action (the worker,
+    the build process storing its outputs, a farm's Dask worker returning its log) must not follow: an output dir that
+    is not a directory, or holds a symbolic link or anything but files and dirs (a link named as an output would make
+    the build process copy the file it names, any file the user may read, into the cache, a shared tier and bundles),
+    or a log (in a farm's sandbox) replaced by a link. Such a log is removed here. None when there is none; checked
+    once the action's processes are all gone."""
+    why = None
+    try:
+        if not stat.S_ISREG(os.lstat(log).st_mode):
+            os.unlink(log)
+            Path(log).write_text("[neuronbuild: the action replaced its log with something else; removed]\n")
+            why = "its log replaced by a link or another file"
+    except OSError:
+        pass
+    root = Path(outputs)
+    try:
+        if not stat.S_ISDIR(os.lstat(root).st_mode):
+            return "its output directory replaced by a link or a file"
+    except OSError:
+        return "no output directory"
+    for dirpath, dirnames, filenames in os.walk(root):  # (does not follow links to directories: they are listed)
+        for name in (*dirnames, *filenames):
+            p = Path(dirpath) / name
+            try:
+                mode = os.lstat(p).st_mode
+            except OSError:
+                continue
+            if stat.S_ISLNK(mode):
+                with_target = ""
+                with contextlib.suppress(OSError):
+                    with_target = f" to {os.readlink(p)!r}"
+                return f"'{p.relative_to(root)}' in its outputs as a symbolic link{with_target}"
+            if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+                return f"'{p.relative_to(root)}' in its outputs, which is not a regular file"
+    return why
 
 
 @functools.cache

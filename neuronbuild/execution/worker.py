@@ -29,7 +29,7 @@ from neuronbuild.execution.confine import (
     policy_for,
     set_dumpable,
 )
-from neuronbuild.execution.sandbox import private_dirs, read_only_dir
+from neuronbuild.execution.sandbox import foreign_entry, private_dirs, read_only_dir
 from neuronbuild.platforms import SHARED_TMP_VAR
 
 HOST = socket.gethostname()
@@ -265,6 +265,8 @@ def run_isolated(msg: Mapping[str, Any], installation: tuple[str, ...]) -> dict[
                 if (why := confine_ns.private_proc()) is not None:
                     notes.append(f"no private /proc ({why}); this action may read other processes' cmdline, comm, "
                                  "stat and status")
+                if (why := confine_ns.private_shm()) is not None:
+                    notes.append(f"no private /dev/shm ({why}); what this action leaves there outlives it")
                 ro = read_only_dir(msg["inputs"])
                 if ro.is_dir() and (why := confine_ns.read_only_bind(str(ro))) is not None:
                     notes.append(f"{why}; the linked big inputs are protected against writes only (Landlock)")
@@ -590,9 +592,21 @@ def serve(conn_in: Connection, conn_out: Connection, installation: tuple[str, ..
             if implicit is not None:
                 result["duration_s"] = float(result.get("duration_s") or 0.0) + implicit
         end_descendants()  # nothing an action started outlives it
+        if not _is_warm_up(msg):
+            result = _without_foreign_entries(msg, result)
         cap_log(msg["log"])
         result["warmed"] = sorted(warmed)
         channel.send(conn_out, result)
+
+
+def _without_foreign_entries(msg: Mapping[str, Any], result: dict[str, Any]) -> dict[str, Any]:
+    """`result`, failed when the ended action left a link (or a device, a fifo) among its outputs or in place of its
+    log (sandbox.foreign_entry): nothing unconfined reads through it."""
+    why = foreign_entry(msg["outputs"], msg["log"])
+    if why is None or not result.get("ok"):
+        return result
+    return {**result, "ok": False, "metadata": {}, "error": f"the action left {why}: outputs must be files it wrote "
+            "(model code is confined; nothing was cached)"}
 
 
 def _watch_pidfd(pidfd: int) -> None:

@@ -194,10 +194,13 @@ def render_soon(store: InvocationStore, rec: Mapping[str, Any]) -> Path:
     pkg_parent = str(Path(__file__).resolve().parent.parent.parent)
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_parent, env.get("PYTHONPATH", "")) if p)
-    code = "import sys; from neuronbuild.report.invocation import render_stored; render_stored(sys.argv[1], sys.argv[2])"
+    # -P and absolute sys.path entries only: `-c` would put the working directory (the workspace, the client's in the
+    # build server) first on sys.path, and a cloned repo's json.py or argparse.py would run here, unconfined.
+    code = ("import os, sys; sys.path[:] = [p for p in sys.path if os.path.isabs(p)]; "
+            "from neuronbuild.report.invocation import render_stored; render_stored(sys.argv[1], sys.argv[2])")
     devnull = [(os.POSIX_SPAWN_OPEN, fd, os.devnull, os.O_RDWR, 0) for fd in (0, 1, 2)]
     try:  # off the caller's pipes (a caller reading them to EOF must not wait for it), in a session of its own
-        os.posix_spawn(sys.executable, [sys.executable, "-c", code, str(store.dir), str(rec["id"])], env,
+        os.posix_spawn(sys.executable, [sys.executable, "-P", "-c", code, str(store.dir), str(rec["id"])], env,
                        file_actions=devnull, setsid=True)
     except OSError:
         return render_invocation(store, rec)
