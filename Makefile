@@ -25,7 +25,7 @@ example: setup
 # (tests/test_server.py), which opt in to servers explicitly, each under its own output user root in a temporary
 # directory, and shut them down; afterwards no server they started may still be running. CI (.ci/run) runs this;
 # --durations lists the 30 slowest steps, to keep the suite under its 20-minute budget.
-# The batch suite runs on two pytest-xdist workers (about 18 min on this 2-core machine, one process about 30 min;
+# The batch suite runs on two pytest-xdist workers (about 22 min on this 2-core machine, one process over 30 min;
 # `make test TEST_WORKERS=0` runs it in one process). With --dist loadfile each test file runs whole on one worker,
 # and tests/conftest.py keeps every file that uses the session's example build on one worker too, so the example is
 # built once.
