@@ -72,6 +72,19 @@ def running(pid: int) -> bool:
         return False
 
 
+def named(comm: str) -> list[int]:
+    """The running (not zombie) processes whose name (comm) is `comm`."""
+    out = []
+    for p in os.listdir("/proc"):
+        if p.isdigit():
+            try:
+                if Path(f"/proc/{p}/comm").read_text().strip() == comm and running(int(p)):
+                    out.append(int(p))
+            except OSError:
+                pass
+    return out
+
+
 def user_signals() -> None:
     """preexec_fn for a child that stands for a command typed at a terminal: Ctrl-C and SIGTERM reach it. Python
     keeps an inherited SIG_IGN for SIGINT (it installs KeyboardInterrupt only over SIG_DFL), and a blocked mask is

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import _ENV_AT_START, run_cli, running, user_signals, write_ws
+from helpers import _ENV_AT_START, named, run_cli, running, user_signals, write_ws
 
 from neuronbuild.execution import channel
 
@@ -294,24 +294,11 @@ def test_a_model_cannot_connect_to_a_unix_socket_or_the_network_nor_leave_a_daem
     # found by its name (its pid as the action saw it is its pid namespace's).
     assert int(line.split("daemon=")[1].split()[0]) > 0, line
     deadline = time.monotonic() + 30
-    while (left := _named(token)) and time.monotonic() < deadline:
+    while (left := named(token)) and time.monotonic() < deadline:
         time.sleep(0.2)
     for daemon in left:
         os.kill(daemon, signal.SIGKILL)
     assert not left, "a daemon the model started outlived the build"
-
-
-def _named(comm: str) -> list[int]:
-    """The processes whose name (comm) is `comm`."""
-    out = []
-    for p in os.listdir("/proc"):
-        if p.isdigit():
-            try:
-                if Path(f"/proc/{p}/comm").read_text().strip() == comm and running(int(p)):
-                    out.append(int(p))
-            except OSError:
-                pass
-    return out
 
 
 def _raw(sock_path: str, msg: dict) -> list[dict]:  # type: ignore[type-arg]

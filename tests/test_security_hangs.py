@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import _ENV_AT_START, run_cli, user_signals, write_ws
+from helpers import _ENV_AT_START, named, run_cli, user_signals, write_ws
 
 LOOP_BUILD = '''print("spinning")
 
@@ -135,25 +135,6 @@ def _ws(tmp_path: Path, mode: str, compile_attrs: str = "") -> Path:
     return model_ws(tmp_path / f"ws-{mode}", child_name(tmp_path, mode), mode, compile_attrs)
 
 
-def named(name: str) -> list[int]:
-    """The live (not zombie) processes called `name`."""
-    out = []
-    for p in os.listdir("/proc"):
-        if p.isdigit():
-            try:
-                if Path(f"/proc/{p}/comm").read_text().strip() == name and _alive(int(p)):
-                    out.append(int(p))
-            except OSError:
-                pass
-    return out
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
-    except OSError:
-        return False
 
 
 def none_left(name: str, within: float = 5.0) -> bool:
