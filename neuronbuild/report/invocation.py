@@ -100,8 +100,8 @@ class Invocation:
 
     def finish(self, outcome: str, not_started: Iterable[str] = (), planned: Mapping[str, str] | None = None,
                noop_key: str | None = None, render: bool = True) -> Path | None:
-        """Write the record (and the page, for up to RENDER_UP_TO actions); the page's path, None if nothing could
-        be written."""
+        """Write the record (its page is rendered after the answer, for up to RENDER_UP_TO actions: render_soon);
+        the page's path, None if nothing could be written."""
         from neuronbuild.report.record import build_record
 
         try:
@@ -122,7 +122,7 @@ class Invocation:
 def record_noop(args: argparse.Namespace, workspace: Path, cache_dir: Path, patterns: Sequence[str], key: str,
                 line: str) -> Path | None:
     """The fast path's no-op: a small record standing for the actions of the last full build of the same request
-    (its base); its page is rendered here (a few milliseconds: no action graph, the base's record is read)."""
+    (its base), written here; its page is rendered after the answer (render_soon)."""
     inv = Invocation.from_args("build", args, workspace, cache_dir, patterns)
     try:
         base_id = inv.store.base(key)
