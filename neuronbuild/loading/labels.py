@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 import zlib
 from dataclasses import dataclass
+from functools import cached_property
 
 _PKG_RE = re.compile(r"^[A-Za-z0-9_\-.]+(/[A-Za-z0-9_\-.]+)*$")
 _NAME_RE = re.compile(r"^[A-Za-z0-9_\-.+=,@~]+(/[A-Za-z0-9_\-.+=,@~]+)*$")
@@ -24,20 +25,22 @@ class Label:
     name: str
     repo: str = ""
 
+    @cached_property
+    def _text(self) -> str:
+        return f"@{self.repo}//{self.package}:{self.name}" if self.repo else f"//{self.package}:{self.name}"
+
     def __str__(self) -> str:
-        s = self.__dict__.get("_text")  # memoised in the instance (frozen: written to __dict__ directly)
-        if s is None:
-            prefix = f"@{self.repo}" if self.repo else ""
-            s = self.__dict__["_text"] = f"{prefix}//{self.package}:{self.name}"
-        return str(s)
+        return self._text
+
+    @cached_property
+    def _crc(self) -> int:
+        """The hash: made once per object (dict and set keys in loading and analysis, 100,000s of lookups at scale),
+        from the fields only, the same in every process (the value travels with a pickled label, e.g. to a Dask
+        worker)."""
+        return zlib.crc32(f"{self.repo}//{self.package}:{self.name}".encode())
 
     def __hash__(self) -> int:
-        """Made once per object (dict and set keys in loading and analysis, 100,000s of lookups at scale), from the
-        fields only, the same in every process (the value travels with a pickled label, e.g. to a Dask worker)."""
-        h = self.__dict__.get("_hash")
-        if h is None:
-            h = self.__dict__["_hash"] = zlib.crc32(f"{self.repo}//{self.package}:{self.name}".encode())
-        return h  # type: ignore[no-any-return]
+        return self._crc
 
     @property
     def path(self) -> str:

@@ -17,6 +17,7 @@ import hashlib
 import json
 import os
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
@@ -42,6 +43,17 @@ class _Entry:
     build_file: str
     targets: tuple[tuple[Any, str, dict[str, Any], str, int], ...]  # label, kind, attrs, build_file, index
     files: tuple[str, ...]
+
+    @cached_property
+    def sources(self) -> tuple[tuple[Label, str], ...]:
+        """(label, attribute) of every source file the entry's targets name, in order (listed once per entry)."""
+        out: list[tuple[Label, str]] = []
+        for _label, kind, attrs, _build_file, _index in self.targets:
+            for name in _file_attrs(kind):
+                v = attrs.get(name)
+                if v is not None:
+                    out.extend((lbl, name) for lbl in (v if isinstance(v, tuple) else (v,)))
+        return tuple(out)
 
 
 def cache_file(cache_base: Path, root: Path) -> Path:
@@ -92,10 +104,7 @@ class LoadCache:
                         known[display] = now
                 if now != digest:
                     raise LookupError(display)
-            sources = e.__dict__.get("_sources")  # (frozen: the entry's source files listed once, kept in it)
-            if sources is None:
-                sources = e.__dict__["_sources"] = _sources(e)
-            for lbl, name in sources:
+            for lbl, name in e.sources:
                 loader.check_source_file(lbl, name)
         except (OSError, LookupError, AttrError, UserInputError):
             self.misses += 1
@@ -133,17 +142,6 @@ class LoadCache:
                           separators=(",", ":"))  # not sorted: attribute dicts keep BUILD order (input order)
         atomic_write_bytes(self.file, data.encode(), self.file.parent, durable=False)  # a speed-up only: no fsync
         self._dirty = False
-
-
-def _sources(e: _Entry) -> tuple[tuple[Label, str], ...]:
-    """(label, attribute) of every source file the entry's targets name, in order."""
-    out: list[tuple[Label, str]] = []
-    for _label, kind, attrs, _build_file, _index in e.targets:
-        for name in _file_attrs(kind):
-            v = attrs.get(name)
-            if v is not None:
-                out.extend((lbl, name) for lbl in (v if isinstance(v, tuple) else (v,)))
-    return tuple(out)
 
 
 _FILE_ATTRS: dict[str, tuple[str, ...]] = {}

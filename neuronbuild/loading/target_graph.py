@@ -15,7 +15,7 @@ from neuronbuild import plugins
 from neuronbuild.errors import Location, UserInputError
 from neuronbuild.loading.labels import Label, LabelError, TargetPattern, parse_pattern
 from neuronbuild.loading.loader import Loader
-from neuronbuild.loading.schema import RULES, label_values
+from neuronbuild.loading.schema import RULES
 from neuronbuild.loading.starlark_adapter import run_on_starlark_thread
 from neuronbuild.loading.targets import Package, Target
 
@@ -75,18 +75,8 @@ class TargetGraph:
 
 
 def _label_deps(target: Target) -> list[tuple[str, Label]]:
-    """TargetGraph.label_deps; kept in the (frozen) Target, which the build server's load cache hands out unchanged
-    from one command to the next."""
-    known = target.__dict__.get("_label_deps")
-    if known is not None:
-        return known  # type: ignore[no-any-return]
-    out: list[tuple[str, Label]] = []
-    for a in RULES[target.kind].attrs:
-        if a.kinds and "file" not in a.kinds and target.attrs.get(a.name) is not None:
-            for lbl in label_values(target.attrs[a.name]):
-                out.append((a.name, lbl))
-    target.__dict__["_label_deps"] = out
-    return out
+    """TargetGraph.label_deps (Target.label_deps, made once per Target object)."""
+    return target.label_deps
 
 
 def load_targets(root: Path, patterns: Sequence[str], cwd_package: str = "",

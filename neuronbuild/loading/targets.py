@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 from neuronbuild.loading.labels import Label
@@ -25,6 +26,16 @@ class Target:
     @property
     def tags(self) -> tuple[str, ...]:
         return tuple(self.attrs.get("tags") or ())
+
+    @cached_property
+    def label_deps(self) -> list[tuple[str, Label]]:
+        """(attribute, label) for every rule-target reference (source files excluded); made once per object (the
+        build server's load cache hands out the same Target from one command to the next)."""
+        from neuronbuild.loading.schema import RULES, label_values
+
+        return [(a.name, lbl) for a in RULES[self.kind].attrs
+                if a.kinds and "file" not in a.kinds and self.attrs.get(a.name) is not None
+                for lbl in label_values(self.attrs[a.name])]
 
 
 @dataclass(frozen=True)

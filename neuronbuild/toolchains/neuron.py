@@ -62,6 +62,10 @@ class NeuronToolchain:
         "inf2": (1, 2, 4, 8, 24),
     }
     warm_up_shared = False  # the warm-up imports jax in the worker process: nothing other workers could reuse
+    # Per plan, kept on the (registered, process-wide) toolchain object: lowering_versions' and _lowers' memos,
+    # each with the settings (and `common`) it was made for.
+    _lowering_versions: tuple[PlanSettings, dict[str, str]] | None = None
+    _lower_memo: tuple[PlanSettings, Any, dict[tuple[str, Any, str], Action]] | None = None
     validate_note = ("Neuron targets: the exact model.hlo.pb run on XLA:CPU (checks the lowering, auto_cast and the "
                      "weights binding; not neuronx-cc, not the device)")
 
@@ -74,9 +78,9 @@ class NeuronToolchain:
     def lowering_versions(self, settings: PlanSettings) -> dict[str, str]:
         """The components the Lower step's output depends on: the trace's plus the pinned torchax/jax/jaxlib
         (computed once per settings object: a plan asks twice per bucket)."""
-        known = self.__dict__.get("_lowering_versions")
+        known = self._lowering_versions
         if known is None or known[0] is not settings:
-            known = self.__dict__["_lowering_versions"] = (settings, settings.override(
+            known = self._lowering_versions = (settings, settings.override(
                 {**settings.trace_toolchain(), **{p: package_version(p) for p in LOWERING_PACKAGES}}))
         return dict(known[1])
 
@@ -85,10 +89,10 @@ class NeuronToolchain:
         platforms share one. A Lower record is a function of the trace (whose record holds the model's inputs), the
         bucket, the lowering options, the settings and `common`, so that is the key; each reuse is checked against
         the record and spec it would get."""
-        known = self.__dict__.get("_lower_memo")
+        known = self._lower_memo
         if known is None or known[0] is not req.settings or known[1] is not req.common:
-            known = self.__dict__["_lower_memo"] = (req.settings, req.common, {})
-        return known[2]  # type: ignore[no-any-return]
+            known = self._lower_memo = (req.settings, req.common, {})
+        return known[2]
 
     def versions(self, platform: str, settings: PlanSettings) -> dict[str, str]:
         tc = self.lowering_versions(settings)
