@@ -6,6 +6,7 @@ batch mode (and wherever nothing calls `run`) it runs in place, at once. Imports
 from __future__ import annotations
 
 import sys
+import time
 import traceback
 from collections.abc import Callable
 
@@ -31,10 +32,17 @@ def later(fn: Callable[[], object]) -> None:
 
 
 def run() -> None:
-    """Run what the last command left, in order; a failure is printed (the server's log) and the rest still run."""
+    """Run what the last command left, in order; a failure is printed (the server's log) and the rest still run. The
+    time it took is logged (stdout: the server's log)."""
+    if not _pending:
+        return
+    start = time.perf_counter()
+    n = len(_pending)
     while _pending:
         fn = _pending.pop(0)
         try:
             fn()
         except Exception:  # noqa: BLE001 - a record or a stamp not written costs a page or a speed-up, never the server
             traceback.print_exc(file=sys.stderr)
+    print(f"{time.strftime('%H:%M:%S')} after the answer: {n} task(s) in {time.perf_counter() - start:.2f} s",
+          flush=True)
