@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from neuronbuild import incremental, plugins
+from neuronbuild import after_answer, incremental, plugins
 from neuronbuild.analysis.explain import ignored_option_warnings
 from neuronbuild.analysis.plan_settings import PlanSettings
 from neuronbuild.analysis.planner import ActionGraph
@@ -156,9 +156,15 @@ def run_build(ctx: BuildContext, req: BuildRequest, listeners: Sequence[Listener
         result = _run_build(ctx, req, listeners, noop_key, invocation)
     except BaseException as e:
         if invocation.ag is not None:  # (bad input before planning is not an invocation worth a page)
-            invocation.finish("interrupted" if isinstance(e, KeyboardInterrupt) else "error")
+            invocation.page = invocation.store.page(invocation.id)
+            after_answer.later(functools.partial(
+                invocation.finish, "interrupted" if isinstance(e, KeyboardInterrupt) else "error"))
         raise
-    invocation.finish("ok" if result.ok else "failed", result.not_started, noop_key=noop_key)
+    # In the build server the record is written and its page started once the answer is sent (~0.2 s at 1,000
+    # graphs); the page's path, printed with the answer, is known now.
+    invocation.page = invocation.store.page(invocation.id)
+    after_answer.later(functools.partial(invocation.finish, "ok" if result.ok else "failed", result.not_started,
+                                         noop_key=noop_key))
     return result
 
 
@@ -209,8 +215,8 @@ def _run_build(ctx: BuildContext, req: BuildRequest, listeners: Sequence[Listene
     finally:
         cache.finish()
         auto_gc(cache, set(ag.actions))
-    if noop_key is not None:
+    if noop_key is not None:  # (in the build server: after the answer, before its next command)
         where = result.summary().rpartition("\n")[2] if result.outputs_dir else ""  # "Outputs in ..."
-        incremental.record_noop(noop_key, root, ctx.workspace.cwd_package, req.patterns, ctx.cache.dir, graph, ag,
-                                cache, result.ok, started, where)
+        after_answer.later(functools.partial(incremental.record_noop, noop_key, root, ctx.workspace.cwd_package,
+                                             req.patterns, ctx.cache.dir, graph, ag, cache, result.ok, started, where))
     return result

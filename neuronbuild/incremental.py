@@ -10,7 +10,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from neuronbuild import digests, noop
+from neuronbuild import after_answer, digests, noop
 from neuronbuild.loading.load_cache import LoadCache, cache_file
 from neuronbuild.loading.schema import RULES
 from neuronbuild.workspace import MARKER, builtin_rules_dir
@@ -43,7 +43,10 @@ _KEEP_AT_MOST = 4
 
 
 def keep_in_memory(on: bool) -> None:
+    """The build server's mode (on for each of its commands): caches and analysis memos kept between commands, and
+    the work the user does not wait for (records, pages, no-op stamps) left for after the answer (after_answer)."""
     global _kept
+    after_answer.defer(on)
     if not on:
         _kept = None
         _memos.clear()

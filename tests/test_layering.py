@@ -25,8 +25,8 @@ ALLOWED = {
     "packaging": {"loading", "analysis", "cache", "runtime"},
     "top": {"loading", "analysis", "kinds", "toolchains", "execution", "cache", "packaging", "runtime"},
 }
-TOP = {"__main__", "build", "cli", "context", "incremental", "noop", "commands", "rcfile", "completion", "clean",
-       "server", "report"}
+TOP = {"__main__", "build", "cli", "context", "incremental", "noop", "after_answer", "commands", "rcfile", "completion",
+       "clean", "server", "report"}
 
 
 def part(module: str) -> str:

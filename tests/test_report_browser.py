@@ -319,3 +319,71 @@ def test_a_build_server_records_into_the_same_output_base_as_batch_builds(browse
     assert opened.errors == []
     opened.close()
     assert batch.returncode == 0 and _url(batch).rsplit("/", 1)[1].removesuffix(".html") == listed[1].split()[0]
+
+
+def _page_html(url: str) -> str:
+    path = Path(unquote(urlparse(url).path))
+    deadline = time.monotonic() + 60
+    while not path.exists() and time.monotonic() < deadline:  # (rendered by a child after the command answered)
+        time.sleep(0.1)
+    return path.read_text(encoding="utf-8")
+
+
+def test_noop_pages_are_made_from_their_base_skeleton_each_with_its_own_id(tiny_built: tuple[Path, Path],
+                                                                          tmp_path: Path) -> None:
+    from neuronbuild.report.store import SKELETON
+
+    ws0, cache0 = tiny_built
+    ws, cache = copy_ws(ws0, tmp_path / "ws"), tmp_path / "cache"
+    shutil.copytree(cache0, cache)
+    env = {"NEURONX_CC": "", "NEURONBUILD_OUTPUT_USER_ROOT": str(tmp_path / "output-root")}
+    build = ["build", "--jobs", "2", "--cache-dir", str(cache)]
+    full = run_cli(build, ws, env)  # the full path (no stamp for this copy yet): the base of the no-ops below
+    assert full.returncode == 0 and "7 actions: 0 executed, 7 cached" in full.stdout, full.stdout + full.stderr
+    base_id = _url(full).rsplit("/", 1)[1].removesuffix(".html")
+    skeleton = Path(unquote(urlparse(_url(full)).path)).with_name(base_id + SKELETON)
+
+    def noop() -> tuple[str, str]:
+        proc = run_cli(build, ws, env)
+        assert proc.returncode == 0 and "7 actions: 0 executed, 7 cached" in proc.stdout, proc.stdout + proc.stderr
+        url = _url(proc)
+        return url.rsplit("/", 1)[1].removesuffix(".html"), _page_html(url)
+
+    def shows(inv_id: str, html: str) -> None:
+        assert f"<title>neuronbuild build {inv_id}: ok</title>" in html
+        assert f"invocation {inv_id} &middot;" in html and f"no-op (nothing changed since {base_id})" in html
+        assert re.findall(r'<td class="cell[^"]*" data-state="(\w+)"', html) == ["cached_local"] * 2
+        assert '<b id="n-cached_local">7</b>' in html and '<b id="n-total">7</b>' in html
+        assert f'r="4" fill="#d1242f"><title>{inv_id}:' in html  # its own dot marked on the trend plots
+        assert html.count('<details class="action"') == 7
+
+    first_id, first = noop()
+    shows(first_id, first)
+    made = skeleton.stat()
+    second_id, second = noop()
+    shows(second_id, second)
+    assert f"invocation {first_id}" not in second and f"build {first_id}: ok" not in second
+    assert (skeleton.stat().st_ino, skeleton.stat().st_mtime_ns) == (made.st_ino, made.st_mtime_ns)  # reused
+    skeleton.write_text("0123456789abcdef01234567\n<html>made by other code</html>")
+    third_id, third = noop()
+    shows(third_id, third)  # a skeleton made by other code is made again, not used
+    assert "made by other code" not in third and "made by other code" not in skeleton.read_text()
+
+
+def test_the_server_writes_a_builds_record_and_no_op_stamp_before_its_next_command(tiny_built: tuple[Path, Path],
+                                                                                   tmp_path: Path) -> None:
+    ws0, cache0 = tiny_built
+    ws, cache = copy_ws(ws0, tmp_path / "ws"), tmp_path / "cache"
+    shutil.copytree(cache0, cache)
+    env = {"NEURONX_CC": "", "NEURONBUILD_NO_SERVER": "", "NEURONBUILD_OUTPUT_USER_ROOT": str(tmp_path / "root")}
+    build = ["build", "--jobs", "2", "--cache-dir", str(cache)]
+    try:
+        full = run_cli(build, ws, env)  # the full path (no stamp for this copy): record and stamp after the answer
+        noop = run_cli(build, ws, env)  # right after it: answered from that stamp
+        listed = run_cli(["report", "--list"], ws, env).stdout.splitlines()
+    finally:
+        run_cli(["shutdown"], ws, env)
+    assert full.returncode == 0 and noop.returncode == 0 and "0 executed, 7 cached" in noop.stdout, noop.stdout
+    assert len(listed) == 2 and "(no-op)" not in listed[0] and listed[1].endswith("(no-op)"), listed
+    assert listed[0].split()[0] == _url(full).rsplit("/", 1)[1].removesuffix(".html")
+    assert "invocation " + listed[1].split()[0] in _page_html(_url(noop))

@@ -170,9 +170,10 @@ def run(args: argparse.Namespace) -> int:
     # it takes that path, so every verbose no-op prints the same lines.
     line = None if wants_events or args.verbose else noop.check(cache_dir, key)
     if line is not None:
-        _record_noop_stats(cache_dir, line, started)
+        from neuronbuild import after_answer
         from neuronbuild.report.invocation import note_line, record_noop
 
+        after_answer.later(lambda: _record_noop_stats(cache_dir, line, started))  # (the server: after the answer)
         note = note_line(record_noop(args, ws.root, cache_dir, patterns, key, line))
         if not args.quiet:
             print(line + (f"\n{note}" if note else ""), flush=True)

@@ -4,6 +4,7 @@ call. Recording never fails the command it records (a full disk costs the page, 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import time
 from collections.abc import Iterable, Mapping, Sequence
@@ -116,14 +117,24 @@ class Invocation:
             return self.page
         except Exception as e:  # noqa: BLE001 - recording never fails the build it records
             print(f"warning: the invocation record was not written: {e}", file=sys.stderr)
+            self.page = None
             return None
 
 
 def record_noop(args: argparse.Namespace, workspace: Path, cache_dir: Path, patterns: Sequence[str], key: str,
                 line: str) -> Path | None:
     """The fast path's no-op: a small record standing for the actions of the last full build of the same request
-    (its base), written here; its page is rendered after the answer (render_soon)."""
+    (its base); its page is rendered after the answer (render_soon). In the build server the record is written after
+    the answer too (after_answer). The page's path, None if nothing could be written."""
+    from neuronbuild import after_answer
+
     inv = Invocation.from_args("build", args, workspace, cache_dir, patterns)
+    inv.page = inv.store.page(inv.id)
+    after_answer.later(lambda: _write_noop(inv, workspace, cache_dir, key, line))
+    return inv.page
+
+
+def _write_noop(inv: Invocation, workspace: Path, cache_dir: Path, key: str, line: str) -> None:
     try:
         base_id = inv.store.base(key)
         base = next((e for e in inv.store.index() if e.get("id") == base_id), {})
@@ -140,10 +151,10 @@ def record_noop(args: argparse.Namespace, workspace: Path, cache_dir: Path, patt
                "utilisation": 0.0, "peak_rss_mb": 0.0, "saved_s": float(base.get("work_s") or 0.0), "total": total,
                "counts": {"cached_local": cached}, "actions": [], "compiles": [], "slices": []}
         inv.store.write(rec)
-        return render_soon(inv.store, rec)
+        render_soon(inv.store, rec)
     except Exception as e:  # noqa: BLE001 - recording never fails the build it records
         print(f"warning: the invocation record was not written: {e}", file=sys.stderr)
-        return None
+        inv.page = None
 
 
 def _summaries(store: InvocationStore, upto: str) -> list[dict[str, Any]]:
@@ -207,11 +218,45 @@ def render_soon(store: InvocationStore, rec: Mapping[str, Any]) -> Path:
     return page
 
 
+def render_noop(store: InvocationStore, rec: Mapping[str, Any]) -> Path | None:
+    """A no-op's page from its base's no-op skeleton (render.noop_skeleton), made by the base's first no-op and
+    kept beside the base's record: later no-ops of that base render no action again, only their id, time, command
+    line and trends. None when the base is gone (render_invocation then says so on the page)."""
+    from neuronbuild.atomic import atomic_write_bytes
+    from neuronbuild.report import render
+
+    base_id = str(rec.get("same_as") or "")
+    if not base_id:
+        return None
+    part = store.skeleton(base_id)
+    try:
+        skeleton: str | None = part.read_text(encoding="utf-8")
+    except (OSError, ValueError):
+        skeleton = None
+    history = _summaries(store, str(rec["id"]))
+    html = render.from_skeleton(skeleton, rec, history) if skeleton is not None else None
+    if html is None:
+        base = store.load(base_id)
+        if base is None:
+            return None
+        from neuronbuild.report.view import with_base
+
+        skeleton = render.noop_skeleton(with_base(rec, base))
+        if skeleton is None:
+            return None
+        with contextlib.suppress(OSError):
+            atomic_write_bytes(part, skeleton.encode("utf-8"), part.parent, durable=False)
+        html = render.from_skeleton(skeleton, rec, history)
+        if html is None:
+            return None
+    return render.write_page(store.page(str(rec["id"])), html)
+
+
 def render_stored(store_dir: str, inv_id: str) -> None:
-    """The spawned renderer of a no-op's page (render_soon)."""
+    """The spawned renderer of an invocation's page (render_soon)."""
     store = InvocationStore(Path(store_dir).parent)
     rec = store.load(inv_id)
-    if rec is not None:
+    if rec is not None and not (rec.get("noop") and render_noop(store, rec) is not None):
         render_invocation(store, rec)
 
 

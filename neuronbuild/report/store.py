@@ -22,6 +22,7 @@ DIR = "invocations"
 SUMMARY_FIELDS = ("id", "command", "patterns", "started", "wall_s", "saved_s", "counts", "outcome", "noop", "same_as",
                   "total", "work_s")
 KEEP_BASES = 20  # requests whose last full build a no-op may stand for
+SKELETON = ".noop-page"  # suffix of a base's no-op page skeleton
 PAGE_FACTOR = 3  # a record and its page(s) together, as a multiple of the record's size (for MAX_BYTES)
 
 
@@ -52,6 +53,10 @@ class InvocationStore:
 
     def page(self, inv_id: str, compare: str | None = None) -> Path:
         return self.dir / (f"{inv_id}-vs-{compare}.html" if compare else f"{inv_id}.html")
+
+    def skeleton(self, base_id: str) -> Path:
+        """The page a no-op standing for `base_id` is made from (report/render.noop_skeleton)."""
+        return self.dir / f"{base_id}{SKELETON}"
 
     def write(self, record: dict[str, Any]) -> Path:
         """Write a record, then drop what falls out of the bounds (from the index: no stat of every file)."""
@@ -177,6 +182,8 @@ def _digest(key: str) -> str:
 
 def _owner(name: str) -> str:
     """The invocation a file in the store belongs to ("" for the index, pointers and temporary files)."""
+    if name.endswith(SKELETON):
+        return name[:-len(SKELETON)]
     if name.startswith(".") or name in ("index.json", "bases.json") or not name.endswith((".json", ".html")):
         return ""
     return name[:-5].split("-vs-")[0]

@@ -259,15 +259,16 @@ def page_context(rec: Mapping[str, Any], other: Mapping[str, Any] | None,
                         "record_rows": _flatten(a["record"]) if a.get("record") is not None else [],
                         "seconds": _secs(a)})
     c = rec.get("counts") or {}
+    grid = matrix(rec)
     summary = {
-        "targets": [col["label"] for col in matrix(rec)["columns"]],
+        "targets": [col["label"] for col in grid["columns"]],
         "executed": c.get(R.EXECUTED, 0), "cached_local": c.get(R.CACHED_LOCAL, 0),
         "cached_shared": c.get(R.CACHED_SHARED, 0), "cutoff": c.get(R.CUTOFF, 0), "failed": c.get(R.FAILED, 0),
         "skipped": c.get(R.SKIPPED, 0) + c.get(R.STOPPED, 0) + c.get(R.NOT_STARTED, 0),
         "to_build": c.get(R.TO_BUILD, 0), "cached": c.get(R.CACHED, 0), "not_needed": c.get(R.NOT_NEEDED, 0),
         "hit_rate": round(hit_rate(rec) * 100, 1),
     }
-    return {"rec": rec, "summary": summary, "matrix": matrix(rec), "details": details,
+    return {"rec": rec, "summary": summary, "matrix": grid, "details": details,
             "failures": [d for d in details if d["state"] == R.FAILED], "timeline": timeline(rec),
             "compare": compare(rec, other) if other is not None else None,
             "trends": trends(history, str(rec.get("id"))), "states": STATE_TEXT}

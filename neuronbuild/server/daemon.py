@@ -17,6 +17,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from neuronbuild import after_answer
 from neuronbuild.atomic import atomic_write_bytes
 from neuronbuild.errors import EXIT_BUILD_FAILED, EXIT_OK
 from neuronbuild.server import protocol
@@ -310,6 +311,7 @@ class Server:
             with contextlib.suppress(OSError):
                 protocol.send(conn, {"t": "exit", "code": code})
                 conn.shutdown(socket.SHUT_RDWR)  # wakes the client watcher blocked in recv
+            after_answer.run()  # the command's record, page and no-op stamp: before the next command is read
             if _starlark_stuck():  # a cancelled endless Starlark loop holds the Starlark thread: start afresh
                 print("a cancelled Starlark evaluation never ended: exiting (the next command starts a new server)",
                       flush=True)
