@@ -378,12 +378,19 @@ def _proc_pid(ppid: bool = False) -> int:
 
 def _rebase_environ(shared: str | None, private: str) -> None:
     """Variables the worker's libraries derived from its shared $TMPDIR or $HOME (torch sets TORCHINDUCTOR_CACHE_DIR
-    to <TMPDIR>/torchinductor_<user> on first use) point at the same place in the action's private one."""
+    to <TMPDIR>/torchinductor_<user> on first use), and the path constants of the modules import_builtin_factory
+    imported here (huggingface_hub's HF_HOME and caches), point at the same place in the action's private one."""
     if not shared or not os.path.isabs(shared):
         return
+    prefix = shared.rstrip("/")
     for name, value in list(os.environ.items()):
-        if name not in ("HOME", "TMPDIR", SHARED_TMP_VAR) and value.startswith(shared.rstrip("/") + "/"):
-            os.environ[name] = private + value[len(shared.rstrip("/")):]
+        if name not in ("HOME", "TMPDIR", SHARED_TMP_VAR) and value.startswith(prefix + "/"):
+            os.environ[name] = private + value[len(prefix):]
+    for module in filter(None, map(sys.modules.get, _PRE_IMPORTED)):  # (import_builtin_factory's, imported here)
+        with contextlib.suppress(TypeError):
+            for name, value in list(vars(module).items()):
+                if isinstance(value, str) and (value == prefix or value.startswith(prefix + "/")):
+                    setattr(module, name, private + value[len(prefix):])
 
 
 def _run_child(msg: Mapping[str, Any], policy: Policy, w: int, parent: int, notes: list[str]) -> None:
@@ -630,6 +637,7 @@ def serve(conn_in: Connection, conn_out: Connection, installation: tuple[str, ..
             result = run_warm_up(msg, warmed)
         else:
             implicit = warm_before(msg, warmed)
+            import_builtin_factory(msg)
             result = run_isolated(msg, installation)
             if implicit is not None:
                 result["duration_s"] = float(result.get("duration_s") or 0.0) + implicit
@@ -707,6 +715,34 @@ def _cpu_here() -> float:
     own = resource.getrusage(getattr(resource, "RUSAGE_THREAD", resource.RUSAGE_SELF))
     kids = resource.getrusage(resource.RUSAGE_CHILDREN)
     return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+# Modules import_builtin_factory imported in this worker (their names): _rebase_environ rebases their path constants.
+_PRE_IMPORTED: list[str] = []
+
+
+def import_builtin_factory(msg: Mapping[str, Any]) -> None:
+    """When the action's model factory is a wrapper neuronbuild ships (model_import.BUILTIN_PREFIX, e.g. hf_causal_lm,
+    whose import of transformers costs each forked action ~0.9 s of CPU), its module is imported here, in the worker,
+    once: this action and every later one forked from here start with it. neuronbuild's own code, imported only (the
+    factory runs in the action's process), starting no thread; a failed import is left to the action to report.
+    What those modules derived from the worker's $HOME or $TMPDIR at import (huggingface_hub's cache paths) is
+    rebased in each action's process to its own (_rebase_environ), as if imported there."""
+    spec = msg.get("spec")
+    model = spec.get("model") if isinstance(spec, Mapping) else None
+    entry = model.get("entry") if isinstance(model, Mapping) else None
+    if not isinstance(entry, str):
+        return
+    name = entry.partition(":")[0]
+    from neuronbuild.toolchains.model_import import BUILTIN_PREFIX
+
+    if name.startswith(BUILTIN_PREFIX) and name not in sys.modules:
+        import importlib
+
+        before = set(sys.modules)
+        with contextlib.suppress(Exception):
+            importlib.import_module(name)
+        _PRE_IMPORTED.extend(sorted(set(sys.modules) - before))
 
 
 def warm_up_spec(msg: Mapping[str, Any]) -> dict[str, Any] | None:
