@@ -234,9 +234,9 @@ def run_isolated(msg: Mapping[str, Any], installation: tuple[str, ...]) -> dict[
     no model code: `_init`), which mounts a private /proc and the sandbox's read-only sibling read-only first; the
     action sees no process but its own and the init. When it ends, the init exits with its status (a signal as 128 +
     its number) and the kernel kills whatever it left. As root the init is this worker's own child (the worker
-    unshares the pid namespace for that one fork: confine_ns.pid_ns_for_children), so two forks of the worker per
-    action, as before namespaces but one; this worker's wait4 gives the action's end (the init's code, decoded) and
-    CPU time. Otherwise (a non-root user: a user namespace) the child outside the namespace enters it
+    unshares the pid namespace for that one fork: confine_ns.pid_ns_for_children): two forks of the worker per action
+    (one fewer than through an outside child); this worker's wait4 gives the action's end (the init's code, decoded)
+    and CPU time. Otherwise (a non-root user: a user namespace) the child outside the namespace enters it
     (confine_ns.enter), forks the init and ends as it did (confine_ns.reraise). Where namespaces are refused, the
     outside child runs the action itself (as before; its log says so)."""
     policy = action_policy(msg, dict(os.environ), installation)
