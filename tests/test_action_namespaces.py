@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import json
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -340,3 +342,51 @@ print(out, flush=True)
 confine_ns.reraise(128 - code if code < 0 else code)  # as the worker's child relays it (no fork here: the namespace
 # this process forks into has ended with its init)
 '''
+
+
+BUILTIN_HOME = r'''
+import json, os, sys
+from pathlib import Path
+
+base = Path(sys.argv[1])
+os.environ["HOME"], os.environ["TMPDIR"] = str(base / "v1" / "home"), str(base / "v1" / "tmp")
+from neuronbuild.execution import worker
+from neuronbuild.execution.confine import confine, installation_roots
+
+msg = {"kind": "trace", "spec": {"model": {"entry": "neuronbuild.toolchains.hf_causal_lm:context"}},
+       "inputs": str(base / "sandbox" / "in"), "outputs": str(base / "sandbox" / "out"), "log": str(base / "a.log")}
+worker.import_builtin_factory(msg)  # as serve() does before the fork
+imported = "neuronbuild.toolchains.hf_causal_lm" in sys.modules
+
+
+def probe(kind, spec, inputs, outputs, log_path, expect=None, policy=None, notes=()):
+    confine(policy)
+    from huggingface_hub import constants
+
+    return {"ok": True, "metadata": {"hf_home": constants.HF_HOME, "token": constants.HF_TOKEN_PATH,
+                                     "home": os.environ["HOME"]}}
+
+
+worker.run_action = probe
+res = worker.run_isolated(msg, installation_roots())
+print(json.dumps({"imported": imported, **res}))
+'''
+
+
+def test_a_builtin_factory_the_worker_imported_finds_its_caches_under_the_actions_own_home(tmp_path: Path) -> None:
+    """hf_causal_lm (transformers, huggingface_hub) is imported by the worker before the fork
+    (worker.import_builtin_factory): the paths huggingface_hub derived from the worker's $HOME at import are the
+    action's own $HOME's in the action's process, as if it had imported them itself (the worker's is not its to use)."""
+    pytest.importorskip("transformers")
+    for d in ("v1/home", "v1/tmp", "sandbox/in", "sandbox/out"):
+        (tmp_path / d).mkdir(parents=True)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGINGFACE_", "XDG_"))}
+    proc = subprocess.run([sys.executable, "-c", BUILTIN_HOME, str(tmp_path)], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.splitlines()[-1])
+    assert got["imported"] and got["ok"], got
+    home = got["metadata"]["home"]
+    assert home == str(tmp_path / "sandbox" / "home"), got
+    assert got["metadata"]["hf_home"] == f"{home}/.cache/huggingface", got
+    assert got["metadata"]["token"] == f"{home}/.cache/huggingface/token", got

@@ -1,11 +1,15 @@
 """Namespaces per action: a pid namespace with a private /proc, in a private mount namespace (and, for a non-root
 user, a user namespace owning both), so an action sees only its own processes and everything it starts dies with it.
 
-How run_isolated (worker.py) uses them: the action's first child (outside) calls `enter` (unshare(2): its next child
-is pid 1 of a new pid namespace); that child, the namespace's init (it runs no model code), mounts a fresh /proc
-(`private_proc`) and /dev/shm (`private_shm`), makes the sandbox's read-only sibling a read-only bind mount (`read_only_bind`), then forks the
-action's process. When the action's process ends, the init exits and the kernel kills every process left in the
-namespace (a double-forked daemon, one that cleared its parent-death signal or left the session: none escapes).
+How run_isolated (worker.py) uses them. As root (CAP_SYS_ADMIN), the worker itself unshares a pid namespace for its
+next child only (`pid_ns_for_children`; threads allowed, the worker stays where it is) and takes it back after the fork
+(`own_pid_ns`): its child is straight away pid 1 of the action's namespace. Otherwise (a non-root user needs a user
+namespace, which a threaded process may not enter and the worker must not) the worker's child calls `enter` (its next
+child is pid 1) and forks it. Either way pid 1, the namespace's init (it runs no model code), makes its own mount
+namespace (`enter_mounts`, when `enter` did not), mounts a fresh /proc (`private_proc`) and /dev/shm (`private_shm`),
+makes the sandbox's read-only sibling a read-only bind mount (`read_only_bind`), then forks the action's process
+(pid 2). When the action's process ends, the init exits and the kernel kills every process left in the namespace (a
+double-forked daemon, one that cleared its parent-death signal or left the session: none escapes).
 
 Only stdlib and ctypes: a kernel or container that refuses namespaces (EPERM, ENOSPC, a seccomp filter) makes each
 call return why, and the action runs as before, its log saying so.
@@ -67,6 +71,45 @@ def enter() -> str | None:
     return why or "unshare: not available"
 
 
+_OWN_PID_NS: list[int] = []  # a descriptor of this process's own pid namespace, opened once (close-on-exec)
+_NO_PID_NS: list[str] = []  # why pid_ns_for_children was refused (not tried again in this process)
+
+
+def pid_ns_for_children() -> str | None:
+    """unshare(2) CLONE_NEWPID alone, in the calling thread: its next child is pid 1 of a new pid namespace, while
+    this process stays in its own (a threaded process may do it: unlike a user namespace's, its unshare moves no one).
+    Needs CAP_SYS_ADMIN (root); call own_pid_ns right after the fork. None when done, else why not (remembered)."""
+    if _NO_PID_NS:
+        return _NO_PID_NS[0]
+    try:
+        if not _OWN_PID_NS:
+            _OWN_PID_NS.append(os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC))
+    except OSError as e:
+        _NO_PID_NS.append(f"/proc/self/ns/pid: {e.strerror}")
+        return _NO_PID_NS[0]
+    if _libc().unshare(ctypes.c_int(CLONE_NEWPID)) != 0:
+        _NO_PID_NS.append(_err("unshare"))
+        return _NO_PID_NS[0]
+    return None
+
+
+def own_pid_ns() -> str | None:
+    """Undo pid_ns_for_children (setns(2) to this process's own pid namespace, which a process may always re-enter):
+    its next children are in its own pid namespace again. None when done, else why not."""
+    if _libc().setns(_OWN_PID_NS[0], ctypes.c_int(CLONE_NEWPID)) != 0:
+        return _err("setns")
+    return None
+
+
+def enter_mounts() -> str | None:
+    """unshare(2) a new mount namespace for this (single-threaded) process, the init of a pid namespace made by
+    pid_ns_for_children: what private_proc and the others mount is seen in it only. None when done, else why not
+    (then nothing may be mounted: it would be the machine's mount table)."""
+    if _libc().unshare(ctypes.c_int(CLONE_NEWNS)) != 0:
+        return _err("unshare (mount namespace)")
+    return None
+
+
 def private_proc() -> str | None:
     """In the pid namespace's init: mounts made private (nothing done here reaches the machine's mount table), then a
     fresh /proc showing this namespace's processes only. None when done, else why not (the machine's /proc stays)."""
@@ -113,7 +156,8 @@ def read_only_bind(path: str) -> str | None:
 
 def status_code(status: int) -> int:
     """What the namespace's init exits with for its child's wait status: its exit code, or 128 + the signal that
-    killed it (the init, pid 1 of its namespace, cannot re-raise a signal on itself; `reraise` does, outside)."""
+    killed it (the init, pid 1 of its namespace, cannot re-raise a signal on itself: `reraise` does, outside, or
+    the worker decodes it, signal_of)."""
     if os.WIFSIGNALED(status):
         return 128 + os.WTERMSIG(status)
     return os.WEXITSTATUS(status) if os.WIFEXITED(status) else 70
@@ -133,15 +177,26 @@ def init_wait(child: int) -> int:
             return status_code(status)
 
 
+def signal_of(code: int) -> int:
+    """The signal an init's exit code (status_code) says the action's process died of (a code above 128 naming a
+    signal, but the stop signals), else 0."""
+    import signal
+
+    sig = code - 128 if code > 128 else 0
+    if sig and sig in {s.value for s in signal.Signals} and sig not in (signal.SIGSTOP, signal.SIGTSTP,
+                                                                      signal.SIGTTIN, signal.SIGTTOU):
+        return sig
+    return 0
+
+
 def reraise(code: int) -> None:
     """Outside the namespace, end this process as the action's process ended: a code above 128 naming a signal is
     that signal, raised on this process (so the worker's wait status says 'killed by SIGKILL' for the OOM killer);
     else exit with `code`. Never returns."""
     import signal
 
-    sig = code - 128 if code > 128 else 0
-    if sig and sig in {s.value for s in signal.Signals} and sig not in (signal.SIGSTOP, signal.SIGTSTP,
-                                                                      signal.SIGTTIN, signal.SIGTTOU):
+    sig = signal_of(code)
+    if sig:
         for step in (lambda: signal.signal(sig, signal.SIG_DFL),  # (refused for SIGKILL: needed by none)
                      lambda: signal.pthread_sigmask(signal.SIG_UNBLOCK, {sig}), lambda: os.kill(os.getpid(), sig)):
             with contextlib.suppress(OSError, ValueError):

@@ -230,26 +230,47 @@ def run_isolated(msg: Mapping[str, Any], installation: tuple[str, ...]) -> dict[
     model's code changes in the interpreter (monkeypatches, sys.modules, audit hooks) ends with the child. The child's
     death (a crash, os._exit, the OOM killer) fails the action as a worker death (retried with --retries).
 
-    The child (outside) enters new pid and mount namespaces (confine_ns.enter) and forks the namespace's init, which
-    mounts a private /proc and the sandbox's read-only sibling read-only, then forks the action's process (pid 2 of
-    the namespace: it sees no process but its own and the init). When it ends, the init exits and the kernel kills
-    whatever it left; the outside child ends as it did (its exit status or signal: confine_ns.reraise), so this
-    worker's wait4 gives the action's end and CPU time as before. Where namespaces are refused, the outside child
-    runs the action itself (as before; its log says so)."""
+    The action runs as pid 2 of its own pid and mount namespaces, forked by the namespace's init (pid 1, which runs
+    no model code: `_init`), which mounts a private /proc and the sandbox's read-only sibling read-only first; the
+    action sees no process but its own and the init. When it ends, the init exits with its status (a signal as 128 +
+    its number) and the kernel kills whatever it left. As root the init is this worker's own child (the worker
+    unshares the pid namespace for that one fork: confine_ns.pid_ns_for_children): two forks of the worker per action
+    (one fewer than through an outside child); this worker's wait4 gives the action's end (the init's code, decoded)
+    and CPU time. Otherwise (a non-root user: a user namespace) the child outside the namespace enters it
+    (confine_ns.enter), forks the init and ends as it did (confine_ns.reraise). Where namespaces are refused, the
+    outside child runs the action itself (as before; its log says so)."""
     policy = action_policy(msg, dict(os.environ), installation)
     r, w = os.pipe()
     worker_pid = os.getpid()
-    pid = os.fork()
-    if pid == 0:  # the action's outside process
+    in_ns = confine_ns.pid_ns_for_children() is None  # (root) this fork is pid 1 of the action's namespace
+    seen_as = _proc_pid() if in_ns else 0  # this worker's pid as /proc numbers it
+    try:
+        pid = os.fork()
+    finally:
+        if in_ns and os.getpid() == worker_pid and (why := confine_ns.own_pid_ns()) is not None:
+            print(f"neuronbuild: worker {worker_pid} cannot fork into its own pid namespace again ({why}); it exits",
+                  file=sys.stderr, flush=True)
+            os._exit(70)  # (never seen) its next forks would fail: the pool replaces it
+    if pid == 0:  # the namespace's init (in_ns), else the action's outside process
         code = 70
         try:
-            set_dumpable(True)  # the worker is not (confine.set_dumpable); the namespaces' maps go through /proc/self
+            if not in_ns:
+                set_dumpable(True)  # the worker is not (confine.set_dumpable); the namespaces' maps use /proc/self
             os.close(r)
             close_inherited_fds(keep=(w,))  # the worker's pipes to the build process, its pidfds: not the model's
             null = os.open(os.devnull, os.O_RDWR)  # nor the worker's log (run_action sends 1 and 2 to the action's)
             for fd in (0, 1, 2):
                 os.dup2(null, fd)
             os.close(null)
+            if in_ns:
+                _die_with_parent(worker_pid, check=False)
+                if seen_as and _proc_pid(ppid=True) != seen_as:  # the worker died before the line above
+                    os._exit(70)
+                why = confine_ns.enter_mounts()
+                os._exit(_init(msg, policy, w, None if why is None else
+                               f"no private mounts ({why}); this action may read other processes' cmdline, comm, "
+                               "stat and status, what it leaves in /dev/shm outlives it, and the linked big inputs "
+                               "are protected against writes only (Landlock)"))
             _die_with_parent(worker_pid)
             why = confine_ns.enter()
             if why is not None:  # the kernel or the container refuses namespaces: this process runs the action
@@ -259,22 +280,9 @@ def run_isolated(msg: Mapping[str, Any], installation: tuple[str, ...]) -> dict[
             set_dumpable(False)  # (the init inherits this; the action's process turns it back on)
             outside = os.getpid()
             init = os.fork()
-            if init == 0:  # pid 1 of the action's namespaces; runs no model code
+            if init == 0:  # pid 1 of the action's namespaces
                 _die_with_parent(outside, check=False)
-                notes = []
-                if (why := confine_ns.private_proc()) is not None:
-                    notes.append(f"no private /proc ({why}); this action may read other processes' cmdline, comm, "
-                                 "stat and status")
-                if (why := confine_ns.private_shm()) is not None:
-                    notes.append(f"no private /dev/shm ({why}); what this action leaves there outlives it")
-                ro = read_only_dir(msg["inputs"])
-                if ro.is_dir() and (why := confine_ns.read_only_bind(str(ro))) is not None:
-                    notes.append(f"{why}; the linked big inputs are protected against writes only (Landlock)")
-                child = os.fork()
-                if child == 0:
-                    _run_child(msg, policy, w, 1, notes)
-                os.close(w)
-                os._exit(confine_ns.init_wait(child))
+                os._exit(_init(msg, policy, w))
             os.close(w)
             _pid, status = os.waitpid(init, 0)
             ended = os.waitstatus_to_exitcode(status)
@@ -315,6 +323,8 @@ def run_isolated(msg: Mapping[str, Any], installation: tuple[str, ...]) -> dict[
         res = {"ok": False, "error": bad, "duration_s": 0.0}
     elif res is None:
         code = os.waitstatus_to_exitcode(status)
+        if in_ns and code > 128 and confine_ns.signal_of(code):  # the init's code for the action's death by a signal
+            code = -confine_ns.signal_of(code)
         res = {"ok": False, "worker_died": True, "error": death_message(code), "duration_s": 0.0}
     # The action's CPU seconds: its process and every process it waited for (compilers), whatever the cores.
     res["cpu_s"] = round(usage.ru_utime + usage.ru_stime, 3)
@@ -334,14 +344,53 @@ def _die_with_parent(parent: int, check: bool = True) -> None:
         os._exit(70)
 
 
+def _init(msg: Mapping[str, Any], policy: Policy, w: int, no_mounts: str | None = None) -> int:
+    """The action's namespace's init (pid 1; runs no model code): a private /proc and /dev/shm, the sandbox's
+    read-only sibling mounted read-only (none of them when `no_mounts` says why not), then the action's process (pid
+    2: _run_child), reaping whatever ends until it has. Returns the code to exit with (confine_ns.status_code)."""
+    notes = [no_mounts] if no_mounts is not None else []
+    if no_mounts is None:
+        if (why := confine_ns.private_proc()) is not None:
+            notes.append(f"no private /proc ({why}); this action may read other processes' cmdline, comm, stat and "
+                         "status")
+        if (why := confine_ns.private_shm()) is not None:
+            notes.append(f"no private /dev/shm ({why}); what this action leaves there outlives it")
+        ro = read_only_dir(msg["inputs"])
+        if ro.is_dir() and (why := confine_ns.read_only_bind(str(ro))) is not None:
+            notes.append(f"{why}; the linked big inputs are protected against writes only (Landlock)")
+    child = os.fork()
+    if child == 0:
+        _run_child(msg, policy, w, 1, notes)
+    os.close(w)
+    return confine_ns.init_wait(child)
+
+
+def _proc_pid(ppid: bool = False) -> int:
+    """This process's pid (`ppid`: its parent's) as the machine's /proc numbers it (in a new pid namespace whose parent
+    is outside it, getppid() says 0); read before a private /proc is mounted. 0 when unknown."""
+    try:
+        with open("/proc/self/stat", "rb") as f:
+            head, tail = f.read().rsplit(b")", 1)
+        return int(tail.split()[1] if ppid else head.split()[0])
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
 def _rebase_environ(shared: str | None, private: str) -> None:
     """Variables the worker's libraries derived from its shared $TMPDIR or $HOME (torch sets TORCHINDUCTOR_CACHE_DIR
-    to <TMPDIR>/torchinductor_<user> on first use) point at the same place in the action's private one."""
+    to <TMPDIR>/torchinductor_<user> on first use), and the path constants of the modules import_builtin_factory
+    imported here (huggingface_hub's HF_HOME and caches), point at the same place in the action's private one."""
     if not shared or not os.path.isabs(shared):
         return
+    prefix = shared.rstrip("/")
     for name, value in list(os.environ.items()):
-        if name not in ("HOME", "TMPDIR", SHARED_TMP_VAR) and value.startswith(shared.rstrip("/") + "/"):
-            os.environ[name] = private + value[len(shared.rstrip("/")):]
+        if name not in ("HOME", "TMPDIR", SHARED_TMP_VAR) and value.startswith(prefix + "/"):
+            os.environ[name] = private + value[len(prefix):]
+    for module in filter(None, map(sys.modules.get, _PRE_IMPORTED)):  # (import_builtin_factory's, imported here)
+        with contextlib.suppress(TypeError):
+            for name, value in list(vars(module).items()):
+                if isinstance(value, str) and (value == prefix or value.startswith(prefix + "/")):
+                    setattr(module, name, private + value[len(prefix):])
 
 
 def _run_child(msg: Mapping[str, Any], policy: Policy, w: int, parent: int, notes: list[str]) -> None:
@@ -588,6 +637,7 @@ def serve(conn_in: Connection, conn_out: Connection, installation: tuple[str, ..
             result = run_warm_up(msg, warmed)
         else:
             implicit = warm_before(msg, warmed)
+            import_builtin_factory(msg)
             result = run_isolated(msg, installation)
             if implicit is not None:
                 result["duration_s"] = float(result.get("duration_s") or 0.0) + implicit
@@ -665,6 +715,34 @@ def _cpu_here() -> float:
     own = resource.getrusage(getattr(resource, "RUSAGE_THREAD", resource.RUSAGE_SELF))
     kids = resource.getrusage(resource.RUSAGE_CHILDREN)
     return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+# Modules import_builtin_factory imported in this worker (their names): _rebase_environ rebases their path constants.
+_PRE_IMPORTED: list[str] = []
+
+
+def import_builtin_factory(msg: Mapping[str, Any]) -> None:
+    """When the action's model factory is a wrapper neuronbuild ships (model_import.BUILTIN_PREFIX, e.g. hf_causal_lm,
+    whose import of transformers costs each forked action ~0.9 s of CPU), its module is imported here, in the worker,
+    once: this action and every later one forked from here start with it. neuronbuild's own code, imported only (the
+    factory runs in the action's process), starting no thread; a failed import is left to the action to report.
+    What those modules derived from the worker's $HOME or $TMPDIR at import (huggingface_hub's cache paths) is
+    rebased in each action's process to its own (_rebase_environ), as if imported there."""
+    spec = msg.get("spec")
+    model = spec.get("model") if isinstance(spec, Mapping) else None
+    entry = model.get("entry") if isinstance(model, Mapping) else None
+    if not isinstance(entry, str):
+        return
+    name = entry.partition(":")[0]
+    from neuronbuild.toolchains.model_import import BUILTIN_PREFIX
+
+    if name.startswith(BUILTIN_PREFIX) and name not in sys.modules:
+        import importlib
+
+        before = set(sys.modules)
+        with contextlib.suppress(Exception):
+            importlib.import_module(name)
+        _PRE_IMPORTED.extend(sorted(set(sys.modules) - before))
 
 
 def warm_up_spec(msg: Mapping[str, Any]) -> dict[str, Any] | None:
