@@ -296,7 +296,8 @@ def _warm(sock: socket.socket, req: dict[str, Any], children: dict[int, int], wa
     from neuronbuild.execution import worker
 
     msg = req["msg"]
-    held = worker.warm_key(msg["spec"]) in warmed  # (done here before: a warm-up between commands, or a build's)
+    held = isinstance(msg.get("spec"), dict) and worker.warm_key(msg["spec"]) in warmed  # (done here before: a
+    # warm-up between commands, or a build's)
     with _Reaper(sock, children):
         try:
             res = worker.run_warm_up(msg, warmed)

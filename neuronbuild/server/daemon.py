@@ -250,12 +250,14 @@ class Server:
                 try:
                     conn, msg = self.queue.get(timeout=wait) if wait > 0 else self.queue.get_nowait()
                 except queue.Empty:
-                    if self.background is not None:
+                    idle_workers = time.monotonic() - idle_since >= self.warm.workers_idle_s
+                    if self.background is not None and not idle_workers:
                         self._background_step()
                         continue
+                    self._end_background()  # (idle for workers_idle_s: what it warms is released below)
                     if self.warm.pending:
                         self.warm.collect()  # idle: nobody waits for the collection
-                    if time.monotonic() - idle_since >= self.warm.workers_idle_s and self.warm.release_workers():
+                    if idle_workers and self.warm.release_workers():
                         print(f"idle for {self.warm.workers_idle_s:g} s: warm workers released", flush=True)
                     continue
                 except KeyboardInterrupt:  # a late cancel that arrived after its command ended
