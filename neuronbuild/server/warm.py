@@ -1,5 +1,6 @@
 """What the server keeps between commands: warm worker pools (torch and inductor imported) and the load and digest
-caches in memory; and what it forgets before each command so nothing it keeps can be stale."""
+caches in memory; what it forgets before each command so nothing it keeps can be stale; and what it warms after a
+command's answer, while no command waits (WarmState.warm_in_background, background_steps)."""
 
 from __future__ import annotations
 
