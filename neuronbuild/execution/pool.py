@@ -255,7 +255,7 @@ class WorkerPool:
     def warm_up_between(self, task_id: str, msg: dict[str, Any]) -> bool:
         """Between builds (the build server, once a command has answered): a toolchain warm-up (a WARM_UP task
         message) in the ready zygote, so the workers forked afterwards, and the idle ones settle() replaces, inherit it.
-        Its result is no build's (wait never returns it). False when there is no ready zygote or it holds that warm-up."""
+        Its result is no build's (wait never returns it). False when there is no ready zygote, or a task runs."""
         z = self._zygote
         if z is None or not z.alive() or not z.ready or self.busy:
             return False

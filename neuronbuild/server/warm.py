@@ -165,6 +165,7 @@ class WarmState:
     # A step of background_steps does at most this many actions' warm-up keys (a command arriving meanwhile waits for
     # one step at most: ~10 ms)
     STEP_ACTIONS = 5000
+    BACKGROUND_S = 600.0  # the zygote's imports and the warm-ups get this long at most (then the steps end)
 
     def background_steps(self) -> Generator[float, None, None]:
         """After a command's answer (and warm_in_background): the rest of what the first edit's build would pay and
@@ -192,9 +193,10 @@ class WarmState:
             self._save_record(wanted)
         else:
             wanted = self._load_record()
-        while pool.zygote_ready() is False:  # importing torch (seconds)
+        give_up = time.monotonic() + self.BACKGROUND_S  # (a start that hangs is the next build's to report)
+        while pool.zygote_ready() is False and time.monotonic() < give_up:  # importing torch (seconds)
             yield 0.05
-        if pool.zygote_ready() is None or pool is not self._pool:
+        if not pool.zygote_ready() or pool is not self._pool:
             return
         with self._client_umask():
             pool.warm(pool.size)  # the forks (ms each): a build arriving during the warm-ups finds its workers
@@ -222,7 +224,7 @@ class WarmState:
                       f"({', '.join(sent)})", flush=True)
             while True:
                 with self._client_umask():
-                    if pool.settle():
+                    if pool.settle() or time.monotonic() >= give_up:
                         break
                 yield 0.05
             if pool is self._pool:
@@ -241,16 +243,19 @@ class WarmState:
             os.umask(old)
 
     def _load_record(self) -> dict[str, dict[str, Any]]:
+        """The warm-ups an earlier plan of the kept pool's cache recorded (none if unreadable: only a speed-up)."""
         if self._record is None or self._scratch is None:
             return {}
         try:
             data = json.loads(self._record.read_text(encoding="utf-8"))
             got = data.get(str(self._scratch)) or {}
-            return {str(k): dict(v) for k, v in got.items() if isinstance(v, dict)}
+            return {str(k): dict(v) for k, v in got.items() if isinstance(v, dict) and
+                    {"toolchain", "step", "key", "versions"} <= v.keys() and isinstance(v["versions"], dict)}
         except (OSError, ValueError, AttributeError):
             return {}
 
     def _save_record(self, wanted: dict[str, dict[str, Any]]) -> None:
+        """Record the last plan's warm-ups for the kept pool's cache (for a later server's no-op first command)."""
         if self._record is None or self._scratch is None:
             return
         from neuronbuild.atomic import atomic_write_bytes
