@@ -529,6 +529,66 @@ def test_a_first_command_that_starts_no_worker_still_warms_them_after_its_answer
         _shutdown(servers, ws)
 
 
+def _tree_bytes(root: Path) -> dict[str, bytes]:
+    return {str(f.relative_to(root)): f.read_bytes() for f in sorted(root.rglob("*")) if f.is_file()}
+
+
+def test_the_first_edits_build_finds_the_toolchain_warm_up_done_after_the_answer_and_a_command_during_it_is_answered(
+        servers: Servers, tmp_path: Path, shared_cache: Path) -> None:
+    """After a fresh server's first command (a build answered from its no-op stamp) the server warms, once the answer
+    is sent, what the first edit's build would otherwise pay: the build's imports, the workers' forks and the
+    toolchain warm-ups of the plan (the Neuron lowering's jax import, in the zygote). A `plan` sent right after the
+    answer arrives during that warm-up and is answered as a batch plan is; the warm-up still completes after it; the
+    first edit's build then finds the warm-up held (its own warm-up pseudo-action reports `held_before` in the build
+    events: it did not do the work), and its outputs are byte-identical to a fresh batch build's. Checked by the
+    order of the server log's lines and the events, never by timing."""
+    servers.cache = shared_cache
+    ws = _ws(tmp_path)
+    servers.build(ws, batch=True)  # every action cached
+    env = {"NEURONBUILD_WORKERS_IDLE_SECS": "300"}
+    build = ["build", "//...", "--jobs", "2", "--cache-dir", str(shared_cache)]
+    assert servers.run(build, ws, env).returncode == 0  # (writes the no-op stamp; its plan names the warm-ups)
+    _shutdown(servers, ws)
+    p = servers.run(build, ws, env)  # the fresh server's first command: answered from its no-op stamp
+    assert p.returncode == 0 and "0 executed" in p.stdout, p.stdout + p.stderr[-3000:]
+    during = _plan(ws, servers, batch=False, cache=shared_cache)  # sent at once: the warm-up is under way
+    assert during == _plan(ws, servers, batch=True, cache=shared_cache)
+    info = servers.info(ws)
+    log = Path(info["log"])
+
+    def this_server() -> list[str]:
+        lines = log.read_text().splitlines()
+        start = max(i for i, ln in enumerate(lines) if f"server {info['pid']} listening" in ln)
+        return lines[start:]
+
+    def done_line() -> str | None:
+        return next((ln for ln in this_server() if "background warm-up done" in ln), None)
+
+    _wait(lambda: done_line() is not None, 180, "the background warm-up")
+    lines = this_server()
+    first = next(i for i, ln in enumerate(lines) if " build //... " in ln and "-> 0 in" in ln)
+    started = next(i for i, ln in enumerate(lines) if "warm workers starting in the background" in ln)
+    planned = next(i for i, ln in enumerate(lines) if " plan //... " in ln and "-> 0 in" in ln)
+    toolchains = next(i for i, ln in enumerate(lines) if "toolchain warm-ups in the zygote" in ln)
+    assert first < started < planned < toolchains < lines.index(str(done_line())), lines  # the plan came during it
+    assert "neuron" in lines[toolchains], lines
+    pids = [int(x) for x in re.findall(r"\d+", str(done_line()).rpartition("pids")[2])]
+    assert sorted(_worker_pids(servers.info(ws))) == sorted(pids) and len(pids) == 3, (pids, lines)  # 2 + zygote
+
+    (ws / PKG / "model.py").write_text((ws / PKG / "model.py").read_text() + "\n# an edit\n")
+    events = tmp_path / "events.jsonl"
+    servers.build(ws, "--build-event-json-file", str(events))
+    evs = [json.loads(ln) for ln in events.read_text().splitlines() if ln.strip()]
+    warmed = [e for e in evs if e["event"] == "warm_up_finished"]
+    assert warmed and all(e["ok"] and e["metadata"].get("held_before") for e in warmed), warmed
+    ran = [e for e in evs if e["event"] == "action_started"]
+    assert ran and {e["pid"] for e in ran} <= set(pids), (ran, pids)  # in the workers forked in the background
+    outputs = _tree_bytes(ws / "neuronbuild-out")
+    assert outputs
+    servers.build(ws, "--cache-dir", str(tmp_path / "fresh-cache"), batch=True)  # (the last --cache-dir wins)
+    assert _tree_bytes(ws / "neuronbuild-out") == outputs
+
+
 def test_batch_and_no_server_env_run_in_the_client(servers: Servers, tmp_path: Path, shared_cache: Path) -> None:
     servers.cache = shared_cache
     ws = _ws(tmp_path)

@@ -178,6 +178,8 @@ class WorkerPool:
             use_zygote = self.size >= 2
         self._use_zygote = use_zygote and os.environ.get("NEURONBUILD_ZYGOTE", "1") != "0" and zy.supported()
         self._zygote: zy.Zygote | None = None
+        # Toolchain warm-ups sent to the zygote between builds (warm_up_between): their results are no build's
+        self._between: set[str] = set()
         hide_process_environ()  # before any action runs: /proc/<this pid>/environ shows nothing of ours
 
     def _zygote_now(self) -> zy.Zygote | None:
@@ -249,6 +251,46 @@ class WorkerPool:
         for slot in range(min(n, self.size)):
             if slot not in self._workers:
                 self._workers[slot] = self._start(slot)
+
+    def warm_up_between(self, task_id: str, msg: dict[str, Any]) -> bool:
+        """Between builds (the build server, once a command has answered): a toolchain warm-up (a WARM_UP task
+        message) in the ready zygote, so the workers forked afterwards, and the idle ones settle() replaces, inherit it.
+        Its result is no build's (wait never returns it). False when there is no ready zygote, or a task runs."""
+        z = self._zygote
+        if z is None or not z.alive() or not z.ready or self.busy:
+            return False
+        if z.warm_up(task_id, msg):
+            self._between.add(task_id)
+            return True
+        return False
+
+    def zygote_ready(self) -> bool | None:
+        """Whether the zygote has finished its imports (None: this pool has no live zygote)."""
+        z = self._zygote
+        if z is None or not z.alive():
+            return None
+        z.drain()
+        return z.ready
+
+    def zygote_keys(self) -> set[str]:
+        """The toolchain warm-ups the zygote holds (worker.warm_key)."""
+        return set(self._zygote.keys) if self._zygote is not None else set()
+
+    def settle(self) -> bool:
+        """Between builds: read the workers' ready messages and the zygote's results, and replace each idle worker that
+        lacks a warm-up the zygote now holds by a fresh fork. True once nothing is left to do: no warm-up of
+        warm_up_between still runs, and every worker is ready and holds what the zygote holds."""
+        if self.busy:
+            return True
+        self.wait(0)
+        z = self._zygote
+        if z is None or not z.alive():
+            return True
+        if self._between & set(z.warming):
+            return False
+        for w in list(self._workers.values()):
+            self._refresh(w)
+        return all(w.ready and z.keys <= w.keys for w in self._workers.values())
 
     def zygote_pid(self) -> int | None:
         return self._zygote.pid if self._zygote is not None and self._zygote.alive() else None
@@ -376,7 +418,9 @@ class WorkerPool:
         if z is None:
             return []
         z.drain()
-        out = [TaskResult(task, -1, z.pid, res) for task, res in z.results]
+        got = bool(z.results)
+        out = [TaskResult(task, -1, z.pid, res) for task, res in z.results if task not in self._between]
+        self._between.difference_update(task for task, _res in z.results)
         z.results.clear()
         now = time.time()
         limit = self.action_timeout
@@ -387,7 +431,10 @@ class WorkerPool:
                     for task, t in z.warming.items()]
             z.warming.clear()
             self._close_zygote()
-        if out:
+        lost = {r.task_id for r in out} & self._between  # (a warm-up between builds lost with the zygote)
+        out = [r for r in out if r.task_id not in lost]
+        self._between -= lost
+        if out or got:
             for w in list(self._workers.values()):
                 self._refresh(w)
         return out

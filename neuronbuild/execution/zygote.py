@@ -296,6 +296,8 @@ def _warm(sock: socket.socket, req: dict[str, Any], children: dict[int, int], wa
     from neuronbuild.execution import worker
 
     msg = req["msg"]
+    held = isinstance(msg.get("spec"), dict) and worker.warm_key(msg["spec"]) in warmed  # (done here before: a
+    # warm-up between commands, or a build's)
     with _Reaper(sock, children):
         try:
             res = worker.run_warm_up(msg, warmed)
@@ -303,6 +305,8 @@ def _warm(sock: socket.socket, req: dict[str, Any], children: dict[int, int], wa
             res = {"ok": False, "error": f"{type(e).__name__}: {e}", "duration_s": 0.0}
     worker.cap_log(str(msg["log"]))
     res["action_pid"] = os.getpid()
+    if held and isinstance(res.get("metadata"), dict):
+        res["metadata"]["held_before"] = True  # (in the build's events: the build did not pay for it)
     try:
         data = json.dumps({"result": res, "task": req["task"], "keys": sorted(warmed)}, default=str).encode()
     except (TypeError, ValueError):

@@ -14,6 +14,7 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Generator
 from pathlib import Path
 from typing import Any
 
@@ -152,7 +153,8 @@ class Server:
         self.cancel_lock = threading.Lock()
         from neuronbuild.server.warm import WarmState
 
-        self.warm = WarmState()
+        self.warm = WarmState(self.output_base / "warm-ups.json")
+        self.background: Generator[float, None, None] | None = None  # the rest of the warm-up after the last answer (warm.py)
         self.secret = ""  # (serve makes it)
 
     # -- socket side (acceptor thread) ----------------------------------------------------------------------------
@@ -244,16 +246,24 @@ class Server:
                 wait = min(left, self.warm.IDLE_GC_S if self.warm.pending else 5.0)
                 if self.warm.worker_pids():  # (released on time, not up to 5 s late)
                     wait = min(wait, max(0.1, self.warm.workers_idle_s - (time.monotonic() - idle_since)))
+                if self.background is not None:
+                    wait = min(wait, self.background_wait)
                 try:
-                    conn, msg = self.queue.get(timeout=wait)
+                    conn, msg = self.queue.get(timeout=wait) if wait > 0 else self.queue.get_nowait()
                 except queue.Empty:
+                    idle_workers = time.monotonic() - idle_since >= self.warm.workers_idle_s
+                    if self.background is not None and not idle_workers:
+                        self._background_step()
+                        continue
+                    self._end_background()  # (idle for workers_idle_s: what it warms is released below)
                     if self.warm.pending:
                         self.warm.collect()  # idle: nobody waits for the collection
-                    if time.monotonic() - idle_since >= self.warm.workers_idle_s and self.warm.release_workers():
+                    if idle_workers and self.warm.release_workers():
                         print(f"idle for {self.warm.workers_idle_s:g} s: warm workers released", flush=True)
                     continue
                 except KeyboardInterrupt:  # a late cancel that arrived after its command ended
                     continue
+                self._end_background()
                 try:
                     self.handle(conn, msg)
                 except KeyboardInterrupt:
@@ -285,6 +295,7 @@ class Server:
                 (self.output_base / "server.json").unlink()
                 self.socket_path.unlink()
                 (self.output_base / "server.secret").unlink()
+        self._end_background()
         self.warm.close()
         print(f"{time.strftime('%Y-%m-%d %H:%M:%S')} server {os.getpid()} stopped", flush=True)
 
@@ -323,7 +334,9 @@ class Server:
 
     def _warm_after_answer(self) -> None:
         """The answer is sent: start the warm workers a build made without starting (all its actions cached), while
-        the user reads it, so the first edit's build is as fast as later ones. Released after workers_idle_s idle."""
+        the user reads it, so the first edit's build is as fast as later ones; then, step by step while no command
+        waits (serve), the rest of the warm-up (WarmState.background_steps: the workers' forks and the toolchain
+        warm-ups). Released after workers_idle_s idle."""
         try:
             pids = self.warm.warm_in_background()
         except Exception:  # noqa: BLE001 - a worker that cannot start fails the next build, not the server
@@ -332,6 +345,28 @@ class Server:
         if pids:
             print(f"{time.strftime('%H:%M:%S')} warm workers starting in the background (pids "
                   f"{' '.join(map(str, pids))})", flush=True)
+        self.background, self.background_wait = self.warm.background_steps(), 0.0
+
+    background_wait = 0.0  # seconds before the background warm-up's next step
+
+    def _background_step(self) -> None:
+        """One step of the background warm-up (milliseconds: a command arriving waits for one at most)."""
+        assert self.background is not None
+        try:
+            self.background_wait = next(self.background)
+        except StopIteration:
+            self.background = None
+        except Exception:  # noqa: BLE001 - a failed warm-up costs the next build its speed-up, never the server
+            traceback.print_exc()
+            self.background = None
+
+    def _end_background(self) -> None:
+        """A command arrived: the background warm-up's remaining steps are dropped (its answer starts a new one; a
+        toolchain warm-up already running in the zygote finishes there, and the build's own finds it done)."""
+        if self.background is not None:
+            with contextlib.suppress(Exception):
+                self.background.close()
+            self.background = None
 
     def run_command(self, conn: socket.socket, msg: dict[str, Any]) -> int:
         from neuronbuild import cli

@@ -1,5 +1,6 @@
 """What the server keeps between commands: warm worker pools (torch and inductor imported) and the load and digest
-caches in memory; and what it forgets before each command so nothing it keeps can be stale."""
+caches in memory; what it forgets before each command so nothing it keeps can be stale; and what it warms after a
+command's answer, while no command waits (WarmState.warm_in_background, background_steps)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,12 @@ import functools
 import gc
 import json
 import os
+import shutil
 import sys
-from collections.abc import Iterator
+import tempfile
+import time
+from collections.abc import Generator, Iterator
+from pathlib import Path
 from typing import Any
 
 from neuronbuild.execution import local_executor
@@ -35,8 +40,15 @@ class KeptPool(WorkerPool):
 class WarmState:
     """The kept pools (one per pool configuration; only the latest is kept) and in-memory load caches."""
 
-    def __init__(self) -> None:
+    def __init__(self, record: Path | None = None) -> None:
         self._pool_key: str | None = None
+        self._scratch: Path | None = None  # the kept pool's working dir (the cache's scratch) and its logs dir
+        self._logs: Path | None = None
+        # The toolchain warm-ups the last analysed plan's steps need, per cache scratch dir (a JSON file in the output
+        # base, so a fresh server whose first command is answered from its no-op stamp knows them too)
+        self._record = record
+        self._planned: Any = None  # the action graph the last command planned (read by background_steps)
+        self._seq = 0  # warm-ups sent between commands
         self._pool: KeptPool | None = None
         self._umask = 0o022  # the umask of the command that made the kept pool (its processes inherit it)
         self.pending = 0  # commands since the last collection
@@ -60,6 +72,8 @@ class WarmState:
         os.umask(self._umask)
         env = args[1] if len(args) > 1 else kwargs.get("env") or {}
         self._sentinel = _scratch_sentinel(env.get("TMPDIR"))
+        self._scratch = Path(args[2]) if len(args) > 2 else None
+        self._logs = Path(args[3]).parent if len(args) > 3 and args[3] is not None else None
         return self._pool
 
     _sentinel: str | None = None
@@ -83,6 +97,7 @@ class WarmState:
         from neuronbuild import incremental
 
         forget_memoised()
+        before = {id(ag) for ag in _last_plans()}
         local_executor.pool_factory = self._pool_factory
         self._wanted = None
         local_executor.pool_wanted = self._want_pool if self._pool is None else None
@@ -92,6 +107,7 @@ class WarmState:
         finally:
             local_executor.pool_factory = WorkerPool
             local_executor.pool_wanted = None
+            self._planned = next((ag for ag in _last_plans() if id(ag) not in before), None)
             gc.freeze()  # what the command keeps (memos) is not scanned by the collections of the next one
             self.pending += 1
 
@@ -142,12 +158,119 @@ class WarmState:
         pool = self._pool
         if pool is None or pool.pids() or not self._scratch_intact():
             return []
-        old = os.umask(self._umask)  # the processes the build would have started: with the client's umask
-        try:
+        with self._client_umask():  # the processes the build would have started: with the client's umask
             pool.warm(pool.size)
+        return pool.pids()
+
+    # A step of background_steps does at most this many actions' warm-up keys (a command arriving meanwhile waits for
+    # one step at most: ~10 ms)
+    STEP_ACTIONS = 5000
+    BACKGROUND_S = 600.0  # the zygote's imports and the warm-ups get this long at most (then the steps end)
+
+    def background_steps(self) -> Generator[float, None, None]:
+        """After a command's answer (and warm_in_background): the rest of what the first edit's build would pay and
+        later ones do not, done in small steps by the server's main thread while no command waits (each yields the
+        seconds to wait before the next; a command arriving ends it, and its own answer starts a new one). First, in
+        the server, the modules a build imports (_BUILD_IMPORTS: ~1 s after a first command answered from its no-op
+        stamp, which imports almost nothing). Once the zygote has imported: the workers are forked, the toolchain warm-ups the last analysed plan's steps need (its
+        action graph's, else those recorded for this cache by an earlier plan: `warm_ups_wanted`) run in the zygote
+        (toolchain code only, never model code: worker.run_warm_up, as a build's warm-up pseudo-actions do), then
+        the idle workers are replaced by forks that inherit them (pool.settle). Nothing of it reaches a build's
+        results: a build's own warm-up still runs and finds the work done."""
+        from neuronbuild.analysis.toolchain_api import WARM_UP
+
+        pool = self._pool
+        if pool is None or self._scratch is None or not self._scratch_intact():
+            return
+        for name in _BUILD_IMPORTS:  # (while the zygote imports torch)
+            _import(name)
+            yield 0.0
+        wanted: dict[str, dict[str, Any]] = {}
+        planned, self._planned = self._planned, None
+        if planned is not None:
+            for _ in _warm_ups_of(planned, wanted, self.STEP_ACTIONS):
+                yield 0.0
+            self._save_record(wanted)
+        else:
+            wanted = self._load_record()
+        give_up = time.monotonic() + self.BACKGROUND_S  # (a start that hangs is the next build's to report)
+        while pool.zygote_ready() is False and time.monotonic() < give_up:  # importing torch (seconds)
+            yield 0.05
+        if not pool.zygote_ready() or pool is not self._pool:
+            return
+        with self._client_umask():
+            pool.warm(pool.size)  # the forks (ms each): a build arriving during the warm-ups finds its workers
+        held = pool.zygote_keys()
+        work = Path(tempfile.mkdtemp(dir=self._scratch, prefix="warm-between-"))
+        try:
+            sent = []
+            for key, spec in wanted.items():
+                if key in held:
+                    continue
+                self._seq += 1
+                io = work / str(self._seq)
+                (io / "in").mkdir(parents=True)
+                (io / "out").mkdir()
+                log = (self._logs or work) / "warm_up" / f"between-{spec['toolchain']}-{self._seq % 4}.log"
+                log.parent.mkdir(parents=True, exist_ok=True)
+                log.write_text(f"# warm up {spec['toolchain']} between commands (build server)\n", encoding="utf-8")
+                msg = {"kind": WARM_UP, "spec": {k: spec[k] for k in ("toolchain", "step", "key")},
+                       "inputs": str(io / "in"), "outputs": str(io / "out"), "log": str(log),
+                       "expect": dict(spec["versions"])}
+                if pool.warm_up_between(f"between-{self._seq}", msg):
+                    sent.append(str(spec["toolchain"]))
+            if sent:
+                print(f"{time.strftime('%H:%M:%S')} toolchain warm-ups in the zygote in the background "
+                      f"({', '.join(sent)})", flush=True)
+            while True:
+                with self._client_umask():
+                    if pool.settle() or time.monotonic() >= give_up:
+                        break
+                yield 0.05
+            if pool is self._pool:
+                print(f"{time.strftime('%H:%M:%S')} background warm-up done (toolchain warm-ups held: "
+                      f"{len(pool.zygote_keys())}; pids {' '.join(map(str, pool.pids()))})", flush=True)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+
+    @contextlib.contextmanager
+    def _client_umask(self) -> Iterator[None]:
+        """The umask of the command that made the kept pool: processes started for it get it, as in a build."""
+        old = os.umask(self._umask)
+        try:
+            yield
         finally:
             os.umask(old)
-        return pool.pids()
+
+    def _load_record(self) -> dict[str, dict[str, Any]]:
+        """The warm-ups an earlier plan of the kept pool's cache recorded (none if unreadable: only a speed-up)."""
+        if self._record is None or self._scratch is None:
+            return {}
+        try:
+            data = json.loads(self._record.read_text(encoding="utf-8"))
+            got = data.get(str(self._scratch)) or {}
+            return {str(k): dict(v) for k, v in got.items() if isinstance(v, dict) and
+                    {"toolchain", "step", "key", "versions"} <= v.keys() and isinstance(v["versions"], dict)}
+        except (OSError, ValueError, AttributeError):
+            return {}
+
+    def _save_record(self, wanted: dict[str, dict[str, Any]]) -> None:
+        """Record the last plan's warm-ups for the kept pool's cache (for a later server's no-op first command)."""
+        if self._record is None or self._scratch is None:
+            return
+        from neuronbuild.atomic import atomic_write_bytes
+
+        try:
+            data = json.loads(self._record.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            data = {}
+        if not isinstance(data, dict) or data.get(str(self._scratch)) == wanted:
+            return
+        data = {k: v for k, v in data.items() if k != str(self._scratch)}
+        data[str(self._scratch)] = wanted  # (the most recent last; a few caches at most are kept)
+        data = dict(list(data.items())[-8:])
+        with contextlib.suppress(OSError):
+            atomic_write_bytes(self._record, json.dumps(data, sort_keys=False).encode(), durable=False)
 
     def describe(self) -> dict[str, Any]:
         from neuronbuild import incremental
@@ -165,6 +288,52 @@ class WarmState:
             self._sentinel = None
 
 
+# What a build imports in the server beyond what a no-op answer does (networkx alone is ~0.3-0.7 s), one per step,
+# the heaviest first; and the plug-ins (the rule kinds and toolchains every analysis needs).
+_BUILD_IMPORTS = ("networkx", "neuronbuild.analysis.planner", "neuronbuild.build", "neuronbuild.report.invocation",
+                  "neuronbuild.cache.tiered", "neuronbuild.execution.profile", "neuronbuild.plugins")
+
+
+def _import(name: str) -> None:
+    import importlib
+
+    with contextlib.suppress(Exception):  # (a broken import is the command's to report)
+        mod = importlib.import_module(name)
+        if name == "neuronbuild.plugins":
+            mod.toolchains()
+
+
+def _last_plans() -> list[Any]:
+    """The action graph each kept analysis memo planned last (incremental's memos: the server keeps them)."""
+    from neuronbuild import incremental
+
+    memos = getattr(incremental, "_memos", {})
+    return [m.last for m in memos.values() if getattr(m, "last", None) is not None]
+
+
+def _warm_ups_of(ag: Any, out: dict[str, dict[str, Any]], step: int) -> Iterator[None]:
+    """Fill `out` with the toolchain warm-ups the plan's steps need ({warm key: {"toolchain", "step", "key",
+    "versions"}}: the versions of the first step needing it, which the zygote checks as it checks a step's), as
+    scheduler.warm_ups would for warm-ups run apart; yields every `step` actions."""
+    from neuronbuild import plugins
+    from neuronbuild.analysis.toolchain_api import WARM_UP, warm_up_key
+    from neuronbuild.execution.worker import warm_key
+
+    for i, a in enumerate(ag.actions.values()):
+        if i and i % step == 0:
+            yield
+        if not a.toolchain:
+            continue
+        try:
+            key = warm_up_key(plugins.toolchain(a.toolchain), a.spec)
+        except Exception:  # noqa: BLE001 - a plug-in's broken hook costs its warm-up, never the server
+            continue
+        if key is None:
+            continue
+        spec = {"toolchain": a.toolchain, "step": WARM_UP, "key": key}
+        out.setdefault(warm_key(spec), {**spec, "versions": dict(a.versions)})
+
+
 def _workers_idle_secs() -> float:
     raw = os.environ.get("NEURONBUILD_WORKERS_IDLE_SECS") or ""
     try:
@@ -176,8 +345,6 @@ def _workers_idle_secs() -> float:
 
 def _scratch_sentinel(tmpdir: str | None) -> str | None:
     """Create the compiler scratch's sentinel for a new pool (see WarmState._scratch_intact); None if it cannot be."""
-    import time
-
     if not tmpdir or not os.path.isdir(tmpdir):
         return None
     oldest = time.time()
