@@ -1071,3 +1071,23 @@ def test_a_large_write_is_sent_while_the_command_goes_on() -> None:
     a.close()
     reader.join(30)
     assert "".join(got) == big + "summary\n"
+
+
+def test_a_slow_collection_is_not_made_again_between_back_to_back_commands_until_the_servers_memory_grows() -> None:
+    """At 100,000 graphs a full collection took seconds and the next command waited for it, every 8 commands in a
+    row, although a re-plan leaves ~9 MiB of garbage: between commands a collection is made after GC_EVERY of them
+    only while collections are quick, else once the RSS grew by GC_GROWTH (at least GC_GROWTH_MIN_KIB)."""
+    from neuronbuild.server.warm import WarmState
+
+    w = WarmState()
+    w.pending = w.GC_EVERY - 1
+    assert not w.collect_due(rss=10**9)  # (fewer commands in a row: never between commands)
+    w.pending = w.GC_EVERY
+    w.last_gc_s, w.rss_after_gc_kib = 0.01, 200_000
+    assert w.collect_due(rss=200_000)  # a quick collection: made as before, memory or not
+    w.last_gc_s, w.rss_after_gc_kib = 3.0, 1_000_000  # a slow one, 1 GB kept
+    assert not w.collect_due(rss=1_100_000)  # +10 %: the next command does not wait
+    assert w.collect_due(rss=1_000_000 + int(w.GC_GROWTH * 1_000_000) + 1)  # +25 %: bounded
+    w.rss_after_gc_kib = 200_000  # a small server: 25 % is under the floor
+    assert not w.collect_due(rss=200_000 + w.GC_GROWTH_MIN_KIB - 1)
+    assert w.collect_due(rss=200_000 + w.GC_GROWTH_MIN_KIB)

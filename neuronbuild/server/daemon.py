@@ -123,7 +123,8 @@ class SocketStream(io.TextIOBase):
         raise io.UnsupportedOperation("a server stream has no file descriptor")
 
 
-def _rss_kib(pid: int | str = "self") -> int:
+def rss_kib(pid: int | str = "self") -> int:
+    """The resident set of a process (this one by default) in KiB, 0 when it cannot be read."""
     try:
         with open(f"/proc/{pid}/status", encoding="ascii") as f:
             for line in f:
@@ -216,8 +217,8 @@ class Server:
     def info(self) -> dict[str, Any]:
         workers = self.warm.worker_pids()
         return {"pid": os.getpid(), "uptime_s": round(time.time() - self.started, 1), "commands": self.commands,
-                "busy": self.busy.is_set(), "rss_kib": _rss_kib(), "workers": len(workers), "worker_pids": workers,
-                "workers_rss_kib": sum(_rss_kib(p) for p in workers), "max_idle_secs": self.max_idle,
+                "busy": self.busy.is_set(), "rss_kib": rss_kib(), "workers": len(workers), "worker_pids": workers,
+                "workers_rss_kib": sum(rss_kib(p) for p in workers), "max_idle_secs": self.max_idle,
                 "workers_idle_secs": self.warm.workers_idle_s,
                 "output_base": str(self.output_base), "socket": str(self.socket_path),
                 "log": str(self.output_base / "server.log"), "stamp": self.stamp,
@@ -327,7 +328,7 @@ class Server:
                 print("a cancelled Starlark evaluation never ended: exiting (the next command starts a new server)",
                       flush=True)
                 self.stopping = True
-            if self.warm.pending >= self.warm.GC_EVERY:
+            if self.warm.collect_due():
                 self.warm.collect()  # else when the server idles (serve)
             if not self.stopping:
                 self._warm_after_answer()
@@ -414,7 +415,7 @@ class Server:
             with contextlib.suppress(OSError):
                 os.chdir(self.output_base)
         print(f"{time.strftime('%H:%M:%S')} {' '.join(argv)[:200]} -> {code} in {time.perf_counter() - t0:.2f} s "
-              f"(rss {_rss_kib() // 1024} MiB)", file=saved_streams[0], flush=True)
+              f"(rss {rss_kib() // 1024} MiB)", file=saved_streams[0], flush=True)
         return int(code)
 
     def _watch_client(self, conn: socket.socket, done: threading.Event) -> None:
