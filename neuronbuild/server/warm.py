@@ -92,6 +92,7 @@ class WarmState:
     IDLE_GC_S = 5.0
     GC_EVERY = 8  # commands in a row after which a quick collection is made between commands
     GC_QUICK_S = 0.2  # a collection at most this long counts as quick
+    GC_QUICK_OBJECTS = 500_000  # before the first one: fewer kept (frozen) objects than this (~0.1 s to scan)
     GC_GROWTH = 0.25  # ... or else once the RSS grew by this share since the last collection
     GC_GROWTH_MIN_KIB = 128 * 1024  # (and by at least this much)
 
@@ -132,15 +133,18 @@ class WarmState:
         print(f"{time.strftime('%H:%M:%S')} collected {found} unreachable objects in {self.last_gc_s:.2f} s "
               f"(rss {self.rss_after_gc_kib // 1024} MiB)", flush=True)
 
-    last_gc_s = 0.0  # how long the last collection took
+    last_gc_s: float | None = None  # how long the last collection took (None: none yet)
     rss_after_gc_kib = 0  # the server's RSS after it (0: none yet)
 
     def collect_due(self, rss: int | None = None) -> bool:
         """Whether to collect between commands (the next one waits for it) after GC_EVERY in a row: when the last
-        collection was quick, or else when the RSS grew by GC_GROWTH since it (at least GC_GROWTH_MIN_KIB), so memory
+        collection was quick (before the first: while fewer than GC_QUICK_OBJECTS objects are kept), or else when the RSS
+        grew by GC_GROWTH since it (at least GC_GROWTH_MIN_KIB), so memory
         stays bounded either way without a back-to-back loop of big re-plans stalling every few commands."""
         if self.pending < self.GC_EVERY:
             return False
+        if self.last_gc_s is None:
+            return gc.get_freeze_count() < self.GC_QUICK_OBJECTS
         if self.last_gc_s <= self.GC_QUICK_S:
             return True
         grown = (_rss_kib() if rss is None else rss) - self.rss_after_gc_kib
