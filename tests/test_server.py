@@ -1073,25 +1073,26 @@ def test_a_large_write_is_sent_while_the_command_goes_on() -> None:
     assert "".join(got) == big + "summary\n"
 
 
-def test_a_slow_collection_is_not_made_again_between_back_to_back_commands_until_the_servers_memory_grows() -> None:
-    """At 100,000 graphs a full collection took seconds and the next command waited for it, every 8 commands in a
-    row, although a re-plan leaves ~9 MiB of garbage: between commands a collection is made after GC_EVERY of them
-    only while collections are quick, else once the RSS grew by GC_GROWTH (at least GC_GROWTH_MIN_KIB)."""
+def test_a_slow_collection_is_made_only_once_the_servers_memory_grew_and_a_quick_one_when_idle_or_every_8() -> None:
+    """At 100,000 graphs a full collection took seconds and a command arriving meanwhile waited for it (after 8
+    commands in a row, or after an idle pause of 5 s to edit), although a re-plan leaves ~9 MiB of garbage."""
     import gc
 
     from neuronbuild.server.warm import WarmState
 
     w = WarmState()
+    assert not w.collect_due(idle=True)  # nothing ran since
+    w.pending = 1
+    assert w.collect_due(idle=True) is (gc.get_freeze_count() < w.GC_QUICK_OBJECTS)  # before the first: by what is kept
+    w.last_gc_s, w.rss_after_gc_kib = 0.01, 200_000  # collections are quick
+    assert w.collect_due(idle=True, rss=200_000)
+    assert not w.collect_due(rss=200_000)  # between back-to-back commands: only after GC_EVERY of them
     w.pending = w.GC_EVERY
-    assert w.collect_due() is (gc.get_freeze_count() < w.GC_QUICK_OBJECTS)  # before the first: by what is kept
-    w.pending = w.GC_EVERY - 1
-    assert not w.collect_due(rss=10**9)  # (fewer commands in a row: never between commands)
-    w.pending = w.GC_EVERY
-    w.last_gc_s, w.rss_after_gc_kib = 0.01, 200_000
-    assert w.collect_due(rss=200_000)  # a quick collection: made as before, memory or not
+    assert w.collect_due(rss=200_000)
     w.last_gc_s, w.rss_after_gc_kib = 3.0, 1_000_000  # a slow one, 1 GB kept
-    assert not w.collect_due(rss=1_100_000)  # +10 %: the next command does not wait
-    assert w.collect_due(rss=1_000_000 + int(w.GC_GROWTH * 1_000_000) + 1)  # +25 %: bounded
+    for idle in (True, False):
+        assert not w.collect_due(idle=idle, rss=1_100_000)  # +10 %: no command waits seconds for it
+        assert w.collect_due(idle=idle, rss=1_000_000 + int(w.GC_GROWTH * 1_000_000) + 1)  # +25 %: bounded
     w.rss_after_gc_kib = 200_000  # a small server: 25 % is under the floor
     assert not w.collect_due(rss=200_000 + w.GC_GROWTH_MIN_KIB - 1)
     assert w.collect_due(rss=200_000 + w.GC_GROWTH_MIN_KIB)

@@ -258,7 +258,7 @@ class Server:
                         continue
                     self._end_background()  # (idle for workers_idle_s: what it warms is released below)
                     if self.warm.pending:
-                        self.warm.collect()  # idle: nobody waits for the collection
+                        self.warm.idle()  # (a command arriving during a collection waits for it: collect_due)
                     if idle_workers and self.warm.release_workers():
                         print(f"idle for {self.warm.workers_idle_s:g} s: warm workers released", flush=True)
                     continue

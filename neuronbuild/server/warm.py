@@ -85,10 +85,11 @@ class WarmState:
         files older than its grace period, so whatever it removed of those files, it removed the sentinel too."""
         return self._sentinel is None or os.path.exists(self._sentinel)
 
-    # Commands run back to back (an edit loop) skip the collection: it is made once the server has idled for
-    # IDLE_GC_S, and between commands only when due (collect_due). A full collection scans every object the server
-    # keeps, while a command leaves little garbage: at 100,000 graphs ~4.9 M kept objects (2-9 s to scan, and the next
-    # command waited for it) against ~9,000 objects and ~9 MiB of garbage per re-plan.
+    # The garbage commands leave is collected when due (collect_due). A full collection scans every object the
+    # server keeps, while a command leaves little garbage: at 100,000 graphs ~4.9 M kept objects (2-9 s to scan; a
+    # command arriving meanwhile waits, whether it came back to back or after an idle pause) against ~9,000 objects
+    # and ~9 MiB of garbage per re-plan. So a quick collection is made once the server has idled for IDLE_GC_S or
+    # after GC_EVERY commands in a row, and a slow one only once memory grew.
     IDLE_GC_S = 5.0
     GC_EVERY = 8  # commands in a row after which a quick collection is made between commands
     GC_QUICK_S = 0.2  # a collection at most this long counts as quick
@@ -116,10 +117,19 @@ class WarmState:
             gc.freeze()  # what the command keeps (memos) is not scanned by the collections of the next one
             self.pending += 1
 
+    def idle(self) -> None:
+        """The server idled for IDLE_GC_S after commands: write the on-disk load and digest caches (for batch commands
+        and the next server), and collect if due."""
+        from neuronbuild import incremental
+
+        incremental.flush_saves()
+        if self.collect_due(idle=True):
+            self.collect()
+        self.pending = 0
+
     def collect(self) -> None:
-        """Between commands, when nobody waits: write the on-disk load and digest caches (for batch commands and the
-        next server) and collect what the commands left behind (analysis freezes its objects: unfreeze them first,
-        since the previous commands' action graphs may only now be garbage, and they hold reference cycles)."""
+        """Collect what the commands left behind (analysis freezes its objects: unfreeze them first, since the previous
+        commands' action graphs may only now be garbage, and they hold reference cycles)."""
         from neuronbuild import incremental
 
         incremental.flush_saves()
@@ -136,17 +146,18 @@ class WarmState:
     last_gc_s: float | None = None  # how long the last collection took (None: none yet)
     rss_after_gc_kib = 0  # the server's RSS after it (0: none yet)
 
-    def collect_due(self, rss: int | None = None) -> bool:
-        """Whether to collect between commands (the next one waits for it) after GC_EVERY in a row: when the last
-        collection was quick (before the first: while fewer than GC_QUICK_OBJECTS objects are kept), or else when the RSS
-        grew by GC_GROWTH since it (at least GC_GROWTH_MIN_KIB), so memory
-        stays bounded either way without a back-to-back loop of big re-plans stalling every few commands."""
-        if self.pending < self.GC_EVERY:
+    def collect_due(self, idle: bool = False, rss: int | None = None) -> bool:
+        """Whether to collect now (a command arriving meanwhile waits for it): while collections are quick (the last
+        one took <= GC_QUICK_S; before the first: while fewer than GC_QUICK_OBJECTS objects are kept), when the server
+        idles or after GC_EVERY commands in a row; a slow one only once the RSS grew by GC_GROWTH since the last (at
+        least GC_GROWTH_MIN_KIB). Memory stays bounded either way, and neither an edit loop nor a pause to edit makes
+        the next command of a big workspace wait seconds for a collection that finds little."""
+        if not self.pending:
             return False
-        if self.last_gc_s is None:
-            return gc.get_freeze_count() < self.GC_QUICK_OBJECTS
-        if self.last_gc_s <= self.GC_QUICK_S:
-            return True
+        quick = (gc.get_freeze_count() < self.GC_QUICK_OBJECTS if self.last_gc_s is None
+                 else self.last_gc_s <= self.GC_QUICK_S)
+        if quick:
+            return idle or self.pending >= self.GC_EVERY
         grown = (_rss_kib() if rss is None else rss) - self.rss_after_gc_kib
         return grown >= max(self.GC_GROWTH_MIN_KIB, self.GC_GROWTH * self.rss_after_gc_kib)
 
