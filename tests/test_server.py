@@ -789,7 +789,7 @@ def _plan_report(cache_dir: Path, server: bool) -> tuple[Any, Any]:
     ag = planner.plan(graph, ctx.settings, m)
     cache = ctx.open_cache()
     todo, cached = needed_actions(ag, cache, probe=True)
-    return plan_report(ag, todo, cached, ctx.history(cache), 2), ag
+    return plan_report(ag, todo, cached, ctx.history(cache), 2, m), ag
 
 
 def test_the_servers_plan_report_equals_a_fresh_one_as_the_cache_and_workspace_change(
@@ -874,6 +874,78 @@ def test_the_servers_plan_report_equals_a_fresh_one_as_the_cache_and_workspace_c
         same()
         gen_monorepo.edit_one_bucket_list(ws, 1, 2, 41)
         same()
+    finally:
+        incremental.keep_in_memory(False)
+
+
+_STORE_IN_ANOTHER_PROCESS = """
+import json, sys
+from pathlib import Path
+from neuronbuild.cache.local import LocalCache
+args = json.loads(Path(sys.argv[1]).read_text())
+out = Path(args["out"])
+out.mkdir(exist_ok=True)
+for name in args["outputs"]:
+    (out / name).write_bytes((args["fp"] + name).encode())
+LocalCache(Path(args["cache"])).store_outputs(args["fp"], args["identity"], args["record"], out, args["outputs"],
+                                              args["seconds"], {})
+"""
+
+
+def test_the_servers_plan_shows_the_history_another_process_records_between_plans(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The build server keeps each action's estimate and each compile target's matrix rows while the cache's history
+    is unchanged (its stamp: the record and index directories). Another process storing a result (a record and its
+    identity's index entry), deleting that record, or changing only an index entry between two plans: the server's
+    next plan shows the statuses and estimates a fresh batch plan shows."""
+    from neuronbuild import incremental
+    from neuronbuild.cache.identity_index import IdentityIndex
+    from neuronbuild.context import make_context
+
+    ws = tmp_path / "ws"
+    gen_monorepo.generate(ws, 8, 3, 2)
+    monkeypatch.chdir(ws)
+    cache_dir = tmp_path / "cache"
+
+    def same() -> tuple[list[str], Any, Any]:
+        time.sleep(0.05)  # out of the racy window of the last change
+        (wr, ag), (fr, _ag) = _plan_report(cache_dir, True), _plan_report(cache_dir, False)
+        assert wr.lines() == fr.lines()
+        assert wr.to_json() == fr.to_json()
+        return wr.lines(), wr.to_json(), ag
+
+    def estimates(j: Any) -> dict[str, tuple[float, str]]:
+        return {e["fingerprint"]: (e["estimate_s"], e["estimate_source"]) for e in j["execute"]}
+
+    incremental.keep_in_memory(True)
+    try:
+        same()
+        lines, before, ag = same()  # (the second: estimates and rows kept from the first)
+        trace = next(a for a in ag.topological() if a.kind == "trace")
+        sibling = next(a for a in ag.topological() if a.kind == "trace" and a.label == trace.label and a is not trace)
+        spec = tmp_path / "store.json"
+        spec.write_text(json.dumps({"cache": str(cache_dir), "out": str(tmp_path / "out"),
+                                    "fp": trace.fingerprint, "identity": trace.identity, "record": dict(trace.record),
+                                    "outputs": list(trace.outputs), "seconds": 9.5}))
+        subprocess.run([sys.executable, "-c", _STORE_IN_ANOTHER_PROCESS, str(spec)], check=True)
+        lines2, after, _ag = same()
+        # the stored trace is cached now, and its sibling bucket is estimated from the stored run
+        assert trace.fingerprint in after["cached"] and trace.fingerprint not in before["cached"]
+        assert estimates(after)[sibling.fingerprint] == (9.5, "mean of 1 other bucket(s) of this target") != \
+            estimates(before)[sibling.fingerprint]
+        assert lines2 != lines
+        # the record deleted (its index entry stays): to execute again, estimated from its own identity's run
+        cache = make_context(cache_dir=str(cache_dir)).open_cache()
+        stored = cache.actions.get(trace.fingerprint)
+        assert stored is not None
+        cache.actions.path(trace.fingerprint).unlink()
+        _l, gone, _ag = same()
+        assert trace.fingerprint not in gone["cached"]
+        assert estimates(gone)[trace.fingerprint] == (9.5, "the last run of this action identity")
+        # only the identity index changes (another process records a run of the sibling's identity)
+        IdentityIndex(cache.root).record(dataclasses.replace(stored, identity=sibling.identity, duration_s=3.25))
+        _l, indexed, _ag = same()
+        assert estimates(indexed)[sibling.fingerprint] == (3.25, "the last run of this action identity")
     finally:
         incremental.keep_in_memory(False)
 

@@ -116,18 +116,42 @@ class PlanReport:
     def matrix_lines(self) -> list[str]:
         """lines() but its last (the summary, which needs the wall-time schedule): `plan` prints these first."""
         out: list[str] = []
-        estimates, cached, ag = self.estimates, self.cached, self.ag
         seen: dict[tuple[int, int, bool, bool], str] = {}
-        for ct in ag.compiles:
-            head, prefixes, traces = _layout(ct, ag)
-            out.extend(head)
-            for prefix, (_bucket, fp), trace_fp in zip(prefixes, ct.buckets, traces, strict=True):
-                te, ce = estimates.get(trace_fp), estimates.get(fp)  # (inlined status(): 100,000s)
-                key = (id(te), id(ce), trace_fp in cached, fp in cached)  # (estimates are shared: few distinct rows)
-                cells = seen.get(key)
-                if cells is None:
-                    cells = seen[key] = self._cells(te, ce, key[2], key[3])
-                out.append(prefix + cells)
+        memo = self.engine.report if self.engine is not None else None
+        if not isinstance(memo, ReportMemo) or memo.current is not self:
+            for ct in self.ag.compiles:
+                out.extend(self._target_lines(ct, seen))
+            return out
+        # The build server: a compile target's lines are a function of its value (the same object: _layout), the
+        # estimates of its rows' actions (the same objects while the history's stamp holds, unless re-made: those
+        # are in `changed`) and their statuses (whether cached or to execute: a change of either is in `changed`)
+        changed, rows = memo.pending, memo.rows
+        for ct in self.ag.compiles:
+            known = rows.get(id(ct))
+            if known is not None and known[0] is ct and (not changed or changed.isdisjoint(known[1])):
+                out.extend(known[2])
+                continue
+            lines = self._target_lines(ct, seen)
+            out.extend(lines)
+            if len(rows) >= _MAX_LAYOUTS:
+                rows.clear()
+            rows[id(ct)] = (ct, frozenset(_layout(ct, self.ag)[2]).union(fp for _b, fp in ct.buckets), lines)
+        memo.pending = set()  # (the rows are this report's now)
+        return out
+
+    def _target_lines(self, ct: CompileTarget, seen: dict[tuple[int, int, bool, bool], str]) -> list[str]:
+        """One compile target's heading and matrix rows. `seen`: the status and estimate cells made so far, by their
+        estimates' objects and the cached flags (estimates are shared: few distinct rows)."""
+        estimates, cached = self.estimates, self.cached
+        head, prefixes, traces = _layout(ct, self.ag)
+        out = list(head)
+        for prefix, (_bucket, fp), trace_fp in zip(prefixes, ct.buckets, traces, strict=True):
+            te, ce = estimates.get(trace_fp), estimates.get(fp)  # (inlined status(): 100,000s)
+            key = (id(te), id(ce), trace_fp in cached, fp in cached)
+            cells = seen.get(key)
+            if cells is None:
+                cells = seen[key] = self._cells(te, ce, key[2], key[3])
+            out.append(prefix + cells)
         return out
 
     def summary_line(self) -> str:
@@ -173,10 +197,61 @@ def _traces(ct: CompileTarget, ag: ActionGraph) -> tuple[str, ...]:
     return tuple(ag.trace_of(fp).fingerprint for _b, fp in ct.buckets)
 
 
+class ReportMemo:
+    """The plan report's nodes of the analysis engine (kept as AnalysisMemo.report by the build server): each action's
+    estimate and each compile target's matrix lines, valid while the cache's history has the same stamp
+    (CacheHistory.stamp: the record and index directories). An estimate is a function of its action's value and of
+    the history, so it is kept per Action object (analysis replays the same objects for unchanged targets, and the
+    entry holds its object: its id is not reused)."""
+
+    def __init__(self, stamp: Any) -> None:
+        self.stamp = stamp
+        self.estimates: dict[str, tuple[Action, Estimate]] = {}
+        self.rows: dict[int, tuple[CompileTarget, frozenset[str], list[str]]] = {}  # per compile target (by id)
+        self.cached: frozenset[str] = frozenset()  # the last report's cached actions
+        self.todo: dict[str, Estimate] = {}  # the last report's estimates (their keys: the actions to execute)
+        # the fingerprints whose row cells may differ from those in `rows`: their status or estimate changed since
+        # the rows were made (reports that printed no matrix, e.g. `--output json`, add theirs)
+        self.pending: set[str] = set()
+        self.current: Any = None  # the last PlanReport made with this memo (only its matrix_lines use the rows)
+
+
 def plan_report(ag: ActionGraph, todo: Sequence[Action], cached: Sequence[str], history: History,
                 jobs: int, engine: Any = None) -> PlanReport:
     """`todo`/`cached` come from the scheduler's own needed_actions(), so the report matches what a build runs.
-    `engine`: the build server's analysis engine (planner.AnalysisMemo), which keeps the wall-time schedule."""
+    `engine`: the build server's analysis engine (planner.AnalysisMemo), which keeps the wall-time schedule and the
+    report's estimates and matrix lines (ReportMemo) for as long as the history's stamp stays the same."""
     est = Estimator(history)
-    estimates = {a.fingerprint: est.estimate(a) for a in todo}
-    return PlanReport(ag, tuple(todo), frozenset(cached), estimates, jobs, engine)
+    stamp_of = getattr(history, "stamp", None)
+    stamp = stamp_of() if engine is not None and stamp_of is not None else None  # (taken before anything is read)
+    if stamp is None:  # (batch, or a history without a sound stamp now: everything afresh)
+        if engine is not None:
+            engine.report = None
+        return PlanReport(ag, tuple(todo), frozenset(cached), {a.fingerprint: est.estimate(a) for a in todo}, jobs,
+                          engine)
+    memo = engine.report
+    if not isinstance(memo, ReportMemo) or memo.stamp != stamp:
+        memo = engine.report = ReportMemo(stamp)
+    known = memo.estimates
+    if len(known) > 2 * len(todo) + 100_000:  # (actions gone: keep the memory bounded)
+        known.clear()
+    get = known.get
+    estimates: dict[str, Estimate] = {}
+    made: list[str] = []
+    for a in todo:
+        fp = a.fingerprint
+        k = get(fp)
+        if k is not None and k[0] is a:
+            estimates[fp] = k[1]
+        else:
+            e = estimates[fp] = est.estimate(a)
+            known[fp] = (a, e)
+            made.append(fp)
+    cached_set = frozenset(cached)
+    pending = memo.pending
+    pending |= cached_set ^ memo.cached
+    pending |= estimates.keys() ^ memo.todo.keys()
+    pending.update(made)
+    memo.cached, memo.todo = cached_set, estimates
+    report = memo.current = PlanReport(ag, tuple(todo), cached_set, estimates, jobs, engine)
+    return report
