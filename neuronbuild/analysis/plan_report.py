@@ -135,7 +135,8 @@ class PlanReport:
             out.extend(lines)
             if len(rows) >= _MAX_LAYOUTS:
                 rows.clear()
-            rows[id(ct)] = (ct, frozenset(_layout(ct, self.ag)[2]).union(fp for _b, fp in ct.buckets), lines)
+            # (tuples of strings: the collector stops tracking them; one tracked tuple per target)
+            rows[id(ct)] = (ct, (*_layout(ct, self.ag)[2], *(fp for _b, fp in ct.buckets)), tuple(lines))
         memo.pending = set()  # (the rows are this report's now)
         return out
 
@@ -206,8 +207,11 @@ class ReportMemo:
 
     def __init__(self, stamp: Any) -> None:
         self.stamp = stamp
-        self.estimates: dict[str, tuple[Action, Estimate]] = {}
-        self.rows: dict[int, tuple[CompileTarget, frozenset[str], list[str]]] = {}  # per compile target (by id)
+        # (two maps by fingerprint, not a pair per action: no object per action for the collector to track)
+        self.estimates: dict[str, Estimate] = {}
+        self.actions: dict[str, Action] = {}  # the object each of `estimates` was made for
+        # per compile target (by id): the target, its rows' fingerprints, its lines
+        self.rows: dict[int, tuple[CompileTarget, tuple[str, ...], tuple[str, ...]]] = {}
         self.cached: frozenset[str] = frozenset()  # the last report's cached actions
         self.todo: dict[str, Estimate] = {}  # the last report's estimates (their keys: the actions to execute)
         # the fingerprints whose row cells may differ from those in `rows`: their status or estimate changed since
@@ -232,20 +236,20 @@ def plan_report(ag: ActionGraph, todo: Sequence[Action], cached: Sequence[str], 
     memo = engine.report
     if not isinstance(memo, ReportMemo) or memo.stamp != stamp:
         memo = engine.report = ReportMemo(stamp)
-    known = memo.estimates
+    known, objects = memo.estimates, memo.actions
     if len(known) > 2 * len(todo) + 100_000:  # (actions gone: keep the memory bounded)
         known.clear()
-    get = known.get
+        objects.clear()
+    made_for = objects.get
     estimates: dict[str, Estimate] = {}
     made: list[str] = []
     for a in todo:
         fp = a.fingerprint
-        k = get(fp)
-        if k is not None and k[0] is a:
-            estimates[fp] = k[1]
+        if made_for(fp) is a:
+            estimates[fp] = known[fp]
         else:
-            e = estimates[fp] = est.estimate(a)
-            known[fp] = (a, e)
+            estimates[fp] = known[fp] = est.estimate(a)
+            objects[fp] = a
             made.append(fp)
     cached_set = frozenset(cached)
     pending = memo.pending
