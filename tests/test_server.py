@@ -774,7 +774,7 @@ def test_a_reused_root_whose_target_an_edited_root_provided_first_is_analysed_ag
         incremental.keep_in_memory(False)
 
 
-def _plan_report(cache_dir: Path, server: bool) -> tuple[Any, Any]:
+def _plan_report(cache_dir: Path, server: bool, patterns: tuple[str, ...] = ("//...",)) -> tuple[Any, Any]:
     """`plan //...`'s report (in the current directory's workspace) as the build server makes it (its kept load cache
     and analysis engine) or as --batch does (the engine starting empty): (report, action graph)."""
     from neuronbuild import incremental
@@ -784,7 +784,7 @@ def _plan_report(cache_dir: Path, server: bool) -> tuple[Any, Any]:
     from neuronbuild.execution.scheduler import needed_actions
 
     ctx = make_context(cache_dir=str(cache_dir))
-    graph = ctx.load(["//..."])
+    graph = ctx.load(list(patterns))
     m = incremental.analysis_memo(ctx.workspace.root, ctx.settings) if server else None
     ag = planner.plan(graph, ctx.settings, m)
     cache = ctx.open_cache()
@@ -1001,6 +1001,66 @@ def test_the_servers_plan_report_rerenders_a_kept_target_whose_trace_becomes_nee
                                               'target = "//common:trn2", options = "//common:fast")\n')
         lines, ag = same()
         assert ag.compiles[[ct.label for ct in ag.compiles].index(cts[0].label)] is cts[0]  # (replayed: kept)
+        assert cells(lines[row]) == ["build", "cached"]
+    finally:
+        incremental.keep_in_memory(False)
+
+
+def test_the_servers_plan_rerenders_a_kept_target_whose_trace_became_needed_while_other_patterns_were_planned(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A compile target rendered by a `plan //...` (its trace not needed: its lowering and compile cached), then a
+    compile of the same model added in another package and only that package planned (the trace needed there; the
+    target not in that plan), then `plan //...` again: the target's rows show the trace to build, as a batch `plan`
+    shows them, although the trace's status did not change between the last two plans."""
+    from neuronbuild import incremental
+    from neuronbuild.context import make_context
+
+    ws = tmp_path / "ws"
+    gen_monorepo.generate(ws, 4, 1, 1)
+    monkeypatch.chdir(ws)
+    cache_dir = tmp_path / "cache"
+
+    def same(patterns: tuple[str, ...] = ("//...",)) -> tuple[list[str], Any]:
+        time.sleep(0.05)  # out of the racy window of the last change
+        (wr, ag), (fr, _ag) = _plan_report(cache_dir, True, patterns), _plan_report(cache_dir, False, patterns)
+        assert wr.lines() == fr.lines()
+        return wr.lines(), ag
+
+    incremental.keep_in_memory(True)
+    try:
+        _lines, ag = same()
+        pkg = gen_monorepo.package_name(1)
+        ct = next(ct for ct in ag.compiles if ct.label.package == pkg)
+        compile_ = ag.actions[ct.buckets[0][1]]
+        lower = ag.actions[compile_.deps[0]]
+        out = tmp_path / "out"
+        out.mkdir()
+        cache = make_context(cache_dir=str(cache_dir)).open_cache()
+        for a in (lower, compile_):  # (not the trace: it is not needed then)
+            for name in a.outputs:
+                (out / name).write_bytes(f"{a.fingerprint} {name}".encode())
+            cache.store_outputs(a.fingerprint, a.identity, dict(a.record), out, a.outputs, 1.0, {})
+        lines, ag = same()
+        row = next(i for i, ln in enumerate(lines) if ln.startswith(str(ct.label))) + 2
+        bucket = str(ct.buckets[0][0])
+
+        def cells(ln: str) -> list[str]:  # (the trace's and the compile's status)
+            return ln.split(bucket, 1)[1].split()[:2]
+
+        assert cells(lines[row]) == ["-", "cached"]
+        # another package: the same compile as the target's (the same actions) and one with other options (another
+        # lowering of the same trace): planned alone, the trace is needed and the target's compile cached
+        same_compile = next(ln for ln in (ws / pkg / "BUILD").read_text().splitlines()
+                            if ln.startswith("neuron_compile(")).replace('":m"', f'"//{pkg}:m"')
+        (ws / "other").mkdir()
+        (ws / "other" / "BUILD").write_text(
+            same_compile.replace('":shapes"', f'"//{pkg}:shapes"') + "\n" +
+            f'neuron_compile(name = "extra", model = "//{pkg}:m", buckets = ["//{pkg}:shapes"], '
+            'target = "//common:trn2", options = "//common:fast")\n')
+        other, _ag = same(("//other/...",))
+        assert any(ln.split()[-4:-2] == ["build", "cached"] for ln in other), other
+        lines, ag = same()
+        assert ag.compiles[[c.label for c in ag.compiles].index(ct.label)] is ct  # (replayed: kept)
         assert cells(lines[row]) == ["build", "cached"]
     finally:
         incremental.keep_in_memory(False)

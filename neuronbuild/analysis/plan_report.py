@@ -21,6 +21,7 @@ _FINGERPRINT = operator.attrgetter("fingerprint")
 _SECONDS = operator.attrgetter("seconds")
 _RECORDED = operator.attrgetter("recorded")
 _DEPS = operator.attrgetter("deps")
+_MISSING: Any = object()
 
 
 @dataclass(frozen=True)
@@ -123,21 +124,27 @@ class PlanReport:
                 out.extend(self._target_lines(ct, seen))
             return out
         # The build server: a compile target's lines are a function of its value (the same object: _layout), the
-        # estimates of its rows' actions (the same objects while the history's stamp holds, unless re-made: those
-        # are in `changed`) and their statuses (whether cached or to execute: a change of either is in `changed`)
-        changed, rows = memo.pending, memo.rows
+        # estimates of its rows' actions (the same objects while the history's stamp holds, unless re-made) and their
+        # statuses (whether cached or to execute). Lines made by report g are kept while none of their fingerprints
+        # is among the changes of a later report (ReportMemo.since)
+        rows, gen = memo.rows, memo.gen
+        since: dict[int, set[str] | None] = {}
         for ct in self.ag.compiles:
             known = rows.get(id(ct))
-            if known is not None and known[0] is ct and (not changed or changed.isdisjoint(known[1])):
-                out.extend(known[2])
-                continue
+            if known is not None and known[0] is ct:
+                made_in = known[3]
+                changed = since.get(made_in, _MISSING)
+                if changed is _MISSING:
+                    changed = since[made_in] = memo.since(made_in)
+                if changed is not None and (not changed or changed.isdisjoint(known[1])):
+                    out.extend(known[2])
+                    continue
             lines = self._target_lines(ct, seen)
             out.extend(lines)
             if len(rows) >= _MAX_LAYOUTS:
                 rows.clear()
             # (tuples of strings: the collector stops tracking them; one tracked tuple per target)
-            rows[id(ct)] = (ct, (*_layout(ct, self.ag)[2], *(fp for _b, fp in ct.buckets)), tuple(lines))
-        memo.pending = set()  # (the rows are this report's now)
+            rows[id(ct)] = (ct, (*_layout(ct, self.ag)[2], *(fp for _b, fp in ct.buckets)), tuple(lines), gen)
         return out
 
     def _target_lines(self, ct: CompileTarget, seen: dict[tuple[int, int, bool, bool], str]) -> list[str]:
@@ -210,14 +217,30 @@ class ReportMemo:
         # (two maps by fingerprint, not a pair per action: no object per action for the collector to track)
         self.estimates: dict[str, Estimate] = {}
         self.actions: dict[str, Action] = {}  # the object each of `estimates` was made for
-        # per compile target (by id): the target, its rows' fingerprints, its lines
-        self.rows: dict[int, tuple[CompileTarget, tuple[str, ...], tuple[str, ...]]] = {}
+        # per compile target (by id): the target, its rows' fingerprints, its lines, the report that made them
+        self.rows: dict[int, tuple[CompileTarget, tuple[str, ...], tuple[str, ...], int]] = {}
         self.cached: frozenset[str] = frozenset()  # the last report's cached actions
         self.todo: dict[str, Estimate] = {}  # the last report's estimates (their keys: the actions to execute)
-        # the fingerprints whose row cells may differ from those in `rows`: their status or estimate changed since
-        # the rows were made (reports that printed no matrix, e.g. `--output json`, add theirs)
-        self.pending: set[str] = set()
+        # per report made with this memo (numbered by `gen`, the last CHANGES): the fingerprints whose status or
+        # estimate differs from the report before (lines made by an earlier report are re-made when one of theirs
+        # is in a later report's changes)
+        self.gen = 0
+        self.changes: dict[int, set[str]] = {}
         self.current: Any = None  # the last PlanReport made with this memo (only its matrix_lines use the rows)
+
+    CHANGES = 64
+
+    def since(self, gen: int) -> set[str] | None:
+        """The fingerprints changed by the reports after `gen` up to the current one; None when not all of those
+        are known any more (lines that old are made again)."""
+        if gen == self.gen:
+            return set()
+        if gen + 1 not in self.changes:
+            return None
+        out: set[str] = set()
+        for g in range(gen + 1, self.gen + 1):
+            out |= self.changes[g]
+        return out
 
 
 def plan_report(ag: ActionGraph, todo: Sequence[Action], cached: Sequence[str], history: History,
@@ -252,10 +275,12 @@ def plan_report(ag: ActionGraph, todo: Sequence[Action], cached: Sequence[str], 
             objects[fp] = a
             made.append(fp)
     cached_set = frozenset(cached)
-    pending = memo.pending
-    pending |= cached_set ^ memo.cached
-    pending |= estimates.keys() ^ memo.todo.keys()
-    pending.update(made)
+    changed = estimates.keys() ^ memo.todo.keys()
+    changed |= cached_set ^ memo.cached
+    changed.update(made)
+    memo.gen += 1
+    memo.changes[memo.gen] = changed
+    memo.changes.pop(memo.gen - ReportMemo.CHANGES, None)
     memo.cached, memo.todo = cached_set, estimates
     report = memo.current = PlanReport(ag, tuple(todo), cached_set, estimates, jobs, engine)
     return report
