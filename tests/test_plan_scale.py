@@ -368,3 +368,23 @@ def test_an_equal_re_plan_returns_the_previous_action_graph_and_a_changed_one_a_
     assert changed is not first and set(changed.actions) != set(first.actions)
     assert list(changed.actions) == list(plan(load_targets(ws, ["//..."])).actions)  # = a fresh engine's
     assert [a.fingerprint for a in changed.topological()] == list(changed.actions)
+
+
+def test_a_plans_recorded_states_are_the_dict_they_stand_for(action_graph: Any) -> None:
+    """A plan's invocation record gets {fingerprint: to_build | cached} as a mapping made into a dict only when asked
+    by key (a large plan's record only counts its values): the same keys, values and counts as the dict."""
+    from collections import Counter
+
+    from neuronbuild.commands.common import _PlannedStates
+    from neuronbuild.report.states import CACHED as R_CACHED
+    from neuronbuild.report.states import TO_BUILD
+
+    order = action_graph.topological()
+    todo, cached = order[: len(order) // 3], [a.fingerprint for a in order[len(order) // 3:]]
+    want = dict.fromkeys([a.fingerprint for a in todo], TO_BUILD) | dict.fromkeys(cached, R_CACHED)
+    assert Counter(_PlannedStates(todo, cached).values()) == Counter(want.values())
+    assert list(_PlannedStates(todo, cached).values()) == list(want.values())
+    planned = _PlannedStates(todo, cached)
+    assert dict(planned) == want and len(planned) == len(want)
+    assert planned.get(cached[0]) == R_CACHED and planned.get(todo[0].fingerprint) == TO_BUILD
+    assert planned.get("0" * 64, "none") == "none"

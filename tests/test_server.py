@@ -834,7 +834,7 @@ def test_a_reused_root_whose_target_an_edited_root_provided_first_is_analysed_ag
         incremental.keep_in_memory(False)
 
 
-def _plan_report(cache_dir: Path, server: bool) -> tuple[Any, Any]:
+def _plan_report(cache_dir: Path, server: bool, patterns: tuple[str, ...] = ("//...",)) -> tuple[Any, Any]:
     """`plan //...`'s report (in the current directory's workspace) as the build server makes it (its kept load cache
     and analysis engine) or as --batch does (the engine starting empty): (report, action graph)."""
     from neuronbuild import incremental
@@ -844,12 +844,12 @@ def _plan_report(cache_dir: Path, server: bool) -> tuple[Any, Any]:
     from neuronbuild.execution.scheduler import needed_actions
 
     ctx = make_context(cache_dir=str(cache_dir))
-    graph = ctx.load(["//..."])
+    graph = ctx.load(list(patterns))
     m = incremental.analysis_memo(ctx.workspace.root, ctx.settings) if server else None
     ag = planner.plan(graph, ctx.settings, m)
     cache = ctx.open_cache()
     todo, cached = needed_actions(ag, cache, probe=True)
-    return plan_report(ag, todo, cached, ctx.history(cache), 2), ag
+    return plan_report(ag, todo, cached, ctx.history(cache), 2, m), ag
 
 
 def test_the_servers_plan_report_equals_a_fresh_one_as_the_cache_and_workspace_change(
@@ -938,6 +938,78 @@ def test_the_servers_plan_report_equals_a_fresh_one_as_the_cache_and_workspace_c
         incremental.keep_in_memory(False)
 
 
+_STORE_IN_ANOTHER_PROCESS = """
+import json, sys
+from pathlib import Path
+from neuronbuild.cache.local import LocalCache
+args = json.loads(Path(sys.argv[1]).read_text())
+out = Path(args["out"])
+out.mkdir(exist_ok=True)
+for name in args["outputs"]:
+    (out / name).write_bytes((args["fp"] + name).encode())
+LocalCache(Path(args["cache"])).store_outputs(args["fp"], args["identity"], args["record"], out, args["outputs"],
+                                              args["seconds"], {})
+"""
+
+
+def test_the_servers_plan_shows_the_history_another_process_records_between_plans(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The build server keeps each action's estimate and each compile target's matrix rows while the cache's history
+    is unchanged (its stamp: the record and index directories). Another process storing a result (a record and its
+    identity's index entry), deleting that record, or changing only an index entry between two plans: the server's
+    next plan shows the statuses and estimates a fresh batch plan shows."""
+    from neuronbuild import incremental
+    from neuronbuild.cache.identity_index import IdentityIndex
+    from neuronbuild.context import make_context
+
+    ws = tmp_path / "ws"
+    gen_monorepo.generate(ws, 8, 3, 2)
+    monkeypatch.chdir(ws)
+    cache_dir = tmp_path / "cache"
+
+    def same() -> tuple[list[str], Any, Any]:
+        time.sleep(0.05)  # out of the racy window of the last change
+        (wr, ag), (fr, _ag) = _plan_report(cache_dir, True), _plan_report(cache_dir, False)
+        assert wr.lines() == fr.lines()
+        assert wr.to_json() == fr.to_json()
+        return wr.lines(), wr.to_json(), ag
+
+    def estimates(j: Any) -> dict[str, tuple[float, str]]:
+        return {e["fingerprint"]: (e["estimate_s"], e["estimate_source"]) for e in j["execute"]}
+
+    incremental.keep_in_memory(True)
+    try:
+        same()
+        lines, before, ag = same()  # (the second: estimates and rows kept from the first)
+        trace = next(a for a in ag.topological() if a.kind == "trace")
+        sibling = next(a for a in ag.topological() if a.kind == "trace" and a.label == trace.label and a is not trace)
+        spec = tmp_path / "store.json"
+        spec.write_text(json.dumps({"cache": str(cache_dir), "out": str(tmp_path / "out"),
+                                    "fp": trace.fingerprint, "identity": trace.identity, "record": dict(trace.record),
+                                    "outputs": list(trace.outputs), "seconds": 9.5}))
+        subprocess.run([sys.executable, "-c", _STORE_IN_ANOTHER_PROCESS, str(spec)], check=True)
+        lines2, after, _ag = same()
+        # the stored trace is cached now, and its sibling bucket is estimated from the stored run
+        assert trace.fingerprint in after["cached"] and trace.fingerprint not in before["cached"]
+        assert estimates(after)[sibling.fingerprint] == (9.5, "mean of 1 other bucket(s) of this target") != \
+            estimates(before)[sibling.fingerprint]
+        assert lines2 != lines
+        # the record deleted (its index entry stays): to execute again, estimated from its own identity's run
+        cache = make_context(cache_dir=str(cache_dir)).open_cache()
+        stored = cache.actions.get(trace.fingerprint)
+        assert stored is not None
+        cache.actions.path(trace.fingerprint).unlink()
+        _l, gone, _ag = same()
+        assert trace.fingerprint not in gone["cached"]
+        assert estimates(gone)[trace.fingerprint] == (9.5, "the last run of this action identity")
+        # only the identity index changes (another process records a run of the sibling's identity)
+        IdentityIndex(cache.root).record(dataclasses.replace(stored, identity=sibling.identity, duration_s=3.25))
+        _l, indexed, _ag = same()
+        assert estimates(indexed)[sibling.fingerprint] == (3.25, "the last run of this action identity")
+    finally:
+        incremental.keep_in_memory(False)
+
+
 def test_the_servers_plan_report_rerenders_a_kept_target_whose_trace_becomes_needed(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A compile target the server rendered last time (the same object, replayed) whose trace was not needed (its
@@ -989,6 +1061,66 @@ def test_the_servers_plan_report_rerenders_a_kept_target_whose_trace_becomes_nee
                                               'target = "//common:trn2", options = "//common:fast")\n')
         lines, ag = same()
         assert ag.compiles[[ct.label for ct in ag.compiles].index(cts[0].label)] is cts[0]  # (replayed: kept)
+        assert cells(lines[row]) == ["build", "cached"]
+    finally:
+        incremental.keep_in_memory(False)
+
+
+def test_the_servers_plan_rerenders_a_kept_target_whose_trace_became_needed_while_other_patterns_were_planned(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A compile target rendered by a `plan //...` (its trace not needed: its lowering and compile cached), then a
+    compile of the same model added in another package and only that package planned (the trace needed there; the
+    target not in that plan), then `plan //...` again: the target's rows show the trace to build, as a batch `plan`
+    shows them, although the trace's status did not change between the last two plans."""
+    from neuronbuild import incremental
+    from neuronbuild.context import make_context
+
+    ws = tmp_path / "ws"
+    gen_monorepo.generate(ws, 4, 1, 1)
+    monkeypatch.chdir(ws)
+    cache_dir = tmp_path / "cache"
+
+    def same(patterns: tuple[str, ...] = ("//...",)) -> tuple[list[str], Any]:
+        time.sleep(0.05)  # out of the racy window of the last change
+        (wr, ag), (fr, _ag) = _plan_report(cache_dir, True, patterns), _plan_report(cache_dir, False, patterns)
+        assert wr.lines() == fr.lines()
+        return wr.lines(), ag
+
+    incremental.keep_in_memory(True)
+    try:
+        _lines, ag = same()
+        pkg = gen_monorepo.package_name(1)
+        ct = next(ct for ct in ag.compiles if ct.label.package == pkg)
+        compile_ = ag.actions[ct.buckets[0][1]]
+        lower = ag.actions[compile_.deps[0]]
+        out = tmp_path / "out"
+        out.mkdir()
+        cache = make_context(cache_dir=str(cache_dir)).open_cache()
+        for a in (lower, compile_):  # (not the trace: it is not needed then)
+            for name in a.outputs:
+                (out / name).write_bytes(f"{a.fingerprint} {name}".encode())
+            cache.store_outputs(a.fingerprint, a.identity, dict(a.record), out, a.outputs, 1.0, {})
+        lines, ag = same()
+        row = next(i for i, ln in enumerate(lines) if ln.startswith(str(ct.label))) + 2
+        bucket = str(ct.buckets[0][0])
+
+        def cells(ln: str) -> list[str]:  # (the trace's and the compile's status)
+            return ln.split(bucket, 1)[1].split()[:2]
+
+        assert cells(lines[row]) == ["-", "cached"]
+        # another package: the same compile as the target's (the same actions) and one with other options (another
+        # lowering of the same trace): planned alone, the trace is needed and the target's compile cached
+        same_compile = next(ln for ln in (ws / pkg / "BUILD").read_text().splitlines()
+                            if ln.startswith("neuron_compile(")).replace('":m"', f'"//{pkg}:m"')
+        (ws / "other").mkdir()
+        (ws / "other" / "BUILD").write_text(
+            same_compile.replace('":shapes"', f'"//{pkg}:shapes"') + "\n" +
+            f'neuron_compile(name = "extra", model = "//{pkg}:m", buckets = ["//{pkg}:shapes"], '
+            'target = "//common:trn2", options = "//common:fast")\n')
+        other, _ag = same(("//other/...",))
+        assert any(ln.split()[-4:-2] == ["build", "cached"] for ln in other), other
+        lines, ag = same()
+        assert ag.compiles[[c.label for c in ag.compiles].index(ct.label)] is ct  # (replayed: kept)
         assert cells(lines[row]) == ["build", "cached"]
     finally:
         incremental.keep_in_memory(False)

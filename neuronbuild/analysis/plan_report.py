@@ -21,6 +21,7 @@ _FINGERPRINT = operator.attrgetter("fingerprint")
 _SECONDS = operator.attrgetter("seconds")
 _RECORDED = operator.attrgetter("recorded")
 _DEPS = operator.attrgetter("deps")
+_MISSING: Any = object()
 
 
 @dataclass(frozen=True)
@@ -116,18 +117,49 @@ class PlanReport:
     def matrix_lines(self) -> list[str]:
         """lines() but its last (the summary, which needs the wall-time schedule): `plan` prints these first."""
         out: list[str] = []
-        estimates, cached, ag = self.estimates, self.cached, self.ag
         seen: dict[tuple[int, int, bool, bool], str] = {}
-        for ct in ag.compiles:
-            head, prefixes, traces = _layout(ct, ag)
-            out.extend(head)
-            for prefix, (_bucket, fp), trace_fp in zip(prefixes, ct.buckets, traces, strict=True):
-                te, ce = estimates.get(trace_fp), estimates.get(fp)  # (inlined status(): 100,000s)
-                key = (id(te), id(ce), trace_fp in cached, fp in cached)  # (estimates are shared: few distinct rows)
-                cells = seen.get(key)
-                if cells is None:
-                    cells = seen[key] = self._cells(te, ce, key[2], key[3])
-                out.append(prefix + cells)
+        memo = self.engine.report if self.engine is not None else None
+        if not isinstance(memo, ReportMemo) or memo.current is not self:
+            for ct in self.ag.compiles:
+                out.extend(self._target_lines(ct, seen))
+            return out
+        # The build server: a compile target's lines are a function of its value (the same object: _layout), the
+        # estimates of its rows' actions (the same objects while the history's stamp holds, unless re-made) and their
+        # statuses (whether cached or to execute). Lines made by report g are kept while none of their fingerprints
+        # is among the changes of a later report (ReportMemo.since)
+        rows, gen = memo.rows, memo.gen
+        since: dict[int, set[str] | None] = {}
+        for ct in self.ag.compiles:
+            known = rows.get(id(ct))
+            if known is not None and known[0] is ct:
+                made_in = known[3]
+                changed = since.get(made_in, _MISSING)
+                if changed is _MISSING:
+                    changed = since[made_in] = memo.since(made_in)
+                if changed is not None and (not changed or changed.isdisjoint(known[1])):
+                    out.extend(known[2])
+                    continue
+            lines = self._target_lines(ct, seen)
+            out.extend(lines)
+            if len(rows) >= _MAX_LAYOUTS:
+                rows.clear()
+            # (tuples of strings: the collector stops tracking them; one tracked tuple per target)
+            rows[id(ct)] = (ct, (*_layout(ct, self.ag)[2], *(fp for _b, fp in ct.buckets)), tuple(lines), gen)
+        return out
+
+    def _target_lines(self, ct: CompileTarget, seen: dict[tuple[int, int, bool, bool], str]) -> list[str]:
+        """One compile target's heading and matrix rows. `seen`: the status and estimate cells made so far, by their
+        estimates' objects and the cached flags (estimates are shared: few distinct rows)."""
+        estimates, cached = self.estimates, self.cached
+        head, prefixes, traces = _layout(ct, self.ag)
+        out = list(head)
+        for prefix, (_bucket, fp), trace_fp in zip(prefixes, ct.buckets, traces, strict=True):
+            te, ce = estimates.get(trace_fp), estimates.get(fp)  # (inlined status(): 100,000s)
+            key = (id(te), id(ce), trace_fp in cached, fp in cached)
+            cells = seen.get(key)
+            if cells is None:
+                cells = seen[key] = self._cells(te, ce, key[2], key[3])
+            out.append(prefix + cells)
         return out
 
     def summary_line(self) -> str:
@@ -173,10 +205,82 @@ def _traces(ct: CompileTarget, ag: ActionGraph) -> tuple[str, ...]:
     return tuple(ag.trace_of(fp).fingerprint for _b, fp in ct.buckets)
 
 
+class ReportMemo:
+    """The plan report's nodes of the analysis engine (kept as AnalysisMemo.report by the build server): each action's
+    estimate and each compile target's matrix lines, valid while the cache's history has the same stamp
+    (CacheHistory.stamp: the record and index directories). An estimate is a function of its action's value and of
+    the history, so it is kept per Action object (analysis replays the same objects for unchanged targets, and the
+    entry holds its object: its id is not reused)."""
+
+    def __init__(self, stamp: Any) -> None:
+        self.stamp = stamp
+        # (two maps by fingerprint, not a pair per action: no object per action for the collector to track)
+        self.estimates: dict[str, Estimate] = {}
+        self.actions: dict[str, Action] = {}  # the object each of `estimates` was made for
+        # per compile target (by id): the target, its rows' fingerprints, its lines, the report that made them
+        self.rows: dict[int, tuple[CompileTarget, tuple[str, ...], tuple[str, ...], int]] = {}
+        self.cached: frozenset[str] = frozenset()  # the last report's cached actions
+        self.todo: dict[str, Estimate] = {}  # the last report's estimates (their keys: the actions to execute)
+        # per report made with this memo (numbered by `gen`, the last CHANGES): the fingerprints whose status or
+        # estimate differs from the report before (lines made by an earlier report are re-made when one of theirs
+        # is in a later report's changes)
+        self.gen = 0
+        self.changes: dict[int, set[str]] = {}
+        self.current: Any = None  # the last PlanReport made with this memo (only its matrix_lines use the rows)
+
+    CHANGES = 64
+
+    def since(self, gen: int) -> set[str] | None:
+        """The fingerprints changed by the reports after `gen` up to the current one; None when not all of those
+        are known any more (lines that old are made again)."""
+        if gen == self.gen:
+            return set()
+        if gen + 1 not in self.changes:
+            return None
+        out: set[str] = set()
+        for g in range(gen + 1, self.gen + 1):
+            out |= self.changes[g]
+        return out
+
+
 def plan_report(ag: ActionGraph, todo: Sequence[Action], cached: Sequence[str], history: History,
                 jobs: int, engine: Any = None) -> PlanReport:
     """`todo`/`cached` come from the scheduler's own needed_actions(), so the report matches what a build runs.
-    `engine`: the build server's analysis engine (planner.AnalysisMemo), which keeps the wall-time schedule."""
+    `engine`: the build server's analysis engine (planner.AnalysisMemo), which keeps the wall-time schedule and the
+    report's estimates and matrix lines (ReportMemo) for as long as the history's stamp stays the same."""
     est = Estimator(history)
-    estimates = {a.fingerprint: est.estimate(a) for a in todo}
-    return PlanReport(ag, tuple(todo), frozenset(cached), estimates, jobs, engine)
+    stamp_of = getattr(history, "stamp", None)
+    stamp = stamp_of() if engine is not None and stamp_of is not None else None  # (taken before anything is read)
+    if stamp is None:  # (batch, or a history without a sound stamp now: everything afresh)
+        if engine is not None:
+            engine.report = None
+        return PlanReport(ag, tuple(todo), frozenset(cached), {a.fingerprint: est.estimate(a) for a in todo}, jobs,
+                          engine)
+    memo = engine.report
+    if not isinstance(memo, ReportMemo) or memo.stamp != stamp:
+        memo = engine.report = ReportMemo(stamp)
+    known, objects = memo.estimates, memo.actions
+    if len(known) > 2 * len(todo) + 100_000:  # (actions gone: keep the memory bounded)
+        known.clear()
+        objects.clear()
+    made_for = objects.get
+    estimates: dict[str, Estimate] = {}
+    made: list[str] = []
+    for a in todo:
+        fp = a.fingerprint
+        if made_for(fp) is a:
+            estimates[fp] = known[fp]
+        else:
+            estimates[fp] = known[fp] = est.estimate(a)
+            objects[fp] = a
+            made.append(fp)
+    cached_set = frozenset(cached)
+    changed = estimates.keys() ^ memo.todo.keys()
+    changed |= cached_set ^ memo.cached
+    changed.update(made)
+    memo.gen += 1
+    memo.changes[memo.gen] = changed
+    memo.changes.pop(memo.gen - ReportMemo.CHANGES, None)
+    memo.cached, memo.todo = cached_set, estimates
+    report = memo.current = PlanReport(ag, tuple(todo), cached_set, estimates, jobs, engine)
+    return report

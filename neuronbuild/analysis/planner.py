@@ -361,6 +361,9 @@ class AnalysisMemo:
         self.reused = self.analysed = self.cutoffs = self.grouped = 0  # (this plan's: nodes; roots by groups)
         self.last: ActionGraph | None = None  # the previous plan's action graph (the node's value)
         self.schedule: Any = None  # the last plan's wall-time schedule (estimate.Schedule: resumed where equal)
+        # the plan report's nodes (plan_report.ReportMemo: estimates per action, matrix rows per compile target),
+        # valid for one stamp of the cache's history
+        self.report: Any = None
 
     def begin(self, settings: PlanSettings) -> None:
         key = settings_key(settings)

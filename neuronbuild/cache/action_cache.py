@@ -101,10 +101,33 @@ _parsed: dict[str, tuple[StatKey, ActionResult]] = {}
 _MAX_PARSED = 20_000  # ~6 KiB each (a record holds its action's full input record): at most ~120 MiB
 
 
+_LIST_ALL_OVER = 8192  # fingerprints asked beyond which every shard is listed at once
+
+
 def listed_records(ac_dir: str, fps: Sequence[str]) -> list[str]:
     """Those of `fps` (in their order) that may have a record in the record directory `ac_dir` (<first two hex>/
-    <fingerprint>.json), from one listing of each shard directory asked. A shard that is absent holds none; one that
+    <fingerprint>.json), from one listing of each shard directory asked (of every shard, when more than
+    _LIST_ALL_OVER are asked: each is then answered by one set lookup). A shard that is absent holds none; one that
     cannot be listed (permissions, I/O) may hold any of them: they are all kept, for a lookup to decide."""
+    if len(fps) > _LIST_ALL_OVER:  # (most shards asked: every shard listed, then one membership test per fp)
+        try:
+            shards = os.listdir(ac_dir)
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        except OSError:
+            shards = None
+        if shards is not None:
+            every: set[str] = set()
+            unlisted = False
+            for shard in shards:
+                try:
+                    every.update(n[:-5] for n in os.listdir(f"{ac_dir}/{shard}") if n.endswith(".json"))
+                except (FileNotFoundError, NotADirectoryError):
+                    pass
+                except OSError:
+                    unlisted = True
+            if not unlisted:
+                return [fp for fp in fps if fp in every] if every else []
     listed: dict[str, frozenset[str] | None] = {}
     out = []
     for fp in fps:

@@ -10,13 +10,14 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 from neuronbuild import jsondata
 from neuronbuild.atomic import atomic_write_bytes
 from neuronbuild.cache.action_cache import ActionCache, ActionResult
-from neuronbuild.digests import digest_bytes
+from neuronbuild.digests import RACY_NS, digest_bytes
 from neuronbuild.history import LatestEntry, PastResult, identity_group
 
 
@@ -92,6 +93,10 @@ class CacheHistory:
         self._group_h: dict[str, str] = {}
         self._identity_known: dict[str, bool] = {}
 
+    def stamp(self) -> tuple[object, ...] | None:
+        """A stamp of everything this history reads: history_stamp() of its root."""
+        return history_stamp(self.actions.root)
+
     def _listing(self) -> bool:
         self._asked += 1
         return self._asked > self.LISTING_AFTER
@@ -149,3 +154,39 @@ class CacheHistory:
         if self._entries is None:
             self._entries = list(self.index.entries())
         return self._entries
+
+
+def history_stamp(root: Path) -> tuple[object, ...] | None:
+    """A value that changes whenever what a CacheHistory over `root` answers can change: the stat (inode, mtime and
+    ctime) of the record directory, of each of its shard directories, of the identity index and of each of its group
+    directories. Records and index entries are only ever added, replaced (a rename) or removed, and each of those
+    changes the directory holding them; a file rewritten in place is not an entry (utime of a record for LRU changes
+    no answer). None when one of them changed within RACY_NS of now: a further change in the same timestamp tick
+    could keep its stamp, so nothing may be reused on the strength of it.
+
+    Taken before the history is read: a change made meanwhile shows in the next stamp (the reads may have seen it or
+    not; the next command reads afresh)."""
+    now = time.time_ns()
+    out: list[object] = [str(root)]
+    for top in (root / "ac", root / "identities"):
+        try:
+            st = os.stat(top)
+            names = sorted(os.listdir(top))
+        except FileNotFoundError:
+            out.append(None)
+            continue
+        except OSError:
+            return None
+        if max(st.st_mtime_ns, st.st_ctime_ns) >= now - RACY_NS:
+            return None
+        out.append((st.st_ino, st.st_mtime_ns, st.st_ctime_ns))
+        base = f"{top}/"
+        for name in names:
+            try:
+                sub = os.stat(base + name)
+            except OSError:
+                return None
+            if max(sub.st_mtime_ns, sub.st_ctime_ns) >= now - RACY_NS:
+                return None
+            out.append((name, sub.st_ino, sub.st_mtime_ns, sub.st_ctime_ns))
+    return tuple(out)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
+from collections.abc import Iterator, Mapping, Sequence, ValuesView
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -131,10 +133,51 @@ def _record_plan(args: argparse.Namespace, ctx: BuildContext, ag: Any, cache: An
     """A plan is an invocation too (neuronbuild/report/): recorded, its page rendered by `neuronbuild report`."""
     from neuronbuild.context import patterns_or_default
     from neuronbuild.report.invocation import Invocation
-    from neuronbuild.report.states import CACHED, TO_BUILD
 
     inv = Invocation.from_args("plan", args, ctx.workspace.root, ctx.cache.dir, patterns_or_default(args.patterns))
     inv.ag, inv.cache = ag, cache
-    planned = dict.fromkeys([a.fingerprint for a in todo], TO_BUILD)
-    planned.update(dict.fromkeys(cached, CACHED))
-    inv.finish("ok", planned=planned, render=False)
+    inv.finish("ok", planned=_PlannedStates(todo, cached), render=False)
+
+
+class _PlannedStates(Mapping[str, str]):
+    """A plan's {fingerprint: to_build | cached} (the actions to execute and the cached ones: disjoint), made as a dict
+    only when asked by key: the record of a large plan reads only its values, to count them (100,000s)."""
+
+    def __init__(self, todo: Sequence[Any], cached: Sequence[str]) -> None:
+        self.todo, self.cached = todo, cached
+        self._states: dict[str, str] | None = None
+
+    def _dict(self) -> dict[str, str]:
+        from neuronbuild.report.states import CACHED, TO_BUILD
+
+        if self._states is None:
+            self._states = dict.fromkeys([a.fingerprint for a in self.todo], TO_BUILD)
+            self._states.update(dict.fromkeys(self.cached, CACHED))
+        return self._states
+
+    def __getitem__(self, fp: str) -> str:
+        return self._dict()[fp]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._dict())
+
+    def __len__(self) -> int:
+        return len(self._dict())
+
+    def values(self) -> ValuesView[str]:
+        return _StateValues(self)
+
+
+class _StateValues(ValuesView[str]):
+    """The states of a _PlannedStates without its dict: to build for each action to execute, then cached for each
+    cached one."""
+
+    def __init__(self, planned: _PlannedStates) -> None:
+        super().__init__(planned)
+        self.planned = planned
+
+    def __iter__(self) -> Iterator[str]:
+        from neuronbuild.report.states import CACHED, TO_BUILD
+
+        todo, cached = len(self.planned.todo), len(self.planned.cached)
+        return itertools.chain(itertools.repeat(TO_BUILD, todo), itertools.repeat(CACHED, cached))
