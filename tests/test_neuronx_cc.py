@@ -208,5 +208,22 @@ def test_hang_is_killed_at_the_timeout(tiny_built, tmp_path: Path) -> None:  # t
     # not until something else gave up (the stand-in sleeps until killed; the test's own limit is 1800 s)
     ran = float(re.search(r"# neuronx-cc: killed after the 2 s timeout \(ran ([0-9.]+) s\)", log).group(1))  # type: ignore[union-attr]
     assert 2.0 <= ran < 60.0, ran
-    with pytest.raises(ProcessLookupError):
-        os.kill(pid, 0)
+    assert _standins_running_as(pid) == []
+
+
+def _standins_running_as(pid: int) -> list[int]:
+    """The host's running processes of the neuronx-cc stand-in whose pid is `pid` in their own pid namespace (the
+    pid a compile logs is the action's namespace's, which the host may give another process, e.g. a kernel thread)."""
+    from helpers import running
+
+    out = []
+    for p in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmdline = Path(f"/proc/{p}/cmdline").read_bytes()
+            nspid = next((ln.split()[1:] for ln in Path(f"/proc/{p}/status").read_text().splitlines()
+                          if ln.startswith("NSpid:")), [])
+        except OSError:
+            continue
+        if str(STANDIN).encode() in cmdline and nspid and int(nspid[-1]) == pid and running(int(p)):
+            out.append(int(p))
+    return out

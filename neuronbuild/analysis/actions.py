@@ -5,6 +5,7 @@ from __future__ import annotations
 import operator
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 from neuronbuild.analysis.fingerprint import fingerprint
@@ -38,30 +39,28 @@ class Bucket:
     dims: tuple[tuple[str, int], ...]
     graph: str = ""
 
-    @property
+    @cached_property
     def name(self) -> str:
-        s = self.__dict__.get("_name")  # memoised in the instance (frozen: written to __dict__ directly)
-        if s is None:
-            dims = "_".join(f"{k}{v}" for k, v in self.dims)
-            s = self.__dict__["_name"] = f"{self.graph}_{dims}" if self.graph else dims
-        return str(s)
+        dims = "_".join(f"{k}{v}" for k, v in self.dims)
+        return f"{self.graph}_{dims}" if self.graph else dims
 
     def as_dict(self) -> dict[str, int]:
         return dict(self.dims)
 
-    def __str__(self) -> str:
-        s = self.__dict__.get("_text")
+    @cached_property
+    def _text(self) -> str:
+        key = (self.dims, self.graph)
+        s = _TEXTS.get(key)  # (equal buckets of other objects: each compile target has its own, 100,000s)
         if s is None:
-            key = (self.dims, self.graph)
-            s = _TEXTS.get(key)  # (equal buckets of other objects: each compile target has its own, 100,000s)
-            if s is None:
-                dims = ", ".join(f"{k}={v}" for k, v in self.dims)
-                s = f"{self.graph}: {dims}" if self.graph else dims
-                if len(_TEXTS) >= 1 << 16:
-                    _TEXTS.clear()
-                _TEXTS[key] = s
-            self.__dict__["_text"] = s
-        return str(s)
+            dims = ", ".join(f"{k}={v}" for k, v in self.dims)
+            s = f"{self.graph}: {dims}" if self.graph else dims
+            if len(_TEXTS) >= 1 << 16:
+                _TEXTS.clear()
+            _TEXTS[key] = s
+        return s
+
+    def __str__(self) -> str:
+        return self._text
 
 
 @dataclass(frozen=True)
@@ -124,16 +123,13 @@ class Action:
         checkpoint: weights, weights_prefix; no graph, inputs or outputs); {} otherwise."""
         return self.record.get("model") or {} if self.kind in (TRACE, WEIGHTS) else {}
 
-    @property
+    @cached_property
     def identity(self) -> str:
         """What a user calls "the same action" across edits: label + bucket (+ target for compiles)."""
-        v = self.__dict__.get("_identity")
-        if v is None:
-            base = f"{self.kind} {self.label}" if self.kind == WEIGHTS else f"{self.kind} {self.label} [{self.bucket}]"
-            if self.kind == WEIGHTS and len(self.outputs) > 1:  # one per layout: a tensor-parallel one names its degree
-                base += f" (tp {len(self.outputs)})"
-            v = self.__dict__["_identity"] = f"{base} for {self.platform}" if self.platform else base
-        return v
+        base = f"{self.kind} {self.label}" if self.kind == WEIGHTS else f"{self.kind} {self.label} [{self.bucket}]"
+        if self.kind == WEIGHTS and len(self.outputs) > 1:  # one per layout: a tensor-parallel one names its degree
+            base += f" (tp {len(self.outputs)})"
+        return f"{base} for {self.platform}" if self.platform else base
 
     def describe(self) -> str:
         base = f"{self.kind.capitalize()} {self.label}" + ("" if self.kind == WEIGHTS else f" [{self.bucket}]")
