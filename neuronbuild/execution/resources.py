@@ -56,3 +56,15 @@ class RamBudget:
 
     def admits(self, running_mb: float, action_mb: float, running: int) -> bool:
         return running == 0 or running_mb + action_mb <= self.cap_mb
+
+
+def rss_kib(pid: int | str = "self") -> int:
+    """The resident set of a process (this one by default) in KiB, 0 when it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0

@@ -21,6 +21,7 @@ from typing import Any
 from neuronbuild import after_answer
 from neuronbuild.atomic import atomic_write_bytes
 from neuronbuild.errors import EXIT_BUILD_FAILED, EXIT_OK
+from neuronbuild.execution.resources import rss_kib
 from neuronbuild.server import protocol
 
 
@@ -121,18 +122,6 @@ class SocketStream(io.TextIOBase):
 
     def fileno(self) -> int:
         raise io.UnsupportedOperation("a server stream has no file descriptor")
-
-
-def rss_kib(pid: int | str = "self") -> int:
-    """The resident set of a process (this one by default) in KiB, 0 when it cannot be read."""
-    try:
-        with open(f"/proc/{pid}/status", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1])
-    except (OSError, ValueError, IndexError):
-        pass
-    return 0
 
 
 class Server:

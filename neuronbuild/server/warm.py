@@ -19,6 +19,7 @@ from typing import Any
 
 from neuronbuild.execution import local_executor
 from neuronbuild.execution.pool import WorkerPool
+from neuronbuild.execution.resources import rss_kib
 
 # Process-wide memoised functions must not outlive a command (the host ISA, the C++ compiler's and neuronx-cc's
 # versions depend on the client's environment and files): a batch build computes them afresh, so the server does
@@ -139,7 +140,7 @@ class WarmState:
         gc.freeze()
         self.pending = 0
         self.last_gc_s = time.perf_counter() - start
-        self.rss_after_gc_kib = _rss_kib()
+        self.rss_after_gc_kib = rss_kib()
         print(f"{time.strftime('%H:%M:%S')} collected {found} unreachable objects in {self.last_gc_s:.2f} s "
               f"(rss {self.rss_after_gc_kib // 1024} MiB)", flush=True)
 
@@ -158,7 +159,7 @@ class WarmState:
                  else self.last_gc_s <= self.GC_QUICK_S)
         if quick:
             return idle or self.pending >= self.GC_EVERY
-        grown = (_rss_kib() if rss is None else rss) - self.rss_after_gc_kib
+        grown = (rss_kib() if rss is None else rss) - self.rss_after_gc_kib
         return grown >= max(self.GC_GROWTH_MIN_KIB, self.GC_GROWTH * self.rss_after_gc_kib)
 
     def worker_pids(self) -> list[int]:
@@ -408,9 +409,3 @@ def forget_memoised() -> None:
             if callable(getattr(fn, "cache_clear", None)) and getattr(fn, "__module__", None) == name and \
                     f"{name}.{attr}" not in _KEEP_CACHED and isinstance(fn, functools._lru_cache_wrapper):
                 fn.cache_clear()
-
-
-def _rss_kib() -> int:
-    from neuronbuild.server.daemon import rss_kib  # (the daemon imports this module late: no cycle at import)
-
-    return rss_kib()
