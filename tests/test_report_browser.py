@@ -295,13 +295,19 @@ def test_results_from_the_shared_tier_show_as_cached_shared(browser: Any, tiny_b
     page.close()
 
 
-def test_a_build_server_records_into_the_same_output_base_as_batch_builds(browser: Any, tiny_built: tuple[Path, Path],
-                                                                         tmp_path: Path) -> None:
+def _served_copy(tiny_built: tuple[Path, Path], tmp_path: Path) -> tuple[Path, dict[str, str], list[str]]:
+    """A copy of the built tiny workspace and its cache whose commands go through a build server under tmp_path:
+    (workspace, environment, the build command)."""
     ws0, cache0 = tiny_built
     ws, cache = copy_ws(ws0, tmp_path / "ws"), tmp_path / "cache"
     shutil.copytree(cache0, cache)
     env = {"NEURONX_CC": "", "NEURONBUILD_NO_SERVER": "", "NEURONBUILD_OUTPUT_USER_ROOT": str(tmp_path / "root")}
-    build = ["build", "--jobs", "2", "--cache-dir", str(cache)]
+    return ws, env, ["build", "--jobs", "2", "--cache-dir", str(cache)]
+
+
+def test_a_build_server_records_into_the_same_output_base_as_batch_builds(browser: Any, tiny_built: tuple[Path, Path],
+                                                                         tmp_path: Path) -> None:
+    ws, env, build = _served_copy(tiny_built, tmp_path)
     try:
         served = run_cli(build, ws, env)
         assert served.returncode == 0 and "0 executed, 7 cached" in served.stdout, served.stdout + served.stderr
@@ -372,11 +378,7 @@ def test_noop_pages_are_made_from_their_base_skeleton_each_with_its_own_id(tiny_
 
 def test_the_server_writes_a_builds_record_and_no_op_stamp_before_its_next_command(tiny_built: tuple[Path, Path],
                                                                                    tmp_path: Path) -> None:
-    ws0, cache0 = tiny_built
-    ws, cache = copy_ws(ws0, tmp_path / "ws"), tmp_path / "cache"
-    shutil.copytree(cache0, cache)
-    env = {"NEURONX_CC": "", "NEURONBUILD_NO_SERVER": "", "NEURONBUILD_OUTPUT_USER_ROOT": str(tmp_path / "root")}
-    build = ["build", "--jobs", "2", "--cache-dir", str(cache)]
+    ws, env, build = _served_copy(tiny_built, tmp_path)
     try:
         full = run_cli(build, ws, env)  # the full path (no stamp for this copy): record and stamp after the answer
         noop = run_cli(build, ws, env)  # right after it: answered from that stamp

@@ -123,9 +123,10 @@ class WarmState:
         and the next server), and collect if due."""
         from neuronbuild import incremental
 
-        incremental.flush_saves()
         if self.collect_due(idle=True):
-            self.collect()
+            self.collect()  # (writes them first)
+        else:
+            incremental.flush_saves()
         self.pending = 0
 
     def collect(self) -> None:
