@@ -117,6 +117,8 @@ class WarmState:
             self._planned = next((ag for ag in _last_plans() if id(ag) not in before), None)
             gc.freeze()  # what the command keeps (memos) is not scanned by the collections of the next one
             self.pending += 1
+            if not self.rss_after_gc_kib:  # (no collection yet: growth counts from the end of the first command)
+                self.rss_after_gc_kib = rss_kib()
 
     def idle(self) -> None:
         """The server idled for IDLE_GC_S after commands: write the on-disk load and digest caches (for batch commands
@@ -146,13 +148,14 @@ class WarmState:
               f"(rss {self.rss_after_gc_kib // 1024} MiB)", flush=True)
 
     last_gc_s: float | None = None  # how long the last collection took (None: none yet)
-    rss_after_gc_kib = 0  # the server's RSS after it (0: none yet)
+    rss_after_gc_kib = 0  # the server's RSS after it, or before any, at the end of its first command (0: none yet)
 
     def collect_due(self, idle: bool = False, rss: int | None = None) -> bool:
         """Whether to collect now (a command arriving meanwhile waits for it): while collections are quick (the last
         one took <= GC_QUICK_S; before the first: while fewer than GC_QUICK_OBJECTS objects are kept), when the server
         idles or after GC_EVERY commands in a row; a slow one only once the RSS grew by GC_GROWTH since the last (at
-        least GC_GROWTH_MIN_KIB). Memory stays bounded either way, and neither an edit loop nor a pause to edit makes
+        least GC_GROWTH_MIN_KIB; before the first, since the end of the first command: what a cold start builds is
+        kept, not growth). Memory stays bounded either way, and neither an edit loop nor a pause to edit makes
         the next command of a big workspace wait seconds for a collection that finds little."""
         if not self.pending:
             return False
