@@ -56,7 +56,10 @@ class WarmState:
         # Warm workers (with torch imported: ~1.3 GB after `make example`) are released after this long without a
         # command; the server itself stays until --max-idle-secs. NEURONBUILD_WORKERS_IDLE_SECS (in the environment
         # of the client that starts the server) overrides it.
-        self.workers_idle_s = _workers_idle_secs()
+        self.workers_idle_s = _env_secs("NEURONBUILD_WORKERS_IDLE_SECS", 300.0)
+        # The background warm-up after an answer starts once no command came for this long, so a script's commands
+        # back to back do not share the machine with it (NEURONBUILD_WARM_GRACE_SECS, read the same way).
+        self.warm_grace_s = _env_secs("NEURONBUILD_WARM_GRACE_SECS", 0.5)
         # The pool a command that made none named (local_executor.want_workers): its args, kwargs and the command's
         # umask; made and warmed once the answer is sent (warm_in_background), then forgotten.
         self._wanted: tuple[tuple[Any, ...], dict[str, Any], int] | None = None
@@ -114,7 +117,9 @@ class WarmState:
         finally:
             local_executor.pool_factory = WorkerPool
             local_executor.pool_wanted = None
-            self._planned = next((ag for ag in _last_plans() if id(ag) not in before), None)
+            planned = next((ag for ag in _last_plans() if id(ag) not in before), None)
+            if planned is not None:  # (else the last plan's, until a background warm-up takes it)
+                self._planned = planned
             gc.freeze()  # what the command keeps (memos) is not scanned by the collections of the next one
             self.pending += 1
             if not self.rss_after_gc_kib:  # (no collection yet: growth counts from the end of the first command)
@@ -377,13 +382,14 @@ def _warm_ups_of(ag: Any, out: dict[str, dict[str, Any]], step: int) -> Iterator
         out.setdefault(warm_key(spec), {**spec, "versions": dict(a.versions)})
 
 
-def _workers_idle_secs() -> float:
-    raw = os.environ.get("NEURONBUILD_WORKERS_IDLE_SECS") or ""
+def _env_secs(name: str, default: float) -> float:
+    """Seconds from the environment variable `name` (of the client that started the server): a positive number, else
+    `default`."""
     try:
-        value = float(raw) if raw else 300.0
+        value = float(os.environ.get(name) or default)
     except ValueError:
-        value = 300.0
-    return value if value > 0 else 300.0
+        value = default
+    return value if 0 < value < float("inf") else default
 
 
 def _scratch_sentinel(tmpdir: str | None) -> str | None:
