@@ -559,6 +559,31 @@ def test_commands_back_to_back_are_answered_before_the_background_warm_up_starts
     assert len(answered) == 3 and started > answered[-1], lines
 
 
+def test_a_record_the_server_could_not_write_after_its_answer_is_reported_by_the_next_command(
+        servers: Servers, tmp_path: Path, shared_cache: Path) -> None:
+    """The server writes a build's invocation record after the answer is sent; a record it cannot write (here: the
+    output base's `invocations` is a file) gets the same warning a batch build prints, shown once, on the stderr of
+    the next command instead of only in the server's log."""
+    servers.cache = shared_cache
+    ws = _ws(tmp_path)
+    servers.build(ws, batch=True)  # every action cached; writes the no-op stamp
+    build = ["build", "//...", "--cache-dir", str(shared_cache)]
+    assert servers.run(build, ws).returncode == 0
+    inv = Path(servers.info(ws)["output_base"]) / "invocations"
+    shutil.rmtree(inv)
+    inv.write_text("not a directory\n")
+    try:
+        p = servers.run(build, ws)  # answered from the no-op stamp; its record is written after the answer
+        assert p.returncode == 0 and "was not written" not in p.stderr, p.stderr
+        shown = "warning: after the previous command's answer: the invocation record was not written"
+        p = servers.run(["query", "//..."], ws)
+        assert p.returncode == 0 and shown in p.stderr, p.stderr
+        p = servers.run(["query", "//..."], ws)
+        assert p.returncode == 0 and "after the previous command's answer" not in p.stderr, p.stderr  # once
+    finally:
+        inv.unlink()
+
+
 def _tree_bytes(root: Path) -> dict[str, bytes]:
     return {str(f.relative_to(root)): f.read_bytes() for f in sorted(root.rglob("*")) if f.is_file()}
 

@@ -385,6 +385,8 @@ class Server:
             umask = msg.get("umask")
             os.umask(umask & 0o777 if isinstance(umask, int) else 0o022)  # outputs: as the client's would be
             sys.stdout, sys.stderr = out, err
+            for line in after_answer.carried():  # (what the last command's record or stamp could not do)
+                err.write(line + "\n")
             self.cancel_armed.set()
             watcher.start()
             with self.warm.active():
