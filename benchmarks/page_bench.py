@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bytecode  # noqa: E402
 import gen_monorepo  # noqa: E402
 
 RENDER = ("import sys; from neuronbuild.report.invocation import render_stored; "
@@ -131,6 +132,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/page_bench"))
     a = ap.parse_args()
+    bytecode.ensure(sys.executable, *a.baseline)
     pythons = [("this checkout", sys.executable)] + [(f"baseline {Path(b).parent.parent.parent}", b)
                                                      for b in a.baseline]
     print(f"# page_bench: load average {os.getloadavg()[0]:.1f} at start")

@@ -32,6 +32,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "benchmarks"))
+import bytecode  # noqa: E402
 import gen_monorepo  # noqa: E402
 
 
@@ -111,6 +112,7 @@ def main() -> None:
     ap.add_argument("--no-cold", action="store_true", help="skip the cold-workers way")
     ap.add_argument("--during", action="store_true", help="time a plan sent right after the first command's answer")
     args = ap.parse_args()
+    bytecode.ensure(sys.executable, *([args.baseline] if args.baseline else []))
     base = Path(args.workdir or tempfile.mkdtemp(prefix="server-warm-bench-"))
     shutil.rmtree(base, ignore_errors=True)
     base.mkdir(parents=True)
