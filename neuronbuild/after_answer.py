@@ -1,7 +1,9 @@
 """Work a command leaves for after its answer: in the build server, what the user does not wait for (the invocation
 record and its page, the no-op stamp) runs once the command's exit code is sent and before the server reads its next
 command (server/daemon.py calls `run`; the server runs one command at a time), so the next command finds it done. In
-batch mode (and wherever nothing calls `run`) it runs in place, at once. Imports nothing: the no-op fast path uses it."""
+batch mode (and wherever nothing calls `run`) it runs in place, at once. The warnings that work prints (a record that
+could not be written) would reach only the server's log: they are kept, and the next command shows them (`carried`).
+Imports nothing beyond typing: the no-op fast path uses it."""
 
 from __future__ import annotations
 
@@ -9,9 +11,26 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
+from typing import Any
 
 _deferring = False
 _pending: list[Callable[[], object]] = []
+_carried: list[str] = []  # warnings of the work done after the last answer, for the next command to show (at most 20)
+
+
+class _Tee:
+    """stderr while that work runs: written through to the server's log, and kept."""
+
+    def __init__(self, log: Any) -> None:
+        self.log = log
+        self.text: list[str] = []
+
+    def write(self, s: str) -> int:
+        self.text.append(s)
+        return self.log.write(s)
+
+    def flush(self) -> None:
+        self.log.flush()
 
 
 def defer(on: bool) -> None:
@@ -38,11 +57,26 @@ def run() -> None:
         return
     start = time.perf_counter()
     n = len(_pending)
-    while _pending:
-        fn = _pending.pop(0)
-        try:
-            fn()
-        except Exception:  # noqa: BLE001 - a record or a stamp not written costs a page or a speed-up, never the server
-            traceback.print_exc(file=sys.stderr)
+    tee = _Tee(sys.stderr)
+    sys.stderr = tee  # type: ignore[assignment]
+    try:
+        while _pending:
+            fn = _pending.pop(0)
+            try:
+                fn()
+            except Exception as e:  # noqa: BLE001 - a record or a stamp not written costs a page or a speed-up only
+                traceback.print_exc(file=tee.log)
+                tee.text.append(f"warning: {type(e).__name__}: {e} (the build server's log has its traceback)\n")
+    finally:
+        sys.stderr = tee.log
+    _carried.extend(ln for ln in "".join(tee.text).splitlines() if ln.startswith("warning: "))
+    del _carried[:-20]
     print(f"{time.strftime('%H:%M:%S')} after the answer: {n} task(s) in {time.perf_counter() - start:.2f} s",
           flush=True)
+
+
+def carried() -> list[str]:
+    """The warnings of the work done after the last answer (each once), worded for the next command's stderr."""
+    out = [f"warning: after the previous command's answer: {ln[len('warning: '):]}" for ln in _carried]
+    _carried.clear()
+    return out

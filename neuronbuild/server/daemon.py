@@ -323,10 +323,15 @@ class Server:
                 self._warm_after_answer()
 
     def _warm_after_answer(self) -> None:
-        """The answer is sent: start the warm workers a build made without starting (all its actions cached), while
-        the user reads it, so the first edit's build is as fast as later ones; then, step by step while no command
-        waits (serve), the rest of the warm-up (WarmState.background_steps: the workers' forks and the toolchain
-        warm-ups). Released after workers_idle_s idle."""
+        """The answer is sent: once no command came for warm_grace_s (a script's commands back to back are not slowed
+        by it), start the warm workers a build made without starting (all its actions cached), while the user reads
+        the answer, so the first edit's build is as fast as later ones; then, step by step while no command waits
+        (serve), the rest of the warm-up (WarmState.background_steps: the workers' forks and the toolchain warm-ups).
+        Released after workers_idle_s idle."""
+        self.background, self.background_wait = self._warm_steps(), 0.0
+
+    def _warm_steps(self) -> Generator[float, None, None]:
+        yield self.warm.warm_grace_s
         try:
             pids = self.warm.warm_in_background()
         except Exception:  # noqa: BLE001 - a worker that cannot start fails the next build, not the server
@@ -335,7 +340,7 @@ class Server:
         if pids:
             print(f"{time.strftime('%H:%M:%S')} warm workers starting in the background (pids "
                   f"{' '.join(map(str, pids))})", flush=True)
-        self.background, self.background_wait = self.warm.background_steps(), 0.0
+        yield from self.warm.background_steps()
 
     background_wait = 0.0  # seconds before the background warm-up's next step
 
@@ -380,6 +385,8 @@ class Server:
             umask = msg.get("umask")
             os.umask(umask & 0o777 if isinstance(umask, int) else 0o022)  # outputs: as the client's would be
             sys.stdout, sys.stderr = out, err
+            for line in after_answer.carried():  # (what the last command's record or stamp could not do)
+                err.write(line + "\n")
             self.cancel_armed.set()
             watcher.start()
             with self.warm.active():

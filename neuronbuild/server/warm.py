@@ -56,7 +56,10 @@ class WarmState:
         # Warm workers (with torch imported: ~1.3 GB after `make example`) are released after this long without a
         # command; the server itself stays until --max-idle-secs. NEURONBUILD_WORKERS_IDLE_SECS (in the environment
         # of the client that starts the server) overrides it.
-        self.workers_idle_s = _workers_idle_secs()
+        self.workers_idle_s = _env_secs("NEURONBUILD_WORKERS_IDLE_SECS", 300.0)
+        # The background warm-up after an answer starts once no command came for this long, so a script's commands
+        # back to back do not share the machine with it (NEURONBUILD_WARM_GRACE_SECS, read the same way).
+        self.warm_grace_s = _env_secs("NEURONBUILD_WARM_GRACE_SECS", 0.5)
         # The pool a command that made none named (local_executor.want_workers): its args, kwargs and the command's
         # umask; made and warmed once the answer is sent (warm_in_background), then forgotten.
         self._wanted: tuple[tuple[Any, ...], dict[str, Any], int] | None = None
@@ -89,10 +92,9 @@ class WarmState:
     # The garbage commands leave is collected when due (collect_due). A full collection scans every object the
     # server keeps, while a command leaves little garbage: at 100,000 graphs ~4.9 M kept objects (2-9 s to scan; a
     # command arriving meanwhile waits, whether it came back to back or after an idle pause) against ~9,000 objects
-    # and ~9 MiB of garbage per re-plan. So a quick collection is made once the server has idled for IDLE_GC_S or
-    # after GC_EVERY commands in a row, and a slow one only once memory grew.
+    # and ~9 MiB of garbage per re-plan. So a quick collection is made once the server has idled for IDLE_GC_S, and
+    # between commands (back to back: a script's) or a slow one only once memory grew.
     IDLE_GC_S = 5.0
-    GC_EVERY = 8  # commands in a row after which a quick collection is made between commands
     GC_QUICK_S = 0.2  # a collection at most this long counts as quick
     GC_QUICK_OBJECTS = 500_000  # before the first one: fewer kept (frozen) objects than this (~0.1 s to scan)
     GC_GROWTH = 0.25  # ... or else once the RSS grew by this share since the last collection
@@ -114,7 +116,9 @@ class WarmState:
         finally:
             local_executor.pool_factory = WorkerPool
             local_executor.pool_wanted = None
-            self._planned = next((ag for ag in _last_plans() if id(ag) not in before), None)
+            planned = next((ag for ag in _last_plans() if id(ag) not in before), None)
+            if planned is not None:  # (else the last plan's, until a background warm-up takes it)
+                self._planned = planned
             gc.freeze()  # what the command keeps (memos) is not scanned by the collections of the next one
             self.pending += 1
             if not self.rss_after_gc_kib:  # (no collection yet: growth counts from the end of the first command)
@@ -153,16 +157,17 @@ class WarmState:
     def collect_due(self, idle: bool = False, rss: int | None = None) -> bool:
         """Whether to collect now (a command arriving meanwhile waits for it): while collections are quick (the last
         one took <= GC_QUICK_S; before the first: while fewer than GC_QUICK_OBJECTS objects are kept), when the server
-        idles or after GC_EVERY commands in a row; a slow one only once the RSS grew by GC_GROWTH since the last (at
-        least GC_GROWTH_MIN_KIB; before the first, since the end of the first command: what a cold start builds is
-        kept, not growth). Memory stays bounded either way, and neither an edit loop nor a pause to edit makes
-        the next command of a big workspace wait seconds for a collection that finds little."""
+        idles; otherwise (between commands back to back, or a slow one) only once the RSS grew by GC_GROWTH since the
+        last (at least GC_GROWTH_MIN_KIB; before the first, since the end of the first command: what a cold start
+        builds is kept, not growth). Memory stays bounded either way, and neither a script's commands back to back
+        nor a pause to edit makes a command wait for a collection that finds little (at 1,000 graphs a quick one took
+        0.5-0.8 s beside the background warm-up; at 100,000 graphs a full one takes seconds)."""
         if not self.pending:
             return False
         quick = (gc.get_freeze_count() < self.GC_QUICK_OBJECTS if self.last_gc_s is None
                  else self.last_gc_s <= self.GC_QUICK_S)
-        if quick:
-            return idle or self.pending >= self.GC_EVERY
+        if quick and idle:
+            return True
         grown = (rss_kib() if rss is None else rss) - self.rss_after_gc_kib
         return grown >= max(self.GC_GROWTH_MIN_KIB, self.GC_GROWTH * self.rss_after_gc_kib)
 
@@ -377,13 +382,14 @@ def _warm_ups_of(ag: Any, out: dict[str, dict[str, Any]], step: int) -> Iterator
         out.setdefault(warm_key(spec), {**spec, "versions": dict(a.versions)})
 
 
-def _workers_idle_secs() -> float:
-    raw = os.environ.get("NEURONBUILD_WORKERS_IDLE_SECS") or ""
+def _env_secs(name: str, default: float) -> float:
+    """Seconds from the environment variable `name` (of the client that started the server): a positive number, else
+    `default`."""
     try:
-        value = float(raw) if raw else 300.0
+        value = float(os.environ.get(name) or default)
     except ValueError:
-        value = 300.0
-    return value if value > 0 else 300.0
+        value = default
+    return value if 0 < value < float("inf") else default
 
 
 def _scratch_sentinel(tmpdir: str | None) -> str | None:
