@@ -263,7 +263,7 @@ def section_server(ws: Path | None, cache: Path | None, buckets: int, runs: int,
 def section_edit_ab(ws: Path, cache: Path, buckets: int, workdir: Path, baselines: list[Path], pause: float,
                     edits: int = 4) -> None:
     """The warm server's one-bucket edit overhead for this checkout and each baseline, edit by edit interleaved (the
-    same machine load on each): each checkout has its own server (output user root) and its own copy of the cache
+    same machine load on each; the order turns each round): each checkout has its own server (output user root) and its own copy of the cache
     (made under --workdir from --cache; the copies keep the records' times), so neither finds the other's records
     parsed, touched or built. `pause` > 0: a pause of that many seconds before each round of edits (a real one: aging
     the records' times by hand would change their stat and so what a server kept parsed); over a minute, each edit is
@@ -282,7 +282,8 @@ def section_edit_ab(ws: Path, cache: Path, buckets: int, workdir: Path, baseline
         runs.append({"label": label, "bin": binary, "cache": copy, "env": env, "edits": []})
     for k in range(edits):
         time.sleep(pause)
-        for r in runs:
+        # (each checkout first as often: a server's after-answer work and background warm-ups overlap the next edit)
+        for r in runs if k % 2 == 0 else runs[::-1]:
             size = 200_000 + k * 10_000 + runs.index(r) * 100_000 + int(time.time()) % 5_000
             r["edits"].append(_measure_edit(ws, r["cache"], buckets, r["env"], size, r["bin"]))
     print("| checkout | edit overhead = wall - critical path (median; each) | edit wall (median) | revert wall (median) "
