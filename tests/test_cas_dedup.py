@@ -127,3 +127,38 @@ def test_a_bundle_member_hashed_once_is_not_read_again_until_it_changes(tmp_path
     os.utime(blob, ns=(st.st_atime_ns, st.st_mtime_ns))
     with pytest.raises(CorruptBlob):
         manifest._hash_blob(cache, digest)
+
+
+def test_a_blob_this_process_stored_is_placed_in_a_sandbox_without_hashing_it_again(tmp_path: Path,
+                                                                                    monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A trace's program, stored moments ago (hashed then), is copied into each lowering's sandbox by the kernel, not
+    hashed again; a blob changed since it was hashed (same size, other bytes: its ctime moved) is hashed, found
+    corrupt and evicted, never placed."""
+    from neuronbuild.cache import cas
+
+    hashed: list[int] = []
+    real = cas.copy_hashing
+
+    def counting(src: Any, out: Any) -> tuple[str, int]:
+        hashed.append(1)
+        return real(src, out)
+
+    monkeypatch.setattr(cas, "copy_hashing", counting)
+    store = BlobStore(tmp_path / "cache")
+    out = tmp_path / "out"
+    out.mkdir()
+    program = _weights(out, "program.pt2", 5)
+    digest, _size = store.put_file(program, scratch=True)  # (a sandbox's output: linked in, hashed once)
+    for i in range(2):
+        dest = tmp_path / f"sandbox{i}" / "in" / "program.pt2"
+        store.copy_read_only(digest, dest)
+        assert hash_file(dest)[0] == digest and not os.stat(dest).st_mode & 0o222
+    assert not hashed
+    blob = store.path(digest)
+    blob.chmod(0o644)
+    data = bytearray(blob.read_bytes())
+    data[100] ^= 0xFF
+    blob.write_bytes(bytes(data))  # damaged in place (through a link an output target holds, say)
+    with pytest.raises(cas.CorruptBlob):
+        store.copy_read_only(digest, tmp_path / "sandbox2" / "in" / "program.pt2")
+    assert hashed and not blob.exists() and not (tmp_path / "sandbox2" / "in" / "program.pt2").exists()

@@ -168,6 +168,47 @@ def test_one_process_sees_records_replaced_and_blobs_damaged_after_it_checked_th
     assert cache.lookup(fp) is None and not blob.exists()  # evicted: the action runs again
 
 
+def test_a_record_this_process_touched_for_gc_is_not_parsed_again(tmp_path: Path, monkeypatch) -> None:
+    """A hit on a record older than a minute touches it (its mtime: last use, for gc). The process that touched it
+    keeps its parsed copy: the next build of a build server stats the record rather than parsing it again (a user
+    building once a minute or less often would otherwise pay a re-parse of every record each time). A touch made by
+    anyone else still makes it read again."""
+    import time
+
+    from neuronbuild.cache import local
+    from neuronbuild.cache.action_cache import ActionResult
+    from neuronbuild.cache.local import LocalCache
+
+    parses = []
+    real_from_json = ActionResult.from_json
+
+    def counting(data: bytes) -> ActionResult:
+        parses.append(1)
+        return real_from_json(data)
+
+    monkeypatch.setattr(ActionResult, "from_json", staticmethod(counting))
+    fp = "cd" * 32
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "o.bin").write_bytes(b"a result")
+    stored = LocalCache(tmp_path / "c").store_outputs(fp, "id", {"action": "test"}, out, ["o.bin"], 1.0, {})
+    record = tmp_path / "c" / "v1" / "ac" / fp[:2] / f"{fp}.json"
+    old = time.time() - 3 * local.TOUCH_NS / 1e9
+    os.utime(record, (old, old))  # last used three minutes ago
+    time.sleep(0.05)  # out of the racy window of that change
+    res = LocalCache(tmp_path / "c").lookup(fp)  # a build: parses the record, and touches it
+    assert res is not None and res.outputs == stored.outputs and len(parses) == 1
+    assert record.stat().st_mtime > old + 60  # touched: gc sees it used now
+    for _ in range(2):  # the next builds of this process
+        res = LocalCache(tmp_path / "c").lookup(fp)
+        assert res is not None and res.outputs == stored.outputs
+    assert len(parses) == 1
+    os.utime(record, (old + 1, old + 1))  # another process's change of the file
+    time.sleep(0.05)
+    res = LocalCache(tmp_path / "c").lookup(fp)
+    assert res is not None and res.outputs == stored.outputs and len(parses) == 2
+
+
 def _two_records_one_copied_over_the_other(tmp_path: Path, cache: Path) -> tuple[list[str], Path, Path]:
     """Two genuine records in `cache`; then the second's copied to the first's place, its `fingerprint` field rewritten
     to match (well-formed, its blobs intact: checking fields and blobs finds nothing). (fingerprints, real, hostile)"""

@@ -97,6 +97,8 @@ class ActionResult:
 # is only ever replaced by a rename (a new inode) and touched by utime (new times), so a file with the same stat key
 # holds the bytes parsed then (the digest cache's rule); a record changed within RACY_NS of its read is not kept. A
 # build server looks 2,375 records up per build at 1,000 graphs: one stat each instead of an open, read and parse.
+# This process's own touch (ActionCache.touch) keeps its parsed copy: made through a descriptor of the file whose
+# stat key it holds (the inode parsed, unchanged up to the utime), its new key names the same bytes.
 _parsed: dict[str, tuple[StatKey, ActionResult]] = {}
 _MAX_PARSED = 20_000  # ~6 KiB each (a record holds its action's full input record): at most ~120 MiB
 
@@ -202,6 +204,29 @@ class ActionCache:
                 (p in _parsed or len(_parsed) < _MAX_PARSED):  # full: the records kept first stay kept
             _parsed[p] = (key, res)
         return res
+
+    def touch(self, fp: str) -> None:
+        """Mark `fp`'s record used now (its mtime: last use, for gc). A parsed copy this process keeps stays valid
+        (re-keyed to the touched file's stat) when the file touched is the one parsed: same inode, same stat key up to
+        the utime, made and read back through one descriptor (a rename meanwhile leaves another inode under the name,
+        whose key differs); otherwise the next get() parses it again, as after anyone's touch."""
+        p = f"{self._dir}/{fp[:2]}/{fp}.json"
+        try:
+            fd = os.open(p, os.O_RDONLY)
+        except OSError:
+            return
+        try:
+            before = os.fstat(fd)
+            os.utime(fd)
+            after = os.fstat(fd)
+        except OSError:
+            return
+        finally:
+            os.close(fd)
+        self.mtimes[fp] = after.st_mtime_ns
+        known = _parsed.get(p)
+        if known is not None and known[0] == stat_key(before):
+            _parsed[p] = (stat_key(after), known[1])
 
     def put(self, result: ActionResult, data: bytes | None = None) -> None:
         """Write `result`'s record: its JSON, or `data` (the same record signed: record_auth.sign_record)."""

@@ -67,9 +67,19 @@ _MAX_VERIFIED = 200_000  # ~250 bytes each: at most ~50 MiB
 _TOUCH_NS = 60 * 1_000_000_000  # a blob marked used this recently is not marked again (as local.TOUCH_NS for records)
 
 
-def _remember(path: str, sig: str) -> None:
+# Blobs this process itself hashed (stored, or verified on reading them), by path: the signature they had then. A blob
+# with that signature still holds the bytes hashed: copy_read_only copies it through the kernel without hashing them
+# again (a trace's program, placed in each of its lowerings' sandboxes moments after the trace stored it).
+_hashed: dict[str, str] = {}
+
+
+def _remember(path: str, sig: str, hashed: bool = False) -> None:
     if path in _verified or len(_verified) < _MAX_VERIFIED:  # full: the blobs kept first stay kept
         _verified[path] = sig
+        if hashed:
+            _hashed[path] = sig
+        else:
+            _hashed.pop(path, None)
 
 
 def hash_file(path: Path) -> tuple[str, int]:
@@ -82,6 +92,21 @@ def hash_file(path: Path) -> tuple[str, int]:
             h.update(view[:n])
             size += n
     return h.hexdigest(), size
+
+
+def _kernel_copy(src: BinaryIO, out: BinaryIO) -> bool:
+    """Copy the open file `src` (whole) to the empty `out` in the kernel (copy_file_range); False if it cannot."""
+    try:
+        size = os.fstat(src.fileno()).st_size
+        done = 0
+        while done < size:
+            n = os.copy_file_range(src.fileno(), out.fileno(), size - done, done, done)
+            if n <= 0:
+                return False
+            done += n
+        return os.fstat(out.fileno()).st_size == size
+    except (OSError, AttributeError):
+        return False
 
 
 class BlobStore:
@@ -150,7 +175,7 @@ class BlobStore:
             if time.time_ns() - os.stat(self.path(digest)).st_mtime_ns < _TOUCH_NS:
                 return
             os.utime(self.path(digest))
-            self._write_stamp(digest)
+            self._write_stamp(digest, hashed=False)
 
     def _commit(self, tmp: str, digest: str) -> None:
         dest = self.path(digest)
@@ -281,11 +306,12 @@ class BlobStore:
         self._write_stamp(digest)
         return "ok"
 
-    def _write_stamp(self, digest: str) -> None:
-        """Record that the blob, as it is now, was just verified (the caller hashed it)."""
+    def _write_stamp(self, digest: str, hashed: bool = True) -> None:
+        """Record that the blob, as it is now, was just verified (the caller hashed it; not `hashed`: it passed
+        `check` and only its times were changed since)."""
         with contextlib.suppress(OSError):
             sig = _signature(self.path(digest).stat())
-            _remember(str(self.path(digest)), sig)
+            _remember(str(self.path(digest)), sig, hashed)
             atomic_write_bytes(self.stamp_path(digest), sig.encode(), durable=False, mode=umask_mode())
 
     def copy_out(self, digest: str, dest: Path, verified_size: int | None = None) -> int:
@@ -320,6 +346,7 @@ class BlobStore:
 
     def evict(self, digest: str) -> None:
         _verified.pop(str(self.path(digest)), None)
+        _hashed.pop(str(self.path(digest)), None)
         for p in (self.path(digest), self.stamp_path(digest), self.sha256_path(digest)):
             with contextlib.suppress(OSError):
                 if p.is_dir() and not p.is_symlink():  # a directory where a blob belongs (damage): remove it whole
@@ -374,10 +401,22 @@ class BlobStore:
         """Place a verified read-only copy of a blob at `dest` (sandbox inputs), hashed as it is written. A copy,
         never a hard link: the sandbox is writable by the action, which owns its files and could make a linked
         blob writable again (chmod is no Landlock right) and change the cache's bytes. Sandbox inputs are small
-        (programs, HLO modules): no step reads a model's weights file (they ship beside its outputs)."""
+        (programs, HLO modules): no step reads a model's weights file (they ship beside its outputs).
+
+        A blob this process hashed itself (stored it, or verified it reading it) and unchanged since (its stat
+        signature, ctime included, the same before and after the copy) is copied by the kernel, not hashed again."""
         dest.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.path(digest), "rb") as src, open(dest, "wb") as out:
-            got, _size = copy_hashing(src, out)
+        p = self.path_str(digest)
+        with open(p, "rb") as src, open(dest, "wb") as out:
+            sig = _hashed.get(p)
+            if sig is not None and _signature(os.fstat(src.fileno())) == sig and _kernel_copy(src, out) and \
+                    _signature(os.fstat(src.fileno())) == sig:
+                got = digest
+            else:
+                src.seek(0)
+                out.seek(0)
+                out.truncate()
+                got, _size = copy_hashing(src, out)
         if got != digest:
             with contextlib.suppress(OSError):
                 dest.unlink()

@@ -24,7 +24,8 @@ from neuronbuild.cache.stats import StatsCounter, persist
 CACHE_ENV = "NEURONBUILD_CACHE_DIR"
 LAYOUT = "v1"
 # A hit touches its record (last use, for gc) unless it was touched this recently: back-to-back builds then leave the
-# records (and the parsed copies action_cache.py keeps by their stat) alone. Well within gc.GRACE_S (600 s).
+# records alone. Well within gc.GRACE_S (600 s). A touch keeps the parsed copy action_cache.py holds (ActionCache.touch):
+# a build after one that touched every record stats them, as one within the minute does, rather than re-parse them.
 TOUCH_NS = 60 * 1_000_000_000
 
 
@@ -143,8 +144,7 @@ class LocalCache:
             self._touched.add(fp)
             used = self.actions.mtimes.get(fp)
             if used is None or time.time_ns() - used > TOUCH_NS:
-                with contextlib.suppress(OSError):
-                    os.utime(self.actions.path_str(fp))
+                self.actions.touch(fp)  # (its parsed copy stays valid: the next build does not parse it again)
 
     def finish(self) -> None:
         """End of a build: persist this build's counters."""
