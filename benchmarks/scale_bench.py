@@ -45,6 +45,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+import bytecode  # noqa: E402
 import gen_monorepo  # noqa: E402
 
 BIN = Path(sys.executable).parent / "neuronbuild"
@@ -508,6 +509,7 @@ def main() -> None:
     ap.add_argument("--hash-gib", type=float, default=1.0)
     ap.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "nb-scale-bench")
     a = ap.parse_args()
+    bytecode.ensure(sys.executable, *(a.baseline or []))
     sections = a.sections.split(",")
     a.workdir.mkdir(parents=True, exist_ok=True)
     print(f"# scale_bench: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at start "
