@@ -68,6 +68,10 @@ def run_side(label: str, python: Path, ws: Path, edited: Path, work: Path, back:
     print("back to back, client wall: " + " ".join(f"{w:.2f}" for w in walls[:back]))
     print(f"after a {pause:g} s pause, client wall: " + " ".join(f"{w:.2f}" for w in walls[back:]))
     print("server log per command: " + " ".join(f"{t:.2f}" for t in logged))
+    if walls[:back] and logged:
+        print(f"**warm re-plan back to back: median client wall {statistics.median(walls[:back]):.2f} s, server log "
+              f"median {statistics.median(logged[1:back] or logged[:1]):.2f} s; the first after the cold start "
+              f"{logged[0]:.2f} s (server log)**")
     print(f"**waited beyond the server's own time: median {statistics.median(waited):.2f} s, max {max(waited):.2f} s**")
     print(f"collections logged (objects, s): {collections or 'none logged (this checkout does not log them)'}")
     print(f"server RSS at the end: {int(rss.group(1)) // 1024 if rss else '?'} MiB")

@@ -238,20 +238,30 @@ def _same_tail(prior: Schedule | None, fps: list[str], seconds: list[float], job
 
 def schedule_from(prior: Schedule | None, fps: Sequence[str], deps: Sequence[Iterable[str]],
                   seconds: Sequence[float], jobs: int, keep: bool = True,
-                  owned: bool = False, unique: bool = False) -> tuple[float, Schedule]:
+                  owned: bool = False, unique: bool = False,
+                  same: tuple[int, int] | None = None) -> tuple[float, Schedule]:
     """schedule() and the Schedule node it makes, resumed from `prior` (the previous one, or None) where its
     actions, order and seconds are still the same, and taken over from `prior` again from the first CHECK-th place
     where it converges (Schedule): each action placed is placed as a full run places it, from the same state, so
     the figure is the one a full run computes. `keep`: make the node (else only the figure is used); `owned`: `fps`
     and `seconds` are lists nobody changes afterwards (the node keeps them instead of copies); `unique`: no
-    fingerprint is in `fps` twice."""
+    fingerprint is in `fps` twice; `same`: (h, t): the first h and the last t of `fps` and `seconds` are known to be
+    `prior`'s (the caller made them from the same lists), so they are not compared."""
     import heapq
 
     if not (owned and isinstance(fps, list) and isinstance(seconds, list)):
         fps, seconds = list(fps), list(seconds)
-    start = _resume(prior, fps, seconds, jobs)
     n = len(fps)
-    tail = _same_tail(prior, fps, seconds, jobs, start) if keep else n
+    if same is not None and prior is not None and prior.jobs == jobs:
+        start = same[0] - same[0] % CHECK
+        tail = n
+        if keep and len(prior.fps) == n and prior.last_use is not None:
+            t = n - same[1]
+            t += -t % CHECK
+            tail = min(t, n)
+    else:
+        start = _resume(prior, fps, seconds, jobs)
+        tail = _same_tail(prior, fps, seconds, jobs, start) if keep else n
     states: list[Any]
     if start:
         assert prior is not None

@@ -38,6 +38,8 @@ class PlanReport:
     engine: Any = field(default=None, hash=False, compare=False, repr=False)
     # the fingerprints of todo, in order (None: made from todo when needed)
     fps: list[str] | None = field(default=None, hash=False, compare=False, repr=False)
+    # (the last report's fps list, h, t): the first h and last t of todo are that report's actions, at those places
+    same: tuple[list[str], int, int] | None = field(default=None, hash=False, compare=False, repr=False)
 
     def status(self, fp: str) -> str:
         if fp in self.cached:
@@ -74,8 +76,12 @@ class PlanReport:
         if engine is None:
             return schedule(fps, list(map(_DEPS, todo)), seconds, self.jobs)
         # (each action's deps read only where the schedule places actions: _Deps)
-        wall, engine.schedule = schedule_from(engine.schedule, fps, _Deps(todo), seconds, self.jobs,
-                                              owned=fps is self.fps, unique=unique)
+        # (a schedule made from the last report's lists: its first h and last t are this one's, not compared again)
+        prior, same = engine.schedule, self.same
+        hint = (same[1], same[2]) if same is not None and prior is not None and fps is self.fps and \
+            prior.fps is same[0] else None
+        wall, engine.schedule = schedule_from(prior, fps, _Deps(todo), seconds, self.jobs, owned=fps is self.fps,
+                                              unique=unique, same=hint)
         return wall
 
     def _cell(self, fp: str) -> dict[str, Any]:
@@ -322,6 +328,7 @@ def plan_report(ag: ActionGraph, todo: Sequence[Action], cached: Sequence[str], 
     memo.changes[memo.gen] = changed
     memo.changes.pop(memo.gen - ReportMemo.CHANGES, None)
     memo.cached = cached_set
+    same = (memo.fps, p, q)
     memo.last_todo, memo.fps, memo.ests = todo, fps, ests
-    report = memo.current = PlanReport(ag, todo, cached_set, estimates, jobs, engine, fps)
+    report = memo.current = PlanReport(ag, todo, cached_set, estimates, jobs, engine, fps, same)
     return report
