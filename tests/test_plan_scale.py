@@ -139,6 +139,23 @@ def test_a_wall_time_schedule_resumed_from_the_previous_plans_equals_a_full_one(
     assert resumed > 40  # (resuming happens: not a full run every time)
 
 
+def test_a_schedule_resumed_after_the_last_kept_point_of_a_plan_that_ended_there_equals_a_full_one(
+        monkeypatch: Any) -> None:
+    """A plan of exactly 2 * CHECK actions keeps its schedule's points before actions 0 and CHECK; the next plan adds
+    actions after them: resumed from the last kept point (not from the end, whose state is not kept), its figure is
+    a full run's."""
+    from neuronbuild.analysis import estimate
+
+    monkeypatch.setattr(estimate, "CHECK", 4)
+    fps = [f"a{i}" for i in range(10)]
+    deps: list[list[str]] = [[] for _ in fps]
+    for jobs in (1, 2, 3):
+        _wall, prior = estimate.schedule_from(None, fps[:8], deps[:8], [1.0] * 8, jobs)
+        for same in (None, (8, 0)):
+            wall, _node = estimate.schedule_from(prior, fps, deps, [1.0] * 10, jobs, same=same)
+            assert wall == estimate.schedule(fps, deps, [1.0] * 10, jobs), (jobs, same)
+
+
 def test_a_wall_time_schedule_taken_over_where_it_converges_equals_a_full_one(monkeypatch: Any) -> None:
     """An edit that renames actions (their fingerprints and every consumer's change, as content addresses do),
     changes their seconds, or takes one action out of the plan and another in, keeping as many: the kept schedule is resumed up to the edit and taken over again from

@@ -262,6 +262,8 @@ def schedule_from(prior: Schedule | None, fps: Sequence[str], deps: Sequence[Ite
     else:
         start = _resume(prior, fps, seconds, jobs)
         tail = _same_tail(prior, fps, seconds, jobs, start) if keep else n
+    if prior is not None:  # (a state is kept before each CHECK-th action prior placed: none after its last)
+        start = min(start, (len(prior.states) - 1) * CHECK)
     states: list[Any]
     if start:
         assert prior is not None
@@ -280,8 +282,8 @@ def schedule_from(prior: Schedule | None, fps: Sequence[str], deps: Sequence[Ite
         if b > start:
             if b >= tail:  # (converged: the same state, the same actions after, none reading one that differs)
                 assert prior is not None and prior.last_use is not None
-                last_use = prior.last_use.get
-                if state == prior.states[b // CHECK] and all(last_use(d, -1) < b for d in differ) and \
+                used = prior.last_use.get
+                if state == prior.states[b // CHECK] and all(used(d, -1) < b for d in differ) and \
                         (unique or finish.keys().isdisjoint(fps[b:])):  # (and no action placed twice)
                     upto = b
                     break

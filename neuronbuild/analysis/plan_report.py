@@ -318,7 +318,7 @@ def plan_report(ag: ActionGraph, todo: Sequence[Action], cached: Sequence[str], 
             made.append(fp)
     fps = memo.fps[:p] + mid_fps + memo.fps[m - q:]
     ests = memo.ests[:p] + mid + memo.ests[m - q:]
-    estimates = dict(zip(fps, ests))
+    estimates = dict(zip(fps, ests, strict=True))
     cached_set = frozenset(cached)
     # (the keys that came or went are among the two middles': the rest are the same actions at the same places)
     changed = set(mid_fps).symmetric_difference(memo.fps[p:m - q])
