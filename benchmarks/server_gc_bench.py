@@ -31,15 +31,35 @@ def run_side(label: str, python: Path, ws: Path, edited: Path, work: Path, back:
     env["NEURONBUILD_OUTPUT_USER_ROOT"] = str(work / f"root-{label.replace(' ', '-')}")
     cache = work / f"cache-{label.replace(' ', '-')}"
     shutil.rmtree(cache, ignore_errors=True)
+    shutil.rmtree(env["NEURONBUILD_OUTPUT_USER_ROOT"], ignore_errors=True)  # (a fresh server log: this run's only)
     size = [1000]
+    server_pid = [0]
+    cpus: list[float] = []
+
+    def server_cpu() -> float:
+        """The server's CPU seconds so far (user + system, /proc), 0.0 when not known."""
+        try:
+            fields = Path(f"/proc/{server_pid[0]}/stat").read_text().rsplit(")", 1)[1].split()
+            return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        except (OSError, IndexError, ValueError):
+            return 0.0
 
     def plan() -> float:
+        c = server_cpu()
         t = time.perf_counter()
         p = subprocess.run([str(binary), "plan", "//...", "--cache-dir", str(cache)], cwd=ws, env=env,
                            capture_output=True, text=True)
         if p.returncode != 0:
             raise SystemExit(f"{label}: plan failed: {p.stderr[-2000:]}")
-        return time.perf_counter() - t
+        wall = time.perf_counter() - t
+        if server_pid[0]:
+            cpus.append(server_cpu() - c)
+        else:
+            info = subprocess.run([str(binary), "info", "--output", "json"], cwd=ws, env=env, capture_output=True,
+                                  text=True)
+            m = re.search(r'"pid": (\d+)', info.stdout)
+            server_pid[0] = int(m.group(1)) if m else 0
+        return wall
 
     def edit() -> None:
         size[0] += 1
@@ -69,9 +89,12 @@ def run_side(label: str, python: Path, ws: Path, edited: Path, work: Path, back:
     print(f"after a {pause:g} s pause, client wall: " + " ".join(f"{w:.2f}" for w in walls[back:]))
     print("server log per command: " + " ".join(f"{t:.2f}" for t in logged))
     if walls[:back] and logged:
-        print(f"**warm re-plan back to back: median client wall {statistics.median(walls[:back]):.2f} s, server log "
-              f"median {statistics.median(logged[1:back] or logged[:1]):.2f} s; the first after the cold start "
-              f"{logged[0]:.2f} s (server log)**")
+        print(f"**warm re-plan back to back: median client wall {statistics.median(walls[1:back] or walls):.2f} s, "
+              f"server log median {statistics.median(logged[1:back] or logged[:1]):.2f} s, server CPU median "
+              f"{statistics.median(cpus[1:back] or cpus or [0.0]):.2f} s (the first after the cold start left out); "
+              f"the first after the cold start: {logged[0]:.2f} s (server log), {cpus[0] if cpus else 0.0:.2f} s "
+              f"CPU**")
+    print("server CPU per command: " + " ".join(f"{c:.2f}" for c in cpus))
     print(f"**waited beyond the server's own time: median {statistics.median(waited):.2f} s, max {max(waited):.2f} s**")
     print(f"collections logged (objects, s): {collections or 'none logged (this checkout does not log them)'}")
     print(f"server RSS at the end: {int(rss.group(1)) // 1024 if rss else '?'} MiB")
