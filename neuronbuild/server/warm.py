@@ -159,12 +159,15 @@ class WarmState:
         the next command of a big workspace wait seconds for a collection that finds little."""
         if not self.pending:
             return False
+        now = rss_kib() if rss is None else rss
+        grown = now - self.rss_after_gc_kib >= max(self.GC_GROWTH_MIN_KIB, self.GC_GROWTH * self.rss_after_gc_kib)
+        when_quick = idle or self.pending >= self.GC_EVERY
+        if when_quick == grown:  # (the same answer either way: the kept objects are not counted)
+            return grown
+        # (counting the kept objects walks them all: 0.26 s for 5.2 M at 100,000 graphs, so only when it decides)
         quick = (gc.get_freeze_count() < self.GC_QUICK_OBJECTS if self.last_gc_s is None
                  else self.last_gc_s <= self.GC_QUICK_S)
-        if quick:
-            return idle or self.pending >= self.GC_EVERY
-        grown = (rss_kib() if rss is None else rss) - self.rss_after_gc_kib
-        return grown >= max(self.GC_GROWTH_MIN_KIB, self.GC_GROWTH * self.rss_after_gc_kib)
+        return when_quick if quick else grown
 
     def worker_pids(self) -> list[int]:
         """The kept pool's processes: its workers and its zygote."""
