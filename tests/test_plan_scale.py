@@ -139,6 +139,84 @@ def test_a_wall_time_schedule_resumed_from_the_previous_plans_equals_a_full_one(
     assert resumed > 40  # (resuming happens: not a full run every time)
 
 
+def test_a_schedule_resumed_after_the_last_kept_point_of_a_plan_that_ended_there_equals_a_full_one(
+        monkeypatch: Any) -> None:
+    """A plan of exactly 2 * CHECK actions keeps its schedule's points before actions 0 and CHECK; the next plan adds
+    actions after them: resumed from the last kept point (not from the end, whose state is not kept), its figure is
+    a full run's."""
+    from neuronbuild.analysis import estimate
+
+    monkeypatch.setattr(estimate, "CHECK", 4)
+    fps = [f"a{i}" for i in range(10)]
+    deps: list[list[str]] = [[] for _ in fps]
+    for jobs in (1, 2, 3):
+        _wall, prior = estimate.schedule_from(None, fps[:8], deps[:8], [1.0] * 8, jobs)
+        for same in (None, (8, 0)):
+            wall, _node = estimate.schedule_from(prior, fps, deps, [1.0] * 10, jobs, same=same)
+            assert wall == estimate.schedule(fps, deps, [1.0] * 10, jobs), (jobs, same)
+
+
+def test_a_wall_time_schedule_taken_over_where_it_converges_equals_a_full_one(monkeypatch: Any) -> None:
+    """An edit that renames actions (their fingerprints and every consumer's change, as content addresses do),
+    changes their seconds, or takes one action out of the plan and another in, keeping as many: the kept schedule is resumed up to the edit and taken over again from
+    where it converges (the same workers' state, nothing after reading a finish that differs); every action's finish,
+    the figure and the kept points equal a fresh full run's, exactly, after each edit."""
+    from neuronbuild.analysis import estimate
+
+    monkeypatch.setattr(estimate, "CHECK", 2)
+    rng = random.Random(29)
+    converged = 0
+    for trial in range(300):
+        g = nx.DiGraph()
+        names = [f"{rng.getrandbits(64):016x}" for _ in range(rng.randint(5, 40))]
+        for k, fp in enumerate(names):
+            g.add_node(fp)
+            for dep in rng.sample(names[:k], min(k, rng.choice((0, 1, 1, 2)))):
+                g.add_edge(dep, fp)
+        order = list(nx.lexicographical_topological_sort(g))
+        todo = [fp for fp in order if rng.random() < 0.9]
+        seconds = {fp: float(rng.randint(1, 3)) if trial % 3 else rng.random() * 10 for fp in order}
+        jobs = rng.choice((1, 2, 2, 3))
+        prior = None
+        for _edit in range(8):
+            deps = [list(g.predecessors(fp)) for fp in todo]
+            secs = [seconds[fp] for fp in todo]
+            was = prior
+            if was is not None and rng.random() < 0.5:  # (told where the lists are the prior's, as a report does)
+                n = min(len(todo), len(was.fps))
+                h = next((i for i in range(n) if (todo[i], secs[i]) != (was.fps[i], was.seconds[i])), n)
+                t = next((i for i in range(n - h) if (todo[-1 - i], secs[-1 - i]) != (was.fps[-1 - i],
+                                                                                   was.seconds[-1 - i])), n - h)
+                wall, prior = estimate.schedule_from(was, todo, deps, secs, jobs, same=(h, t))
+            else:
+                wall, prior = estimate.schedule_from(was, todo, deps, secs, jobs)
+            _full_wall, full = estimate.schedule_from(None, todo, deps, secs, jobs)
+            # (taken over: the last finish is the prior node's own object, not one placed now)
+            converged += was is not None and len(todo) > 4 and prior.ends[-1] is was.ends[-1] and \
+                was.fps[-1] == todo[-1] and _edit > 0
+            assert wall == _greedy(g, [_Act(fp) for fp in todo], seconds, jobs), (trial, _edit)
+            assert (prior.ends, prior.states) == (full.ends, full.states), (trial, _edit)
+            what = rng.choice(("rename", "rename", "resize", "seconds", "swap"))
+            victim = rng.choice(todo)
+            out = [fp for fp in g if fp not in todo]
+            if what == "swap" and out and len(todo) > 1:  # (one action leaves the plan, e.g. cached, another joins)
+                joins = rng.choice(out)
+                todo = [fp for fp in nx.lexicographical_topological_sort(g)
+                        if fp == joins or (fp in todo and fp != victim)]
+            elif what == "swap":
+                pass
+            elif what != "seconds":  # (the action and everything reading it, transitively: new fingerprints)
+                renamed = {fp: f"{rng.getrandbits(64):016x}" for fp in (victim, *nx.descendants(g, victim))}
+                g = nx.relabel_nodes(g, renamed)
+                seconds.update({new: seconds[old] for old, new in renamed.items()})
+                todo = [renamed.get(fp, fp) for fp in todo]
+                if what == "resize":  # (a renamed action taking longer or shorter: later finishes move)
+                    seconds[renamed[victim]] = float(rng.randint(1, 3))
+            else:
+                seconds[victim] = float(rng.randint(1, 3))
+    assert converged > 60  # (taking over happens: not a run to the end every time)
+
+
 class _Act:
     def __init__(self, fingerprint: str) -> None:
         self.fingerprint = fingerprint

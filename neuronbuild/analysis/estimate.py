@@ -5,8 +5,10 @@ so every figure a user sees comes from the same numbers."""
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from itertools import compress, count
 from pathlib import Path
 from typing import Any
 
@@ -182,13 +184,19 @@ class Schedule:
     """A finished wall-time schedule as a node of the analysis engine (kept with the build server's AnalysisMemo):
     its inputs (the actions in order, their seconds, the workers) and what the list schedule held before every
     CHECK-th action. A schedule of the same actions in the same order with the same seconds up to some point is the
-    same up to there (an action's dependencies are a function of its fingerprint), so it resumes there."""
+    same up to there (an action's dependencies are a function of its fingerprint), so it resumes there; and from a
+    later CHECK-th place on it is the same again (it converges) when the actions from there on are the same, the
+    workers are free at the same times there, and no action from there on reads one whose finish differs before it
+    (`last_use`)."""
 
     fps: list[str]
     seconds: list[float]
     jobs: int
     ends: list[float]  # each action's finish, in order
     states: list[Any]  # before action i * CHECK: the workers' free times
+    # {fingerprint: at least the last place of an action reading it} for every action read (a stale later place
+    # only makes convergence rarer), or None: not known (no convergence from this node)
+    last_use: dict[str, int] | None = None
 
 
 CHECK = 1024
@@ -196,7 +204,15 @@ CHECK = 1024
 
 def schedule(fps: Sequence[str], deps: Sequence[Iterable[str]], seconds: Sequence[float], jobs: int) -> float:
     """wall_time_of() with each action's dependencies given in a list aligned with `fps`."""
-    return schedule_from(None, fps, deps, seconds, jobs)[0]
+    return schedule_from(None, fps, deps, seconds, jobs, keep=False)[0]
+
+
+def _first_change(n: int, a: Iterable[Any], b: Iterable[Any], c: Iterable[Any], d: Iterable[Any]) -> int:
+    """The first place where `a` holds another object than `b` or `c` than `d` (compared by identity, in C, without
+    reading them: an equal value in another object counts as a change, which only resumes less); `n` (the shorter
+    length) when none does."""
+    return min(next(compress(count(), map(operator.is_not, a, b)), n),
+               next(compress(count(), map(operator.is_not, c, d)), n))
 
 
 def _resume(prior: Schedule | None, fps: Sequence[str], seconds: Sequence[float], jobs: int) -> int:
@@ -204,23 +220,50 @@ def _resume(prior: Schedule | None, fps: Sequence[str], seconds: Sequence[float]
     CHECK): the same actions, in the same order, with the same seconds."""
     if prior is None or prior.jobs != jobs:
         return 0
-    n = min(len(fps), len(prior.fps))
-    done = 0
-    while done + CHECK <= n and prior.fps[done:done + CHECK] == fps[done:done + CHECK] and \
-            prior.seconds[done:done + CHECK] == seconds[done:done + CHECK]:
-        done += CHECK
-    return done
+    same = _first_change(min(len(fps), len(prior.fps)), prior.fps, fps, prior.seconds, seconds)
+    return same - same % CHECK
+
+
+def _same_tail(prior: Schedule | None, fps: list[str], seconds: list[float], jobs: int, start: int) -> int:
+    """The first CHECK-th place (above `start`) from which `fps` and `seconds` are those of `prior` (as many actions,
+    the same at each place up to the end); len(fps) when none is."""
+    n = len(fps)
+    if prior is None or prior.jobs != jobs or len(prior.fps) != n or prior.last_use is None:
+        return n
+    same = _first_change(n, reversed(prior.fps), reversed(fps), reversed(prior.seconds), reversed(seconds))
+    t = n - same  # (from the end)
+    t += -t % CHECK  # (up to a CHECK-th place)
+    return t if t < n else n
 
 
 def schedule_from(prior: Schedule | None, fps: Sequence[str], deps: Sequence[Iterable[str]],
-                  seconds: Sequence[float], jobs: int) -> tuple[float, Schedule]:
+                  seconds: Sequence[float], jobs: int, keep: bool = True,
+                  owned: bool = False, unique: bool = False,
+                  same: tuple[int, int] | None = None) -> tuple[float, Schedule]:
     """schedule() and the Schedule node it makes, resumed from `prior` (the previous one, or None) where its
-    actions, order and seconds are still the same: each action after that is placed as a full run places it, from
-    the same state, so the figure is the one a full run computes."""
+    actions, order and seconds are still the same, and taken over from `prior` again from the first CHECK-th place
+    where it converges (Schedule): each action placed is placed as a full run places it, from the same state, so
+    the figure is the one a full run computes. `keep`: make the node (else only the figure is used); `owned`: `fps`
+    and `seconds` are lists nobody changes afterwards (the node keeps them instead of copies); `unique`: no
+    fingerprint is in `fps` twice; `same`: (h, t): the first h and the last t of `fps` and `seconds` are known to be
+    `prior`'s (the caller made them from the same lists), so they are not compared."""
     import heapq
 
-    fps, seconds = list(fps), list(seconds)
-    start = _resume(prior, fps, seconds, jobs)
+    if not (owned and isinstance(fps, list) and isinstance(seconds, list)):
+        fps, seconds = list(fps), list(seconds)
+    n = len(fps)
+    if same is not None and prior is not None and prior.jobs == jobs:
+        start = same[0] - same[0] % CHECK
+        tail = n
+        if keep and len(prior.fps) == n and prior.last_use is not None:
+            t = n - same[1]
+            t += -t % CHECK
+            tail = min(t, n)
+    else:
+        start = _resume(prior, fps, seconds, jobs)
+        tail = _same_tail(prior, fps, seconds, jobs, start) if keep else n
+    if prior is not None:  # (a state is kept before each CHECK-th action prior placed: none after its last)
+        start = min(start, (len(prior.states) - 1) * CHECK)
     states: list[Any]
     if start:
         assert prior is not None
@@ -233,11 +276,19 @@ def schedule_from(prior: Schedule | None, fps: Sequence[str], deps: Sequence[Ite
         state = 0.0 if jobs <= 1 else (0.0, 0.0) if jobs == 2 else [(0.0, i) for i in range(jobs)]
         states.append(state)
     get = finish.get
-    n = len(fps)
+    differ: set[str] = set()  # the actions placed (or placed before by `prior`) whose finish differs from prior's
+    upto = n  # where the actions placed end (the rest: prior's)
     for b in range(start, n, CHECK):
-        e = min(b + CHECK, n)
         if b > start:
+            if b >= tail:  # (converged: the same state, the same actions after, none reading one that differs)
+                assert prior is not None and prior.last_use is not None
+                used = prior.last_use.get
+                if state == prior.states[b // CHECK] and all(used(d, -1) < b for d in differ) and \
+                        (unique or finish.keys().isdisjoint(fps[b:])):  # (and no action placed twice)
+                    upto = b
+                    break
             states.append(list(state) if jobs > 2 else state)
+        e = min(b + CHECK, n)
         block = zip(fps[b:e], seconds[b:e], deps[b:e], strict=True)
         if jobs <= 1:  # (one worker: each action starts when the previous one ends, or its inputs are ready)
             free = state
@@ -275,7 +326,31 @@ def schedule_from(prior: Schedule | None, fps: Sequence[str], deps: Sequence[Ite
                 end = finish[fp] = (ready if ready > free else free) + s
                 replace(workers, (end, i))
             state = workers
+        if tail < n:  # (convergence is possible: which finishes differ from prior's in this block)
+            assert prior is not None
+            was_fps, was_ends = prior.fps, prior.ends
+            for i in range(b, e):
+                fp, was = fps[i], was_fps[i]
+                if fp != was or finish.get(fp) != was_ends[i]:
+                    differ.add(fp)
+                    differ.add(was)
     ends = list(finish.values())
-    if len(ends) != n:  # (an action twice: nothing to resume from)
+    if len(ends) != upto:  # (an action twice: nothing to resume from)
         return max(ends, default=0.0), Schedule([], [], jobs, [], [])
-    return max(ends, default=0.0), Schedule(fps, seconds, jobs, ends, states)
+    if upto < n:
+        assert prior is not None
+        ends += prior.ends[upto:]
+        states += prior.states[upto // CHECK:]
+    if not keep:
+        return max(ends, default=0.0), Schedule(fps, seconds, jobs, ends, states)
+    # (the places reading each action: those of the actions placed now, and prior's for the rest, the same actions
+    # at the same places)
+    base = prior.last_use if prior is not None and (start or upto < n) else None
+    last_use = dict(base) if base is not None else {}
+    seen = last_use.get
+    for i in range(start if base is not None else 0, upto):
+        for d in deps[i]:
+            if seen(d, -1) < i:
+                last_use[d] = i
+    return max(ends, default=0.0), Schedule(fps, seconds, jobs, ends, states,
+                                            last_use if len(last_use) <= 2 * n + CHECK else None)

@@ -6,6 +6,7 @@ import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
+from itertools import compress, count
 from typing import Any
 
 from neuronbuild.analysis.actions import Action
@@ -35,6 +36,10 @@ class PlanReport:
     jobs: int = 1
     # the analysis engine (planner.AnalysisMemo) the wall-time schedule is a node of, or None (batch: made afresh)
     engine: Any = field(default=None, hash=False, compare=False, repr=False)
+    # the fingerprints of todo, in order (None: made from todo when needed)
+    fps: list[str] | None = field(default=None, hash=False, compare=False, repr=False)
+    # (the last report's fps list, h, t): the first h and last t of todo are that report's actions, at those places
+    same: tuple[list[str], int, int] | None = field(default=None, hash=False, compare=False, repr=False)
 
     def status(self, fp: str) -> str:
         if fp in self.cached:
@@ -59,16 +64,24 @@ class PlanReport:
         # (the estimates hold exactly the actions of todo, in its order: _seconds is aligned with todo; an action's
         # own deps stand for the digraph's predecessors, without making the adjacency)
         todo = self.todo
-        if len(self.estimates) != len(todo):  # (a report made by hand)
+        unique = len(self.estimates) == len(todo)  # (the estimates' keys: each action once)
+        if not unique:  # (a report made by hand)
             get = self.estimates.get
             seconds = [(e.seconds or 0.0) if (e := get(a.fingerprint)) is not None else 0.0 for a in todo]
             fps = list(map(_FINGERPRINT, todo))
         else:
-            seconds, fps = self._seconds, list(self.estimates)  # (the estimates' keys: todo's fingerprints in order)
+            seconds = self._seconds
+            fps = self.fps if self.fps is not None else list(self.estimates)  # (the estimates' keys: todo's, in order)
         engine = self.engine
         if engine is None:
             return schedule(fps, list(map(_DEPS, todo)), seconds, self.jobs)
-        wall, engine.schedule = schedule_from(engine.schedule, fps, list(map(_DEPS, todo)), seconds, self.jobs)
+        # (each action's deps read only where the schedule places actions: _Deps)
+        # (a schedule made from the last report's lists: its first h and last t are this one's, not compared again)
+        prior, same = engine.schedule, self.same
+        hint = (same[1], same[2]) if same is not None and prior is not None and fps is self.fps and \
+            prior.fps is same[0] else None
+        wall, engine.schedule = schedule_from(prior, fps, _Deps(todo), seconds, self.jobs, owned=fps is self.fps,
+                                              unique=unique, same=hint)
         return wall
 
     def _cell(self, fp: str) -> dict[str, Any]:
@@ -172,6 +185,19 @@ class PlanReport:
         return line
 
 
+class _Deps(Sequence[tuple[str, ...]]):
+    """The deps of each of `todo`'s actions, read when asked (by place or slice)."""
+
+    def __init__(self, todo: Sequence[Action]) -> None:
+        self.todo = todo
+
+    def __len__(self) -> int:
+        return len(self.todo)
+
+    def __getitem__(self, i: Any) -> Any:
+        return list(map(_DEPS, self.todo[i])) if isinstance(i, slice) else self.todo[i].deps
+
+
 # A compile target's matrix layout and the trace of each of its buckets' compile are a function of its value alone
 # (fingerprints are content addresses: a compile's fingerprint fixes its inputs' actions): kept per CompileTarget
 # object (analysis replays the same objects for unchanged targets), held with it so its id is not reused.
@@ -220,7 +246,10 @@ class ReportMemo:
         # per compile target (by id): the target, its rows' fingerprints, its lines, the report that made them
         self.rows: dict[int, tuple[CompileTarget, tuple[str, ...], tuple[str, ...], int]] = {}
         self.cached: frozenset[str] = frozenset()  # the last report's cached actions
-        self.todo: dict[str, Estimate] = {}  # the last report's estimates (their keys: the actions to execute)
+        # the last report's actions to execute, their fingerprints and estimates, in order
+        self.last_todo: tuple[Action, ...] = ()
+        self.fps: list[str] = []
+        self.ests: list[Estimate] = []
         # per report made with this memo (numbered by `gen`, the last CHANGES): the fingerprints whose status or
         # estimate differs from the report before (lines made by an earlier report are re-made when one of theirs
         # is in a later report's changes)
@@ -263,24 +292,43 @@ def plan_report(ag: ActionGraph, todo: Sequence[Action], cached: Sequence[str], 
     if len(known) > 2 * len(todo) + 100_000:  # (actions gone: keep the memory bounded)
         known.clear()
         objects.clear()
+    # The actions at the start and at the end of `todo` that are the same objects, at the same places, as in the last
+    # report's (compared by identity, in C, without reading them) keep that report's estimates; the others between
+    # are looked up (or estimated) one by one
+    todo = tuple(todo)
+    last = memo.last_todo
+    n, m = len(todo), len(last)
+    shorter = min(n, m)
+    p = next(compress(count(), map(operator.is_not, todo, last)), shorter)
+    q = next(compress(count(), map(operator.is_not, reversed(todo), reversed(last))), shorter) if p < shorter else 0
+    q = min(q, shorter - p)
     made_for = objects.get
-    estimates: dict[str, Estimate] = {}
+    mid_fps: list[str] = []
+    mid: list[Estimate] = []
     made: list[str] = []
-    for a in todo:
+    for a in todo[p:n - q]:
         fp = a.fingerprint
+        mid_fps.append(fp)
         if made_for(fp) is a:
-            estimates[fp] = known[fp]
+            mid.append(known[fp])
         else:
-            estimates[fp] = known[fp] = est.estimate(a)
+            e = known[fp] = est.estimate(a)
+            mid.append(e)
             objects[fp] = a
             made.append(fp)
+    fps = memo.fps[:p] + mid_fps + memo.fps[m - q:]
+    ests = memo.ests[:p] + mid + memo.ests[m - q:]
+    estimates = dict(zip(fps, ests, strict=True))
     cached_set = frozenset(cached)
-    changed = estimates.keys() ^ memo.todo.keys()
+    # (the keys that came or went are among the two middles': the rest are the same actions at the same places)
+    changed = set(mid_fps).symmetric_difference(memo.fps[p:m - q])
     changed |= cached_set ^ memo.cached
     changed.update(made)
     memo.gen += 1
     memo.changes[memo.gen] = changed
     memo.changes.pop(memo.gen - ReportMemo.CHANGES, None)
-    memo.cached, memo.todo = cached_set, estimates
-    report = memo.current = PlanReport(ag, tuple(todo), cached_set, estimates, jobs, engine)
+    memo.cached = cached_set
+    same = (memo.fps, p, q)
+    memo.last_todo, memo.fps, memo.ests = todo, fps, ests
+    report = memo.current = PlanReport(ag, todo, cached_set, estimates, jobs, engine, fps, same)
     return report

@@ -164,12 +164,14 @@ class WarmState:
         0.5-0.8 s beside the background warm-up; at 100,000 graphs a full one takes seconds)."""
         if not self.pending:
             return False
-        quick = (gc.get_freeze_count() < self.GC_QUICK_OBJECTS if self.last_gc_s is None
-                 else self.last_gc_s <= self.GC_QUICK_S)
-        if quick and idle:
+        now = rss_kib() if rss is None else rss
+        if now - self.rss_after_gc_kib >= max(self.GC_GROWTH_MIN_KIB, self.GC_GROWTH * self.rss_after_gc_kib):
             return True
-        grown = (rss_kib() if rss is None else rss) - self.rss_after_gc_kib
-        return grown >= max(self.GC_GROWTH_MIN_KIB, self.GC_GROWTH * self.rss_after_gc_kib)
+        if not idle:
+            return False
+        # (counting the kept objects walks them all: 0.26 s for 5.2 M at 100,000 graphs, so only when it decides)
+        return (gc.get_freeze_count() < self.GC_QUICK_OBJECTS if self.last_gc_s is None
+                else self.last_gc_s <= self.GC_QUICK_S)
 
     def worker_pids(self) -> list[int]:
         """The kept pool's processes: its workers and its zygote."""
