@@ -10,11 +10,12 @@ from __future__ import annotations
 import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from typing import Any
 
 _deferring = False
 _pending: list[Callable[[], object]] = []
+_when_idle: list[Callable[[], object]] = []  # what may wait until the server idles (when_idle)
 _carried: list[str] = []  # warnings of the work done after the last answer, for the next command to show (at most 20)
 
 
@@ -48,6 +49,28 @@ def later(fn: Callable[[], object]) -> None:
         _pending.append(fn)
     else:
         fn()
+
+
+def when_idle(fn: Callable[[], object]) -> None:
+    """Run `fn` once the build server idles (deferring: its background steps after an answer, `idle_steps`), else now.
+    For what nobody waits for and the next command does not read (a page's renderer): a script's commands back to back
+    do not share the machine with it."""
+    if _deferring:
+        _when_idle.append(fn)
+    else:
+        fn()
+
+
+def idle_steps() -> Generator[float, None, None]:
+    """Run what waits for the server to idle, one task per step (the server's background steps; a command arriving
+    ends them, and what is left waits for the next idle time)."""
+    while _when_idle:
+        fn = _when_idle.pop(0)
+        try:
+            fn()
+        except Exception:  # noqa: BLE001 - a page not rendered costs a page, never the server
+            traceback.print_exc(file=sys.stderr)
+        yield 0.0
 
 
 def run() -> None:

@@ -286,6 +286,8 @@ class Server:
                 self.socket_path.unlink()
                 (self.output_base / "server.secret").unlink()
         self._end_background()
+        for _ in after_answer.idle_steps():  # (pages the server had not idled for yet)
+            pass
         self.warm.close()
         print(f"{time.strftime('%Y-%m-%d %H:%M:%S')} server {os.getpid()} stopped", flush=True)
 
@@ -332,6 +334,7 @@ class Server:
 
     def _warm_steps(self) -> Generator[float, None, None]:
         yield self.warm.warm_grace_s
+        yield from after_answer.idle_steps()  # (the answers' pages)
         try:
             pids = self.warm.warm_in_background()
         except Exception:  # noqa: BLE001 - a worker that cannot start fails the next build, not the server
