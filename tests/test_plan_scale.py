@@ -50,6 +50,18 @@ def test_the_action_graph_is_the_graph_networkx_makes_per_registration(action_gr
     assert list(g.predecessors("y")) == ["x"] and g.in_degree("y") == 1
 
 
+def _random_dag(rng: random.Random, least: int, most: int, fan_in: tuple[int, ...]) -> tuple[nx.DiGraph, list[str]]:
+    """A random DAG of `least`..`most` fingerprint-named actions, each depending on rng.choice(fan_in) earlier ones,
+    and its lexicographical topological order."""
+    g = nx.DiGraph()
+    names = [f"{rng.getrandbits(64):016x}" for _ in range(rng.randint(least, most))]
+    for k, fp in enumerate(names):
+        g.add_node(fp)
+        for dep in rng.sample(names[:k], min(k, rng.choice(fan_in))):
+            g.add_edge(dep, fp)
+    return g, list(nx.lexicographical_topological_sort(g))
+
+
 def _greedy(graph: nx.DiGraph, todo: list[Any], seconds: dict[str, float], jobs: int) -> float:
     """The schedule as it was first written: each action on the first worker free, after its needed deps."""
     need = {a.fingerprint for a in todo}
@@ -83,13 +95,7 @@ def test_the_wall_time_estimate_is_the_greedy_list_schedule_on_random_graphs() -
     loop leaves to the reference (negative, infinite: the greedy schedule's answer all the same)."""
     rng = random.Random(11)
     for trial in range(60):
-        g = nx.DiGraph()
-        names = [f"{rng.getrandbits(64):016x}" for _ in range(rng.randint(1, 120))]
-        for k, fp in enumerate(names):
-            g.add_node(fp)
-            for dep in rng.sample(names[:k], min(k, rng.choice((0, 1, 1, 1, 2, 3)))):
-                g.add_edge(dep, fp)
-        order = list(nx.lexicographical_topological_sort(g))
+        g, order = _random_dag(rng, 1, 120, (0, 1, 1, 1, 2, 3))
         todo = [_Act(fp) for fp in order if rng.random() < 0.85]
         seconds = {a.fingerprint: float(rng.randint(0, 3)) if trial % 2 else rng.random() * 10 for a in todo}
         if trial % 10 == 9 and todo:
@@ -109,13 +115,7 @@ def test_a_wall_time_schedule_resumed_from_the_previous_plans_equals_a_full_one(
     rng = random.Random(23)
     resumed = 0
     for trial in range(40):
-        g = nx.DiGraph()
-        names = [f"{rng.getrandbits(64):016x}" for _ in range(rng.randint(1, 80))]
-        for k, fp in enumerate(names):
-            g.add_node(fp)
-            for dep in rng.sample(names[:k], min(k, rng.choice((0, 1, 1, 2)))):
-                g.add_edge(dep, fp)
-        order = list(nx.lexicographical_topological_sort(g))
+        g, order = _random_dag(rng, 1, 80, (0, 1, 1, 2))
         prior = None
         todo = [fp for fp in order if rng.random() < 0.9]
         seconds = {fp: float(rng.randint(0, 3)) if trial % 2 else rng.random() * 10 for fp in order}
@@ -167,13 +167,7 @@ def test_a_wall_time_schedule_taken_over_where_it_converges_equals_a_full_one(mo
     rng = random.Random(29)
     converged = 0
     for trial in range(300):
-        g = nx.DiGraph()
-        names = [f"{rng.getrandbits(64):016x}" for _ in range(rng.randint(5, 40))]
-        for k, fp in enumerate(names):
-            g.add_node(fp)
-            for dep in rng.sample(names[:k], min(k, rng.choice((0, 1, 1, 2)))):
-                g.add_edge(dep, fp)
-        order = list(nx.lexicographical_topological_sort(g))
+        g, order = _random_dag(rng, 5, 40, (0, 1, 1, 2))
         todo = [fp for fp in order if rng.random() < 0.9]
         seconds = {fp: float(rng.randint(1, 3)) if trial % 3 else rng.random() * 10 for fp in order}
         jobs = rng.choice((1, 2, 2, 3))

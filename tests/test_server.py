@@ -42,6 +42,13 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def _server_lines(log: Path, pid: int) -> list[str]:
+    """The lines server `pid` wrote to its log (the log of an output base holds every server it ran)."""
+    lines = log.read_text().splitlines()
+    start = max(i for i, ln in enumerate(lines) if f"server {pid} listening" in ln)
+    return lines[start:]
+
+
 def _wait(cond, timeout: float, what: str) -> None:  # type: ignore[no-untyped-def]
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -509,9 +516,7 @@ def test_a_first_command_that_starts_no_worker_still_warms_them_after_its_answer
         log = Path(info["output_base"]) / "server.log"
 
         def this_server(log: Path = log, pid: int = info["pid"]) -> list[str]:
-            lines = log.read_text().splitlines()
-            start = max(i for i, ln in enumerate(lines) if f"server {pid} listening" in ln)
-            return lines[start:]
+            return _server_lines(log, pid)
 
         def warm_line() -> str | None:
             return next((ln for ln in this_server() if "warm workers starting in the background" in ln), None)
@@ -547,9 +552,7 @@ def test_commands_back_to_back_are_answered_before_the_background_warm_up_starts
     log = Path(info["log"])
 
     def this_server() -> list[str]:
-        lines = log.read_text().splitlines()
-        start = max(i for i, ln in enumerate(lines) if f"server {info['pid']} listening" in ln)
-        return lines[start:]
+        return _server_lines(log, info["pid"])
 
     _wait(lambda: any("warm workers starting in the background" in ln for ln in this_server()), 60,
           "the background warm-up")
@@ -635,9 +638,7 @@ def test_the_first_edits_build_finds_the_toolchain_warm_up_done_after_the_answer
     log = Path(info["log"])
 
     def this_server() -> list[str]:
-        lines = log.read_text().splitlines()
-        start = max(i for i, ln in enumerate(lines) if f"server {info['pid']} listening" in ln)
-        return lines[start:]
+        return _server_lines(log, info["pid"])
 
     _wait(lambda: any("warm workers starting in the background" in ln for ln in this_server()), 60,
           "the background warm-up's start")
