@@ -1,4 +1,5 @@
-"""What this host offers (torch version, CPU ISA level, Neuron platform) and whether a built graph can run on it."""
+"""What this host offers (torch version, CPU ISA level, Neuron platform and NeuronCores) and whether a built graph can
+run on it."""
 
 from __future__ import annotations
 
@@ -24,9 +25,11 @@ class Host:
     torch: str
     isa: str
     neuron_platform: str | None  # None: not a Neuron host
+    neuron_cores: int | None = None  # the NeuronCores libnrt makes visible (None: no libnrt here)
 
     def describe(self) -> str:
-        return f"torch {self.torch}, cpu {self.isa}, neuron {self.neuron_platform or 'none'}"
+        cores = f" ({self.neuron_cores} NeuronCores visible to libnrt)" if self.neuron_cores is not None else ""
+        return f"torch {self.torch}, cpu {self.isa}, neuron {self.neuron_platform or 'none'}{cores}"
 
 
 @dataclass(frozen=True)
@@ -50,11 +53,14 @@ def torch_version() -> str:
         return "not-installed"
 
 
-def neuron_platform() -> str | None:
-    """NEURON_PLATFORM_TARGET_OVERRIDE, else the instance family a Neuron host reports (DMI product name), else None."""
+def neuron_platform(libnrt: str | None = None) -> str | None:
+    """NEURON_PLATFORM_TARGET_OVERRIDE, else the instance family libnrt reports (`libnrt`: what nrt_get_instance_info
+    said), else the one a host with /dev/neuron* reports (DMI product name), else None."""
     forced = os.environ.get(NEURON_PLATFORM_ENV, "").strip()
     if forced:
         return forced
+    if libnrt in NEURON_INSTANCE_FAMILIES:
+        return libnrt
     if not any(Path("/dev").glob("neuron[0-9]*")):
         return None
     try:
@@ -66,7 +72,16 @@ def neuron_platform() -> str | None:
 
 
 def current_host() -> Host:
-    return Host(torch_version(), host_isa(), neuron_platform())
+    """This host; its Neuron platform and NeuronCores from libnrt when one is installed ($NEURONBUILD_LIBNRT, else
+    /opt/aws/neuron/lib/libnrt.so), asked without initialising it."""
+    from neuronbuild.runtime.libnrt import host_info
+
+    try:
+        nrt = host_info()
+    except RuntimeError:  # a libnrt that fails to answer: as if there were none
+        nrt = None
+    return Host(torch_version(), host_isa(), neuron_platform(nrt.family if nrt else None),
+                nrt.cores if nrt else None)
 
 
 def _public(version: str) -> str:
