@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from neuronbuild.vocabulary import NEURON_INSTANCE_FAMILIES
+
 LIBNRT_ENV = "NEURONBUILD_LIBNRT"
 DEFAULT_LIBNRT = "/opt/aws/neuron/lib/libnrt.so"
 
@@ -38,9 +40,16 @@ USAGE_INPUT, USAGE_OUTPUT = 0, 1
 DTYPES = {"float32": 0xA, "bfloat16": 0x6, "float16": 0x7, "int32": 0x8, "int64": 0xC, "int16": 0x4, "int8": 0x2,
           "uint8": 0x3, "bool": 0x3, "uint16": 0x5, "uint32": 0x9, "uint64": 0x1, "float8_e4m3fn": 0xE,
           "float8_e5m2": 0xF}
-# nrt.h's NRT_INSTANCE_* families, as the platform names neuronbuild uses (vocabulary.NEURON_INSTANCE_FAMILIES)
-FAMILIES = {1: "inf1", 2: "trn1", 3: "trn1", 4: "inf2", 5: "trn2", 6: "trn2", 7: "inf2", 8: "trn2", 9: "trn2",
-            10: "trn2", 11: "trn2", 12: "trn2", 13: "trn2", 14: "trn3", 15: "trn3"}
+# nrt.h's NRT_INSTANCE_<NAME> values; the family is the vocabulary's instance family the name starts with (TRN2P: trn2)
+INSTANCES = {1: "INF1", 2: "TRN1", 3: "TRN1N", 4: "INF2", 5: "TRN2", 6: "TRN2N", 7: "INF2E", 8: "TRN2P", 9: "TRN2U",
+             10: "TRN2E", 11: "TRN2EU", 12: "TRN2AC", 13: "TRN2UAC", 14: "TRN3", 15: "TRN3PDS98"}
+
+
+def instance_family(code: int) -> str | None:
+    """The instance family (vocabulary.NEURON_INSTANCE_FAMILIES) of an nrt_instance_info_t.family value."""
+    name = INSTANCES.get(code, "").lower()
+    found = [f for f in NEURON_INSTANCE_FAMILIES if name.startswith(f)]
+    return max(found, key=len) if found else None
 
 
 class NrtError(RuntimeError):
@@ -143,7 +152,7 @@ def host_info(path: str | None = None) -> NeuronHostInfo | None:
     check("nrt_get_instance_info", lib.nrt_get_instance_info(ctypes.byref(info), ctypes.sizeof(info)))
     cores = ctypes.c_uint32()
     check("nrt_get_visible_vnc_count", lib.nrt_get_visible_vnc_count(ctypes.byref(cores)))
-    return NeuronHostInfo(FAMILIES.get(info.family), int(cores.value), info.arch_name.decode(errors="replace"))
+    return NeuronHostInfo(instance_family(info.family), int(cores.value), info.arch_name.decode(errors="replace"))
 
 
 class Session:
@@ -254,7 +263,10 @@ class Session:
         if self.closed:
             return
         for release in list(self._owners.values()):
-            release()
+            try:
+                release()
+            except RuntimeError:  # (an NrtError: that graph's resources may stay, nrt_close still runs)
+                pass
         self._owners.clear()
         for key in list(self._shared):
             self._shared[key][1] = 0
