@@ -105,6 +105,18 @@ def test_verify_host_asks_libnrt_for_the_platform_and_cores(deployed: dict[str, 
     assert inf2.returncode == 1 and "target.platform differs (built for trn2, this host has inf2)" in inf2.stderr
 
 
+def test_a_trn2_host_without_libnrt_refuses_the_neffs_at_open_naming_the_library(
+        deployed: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from neuronbuild.runtime import open_cache
+
+    monkeypatch.setenv("NEURONBUILD_LIBNRT", str(tmp_path / "libnrt.so"))  # absent
+    monkeypatch.setenv("NEURON_PLATFORM_TARGET_OVERRIDE", "trn2")
+    with pytest.raises(RuntimeError) as e:
+        open_cache(deployed["release"], strict=True, require=[TRN2])
+    assert f"no Neuron runtime library at {tmp_path / 'libnrt.so'}" in str(e.value)
+    assert "emulate='xla-cpu'" in str(e.value)
+
+
 def test_trn2_bundle_served_through_libnrt_generates_transformers_greedy_tokens(
         deployed: dict[str, Path], libnrt: Any, reference: dict[str, list[list[int]]]) -> None:  # noqa: F811
     from neuronbuild.runtime import open_cache
@@ -211,3 +223,40 @@ def test_closing_unloads_everything_before_nrt_close(deployed: dict[str, Path], 
     assert (state["models"], state["tensors"], state["sets"], state["violations"]) == (0, 0, 0, 0), \
         xla_executor.last_violation(libnrt)
     del cache
+
+
+def test_a_bf16_module_through_libnrt_computes_what_emulation_computes(libnrt: Any, tmp_path: Path) -> None:
+    """bf16 weights, inputs and outputs (2-byte NEFF tensors, nrt dtype BFLOAT16) through the libnrt path, against
+    the same module on XLA:CPU (emulation); an input of the wrong shape is refused naming it."""
+    import torch
+
+    from neuronbuild.runtime.neff_graph import load_neff_graph
+    from neuronbuild.runtime.xla_cpu import load_graph
+    from neuronbuild.toolchains.neuron_hlo import lower_program
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4)).to(torch.bfloat16)
+    with torch.no_grad():
+        ep = torch.export.export(model.eval(), (torch.ones(3, 8, dtype=torch.bfloat16),), strict=False)
+    low = lower_program(ep)
+    (tmp_path / "model.hlo.pb").write_bytes(low.proto)
+    (tmp_path / "params.json").write_bytes(low.params_json())
+    proc = subprocess.run([str(STANDIN), "compile", "model.hlo.pb", "--framework", "XLA", "--target", "trn2",
+                           "--output", "model.neff"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    weights = {k: v.detach() for k, v in model.state_dict().items()}
+    params = json.loads(low.params_json())
+    assert {p["dtype"] for p in params["parameters"]} == {"bfloat16"}
+    before = _state(libnrt)
+    graph = load_neff_graph("mlp [batch=3]", (tmp_path / "model.neff").read_bytes(), low.params_json(),
+                            [{"name": "out"}], {}, [weights])
+    x = torch.randn(3, 8).to(torch.bfloat16)
+    got = graph(x)
+    want = load_graph(tmp_path / "model.hlo.pb", tmp_path / "params.json", weights)(x)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want)
+    with pytest.raises(ValueError, match=r"input .* must have shape \[3, 8\], got \[2, 8\]"):
+        graph(x[:2])
+    graph.release()
+    after = _state(libnrt)
+    assert (after["models"], after["tensors"], after["sets"], after["violations"]) == \
+        (before["models"], before["tensors"], before["sets"], before["violations"])

@@ -149,10 +149,13 @@ def host_info(path: str | None = None) -> NeuronHostInfo | None:
     except LibnrtUnavailable:
         return None
     info = InstanceInfo()
-    check("nrt_get_instance_info", lib.nrt_get_instance_info(ctypes.byref(info), ctypes.sizeof(info)))
+    # (nrt.h documents the core counts as callable before nrt_init, not the instance info: when it refuses, the
+    # family is left to the caller's other sources: /dev/neuron* and the DMI product name)
+    known = lib.nrt_get_instance_info(ctypes.byref(info), ctypes.sizeof(info)) == 0
     cores = ctypes.c_uint32()
     check("nrt_get_visible_vnc_count", lib.nrt_get_visible_vnc_count(ctypes.byref(cores)))
-    return NeuronHostInfo(instance_family(info.family), int(cores.value), info.arch_name.decode(errors="replace"))
+    return NeuronHostInfo(instance_family(info.family) if known else None, int(cores.value),
+                          info.arch_name.decode(errors="replace") if known else "")
 
 
 class Session:

@@ -120,8 +120,10 @@ class NeffGraph:
         self.rank_dims = {str(k): int(v) for k, v in dict(tp.get("rank_dims") or {}).items()}
         self.output_rank_dims = {int(k): int(v) for k, v in dict(tp.get("output_rank_dims") or {}).items()}
         self.blocks = int(tp.get("blocks") or self.tp)
-        self.output_names = [str(o.get("name", f"output{j}")) for j, o in enumerate(outputs)] or \
-            [f"output{j}" for j in range(len(self.outputs))]
+        self.output_names = [str(o.get("name", f"output{j}")) for j, o in enumerate(outputs)]
+        if len(self.output_names) != len(self.outputs):
+            raise NeffMismatch(f"{describe}: the manifest lists {len(self.output_names)} output(s), params.json "
+                               f"{len(self.outputs)}")
         inputs = [p.name for p in self.params if p.kind == "input"]
         self.aliases = {self.output_names.index(o): inputs.index(i) for o, i in aliases.items()
                         if o in self.output_names and i in inputs}
@@ -141,7 +143,7 @@ class NeffGraph:
         try:
             for r in range(self.tp):
                 res.models.append(self._s.load(neff, r, r, self.tp))
-            self._check_io(self._s.tensor_info(res.models[0]))
+                self._check_io(self._s.tensor_info(res.models[r]))
             for r in range(self.tp):
                 self._bind_rank(r, weights[r])
         except BaseException:
