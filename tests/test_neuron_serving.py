@@ -61,8 +61,10 @@ def libnrt(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
 @pytest.fixture(scope="module")
 def deployed(built_example, cache_dir: Path, libnrt: Any,  # type: ignore[no-untyped-def]
              tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """The example workspace (a copy) built again with the neuronx-cc stand-in (trace and lowering cached: only the
-    compiles run), its release bundles deployed; keyed by bundle name."""
+    """The example workspace (a copy) built again with the neuronx-cc stand-in, plus a tp 2 target and one whose token
+    NEFF's I/O table disagrees with its manifest (the example's traces and lowerings come from the session cache: its
+    trn2 graphs only compile again, the tp 2 graphs trace, lower and compile); its release bundles deployed, keyed by
+    bundle name ("ws": the workspace)."""
     import shutil
 
     from neuronbuild.runtime.libnrt import library_path
