@@ -157,6 +157,25 @@ def test_trn2_bundle_served_through_libnrt_generates_transformers_greedy_tokens(
     assert _state(libnrt)["violations"] == before["violations"]
 
 
+def test_a_lenient_open_loads_a_neff_at_first_use_and_matches_emulation(deployed: dict[str, Path],
+                                                                          libnrt: Any) -> None:
+    import torch
+
+    from neuronbuild.runtime import open_cache
+
+    cache = open_cache(deployed["release"], strict=False)
+    assert cache.counters.hit == 0  # nothing loaded at open
+    ids = torch.randint(0, 512, (3, 32), generator=torch.Generator().manual_seed(5))
+    mask = torch.ones_like(ids)
+    got = cache.model(TRN2).family("context")(ids, mask)  # batch 3 padded to the batch-4 bucket, un-padded
+    assert (cache.counters.hit, cache.counters.emulated) == (1, 0)
+    emulated = open_cache(deployed["release"], strict=False, emulate="xla-cpu")
+    want = emulated.model(TRN2).family("context")(ids, mask)
+    assert (emulated.counters.hit, emulated.counters.emulated) == (0, 1)
+    for name in ("logits", "kv"):
+        assert got[name].shape == want[name].shape and torch.equal(got[name], want[name])
+
+
 def test_tp2_loads_one_model_per_rank_as_a_collectives_group(
         deployed: dict[str, Path], libnrt: Any, reference: dict[str, list[list[int]]]) -> None:  # noqa: F811
     from neuronbuild.runtime import open_cache
