@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import sys
 
 TYPE_CHECKING = False  # (not typing's: importing typing alone costs a no-op client through the server milliseconds)
@@ -21,6 +22,7 @@ def _parser_class() -> type[argparse.ArgumentParser]:
 
     class _Parser(argparse.ArgumentParser):
         def error(self, message: str) -> None:  # type: ignore[override]
+            message += _nearest_hint(self, message)
             if message.startswith("unrecognized arguments"):
                 from neuronbuild.plugins import PLUGINS_ENV, settings_problems
 
@@ -32,6 +34,35 @@ def _parser_class() -> type[argparse.ArgumentParser]:
             raise SystemExit(EXIT_BAD_INPUT)
 
     return _Parser
+
+
+def _nearest_hint(parser: argparse.ArgumentParser, message: str) -> str:
+    """` (did you mean 'build'?)` for a mistyped command or choice, ` (--jbos: did you mean --jobs?)` for a mistyped
+    flag: the nearest choice, or the nearest flag of the command given (else of every command), as difflib ranks them."""
+    import argparse
+    import difflib
+
+    choice = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)$", message)
+    if choice:
+        near = difflib.get_close_matches(choice.group(1), re.findall(r"'([^']*)'", choice.group(2)), n=1)
+        return f" (did you mean '{near[0]}'?)" if near else ""
+    sub = next((a for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None)
+    if not message.startswith("unrecognized arguments: "):
+        return ""
+    parsers = [parser]
+    if sub is not None:
+        given = [sub.choices[a] for a in _argv_seen if a in sub.choices]
+        parsers = given[:1] or [parser, *sub.choices.values()]
+    flags = sorted({o for p in parsers for a in p._actions for o in a.option_strings if o.startswith("--")})
+    hints = []
+    for word in message.split(": ", 1)[1].split():
+        near = difflib.get_close_matches(word.split("=", 1)[0], flags, n=1) if word.startswith("--") else []
+        if near:
+            hints.append(f"{word}: did you mean {near[0]}?")
+    return f" ({'; '.join(hints)})" if hints else ""
+
+
+_argv_seen: list[str] = []  # the arguments being parsed (for _nearest_hint: which command's flags to rank)
 
 
 EPILOG = """\
@@ -138,6 +169,7 @@ def _main(argv: list[str]) -> int:
     except NeuronBuildError as e:
         print(str(e), file=sys.stderr)
         return e.exit_code
+    _argv_seen[:] = argv
     try:
         args = parser.parse_args(argv)
     except SystemExit as e:
