@@ -79,11 +79,39 @@ def test_bare_neuronbuild_prints_help_with_every_command(tmp_path: Path) -> None
     assert ".neuronbuildrc" in proc.stdout and "-C DIR" in proc.stdout
 
 
-def test_version() -> None:
+def test_version_names_the_versions_builds_depend_on() -> None:
+    from importlib import metadata
+
     from neuronbuild import __version__
 
-    proc = run_cli(["--version"], REPO)
-    assert proc.returncode == 0 and proc.stdout.strip() == f"neuronbuild {__version__}"
+    for argv in (["--version"], ["version"]):
+        proc = run_cli(argv, REPO)
+        assert proc.returncode == 0, proc.stderr
+        first, deps = proc.stdout.splitlines()
+        assert first == f"neuronbuild {__version__}"
+        for dist in ("torch", "transformers", "jax"):
+            assert f"{dist} {metadata.version(dist)}" in deps, (dist, deps)
+
+
+def test_a_mistyped_command_choice_or_flag_gets_the_nearest_one(tmp_path: Path) -> None:
+    cases = [(["buidl"], "did you mean 'build'?"), (["cache", "stast"], "did you mean 'stats'?"),
+             (["build", "--executor", "dsk"], "did you mean 'dask'?"), (["build", "--jbos", "2"], "did you mean --jobs?"),
+             (["build", "--batch"], "--batch is a startup option: write it before the command")]
+    for argv, hint in cases:
+        proc = run_cli(argv, tmp_path)
+        assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and hint in proc.stderr, (argv, proc.stderr)
+    proc = run_cli(["frobnicate"], tmp_path)
+    assert proc.returncode == 2 and "did you mean" not in proc.stderr
+
+
+def test_a_mistyped_flag_is_refused_before_a_build_server_starts(tmp_path: Path) -> None:
+    ws = write_ws(tmp_path / "ws", {"BUILD": ""})
+    root = tmp_path / "servers"
+    env = {"NEURONBUILD_NO_SERVER": ""}
+    for argv in (["build", "--jbos", "2"], ["plan", "--batch"]):
+        proc = run_cli(["--output-user-root", str(root), *argv], ws, env)
+        assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "unrecognized arguments" in proc.stderr
+        assert "starting the build server" not in proc.stderr and not root.exists(), proc.stderr
 
 
 def test_piping_query_to_head_exits_quietly() -> None:

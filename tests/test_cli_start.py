@@ -246,6 +246,9 @@ def test_weights_convert_turns_a_state_dict_into_the_safetensors_a_model_loads(t
     assert "wrote 4 tensors" in proc.stdout and 'weights = "tiny.safetensors"' in proc.stdout
     got = load_file(dest)
     assert set(got) == set(trained.state_dict())
+    mask = os.umask(0o022)
+    os.umask(mask)
+    assert dest.stat().st_mode & 0o777 == 0o666 & ~mask  # (the mode a plain open() gives: teammates can read it)
     assert all(torch.equal(got[k], v) for k, v in trained.state_dict().items())
     again = run_cli(["weights", "convert", str(tmp_path / "tiny.pt"), str(dest)], tmp_path)
     assert again.returncode == 2 and "exists (pass --force" in again.stderr

@@ -286,6 +286,12 @@ def run(paths: ServerPaths, opts: StartupOptions, argv: list[str], workspace: st
     for _attempt in range(3):
         sock = connect(paths)
         if sock is None:
+            if _attempt == 0:
+                from neuronbuild.cli import command_line_error
+
+                bad = command_line_error(argv)  # (a mistyped flag is refused before a server is started for it)
+                if bad is not None:
+                    return bad
             try:
                 start_server(paths, opts, stamp, workspace)
             except (OSError, RuntimeError) as e:
