@@ -24,6 +24,8 @@ $(VENV)/.installed: pyproject.toml Makefile
 
 example: setup
 	cd examples && ../$(BIN)/neuronbuild build //...
+	@echo "The build server of examples/ stays up, warm, for the next command (it exits after 3 idle hours):" \
+	  "'cd examples && ../$(BIN)/neuronbuild shutdown' stops it now."
 
 # The suite runs in batch mode (no build server; tests/helpers.py also defaults to it). Then the build server's tests
 # (tests/test_server.py), which opt in to servers explicitly, each under its own output user root in a temporary
