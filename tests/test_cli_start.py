@@ -78,6 +78,22 @@ def test_init_prints_next_steps_and_never_overwrites(tmp_path: Path) -> None:
     assert not (tmp_path / "other" / "WORKSPACE.neuronbuild").exists()  # nothing written when refused
 
 
+def test_init_refuses_a_symlinked_directory_leading_out_of_the_workspace(tmp_path: Path) -> None:
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (tmp_path / "ws").mkdir()
+    (tmp_path / "ws" / "models").symlink_to(outside)
+    proc = run_cli(["init", "ws"], tmp_path)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert "leads outside ws" in proc.stderr and str(outside) in proc.stderr
+    assert list(outside.iterdir()) == [] and not (tmp_path / "ws" / "WORKSPACE.neuronbuild").exists()
+    (tmp_path / "ws" / "models").unlink()
+    (tmp_path / "ws" / "models").symlink_to(tmp_path / "ws" / "pkg", target_is_directory=True)  # inside: fine
+    (tmp_path / "ws" / "pkg").mkdir()
+    assert run_cli(["init", "ws"], tmp_path).returncode == 0
+    assert (tmp_path / "ws" / "pkg" / "BUILD").is_file()
+
+
 # -- output you can rely on -----------------------------------------------------------------------------------------
 def test_a_neuron_compile_without_neuronx_cc_says_skipped_and_is_not_estimated(started, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     ws, cache, proc = started

@@ -97,7 +97,14 @@ def run(args: argparse.Namespace) -> int:
     todo = files()
     if (root / ".gitignore").exists():
         del todo[".gitignore"]  # (a project's own: left as it is)
-    there = [rel for rel in todo if (root / rel).exists()]
+    real_root = root.resolve()
+    for rel in todo:  # (a directory on the way that is a symlink leading out would take the files elsewhere)
+        parent = (root / rel).parent
+        if parent.exists() and not parent.resolve().is_relative_to(real_root):
+            print(f"neuronbuild: error: {parent} leads outside {root} (to {parent.resolve()}); init writes only inside "
+                  "the new workspace", file=sys.stderr)
+            return EXIT_BAD_INPUT
+    there = [rel for rel in todo if (root / rel).exists() or (root / rel).is_symlink()]
     if there:
         what = "is already a workspace" if MARKER in there else f"already has {', '.join(there)}"
         print(f"neuronbuild: error: {root} {what}; init writes only new files (choose another DIR)", file=sys.stderr)
