@@ -79,6 +79,14 @@ CASES = [
      "pkg/BUILD:1:", "unknown attribute 'input' (did you mean 'inputs'?)"),
     ("undefined_macro_names_its_load", {"pkg/BUILD": 'hf_causal_lm(name = "x", config = {}, weights = "w")\n'},
      "pkg/BUILD:1:1", 'undefined: hf_causal_lm (load("@neuronbuild//rules:llm.bzl", "hf_causal_lm") provides it)'),
+    ("tp_degree_zero", {"pkg/BUILD": MODEL + 'neuron_target(name = "t", platform = "trn2")\n'
+                        'neuron_buckets(name = "b", dims = {"batch": [1], "seq": [8]})\n'
+                        'neuron_compile(name = "c", model = ":m", buckets = [":b"], target = ":t", tp_degree = 0)\n', **SRC},
+     "pkg/BUILD:4:75:", "attribute 'tp_degree' must be a positive int"),
+    ("tp_degree_bool", {"pkg/BUILD": MODEL + 'neuron_target(name = "t", platform = "trn2")\n'
+                        'neuron_buckets(name = "b", dims = {"batch": [1], "seq": [8]})\n'
+                        'neuron_compile(name = "c", model = ":m", buckets = [":b"], target = ":t", tp_degree = True)\n', **SRC},
+     "pkg/BUILD:4:75:", "attribute 'tp_degree' must be an int, got bool"),
     ("unloaded_bzl_name", {"pkg/BUILD": 'load("//tools:defs.bzl", "mk")\nhelper()\n',
                            "tools/defs.bzl": "def helper():\n    pass\ndef mk():\n    helper()\n"},
      "pkg/BUILD:2:1", "name 'helper' is not defined"),

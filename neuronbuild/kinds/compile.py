@@ -95,7 +95,10 @@ def analyze(ctx: AnalysisContext, t: Target) -> CompileTarget:
         warned.update(dict.fromkeys(option_warnings(tc, read)))
         return read
 
-    tp = int(t.attrs.get("tp_degree") or 1)
+    tp = int(t.attrs["tp_degree"])
+    if tp < 1:
+        raise UserInputError(f"attribute 'tp_degree' must be a positive int (the NeuronCores each graph spans), got {tp}",
+                             locate(ctx.graph, t, "tp_degree"))
     weights = None  # the model's one weights action (made once the checks below have passed)
     entries: list[tuple[Bucket, str]] = []
     buckets_attr = t.attrs["buckets"]

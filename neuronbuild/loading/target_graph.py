@@ -391,6 +391,7 @@ def _check_cycles(graph: TargetGraph, labels: set[Label], loader: Loader,
     return max(height.values(), default=0)
 
 
-def locate(graph: TargetGraph, target: Target) -> Location:
-    """Call site of a target's rule call (re-evaluates its BUILD file; only used on error paths)."""
-    return run_on_starlark_thread(lambda: Loader(graph.root).locate(target))
+def locate(graph: TargetGraph, target: Target, attr: str | None = None) -> Location:
+    """Call site of a target's rule call, or of its attribute `attr` there (re-evaluates its BUILD file; only used on
+    error paths)."""
+    return run_on_starlark_thread(lambda: Loader(graph.root).locate(target, attr))
