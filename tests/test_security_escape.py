@@ -654,6 +654,16 @@ def test_an_error_a_model_raises_reaches_the_terminal_with_its_control_character
     assert not re.search("[\x00-\x08\x0b-\x1f\x7f-\x9f]", proc.stdout + proc.stderr), repr(proc.stderr[-3000:])
 
 
+def test_a_model_calling_sys_exit_fails_its_action_with_a_message_and_a_log(tmp_path: Path) -> None:
+    ws = _one_model_ws(tmp_path / "ws", "import sys\n\n\ndef build(config):\n    sys.exit(3)\n", {})
+    proc = run_cli(["--batch", "build", "//pkg:all", "--jobs", "2", "--cache-dir", str(tmp_path / "cache")], ws)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "FAILED: Trace //pkg:m [b=1]: SystemExit: 3 (at pkg/m.py:5)" in proc.stderr, proc.stderr[-3000:]
+    assert "worker process died" not in proc.stderr and "exit status" not in proc.stderr
+    log = Path(re.search(r"\(log: (\S+)\)", proc.stderr)[1])  # type: ignore[index]
+    assert "SystemExit: 3" in log.read_text()  # the action's log holds the traceback
+
+
 # A model that, once its trace's outputs are written and its result sent, turns each output into a symbolic link to a
 # file it may not read (os._exit replaced: the action's process ends through it): the build process, unconfined,
 # would copy that file into the cache (a shared tier, bundles) as the trace's program.

@@ -174,7 +174,8 @@ def run_action(kind: str, spec: dict[str, Any], inputs: str, outputs: str, log_p
                     "duration_s": time.perf_counter() - start, "pid": os.getpid(), "peak_rss_mb": peak_rss_mb()}
         return {"ok": True, "metadata": meta, "duration_s": time.perf_counter() - start, "pid": os.getpid(),
                 "peak_rss_mb": peak_rss_mb()}
-    except Exception as e:  # noqa: BLE001 - every failure is reported as the action's failure
+    except (Exception, SystemExit) as e:  # noqa: BLE001 - every failure is reported as the action's failure
+        # (SystemExit too: model code calling sys.exit() fails its action with a message and a log, not its process)
         from neuronbuild.toolchains.errors import ToolchainError, source_frame, workspace_paths
 
         with open(log_path, "a", encoding="utf-8") as log:
