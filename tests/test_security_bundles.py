@@ -440,3 +440,18 @@ def test_redeploy_keeps_a_valid_signature_and_a_downgrade_is_refused_strictly(si
     assert sig.read_bytes() == valid
     back = run_cli(["deploy", str(older), "--dest", str(serve)], ws)
     assert back.returncode == 0 and "warning: a downgrade" in back.stderr, back.stderr
+
+
+def test_a_passphrase_protected_openssh_key_signs_with_its_passphrase(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    from neuronbuild.runtime.signing import SignatureError, verify_manifest
+
+    key = tmp_path / "protected"
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "s3cret phrase", "-f", str(key)], check=True)
+    manifest = b'{"label": "//pkg:release"}\n'
+    monkeypatch.delenv("NEURONBUILD_SIGNING_KEY_PASSPHRASE", raising=False)
+    with pytest.raises(SignatureError, match="passphrase-protected: give the passphrase in"):
+        sign_manifest(manifest, key)
+    monkeypatch.setenv("NEURONBUILD_SIGNING_KEY_PASSPHRASE", "s3cret phrase")
+    sig = sign_manifest(manifest, key)
+    assert verify_manifest(manifest, sig, load_trusted_keys(key.with_suffix(".pub")), "release")
