@@ -87,6 +87,26 @@ CASES = [
                         'neuron_buckets(name = "b", dims = {"batch": [1], "seq": [8]})\n'
                         'neuron_compile(name = "c", model = ":m", buckets = [":b"], target = ":t", tp_degree = True)\n', **SRC},
      "pkg/BUILD:4:75:", "attribute 'tp_degree' must be an int, got bool"),
+    ("hf_zero_heads", {"pkg/BUILD": 'load("@neuronbuild//rules:llm.bzl", "hf_causal_lm")\n'
+                       'hf_causal_lm(name = "lm", weights = "w.safetensors",\n'
+                       '    config = {"model_type": "llama", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 0, "num_key_value_heads": 1})\n'},
+     "pkg/BUILD:2:13", "config field num_attention_heads must be a positive int, got 0"),
+    ("hf_bool_hidden", {"pkg/BUILD": 'load("@neuronbuild//rules:llm.bzl", "hf_causal_lm")\n'
+                       'hf_causal_lm(name = "lm", weights = "w.safetensors",\n'
+                       '    config = {"model_type": "llama", "vocab_size": 64, "hidden_size": True, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2})\n'},
+     "pkg/BUILD:2:13", "config field hidden_size must be a positive int, got True"),
+    ("hf_absurd_layers", {"pkg/BUILD": 'load("@neuronbuild//rules:llm.bzl", "hf_causal_lm")\n'
+                       'hf_causal_lm(name = "lm", weights = "w.safetensors",\n'
+                       '    config = {"model_type": "llama", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1000000, "num_attention_heads": 4, "num_key_value_heads": 2})\n'},
+     "pkg/BUILD:2:13", "num_hidden_layers is 1000000, more than 1024"),
+    ("hf_heads_not_divisible", {"pkg/BUILD": 'load("@neuronbuild//rules:llm.bzl", "hf_causal_lm")\n'
+                       'hf_causal_lm(name = "lm", weights = "w.safetensors",\n'
+                       '    config = {"model_type": "llama", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 3})\n'},
+     "pkg/BUILD:2:13", "num_key_value_heads (3) must divide num_attention_heads (4)"),
+    ("hf_too_many_params", {"pkg/BUILD": 'load("@neuronbuild//rules:llm.bzl", "hf_causal_lm")\n'
+                       'hf_causal_lm(name = "lm", weights = "w.safetensors",\n'
+                       '    config = {"model_type": "llama", "vocab_size": 64, "hidden_size": 1000000, "intermediate_size": 64, "num_hidden_layers": 100, "num_attention_heads": 4, "num_key_value_heads": 2})\n'},
+     "pkg/BUILD:2:13", "more than any host could hold"),
     ("unloaded_bzl_name", {"pkg/BUILD": 'load("//tools:defs.bzl", "mk")\nhelper()\n',
                            "tools/defs.bzl": "def helper():\n    pass\ndef mk():\n    helper()\n"},
      "pkg/BUILD:2:1", "name 'helper' is not defined"),
