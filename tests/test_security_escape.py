@@ -301,6 +301,30 @@ def test_a_model_cannot_connect_to_a_unix_socket_or_the_network_nor_leave_a_daem
     assert not left, "a daemon the model started outlived the build"
 
 
+NET_VIEWER = '''def build(config):
+    unix = open("/proc/net/unix").read()
+    ifaces = sorted(ln.split(":")[0].strip() for ln in open("/proc/net/dev").read().splitlines()[2:])
+    print("NETVIEW", "sock-seen" if config["sock"] in unix else "sock-unseen", "ifaces=" + ",".join(ifaces), flush=True)
+    raise RuntimeError("looked")
+'''
+
+
+def test_a_model_sees_no_host_socket_or_interface_in_its_own_network_namespace(tmp_path: Path) -> None:
+    import socket
+
+    visible = str(tmp_path / "listening.sock")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as us:
+        us.bind(visible)
+        us.listen(1)
+        with open("/proc/net/unix") as f:
+            assert visible in f.read()  # (the check can fail: the machine's table lists it)
+        ws = _one_model_ws(tmp_path / "ws", NET_VIEWER, {"sock": visible})
+        proc = run_cli(["--batch", "build", "//pkg:all", "--jobs", "1", "--cache-dir", str(tmp_path / "cache")], ws)
+    assert proc.returncode == 1 and "looked" in proc.stderr, proc.stdout + proc.stderr
+    log = "\n".join(p.read_text(errors="replace") for p in (tmp_path / "cache").rglob("*.log"))
+    assert "NETVIEW sock-unseen ifaces=lo" in log, log[-3000:]
+
+
 def _raw(sock_path: str, msg: dict) -> list[dict]:  # type: ignore[type-arg]
     """Send one request to a server's socket as any process of the user could, and read every answer frame."""
     import socket
