@@ -160,7 +160,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         from neuronbuild.server.client import maybe_run
 
-        code = maybe_run(args)  # build, plan, explain and query go to the workspace's server unless --batch
+        # build, plan, explain and query go to the workspace's server unless --batch (a command line this process
+        # would refuse is refused before a server is started for it)
+        code = maybe_run(args, command_line_error)
         if code is not None:
             return code
         return _main(args)
