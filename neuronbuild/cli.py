@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import sys
 
 TYPE_CHECKING = False  # (not typing's: importing typing alone costs a no-op client through the server milliseconds)
@@ -14,6 +15,23 @@ if TYPE_CHECKING:
 # build server runs costs the client nothing but the thin client (neuronbuild/server/client.py).
 
 
+# What a build's outputs depend on besides neuronbuild (their versions enter the fingerprints that use them).
+VERSIONED_PACKAGES = ("torch", "transformers", "jax", "jaxlib", "torchax", "starlark-go")
+
+
+def version_text() -> str:
+    """`neuronbuild --version`: neuronbuild's version, then Python's and the build's packages' (from package metadata,
+    nothing imported)."""
+    import platform
+
+    from neuronbuild import __version__
+    from neuronbuild.analysis.toolchain_versions import package_version
+
+    deps = ", ".join(f"{name} {package_version(name).replace('not-installed', 'not installed')}"
+                     for name in VERSIONED_PACKAGES)
+    return f"neuronbuild {__version__}\nPython {platform.python_version()}, {deps}"
+
+
 def _parser_class() -> type[argparse.ArgumentParser]:
     import argparse
 
@@ -21,6 +39,7 @@ def _parser_class() -> type[argparse.ArgumentParser]:
 
     class _Parser(argparse.ArgumentParser):
         def error(self, message: str) -> None:  # type: ignore[override]
+            message += _nearest_hint(self, message)
             if message.startswith("unrecognized arguments"):
                 from neuronbuild.plugins import PLUGINS_ENV, settings_problems
 
@@ -32,6 +51,39 @@ def _parser_class() -> type[argparse.ArgumentParser]:
             raise SystemExit(EXIT_BAD_INPUT)
 
     return _Parser
+
+
+def _nearest_hint(parser: argparse.ArgumentParser, message: str) -> str:
+    """` (did you mean 'build'?)` for a mistyped command or choice, ` (--jbos: did you mean --jobs?)` for a mistyped
+    flag: the nearest choice, or the nearest flag of the command given (else of every command), as difflib ranks them."""
+    import argparse
+    import difflib
+
+    choice = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)$", message)
+    if choice:
+        near = difflib.get_close_matches(choice.group(1), re.findall(r"'([^']*)'", choice.group(2)), n=1)
+        return f" (did you mean '{near[0]}'?)" if near else ""
+    sub = next((a for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None)
+    if not message.startswith("unrecognized arguments: "):
+        return ""
+    parsers = [parser]
+    if sub is not None:
+        given = [sub.choices[a] for a in _argv_seen if a in sub.choices]
+        parsers = given[:1] or [parser, *sub.choices.values()]
+    flags = sorted({o for p in parsers for a in p._actions for o in a.option_strings if o.startswith("--")})
+    startup = {o for a in parser._actions for o in a.option_strings} - {"-h", "--help", "--version"}
+    hints = []
+    for word in message.split(": ", 1)[1].split():
+        flag = word.split("=", 1)[0]
+        near = difflib.get_close_matches(flag, flags, n=1) if word.startswith("--") else []
+        if parser is not parsers[0] and flag in startup:
+            hints.append(f"{flag} is a startup option: write it before the command: neuronbuild {flag} COMMAND ...")
+        elif near:
+            hints.append(f"{word}: did you mean {near[0]}?")
+    return f" ({'; '.join(hints)})" if hints else ""
+
+
+_argv_seen: list[str] = []  # the arguments being parsed (for _nearest_hint: which command's flags to rank)
 
 
 EPILOG = """\
@@ -46,15 +98,21 @@ def make_parser() -> tuple[argparse.ArgumentParser, dict[str, str]]:
     import argparse
     import importlib
 
-    from neuronbuild import __version__
     from neuronbuild.commands import COMMAND_MODULES
 
     _Parser = _parser_class()
+
+    class _VersionAction(argparse.Action):
+        def __call__(self, parser: argparse.ArgumentParser, *_args: object) -> None:
+            print(version_text())
+            parser.exit()
+
     parser = _Parser(prog="neuronbuild", description="Bazel-style builds of model graphs for accelerators.",
                      epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("-C", dest="directory", metavar="DIR", help="run as if started in this directory")
     parser.add_argument("--norc", action="store_true", help="read no .neuronbuildrc file")
-    parser.add_argument("--version", action="version", version=f"neuronbuild {__version__}")
+    parser.add_argument("--version", action=_VersionAction, nargs=0,
+                        help="show neuronbuild's version and those of the packages its builds depend on, and exit")
     startup = parser.add_argument_group("build server (startup options, before the command; docs/server.md)")
     startup.add_argument("--batch", action="store_true",
                          help="run the command in this process, without the build server (also: NEURONBUILD_NO_SERVER=1)")
@@ -102,7 +160,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         from neuronbuild.server.client import maybe_run
 
-        code = maybe_run(args)  # build, plan, explain and query go to the workspace's server unless --batch
+        # build, plan, explain and query go to the workspace's server unless --batch (a command line this process
+        # would refuse is refused before a server is started for it)
+        code = maybe_run(args, command_line_error)
         if code is not None:
             return code
         return _main(args)
@@ -122,6 +182,26 @@ def main(argv: Sequence[str] | None = None) -> int:
 BUILD_SIDE = frozenset({"starlark_go", "networkx", "blake3", "rich", "jinja2", "zstandard", "cryptography"})
 
 
+def command_line_error(argv: list[str]) -> int | None:
+    """The exit code of a command line this process would refuse (its one-line error printed), else None: what the
+    client checks before it starts a build server for the command."""
+    from neuronbuild.errors import NeuronBuildError
+    from neuronbuild.rcfile import expand
+
+    parser, _owners = _parser()
+    try:
+        argv = expand(argv, parser)
+    except NeuronBuildError as e:
+        print(str(e), file=sys.stderr)
+        return e.exit_code
+    _argv_seen[:] = argv
+    try:
+        parser.parse_args(argv)
+    except SystemExit as e:
+        return int(e.code or 0)
+    return None
+
+
 def _main(argv: list[str]) -> int:
     import importlib
     from pathlib import Path
@@ -138,6 +218,7 @@ def _main(argv: list[str]) -> int:
     except NeuronBuildError as e:
         print(str(e), file=sys.stderr)
         return e.exit_code
+    _argv_seen[:] = argv
     try:
         args = parser.parse_args(argv)
     except SystemExit as e:

@@ -276,7 +276,11 @@ def expand(argv: Sequence[str], parser: argparse.ArgumentParser, cwd: Path | Non
                 groups.append((known[name], words))
                 sources[id(words)] = (ln, name)
     groups = _drop_conflicts(target, groups, cmd.rest)
-    _note_workspace_settings(groups, sources)
+    # Consent to the workspace rc's programs comes from the user: the command line or the home rc, never a workspace's.
+    trusted = TRUST_FLAG in cmd.rest or any(
+        TRUST_FLAG in words and src is not None and _is_home_rc(src[0].path)
+        for _a, words in groups for src in (sources.get(id(words)),))
+    _note_workspace_settings(groups, sources, trusted)
     rc_words = [w for _a, ws in groups for w in ws]
     return [*cmd.prefix, *cmd.words, *rc_words, *cmd.rest]
 
@@ -309,7 +313,12 @@ NOTED = {
     "--remote-cache-trust-writers": "serving shared-cache records no trusted key signed",
     "--build-event-json-file": "the file build events are written to",
 }
+# Of those, the ones naming a program the build process runs (a `--version` probe before any action): a workspace rc
+# file's value is used only with the user's consent (TRUST_FLAG once, remembered per rc file, option and value).
+PROGRAMS = frozenset({"--neuronx-cc"})
+TRUST_FLAG = "--trust-workspace-rc"
 NOTICES_FILE = "rc-notices"  # in the output user root: one sha256 per line, of (rc file, option, value) seen
+CONSENTS_FILE = "rc-consents"  # the same, of the programs the user allowed
 MAX_NOTICES = 1000
 
 
@@ -323,17 +332,42 @@ def _is_home_rc(path: Path) -> bool:
         return False
 
 
+def _seen(state: Path) -> set[str]:
+    from neuronbuild.atomic import read_own_state
+
+    try:
+        return set(read_own_state(state)[:MAX_NOTICES * 65].decode("ascii", "replace").split())
+    except OSError:
+        return set()
+
+
+def _remember(state: Path, seen: set[str], new: list[str]) -> None:
+    from neuronbuild.atomic import atomic_write_bytes
+    from neuronbuild.server.protocol import private_dir
+
+    keep = sorted(k for k in seen if len(k) == 64)
+    if len(keep) + len(new) > MAX_NOTICES:
+        keep = []  # bounded: the forgotten settings are noted (or asked) once more
+    try:
+        private_dir(state.parent)
+        atomic_write_bytes(state, "".join(k + "\n" for k in [*keep, *new]).encode(), durable=False, mode=0o600)
+    except OSError:
+        pass  # noted again next time
+
+
 def _note_workspace_settings(groups: list[tuple[argparse.Action, list[str]]],
-                             sources: dict[int, tuple[RcLine, str]]) -> None:
+                             sources: dict[int, tuple[RcLine, str]], trusted: bool = False) -> None:
     """Print `neuronbuild: note: <rc>:<line> sets --flag VALUE (...)` for each NOTED flag a workspace rc file
     (not the user's home rc) sets, once per rc file, flag and value: the state is the user's (the output user root),
-    never the workspace's, so a workspace cannot mark its own settings as already seen."""
+    never the workspace's, so a workspace cannot mark its own settings as already seen. A PROGRAMS flag's value is
+    refused (RcError, before anything runs) until the user allowed it with TRUST_FLAG (`trusted`), once per value."""
     import hashlib
     import sys
 
-    from neuronbuild.atomic import atomic_write_bytes, read_own_state
-    from neuronbuild.server.protocol import default_output_user_root, private_dir
+    from neuronbuild.server.protocol import default_output_user_root
 
+    root = Path(default_output_user_root())
+    consents = None
     noted = []
     for _action, words in groups:
         src = sources.get(id(words))
@@ -343,25 +377,23 @@ def _note_workspace_settings(groups: list[tuple[argparse.Action, list[str]]],
         value = _value(words, name)
         key = hashlib.sha256("\0".join((str(ln.path.resolve()), name, value)).encode()).hexdigest()
         shown = f"{name} {value!r}" if value else name  # (a switch has no value)
+        if name in PROGRAMS:
+            if consents is None:
+                consents = _seen(root / CONSENTS_FILE)
+            if key not in consents:
+                if not trusted:
+                    raise RcError(ln.where, f"a workspace rc file sets {shown}: {NOTED[name]}, as you, before any "
+                                            f"action (its --version first); nothing was run. If you trust this "
+                                            f"workspace, add {TRUST_FLAG} once (remembered for this value)")
+                _remember(root / CONSENTS_FILE, consents, [key])
+                consents.add(key)
         noted.append((key, f"neuronbuild: note: {ln.where} (a workspace rc file) sets {shown}: {NOTED[name]}"))
     if not noted:
         return
-    state = Path(default_output_user_root()) / NOTICES_FILE
-    try:
-        seen = set(read_own_state(state)[:MAX_NOTICES * 65].decode("ascii", "replace").split())
-    except OSError:
-        seen = set()
+    state = root / NOTICES_FILE
+    seen = _seen(state)
     new = [(k, msg) for k, msg in noted if k not in seen]
     for _k, msg in new:
         print(msg, file=sys.stderr)
-    if not new:
-        return
-    keep = sorted(k for k in seen if len(k) == 64)
-    if len(keep) + len(new) > MAX_NOTICES:
-        keep = []  # bounded: the forgotten settings are noted once more
-    try:
-        private_dir(state.parent)
-        atomic_write_bytes(state, "".join(k + "\n" for k in [*keep, *(k for k, _m in new)]).encode(),
-                           durable=False, mode=0o600)
-    except OSError:
-        pass  # noted again next time
+    if new:
+        _remember(state, seen, [k for k, _m in new])

@@ -22,6 +22,38 @@ def _kv_heads(model_type, config, heads):
         return 1 if config.get("multi_query", True) else heads
     return _field(config, ["num_key_value_heads", "num_kv_heads", "multi_query_group_num"], heads)
 
+# Analysis-time sanity (a model no host could hold fails here, naming the field, not after its traces ran for hours):
+# the largest served LLMs have ~126 layers (Llama-3.1-405B) and ~0.7T parameters (DeepSeek-V3).
+MAX_LAYERS = 1024
+MAX_PARAMS = 10 * 1000 * 1000 * 1000 * 1000  # 10T
+
+def _positive(name, field, value):
+    if type(value) != "int" or value <= 0:
+        fail("hf_causal_lm %s: config field %s must be a positive int, got %r" % (name, field, value))
+    return value
+
+def _check_size(name, config, layers, hidden, heads, kv_heads, head_dim, max_seq):
+    """Fails for shapes no host could hold or that are inconsistent, naming the field."""
+    _positive(name, "num_key_value_heads", kv_heads)
+    _positive(name, "head_dim", head_dim)
+    _positive(name, "max_seq", max_seq)
+    if heads % kv_heads:
+        fail("hf_causal_lm %s: config field num_key_value_heads (%d) must divide num_attention_heads (%d)" % (
+            name, kv_heads, heads))
+    if layers > MAX_LAYERS:
+        fail(("hf_causal_lm %s: config field num_hidden_layers is %d, more than %d (the largest served models have " +
+              "~126); no host could build or serve it") % (name, layers, MAX_LAYERS))
+    vocab = _positive(name, "vocab_size", config.get("vocab_size", 32000))
+    inter = config.get("intermediate_size") or config.get("n_inner") or 4 * hidden
+    _positive(name, "intermediate_size", inter)
+    experts = config.get("num_local_experts") or config.get("num_experts") or config.get("n_routed_experts") or 1
+    _positive(name, "num_experts", experts)
+    attn = hidden * heads * head_dim * 2 + hidden * kv_heads * head_dim * 2
+    params = 2 * vocab * hidden + layers * (attn + 3 * hidden * inter * experts)
+    if params > MAX_PARAMS:
+        fail(("hf_causal_lm %s: the config describes ~%d billion parameters (hidden_size %d, num_hidden_layers %d, " +
+              "vocab_size %d), more than any host could hold") % (name, params // 1000000000, hidden, layers, vocab))
+
 _DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16", "fp32": "float32", "bf16": "bfloat16",
            "fp16": "float16", "float": "float32", "half": "float16"}
 
@@ -47,11 +79,12 @@ def hf_causal_lm(name, config, weights, max_seq = 256, model_type = None, weight
             fail("hf_causal_lm %s: config field layer_types: %r is not supported (full_attention and sliding_attention are)" % (name, lt))
     if config.get("attention_chunk_size") != None:
         fail("hf_causal_lm %s: config field attention_chunk_size: chunked attention is not supported" % name)
-    layers = _field(config, ["num_hidden_layers", "n_layer"])
-    heads = _field(config, ["num_attention_heads", "n_head"])
-    hidden = _field(config, ["hidden_size", "n_embd"])
+    layers = _positive(name, "num_hidden_layers", _field(config, ["num_hidden_layers", "n_layer"]))
+    heads = _positive(name, "num_attention_heads", _field(config, ["num_attention_heads", "n_head"]))
+    hidden = _positive(name, "hidden_size", _field(config, ["hidden_size", "n_embd"]))
     kv_heads = _kv_heads(mt, config, heads)
     head_dim = _field(config, ["head_dim"], hidden // heads)
+    _check_size(name, config, layers, hidden, heads, kv_heads, head_dim, max_seq)
     hf = {k: v for k, v in config.items() if k not in ("model_type", "torch_dtype", "dtype")}
     if dt != "float32":  # (float32 is transformers' default: such configs stay as they were)
         hf["dtype"] = dt

@@ -14,29 +14,29 @@ MODEL = 'neuron_model(name = "m", srcs = ["m.py"], entry = "m:build", inputs = {
 SRC = {"pkg/m.py": "def build(config):\n    raise NotImplementedError\n"}
 
 CASES = [
-    # (id, files, expected location prefix, expected message fragment)
+    # (id, files, expected location prefix: the attribute when the error is about one, expected message fragment)
     ("unknown_attr", {"pkg/BUILD": 'neuron_target(name = "t", platform = "trn2", colour = "red")\n'},
-     "pkg/BUILD:1:14", "unknown attribute 'colour'"),
+     "pkg/BUILD:1:46", "unknown attribute 'colour'"),
     ("missing_attr", {"pkg/BUILD": '\n\nneuron_target(name = "t")\n'}, "pkg/BUILD:3:14",
      "missing required attribute 'platform'"),
-    ("mistyped_attr", {"pkg/BUILD": 'neuron_buckets(name = "b", dims = {"batch": "4"})\n'}, "pkg/BUILD:1:15",
+    ("mistyped_attr", {"pkg/BUILD": 'neuron_buckets(name = "b", dims = {"batch": "4"})\n'}, "pkg/BUILD:1:28",
      "dimension 'batch' needs a non-empty list"),
-    ("mistyped_int", {"pkg/BUILD": 'compiler_options(name = "o", opt_level = "2")\n'}, "pkg/BUILD:1:17",
+    ("mistyped_int", {"pkg/BUILD": 'compiler_options(name = "o", opt_level = "2")\n'}, "pkg/BUILD:1:30",
      "'opt_level' must be an int"),
-    ("bad_choice", {"pkg/BUILD": 'neuron_target(name = "t", platform = "tpu")\n'}, "pkg/BUILD:1:14",
+    ("bad_choice", {"pkg/BUILD": 'neuron_target(name = "t", platform = "tpu")\n'}, "pkg/BUILD:1:27",
      "'platform' must be one of"),
     ("duplicate", {"pkg/BUILD": 'neuron_target(name = "t", platform = "trn2")\nneuron_target(name = "t", platform = "trn1")\n'},
      "pkg/BUILD:2:14", "duplicate target name 't'"),
     ("dangling", {"pkg/BUILD": MODEL + 'neuron_target(name = "t", platform = "trn2")\n'
                   'neuron_compile(name = "c", model = ":m", buckets = [":nope"], target = ":t")\n', **SRC},
-     "pkg/BUILD:3:15", "refers to '//pkg:nope', which does not exist"),
+     "pkg/BUILD:3:42", "refers to '//pkg:nope', which does not exist"),
     ("dangling_package", {"pkg/BUILD": MODEL + 'neuron_target(name = "t", platform = "trn2")\n'
                           'neuron_buckets(name = "b", dims = {"batch": [1], "seq": [8]})\n'
                           'neuron_compile(name = "c", model = ":m", buckets = [":b"], target = "//other:t")\n', **SRC},
-     "pkg/BUILD:4:15", "no BUILD file"),
+     "pkg/BUILD:4:60", "no BUILD file"),
     ("wrong_kind", {"pkg/BUILD": MODEL + 'neuron_target(name = "t", platform = "trn2")\n'
                     'neuron_compile(name = "c", model = ":t", buckets = [], target = ":t")\n', **SRC},
-     "pkg/BUILD:3:15", "must be a neuron_model target, but '//pkg:t' is a neuron_target"),
+     "pkg/BUILD:3:28", "must be a neuron_model target, but '//pkg:t' is a neuron_target"),
     ("cycle", {"pkg/BUILD": 'compiler_options(name = "a", deps = [":b"])\ncompiler_options(name = "b", deps = [":a"])\n'},
      "pkg/BUILD:", "dependency cycle: //pkg:a -> //pkg:b -> //pkg:a"),
     ("syntax", {"pkg/BUILD": 'neuron_target(name = "t",\n  platform = )\n'}, "pkg/BUILD:2:", "syntax error"),
@@ -50,15 +50,15 @@ CASES = [
      "pkg/BUILD:1:1", "private"),
     ("positional", {"pkg/BUILD": 'neuron_target("t", platform = "trn2")\n'}, "pkg/BUILD:1:14",
      "keyword arguments only"),
-    ("missing_src", {"pkg/BUILD": MODEL}, "pkg/BUILD:1:13", "source file 'pkg/m.py' does not exist"),
-    ("bad_label", {"pkg/BUILD": 'compiler_options(name = "o", deps = ["//bad::x"])\n'}, "pkg/BUILD:1:17",
+    ("missing_src", {"pkg/BUILD": MODEL}, "pkg/BUILD:1:26", "source file 'pkg/m.py' does not exist"),
+    ("bad_label", {"pkg/BUILD": 'compiler_options(name = "o", deps = ["//bad::x"])\n'}, "pkg/BUILD:1:30",
      "invalid target name"),
-    ("bad_input_spec", {"pkg/BUILD": MODEL.replace("int64[batch, seq]", "int64<batch>"), **SRC}, "pkg/BUILD:1:13",
+    ("bad_input_spec", {"pkg/BUILD": MODEL.replace("int64[batch, seq]", "int64<batch>"), **SRC}, "pkg/BUILD:1:62",
      "must look like 'int64[batch, seq]'"),
-    ("bad_entry", {"pkg/BUILD": MODEL.replace("m:build", "m.build"), **SRC}, "pkg/BUILD:1:13",
+    ("bad_entry", {"pkg/BUILD": MODEL.replace("m:build", "m.build"), **SRC}, "pkg/BUILD:1:43",
      "'entry' must look like 'module:function'"),
     ("isa_on_neuron", {"pkg/BUILD": 'neuron_target(name = "t", platform = "trn2", isa = "x86-64-v3")\n'},
-     "pkg/BUILD:1:14", "applies to platform 'cpu' only"),
+     "pkg/BUILD:1:46", "applies to platform 'cpu' only"),
     ("dims_and_shapes", {"pkg/BUILD": 'neuron_buckets(name = "b", dims = {"b": [1]}, shapes = [{"b": 1}])\n'},
      "pkg/BUILD:1:15", "exactly one of 'dims' and 'shapes'"),
     ("fail_in_macro", {"pkg/BUILD": 'load("@neuronbuild//rules:llm.bzl", "llm_compile")\n\nllm_compile(name = "x", '
@@ -72,6 +72,41 @@ CASES = [
                               'neuron_buckets(name = "b", shapes = [{"batch": 1}])\n'
                               'neuron_compile(name = "c", model = ":m", buckets = [":b"], target = ":t")\n', **SRC},
      "pkg/BUILD:4:15", "has no size for dimension 'seq'"),
+    ("nearest_label", {"pkg/BUILD": MODEL + 'neuron_target(name = "trn2", platform = "trn2")\n'
+                       'neuron_compile(name = "c", model = ":m", buckets = [],\n    target = ":tnr2")\n', **SRC},
+     "pkg/BUILD:4:5", "which does not exist (not declared there; did you mean ':trn2'?)"),
+    ("nearest_attr_is_the_missing_required_one", {"pkg/BUILD": MODEL.replace("inputs =", "input ="), **SRC},
+     "pkg/BUILD:1:", "unknown attribute 'input' (did you mean 'inputs'?)"),
+    ("undefined_macro_names_its_load", {"pkg/BUILD": 'hf_causal_lm(name = "x", config = {}, weights = "w")\n'},
+     "pkg/BUILD:1:1", 'undefined: hf_causal_lm (load("@neuronbuild//rules:llm.bzl", "hf_causal_lm") provides it)'),
+    ("tp_degree_zero", {"pkg/BUILD": MODEL + 'neuron_target(name = "t", platform = "trn2")\n'
+                        'neuron_buckets(name = "b", dims = {"batch": [1], "seq": [8]})\n'
+                        'neuron_compile(name = "c", model = ":m", buckets = [":b"], target = ":t", tp_degree = 0)\n', **SRC},
+     "pkg/BUILD:4:75:", "attribute 'tp_degree' must be a positive int"),
+    ("tp_degree_bool", {"pkg/BUILD": MODEL + 'neuron_target(name = "t", platform = "trn2")\n'
+                        'neuron_buckets(name = "b", dims = {"batch": [1], "seq": [8]})\n'
+                        'neuron_compile(name = "c", model = ":m", buckets = [":b"], target = ":t", tp_degree = True)\n', **SRC},
+     "pkg/BUILD:4:75:", "attribute 'tp_degree' must be an int, got bool"),
+    ("hf_zero_heads", {"pkg/BUILD": 'load("@neuronbuild//rules:llm.bzl", "hf_causal_lm")\n'
+                       'hf_causal_lm(name = "lm", weights = "w.safetensors",\n'
+                       '    config = {"model_type": "llama", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 0, "num_key_value_heads": 1})\n'},
+     "pkg/BUILD:2:13", "config field num_attention_heads must be a positive int, got 0"),
+    ("hf_bool_hidden", {"pkg/BUILD": 'load("@neuronbuild//rules:llm.bzl", "hf_causal_lm")\n'
+                       'hf_causal_lm(name = "lm", weights = "w.safetensors",\n'
+                       '    config = {"model_type": "llama", "vocab_size": 64, "hidden_size": True, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2})\n'},
+     "pkg/BUILD:2:13", "config field hidden_size must be a positive int, got True"),
+    ("hf_absurd_layers", {"pkg/BUILD": 'load("@neuronbuild//rules:llm.bzl", "hf_causal_lm")\n'
+                       'hf_causal_lm(name = "lm", weights = "w.safetensors",\n'
+                       '    config = {"model_type": "llama", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1000000, "num_attention_heads": 4, "num_key_value_heads": 2})\n'},
+     "pkg/BUILD:2:13", "num_hidden_layers is 1000000, more than 1024"),
+    ("hf_heads_not_divisible", {"pkg/BUILD": 'load("@neuronbuild//rules:llm.bzl", "hf_causal_lm")\n'
+                       'hf_causal_lm(name = "lm", weights = "w.safetensors",\n'
+                       '    config = {"model_type": "llama", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 3})\n'},
+     "pkg/BUILD:2:13", "num_key_value_heads (3) must divide num_attention_heads (4)"),
+    ("hf_too_many_params", {"pkg/BUILD": 'load("@neuronbuild//rules:llm.bzl", "hf_causal_lm")\n'
+                       'hf_causal_lm(name = "lm", weights = "w.safetensors",\n'
+                       '    config = {"model_type": "llama", "vocab_size": 64, "hidden_size": 1000000, "intermediate_size": 64, "num_hidden_layers": 100, "num_attention_heads": 4, "num_key_value_heads": 2})\n'},
+     "pkg/BUILD:2:13", "more than any host could hold"),
     ("unloaded_bzl_name", {"pkg/BUILD": 'load("//tools:defs.bzl", "mk")\nhelper()\n',
                            "tools/defs.bzl": "def helper():\n    pass\ndef mk():\n    helper()\n"},
      "pkg/BUILD:2:1", "name 'helper' is not defined"),
@@ -98,7 +133,7 @@ def test_bad_input_through_the_real_command_has_no_traceback(tmp_path: Path) -> 
     ws = write_ws(tmp_path / "ws", {"pkg/BUILD": 'neuron_target(name = "t", platform = 3)\n'})
     proc = run_cli(["build", "//pkg:t", "--cache-dir", str(tmp_path / "c")], ws)
     assert proc.returncode == 2
-    assert proc.stderr.strip() == "pkg/BUILD:1:14: error: attribute 'platform' must be a string, got int"
+    assert proc.stderr.strip() == "pkg/BUILD:1:27: error: attribute 'platform' must be a string, got int"
     assert "Traceback" not in proc.stderr
 
 

@@ -79,11 +79,39 @@ def test_bare_neuronbuild_prints_help_with_every_command(tmp_path: Path) -> None
     assert ".neuronbuildrc" in proc.stdout and "-C DIR" in proc.stdout
 
 
-def test_version() -> None:
+def test_version_names_the_versions_builds_depend_on() -> None:
+    from importlib import metadata
+
     from neuronbuild import __version__
 
-    proc = run_cli(["--version"], REPO)
-    assert proc.returncode == 0 and proc.stdout.strip() == f"neuronbuild {__version__}"
+    for argv in (["--version"], ["version"]):
+        proc = run_cli(argv, REPO)
+        assert proc.returncode == 0, proc.stderr
+        first, deps = proc.stdout.splitlines()
+        assert first == f"neuronbuild {__version__}"
+        for dist in ("torch", "transformers", "jax"):
+            assert f"{dist} {metadata.version(dist)}" in deps, (dist, deps)
+
+
+def test_a_mistyped_command_choice_or_flag_gets_the_nearest_one(tmp_path: Path) -> None:
+    cases = [(["buidl"], "did you mean 'build'?"), (["cache", "stast"], "did you mean 'stats'?"),
+             (["build", "--executor", "dsk"], "did you mean 'dask'?"), (["build", "--jbos", "2"], "did you mean --jobs?"),
+             (["build", "--batch"], "--batch is a startup option: write it before the command")]
+    for argv, hint in cases:
+        proc = run_cli(argv, tmp_path)
+        assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and hint in proc.stderr, (argv, proc.stderr)
+    proc = run_cli(["frobnicate"], tmp_path)
+    assert proc.returncode == 2 and "did you mean" not in proc.stderr
+
+
+def test_a_mistyped_flag_is_refused_before_a_build_server_starts(tmp_path: Path) -> None:
+    ws = write_ws(tmp_path / "ws", {"BUILD": ""})
+    root = tmp_path / "servers"
+    env = {"NEURONBUILD_NO_SERVER": ""}
+    for argv in (["build", "--jbos", "2"], ["plan", "--batch"]):
+        proc = run_cli(["--output-user-root", str(root), *argv], ws, env)
+        assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "unrecognized arguments" in proc.stderr
+        assert "starting the build server" not in proc.stderr and not root.exists(), proc.stderr
 
 
 def test_piping_query_to_head_exits_quietly() -> None:
@@ -277,3 +305,30 @@ def test_cache_stats_and_gc_cover_the_compiler_scratch_dir(tiny, tmp_path: Path)
     assert not big.exists() and _on_disk(cache) <= cap
     again = _nb(["build", "--cache-dir", str(cache)], ws)  # the workspace's entries were kept
     assert again.returncode == 0 and "0 executed" in again.stdout
+
+
+# -- the README's claims ---------------------------------------------------------------------------------------------
+def _plan_counts(args: list[str], ws: Path, cache: Path) -> tuple[int, int, int]:
+    proc = _nb(["plan", *args, "--cache-dir", str(cache)], ws)
+    assert proc.returncode == 0, proc.stderr
+    m = re.search(r"^(\d+) actions: (\d+) to execute, (\d+) cached", proc.stdout, re.M)
+    assert m, proc.stdout
+    return int(m[1]), int(m[2]), int(m[3])
+
+
+def test_the_readme_quick_start_counts_are_what_plan_says(tmp_path: Path) -> None:
+    readme = (REPO / "README.md").read_text()
+    quick = readme.split("## Quick start", 1)[1].split("## Concepts", 1)[0]
+    said = [tuple(int(n) for n in m) for m in re.findall(r"(\d+) actions: (\d+) executed, (\d+) cached", quick)]
+    assert len(said) == 3, said  # llama_cpu, llama_cpu again, llama_trn2
+    ws, cache = copy_example(tmp_path / "ws"), tmp_path / "cache"
+    cpu, _, _ = _plan_counts(["//models:llama_cpu"], ws, cache)
+    trn2, _, _ = _plan_counts(["//models:llama_trn2"], ws, cache)
+    both, _, _ = _plan_counts(["//models:llama_cpu", "//models:llama_trn2"], ws, cache)
+    new_for_trn2 = both - cpu  # what llama_trn2 executes after llama_cpu was built
+    assert said == [(cpu, cpu, 0), (cpu, 0, cpu), (trn2, new_for_trn2, trn2 - new_for_trn2)], quick
+    init_said = re.search(r"neuronbuild build\s+# (\d+) actions; outputs", quick)
+    assert init_said, quick
+    proc = _nb(["init", "new"], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert _plan_counts([], tmp_path / "new", cache)[0] == int(init_said[1])

@@ -16,7 +16,7 @@ import pytest
 from helpers import REPO, run_cli
 
 NO_CC = {"NEURONX_CC": ""}
-OUTPUTS = re.compile(r"^Outputs in (.+)neuronbuild-out: models/tiny_cpu/, models/tiny_trn2/$")
+OUTPUTS = re.compile(r"^Outputs in (.+)neuronbuild-out: models/tiny_cpu/, models/tiny_trn2/, models/release_cpu.tar.zst$")
 
 
 def _nb(args: list[str], cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -76,6 +76,22 @@ def test_init_prints_next_steps_and_never_overwrites(tmp_path: Path) -> None:
     clash = run_cli(["init", "other"], tmp_path)
     assert clash.returncode == 2 and "already has models/model.py" in clash.stderr
     assert not (tmp_path / "other" / "WORKSPACE.neuronbuild").exists()  # nothing written when refused
+
+
+def test_init_refuses_a_symlinked_directory_leading_out_of_the_workspace(tmp_path: Path) -> None:
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (tmp_path / "ws").mkdir()
+    (tmp_path / "ws" / "models").symlink_to(outside)
+    proc = run_cli(["init", "ws"], tmp_path)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert "leads outside ws" in proc.stderr and str(outside) in proc.stderr
+    assert list(outside.iterdir()) == [] and not (tmp_path / "ws" / "WORKSPACE.neuronbuild").exists()
+    (tmp_path / "ws" / "models").unlink()
+    (tmp_path / "ws" / "models").symlink_to(tmp_path / "ws" / "pkg", target_is_directory=True)  # inside: fine
+    (tmp_path / "ws" / "pkg").mkdir()
+    assert run_cli(["init", "ws"], tmp_path).returncode == 0
+    assert (tmp_path / "ws" / "pkg" / "BUILD").is_file()
 
 
 # -- output you can rely on -----------------------------------------------------------------------------------------
@@ -246,6 +262,9 @@ def test_weights_convert_turns_a_state_dict_into_the_safetensors_a_model_loads(t
     assert "wrote 4 tensors" in proc.stdout and 'weights = "tiny.safetensors"' in proc.stdout
     got = load_file(dest)
     assert set(got) == set(trained.state_dict())
+    mask = os.umask(0o022)
+    os.umask(mask)
+    assert dest.stat().st_mode & 0o777 == 0o666 & ~mask  # (the mode a plain open() gives: teammates can read it)
     assert all(torch.equal(got[k], v) for k, v in trained.state_dict().items())
     again = run_cli(["weights", "convert", str(tmp_path / "tiny.pt"), str(dest)], tmp_path)
     assert again.returncode == 2 and "exists (pass --force" in again.stderr
@@ -273,7 +292,7 @@ def test_help_and_version_are_commands() -> None:
     from neuronbuild import __version__
 
     version = run_cli(["version"], REPO)
-    assert version.returncode == 0 and version.stdout == f"neuronbuild {__version__}\n"
+    assert version.returncode == 0 and version.stdout.splitlines()[0] == f"neuronbuild {__version__}"
     top = run_cli(["help"], REPO)
     assert top.returncode == 0 and re.search(r"^\s+init\s", top.stdout, re.M) and "-C DIR" in top.stdout
     gc = run_cli(["help", "cache", "gc"], REPO)

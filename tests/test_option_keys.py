@@ -57,3 +57,38 @@ def test_an_option_no_toolchain_reads_is_refused_at_its_call_site(tmp_path: Path
     proc = run_cli(["plan", "--cache-dir", str(tmp_path / "cache")], ws)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
     assert proc.stderr.startswith("m/BUILD:11:") and "unknown attribute 'isa'" in proc.stderr, proc.stderr
+
+
+FLAGS_BUILD = """
+neuron_model(name = "tiny", srcs = ["llama.py"], entry = "llama:build_model",
+             config = {{"vocab": 64, "hidden": 16, "layers": 1, "heads": 2}},
+             inputs = {{"input_ids": "int64[batch, seq]"}})
+neuron_buckets(name = "b", dims = {{"batch": [1], "seq": [8]}})
+neuron_target(name = "trn2", platform = "trn2")
+compiler_options(name = "opts", opt_level = 2, flags = {flags})
+neuron_compile(name = "tiny_trn2", model = ":tiny", buckets = [":b"], target = ":trn2", options = ":opts")
+"""
+
+
+def test_raw_flags_are_checked_against_the_neuronx_cc_contract_without_neuronx_cc(tmp_path: Path) -> None:
+    ws = tmp_path / "ws"
+    plan = ["plan", "--cache-dir", str(tmp_path / "cache")]
+    env = {"NEURONX_CC": ""}
+    # Documented flags and NxD Inference's internal ones pass quietly.
+    write_ws(ws, {"m/llama.py": MODEL_SRC, "m/BUILD": FLAGS_BUILD.format(
+        flags='["--enable-saturate-infinity", "--internal-hlo2tensorizer-options=--x"]')})
+    quiet = run_cli(plan, ws, env)
+    assert quiet.returncode == 0 and "warning" not in quiet.stderr, quiet.stderr
+    # An unknown flag is a located warning; the plan goes on.
+    (ws / "m/BUILD").write_text(FLAGS_BUILD.format(flags='["--no-such-flag"]'))
+    warned = run_cli(plan, ws, env)
+    assert warned.returncode == 0, warned.stderr
+    assert warned.stderr.startswith("warning: m/BUILD:8:") and warned.stderr.count("\n") == 1, warned.stderr
+    assert "'--no-such-flag' is not a documented neuronx-cc flag" in warned.stderr
+    # A flag setting what an option sets (here beside opt_level's -O2) is a located error, before anything runs.
+    for flag, option in (("--optlevel=9", "opt_level"), ("-O3", "opt_level"), ("--auto-cast=all", "auto_cast")):
+        (ws / "m/BUILD").write_text(FLAGS_BUILD.format(flags=f'["{flag}", "--no-such-flag"]'))
+        refused = run_cli(plan, ws, env)
+        assert refused.returncode == 2 and refused.stdout == "", (flag, refused.stdout)
+        assert refused.stderr.startswith("m/BUILD:8:") and refused.stderr.count("\n") == 1, refused.stderr
+        assert f"'{flag}' sets what the option {option} sets" in refused.stderr, refused.stderr

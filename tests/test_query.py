@@ -118,11 +118,20 @@ def test_output_formats(multi: Path) -> None:
     ("deps(//..., two)", "depth must be a non-negative integer"),
     ("kind('(', //...)", "bad regular expression"),
     ("//... +", "unexpected end of expression"),
-])
+    ("deps(" * 5000 + "//..." + ")" * 5000, "nests parentheses and calls more than 100 deep"),
+    ("(" * 5000 + "//..." + ")" * 5000, "nests parentheses and calls more than 100 deep"),
+], ids=["missing", "unclosed", "unknown_function", "bad_depth", "bad_regex", "dangling_op", "deep_calls",
+        "deep_parens"])
 def test_bad_queries_are_one_line_errors(multi: Path, expr: str, message: str) -> None:
     proc = run_cli(["query", expr], multi)
     assert proc.returncode == 2
     assert proc.stderr.count("\n") == 1 and message in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_a_chain_of_thousands_of_set_operators_is_evaluated_without_recursion(multi: Path) -> None:
+    proc = run_cli(["query", " + ".join(["//serve/x:x"] * 5000) + " - //serve/x:x + //common:base"], multi)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["//common:base"]
 
 
 def test_parser_precedence_is_left_to_right() -> None:

@@ -16,7 +16,8 @@ import zstandard
 from helpers import run_cli, write_ws
 
 from neuronbuild.packaging.deploy import BundleError, deploy
-from neuronbuild.runtime.signing import load_trusted_keys
+from neuronbuild.runtime.layout import INDEX
+from neuronbuild.runtime.signing import load_trusted_keys, sign_manifest
 
 MODEL = '''import torch
 
@@ -399,3 +400,58 @@ def test_packages_loaded_through_one_reused_memory_file_are_each_their_own_check
     with pytest.raises(RuntimeError, match="differ from the manifest"):
         open_cache(tmp_path / "serve", strict=True, require=["//pkg:m_two_cpu"])
     assert len(filled) == 2  # the first loaded through the scratch, then the second refused there
+
+
+def _variant(archive: Path, dest: Path, key: Path | None, note: str) -> Path:
+    """Another release of the same label (its manifest differs by one field), signed with `key` or unsigned."""
+    members = _forge(archive, {}, keep_signature=False, edit=lambda m: m.update({"note": note}))
+    if key is not None:
+        members.insert(1, ("manifest.json.sig", sign_manifest(members[0][1], key)))
+    return _write(dest, members)
+
+
+def test_redeploy_keeps_a_valid_signature_and_a_downgrade_is_refused_strictly(signed: dict[str, Path],
+                                                                             tmp_path: Path) -> None:
+    ws, pub, serve = signed["ws"], str(signed["pub"]), tmp_path / "serve"
+    older = _variant(ws / ARCHIVE, tmp_path / "older.tar.zst", signed["key"], "older")
+    newer = _variant(ws / ARCHIVE, tmp_path / "newer.tar.zst", signed["key"], "newer")
+    for archive in (older, newer):
+        proc = run_cli(["deploy", str(archive), "--dest", str(serve), "--trusted-keys", pub], ws)
+        assert proc.returncode == 0 and "installed" in proc.stdout, proc.stderr
+    index = json.loads((serve / INDEX).read_text())["releases"]
+    old_id, new_id = index[1]["id"], index[0]["id"]
+    # The older release, validly signed, replayed: refused strictly, nothing changes; allowed by the flag.
+    refused = run_cli(["deploy", str(older), "--dest", str(serve), "--trusted-keys", pub], ws)
+    assert refused.returncode == 2 and refused.stderr.count("\n") == 1, refused.stderr
+    assert f"deployed before the current {new_id}" in refused.stderr and "--allow-downgrade" in refused.stderr
+    assert json.loads((serve / INDEX).read_text())["releases"][0]["id"] == new_id
+    allowed = run_cli(["deploy", str(older), "--dest", str(serve), "--trusted-keys", pub, "--allow-downgrade"], ws)
+    assert allowed.returncode == 0 and "downgrade" not in allowed.stderr, allowed.stderr
+    assert json.loads((serve / INDEX).read_text())["releases"][0]["id"] == old_id
+    # Without trusted keys a downgrade is made current with a warning; re-deploying the same release with junk in
+    # its signature member keeps the installed, valid signature.
+    sig = serve / "releases" / new_id / "manifest.json.sig"
+    valid = sig.read_bytes()
+    members = _forge(ws / ARCHIVE, {}, keep_signature=False, edit=lambda m: m.update({"note": "newer"}))
+    members.insert(1, ("manifest.json.sig", b"junk"))
+    junk = _write(tmp_path / "junk.tar.zst", members)
+    forward = run_cli(["deploy", str(junk), "--dest", str(serve)], ws)  # (back to the newer one: no downgrade)
+    assert forward.returncode == 0 and "downgrade" not in forward.stderr, forward.stderr
+    assert sig.read_bytes() == valid
+    back = run_cli(["deploy", str(older), "--dest", str(serve)], ws)
+    assert back.returncode == 0 and "warning: a downgrade" in back.stderr, back.stderr
+
+
+def test_a_passphrase_protected_openssh_key_signs_with_its_passphrase(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    from neuronbuild.runtime.signing import SignatureError, verify_manifest
+
+    key = tmp_path / "protected"
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "s3cret phrase", "-f", str(key)], check=True)
+    manifest = b'{"label": "//pkg:release"}\n'
+    monkeypatch.delenv("NEURONBUILD_SIGNING_KEY_PASSPHRASE", raising=False)
+    with pytest.raises(SignatureError, match="passphrase-protected: give the passphrase in"):
+        sign_manifest(manifest, key)
+    monkeypatch.setenv("NEURONBUILD_SIGNING_KEY_PASSPHRASE", "s3cret phrase")
+    sig = sign_manifest(manifest, key)
+    assert verify_manifest(manifest, sig, load_trusted_keys(key.with_suffix(".pub")), "release")

@@ -301,6 +301,30 @@ def test_a_model_cannot_connect_to_a_unix_socket_or_the_network_nor_leave_a_daem
     assert not left, "a daemon the model started outlived the build"
 
 
+NET_VIEWER = '''def build(config):
+    unix = open("/proc/net/unix").read()
+    ifaces = sorted(ln.split(":")[0].strip() for ln in open("/proc/net/dev").read().splitlines()[2:])
+    print("NETVIEW", "sock-seen" if config["sock"] in unix else "sock-unseen", "ifaces=" + ",".join(ifaces), flush=True)
+    raise RuntimeError("looked")
+'''
+
+
+def test_a_model_sees_no_host_socket_or_interface_in_its_own_network_namespace(tmp_path: Path) -> None:
+    import socket
+
+    visible = str(tmp_path / "listening.sock")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as us:
+        us.bind(visible)
+        us.listen(1)
+        with open("/proc/net/unix") as f:
+            assert visible in f.read()  # (the check can fail: the machine's table lists it)
+        ws = _one_model_ws(tmp_path / "ws", NET_VIEWER, {"sock": visible})
+        proc = run_cli(["--batch", "build", "//pkg:all", "--jobs", "1", "--cache-dir", str(tmp_path / "cache")], ws)
+    assert proc.returncode == 1 and "looked" in proc.stderr, proc.stdout + proc.stderr
+    log = "\n".join(p.read_text(errors="replace") for p in (tmp_path / "cache").rglob("*.log"))
+    assert "NETVIEW sock-unseen ifaces=lo" in log, log[-3000:]
+
+
 def _raw(sock_path: str, msg: dict) -> list[dict]:  # type: ignore[type-arg]
     """Send one request to a server's socket as any process of the user could, and read every answer frame."""
     import socket
@@ -652,6 +676,16 @@ def test_an_error_a_model_raises_reaches_the_terminal_with_its_control_character
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "innocent\\x1b]52;c;cm0gLXJmIH4=\\x07\\x1b[2J\\x0dall good \\x9b31m" in proc.stderr, proc.stderr[-3000:]
     assert not re.search("[\x00-\x08\x0b-\x1f\x7f-\x9f]", proc.stdout + proc.stderr), repr(proc.stderr[-3000:])
+
+
+def test_a_model_calling_sys_exit_fails_its_action_with_a_message_and_a_log(tmp_path: Path) -> None:
+    ws = _one_model_ws(tmp_path / "ws", "import sys\n\n\ndef build(config):\n    sys.exit(3)\n", {})
+    proc = run_cli(["--batch", "build", "//pkg:all", "--jobs", "2", "--cache-dir", str(tmp_path / "cache")], ws)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "FAILED: Trace //pkg:m [b=1]: SystemExit: 3 (at pkg/m.py:5)" in proc.stderr, proc.stderr[-3000:]
+    assert "worker process died" not in proc.stderr and "exit status" not in proc.stderr
+    log = Path(re.search(r"\(log: (\S+)\)", proc.stderr)[1])  # type: ignore[index]
+    assert "SystemExit: 3" in log.read_text()  # the action's log holds the traceback
 
 
 # A model that, once its trace's outputs are written and its result sent, turns each output into a symbolic link to a

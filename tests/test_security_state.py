@@ -46,6 +46,9 @@ def test_a_hostile_state_file_in_the_cache_runs_nothing_and_is_a_miss(tmp_path: 
     assert {p.name.split("-")[0] for p in planted} == {"load", "digests", "noop"}, planted
     marker = tmp_path / "pwned"
     payload = pickle.dumps(_Payload(marker))
+    pickle.loads(payload)  # (the check below can fail: unpickled, the payload does run its command)
+    assert marker.exists()
+    marker.unlink()
     for p in planted:
         p.write_bytes(payload)
     proc = run_cli(cmd, root)

@@ -126,3 +126,18 @@ def test_validate_reports_unbuilt_graphs_and_exits_1(built_example, tmp_path: Pa
     assert len(rows) == 4 and all(" ".join(r[4:]).startswith("NOT BUILT (run neuronbuild build //models:llama_cpu)")
                                   for r in rows.values()), proc.stdout
     assert "4 graph(s) failed validation" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_validate_reports_a_graph_whose_weights_are_not_built_yet_as_not_built(built_example, cache_dir: Path,
+                                                                                tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """As while a build still runs: the compiles are cached, the weights action they ship is not (was a KeyError
+    traceback: 'constants.safetensors')."""
+    ws, _ = built_example
+    cache = _cache_copy(cache_dir, tmp_path / "cache")
+    for p in (cache / "v1" / "ac").glob("*/*.json"):
+        if "constants.safetensors" in (json.loads(p.read_text()).get("outputs") or {}):
+            p.unlink()  # the weights actions' results
+    proc = run_cli(["validate", "//models:llama_cpu", "--cache-dir", str(cache)], ws)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stdout + proc.stderr
+    rows = _rows(proc.stdout)
+    assert len(rows) == 4 and all(" ".join(r[4:]).startswith("NOT BUILT") for r in rows.values()), proc.stdout

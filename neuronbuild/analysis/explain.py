@@ -259,14 +259,17 @@ MAX_OPTION_WARNINGS = 10  # located warnings per command (locating re-reads a BU
 
 def ignored_option_warnings(graph: TargetGraph, ag: ActionGraph) -> list[str]:
     """`warning: FILE:LINE:COL: //pkg:t: toolchain 'aoti' (cpu/x86-64-v3) ignores option opt_level: ...`, at the
-    compile targets' call sites."""
+    compile targets' call sites; then what toolchains warn of in the options they read (`option_warnings`)."""
     found = ignored_options(ag)
+    found += [(ct, f"{ct.label}: toolchain '{ct.toolchain}': {w}")
+              for ct in sorted([c for c in ag.compiles if c.option_warnings], key=lambda c: str(c.label))
+              for w in ct.option_warnings]
     out = []
     for ct, text in found[:MAX_OPTION_WARNINGS]:
         t = graph.targets.get(ct.label)
         where = f"{locate(graph, t)}: " if t is not None else ""
         out.append(f"warning: {where}{text}")
     if len(found) > MAX_OPTION_WARNINGS:
-        out.append(f"warning: {len(found) - MAX_OPTION_WARNINGS} more compile targets set options their toolchain "
-                   "ignores (`neuronbuild explain` lists them)")
+        out.append(f"warning: {len(found) - MAX_OPTION_WARNINGS} more warnings of compile targets' options "
+                   "(`neuronbuild explain` lists the ignored ones)")
     return out

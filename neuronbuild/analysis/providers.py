@@ -63,6 +63,7 @@ class CompileTarget:
     artifact_format: str = ""
     graph_options: Mapping[str, Mapping[str, Any]] = field(default_factory=dict, hash=False, compare=False)
     ignored_options: tuple[str, ...] = ()  # options set for it that its toolchain does not read (they change nothing)
+    option_warnings: tuple[str, ...] = ()  # what its toolchain warns of in the options it reads (unknown raw flags)
 
     def options_of(self, graph: str) -> Mapping[str, Any]:
         """The effective options one graph family was compiled with (per-graph options, else the target's)."""

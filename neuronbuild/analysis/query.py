@@ -69,10 +69,14 @@ def _tokens(text: str) -> list[tuple[str, str]]:
     return out
 
 
+MAX_NESTING = 100  # parentheses and calls inside one another (the parser and evaluator recurse on them)
+
+
 class _Parser:
     def __init__(self, text: str) -> None:
         self.toks = _tokens(text)
         self.i = 0
+        self.depth = 0
 
     def peek(self) -> tuple[str, str] | None:
         return self.toks[self.i] if self.i < len(self.toks) else None
@@ -105,6 +109,15 @@ class _Parser:
         return node
 
     def primary(self) -> Node:
+        self.depth += 1
+        try:
+            return self._primary()
+        finally:
+            self.depth -= 1
+
+    def _primary(self) -> Node:
+        if self.depth > MAX_NESTING:
+            raise QueryError(f"the expression nests parentheses and calls more than {MAX_NESTING} deep")
         t = self.take()
         if t == ("punct", "("):
             node = self.expr()
@@ -155,11 +168,17 @@ def parse_query(text: str) -> Node:
 
 
 def patterns_of(node: Node) -> list[str]:
-    if node.kind == "pattern":
-        return [node.value]
-    if node.kind == "set":
-        return list(node.value)
-    return [p for a in node.args if isinstance(a, Node) for p in patterns_of(a)]
+    out: list[str] = []
+    todo = [node]  # (a stack, not recursion: a chain of 5,000 set operators is a tree 5,000 deep)
+    while todo:
+        n = todo.pop()
+        if n.kind == "pattern":
+            out.append(n.value)
+        elif n.kind == "set":
+            out.extend(n.value)
+        else:
+            todo.extend(a for a in reversed(n.args) if isinstance(a, Node))
+    return out
 
 
 # --------------------------------------------------------------------------------------------------- the graph
@@ -267,9 +286,16 @@ class Evaluator:
             return self.pattern(node.value)
         if node.kind == "set":
             return set().union(*(self.pattern(p) for p in node.value)) if node.value else set()
-        if node.kind == "op":
-            a, b = (self.eval(x) for x in node.args)
-            return a | b if node.value == "union" else a - b if node.value == "except" else a & b
+        if node.kind == "op":  # a left-leaning chain (a + b - c ...), walked down its left side without recursion
+            chain = []
+            while node.kind == "op":
+                chain.append(node)
+                node = node.args[0]
+            acc = self.eval(node)
+            for op in reversed(chain):
+                b = self.eval(op.args[1])
+                acc = acc | b if op.value == "union" else acc - b if op.value == "except" else acc & b
+            return acc
         return getattr(self, f"_f_{node.value}")(*node.args)
 
     def _reach(self, g: nx.DiGraph, start: set[str], depth: int | None) -> set[str]:

@@ -231,6 +231,13 @@ def toolchain_options(tc: Toolchain, merged: Mapping[str, Any]) -> dict[str, Any
     return out
 
 
+def option_warnings(tc: Toolchain, options: Mapping[str, Any]) -> tuple[str, ...]:
+    """What the toolchain warns of in the options it reads (e.g. raw flags its compiler does not document): an
+    optional capability, `option_warnings(options) -> list[str]`; a toolchain without it has nothing to say."""
+    check = getattr(tc, "option_warnings", None)
+    return tuple(check(options)) if check is not None else ()
+
+
 def ignored_options(tc: Toolchain, merged: Mapping[str, Any]) -> tuple[str, ...]:
     """The keys set in `merged` that `tc` does not read (they change none of its graphs)."""
     known = {key.name for key in tc.option_keys}

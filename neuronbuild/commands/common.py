@@ -44,6 +44,10 @@ def add_context_args(p: argparse.ArgumentParser, *, what_if: bool = False) -> No
     p.add_argument("--action-env", action="append", metavar="NAME[=VALUE]",
                    help="pass this variable to actions (value from your environment, or VALUE); name and value "
                         "enter fingerprints. Repeatable")
+    p.add_argument("--trust-workspace-rc", action="store_true",
+                   help="let this workspace's .neuronbuildrc choose programs the build runs (--neuronx-cc): without "
+                        "it such a setting is refused before anything runs; given once (on the command line or in "
+                        "~/.neuronbuildrc, never a workspace's), it is remembered for those values")
     from neuronbuild import plugins
 
     for flag in plugins.settings_flags():  # what each toolchain's settings add (e.g. its compiler's path)

@@ -20,6 +20,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     d.add_argument("--trusted-keys", metavar="FILE",
                    help="refuse the bundle unless its manifest is signed by one of these Ed25519 public keys "
                         "(OpenSSH lines as in authorized_keys, or PEM)")
+    d.add_argument("--allow-downgrade", action="store_true",
+                   help="make current again a release of a label that a later deploy replaced (with --trusted-keys a "
+                        "downgrade is refused without it; without, it is made current with a warning)")
     d.add_argument("--host", action="store_true",
                    help="refuse the bundle (nothing is installed) unless this host can run every graph in it (torch "
                         "version, CPU ISA, Neuron platform), as `verify --host` checks; without it such a bundle is "
@@ -59,7 +62,8 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_BAD_INPUT
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)  # `kill` cleans up like Ctrl-C does
     try:
-        res = deploy(Path(args.bundle), Path(args.dest), args.sha256, keys, check=check_host)
+        res = deploy(Path(args.bundle), Path(args.dest), args.sha256, keys, check=check_host,
+                     allow_downgrade=True if args.allow_downgrade else None)
     except BundleError as e:
         print(f"neuronbuild: error: {e} (nothing was installed)", file=sys.stderr)
         return EXIT_BAD_INPUT
@@ -71,6 +75,9 @@ def run(args: argparse.Namespace) -> int:
     state = ("was damaged; repaired and made current" if res.repaired
              else "already installed; made current" if res.already else "installed")
     print(f"{res.label}: release {res.id} {state} in {res.dir} ({res.files} files)")
+    if res.downgraded_from and not args.allow_downgrade:
+        print(f"neuronbuild: warning: a downgrade: {res.label}'s current release was {res.downgraded_from}, deployed "
+              f"after {res.id}; --trusted-keys refuses this without --allow-downgrade", file=sys.stderr)
     count, total, lines = report[0] if report else (0, 0, [])
     if count:  # installed all the same: a serving directory may be prepared on another host than the one it serves
         print(f"neuronbuild: warning: this host ({host.describe()}) cannot run {count} of {total} graph(s) of this "

@@ -22,10 +22,10 @@ def _subparsers(p: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser
 
 
 def run(args: argparse.Namespace) -> int:
-    from neuronbuild import __version__
-
     if args.command == "version":
-        print(f"neuronbuild {__version__}")
+        from neuronbuild.cli import version_text
+
+        print(version_text())
         return EXIT_OK
     import difflib
 

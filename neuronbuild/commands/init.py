@@ -37,6 +37,12 @@ neuron_target(name = "trn2", platform = "trn2")  # AWS Trainium2: HLO for neuron
 
 neuron_compile(name = "tiny_cpu", model = ":tiny", buckets = [":serving"], target = ":cpu")
 neuron_compile(name = "tiny_trn2", model = ":tiny", buckets = [":serving"], target = ":trn2")
+
+# A release to ship (docs/deploy.md): neuronbuild-out/models/release_cpu.tar.zst, installed on a serving host with
+# `neuronbuild deploy neuronbuild-out/models/release_cpu.tar.zst --dest /srv/models` and loaded there with
+# neuronbuild.runtime.open_cache("/srv/models", strict=True) (no compiling). A bundle of Neuron targets needs their
+# NEFFs (neuronx-cc).
+neuron_bundle(name = "release_cpu", srcs = [":tiny_cpu"])
 '''
 
 MODEL = '''\
@@ -91,7 +97,14 @@ def run(args: argparse.Namespace) -> int:
     todo = files()
     if (root / ".gitignore").exists():
         del todo[".gitignore"]  # (a project's own: left as it is)
-    there = [rel for rel in todo if (root / rel).exists()]
+    real_root = root.resolve()
+    for rel in todo:  # (a directory on the way that is a symlink leading out would take the files elsewhere)
+        parent = (root / rel).parent
+        if parent.exists() and not parent.resolve().is_relative_to(real_root):
+            print(f"neuronbuild: error: {parent} leads outside {root} (to {parent.resolve()}); init writes only inside "
+                  "the new workspace", file=sys.stderr)
+            return EXIT_BAD_INPUT
+    there = [rel for rel in todo if (root / rel).exists() or (root / rel).is_symlink()]
     if there:
         what = "is already a workspace" if MARKER in there else f"already has {', '.join(there)}"
         print(f"neuronbuild: error: {root} {what}; init writes only new files (choose another DIR)", file=sys.stderr)
@@ -104,7 +117,8 @@ def run(args: argparse.Namespace) -> int:
     shown = "." if str(args.dir) == "." else str(args.dir)
     print(f"Created a neuronbuild workspace in {shown}:")
     print(f"  {MARKER:<22} marks the workspace root")
-    print(f"  {PACKAGE}/BUILD{'':<{16 - len(PACKAGE)}} one model, its buckets (batch 1 and 4), a cpu and a trn2 target")
+    print(f"  {PACKAGE}/BUILD{'':<{16 - len(PACKAGE)}} one model, its buckets (batch 1 and 4), a cpu and a trn2 target, "
+          "a cpu release bundle")
     print(f"  {PACKAGE}/model.py{'':<{13 - len(PACKAGE)}} a tiny model: replace it with yours (docs/models.md)")
     cd = "" if shown == "." else f"cd {shown} && "
     print(f"Next: {cd}neuronbuild build   (outputs in neuronbuild-out/{PACKAGE}/; `neuronbuild plan` shows what "

@@ -72,8 +72,11 @@ def run(args: argparse.Namespace) -> int:
         plat = plats[ct.label]
         for bucket, fp in ct.buckets:
             res = cache.lookup(fp)
+            # What the graph's artifact is made of: its outputs and what it ships (the model's weights file, from
+            # the weights action): None until all of it is built (a build still running, or stopped early).
+            shipped = ag.shipped_outputs(fp, cache.lookup) if res is not None else None
             row = f"{str(ct.label):<{w_t}}  {bucket.name:<{w_b}}  {plat:<{w_p}}"
-            if res is None:
+            if res is None or shipped is None:
                 failed += 1
                 print(f"{row} {'-':>10} {'-':>10} {tol:>10.1e}  NOT BUILT (run neuronbuild build {ct.label})",
                       flush=True)
@@ -83,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
             tmp = tmp_root / fp
             tmp.mkdir(parents=True, exist_ok=True)
             files = {}
-            for name, ref in (ag.shipped_outputs(fp, cache.lookup) or res.outputs).items():
+            for name, ref in shipped.items():
                 cache.copy_blob(ref.digest, tmp / name)
                 files[name] = tmp / name
             fn = tc.load_artifact(files)

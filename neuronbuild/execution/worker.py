@@ -174,7 +174,8 @@ def run_action(kind: str, spec: dict[str, Any], inputs: str, outputs: str, log_p
                     "duration_s": time.perf_counter() - start, "pid": os.getpid(), "peak_rss_mb": peak_rss_mb()}
         return {"ok": True, "metadata": meta, "duration_s": time.perf_counter() - start, "pid": os.getpid(),
                 "peak_rss_mb": peak_rss_mb()}
-    except Exception as e:  # noqa: BLE001 - every failure is reported as the action's failure
+    except (Exception, SystemExit) as e:  # noqa: BLE001 - every failure is reported as the action's failure
+        # (SystemExit too: model code calling sys.exit() fails its action with a message and a log, not its process)
         from neuronbuild.toolchains.errors import ToolchainError, source_frame, workspace_paths
 
         with open(log_path, "a", encoding="utf-8") as log:
@@ -345,10 +346,13 @@ def _die_with_parent(parent: int, check: bool = True) -> None:
 
 
 def _init(msg: Mapping[str, Any], policy: Policy, w: int, no_mounts: str | None = None) -> int:
-    """The action's namespace's init (pid 1; runs no model code): a private /proc and /dev/shm, the sandbox's
+    """The action's namespace's init (pid 1; runs no model code): a network namespace, a private /proc and /dev/shm, the sandbox's
     read-only sibling mounted read-only (none of them when `no_mounts` says why not), then the action's process (pid
     2: _run_child), reaping whatever ends until it has. Returns the code to exit with (confine_ns.status_code)."""
     notes = [no_mounts] if no_mounts is not None else []
+    if (why := confine_ns.private_net()) is not None:
+        notes.append(f"no private network namespace ({why}); this action shares the machine's network and sees "
+                     "its sockets in /proc/net")
     if no_mounts is None:
         if (why := confine_ns.private_proc()) is not None:
             notes.append(f"no private /proc ({why}); this action may read other processes' cmdline, comm, stat and "

@@ -9,7 +9,7 @@ from neuronbuild.analysis import tensor_parallel
 from neuronbuild.analysis.actions import Bucket
 from neuronbuild.analysis.planner import AnalysisContext
 from neuronbuild.analysis.providers import BucketsInfo, CompileTarget, ModelInfo, PlatformInfo
-from neuronbuild.analysis.toolchain_api import CompileRequest, ignored_options, toolchain_options
+from neuronbuild.analysis.toolchain_api import CompileRequest, ignored_options, option_warnings, toolchain_options
 from neuronbuild.errors import UserInputError
 from neuronbuild.kinds.base import RuleKind
 from neuronbuild.kinds.options import merged_options
@@ -84,15 +84,21 @@ def analyze(ctx: AnalysisContext, t: Target) -> CompileTarget:
 
     tc = plugins.toolchain(plat.toolchain)
     ignored: dict[str, None] = {}
+    warned: dict[str, None] = {}
 
     def options_for(graph: str) -> Mapping[str, object]:
         """The options this toolchain reads (its declared keys and defaults): only those reach its fingerprints."""
         lbl = opts_attr.get(graph) if isinstance(opts_attr, dict) else opts_attr
         merged = merged_options(ctx.provider(lbl) if lbl is not None else None)
         ignored.update(dict.fromkeys(ignored_options(tc, merged)))
-        return toolchain_options(tc, merged)
+        read = toolchain_options(tc, merged)
+        warned.update(dict.fromkeys(option_warnings(tc, read)))
+        return read
 
-    tp = int(t.attrs.get("tp_degree") or 1)
+    tp = int(t.attrs["tp_degree"])
+    if tp < 1:
+        raise UserInputError(f"attribute 'tp_degree' must be a positive int (the NeuronCores each graph spans), got {tp}",
+                             locate(ctx.graph, t, "tp_degree"))
     weights = None  # the model's one weights action (made once the checks below have passed)
     entries: list[tuple[Bucket, str]] = []
     buckets_attr = t.attrs["buckets"]
@@ -116,13 +122,19 @@ def analyze(ctx: AnalysisContext, t: Target) -> CompileTarget:
                 weights = ctx.weights(model, tp)
             req = CompileRequest(t.label, plat.platform, plat.target, opts, bucket, inputs, trace, ctx.settings,
                                  ctx.common, weights)
-            planned = ctx.plan_bucket(tc, req)
+            try:
+                planned = ctx.plan_bucket(tc, req)
+            except UserInputError as e:  # (a toolchain's plan refusing the options: at this target's call)
+                if e.location is not None:
+                    raise
+                raise UserInputError(e.message, locate(ctx.graph, t)) from None
             assert planned, f"toolchain {tc.name} planned no action"
             entries.append((bucket, planned[-1].fingerprint))
     first = next(iter(graph_options.values()), None)
     ct = CompileTarget(t.label, model.label, plat.platform, tc.name, plat.target, plat.description,
                        first if first is not None else options_for(""), tuple(entries), float(t.attrs["tolerance"]),
-                       tc.artifact_format, graph_options, tuple(ignored))
+                       tc.artifact_format, graph_options, tuple(ignored),
+                       tuple(warned))
     ctx.compiles.append(ct)
     return ct
 

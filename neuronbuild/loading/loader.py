@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import os
+import re
 import stat
 import time
 from collections.abc import Callable, Iterable
@@ -43,6 +44,52 @@ class _SourceFile:
     defined: frozenset[str]
     used: tuple[tuple[str, int, int], ...]  # names read at any level: (name, line, col)
     stored: frozenset[str]
+
+
+_IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_KEYWORD = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)[ \t]*=(?!=)")
+# The attribute a rule-call error is about, as the messages name it.
+_ATTR_IN_MESSAGE = re.compile(r"(?:attribute|got an unknown attribute) '([A-Za-z_][A-Za-z0-9_]*)")
+
+
+def attr_location(text: str, call: Location, attr: str) -> Location:
+    """Where `attr = ...` is written among the keyword arguments of the call whose '(' is at `call` (its own
+    arguments, not nested calls'), else `call` itself. Strings and comments are skipped."""
+    lines = text.split("\n")
+    if not 1 <= call.line <= len(lines):
+        return call
+    start = sum(len(line) + 1 for line in lines[:call.line - 1]) + call.col - 1
+    i = text.find("(", start)
+    if i < 0 or text.count("\n", start, i):
+        return call
+    depth, n = 0, len(text)
+    while i < n:
+        c = text[i]
+        if c == "#":
+            i = text.find("\n", i)
+            if i < 0:
+                break
+        elif c in "\"'":
+            quote = text[i:i + 3] if text[i:i + 3] in ('"""', "'''") else c
+            i += len(quote)
+            while i < n and not text.startswith(quote, i):
+                i += 2 if text[i] == "\\" else 1
+            i += len(quote) - 1
+        elif c in "([{":
+            depth += 1
+        elif c in ")]}":
+            depth -= 1
+            if depth == 0:
+                break
+        elif depth == 1 and (c.isalpha() or c == "_"):
+            kw = _KEYWORD.match(text, i)
+            if kw and kw.group(1) == attr and text[:i].rstrip()[-1:] in ("(", ","):
+                line = text.count("\n", 0, i) + 1
+                return Location(call.path, line, i - (text.rfind("\n", 0, i) + 1) + 1)
+            ident = _IDENT.match(text, i)
+            i = ident.end() - 1 if ident else i
+        i += 1
+    return call
 
 
 MAX_SOURCE_BYTES = 4 << 20  # BUILD/.bzl files larger than this are refused (parsing costs ~250x the file in memory)
@@ -386,12 +433,19 @@ class Loader:
         ctx = self._evaluate(package, build_file, None)
         return Package(package, build_file, tuple(ctx.targets.values()), tuple(sorted(ctx.files)))
 
-    def locate(self, target: Target) -> Location:
-        """The call site (in its BUILD file) of the rule call that created `target`."""
+    def locate(self, target: Target, attr: str | None = None) -> Location:
+        """The call site (in its BUILD file) of the rule call that created `target`; with `attr`, where that
+        attribute is written in the call (when the BUILD file's call writes it, not a macro's)."""
         try:
             self._evaluate(target.label.package, target.build_file, target.index)
         except _Located as e:
-            return e.location
+            if attr is None or e.location.path != target.build_file:
+                return e.location
+            try:
+                src = _parse_source(target.build_file, self.root / target.build_file, target.label.package)
+            except UserInputError:
+                return e.location
+            return attr_location(src.text, e.location, attr)
         except UserInputError:
             pass
         return Location(target.build_file)
@@ -452,13 +506,30 @@ class Loader:
         via = _via(e.frames, ctx.build_file)
         if isinstance(err, (AttrError, UserInputError)):
             msg = err.message if isinstance(err, UserInputError) else str(err)
+            named = _ATTR_IN_MESSAGE.search(msg)
+            if named and build_frames and (not isinstance(err, UserInputError) or err.location is None):
+                loc = attr_location(src.text, loc, named.group(1))  # (at the attribute, not the call's "(")
             raise UserInputError(msg + via, loc)
         if err is not None:
             raise UserInputError(f"internal error in rule call: {err!r}", loc)
         if not e.frames:
             kind = "syntax error: " if "want" in e.message or "got" in e.message else ""
-            raise UserInputError(kind + e.message, Location(e.path, e.line, e.col))
-        raise UserInputError(e.message + via, loc)
+            raise UserInputError(kind + e.message + self._load_hint(e.message), Location(e.path, e.line, e.col))
+        raise UserInputError(e.message + via + self._load_hint(e.message), loc)
+
+    def _load_hint(self, message: str) -> str:
+        """For `undefined: NAME` where a shipped .bzl file defines NAME: the load() line that provides it."""
+        m = re.fullmatch(r"undefined: ([A-Za-z][A-Za-z0-9_]*)", message.strip())
+        if m is None:
+            return ""
+        for bzl in sorted(self.rules_dir.glob("*.bzl")):
+            try:
+                text = bzl.read_text(encoding="utf-8")
+            except OSError:
+                continue
+            if re.search(rf"^def {m.group(1)}\(", text, re.M):
+                return f' (load("@{BUILTIN_REPO}//rules:{bzl.name}", "{m.group(1)}") provides it)'
+        return ""
 
     def _exec_loads(self, interp: Interpreter, ctx: _PackageContext, src: _SourceFile,
                     executed: dict[str, _SourceFile], stack: list[str]) -> set[str]:

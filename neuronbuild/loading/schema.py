@@ -357,13 +357,21 @@ def validate_call(kind: str, kwargs: Mapping[str, Any], package: str) -> dict[st
     known = schema.attr_names
     for k in kwargs:
         if k not in known:
-            close = [n for n in sorted(known) if n[:3] == k[:3]]
+            import difflib
+
+            # The nearest name, a required one not given first (`input` -> `inputs`, not `input_ranges`).
+            missing = [a.name for a in schema.attrs if a.required and a.name not in kwargs]
+            close = difflib.get_close_matches(k, missing, n=1, cutoff=0.7) or \
+                difflib.get_close_matches(k, sorted(known), n=1) or [n for n in sorted(known) if n[:3] == k[:3]]
             hint = f" (did you mean '{close[0]}'?)" if close else ""
             raise AttrError(f"{kind}() got an unknown attribute '{k}'{hint}")
     out: dict[str, Any] = {}
     for a in schema.attrs:
-        # A value equal to the default is the default (it is valid by definition: e.g. a load-cache entry's `{}`).
-        if a.name not in kwargs or kwargs[a.name] is None or (not a.required and kwargs[a.name] == a.default):
+        # A value equal to the default is the default (it is valid by definition: e.g. a load-cache entry's `{}`);
+        # not a bool standing for an int (True == 1 in Python: `tp_degree = True` is a type error, not 1).
+        given = kwargs.get(a.name)
+        if a.name not in kwargs or given is None or (not a.required and given == a.default and
+                                                     isinstance(given, bool) == isinstance(a.default, bool)):
             if a.required:
                 raise AttrError(f"{kind}() missing required attribute '{a.name}'")
             out[a.name] = a.default

@@ -254,7 +254,7 @@ def _load(root: Path, patterns: list[TargetPattern], load_cache: LoadCache | Non
             assert schema_attr is not None
             if dep.repo:
                 raise UserInputError(f"attribute '{attr}': '{dep}' must be a target in this workspace",
-                                     loader.locate(t))
+                                     loader.locate(t, attr))
             if dep not in targets:
                 pkg = get_package(dep.package)
                 if pkg is not None:
@@ -262,12 +262,16 @@ def _load(root: Path, patterns: list[TargetPattern], load_cache: LoadCache | Non
                         targets[other.label] = other
             if dep not in targets:
                 where = "no BUILD file" if not loader.has_package(dep.package) else "not declared there"
+                pkg = get_package(dep.package) if where != "no BUILD file" else None
+                near = difflib.get_close_matches(dep.name, [o.label.name for o in pkg.targets] if pkg else [], n=1)
+                if near:
+                    where += f"; did you mean '{':' if dep.package == lbl.package else f'//{dep.package}:'}{near[0]}'?"
                 raise UserInputError(f"attribute '{attr}' of '{lbl}' refers to '{dep}', which does not exist "
-                                     f"({where})", loader.locate(t))
+                                     f"({where})", loader.locate(t, attr))
             kind = targets[dep].kind
             if not plugins.kind_fits(kind, schema_attr.kinds):
                 raise UserInputError(f"attribute '{attr}' of '{lbl}' must be a {' or '.join(schema_attr.kinds)} "
-                                     f"target, but '{dep}' is a {kind}", loader.locate(t))
+                                     f"target, but '{dep}' is a {kind}", loader.locate(t, attr))
             todo.append(dep)
     checked = _check_acyclic(graph, seen, loader, deps_of, prev)
     if load_cache is not None and load_cache.keep_checks:
@@ -387,6 +391,7 @@ def _check_cycles(graph: TargetGraph, labels: set[Label], loader: Loader,
     return max(height.values(), default=0)
 
 
-def locate(graph: TargetGraph, target: Target) -> Location:
-    """Call site of a target's rule call (re-evaluates its BUILD file; only used on error paths)."""
-    return run_on_starlark_thread(lambda: Loader(graph.root).locate(target))
+def locate(graph: TargetGraph, target: Target, attr: str | None = None) -> Location:
+    """Call site of a target's rule call, or of its attribute `attr` there (re-evaluates its BUILD file; only used on
+    error paths)."""
+    return run_on_starlark_thread(lambda: Loader(graph.root).locate(target, attr))

@@ -55,6 +55,7 @@ class Deployed:
     files: int
     already: bool
     repaired: bool = False  # the release was installed but damaged; its files were replaced
+    downgraded_from: str | None = None  # the release of this label it replaced as current, deployed after this one
 
 
 def safe_member_path(name: str) -> str:
@@ -312,12 +313,15 @@ def _accept(manifest: Manifest, dest: Path, check: Callable[[Manifest], None] | 
 
 def deploy(archive: Path, dest: Path, expect_sha256: str | None = None,
            trusted_keys: list[TrustedKey] | None = None,
-           check: Callable[[Manifest], None] | None = None) -> Deployed:
+           check: Callable[[Manifest], None] | None = None, allow_downgrade: bool | None = None) -> Deployed:
     """Install a bundle into `dest` atomically: on any failure `dest` is left exactly as it was.
 
     With `trusted_keys`, only bundles whose manifest is signed by one of them are installed. `check(manifest)` is
     called once the manifest is accepted, before anything is extracted; it refuses the bundle by raising. Deploying a
-    bundle that is already installed checks the installed files and replaces the release when any is damaged."""
+    bundle that is already installed checks the installed files and replaces the release when any is damaged; its
+    installed signature is replaced only by one the trusted keys verified. Making current again a release of a label
+    that a later deploy replaced (a downgrade: an old, validly signed bundle replayed) is refused when
+    `allow_downgrade` is False (default: False with trusted keys, True without) and reported in `downgraded_from`."""
     archive, dest = Path(archive), Path(dest).absolute()
     if not archive.is_file():
         raise BundleError(f"no bundle at {archive}")
@@ -354,6 +358,16 @@ def deploy(archive: Path, dest: Path, expect_sha256: str | None = None,
         rid = release_id(manifest_bytes)
         target = releases / rid
         already = target.is_dir() and not target.is_symlink()
+        # Each release keeps the order it was first installed in (`installed`): making current one that was installed
+        # before the label's current release is a downgrade.
+        seq = {str(r.get("id")): r.get("installed") for r in index}
+        current = next((str(r.get("id")) for r in index if r.get("label") == manifest.label), None)
+        mine, theirs = seq.get(rid), seq.get(current) if current is not None else None
+        downgraded_from = current if (already and current != rid and isinstance(mine, int) and
+                                      isinstance(theirs, int) and mine < theirs) else None
+        if downgraded_from and not (trusted_keys is None if allow_downgrade is None else allow_downgrade):
+            raise BundleError(f"{manifest.label}: release {rid} was deployed before the current {downgraded_from}; "
+                              "making it current again is a downgrade (--allow-downgrade makes it current)")
         repaired = False
         if already and _damaged(target, manifest, manifest_bytes):
             old = Path(tempfile.mkdtemp(dir=dest, prefix=STAGING_PREFIX))
@@ -363,7 +377,9 @@ def deploy(archive: Path, dest: Path, expect_sha256: str | None = None,
             already, repaired = False, True
         elif already:
             sig = staging / SIGNATURE
-            if sig.is_file():  # the same release, now signed (or signed by another key): keep the new signature
+            # The same release, now signed (or signed by another key): the new signature replaces the installed one
+            # only when the trusted keys verified it (an unchecked one could replace a valid signature with junk).
+            if sig.is_file() and (trusted_keys is not None or not (target / SIGNATURE).exists()):
                 os.replace(sig, target / SIGNATURE)
         else:
             created_releases = not releases.exists()
@@ -372,7 +388,9 @@ def deploy(archive: Path, dest: Path, expect_sha256: str | None = None,
                 raise BundleError(f"{target} exists and is not a release directory; refusing to install")
             os.rename(staging, target)
             staging = None
-        entries = [{"id": rid, "label": manifest.label}] + [r for r in index if r.get("id") != rid]
+        order = seq.get(rid) if isinstance(seq.get(rid), int) else \
+            1 + max((n for n in seq.values() if isinstance(n, int)), default=0)
+        entries = [{"id": rid, "label": manifest.label, "installed": order}] + [r for r in index if r.get("id") != rid]
         try:
             _write_index(dest, entries)
         except BaseException:
@@ -380,7 +398,7 @@ def deploy(archive: Path, dest: Path, expect_sha256: str | None = None,
                 shutil.rmtree(target, ignore_errors=True)
             raise
         _fsync_dir(dest)
-        return Deployed(rid, target, manifest.label, len(manifest.files) + 1, already, repaired)
+        return Deployed(rid, target, manifest.label, len(manifest.files) + 1, already, repaired, downgraded_from)
     except BaseException:
         if created_releases:
             shutil.rmtree(releases, ignore_errors=True)

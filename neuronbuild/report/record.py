@@ -83,6 +83,8 @@ class InvocationRecorder:
                 "peak_rss_mb": f.get("peak_rss_mb", 0.0), "estimate_mb": f.get("estimate_mb", 0.0),
                 "worker": f.get("worker", ""), "attempt": f["attempt"],
                 "start": f.get("start"), "end": f.get("end"), "outputs": dict(f.get("outputs") or {})}
+            if f.get("skipped"):  # its step's real work was left out (e.g. a Neuron compile without neuronx-cc)
+                self.actions[f["fingerprint"]]["skipped_step"] = str(f["skipped"])
             self._slice(f, True)
         elif k == ev.ACTION_FAILED:
             if f.get("worker"):

@@ -69,7 +69,11 @@ def matrix(rec: Mapping[str, Any]) -> dict[str, Any]:
             primary = by_fp.get(b["primary"], {})
             secs = sum(float(a.get("duration_s") or 0.0) for a in acts if a["state"] in (R.EXECUTED, R.FAILED))
             err = next((a.get("error", "") for a in acts if a["state"] == R.FAILED), "")
-            row["cells"][col] = {"state": state, "text": STATE_TEXT[state], "anchor": anchor(b["primary"]),
+            text = STATE_TEXT[state]
+            skipped = by_fp.get(b["primary"], {}).get("skipped_step")
+            if state == R.EXECUTED and skipped:  # its compile ran but left the real work out: say so in the cell
+                text = f"{text}, compile skipped ({skipped})"
+            row["cells"][col] = {"state": state, "text": text, "anchor": anchor(b["primary"]),
                                  "seconds": round(secs, 1), "peak_mb": max((float(a.get("peak_rss_mb") or 0.0)
                                                                            for a in acts if a["state"] == R.EXECUTED),
                                                                           default=0.0),
@@ -103,8 +107,11 @@ def timeline(rec: Mapping[str, Any], width: int = 960, lane: int = 22) -> dict[s
     slices = list(rec.get("slices") or ())
     if not slices:
         return {"lanes": [], "width": width, "height": 0, "ticks": []}
-    t0 = min(float(s["start"]) for s in slices)
-    t1 = max(float(s["end"]) for s in slices)
+    # The axis is the build's wall time (the summary's: from the cache check to the scheduler's end), so the two agree;
+    # a warm-up begun before the cache check widens it to the left.
+    first = min(float(s["start"]) for s in slices)
+    t0 = min(float(rec.get("t0") or first), first)
+    t1 = max(max(float(s["end"]) for s in slices), t0 + float(rec.get("wall_s") or 0.0))
     span = max(t1 - t0, 1e-3)
     label_w = 150
     scale = (width - label_w - 10) / span
@@ -250,12 +257,24 @@ def trends(history: Sequence[Mapping[str, Any]], current: str, w: int = 300, h: 
     return out
 
 
+def _skipped_steps(rec: Mapping[str, Any]) -> dict[str, int]:
+    """Executed actions whose step was skipped, by reason ({'no neuronx-cc': 4}): they made no artifact."""
+    out: dict[str, int] = {}
+    for a in rec.get("actions") or ():
+        if a.get("skipped_step"):
+            out[str(a["skipped_step"])] = out.get(str(a["skipped_step"]), 0) + 1
+    return out
+
+
 def page_context(rec: Mapping[str, Any], other: Mapping[str, Any] | None,
                  history: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     acts = sorted(rec.get("actions") or (), key=lambda a: (_RANK[a["state"]], a["description"]))
     details = []
     for a in acts:
-        details.append({**a, "anchor": anchor(a["fingerprint"]), "text": STATE_TEXT[a["state"]],
+        text = STATE_TEXT[a["state"]]
+        if a.get("skipped_step"):  # executed, but its real work was left out (a Neuron compile without neuronx-cc)
+            text = f"{text}: step skipped ({a['skipped_step']})"
+        details.append({**a, "anchor": anchor(a["fingerprint"]), "text": text,
                         "record_rows": _flatten(a["record"]) if a.get("record") is not None else [],
                         "seconds": _secs(a)})
     c = rec.get("counts") or {}
@@ -267,6 +286,7 @@ def page_context(rec: Mapping[str, Any], other: Mapping[str, Any] | None,
         "skipped": c.get(R.SKIPPED, 0) + c.get(R.STOPPED, 0) + c.get(R.NOT_STARTED, 0),
         "to_build": c.get(R.TO_BUILD, 0), "cached": c.get(R.CACHED, 0), "not_needed": c.get(R.NOT_NEEDED, 0),
         "hit_rate": round(hit_rate(rec) * 100, 1),
+        "skipped_steps": _skipped_steps(rec),
     }
     return {"rec": rec, "summary": summary, "matrix": grid, "details": details,
             "failures": [d for d in details if d["state"] == R.FAILED], "timeline": timeline(rec),

@@ -84,8 +84,11 @@ def _load_private(path: Path) -> Any:
         else:
             key = serialization.load_pem_private_key(data, password=pw)
     except (ValueError, TypeError, Exception) as e:  # noqa: BLE001 - cryptography raises several types
+        hint = ""
+        if pw is None and ("encrypted" in str(e) or "password" in str(e).lower()):
+            hint = "; it is passphrase-protected: give the passphrase in $NEURONBUILD_SIGNING_KEY_PASSPHRASE"
         raise SignatureError(f"signing key {path}: not a usable private key ({type(e).__name__}: "
-                             f"{str(e).splitlines()[0][:200] if str(e) else ''})") from None
+                             f"{str(e).splitlines()[0][:200] if str(e) else ''}){hint}") from None
     if not isinstance(key, Ed25519PrivateKey):
         raise SignatureError(f"signing key {path}: not an Ed25519 key (use `ssh-keygen -t ed25519`)")
     return key

@@ -17,7 +17,7 @@ from neuronbuild.server.protocol import ServerPaths, StartupOptions
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import Callable, Sequence
     from types import FrameType
     from typing import Any
 
@@ -106,9 +106,10 @@ def workspace_paths(inv: Invocation) -> tuple[ServerPaths, StartupOptions, str] 
     return protocol.server_paths(root, opts.output_user_root), opts, root
 
 
-def maybe_run(argv: Sequence[str]) -> int | None:
+def maybe_run(argv: Sequence[str], check: Callable[[list[str]], int | None] | None = None) -> int | None:
     """Run the command through the server and return its exit code, or None: run it in this process (--batch,
-    NEURONBUILD_NO_SERVER=1, a command the server does not take, or no workspace)."""
+    NEURONBUILD_NO_SERVER=1, a command the server does not take, or no workspace). `check(argv)`: the exit code of a
+    command line this process would refuse (its error printed), asked before a server is started for it."""
     inv = prescan(argv)
     if inv.error:
         print(f"neuronbuild: error: {inv.error}", file=sys.stderr)
@@ -119,7 +120,7 @@ def maybe_run(argv: Sequence[str]) -> int | None:
     if found is None:
         return None
     paths, opts, root = found
-    return run(paths, opts, list(argv), root)
+    return run(paths, opts, list(argv), root, check)
 
 
 def connect(paths: ServerPaths, timeout: float | None = None) -> _socket.socket | None:
@@ -270,7 +271,8 @@ def _stream(sock: _socket.socket) -> tuple[str, Any]:
             _signal.signal(s, h)
 
 
-def run(paths: ServerPaths, opts: StartupOptions, argv: list[str], workspace: str = "") -> int:
+def run(paths: ServerPaths, opts: StartupOptions, argv: list[str], workspace: str = "",
+        check: Callable[[list[str]], int | None] | None = None) -> int:
     stamp = protocol.server_stamp(opts)
     tty = [sys.stdout.isatty(), sys.stderr.isatty()]
     env = dict(os.environ)
@@ -286,6 +288,10 @@ def run(paths: ServerPaths, opts: StartupOptions, argv: list[str], workspace: st
     for _attempt in range(3):
         sock = connect(paths)
         if sock is None:
+            if _attempt == 0 and check is not None:
+                bad = check(argv)  # (a mistyped flag is refused before a server is started for it)
+                if bad is not None:
+                    return bad
             try:
                 start_server(paths, opts, stamp, workspace)
             except (OSError, RuntimeError) as e:

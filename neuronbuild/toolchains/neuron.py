@@ -214,6 +214,12 @@ class NeuronToolchain:
         return load_graph(files[HLO_FILE], files[PARAMS_FILE],
                           with_program_constants(read_constants(files[WEIGHTS_FILE]), own))
 
+    def option_warnings(self, options: Mapping[str, Any]) -> list[str]:
+        """Raw `flags` the neuronx-cc contract does not document (neuron_flags.DOCUMENTED_FLAGS): a typo would
+        otherwise be found only where neuronx-cc runs."""
+        return [f"flags: {flag!r} is not a documented neuronx-cc flag (a typo? it is passed to neuronx-cc as it is)"
+                for flag in neuron_flags.unknown_flags([str(f) for f in options.get("flags", ())])]
+
     def notes(self, settings: PlanSettings) -> list[str]:
         if settings.tool(NEURONX_CC) is not None:
             return []

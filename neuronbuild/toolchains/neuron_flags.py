@@ -19,6 +19,40 @@ NEFF_FILE = "model.neff"
 _WRAPPER_FLAGS = ("--cache_dir", "--no_cache", "--retry_failed_compilation", "--log_level")
 
 
+# The neuronx-cc contract (the Neuron Compiler CLI reference, `neuronx-cc compile`): the flags it documents, and those
+# of them the compiler options already set (a raw flag repeating one would fight the option the build records).
+DOCUMENTED_FLAGS = frozenset({
+    "--framework", "--target", "--model-type", "--auto-cast", "--auto-cast-type", "--native-int64",
+    "--implicit-integer-downcast", "--distribution-strategy", "--logical-nc-config", "-lnc", "--lnc", "--optlevel",
+    "-O", "--enable-mixed-precision-accumulation", "--enable-saturate-infinity", "--enable-fast-context-switch",
+    "--enable-fast-loading-neuron-binaries", "--logfile", "--output", "--verbose", "--workdir", "--pipeline",
+    "--tensorizer-options"})
+INTERNAL_PREFIXES = ("--internal-",)  # what NxD Inference passes through (undocumented, version-specific)
+SET_BY_OPTIONS = {"--target": "the target's platform", "--framework": "the build (XLA)", "--output": "the build",
+                  "-O": "the option opt_level", "--optlevel": "the option opt_level",
+                  "--auto-cast": "the option auto_cast", "--auto-cast-type": "the option auto_cast_type",
+                  "--model-type": "the option model_type", "--lnc": "the option lnc", "-lnc": "the option lnc",
+                  "--logical-nc-config": "the option lnc"}
+
+
+def _flag_name(flag: str) -> str:
+    if flag.startswith("-O") and flag[2:].isdigit():
+        return "-O"
+    return flag.split("=", 1)[0]
+
+
+def flag_conflicts(flags: list[str]) -> list[str]:
+    """The raw flags that set what the build's options set (an error: the recorded options would not be what ran)."""
+    return [f"flags: {flag!r} sets what {SET_BY_OPTIONS[_flag_name(flag)]} sets; use that instead"
+            for flag in flags if _flag_name(flag) in SET_BY_OPTIONS]
+
+
+def unknown_flags(flags: list[str]) -> list[str]:
+    """The raw flags the neuronx-cc contract does not document (a warning: a typo is found on the Neuron farm only)."""
+    return [flag for flag in flags if flag.startswith("-") and _flag_name(flag) not in DOCUMENTED_FLAGS
+            and not flag.startswith(INTERNAL_PREFIXES)]
+
+
 def lowering_options(options: Mapping[str, Any]) -> dict[str, Any]:
     """The options that change the HLO module (and so the lowering action): auto_cast and its type only."""
     auto_cast = str(options.get("auto_cast") or "none")
@@ -85,7 +119,11 @@ def neuronx_cc_args(platform: str, options: Mapping[str, Any], env_flags: list[s
         if int(lnc) not in (1, 2):
             raise ValueError(f"lnc must be 1 or 2, got {lnc}")
         args += ["--lnc", str(int(lnc))]
-    args += [str(flag) for flag in options.get("flags", ())]
+    flags = [str(flag) for flag in options.get("flags", ())]
+    conflicts = flag_conflicts(flags)
+    if conflicts:
+        raise ValueError(conflicts[0])
+    args += flags
     args += list(env_flags or ())
     return args
 

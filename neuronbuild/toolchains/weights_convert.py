@@ -5,6 +5,7 @@ whole .safetensors file: `--prefix model.encoder.`, `--drop decoder.`), the keys
 from __future__ import annotations
 
 import json
+import os
 import pickle
 from collections.abc import Mapping
 from pathlib import Path
@@ -149,8 +150,10 @@ def convert(src: Path, dest: Path, allow_pickle: bool = False, prefix: str = "",
         # safetensors refuses tensors sharing storage (tied weights) and views: each is written as its own copy.
         out = {new: tensors[old].detach().to("cpu").contiguous().clone() for new, old in kept.items()}
     # safetensors writes by path: into the atomic writer's temp file (renamed onto dest once whole, removed if not).
-    with atomic_writer(dest, mode=umask_mode()) as f:
+    # It replaces that file with one of its own (mode 0600), so the mode a plain open() would give is set afterwards.
+    with atomic_writer(dest) as f:
         save_file(out, f.name)
+        os.chmod(f.name, umask_mode())
     size = dest.stat().st_size
     left = f"; left out {len(dropped)} key(s) (--verbose lists them)" if dropped else ""
     return (f"wrote {len(out)} tensors ({size / 1e6:.1f} MB) from {what} in {src} to {dest}{left}; use it as "
