@@ -4,4 +4,4 @@ To add a command, add its module name to COMMAND_MODULES; cli.py imports only th
 (parsers are registered from the small, import-free `register` functions)."""
 
 COMMAND_MODULES = ("build", "plan", "explain", "query", "upgrade_impact", "deploy", "verify", "validate", "cache", "farm",
-                   "clean", "completion", "server", "report", "init", "weights", "help")
+                   "clean", "completion", "server", "report", "init", "weights", "help", "audit_keys")
