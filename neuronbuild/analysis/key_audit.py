@@ -137,11 +137,14 @@ class AuditReport:
         return out
 
 
-def attr_variations(graph: TargetGraph, declared: Mapping[tuple[Label, str], frozenset[str]]
-                    ) -> tuple[list[Variation], list[str]]:
+def attr_variations(graph: TargetGraph, declared: Mapping[tuple[Label, str], frozenset[str]],
+                    defaults: Mapping[tuple[Label, str], Any] | None = None,
+                    models: frozenset[Label] = frozenset()) -> tuple[list[Variation], list[str]]:
     """A valid value of the same type for every attribute of every loaded target (labels aside: another label is
     another target). `declared`: per (compiler_options or neuron_target label, attribute) a compile's toolchain
-    reads, the action kinds of that toolchain (their outputs are declared to depend on it)."""
+    reads, the action kinds of that toolchain (their outputs are declared to depend on it); `defaults`: the value
+    that toolchain fills in for such an attribute left unset (an unset attribute with choices is set to another);
+    `models`: the compiles' models (their `config`, `seed` and `inputs` are declared to change their graphs)."""
     from neuronbuild.loading.schema import RULES
 
     out: list[Variation] = []
@@ -153,6 +156,13 @@ def attr_variations(graph: TargetGraph, declared: Mapping[tuple[Label, str], fro
             continue
         for a in schema.attrs:
             value = t.attrs.get(a.name)
+            if value is None and a.choices and (label, a.name) in declared:
+                default = (defaults or {}).get((label, a.name))
+                other = [c for c in a.choices if c != default]
+                if other:
+                    out.append(Variation(f"{label} {a.name}", "attr", f"unset ({default!r}) -> {other[0]!r}",
+                                         expect=declared[label, a.name], label=label, attr=a.name, value=other[0]))
+                continue
             if a.name == "name" or value in (None, "", (), [], {}) or a.kinds or \
                     a.type.name in ("label", "label_list", "graph_labels", "graph_label"):
                 continue
@@ -163,7 +173,7 @@ def attr_variations(graph: TargetGraph, declared: Mapping[tuple[Label, str], fro
             found = False
             for detail, new in _variants(a.type.name, value, a.choices):
                 found = True
-                expect = _attr_expect(t.kind, a.name, label, declared)
+                expect = _attr_expect(a.name, label, declared, models)
                 out.append(Variation(f"{label} {a.name}", "attr", detail, expect=expect, label=label, attr=a.name,
                                      value=new))
             if not found:
@@ -171,11 +181,11 @@ def attr_variations(graph: TargetGraph, declared: Mapping[tuple[Label, str], fro
     return out, skipped
 
 
-def _attr_expect(kind: str, attr: str, label: Label, declared: Mapping[tuple[Label, str], frozenset[str]]
-                 ) -> frozenset[str] | None:
+def _attr_expect(attr: str, label: Label, declared: Mapping[tuple[Label, str], frozenset[str]],
+                 models: frozenset[Label]) -> frozenset[str] | None:
     if (label, attr) in declared:  # an option or target attribute a toolchain declares: its compiles depend on it
         return declared[label, attr]
-    if kind == "neuron_model" and attr in ("config", "seed", "inputs"):
+    if label in models and attr in ("config", "seed", "inputs"):
         return frozenset({"*"})
     return None
 
@@ -198,6 +208,10 @@ def _variants(type_name: str, value: Any, choices: Sequence[Any]) -> list[tuple[
         return out
     if isinstance(value, Mapping):
         return [(f"{k}: {d}", {**value, k: new}) for k, v in value.items() for d, new in _leaf(v)]
+    if isinstance(value, (list, tuple)) and value and all(isinstance(v, Mapping) for v in value):  # shapes
+        last = value[-1]
+        return [(f"{dict(last)} -> {k}: {d}", (*value[:-1], {**last, k: new}))
+                for k, v in last.items() for d, new in _leaf(v)]
     return _leaf(value)
 
 
@@ -208,8 +222,8 @@ def _leaf(value: Any) -> list[tuple[str, Any]]:
         new = value * 2 if value else 1
         return [(f"{value} -> {new}", new)]
     if isinstance(value, float):
-        new = value * 2 if value else 0.5
-        return [(f"{value} -> {new}", new)]
+        half = value * 2 if value else 0.5
+        return [(f"{value} -> {half}", half)]
     return []
 
 
@@ -246,18 +260,21 @@ def _changed(path: str, data: bytes) -> tuple[str, bytes] | None:
         if not nums:
             return None
         n = min(nums, key=lambda c: (c.lineno, c.col_offset))
+        end = int(n.end_col_offset or 0)
         lines = text.splitlines(keepends=True)
-        line = lines[n.lineno - 1].encode()
-        seg = line[n.col_offset:n.end_col_offset].decode()
-        new = str(n.value * 2 if n.value else 1)
-        lines[n.lineno - 1] = (line[:n.col_offset] + new.encode() + line[n.end_col_offset:]).decode()
+        line = lines[n.lineno - 1].encode("utf-8", "surrogateescape")  # (ast's columns are UTF-8 byte offsets)
+        seg = line[n.col_offset:end].decode()
+        value = n.value
+        assert isinstance(value, (int, float))
+        new = str(value * 2 if value else 1)
+        lines[n.lineno - 1] = (line[:n.col_offset] + new.encode() + line[end:]).decode("utf-8", "surrogateescape")
         return f"line {n.lineno}: {seg} -> {new}", "".join(lines).encode("utf-8", "surrogateescape")
     if path.endswith(".json"):
         m = re.search(rb"(?<=[:\[,\s])(\d+)(?=\s*[,}\]])", data)
         if m is None:
             return None
-        new = str(int(m.group(1)) * 2 or 1).encode()
-        return f"{m.group(1).decode()} -> {new.decode()}", data[:m.start()] + new + data[m.end():]
+        doubled = str(int(m.group(1)) * 2 or 1).encode()
+        return f"{m.group(1).decode()} -> {doubled.decode()}", data[:m.start()] + doubled + data[m.end():]
     if not data:
         return None
     return "last byte flipped", data[:-1] + bytes([data[-1] ^ 1])

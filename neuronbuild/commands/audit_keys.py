@@ -259,9 +259,11 @@ class _Audit:
             tool_variations,
             toolchain_variations,
         )
+        from neuronbuild.analysis.toolchain_api import UNSET
         from neuronbuild.loading.schema import label_values
 
         declared: dict[Any, frozenset[str]] = {}
+        defaults: dict[Any, Any] = {}
         for ct in self.ag.compiles:
             t = self.graph.targets.get(ct.label)
             if t is None:
@@ -273,7 +275,10 @@ class _Audit:
                 for lbl in label_values(t.attrs.get(attr)) if t.attrs.get(attr) is not None else []:
                     for name in names:
                         declared[lbl, name] = declared.get((lbl, name), frozenset()) | kinds
-        out, skipped = attr_variations(self.graph, declared)
+                    for k in tc.option_keys if attr == "options" else ():
+                        defaults[lbl, k.name] = None if k.default is UNSET else k.default
+        models = frozenset(ct.model for ct in self.ag.compiles)
+        out, skipped = attr_variations(self.graph, declared, defaults, models)
         files = [f.path for a in self.ag.actions.values() for f in a.files]
         fv, fskipped = file_variations(files, lambda p: (self.ws / p).read_bytes())
         out += fv

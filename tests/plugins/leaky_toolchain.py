@@ -13,21 +13,21 @@ from neuronbuild import FORMAT_VERSION, plugins
 from neuronbuild.analysis.actions import TRACE_OUTPUT, Action, DepInput, make_action
 from neuronbuild.analysis.plan_settings import PlanSettings
 from neuronbuild.analysis.toolchain_api import CompileRequest, OptionKey, StepDirs
-from neuronbuild.loading.schema import INT
+from neuronbuild.loading.schema import INT, Attr
 
 
 class LeakyToolchain:
     name = "leaky"
-    platforms = ("leaky",)
+    platforms: tuple[str, ...] = ("leaky",)
     artifact_format = "leaky-summary"
     runtime_loader = ""
     estimate_s = 1.0
     estimate_mb = 300.0
     validate_note = ""
-    option_keys = (OptionKey("leak_scale", INT, "multiplies the summary's node count (NOT in the key: the bug)", 1),
+    option_keys: tuple[OptionKey, ...] = (OptionKey("leak_scale", INT, "multiplies the summary's node count (NOT in the key: the bug)", 1),
                    OptionKey("leak_revision", INT, "a revision number the output ignores (keyed all the same)", 0))
-    target_attrs = ()
-    tp_degrees: dict[str, tuple[int, ...]] = {}
+    target_attrs: tuple[Attr, ...] = ()
+    tp_degrees: Mapping[str, tuple[int, ...]] = {}
     warm_up_shared = False
 
     def target_record(self, platform: str, attrs: Mapping[str, Any]) -> dict[str, Any]:
