@@ -8,7 +8,7 @@ action of the variant is paired with the baseline's by identity; per action kind
 - `over-keyed`: the key changed, the output did not (a rebuild for nothing);
 - `UNDER-KEYED`: the output changed, the key did not (a cache would serve a wrong artifact).
 Quick mode only plans: an input declared to change outputs (a toolchain's option, a model's config, a tool version)
-that changes no key is `UNDER-KEYED`; one that must not reach outputs (paths, HOME, undeclared variables) that
+that changes no key is `unkeyed?` (under-keyed, or read only in some cases: full mode tells); one that must not reach outputs (paths, HOME, undeclared variables) that
 changes a key is `over-keyed`."""
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from neuronbuild.loading.labels import Label
 from neuronbuild.loading.target_graph import TargetGraph
 
 OK, OVER, UNDER = "ok", "over-keyed", "UNDER-KEYED"
+UNKEYED = "unkeyed?"  # quick mode: declared to change an output, changes no key (full mode judges: --only NAME)
 NONDETERMINISTIC, FAILED, INVALID = "nondeterministic", "failed", "invalid"
 # Why an over-keyed input must stay keyed (docs/introspection.md lists them): printed beside the verdict.
 BY_DESIGN = {
@@ -85,7 +86,7 @@ class InputResult:
     def verdict(self) -> str:
         if self.error:
             return INVALID if self.variation.how == "attr" else FAILED
-        order = (UNDER, OVER, NONDETERMINISTIC, OK)
+        order = (UNDER, UNKEYED, OVER, NONDETERMINISTIC, OK)
         return min((k.verdict for k in self.kinds), key=order.index, default=OK)
 
     def to_json(self) -> dict[str, Any]:
@@ -323,13 +324,12 @@ def judge(variation: Variation, pairs: Sequence[tuple[Action, Action | None]],
     for a, b in pairs:
         kinds.setdefault(a.kind, []).append((a, b))
     any_key = any(b is None or a.fingerprint != b.fingerprint for a, b in pairs)
-    base_fps = {b.fingerprint for _a, b in pairs if b is not None}
     out = []
     for kind, items in kinds.items():
         keyed = [(a, b) for a, b in items if b is None or a.fingerprint != b.fingerprint]
         if outputs is None or base_outputs is None or variation.plan_only:
-            # (a key naming an input action's changed key: early cutoff decides, not this key)
-            own = [a for a, _b in keyed if all(d in base_fps for d in a.deps)]
+            # (a key changed only where it names other actions' keys: early cutoff decides, not this key)
+            own = [a for a, b in keyed if b is None or _own(a) != _own(b)]
             out.append(_quick(variation, kind, len(items), len(keyed), len(own), any_key))
             continue
         noisy = [a for a, _b in items if a.identity in nondeterministic]
@@ -357,10 +357,19 @@ def judge(variation: Variation, pairs: Sequence[tuple[Action, Action | None]],
     return tuple(out)
 
 
+_FP = re.compile(r"^[0-9a-f]{64}$")
+
+
+def _own(a: Action) -> dict[str, Any]:
+    """The action's record without the fingerprints of other actions it names (as execution/cutoff.py drops them)."""
+    return {k: v for k, v in a.record.items() if not (isinstance(v, str) and _FP.match(v))}
+
+
 def _quick(v: Variation, kind: str, n: int, keyed: int, own: int, any_key: bool) -> KindVerdict:
     if own and v.keep:
         return KindVerdict(kind, n, keyed, None, OVER, BY_DESIGN.get(v.by_design, "declared not to change outputs"))
     if v.expect and (not any_key if "*" in v.expect else kind in v.expect and not keyed):
-        return KindVerdict(kind, n, 0, None, UNDER, "declared to change this output, but no key changed")
+        return KindVerdict(kind, n, 0, None, UNKEYED, "declared to change this output, but no key changed: "
+                                                      "under-keyed, or read only in some cases (full mode judges)")
     note = "re-keyed through its inputs: early cutoff reuses it if they come out identical" if keyed > own else ""
     return KindVerdict(kind, n, keyed, None, OK, note)
