@@ -29,7 +29,8 @@ NONDETERMINISTIC, FAILED, INVALID = "nondeterministic", "failed", "invalid"
 # Why an over-keyed input must stay keyed (docs/introspection.md lists them): printed beside the verdict.
 BY_DESIGN = {
     "source": "sources are keyed by their bytes (a comment or dead code cannot be told from what runs without running "
-              "it); early cutoff ends the rebuild at the trace, whose program comes out identical",
+              "it): the actions that run them re-run, and early cutoff ends the rebuild there when their outputs come "
+              "out identical",
     "declared": "a declared --action-env variable is keyed whether or not a step reads it: neuronbuild cannot know "
                 "which variables a compiler reads (that is why it must be declared)",
 }

@@ -55,10 +55,18 @@ def run(args: argparse.Namespace) -> int:
         print(f"neuronbuild: error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
     ctx = context_from_args(args)
+    if args.scratch and (Path(args.scratch) / "ws").exists():
+        print(f"neuronbuild: error: --scratch {args.scratch}: holds an earlier audit's files; give an empty or new "
+              "directory", file=sys.stderr)
+        return EXIT_BAD_INPUT
     scratch = Path(args.scratch).resolve() if args.scratch else Path(tempfile.mkdtemp(prefix="neuronbuild-audit-"))
     try:
         audit = _Audit(ctx, scratch, tuple(args.patterns), args.jobs)
         report: AuditReport = audit.determinism() if args.determinism else audit.run(args.quick, args.only or ())
+    except _BaselineFailed as e:
+        print(f"neuronbuild: error: audit-keys: the baseline build failed (nothing to compare with): {e}",
+              file=sys.stderr)
+        return EXIT_BUILD_FAILED
     finally:
         if not args.scratch:
             shutil.rmtree(scratch, ignore_errors=True)
@@ -67,6 +75,10 @@ def run(args: argparse.Namespace) -> int:
     else:
         print("\n".join(report.lines()))
     return EXIT_BUILD_FAILED if report.under_keyed or report.nondeterministic else EXIT_OK
+
+
+class _BaselineFailed(Exception):
+    """The selected targets do not build as they are."""
 
 
 def _progress(msg: str) -> None:
@@ -159,9 +171,7 @@ class _Audit:
             _progress(f"baseline build {i} of 2 ({len(self.ag.actions)} actions, a fresh cache)")
             outputs, keys, error = self._build(self._context(self.ws, self._cache()), self.ag)
             if error:
-                from neuronbuild.errors import UserInputError
-
-                raise UserInputError(f"audit-keys: the baseline build failed: {error}")
+                raise _BaselineFailed(error)
             runs.append((outputs, keys))
         (first, keys), (second, _k) = runs
         differ = tuple(a.describe() for a in self.ag.actions.values() if first.get(a.identity) != second.get(a.identity))
@@ -170,7 +180,7 @@ class _Audit:
         return first, differ, keys
 
     def run(self, quick: bool, only: tuple[str, ...] | list[str]) -> Any:
-        from neuronbuild.analysis.key_audit import AuditReport, identity_pairs, judge
+        from neuronbuild.analysis.key_audit import AuditReport
 
         variations, skipped = self.variations()
         if only:
@@ -184,13 +194,13 @@ class _Audit:
             noisy_ids = {a.identity for a in self.ag.actions.values() if a.describe() in noisy}
         results = []
         for i, v in enumerate(variations, 1):
-            results.append(self._one(v, quick, base_out, base_keys, noisy_ids, identity_pairs, judge))
+            results.append(self._one(v, quick, base_out, base_keys, noisy_ids))
             _progress(f"[{i}/{len(variations)}] {v.name} ({v.detail}): {results[-1].verdict}")
         return AuditReport(tuple(results), quick, noisy, tuple(skipped))
 
-    def _one(self, v: Variation, quick: bool, base_out: Any, base_keys: Mapping[str, str], noisy: set[str],
-             identity_pairs: Any, judge: Any) -> Any:
-        from neuronbuild.analysis.key_audit import InputResult
+    def _one(self, v: Variation, quick: bool, base_out: Any, base_keys: Mapping[str, str], noisy: set[str]) -> Any:
+        """The variation applied, planned and (unless quick or plan-only) built, and judged."""
+        from neuronbuild.analysis.key_audit import InputResult, identity_pairs, judge
         from neuronbuild.errors import UserInputError
 
         try:
