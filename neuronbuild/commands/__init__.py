@@ -5,4 +5,4 @@ here (cli.make_parser registers each one's parser); their module level and `regi
 `run` imports what its command needs. A command the build server runs imports none of them in the client."""
 
 COMMAND_MODULES = ("build", "plan", "explain", "query", "upgrade_impact", "deploy", "verify", "validate", "cache", "farm",
-                   "clean", "completion", "server", "report", "init", "weights", "help")
+                   "clean", "completion", "server", "report", "init", "weights", "help", "audit_keys")

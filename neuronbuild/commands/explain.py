@@ -13,6 +13,9 @@ from neuronbuild.errors import EXIT_OK
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser("explain", help="why each action that would execute is not cached (the fields that changed)")
     p.add_argument("patterns", nargs="*", help="target patterns (default //...)")
+    p.add_argument("--key", metavar="FINGERPRINT", help="the named parts of this action's key (a fingerprint "
+                                                       "prefix), each with its digest, and those that differ from "
+                                                       "its identity's most recent result")
     add_output_arg(p)
     add_context_args(p, what_if=True)
 
@@ -26,6 +29,8 @@ def run(args: argparse.Namespace) -> int:
     ctx = context_from_args(args)
     ag = ctx.plan(ctx.load(args.patterns))
     cache = ctx.open_cache()
+    if args.key is not None:
+        return _key(args, ag, cache, ctx.history(cache))
     todo, cached = needed_actions(ag, cache, probe=True)
     found = explain(ag, todo, ctx.history(cache))
     reused = _cutoffs(ag, cache, cached)
@@ -73,3 +78,46 @@ def _cutoffs(ag: Any, cache: Any, cached: list[str]) -> list[tuple[Any, str]]:
         if prev:
             out.append((a, prev))
     return out
+
+
+def _key(args: argparse.Namespace, ag: Any, cache: Any, history: Any) -> int:
+    """`explain --key FP`: the action's key as named parts, and which differ from the nearest earlier record."""
+    import sys
+
+    from neuronbuild.analysis.key_parts import differing, key_parts
+    from neuronbuild.errors import EXIT_BAD_INPUT
+
+    prefix = args.key.strip().lower()
+    found = [a for fp, a in ag.actions.items() if fp.startswith(prefix)] if prefix else []
+    if len(found) != 1:
+        why = "no action of this plan has" if not found else f"{len(found)} actions of this plan have"
+        print(f"neuronbuild: error: --key {args.key}: {why} a fingerprint starting so (explain lists them)",
+              file=sys.stderr)
+        return EXIT_BAD_INPUT
+    a = found[0]
+    parts = key_parts(a.record)
+    latest = history.latest(a.identity)
+    prev = history.result(latest.fingerprint) if latest is not None and latest.fingerprint != a.fingerprint else None
+    differs = differing(parts, prev.record) if prev is not None else []
+    cached = cache.peek(a.fingerprint)
+    if args.output == "json":
+        print(json.dumps({"description": a.describe(), "fingerprint": a.fingerprint, "cached": cached,
+                          "parts": [{"name": p.name, "digest": p.digest, "value": p.value} for p in parts],
+                          "compared_with": latest.fingerprint if prev is not None and latest is not None else None,
+                          "differs": differs}, indent=1, sort_keys=True, default=str))
+        return EXIT_OK
+    print(f"{a.describe()}  ({a.fingerprint})")
+    width = max(len(p.name) for p in parts)
+    for p in parts:
+        mark = "*" if p.name in differs else " "
+        print(f" {mark}{p.name:<{width}}  {p.digest[:12]}  {p.text()}")
+    if cached:
+        print("cached: this key has a result")
+    elif prev is not None and latest is not None:
+        print(f"not cached; against its identity's most recent result ({latest.fingerprint[:12]}) "
+              f"{len(differs)} part{' differs' if len(differs) == 1 else 's differ'} (*): {', '.join(differs)}")
+    elif latest is not None and latest.fingerprint == a.fingerprint:
+        print("not cached: its result's outputs are no longer complete in the cache")
+    else:
+        print("not cached: no earlier record of this identity to compare with")
+    return EXIT_OK

@@ -147,7 +147,8 @@ class NeuronToolchain:
                                                                            TRACE_OUTPUT),),
                                               outputs=lower_outputs)
         record = req.record(COMPILE, self.versions(req.platform, req.settings), lowering=lower.fingerprint,
-                            weights="shipped-1")  # bound at load: the weights action's file(s), not read here
+                            weights="shipped-1",  # bound at load: the weights action's file(s), not read here
+                            options=neuron_flags.compile_options(req.options))
         spec: dict[str, Any] = {"toolchain": self.name, "step": COMPILE, "platform": req.platform,
                                 "options": dict(req.options), "env_flags": env_flags, "neuronx_cc": None}
         outputs: tuple[str, ...] = outputs_

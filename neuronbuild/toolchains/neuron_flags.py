@@ -62,6 +62,14 @@ def lowering_options(options: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
+def compile_options(options: Mapping[str, Any]) -> dict[str, Any]:
+    """The options as a Compile's record keys them: auto_cast_type left out when auto_cast is none, since neither
+    the HLO nor the argv reads it then (`neuronbuild audit-keys` found it over-keyed); the rest as given."""
+    if str(options.get("auto_cast") or "none") == "none":
+        return {k: v for k, v in options.items() if k != "auto_cast_type"}
+    return dict(options)
+
+
 def neuron_cc_env_flags(value: str | None) -> list[str]:
     """NEURON_CC_FLAGS as the frameworks read it: shell-split, the cache wrapper's own flags (and their values)
     removed; what is left goes to the compiler after the options' flags."""
