@@ -305,3 +305,27 @@ def test_functions_registered_by_key_type_compute_plain_keys() -> None:
     assert e.nodes[3].deps == ((2, 1),)
     with pytest.raises(KeyError):
         e.get("no function")
+
+
+@dataclass(frozen=True)
+class Rounded:
+    """Keeps the old value object when the new one is equal (`keep_equal`), as the planner's action graph node does."""
+
+    of: Any
+    keep_equal = True
+
+    def compute(self, ctx: Engine) -> Any:
+        return [round(ctx.get(self.of))]
+
+
+def test_an_equal_value_of_a_keep_equal_key_is_the_old_object() -> None:
+    WORLD.update(x=1.2)
+    e = Engine()
+    first = e.get(Rounded(Cell("x")))
+    WORLD["x"] = 0.9
+    e.advance()
+    assert e.get(Rounded(Cell("x"))) is first  # (a plain key stores the new, equal object)
+    assert e.get(Sum((Cell("x"),))) == 0.9
+    WORLD["x"] = 2.2
+    e.advance()
+    assert e.get(Rounded(Cell("x"))) == [2]

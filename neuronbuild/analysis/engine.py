@@ -8,8 +8,9 @@ A **key** is any hashable value. How the engine computes one is its type's **fun
 - `equal(old, new)`: **the equality contract: when it says True, every computation that read `old` would compute
   the same value from `new`** (so a recomputed value equal to the old one keeps the old revision: early cutoff);
 - optionally `volatile` (the value reads the outside world and is recomputed, once per revision, whenever asked;
-  equal values still cut off) and `unchanged(key, node)` (the outside inputs a node read, e.g. a file's digest,
-  are still those it read; checked once per revision before its dependencies).
+  equal values still cut off), `unchanged(key, node)` (the outside inputs a node read, e.g. a file's digest,
+  are still those it read; checked once per revision before its dependencies) and `keep_equal` (a recomputed value
+  equal to the old one is dropped and the old object kept, with whatever was derived from it and cached on it).
 
 A **node** holds a key's value, the keys it read in order with the `changed_at` each had then, its own `changed_at`
 (the revision its value last changed) and `verified_at` (the last revision it was known current in). `advance()`
@@ -67,6 +68,7 @@ class _SelfFunction:
 
     def __init__(self, cls: type) -> None:
         self.volatile = bool(getattr(cls, "volatile", False))
+        self.keep_equal = bool(getattr(cls, "keep_equal", False))
         self.equal = getattr(cls, "equal", _equal)
         if hasattr(cls, "unchanged"):
             self.unchanged = _own_unchanged
@@ -100,7 +102,7 @@ class Engine:
 
     def function(self, key: Hashable) -> Any:
         fn = self.functions.get(type(key))
-        if fn is None and hasattr(key, "compute"):
+        if fn is None and (hasattr(key, "compute") or hasattr(key, "equal")):  # (a key only stored has no compute)
             fn = self.functions[type(key)] = _SelfFunction(type(key))
         return fn
 
@@ -224,9 +226,12 @@ class Engine:
         rev = self.revision
         old = self.nodes.get(key)
         changed_at = rev
-        if old is not None and (fn or self.function(key)).equal(old.value, value):
+        fn = fn or self.function(key)
+        if old is not None and fn.equal(old.value, value):
             changed_at = old.changed_at
             self.cutoffs += 1
+            if getattr(fn, "keep_equal", False):
+                value = old.value
         node = self.nodes[key] = Node(value, deps, changed_at, rev)
         self._stale.discard(key)
         self.computed += 1

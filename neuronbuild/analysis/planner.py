@@ -260,6 +260,26 @@ class _Fresh:
 _GONE = object()  # a _Fresh key whose target is gone or no longer volatile
 
 
+@dataclass(frozen=True)
+class _PlanKey:
+    """The engine key of the plan's ActionGraph (AnalysisMemo.action_graph): stored once per plan, an equal graph
+    keeps the previous object (`keep_equal`), with what was derived from it (order, consumers, digraph)."""
+
+    keep_equal = True
+
+    @staticmethod
+    def equal(last: ActionGraph, new: ActionGraph) -> bool:
+        """Equal actions (by fingerprint, in order: fingerprints are content addresses), compile targets and
+        bundles."""
+        return len(last.actions) == len(new.actions) and list(last.actions) == list(new.actions) and \
+            len(last.compiles) == len(new.compiles) and all(map(_same_value, last.compiles, new.compiles)) and \
+            list(last.bundles) == list(new.bundles) and \
+            _same_value(list(last.bundles.values()), list(new.bundles.values()))
+
+
+_PLAN = _PlanKey()
+
+
 class _TargetNodes:
     """The engine's function for target nodes (keys: Label) and volatile providers (keys: _Fresh), bound to the plan
     running (`ctx`). Target nodes are computed by AnalysisContext._analyse (an analysis records its events in order);
@@ -292,6 +312,14 @@ class _TargetNodes:
             except OSError:
                 return False
         return True
+
+    def stale_ids(self, nodes: Mapping[Any, Node]) -> set[int]:
+        """id() of the target nodes whose own inputs changed (`unchanged` over every node at once; a node whose
+        Target is the same object and that digested no file is unchanged without a call)."""
+        assert self.ctx is not None
+        get, unchanged = self.ctx.graph.targets.get, self.unchanged
+        return {id(n) for k, n in nodes.items() if type(k) is Label and
+                (get(k) is not n.value.target or n.value.files) and not unchanged(k, n)}
 
 
 class _FreshNodes(_TargetNodes):
@@ -424,7 +452,6 @@ class AnalysisMemo:
         self.settings_key: str | None = None
         self.trace_toolchain: dict[str, str] = {}
         self.reused = self.analysed = self.grouped = 0  # (this plan's: nodes; roots by groups)
-        self.last: ActionGraph | None = None  # the previous plan's action graph (the node's value)
         self.schedule: Any = None  # the last plan's wall-time schedule (estimate.Schedule: resumed where equal)
         # the plan report's nodes (plan_report.ReportMemo: estimates per action, matrix rows per compile target),
         # valid for one stamp of the cache's history
@@ -440,7 +467,6 @@ class AnalysisMemo:
             self.groups.clear()
             self.retired.clear()
             self.env.clear()
-            self.last = None
         self.settings_key, self.trace_toolchain = key, trace_tc
         self.engine.advance()
         self.reused = self.analysed = self.grouped = 0
@@ -450,23 +476,26 @@ class AnalysisMemo:
         """The engine's nodes: by Label, the memoised targets' (values `_Memo`); by `_Fresh`, volatile providers."""
         return self.engine.nodes
 
+    def memoised_targets(self) -> int:
+        return sum(type(k) is Label for k in self.engine.nodes)
+
     def _stored(self, key: Any, old: Node | None, new: Node) -> None:
-        if old is not None and type(key) is not _Fresh:
+        if old is not None and type(key) is Label:
             self.retired.add(id(old))  # (a segment holding it is stale)
 
     def action_graph(self, actions: dict[str, Action], compiles: tuple[CompileTarget, ...],
                      bundles: dict[Label, BundleInfo], topological: bool = False) -> ActionGraph:
-        """The plan's ActionGraph node: a value of its actions (fingerprints are content addresses: equal
-        fingerprints in the same order are equal actions), compile targets and bundles. When they equal the previous
-        plan's, that value is returned (early cutoff), with what was derived from it (order, consumers, digraph), and
-        so are the values derived from it further on (AnalysisMemo.derived)."""
-        last = self.last
-        if last is not None and len(last.actions) == len(actions) and list(last.actions) == list(actions) and \
-                len(last.compiles) == len(compiles) and all(map(_same_value, last.compiles, compiles)) and \
-                list(last.bundles) == list(bundles) and _same_value(list(last.bundles.values()), list(bundles.values())):
-            return last
-        self.last = ActionGraph(actions, None, compiles, bundles, topological)
-        return self.last
+        """The plan's ActionGraph node (key `_PLAN`): a value of its actions, compile targets and bundles. When they
+        equal the previous plan's, that value is returned (early cutoff: `_PlanKey.equal`), with what was derived
+        from it (order, consumers, digraph)."""
+        node = self.engine.store(_PLAN, ActionGraph(actions, None, compiles, bundles, topological), ())
+        return node.value  # type: ignore[no-any-return]
+
+    @property
+    def last(self) -> ActionGraph | None:
+        """The previous plan's action graph (the `_PLAN` node's value)."""
+        node = self.engine.nodes.get(_PLAN)
+        return None if node is None else node.value  # type: ignore[no-any-return]
 
 
 def settings_key(settings: PlanSettings) -> str:
@@ -643,8 +672,7 @@ class AnalysisContext:
     def _surface_bad(self) -> set[int]:
         """id() of the memoised nodes whose own inputs changed: their Target value (or the target is gone) or a file
         their analysis digested (the engine function's `unchanged`, over every target node at once)."""
-        unchanged = self.memo.nodes_fn.unchanged
-        return {id(n) for k, n in self.engine.nodes.items() if type(k) is not _Fresh and not unchanged(k, n)}
+        return self.memo.nodes_fn.stale_ids(self.engine.nodes)
 
     def use_segment(self, root: Label) -> bool:
         """Provide `root` from its segment (_Segment) if that is valid; whether it was."""
