@@ -20,7 +20,13 @@ it saw. `get` recomputes a stale dependency during the walk (Salsa's deep verifi
 revision, so what read it stays valid); `valid` recomputes nothing (only volatile keys) and reports a node with a
 stale dependency as stale, for callers whose computations have ordered side effects (the planner replays a valid
 node's events in order and recomputes the rest in the order a fresh analysis would). A key asked for while it is
-being computed is a cycle: `CycleError`, naming the keys around it."""
+being computed is a cycle: `CycleError`, naming the keys around it.
+
+A **projection key** (`Projection`) holds a value derived from nodes that its own module keeps and re-checks, where
+that module reuses part of an old value (the wall-time schedule resumed where its actions are unchanged, the plan
+report's rows per history stamp): `keep` / `kept`, no dependencies, dropped with the rest by `clear()`. Each is a
+specialised path declared as such, kept because the generic all-or-nothing reuse of a key would recompute the whole
+value after any edit (docs/server.md)."""
 
 from __future__ import annotations
 
@@ -28,7 +34,7 @@ from collections.abc import Callable, Hashable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any, Protocol
 
-__all__ = ["CycleError", "Engine", "KeyFunction", "Node"]
+__all__ = ["CycleError", "Engine", "KeyFunction", "Node", "Projection"]
 
 
 class KeyFunction(Protocol):
@@ -45,6 +51,18 @@ class CycleError(Exception):
     def __init__(self, cycle: tuple[Hashable, ...]) -> None:
         super().__init__("dependency cycle: " + " -> ".join(map(str, cycle)))
         self.cycle = cycle
+
+
+class Projection:
+    """A projection key (see the module's docstring): named, compared by identity."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __repr__(self) -> str:
+        return f"Projection({self.name!r})"
 
 
 class Node:
@@ -200,6 +218,18 @@ class Engine:
                 stale.update(s[0] for s in stack)  # (everything waiting on it is stale too)
                 return None
         return nodes[key]
+
+    def kept(self, key: Projection) -> Any:
+        """The value kept under a projection key (None: none)."""
+        node = self.nodes.get(key)
+        return None if node is None else node.value
+
+    def keep(self, key: Projection, value: Any) -> None:
+        """Keep `value` under a projection key (None: forget it)."""
+        if value is None:
+            self.nodes.pop(key, None)
+        else:
+            self.nodes[key] = Node(value, (), self.revision, self.revision)
 
     # --- computing -----------------------------------------------------------------------------------------------
     def compute(self, key: Hashable) -> Node:

@@ -452,10 +452,6 @@ class AnalysisMemo:
         self.settings_key: str | None = None
         self.trace_toolchain: dict[str, str] = {}
         self.reused = self.analysed = self.grouped = 0  # (this plan's: nodes; roots by groups)
-        self.schedule: Any = None  # the last plan's wall-time schedule (estimate.Schedule: resumed where equal)
-        # the plan report's nodes (plan_report.ReportMemo: estimates per action, matrix rows per compile target),
-        # valid for one stamp of the cache's history
-        self.report: Any = None
 
     def begin(self, settings: PlanSettings) -> None:
         key = settings_key(settings)
