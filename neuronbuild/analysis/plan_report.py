@@ -237,7 +237,7 @@ def _traces(ct: CompileTarget, ag: ActionGraph) -> tuple[str, ...]:
 
 
 class ReportMemo:
-    """The plan report's nodes of the analysis engine (kept under its projection key REPORT by the build server): each action's
+    """The plan report's nodes of the analysis engine (its projection key REPORT, in the build server): each action's
     estimate and each compile target's matrix lines, valid while the cache's history has the same stamp
     (CacheHistory.stamp: the record and index directories). An estimate is a function of its action's value and of
     the history, so it is kept per Action object (analysis replays the same objects for unchanged targets, and the
