@@ -1,4 +1,4 @@
-"""The generic engine's own cost per node (analysis/engine.py), on a graph shaped like a plan's at scale.
+"""The generic engine's own cost per node (engine.py), on a graph shaped like a plan's at scale.
 
 N target-like nodes (key: an int), each reading its package's shared node (an option set) and 1-2 earlier nodes of
 its package, and checking one outside input through `unchanged` (as a target node checks its Target value and file
@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from neuronbuild.analysis.engine import Engine, Node  # noqa: E402
+from neuronbuild.engine import Engine, Node  # noqa: E402
 
 
 class Graph:

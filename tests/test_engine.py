@@ -1,4 +1,4 @@
-"""The incremental engine (analysis/engine.py) on fake keys, as Bazel's evaluator tests do: what a new revision
+"""The incremental engine (engine.py) on fake keys, as Bazel's evaluator tests do: what a new revision
 recomputes after an input changes, early cutoff, diamonds, dynamic dependencies, cycles, failures, deep chains."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from neuronbuild.analysis.engine import CycleError, Engine, Node
+from neuronbuild.engine import CycleError, Engine, Node
 
 WORLD: dict[str, Any] = {}  # the fake outside world the volatile keys read
 RUNS: Counter[Any] = Counter()  # computations per key

@@ -10,10 +10,10 @@ from itertools import compress, count
 from typing import Any
 
 from neuronbuild.analysis.actions import Action
-from neuronbuild.analysis.engine import Projection
 from neuronbuild.analysis.estimate import Estimate, Estimator, schedule, schedule_from
 from neuronbuild.analysis.planner import ActionGraph
 from neuronbuild.analysis.providers import CompileTarget
+from neuronbuild.engine import Projection
 from neuronbuild.history import History
 
 BUILD = "build"
@@ -23,7 +23,7 @@ _FINGERPRINT = operator.attrgetter("fingerprint")
 _SECONDS = operator.attrgetter("seconds")
 _RECORDED = operator.attrgetter("recorded")
 _DEPS = operator.attrgetter("deps")
-# The engine's projection keys this module keeps (analysis/engine.py: their reuse is decided here, partly)
+# The engine's projection keys this module keeps (engine.py: their reuse is decided here, partly)
 SCHEDULE = Projection("wall-time schedule")  # estimate.Schedule: resumed where the actions are unchanged
 REPORT = Projection("plan report")  # ReportMemo: estimates per action, matrix rows per compile target, per stamp
 _MISSING: Any = object()

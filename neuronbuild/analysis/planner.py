@@ -31,10 +31,10 @@ from neuronbuild.analysis.actions import (
     make_action,
     trace_weights,
 )
-from neuronbuild.analysis.engine import Engine, Node
 from neuronbuild.analysis.plan_settings import PlanSettings
 from neuronbuild.analysis.providers import BundleInfo, CompileTarget, ModelInfo
 from neuronbuild.analysis.toolchain_api import CompileRequest, Toolchain
+from neuronbuild.engine import Engine, Node
 from neuronbuild.loading.labels import Label
 from neuronbuild.loading.target_graph import TargetGraph
 from neuronbuild.loading.targets import Target
@@ -240,7 +240,7 @@ class ActionGraph:
 
 @dataclass(frozen=True)
 class _Memo:
-    """The value of a target's node in the analysis engine (analysis/engine.py; the node keeps what it asked for and
+    """The value of a target's node in the analysis engine (engine.py; the node keeps what it asked for and
     its revisions): the target's analysis, what it read outside the engine and what it did, in order."""
 
     target: Target
@@ -423,7 +423,7 @@ def _make_group(roots: tuple[Label, ...], segments: Mapping[Label, _Segment]) ->
 
 
 class AnalysisMemo:
-    """The analysis engine's state: an `Engine` (analysis/engine.py) with one node per analysed target (key: its
+    """The analysis engine's state: an `Engine` (engine.py) with one node per analysed target (key: its
     Label, value: `_Memo`) and per volatile target asked for (key: `_Fresh`), kept between plans of one workspace
     with one set of settings by the build server, and made empty for each batch command (the same engine, starting
     empty). Each plan is a revision of it.
