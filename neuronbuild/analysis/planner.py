@@ -305,21 +305,33 @@ class _TargetNodes:
         t = self.ctx.graph.targets.get(label)
         if t is not m.target and (t is None or not (m.target == t and m.target.attrs == t.attrs)):
             return False
-        for path, digest in m.files:
-            try:
-                if digests.digest_file(path) != digest:
-                    return False
-            except OSError:
-                return False
-        return True
+        return not m.files or _files_same(m.files)
 
     def stale_ids(self, nodes: Mapping[Any, Node]) -> set[int]:
-        """id() of the target nodes whose own inputs changed (`unchanged` over every node at once; a node whose
-        Target is the same object and that digested no file is unchanged without a call)."""
+        """id() of the target nodes whose own inputs changed: `unchanged` over every node at once (one loop: at
+        100,000 graphs this is a third of a warm re-plan's analysis)."""
         assert self.ctx is not None
-        get, unchanged = self.ctx.graph.targets.get, self.unchanged
-        return {id(n) for k, n in nodes.items() if type(k) is Label and
-                (get(k) is not n.value.target or n.value.files) and not unchanged(k, n)}
+        get = self.ctx.graph.targets.get
+        bad: set[int] = set()
+        for lbl, n in nodes.items():
+            m = n.value
+            if type(m) is not _Memo:
+                continue
+            t = get(lbl)
+            if t is not m.target and (t is None or not (m.target == t and m.target.attrs == t.attrs)) or \
+                    m.files and not _files_same(m.files):
+                bad.add(id(n))
+        return bad
+
+
+def _files_same(files: tuple[tuple[str, str], ...]) -> bool:
+    for path, digest in files:
+        try:
+            if digests.digest_file(path) != digest:
+                return False
+        except OSError:
+            return False
+    return True
 
 
 class _FreshNodes(_TargetNodes):
