@@ -1,11 +1,11 @@
 """Turns a TargetGraph into an ActionGraph by asking each requested target's rule kind (neuronbuild.plugins) for its
 analysis: kinds return providers and register actions here; one trace per (model, graph, bucket) is shared by all.
 
-Analysis runs on a small memoising engine in the style of Salsa / Skyframe (`AnalysisMemo`): one node per target
-holding its provider and what it did, in order (providers it asked for, actions it added, compile targets and bundles
-it registered), and what it read: its Target value, the files it digested, the revision of every node it asked for.
-A node is replayed only when all of that is unchanged; an analysis run again with an equal result keeps its revision
-(early cutoff). Batch commands run the same engine starting empty, the build server keeps it between commands: so the
+Analysis runs on the generic engine (neuronbuild/engine.py; `AnalysisMemo` holds it): one node per target (key: its
+Label) holding its provider and what it did, in order (providers it asked for, actions it added, compile targets and
+bundles it registered), and what it read: its Target value and the files it digested (checked by the node function's
+`unchanged`) and, recorded by the engine, the revision of every node it asked for. A node is replayed only when the
+engine finds it valid; an analysis run again with an equal result keeps its revision (early cutoff). Batch commands run the same engine starting empty, the build server keeps it between commands: so the
 server's plan is the one a fresh process makes, by construction."""
 
 from __future__ import annotations
