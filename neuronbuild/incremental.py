@@ -77,8 +77,13 @@ def analysis_memo(root: Path, settings: Any) -> Any:
     return memo
 
 
+def last_plans() -> list[Any]:
+    """The action graph each kept analysis memo planned last (the server warms what they need)."""
+    return [m.last for m in _memos.values() if m.last is not None]
+
+
 def memo_stats() -> dict[str, int]:
-    return {"analysis_memos": len(_memos), "memoised_targets": sum(len(m.entries) for m in _memos.values())}
+    return {"analysis_memos": len(_memos), "memoised_targets": sum(m.memoised_targets() for m in _memos.values())}
 
 
 def open_caches(cache_dir: Path, root: Path) -> LoadCache:

@@ -460,3 +460,28 @@ def test_a_plans_recorded_states_are_the_dict_they_stand_for(action_graph: Any) 
     assert dict(planned) == want and len(planned) == len(want)
     assert planned.get(cached[0]) == R_CACHED and planned.get(todo[0].fingerprint) == TO_BUILD
     assert planned.get("0" * 64, "none") == "none"
+
+
+def test_a_kept_engine_after_an_analysis_error_and_its_fix_plans_what_a_fresh_one_plans(tmp_path: Path) -> None:
+    """An analysis error half-way through a plan (a bucket set with a dimension no input uses) leaves the kept engine
+    (neuronbuild/engine.py under planner.AnalysisMemo) consistent: nothing half-running, and once the edit is fixed
+    the re-plan equals a fresh engine's, reusing the nodes the error did not touch."""
+    from neuronbuild.analysis.planner import AnalysisMemo, plan
+    from neuronbuild.errors import UserInputError
+    from neuronbuild.loading.target_graph import load_targets
+
+    ws = tmp_path / "ws"
+    gen_monorepo.generate(ws, 8, 2, 2)  # 2 packages
+    memo = AnalysisMemo()
+    plan(load_targets(ws, ["//..."]), memo=memo)
+    build = ws / gen_monorepo.package_name(1) / "BUILD"
+    good = build.read_text()
+    build.write_text(good.replace(f'"feat": [{gen_monorepo.FEAT}]', f'"feat": [{gen_monorepo.FEAT}], "zz": [1]', 1))
+    with pytest.raises(UserInputError, match="'zz', which no input"):
+        plan(load_targets(ws, ["//..."]), memo=memo)
+    assert not memo.engine._running and not memo.engine._frames
+    build.write_text(good.replace('"batch": [', '"batch": [77, ', 1))
+    again = plan(load_targets(ws, ["//..."]), memo=memo)
+    fresh = plan(load_targets(ws, ["//..."]))
+    assert list(again.actions) == list(fresh.actions) and again.compiles == fresh.compiles
+    assert memo.reused > 0 and memo.analysed == 3  # (package 1's bucket set and its two compiles)

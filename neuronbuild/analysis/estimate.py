@@ -181,7 +181,7 @@ def wall_time_of(pred: Callable[[str], Iterable[str]], fps: Sequence[str], secon
 
 @dataclass(frozen=True)
 class Schedule:
-    """A finished wall-time schedule as a node of the analysis engine (kept with the build server's AnalysisMemo):
+    """A finished wall-time schedule as a node of the analysis engine (its projection key plan_report.SCHEDULE):
     its inputs (the actions in order, their seconds, the workers) and what the list schedule held before every
     CHECK-th action. A schedule of the same actions in the same order with the same seconds up to some point is the
     same up to there (an action's dependencies are a function of its fingerprint), so it resumes there; and from a

@@ -13,6 +13,7 @@ from neuronbuild.analysis.actions import Action
 from neuronbuild.analysis.estimate import Estimate, Estimator, schedule, schedule_from
 from neuronbuild.analysis.planner import ActionGraph
 from neuronbuild.analysis.providers import CompileTarget
+from neuronbuild.engine import Projection
 from neuronbuild.history import History
 
 BUILD = "build"
@@ -22,6 +23,9 @@ _FINGERPRINT = operator.attrgetter("fingerprint")
 _SECONDS = operator.attrgetter("seconds")
 _RECORDED = operator.attrgetter("recorded")
 _DEPS = operator.attrgetter("deps")
+# The engine's projection keys this module keeps (engine.py: their reuse is decided here, partly)
+SCHEDULE = Projection("wall-time schedule")  # estimate.Schedule: resumed where the actions are unchanged
+REPORT = Projection("plan report")  # ReportMemo: estimates per action, matrix rows per compile target, per stamp
 _MISSING: Any = object()
 
 
@@ -34,7 +38,7 @@ class PlanReport:
     cached: frozenset[str] = frozenset()
     estimates: dict[str, Estimate] = field(default_factory=dict, hash=False, compare=False)
     jobs: int = 1
-    # the analysis engine (planner.AnalysisMemo) the wall-time schedule is a node of, or None (batch: made afresh)
+    # the analysis engine's state (planner.AnalysisMemo) keeping the wall-time schedule, or None (batch: afresh)
     engine: Any = field(default=None, hash=False, compare=False, repr=False)
     # the fingerprints of todo, in order (None: made from todo when needed)
     fps: list[str] | None = field(default=None, hash=False, compare=False, repr=False)
@@ -77,11 +81,12 @@ class PlanReport:
             return schedule(fps, list(map(_DEPS, todo)), seconds, self.jobs)
         # (each action's deps read only where the schedule places actions: _Deps)
         # (a schedule made from the last report's lists: its first h and last t are this one's, not compared again)
-        prior, same = engine.schedule, self.same
+        prior, same = engine.engine.kept(SCHEDULE), self.same
         hint = (same[1], same[2]) if same is not None and prior is not None and fps is self.fps and \
             prior.fps is same[0] else None
-        wall, engine.schedule = schedule_from(prior, fps, _Deps(todo), seconds, self.jobs, owned=fps is self.fps,
-                                              unique=unique, same=hint)
+        wall, made = schedule_from(prior, fps, _Deps(todo), seconds, self.jobs, owned=fps is self.fps,
+                                   unique=unique, same=hint)
+        engine.engine.keep(SCHEDULE, made)
         return wall
 
     def _cell(self, fp: str) -> dict[str, Any]:
@@ -131,7 +136,7 @@ class PlanReport:
         """lines() but its last (the summary, which needs the wall-time schedule): `plan` prints these first."""
         out: list[str] = []
         seen: dict[tuple[int, int, bool, bool], str] = {}
-        memo = self.engine.report if self.engine is not None else None
+        memo = self.engine.engine.kept(REPORT) if self.engine is not None else None
         if not isinstance(memo, ReportMemo) or memo.current is not self:
             for ct in self.ag.compiles:
                 out.extend(self._target_lines(ct, seen))
@@ -232,7 +237,7 @@ def _traces(ct: CompileTarget, ag: ActionGraph) -> tuple[str, ...]:
 
 
 class ReportMemo:
-    """The plan report's nodes of the analysis engine (kept as AnalysisMemo.report by the build server): each action's
+    """The plan report's nodes of the analysis engine (its projection key REPORT, in the build server): each action's
     estimate and each compile target's matrix lines, valid while the cache's history has the same stamp
     (CacheHistory.stamp: the record and index directories). An estimate is a function of its action's value and of
     the history, so it is kept per Action object (analysis replays the same objects for unchanged targets, and the
@@ -282,12 +287,13 @@ def plan_report(ag: ActionGraph, todo: Sequence[Action], cached: Sequence[str], 
     stamp = stamp_of() if engine is not None and stamp_of is not None else None  # (taken before anything is read)
     if stamp is None:  # (batch, or a history without a sound stamp now: everything afresh)
         if engine is not None:
-            engine.report = None
+            engine.engine.keep(REPORT, None)
         return PlanReport(ag, tuple(todo), frozenset(cached), {a.fingerprint: est.estimate(a) for a in todo}, jobs,
                           engine)
-    memo = engine.report
+    memo = engine.engine.kept(REPORT)
     if not isinstance(memo, ReportMemo) or memo.stamp != stamp:
-        memo = engine.report = ReportMemo(stamp)
+        memo = ReportMemo(stamp)
+        engine.engine.keep(REPORT, memo)
     known, objects = memo.estimates, memo.actions
     if len(known) > 2 * len(todo) + 100_000:  # (actions gone: keep the memory bounded)
         known.clear()

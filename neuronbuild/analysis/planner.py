@@ -1,11 +1,11 @@
 """Turns a TargetGraph into an ActionGraph by asking each requested target's rule kind (neuronbuild.plugins) for its
 analysis: kinds return providers and register actions here; one trace per (model, graph, bucket) is shared by all.
 
-Analysis runs on a small memoising engine in the style of Salsa / Skyframe (`AnalysisMemo`): one node per target
-holding its provider and what it did, in order (providers it asked for, actions it added, compile targets and bundles
-it registered), and what it read: its Target value, the files it digested, the revision of every node it asked for.
-A node is replayed only when all of that is unchanged; an analysis run again with an equal result keeps its revision
-(early cutoff). Batch commands run the same engine starting empty, the build server keeps it between commands: so the
+Analysis runs on the generic engine (neuronbuild/engine.py; `AnalysisMemo` holds it): one node per target (key: its
+Label) holding its provider and what it did, in order (providers it asked for, actions it added, compile targets and
+bundles it registered), and what it read: its Target value and the files it digested (checked by the node function's
+`unchanged`) and, recorded by the engine, the revision of every node it asked for. A node is replayed only when the
+engine finds it valid; an analysis run again with an equal result keeps its revision (early cutoff). Batch commands run the same engine starting empty, the build server keeps it between commands: so the
 server's plan is the one a fresh process makes, by construction."""
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from neuronbuild.analysis.actions import (
 from neuronbuild.analysis.plan_settings import PlanSettings
 from neuronbuild.analysis.providers import BundleInfo, CompileTarget, ModelInfo
 from neuronbuild.analysis.toolchain_api import CompileRequest, Toolchain
+from neuronbuild.engine import Engine, Node
 from neuronbuild.loading.labels import Label
 from neuronbuild.loading.target_graph import TargetGraph
 from neuronbuild.loading.targets import Target
@@ -239,17 +240,118 @@ class ActionGraph:
 
 @dataclass(frozen=True)
 class _Memo:
-    """One node of the analysis engine: a target's analysis, what it read and what it did, in order. `changed_at`
-    is the engine's revision in which its result last changed: an analysis run again with an equal result keeps the
-    old revision (early cutoff), so what depends on it stays valid."""
+    """The value of a target's node in the analysis engine (engine.py; the node keeps what it asked for and
+    its revisions): the target's analysis, what it read outside the engine and what it did, in order."""
 
     target: Target
     provider: Any
     events: tuple[tuple[Any, ...], ...]  # ("dep", label, provider) | ("add", action) | ("compile", ct) | ("bundle", ...)
     files: tuple[tuple[str, str], ...]  # (path, digest) of every file its own analysis digested
-    # what it asked for, in order: (label, the dependency's changed_at) or, for a volatile target, (label, provider)
-    deps: tuple[tuple[Label, Any], ...]
-    changed_at: int
+
+
+@dataclass(frozen=True)
+class _Fresh:
+    """The engine key of a volatile target's provider (its kind's `volatile`: never memoised across plans, computed
+    again once per plan when asked; an equal provider keeps its revision, so what read it stays valid)."""
+
+    label: Label
+
+
+_GONE = object()  # a _Fresh key whose target is gone or no longer volatile
+
+
+@dataclass(frozen=True)
+class _PlanKey:
+    """The engine key of the plan's ActionGraph (AnalysisMemo.action_graph): stored once per plan, an equal graph
+    keeps the previous object (`keep_equal`), with what was derived from it (order, consumers, digraph)."""
+
+    keep_equal = True
+
+    @staticmethod
+    def equal(last: ActionGraph, new: ActionGraph) -> bool:
+        """Equal actions (by fingerprint, in order: fingerprints are content addresses), compile targets and
+        bundles."""
+        return len(last.actions) == len(new.actions) and list(last.actions) == list(new.actions) and \
+            len(last.compiles) == len(new.compiles) and all(map(_same_value, last.compiles, new.compiles)) and \
+            list(last.bundles) == list(new.bundles) and \
+            _same_value(list(last.bundles.values()), list(new.bundles.values()))
+
+
+_PLAN = _PlanKey()
+
+
+class _TargetNodes:
+    """The engine's function for target nodes (keys: Label) and volatile providers (keys: _Fresh), bound to the plan
+    running (`ctx`). Target nodes are computed by AnalysisContext._analyse (an analysis records its events in order);
+    the engine decides their validity and cutoff: a node is current when its Target value and the files it digested
+    are unchanged (`unchanged`) and every node it asked for is current with the revision it saw."""
+
+    def __init__(self) -> None:
+        self.ctx: AnalysisContext | None = None
+
+    @staticmethod
+    def equal(old: Any, new: Any) -> bool:
+        """A target's analysis again with an equal provider and the same events (actions by fingerprint)."""
+        if isinstance(old, _Memo):
+            return isinstance(new, _Memo) and _same_value(old.provider, new.provider) and \
+                _same_events(old.events, new.events)
+        return old is not _GONE and new is not _GONE and _same_value(old, new)
+
+    def unchanged(self, label: Any, node: Node) -> bool:
+        """A target node's own inputs: its Target value (Target equality leaves attrs out: compared too) and the
+        digest of every file its analysis digested (through the stat-keyed digest cache)."""
+        assert self.ctx is not None
+        m = node.value
+        t = self.ctx.graph.targets.get(label)
+        if t is not m.target and (t is None or not (m.target == t and m.target.attrs == t.attrs)):
+            return False
+        return not m.files or _files_same(m.files)
+
+    def stale_ids(self, nodes: Mapping[Any, Node]) -> set[int]:
+        """id() of the target nodes whose own inputs changed: `unchanged` over every node at once (one loop: at
+        100,000 graphs this is a third of a warm re-plan's analysis)."""
+        assert self.ctx is not None
+        get = self.ctx.graph.targets.get
+        bad: set[int] = set()
+        for lbl, n in nodes.items():
+            m = n.value
+            if type(m) is not _Memo:
+                continue
+            t = get(lbl)
+            if t is not m.target and (t is None or not (m.target == t and m.target.attrs == t.attrs)) or \
+                    m.files and not _files_same(m.files):
+                bad.add(id(n))
+        return bad
+
+
+def _files_same(files: tuple[tuple[str, str], ...]) -> bool:
+    for path, digest in files:
+        try:
+            if digests.digest_file(path) != digest:
+                return False
+        except OSError:
+            return False
+    return True
+
+
+class _FreshNodes(_TargetNodes):
+    volatile = True
+
+    def compute(self, key: _Fresh, engine: Engine) -> Any:
+        ctx = self.ctx
+        assert ctx is not None
+        t = ctx.graph.targets.get(key.label)
+        if t is None or not ctx.is_volatile(t.kind):
+            return _GONE
+        n = len(ctx.actions)
+        frames, ctx._frames = ctx._frames, []  # (nothing it asks for is an event of an analysis running)
+        try:
+            p = plugins.rule(t.kind).analyze(ctx, t)
+        finally:
+            ctx._frames = frames
+        if len(ctx.actions) != n:
+            ctx._volatile_actions = True
+        return p
 
 
 @dataclass(frozen=True)
@@ -262,9 +364,9 @@ class _Segment:
     each node is valid by the engine's rule, and providing the root adds what the segment holds, in its order."""
 
     labels: tuple[Label, ...]
-    memos: tuple[_Memo, ...]
+    memos: tuple[Node, ...]  # (engine nodes, values _Memo)
     ids: frozenset[int]  # id() of each of `memos` (held here, so not reused): checked without hashing labels
-    volatile: tuple[tuple[Label, Any], ...]
+    volatile: tuple[tuple[_Fresh, int], ...]  # (key, the changed_at seen)
     actions: dict[str, Action]
     events: tuple[tuple[int, tuple[Any, ...]], ...]  # (id of the node's _Memo, ("compile", ct) | ("bundle", ...))
     closed: bool  # every action's dependencies come before it in `actions` (its order is topological)
@@ -280,9 +382,9 @@ class _Group:
     of its nodes or actions is provided yet; else root by root from the segments, as before."""
 
     roots: tuple[Label, ...]
-    memos: tuple[_Memo, ...]  # the nodes, in the order provided (held, so their ids are not reused)
+    memos: tuple[Node, ...]  # the nodes, in the order provided (held, so their ids are not reused)
     ids: frozenset[int]
-    volatile: tuple[tuple[Label, Any], ...]  # (one per volatile target and value seen)
+    volatile: tuple[tuple[_Fresh, int], ...]  # (one per volatile target and revision seen)
     providers: dict[Label, Any]  # (in the order of `memos`)
     actions: dict[str, Action]
     events: tuple[tuple[int, tuple[Any, ...]], ...]  # (id of the node's _Memo, ("compile", ct) | ("bundle", ...))
@@ -301,9 +403,9 @@ def _make_group(roots: tuple[Label, ...], segments: Mapping[Label, _Segment]) ->
     from its segment adds (AnalysisContext.use_segment), starting from nothing provided."""
     segs = [segments.get(r) for r in roots]
     labels: dict[Label, Any] = {}
-    memos: list[_Memo] = []
+    memos: list[Node] = []
     ids: set[int] = set()
-    volatile: dict[tuple[Label, int], tuple[Label, Any]] = {}
+    volatile: dict[tuple[_Fresh, int], None] = {}
     actions: dict[str, Action] = {}
     events: list[tuple[int, tuple[Any, ...]]] = []
     closed = True
@@ -311,8 +413,7 @@ def _make_group(roots: tuple[Label, ...], segments: Mapping[Label, _Segment]) ->
         if seg is None:
             return None
         closed = closed and seg.closed
-        for v in seg.volatile:
-            volatile.setdefault((v[0], id(v[1])), v)
+        volatile.update(dict.fromkeys(seg.volatile))
         if root in labels:  # (provided by an earlier root of the group: a plan adds nothing for it)
             continue
         every = ids.isdisjoint(seg.ids)
@@ -323,28 +424,33 @@ def _make_group(roots: tuple[Label, ...], segments: Mapping[Label, _Segment]) ->
         events.extend(e for e in seg.events if every or e[0] in fresh)
         for lbl, m in zip(seg.labels, seg.memos, strict=True):
             if every or id(m) in fresh:
-                labels[lbl] = m.provider
+                labels[lbl] = m.value.provider
                 memos.append(m)
         ids |= seg.ids
     event_ids = frozenset(mid for mid, _ev in events)
-    return _Group(roots, tuple(memos), frozenset(ids), tuple(volatile.values()), labels, actions, tuple(events),
+    return _Group(roots, tuple(memos), frozenset(ids), tuple(volatile), labels, actions, tuple(events),
                   tuple(ev[1] for _mid, ev in events if ev[0] == "compile"),
                   tuple((ev[1], ev[2]) for _mid, ev in events if ev[0] != "compile"), event_ids,
                   frozenset(lbl for lbl, m in zip(labels, memos, strict=True) if id(m) in event_ids), closed)
 
 
 class AnalysisMemo:
-    """The analysis engine's memo: one node per analysed target (`_Memo`), kept between plans of one workspace with
-    one set of settings by the build server, and made empty for each batch command (the same engine, starting empty).
+    """The analysis engine's state: an `Engine` (engine.py) with one node per analysed target (key: its
+    Label, value: `_Memo`) and per volatile target asked for (key: `_Fresh`), kept between plans of one workspace
+    with one set of settings by the build server, and made empty for each batch command (the same engine, starting
+    empty). Each plan is a revision of it.
 
-    A node is reused only when everything it read is unchanged: its Target value, the files it digested (checked by
-    digest through the stat-keyed digest cache), and every node it asked for, which must be valid itself and still
-    have the revision (`changed_at`) it had when asked. `env` is what every plan must see unchanged to reuse any of
-    it: the settings and, per (toolchain, platform) the memoised analyses used, the versions the toolchain reports
-    now (a C++ compiler or neuronx-cc replaced between commands empties the memo)."""
+    A node is reused only when everything it read is unchanged (the engine's validity walk): its Target value, the
+    files it digested (checked by digest through the stat-keyed digest cache), and every node it asked for, which
+    must be valid itself and still have the revision (`changed_at`) it had when asked. `env` is what every plan must
+    see unchanged to reuse any of it: the settings and, per (toolchain, platform) the memoised analyses used, the
+    versions the toolchain reports now (a C++ compiler or neuronx-cc replaced between commands empties the memo)."""
 
     def __init__(self, segments: bool = True) -> None:
-        self.entries: dict[Label, _Memo] = {}
+        self.nodes_fn = _TargetNodes()
+        self.fresh_fn = _FreshNodes()
+        self.engine = Engine({Label: self.nodes_fn, _Fresh: self.fresh_fn})
+        self.engine.on_store = self._stored
         # Per requested root: its segment (_Segment), made after each plan when `segments` (the build server: a batch
         # command's engine is used once, so it makes none).
         self.keep_segments = segments
@@ -357,42 +463,47 @@ class AnalysisMemo:
         self.env: dict[tuple[str, str], dict[str, str]] = {}
         self.settings_key: str | None = None
         self.trace_toolchain: dict[str, str] = {}
-        self.revision = 0
-        self.reused = self.analysed = self.cutoffs = self.grouped = 0  # (this plan's: nodes; roots by groups)
-        self.last: ActionGraph | None = None  # the previous plan's action graph (the node's value)
-        self.schedule: Any = None  # the last plan's wall-time schedule (estimate.Schedule: resumed where equal)
-        # the plan report's nodes (plan_report.ReportMemo: estimates per action, matrix rows per compile target),
-        # valid for one stamp of the cache's history
-        self.report: Any = None
+        self.reused = self.analysed = self.grouped = 0  # (this plan's: nodes; roots by groups)
 
     def begin(self, settings: PlanSettings) -> None:
         key = settings_key(settings)
         trace_tc = settings.trace_toolchain()  # (what every trace record holds: Python and torch versions)
         if key != self.settings_key or trace_tc != self.trace_toolchain or \
                 any(_versions(tc, platform, settings) != v for (tc, platform), v in self.env.items()):
-            self.entries.clear()
+            self.engine.clear()
             self.segments.clear()
             self.groups.clear()
             self.retired.clear()
             self.env.clear()
-            self.last = None
         self.settings_key, self.trace_toolchain = key, trace_tc
-        self.revision += 1
-        self.reused = self.analysed = self.cutoffs = self.grouped = 0
+        self.engine.advance()
+        self.reused = self.analysed = self.grouped = 0
+
+    @property
+    def entries(self) -> dict[Any, Node]:
+        """The engine's nodes: by Label, the memoised targets' (values `_Memo`); by `_Fresh`, volatile providers."""
+        return self.engine.nodes
+
+    def memoised_targets(self) -> int:
+        return sum(type(k) is Label for k in self.engine.nodes)
+
+    def _stored(self, key: Any, old: Node | None, new: Node) -> None:
+        if old is not None and type(key) is Label:
+            self.retired.add(id(old))  # (a segment holding it is stale)
 
     def action_graph(self, actions: dict[str, Action], compiles: tuple[CompileTarget, ...],
                      bundles: dict[Label, BundleInfo], topological: bool = False) -> ActionGraph:
-        """The plan's ActionGraph node: a value of its actions (fingerprints are content addresses: equal
-        fingerprints in the same order are equal actions), compile targets and bundles. When they equal the previous
-        plan's, that value is returned (early cutoff), with what was derived from it (order, consumers, digraph), and
-        so are the values derived from it further on (AnalysisMemo.derived)."""
-        last = self.last
-        if last is not None and len(last.actions) == len(actions) and list(last.actions) == list(actions) and \
-                len(last.compiles) == len(compiles) and all(map(_same_value, last.compiles, compiles)) and \
-                list(last.bundles) == list(bundles) and _same_value(list(last.bundles.values()), list(bundles.values())):
-            return last
-        self.last = ActionGraph(actions, None, compiles, bundles, topological)
-        return self.last
+        """The plan's ActionGraph node (key `_PLAN`): a value of its actions, compile targets and bundles. When they
+        equal the previous plan's, that value is returned (early cutoff: `_PlanKey.equal`), with what was derived
+        from it (order, consumers, digraph)."""
+        node = self.engine.store(_PLAN, ActionGraph(actions, None, compiles, bundles, topological), ())
+        return node.value  # type: ignore[no-any-return]
+
+    @property
+    def last(self) -> ActionGraph | None:
+        """The previous plan's action graph (the `_PLAN` node's value)."""
+        node = self.engine.nodes.get(_PLAN)
+        return None if node is None else node.value  # type: ignore[no-any-return]
 
 
 def settings_key(settings: PlanSettings) -> str:
@@ -478,13 +589,17 @@ class AnalysisContext:
         self.compiles: list[CompileTarget] = _Compiles(self)
         self.bundles: dict[Label, BundleInfo] = _Bundles(self)
         self._providers: dict[Label, Any] = {}
+        if memo is None:
+            memo = AnalysisMemo(segments=False)
+            memo.begin(settings)
         self.memo = memo
+        self.engine = memo.engine
+        memo.nodes_fn.ctx = memo.fresh_fn.ctx = self
         self._frames: list[_Recorder] = []
-        self._valid: dict[Label, bool] = {}
+        self._kinds_volatile: dict[str, bool] = {}
         self._traces: dict[tuple[int, Bucket, int], tuple[ModelInfo, Action]] = {}
         self._weights: dict[tuple[int, int], tuple[ModelInfo, Action]] = {}
         self._bad: set[int] | None = None  # id() of memoised nodes whose own inputs changed (made on first need)
-        self._volatile_same: dict[int, tuple[Label, bool]] = {}
         self._from_segments: set[int] = set()  # id() of the nodes provided from segments
         self._all_from_segments = True  # (no node provided otherwise yet: a node is provided iff its id is above)
         self._volatile_actions = False  # a volatile analysis added actions: no segments this plan
@@ -492,173 +607,80 @@ class AnalysisContext:
     def target(self, label: Label) -> Target:
         return self.graph.targets[label]
 
+    def is_volatile(self, kind: str) -> bool:
+        v = self._kinds_volatile.get(kind)
+        if v is None:
+            v = self._kinds_volatile[kind] = _volatile(kind)
+        return v
+
     def _event(self, ev: tuple[Any, ...]) -> None:
         if self._frames:
             self._frames[-1].events.append(ev)
 
     def provider(self, label: Label) -> Any:
-        """The provider of `label` (its kind's analysis runs once per plan)."""
+        """The provider of `label` (its kind's analysis runs once per plan; a memoised one is replayed when the
+        engine finds its node current)."""
         p = self._providers.get(label, _MISSING)
         if p is _MISSING:
             self._all_from_segments = False
-            memo = self.memo
-            m = memo.entries.get(label) if memo is not None else None
-            if m is not None and self._is_valid(label):
-                p = self._replay(m)
-                assert memo is not None
-                memo.reused += 1
+            if self.is_volatile(self.graph.targets[label].kind):
+                p = self.provider_fresh(label)
+            elif self.engine.valid(label):
+                p = self._replay(self.engine.nodes[label])
+                self.memo.reused += 1
             else:
                 p = self._analyse(label)
             self._providers[label] = p
         if self._frames:  # (_event inlined: 150,000 calls in a replay, where nothing records)
             self._frames[-1].events.append(("dep", label, p))
+            key = _Fresh(label) if self.is_volatile(self.graph.targets[label].kind) else label
+            self.engine.observe(key, self.engine.nodes[key])
         return p
 
     def _analyse(self, label: Label) -> Any:
+        """Analyse `label` as its node's computation: what it asks for are its dependencies, its events and digested
+        files its value; stored in the engine (an equal result keeps its revision: early cutoff)."""
         t = self.graph.targets[label]
-        if self.memo is None:
-            return plugins.rule(t.kind).analyze(self, t)
         memo = self.memo
         frame = _Recorder()
         self._frames.append(frame)
         try:
-            with digests.recording() as files:
+            with self.engine.computing(label) as deps, digests.recording() as files:
                 p = plugins.rule(t.kind).analyze(self, t)
         finally:
             self._frames.pop()
         memo.analysed += 1
-        if not _volatile(t.kind):
-            entries = memo.entries
-            events = tuple(frame.events)
-            deps = tuple((ev[1], ev[2] if _volatile(self.graph.targets[ev[1]].kind) else
-                          _changed_at(entries.get(ev[1]))) for ev in events if ev[0] == "dep")
-            old = entries.get(label)
-            changed_at = memo.revision
-            if old is not None and _same_value(old.provider, p) and _same_events(old.events, events):
-                changed_at = old.changed_at  # early cutoff: what depends on it stays valid
-                memo.cutoffs += 1
-            entries[label] = _Memo(t, p, events, tuple(files), deps, changed_at)
-            if old is not None:
-                memo.retired.add(id(old))
-            for ev in events:
-                if ev[0] == "compile":
-                    key = (ev[1].toolchain, ev[1].platform)
-                    if key not in memo.env:
-                        v = _versions(*key, self.settings)
-                        if v is not None:
-                            memo.env[key] = v
-            self._valid[label] = True  # (its node is current for this plan)
+        events = tuple(frame.events)
+        self.engine.store(label, _Memo(t, p, events, tuple(files)), tuple(deps))
+        for ev in events:
+            if ev[0] == "compile":
+                key = (ev[1].toolchain, ev[1].platform)
+                if key not in memo.env:
+                    v = _versions(*key, self.settings)
+                    if v is not None:
+                        memo.env[key] = v
         return p
 
-    def _is_valid(self, label: Label) -> bool:
-        """Whether the memoised analysis of `label` is what a fresh analysis would give now (iterative: chains of
-        compiler_options deps may be long)."""
-        known = self._valid
-        if label in known:
-            return known[label]
-        assert self.memo is not None
-        entries = self.memo.entries
-        targets = self.graph.targets
-        # Depth-first over memoised dependencies; a target is valid when it, its files and all its deps are.
-        stack: list[tuple[Label, list[Label]]] = []
-
-        def open_(lbl: Label) -> bool | None:
-            """None: pending on deps (pushed); else the verdict."""
-            m = entries.get(lbl)
-            t = targets.get(lbl)
-            if m is None or t is None or not (m.target is t or (m.target == t and m.target.attrs == t.attrs)):
-                return False  # (Target equality leaves attrs out: compared here)
-            for path, digest in m.files:
-                try:
-                    if digests.digest_file(path) != digest:
-                        return False
-                except OSError:
-                    return False
-            deps: list[Label] = []
-            for dep, seen in m.deps:
-                dt = targets.get(dep)
-                if dt is None:
-                    return False
-                if _volatile(dt.kind):
-                    if not self._same_volatile(dep, seen):
-                        return False
-                    continue
-                dm = entries.get(dep)
-                if dm is None or dm.changed_at != seen or known.get(dep) is False:
-                    return False  # (asked for a result that has changed since, or may have)
-                if dep not in known:
-                    deps.append(dep)
-            stack.append((lbl, deps))
-            return None
-
-        verdict = open_(label)
-        if verdict is not None:
-            known[label] = verdict
-            return verdict
-        while stack:
-            lbl, deps = stack[-1]
-            while deps and deps[-1] in known:
-                if not known[deps.pop()]:
-                    break
-            else:
-                if not deps:
-                    known[lbl] = True
-                    stack.pop()
-                    continue
-                dep = deps[-1]
-                if any(d == dep for d, _ in stack):  # a cycle: loading rejects these; be safe
-                    known[dep] = False
-                    continue
-                v = open_(dep)
-                if v is not None:
-                    known[dep] = v
-                continue
-            # a dependency turned out invalid: so is everything on the stack that waits on it
-            for s_lbl, _ in stack:
-                known[s_lbl] = False
-            stack.clear()
-        return known[label]
-
     def provider_fresh(self, label: Label) -> Any:
-        """The provider of a volatile target (computed once per plan, never memoised)."""
+        """The provider of a volatile target (computed once per plan, never memoised across plans)."""
         if label not in self._providers:
-            t = self.graph.targets[label]
-            n = len(self.actions)
-            self._providers[label] = plugins.rule(t.kind).analyze(self, t)
-            if len(self.actions) != n:
-                self._volatile_actions = True
+            self._providers[label] = self.engine.fresh(_Fresh(label)).value  # type: ignore[union-attr]
         return self._providers[label]
 
-    def _same_volatile(self, label: Label, seen: Any) -> bool:
-        """Whether a volatile target's provider now equals `seen` (what a memoised node saw): compared once per
-        (target, seen value) per plan (the nodes analysed in one plan saw the same object; it is held by them)."""
-        known = self._volatile_same.get(id(seen))
-        if known is not None and known[0] is label:
-            return known[1]
-        v = _same_value(self.provider_fresh(label), seen)
-        self._volatile_same[id(seen)] = (label, v)
-        return v
+    def _fresh_same(self, volatile: tuple[tuple[_Fresh, int], ...]) -> bool:
+        """Whether each volatile provider a segment or group saw still has the revision it saw (computed once per
+        plan; an equal provider keeps its revision)."""
+        fresh = self.engine.fresh
+        for key, seen in volatile:
+            node = fresh(key)
+            if node is None or node.changed_at != seen:
+                return False
+        return True
 
     def _surface_bad(self) -> set[int]:
         """id() of the memoised nodes whose own inputs changed: their Target value (or the target is gone) or a file
-        their analysis digested (checked by digest through the stat-keyed digest cache)."""
-        assert self.memo is not None
-        bad: set[int] = set()
-        targets = self.graph.targets
-        for lbl, m in self.memo.entries.items():
-            t = targets.get(lbl)
-            if t is not m.target and (t is None or not (m.target == t and m.target.attrs == t.attrs)):
-                bad.add(id(m))
-                continue
-            for path, digest in m.files:
-                try:
-                    if digests.digest_file(path) != digest:
-                        bad.add(id(m))
-                        break
-                except OSError:
-                    bad.add(id(m))
-                    break
-        return bad
+        their analysis digested (the engine function's `unchanged`, over every target node at once)."""
+        return self.memo.nodes_fn.stale_ids(self.engine.nodes)
 
     def use_segment(self, root: Label) -> bool:
         """Provide `root` from its segment (_Segment) if that is valid; whether it was."""
@@ -671,11 +693,8 @@ class AnalysisContext:
             self._bad = self._surface_bad()
         if not self._bad.isdisjoint(seg.ids) or not memo.retired.isdisjoint(seg.ids):
             return False  # (a node whose inputs changed, or replaced since: not every node is the current valid one)
-        targets = self.graph.targets
-        for lbl, seen in seg.volatile:
-            t = targets.get(lbl)
-            if t is None or not _volatile(t.kind) or not self._same_volatile(lbl, seen):
-                return False
+        if seg.volatile and not self._fresh_same(seg.volatile):
+            return False
         providers, done = self._providers, self._from_segments
         if done.isdisjoint(seg.ids) and self._all_from_segments:
             new = list(zip(seg.labels, seg.memos, strict=True))  # (the common case: a root of its own package)
@@ -701,7 +720,7 @@ class AnalysisContext:
                     else:
                         dict.__setitem__(self.bundles, ev[1], ev[2])
         for lbl, m in new:
-            providers[lbl] = m.provider
+            providers[lbl] = m.value.provider
         done |= seg.ids
         memo.reused += len(new)
         return True
@@ -718,11 +737,8 @@ class AnalysisContext:
         ids = group.ids
         if not self._bad.isdisjoint(ids) or not memo.retired.isdisjoint(ids):
             return False
-        targets = self.graph.targets
-        for lbl, seen in group.volatile:
-            t = targets.get(lbl)
-            if t is None or not _volatile(t.kind) or not self._same_volatile(lbl, seen):
-                return False
+        if group.volatile and not self._fresh_same(group.volatile):
+            return False
         actions, done, providers = self.actions, self._from_segments, self._providers
         # (shared: e.g. the traces of a package whose roots two slices split)
         kept = {fp: actions[fp] for fp in actions.keys() & group.actions.keys()}
@@ -761,13 +777,13 @@ class AnalysisContext:
         if m is None:
             return None
         labels: list[Label] = [root]
-        memos: list[_Memo] = [m]
-        volatile: list[tuple[Label, Any]] = []
+        memos: list[Node] = [m]
+        volatile: list[tuple[_Fresh, int]] = []
         actions: dict[str, Action] = {}
         events: list[tuple[int, tuple[Any, ...]]] = []
         seen = {root}
         closed = True
-        stack = [(root, iter(m.events))]
+        stack = [(root, iter(m.value.events))]
         while stack:
             lbl, it = stack[-1]
             for ev in it:
@@ -784,15 +800,18 @@ class AnalysisContext:
                         continue
                     seen.add(d)
                     t = targets.get(d)
-                    if t is not None and _volatile(t.kind):
-                        volatile.append((d, ev[2]))
+                    if t is not None and self.is_volatile(t.kind):
+                        fresh = entries.get(_Fresh(d))
+                        if fresh is None:
+                            return None
+                        volatile.append((_Fresh(d), fresh.changed_at))
                         continue
                     dm = entries.get(d)
                     if dm is None:
                         return None
                     labels.append(d)
                     memos.append(dm)
-                    stack.append((d, iter(dm.events)))
+                    stack.append((d, iter(dm.value.events)))
                     break
                 else:
                     events.append((id(entries[lbl]), ev))
@@ -801,12 +820,12 @@ class AnalysisContext:
         return _Segment(tuple(labels), tuple(memos), frozenset(map(id, memos)), tuple(volatile), actions,
                         tuple(events), closed)
 
-    def _replay(self, m: _Memo) -> Any:
+    def _replay(self, m: Node) -> Any:
         """Redo what the memoised analysis did, in its order (its own events only; dependencies replay theirs)."""
         frames, self._frames = self._frames, []  # nothing replayed is an event of the analysis asking for it
         actions = self.actions
         try:
-            for ev in m.events:
+            for ev in m.value.events:
                 kind = ev[0]
                 if kind == "add":
                     a = ev[1]
@@ -820,7 +839,7 @@ class AnalysisContext:
                     dict.__setitem__(self.bundles, ev[1], ev[2])
         finally:
             self._frames = frames
-        return m.provider
+        return m.value.provider
 
     def add(self, action: Action) -> Action:
         """Register an action (once per fingerprint) with edges from the actions it reads outputs of."""
@@ -932,10 +951,6 @@ def _source_files(model: ModelInfo) -> tuple[FileInput, ...]:
 
 _MISSING = object()
 _ACTION_OF = operator.attrgetter("action")
-
-
-def _changed_at(m: _Memo | None) -> int:
-    return -1 if m is None else m.changed_at  # (-1: never valid)
 
 
 def plan(graph: TargetGraph, settings: PlanSettings | None = None, memo: AnalysisMemo | None = None) -> ActionGraph:

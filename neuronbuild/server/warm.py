@@ -357,8 +357,7 @@ def _last_plans() -> list[Any]:
     """The action graph each kept analysis memo planned last (incremental's memos: the server keeps them)."""
     from neuronbuild import incremental
 
-    memos = getattr(incremental, "_memos", {})
-    return [m.last for m in memos.values() if getattr(m, "last", None) is not None]
+    return incremental.last_plans()
 
 
 def _warm_ups_of(ag: Any, out: dict[str, dict[str, Any]], step: int) -> Iterator[None]:
