@@ -82,6 +82,8 @@ def _to_numpy(t: torch.Tensor, dtype: str) -> np.ndarray:
     t = t.detach().cpu().contiguous()
     if dtype == "bfloat16":
         return t.to(torch.bfloat16).view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    if dtype in ("float8_e4m3fn", "float8_e5m2"):  # fp8 weights (numpy has no fp8: ml_dtypes' of the same bits)
+        return t.to(getattr(torch, dtype)).view(torch.uint8).numpy().view(getattr(ml_dtypes, dtype))
     want = getattr(torch, dtype)
     if t.dtype != want:
         if t.dtype in (torch.int64, torch.uint64) and want == torch.int32 and t.numel():

@@ -145,6 +145,10 @@ def hf_model(config: dict[str, Any]) -> nn.Module:
     hf["dtype"] = dtype
     cfg = AutoConfig.for_model(model_type, **hf)
     model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    if config.get("quantization"):  # (before the tensor-parallel hooks: they attach to the layers it replaces)
+        from neuronbuild.toolchains.quantize import quantize_linears
+
+        quantize_linears(model, config)
     if tp > 1:
         _add_all_reduces(model, tp)
         _vocab_parallel(model, tp, vocab)

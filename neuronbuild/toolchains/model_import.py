@@ -185,7 +185,8 @@ def build_shape_model(model: dict[str, Any], sandbox: Path, tp: int = 1) -> tupl
     The model's weight files are checked against it (keys, shapes) from their headers only. Tied weights stay tied."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from neuronbuild.toolchains.weights import Checkpoint, check_against
+    from neuronbuild.toolchains.quantize import open_checkpoint
+    from neuronbuild.toolchains.weights import check_against
 
     sandbox = Path(sandbox)
     package = str(model.get("package", ""))
@@ -208,9 +209,10 @@ def build_shape_model(model: dict[str, Any], sandbox: Path, tp: int = 1) -> tupl
     module.eval()
     files = _weight_files(model, sandbox)
     if files is not None:
-        expected = {k: tuple(v.shape) for k, v in module.state_dict(keep_vars=True).items()}
-        check_against(expected, tied_aliases(module), Checkpoint(files[0], files[1],
-                                                                  str(model.get("weights_prefix") or "")), tp)
+        held = module.state_dict(keep_vars=True)
+        expected = {k: tuple(v.shape) for k, v in held.items()}
+        check_against(expected, tied_aliases(module),
+                      open_checkpoint(model, files[0], files[1], {k: v.dtype for k, v in held.items()}), tp)
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     fakes: dict[int, torch.Tensor] = {}
 
@@ -240,13 +242,13 @@ def state_values(model: dict[str, Any], sandbox: Path, wanted: Mapping[str, torc
     from the model's weight files (a tied key through a key it shares its tensor with), or, for a model without
     weight files, from the factory's own seeded initialisation (the module is then built for real: small models).
     From weight files, a value comes as consecutive flat pieces (write_safetensors takes either)."""
-    from neuronbuild.toolchains.weights import Checkpoint
+    from neuronbuild.toolchains.quantize import open_checkpoint
 
     files = _weight_files(model, sandbox)
     if files is None:
         state = build_eager_model(model, sandbox).state_dict()
         return lambda name: state[name].detach()
-    ckpt = Checkpoint(files[0], files[1], str(model.get("weights_prefix") or ""))
+    ckpt = open_checkpoint(model, files[0], files[1], wanted)
 
     def value(name: str) -> Iterator[torch.Tensor]:
         key = name if name in ckpt.index else next((k for k in sorted(tied.get(name, ())) if k in ckpt.index), name)
@@ -264,13 +266,13 @@ def rank_values(model: dict[str, Any], sandbox: Path, wanted: Mapping[str, torch
     state_values; one split along dim 0 (column-parallel, the vocabulary) reads only the rank's rows; one split along
     another dim (row-parallel) is read whole and sliced. ValueError when the shapes admit no split."""
     from neuronbuild.toolchains.tp_ops import block, padded, shard
-    from neuronbuild.toolchains.weights import Checkpoint
+    from neuronbuild.toolchains.quantize import open_checkpoint
 
     files = _weight_files(model, sandbox)
     if files is None:
         state = build_eager_model(model, sandbox).state_dict()
         return lambda name, shape, rank: shard(state[name].detach().to(wanted[name]), shape, rank, tp).contiguous()
-    ckpt = Checkpoint(files[0], files[1], str(model.get("weights_prefix") or ""))
+    ckpt = open_checkpoint(model, files[0], files[1], wanted)
 
     def value(name: str, shape: tuple[int, ...], rank: int) -> torch.Tensor | Iterator[torch.Tensor]:
         key = name if name in ckpt.index else next((k for k in sorted(tied.get(name, ())) if k in ckpt.index), name)
