@@ -265,8 +265,8 @@ def rank_values(model: dict[str, Any], sandbox: Path, wanted: Mapping[str, torch
     the factory's seeded initialisation of `model`. A replicated tensor (a norm) streams as converted pieces, like
     state_values; one split along dim 0 (column-parallel, the vocabulary) reads only the rank's rows; one split along
     another dim (row-parallel) is read whole and sliced. ValueError when the shapes admit no split."""
-    from neuronbuild.toolchains.tp_ops import block, padded, shard
     from neuronbuild.toolchains.quantize import open_checkpoint
+    from neuronbuild.toolchains.tp_ops import block, padded, shard
 
     files = _weight_files(model, sandbox)
     if files is None:
