@@ -290,3 +290,14 @@ def test_a_scheme_change_reruns_only_that_models_weights_action_and_graphs(
     for name in COMPILES:
         rows = proc.stdout.split(f"//models:{name} ")[1].split("\n//models:")[0]
         assert ("build" in rows) == name.startswith("int8_pc"), (name, rows)
+
+
+def test_validate_checks_the_dequantized_model_and_reports_the_quantization_error(qws: Path, cache_dir: Path) -> None:
+    label = "//models:int8_blk_tp2"
+    proc = run_cli(["validate", label, "--cache-dir", str(cache_dir)], qws)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = [line for line in proc.stdout.splitlines() if line.startswith(label + " ")]
+    assert len([line for line in rows if line.endswith("  ok")]) == 2  # within fp32 tolerance of the dequantized model
+    errors = [float(m.group(1)) for line in rows
+              if (m := re.search(r"against the unquantized model: max abs (\S+),", line))]
+    assert len(errors) == 2 and all(1e-4 < e < 0.05 for e in errors), rows

@@ -129,7 +129,11 @@ def build_eager_model(model: dict[str, Any], sandbox: Path) -> torch.nn.Module:
         raise ToolchainError(f"factory {model.get('entry')} returned {type(module).__name__}, not a torch.nn.Module")
     module.eval()
     files = _weight_files(model, sandbox)
-    if files is not None:
+    if files is not None and (model.get("config") or {}).get("quantization"):
+        from neuronbuild.toolchains.quantize import load_quantized
+
+        load_quantized(module, model, files[0], files[1])  # the weights action's values: the dequantized reference
+    elif files is not None:
         _load_weights(module, files[0], files[1], str(model.get("weights_prefix") or ""))
     return module
 

@@ -303,3 +303,17 @@ def open_checkpoint(model: Mapping[str, Any], paths: list[Path], label: str,
     if spec is None:
         return ckpt
     return QuantizedCheckpoint(ckpt, spec, quantized_modules(state))
+
+
+def load_quantized(module: nn.Module, model: Mapping[str, Any], paths: list[Path], label: str) -> None:
+    """Load a quantized model's eager module (validate's reference) with the values the weights action writes: its
+    quantized weights and scales through the same view, the rest as stored (keys and shapes checked first)."""
+    from neuronbuild.toolchains.model_import import tied_aliases
+    from neuronbuild.toolchains.weights import check_against
+
+    held = module.state_dict()
+    tied = tied_aliases(module)
+    ckpt = open_checkpoint(model, paths, label, {k: v.dtype for k, v in held.items()})
+    check_against({k: tuple(v.shape) for k, v in held.items()}, tied, ckpt)
+    state = {k: ckpt.tensor(k).to(v.dtype) for k, v in held.items() if k in ckpt.index}
+    module.load_state_dict(state, strict=not (set(held) - set(state)))

@@ -79,6 +79,15 @@ def is_hf_causal_lm(model_spec: Mapping[str, Any]) -> bool:
     return str(model_spec.get("entry") or "").startswith(HF_ENTRY)
 
 
+def unquantized(model_spec: Mapping[str, Any]) -> dict[str, Any] | None:
+    """A quantized hf_causal_lm's spec without its quantization (the float model validate reports the quantization
+    error against), or None for a model that is not quantized."""
+    config = dict(model_spec.get("config") or {})
+    if not is_hf_causal_lm(model_spec) or not config.pop("quantization", None):
+        return None
+    return {**model_spec, "config": config}
+
+
 # The error a graph computing in a 16-bit float dtype is allowed on top of the target's `tolerance`, relative to the
 # largest reference logit: 8 units in the last place of bfloat16 (2^-8 each), of float16 (2^-11 each). The compiled
 # graph and transformers' eager model round differently (fused kernels keep float32 intermediates), one last place per
