@@ -301,3 +301,66 @@ def test_validate_checks_the_dequantized_model_and_reports_the_quantization_erro
     errors = [float(m.group(1)) for line in rows
               if (m := re.search(r"against the unquantized model: max abs (\S+),", line))]
     assert len(errors) == 2 and all(1e-4 < e < 0.05 for e in errors), rows
+
+
+@pytest.mark.parametrize("dtype", list(QMAX))
+@pytest.mark.parametrize("scheme,block", [("per_tensor", None), ("per_channel", None), ("blockwise", 16)])
+def test_quantize_follows_the_documented_formulas(dtype: str, scheme: str, block: int | None) -> None:
+    import torch
+
+    from neuronbuild.toolchains.quantize import QuantSpec, dequantize, quantize
+
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(24, 64, generator=gen) * torch.logspace(-3, 1, 24).reshape(24, 1)  # rows of very unequal ranges
+    w[5] = 0.0  # an all-zero row (and block): scale 1, q 0
+    w[7, 3] = 2.5 * float(w.abs().max())  # one outlier
+    spec = QuantSpec.parse({"dtype": dtype, "scheme": scheme} | ({"block_size": block} if block else {}))
+    q, scale = quantize(w, spec)
+    ref_q, ref_scale = reference_quantize(w.numpy(), dtype, scheme, block)
+    assert np.array_equal(q.float().numpy(), ref_q) and np.array_equal(scale.numpy(), ref_scale)
+    assert scale.dtype == torch.float32 and float(q.float().abs().max()) <= QMAX[dtype]
+    assert np.array_equal(dequantize(q, scale, torch.float32).numpy(), dequantized(ref_q, ref_scale))
+    if scheme != "per_tensor":
+        assert not q[5].float().any()
+
+
+def test_modules_to_not_convert_keeps_matching_layers_in_the_model_dtype() -> None:
+    import torch
+
+    from neuronbuild.toolchains.quantize import QuantLinear, quantize_linears
+
+    def converted(skip: list[str]) -> set[str]:
+        model = _hf_model({})
+        quantize_linears(model, {"quantization": {"dtype": "int8", "scheme": "per_channel",
+                                                  "modules_to_not_convert": skip}})
+        return {n for n, m in model.named_modules() if isinstance(m, QuantLinear)}
+
+    every = converted([])
+    assert every == {f"model.layers.0.{p}" for p in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                                                     "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj",
+                                                     "mlp.down_proj")}  # lm_head, embeddings, norms: never
+    assert converted(["mlp"]) == {n for n in every if ".mlp." not in n}
+    assert converted(["*.down_proj", "layers.0.self_attn.q_proj"]) == every - {
+        "model.layers.0.mlp.down_proj", "model.layers.0.self_attn.q_proj"}
+    with pytest.raises(ValueError, match="pattern 'layers.1' matches no quantizable layer"):
+        converted(["layers.1"])
+    model = _hf_model({})
+    with pytest.raises(ValueError, match="model.layers.0.self_attn.q_proj's input width 64 is not a multiple of "
+                                         "block_size 48"):
+        quantize_linears(model, {"quantization": {"dtype": "int8", "scheme": "blockwise", "block_size": 48}})
+    assert torch.get_default_dtype() == torch.float32
+
+
+@pytest.mark.parametrize("quant,message", [
+    ('{"dtype": "int4"}', "quantization dtype \"int4\" is not one of int8, float8_e4m3, float8_e5m2"),
+    ('{"dtype": "int8", "scheme": "blockwise"}', "scheme blockwise needs a positive int block_size, got None"),
+    ('{"dtype": "int8", "block_size": 32}', "block_size is for scheme blockwise only (scheme is per_channel)"),
+    ('{"dtype": "int8", "group": 4}', "quantization: unknown key \"group\""),
+])
+def test_a_bad_quantization_is_a_located_error(tmp_path: Path, quant: str, message: str) -> None:
+    build = _build_file().replace(_quant("int8", "per_channel", None), quant, 1)
+    ws = write_ws(tmp_path / "ws", {"models/BUILD": build, "models/llama.safetensors": "",
+                                    "models/pre_ok.safetensors": "", "models/pre_bad.safetensors": ""})
+    proc = run_cli(["plan", "//models:int8_pc_trn2", "--cache-dir", str(tmp_path / "c")], ws)
+    assert proc.returncode == 2
+    assert "models/BUILD:" in proc.stderr and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
