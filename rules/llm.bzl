@@ -67,7 +67,7 @@ def _quantization(name, q):
     return out
 
 def hf_causal_lm(name, config, weights, max_seq = 256, model_type = None, weights_prefix = "", dtype = None, tags = [],
-                 quantization = None):
+                 quantization = None, kv_cache_dtype = None):
     """A transformers causal LM (llama, mistral, qwen2, gpt2, ...) as served: a `context` graph (prefill: input_ids and
     attention_mask [batch, seq] -> last logits + the KV cache) and a `token` graph (decode: one token per sequence,
     its position, the cache mask and slot, the cache -> logits + the cache, aliased), over a static KV cache of
@@ -75,7 +75,8 @@ def hf_causal_lm(name, config, weights, max_seq = 256, model_type = None, weight
     `dtype` (float32, bfloat16, float16) is what the weights, activations and KV cache are held in: by default the
     config's `dtype` / `torch_dtype`, else float32. Logits are float32 whatever the dtype. `quantization`
     ({"dtype", "scheme", "block_size", "modules_to_not_convert"}): weight-only int8 / fp8 decoder linear layers,
-    quantized from the checkpoint by the weights action (or read pre-quantized): docs/quantization.md."""
+    quantized from the checkpoint by the weights action (or read pre-quantized); `kv_cache_dtype = "float8_e4m3"`:
+    the KV cache held in fp8 (cast as written, read back in the model dtype): docs/quantization.md."""
     mt = model_type or _field(config, ["model_type"])
     dt = _dtype(name, config, dtype)
     for lt in config.get("layer_types") or []:
@@ -91,12 +92,15 @@ def hf_causal_lm(name, config, weights, max_seq = 256, model_type = None, weight
     hf = {k: v for k, v in config.items() if k not in ("model_type", "torch_dtype", "dtype")}
     if dt != "float32":  # (float32 is transformers' default: such configs stay as they were)
         hf["dtype"] = dt
-    kv = dt + "[layers, 2, batch, kv_heads, max_seq, head_dim]"
+    if kv_cache_dtype not in (None, "float8_e4m3"):
+        fail("hf_causal_lm %s: kv_cache_dtype %r is not supported (float8_e4m3, or None: the model dtype)" % (name, kv_cache_dtype))
+    kv = ("float8_e4m3fn" if kv_cache_dtype else dt) + "[layers, 2, batch, kv_heads, max_seq, head_dim]"
     neuron_model(
         name = name,
         entry = _GRAPHS_MODULE + ":context",
         config = {"model_type": mt, "hf": hf, "max_seq": max_seq} |
-                 ({"quantization": _quantization(name, quantization)} if quantization != None else {}),
+                 ({"quantization": _quantization(name, quantization)} if quantization != None else {}) |
+                 ({"kv_cache_dtype": kv_cache_dtype} if kv_cache_dtype else {}),
         weights = weights,
         weights_prefix = weights_prefix,
         dims = {"layers": layers, "kv_heads": kv_heads, "max_seq": max_seq, "head_dim": head_dim},

@@ -32,7 +32,7 @@ MODELS = {"int8_pc": ("int8", "per_channel", None), "e4m3_pc": ("float8_e4m3", "
 COMPILES = {"int8_pc_trn2": ("int8_pc", ":trn2", 1),
             "e4m3_pc_cpu": ("e4m3_pc", ":cpu", 1), "e4m3_pc_trn2": ("e4m3_pc", ":trn2", 1),
             "e4m3_pc_tp2": ("e4m3_pc", ":trn2", 2), "int8_blk_trn2": ("int8_blk", ":trn2", 1),
-            "int8_blk_tp2": ("int8_blk", ":trn2", 2)}
+            "int8_blk_tp2": ("int8_blk", ":trn2", 2), "kv8_trn2": ("kv8", ":trn2", 1)}
 PROMPT = [1, 17, 99, 25, 3, 48, 7, 11]  # fills the context bucket (seq 8): no padding
 NEW = 8
 QMAX = {"int8": 127.0, "float8_e4m3": 240.0, "float8_e5m2": 57344.0}
@@ -56,6 +56,9 @@ def _build_file() -> str:
     for name, (model, target, tp) in COMPILES.items():
         lines.append(f'neuron_compile(name = "{name}", model = ":{model}", buckets = B, target = "{target}", '
                      f"tp_degree = {tp})")
+    # float weights, an fp8 KV cache
+    lines.append('hf_causal_lm(name = "kv8", config = CONFIG, weights = "llama.safetensors", max_seq = 32, '
+                 'kv_cache_dtype = "float8_e4m3")')
     lines.append(f'neuron_bundle(name = "release", srcs = {json.dumps([":" + c for c in COMPILES])})')
     # Pre-quantized fp8 checkpoints (NxD Inference's layout: fp8 weight + <module>.scale): one as the e4m3_pc
     # reference quantizes it, one with a value planted at 250.
@@ -148,24 +151,42 @@ def deployed(qws: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return dest
 
 
+def fp8_rounding_cache(config: Any) -> Any:
+    """transformers' DynamicCache holding what an fp8 KV cache holds: keys and values cast to e4m3 and back."""
+    import torch
+    from transformers import DynamicCache
+
+    class Fp8Cache(DynamicCache):
+        def update(self, k: Any, v: Any, layer_idx: int, *args: Any, **kwargs: Any) -> Any:
+            fp8 = torch.float8_e4m3fn
+            return super().update(k.to(fp8).to(k.dtype), v.to(fp8).to(v.dtype), layer_idx, *args, **kwargs)
+
+    return Fp8Cache(config=config)
+
+
 @pytest.fixture(scope="module")
 def references(weights: dict[str, Any]) -> dict[str, tuple[list[int], Any]]:
     """Per model (and the unquantized one, "fp32"): transformers' greedy tokens and context logits with the
-    dequantized weights."""
+    dequantized weights (kv8: float weights, the cache as fp8 holds it)."""
     import torch
 
     out = {}
     ids = torch.tensor([PROMPT])
-    for name, q in {**MODELS, "fp32": None}.items():
+    for name, q in {**MODELS, "fp32": None, "kv8": None}.items():
         state = dict(weights)
         if q is not None:
             for k, v in weights.items():
                 if LINEARS.fullmatch(k):
                     state[k] = torch.from_numpy(dequantized(*reference_quantize(v.numpy(), *q)))
         model = _hf_model(state)
+
+        def cache() -> Any:
+            return fp8_rounding_cache(model.config) if name == "kv8" else None  # noqa: B023 (used at once)
+
         with torch.no_grad():
-            logits = model(ids, attention_mask=torch.ones_like(ids)).logits[0, -1]
-            gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW, do_sample=False)
+            logits = model(ids, attention_mask=torch.ones_like(ids), past_key_values=cache()).logits[0, -1]
+            gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW, do_sample=False,
+                                 past_key_values=cache())
         out[name] = (gen[0, len(PROMPT):].tolist(), logits)
     return out
 
@@ -254,6 +275,11 @@ def test_fp8_modules_lower_to_f8_parameters_and_their_compile_sets_the_special_s
     assert re.search(r"f8e4m3fn\[64,64\]\{1,0\} parameter\(", text)
     assert json.loads((out / "e4m3_pc_trn2/token_batch1/compile_flags.json").read_text())["env"] == {
         "XLA_HANDLE_SPECIAL_SCALAR": "1"}
+    # an fp8 KV cache: an f8e4m3fn input and output, the same environment
+    text = xc.XlaComputation((out / "kv8_trn2/token_batch1/model.hlo.pb").read_bytes()).as_hlo_text()
+    assert re.search(r"f8e4m3fn\[1,2,1,2,32,16\]\{[0-9,]+\} parameter\(", text)
+    assert json.loads((out / "kv8_trn2/token_batch1/compile_flags.json").read_text())["env"] == {
+        "XLA_HANDLE_SPECIAL_SCALAR": "1"}
     text = xc.XlaComputation((out / "int8_pc_trn2/token_batch1/model.hlo.pb").read_bytes()).as_hlo_text()
     assert re.search(r"s8\[64,64\]\{1,0\} parameter\(", text)
     assert "env" not in json.loads((out / "int8_pc_trn2/token_batch1/compile_flags.json").read_text())
@@ -293,14 +319,16 @@ def test_a_scheme_change_reruns_only_that_models_weights_action_and_graphs(
 
 
 def test_validate_checks_the_dequantized_model_and_reports_the_quantization_error(qws: Path, cache_dir: Path) -> None:
-    label = "//models:int8_blk_tp2"
-    proc = run_cli(["validate", label, "--cache-dir", str(cache_dir)], qws)
+    labels = ["//models:int8_blk_tp2", "//models:kv8_trn2"]
+    proc = run_cli(["validate", *labels, "--generate", "4", "--cache-dir", str(cache_dir)], qws)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    rows = [line for line in proc.stdout.splitlines() if line.startswith(label + " ")]
-    assert len([line for line in rows if line.endswith("  ok")]) == 2  # within fp32 tolerance of the dequantized model
-    errors = [float(m.group(1)) for line in rows
-              if (m := re.search(r"against the unquantized model: max abs (\S+),", line))]
-    assert len(errors) == 2 and all(1e-4 < e < 0.05 for e in errors), rows
+    for label in labels:
+        rows = [line for line in proc.stdout.splitlines() if line.startswith(label + " ")]
+        assert len([line for line in rows if line.endswith("  ok")]) == 2  # within fp32 tolerance of the reference
+        errors = [float(m.group(1)) for line in rows
+                  if (m := re.search(r"against the unquantized model: max abs (\S+),", line))]
+        assert len(errors) == 2 and all(1e-4 < e < 0.05 for e in errors), rows
+        assert f"{label}: generate batch1 against transformers: ok (4 tokens x 1 equal)" in proc.stdout
 
 
 @pytest.mark.parametrize("dtype", list(QMAX))

@@ -98,6 +98,8 @@ def _to_torch(a: Any, source_dtype: str | None) -> torch.Tensor:
     arr = np.asarray(a)
     if arr.dtype.name == "bfloat16":
         out = torch.from_numpy(arr.view(np.int16).copy()).view(torch.bfloat16)
+    elif arr.dtype.name in ("float8_e4m3fn", "float8_e5m2"):  # an fp8 KV cache: torch reads its bits
+        out = torch.from_numpy(arr.view(np.uint8).copy()).view(getattr(torch, arr.dtype.name))
     else:
         out = torch.from_numpy(arr.copy())
     if source_dtype and hasattr(torch, source_dtype) and out.dtype != getattr(torch, source_dtype):

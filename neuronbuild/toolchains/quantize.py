@@ -103,6 +103,32 @@ def spec_of(config: Mapping[str, Any] | None) -> QuantSpec | None:
     return None if raw is None else QuantSpec.parse(raw)
 
 
+def kv_cache_dtype(config: Mapping[str, Any]) -> torch.dtype | None:
+    """The KV cache's storage dtype when the config's `kv_cache_dtype` names an fp8 one (None: the model dtype).
+    Direct casts, as NxD Inference's kv_cache_quant: keys and values are cast to fp8 as written and back to the model
+    dtype as attention reads them (context and token graphs alike)."""
+    name = config.get("kv_cache_dtype")
+    if name is None:
+        return None
+    if name not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype {name!r} is not one of {', '.join(KV_CACHE_DTYPES)}")
+    return KV_CACHE_DTYPES[name]
+
+
+def rounding_cache(config: Any, dtype: torch.dtype) -> Any:
+    """A transformers DynamicCache whose keys and values are cast to `dtype` and back as they are stored: the
+    reference an fp8 KV cache is validated against."""
+    from transformers import DynamicCache
+
+    class RoundingCache(DynamicCache):
+        def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
+                   *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+            return super().update(key_states.to(dtype).to(key_states.dtype),
+                                  value_states.to(dtype).to(value_states.dtype), layer_idx, *args, **kwargs)
+
+    return RoundingCache(config=config)
+
+
 def compute_scale(w: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
     """float32 scales of the float32 weight w [out, in]: amax / qmax over the tensor, each row, or each row's blocks
     of block_size input columns; a group whose amax is 0 gets scale 1 (its values all quantize to 0)."""
