@@ -109,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
                 continue
             print(f"{row} {cmp.max_abs:>10.2e} {cmp.max_rel:>10.2e} {accepted:>10.1e}  {'ok' if ok else 'FAIL'}",
                   flush=True)
-            if unquantized(spec) is not None:  # quantized: checked against the dequantized model above; its error reported here
+            if unquantized(spec) is not None:  # quantized (checked above against its dequantized model): the error
                 if ("unquantized", ct.model) not in refs:
                     refs[("unquantized", ct.model)] = HfReference.unquantized(spec, ws.root)
                 qerr = compare_hf(fn, refs[("unquantized", ct.model)], bucket.graph, bucket.as_dict(), names,

@@ -304,10 +304,15 @@ class QuantizedCheckpoint:
         if found is None or found[0] in self.prequantized:
             t = self.base.rows(name, first, count)
             return self._checked_range(name, t) if found is not None and found[1] == "weight" else t
-        whole = self.tensor(name)  # quantized from the whole tensor (per_tensor's amax spans every row)
-        if first < 0 or count < 0 or first + count > whole.shape[0]:
+        m, leaf = found
+        scale = self._scale(m)  # (the whole tensor's, computed once: per_tensor's amax spans every row)
+        if first < 0 or count < 0 or first + count > self.shape(name)[0]:
             raise ToolchainError(f"weights {self.label}: rows [{first}, {first + count}) are not in tensor {name}")
-        return whole[first:first + count].clone()
+        rows = scale if self.spec.scheme == "per_tensor" else scale[first:first + count]
+        if leaf == "scale":
+            return rows.clone()
+        q, _s = quantize(self.base.rows(name, first, count), self.spec, rows)  # only the rank's rows read
+        return q
 
     def pieces(self, name: str, dtype: torch.dtype, max_bytes: int = 64 << 20) -> Iterator[torch.Tensor]:
         found = self._module(name)

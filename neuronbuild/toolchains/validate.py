@@ -83,8 +83,8 @@ def unquantized(model_spec: Mapping[str, Any]) -> dict[str, Any] | None:
     """A quantized hf_causal_lm's spec without its quantization and fp8 KV cache (the float model validate reports
     the quantization error against), or None for a model that has neither."""
     config = dict(model_spec.get("config") or {})
-    if not is_hf_causal_lm(model_spec) or not (config.pop("quantization", None), config.pop("kv_cache_dtype", None)) \
-            != (None, None):
+    weights, kv = config.pop("quantization", None), config.pop("kv_cache_dtype", None)
+    if not is_hf_causal_lm(model_spec) or (weights is None and kv is None):
         return None
     return {**model_spec, "config": config}
 
