@@ -130,9 +130,7 @@ def build_eager_model(model: dict[str, Any], sandbox: Path) -> torch.nn.Module:
     module.eval()
     files = _weight_files(model, sandbox)
     if files is not None and (model.get("config") or {}).get("quantization"):
-        from neuronbuild.toolchains.quantize import load_quantized
-
-        load_quantized(module, model, files[0], files[1])  # the weights action's values: the dequantized reference
+        _load_quantized(module, model, files[0], files[1])  # the weights action's values: the dequantized reference
     elif files is not None:
         _load_weights(module, files[0], files[1], str(model.get("weights_prefix") or ""))
     return module
@@ -296,6 +294,19 @@ def tied_aliases(module: torch.nn.Module) -> dict[str, set[str]]:
     for name, t in module.state_dict(keep_vars=True).items():
         by_tensor.setdefault(id(t), set()).add(name)
     return {k: group - {k} for group in by_tensor.values() for k in group}
+
+
+def _load_quantized(module: torch.nn.Module, model: Mapping[str, Any], paths: list[Path], label: str) -> None:
+    """A quantized model's eager module (validate's reference) with the values the weights action writes: quantized
+    weights and scales through the same view (toolchains/quantize.py), the rest as stored; keys and shapes checked."""
+    from neuronbuild.toolchains.quantize import open_checkpoint
+    from neuronbuild.toolchains.weights import check_against
+
+    held = module.state_dict()
+    ckpt = open_checkpoint(model, paths, label, {k: v.dtype for k, v in held.items()})
+    check_against({k: tuple(v.shape) for k, v in held.items()}, tied_aliases(module), ckpt)
+    state = {k: ckpt.tensor(k).to(v.dtype) for k, v in held.items() if k in ckpt.index}
+    module.load_state_dict(state, strict=not (set(held) - set(state)))
 
 
 def _load_weights(module: torch.nn.Module, paths: list[Path], label: str, prefix: str = "") -> None:
