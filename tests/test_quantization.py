@@ -392,3 +392,27 @@ def test_a_bad_quantization_is_a_located_error(tmp_path: Path, quant: str, messa
     proc = run_cli(["plan", "//models:int8_pc_trn2", "--cache-dir", str(tmp_path / "c")], ws)
     assert proc.returncode == 2
     assert "models/BUILD:" in proc.stderr and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
+# A compiler that records the variable it ran with into the NEFF it writes (the hand-off itself: run_neuronx_cc).
+ENV_RECORDER = """#!/bin/sh
+if [ "$1" = "--version" ]; then echo "NeuronX Compiler version 9.9.9"; exit 0; fi
+echo "XLA_HANDLE_SPECIAL_SCALAR=$XLA_HANDLE_SPECIAL_SCALAR" > model.neff
+"""
+
+
+def test_neuronx_cc_runs_with_the_special_scalar_env_for_fp8_modules_only(qws: Path, tmp_path: Path) -> None:
+    from neuronbuild.toolchains.neuron_steps import compile_env
+    from neuronbuild.toolchains.neuronx_cc import run_neuronx_cc
+
+    exe = tmp_path / "neuronx-cc"
+    exe.write_text(ENV_RECORDER)
+    exe.chmod(0o755)
+    for compile_, want in (("e4m3_pc_trn2", "1"), ("kv8_trn2", "1"), ("int8_pc_trn2", "")):
+        built = qws / f"neuronbuild-out/models/{compile_}/token_batch1"
+        out = tmp_path / compile_
+        out.mkdir()
+        shutil.copyfile(built / "model.hlo.pb", out / "model.hlo.pb")
+        run_neuronx_cc({"path": str(exe), "version": "9.9.9", "timeout_s": 60}, "trn2", {}, out,
+                       tmp_path / "work" / compile_, [], compile_env((built / "params.json").read_bytes()))
+        assert (out / "model.neff").read_text().strip() == f"XLA_HANDLE_SPECIAL_SCALAR={want}", compile_
