@@ -7,6 +7,7 @@ cache, each output target and the bundle against the checkpoint's.
     .venv/bin/python benchmarks/big_model_bench.py --shape llama-3.2-1b --tp 2 --no-bundle     # tensor parallel (#29)
     .venv/bin/python benchmarks/big_model_bench.py --shape llama-3.2-1b --targets cpu --generate --lean  # + transformers tokens
     .venv/bin/python benchmarks/big_model_bench.py --shape llama-3.1-8b-2l --tp 8 --no-bundle --validate
+    .venv/bin/python benchmarks/big_model_bench.py --shape llama-3.2-1b --quantization int8 --generate  # (#44)
     .venv/bin/python benchmarks/big_model_bench.py --shape llama-3.1-8b --tp 8 --no-bundle --drop-checkpoint \
         --workdir /big/dir --keep            # both families: ~2x the checkpoint on disk at peak (--graphs context
                                              # [--reuse-checkpoint] builds one family at a time)
@@ -86,7 +87,7 @@ def write_checkpoint(path: Path, cfg: dict[str, object], seed: int = 0) -> int:
 
 BUILD = """load("@neuronbuild//rules:llm.bzl", "hf_causal_lm", "llm_buckets")
 
-hf_causal_lm(name = "llm", config = {config}, weights = "model.safetensors", max_seq = {max_seq})
+hf_causal_lm(name = "llm", config = {config}, weights = "model.safetensors", max_seq = {max_seq}{quant})
 llm_buckets(name = "serve", batch_sizes = [1], context_lengths = [{context}])
 neuron_target(name = "trn2", platform = "trn2")
 neuron_target(name = "cpu", platform = "cpu", isa = "native")
@@ -246,7 +247,17 @@ def main() -> None:
                     help="delete the checkpoint once the weights action is done (disk: it never sits beside the outputs)")
     ap.add_argument("--validate", action="store_true",
                     help="`validate --generate 8` each compile against transformers (XLA:CPU; small shapes only)")
+    ap.add_argument("--quantization", default=None, metavar="DTYPE[:SCHEME[:BLOCK]]",
+                    help="hf_causal_lm's quantization (#44, docs/quantization.md), e.g. int8, float8_e4m3:per_channel, "
+                         "int8:blockwise:128; --generate then compares with the unquantized model's tokens")
     args = ap.parse_args()
+    quant = ""
+    if args.quantization:
+        parts = args.quantization.split(":")
+        q = {"dtype": parts[0], "scheme": parts[1] if len(parts) > 1 else "per_channel"}
+        if len(parts) > 2:
+            q["block_size"] = int(parts[2])
+        quant = f", quantization = {json.dumps(q)}"
     targets = [t.strip() for t in args.targets.split(",") if t.strip()]
     work = args.workdir or Path(tempfile.mkdtemp(prefix="big-model-bench-"))
     ws, cache, deployed = work / "ws", work / "cache", work / "deployed"
@@ -274,7 +285,7 @@ def main() -> None:
               f"built as {args.dtype}")
     families = [g.strip() for g in args.graphs.split(",") if g.strip()]
     buckets = ", ".join(f'"{g}": [":serve_{g}"]' for g in families)
-    (ws / "BUILD").write_text(BUILD.format(config=json.dumps(cfg).replace("true", "True").replace("false", "False"), max_seq=args.max_seq, context=args.context,
+    (ws / "BUILD").write_text(BUILD.format(config=json.dumps(cfg).replace("true", "True").replace("false", "False"), max_seq=args.max_seq, context=args.context, quant=quant,
                                            compiles="\n".join(COMPILE.format(t=t, buckets=buckets, tp=f", tp_degree = {args.tp}" if t == "trn2" and args.tp > 1 else "")
                                                               for t in targets),
                                            srcs=", ".join(f'":llm_{t}"' for t in targets)))

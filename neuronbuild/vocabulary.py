@@ -10,4 +10,5 @@ CPU_ISAS = ("native", *X86_LEVELS)  # what a cpu neuron_target's `isa` may say (
 AUTO_CAST = ("none", "matmult", "all")
 OPT_LEVELS = (1, 2, 3)
 # Input dtypes a model may declare (torch.<name>); toolchains map them to their own types.
-DTYPES = ("float32", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8", "bool")
+DTYPES = ("float32", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8", "bool",
+          "float8_e4m3fn")  # (an hf_causal_lm's fp8 KV cache: kv_cache_dtype, docs/quantization.md)

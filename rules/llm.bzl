@@ -65,13 +65,50 @@ def _dtype(name, config, dtype):
         fail("hf_causal_lm %s: dtype %r is not supported (float32, bfloat16 or float16)" % (name, d))
     return _DTYPES[d.replace("torch.", "")]
 
-def hf_causal_lm(name, config, weights, max_seq = 256, model_type = None, weights_prefix = "", dtype = None, tags = []):
+_QUANT_KEYS = ["dtype", "scheme", "block_size", "modules_to_not_convert"]
+_QUANT_DTYPES = ["int8", "float8_e4m3", "float8_e5m2"]
+_QUANT_SCHEMES = ["per_tensor", "per_channel", "blockwise"]
+
+def _quantization(name, q):
+    """hf_causal_lm's `quantization` checked and normalised (docs/quantization.md): dtype, scheme (default
+    per_channel), block_size (blockwise only), modules_to_not_convert (name patterns kept in the model dtype)."""
+    if type(q) != "dict":
+        fail("hf_causal_lm %s: quantization must be a dict with keys %s" % (name, ", ".join(_QUANT_KEYS)))
+    for k in q:
+        if k not in _QUANT_KEYS:
+            fail("hf_causal_lm %s: quantization: unknown key %r (known: %s)" % (name, k, ", ".join(_QUANT_KEYS)))
+    dt = q.get("dtype")
+    if dt not in _QUANT_DTYPES:
+        fail("hf_causal_lm %s: quantization dtype %r is not one of %s" % (name, dt, ", ".join(_QUANT_DTYPES)))
+    scheme = q.get("scheme") or "per_channel"
+    if scheme not in _QUANT_SCHEMES:
+        fail("hf_causal_lm %s: quantization scheme %r is not one of %s" % (name, scheme, ", ".join(_QUANT_SCHEMES)))
+    out = {"dtype": dt, "scheme": scheme}
+    block = q.get("block_size")
+    if scheme == "blockwise":
+        if type(block) != "int" or block < 1:
+            fail("hf_causal_lm %s: quantization scheme blockwise needs a positive int block_size, got %r" % (name, block))
+        out["block_size"] = block
+    elif block != None:
+        fail("hf_causal_lm %s: quantization block_size is for scheme blockwise only (scheme is %s)" % (name, scheme))
+    skip = q.get("modules_to_not_convert") or []
+    if type(skip) != "list" or [s for s in skip if type(s) != "string" or not s]:
+        fail("hf_causal_lm %s: quantization modules_to_not_convert must be a list of module name patterns" % name)
+    if skip:
+        out["modules_to_not_convert"] = skip
+    return out
+
+def hf_causal_lm(name, config, weights, max_seq = 256, model_type = None, weights_prefix = "", dtype = None, tags = [],
+                 quantization = None, kv_cache_dtype = None):
     """A transformers causal LM (llama, mistral, qwen2, gpt2, ...) as served: a `context` graph (prefill: input_ids and
     attention_mask [batch, seq] -> last logits + the KV cache) and a `token` graph (decode: one token per sequence,
     its position, the cache mask and slot, the cache -> logits + the cache, aliased), over a static KV cache of
     max_seq slots, sharing one weights file. `config` holds HF config fields (model_type included or given).
     `dtype` (float32, bfloat16, float16) is what the weights, activations and KV cache are held in: by default the
-    config's `dtype` / `torch_dtype`, else float32. Logits are float32 whatever the dtype."""
+    config's `dtype` / `torch_dtype`, else float32. Logits are float32 whatever the dtype. `quantization`
+    ({"dtype", "scheme", "block_size", "modules_to_not_convert"}): weight-only int8 / fp8 decoder linear layers,
+    quantized from the checkpoint by the weights action (or read pre-quantized); `kv_cache_dtype = "float8_e4m3"`:
+    the KV cache held in fp8 (cast as written, read back in the model dtype): docs/quantization.md."""
     mt = model_type or _field(config, ["model_type"])
     dt = _dtype(name, config, dtype)
     for lt in config.get("layer_types") or []:
@@ -88,11 +125,15 @@ def hf_causal_lm(name, config, weights, max_seq = 256, model_type = None, weight
     hf = {k: v for k, v in config.items() if k not in ("model_type", "torch_dtype", "dtype")}
     if dt != "float32":  # (float32 is transformers' default: such configs stay as they were)
         hf["dtype"] = dt
-    kv = dt + "[layers, 2, batch, kv_heads, max_seq, head_dim]"
+    if kv_cache_dtype not in (None, "float8_e4m3"):
+        fail("hf_causal_lm %s: kv_cache_dtype %r is not supported (float8_e4m3, or None: the model dtype)" % (name, kv_cache_dtype))
+    kv = ("float8_e4m3fn" if kv_cache_dtype else dt) + "[layers, 2, batch, kv_heads, max_seq, head_dim]"
     neuron_model(
         name = name,
         entry = _GRAPHS_MODULE + ":context",
-        config = {"model_type": mt, "hf": hf, "max_seq": max_seq},
+        config = {"model_type": mt, "hf": hf, "max_seq": max_seq} |
+                 ({"quantization": _quantization(name, quantization)} if quantization != None else {}) |
+                 ({"kv_cache_dtype": kv_cache_dtype} if kv_cache_dtype else {}),
         weights = weights,
         weights_prefix = weights_prefix,
         dims = {"layers": layers, "kv_heads": kv_heads, "max_seq": max_seq, "head_dim": head_dim},

@@ -51,6 +51,7 @@ def run(args: argparse.Namespace) -> int:
         generate_cases,
         hf_dtype,
         is_hf_causal_lm,
+        unquantized,
         value_config,
     )
 
@@ -111,6 +112,13 @@ def run(args: argparse.Namespace) -> int:
                 continue
             print(f"{row} {cmp.max_abs:>10.2e} {cmp.max_rel:>10.2e} {accepted:>10.1e}  {'ok' if ok else 'FAIL'}",
                   flush=True)
+            if unquantized(spec) is not None:  # quantized (checked above against its dequantized model): the error
+                if ("unquantized", ct.model) not in refs:
+                    refs[("unquantized", ct.model)] = HfReference.unquantized(spec, ws.root)
+                qerr = compare_hf(fn, refs[("unquantized", ct.model)], bucket.graph, bucket.as_dict(), names,
+                                  args.seed)
+                print(f"{row.rstrip()}: against the unquantized model: max abs {qerr.max_abs:.2e}, max rel "
+                      f"{qerr.max_rel:.2e} (the quantization error: reported, not checked)", flush=True)
     if args.generate > 0:
         for ct in ag.compiles:
             fams = loaded.get(ct.label) or {}

@@ -17,7 +17,7 @@ from neuronbuild.loading.labels import Label, LabelError, parse_label
 from neuronbuild.vocabulary import DTYPES
 
 _DIM = r"(?:[A-Za-z_][A-Za-z0-9_]*|[0-9]+)"
-_INPUT_RE = re.compile(rf"^\s*([a-z0-9]+)\s*\[\s*({_DIM}(\s*,\s*{_DIM})*)?\s*\]\s*$")
+_INPUT_RE = re.compile(rf"^\s*([a-z0-9_]+)\s*\[\s*({_DIM}(\s*,\s*{_DIM})*)?\s*\]\s*$")
 _DIM_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _ENTRY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$")
 

@@ -82,6 +82,8 @@ def _to_numpy(t: torch.Tensor, dtype: str) -> np.ndarray:
     t = t.detach().cpu().contiguous()
     if dtype == "bfloat16":
         return t.to(torch.bfloat16).view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    if dtype in ("float8_e4m3fn", "float8_e5m2"):  # fp8 weights (numpy has no fp8: ml_dtypes' of the same bits)
+        return t.to(getattr(torch, dtype)).view(torch.uint8).numpy().view(getattr(ml_dtypes, dtype))
     want = getattr(torch, dtype)
     if t.dtype != want:
         if t.dtype in (torch.int64, torch.uint64) and want == torch.int32 and t.numel():
@@ -96,6 +98,8 @@ def _to_torch(a: Any, source_dtype: str | None) -> torch.Tensor:
     arr = np.asarray(a)
     if arr.dtype.name == "bfloat16":
         out = torch.from_numpy(arr.view(np.int16).copy()).view(torch.bfloat16)
+    elif arr.dtype.name in ("float8_e4m3fn", "float8_e5m2"):  # an fp8 KV cache: torch reads its bits
+        out = torch.from_numpy(arr.view(np.uint8).copy()).view(getattr(torch, arr.dtype.name))
     else:
         out = torch.from_numpy(arr.copy())
     if source_dtype and hasattr(torch, source_dtype) and out.dtype != getattr(torch, source_dtype):

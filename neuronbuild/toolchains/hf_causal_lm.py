@@ -67,29 +67,37 @@ class StaticKV(Cache):
     ALiBi, soft-capping stay the model's own): context masks span the prompt, token masks the max_seq slots with the
     written slot as the query's position in the cache."""
 
-    def __init__(self, config: Any, kv: torch.Tensor | None, slot: torch.Tensor | None, max_seq: int) -> None:
+    def __init__(self, config: Any, kv: torch.Tensor | None, slot: torch.Tensor | None, max_seq: int,
+                 kv_dtype: torch.dtype | None = None) -> None:
         self.kv = kv
         self.slot = slot
         self.max_seq = max_seq
+        self.kv_dtype = kv_dtype  # an fp8 cache (kv_cache_dtype, toolchains/quantize.py); None: the model dtype
         types = layer_types(config)
         super().__init__(layers=[_SlotLayer(self, i, t == "sliding_attention") for i, t in enumerate(types)])
         self.updated: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(types)
 
     def write(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.kv_dtype is not None:  # attention reads what an fp8 cache holds: the values cast to it and back
+            key, value = key.to(self.kv_dtype).to(key.dtype), value.to(self.kv_dtype).to(value.dtype)
         if self.kv is None:  # context: attention over the prompt only; the cache gets it padded to max_seq
             pad = self.max_seq - key.shape[2]
             self.updated[layer_idx] = (nn.functional.pad(key, (0, 0, 0, pad)), nn.functional.pad(value, (0, 0, 0, pad)))
             return key, value
         assert self.slot is not None
-        k = self.kv[layer_idx, 0].index_copy(2, self.slot, key.to(self.kv.dtype))
-        v = self.kv[layer_idx, 1].index_copy(2, self.slot, value.to(self.kv.dtype))
+        held_k, held_v = self.kv[layer_idx, 0], self.kv[layer_idx, 1]
+        if self.kv_dtype is not None:  # (read back in the model dtype; written back as fp8 by stacked())
+            held_k, held_v = held_k.to(key.dtype), held_v.to(value.dtype)
+        k = held_k.index_copy(2, self.slot, key.to(held_k.dtype))
+        v = held_v.index_copy(2, self.slot, value.to(held_v.dtype))
         self.updated[layer_idx] = (k, v)
         return k, v
 
     def stacked(self) -> torch.Tensor:
         if any(u is None for u in self.updated):
             raise RuntimeError("the model did not update every layer's cache (unsupported architecture)")
-        return torch.stack([torch.stack([k, v]) for k, v in self.updated])  # type: ignore[misc]
+        out = torch.stack([torch.stack([k, v]) for k, v in self.updated])  # type: ignore[misc]
+        return out if self.kv_dtype is None else out.to(self.kv_dtype)
 
 
 def _model_forward(self: Any, **kwargs: Any) -> Any:
@@ -101,7 +109,7 @@ def _model_forward(self: Any, **kwargs: Any) -> Any:
 def _context_forward(self: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> dict[str, torch.Tensor]:
     # position ids as transformers' generate derives them from a left-padded mask
     position_ids = (attention_mask.cumsum(-1) - 1).masked_fill(attention_mask == 0, 1)
-    cache = StaticKV(self.config, None, None, self._nb_max_seq)
+    cache = StaticKV(self.config, None, None, self._nb_max_seq, self._nb_kv_dtype)
     out = _model_forward(self, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                          past_key_values=cache)
     return {"logits": out.logits[:, -1].float(), "kv": cache.stacked()}
@@ -109,7 +117,7 @@ def _context_forward(self: Any, input_ids: torch.Tensor, attention_mask: torch.T
 
 def _token_forward(self: Any, input_ids: torch.Tensor, position_ids: torch.Tensor, cache_mask: torch.Tensor,
                    slot: torch.Tensor, kv: torch.Tensor) -> dict[str, torch.Tensor]:
-    cache = StaticKV(self.config, kv, slot, self._nb_max_seq)
+    cache = StaticKV(self.config, kv, slot, self._nb_max_seq, self._nb_kv_dtype)
     out = _model_forward(self, input_ids=input_ids, attention_mask=cache_mask, position_ids=position_ids,
                          past_key_values=cache)
     return {"logits": out.logits[:, -1].float(), "kv": cache.stacked()}
@@ -145,6 +153,10 @@ def hf_model(config: dict[str, Any]) -> nn.Module:
     hf["dtype"] = dtype
     cfg = AutoConfig.for_model(model_type, **hf)
     model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    if config.get("quantization"):  # (before the tensor-parallel hooks: they attach to the layers it replaces)
+        from neuronbuild.toolchains.quantize import quantize_linears
+
+        quantize_linears(model, config)
     if tp > 1:
         _add_all_reduces(model, tp)
         _vocab_parallel(model, tp, vocab)
@@ -239,6 +251,9 @@ def _graph(config: dict[str, Any], forward: Any, suffix: str) -> nn.Module:
     graph_cls = type(f"{cls.__name__}{suffix}", (cls,), {"forward": forward, "__module__": __name__})
     model.__class__ = graph_cls
     model._nb_max_seq = int(config["max_seq"])
+    from neuronbuild.toolchains.quantize import kv_cache_dtype
+
+    model._nb_kv_dtype = kv_cache_dtype(config)
     model.config.use_cache = True
     return model  # type: ignore[no-any-return]
 

@@ -129,7 +129,9 @@ def build_eager_model(model: dict[str, Any], sandbox: Path) -> torch.nn.Module:
         raise ToolchainError(f"factory {model.get('entry')} returned {type(module).__name__}, not a torch.nn.Module")
     module.eval()
     files = _weight_files(model, sandbox)
-    if files is not None:
+    if files is not None and (model.get("config") or {}).get("quantization"):
+        _load_quantized(module, model, files[0], files[1])  # the weights action's values: the dequantized reference
+    elif files is not None:
         _load_weights(module, files[0], files[1], str(model.get("weights_prefix") or ""))
     return module
 
@@ -185,7 +187,8 @@ def build_shape_model(model: dict[str, Any], sandbox: Path, tp: int = 1) -> tupl
     The model's weight files are checked against it (keys, shapes) from their headers only. Tied weights stay tied."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from neuronbuild.toolchains.weights import Checkpoint, check_against
+    from neuronbuild.toolchains.quantize import open_checkpoint
+    from neuronbuild.toolchains.weights import check_against
 
     sandbox = Path(sandbox)
     package = str(model.get("package", ""))
@@ -208,9 +211,10 @@ def build_shape_model(model: dict[str, Any], sandbox: Path, tp: int = 1) -> tupl
     module.eval()
     files = _weight_files(model, sandbox)
     if files is not None:
-        expected = {k: tuple(v.shape) for k, v in module.state_dict(keep_vars=True).items()}
-        check_against(expected, tied_aliases(module), Checkpoint(files[0], files[1],
-                                                                  str(model.get("weights_prefix") or "")), tp)
+        held = module.state_dict(keep_vars=True)
+        expected = {k: tuple(v.shape) for k, v in held.items()}
+        check_against(expected, tied_aliases(module),
+                      open_checkpoint(model, files[0], files[1], {k: v.dtype for k, v in held.items()}), tp)
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     fakes: dict[int, torch.Tensor] = {}
 
@@ -240,13 +244,13 @@ def state_values(model: dict[str, Any], sandbox: Path, wanted: Mapping[str, torc
     from the model's weight files (a tied key through a key it shares its tensor with), or, for a model without
     weight files, from the factory's own seeded initialisation (the module is then built for real: small models).
     From weight files, a value comes as consecutive flat pieces (write_safetensors takes either)."""
-    from neuronbuild.toolchains.weights import Checkpoint
+    from neuronbuild.toolchains.quantize import open_checkpoint
 
     files = _weight_files(model, sandbox)
     if files is None:
         state = build_eager_model(model, sandbox).state_dict()
         return lambda name: state[name].detach()
-    ckpt = Checkpoint(files[0], files[1], str(model.get("weights_prefix") or ""))
+    ckpt = open_checkpoint(model, files[0], files[1], wanted)
 
     def value(name: str) -> Iterator[torch.Tensor]:
         key = name if name in ckpt.index else next((k for k in sorted(tied.get(name, ())) if k in ckpt.index), name)
@@ -263,14 +267,14 @@ def rank_values(model: dict[str, Any], sandbox: Path, wanted: Mapping[str, torch
     the factory's seeded initialisation of `model`. A replicated tensor (a norm) streams as converted pieces, like
     state_values; one split along dim 0 (column-parallel, the vocabulary) reads only the rank's rows; one split along
     another dim (row-parallel) is read whole and sliced. ValueError when the shapes admit no split."""
+    from neuronbuild.toolchains.quantize import open_checkpoint
     from neuronbuild.toolchains.tp_ops import block, padded, shard
-    from neuronbuild.toolchains.weights import Checkpoint
 
     files = _weight_files(model, sandbox)
     if files is None:
         state = build_eager_model(model, sandbox).state_dict()
         return lambda name, shape, rank: shard(state[name].detach().to(wanted[name]), shape, rank, tp).contiguous()
-    ckpt = Checkpoint(files[0], files[1], str(model.get("weights_prefix") or ""))
+    ckpt = open_checkpoint(model, files[0], files[1], wanted)
 
     def value(name: str, shape: tuple[int, ...], rank: int) -> torch.Tensor | Iterator[torch.Tensor]:
         key = name if name in ckpt.index else next((k for k in sorted(tied.get(name, ())) if k in ckpt.index), name)
@@ -290,6 +294,19 @@ def tied_aliases(module: torch.nn.Module) -> dict[str, set[str]]:
     for name, t in module.state_dict(keep_vars=True).items():
         by_tensor.setdefault(id(t), set()).add(name)
     return {k: group - {k} for group in by_tensor.values() for k in group}
+
+
+def _load_quantized(module: torch.nn.Module, model: Mapping[str, Any], paths: list[Path], label: str) -> None:
+    """A quantized model's eager module (validate's reference) with the values the weights action writes: quantized
+    weights and scales through the same view (toolchains/quantize.py), the rest as stored; keys and shapes checked."""
+    from neuronbuild.toolchains.quantize import open_checkpoint
+    from neuronbuild.toolchains.weights import check_against
+
+    held = module.state_dict()
+    ckpt = open_checkpoint(model, paths, label, {k: v.dtype for k, v in held.items()})
+    check_against({k: tuple(v.shape) for k, v in held.items()}, tied_aliases(module), ckpt)
+    state = {k: ckpt.tensor(k).to(v.dtype) for k, v in held.items() if k in ckpt.index}
+    module.load_state_dict(state, strict=not (set(held) - set(state)))
 
 
 def _load_weights(module: torch.nn.Module, paths: list[Path], label: str, prefix: str = "") -> None:

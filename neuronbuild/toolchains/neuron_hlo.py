@@ -36,7 +36,10 @@ _ASSERTION_OPS = frozenset({
 _CASTABLE = (torch.float32, torch.float16, torch.float64)
 # Dtypes a Neuron graph may hold (int64 is computed as int32, as Neuron frameworks do).
 NEURON_DTYPES = frozenset({torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.int16,
-                           torch.int8, torch.uint8, torch.bool})
+                           torch.int8, torch.uint8, torch.bool,
+                           # fp8 weights (toolchains/quantize.py): XLA f8e4m3fn / f8e5m2 parameters; the compile's
+                           # environment then carries XLA_HANDLE_SPECIAL_SCALAR=1 (neuron_steps.FP8_ENV)
+                           torch.float8_e4m3fn, torch.float8_e5m2})
 _STATE_KINDS = {InputKind.PARAMETER: "parameter", InputKind.BUFFER: "buffer", InputKind.CONSTANT_TENSOR: "constant"}
 
 

@@ -22,6 +22,18 @@ NEFF_FILE = neuron_flags.NEFF_FILE
 PROGRAM_CONSTANTS = "program_constants.safetensors"  # the program's own tensors (analysis.actions.PROGRAM_CONSTANTS)
 LOWER_OUTPUTS = (HLO_FILE, PARAMS_FILE, PROGRAM_CONSTANTS)
 COMPILE_OUTPUTS = (*LOWER_OUTPUTS, FLAGS_FILE)  # (+ model.neff): the weights ship from the weights action
+# What neuronx-cc needs in its environment to compile a module with fp8 parameters (AWS's fp8 tutorials set it;
+# toolchains/quantize.py): a function of the module, so of the Compile's inputs, and written to compile_flags.json.
+FP8_ENV = {"XLA_HANDLE_SPECIAL_SCALAR": "1"}
+
+
+def compile_env(params_json: bytes) -> dict[str, str]:
+    """The environment variables the module's compile needs: FP8_ENV when one of its parameters is fp8."""
+    try:
+        params = json.loads(params_json).get("parameters") or []
+    except (ValueError, AttributeError) as exc:
+        raise ToolchainError(f"the lowering's {PARAMS_FILE} is malformed: {exc}") from None
+    return dict(FP8_ENV) if any(str(p.get("dtype", "")).startswith("float8") for p in params) else {}
 
 
 def run_lower(spec: Mapping[str, Any], sandbox: Path, out_dir: Path) -> dict[str, Any]:
@@ -55,15 +67,16 @@ def run_lower(spec: Mapping[str, Any], sandbox: Path, out_dir: Path) -> dict[str
 
 
 def flags_document(platform: str, options: Mapping[str, Any], env_flags: list[str], version: str | None,
-                   hlo: bytes) -> bytes:
-    """compile_flags.json: the exact contract argv (run in a dir holding model.hlo.pb), the compiler version and the
-    sha256 of the module it compiles (as the Neuron compile cache keys entries by module and flags)."""
+                   hlo: bytes, env: Mapping[str, str] | None = None) -> bytes:
+    """compile_flags.json: the exact contract argv (run in a dir holding model.hlo.pb), the compiler version, the
+    sha256 of the module it compiles (as the Neuron compile cache keys entries by module and flags) and, when the
+    module needs any (fp8), the environment variables the compiler runs with."""
     try:
         argv = neuron_flags.neuronx_cc_argv("neuronx-cc", platform, options, env_flags)
     except ValueError as exc:
         raise ToolchainError(str(exc)) from None
     doc = {"platform": platform, "argv": argv, "neuronx_cc_version": version,
-           "hlo_sha256": hashlib.sha256(hlo).hexdigest()}
+           "hlo_sha256": hashlib.sha256(hlo).hexdigest()} | ({"env": dict(env)} if env else {})
     return (json.dumps(doc, indent=2, sort_keys=True) + "\n").encode()
 
 
@@ -96,9 +109,10 @@ def run_neuron_compile(spec: Mapping[str, Any], sandbox: Path, out_dir: Path) ->
             raise ToolchainError(f"the lowering's {name} is missing from the sandbox")
         _place(sandbox / name, out_dir / name)
     version = str(cc["version"]) if cc else None
+    env = compile_env((out_dir / PARAMS_FILE).read_bytes())
     (out_dir / FLAGS_FILE).write_bytes(flags_document(platform, options, env_flags, version,
-                                                      (out_dir / HLO_FILE).read_bytes()))
+                                                      (out_dir / HLO_FILE).read_bytes(), env))
     meta: dict[str, Any] = {"artifact": HLO_FILE, "flags": FLAGS_FILE}
     if cc:
-        meta |= run_neuronx_cc(cc, platform, options, out_dir, sandbox / "neuronx-cc-work", env_flags)
+        meta |= run_neuronx_cc(cc, platform, options, out_dir, sandbox / "neuronx-cc-work", env_flags, env)
     return meta

@@ -71,8 +71,10 @@ def _check_version(exe: str, expected: str) -> None:
 
 
 def run_neuronx_cc(cc: Mapping[str, Any], platform: str, options: Mapping[str, Any], out_dir: Path,
-                   scratch: Path, env_flags: list[str] | None = None) -> dict[str, Any]:
-    """Compile out_dir/model.hlo.pb into out_dir/model.neff. `cc` is the plan's {"path", "version", "timeout_s"}."""
+                   scratch: Path, env_flags: list[str] | None = None,
+                   env: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """Compile out_dir/model.hlo.pb into out_dir/model.neff. `cc` is the plan's {"path", "version", "timeout_s"};
+    `env`: variables the module's compile needs (neuron_steps.compile_env: fp8), added to the action's own."""
     exe, timeout = str(cc["path"]), float(cc["timeout_s"])
     _check_version(exe, str(cc["version"]))
     work = Path(scratch)
@@ -90,7 +92,7 @@ def run_neuronx_cc(cc: Mapping[str, Any], platform: str, options: Mapping[str, A
     started = time.monotonic()
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, cwd=work, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+                                start_new_session=True, env={**os.environ, **env} if env else None)
         try:
             rc = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -106,7 +108,8 @@ def run_neuronx_cc(cc: Mapping[str, Any], platform: str, options: Mapping[str, A
                 proc.wait()
     ran = time.monotonic() - started
     output = log_path.read_text(encoding="utf-8", errors="replace")
-    sys.stdout.write(f"# neuronx-cc: {shlex.join(cmd)}\n{output}")
+    prefix = "".join(f"{k}={shlex.quote(v)} " for k, v in sorted((env or {}).items()))
+    sys.stdout.write(f"# neuronx-cc: {prefix}{shlex.join(cmd)}\n{output}")
     if output and not output.endswith("\n"):
         sys.stdout.write("\n")
     ending = f"killed after the {timeout:g} s timeout" if timed_out else f"exit status {rc}"

@@ -79,6 +79,16 @@ def is_hf_causal_lm(model_spec: Mapping[str, Any]) -> bool:
     return str(model_spec.get("entry") or "").startswith(HF_ENTRY)
 
 
+def unquantized(model_spec: Mapping[str, Any]) -> dict[str, Any] | None:
+    """A quantized hf_causal_lm's spec without its quantization and fp8 KV cache (the float model validate reports
+    the quantization error against), or None for a model that has neither."""
+    config = dict(model_spec.get("config") or {})
+    weights, kv = config.pop("quantization", None), config.pop("kv_cache_dtype", None)
+    if not is_hf_causal_lm(model_spec) or (weights is None and kv is None):
+        return None
+    return {**model_spec, "config": config}
+
+
 # The error a graph computing in a 16-bit float dtype is allowed on top of the target's `tolerance`, relative to the
 # largest reference logit: 8 units in the last place of bfloat16 (2^-8 each), of float16 (2^-11 each). The compiled
 # graph and transformers' eager model round differently (fused kernels keep float32 intermediates), one last place per
@@ -124,6 +134,29 @@ class HfReference:
         self.context.load_state_dict(state)
         self.max_seq = int(self.config["max_seq"])
         self.vocab = int(model.config.vocab_size)
+        from neuronbuild.toolchains.quantize import kv_cache_dtype
+
+        self.kv_dtype = kv_cache_dtype(self.config)
+        self.kv_input: Any = None  # the graphs' KV cache dtype when it is not this model's (HfReference.unquantized)
+
+    @classmethod
+    def unquantized(cls, model_spec: Mapping[str, Any], workspace: Path) -> HfReference:
+        """The reference of a quantized model's float model (`unquantized`), making token cases for its graphs."""
+        from neuronbuild.toolchains.quantize import kv_cache_dtype
+
+        plain = unquantized(model_spec)
+        if plain is None:
+            raise ValueError("internal: the model is not quantized")
+        ref = cls(plain, workspace)
+        ref.kv_input = kv_cache_dtype(dict(model_spec.get("config") or {}))
+        return ref
+
+    def cache(self) -> Any:
+        """A fresh transformers cache for one forward or generate: None (transformers' own) unless the KV cache is
+        fp8, then one holding what the graphs' cache holds (keys and values cast to fp8 and back)."""
+        from neuronbuild.toolchains.quantize import rounding_cache
+
+        return None if self.kv_dtype is None else rounding_cache(self.model.config, self.kv_dtype)
 
     def prompts(self, gen: Any, batch: int, width: int) -> tuple[Any, Any]:
         """Seeded random prompts left-padded to `width` (row 0 full, the others 1..width tokens), pad id 0."""
@@ -141,7 +174,8 @@ class HfReference:
         return (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)  # as transformers' generate derives them
 
     def context_logits(self, ids: Any, mask: Any) -> Any:
-        return self.model(input_ids=ids, attention_mask=mask, position_ids=self.positions(mask)).logits[:, -1]
+        return self.model(input_ids=ids, attention_mask=mask, position_ids=self.positions(mask),
+                          past_key_values=self.cache()).logits[:, -1]
 
     def token_case(self, gen: Any, batch: int) -> tuple[tuple[Any, ...], Any]:
         """The token graph's inputs after a prefill of max_seq // 2 slots, and transformers' next logits after its
@@ -152,12 +186,15 @@ class HfReference:
         ids, mask = self.prompts(gen, batch, width)
         nxt = torch.randint(0, self.vocab, (batch, 1), generator=gen, dtype=torch.int64)
         kv = self.context(ids, mask)["kv"]
+        if self.kv_input is not None:
+            kv = kv.to(self.kv_input)
         cache_mask = torch.zeros((batch, self.max_seq), dtype=torch.int64)
         cache_mask[:, :width] = mask
         cache_mask[:, width] = 1
         pos = mask.sum(-1, keepdim=True)
         args = (nxt, pos, cache_mask, torch.tensor([width], dtype=torch.int64), kv)
-        pre = self.model(input_ids=ids, attention_mask=mask, position_ids=self.positions(mask), use_cache=True)
+        pre = self.model(input_ids=ids, attention_mask=mask, position_ids=self.positions(mask), use_cache=True,
+                         past_key_values=self.cache())
         full = torch.cat([mask, torch.ones((batch, 1), dtype=torch.int64)], dim=1)
         want = self.model(input_ids=nxt, attention_mask=full, position_ids=pos, past_key_values=pre.past_key_values,
                           use_cache=True).logits[:, -1]
@@ -269,7 +306,7 @@ def generate_cases(label: str, ref: HfReference, graphs: Mapping[str, Mapping[st
             with torch.no_grad():
                 got = lm.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, eos_token_id=None)[:, -new_tokens:]
                 want = ref.model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False,
-                                          eos_token_id=None, pad_token_id=0,
+                                          eos_token_id=None, pad_token_id=0, past_key_values=ref.cache(),
                                           min_new_tokens=new_tokens)[:, width:]
         except Exception as exc:  # noqa: BLE001 - reported as this case's result
             first = (str(exc).strip().splitlines() or [""])[0]

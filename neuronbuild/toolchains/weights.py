@@ -8,7 +8,7 @@ import struct
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -222,7 +222,19 @@ class Checkpoint:
             raise ToolchainError(f"cannot read weights {path.name}: {exc}") from None
 
 
-def check_against(expected: Mapping[str, tuple[int, ...]], tied: Mapping[str, set[str]], ckpt: Checkpoint,
+class Tensors(Protocol):
+    """What reads a model's weights: a Checkpoint, or a view of one (quantize.QuantizedCheckpoint)."""
+
+    label: str
+    index: dict[str, tuple[Path, str, torch.dtype | None, tuple[int, ...]]]
+
+    def shape(self, name: str) -> tuple[int, ...]: ...
+    def tensor(self, name: str) -> torch.Tensor: ...
+    def rows(self, name: str, first: int, count: int) -> torch.Tensor: ...
+    def pieces(self, name: str, dtype: torch.dtype, max_bytes: int = ...) -> Iterator[torch.Tensor]: ...
+
+
+def check_against(expected: Mapping[str, tuple[int, ...]], tied: Mapping[str, set[str]], ckpt: Tensors,
                   tp: int = 1) -> None:
     """Keys and shapes of `ckpt` against a module's state (name -> shape; tied: key -> keys sharing its tensor), as a
     strict load_state_dict would check them: missing and unexpected keys named, then shape mismatches. tp > 1: the
