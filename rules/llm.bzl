@@ -33,13 +33,48 @@ def _dtype(name, config, dtype):
         fail("hf_causal_lm %s: dtype %r is not supported (float32, bfloat16 or float16)" % (name, d))
     return _DTYPES[d.replace("torch.", "")]
 
-def hf_causal_lm(name, config, weights, max_seq = 256, model_type = None, weights_prefix = "", dtype = None, tags = []):
+def _serving_graphs(name, kv, max_seq, max_batch, on_device_sampling, output_logits):
+    """continuous_batching graphs, in NxD Inference's input order (docs/llm.md "Serving")."""
+    if type(max_batch) != "int" or max_batch < 1:
+        fail("hf_causal_lm %s: continuous_batching needs max_batch = N >= 1 (the KV cache's sequence slots)" % name)
+    extra = {"sampling_params": "float32[batch, 3]", "rand": "float32[batch]"} if on_device_sampling else {}
+    outputs = {"tokens": "int32[batch]"} if on_device_sampling else {}
+    if output_logits or not on_device_sampling:
+        outputs["logits"] = "float32[batch, vocab]"
+    outputs["kv"] = kv
+    kind = ("sampling_logits_" if output_logits else "sampling_") if on_device_sampling else "serving_"
+    graphs = {}
+    for graph, mask, positions in (("context", "seq", "seq"), ("token", "max_seq", "1")):
+        inputs = {
+            "input_ids": "int32[batch, %s]" % ("seq" if graph == "context" else "1"),
+            "attention_mask": "int32[batch, %s]" % mask,
+            "position_ids": "int32[batch, %s]" % positions,
+            "seq_ids": "int32[batch]",
+        }
+        inputs.update(extra)
+        inputs["kv"] = kv
+        graphs[graph] = {"entry": _GRAPHS_MODULE + ":" + kind + graph, "inputs": inputs, "outputs": outputs,
+                         "aliases": {"kv": "kv"}}
+    return graphs
+
+def hf_causal_lm(name, config, weights, max_seq = 256, model_type = None, weights_prefix = "", dtype = None,
+                 continuous_batching = False, max_batch = None, on_device_sampling = False, output_logits = False,
+                 tags = []):
     """A transformers causal LM (llama, mistral, qwen2, gpt2, ...) as served: a `context` graph (prefill: input_ids and
     attention_mask [batch, seq] -> last logits + the KV cache) and a `token` graph (decode: one token per sequence,
     its position, the cache mask and slot, the cache -> logits + the cache, aliased), over a static KV cache of
     max_seq slots, sharing one weights file. `config` holds HF config fields (model_type included or given).
     `dtype` (float32, bfloat16, float16) is what the weights, activations and KV cache are held in: by default the
-    config's `dtype` / `torch_dtype`, else float32. Logits are float32 whatever the dtype."""
+    config's `dtype` / `torch_dtype`, else float32. Logits are float32 whatever the dtype.
+    Serving (docs/llm.md "Serving"): `continuous_batching = True` with `max_batch = N` makes both graphs take
+    (input_ids, attention_mask, position_ids, seq_ids[, sampling_params, rand], kv) over a cache of N sequence lines
+    (+ one scratch line for padding rows); `on_device_sampling = True` returns the sampled `tokens` (int32 [batch])
+    instead of the logits (`output_logits = True`: both). They change the graphs' traces only, never the weights."""
+    if not continuous_batching:
+        if max_batch != None or on_device_sampling or output_logits:
+            fail("hf_causal_lm %s: max_batch, on_device_sampling and output_logits need continuous_batching = True" % name)
+    elif output_logits and not on_device_sampling:
+        fail("hf_causal_lm %s: output_logits is for on_device_sampling graphs (the others return logits)" % name)
     mt = model_type or _field(config, ["model_type"])
     dt = _dtype(name, config, dtype)
     for lt in config.get("layer_types") or []:
@@ -56,32 +91,40 @@ def hf_causal_lm(name, config, weights, max_seq = 256, model_type = None, weight
     if dt != "float32":  # (float32 is transformers' default: such configs stay as they were)
         hf["dtype"] = dt
     kv = dt + "[layers, 2, batch, kv_heads, max_seq, head_dim]"
+    dims = {"layers": layers, "kv_heads": kv_heads, "max_seq": max_seq, "head_dim": head_dim}
+    ranges = {"slot": [0, max_seq], "position_ids": [0, max_seq]}
+    graphs = {
+        "context": {},
+        "token": {
+            "entry": _GRAPHS_MODULE + ":token",
+            "inputs": {
+                "input_ids": "int64[batch, 1]",
+                "position_ids": "int64[batch, 1]",
+                "cache_mask": "int64[batch, max_seq]",
+                "slot": "int64[1]",
+                "kv": kv,
+            },
+            "outputs": {"logits": "float32[batch, vocab]", "kv": kv},
+            "aliases": {"kv": "kv"},
+        },
+    }
+    if continuous_batching:
+        dims["lines"] = max_batch + 1
+        ranges = {"position_ids": [0, max_seq], "seq_ids": [0, max_batch], "attention_mask": [1, 2]}
+        graphs = _serving_graphs(name, kv.replace("[layers, 2, batch,", "[layers, 2, lines,"), max_seq, max_batch,
+                                 on_device_sampling, output_logits)
     neuron_model(
         name = name,
         entry = _GRAPHS_MODULE + ":context",
         config = {"model_type": mt, "hf": hf, "max_seq": max_seq},
         weights = weights,
         weights_prefix = weights_prefix,
-        dims = {"layers": layers, "kv_heads": kv_heads, "max_seq": max_seq, "head_dim": head_dim},
+        dims = dims,
         inputs = {"input_ids": "int64[batch, seq]", "attention_mask": "int64[batch, seq]"},
         outputs = {"logits": "float32[batch, vocab]", "kv": kv},
         # validate's random values: cache slots and positions inside the cache
-        input_ranges = {"slot": [0, max_seq], "position_ids": [0, max_seq]},
-        graphs = {
-            "context": {},
-            "token": {
-                "entry": _GRAPHS_MODULE + ":token",
-                "inputs": {
-                    "input_ids": "int64[batch, 1]",
-                    "position_ids": "int64[batch, 1]",
-                    "cache_mask": "int64[batch, max_seq]",
-                    "slot": "int64[1]",
-                    "kv": kv,
-                },
-                "outputs": {"logits": "float32[batch, vocab]", "kv": kv},
-                "aliases": {"kv": "kv"},
-            },
-        },
+        input_ranges = ranges,
+        graphs = graphs,
         tags = tags,
     )
 
