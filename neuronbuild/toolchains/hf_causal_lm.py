@@ -358,30 +358,51 @@ def _serving_outputs(logits: torch.Tensor, kv: torch.Tensor, sampled: tuple[torc
     return out
 
 
-def _serving_context_forward(self: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                             position_ids: torch.Tensor, seq_ids: torch.Tensor, *rest: torch.Tensor
-                             ) -> dict[str, torch.Tensor]:
+def _prefill(self: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
+             seq_ids: torch.Tensor, sampled: tuple[torch.Tensor, ...], kv: torch.Tensor) -> dict[str, torch.Tensor]:
     """Prefill of left-padded prompts into the lines seq_ids name (positions as generate derives them)."""
-    *sampled, kv = rest
     cache = LineKV(self.config, kv, seq_ids, self._nb_max_seq, None)
     mask = attention_mask.long()
     out = _model_forward(self, input_ids=input_ids.long(), attention_mask=mask, position_ids=position_ids.long(),
                          past_key_values=cache)
-    return _serving_outputs(out.logits[:, -1].float(), cache.new_cache(mask), tuple(sampled), self._nb_logits)
+    return _serving_outputs(out.logits[:, -1].float(), cache.new_cache(mask), sampled, self._nb_logits)
 
 
-def _serving_token_forward(self: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                           position_ids: torch.Tensor, seq_ids: torch.Tensor, *rest: torch.Tensor
-                           ) -> dict[str, torch.Tensor]:
+def _decode(self: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
+            seq_ids: torch.Tensor, sampled: tuple[torch.Tensor, ...], kv: torch.Tensor) -> dict[str, torch.Tensor]:
     """One token per row: position_ids [batch, 1] is the slot it writes in its line, attention_mask [batch, max_seq]
     the line's slots it attends (1; the written one included)."""
-    *sampled, kv = rest
     positions = position_ids[:, 0]
     cache = LineKV(self.config, kv, seq_ids, self._nb_max_seq, positions)
     view_mask = attention_mask.long().gather(1, cache.view)
     out = _model_forward(self, input_ids=input_ids.long(), attention_mask=view_mask,
                          position_ids=position_ids.long(), past_key_values=cache)
-    return _serving_outputs(out.logits[:, -1].float(), cache.new_cache(), tuple(sampled), self._nb_logits)
+    return _serving_outputs(out.logits[:, -1].float(), cache.new_cache(), sampled, self._nb_logits)
+
+
+# The graphs' forwards: parameter names are the declared input names (the HLO's parameters are named after them).
+def _serving_context_forward(self: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                             position_ids: torch.Tensor, seq_ids: torch.Tensor, kv: torch.Tensor
+                             ) -> dict[str, torch.Tensor]:
+    return _prefill(self, input_ids, attention_mask, position_ids, seq_ids, (), kv)
+
+
+def _serving_token_forward(self: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                           position_ids: torch.Tensor, seq_ids: torch.Tensor, kv: torch.Tensor
+                           ) -> dict[str, torch.Tensor]:
+    return _decode(self, input_ids, attention_mask, position_ids, seq_ids, (), kv)
+
+
+def _sampling_context_forward(self: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                              position_ids: torch.Tensor, seq_ids: torch.Tensor, sampling_params: torch.Tensor,
+                              rand: torch.Tensor, kv: torch.Tensor) -> dict[str, torch.Tensor]:
+    return _prefill(self, input_ids, attention_mask, position_ids, seq_ids, (sampling_params, rand), kv)
+
+
+def _sampling_token_forward(self: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                            position_ids: torch.Tensor, seq_ids: torch.Tensor, sampling_params: torch.Tensor,
+                            rand: torch.Tensor, kv: torch.Tensor) -> dict[str, torch.Tensor]:
+    return _decode(self, input_ids, attention_mask, position_ids, seq_ids, (sampling_params, rand), kv)
 
 
 def _serving(config: dict[str, Any], forward: Any, suffix: str, logits: bool) -> nn.Module:
@@ -402,19 +423,19 @@ def serving_token(config: dict[str, Any]) -> nn.Module:
 
 def sampling_context(config: dict[str, Any]) -> nn.Module:
     """continuous_batching + on_device_sampling context graph: tokens and the cache."""
-    return _serving(config, _serving_context_forward, "SamplingContextGraph", False)
+    return _serving(config, _sampling_context_forward, "SamplingContextGraph", False)
 
 
 def sampling_token(config: dict[str, Any]) -> nn.Module:
     """continuous_batching + on_device_sampling token graph: tokens and the cache."""
-    return _serving(config, _serving_token_forward, "SamplingTokenGraph", False)
+    return _serving(config, _sampling_token_forward, "SamplingTokenGraph", False)
 
 
 def sampling_logits_context(config: dict[str, Any]) -> nn.Module:
     """on_device_sampling with output_logits: tokens, logits and the cache."""
-    return _serving(config, _serving_context_forward, "SamplingLogitsContextGraph", True)
+    return _serving(config, _sampling_context_forward, "SamplingLogitsContextGraph", True)
 
 
 def sampling_logits_token(config: dict[str, Any]) -> nn.Module:
     """on_device_sampling with output_logits: tokens, logits and the cache."""
-    return _serving(config, _serving_token_forward, "SamplingLogitsTokenGraph", True)
+    return _serving(config, _sampling_token_forward, "SamplingLogitsTokenGraph", True)
