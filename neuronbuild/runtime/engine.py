@@ -93,7 +93,7 @@ class Engine:
         self.finished: dict[int, list[int]] = {}
         self._next = 0
         self._seed = seed
-        self.calls = {CONTEXT: 0, TOKEN: 0}
+        self.calls: dict[str, int] = {}  # graph calls by bucket name (context_batch2_seq16, token_batch4, ...)
 
     # -- requests ------------------------------------------------------------------------------------------------
 
@@ -223,7 +223,7 @@ class Engine:
         fn = self.lm.fn(family, name)
         with torch.inference_mode():
             out = self.lm.named(family, fn(*args, self.kv))
-        self.calls[family] += 1
+        self.calls[name] = self.calls.get(name, 0) + 1
         self.kv = out["kv"]  # the output aliasing the kv input: the next call's cache, as is
         nxt = out["tokens"] if "tokens" in out else out["logits"].argmax(-1)
         for b, r in enumerate(rows):
