@@ -128,7 +128,7 @@ class HfReference:
         entry = str(model_spec.get("entry") or "").rsplit(":", 1)[-1]
         self.serving = entry.startswith(("serving_", "sampling_"))
         self.sampling = entry.startswith("sampling_")
-        kv = dict(model_spec.get("inputs") or []).get("kv") or {}
+        kv = dict(model_spec.get("whole_inputs") or model_spec.get("inputs") or []).get("kv") or {}
         self.kv_dims = [int(d) for d in kv.get("dims") or []] if self.serving else []
         self.kv_dtype = str(kv.get("dtype") or "float32")
 
