@@ -317,28 +317,27 @@ class LineKV(StaticKV):
         return out[0], out[1]
 
     def new_cache(self, prompt_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """kv with this call's writes: a context graph's prompts (left-aligned by `prompt_mask`) into their lines, or a
-        token graph's one slot per row."""
-        layers = []
-        for i in range(self.lines_kv.shape[0]):
-            pair = []
-            for j in range(2):
-                cache = self.lines_kv[i, j]
-                if self.positions is None:
-                    assert prompt_mask is not None
-                    padded = self.updated[i][j]  # type: ignore[index]  # [batch, kv_heads, max_seq, head_dim]
-                    shift = prompt_mask.shape[1] - prompt_mask.sum(-1)  # left padding per row
-                    src = (torch.arange(self.max_seq, device=shift.device)[None, :] + shift[:, None]).clamp(
-                        max=self.max_seq - 1)
-                    aligned = padded.gather(2, src[:, None, :, None].expand_as(padded))
-                    pair.append(cache.index_copy(0, self.lines, aligned.to(cache.dtype)))
-                else:
-                    new = self.written[i][j][:, :, 0]  # type: ignore[index]  # [batch, kv_heads, head_dim]
-                    heads = torch.arange(new.shape[1], device=new.device)
-                    pair.append(torch.index_put(cache, (self.lines[:, None], heads[None, :],
-                                                        self.positions.long()[:, None]), new.to(cache.dtype)))
-            layers.append(torch.stack(pair))
-        return torch.stack(layers)
+        """kv with this call's writes, as ONE scatter into the kv input (no per-layer stack: the output is the input
+        updated where written, which XLA's aliasing and a compiler's in-place scatter keep in place): a context
+        graph's prompts (left-aligned by `prompt_mask`) into whole lines, a token graph's one slot per row."""
+        kv = self.lines_kv
+        layers = torch.arange(kv.shape[0], device=kv.device)[:, None, None, None]
+        pair = torch.arange(2, device=kv.device)[None, :, None, None]
+        lines = self.lines[None, None, :, None]
+        heads = torch.arange(kv.shape[3], device=kv.device)[None, None, None, :]
+        if self.positions is None:
+            assert prompt_mask is not None
+            shift = prompt_mask.shape[1] - prompt_mask.sum(-1)  # left padding per row
+            src = (torch.arange(self.max_seq, device=shift.device)[None, :] + shift[:, None]).clamp(max=self.max_seq - 1)
+            rows = []
+            for k, v in self.updated:  # type: ignore[misc]  # [batch, kv_heads, max_seq, head_dim], prompt-padded
+                idx = src[:, None, :, None].expand_as(k)
+                rows.append(torch.stack([k.gather(2, idx), v.gather(2, idx)]))
+            values = torch.stack(rows).to(kv.dtype)  # [layers, 2, batch, kv_heads, max_seq, head_dim]
+            return torch.index_put(kv, (layers, pair, lines, heads), values)
+        written = torch.stack([torch.stack([k[:, :, 0], v[:, :, 0]]) for k, v in self.written])  # type: ignore[misc]
+        slots = self.positions.long()[None, None, :, None]
+        return torch.index_put(kv, (layers, pair, lines, heads, slots), written.to(kv.dtype))
 
 
 def rotation(positions: torch.Tensor, max_seq: int) -> torch.Tensor:
