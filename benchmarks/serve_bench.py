@@ -4,9 +4,11 @@ on_device_sampling = True), greedy requests), static batching (today's `generate
 4 prompts, each wave decoding until its longest request is done) and transformers' own batched `generate` (eager, all
 64 prompts in one left-padded batch). Prints tokens/s (requested tokens only: a wave's or a batch's extra tokens
 for shorter requests are not counted), time to first token (median, p90; every request arrives at t = 0) and the
-token graph's per-call time at two max_seq (the engine's step cost against the cache size).
+token graph's per-call time at two max_seq (the engine's step cost against the cache size). Throughput also per
+process CPU second, which other sessions' load moves far less than the wall (run it with OMP_NUM_THREADS=1 on a
+shared machine: 2 OpenMP threads oversubscribed by other sessions spin, the wall then measures the neighbours).
 
-    .venv/bin/python benchmarks/serve_bench.py [--requests 64] [--workdir DIR] [--keep]
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/serve_bench.py [--requests 64] [--workdir DIR]  # DIR: kept
 
 Static batching's time to first token is its wave's start plus that wave's prefill (generate with max_new_tokens=1,
 timed separately). Not part of the test suite: one build of ~10 cpu graphs (~5 min on 2 cores)."""
@@ -19,7 +21,6 @@ import os
 import shutil
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -69,31 +70,34 @@ def pct(xs: list[float], q: float) -> float:
 
 def run_engine(lm, reqs):  # type: ignore[no-untyped-def]
     eng = lm.engine()
+    c0 = time.process_time()
     t0 = time.perf_counter()
     rids = [eng.add(p, max_new_tokens=n, eos_token_id=None) for p, n in reqs]
     first: dict[int, float] = {}
     while eng.pending:
         for rid in eng.step():
             first.setdefault(rid, time.perf_counter() - t0)
-    took = time.perf_counter() - t0
+    took, cpu = time.perf_counter() - t0, time.process_time() - c0
     out = eng.finished
-    return took, [first[r] for r in rids], [out[r] for r in rids], dict(eng.calls)
+    return took, cpu, [first[r] for r in rids], [out[r] for r in rids], dict(eng.calls)
 
 
 def run_static(lm, reqs):  # type: ignore[no-untyped-def]
     t0 = time.perf_counter()
-    ttft, outs, prefill = [], [], 0.0
+    c0 = time.process_time()
+    ttft, outs, prefill, prefill_cpu = [], [], 0.0, 0.0
     for i in range(0, len(reqs), SLOTS):
         wave = reqs[i:i + SLOTS]
         start = time.perf_counter() - t0 - prefill
-        p0 = time.perf_counter()
+        p0, q0 = time.perf_counter(), time.process_time()
         lm.generate([p for p, _n in wave], max_new_tokens=1, eos_token_id=None)  # the wave's prefill, timed apart
         first = time.perf_counter() - p0
         prefill += first
+        prefill_cpu += time.process_time() - q0
         out = lm.generate([p for p, _n in wave], max_new_tokens=max(n for _p, n in wave), eos_token_id=None)
         outs += [out[j, out.shape[1] - max(n for _p, n in wave):][:n].tolist() for j, (_p, n) in enumerate(wave)]
         ttft += [start + first] * len(wave)
-    return time.perf_counter() - t0 - prefill, ttft, outs
+    return time.perf_counter() - t0 - prefill, time.process_time() - c0 - prefill_cpu, ttft, outs
 
 
 def run_transformers(weights: Path, reqs):  # type: ignore[no-untyped-def]
@@ -110,15 +114,15 @@ def run_transformers(weights: Path, reqs):  # type: ignore[no-untyped-def]
     for i, (p, _n) in enumerate(reqs):
         ids[i, width - len(p):] = torch.tensor(p)
         mask[i, width - len(p):] = 1
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     with torch.no_grad():
         model.generate(ids, attention_mask=mask, max_new_tokens=max(n for _p, n in reqs), do_sample=False,
                        eos_token_id=None, pad_token_id=0)
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, time.process_time() - c0
 
 
 def token_call_ms(lm, calls: int = 200) -> float:  # type: ignore[no-untyped-def]
-    """The token graph of batch SLOTS: ms per call, its kv output fed back (as the engine does)."""
+    """The token graph of batch SLOTS: process CPU ms per call, its kv output fed back (as the engine does)."""
     import torch
 
     name = lm.pick("token", lm.token_buckets, {"batch": SLOTS})
@@ -131,10 +135,10 @@ def token_call_ms(lm, calls: int = 200) -> float:  # type: ignore[no-untyped-def
     with torch.inference_mode():
         for _ in range(10):
             kv = lm.named("token", fn(*args, kv))["kv"]
-        t0 = time.perf_counter()
+        t0 = time.process_time()
         for _ in range(calls):
             kv = lm.named("token", fn(*args, kv))["kv"]
-    return (time.perf_counter() - t0) / calls * 1e3
+    return (time.process_time() - t0) / calls * 1e3
 
 
 def main() -> None:
@@ -176,22 +180,24 @@ def main() -> None:
           f"torch threads {torch.get_num_threads()}", flush=True)
     run_engine(cb, reqs[:4])  # warm both
     static.generate([p for p, _n in reqs[:4]], max_new_tokens=2)
-    eng_s, eng_ttft, eng_out, calls = run_engine(cb, reqs)
-    st_s, st_ttft, st_out = run_static(static, reqs)
-    hf_s = run_transformers(ws / "llama.safetensors", reqs)
+    eng_s, eng_cpu, eng_ttft, eng_out, calls = run_engine(cb, reqs)
+    st_s, st_cpu, st_ttft, st_out = run_static(static, reqs)
+    hf_s, hf_cpu = run_transformers(ws / "llama.safetensors", reqs)
     same = sum(a == b for a, b in zip(eng_out, st_out, strict=True))
     print(f"engine calls: {calls}; requests whose greedy tokens equal static batching's: {same}/{len(reqs)}")
-    print(f"{'':24} {'tokens/s':>9} {'vs static':>9} {'TTFT med':>9} {'TTFT p90':>9}")
-    for name, took, ttft in (("engine (4 slots)", eng_s, eng_ttft), ("static waves of 4", st_s, st_ttft),
-                             ("transformers batch 64", hf_s, None)):
+    print(f"{'':24} {'tokens/s':>9} {'vs static':>9} {'TTFT med':>9} {'TTFT p90':>9} {'per CPU s':>10} "
+          f"{'vs static':>9}")
+    for name, took, cpu, ttft in (("engine (4 slots)", eng_s, eng_cpu, eng_ttft),
+                                  ("static waves of 4", st_s, st_cpu, st_ttft),
+                                  ("transformers batch 64", hf_s, hf_cpu, None)):
         t = f"{statistics.median(ttft):8.2f}s {pct(ttft, 0.9):8.2f}s" if ttft else f"{'-':>9} {'-':>9}"
-        print(f"{name:24} {wanted / took:9.0f} {st_s / took:8.2f}x {t}")
+        print(f"{name:24} {wanted / took:9.0f} {st_s / took:8.2f}x {t} {wanted / cpu:10.0f} {st_cpu / cpu:8.2f}x")
     small, large = token_call_ms(cb), token_call_ms(big)
-    print(f"token graph (batch {SLOTS}) per call: max_seq {MAX_SEQ}: {small:.2f} ms, max_seq {BIG_SEQ}: "
+    print(f"token graph (batch {SLOTS}) CPU per call: max_seq {MAX_SEQ}: {small:.2f} ms, max_seq {BIG_SEQ}: "
           f"{large:.2f} ms ({large / small:.2f}x; kv {cb.kv_spec['dims']} vs {big.kv_spec['dims']})")
     if not args.keep and args.workdir is None:
         shutil.rmtree(work, ignore_errors=True)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

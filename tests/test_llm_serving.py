@@ -182,6 +182,17 @@ def test_in_graph_sampler_follows_transformers_softmax_and_keeps_to_the_top_k(
     assert set(_draws(lm, [5.0, 1.0, 1.0], n)) <= top5
 
 
+def test_validate_compares_serving_graphs_and_each_request_with_transformers(deployed: Path, cache_dir: Path) -> None:
+    # tp 2: the serving inputs, the cache's whole kv heads (callers' shapes) and the engine through validate's loader
+    proc = run_cli(["validate", TP2, "--generate", "4", "--cache-dir", str(cache_dir)], deployed.parent / "ws")
+    out = proc.stdout
+    assert proc.returncode == 0, out + proc.stderr[-3000:]
+    rows = [line for line in out.splitlines() if line.startswith("//:llama_tp2 ")]
+    assert len(rows) == 3 and all(r.endswith(" ok") for r in rows), out  # 3 graphs, logits against transformers'
+    gen = [line for line in out.splitlines() if ": generate " in line]
+    assert len(gen) == 2 and all(": ok (4 tokens x " in g for g in gen), out  # batch 1 and 2, each request alone
+
+
 def test_bad_requests_are_refused_alone_and_the_engine_serves_the_others(deployed: Path, reference: Any) -> None:
     from neuronbuild.runtime import NoBucketFits
 
