@@ -176,12 +176,10 @@ class Engine:
     def _sampling_inputs(self, rows: Sequence[Request], batch: int) -> list[torch.Tensor]:
         if not self.sampling_graphs:
             return []
-        params = torch.tensor([[1.0, 1.0, 0.0]] * batch, dtype=torch.float32)  # padding rows: greedy
-        rand = torch.zeros(batch, dtype=torch.float32)
-        for b, r in enumerate(rows):
-            params[b] = torch.tensor(r.sampling.row())
-            rand[b] = r.draw()
-        return [params, rand]
+        pad = batch - len(rows)  # padding rows: greedy
+        params = [r.sampling.row() for r in rows] + [[1.0, 1.0, 0.0]] * pad
+        rand = [r.draw() for r in rows] + [0.0] * pad
+        return [torch.tensor(params, dtype=torch.float32), torch.tensor(rand, dtype=torch.float32)]
 
     def _prefill(self, reqs: list[Request], got: dict[int, list[int]]) -> None:
         name = self._context_bucket(reqs)
@@ -204,18 +202,13 @@ class Engine:
 
     def _decode(self, rows: list[Request], got: dict[int, list[int]]) -> None:
         name = self.lm.pick(TOKEN, self.lm.token_buckets, {"batch": len(rows)})
-        tb = self.lm.token_buckets[name]["batch"]
-        ids = torch.full((tb, 1), self.lm.pad_token_id, dtype=torch.int32)
-        mask = torch.zeros((tb, self.max_seq), dtype=torch.int32)
-        mask[:, 0] = 1  # padding rows: one slot of the scratch line
-        positions = torch.zeros((tb, 1), dtype=torch.int32)
-        seq_ids = torch.full((tb,), PADDING_LINE, dtype=torch.int32)
-        for b, r in enumerate(rows):
-            ids[b, 0] = r.tokens[-1]
-            positions[b, 0] = r.position
-            mask[b, : r.position + 1] = 1
-            seq_ids[b] = r.line
-        args = [ids, mask, positions, seq_ids, *self._sampling_inputs(rows, tb)]
+        pad = self.lm.token_buckets[name]["batch"] - len(rows)  # (built from lists: a step's host cost is per call)
+        ids = torch.tensor([[r.tokens[-1]] for r in rows] + [[self.lm.pad_token_id]] * pad, dtype=torch.int32)
+        positions = torch.tensor([[r.position] for r in rows] + [[0]] * pad, dtype=torch.int32)
+        seq_ids = torch.tensor([r.line for r in rows] + [PADDING_LINE] * pad, dtype=torch.int32)
+        # slots 0..position (padding rows: slot 0 of the scratch line)
+        mask = (torch.arange(self.max_seq, dtype=torch.int32)[None, :] <= positions).to(torch.int32)
+        args = [ids, mask, positions, seq_ids, *self._sampling_inputs(rows, len(rows) + pad)]
         self._emit(TOKEN, name, args, rows, got)
 
     def _emit(self, family: str, name: str, args: list[torch.Tensor], rows: Sequence[Request],
@@ -225,7 +218,7 @@ class Engine:
             out = self.lm.named(family, fn(*args, self.kv))
         self.calls[name] = self.calls.get(name, 0) + 1
         self.kv = out["kv"]  # the output aliasing the kv input: the next call's cache, as is
-        nxt = out["tokens"] if "tokens" in out else out["logits"].argmax(-1)
+        nxt = (out["tokens"] if "tokens" in out else out["logits"].argmax(-1)).tolist()
         for b, r in enumerate(rows):
             t = int(nxt[b])
             r.tokens.append(t)
