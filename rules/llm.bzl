@@ -98,8 +98,33 @@ def _quantization(name, q):
         out["modules_to_not_convert"] = skip
     return out
 
-def hf_causal_lm(name, config, weights, max_seq = 256, model_type = None, weights_prefix = "", dtype = None, tags = [],
-                 quantization = None, kv_cache_dtype = None):
+def _serving_graphs(name, kv, max_seq, max_batch, on_device_sampling, output_logits):
+    """continuous_batching graphs, in NxD Inference's input order (docs/llm.md "Serving")."""
+    if type(max_batch) != "int" or max_batch < 1:
+        fail("hf_causal_lm %s: continuous_batching needs max_batch = N >= 1 (the KV cache's sequence slots)" % name)
+    extra = {"sampling_params": "float32[batch, 3]", "rand": "float32[batch]"} if on_device_sampling else {}
+    outputs = {"tokens": "int32[batch]"} if on_device_sampling else {}
+    if output_logits or not on_device_sampling:
+        outputs["logits"] = "float32[batch, vocab]"
+    outputs["kv"] = kv
+    kind = ("sampling_logits_" if output_logits else "sampling_") if on_device_sampling else "serving_"
+    graphs = {}
+    for graph, mask, positions in (("context", "seq", "seq"), ("token", "max_seq", "1")):
+        inputs = {
+            "input_ids": "int32[batch, %s]" % ("seq" if graph == "context" else "1"),
+            "attention_mask": "int32[batch, %s]" % mask,
+            "position_ids": "int32[batch, %s]" % positions,
+            "seq_ids": "int32[batch]",
+        }
+        inputs.update(extra)
+        inputs["kv"] = kv
+        graphs[graph] = {"entry": _GRAPHS_MODULE + ":" + kind + graph, "inputs": inputs, "outputs": outputs,
+                         "aliases": {"kv": "kv"}}
+    return graphs
+
+def hf_causal_lm(name, config, weights, max_seq = 256, model_type = None, weights_prefix = "", dtype = None,
+                 continuous_batching = False, max_batch = None, on_device_sampling = False, output_logits = False,
+                 quantization = None, kv_cache_dtype = None, tags = []):
     """A transformers causal LM (llama, mistral, qwen2, gpt2, ...) as served: a `context` graph (prefill: input_ids and
     attention_mask [batch, seq] -> last logits + the KV cache) and a `token` graph (decode: one token per sequence,
     its position, the cache mask and slot, the cache -> logits + the cache, aliased), over a static KV cache of
@@ -108,7 +133,16 @@ def hf_causal_lm(name, config, weights, max_seq = 256, model_type = None, weight
     config's `dtype` / `torch_dtype`, else float32. Logits are float32 whatever the dtype. `quantization`
     ({"dtype", "scheme", "block_size", "modules_to_not_convert"}): weight-only int8 / fp8 decoder linear layers,
     quantized from the checkpoint by the weights action (or read pre-quantized); `kv_cache_dtype = "float8_e4m3"`:
-    the KV cache held in fp8 (cast as written, read back in the model dtype): docs/quantization.md."""
+    the KV cache held in fp8 (cast as written, read back in the model dtype): docs/quantization.md.
+    Serving (docs/llm.md "Serving"): `continuous_batching = True` with `max_batch = N` makes both graphs take
+    (input_ids, attention_mask, position_ids, seq_ids[, sampling_params, rand], kv) over a cache of N sequence lines
+    (+ one scratch line for padding rows); `on_device_sampling = True` returns the sampled `tokens` (int32 [batch])
+    instead of the logits (`output_logits = True`: both). They change the graphs' traces only, never the weights."""
+    if not continuous_batching:
+        if max_batch != None or on_device_sampling or output_logits:
+            fail("hf_causal_lm %s: max_batch, on_device_sampling and output_logits need continuous_batching = True" % name)
+    elif output_logits and not on_device_sampling:
+        fail("hf_causal_lm %s: output_logits is for on_device_sampling graphs (the others return logits)" % name)
     mt = model_type or _field(config, ["model_type"])
     dt = _dtype(name, config, dtype)
     for lt in config.get("layer_types") or []:
@@ -125,9 +159,33 @@ def hf_causal_lm(name, config, weights, max_seq = 256, model_type = None, weight
     hf = {k: v for k, v in config.items() if k not in ("model_type", "torch_dtype", "dtype")}
     if dt != "float32":  # (float32 is transformers' default: such configs stay as they were)
         hf["dtype"] = dt
+    if kv_cache_dtype != None and continuous_batching:
+        fail("hf_causal_lm %s: kv_cache_dtype is not supported with continuous_batching yet (the serving graphs' cache is held in the model dtype)" % name)
     if kv_cache_dtype not in (None, "float8_e4m3"):
         fail("hf_causal_lm %s: kv_cache_dtype %r is not supported (float8_e4m3, or None: the model dtype)" % (name, kv_cache_dtype))
     kv = ("float8_e4m3fn" if kv_cache_dtype else dt) + "[layers, 2, batch, kv_heads, max_seq, head_dim]"
+    dims = {"layers": layers, "kv_heads": kv_heads, "max_seq": max_seq, "head_dim": head_dim}
+    ranges = {"slot": [0, max_seq], "position_ids": [0, max_seq]}
+    graphs = {
+        "context": {},
+        "token": {
+            "entry": _GRAPHS_MODULE + ":token",
+            "inputs": {
+                "input_ids": "int64[batch, 1]",
+                "position_ids": "int64[batch, 1]",
+                "cache_mask": "int64[batch, max_seq]",
+                "slot": "int64[1]",
+                "kv": kv,
+            },
+            "outputs": {"logits": "float32[batch, vocab]", "kv": kv},
+            "aliases": {"kv": "kv"},
+        },
+    }
+    if continuous_batching:
+        dims["lines"] = max_batch + 1
+        ranges = {"position_ids": [0, max_seq], "seq_ids": [0, max_batch], "attention_mask": [1, 2]}
+        graphs = _serving_graphs(name, kv.replace("[layers, 2, batch,", "[layers, 2, lines,"), max_seq, max_batch,
+                                 on_device_sampling, output_logits)
     neuron_model(
         name = name,
         entry = _GRAPHS_MODULE + ":context",
@@ -136,26 +194,12 @@ def hf_causal_lm(name, config, weights, max_seq = 256, model_type = None, weight
                  ({"kv_cache_dtype": kv_cache_dtype} if kv_cache_dtype else {}),
         weights = weights,
         weights_prefix = weights_prefix,
-        dims = {"layers": layers, "kv_heads": kv_heads, "max_seq": max_seq, "head_dim": head_dim},
+        dims = dims,
         inputs = {"input_ids": "int64[batch, seq]", "attention_mask": "int64[batch, seq]"},
         outputs = {"logits": "float32[batch, vocab]", "kv": kv},
         # validate's random values: cache slots and positions inside the cache
-        input_ranges = {"slot": [0, max_seq], "position_ids": [0, max_seq]},
-        graphs = {
-            "context": {},
-            "token": {
-                "entry": _GRAPHS_MODULE + ":token",
-                "inputs": {
-                    "input_ids": "int64[batch, 1]",
-                    "position_ids": "int64[batch, 1]",
-                    "cache_mask": "int64[batch, max_seq]",
-                    "slot": "int64[1]",
-                    "kv": kv,
-                },
-                "outputs": {"logits": "float32[batch, vocab]", "kv": kv},
-                "aliases": {"kv": "kv"},
-            },
-        },
+        input_ranges = ranges,
+        graphs = graphs,
         tags = tags,
     )
 

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from neuronbuild.runtime.engine import Engine, serving_spec
 from neuronbuild.runtime.inputs import from_numpy
 from neuronbuild.runtime.router import NoBucketFits
 
@@ -52,15 +53,23 @@ class CausalLM:
         self._token = model.family(TOKEN)
         tok_graph = self._token.graph(next(iter(self._token.buckets)))
         ctx_graph = self._context.graph(next(iter(self._context.buckets)))
-        if list(ctx_graph.inputs) != list(CONTEXT_INPUTS) or list(tok_graph.inputs) != list(TOKEN_INPUTS):
+        serving, self.sampling = serving_spec(tok_graph.inputs)
+        self.serving = serving and serving_spec(ctx_graph.inputs) == (serving, self.sampling)
+        if not self.serving and (list(ctx_graph.inputs) != list(CONTEXT_INPUTS)
+                                 or list(tok_graph.inputs) != list(TOKEN_INPUTS)):
             raise TypeError(f"{model.label}: the graphs' inputs are not those of an hf_causal_lm "
                             f"({list(ctx_graph.inputs)}, {list(tok_graph.inputs)})")
         self.aliases = dict(tok_graph.aliases)  # output -> input it updates
         if self.aliases.get("kv") != "kv":
             raise TypeError(f"{model.label}: the token graph declares no kv -> kv alias ({self.aliases})")
-        kv_dims = list(tok_graph.inputs["kv"]["dims"])
-        self._kv_batch_dim = kv_dims.index("batch")  # the only bucket dim of the cache
-        self.max_seq = int(tok_graph.inputs["cache_mask"]["dims"][1])
+        self.kv_spec: dict[str, Any] = dict(tok_graph.inputs["kv"])
+        kv_dims = list(self.kv_spec["dims"])
+        if self.serving:  # a cache of max_batch lines + the padding rows' scratch line: no bucket dim
+            self.max_batch = int(kv_dims[2]) - 1
+            self.max_seq = int(tok_graph.inputs["attention_mask"]["dims"][1])
+        else:
+            self._kv_batch_dim = kv_dims.index("batch")  # the only bucket dim of the cache
+            self.max_seq = int(tok_graph.inputs["cache_mask"]["dims"][1])
         hf = ((ctx_graph.trace_record.get("model") or {}).get("config") or {}).get("hf") or {}
         eos, pad = hf.get("eos_token_id"), hf.get("pad_token_id")
         # transformers' defaults for generate: the config's eos (the first of a list) and pad tokens
@@ -88,7 +97,7 @@ class CausalLM:
 
     # -- bucket choice -------------------------------------------------------------------------------------------
 
-    def _pick(self, family: str, buckets: Mapping[str, Mapping[str, int]], want: Mapping[str, int]) -> str:
+    def pick(self, family: str, buckets: Mapping[str, Mapping[str, int]], want: Mapping[str, int]) -> str:
         fits = [(math.prod(b[d] for d in want), tuple(b[d] for d in want), n) for n, b in buckets.items()
                 if all(b.get(d, -1) >= v for d, v in want.items())]
         if not fits:
@@ -99,13 +108,17 @@ class CausalLM:
                 + (" (strict mode: nothing is compiled at run time)" if self.strict else ""))
         return min(fits)[2]
 
+    def fn(self, family: str, name: str) -> Any:
+        """The loaded graph of bucket `name` of `family` (context or token)."""
+        return self._fn(self._context if family == CONTEXT else self._token, name)
+
     def _fn(self, family: Any, name: str) -> Any:
         fn = family.bucket_fn(name)
         if fn is None:
             raise RuntimeError(f"{self.label}: graph {family.graph(name).describe()} is not usable (see the log)")
         return fn
 
-    def _named(self, family: str, out: Any) -> dict[str, torch.Tensor]:
+    def named(self, family: str, out: Any) -> dict[str, torch.Tensor]:
         tensors = [out] if isinstance(out, torch.Tensor) else list(out)
         return dict(zip(self._out_index[family], tensors, strict=True))
 
@@ -121,7 +134,16 @@ class CausalLM:
         pad[d] = batch - have
         return torch.cat([kv, kv.new_zeros(pad)], dim=d)
 
-    def _check_ids(self, rows: Sequence[Sequence[int]], pad_token_id: int) -> None:
+    @staticmethod
+    def token_id(t: Any) -> int:
+        return _token_id(t)
+
+    def engine(self, seed: int = 0) -> Engine:
+        """A continuous-batching engine over this model's serving graphs (runtime/engine.py); `seed` seeds the
+        draws of requests added without their own."""
+        return Engine(self, seed)
+
+    def check_ids(self, rows: Sequence[Sequence[int]], pad_token_id: int) -> None:
         """Every token id (and the pad id) within [0, vocab_size): a ValueError naming the input, never a kernel's
         out-of-range read (an abort of the serving process)."""
         top = self.vocab_size
@@ -132,6 +154,19 @@ class CausalLM:
                                      f"(0 <= id < vocab_size {top if top is not None else '?'})")
         if pad_token_id < 0 or (top is not None and pad_token_id >= top):
             raise ValueError(f"pad_token_id {pad_token_id} is not a token id of {self.label} (vocab_size {top})")
+
+    def _generate_serving(self, rows: list[list[int]], max_new_tokens: int, eos_token_id: int | None,
+                          pad_token_id: int) -> torch.Tensor:
+        """generate() on continuous-batching graphs: every prompt a greedy request of one engine; a row that ended
+        (eos) is padded, the width is the longest row's."""
+        eng = self.engine()
+        rids = [eng.add(r, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id) for r in rows]
+        out = eng.run()
+        width = max(len(out[rid]) for rid in rids)
+        new = torch.full((len(rows), width), pad_token_id, dtype=torch.int64)
+        for i, rid in enumerate(rids):
+            new[i, : len(out[rid])] = torch.tensor(out[rid], dtype=torch.int64)
+        return new
 
     # -- generation ----------------------------------------------------------------------------------------------
 
@@ -174,10 +209,12 @@ class CausalLM:
                     prefix[i, width - len(r):] = torch.tensor(r, dtype=torch.int64)
         if not rows or any(not r for r in rows):
             raise ValueError("every prompt needs at least one token")
-        self._check_ids(rows, int(pad_token_id))
+        self.check_ids(rows, int(pad_token_id))
+        if self.serving:
+            return torch.cat([prefix, self._generate_serving(rows, max_new_tokens, eos_token_id, pad_token_id)], 1)
         batch, longest = len(rows), max(len(r) for r in rows)
-        ctx_name = self._pick(CONTEXT, self.context_buckets, {"batch": batch, "seq": longest})
-        tok_name = self._pick(TOKEN, self.token_buckets, {"batch": batch})
+        ctx_name = self.pick(CONTEXT, self.context_buckets, {"batch": batch, "seq": longest})
+        tok_name = self.pick(TOKEN, self.token_buckets, {"batch": batch})
         cb, seq = self.context_buckets[ctx_name]["batch"], self.context_buckets[ctx_name]["seq"]
         tb = self.token_buckets[tok_name]["batch"]
         if seq + max_new_tokens - 1 > self.max_seq:
@@ -192,7 +229,7 @@ class CausalLM:
             ids[i, seq - len(r):] = torch.tensor(r, dtype=torch.int64)
             mask[i, : seq - len(r)] = 0
         with torch.inference_mode():
-            out = self._named(CONTEXT, ctx_fn(ids, mask))
+            out = self.named(CONTEXT, ctx_fn(ids, mask))
             kv = self._resize_batch(out["kv"], tb)  # declared state: the token graph's own output from now on
             nxt = out["logits"][:batch].argmax(-1)
             cache_mask = torch.zeros((tb, self.max_seq), dtype=torch.int64)
@@ -213,7 +250,7 @@ class CausalLM:
                 slot = seq + t
                 cache_mask[:, slot] = 1
                 step_ids[:batch, 0] = nxt
-                out = self._named(TOKEN, tok_fn(step_ids, position, cache_mask, torch.tensor([slot]), kv))
+                out = self.named(TOKEN, tok_fn(step_ids, position, cache_mask, torch.tensor([slot]), kv))
                 kv = out["kv"]  # fed back as is: the output aliasing the `kv` input
                 nxt = out["logits"][:batch].argmax(-1)
                 position += 1

@@ -266,3 +266,190 @@ def context(config: dict[str, Any]) -> nn.Module:
 def token(config: dict[str, Any]) -> nn.Module:
     """The token-generation (decode) graph."""
     return _graph(config, _token_forward, "TokenGraph")
+
+
+# -- serving graphs: continuous batching (a KV cache of max_batch lines, rows named by seq_ids) and on-device sampling
+
+SAMPLER_TOP_K = 256  # the sampler's static top-k (NxD Inference's global top-k): what top_k = 0 samples from
+
+
+def sample(logits: torch.Tensor, sampling_params: torch.Tensor, rand: torch.Tensor) -> torch.Tensor:
+    """The next token per row, as NxD Inference's on-device sampler computes it. logits float32 [batch, vocab];
+    sampling_params float32 [batch, 3] = (top_k, top_p, temperature); rand float32 [batch], a uniform draw in [0, 1).
+
+    1. K = min(vocab, SAMPLER_TOP_K); the K largest logits, sorted descending (ties: torch.topk's order).
+    2. A row's top_k: values < 1 or > K mean K; ranks >= top_k are dropped.
+    3. Divide by the temperature; softmax over the kept ranks; p_i, cumulative c_i.
+    4. top_p: rank i is kept when c_i - p_i < top_p (the mass before it), so the first is always kept.
+    5. Inverse CDF: C = cumsum of the kept p_i; the sampled rank is the number of ranks with C_i < rand * C_last.
+    A row with top_k == 1 or temperature <= 0 takes argmax(logits) (transformers' greedy choice, first of ties)."""
+    k = min(int(logits.shape[-1]), SAMPLER_TOP_K)
+    top_k, top_p, temperature = sampling_params[:, 0], sampling_params[:, 1], sampling_params[:, 2]
+    values, index = torch.topk(logits, k, dim=-1)
+    rank = torch.arange(k, device=logits.device, dtype=torch.float32)
+    kk = torch.where((top_k < 1) | (top_k > k), torch.full_like(top_k, k), top_k)
+    scaled = values / torch.where(temperature > 0, temperature, torch.ones_like(temperature))[:, None]
+    scaled = scaled.masked_fill(rank[None, :] >= kk[:, None], float("-inf"))
+    probs = torch.softmax(scaled, dim=-1)
+    before = probs.cumsum(-1) - probs
+    probs = torch.where(before < top_p[:, None], probs, torch.zeros_like(probs))
+    cdf = probs.cumsum(-1)
+    u = rand * cdf[:, -1]
+    choice = (cdf < u[:, None]).sum(-1).clamp(max=k - 1)
+    sampled = index.gather(1, choice[:, None])[:, 0]
+    greedy = (top_k == 1) | (temperature <= 0)
+    return torch.where(greedy, logits.argmax(-1), sampled).to(torch.int32)
+
+
+class LineKV(StaticKV):
+    """The serving cache: kv [layers, 2, max_batch + 1, kv_heads, max_seq, head_dim], one line per sequence slot (the
+    last line is where padding rows, seq_ids < 0, write). A row's tokens sit in its line at slots 0..n-1, slot =
+    position. Context graphs attend within the prompt (as StaticKV) and write each prompt, left-aligned, into its
+    line. Token graphs give each row a view of its line rotated so that the slot it writes (its position) is the
+    last one: transformers then sees every row as a left-padded sequence whose query is at slot max_seq - 1 (one
+    query offset for the batch), so its own masks (causal, sliding windows, ALiBi from the 2-D mask) hold per row."""
+
+    def __init__(self, config: Any, kv: torch.Tensor, seq_ids: torch.Tensor, max_seq: int,
+                 positions: torch.Tensor | None) -> None:
+        super().__init__(config, kv if positions is not None else None,
+                         None if positions is None else torch.tensor([max_seq - 1]), max_seq)
+        self.lines_kv = kv
+        self.lines = torch.where(seq_ids < 0, torch.full_like(seq_ids, kv.shape[2] - 1), seq_ids).long()
+        self.positions = positions  # token graphs: [batch] the slot each row writes
+        self.written: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * kv.shape[0]
+        if positions is not None:
+            self.view = rotation(positions, max_seq)  # [batch, max_seq]: view index -> slot
+
+    def write(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.positions is None:
+            return super().write(key, value, layer_idx)
+        idx = self.view[:, None, :, None].expand(-1, key.shape[1], -1, key.shape[3])
+        out = []
+        for j, new in enumerate((key, value)):
+            line = self.lines_kv[layer_idx, j].index_select(0, self.lines).gather(2, idx)  # the rows' rotated lines
+            out.append(torch.cat([line[:, :, :-1], new.to(line.dtype)], dim=2))
+        self.written[layer_idx] = (key, value)
+        return out[0], out[1]
+
+    def new_cache(self, prompt_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """kv with this call's writes, as ONE scatter into the kv input (no per-layer stack: the output is the input
+        updated where written, which XLA's aliasing and a compiler's in-place scatter keep in place): a context
+        graph's prompts (left-aligned by `prompt_mask`) into whole lines, a token graph's one slot per row."""
+        kv = self.lines_kv
+        layers = torch.arange(kv.shape[0], device=kv.device)[:, None, None, None]
+        pair = torch.arange(2, device=kv.device)[None, :, None, None]
+        lines = self.lines[None, None, :, None]
+        heads = torch.arange(kv.shape[3], device=kv.device)[None, None, None, :]
+        if self.positions is None:
+            assert prompt_mask is not None
+            shift = prompt_mask.shape[1] - prompt_mask.sum(-1)  # left padding per row
+            src = (torch.arange(self.max_seq, device=shift.device)[None, :] + shift[:, None]).clamp(max=self.max_seq - 1)
+            rows = []
+            for k, v in self.updated:  # type: ignore[misc]  # [batch, kv_heads, max_seq, head_dim], prompt-padded
+                idx = src[:, None, :, None].expand_as(k)
+                rows.append(torch.stack([k.gather(2, idx), v.gather(2, idx)]))
+            values = torch.stack(rows).to(kv.dtype)  # [layers, 2, batch, kv_heads, max_seq, head_dim]
+            return torch.index_put(kv, (layers, pair, lines, heads), values)
+        written = torch.stack([torch.stack([k[:, :, 0], v[:, :, 0]]) for k, v in self.written])  # type: ignore[misc]
+        slots = self.positions.long()[None, None, :, None]
+        return torch.index_put(kv, (layers, pair, lines, heads, slots), written.to(kv.dtype))
+
+
+def rotation(positions: torch.Tensor, max_seq: int) -> torch.Tensor:
+    """[batch, max_seq]: the cache slot at each index of a row's rotated view, the row's position last."""
+    i = torch.arange(max_seq, device=positions.device)
+    return (i[None, :] + positions.long()[:, None] + 1) % max_seq
+
+
+def _serving_outputs(logits: torch.Tensor, kv: torch.Tensor, sampled: tuple[torch.Tensor, ...],
+                     want_logits: bool) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    if sampled:
+        out["tokens"] = sample(logits, sampled[0], sampled[1])
+    if want_logits or not sampled:
+        out["logits"] = logits
+    out["kv"] = kv
+    return out
+
+
+def _prefill(self: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
+             seq_ids: torch.Tensor, sampled: tuple[torch.Tensor, ...], kv: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Prefill of left-padded prompts into the lines seq_ids name (positions as generate derives them)."""
+    cache = LineKV(self.config, kv, seq_ids, self._nb_max_seq, None)
+    mask = attention_mask.long()
+    out = _model_forward(self, input_ids=input_ids.long(), attention_mask=mask, position_ids=position_ids.long(),
+                         past_key_values=cache)
+    return _serving_outputs(out.logits[:, -1].float(), cache.new_cache(mask), sampled, self._nb_logits)
+
+
+def _decode(self: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
+            seq_ids: torch.Tensor, sampled: tuple[torch.Tensor, ...], kv: torch.Tensor) -> dict[str, torch.Tensor]:
+    """One token per row: position_ids [batch, 1] is the slot it writes in its line, attention_mask [batch, max_seq]
+    the line's slots it attends (1; the written one included)."""
+    positions = position_ids[:, 0]
+    cache = LineKV(self.config, kv, seq_ids, self._nb_max_seq, positions)
+    view_mask = attention_mask.long().gather(1, cache.view)
+    out = _model_forward(self, input_ids=input_ids.long(), attention_mask=view_mask,
+                         position_ids=position_ids.long(), past_key_values=cache)
+    return _serving_outputs(out.logits[:, -1].float(), cache.new_cache(), sampled, self._nb_logits)
+
+
+# The graphs' forwards: parameter names are the declared input names (the HLO's parameters are named after them).
+def _serving_context_forward(self: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                             position_ids: torch.Tensor, seq_ids: torch.Tensor, kv: torch.Tensor
+                             ) -> dict[str, torch.Tensor]:
+    return _prefill(self, input_ids, attention_mask, position_ids, seq_ids, (), kv)
+
+
+def _serving_token_forward(self: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                           position_ids: torch.Tensor, seq_ids: torch.Tensor, kv: torch.Tensor
+                           ) -> dict[str, torch.Tensor]:
+    return _decode(self, input_ids, attention_mask, position_ids, seq_ids, (), kv)
+
+
+def _sampling_context_forward(self: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                              position_ids: torch.Tensor, seq_ids: torch.Tensor, sampling_params: torch.Tensor,
+                              rand: torch.Tensor, kv: torch.Tensor) -> dict[str, torch.Tensor]:
+    return _prefill(self, input_ids, attention_mask, position_ids, seq_ids, (sampling_params, rand), kv)
+
+
+def _sampling_token_forward(self: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                            position_ids: torch.Tensor, seq_ids: torch.Tensor, sampling_params: torch.Tensor,
+                            rand: torch.Tensor, kv: torch.Tensor) -> dict[str, torch.Tensor]:
+    return _decode(self, input_ids, attention_mask, position_ids, seq_ids, (sampling_params, rand), kv)
+
+
+def _serving(config: dict[str, Any], forward: Any, suffix: str, logits: bool) -> nn.Module:
+    model: Any = _graph(config, forward, suffix)
+    model._nb_logits = logits
+    return model  # type: ignore[no-any-return]
+
+
+def serving_context(config: dict[str, Any]) -> nn.Module:
+    """continuous_batching context graph: logits and the cache (no sampling)."""
+    return _serving(config, _serving_context_forward, "ServingContextGraph", True)
+
+
+def serving_token(config: dict[str, Any]) -> nn.Module:
+    """continuous_batching token graph: logits and the cache (no sampling)."""
+    return _serving(config, _serving_token_forward, "ServingTokenGraph", True)
+
+
+def sampling_context(config: dict[str, Any]) -> nn.Module:
+    """continuous_batching + on_device_sampling context graph: tokens and the cache."""
+    return _serving(config, _sampling_context_forward, "SamplingContextGraph", False)
+
+
+def sampling_token(config: dict[str, Any]) -> nn.Module:
+    """continuous_batching + on_device_sampling token graph: tokens and the cache."""
+    return _serving(config, _sampling_token_forward, "SamplingTokenGraph", False)
+
+
+def sampling_logits_context(config: dict[str, Any]) -> nn.Module:
+    """on_device_sampling with output_logits: tokens, logits and the cache."""
+    return _serving(config, _sampling_context_forward, "SamplingLogitsContextGraph", True)
+
+
+def sampling_logits_token(config: dict[str, Any]) -> nn.Module:
+    """on_device_sampling with output_logits: tokens, logits and the cache."""
+    return _serving(config, _sampling_token_forward, "SamplingLogitsTokenGraph", True)

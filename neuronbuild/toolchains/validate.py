@@ -139,6 +139,14 @@ class HfReference:
         self.kv_dtype = kv_cache_dtype(self.config)
         self.kv_input: Any = None  # the graphs' KV cache dtype when it is not this model's (HfReference.unquantized)
 
+        # continuous-batching graphs (hf_causal_lm serving_* / sampling_* entries): a cache of lines, rows by seq_ids
+        entry = str(model_spec.get("entry") or "").rsplit(":", 1)[-1]
+        self.serving = entry.startswith(("serving_", "sampling_"))
+        self.sampling = entry.startswith("sampling_")
+        kv = dict(model_spec.get("whole_inputs") or model_spec.get("inputs") or []).get("kv") or {}
+        self.kv_dims = [int(d) for d in kv.get("dims") or []] if self.serving else []
+        self.lines_dtype = str(kv.get("dtype") or "float32")
+
     @classmethod
     def unquantized(cls, model_spec: Mapping[str, Any], workspace: Path) -> HfReference:
         """The reference of a quantized model's float model (`unquantized`), making token cases for its graphs."""
@@ -179,7 +187,8 @@ class HfReference:
 
     def token_case(self, gen: Any, batch: int) -> tuple[tuple[Any, ...], Any]:
         """The token graph's inputs after a prefill of max_seq // 2 slots, and transformers' next logits after its
-        own prefill of the same prompts."""
+        own prefill of the same prompts. Continuous-batching graphs: row b's prompt left-aligned in line b (rows
+        beyond max_batch write the scratch line: compare_hf leaves them out)."""
         import torch
 
         width = max(1, self.max_seq // 2)
@@ -188,11 +197,21 @@ class HfReference:
         kv = self.context(ids, mask)["kv"]
         if self.kv_input is not None:
             kv = kv.to(self.kv_input)
-        cache_mask = torch.zeros((batch, self.max_seq), dtype=torch.int64)
-        cache_mask[:, :width] = mask
-        cache_mask[:, width] = 1
         pos = mask.sum(-1, keepdim=True)
-        args = (nxt, pos, cache_mask, torch.tensor([width], dtype=torch.int64), kv)
+        if self.serving:
+            lines = torch.zeros(self.kv_dims, dtype=getattr(torch, self.lines_dtype))
+            attend = torch.zeros((batch, self.max_seq), dtype=torch.int32)
+            for b in range(min(batch, self.kv_dims[2] - 1)):
+                n = int(pos[b, 0])
+                lines[:, :, b, :, :n] = kv[:, :, b, :, width - n:width]
+                attend[b, : n + 1] = 1
+            args: tuple[Any, ...] = (nxt.int(), attend, pos.int(), self.seq_ids(batch), *self.greedy_sampling(batch),
+                                     lines)
+        else:
+            cache_mask = torch.zeros((batch, self.max_seq), dtype=torch.int64)
+            cache_mask[:, :width] = mask
+            cache_mask[:, width] = 1
+            args = (nxt, pos, cache_mask, torch.tensor([width], dtype=torch.int64), kv)
         pre = self.model(input_ids=ids, attention_mask=mask, position_ids=self.positions(mask), use_cache=True,
                          past_key_values=self.cache())
         full = torch.cat([mask, torch.ones((batch, 1), dtype=torch.int64)], dim=1)
@@ -201,11 +220,33 @@ class HfReference:
         return args, want
 
 
-def _logits(out: Any, names: list[str]) -> Any:
+    def seq_ids(self, batch: int) -> Any:
+        """Continuous-batching graphs: row b in line b; rows beyond max_batch in the scratch line (-1)."""
+        import torch
+
+        return torch.tensor([b if b < self.kv_dims[2] - 1 else -1 for b in range(batch)], dtype=torch.int32)
+
+    def greedy_sampling(self, batch: int) -> tuple[Any, ...]:
+        """on_device_sampling graphs' sampling_params and rand: greedy (top_k 1) for every row."""
+        import torch
+
+        if not self.sampling:
+            return ()
+        return torch.tensor([[1.0, 1.0, 0.0]] * batch), torch.zeros(batch)
+
+    def serving_context_case(self, gen: Any, batch: int, seq: int) -> tuple[Any, ...]:
+        import torch
+
+        ids, mask = self.prompts(gen, batch, seq)
+        return (ids.int(), mask.int(), self.positions(mask).int(), self.seq_ids(batch), *self.greedy_sampling(batch),
+                torch.zeros(self.kv_dims, dtype=getattr(torch, self.lines_dtype)))
+
+
+def _named(out: Any, names: list[str]) -> dict[str, Any]:
     import torch
 
     tensors = [out] if isinstance(out, torch.Tensor) else list(out.values()) if isinstance(out, dict) else list(out)
-    return dict(zip(names, tensors, strict=False))["logits"]
+    return dict(zip(names, tensors, strict=False))
 
 
 def compare_hf(fn: Callable[..., Any], ref: HfReference, graph: str, bucket: Mapping[str, int], output_names: list[str],
@@ -220,13 +261,23 @@ def compare_hf(fn: Callable[..., Any], ref: HfReference, graph: str, bucket: Map
         with torch.no_grad():
             if graph == "token":
                 args, want = ref.token_case(gen, int(bucket["batch"]))
+            elif ref.serving:
+                args = ref.serving_context_case(gen, int(bucket["batch"]), int(bucket["seq"]))
+                want = ref.context_logits(args[0].long(), args[1].long())
             else:
                 args = ref.prompts(gen, int(bucket["batch"]), int(bucket["seq"]))
                 want = ref.context_logits(*args)
-            got = _logits(fn(*args), output_names)
+            out = _named(fn(*args), output_names)
     except Exception as exc:  # noqa: BLE001 - reported as this graph's result
         first = (str(exc).strip().splitlines() or [""])[0]
         return Comparison(float("inf"), float("inf"), (), f"{type(exc).__name__}: {first}")
+    if ref.serving and graph == "token":  # rows in the scratch line (beyond max_batch) hold no prefill
+        want = want[: ref.kv_dims[2] - 1]
+    if "logits" not in out:  # on_device_sampling without logits: greedy tokens, exactly
+        tokens = out["tokens"][: want.shape[0]]
+        equal = tokens.tolist() == want.argmax(-1).tolist()
+        return Comparison(0.0 if equal else float("inf"), 0.0 if equal else float("inf"), tuple(tokens.shape))
+    got = out["logits"][: want.shape[0]]
     if tuple(got.shape) != tuple(want.shape):
         return Comparison(float("inf"), float("inf"), tuple(got.shape))
     max_abs = float((got.float() - want.float()).abs().max())
@@ -237,7 +288,8 @@ def compare_hf(fn: Callable[..., Any], ref: HfReference, graph: str, bucket: Map
 class _Graph:
     def __init__(self, spec: Mapping[str, Any], bucket: Mapping[str, int], name: str, aliases: Mapping[str, str],
                  label: str) -> None:
-        self.inputs = {str(n): dict(s) for n, s in spec["inputs"]}
+        # what callers feed: a tensor-parallel graph's inputs whole (as bundle manifests list them)
+        self.inputs = {str(n): dict(s) for n, s in spec.get("whole_inputs") or spec["inputs"]}
         self.outputs = [{"name": str(n)} for n, _s in spec.get("outputs") or []]
         self.aliases = dict(aliases)
         self.trace_record = {"model": dict(spec)}
@@ -305,9 +357,11 @@ def generate_cases(label: str, ref: HfReference, graphs: Mapping[str, Mapping[st
         try:
             with torch.no_grad():
                 got = lm.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, eos_token_id=None)[:, -new_tokens:]
-                want = ref.model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False,
-                                          eos_token_id=None, pad_token_id=0, past_key_values=ref.cache(),
-                                          min_new_tokens=new_tokens)[:, width:]
+                alone = [(ids[i:i + 1, width - int(mask[i].sum()):], None) for i in range(batch)] if ref.serving \
+                    else [(ids, mask)]  # continuous batching: each request against transformers on it alone
+                want = torch.cat([ref.model.generate(r, attention_mask=m, max_new_tokens=new_tokens, do_sample=False,
+                                                     eos_token_id=None, pad_token_id=0, past_key_values=ref.cache(),
+                                                     min_new_tokens=new_tokens)[:, -new_tokens:] for r, m in alone])
         except Exception as exc:  # noqa: BLE001 - reported as this case's result
             first = (str(exc).strip().splitlines() or [""])[0]
             out.append((case, False, f"{type(exc).__name__}: {first}"))
