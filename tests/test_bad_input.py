@@ -107,6 +107,16 @@ CASES = [
                        'hf_causal_lm(name = "lm", weights = "w.safetensors",\n'
                        '    config = {"model_type": "llama", "vocab_size": 64, "hidden_size": 1000000, "intermediate_size": 64, "num_hidden_layers": 100, "num_attention_heads": 4, "num_key_value_heads": 2})\n'},
      "pkg/BUILD:2:13", "more than any host could hold"),
+    ("hf_unknown_model_type", {"pkg/BUILD": 'load("@neuronbuild//rules:llm.bzl", "hf_causal_lm", "llm_buckets")\n'
+                               'hf_causal_lm(name = "lm", weights = "w.safetensors", config = {"model_type": "qwen-3", '
+                               '"vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 4})\n'
+                               'llm_buckets(name = "b", batch_sizes = [1], context_lengths = [8])\n'
+                               'neuron_target(name = "t", platform = "trn2")\n'
+                               'neuron_compile(name = "c", model = ":lm", target = ":t",\n'
+                               '               buckets = {"context": [":b_context"], "token": [":b_token"]})\n',
+                               "pkg/w.safetensors": ""},
+     "pkg/BUILD:2:13", "config field model_type: 'qwen-3' is not a model type the installed transformers knows "
+                       "(did you mean 'qwen3'"),
     ("unloaded_bzl_name", {"pkg/BUILD": 'load("//tools:defs.bzl", "mk")\nhelper()\n',
                            "tools/defs.bzl": "def helper():\n    pass\ndef mk():\n    helper()\n"},
      "pkg/BUILD:2:1", "name 'helper' is not defined"),
