@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import re
 import sys
 
 TYPE_CHECKING = False  # (not typing's: importing typing alone costs a no-op client through the server milliseconds)
@@ -58,6 +57,7 @@ def _nearest_hint(parser: argparse.ArgumentParser, message: str) -> str:
     flag: the nearest choice, or the nearest flag of the command given (else of every command), as difflib ranks them."""
     import argparse
     import difflib
+    import re
 
     choice = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)$", message)
     if choice:

@@ -183,7 +183,7 @@ def test_the_base_install_alone_serves_a_deployed_bundle(installed: Installed) -
 
 
 def test_the_wheel_with_the_build_extra_builds_deploys_and_loads_strictly(installed: Installed) -> None:
-    assert installed.version == "neuronbuild 0.1.0"
+    assert installed.version.splitlines()[0] == "neuronbuild 0.1.0"  # (then the versions builds depend on)
     assert installed.build is not None and installed.build.returncode == 0, installed.build.stderr[-4000:]
     assert "3 executed" in installed.build.stdout + installed.build.stderr  # weights, a trace, an AOTInductor compile
     assert installed.rebuild is not None and installed.rebuild.returncode == 0
