@@ -311,6 +311,7 @@ def test_cache_stats_and_gc_cover_the_compiler_scratch_dir(tiny, tmp_path: Path)
 def _plan_counts(args: list[str], ws: Path, cache: Path) -> tuple[int, int, int]:
     proc = _nb(["plan", *args, "--cache-dir", str(cache)], ws)
     assert proc.returncode == 0, proc.stderr
+    assert "warning" not in proc.stderr, proc.stderr  # the shipped example and an init workspace warn of nothing
     m = re.search(r"^(\d+) actions: (\d+) to execute, (\d+) cached", proc.stdout, re.M)
     assert m, proc.stdout
     return int(m[1]), int(m[2]), int(m[3])
