@@ -1,9 +1,15 @@
 """pytest configuration: makes tests/helpers importable."""
 
 import importlib.util
+import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+
+# A test process may start XLA:CPU before any tp test runs (an in-process lowering): it starts with as many host
+# devices as the runtime gives a process it starts (runtime/xla_cpu.HOST_DEVICES), whatever the files' order on
+# an xdist worker (a tp_degree 2 graph in a process started with 1 device failed, depending on that order).
+os.environ.setdefault("JAX_NUM_CPU_DEVICES", "64")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
