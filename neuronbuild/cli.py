@@ -182,13 +182,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 BUILD_SIDE = frozenset({"starlark_go", "networkx", "blake3", "rich", "jinja2", "zstandard", "cryptography"})
 
 
-def command_line_error(argv: list[str]) -> int | None:
-    """The exit code of a command line this process would refuse (its one-line error printed), else None: what the
-    client checks before it starts a build server for the command."""
+def _expand_and_parse(argv: list[str], parser: argparse.ArgumentParser) -> argparse.Namespace | int:
+    """argv with its rc files' flags, parsed; or the exit code of a command line refused (its error printed)."""
     from neuronbuild.errors import NeuronBuildError
     from neuronbuild.rcfile import expand
 
-    parser, _owners = _parser()
     try:
         argv = expand(argv, parser)
     except NeuronBuildError as e:
@@ -196,10 +194,16 @@ def command_line_error(argv: list[str]) -> int | None:
         return e.exit_code
     _argv_seen[:] = argv
     try:
-        parser.parse_args(argv)
+        return parser.parse_args(argv)
     except SystemExit as e:
         return int(e.code or 0)
-    return None
+
+
+def command_line_error(argv: list[str]) -> int | None:
+    """The exit code of a command line this process would refuse (its one-line error printed), else None: what the
+    client checks before it starts a build server for the command."""
+    parsed = _expand_and_parse(argv, _parser()[0])
+    return parsed if isinstance(parsed, int) else None
 
 
 def _main(argv: list[str]) -> int:
@@ -207,22 +211,14 @@ def _main(argv: list[str]) -> int:
     from pathlib import Path
 
     from neuronbuild.errors import EXIT_BAD_INPUT, EXIT_BUILD_FAILED, EXIT_INTERRUPTED, NeuronBuildError
-    from neuronbuild.rcfile import expand
 
     parser, owners = _parser()
     if not argv:
         parser.print_help()
         return EXIT_BAD_INPUT
-    try:
-        argv = expand(argv, parser)
-    except NeuronBuildError as e:
-        print(str(e), file=sys.stderr)
-        return e.exit_code
-    _argv_seen[:] = argv
-    try:
-        args = parser.parse_args(argv)
-    except SystemExit as e:
-        return int(e.code or 0)
+    args = _expand_and_parse(argv, parser)
+    if isinstance(args, int):
+        return args
     if args.command is None:
         parser.print_usage(sys.stderr)
         print("neuronbuild: error: give a command (neuronbuild -h lists them)", file=sys.stderr)
