@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import sys
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -173,7 +174,10 @@ def _run_build(ctx: BuildContext, req: BuildRequest, listeners: Sequence[Listene
     started = time.time_ns()
     root = ctx.workspace.root
     graph = ctx.load(req.patterns)
-    ag = ctx.plan(graph)
+    errors: list[UserInputError] | None = [] if req.keep_going else None
+    ag = ctx.plan(graph, errors=errors)
+    for e in errors or ():  # (said now, even when quiet: the build goes on without these targets)
+        print(str(e), file=sys.stderr, flush=True)
     for note in settings_notes(ctx.settings, ag, toolchains=()):  # toolchain notes: after execution, if it ran any
         ctx.report(note)
     for note in ignored_option_warnings(graph, ag):
@@ -209,6 +213,8 @@ def _run_build(ctx: BuildContext, req: BuildRequest, listeners: Sequence[Listene
                 ctx.report(line)
         if outputs:
             result = dataclasses.replace(result, outputs_dir=str(root / OUTPUT_DIR), outputs=tuple(outputs))
+        if errors:
+            result = dataclasses.replace(result, analysis_errors=tuple(map(str, errors)))
         cache.stats.summary = (len(result.executed), len(result.cached))  # for `cache stats`, as summarised
         if result.ok:
             record_roots(cache.root, root, built_roots(ag), graph.packages, (str(t) for t in graph.targets))

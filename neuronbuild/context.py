@@ -72,14 +72,16 @@ class BuildContext:
         incremental.save_caches(self.cache.dir, self.workspace.root, load_cache)
         return graph
 
-    def plan(self, graph: TargetGraph, settings: PlanSettings | None = None) -> ActionGraph:
-        """The action graph with this context's settings (or `settings`, for what-if plans)."""
+    def plan(self, graph: TargetGraph, settings: PlanSettings | None = None,
+             errors: list[UserInputError] | None = None) -> ActionGraph:
+        """The action graph with this context's settings (or `settings`, for what-if plans). `errors` (--keep-going):
+        targets whose analysis fails are left out, their errors appended there (planner.plan)."""
         from neuronbuild import incremental
         from neuronbuild.analysis.planner import plan
 
         settings = settings if settings is not None else self.settings
         with incremental.analysis_gc():
-            return plan(graph, settings, incremental.analysis_memo(self.workspace.root, settings))
+            return plan(graph, settings, incremental.analysis_memo(self.workspace.root, settings), errors)
 
     def open_cache(self) -> LocalCache:
         """The cache with every configured tier (local, plus the shared directory or S3 tier)."""

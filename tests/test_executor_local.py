@@ -102,13 +102,24 @@ def _started(desc: str) -> Any:
     return lambda e: e["event"] == "action_started" and e["description"] == desc
 
 
-def test_keep_going_builds_the_good_model_and_names_the_broken_action_and_writes_a_profile(tmp_path: Path) -> None:
+def test_keep_going_builds_the_good_model_past_a_broken_action_and_a_target_whose_analysis_fails(
+        tmp_path: Path) -> None:
     ws = _ws(tmp_path / "ws", {"good": ("build", {"n": 8}), "bad": ("broken", {"n": 8})})
+    # A third target whose analysis fails (bad input, found before any action runs): left out, the rest built.
+    build = ws / "pkg/BUILD"
+    build.write_text(build.read_text() + 'neuron_compile(name = "unplannable", model = ":good", buckets = [":bk"],'
+                     ' target = ":trn2", tp_degree = 0)\n'
+                     'neuron_bundle(name = "ships_it", srcs = [":unplannable"])\n')
+    line = len(build.read_text().splitlines()) - 1
     prof, evf = tmp_path / "profile.json", tmp_path / "events.jsonl"
     proc = _start(["build", "//pkg:all", "--keep-going", "--jobs", "2", "--cache-dir", str(tmp_path / "cache"),
                    "--profile", str(prof), "--build-event-json-file", str(evf)], ws)
     out, err = proc.communicate(timeout=600)
-    assert proc.returncode == 1, out + err
+    assert proc.returncode == 2, out + err  # (bad input, as without --keep-going; the actions' failures are named too)
+    assert f"pkg/BUILD:{line}:" in err and "'tp_degree' must be a positive int" in err, err
+    assert f"pkg/BUILD:{line + 1}:" in err and "//pkg:ships_it is not built: a target it depends on failed" in err
+    assert "2 requested targets not built (analysis failed)" in out, out
+    assert not (ws / "neuronbuild-out/pkg/unplannable").exists()
     assert (ws / "neuronbuild-out/pkg/good_trn2/batch1_seq4/model.hlo.pb").is_file()
     assert not (ws / "neuronbuild-out/pkg/bad_trn2").exists()
     # the good model's 4 actions; the bad one's factory fails its weights action and its trace

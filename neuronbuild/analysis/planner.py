@@ -11,6 +11,8 @@ server's plan is the one a fresh process makes, by construction."""
 from __future__ import annotations
 
 import dataclasses
+import functools
+import itertools
 import json
 import operator
 from collections.abc import Callable, Mapping
@@ -35,6 +37,7 @@ from neuronbuild.analysis.plan_settings import PlanSettings
 from neuronbuild.analysis.providers import BundleInfo, CompileTarget, ModelInfo
 from neuronbuild.analysis.toolchain_api import CompileRequest, Toolchain
 from neuronbuild.engine import Engine, Node
+from neuronbuild.errors import UserInputError
 from neuronbuild.loading.labels import Label
 from neuronbuild.loading.target_graph import TargetGraph
 from neuronbuild.loading.targets import Target
@@ -953,8 +956,13 @@ _MISSING = object()
 _ACTION_OF = operator.attrgetter("action")
 
 
-def plan(graph: TargetGraph, settings: PlanSettings | None = None, memo: AnalysisMemo | None = None) -> ActionGraph:
+def plan(graph: TargetGraph, settings: PlanSettings | None = None, memo: AnalysisMemo | None = None,
+         errors: list[UserInputError] | None = None) -> ActionGraph:
     """Analyse every requested target whose kind plans actions (compiles; bundles and the compiles they ship).
+
+    `errors` (--keep-going): a requested target whose analysis fails (bad input: UserInputError) is appended there and
+    left out of the plan, with everything its analysis added (a target depending on it fails with it); the others are
+    planned as without it. None: the first analysis error is raised.
 
     `settings` adds declared --action-env values (to every record, when any), toolchain configuration (e.g. the
     neuronx-cc version) and toolchain overrides (what-if plans for explain and upgrade-impact).
@@ -971,9 +979,10 @@ def plan(graph: TargetGraph, settings: PlanSettings | None = None, memo: Analysi
     targets = graph.targets
     roots = [lbl for lbl in graph.requested if plans_actions[targets[lbl].kind]]
     made: list[Label] = []
+    provide = ctx.provider if errors is None else functools.partial(_provide_or_drop, ctx, errors)
     if segments is None:
         for lbl in roots:
-            ctx.provider(lbl)
+            provide(lbl)
         return memo.action_graph(ctx.actions, tuple(ctx.compiles), dict(ctx.bundles))
     groups = memo.groups
     regroup: list[int] = []  # (slices provided otherwise: their groups are made afresh)
@@ -987,8 +996,10 @@ def plan(graph: TargetGraph, settings: PlanSettings | None = None, memo: Analysi
         regroup.append(start)
         for lbl in chunk:
             if not ctx.use_segment(lbl):
-                ctx.provider(lbl)
-                made.append(lbl)
+                if provide(lbl) is _DROPPED:
+                    segments.pop(lbl, None)  # (no segment: a group made over this slice is none either)
+                else:
+                    made.append(lbl)
     topological = False
     if ctx._volatile_actions:  # (a volatile analysis added actions: they are in no segment)
         segments.clear()
@@ -1020,6 +1031,33 @@ def plan(graph: TargetGraph, settings: PlanSettings | None = None, memo: Analysi
         # registration order is topological when every segment's is (a group's is when its segments' are).
         topological = closed
     return memo.action_graph(ctx.actions, tuple(ctx.compiles), dict(ctx.bundles), topological)
+
+
+_DROPPED = object()
+
+
+def _provide_or_drop(ctx: AnalysisContext, errors: list[UserInputError], label: Label) -> Any:
+    """ctx.provider(label), or, when its analysis is bad input, the error appended to `errors` and whatever that
+    analysis registered (actions, compile targets, bundles) removed again: _DROPPED. Providers of the targets it
+    analysed successfully on the way (its model, a compile a bundle ships) stay; shared traces and weights actions
+    are re-added by the next target that asks for them."""
+    actions, compiles, bundles = ctx.actions, ctx.compiles, ctx.bundles
+    n_actions, n_compiles, had_bundles = len(actions), len(compiles), set(bundles)
+    try:
+        return ctx.provider(label)
+    except UserInputError as e:
+        for fp in list(itertools.islice(actions, n_actions, None)):
+            del actions[fp]
+        del compiles[n_compiles:]
+        for lbl in [b for b in bundles if b not in had_bundles]:
+            dict.__delitem__(bundles, lbl)
+        if any(str(e) == str(seen) for seen in errors):  # (the error of a target it depends on, said already)
+            from neuronbuild.loading.target_graph import locate
+
+            e = UserInputError(f"{label} is not built: a target it depends on failed analysis (above)",
+                               locate(ctx.graph, ctx.target(label)))
+        errors.append(e)
+        return _DROPPED
 
 
 def action_digraph(actions: Mapping[str, Action]) -> nx.DiGraph:

@@ -207,10 +207,11 @@ def run(args: argparse.Namespace) -> int:
         raise
     finally:
         signal.signal(signal.SIGTERM, previous)
-    if not args.quiet or result.failures:
+    if not args.quiet or not result.ok:
         note = note_line(inv.page)
         print(result.summary() + (f"\n{note}" if note else ""), flush=True)
     if result.failures:
         print("\n".join(failure_lines(result.failures, describe_failure)), file=sys.stderr)
-        return EXIT_BUILD_FAILED
-    return EXIT_OK
+    if result.analysis_errors:  # (--keep-going; said when analysis failed, as without it: bad input, exit 2)
+        return EXIT_BAD_INPUT
+    return EXIT_BUILD_FAILED if result.failures else EXIT_OK

@@ -49,10 +49,12 @@ class BuildResult:
     not_started: tuple[str, ...] = ()
     outputs_dir: str = ""  # where materialised outputs went (set by the build after materialisation)
     outputs: tuple[str, ...] = ()  # their paths relative to outputs_dir
+    # --keep-going: the requested targets whose analysis failed (their one-line errors), left out of the plan
+    analysis_errors: tuple[str, ...] = ()
 
     @property
     def ok(self) -> bool:
-        return not self.failures
+        return not self.failures and not self.analysis_errors
 
     @property
     def not_needed(self) -> int:
@@ -74,6 +76,9 @@ class BuildResult:
             s += " (the first failure ends a build; --keep-going runs everything that does not need the failed one)"
         if self.not_needed > 0:
             s += f", {self.not_needed} not needed (their consumers are cached)"
+        if self.analysis_errors:
+            n = len(self.analysis_errors)
+            s += f"; {n} requested target{'s' if n > 1 else ''} not built (analysis failed)"
         if self.outputs_dir:
             shown = ", ".join(self.outputs[:4]) + (f" and {len(self.outputs) - 4} more" if len(self.outputs) > 4 else "")
             s += f"\nOutputs in {self.outputs_dir}" + (f": {shown}" if shown else "")
