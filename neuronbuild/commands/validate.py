@@ -130,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
                 continue
             aliases = ((graph.targets[ct.model].attrs.get("graphs") or {}).get("token") or {}).get("aliases") or {}
             for case, ok, detail in generate_cases(str(ct.label), refs[ct.model], fams, aliases, args.generate,
-                                                   args.seed):
+                                                   args.seed, ct.tolerance):
                 failed += not ok
                 print(f"{ct.label}: generate {case} against transformers: {'ok' if ok else 'FAIL'} ({detail})",
                       flush=True)
