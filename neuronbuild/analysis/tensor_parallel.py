@@ -12,8 +12,10 @@ from collections.abc import Mapping
 from typing import Any
 
 HF_CAUSAL_LM = "neuronbuild.toolchains.hf_causal_lm"
-# transformers families whose decoder layers are llama's (q/k/v/o, gate/up/down): the sharding is verified on llama.
-TP_FAMILIES = ("llama", "mistral")
+# transformers families whose decoder layers have llama's projections (q/k/v/o, gate/up/down; q/k/v biases and per-head
+# q/k norms shard with their heads; Gemma's scaled embedding keeps its scale): each verified against transformers at
+# tp 2 (tests/test_tensor_parallel.py, tests/test_tp_families.py). Fused projections and experts need other splits.
+TP_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text")
 KV_INPUT = "kv"
 KV_HEADS_DIM = 3  # kv: [layers, 2, batch, kv_heads, max_seq, head_dim]
 

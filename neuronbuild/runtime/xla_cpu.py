@@ -149,6 +149,7 @@ class XlaCpuModule:
             options.device_assignment = xc.DeviceAssignment.create(np.arange(self.tp).reshape(self.tp, 1))
             mesh = jax.sharding.Mesh(np.array(self._devices), ("tp",))
             self._sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("tp"))
+            self._replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
         self._exe = backend.compile_and_load(mlir, xc.DeviceList(tuple(self._devices)), options)
         self._state: list[Any] = []
 
@@ -189,8 +190,8 @@ class XlaCpuModule:
         """One argument: its buffer, or (tensor-parallel) one buffer per device as one array over the devices."""
         if self.tp == 1:
             return bufs[0]
-        if not shape:
-            raise XlaCpuError("a tensor-parallel module cannot take a 0-d parameter")
+        if not shape:  # a scalar (e.g. Gemma's embedding scale): one copy per device, as a replicated array
+            return self._jax.make_array_from_single_device_arrays((), self._replicated, bufs)
         return self._jax.make_array_from_single_device_arrays((self.tp * shape[0], *shape[1:]), self._sharding, bufs)
 
     def _rank_parts(self, p: ParamSpec, t: torch.Tensor) -> list[torch.Tensor]:

@@ -82,12 +82,37 @@ class VocabParallelEmbedding(torch.nn.Embedding):
         return all_reduce(out, self.nb_tp)  # type: ignore[no-any-return]
 
 
+class ScaledVocabParallelEmbedding(VocabParallelEmbedding):
+    """The same for transformers' scaled word embeddings (Gemma's `*ScaledWordEmbedding`: the lookup times its
+    `embed_scale` buffer, in the weight's dtype), scaled as they do after the lookup: on each rank's block, before the
+    all-reduce (the other ranks' zeros stay zeros, so the sum is the whole model's scaled lookup)."""
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = self.weight.shape[0]
+        local = ids - getattr(self, RANK_BUFFER).to(ids.dtype) * rows
+        inside = (local >= 0) & (local < rows)
+        out = torch.nn.functional.embedding(torch.where(inside, local, torch.zeros_like(local)), self.weight)
+        out = out * self.embed_scale.to(self.weight.dtype)  # type: ignore[operator]
+        out = torch.where(inside.unsqueeze(-1), out, torch.zeros((), dtype=out.dtype))
+        return all_reduce(out, self.nb_tp)  # type: ignore[no-any-return]
+
+
+def _is_scaled_embedding(embedding: torch.nn.Module) -> bool:
+    """transformers' `*ScaledWordEmbedding`: an nn.Embedding whose forward is the lookup times `embed_scale`."""
+    cls = type(embedding)
+    return cls.__name__.endswith("ScaledWordEmbedding") and cls.__mro__[1] is torch.nn.Embedding \
+        and isinstance(getattr(embedding, "embed_scale", None), torch.Tensor)
+
+
 def make_vocab_parallel(embedding: torch.nn.Module, tp: int) -> None:
     """Turn one rank's nn.Embedding (of `vocab_rows` rows) into that rank's VocabParallelEmbedding, with its rank id
-    buffer (a program input each rank's shard gives its value)."""
-    if type(embedding) is not torch.nn.Embedding:
+    buffer (a program input each rank's shard gives its value); a scaled word embedding (Gemma) keeps its scale."""
+    if _is_scaled_embedding(embedding):
+        embedding.__class__ = ScaledVocabParallelEmbedding
+    elif type(embedding) is not torch.nn.Embedding:
         raise ValueError(f"vocabulary-parallel embedding: {type(embedding).__name__} is not a plain nn.Embedding")
-    embedding.__class__ = VocabParallelEmbedding
+    else:
+        embedding.__class__ = VocabParallelEmbedding
     setattr(embedding, "nb_tp", tp)  # noqa: B010 - (now a VocabParallelEmbedding's attribute)
     embedding.register_buffer(RANK_BUFFER, torch.zeros(1, dtype=torch.int32), persistent=False)
 

@@ -1,0 +1,83 @@
+"""Tensor parallelism beyond llama: families whose decoder layers are llama's in shape but not in detail (qwen2's q/k/v
+biases, qwen3's per-head q/k norms, gemma3's scaled embedding and sliding-window layers) built at tp_degree 2 for
+trn2 in one workspace and one build, their HLO run on 2 XLA:CPU host devices by `validate --generate`: logits within
+tolerance of transformers' own model and greedy tokens equal to transformers' `generate` (batch 1 and a padded batch).
+A family whose layers need another sharding (fused projections, experts) is refused at analysis with the BUILD line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from helpers import run_cli, write_ws
+
+WINDOW, SEQ, NEW, MAX_SEQ = 4, 8, 8, 16
+_BASE = {"vocab_size": 64, "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2,
+         "num_attention_heads": 2, "num_key_value_heads": 1, "max_position_embeddings": 32}
+FAMILIES = {
+    "qwen2_sw": ("qwen2", _BASE | {"use_sliding_window": True, "sliding_window": WINDOW, "max_window_layers": 1}),
+    "qwen3": ("qwen3", _BASE | {"head_dim": 8}),
+    "gemma3_sw": ("gemma3_text", _BASE | {"head_dim": 8, "query_pre_attn_scalar": 8, "sliding_window": WINDOW,
+                                          "layer_types": ["sliding_attention", "full_attention"]}),
+}
+
+
+def _workspace(root: Path) -> Path:
+    import torch
+    from safetensors.torch import save_file
+
+    from neuronbuild.toolchains.hf_causal_lm import hf_model
+
+    root.mkdir(parents=True, exist_ok=True)
+    lines = ['load("@neuronbuild//rules:llm.bzl", "hf_causal_lm", "llm_buckets")',
+             'neuron_target(name = "trn2", platform = "trn2")',
+             f'llm_buckets(name = "serve", batch_sizes = [2], context_lengths = [{SEQ}])']
+    for name, (model_type, hf) in FAMILIES.items():
+        torch.manual_seed(0)
+        model = hf_model({"model_type": model_type, "hf": hf, "max_seq": MAX_SEQ})
+        save_file({k: v.detach().clone().contiguous() for k, v in model.state_dict().items()},
+                  str(root / f"{name}.safetensors"))
+        lines += [f'hf_causal_lm(name = "{name}", model_type = "{model_type}", config = {json.dumps(hf)}, '
+                  f'weights = "{name}.safetensors", max_seq = {MAX_SEQ})',
+                  f'neuron_compile(name = "{name}_tp2", model = ":{name}", target = ":trn2", tp_degree = 2, '
+                  'buckets = {"context": [":serve_context"], "token": [":serve_token"]})']
+    return write_ws(root, {"BUILD": "\n".join(lines).replace("true", "True") + "\n"})
+
+
+@pytest.mark.timeout(1800)
+def test_qwen2_qwen3_and_gemma3_at_tp2_validate_and_generate_like_transformers(
+        tmp_path: Path, cache_dir: Path) -> None:
+    ws = _workspace(tmp_path / "ws")
+    proc = run_cli(["build", "//...", "--jobs", "2", "--cache-dir", str(cache_dir)], ws)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    proc = run_cli(["validate", "//...", "--generate", str(NEW), "--cache-dir", str(cache_dir)], ws)
+    out = proc.stdout
+    assert proc.returncode == 0, out + proc.stderr[-3000:]
+    for name in FAMILIES:
+        label = f"//:{name}_tp2"
+        rows = [line for line in out.splitlines() if line.startswith(label + " ")]
+        assert len(rows) == 2 and all(r.endswith(" ok") for r in rows), (label, out)
+        gen = [line for line in out.splitlines() if line.startswith(f"{label}: generate ")]
+        assert [g.split()[2] for g in gen] == ["batch1", "batch2_padded"], (label, out)
+        assert all(f": ok ({NEW} tokens x " in g and "tie" not in g for g in gen), (label, out)
+    # one SPMD program per graph, the weights in one shard per rank
+    out_dir = ws / "neuronbuild-out/qwen3_tp2/token_batch2"
+    assert {"model.hlo.pb", "rank_0.safetensors", "rank_1.safetensors"} <= {p.name for p in out_dir.iterdir()}
+
+
+def test_a_family_with_fused_projections_is_refused_tp_at_analysis_with_its_line(tmp_path: Path) -> None:
+    hf = _BASE | {"pad_token_id": 0, "eos_token_id": 1, "bos_token_id": 1}
+    ws = write_ws(tmp_path / "ws", {"BUILD": "\n".join([
+        'load("@neuronbuild//rules:llm.bzl", "hf_causal_lm", "llm_buckets")',
+        'neuron_target(name = "trn2", platform = "trn2")',
+        f'llm_buckets(name = "serve", batch_sizes = [1], context_lengths = [{SEQ}])',
+        f'hf_causal_lm(name = "phi3", model_type = "phi3", config = {json.dumps(hf)}, max_seq = {MAX_SEQ}, '
+        'weights = "phi3.safetensors")',
+        'neuron_compile(name = "phi3_tp2", model = ":phi3", target = ":trn2", tp_degree = 2,',
+        '    buckets = {"context": [":serve_context"], "token": [":serve_token"]})']) + "\n"})
+    (ws / "phi3.safetensors").write_bytes(b"")
+    proc = run_cli(["plan", "//...", "--cache-dir", str(tmp_path / "cache")], ws)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "BUILD:5" in proc.stderr and "tp_degree 2" in proc.stderr and "phi3" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
