@@ -282,3 +282,54 @@ def test_float64_is_refused_at_its_source_line() -> None:
     with pytest.raises(LoweringError, match=r"float64, which Neuron does not support .*test_neuron_hlo.py:\d+ in "
                                             r"forward: return \(x.double\(\) \* 2\).float\(\)"):
         lower_program(ep)
+
+
+class _ComplexRope(torch.nn.Module):
+    """Llama 4's rotary embedding as transformers writes it: torch.polar, a complex scale, view_as_complex, a complex
+    multiply through an unsqueezed complex tensor, view_as_real."""
+
+    def __init__(self, heads: int = 2, dim: int = 8) -> None:
+        super().__init__()
+        self.q = torch.nn.Linear(heads * dim, heads * dim)
+        self.heads, self.dim = heads, dim
+        self.register_buffer("inv_freq", 1.0 / (10000 ** (torch.arange(0, dim, 2).float() / dim)), persistent=False)
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        freqs = position_ids[..., None].float() * self.inv_freq
+        freqs_cis = torch.polar(torch.ones_like(freqs), freqs) * 1.5
+        b, s, _ = x.shape
+        xq = self.q(x).view(b, s, self.heads, self.dim)
+        xq_ = torch.view_as_complex(xq.float().reshape(*xq.shape[:-1], -1, 2))
+        rotated = xq_ * freqs_cis[:, :, None, :]
+        mixed = rotated + rotated.conj() / (freqs_cis[:, :, None, :] + 2)  # add, conj, divide: more than RoPE uses
+        return torch.view_as_real(mixed).flatten(3).type_as(x)
+
+
+def test_complex_rope_lowers_to_real_pairs_with_no_complex_dtype_and_matches_eager() -> None:
+    from jax._src.lib import xla_client as xc
+
+    torch.manual_seed(0)
+    model = _ComplexRope().eval()
+    args = (torch.randn(2, 5, 16), torch.tensor([[0, 1, 2, 3, 4], [7, 8, 9, 10, 11]]))
+    with torch.no_grad():
+        ep = torch.export.export(model, args, strict=False)
+        assert any(str(n.target) == "aten.polar.default" for n in ep.graph.nodes)
+        low = lower_program(ep)
+        text = xc.XlaComputation(low.proto).as_hlo_text()
+        assert "c64" not in text and "c128" not in text  # no complex dtype anywhere in the module
+        mod = XlaCpuModule(low.proto, low.params_json())
+        mod.bind({k: v.detach() for k, v in [*model.named_parameters(), *model.named_buffers()]})
+        got = mod(*args)[0]
+        want = model(*args)
+    assert got.shape == want.shape and torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
+
+
+def test_an_op_on_complex_tensors_without_a_rewrite_names_the_op_and_line() -> None:
+    class Fft(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.view_as_real(torch.fft.fft(x)).sum(-1)
+
+    with torch.no_grad():
+        ep = torch.export.export(Fft(), (torch.randn(4, 8),), strict=False)
+    with pytest.raises(LoweringError, match=r"on a complex tensor to HLO: Neuron has no complex dtype.*test_neuron_hlo"):
+        lower_program(ep)

@@ -18,7 +18,9 @@ import torch
 from torch.export.graph_signature import InputKind, OutputKind
 
 from neuronbuild.runtime import hlo_proto as neuron_hlo_proto
+from neuronbuild.toolchains import neuron_complex
 from neuronbuild.toolchains.errors import ToolchainError
+from neuronbuild.toolchains.neuron_complex import involves_complex
 from neuronbuild.toolchains.passes import ALL_EXTRA_OPS, MATMUL_OPS
 from neuronbuild.toolchains.tp_ops import collective
 
@@ -145,6 +147,11 @@ def _check_supported(gm: torch.fx.GraphModule, registry: Any) -> None:
         target = node.target
         if target is operator.getitem or str(target) in _ASSERTION_OPS or collective(target):
             continue
+        if involves_complex(node):  # computed on real pairs (neuron_complex.py), whatever torchax has
+            if not neuron_complex.known(target):
+                raise LoweringError(f"cannot lower {_op_name(target)} on a complex tensor to HLO: Neuron has no "
+                                    f"complex dtype and this op has no real-pair rewrite{_where(node)}")
+            continue
         if not isinstance(target, torch._ops.OpOverload) or _lowering(registry, target) is None:
             unsupported.setdefault(_op_name(target), node)
     if unsupported:
@@ -154,9 +161,14 @@ def _check_supported(gm: torch.fx.GraphModule, registry: Any) -> None:
 
 
 def _check_dtypes(gm: torch.fx.GraphModule) -> None:
+    """Every tensor a Neuron dtype; complex64 only inside the program (lowered as float32 pairs: neuron_complex)."""
+    outputs = {a for n in gm.graph.nodes if n.op == "output" for a in n.all_input_nodes}
     for node in gm.graph.nodes:
         val = node.meta.get("val")
+        inner = node.op == "call_function" and node not in outputs
         for item in val if isinstance(val, list | tuple) else [val]:
+            if inner and isinstance(item, torch.Tensor) and item.dtype == torch.complex64:
+                continue
             if isinstance(item, torch.Tensor) and item.dtype not in NEURON_DTYPES:
                 what = f"input {node.name!r}" if node.op == "placeholder" else _op_name(node.target)
                 raise LoweringError(f"{what} produces {_dtype_name(item.dtype)}, which Neuron does not support "
@@ -190,6 +202,8 @@ def _lower_graph(ep: torch.export.ExportedProgram, registry: Any, cast_targets: 
                 return super().call_function(target, args, kwargs)
             if str(target) in _ASSERTION_OPS:
                 return None
+            if self.current is not None and involves_complex(self.current):
+                return neuron_complex.call(target, args, kwargs, self.current)
             kind = collective(target)
             if kind:  # a tensor-parallel program's collective: its form is neuron_collectives'
                 from neuronbuild.toolchains import neuron_collectives
