@@ -8,7 +8,7 @@ from typing import Any
 
 from neuronbuild import jsondata
 from neuronbuild.analysis.actions import FileInput
-from neuronbuild.analysis.hf_config import model_type_problem
+from neuronbuild.analysis.hf_config import config_problem
 from neuronbuild.analysis.planner import AnalysisContext
 from neuronbuild.analysis.providers import ModelInfo
 from neuronbuild.analysis.toolchain_versions import distributions_of
@@ -148,8 +148,8 @@ SCHEMA = RuleSchema(
 def analyze(ctx: AnalysisContext, model: Target) -> ModelInfo:
     """The model's canonical record: sources and weights by workspace-relative path and content digest."""
     root = ctx.graph.root
-    problem = model_type_problem(str(model.attrs["entry"]), model.attrs["config"])
-    if problem is not None:  # (an hf_causal_lm's misspelt model_type: at its BUILD line, before any action)
+    problem = config_problem(str(model.attrs["entry"]), model.attrs["config"])
+    if problem is not None:  # (an hf_causal_lm's misspelt model_type, ...: at its BUILD line, before any action)
         raise UserInputError(f"{model.label}: {problem}", locate(ctx.graph, model))
     files: list[FileInput] = []
     srcs: dict[str, str] = {}

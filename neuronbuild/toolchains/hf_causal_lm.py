@@ -243,8 +243,19 @@ def _use_dense_experts(model: nn.Module) -> None:
             cfg._experts_implementation = EXPERTS
 
 
+def _within_one_chunk(cfg: Any, max_seq: int) -> None:
+    """Chunked-attention layers (Llama 4) as full attention when every sequence the graphs hold fits one chunk
+    (attention_chunk_size >= max_seq; analysis refuses shorter chunks): the chunked mask is then the causal one. The
+    graphs' config only: validate's transformers keeps its chunked layers and masks."""
+    types = getattr(cfg, "layer_types", None)
+    chunk = getattr(cfg, "attention_chunk_size", None)
+    if types and "chunked_attention" in types and (chunk is None or int(chunk) >= max_seq):
+        cfg.layer_types = ["full_attention" if t == "chunked_attention" else t for t in types]
+
+
 def _graph(config: dict[str, Any], forward: Any, suffix: str) -> nn.Module:
     model: Any = hf_model(config)
+    _within_one_chunk(model.config, int(config["max_seq"]))
     _use_dense_experts(model)
     cls = type(model)
     # A subclass whose forward is the graph's: same parameters and state-dict keys as the checkpoint.
