@@ -1,7 +1,9 @@
-"""Families beyond tests/test_llm_families.py's matrix, built as hf_causal_lm for trn2 (the HLO run on XLA:CPU) and
-checked by `validate --generate` against transformers' own model: Llama 4 text (complex RoPE lowered as real pairs,
-NoPE layers, mixture of experts, chunked attention layers served as full attention when max_seq fits one chunk, with
-the chunk size its config class sets by default). Chunks shorter than max_seq are refused at analysis."""
+"""Families beyond tests/test_llm_families.py's matrix, built as hf_causal_lm for trn2 (the HLO run on XLA:CPU) in one
+workspace and one build, checked by `validate --generate` against transformers' own model: Llama 4 text (complex RoPE
+lowered as real pairs, NoPE layers, mixture of experts, chunked attention layers served as full attention when max_seq
+fits one chunk, with the chunk size its config class sets by default) and gpt-oss (experts with biases, transposed
+weights and its clamped SwiGLU, attention sinks, alternating sliding windows). Chunks shorter than max_seq are refused
+at analysis."""
 
 from __future__ import annotations
 
@@ -15,48 +17,57 @@ SEQ, NEW, MAX_SEQ = 8, 8, 16
 LLAMA4 = {"vocab_size": 64, "hidden_size": 16, "intermediate_size": 32, "intermediate_size_mlp": 32,
           "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 8,
           "num_local_experts": 2, "num_experts_per_tok": 1, "max_position_embeddings": 64}
+GPT_OSS = {"vocab_size": 64, "hidden_size": 16, "intermediate_size": 16, "num_hidden_layers": 2,
+           "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 8, "num_local_experts": 4,
+           "num_experts_per_tok": 2, "sliding_window": 4, "max_position_embeddings": 131072}  # (YaRN's 32 x 4096)
+FAMILIES = {"l4": ("llama4_text", LLAMA4), "goss": ("gpt_oss", GPT_OSS)}
 
 
-def _build_file(hf: dict[str, object]) -> str:
-    return "\n".join([
-        'load("@neuronbuild//rules:llm.bzl", "hf_causal_lm", "llm_buckets", "llm_compile")',
-        'neuron_target(name = "trn2", platform = "trn2")',
-        f'llm_buckets(name = "serve", batch_sizes = [2], context_lengths = [{SEQ}])',
-        f'hf_causal_lm(name = "l4", model_type = "llama4_text", config = {json.dumps(hf)}, max_seq = {MAX_SEQ}, '
-        'weights = "l4.safetensors")',
-        'llm_compile(name = "l4", model = ":l4", targets = [":trn2"], '
-        'buckets = {"context": [":serve_context"], "token": [":serve_token"]})']) + "\n"
+def _build_file(models: dict[str, tuple[str, dict[str, object]]], max_seq: int = MAX_SEQ) -> str:
+    lines = ['load("@neuronbuild//rules:llm.bzl", "hf_causal_lm", "llm_buckets", "llm_compile")',
+             'neuron_target(name = "trn2", platform = "trn2")',
+             f'llm_buckets(name = "serve", batch_sizes = [2], context_lengths = [{SEQ}])']
+    for name, (model_type, hf) in models.items():
+        lines += [f'hf_causal_lm(name = "{name}", model_type = "{model_type}", config = {json.dumps(hf)}, '
+                  f'max_seq = {max_seq}, weights = "{name}.safetensors")',
+                  f'llm_compile(name = "{name}", model = ":{name}", targets = [":trn2"], '
+                  'buckets = {"context": [":serve_context"], "token": [":serve_token"]})']
+    return "\n".join(lines) + "\n"
 
 
 @pytest.mark.timeout(1800)
-def test_llama4_text_lowers_for_trn2_and_generates_transformers_tokens(tmp_path: Path, cache_dir: Path) -> None:
+def test_llama4_text_and_gpt_oss_build_for_trn2_and_generate_transformers_tokens(
+        tmp_path: Path, cache_dir: Path) -> None:
     import torch
     from safetensors.torch import save_file
 
     from neuronbuild.toolchains.hf_causal_lm import hf_model
 
-    ws = write_ws(tmp_path / "ws", {"BUILD": _build_file(LLAMA4)})  # attention_chunk_size: the class's 8192
-    torch.manual_seed(0)
-    model = hf_model({"model_type": "llama4_text", "hf": LLAMA4, "max_seq": MAX_SEQ})
-    assert "chunked_attention" in model.config.layer_types and model.config.attention_chunk_size == 8192
-    save_file({k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}, str(ws / "l4.safetensors"))
+    ws = write_ws(tmp_path / "ws", {"BUILD": _build_file(FAMILIES)})  # llama4's attention_chunk_size: the class's 8192
+    for name, (model_type, hf) in FAMILIES.items():
+        torch.manual_seed(0)
+        model = hf_model({"model_type": model_type, "hf": hf, "max_seq": MAX_SEQ})
+        if model_type == "llama4_text":
+            assert "chunked_attention" in model.config.layer_types and model.config.attention_chunk_size == 8192
+        save_file({k: v.detach().clone().contiguous() for k, v in model.state_dict().items()},
+                  str(ws / f"{name}.safetensors"))
     proc = run_cli(["build", "//...", "--jobs", "2", "--cache-dir", str(cache_dir)], ws)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     proc = run_cli(["validate", "//...", "--generate", str(NEW), "--cache-dir", str(cache_dir)], ws)
     out = proc.stdout
     assert proc.returncode == 0, out + proc.stderr[-3000:]
-    rows = [line for line in out.splitlines() if line.startswith("//:l4_trn2 ")]
-    assert len(rows) == 2 and all(r.endswith(" ok") for r in rows), out
-    gen = [line for line in out.splitlines() if line.startswith("//:l4_trn2: generate ")]
-    assert len(gen) == 2 and all(f": ok ({NEW} tokens x " in g and "tie" not in g for g in gen), out
+    for name in FAMILIES:
+        rows = [line for line in out.splitlines() if line.startswith(f"//:{name}_trn2 ")]
+        assert len(rows) == 2 and all(r.endswith(" ok") for r in rows), (name, out)
+        gen = [line for line in out.splitlines() if line.startswith(f"//:{name}_trn2: generate ")]
+        assert len(gen) == 2 and all(f": ok ({NEW} tokens x " in g and "tie" not in g for g in gen), (name, out)
 
 
 @pytest.mark.parametrize("chunk, default", [(8, False), (None, True)], ids=["written", "class_default"])
 def test_chunks_shorter_than_max_seq_are_refused_at_analysis_with_the_build_line(
         tmp_path: Path, chunk: int | None, default: bool) -> None:
     hf = LLAMA4 | ({"attention_chunk_size": chunk} if chunk else {})
-    text = _build_file(hf).replace(f"max_seq = {MAX_SEQ}", "max_seq = 9000" if default else
-                                                  f"max_seq = {MAX_SEQ}")
+    text = _build_file({"l4": ("llama4_text", hf)}, max_seq=9000 if default else MAX_SEQ)
     ws = write_ws(tmp_path / "ws", {"BUILD": text, "l4.safetensors": ""})  # (never read: analysis refuses first)
     proc = run_cli(["plan", "//...", "--cache-dir", str(tmp_path / "cache")], ws)
     assert proc.returncode == 2, proc.stdout + proc.stderr

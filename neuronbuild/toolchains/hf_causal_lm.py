@@ -219,14 +219,25 @@ def _dense_experts(self: Any, hidden_states: torch.Tensor, top_k_index: torch.Te
     """Mixture-of-experts as a static graph: every expert over every token (two batched matmuls), weighted by a dense
     [tokens, experts] routing matrix (zero where an expert is not chosen). Intermediates are tokens x experts x
     the expert's intermediate width, never an expert matrix per (token, expert) pair, and no data-dependent shapes or
-    custom ops (transformers' grouped_mm registers one that deserialisation would need)."""
-    if getattr(self, "has_bias", False) or getattr(self, "is_transposed", False) or not getattr(self, "has_gate", True) \
-            or not getattr(self, "is_concatenated", True) or getattr(self, "has_post_expert_norm", False):
-        raise ValueError(f"{type(self).__name__}: this experts layout (bias, transposed, gateless, interleaved or "
-                         "post-norm weights) is not supported by hf_causal_lm")
-    gate_up = torch.einsum("th,eih->eti", hidden_states, self.gate_up_proj)  # [experts, tokens, 2 * intermediate]
-    down = torch.einsum("eti,ehi->eth", self._apply_gate(gate_up), self.down_proj)  # [experts, tokens, hidden]
-    routing = torch.zeros(hidden_states.shape[0], self.gate_up_proj.shape[0] + 1, dtype=down.dtype,
+    custom ops (transformers' grouped_mm registers one that deserialisation would need). Every layout transformers'
+    experts interface declares: weights [experts, out, in] or transposed [experts, in, out], biases, a gated
+    gate_up projection (the class's own `_apply_gate`, concatenated or interleaved: gpt-oss clamps and offsets) or an
+    up projection and activation, and a post-expert norm, each as transformers' `batched_mm` applies it."""
+    transposed = bool(getattr(self, "is_transposed", False))
+    gated = bool(getattr(self, "has_gate", True))
+    bias = bool(getattr(self, "has_bias", False))
+    up_w = self.gate_up_proj if gated else self.up_proj
+    up = torch.einsum("th,ehi->eti" if transposed else "th,eih->eti", hidden_states, up_w)  # [experts, tokens, out]
+    if bias:
+        up = up + (self.gate_up_proj_bias if gated else self.up_proj_bias)[:, None, :]
+    up = self._apply_gate(up) if gated else self.act_fn(up)
+    down = torch.einsum("eti,eih->eth" if transposed else "eti,ehi->eth", up, self.down_proj)  # [experts, tokens, hidden]
+    if bias:
+        down = down + self.down_proj_bias[:, None, :]
+    if getattr(self, "has_post_expert_norm", False):
+        down = self.post_expert_norm(down)
+    experts = down.shape[0]
+    routing = torch.zeros(hidden_states.shape[0], experts + 1, dtype=down.dtype,
                           device=down.device)  # one spare column: transformers marks dropped slots with E
     routing = routing.scatter_add(1, top_k_index, top_k_weights.to(down.dtype))[:, :-1]
     return torch.einsum("eth,te->th", down, routing).to(hidden_states.dtype)
