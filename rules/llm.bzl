@@ -155,6 +155,14 @@ def hf_causal_lm(name, config, weights, max_seq = 256, model_type = None, weight
     kv_heads = _kv_heads(mt, config, heads)
     head_dim = _field(config, ["head_dim"], hidden // heads)
     _check_size(name, config, layers, hidden, heads, kv_heads, head_dim, max_seq)
+    cache_heads, cache_width = kv_heads, head_dim
+    if config.get("kv_lora_rank"):  # multi-head latent attention: one latent line per token (hf_causal_lm.cache_width)
+        if mt in ("deepseek_v2", "deepseek_v3") and "qk_rope_head_dim" not in config:
+            fail("hf_causal_lm %s: config field qk_rope_head_dim: a latent-attention config must write it (the cache holds the rotary key beside the kv_lora_rank latent)" % name)
+        cache_heads = 1
+        cache_width = max(_positive(name, "kv_lora_rank", config["kv_lora_rank"]), config.get("qk_rope_head_dim", 0))
+    elif mt in ("deepseek_v2", "deepseek_v3"):
+        fail("hf_causal_lm %s: config field kv_lora_rank: a %s config must write it (the width of its latent KV cache)" % (name, mt))
     hf = {k: v for k, v in config.items() if k not in ("model_type", "torch_dtype", "dtype")}
     if dt != "float32":  # (float32 is transformers' default: such configs stay as they were)
         hf["dtype"] = dt
@@ -163,7 +171,7 @@ def hf_causal_lm(name, config, weights, max_seq = 256, model_type = None, weight
     if kv_cache_dtype not in (None, "float8_e4m3"):
         fail("hf_causal_lm %s: kv_cache_dtype %r is not supported (float8_e4m3, or None: the model dtype)" % (name, kv_cache_dtype))
     kv = ("float8_e4m3fn" if kv_cache_dtype else dt) + "[layers, 2, batch, kv_heads, max_seq, head_dim]"
-    dims = {"layers": layers, "kv_heads": kv_heads, "max_seq": max_seq, "head_dim": head_dim}
+    dims = {"layers": layers, "kv_heads": cache_heads, "max_seq": max_seq, "head_dim": cache_width}
     ranges = {"slot": [0, max_seq], "position_ids": [0, max_seq]}
     graphs = {
         "context": {},

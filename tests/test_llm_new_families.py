@@ -2,8 +2,9 @@
 workspace and one build, checked by `validate --generate` against transformers' own model: Llama 4 text (complex RoPE
 lowered as real pairs, NoPE layers, mixture of experts, chunked attention layers served as full attention when max_seq
 fits one chunk, with the chunk size its config class sets by default) and gpt-oss (experts with biases, transposed
-weights and its clamped SwiGLU, attention sinks, alternating sliding windows). Chunks shorter than max_seq are refused
-at analysis."""
+weights and its clamped SwiGLU, attention sinks, alternating sliding windows) and DeepSeek-V3 (multi-head latent
+attention: the cache holds transformers' compressed latent and rotary key, one line per token; grouped expert routing;
+a dense first layer). Chunks shorter than max_seq are refused at analysis."""
 
 from __future__ import annotations
 
@@ -20,7 +21,12 @@ LLAMA4 = {"vocab_size": 64, "hidden_size": 16, "intermediate_size": 32, "interme
 GPT_OSS = {"vocab_size": 64, "hidden_size": 16, "intermediate_size": 16, "num_hidden_layers": 2,
            "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 8, "num_local_experts": 4,
            "num_experts_per_tok": 2, "sliding_window": 4, "max_position_embeddings": 131072}  # (YaRN's 32 x 4096)
-FAMILIES = {"l4": ("llama4_text", LLAMA4), "goss": ("gpt_oss", GPT_OSS)}
+DEEPSEEK_V3 = {"vocab_size": 64, "hidden_size": 16, "intermediate_size": 32, "moe_intermediate_size": 8,
+               "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 2, "n_routed_experts": 4,
+               "num_experts_per_tok": 2, "n_group": 2, "topk_group": 1, "first_k_dense_replace": 1,
+               "kv_lora_rank": 8, "q_lora_rank": 12, "qk_rope_head_dim": 4, "qk_nope_head_dim": 4, "v_head_dim": 6,
+               "max_position_embeddings": 64}
+FAMILIES = {"l4": ("llama4_text", LLAMA4), "goss": ("gpt_oss", GPT_OSS), "dsv3": ("deepseek_v3", DEEPSEEK_V3)}
 
 
 def _build_file(models: dict[str, tuple[str, dict[str, object]]], max_seq: int = MAX_SEQ) -> str:
@@ -36,7 +42,7 @@ def _build_file(models: dict[str, tuple[str, dict[str, object]]], max_seq: int =
 
 
 @pytest.mark.timeout(1800)
-def test_llama4_text_and_gpt_oss_build_for_trn2_and_generate_transformers_tokens(
+def test_llama4_gpt_oss_and_deepseek_v3_build_for_trn2_and_generate_transformers_tokens(
         tmp_path: Path, cache_dir: Path) -> None:
     import torch
     from safetensors.torch import save_file

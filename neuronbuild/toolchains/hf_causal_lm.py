@@ -35,7 +35,15 @@ class _SlotLayer(CacheLayerMixin):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.owner.write(key_states, value_states, self.idx)
+        width = self.owner.width
+        kw, vw = key_states.shape[-1], value_states.shape[-1]
+        if width is None or (kw == width and vw == width):
+            return self.owner.write(key_states, value_states, self.idx)
+        # A latent cache (MLA): "key" and "value" of different widths, each held zero-padded to the cache's width
+        # and handed back at its own
+        pad = nn.functional.pad
+        k, v = self.owner.write(pad(key_states, (0, width - kw)), pad(value_states, (0, width - vw)), self.idx)
+        return k[..., :kw], v[..., :vw]
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return (query_length if self.owner.kv is None else self.owner.max_seq), 0
@@ -60,6 +68,17 @@ def layer_types(config: Any) -> list[str]:
     return list(types)
 
 
+def cache_width(config: Any) -> int | None:
+    """The width of a latent KV cache (multi-head latent attention, DeepSeek-V2/V3: transformers caches the compressed
+    latent, kv_lora_rank wide, as the "key" and the rotary key, qk_rope_head_dim wide, as the "value", one head):
+    both held in a cache line as wide as the wider; None for every other attention (keys and values of head_dim).
+    rules/llm.bzl declares the cache with the same width and one key/value head."""
+    rank = getattr(config, "kv_lora_rank", None)
+    if not rank:
+        return None
+    return max(int(rank), int(getattr(config, "qk_rope_head_dim", 0) or 0))
+
+
 class StaticKV(Cache):
     """The transformers cache the attention layers call `update(k, v, layer_idx)` on: it writes the new keys/values
     into per-layer tensors functionally (index_copy, no in-place input mutation) and keeps the results. transformers
@@ -73,6 +92,7 @@ class StaticKV(Cache):
         self.slot = slot
         self.max_seq = max_seq
         self.kv_dtype = kv_dtype  # an fp8 cache (kv_cache_dtype, toolchains/quantize.py); None: the model dtype
+        self.width = cache_width(config)  # the cache's last dim when keys and values may be narrower (MLA); or None
         types = layer_types(config)
         super().__init__(layers=[_SlotLayer(self, i, t == "sliding_attention") for i, t in enumerate(types)])
         self.updated: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(types)
