@@ -1,8 +1,10 @@
 """Tensor parallelism beyond llama: families whose decoder layers are llama's in shape but not in detail (qwen2's q/k/v
-biases, qwen3's per-head q/k norms, gemma3's scaled embedding and sliding-window layers) built at tp_degree 2 for
+biases, qwen3's per-head q/k norms, gemma3's scaled embedding and sliding-window layers), Phi-3's fused q|k|v and
+gate|up projections (each part split on its own) and Qwen2-MoE's experts and shared expert, built at tp_degree 2 for
 trn2 in one workspace and one build, their HLO run on 2 XLA:CPU host devices by `validate --generate`: logits within
 tolerance of transformers' own model and greedy tokens equal to transformers' `generate` (batch 1 and a padded batch).
-A family whose layers need another sharding (fused projections, experts) is refused at analysis with the BUILD line."""
+A family whose layers need another sharding (BLOOM's per-head interleaved q|k|v and ALiBi slopes) is refused at
+analysis with the BUILD line."""
 
 from __future__ import annotations
 
@@ -20,6 +22,12 @@ FAMILIES = {
     "qwen3": ("qwen3", _BASE | {"head_dim": 8}),
     "gemma3_sw": ("gemma3_text", _BASE | {"head_dim": 8, "query_pre_attn_scalar": 8, "sliding_window": WINDOW,
                                           "layer_types": ["sliding_attention", "full_attention"]}),
+    # fused q|k|v and gate|up projections, 2 kv heads split over the ranks
+    "phi3": ("phi3", _BASE | {"num_attention_heads": 4, "num_key_value_heads": 2, "pad_token_id": 0, "eos_token_id": 1,
+                              "bos_token_id": 1}),
+    # experts (fused gate|up, their intermediate width split, an all-reduce after them) and a shared expert
+    "qwen2_moe": ("qwen2_moe", _BASE | {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 8,
+                                        "shared_expert_intermediate_size": 16}),
 }
 
 
@@ -46,7 +54,7 @@ def _workspace(root: Path) -> Path:
 
 
 @pytest.mark.timeout(1800)
-def test_qwen2_qwen3_and_gemma3_at_tp2_validate_and_generate_like_transformers(
+def test_qwen2_qwen3_gemma3_phi3_and_qwen2_moe_at_tp2_validate_and_generate_like_transformers(
         tmp_path: Path, cache_dir: Path) -> None:
     ws = _workspace(tmp_path / "ws")
     proc = run_cli(["build", "//...", "--jobs", "2", "--cache-dir", str(cache_dir)], ws)
@@ -66,18 +74,18 @@ def test_qwen2_qwen3_and_gemma3_at_tp2_validate_and_generate_like_transformers(
     assert {"model.hlo.pb", "rank_0.safetensors", "rank_1.safetensors"} <= {p.name for p in out_dir.iterdir()}
 
 
-def test_a_family_with_fused_projections_is_refused_tp_at_analysis_with_its_line(tmp_path: Path) -> None:
-    hf = _BASE | {"pad_token_id": 0, "eos_token_id": 1, "bos_token_id": 1}
+def test_a_family_without_a_sharding_plan_is_refused_tp_at_analysis_with_its_line(tmp_path: Path) -> None:
+    hf = {"vocab_size": 64, "hidden_size": 16, "n_layer": 2, "n_head": 2}
     ws = write_ws(tmp_path / "ws", {"BUILD": "\n".join([
         'load("@neuronbuild//rules:llm.bzl", "hf_causal_lm", "llm_buckets")',
         'neuron_target(name = "trn2", platform = "trn2")',
         f'llm_buckets(name = "serve", batch_sizes = [1], context_lengths = [{SEQ}])',
-        f'hf_causal_lm(name = "phi3", model_type = "phi3", config = {json.dumps(hf)}, max_seq = {MAX_SEQ}, '
-        'weights = "phi3.safetensors")',
-        'neuron_compile(name = "phi3_tp2", model = ":phi3", target = ":trn2", tp_degree = 2,',
-        '    buckets = {"context": [":serve_context"], "token": [":serve_token"]})']) + "\n"})
-    (ws / "phi3.safetensors").write_bytes(b"")
+        f'hf_causal_lm(name = "bloom", model_type = "bloom", config = {json.dumps(hf)}, max_seq = {MAX_SEQ}, '
+        'weights = "bloom.safetensors")',
+        'neuron_compile(name = "bloom_tp2", model = ":bloom", target = ":trn2", tp_degree = 2,',
+        '    buckets = {"context": [":serve_context"], "token": [":serve_token"]})']) + "\n",
+        "bloom.safetensors": ""})
     proc = run_cli(["plan", "//...", "--cache-dir", str(tmp_path / "cache")], ws)
     assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert "BUILD:5" in proc.stderr and "tp_degree 2" in proc.stderr and "phi3" in proc.stderr, proc.stderr
+    assert "BUILD:5" in proc.stderr and "tp_degree 2" in proc.stderr and "bloom" in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr

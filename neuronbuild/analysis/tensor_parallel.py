@@ -15,7 +15,8 @@ HF_CAUSAL_LM = "neuronbuild.toolchains.hf_causal_lm"
 # transformers families whose decoder layers have llama's projections (q/k/v/o, gate/up/down; q/k/v biases and per-head
 # q/k norms shard with their heads; Gemma's scaled embedding keeps its scale): each verified against transformers at
 # tp 2 (tests/test_tensor_parallel.py, tests/test_tp_families.py). Fused projections and experts need other splits.
-TP_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text")
+TP_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "mixtral", "qwen2_moe",
+               "qwen3_moe")
 KV_INPUT = "kv"
 KV_HEADS_DIM = 3  # kv: [layers, 2, batch, kv_heads, max_seq, head_dim]
 
@@ -40,13 +41,14 @@ def check(record: Mapping[str, Any], platform: str, tp: int, allowed: tuple[int,
                 f"neuron_model with a tp_plan, can be sharded (this model: {model_type or entry})")
     heads = int(hf.get("num_attention_heads") or 0)
     kv = int(hf.get("num_key_value_heads") or heads)
-    inter = int(hf.get("intermediate_size") or 0)
     if heads % tp:
         return f"tp_degree {tp} does not divide the model's {heads} attention heads"
     if kv % tp and tp % kv:
         return f"tp_degree {tp}: the model's {kv} key/value heads neither divide by it nor divide it"
-    if inter % tp:
-        return f"tp_degree {tp} does not divide the model's intermediate_size {inter}"
+    for key in ("intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size"):
+        width = int(hf.get(key) or 0)
+        if width % tp:
+            return f"tp_degree {tp} does not divide the model's {key} {width}"
     vocab = int(hf.get("vocab_size") or 0)
     if vocab < tp:  # (each rank holds a block of the vocabulary, padded to a multiple of tp)
         return f"tp_degree {tp}: the model's vocab_size {vocab} is smaller than it"

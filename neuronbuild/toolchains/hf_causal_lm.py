@@ -180,6 +180,7 @@ def hf_model(config: dict[str, Any]) -> nn.Module:
     if tp > 1:
         _add_all_reduces(model, tp)
         _vocab_parallel(model, tp, vocab)
+        _declare_fused(model, dict(config.get("hf") or {}), tp)
     return model
 
 
@@ -198,6 +199,9 @@ def per_rank_config(hf: dict[str, Any], tp: int) -> dict[str, Any]:
     out["num_attention_heads"] = heads // tp
     out["num_key_value_heads"] = max(1, kv // tp)
     out["intermediate_size"] = int(hf["intermediate_size"]) // tp
+    for key in ("moe_intermediate_size", "shared_expert_intermediate_size"):  # MoE experts' widths, split alike
+        if hf.get(key):
+            out[key] = int(hf[key]) // tp
     out["vocab_size"] = vocab_rows(int(hf["vocab_size"]), tp)
     out["pad_token_id"] = None  # (the embedding's padding_idx: a global id, and only init and gradients use it)
     return out
@@ -224,11 +228,35 @@ def _add_all_reduces(model: nn.Module, tp: int) -> None:
         return all_reduce(out, tp)  # type: ignore[no-any-return]
 
     for name, m in model.named_modules():
-        if name.endswith(".self_attn.o_proj") or name.endswith(".mlp.down_proj"):
-            if getattr(m, "bias", None) is not None:
+        # row-parallel: attention's output projection, the MLP's (a shared expert's too) and the experts' (whose
+        # intermediate width each rank holds 1/tp of: each rank's sum over experts is a partial sum)
+        if name.endswith((".self_attn.o_proj", ".mlp.down_proj", ".shared_expert.down_proj", ".mlp.experts")):
+            if getattr(m, "bias", None) is not None or getattr(m, "has_bias", False):
                 raise ValueError(f"{name} has a bias: row-parallel layers with a bias are not supported for "
                                  "tensor parallelism")
             m.register_forward_hook(reduce)
+
+
+def _declare_fused(model: nn.Module, hf: dict[str, Any], tp: int) -> None:
+    """Declare one rank's fused column-parallel parameters (tp_ops.FUSED_ATTR) for the weights action: Phi-3's
+    q|k|v projection (q heads split, kv heads split or replicated) and gate|up projections, dense (gate_up_proj
+    [2 x intermediate, hidden]) or experts' ([experts, 2 x intermediate, hidden]): each part split on its own."""
+    from neuronbuild.toolchains.tp_ops import FUSED_ATTR
+
+    heads = int(hf.get("num_attention_heads") or 0)
+    kv = int(hf.get("num_key_value_heads") or heads)
+    head_dim = int(hf.get("head_dim") or (int(hf.get("hidden_size") or 0) // max(heads, 1)))
+    fused: dict[str, tuple[int, tuple[tuple[int, int], ...]]] = {}
+    for name, p in model.named_parameters():
+        if name.endswith(".self_attn.qkv_proj.weight"):
+            kv_rank = max(1, kv // tp)
+            fused[name] = (0, ((heads * head_dim, heads // tp * head_dim), (kv * head_dim, kv_rank * head_dim),
+                               (kv * head_dim, kv_rank * head_dim)))
+        elif name.endswith(".mlp.gate_up_proj.weight") or name.endswith(".experts.gate_up_proj"):
+            dim = p.dim() - 2  # (the out dim: 0 for a linear's weight, 1 for experts' [experts, out, in])
+            half = p.shape[dim] // 2
+            fused[name] = (dim, ((half * tp, half), (half * tp, half)))
+    setattr(model, FUSED_ATTR, fused)
 
 
 EXPERTS = "neuronbuild_dense"

@@ -213,8 +213,11 @@ def build_shape_model(model: dict[str, Any], sandbox: Path, tp: int = 1) -> tupl
     if files is not None:
         held = module.state_dict(keep_vars=True)
         expected = {k: tuple(v.shape) for k, v in held.items()}
+        from neuronbuild.toolchains.tp_ops import fused_params
+
         check_against(expected, tied_aliases(module),
-                      open_checkpoint(model, files[0], files[1], {k: v.dtype for k, v in held.items()}), tp)
+                      open_checkpoint(model, files[0], files[1], {k: v.dtype for k, v in held.items()}), tp,
+                      fused_params(module))
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     fakes: dict[int, torch.Tensor] = {}
 
@@ -260,24 +263,35 @@ def state_values(model: dict[str, Any], sandbox: Path, wanted: Mapping[str, torc
 
 
 def rank_values(model: dict[str, Any], sandbox: Path, wanted: Mapping[str, torch.dtype],
-                tied: Mapping[str, set[str]], tp: int) -> Callable[[str, tuple[int, ...], int],
-                                                                torch.Tensor | Iterator[torch.Tensor]]:
+                tied: Mapping[str, set[str]], tp: int, fused: Mapping[str, Any] | None = None
+                ) -> Callable[[str, tuple[int, ...], int], torch.Tensor | Iterator[torch.Tensor]]:
     """(name, the rank's shape, rank) -> that rank's part of the tensor in the dtype `wanted` names, one tensor at a
     time (tp_ops.shard_rule: the rank's shape against the whole one), from the model's weight files or, without them,
     the factory's seeded initialisation of `model`. A replicated tensor (a norm) streams as converted pieces, like
     state_values; one split along dim 0 (column-parallel, the vocabulary) reads only the rank's rows; one split along
-    another dim (row-parallel) is read whole and sliced. ValueError when the shapes admit no split."""
+    another dim (row-parallel) is read whole and sliced; a fused one (`fused`, tp_ops.FUSED_ATTR: q|k|v, gate|up) is
+    read whole and each part sliced. ValueError when the shapes admit no split."""
     from neuronbuild.toolchains.quantize import open_checkpoint
-    from neuronbuild.toolchains.tp_ops import block, padded, shard
+    from neuronbuild.toolchains.tp_ops import block, fused_shard, padded, shard
 
+    fused = dict(fused or {})
     files = _weight_files(model, sandbox)
     if files is None:
         state = build_eager_model(model, sandbox).state_dict()
-        return lambda name, shape, rank: shard(state[name].detach().to(wanted[name]), shape, rank, tp).contiguous()
+
+        def own(name: str, shape: tuple[int, ...], rank: int) -> torch.Tensor:
+            t = state[name].detach().to(wanted[name])
+            if name in fused:
+                return fused_shard(t, shape, rank, tp, *fused[name]).contiguous()
+            return shard(t, shape, rank, tp).contiguous()
+
+        return own
     ckpt = open_checkpoint(model, files[0], files[1], wanted)
 
     def value(name: str, shape: tuple[int, ...], rank: int) -> torch.Tensor | Iterator[torch.Tensor]:
         key = name if name in ckpt.index else next((k for k in sorted(tied.get(name, ())) if k in ckpt.index), name)
+        if name in fused:
+            return fused_shard(ckpt.tensor(key).to(wanted[name]), shape, rank, tp, *fused[name]).contiguous()
         dim, start, held = block(ckpt.shape(key), shape, rank, tp)
         if dim < 0:
             return ckpt.pieces(key, wanted[name])

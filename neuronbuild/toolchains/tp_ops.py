@@ -178,6 +178,37 @@ def shard(full: torch.Tensor, rank_shape: tuple[int, ...], rank: int, tp: int) -
     return full if dim < 0 else padded(full.narrow(dim, start, held), tuple(rank_shape), dim)
 
 
+# A per-rank module's fused parameters: {state name: (dim, ((whole length, rank length), ...))}: along `dim` the
+# whole tensor is the concatenation of these parts (q|k|v, gate|up), each split over the ranks on its own (as
+# shard_rule splits a tensor: tp blocks, or fewer blocks replicated, e.g. GQA kv heads), and the rank's tensor is the
+# concatenation of its blocks of each part. Set by the toolchain that builds the rank's module (hf_causal_lm);
+# read by the weights action (model_import.rank_values) and the checkpoint check (weights.check_against).
+FUSED_ATTR = "nb_tp_fused"
+Fused = Mapping[str, tuple[int, tuple[tuple[int, int], ...]]]
+
+
+def fused_params(module: torch.nn.Module) -> Fused:
+    """The fused parameters a per-rank module declares (FUSED_ATTR), or none."""
+    return dict(getattr(module, FUSED_ATTR, None) or {})
+
+
+def fused_whole_shape(rank_shape: tuple[int, ...], dim: int, parts: tuple[tuple[int, int], ...]) -> tuple[int, ...]:
+    """The whole tensor's shape of a fused parameter."""
+    return (*rank_shape[:dim], sum(w for w, _r in parts), *rank_shape[dim + 1:])
+
+
+def fused_shard(full: torch.Tensor, rank_shape: tuple[int, ...], rank: int, tp: int, dim: int,
+                parts: tuple[tuple[int, int], ...]) -> torch.Tensor:
+    """Rank `rank`'s part of a fused parameter: its block of each part along dim, concatenated."""
+    out, start = [], 0
+    for whole, held in parts:
+        piece = full.narrow(dim, start, whole)
+        shape = (*rank_shape[:dim], held, *rank_shape[dim + 1:])
+        out.append(shard(piece, shape, rank, tp))
+        start += whole
+    return torch.cat(out, dim=dim)
+
+
 def apply_plan(module: torch.nn.Module, mode: Any, plan: Mapping[str, int], tp: int) -> None:
     """Make `module` (whole, with fake parameters of `mode`) one rank's module of a declared sharding plan: each
     parameter whose name matches a pattern (fnmatch) gets 1/tp of its size along the pattern's dim; an nn.Linear

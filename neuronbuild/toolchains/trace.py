@@ -290,8 +290,10 @@ def run_weights(spec: dict[str, Any], sandbox: Path, out_dir: Path) -> dict[str,
         # has its own value of one, the shard's wins over the graph's program constants at load.
         own = {k: b.detach() for k, b in module.named_buffers() if k not in state and isinstance(b, torch.Tensor)}
         entries += [Entry(k, b.dtype, tuple(b.shape)) for k, b in own.items()]
-        size = _write_shards(out_dir, tp, entries, own, state, rank_values(whole_spec, sandbox, wanted, tied, tp),
-                             stored_as)
+        from neuronbuild.toolchains.tp_ops import fused_params
+
+        size = _write_shards(out_dir, tp, entries, own, state,
+                             rank_values(whole_spec, sandbox, wanted, tied, tp, fused_params(module)), stored_as)
     else:
         value = state_values(model_spec, sandbox, wanted, tied)
         size = write_safetensors(out_dir / WEIGHTS_FILE, entries, lambda e: value(e.name), stored_as)

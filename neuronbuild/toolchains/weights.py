@@ -235,7 +235,7 @@ class Tensors(Protocol):
 
 
 def check_against(expected: Mapping[str, tuple[int, ...]], tied: Mapping[str, set[str]], ckpt: Tensors,
-                  tp: int = 1) -> None:
+                  tp: int = 1, fused: Mapping[str, Any] | None = None) -> None:
     """Keys and shapes of `ckpt` against a module's state (name -> shape; tied: key -> keys sharing its tensor), as a
     strict load_state_dict would check them: missing and unexpected keys named, then shape mismatches. tp > 1: the
     module is one rank's, so a file tensor matches when the rank's shape is a shard of it (tp_ops.shard_rule)."""
@@ -252,9 +252,11 @@ def check_against(expected: Mapping[str, tuple[int, ...]], tied: Mapping[str, se
             parts.append(f"unexpected {len(unexpected)} key(s): {', '.join(unexpected[:5])}{more}")
         raise ToolchainError(f"weights {ckpt.label} do not match the model: {'; '.join(parts)}")
     if tp > 1:
-        from neuronbuild.toolchains.tp_ops import shard_rule
+        from neuronbuild.toolchains.tp_ops import fused_whole_shape, shard_rule
 
-        bad = [k for k in sorted(have) if shard_rule(ckpt.shape(k), tuple(expected[k]), tp) is None]
+        fused = dict(fused or {})
+        bad = [k for k in sorted(have) if (tuple(ckpt.shape(k)) != fused_whole_shape(tuple(expected[k]), *fused[k])
+                                           if k in fused else shard_rule(ckpt.shape(k), tuple(expected[k]), tp) is None)]
     else:
         bad = [k for k in sorted(have) if ckpt.shape(k) != tuple(expected[k])]
     if bad:
