@@ -169,6 +169,34 @@ def test_cpu_graphs_write_the_kv_cache_in_place_into_the_callers_tensor(deployed
     assert eng.kv is cache and bool(cache[:, :, 0, :, : len(PROMPTS[0]) + 2].abs().sum() > 0)  # one cache, written
 
 
+def test_only_an_aliased_output_scattered_into_its_input_is_compiled_in_place() -> None:
+    """The cpu compile writes an aliased output in place only when it is one scatter into its input (the serving
+    graphs' index_put into kv); an output built otherwise (a stack of per-layer updates, as the static token graph's)
+    would be computed and then copied into the input, slower than a fresh output, so it stays one."""
+    import torch
+
+    from neuronbuild.toolchains.compile import _scatters_into_input, write_in_place
+
+    class Scatter(torch.nn.Module):
+        def forward(self, x: torch.Tensor, slot: torch.Tensor, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return x.sum(-1), torch.index_put(kv, (slot,), x)
+
+    class Stack(torch.nn.Module):
+        def forward(self, x: torch.Tensor, slot: torch.Tensor, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return x.sum(-1), torch.stack([kv[0].index_copy(0, slot, x[0, :1]), kv[1]])
+
+    args = (torch.ones(1, 4), torch.tensor([1]), torch.zeros(2, 4))
+    scatter, stack = (torch.export.export(m(), args) for m in (Scatter, Stack))
+    assert _scatters_into_input(scatter, 1, 2) and not _scatters_into_input(scatter, 0, 2)
+    assert not _scatters_into_input(stack, 1, 2)
+    meta = write_in_place(scatter, [(1, 2)])
+    kinds = [s.kind.name for s in scatter.graph_signature.output_specs]
+    assert kinds == ["USER_INPUT_MUTATION", "USER_OUTPUT"] and json.loads(meta["neuronbuild.in_place"]) == [[1, 2]]
+    kv = torch.zeros(2, 4)
+    out = scatter.module()(torch.full((1, 4), 3.0), torch.tensor([1]), kv)  # the program now updates its input
+    assert kv[1].tolist() == [3.0] * 4 and kv[0].tolist() == [0.0] * 4 and float(out[0]) == 12.0
+
+
 def _draws(lm: Any, params: list[float], n: int) -> list[int]:
     """n first tokens of one prompt sampled by a context graph, two draws per call."""
     import torch

@@ -45,16 +45,20 @@ class LoadedPackage:
         self._in_place, full = in_place_outputs(dict(loader.get_metadata()))
         self._out_spec = full if full is not None else pytree.treespec_loads(out_spec)
         self._in_spec = in_spec
+        # a flat tuple of tensors (every graph of a FlatForward trace): built directly, not through pytree (a
+        # serving step's host work is of the order of a small graph's call)
+        self._flat_tuple = self._out_spec == pytree.tree_flatten(tuple(range(self._out_spec.num_leaves)))[1]
 
     def __call__(self, *args: torch.Tensor) -> Any:
-        flat = [a for a in pytree.tree_leaves(args) if isinstance(a, torch.Tensor)]
+        flat = list(args) if all(type(a) is torch.Tensor for a in args) else \
+            [a for a in pytree.tree_leaves(args) if isinstance(a, torch.Tensor)]
         inputs = list(flat) if self._in_place else flat  # (boxed_run empties the list it is given)
         outputs = self._loader.boxed_run(flat)
         if self._in_place:
             outputs = list(outputs)
             for out_i, in_i in self._in_place:
                 outputs.insert(out_i, inputs[in_i])
-        return pytree.tree_unflatten(outputs, self._out_spec)
+        return tuple(outputs) if self._flat_tuple else pytree.tree_unflatten(outputs, self._out_spec)
 
     def metadata(self) -> dict[str, str]:
         return dict(self._loader.get_metadata())

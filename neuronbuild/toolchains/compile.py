@@ -108,12 +108,14 @@ def compile_cpu(
     out_dir: Path,
     in_place: list[tuple[int, int]] | None = None,
 ) -> dict[str, Any]:
-    """`in_place`: (output index, input index) pairs (declared aliases): each such output is compiled as an update
-    of its input in place (write_in_place), and the package's metadata names the pairs for the loader."""
+    """`in_place`: (output index, input index) pairs (declared aliases): each such output that is one scatter into
+    its input (_scatters_into_input) is compiled as an update of the input in place (write_in_place), and the
+    package's metadata names the pairs for the loader; the others stay fresh outputs."""
     target = isa_target(isa)
     strip_unstable_meta(ep)  # the trace's source lines serve Neuron lowering errors; the package never holds them
     ep = apply_passes(ep, options, args)
     metadata: dict[str, str] = {}
+    in_place = [p for p in in_place or () if _scatters_into_input(ep, *p)]
     if in_place:
         metadata = write_in_place(ep, in_place)
     from torch._inductor import aoti_compile_and_package
@@ -141,6 +143,32 @@ def compile_cpu(
     (out_dir / "model.pt2").write_bytes(data)
     return {"artifact": "model.pt2", "bytes": len(data), "isa": isa, "constants": CONSTANTS_FILE,
             **({"in_place": [list(p) for p in in_place]} if in_place else {})}
+
+
+# What makes an aliased output worth writing in place: one op writing into the input itself (a scatter of the new
+# values: the serving graphs' one index_put into kv). Any other output (e.g. the static token graph's stack of
+# per-layer index_copy results) would be computed into a buffer and then copied into the input: measured 2x slower
+# than a fresh output at max_seq 1024 (docs/benchmarks.md, #42), so it stays a fresh output.
+_SCATTERS = ("index_put", "index_copy", "scatter", "slice_scatter", "select_scatter")
+
+
+def _scatters_into_input(ep: torch.export.ExportedProgram, out_i: int, in_i: int) -> bool:
+    """Whether user output `out_i` is one scatter-like op whose destination is user input `in_i` itself."""
+    from torch.export.graph_signature import InputKind, OutputKind
+
+    sig = ep.graph_signature
+    user_in = [s.arg.name for s in sig.input_specs if s.kind == InputKind.USER_INPUT]
+    user_pos = [i for i, s in enumerate(sig.output_specs) if s.kind == OutputKind.USER_OUTPUT]
+    if not (0 <= out_i < len(user_pos) and 0 <= in_i < len(user_in)):
+        return False
+    node = next(n for n in reversed(ep.graph.nodes) if n.op == "output")
+    value = node.args[0][user_pos[out_i]]
+    if not isinstance(value, torch.fx.Node) or value.op != "call_function" or not value.args:
+        return False
+    op = getattr(getattr(value.target, "_overloadpacket", None), "__name__", "")
+    dest = value.args[0]
+    return op in _SCATTERS and isinstance(dest, torch.fx.Node) and dest.op == "placeholder" \
+        and dest.name == user_in[in_i]
 
 
 IN_PLACE_KEY = "neuronbuild.in_place"  # package metadata: JSON [[output index, input index], ...] (aoti_loader)

@@ -18,9 +18,10 @@ from neuronbuild.vocabulary import AUTO_CAST, CPU_ISAS, CPU_PLATFORM
 # the package (no weights inside) and the program's own tensors (non-persistent buffers, lifted constants); the model's
 # weights by FQN (constants.safetensors) ship beside them from the weights action (Action.ships)
 OUTPUTS = ("model.pt2", PROGRAM_CONSTANTS)
-# What a compile of a graph with aliases does with them (its record's "in_place"): "input-mutation-1" = the aliased
-# output becomes an in-place update of its input in the exported program before AOTInductor compiles it, so the
-# package writes into the caller's tensor and returns the output without it (the runtime loader hands the input back).
+# What a compile of a graph with aliases does with them (its record's "in_place"): "input-mutation-1" = an aliased
+# output that is one scatter into its input (compile._scatters_into_input) becomes an in-place update of that input
+# in the exported program before AOTInductor compiles it, so the package writes into the caller's tensor and returns
+# the other outputs (the runtime loader hands the input back); the package's metadata names what was done.
 IN_PLACE_VERSION = "input-mutation-1"
 
 
