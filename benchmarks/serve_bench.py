@@ -9,6 +9,11 @@ process CPU second, which other sessions' load moves far less than the wall (run
 shared machine: 2 OpenMP threads oversubscribed by other sessions spin, the wall then measures the neighbours).
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/serve_bench.py [--requests 64] [--workdir DIR]  # DIR: kept
+        [--bigger]      # also a hidden 512, 4-layer model (graph calls costlier than the engine's host work)
+        [--functional]  # also the token graph compiled with kv a fresh output per call (before #42's in-place kv)
+
+Prints the graph-call counts of both (static: per wave one prefill + its longest request's tokens - 1) and their
+ratio, the ceiling of the engine's gain when a call costs the same whatever it does.
 
 Static batching's time to first token is its wave's start plus that wave's prefill (generate with max_new_tokens=1,
 timed separately). Not part of the test suite: one build of ~10 cpu graphs (~5 min on 2 cores)."""
