@@ -9,6 +9,11 @@ process CPU second, which other sessions' load moves far less than the wall (run
 shared machine: 2 OpenMP threads oversubscribed by other sessions spin, the wall then measures the neighbours).
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/serve_bench.py [--requests 64] [--workdir DIR]  # DIR: kept
+        [--bigger]      # also a hidden 512, 4-layer model (graph calls costlier than the engine's host work)
+        [--functional]  # also the token graph compiled with kv a fresh output per call (before #42's in-place kv)
+
+Prints the graph-call counts of both (static: per wave one prefill + its longest request's tokens - 1) and their
+ratio, the ceiling of the engine's gain when a call costs the same whatever it does.
 
 Static batching's time to first token is its wave's start plus that wave's prefill (generate with max_new_tokens=1,
 timed separately). Not part of the test suite: one build of ~10 cpu graphs (~5 min on 2 cores)."""
@@ -29,11 +34,28 @@ REPO = Path(__file__).resolve().parent.parent
 HF = {"vocab_size": 1024, "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
       "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 2048, "eos_token_id": 2,
       "bos_token_id": 1, "pad_token_id": 0}
+# --bigger: the same comparison on a model whose graph calls cost more than the engine's host work per step
+BIGGER = {**HF, "hidden_size": 512, "intermediate_size": 1024, "num_hidden_layers": 4, "num_attention_heads": 8,
+          "num_key_value_heads": 4}
 MAX_SEQ, BIG_SEQ, SLOTS, PROMPT = 128, 1024, 4, 32
 
 
-def build_file() -> str:
+def build_file(bigger: bool = False) -> str:
     cfg = json.dumps(HF)
+    more = ""
+    if bigger:
+        big = json.dumps(BIGGER)
+        more = f'''
+hf_causal_lm(name = "static_h512", model_type = "llama", config = {big}, weights = "h512.safetensors",
+             max_seq = {MAX_SEQ})
+hf_causal_lm(name = "cb_h512", model_type = "llama", config = {big}, weights = "h512.safetensors", max_seq = {MAX_SEQ},
+             continuous_batching = True, max_batch = {SLOTS}, on_device_sampling = True)
+neuron_compile(name = "static_h512_cpu", model = ":static_h512", target = ":cpu",
+               buckets = {{"context": [":static_ctx"], "token": [":static_tok"]}})
+neuron_compile(name = "cb_h512_cpu", model = ":cb_h512", target = ":cpu",
+               buckets = {{"context": [":cb_ctx"], "token": [":cb_tok"]}})
+'''
+    srcs = '":static_cpu", ":cb_cpu", ":cb_big_cpu"' + (', ":static_h512_cpu", ":cb_h512_cpu"' if bigger else "")
     return f'''load("@neuronbuild//rules:llm.bzl", "hf_causal_lm")
 neuron_target(name = "cpu", platform = "cpu", isa = "native")
 hf_causal_lm(name = "static", model_type = "llama", config = {cfg}, weights = "llama.safetensors", max_seq = {MAX_SEQ})
@@ -51,8 +73,8 @@ neuron_compile(name = "static_cpu", model = ":static", target = ":cpu",
 neuron_compile(name = "cb_cpu", model = ":cb", target = ":cpu", buckets = {{"context": [":cb_ctx"], "token": [":cb_tok"]}})
 neuron_compile(name = "cb_big_cpu", model = ":cb_big", target = ":cpu",
                buckets = {{"context": [":static_ctx"], "token": [":big_tok"]}})
-neuron_bundle(name = "release", srcs = [":static_cpu", ":cb_cpu", ":cb_big_cpu"])
-'''
+neuron_bundle(name = "release", srcs = [{srcs}])
+''' + more
 
 
 def requests(n: int) -> list[tuple[list[int], int]]:
@@ -100,12 +122,12 @@ def run_static(lm, reqs):  # type: ignore[no-untyped-def]
     return time.perf_counter() - t0 - prefill, time.process_time() - c0 - prefill_cpu, ttft, outs
 
 
-def run_transformers(weights: Path, reqs):  # type: ignore[no-untyped-def]
+def run_transformers(weights: Path, reqs, hf=HF):  # type: ignore[no-untyped-def]
     import torch
     from safetensors.torch import load_file
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    fields = {k: v for k, v in HF.items() if k != "model_type"}
+    fields = {k: v for k, v in hf.items() if k != "model_type"}
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **fields)).eval()
     model.load_state_dict(load_file(str(weights)))
     width = max(len(p) for p, _n in reqs)
@@ -141,25 +163,97 @@ def token_call_ms(lm, calls: int = 200) -> float:  # type: ignore[no-untyped-def
     return (time.process_time() - t0) / calls * 1e3
 
 
+def functional_call_ms(ws: Path, work: Path, max_seq: int) -> float:
+    """The same token graph (batch SLOTS) compiled as before in-place outputs: the aliased kv a fresh output per call
+    (the cpu compile without write_in_place, from the same wrapper and weights); CPU ms per call, kv fed back."""
+    import torch
+    from safetensors.torch import load_file
+
+    from neuronbuild.runtime.aoti_loader import load_package
+    from neuronbuild.toolchains import hf_causal_lm as H
+    from neuronbuild.toolchains.compile import compile_cpu, held_tensors
+    from neuronbuild.toolchains.outputs import FlatForward
+    from neuronbuild.toolchains.trace import write_program_constants
+
+    cfg = {"model_type": "llama", "hf": {k: v for k, v in HF.items() if k != "model_type"}, "max_seq": max_seq}
+    m = H.sampling_token(cfg).eval()
+    m.load_state_dict(load_file(str(ws / "llama.safetensors")), strict=False)
+    FlatForward(m)
+    kv = torch.zeros(HF["num_hidden_layers"], 2, SLOTS + 1, HF["num_key_value_heads"], max_seq,
+                     HF["hidden_size"] // HF["num_attention_heads"])
+    mask = torch.zeros((SLOTS, max_seq), dtype=torch.int32)
+    mask[:, :20] = 1
+    args = [torch.ones((SLOTS, 1), dtype=torch.int32), mask, torch.full((SLOTS, 1), 19, dtype=torch.int32),
+            torch.arange(SLOTS, dtype=torch.int32), torch.tensor([[1.0, 1.0, 0.0]] * SLOTS), torch.zeros(SLOTS)]
+    with torch.no_grad():
+        ep = torch.export.export(m, (*args, kv), strict=False)
+    out = work / f"functional_{max_seq}"
+    out.mkdir(parents=True, exist_ok=True)
+    weights = {k: v.clone() for k, v in held_tensors(ep).items()}
+    write_program_constants(ep, out / "program_constants.safetensors")
+    from neuronbuild.platforms import resolve_isa
+
+    compile_cpu(ep, (*args, kv), resolve_isa("native"), {}, out, in_place=None)
+    fn = load_package(out / "model.pt2", constants=weights)
+    with torch.inference_mode():
+        for _ in range(10):
+            kv = fn(*args, kv)[-1]
+        t0 = time.process_time()
+        for _ in range(200):
+            kv = fn(*args, kv)[-1]
+    return (time.process_time() - t0) / 200 * 1e3
+
+
+def static_calls(reqs) -> int:  # type: ignore[no-untyped-def]
+    """Graph calls of static batching: per wave one prefill and its longest request's new tokens - 1 decodes."""
+    return sum(1 + max(n for _p, n in reqs[i:i + SLOTS]) - 1 for i in range(0, len(reqs), SLOTS))
+
+
+def compare(name: str, cb, static, weights: Path, hf, reqs) -> None:  # type: ignore[no-untyped-def]
+    """Engine, static waves and transformers' batch on one model, side by side."""
+    wanted = sum(n for _p, n in reqs)
+    run_engine(cb, reqs[:4])  # warm both
+    static.generate([p for p, _n in reqs[:4]], max_new_tokens=2)
+    eng_s, eng_cpu, eng_ttft, eng_out, calls = run_engine(cb, reqs)
+    st_s, st_cpu, st_ttft, st_out = run_static(static, reqs)
+    hf_s, hf_cpu = run_transformers(weights, reqs, hf)
+    same = sum(a == b for a, b in zip(eng_out, st_out, strict=True))
+    print(f"\n{name}: engine calls: {calls}; static batching's: {static_calls(reqs)} (call-count ratio "
+          f"{static_calls(reqs) / sum(calls.values()):.2f}x); requests whose greedy tokens equal static batching's: "
+          f"{same}/{len(reqs)}")
+    print(f"{'':24} {'tokens/s':>9} {'vs static':>9} {'TTFT med':>9} {'TTFT p90':>9} {'per CPU s':>10} "
+          f"{'vs static':>9}")
+    for row, took, cpu, ttft in (("engine (4 slots)", eng_s, eng_cpu, eng_ttft),
+                                 ("static waves of 4", st_s, st_cpu, st_ttft),
+                                 (f"transformers batch {len(reqs)}", hf_s, hf_cpu, None)):
+        t = f"{statistics.median(ttft):8.2f}s {pct(ttft, 0.9):8.2f}s" if ttft else f"{'-':>9} {'-':>9}"
+        print(f"{row:24} {wanted / took:9.0f} {st_s / took:8.2f}x {t} {wanted / cpu:10.0f} {st_cpu / cpu:8.2f}x",
+              flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--workdir", type=Path)
     ap.add_argument("--keep", action="store_true")
+    ap.add_argument("--bigger", action="store_true", help="also a hidden 512, 4-layer model (4 more graphs)")
+    ap.add_argument("--functional", action="store_true",
+                    help="also the token graph compiled without in-place kv (2 more compiles, in this process)")
     args = ap.parse_args()
     work = args.workdir or Path(tempfile.mkdtemp(prefix="serve-bench-"))
     ws = work / "ws"
     ws.mkdir(parents=True, exist_ok=True)
     (ws / "WORKSPACE.neuronbuild").write_text("")
-    (ws / "BUILD").write_text(build_file())
+    (ws / "BUILD").write_text(build_file(args.bigger))
     import torch
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    torch.manual_seed(0)
-    fields = {k: v for k, v in HF.items() if k != "model_type"}
-    model = AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **fields, initializer_range=0.2))
-    save_file({k: v.detach().contiguous() for k, v in model.state_dict().items()}, str(ws / "llama.safetensors"))
+    for hf, file in ((HF, "llama.safetensors"), *([(BIGGER, "h512.safetensors")] if args.bigger else [])):
+        torch.manual_seed(0)
+        fields = {k: v for k, v in hf.items() if k != "model_type"}
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **fields, initializer_range=0.2))
+        save_file({k: v.detach().contiguous() for k, v in model.state_dict().items()}, str(ws / file))
     cli = [str(REPO / ".venv" / "bin" / "neuronbuild")]
     env = dict(os.environ, NEURONBUILD_NO_SERVER="1")
     t0 = time.monotonic()
@@ -178,23 +272,17 @@ def main() -> None:
     print(f"{len(reqs)} requests: prompts {min(len(p) for p, _n in reqs)}-{max(len(p) for p, _n in reqs)} tokens, "
           f"outputs {min(n for _p, n in reqs)}-{max(n for _p, n in reqs)} ({wanted} tokens); {SLOTS} slots, "
           f"torch threads {torch.get_num_threads()}", flush=True)
-    run_engine(cb, reqs[:4])  # warm both
-    static.generate([p for p, _n in reqs[:4]], max_new_tokens=2)
-    eng_s, eng_cpu, eng_ttft, eng_out, calls = run_engine(cb, reqs)
-    st_s, st_cpu, st_ttft, st_out = run_static(static, reqs)
-    hf_s, hf_cpu = run_transformers(ws / "llama.safetensors", reqs)
-    same = sum(a == b for a, b in zip(eng_out, st_out, strict=True))
-    print(f"engine calls: {calls}; requests whose greedy tokens equal static batching's: {same}/{len(reqs)}")
-    print(f"{'':24} {'tokens/s':>9} {'vs static':>9} {'TTFT med':>9} {'TTFT p90':>9} {'per CPU s':>10} "
-          f"{'vs static':>9}")
-    for name, took, cpu, ttft in (("engine (4 slots)", eng_s, eng_cpu, eng_ttft),
-                                  ("static waves of 4", st_s, st_cpu, st_ttft),
-                                  ("transformers batch 64", hf_s, hf_cpu, None)):
-        t = f"{statistics.median(ttft):8.2f}s {pct(ttft, 0.9):8.2f}s" if ttft else f"{'-':>9} {'-':>9}"
-        print(f"{name:24} {wanted / took:9.0f} {st_s / took:8.2f}x {t} {wanted / cpu:10.0f} {st_cpu / cpu:8.2f}x")
+    compare("hidden 128, 2 layers", cb, static, ws / "llama.safetensors", HF, reqs)
+    if args.bigger:
+        compare("hidden 512, 4 layers", cache.causal_lm("//:cb_h512_cpu"), cache.causal_lm("//:static_h512_cpu"),
+                ws / "h512.safetensors", BIGGER, reqs)
     small, large = token_call_ms(cb), token_call_ms(big)
-    print(f"token graph (batch {SLOTS}) CPU per call: max_seq {MAX_SEQ}: {small:.2f} ms, max_seq {BIG_SEQ}: "
-          f"{large:.2f} ms ({large / small:.2f}x; kv {cb.kv_spec['dims']} vs {big.kv_spec['dims']})")
+    print(f"\ntoken graph (batch {SLOTS}) CPU per call, kv written in place: max_seq {MAX_SEQ}: {small:.2f} ms, "
+          f"max_seq {BIG_SEQ}: {large:.2f} ms ({large / small:.2f}x; kv {cb.kv_spec['dims']} vs {big.kv_spec['dims']})")
+    if args.functional:
+        f_small, f_large = functional_call_ms(ws, work, MAX_SEQ), functional_call_ms(ws, work, BIG_SEQ)
+        print(f"the same, kv a fresh output per call:    max_seq {MAX_SEQ}: {f_small:.2f} ms, max_seq {BIG_SEQ}: "
+              f"{f_large:.2f} ms ({f_large / f_small:.2f}x)")
     if not args.keep and args.workdir is None:
         shutil.rmtree(work, ignore_errors=True)
 

@@ -2,7 +2,8 @@
 lowers and compiles with bf16 weights and a bf16 KV cache (cpu, and trn2 whose HLO runs on XLA:CPU); the one weights
 file is bf16 and holds the checkpoint's bytes once (the tied lm_head aliased, not stored again); `validate --generate`
 accepts the graphs against transformers' own model in bf16; the deployed bundle's greedy tokens equal transformers'
-bf16 `generate`."""
+bf16 `generate`; the continuous-batching + on-device-sampling graphs in bf16 give each request transformers' bf16
+greedy tokens through the engine (#42)."""
 
 from __future__ import annotations
 
@@ -26,7 +27,15 @@ hf_causal_lm(name = "llama", model_type = "llama", config = {json.dumps(HF).repl
              weights = "llama.safetensors", max_seq = {MAX_SEQ})
 llm_compile(name = "llama", model = ":llama", targets = [":cpu", ":trn2"],
             buckets = {{"context": [":serve_context"], "token": [":serve_token"]}})
-neuron_bundle(name = "release", srcs = [":llama_cpu", ":llama_trn2"])
+# the serving options in bf16 (#42): cpu only, one context and one token bucket (2 more compiles)
+hf_causal_lm(name = "serving", model_type = "llama", config = {json.dumps(HF).replace("true", "True")},
+             weights = "llama.safetensors", max_seq = {MAX_SEQ}, continuous_batching = True, max_batch = 2,
+             on_device_sampling = True)
+neuron_buckets(name = "serving_ctx", shapes = [{{"batch": 2, "seq": {SEQ}}}])
+neuron_buckets(name = "serving_tok", shapes = [{{"batch": 2}}])
+neuron_compile(name = "serving_cpu", model = ":serving", target = ":cpu",
+               buckets = {{"context": [":serving_ctx"], "token": [":serving_tok"]}})
+neuron_bundle(name = "release", srcs = [":llama_cpu", ":llama_trn2", ":serving_cpu"])
 '''
 
 
@@ -87,7 +96,8 @@ def test_bf16_checkpoint_gives_bf16_graphs_and_one_bf16_weights_file_of_its_size
 
 
 def test_bf16_graphs_validate_and_generate_like_transformers_in_bf16(bf16_built: Path, cache_dir: Path) -> None:
-    proc = run_cli(["validate", "//...", "--generate", str(NEW), "--cache-dir", str(cache_dir)], bf16_built)
+    # (the serving graphs are checked by the engine test below, not validated again here: CI time)
+    proc = run_cli(["validate", CPU, TRN2, "--generate", str(NEW), "--cache-dir", str(cache_dir)], bf16_built)
     out = proc.stdout
     assert proc.returncode == 0, out + proc.stderr[-3000:]
     rows = [line for line in out.splitlines() if line.startswith(("//:llama_cpu ", "//:llama_trn2 "))]
@@ -117,6 +127,38 @@ def test_deployed_bf16_bundle_generates_transformers_bf16_tokens(
                             max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False, eos_token_id=None,
                             pad_token_id=0)[:, -NEW:].tolist()
     assert got == want
+
+
+def test_bf16_continuous_batching_and_on_device_sampling_give_transformers_bf16_greedy_tokens(
+        bf16_built: Path, tmp_path: Path) -> None:
+    """The serving graphs in bf16 (cache in bf16, written in place on cpu): 3 requests of different lengths through
+    a 2-line engine (one queues), greedy and top_k = 1 at temperature 0.8, each equal to transformers' bf16
+    `generate` of that request alone (tokens exactly, as docs/llm.md defines the bf16 comparison)."""
+    import torch
+
+    from neuronbuild.runtime import open_cache
+
+    dest = tmp_path / "deployed"
+    proc = run_cli(["deploy", str(bf16_built / "neuronbuild-out/release.tar.zst"), "--cache-dir", str(dest)],
+                   bf16_built)
+    assert proc.returncode == 0, proc.stderr
+    lm = open_cache(dest, strict=True).causal_lm("//:serving_cpu")
+    assert (lm.serving, lm.sampling, lm.kv_spec["dtype"]) == (True, True, "bfloat16")
+    prompts = [[1, 17, 9, 25, 3, 48, 7, 5], [1, 30, 31], [1, 12, 40, 41, 42]]
+    eng = lm.engine()
+    cache = eng.kv
+    rids = [eng.add(prompts[0], max_new_tokens=NEW, eos_token_id=None),
+            eng.add(prompts[1], max_new_tokens=5, temperature=0.8, top_k=1, eos_token_id=None),
+            eng.add(prompts[2], max_new_tokens=6, eos_token_id=None)]
+    got = eng.run()
+    assert eng.kv is cache and cache.dtype == torch.bfloat16  # one bf16 cache, written in place
+    ref = _reference()
+    for rid, p, n in zip(rids, prompts, (NEW, 5, 6), strict=True):
+        with torch.no_grad():
+            want = ref.generate(torch.tensor([p]), attention_mask=torch.ones((1, len(p)), dtype=torch.int64),
+                                max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=None,
+                                pad_token_id=0)[0, len(p):].tolist()
+        assert got[rid] == want, (rid, got[rid], want)
 
 
 def test_a_weights_file_whose_tied_names_point_nowhere_is_refused() -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from helpers import run_cli, write_ws
@@ -102,6 +103,74 @@ def test_every_family_validates_and_generates_like_transformers(families_built, 
             gen = [line for line in out.splitlines() if line.startswith(f"{label}: generate ")]
             assert [g.split()[2] for g in gen] == ["batch1", "batch2_padded"], (label, out)
             assert all(f": ok ({NEW} tokens x " in g for g in gen), (label, out)
+
+
+def _eager_serving_lm(name: str, max_batch: int = 3) -> tuple[Any, Any]:
+    """The family's continuous-batching graphs (the shipped wrapper's serving_context / serving_token, eager, with
+    transformers' seeded weights) as the runtime's CausalLM sees deployed graphs, and transformers' model."""
+    import torch
+
+    from neuronbuild.runtime.causal_lm import CausalLM
+    from neuronbuild.toolchains import hf_causal_lm
+    from neuronbuild.toolchains.validate import _Family, _Graph, _Model
+
+    model_type, hf = FAMILIES[name]
+    cfg = {"model_type": model_type, "hf": hf, "max_seq": MAX_SEQ}
+    torch.manual_seed(0)
+    ref = hf_causal_lm.hf_model(cfg).eval()
+    state = ref.state_dict()
+    static = hf_causal_lm.context(cfg).eval()
+    static.load_state_dict(state)
+    with torch.no_grad():  # the family's cache layout [layers, 2, batch, kv_heads, max_seq, head_dim]
+        dims = list(static(torch.ones(1, 2, dtype=torch.int64), torch.ones(1, 2, dtype=torch.int64))["kv"].shape)
+    dims[2] = max_batch + 1
+    kv = {"dtype": "float32", "dims": dims}
+    i32 = "int32"
+    families = {}
+    for fam, entry, ids, mask, pos, buckets in (
+            ("context", hf_causal_lm.serving_context, ["batch", "seq"], ["batch", "seq"], ["batch", "seq"],
+             {"context_batch2_seq8": {"batch": 2, "seq": SEQ}}),
+            ("token", hf_causal_lm.serving_token, ["batch", 1], ["batch", MAX_SEQ], ["batch", 1],
+             {"token_batch2": {"batch": 2}, "token_batch4": {"batch": 4}})):
+        module = entry(cfg).eval()
+        module.load_state_dict(state)
+        spec = {"config": cfg, "outputs": [["logits", {}], ["kv", kv]],
+                "inputs": [["input_ids", {"dtype": i32, "dims": ids}], ["attention_mask", {"dtype": i32, "dims": mask}],
+                           ["position_ids", {"dtype": i32, "dims": pos}], ["seq_ids", {"dtype": i32, "dims": ["batch"]}],
+                           ["kv", kv]]}
+
+        def flat(module: Any = module) -> Any:  # outputs as a loaded artifact returns them: a list
+            return lambda *args: list(module(*args).values())
+
+        families[fam] = _Family(f"//:{name}", {n: (_Graph(spec, b, n, {"kv": "kv"}, f"//:{name}"), flat())
+                                               for n, b in buckets.items()})
+    return CausalLM(_Model(f"//:{name}", families), strict=True), ref
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_serving_graphs_of_every_family_run_eagerly_by_the_engine_give_each_request_transformers_greedy_tokens(
+        name: str) -> None:
+    """The continuous-batching wrapper (eager, not compiled: the compiled serving graphs are checked on llama in
+    tests/test_llm_serving.py) of every family, driven by the runtime's engine: requests admitted at different steps
+    into different lines decode side by side at different positions (prompt + generation beyond the sliding window
+    where the family has one), each equal to transformers' greedy `generate` of that request alone."""
+    import torch
+
+    lm, ref = _eager_serving_lm(name)
+    prompts, new = [[5, 6, 7, 8, 9, 10, 11], [9, 10], [3, 4, 5]], NEW
+    eng = lm.engine()
+    with torch.no_grad():
+        first = eng.add(prompts[0], max_new_tokens=new, eos_token_id=None)
+        for _ in range(3):  # the first request decodes alone, then two more join it in the other lines
+            eng.step()
+        rids = [first] + [eng.add(p, max_new_tokens=new, eos_token_id=None) for p in prompts[1:]]
+        got = eng.run()
+        for rid, p in zip(rids, prompts, strict=True):
+            want = ref.generate(torch.tensor([p]), attention_mask=torch.ones((1, len(p)), dtype=torch.int64),
+                                max_new_tokens=new, min_new_tokens=new, do_sample=False, eos_token_id=None,
+                                pad_token_id=0)[0, len(p):].tolist()
+            assert got[rid] == want, (name, rid, got[rid], want)
+    assert eng.calls["token_batch4"] > 0 and eng.calls["token_batch2"] > 0
 
 
 def test_validate_catches_a_wrapper_that_ignores_the_sliding_window(

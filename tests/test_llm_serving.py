@@ -139,6 +139,64 @@ def test_top_k_1_is_greedy_and_a_seed_fixes_sampled_tokens_whatever_the_neighbou
     assert sampled(0, seed=12) != alone and alone != _greedy(reference, PROMPTS[1], 12)
 
 
+def test_cpu_graphs_write_the_kv_cache_in_place_into_the_callers_tensor(deployed: Path) -> None:
+    import torch
+
+    lm = _lm(deployed, CPU)
+    # the compile records it (the manifest carries each compile's record): output 2 (tokens, logits, kv) is input 6
+    for fam in (lm._context, lm._token):
+        for name in fam.buckets:
+            assert fam.graph(name).record["in_place"] == ["input-mutation-1", [["kv", 2, "kv", 6]]]
+    fn = lm.fn("token", "token_batch2")
+    kv = torch.zeros([int(d) for d in lm.kv_spec["dims"]], dtype=torch.float32)
+    ptr = kv.data_ptr()
+    mask = torch.zeros((2, MAX_SEQ), dtype=torch.int32)
+    mask[0, :6] = 1
+    mask[1, :1] = 1
+    args = (torch.tensor([[5], [9]], dtype=torch.int32), mask, torch.tensor([[5], [0]], dtype=torch.int32),
+            torch.tensor([1, -1], dtype=torch.int32), torch.tensor([[1.0, 1.0, 0.0]] * 2), torch.zeros(2))
+    with torch.inference_mode():
+        out = lm.named("token", fn(*args, kv))
+    assert out["kv"] is kv and kv.data_ptr() == ptr  # the caller's tensor, not a copy
+    written = kv.abs().sum(dim=(0, 1, 3, 5))  # [line, slot]
+    assert written[1, 5] > 0 and written[MAX_BATCH, 0] > 0  # line 1 slot 5; the padding row's scratch line, slot 0
+    written[1, 5] = written[MAX_BATCH, 0] = 0
+    assert not written.any()  # nothing else
+    eng = lm.engine()
+    cache = eng.kv
+    eng.add(PROMPTS[0], max_new_tokens=3, eos_token_id=None)
+    eng.run()
+    assert eng.kv is cache and bool(cache[:, :, 0, :, : len(PROMPTS[0]) + 2].abs().sum() > 0)  # one cache, written
+
+
+def test_only_an_aliased_output_scattered_into_its_input_is_compiled_in_place() -> None:
+    """The cpu compile writes an aliased output in place only when it is one scatter into its input (the serving
+    graphs' index_put into kv); an output built otherwise (a stack of per-layer updates, as the static token graph's)
+    would be computed and then copied into the input, slower than a fresh output, so it stays one."""
+    import torch
+
+    from neuronbuild.toolchains.compile import _scatters_into_input, write_in_place
+
+    class Scatter(torch.nn.Module):
+        def forward(self, x: torch.Tensor, slot: torch.Tensor, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return x.sum(-1), torch.index_put(kv, (slot,), x)
+
+    class Stack(torch.nn.Module):
+        def forward(self, x: torch.Tensor, slot: torch.Tensor, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return x.sum(-1), torch.stack([kv[0].index_copy(0, slot, x[0, :1]), kv[1]])
+
+    args = (torch.ones(1, 4), torch.tensor([1]), torch.zeros(2, 4))
+    scatter, stack = (torch.export.export(m(), args) for m in (Scatter, Stack))
+    assert _scatters_into_input(scatter, 1, 2) and not _scatters_into_input(scatter, 0, 2)
+    assert not _scatters_into_input(stack, 1, 2)
+    meta = write_in_place(scatter, [(1, 2)])
+    kinds = [s.kind.name for s in scatter.graph_signature.output_specs]
+    assert kinds == ["USER_INPUT_MUTATION", "USER_OUTPUT"] and json.loads(meta["neuronbuild.in_place"]) == [[1, 2]]
+    kv = torch.zeros(2, 4)
+    out = scatter.module()(torch.full((1, 4), 3.0), torch.tensor([1]), kv)  # the program now updates its input
+    assert kv[1].tolist() == [3.0] * 4 and kv[0].tolist() == [0.0] * 4 and float(out[0]) == 12.0
+
+
 def _draws(lm: Any, params: list[float], n: int) -> list[int]:
     """n first tokens of one prompt sampled by a context graph, two draws per call."""
     import torch

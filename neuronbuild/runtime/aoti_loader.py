@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -15,21 +16,49 @@ from neuronbuild.runtime.verified import with_tied
 MODEL_NAME = "model"
 CONSTANTS_FILE = "constants.safetensors"  # next to model.pt2: the model's weights (its weights action's)
 PROGRAM_CONSTANTS_FILE = "program_constants.safetensors"  # the graph's own tensors (absent in older outputs)
+# Package metadata of a graph compiled with outputs written in place (toolchains/compile.py write_in_place; the same
+# strings, not imported: the runtime imports nothing of the build side): which output is which input, and the
+# program's output structure with them.
+IN_PLACE_KEY = "neuronbuild.in_place"
+OUT_SPEC_KEY = "neuronbuild.out_spec"
+
+
+def in_place_outputs(metadata: Mapping[str, str]) -> tuple[list[tuple[int, int]], Any]:
+    """(output index, input index) pairs a package writes in place, and its full output treespec (None: none)."""
+    raw = metadata.get(IN_PLACE_KEY)
+    if not raw:
+        return [], None
+    pairs = [(int(o), int(i)) for o, i in json.loads(raw)]
+    return sorted(pairs), pytree.treespec_loads(str(metadata[OUT_SPEC_KEY]))
 
 
 class LoadedPackage:
-    """Callable over a loaded package: positional tensors in, the model's output structure (tensor(s)) out."""
+    """Callable over a loaded package: positional tensors in, the model's output structure (tensor(s)) out.
+
+    A package compiled with in-place outputs (declared aliases, e.g. kv -> kv) writes such an output into the
+    caller's input tensor and does not return it: the call returns that input tensor itself in its place, so callers
+    see the declared outputs (the serving cache stays one tensor, written in place, never copied)."""
 
     def __init__(self, loader: Any) -> None:
         self._loader = loader
         in_spec, out_spec = loader.get_call_spec()
-        self._out_spec = pytree.treespec_loads(out_spec)
+        self._in_place, full = in_place_outputs(dict(loader.get_metadata()))
+        self._out_spec = full if full is not None else pytree.treespec_loads(out_spec)
         self._in_spec = in_spec
+        # a flat tuple of tensors (every graph of a FlatForward trace): built directly, not through pytree (a
+        # serving step's host work is of the order of a small graph's call)
+        self._flat_tuple = self._out_spec == pytree.tree_flatten(tuple(range(self._out_spec.num_leaves)))[1]
 
     def __call__(self, *args: torch.Tensor) -> Any:
-        flat = [a for a in pytree.tree_leaves(args) if isinstance(a, torch.Tensor)]
+        flat = list(args) if all(type(a) is torch.Tensor for a in args) else \
+            [a for a in pytree.tree_leaves(args) if isinstance(a, torch.Tensor)]
+        inputs = list(flat) if self._in_place else flat  # (boxed_run empties the list it is given)
         outputs = self._loader.boxed_run(flat)
-        return pytree.tree_unflatten(outputs, self._out_spec)
+        if self._in_place:
+            outputs = list(outputs)
+            for out_i, in_i in self._in_place:
+                outputs.insert(out_i, inputs[in_i])
+        return tuple(outputs) if self._flat_tuple else pytree.tree_unflatten(outputs, self._out_spec)
 
     def metadata(self) -> dict[str, str]:
         return dict(self._loader.get_metadata())
@@ -77,7 +106,18 @@ def load_package(path: Path, constants: Mapping[str, torch.Tensor] | None = None
         fallback: Any = aoti_load_package(str(path))
         if constants is not None:
             fallback.load_constants(dict(constants), check_full_update=True, user_managed=True)
-        return fallback  # type: ignore[no-any-return]
+        pairs, full = in_place_outputs(dict(fallback.get_metadata()))
+        if not pairs:
+            return fallback  # type: ignore[no-any-return]
+
+        def with_inputs(*args: torch.Tensor) -> Any:
+            flat = [a for a in pytree.tree_leaves(args) if isinstance(a, torch.Tensor)]
+            outputs = list(pytree.tree_leaves(fallback(*args)))
+            for out_i, in_i in pairs:
+                outputs.insert(out_i, flat[in_i])
+            return pytree.tree_unflatten(outputs, full)
+
+        return with_inputs
     if constants is not None:
         needed = {str(n) for n in loader.get_constant_fqns()}
         absent = sorted(needed - set(constants))

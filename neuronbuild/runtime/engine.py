@@ -62,6 +62,7 @@ class Request:
     line: int = -1
     tokens: list[int] = field(default_factory=list)
     done: bool = False
+    draws: list[float] = field(default_factory=list)  # sampled requests: one uniform draw per new token, in order
 
     @property
     def position(self) -> int:
@@ -69,7 +70,19 @@ class Request:
         return len(self.prompt) + len(self.tokens) - 1
 
     def draw(self) -> float:
-        return float(torch.rand((), generator=self.generator))
+        """The draw of the next token: the request's own stream (drawn at admission from its seeded generator, all
+        at once), so its tokens do not depend on its neighbours; greedy requests take none (0)."""
+        return self.draws[len(self.tokens)] if self.draws else 0.0
+
+
+@dataclass
+class _Inputs:
+    """A token bucket's input tensors of the last decode, reused while the same lines decode in the same rows (each
+    step then updates them in place: the new tokens, positions + 1, one more attended slot per row)."""
+
+    name: str
+    lines: tuple[int, ...]
+    args: list[torch.Tensor]
 
 
 class Engine:
@@ -94,6 +107,15 @@ class Engine:
         self._next = 0
         self._seed = seed
         self.calls: dict[str, int] = {}  # graph calls by bucket name (context_batch2_seq16, token_batch4, ...)
+        # Host work per step is of the order of a small graph call: what does not change between steps is looked up
+        # once (buckets, the token bucket of each row count, loaded graphs, output positions).
+        self._ctx_buckets: dict[str, dict[str, int]] = lm.context_buckets
+        self._tok_buckets: dict[str, dict[str, int]] = lm.token_buckets
+        self._largest = max(b["batch"] for b in self._tok_buckets.values())
+        self._tok_for = {n: lm.pick(TOKEN, self._tok_buckets, {"batch": n}) for n in range(1, self._largest + 1)}
+        self._fns: dict[tuple[str, str], Any] = {}
+        self._slots = torch.arange(self.max_seq, dtype=torch.int32)
+        self._last: _Inputs | None = None  # the last decode's inputs (None after a prefill or a finished request)
 
     # -- requests ------------------------------------------------------------------------------------------------
 
@@ -132,7 +154,8 @@ class Engine:
         rid = self._next
         self._next += 1
         gen = torch.Generator().manual_seed(int(seed) if seed is not None else self._seed * 1_000_003 + rid)
-        self.waiting.append(Request(rid, prompt, max_new_tokens, sampling, eos_token_id, gen))
+        draws = [] if sampling.greedy else torch.rand(max_new_tokens, generator=gen).tolist()
+        self.waiting.append(Request(rid, prompt, max_new_tokens, sampling, eos_token_id, gen, draws=draws))
         return rid
 
     @property
@@ -145,12 +168,13 @@ class Engine:
         """Admit waiting requests into free lines (prefill), then decode every active request by one token. Returns
         the tokens each request got in this step."""
         got: dict[int, list[int]] = {}
-        while self.waiting and self.free:
-            self._prefill(self._admissible(), got)
-        rows = sorted(self.active.values(), key=lambda r: r.line)
-        largest = max(b["batch"] for b in self.lm.token_buckets.values())
-        for i in range(0, len(rows), largest):
-            self._decode(rows[i:i + largest], got)
+        with torch.inference_mode():
+            while self.waiting and self.free:
+                self._prefill(self._admissible(), got)
+            rows = [self.active[line] for line in sorted(self.active)]
+            largest = self._largest
+            for i in range(0, len(rows), largest):
+                self._decode(rows[i:i + largest], got)
         return got
 
     def run(self) -> dict[int, list[int]]:
@@ -168,7 +192,7 @@ class Engine:
 
     def _context_bucket(self, reqs: Sequence[Request]) -> str | None:
         try:
-            return self.lm.pick(CONTEXT, self.lm.context_buckets,
+            return self.lm.pick(CONTEXT, self._ctx_buckets,
                                 {"batch": len(reqs), "seq": max(len(r.prompt) for r in reqs)})
         except NoBucketFits:
             return None
@@ -178,14 +202,15 @@ class Engine:
             return []
         pad = batch - len(rows)  # padding rows: greedy
         params = [r.sampling.row() for r in rows] + [[1.0, 1.0, 0.0]] * pad
-        rand = [r.draw() for r in rows] + [0.0] * pad
+        rand = [r.draw() for r in rows] + [0.0] * pad  # (greedy rows: 0, unused)
         return [torch.tensor(params, dtype=torch.float32), torch.tensor(rand, dtype=torch.float32)]
 
     def _prefill(self, reqs: list[Request], got: dict[int, list[int]]) -> None:
         name = self._context_bucket(reqs)
         if name is None:  # (add() checked every prompt fits a batch-1 bucket)
             raise NoBucketFits(f"{self.label}: no context bucket holds a prompt of {len(reqs[0].prompt)} tokens")
-        bucket = self.lm.context_buckets[name]
+        bucket = self._ctx_buckets[name]
+        self._last = None
         cb, seq = bucket["batch"], bucket["seq"]
         ids = torch.full((cb, seq), self.lm.pad_token_id, dtype=torch.int32)
         mask = torch.ones((cb, seq), dtype=torch.int32)  # padding rows attend to their own pad tokens
@@ -201,26 +226,41 @@ class Engine:
         self._emit(CONTEXT, name, args, reqs, got)
 
     def _decode(self, rows: list[Request], got: dict[int, list[int]]) -> None:
-        name = self.lm.pick(TOKEN, self.lm.token_buckets, {"batch": len(rows)})
-        pad = self.lm.token_buckets[name]["batch"] - len(rows)  # (built from lists: a step's host cost is per call)
-        ids = torch.tensor([[r.tokens[-1]] for r in rows] + [[self.lm.pad_token_id]] * pad, dtype=torch.int32)
-        positions = torch.tensor([[r.position] for r in rows] + [[0]] * pad, dtype=torch.int32)
-        seq_ids = torch.tensor([r.line for r in rows] + [PADDING_LINE] * pad, dtype=torch.int32)
-        # slots 0..position (padding rows: slot 0 of the scratch line)
-        mask = (torch.arange(self.max_seq, dtype=torch.int32)[None, :] <= positions).to(torch.int32)
-        args = [ids, mask, positions, seq_ids, *self._sampling_inputs(rows, len(rows) + pad)]
+        name = self._tok_for[len(rows)]
+        lines = tuple(r.line for r in rows)
+        last = self._last
+        if last is not None and last.name == name and last.lines == lines:
+            # the same requests in the same rows as the last call (a decode): update its inputs in place
+            ids, mask, positions, _seq_ids, *sampling = last.args
+            n = len(rows)
+            ids[:n, 0] = torch.tensor([r.tokens[-1] for r in rows], dtype=torch.int32)
+            positions[:n] += 1
+            mask[:n].scatter_(1, positions[:n].long(), 1)
+            if sampling and any(r.draws for r in rows):
+                sampling[1][:n] = torch.tensor([r.draw() for r in rows], dtype=torch.float32)
+            args = last.args
+        else:
+            pad = self._tok_buckets[name]["batch"] - len(rows)
+            ids = torch.tensor([[r.tokens[-1]] for r in rows] + [[self.lm.pad_token_id]] * pad, dtype=torch.int32)
+            positions = torch.tensor([[r.position] for r in rows] + [[0]] * pad, dtype=torch.int32)
+            seq_ids = torch.tensor(list(lines) + [PADDING_LINE] * pad, dtype=torch.int32)
+            # slots 0..position (padding rows: slot 0 of the scratch line)
+            mask = (self._slots[None, :] <= positions).to(torch.int32)
+            args = [ids, mask, positions, seq_ids, *self._sampling_inputs(rows, len(rows) + pad)]
+            self._last = _Inputs(name, lines, args)
         self._emit(TOKEN, name, args, rows, got)
 
     def _emit(self, family: str, name: str, args: list[torch.Tensor], rows: Sequence[Request],
               got: dict[int, list[int]]) -> None:
-        fn = self.lm.fn(family, name)
-        with torch.inference_mode():
-            out = self.lm.named(family, fn(*args, self.kv))
+        fn = self._fns.get((family, name))
+        if fn is None:
+            fn = self._fns[(family, name)] = self.lm.fn(family, name)
+        out = self.lm.named(family, fn(*args, self.kv))
         self.calls[name] = self.calls.get(name, 0) + 1
-        self.kv = out["kv"]  # the output aliasing the kv input: the next call's cache, as is
+        self.kv = out["kv"]  # the output aliasing the kv input (on cpu: that very tensor, written in place)
         nxt = (out["tokens"] if "tokens" in out else out["logits"].argmax(-1)).tolist()
         for b, r in enumerate(rows):
-            t = int(nxt[b])
+            t = nxt[b]
             r.tokens.append(t)
             got.setdefault(r.rid, []).append(t)
             if len(r.tokens) >= r.max_new_tokens or (r.eos_token_id is not None and t == r.eos_token_id):
@@ -228,6 +268,7 @@ class Engine:
 
     def _finish(self, r: Request) -> None:
         r.done = True
+        self._last = None
         del self.active[r.line]
         self.free.append(r.line)
         self.free.sort()

@@ -79,7 +79,8 @@ def run_cpu_compile(spec: dict[str, Any], sandbox: Path, out_dir: Path) -> dict[
     ep, args = _program_and_args(spec, sandbox)
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     write_program_constants(ep, Path(out_dir) / PROGRAM_CONSTANTS_FILE)
-    return compile_cpu(ep, args, str(spec.get("isa", "")), spec.get("options") or {}, Path(out_dir))
+    return compile_cpu(ep, args, str(spec.get("isa", "")), spec.get("options") or {}, Path(out_dir),
+                       in_place=[(int(p[1]), int(p[3])) for p in spec.get("in_place") or ()])
 
 
 def _check_inputs(ep: torch.export.ExportedProgram, args: tuple[torch.Tensor, ...]) -> None:
@@ -105,10 +106,18 @@ def compile_cpu(
     isa: str,
     options: Mapping[str, Any],
     out_dir: Path,
+    in_place: list[tuple[int, int]] | None = None,
 ) -> dict[str, Any]:
+    """`in_place`: (output index, input index) pairs (declared aliases): each such output that is one scatter into
+    its input (_scatters_into_input) is compiled as an update of the input in place (write_in_place), and the
+    package's metadata names the pairs for the loader; the others stay fresh outputs."""
     target = isa_target(isa)
     strip_unstable_meta(ep)  # the trace's source lines serve Neuron lowering errors; the package never holds them
     ep = apply_passes(ep, options, args)
+    metadata: dict[str, str] = {}
+    in_place = [p for p in in_place or () if _scatters_into_input(ep, *p)]
+    if in_place:
+        metadata = write_in_place(ep, in_place)
     from torch._inductor import aoti_compile_and_package
 
     # Inductor's working dir and the raw package live in the action's own output dir, which no other action can write
@@ -119,7 +128,9 @@ def compile_cpu(
             _fake_constants_by_storage(), _weights_never_inlined():
         raw = tmp / f"{PACKAGE_MODEL_NAME}.pt2"
         with torch.no_grad():
-            aoti_compile_and_package(ep, package_path=str(raw), inductor_configs=inductor_configs(target))
+            aoti_compile_and_package(ep, package_path=str(raw),
+                                     inductor_configs={**inductor_configs(target),
+                                                       **({"aot_inductor.metadata": metadata} if metadata else {})})
         data = canonical_package(raw.read_bytes())
         # The program's state (what the weights action writes: the same module's parameters and persistent
         # buffers by FQN) and its own tensors hold every tensor the package asks for at load.
@@ -130,7 +141,90 @@ def compile_cpu(
             raise ToolchainError(f"the compiled package needs constant(s) the model's {CONSTANTS_FILE} does not "
                                  f"hold: {', '.join(missing[:5])}")
     (out_dir / "model.pt2").write_bytes(data)
-    return {"artifact": "model.pt2", "bytes": len(data), "isa": isa, "constants": CONSTANTS_FILE}
+    return {"artifact": "model.pt2", "bytes": len(data), "isa": isa, "constants": CONSTANTS_FILE,
+            **({"in_place": [list(p) for p in in_place]} if in_place else {})}
+
+
+# What makes an aliased output worth writing in place: one op writing into the input itself (a scatter of the new
+# values: the serving graphs' one index_put into kv). Any other output (e.g. the static token graph's stack of
+# per-layer index_copy results) would be computed into a buffer and then copied into the input: measured 2x slower
+# than a fresh output at max_seq 1024 (docs/benchmarks.md, #42), so it stays a fresh output.
+_SCATTERS = ("index_put", "index_copy", "scatter", "slice_scatter", "select_scatter")
+
+
+def _scatters_into_input(ep: torch.export.ExportedProgram, out_i: int, in_i: int) -> bool:
+    """Whether user output `out_i` is one scatter-like op whose destination is user input `in_i` itself."""
+    from torch.export.graph_signature import InputKind, OutputKind
+
+    sig = ep.graph_signature
+    user_in = [s.arg.name for s in sig.input_specs if s.kind == InputKind.USER_INPUT]
+    user_pos = [i for i, s in enumerate(sig.output_specs) if s.kind == OutputKind.USER_OUTPUT]
+    if not (0 <= out_i < len(user_pos) and 0 <= in_i < len(user_in)):
+        return False
+    node = next(n for n in reversed(ep.graph.nodes) if n.op == "output")
+    value = node.args[0][user_pos[out_i]]
+    if not isinstance(value, torch.fx.Node) or value.op != "call_function" or not value.args:
+        return False
+    op = getattr(getattr(value.target, "_overloadpacket", None), "__name__", "")
+    dest = value.args[0]
+    return op in _SCATTERS and isinstance(dest, torch.fx.Node) and dest.op == "placeholder" \
+        and dest.name == user_in[in_i]
+
+
+IN_PLACE_KEY = "neuronbuild.in_place"  # package metadata: JSON [[output index, input index], ...] (aoti_loader)
+OUT_SPEC_KEY = "neuronbuild.out_spec"  # package metadata: the program's output treespec before write_in_place
+
+
+def write_in_place(ep: torch.export.ExportedProgram, pairs: list[tuple[int, int]]) -> dict[str, str]:
+    """Turn each (output index, input index) pair of user outputs and inputs into an update of that input in place
+    (in place: the program is changed): the output's value becomes a USER_INPUT_MUTATION of the input, as export
+    records `x.copy_(...)`, so AOTInductor writes it into the caller's tensor (the serving graphs' one scatter into
+    `kv`: in place, no copy of the cache) and returns the other outputs only. The output must have the input's shape
+    and dtype. Returns the package metadata naming the pairs and the original output structure (the runtime loader,
+    aoti_loader.LoadedPackage, puts each input back at its output's position)."""
+    import json
+
+    import torch.utils._pytree as pytree
+    from torch.export.graph_signature import InputKind, OutputKind, OutputSpec
+
+    sig = ep.graph_signature
+    user_in = [s for s in sig.input_specs if s.kind == InputKind.USER_INPUT]
+    specs = list(sig.output_specs)
+    user_pos = [i for i, s in enumerate(specs) if s.kind == OutputKind.USER_OUTPUT]
+    node = next(n for n in reversed(ep.graph.nodes) if n.op == "output")
+    values = list(node.args[0])
+    placeholders = {n.name: n for n in ep.graph.nodes if n.op == "placeholder"}
+    moved: dict[int, tuple[OutputSpec, Any]] = {}
+    for out_i, in_i in pairs:
+        if not (0 <= out_i < len(user_pos) and 0 <= in_i < len(user_in)):
+            raise ToolchainError(f"in-place output {out_i} -> input {in_i}: the program has {len(user_pos)} "
+                                 f"output(s) and {len(user_in)} input(s)")
+        pos, target = user_pos[out_i], user_in[in_i].arg.name
+        got = getattr(values[pos], "meta", {}).get("val")
+        want = placeholders[target].meta.get("val")
+        if not (isinstance(got, torch.Tensor) and isinstance(want, torch.Tensor) and got.shape == want.shape
+                and got.dtype == want.dtype):
+            describe = lambda t: f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}" \
+                if isinstance(t, torch.Tensor) else type(t).__name__  # noqa: E731
+            raise ToolchainError(f"output {out_i} ({describe(got)}) cannot be written in place into input {in_i} "
+                                 f"{target!r} ({describe(want)}): an aliased output needs its input's shape and dtype")
+        moved[pos] = (OutputSpec(OutputKind.USER_INPUT_MUTATION, specs[pos].arg, target), values[pos])
+    kept = [(s, v) for i, (s, v) in enumerate(zip(specs, values, strict=True)) if i not in moved]
+    first_user = next((i for i, (s, _v) in enumerate(kept) if s.kind == OutputKind.USER_OUTPUT), len(kept))
+    order = kept[:first_user] + [moved[p] for p in sorted(moved)] + kept[first_user:]  # mutations, then outputs
+    node.args = (tuple(v for _s, v in order),)
+    ep.graph_module.recompile()
+    ep._graph_signature = type(sig)(sig.input_specs, [s for s, _v in order])
+    call = ep.module_call_graph[0].signature
+    assert call is not None
+    original = call.out_spec
+    left = len(user_pos) - len(moved)
+    gone = {out_i for out_i, _in in pairs}
+    if call.outputs:
+        call.outputs = [o for i, o in enumerate(call.outputs) if i not in gone]
+    call.out_spec = pytree.tree_flatten(tuple(range(left)))[1]
+    return {IN_PLACE_KEY: json.dumps([[int(o), int(i)] for o, i in sorted(pairs)]),
+            OUT_SPEC_KEY: pytree.treespec_dumps(original)}
 
 
 def isa_target(isa: str) -> IsaTarget:

@@ -18,6 +18,11 @@ from neuronbuild.vocabulary import AUTO_CAST, CPU_ISAS, CPU_PLATFORM
 # the package (no weights inside) and the program's own tensors (non-persistent buffers, lifted constants); the model's
 # weights by FQN (constants.safetensors) ship beside them from the weights action (Action.ships)
 OUTPUTS = ("model.pt2", PROGRAM_CONSTANTS)
+# What a compile of a graph with aliases does with them (its record's "in_place"): "input-mutation-1" = an aliased
+# output that is one scatter into its input (compile._scatters_into_input) becomes an in-place update of that input
+# in the exported program before AOTInductor compiles it, so the package writes into the caller's tensor and returns
+# the other outputs (the runtime loader hands the input back); the package's metadata names what was done.
+IN_PLACE_VERSION = "input-mutation-1"
 
 
 class CpuToolchain:
@@ -51,10 +56,15 @@ class CpuToolchain:
         assert req.trace is not None
         # From shapes only: no weight value is inlined (compile.inductor_configs) and all are bound at load, so the
         # model's weights file ships beside the package (Action.ships) without being an input of the compile.
-        record = req.record(COMPILE, self.versions(req.platform, req.settings), weights="shipped-1")
+        # A graph declaring state (aliases: an output is the input it updates, e.g. kv -> kv) is compiled to write
+        # that output into the caller's input tensor (no fresh copy per call): new artifact semantics, so it enters
+        # the record (and the manifest, which carries the record); graphs without aliases keep their fingerprints.
+        in_place = in_place_pairs(req.trace.model)
+        record = req.record(COMPILE, self.versions(req.platform, req.settings), weights="shipped-1",
+                            **({"in_place": [IN_PLACE_VERSION, in_place]} if in_place else {}))
         spec = {"toolchain": self.name, "step": COMPILE, "platform": req.platform, "isa": req.target["isa"],
                 "options": dict(req.options), "inputs": dict(req.inputs), "bucket": req.bucket.as_dict(),
-                "program": TRACE_OUTPUT}
+                "program": TRACE_OUTPUT, **({"in_place": in_place} if in_place else {})}
         return [make_action(COMPILE, req.label, req.bucket, record, spec,
                             dep_inputs=(DepInput(req.trace.fingerprint, TRACE_OUTPUT, TRACE_OUTPUT),),
                             outputs=OUTPUTS, platform=req.platform, target=self.describe_target(req.target),
@@ -91,6 +101,22 @@ class CpuToolchain:
 
     def notes(self, settings: PlanSettings) -> list[str]:
         return []
+
+
+def in_place_pairs(model: Mapping[str, Any]) -> list[list[Any]]:
+    """A trace's declared aliases as [output name, output index, input name, input index] (positions among the
+    program's flattened outputs, which follow the declared order, and its inputs), sorted by output index."""
+    aliases = dict(model.get("aliases") or {})
+    if not aliases:
+        return []
+    outs = [str(n) for n, _s in model.get("outputs") or []]
+    ins = [str(n) for n, _s in model.get("inputs") or []]
+    pairs = []
+    for out, inp in aliases.items():
+        if out not in outs or inp not in ins:  # (kinds/model.py refuses such a declaration)
+            raise ValueError(f"aliases {out!r} -> {inp!r}: not a declared output and input")
+        pairs.append([out, outs.index(out), inp, ins.index(inp)])
+    return sorted(pairs, key=lambda p: int(p[1]))
 
 
 def warm_up(key: Mapping[str, Any]) -> dict[str, Any]:
