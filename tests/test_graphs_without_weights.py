@@ -250,3 +250,16 @@ def test_new_weights_republish_without_a_graph_action_and_new_graphs_without_the
     # The reverse: new graphs (another context length) with the same weights: the weights action is not run again.
     proc = build(ws, cache, "//rel:release_s8")
     assert "Weights" not in ran(proc) and sorted(ran(proc)) == ["Compile", "Lower", "Trace"]
+
+
+def test_key_audit_a_changed_checkpoint_rekeys_the_weights_action_alone(released: dict[str, object]) -> None:
+    """By construction: flipping a byte of the checkpoint changes the weights target's key and no trace, Lower or
+    Compile key (`audit-keys --quick`, keys only)."""
+    ws, cache = released["ws"], released["cache"]
+    assert isinstance(ws, Path) and isinstance(cache, Path)
+    proc = run_cli(["audit-keys", "--quick", "//rel:release", "--only", "rel/llama.safetensors", "--output", "json",
+                    "--cache-dir", str(cache)], ws)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (flipped,) = json.loads(proc.stdout)["inputs"]
+    changed = {k["kind"]: (k["key_changed"], k["actions"]) for k in flipped["kinds"]}
+    assert changed == {"weights": (1, 1), "trace": (0, 2), "lower": (0, 2), "compile": (0, 2)}, changed
