@@ -263,3 +263,24 @@ def test_key_audit_a_changed_checkpoint_rekeys_the_weights_action_alone(released
     (flipped,) = json.loads(proc.stdout)["inputs"]
     changed = {k["kind"]: (k["key_changed"], k["actions"]) for k in flipped["kinds"]}
     assert changed == {"weights": (1, 1), "trace": (0, 2), "lower": (0, 2), "compile": (0, 2)}, changed
+
+
+def test_strict_open_cache_refuses_weights_that_do_not_fit_a_graph_naming_the_parameter(
+        released: dict[str, object], tmp_path: Path) -> None:
+    """A deployed graph whose recorded parameters differ from its weights file (here: its manifest edited to take
+    another shape of one parameter) is refused by a strict open before anything is loaded, naming the parameter."""
+    from neuronbuild.runtime import open_cache
+
+    ws = released["ws"]
+    assert isinstance(ws, Path)
+    dest = tmp_path / "deployed"
+    proc = run_cli(["deploy", str(ws / "neuronbuild-out/rel/release.tar.zst"), "--cache-dir", str(dest)], ws)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (release,) = (dest / "releases").iterdir()
+    manifest = json.loads((release / "manifest.json").read_text())
+    manifest["graphs"][0]["state"]["model.norm.weight"] = ["float32", [32]]
+    (release / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(RuntimeError) as e:
+        open_cache(dest, strict=True, emulate="xla-cpu", require=[LABEL])
+    assert "weights do not match the graph: parameter model.norm.weight: the graph takes float32[32], its weights " \
+           "file weights/" in str(e.value) and "holds float32[64]" in str(e.value), str(e.value)
