@@ -284,3 +284,35 @@ def test_strict_open_cache_refuses_weights_that_do_not_fit_a_graph_naming_the_pa
         open_cache(dest, strict=True, emulate="xla-cpu", require=[LABEL])
     assert "weights do not match the graph: parameter model.norm.weight: the graph takes float32[32], its weights " \
            "file weights/" in str(e.value) and "holds float32[64]" in str(e.value), str(e.value)
+
+
+def test_a_plain_graphs_only_neuron_model_plans_no_weights_action_and_refuses_weights_beside_it(tmp_path: Path) -> None:
+    """`neuron_model(graphs_only = True)`: its compiles plan traces and compiles alone (the factory's own parameter
+    shapes; no seeded weights are made), with the keys of the same model's compile that ships seeded weights; a
+    checkpoint declared beside it is a located error."""
+    from neuronbuild.analysis.actions import WEIGHTS
+    from neuronbuild.analysis.planner import plan
+    from neuronbuild.errors import UserInputError
+    from neuronbuild.loading.target_graph import load_targets
+
+    build = """neuron_model(name = "net", srcs = ["net.py"], entry = "net:build", inputs = {{"x": "float32[batch, 8]"}}{extra})
+neuron_buckets(name = "b", shapes = [{{"batch": 2}}])
+neuron_target(name = "cpu", platform = "cpu", isa = "x86-64-v3")
+neuron_compile(name = "net_cpu", model = ":net", buckets = [":b"], target = ":cpu")
+"""
+    src = "import torch\n\ndef build(config):\n    return torch.nn.Linear(8, 4)\n"
+
+    def planned(name: str, extra: str) -> dict[str, str]:
+        ws = write_ws(tmp_path / name, {"p/BUILD": build.format(extra=extra), "p/net.py": src})
+        ag = plan(load_targets(ws, ["//p:net_cpu"]))
+        return {a.kind: a.fingerprint for a in ag.actions.values()}
+
+    graphs = planned("graphs_only", ", graphs_only = True")
+    seeded = planned("seeded", "")
+    assert WEIGHTS not in graphs and WEIGHTS in seeded
+    assert graphs == {k: v for k, v in seeded.items() if k != WEIGHTS}  # the same trace and compile keys
+    ws = write_ws(tmp_path / "both", {"p/BUILD": build.format(extra=', graphs_only = True, weights = "w.safetensors"'),
+                                      "p/net.py": src, "p/w.safetensors": ""})
+    with pytest.raises(UserInputError) as e:
+        load_targets(ws, ["//p:net_cpu"])
+    assert "graphs_only" in str(e.value) and "p/BUILD:1" in str(e.value.location), e.value
