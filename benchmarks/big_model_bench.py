@@ -8,9 +8,17 @@ cache, each output target and the bundle against the checkpoint's.
     .venv/bin/python benchmarks/big_model_bench.py --shape llama-3.2-1b --targets cpu --generate --lean  # + transformers tokens
     .venv/bin/python benchmarks/big_model_bench.py --shape llama-3.1-8b-2l --tp 8 --no-bundle --validate
     .venv/bin/python benchmarks/big_model_bench.py --shape llama-3.2-1b --quantization int8 --generate  # (#44)
-    .venv/bin/python benchmarks/big_model_bench.py --shape llama-3.1-8b --tp 8 --no-bundle --drop-checkpoint \
+    .venv/bin/python benchmarks/big_model_bench.py --shape llama-3.1-8b --tp 8 --no-bundle \
         --workdir /big/dir --keep            # both families: ~2x the checkpoint on disk at peak (--graphs context
                                              # [--reuse-checkpoint] builds one family at a time)
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/big_model_bench.py --graphs-only \
+        --shape llama-3.1-8b:8,llama-3.1-70b:32,llama-3.1-405b:64 --jobs 1   # (#51) no checkpoint at all
+
+`--graphs-only` (#51) builds each shape's trn2 graphs from `hf_causal_lm(..., weights = None)`: no checkpoint is
+written, none is needed; one shape after another in one run (SHAPE:TP), each action's wall, CPU and peak RSS, the HLO
+modules' sizes, and how they grow from shape to shape. (It replaces `--drop-checkpoint`, which deleted the checkpoint
+under a running build: since big inputs are linked into sandboxes, not copied, that fails the weights action with
+"input 'model.safetensors' changed during the build"; a graphs-only build never has one.)
 
 Not part of the test suite (CI keeps tiny models). Watch the machine's memory: each action's peak is printed as it
 is recorded by the build (`--profile`). The 8B shape writes a 16 GB checkpoint first."""
@@ -18,7 +26,6 @@ is recorded by the build (`--profile`). The 8B shape writes a 16 GB checkpoint f
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import shutil
@@ -47,6 +54,13 @@ SHAPES: dict[str, dict[str, object]] = {
     "llama-3.1-8b": {"vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
                      "num_attention_heads": 32, "num_key_value_heads": 8, "tie_word_embeddings": False,
                      "rope_theta": 500000.0, "rms_norm_eps": 1e-5},
+    # (#51) graphs only: no host here holds their checkpoints (141 GB, 810 GB in bf16)
+    "llama-3.1-70b": {"vocab_size": 128256, "hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
+                      "num_attention_heads": 64, "num_key_value_heads": 8, "tie_word_embeddings": False,
+                      "rope_theta": 500000.0, "rms_norm_eps": 1e-5},
+    "llama-3.1-405b": {"vocab_size": 128256, "hidden_size": 16384, "intermediate_size": 53248,
+                       "num_hidden_layers": 126, "num_attention_heads": 128, "num_key_value_heads": 8,
+                       "tie_word_embeddings": False, "rope_theta": 500000.0, "rms_norm_eps": 1e-5},
 }
 COMMON = {"model_type": "llama", "max_position_embeddings": 131072, "eos_token_id": 2, "bos_token_id": 1,
           "pad_token_id": 0}
@@ -87,7 +101,7 @@ def write_checkpoint(path: Path, cfg: dict[str, object], seed: int = 0) -> int:
 
 BUILD = """load("@neuronbuild//rules:llm.bzl", "hf_causal_lm", "llm_buckets")
 
-hf_causal_lm(name = "llm", config = {config}, weights = "model.safetensors", max_seq = {max_seq}{quant})
+hf_causal_lm(name = "llm", config = {config}, weights = {weights}, max_seq = {max_seq}{quant})
 llm_buckets(name = "serve", batch_sizes = [1], context_lengths = [{context}])
 neuron_target(name = "trn2", platform = "trn2")
 neuron_target(name = "cpu", platform = "cpu", isa = "native")
@@ -182,50 +196,98 @@ def cli(args: list[str], cwd: Path, check: bool = True) -> tuple[float, subproce
     return time.perf_counter() - start, proc
 
 
-def weights_copy_in_use(work: Path, ckpt: Path) -> bool:
-    """Whether the weights action's sandbox holds its whole, verified copy of the checkpoint: a sandbox (under the
-    cache's scratch dir) whose input copy is the checkpoint's size and whose output dir has files (the action runs:
-    the sandbox checked the copy's digest before starting it)."""
-    size = ckpt.stat().st_size
-    for copy in (work / "cache").glob(f"**/in/{ckpt.name}"):
-        with contextlib.suppress(OSError):
-            if copy.stat().st_size == size and any((copy.parent.parent / "out").iterdir()):
-                return True
-    return False
+def params_of(cfg: dict[str, object]) -> int:
+    """The parameter count of a Llama config (every checkpoint tensor's values)."""
+    total = 0
+    for shape in llama_shapes(cfg).values():
+        n = 1
+        for d in shape:
+            n *= d
+        total += n
+    return total
 
 
-def build_dropping_checkpoint(args: list[str], cwd: Path, work: Path, ckpt: Path) -> tuple[float, int]:
-    """`build ARGS`, deleting the checkpoint once the model's weights action is running on its sandbox's copy of it
-    (nothing else reads it: traces work on shapes, the compiles take the weights action's file or shards), so the
-    checkpoint, its sandbox copy and the shards are never on disk together: returns the wall time and the workdir's
-    peak bytes on disk (polled)."""
-    events = work / "events.jsonl"
-    start, peak = time.perf_counter(), 0
-    cmd = [sys.executable, "-m", "neuronbuild", "--batch", "build", *args, "--build-event-json-file", str(events)]
-    with subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
-        while proc.poll() is None:
-            time.sleep(5)
-            peak = max(peak, du(work))
-            if ckpt.exists() and weights_copy_in_use(work, ckpt):
-                ckpt.unlink()
-                print(f"  checkpoint deleted once the weights action ran on its sandbox copy, "
-                      f"{time.perf_counter() - start:.0f} s into the build", flush=True)
-            elif ckpt.exists() and events.exists():
-                done = [json.loads(line) for line in events.read_text().splitlines() if line.strip()]
-                if any(e.get("event") in ("action_finished", "action_cached") and e.get("kind") == "weights"
-                       for e in done):
-                    ckpt.unlink()
-                    print(f"  checkpoint deleted after the weights action, {time.perf_counter() - start:.0f} s into "
-                          "the build", flush=True)
-        out = proc.stdout.read() if proc.stdout else ""
-    if proc.returncode:
-        sys.exit(f"build failed ({proc.returncode}):\n{out[-3000:]}")
-    return time.perf_counter() - start, peak
+def graphs_only(args: argparse.Namespace) -> None:
+    """(#51) Each SHAPE:TP's trn2 graphs built from its config alone (`weights = None`: no checkpoint anywhere), one
+    shape after another: per action wall, CPU and peak RSS, the HLO modules' bytes, and the growth between shapes."""
+    work = args.workdir or Path(tempfile.mkdtemp(prefix="big-model-graphs-"))
+    rows: list[dict[str, object]] = []
+    for item in args.shape.split(","):
+        shape, _, tp_text = item.partition(":")
+        if shape not in SHAPES:
+            sys.exit(f"unknown shape {shape!r} (known: {', '.join(sorted(SHAPES))})")
+        tp = int(tp_text or args.tp)
+        ws, cache = work / f"{shape}-tp{tp}" / "ws", work / f"{shape}-tp{tp}" / "cache"
+        for d in (ws, cache):
+            shutil.rmtree(d, ignore_errors=True)
+        ws.mkdir(parents=True)
+        (ws / "WORKSPACE.neuronbuild").write_text("")
+        cfg = {**COMMON, **SHAPES[shape], "dtype": args.dtype}
+        families = [g.strip() for g in args.graphs.split(",") if g.strip()]
+        buckets = ", ".join(f'"{g}": [":serve_{g}"]' for g in families)
+        (ws / "BUILD").write_text(BUILD.format(
+            config=json.dumps(cfg).replace("true", "True").replace("false", "False"), weights="None",
+            max_seq=args.max_seq, context=args.context, quant="",
+            compiles=COMPILE.format(t="trn2", buckets=buckets, tp=f", tp_degree = {tp}" if tp > 1 else ""),
+            srcs='":llm_trn2"'))
+        (ws / "BUILD").write_text((ws / "BUILD").read_text().replace('neuron_bundle(name = "release", srcs = [":llm_trn2"])\n', ""))
+        profile = ws.parent / "profile.json"
+        wall, _ = cli(["build", "//:llm_trn2", "--jobs", str(args.jobs), "--cache-dir", str(cache), "--profile",
+                       str(profile)], ws)
+        events = json.loads(profile.read_text())
+        events = events.get("traceEvents", events) if isinstance(events, dict) else events
+        actions = sorted((e for e in events if e.get("cat") == "action"), key=lambda e: e["ts"])
+        params = params_of(cfg)
+        print(f"\n{shape} at tp {tp}: {params / 1e9:.1f}B parameters ({params * 2 / 1e9:.0f} GB in bf16: never "
+              f"written, never read); build {wall:.0f} s wall, no checkpoint in the workspace")
+        print(f"  {'action':<62} {'wall s':>7} {'cpu s':>7} {'peak RSS MiB':>12}")
+        for e in actions:
+            a = e.get("args") or {}
+            print(f"  {e['name'][:62]:<62} {a.get('duration_s', 0):>7.1f} {a.get('cpu_s', 0):>7.1f} "
+                  f"{a.get('peak_rss_mb', 0):>12.0f}")
+        hlo = {p.parent.name: p.stat().st_size for p in sorted((ws / "neuronbuild-out/llm_trn2").glob("*/model.hlo.pb"))}
+        for bucket, size in hlo.items():
+            print(f"  HLO {bucket}: {size / 1e6:.2f} MB")
+        def total(kind: str, key: str, actions: list[dict[str, object]] = actions) -> float:
+            return float(sum((e.get("args") or {}).get(key, 0) for e in actions  # type: ignore[attr-defined]
+                             if str(e["name"]).startswith(kind)))
+
+        def peak(kind: str, actions: list[dict[str, object]] = actions) -> float:
+            return float(max(((e.get("args") or {}).get("peak_rss_mb", 0) for e in actions  # type: ignore[attr-defined]
+                              if str(e["name"]).startswith(kind)), default=0))
+
+        rows.append({"shape": shape, "tp": tp, "params": params, "layers": int(SHAPES[shape]["num_hidden_layers"]),  # type: ignore[call-overload]
+                     "wall": wall, "trace_rss": peak("Trace"), "lower_rss": peak("Lower"),
+                     "trace_s": total("Trace", "duration_s"), "lower_s": total("Lower", "duration_s"),
+                     "trace_cpu": total("Trace", "cpu_s"), "lower_cpu": total("Lower", "cpu_s"),
+                     "hlo": sum(hlo.values()), "weights_actions": sum(1 for e in actions if str(e["name"]).startswith("Weights"))})
+        if not args.keep:
+            shutil.rmtree(ws.parent, ignore_errors=True)
+    # Under load, wall seconds measure the neighbours: CPU seconds are each action's own (OMP_NUM_THREADS=1).
+    print(f"\n{'shape':<16} {'tp':>3} {'params':>8} {'layers':>6} {'trace MiB':>9} {'Lower MiB':>9} {'trace cpu s':>11} "
+          f"{'Lower cpu s':>11} {'trace wall s':>12} {'Lower wall s':>12} {'HLO MB':>7} {'build s':>7} {'weights':>7}")
+    for r in rows:
+        print(f"{r['shape']:<16} {r['tp']:>3} {float(r['params']) / 1e9:>7.1f}B {r['layers']:>6} {float(r['trace_rss']):>9.0f} "
+              f"{float(r['lower_rss']):>9.0f} {float(r['trace_cpu']):>11.1f} {float(r['lower_cpu']):>11.1f} "
+              f"{float(r['trace_s']):>12.1f} {float(r['lower_s']):>12.1f} {float(r['hlo']) / 1e6:>7.2f} "
+              f"{float(r['wall']):>7.0f} {r['weights_actions']:>7}")
+    for prev, r in zip(rows, rows[1:], strict=False):
+        def x(key: str, r: dict[str, object] = r, prev: dict[str, object] = prev) -> str:
+            return f"x{float(r[key]) / max(float(prev[key]), 1e-9):.2f}"  # type: ignore[arg-type]
+
+        print(f"{prev['shape']} -> {r['shape']}: params {x('params')}, layers {x('layers')}; trace CPU {x('trace_cpu')}, "
+              f"Lower CPU {x('lower_cpu')}, HLO bytes {x('hlo')}, trace peak RSS {x('trace_rss')}, Lower peak RSS "
+              f"{x('lower_rss')}")
+    if args.keep or args.workdir is not None:
+        print(f"kept: {work}")
+    else:
+        shutil.rmtree(work, ignore_errors=True)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shape", choices=sorted(SHAPES), default="llama-3.2-1b")
+    ap.add_argument("--shape", default="llama-3.2-1b", help=f"one of {', '.join(sorted(SHAPES))}; with "
+                    "--graphs-only a comma-separated list of SHAPE[:TP]")
     ap.add_argument("--targets", default="trn2", help="comma-separated: trn2, cpu")
     ap.add_argument("--context", type=int, default=128)
     ap.add_argument("--max-seq", type=int, default=256)
@@ -243,14 +305,19 @@ def main() -> None:
                     help="graph families to build (one at a time keeps a large model's disk peak at one set of shards)")
     ap.add_argument("--reuse-checkpoint", action="store_true",
                     help="keep the workdir's checkpoint when it is this shape's (written by an earlier run)")
-    ap.add_argument("--drop-checkpoint", action="store_true",
-                    help="delete the checkpoint once the weights action is done (disk: it never sits beside the outputs)")
+    ap.add_argument("--graphs-only", action="store_true",
+                    help="(#51) trn2 graphs of each SHAPE[:TP] from the config alone (weights = None): no checkpoint")
     ap.add_argument("--validate", action="store_true",
                     help="`validate --generate 8` each compile against transformers (XLA:CPU; small shapes only)")
     ap.add_argument("--quantization", default=None, metavar="DTYPE[:SCHEME[:BLOCK]]",
                     help="hf_causal_lm's quantization (#44, docs/quantization.md), e.g. int8, float8_e4m3:per_channel, "
                          "int8:blockwise:128; --generate then compares with the unquantized model's tokens")
     args = ap.parse_args()
+    if args.graphs_only:
+        graphs_only(args)
+        return
+    if args.shape not in SHAPES:
+        sys.exit(f"unknown shape {args.shape!r} (known: {', '.join(sorted(SHAPES))})")
     quant = ""
     if args.quantization:
         parts = args.quantization.split(":")
@@ -285,20 +352,15 @@ def main() -> None:
               f"built as {args.dtype}")
     families = [g.strip() for g in args.graphs.split(",") if g.strip()]
     buckets = ", ".join(f'"{g}": [":serve_{g}"]' for g in families)
-    (ws / "BUILD").write_text(BUILD.format(config=json.dumps(cfg).replace("true", "True").replace("false", "False"), max_seq=args.max_seq, context=args.context, quant=quant,
+    (ws / "BUILD").write_text(BUILD.format(config=json.dumps(cfg).replace("true", "True").replace("false", "False"), weights='"model.safetensors"', max_seq=args.max_seq, context=args.context, quant=quant,
                                            compiles="\n".join(COMPILE.format(t=t, buckets=buckets, tp=f", tp_degree = {args.tp}" if t == "trn2" and args.tp > 1 else "")
                                                               for t in targets),
                                            srcs=", ".join(f'":llm_{t}"' for t in targets)))
     profile = work / "profile.json"
     goals = [f"//:llm_{t}" for t in targets]
     build_args = [*goals, "--jobs", str(args.jobs), "--cache-dir", str(cache), "--profile", str(profile)]
-    if args.drop_checkpoint:
-        wall, peak = build_dropping_checkpoint(build_args, ws, work, ws / "model.safetensors")
-        print(f"build {' '.join(goals)}: {wall:.0f} s wall (under load: other work shares this machine); workdir "
-              f"peak {peak / 1e9:.2f} GB on disk (polled every 5 s)")
-    else:
-        wall, _ = cli(["build", *build_args], ws)
-        print(f"build {' '.join(goals)}: {wall:.0f} s wall (under load: other work shares this machine)")
+    wall, _ = cli(["build", *build_args], ws)
+    print(f"build {' '.join(goals)}: {wall:.0f} s wall (under load: other work shares this machine)")
     for goal in goals if args.validate else ():
         vwall, proc = cli(["validate", goal, "--generate", "8", "--cache-dir", str(cache)], ws, check=False)
         print(f"validate {goal} --generate 8 ({vwall:.0f} s): {'ok' if proc.returncode == 0 else 'FAILED'}")

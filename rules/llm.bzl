@@ -122,7 +122,7 @@ def _serving_graphs(name, kv, max_seq, max_batch, on_device_sampling, output_log
                          "aliases": {"kv": "kv"}}
     return graphs
 
-def hf_causal_lm(name, config, weights, max_seq = 256, model_type = None, weights_prefix = "", dtype = None,
+def hf_causal_lm(name, config, weights = None, max_seq = 256, model_type = None, weights_prefix = "", dtype = None,
                  continuous_batching = False, max_batch = None, on_device_sampling = False, output_logits = False,
                  quantization = None, kv_cache_dtype = None, tags = []):
     """A transformers causal LM (llama, mistral, qwen2, gpt2, ...) as served: a `context` graph (prefill: input_ids and
@@ -137,7 +137,9 @@ def hf_causal_lm(name, config, weights, max_seq = 256, model_type = None, weight
     Serving (docs/llm.md "Serving"): `continuous_batching = True` with `max_batch = N` makes both graphs take
     (input_ids, attention_mask, position_ids, seq_ids[, sampling_params, rand], kv) over a cache of N sequence lines
     (+ one scratch line for padding rows); `on_device_sampling = True` returns the sampled `tokens` (int32 [batch])
-    instead of the logits (`output_logits = True`: both). They change the graphs' traces only, never the weights."""
+    instead of the logits (`output_logits = True`: both). They change the graphs' traces only, never the weights.
+    `weights = None`: graphs only (docs/models.md "Graphs without weights"): the compiles need no checkpoint and ship
+    no weights; a `model_weights(model = ":<name>", weights = <checkpoint>)` target supplies them to a bundle."""
     if not continuous_batching:
         if max_batch != None or on_device_sampling or output_logits:
             fail("hf_causal_lm %s: max_batch, on_device_sampling and output_logits need continuous_batching = True" % name)
@@ -201,6 +203,7 @@ def hf_causal_lm(name, config, weights, max_seq = 256, model_type = None, weight
                  ({"kv_cache_dtype": kv_cache_dtype} if kv_cache_dtype else {}),
         weights = weights,
         weights_prefix = weights_prefix,
+        graphs_only = weights == None,
         dims = dims,
         inputs = {"input_ids": "int64[batch, seq]", "attention_mask": "int64[batch, seq]"},
         outputs = {"logits": "float32[batch, vocab]", "kv": kv},

@@ -87,8 +87,10 @@ class CompileRequest:
     def weights_shipped(self) -> tuple[DepInput, ...]:
         """The model's weights files as what a step ships beside its outputs (`Action.ships`) without reading them:
         a step whose output does not depend on weight values (weights bound at load: a Neuron module's parameters,
-        an AOTInductor package without constants), so a weights-only change re-runs the weights action alone."""
-        assert self.weights is not None
+        an AOTInductor package without constants), so a weights-only change re-runs the weights action alone.
+        None for a graphs-only model (neuron_model `graphs_only`): nothing ships; a model_weights target's do."""
+        if self.weights is None:
+            return ()
         return tuple(DepInput(self.weights.fingerprint, f, f) for f in self.weights.outputs)
 
     def record(self, action: str, versions: Mapping[str, str], **fields: Any) -> dict[str, Any]:

@@ -82,6 +82,10 @@ def run(args: argparse.Namespace) -> int:
                 print(f"{row} {'-':>10} {'-':>10} {tol:>10.1e}  NOT BUILT (run neuronbuild build {ct.label})",
                       flush=True)
                 continue
+            if graph.targets[ct.model].attrs.get("graphs_only"):  # (#51: no weights to run it with)
+                print(f"{row} {'-':>10} {'-':>10} {tol:>10.1e}  skipped: built without weights (graphs only); "
+                      "validate a compile of the model with its checkpoint", flush=True)
+                continue
             spec = ag.model_of(fp)
             spec["libraries"] = sorted(spec.get("deps") or {})
             tmp = tmp_root / fp

@@ -1,7 +1,8 @@
 """The built-in rule kinds, one module each (schema + analysis), registered with neuronbuild.plugins on import."""
 
 from neuronbuild import plugins
-from neuronbuild.kinds import buckets, bundle, compile, model, options, py_library, target
+from neuronbuild.kinds import buckets, bundle, compile, model, options, py_library, target, weights
 
-for _kind in (model.KIND, py_library.KIND, buckets.KIND, target.KIND, options.KIND, compile.KIND, bundle.KIND):
+for _kind in (model.KIND, py_library.KIND, buckets.KIND, target.KIND, options.KIND, compile.KIND, weights.KIND,
+              bundle.KIND):
     plugins.register_rule(_kind)

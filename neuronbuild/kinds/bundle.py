@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from neuronbuild.analysis.planner import AnalysisContext
-from neuronbuild.analysis.providers import BundleInfo
+from neuronbuild.analysis.providers import BundleInfo, CompileTarget, ModelInfo
+from neuronbuild.errors import UserInputError
 from neuronbuild.kinds.base import RuleKind
+from neuronbuild.kinds.model import graphs_only
+from neuronbuild.kinds.weights import WeightsTarget
+from neuronbuild.loading.labels import Label
 from neuronbuild.loading.schema import LABEL_LIST, NAME, STRING, TAGS, Attr, AttrError, RuleSchema
+from neuronbuild.loading.target_graph import locate
 from neuronbuild.loading.targets import Target
 
 
@@ -24,6 +30,11 @@ SCHEMA = RuleSchema(
         NAME,
         Attr("srcs", LABEL_LIST, "The neuron_compile targets shipped in the bundle.", required=True,
              kinds=("neuron_compile",)),
+        Attr("weights", LABEL_LIST, "model_weights targets shipped as the weights of the compiles in `srcs`: each "
+             "compile takes the one of its own model, else the only one listed. Required for compiles built without "
+             "weights (a graphs-only model); for the others they replace the model's own weights (a release with new "
+             "weights and the same graphs). deploy checks them against the graphs' parameters.", default=(),
+             kinds=("model_weights",)),
         Attr("compression", STRING, "Archive compression: 'zstd' (<name>.tar.zst) or 'gzip' (<name>.tar.gz).",
              default="zstd", choices=("zstd", "gzip")),
         TAGS,
@@ -32,10 +43,39 @@ SCHEMA = RuleSchema(
 )
 
 
+@dataclass(frozen=True)
+class WeightsBundleInfo(BundleInfo):
+    """A bundle whose `weights` attribute pairs compiles with model_weights targets (#51)."""
+
+    # (compile label, the model_weights target it ships) per compile that takes one
+    weights: tuple[tuple[Label, WeightsTarget], ...] = ()
+
+
 def analyze(ctx: AnalysisContext, t: Target) -> BundleInfo:
+    listed: list[WeightsTarget] = [ctx.provider(lbl) for lbl in t.attrs["weights"]]
+    by_model: dict[Label, WeightsTarget] = {}
+    for w in listed:
+        if w.model in by_model:
+            raise UserInputError(f"attribute 'weights': {by_model[w.model].label} and {w.label} are both weights of "
+                                 f"{w.model}; list one", locate(ctx.graph, t, "weights"))
+        by_model[w.model] = w
+    pairs: list[tuple[Label, WeightsTarget]] = []
     for src in t.attrs["srcs"]:
-        ctx.provider(src)
-    info = BundleInfo(tuple(t.attrs["srcs"]), str(t.attrs["compression"]))
+        ct: CompileTarget = ctx.provider(src)
+        paired = by_model.get(ct.model) or (listed[0] if len(listed) == 1 else None)
+        if paired is not None:
+            pairs.append((src, paired))
+            continue
+        model: ModelInfo = ctx.provider(ct.model)
+        if graphs_only(model.record):
+            have = f" (it lists {', '.join(str(x.label) for x in listed)})" if listed else ""
+            raise UserInputError(f"{src} is built without weights ({ct.model} declares graphs only): list a "
+                                 f"model_weights target of {ct.model} in this bundle's `weights`{have}",
+                                 locate(ctx.graph, t))
+    if pairs:
+        info: BundleInfo = WeightsBundleInfo(tuple(t.attrs["srcs"]), str(t.attrs["compression"]), tuple(pairs))
+    else:
+        info = BundleInfo(tuple(t.attrs["srcs"]), str(t.attrs["compression"]))
     ctx.bundles[t.label] = info
     return info
 

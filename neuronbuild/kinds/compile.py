@@ -12,6 +12,7 @@ from neuronbuild.analysis.providers import BucketsInfo, CompileTarget, ModelInfo
 from neuronbuild.analysis.toolchain_api import CompileRequest, ignored_options, option_warnings, toolchain_options
 from neuronbuild.errors import UserInputError
 from neuronbuild.kinds.base import RuleKind
+from neuronbuild.kinds.model import graphs_only
 from neuronbuild.kinds.options import merged_options
 from neuronbuild.loading.labels import Label
 from neuronbuild.loading.schema import FLOAT, GRAPH_LABEL, GRAPH_LABELS, INT, LABEL, NAME, TAGS, Attr, RuleSchema
@@ -118,7 +119,7 @@ def analyze(ctx: AnalysisContext, t: Target) -> CompileTarget:
         inputs: Mapping[str, object] = dict(traced.record["inputs"])  # ordered: the record holds [name, spec] pairs
         for bucket in buckets_of(ctx, t, ginfo, labels, gname):
             trace = ctx.trace(traced, bucket, tp)
-            if weights is None:
+            if weights is None and not graphs_only(model.record):  # (graphs only: no weights action, none shipped)
                 weights = ctx.weights(model, tp)
             req = CompileRequest(t.label, plat.platform, plat.target, opts, bucket, inputs, trace, ctx.settings,
                                  ctx.common, weights)

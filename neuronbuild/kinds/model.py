@@ -54,6 +54,25 @@ def _weights(attr: str, v: Any, pkg: str) -> tuple[Label, ...]:
 
 
 WEIGHTS = AttrType("weights", _weights)
+
+
+def _bool(attr: str, v: Any, pkg: str) -> bool:
+    if not isinstance(v, bool):
+        raise AttrError(f"attribute '{attr}' must be True or False, got {v!r}")
+    return v
+
+
+BOOL = AttrType("bool", _bool)
+# The model record's `weights` of a graphs-only model (no checkpoint, no seeded init): its compiles plan no weights
+# action and ship no weights; a model_weights target supplies them (kinds/weights.py). Traces and compiles never see
+# a record's `weights` (a trace's record drops it), so a graphs-only model's graphs are those of the same model with a
+# checkpoint, fingerprint and bytes.
+GRAPHS_ONLY = {"graphs_only": True}
+
+
+def graphs_only(record: Mapping[str, Any]) -> bool:
+    """Whether a model record declares graphs only (neuron_model `graphs_only = True`)."""
+    return record.get("weights") == GRAPHS_ONLY
 _MAX_INDEX_BYTES = 64 << 20
 
 
@@ -82,6 +101,9 @@ def _check(a: Mapping[str, Any]) -> None:
             if outputs and out not in outputs:
                 raise AttrError(f"attribute 'graphs': graph '{name}' aliases '{out}', which is not one of its "
                                 f"outputs ({', '.join(outputs)})")
+    if a.get("graphs_only") and a.get("weights"):
+        raise AttrError("attribute 'graphs_only': a graphs-only model declares no `weights` (give the checkpoint to a "
+                        "model_weights target instead)")
     for pattern, dim in (a.get("tp_plan") or {}).items():
         if not pattern or not isinstance(dim, int) or isinstance(dim, bool) or dim < 0:
             raise AttrError(f"attribute 'tp_plan': {pattern!r}: want a parameter name pattern -> a dim (an int >= 0), "
@@ -122,6 +144,10 @@ SCHEMA = RuleSchema(
         Attr("weights", WEIGHTS, "Optional safetensors weights: one file, a list of shards, or an HF "
              "'*.safetensors.index.json' (its shards are found next to it); without it the factory's seeded init is "
              "used. Tied weights may be absent from the files.", kinds=("file",)),
+        Attr("graphs_only", BOOL, "True: the model's compiles build graphs only, from the config and shapes: no "
+             "checkpoint is read or needed, no weights action runs and none ships beside the graphs; a model_weights "
+             "target (built where the checkpoint lives) supplies the weights in a neuron_bundle. False (default): "
+             "`weights`, else the factory's seeded initialisation, ship with every compile.", default=False),
         Attr("weights_prefix", STRING, "A prefix the weight files' keys carry and the module's do not (e.g. "
              "'model.'); stripped before loading.", default=""),
         Attr("data", LABEL_LIST, "Non-Python files the model reads (config.json, tokenizer files), placed in the "
@@ -157,7 +183,8 @@ def analyze(ctx: AnalysisContext, model: Target) -> ModelInfo:
         d = digest_file(root / lbl.path)
         srcs[lbl.path] = d
         files.append(FileInput(lbl.path, d))
-    weights = _weights_record(ctx, model, files) if model.attrs.get("weights") else None
+    weights = (weights_record(ctx, model, files) if model.attrs.get("weights")
+               else dict(GRAPHS_ONLY) if model.attrs.get("graphs_only") else None)
     data: dict[str, str] = {}
     for lbl in model.attrs["data"]:
         d = digest_file(root / lbl.path)
@@ -236,11 +263,14 @@ def _builtin_digest(module: str) -> str:
     return digest_file(path)
 
 
-def _weights_record(ctx: AnalysisContext, model: Target, files: list[FileInput]) -> dict[str, Any]:
+def weights_record(ctx: AnalysisContext, model: Target, files: list[FileInput],
+                    labels: tuple[Label, ...] | None = None) -> dict[str, Any]:
     """One file: {"path", "digest"}; shards (a list, or an HF index.json's weight_map): + "shards" [[path, digest]],
-    the digest then covering every shard (and the index)."""
+    the digest then covering every shard (and the index). `labels`: the checkpoint (default: the model's `weights`;
+    a model_weights target passes its own, located at itself)."""
     root = ctx.graph.root
-    labels: tuple[Label, ...] = model.attrs["weights"]
+    if labels is None:
+        labels = model.attrs["weights"]
     paths = [lbl.path for lbl in labels]
     if len(labels) == 1 and labels[0].name.endswith(".json"):
         paths = [labels[0].path, *_index_shards(ctx, model, labels[0])]

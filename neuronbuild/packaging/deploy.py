@@ -32,6 +32,7 @@ from neuronbuild.runtime.layout import (
     sha256_file,
 )
 from neuronbuild.runtime.signing import MAX_SIGNATURE_BYTES, SIGNATURE, SignatureError, TrustedKey, verify_manifest
+from neuronbuild.runtime.verified import BadWeights, weights_mismatch
 
 _CHUNK = 1 << 20
 _ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
@@ -355,6 +356,13 @@ def deploy(archive: Path, dest: Path, expect_sha256: str | None = None,
         os.chmod(staging, 0o755)
         manifest, manifest_bytes = read_bundle(archive, _writer(staging), trusted_keys,
                                                lambda m: _accept(m, dest, check))
+        for g in manifest.graphs:  # graphs and weights built apart (#51): the pair must fit before it is served
+            try:
+                why = weights_mismatch(g, staging)
+            except BadWeights as e:
+                why = str(e)
+            if why is not None:
+                raise BundleError(f"{archive.name}: {g.describe()}: weights do not match the graph: {why}")
         rid = release_id(manifest_bytes)
         target = releases / rid
         already = target.is_dir() and not target.is_symlink()

@@ -103,8 +103,14 @@ def plan_bundle(graph: TargetGraph, ag: ActionGraph, cache: LocalCache, label: L
         members.setdefault(path, Member(path, sha, size, cache.blobs.path(digest)))
         return {"path": path, "sha256": sha, "size": size, "blake3": digest}
 
+    # compile label -> the model_weights target it ships instead of (or, built without weights, as) its model's (#51)
+    paired = dict(getattr(ag.bundles[label], "weights", ()))
     for src in ag.bundles[label].srcs:
         ct = by_label[src]
+        wt = paired.get(src)
+        wres = cache.lookup(wt.action) if wt is not None else None
+        if wt is not None and (wres is None or any(n not in wres.outputs for n in wt.outputs)):
+            raise MissingResult(f"{wt.label} (the weights of {src}) is not built")
         model_label = ct.model
         for bucket, fp in ct.buckets:
             res = cache.lookup(fp)
@@ -121,6 +127,10 @@ def plan_bundle(graph: TargetGraph, ag: ActionGraph, cache: LocalCache, label: L
             outs = ag.shipped_outputs(fp, cache.lookup)  # (+ the model's weights, shipped from its weights action)
             if outs is None:
                 raise MissingResult(f"{src} [{bucket}]: its model's weights are not built")
+            if wt is not None and wres is not None:  # the bundle's weights target's file(s), not the model's own
+                outs = {n: r for n, r in outs.items() if n != CONSTANTS_OUTPUT and not _RANK_WEIGHTS.fullmatch(n)}
+                outs.update({n: wres.outputs[n] for n in wt.outputs})
+                fingerprints.append(wt.action)
             for name, ref in sorted(outs.items()):
                 if name == CONSTANTS_OUTPUT:
                     weights = add(ref.digest, lambda sha: f"weights/{sha}.safetensors")
@@ -151,6 +161,9 @@ def plan_bundle(graph: TargetGraph, ag: ActionGraph, cache: LocalCache, label: L
                    else {}),
                 "artifacts": artifacts,
                 "weights": weights,
+                # the weights the graph binds (names -> [dtype, shape]; one rank's at tp > 1): deploy checks them
+                **({"state": dict(traced_meta["state"])} if traced_meta.get("state") else {}),
+                **({"weights_target": str(wt.label)} if wt is not None else {}),
                 **_tp_entry(trace.model, artifacts),
             })
     manifest: dict[str, Any] = {

@@ -33,7 +33,7 @@ from neuronbuild.runtime.loaders import LoadRequest
 from neuronbuild.runtime.router import BucketRouter, NoBucketFits, Route
 from neuronbuild.runtime.signing import SIGNATURE as SIGNATURE_FILE
 from neuronbuild.runtime.signing import TRUSTED_KEYS_ENV, SignatureError, TrustedKey, load_trusted_keys, verify_manifest
-from neuronbuild.runtime.verified import Scratch, load_weights_verified
+from neuronbuild.runtime.verified import BadWeights, Scratch, load_weights_verified, weights_mismatch
 
 STRICT_ENV = "NEURONBUILD_STRICT"
 REQUIRE_ENV = "NEURONBUILD_REQUIRE"
@@ -311,10 +311,20 @@ class DeployedCache:
                 for m in check_graph(hit[0], self.host, self.emulate):
                     slot.problem = f"{m.field} differs (built for {m.built}, this host has {m.here})"
                     problems.append(Problem(eg.describe(), slot.problem))
+                intact = True
                 for ref in [*hit[0].artifacts.values(), *([hit[0].weights] if hit[0].weights else [])]:
                     p = hit[1].dir / ref.path
                     if not p.is_file() or p.stat().st_size != ref.size:
+                        intact = False
                         slot.problem = f"artifact {ref.path} is missing or damaged in {hit[1].dir}"
+                        problems.append(Problem(eg.describe(), slot.problem))
+                if intact and self.strict:  # the weights against the parameters the graph binds (#51), headers only
+                    try:
+                        mismatch = weights_mismatch(hit[0], hit[1].dir)
+                    except BadWeights as e:
+                        mismatch = str(e)
+                    if mismatch is not None:
+                        slot.problem = f"weights do not match the graph: {mismatch}"
                         problems.append(Problem(eg.describe(), slot.problem))
             slots[eg.bucket_name] = slot
         return slots, problems

@@ -77,6 +77,8 @@ class Graph:
     aliases: Mapping[str, str] = field(default_factory=dict, hash=False, compare=False)  # output -> input it updates
     # tensor parallelism: {"degree", "ranks": [the artifact each rank loads, by rank], "rank_dims", ...}; {} for one
     tp: Mapping[str, Any] = field(default_factory=dict, hash=False, compare=False)
+    # the weights it binds: name -> (dtype, shape), one rank's at tp > 1 ({} in bundles made before #51)
+    state: Mapping[str, tuple[str, tuple[int, ...]]] = field(default_factory=dict, hash=False, compare=False)
 
     @property
     def rank_weights(self) -> list[FileRef]:
@@ -185,6 +187,21 @@ def _aliases(v: Any) -> dict[str, str]:
     return {_text(k, "alias"): _text(x, "alias") for k, x in v.items()}
 
 
+def _state(v: Any) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """A graph's `state` entry: {name: [dtype, [dims]]}."""
+    if v is None:
+        return {}
+    if not isinstance(v, dict):
+        raise ValueError("state must be a dict of name -> [dtype, shape]")
+    out: dict[str, tuple[str, tuple[int, ...]]] = {}
+    for k, x in v.items():
+        if not (isinstance(x, list) and len(x) == 2 and isinstance(x[1], list) and
+                all(isinstance(d, int) and not isinstance(d, bool) for d in x[1])):
+            raise ValueError(f"state {k!r} must be [dtype, shape]")
+        out[_text(k, "state name")] = (_text(x[0], "dtype"), tuple(x[1]))
+    return out
+
+
 def parse_manifest(data: bytes | Mapping[str, Any], source: str = MANIFEST) -> Manifest:
     """Parse manifest JSON (bytes or an already decoded dict); LayoutError on anything unexpected."""
     raw = load_json(bytes(data), source, "manifest") if isinstance(data, bytes | bytearray) else dict(data)
@@ -203,7 +220,7 @@ def parse_manifest(data: bytes | Mapping[str, Any], source: str = MANIFEST) -> M
                 weights=_ref(g["weights"]) if g.get("weights") else None, tolerance=float(g["tolerance"]),
                 format=_text(g["format"], "format"),
                 graph=_text(g.get("graph") or "", "graph"), aliases=_aliases(g.get("aliases")),
-                tp=dict(g.get("tp") or {}),
+                tp=dict(g.get("tp") or {}), state=_state(g.get("state")),
             )
             for g in raw["graphs"]
         )

@@ -20,6 +20,7 @@ import hashlib
 import json
 import mmap
 import os
+import re
 import shutil
 import tempfile
 import threading
@@ -288,3 +289,75 @@ def _copy_hashing(path: Path, ref: FileRef, fd: int) -> None:
         return
     with mmap.mmap(fd, ref.size) as m, memoryview(m) as view:
         _read_hashing(path, ref, view)
+
+
+_RANK_FILE = re.compile(r"rank_(0|[1-9][0-9]*)\.safetensors")
+
+
+def _header_state(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """A safetensors file's tensors from its header alone: name -> (dtype, shape), tied aliases resolved; BadWeights
+    when it is not a safetensors file."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(8)
+            n = int.from_bytes(head, "little") if len(head) == 8 else -1
+            if not 0 < n <= _MAX_HEADER:
+                raise BadWeights(f"{path.name}: not a safetensors file (header length {n})")
+            header = json.loads(f.read(n))
+    except OSError as e:
+        raise BadWeights(f"{path.name}: cannot read it ({e.strerror or e})") from None
+    except (ValueError, RecursionError) as e:
+        raise BadWeights(f"{path.name}: not a safetensors file (header: {e})") from None
+    if not isinstance(header, dict):
+        raise BadWeights(f"{path.name}: not a safetensors file (header is not an object)")
+    out: dict[str, tuple[str, tuple[int, ...]]] = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            out[name] = (_DTYPES.get(info["dtype"], str(info["dtype"])), tuple(int(d) for d in info["shape"]))
+        except (KeyError, TypeError, ValueError):
+            raise BadWeights(f"{path.name}: tensor {name!r}: bad header entry") from None
+    try:
+        for alias, stored in tied_names(header.get("__metadata__")).items():
+            if stored in out:
+                out.setdefault(alias, out[stored])
+    except ValueError as e:
+        raise BadWeights(f"{path.name}: {e}") from None
+    return out
+
+
+def _spec(dtype: str, shape: tuple[int, ...]) -> str:
+    return f"{dtype}[{', '.join(map(str, shape))}]"
+
+
+def weights_mismatch(g: Any, root: Path) -> str | None:
+    """Why the weights a graph `g` (a layout.Graph) ships with cannot be its weights, in one line, or None: the graph's
+    declared state (`g.state`: the names, dtypes and shapes it binds; one rank's at tp > 1) against each weights file's
+    header (under `root`), and the number of rank shards against its tensor-parallel degree. (Graphs and weights may
+    be built apart, #51: this is where a pair that does not fit is refused, before anything is served.) A graph
+    without a recorded state (bundles made before it was recorded) is not checked here (loading still is)."""
+    state: Mapping[str, tuple[str, tuple[int, ...]]] = g.state
+    if not state:
+        return None
+    degree = int(g.tp.get("degree") or 1) if g.tp else 1
+    ranks = sorted((n for n in g.artifacts if _RANK_FILE.fullmatch(n)), key=lambda n: int(n[5:-12]))
+    if degree > 1 and (g.weights is not None or len(ranks) != degree):
+        held = f"{len(ranks)} rank shard(s)" if ranks else "one unsharded weights file (tp_degree 1)"
+        return f"its weights hold {held}; the graph is tensor-parallel at degree {degree} (tp_degree {degree} weights)"
+    if degree <= 1 and ranks:
+        return (f"its weights are {len(ranks)} rank shards (tp_degree {len(ranks)}); the graph takes one unsharded "
+                "weights file (tp_degree 1 weights)")
+    files = [g.artifacts[n] for n in ranks] if degree > 1 else ([g.weights] if g.weights is not None else [])
+    if not files:
+        return "it ships no weights (built without weights: bundle it with a model_weights target)"
+    for ref in files:
+        found = _header_state(Path(root) / ref.path)
+        for name, (dtype, shape) in state.items():
+            have = found.get(name)
+            if have is None:
+                return f"parameter {name} ({_spec(dtype, shape)}) is not in its weights file {ref.path}"
+            if have != (dtype, tuple(shape)):
+                return f"parameter {name}: the graph takes {_spec(dtype, shape)}, its weights file {ref.path} holds " \
+                       f"{_spec(*have)}"
+    return None

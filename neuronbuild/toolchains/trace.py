@@ -205,6 +205,10 @@ def run_trace(spec: dict[str, Any], sandbox: Path, out_dir: Path) -> dict[str, A
             apply_plan(module, mode, plan, tp)
         except ValueError as exc:
             raise ToolchainError(str(exc)) from None
+    # The weights the graph binds at load, as the weights action writes them (its state: parameters and persistent
+    # buffers by name, one rank's shapes at tp > 1): bundles record them, deploy and strict open_cache check a
+    # weights file against them (#51: graphs and weights may be built apart).
+    state = {k: [str(t.dtype).removeprefix("torch."), list(t.shape)] for k, t in module.state_dict(keep_vars=True).items()}
     inputs = spec.get("inputs") or []
     bucket = dict(spec.get("bucket") or {})
     args = example_inputs(inputs, bucket)
@@ -246,6 +250,7 @@ def run_trace(spec: dict[str, Any], sandbox: Path, out_dir: Path) -> dict[str, A
         "bytes": len(data),
         "outputs": describe(named, follows),
         "output_tree": "tensor" if single else "tuple",
+        "state": state,
     }
 
 
