@@ -174,8 +174,8 @@ class SpeculativeEngine(Engine):
             raise NoBucketFits(f"{self.label}: a prompt of {len(prompt)} tokens + {max_new_tokens} new tokens + "
                                f"speculation length {self.k} need {len(prompt) + max_new_tokens + self.k - 1} cache "
                                f"slots; the KV cache holds max_seq={self.max_seq}")
-        greedy = temperature <= 0 or top_k == 1
-        if not greedy and not self.logits and isinstance(temperature, int | float):
+        greedy = not isinstance(temperature, int | float) or temperature <= 0 or top_k == 1  # (add() checks types)
+        if not greedy and not self.logits:
             raise ValueError(f"{self.label}: sampling with speculation needs the logits of the verify graph and the "
                              f"draft's token graph (build both with output_logits = True)")
         if prompt:
@@ -335,12 +335,24 @@ class SpeculativeEngine(Engine):
         rejection draw from norm(max(0, p_i - q_i)); all accepted: one more token from p_k."""
         new: list[int] = []
         for i, x in enumerate(proposals):
-            p = distribution(logits[i], r.sampling)
-            if r.draw() < min(1.0, float(p[x] / q[i][x])):
-                new.append(x)
-                continue
-            residual = (p - q[i]).clamp(min=0)
-            new.append(_draw(residual if float(residual.sum()) > 0 else p, r))
-            return new, i
+            token, ok = _accept_or_resample(r, x, q[i], distribution(logits[i], r.sampling))
+            new.append(token)
+            if not ok:
+                return new, i
         new.append(_draw(distribution(logits[len(proposals)], r.sampling), r))
         return new, len(proposals)
+
+
+def _accept_or_resample(r: Request, x: int, q: torch.Tensor, p: torch.Tensor) -> tuple[int, bool]:
+    """One position of the rule: (x, True) with probability min(1, p(x) / q(x)), else (a draw from
+    norm(max(0, p - q)), False)."""
+    if r.draw() < min(1.0, float(p[x] / q[x])):
+        return x, True
+    residual = (p - q).clamp(min=0)
+    return _draw(residual if float(residual.sum()) > 0 else p, r), False
+
+
+def speculative_rule_draw(r: Request, q: torch.Tensor, p: torch.Tensor) -> tuple[int, bool]:
+    """A proposal drawn from q, then the rule's token for that position and whether the proposal was kept: the
+    token is distributed as p whatever q is (the rule's guarantee)."""
+    return _accept_or_resample(r, _draw(q, r), q, p)
