@@ -5,7 +5,8 @@ and every proposal is accepted); and with a random 2-layer draft. Greedy request
 CPU second), tokens per target call (verify calls with speculation, token calls without) and the draft's acceptance
 rate; every request's tokens are checked equal across the three.
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/serve_bench.py --speculation [--requests 16] [--length 4]
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/serve_bench.py --speculation [--requests 16] [--length 4] \
+        [--hidden 512]
     (or benchmarks/spec_bench.py directly; --workdir DIR keeps the build)
 
 Not part of the test suite: one build of 8 cpu graphs."""
@@ -31,6 +32,12 @@ DRAFT = HF | {"num_hidden_layers": 2}
 # (a planner limitation found here: docs/benchmarks.md "Issue #47").
 RANDOM_DRAFT = DRAFT | {"rms_norm_eps": 1e-5}
 SLOTS, PROMPT = 4, 32
+
+
+def widths(hidden: int) -> None:
+    """The models' hidden size (intermediate 2x): small widths measure per-call overhead more than compute."""
+    for cfg in (HF, DRAFT, RANDOM_DRAFT):
+        cfg.update({"hidden_size": hidden, "intermediate_size": 2 * hidden})
 
 
 def build_file(k: int, max_seq: int) -> str:
@@ -101,8 +108,10 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=16)
     ap.add_argument("--length", type=int, default=4, help="speculation length k")
+    ap.add_argument("--hidden", type=int, default=512, help="hidden size of every model (intermediate: 2x)")
     ap.add_argument("--workdir", type=Path)
     args = ap.parse_args(argv)
+    widths(args.hidden)
     work = args.workdir or Path(tempfile.mkdtemp(prefix="spec-bench-"))
     ws = work / "ws"
     ws.mkdir(parents=True, exist_ok=True)
@@ -127,7 +136,8 @@ def main(argv: list[str] | None = None) -> None:
     reqs = requests(args.requests)
     wanted = sum(n for _p, n in reqs)
     print(f"{len(reqs)} greedy requests, {wanted} tokens; {SLOTS} slots; target {HF['num_hidden_layers']} layers, "
-          f"drafts {DRAFT['num_hidden_layers']}; k = {args.length}; torch threads {torch.get_num_threads()}", flush=True)
+          f"drafts {DRAFT['num_hidden_layers']}; hidden {args.hidden}; k = {args.length}; torch threads "
+          f"{torch.get_num_threads()}", flush=True)
     for lm in (same, rand):  # warm every graph
         run(lm, reqs[:SLOTS], None)
     run(same, reqs[:SLOTS], False)

@@ -250,3 +250,12 @@ def test_sampled_speculation_with_a_draft_equal_to_the_target_accepts_and_a_seed
     # p == q up to the verify graph's float rounding: min(1, p/q) ~ 1, every proposal (or all but a rare one) kept
     assert stats["accepted"] >= stats["proposed"] - 1, stats
     assert sampled(3)[0] == alone  # the request's own generator: the same tokens whatever shares its batch
+
+
+def test_validate_compares_the_verify_graph_with_transformers(deployed: Path, cache_dir: Path) -> None:
+    proc = run_cli(["validate", "//:llama3_cpu", "--cache-dir", str(cache_dir)], deployed.parent / "ws")
+    out = proc.stdout
+    assert proc.returncode == 0, out + proc.stderr[-3000:]
+    rows = [line for line in out.splitlines() if line.startswith("//:llama3_cpu ")]
+    assert len(rows) == 3 and all(r.endswith(" ok") for r in rows), out  # context, token and verify
+    assert any(" verify_batch4 " in r for r in rows), out  # the k + 1 positions' logits against transformers'
