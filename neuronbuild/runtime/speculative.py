@@ -61,7 +61,8 @@ def _draft_label(lm: Any, draft_model: str) -> str:
                 found.setdefault(g.label, None)
     if not found:
         raise SpeculationMismatch(f"{lm.label}: its draft model {draft_model} has no graphs for platform "
-                                  f"{first.platform} in {cache.root} (bundle the draft's neuron_compile with the target's)")
+                                  f"{first.platform} in {cache.root} (bundle the draft's neuron_compile with the target's, or "
+                                  "serve without speculating: engine(speculation=False))")
     return next(iter(found))
 
 
