@@ -194,7 +194,9 @@ class SpeculativeEngine(Engine):
         while self.waiting and self.free:
             reqs = self._admissible()
             self._prefill(reqs, got)  # the target's prefill: lines, the first token (Engine)
-            self._draft_prefill(reqs)
+            live = [r for r in reqs if not r.done]  # (a request of one new token ended at its prefill)
+            if live:
+                self._draft_prefill(live)
         rows = sorted(self.active.values(), key=lambda r: r.line)
         largest = min(max(b["batch"] for b in self.verify_buckets.values()),
                       max(b["batch"] for b in self.draft.token_buckets.values()))
