@@ -141,6 +141,19 @@ def test_greedy_speculation_equals_transformers_generate_for_every_request_in_a_
     assert gen[:, -7:].tolist() == [_greedy(reference, PROMPTS[2], 7), _greedy(reference, PROMPTS[0], 7)]
 
 
+def test_requests_ending_at_their_prefill_or_at_eos_mid_round_end_there(deployed: Path, reference: Any) -> None:
+    lm = _lm(deployed, "//:llama3_cpu")
+    eng = lm.engine()
+    news = [1, 3, 1, 7, 2, 5]  # one-token requests end at their prefill; the others mid-round (k = 3)
+    rids = [eng.add(p, max_new_tokens=n, eos_token_id=None) for p, n in zip(PROMPTS, news, strict=True)]
+    out = eng.run()
+    assert [out[r] for r in rids] == [_greedy(reference, p, n) for p, n in zip(PROMPTS, news, strict=True)]
+    full = _greedy(reference, PROMPTS[1], 10)
+    eos = full[4]
+    rid = eng.add(PROMPTS[1], max_new_tokens=10, eos_token_id=eos)
+    assert eng.run()[rid] == full[: full.index(eos) + 1]  # the tokens after eos in the same round are dropped
+
+
 def test_a_bundle_built_for_k5_refuses_to_serve_k3_or_another_draft_with_the_reason(deployed: Path) -> None:
     from neuronbuild.runtime import NoBucketFits
     from neuronbuild.runtime.speculative import SpeculationMismatch
