@@ -26,6 +26,7 @@ import os
 import shutil
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -232,6 +233,9 @@ def compare(name: str, cb, static, weights: Path, hf, reqs) -> None:  # type: ig
 
 
 def main() -> None:
+    if "--speculation" in sys.argv[1:]:  # issue #47: speculative decoding, benchmarks/spec_bench.py
+        from spec_bench import main as speculation_main  # (this directory is on sys.path when run as a script)
+        return speculation_main([a for a in sys.argv[1:] if a != "--speculation"])
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--workdir", type=Path)

@@ -122,9 +122,60 @@ def _serving_graphs(name, kv, max_seq, max_batch, on_device_sampling, output_log
                          "aliases": {"kv": "kv"}}
     return graphs
 
+_SPEC_KEYS = ["draft", "length", "fused"]
+
+def _speculation(name, spec):
+    """hf_causal_lm's `speculation` checked and normalised: {"draft": the draft hf_causal_lm's label (absolute),
+    "length": k >= 1, "fused": bool}."""
+    if type(spec) != "dict":
+        fail("hf_causal_lm %s: speculation must be a dict with keys %s" % (name, ", ".join(_SPEC_KEYS)))
+    for k in spec:
+        if k not in _SPEC_KEYS:
+            fail("hf_causal_lm %s: speculation: unknown key %r (known: %s)" % (name, k, ", ".join(_SPEC_KEYS)))
+    draft = spec.get("draft")
+    if type(draft) != "string" or not (draft.startswith(":") or draft.startswith("//")) or draft.endswith(":"):
+        fail("hf_causal_lm %s: speculation draft must be the label of another hf_causal_lm (\":small_lm\" or " % name +
+             "\"//pkg:small_lm\"), got %r" % (draft,))
+    if draft.startswith(":"):
+        draft = "//" + package_name() + draft
+    if draft == "//" + package_name() + ":" + name:
+        fail("hf_causal_lm %s: speculation draft is the model itself" % name)
+    k = spec.get("length")
+    if type(k) != "int" or k < 1 or k > 64:
+        fail("hf_causal_lm %s: speculation length must be an int in 1..64 (draft tokens per target call), got %r" % (name, k))
+    fused = spec.get("fused", False)
+    if type(fused) != "bool":
+        fail("hf_causal_lm %s: speculation fused must be True or False, got %r" % (name, fused))
+    if fused:
+        fail("hf_causal_lm %s: speculation fused = True (one graph running the draft steps and the verification) is " % name +
+             "not supported yet: use fused = False (the draft's own graphs and the target's verify graph)")
+    return {"draft": draft, "length": k, "fused": fused}
+
+def _verify_graph(kv, spec, on_device_sampling, output_logits):
+    """The target's verification graph: the last accepted token and k draft tokens per row (k + 1 positions), written
+    into the row's cache line like the token graph, returning the target's token at each position."""
+    positions = spec["length"] + 1
+    inputs = {
+        "input_ids": "int32[batch, %d]" % positions,
+        "attention_mask": "int32[batch, max_seq]",
+        "position_ids": "int32[batch, %d]" % positions,
+        "seq_ids": "int32[batch]",
+    }
+    if on_device_sampling:
+        inputs.update({"sampling_params": "float32[batch, 3]", "rand": "float32[batch, %d]" % positions})
+    inputs["kv"] = kv
+    outputs = {"tokens": "int32[batch, %d]" % positions}
+    if output_logits or not on_device_sampling:
+        outputs["logits"] = "float32[batch, %d, vocab]" % positions
+    outputs["kv"] = kv
+    kind = ("sampling_logits_verify" if output_logits else "sampling_verify") if on_device_sampling else "serving_verify"
+    # the speculation enters this graph's config (its fingerprint and the bundle's record) and no other graph's
+    return {"entry": _GRAPHS_MODULE + ":" + kind, "inputs": inputs, "outputs": outputs, "aliases": {"kv": "kv"},
+            "config": {"speculation": spec}}
+
 def hf_causal_lm(name, config, weights = None, max_seq = 256, model_type = None, weights_prefix = "", dtype = None,
                  continuous_batching = False, max_batch = None, on_device_sampling = False, output_logits = False,
-                 quantization = None, kv_cache_dtype = None, tags = []):
+                 quantization = None, kv_cache_dtype = None, speculation = None, tags = []):
     """A transformers causal LM (llama, mistral, qwen2, gpt2, ...) as served: a `context` graph (prefill: input_ids and
     attention_mask [batch, seq] -> last logits + the KV cache) and a `token` graph (decode: one token per sequence,
     its position, the cache mask and slot, the cache -> logits + the cache, aliased), over a static KV cache of
@@ -139,7 +190,12 @@ def hf_causal_lm(name, config, weights = None, max_seq = 256, model_type = None,
     (+ one scratch line for padding rows); `on_device_sampling = True` returns the sampled `tokens` (int32 [batch])
     instead of the logits (`output_logits = True`: both). They change the graphs' traces only, never the weights.
     `weights = None`: graphs only (docs/models.md "Graphs without weights"): the compiles need no checkpoint and ship
-    no weights; a `model_weights(model = ":<name>", weights = <checkpoint>)` target supplies them to a bundle."""
+    no weights; a `model_weights(model = ":<name>", weights = <checkpoint>)` target supplies them to a bundle.
+    `speculation = {"draft": ":small_lm", "length": k, "fused": False}` (needs continuous_batching; docs/llm.md
+    "Speculative decoding"): adds the `verify` graph family (k + 1 positions per row against the cache); the draft
+    is another hf_causal_lm with continuous_batching, compiled and bundled on its own."""
+    if speculation != None and not continuous_batching:
+        fail("hf_causal_lm %s: speculation needs continuous_batching = True (the engine speculates per request)" % name)
     if not continuous_batching:
         if max_batch != None or on_device_sampling or output_logits:
             fail("hf_causal_lm %s: max_batch, on_device_sampling and output_logits need continuous_batching = True" % name)
@@ -195,6 +251,9 @@ def hf_causal_lm(name, config, weights = None, max_seq = 256, model_type = None,
         ranges = {"position_ids": [0, max_seq], "seq_ids": [0, max_batch], "attention_mask": [1, 2]}
         graphs = _serving_graphs(name, kv.replace("[layers, 2, batch,", "[layers, 2, lines,"), max_seq, max_batch,
                                  on_device_sampling, output_logits)
+        if speculation != None:
+            graphs["verify"] = _verify_graph(graphs["token"]["inputs"]["kv"], _speculation(name, speculation),
+                                             on_device_sampling, output_logits)
     neuron_model(
         name = name,
         entry = _GRAPHS_MODULE + ":context",

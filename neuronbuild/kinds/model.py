@@ -163,7 +163,8 @@ SCHEMA = RuleSchema(
              "model is not sharded).", default={}),
         Attr("graphs", GRAPHS, "Optional graph families sharing the weights, e.g. {'context': {}, 'token': {'entry': "
              "..., 'inputs': {...}, 'outputs': {...}, 'aliases': {'kv': 'kv'}}}; entry/inputs/outputs default to the "
-             "model's own; aliases map an output to the input it updates (state fed back between calls).",
+             "model's own; aliases map an output to the input it updates (state fed back between calls); config: keys "
+             "merged over the model's config for that graph alone.",
              default={}),
         TAGS,
     ),
@@ -242,6 +243,8 @@ def analyze(ctx: AnalysisContext, model: Target) -> ModelInfo:
             grec["outputs"] = specs(g["outputs"])
         if g.get("aliases"):
             grec["aliases"] = dict(g["aliases"])
+        if g.get("config"):  # this graph's own config keys (e.g. hf_causal_lm's speculation): its fingerprint alone
+            grec["config"] = dict(record["config"]) | dict(g["config"])
         gdims = tuple(dict.fromkeys(d for _k, spec in grec["inputs"] for d in spec["dims"] if isinstance(d, str)))
         graphs.append((name, ModelInfo(model.label, grec, tuple(files), gdims)))
     return ModelInfo(model.label, record, tuple(files), dims, tuple(graphs))

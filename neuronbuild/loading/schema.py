@@ -203,11 +203,12 @@ def _inputs(attr: str, v: Any, pkg: str) -> dict[str, str]:
     return dict(v)
 
 
-_GRAPH_KEYS = ("entry", "inputs", "outputs", "aliases")
+_GRAPH_KEYS = ("entry", "inputs", "outputs", "aliases", "config")
 
 
 def _graphs(attr: str, v: Any, pkg: str) -> dict[str, dict[str, Any]]:
-    """Graph families of one model: name -> {"entry", "inputs", "outputs", "aliases"} (each optional)."""
+    """Graph families of one model: name -> {"entry", "inputs", "outputs", "aliases", "config"} (each optional; config:
+    keys merged over the model's config for this graph alone)."""
     if not isinstance(v, dict) or not v:
         raise AttrError(f"attribute '{attr}' must be a non-empty dict of graph name -> dict")
     out: dict[str, dict[str, Any]] = {}
@@ -233,6 +234,8 @@ def _graphs(attr: str, v: Any, pkg: str) -> dict[str, dict[str, Any]]:
             if not isinstance(al, dict) or not all(isinstance(a, str) and isinstance(b, str) for a, b in al.items()):
                 raise AttrError(f"attribute '{attr}': graph '{name}': aliases must map output names to input names")
             entry["aliases"] = dict(al)
+        if g.get("config") is not None:
+            entry["config"] = _json_dict(f"{attr}.{name}.config", g["config"], pkg)
         out[name] = entry
     return out
 

@@ -45,6 +45,7 @@ class CausalLM:
     def __init__(self, model: Any, strict: bool = True) -> None:
         self.label = model.label
         self.strict = strict
+        self.model = model
         missing = [f for f in (CONTEXT, TOKEN) if f not in model.families]
         if missing:
             raise TypeError(f"{model.label} is not an hf_causal_lm: it has no {' or '.join(missing)} graph "
@@ -80,6 +81,9 @@ class CausalLM:
         self.vocab_size: int | None = vocab if isinstance(vocab, int) and not isinstance(vocab, bool) else None
         self._out_index = {g: [str(o["name"]) for o in fam.graph(next(iter(fam.buckets))).outputs]
                            for g, fam in ((CONTEXT, self._context), (TOKEN, self._token))}
+        from neuronbuild.runtime.speculative import speculation_of
+
+        self.speculation = speculation_of(model)  # {"draft", "length", "fused"} when built with verify graphs
         if strict:  # every graph generate may pick must run here: fail now, not at the first generate
             unusable = [f"{fam.graph(n).describe()}: {getattr(getattr(fam, '_slots', {}).get(n), 'problem', None)}"
                         for fam in (self._context, self._token) for n in fam.buckets if fam.bucket_fn(n) is None]
@@ -138,10 +142,13 @@ class CausalLM:
     def token_id(t: Any) -> int:
         return _token_id(t)
 
-    def engine(self, seed: int = 0) -> Engine:
+    def engine(self, seed: int = 0, speculation: Mapping[str, Any] | bool | None = None) -> Engine:
         """A continuous-batching engine over this model's serving graphs (runtime/engine.py); `seed` seeds the
-        draws of requests added without their own."""
-        return Engine(self, seed)
+        draws of requests added without their own. A bundle with verify graphs speculates (runtime/speculative.py):
+        `speculation` False serves without, a dict ({"length", "draft", "fused"}) must match the bundle's."""
+        from neuronbuild.runtime.speculative import speculative_engine
+
+        return speculative_engine(self, seed, speculation)
 
     def check_ids(self, rows: Sequence[Sequence[int]], pad_token_id: int) -> None:
         """Every token id (and the pad id) within [0, vocab_size): a ValueError naming the input, never a kernel's

@@ -523,3 +523,102 @@ def sampling_logits_context(config: dict[str, Any]) -> nn.Module:
 def sampling_logits_token(config: dict[str, Any]) -> nn.Module:
     """on_device_sampling with output_logits: tokens, logits and the cache."""
     return _serving(config, _sampling_token_forward, "SamplingLogitsTokenGraph", True)
+
+
+# -- speculative decoding: the target's verification graph (hf_causal_lm(speculation = {...}), docs/llm.md)
+
+class VerifyKV(LineKV):
+    """The verification graph's cache: each row writes n = k + 1 consecutive slots of its line (positions p..p+k, the
+    last accepted token and k draft tokens). As for a token graph, the row's line is seen rotated so that the written
+    slots are the last n of the view; transformers then sees n queries at cache positions max_seq - n..max_seq - 1 and
+    builds its causal (and sliding-window) masks itself, each draft token attending to the ones before it."""
+
+    def __init__(self, config: Any, kv: torch.Tensor, seq_ids: torch.Tensor, max_seq: int,
+                 position_ids: torch.Tensor) -> None:
+        n = int(position_ids.shape[1])
+        Cache.__init__(self, layers=[_SlotLayer(self, i, t == "sliding_attention")
+                                     for i, t in enumerate(layer_types(config))])
+        self.kv, self.slot, self.max_seq, self.kv_dtype = kv, torch.tensor([max_seq - n]), max_seq, None
+        self.updated = [None] * kv.shape[0]
+        self.lines_kv = kv
+        self.lines = torch.where(seq_ids < 0, torch.full_like(seq_ids, kv.shape[2] - 1), seq_ids).long()
+        self.width = n
+        self.slots = position_ids.long()  # [batch, n]: the slots each row writes
+        self.positions = position_ids[:, 0]
+        self.written = [None] * kv.shape[0]
+        i = torch.arange(max_seq, device=position_ids.device)
+        self.view = (i[None, :] + self.positions.long()[:, None] + n) % max_seq  # view index -> slot, p+k last
+
+    def write(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        idx = self.view[:, None, :, None].expand(-1, key.shape[1], -1, key.shape[3])
+        out = []
+        for j, new in enumerate((key, value)):
+            line = self.lines_kv[layer_idx, j].index_select(0, self.lines).gather(2, idx)
+            out.append(torch.cat([line[:, :, : -self.width], new.to(line.dtype)], dim=2))
+        self.written[layer_idx] = (key, value)
+        return out[0], out[1]
+
+    def new_cache(self, prompt_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """kv with the n slots of every row written: one scatter into the kv input."""
+        kv = self.lines_kv
+        layers = torch.arange(kv.shape[0], device=kv.device)[:, None, None, None, None]
+        pair = torch.arange(2, device=kv.device)[None, :, None, None, None]
+        lines = self.lines[None, None, :, None, None]
+        heads = torch.arange(kv.shape[3], device=kv.device)[None, None, None, :, None]
+        slots = self.slots[None, None, :, None, :]
+        # [layers, 2, batch, kv_heads, n, head_dim]
+        written = torch.stack([torch.stack([k, v]) for k, v in self.written])  # type: ignore[misc]
+        return torch.index_put(kv, (layers, pair, lines, heads, slots), written.to(kv.dtype))
+
+
+def _verify(self: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
+            seq_ids: torch.Tensor, sampled: tuple[torch.Tensor, ...], kv: torch.Tensor) -> dict[str, torch.Tensor]:
+    """k + 1 tokens per row at positions position_ids[b] (consecutive), attending to the line's slots the mask names
+    (those before the first position, 1) and causally to each other; returns the target's token after each: the
+    greedy argmax, or the sampler's choice from rand[:, i] with on-device sampling."""
+    n = int(input_ids.shape[1])
+    cache = VerifyKV(self.config, kv, seq_ids, self._nb_max_seq, position_ids)
+    view_mask = attention_mask.long().gather(1, cache.view)[:, :-n]  # the written slots: always attended (causally,
+    view_mask = torch.cat([view_mask, view_mask.new_ones((view_mask.shape[0], n))], 1)  # by transformers' own mask)
+    out = super(type(self), self).forward(use_cache=True, logits_to_keep=n, input_ids=input_ids.long(),
+                                          attention_mask=view_mask, position_ids=position_ids.long(),
+                                          past_key_values=cache)
+    logits = out.logits[:, -n:].float()  # [batch, n, vocab]
+    batch, vocab = logits.shape[0], logits.shape[2]
+    if sampled:
+        params = sampled[0][:, None, :].expand(batch, n, 3).reshape(batch * n, 3)
+        tokens = sample(logits.reshape(batch * n, vocab), params, sampled[1].reshape(batch * n)).reshape(batch, n)
+    else:
+        tokens = logits.argmax(-1).to(torch.int32)
+    result = {"tokens": tokens}
+    if self._nb_logits or not sampled:
+        result["logits"] = logits
+    result["kv"] = cache.new_cache()
+    return result
+
+
+def _serving_verify_forward(self: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                            position_ids: torch.Tensor, seq_ids: torch.Tensor, kv: torch.Tensor
+                            ) -> dict[str, torch.Tensor]:
+    return _verify(self, input_ids, attention_mask, position_ids, seq_ids, (), kv)
+
+
+def _sampling_verify_forward(self: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                             position_ids: torch.Tensor, seq_ids: torch.Tensor, sampling_params: torch.Tensor,
+                             rand: torch.Tensor, kv: torch.Tensor) -> dict[str, torch.Tensor]:
+    return _verify(self, input_ids, attention_mask, position_ids, seq_ids, (sampling_params, rand), kv)
+
+
+def serving_verify(config: dict[str, Any]) -> nn.Module:
+    """speculation verification graph (continuous_batching, no on-device sampling): greedy tokens, logits, cache."""
+    return _serving(config, _serving_verify_forward, "ServingVerifyGraph", True)
+
+
+def sampling_verify(config: dict[str, Any]) -> nn.Module:
+    """speculation verification graph with on-device sampling: tokens (+ logits with output_logits), cache."""
+    return _serving(config, _sampling_verify_forward, "SamplingVerifyGraph", False)
+
+
+def sampling_logits_verify(config: dict[str, Any]) -> nn.Module:
+    """speculation verification graph with on-device sampling and output_logits: tokens, logits, cache."""
+    return _serving(config, _sampling_verify_forward, "SamplingLogitsVerifyGraph", True)

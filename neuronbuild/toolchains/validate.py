@@ -185,15 +185,16 @@ class HfReference:
         return self.model(input_ids=ids, attention_mask=mask, position_ids=self.positions(mask),
                           past_key_values=self.cache()).logits[:, -1]
 
-    def token_case(self, gen: Any, batch: int) -> tuple[tuple[Any, ...], Any]:
+    def token_case(self, gen: Any, batch: int, verify: int = 0) -> tuple[tuple[Any, ...], Any]:
         """The token graph's inputs after a prefill of max_seq // 2 slots, and transformers' next logits after its
         own prefill of the same prompts. Continuous-batching graphs: row b's prompt left-aligned in line b (rows
-        beyond max_batch write the scratch line: compare_hf leaves them out)."""
+        beyond max_batch write the scratch line: compare_hf leaves them out). `verify` = k + 1: a speculation
+        verify graph's inputs (k + 1 tokens per row) and transformers' logits at those k + 1 positions."""
         import torch
 
         width = max(1, self.max_seq // 2)
         ids, mask = self.prompts(gen, batch, width)
-        nxt = torch.randint(0, self.vocab, (batch, 1), generator=gen, dtype=torch.int64)
+        nxt = torch.randint(0, self.vocab, (batch, verify or 1), generator=gen, dtype=torch.int64)
         kv = self.context(ids, mask)["kv"]
         if self.kv_input is not None:
             kv = kv.to(self.kv_input)
@@ -207,6 +208,11 @@ class HfReference:
                 attend[b, : n + 1] = 1
             args: tuple[Any, ...] = (nxt.int(), attend, pos.int(), self.seq_ids(batch), *self.greedy_sampling(batch),
                                      lines)
+            if verify:  # positions pos..pos+k; the mask names the slots before them; a draw per position
+                sampling = self.greedy_sampling(batch)
+                args = (nxt.int(), (torch.arange(self.max_seq)[None, :] < pos).to(torch.int32),
+                        (pos + torch.arange(verify)[None, :]).int(), self.seq_ids(batch),
+                        *((sampling[0], torch.zeros((batch, verify))) if sampling else ()), lines)
         else:
             cache_mask = torch.zeros((batch, self.max_seq), dtype=torch.int64)
             cache_mask[:, :width] = mask
@@ -214,10 +220,10 @@ class HfReference:
             args = (nxt, pos, cache_mask, torch.tensor([width], dtype=torch.int64), kv)
         pre = self.model(input_ids=ids, attention_mask=mask, position_ids=self.positions(mask), use_cache=True,
                          past_key_values=self.cache())
-        full = torch.cat([mask, torch.ones((batch, 1), dtype=torch.int64)], dim=1)
-        want = self.model(input_ids=nxt, attention_mask=full, position_ids=pos, past_key_values=pre.past_key_values,
-                          use_cache=True).logits[:, -1]
-        return args, want
+        full = torch.cat([mask, torch.ones((batch, verify or 1), dtype=torch.int64)], dim=1)
+        out = self.model(input_ids=nxt, attention_mask=full, position_ids=pos + torch.arange(verify or 1)[None, :],
+                         past_key_values=pre.past_key_values, use_cache=True).logits
+        return args, (out if verify else out[:, -1])
 
 
     def seq_ids(self, batch: int) -> Any:
@@ -250,10 +256,11 @@ def _named(out: Any, names: list[str]) -> dict[str, Any]:
 
 
 def compare_hf(fn: Callable[..., Any], ref: HfReference, graph: str, bucket: Mapping[str, int], output_names: list[str],
-               seed: int) -> Comparison:
+               seed: int, verify: int = 0) -> Comparison:
     """An hf_causal_lm graph against transformers: the context graph's last-position logits against a transformers
     forward over the same left-padded prompts; the token graph's logits against transformers' next logits after a
-    prefill of the same prompts."""
+    prefill of the same prompts; a speculation verify graph's (`verify` = k + 1 positions) logits at its positions
+    likewise."""
     import torch
 
     gen = torch.Generator().manual_seed(int(seed))
@@ -261,6 +268,8 @@ def compare_hf(fn: Callable[..., Any], ref: HfReference, graph: str, bucket: Map
         with torch.no_grad():
             if graph == "token":
                 args, want = ref.token_case(gen, int(bucket["batch"]))
+            elif graph == "verify":  # (hf_causal_lm speculation) k + 1 positions per row
+                args, want = ref.token_case(gen, int(bucket["batch"]), verify)
             elif ref.serving:
                 args = ref.serving_context_case(gen, int(bucket["batch"]), int(bucket["seq"]))
                 want = ref.context_logits(args[0].long(), args[1].long())
@@ -271,7 +280,7 @@ def compare_hf(fn: Callable[..., Any], ref: HfReference, graph: str, bucket: Map
     except Exception as exc:  # noqa: BLE001 - reported as this graph's result
         first = (str(exc).strip().splitlines() or [""])[0]
         return Comparison(float("inf"), float("inf"), (), f"{type(exc).__name__}: {first}")
-    if ref.serving and graph == "token":  # rows in the scratch line (beyond max_batch) hold no prefill
+    if ref.serving and graph in ("token", "verify"):  # rows in the scratch line (beyond max_batch) hold no prefill
         want = want[: ref.kv_dims[2] - 1]
     if "logits" not in out:  # on_device_sampling without logits: greedy tokens, exactly
         tokens = out["tokens"][: want.shape[0]]
@@ -326,6 +335,12 @@ class _Model:
 
     def family(self, name: str) -> _Family:
         return self._families[name]
+
+
+def verify_width(spec: Mapping[str, Any]) -> int:
+    """k + 1 for a speculation verify graph's model spec (hf_causal_lm speculation), else 0."""
+    spec_cfg = (spec.get("config") or {}).get("speculation") or {}
+    return int(spec_cfg.get("length") or 0) + 1 if spec.get("graph") == "verify" and spec_cfg else 0
 
 
 def generate_cases(label: str, ref: HfReference, graphs: Mapping[str, Mapping[str, tuple[Mapping[str, Any],
