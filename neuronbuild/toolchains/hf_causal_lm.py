@@ -35,7 +35,7 @@ class _SlotLayer(CacheLayerMixin):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        width = self.owner.width
+        width = self.owner.latent_width
         kw, vw = key_states.shape[-1], value_states.shape[-1]
         if width is None or (kw == width and vw == width):
             return self.owner.write(key_states, value_states, self.idx)
@@ -92,7 +92,7 @@ class StaticKV(Cache):
         self.slot = slot
         self.max_seq = max_seq
         self.kv_dtype = kv_dtype  # an fp8 cache (kv_cache_dtype, toolchains/quantize.py); None: the model dtype
-        self.width = cache_width(config)  # the cache's last dim when keys and values may be narrower (MLA); or None
+        self.latent_width = cache_width(config)  # the cache's last dim when keys and values are narrower (MLA); or None
         types = layer_types(config)
         super().__init__(layers=[_SlotLayer(self, i, t == "sliding_attention") for i, t in enumerate(types)])
         self.updated: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(types)
@@ -539,6 +539,7 @@ class VerifyKV(LineKV):
         Cache.__init__(self, layers=[_SlotLayer(self, i, t == "sliding_attention")
                                      for i, t in enumerate(layer_types(config))])
         self.kv, self.slot, self.max_seq, self.kv_dtype = kv, torch.tensor([max_seq - n]), max_seq, None
+        self.latent_width = cache_width(config)
         self.updated = [None] * kv.shape[0]
         self.lines_kv = kv
         self.lines = torch.where(seq_ids < 0, torch.full_like(seq_ids, kv.shape[2] - 1), seq_ids).long()
