@@ -139,7 +139,7 @@ def built_roots(ag: ActionGraph) -> dict[str, set[str]]:
     """{compile or bundle label: every action fingerprint its outputs came from} for the build roots record."""
     out: dict[str, set[str]] = {}
     for ct in ag.compiles:
-        out[str(ct.label)] = set().union(*(ag.closure(fp) for _bucket, fp in ct.buckets))
+        out[str(ct.label)] = set().union(*(ag.closure(fp, ct.ships_of(fp)) for _bucket, fp in ct.buckets))
     for lbl, info in ag.bundles.items():
         out[str(lbl)] = set().union(*(out[str(s)] for s in info.srcs))
     return out

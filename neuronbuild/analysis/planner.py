@@ -29,6 +29,7 @@ from neuronbuild.analysis.actions import (
     WEIGHTS,
     Action,
     Bucket,
+    DepInput,
     FileInput,
     make_action,
     trace_weights,
@@ -173,9 +174,10 @@ class ActionGraph:
             a = self.actions[a.deps[0]]
         return a
 
-    def weights_of(self, fp: str) -> Action | None:
-        """The model's weights action an action's outputs bind (itself for one), or None (a trace, a Lower)."""
-        for s in self.actions[fp].ships:  # (a compile ships its model's weights beside its outputs)
+    def weights_of(self, fp: str, ships: tuple[DepInput, ...] | None = None) -> Action | None:
+        """The model's weights action an action's outputs bind (itself for one), or None (a trace, a Lower).
+        `ships`: what the compile target asking ships beside `fp` (CompileTarget.ships_of), else the action's."""
+        for s in self.actions[fp].ships if ships is None else ships:  # (a compile ships its model's weights)
             w = self.actions.get(s.action)
             if w is not None and w.kind == WEIGHTS:
                 return w
@@ -185,24 +187,30 @@ class ActionGraph:
                 return a
         return None
 
-    def model_of(self, fp: str) -> dict[str, Any]:
+    def model_of(self, fp: str, ships: tuple[DepInput, ...] | None = None) -> dict[str, Any]:
         """The model record an action's outputs come from: its trace's (the graph's entry, inputs, outputs) with the
-        checkpoint the weights action read (weights, weights_prefix), as `validate` rebuilds the eager model."""
+        checkpoint the weights action read (weights, weights_prefix), as `validate` rebuilds the eager model.
+        `ships`: as weights_of."""
         rec = dict(self.trace_of(fp).model)
-        w = self.weights_of(fp)
+        w = self.weights_of(fp, ships)
         if w is not None:
             wrec = w.record.get("model") or {}
             rec.update({k: wrec[k] for k in ("weights", "weights_prefix") if k in wrec})
         return rec
 
-    def closure(self, fp: str) -> set[str]:
+    def closure(self, fp: str, ships: tuple[DepInput, ...] | None = None) -> set[str]:
         """The action and every action it depends on (nx.ancestors' set and `fp`, over `Action.deps`: a build asks
-        this of each of its 1,000s of compiles, where networkx's dispatch costs more than the walk)."""
+        this of each of its 1,000s of compiles, where networkx's dispatch costs more than the walk). `ships`: what
+        the compile target asking ships beside `fp` (CompileTarget.ships_of), counted with it."""
         actions = self.actions
         if fp not in actions:
             raise nx.NetworkXError(f"The node {fp} is not in the digraph.")
         out = {fp}
         stack = [fp]
+        for s in ships or ():
+            if s.action not in out:
+                out.add(s.action)
+                stack.append(s.action)
         while stack:
             a = actions.get(stack.pop())
             if a is None:
@@ -217,14 +225,16 @@ class ActionGraph:
                     stack.append(s.action)
         return out
 
-    def shipped_outputs(self, fp: str, lookup: Callable[[str], Any]) -> dict[str, Any] | None:
+    def shipped_outputs(self, fp: str, lookup: Callable[[str], Any],
+                        ships: tuple[DepInput, ...] | None = None) -> dict[str, Any] | None:
         """{name: output ref} of what action `fp`'s outputs are to users (an output target's bucket, a bundle's
-        graph): its cached result's outputs plus the outputs it ships (`Action.ships`: a compile's model weights,
-        from the weights action's result); None when any of those results is not cached."""
+        graph): its cached result's outputs plus the outputs it ships (a compile's model weights, from the weights
+        action's result: `ships`, the compile target's own (CompileTarget.ships_of), else `Action.ships`); None when
+        any of those results is not cached."""
         res = lookup(fp)
         if res is None:
             return None
-        ships = self.actions[fp].ships
+        ships = self.actions[fp].ships if ships is None else ships
         if not ships:
             return dict(res.outputs)
         out = dict(res.outputs)
@@ -887,15 +897,17 @@ class AnalysisContext:
         return self.add(make_action(TRACE, model.label, bucket, record, spec, files=_source_files(model),
                                     outputs=(TRACE_OUTPUT,)))
 
-    def plan_bucket(self, tc: Toolchain, req: CompileRequest) -> list[Action]:
+    def plan_bucket(self, tc: Toolchain, req: CompileRequest) -> tuple[list[Action], tuple[DepInput, ...]]:
         """The actions toolchain `tc` plans for one bucket (`req`: a CompileRequest), registered, with the model's
         weights action first when one of them binds it (a toolchain on shapes alone adds none); the last one is the
-        bucket's primary action."""
+        bucket's primary action. And what that primary action ships for this request (its model's weights): the
+        registered action may be another model's with an identical graph (the same fingerprint: a compile never
+        reads weights), holding that model's in `Action.ships`."""
         planned = tc.plan(req)
         w = req.weights
         if w is not None and any(d.action == w.fingerprint for a in planned for d in (*a.dep_inputs, *a.ships)):
             self.add(w)
-        return [self.add(a) for a in planned]
+        return [self.add(a) for a in planned], (planned[-1].ships if planned else ())
 
     def weights(self, model: ModelInfo, tp_degree: int = 1) -> Action:
         """The weights action of `model` (the model itself, not one of its graph families: they share its weights):

@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from neuronbuild.analysis.actions import Bucket, FileInput
+from neuronbuild.analysis.actions import Bucket, DepInput, FileInput
 from neuronbuild.loading.labels import Label
 
 
@@ -64,6 +64,17 @@ class CompileTarget:
     graph_options: Mapping[str, Mapping[str, Any]] = field(default_factory=dict, hash=False, compare=False)
     ignored_options: tuple[str, ...] = ()  # options set for it that its toolchain does not read (they change nothing)
     option_warnings: tuple[str, ...] = ()  # what its toolchain warns of in the options it reads (unknown raw flags)
+    # Per bucket (as `buckets`), what this target's primary action ships beside its outputs (its model's weights):
+    # this target's own, where the action (shared by fingerprint with another model's identical graph: the compile
+    # never reads weights) holds the first registrant's in `Action.ships`
+    ships: tuple[tuple[DepInput, ...], ...] = field(default=(), hash=False, compare=False)
+
+    def ships_of(self, fp: str) -> tuple[DepInput, ...] | None:
+        """What this target ships beside primary action `fp`'s outputs, or None when it does not say."""
+        for (_b, f), sh in zip(self.buckets, self.ships, strict=False):
+            if f == fp:
+                return sh
+        return None
 
     def options_of(self, graph: str) -> Mapping[str, Any]:
         """The effective options one graph family was compiled with (per-graph options, else the target's)."""

@@ -76,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
             res = cache.lookup(fp)
             # What the graph's artifact is made of: its outputs and what it ships (the model's weights file, from
             # the weights action): None until all of it is built (a build still running, or stopped early).
-            shipped = ag.shipped_outputs(fp, cache.lookup) if res is not None else None
+            shipped = ag.shipped_outputs(fp, cache.lookup, ct.ships_of(fp)) if res is not None else None
             row = f"{str(ct.label):<{w_t}}  {bucket.name:<{w_b}}  {plat:<{w_p}}"
             if res is None or shipped is None:
                 failed += 1
@@ -87,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
                 print(f"{row} {'-':>10} {'-':>10} {tol:>10.1e}  skipped: built without weights (graphs only); "
                       "validate a compile of the model with its checkpoint", flush=True)
                 continue
-            spec = ag.model_of(fp)
+            spec = ag.model_of(fp, ct.ships_of(fp))
             spec["libraries"] = sorted(spec.get("deps") or {})
             tmp = tmp_root / fp
             tmp.mkdir(parents=True, exist_ok=True)

@@ -6,7 +6,7 @@ from collections.abc import Mapping
 
 from neuronbuild import plugins
 from neuronbuild.analysis import tensor_parallel
-from neuronbuild.analysis.actions import Bucket
+from neuronbuild.analysis.actions import Bucket, DepInput
 from neuronbuild.analysis.planner import AnalysisContext
 from neuronbuild.analysis.providers import BucketsInfo, CompileTarget, ModelInfo, PlatformInfo
 from neuronbuild.analysis.toolchain_api import CompileRequest, ignored_options, option_warnings, toolchain_options
@@ -102,6 +102,7 @@ def analyze(ctx: AnalysisContext, t: Target) -> CompileTarget:
                              locate(ctx.graph, t, "tp_degree"))
     weights = None  # the model's one weights action (made once the checks below have passed)
     entries: list[tuple[Bucket, str]] = []
+    shipped: list[tuple[DepInput, ...]] = []  # per bucket: what this target ships beside it (CompileTarget.ships)
     buckets_attr = t.attrs["buckets"]
     families = list(model.graphs) or [("", model)]
     graph_options: dict[str, Mapping[str, object]] = {}
@@ -124,18 +125,19 @@ def analyze(ctx: AnalysisContext, t: Target) -> CompileTarget:
             req = CompileRequest(t.label, plat.platform, plat.target, opts, bucket, inputs, trace, ctx.settings,
                                  ctx.common, weights)
             try:
-                planned = ctx.plan_bucket(tc, req)
+                planned, ships = ctx.plan_bucket(tc, req)
             except UserInputError as e:  # (a toolchain's plan refusing the options: at this target's call)
                 if e.location is not None:
                     raise
                 raise UserInputError(e.message, locate(ctx.graph, t)) from None
             assert planned, f"toolchain {tc.name} planned no action"
             entries.append((bucket, planned[-1].fingerprint))
+            shipped.append(ships)
     first = next(iter(graph_options.values()), None)
     ct = CompileTarget(t.label, model.label, plat.platform, tc.name, plat.target, plat.description,
                        first if first is not None else options_for(""), tuple(entries), float(t.attrs["tolerance"]),
                        tc.artifact_format, graph_options, tuple(ignored),
-                       tuple(warned))
+                       tuple(warned), tuple(shipped))
     ctx.compiles.append(ct)
     return ct
 

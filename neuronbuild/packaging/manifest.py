@@ -120,11 +120,11 @@ def plan_bundle(graph: TargetGraph, ag: ActionGraph, cache: LocalCache, label: L
             trace = ag.trace_of(fp)
             traced = cache.lookup(trace.fingerprint)
             traced_meta = traced.metadata if traced is not None else {}
-            fingerprints += sorted(ag.closure(fp))
+            fingerprints += sorted(ag.closure(fp, ct.ships_of(fp)))
             gdir = f"graphs/{src.package}/{src.name}/{bucket.name}" if src.package else f"graphs/{src.name}/{bucket.name}"
             artifacts: dict[str, Any] = {}
             weights = None
-            outs = ag.shipped_outputs(fp, cache.lookup)  # (+ the model's weights, shipped from its weights action)
+            outs = ag.shipped_outputs(fp, cache.lookup, ct.ships_of(fp))  # (+ its model's weights, shipped)
             if outs is None:
                 raise MissingResult(f"{src} [{bucket}]: its model's weights are not built")
             if wt is not None and wres is not None:  # the bundle's weights target's file(s), not the model's own

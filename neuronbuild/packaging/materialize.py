@@ -149,11 +149,11 @@ def materialize(root: Path, ag: ActionGraph, cache: LocalCache, failed: set[str]
     for ct in ag.compiles:
         results: list[Any] = []
         shipped: list[Any] = []  # the results of what the buckets ship beside their outputs (the model's weights)
-        for _b, fp in ct.buckets:
+        for i, (_b, fp) in enumerate(ct.buckets):
             res = None if fp in failed else lookup(fp)
             if res is None:
                 break
-            for s in ag.actions[fp].ships:
+            for s in ct.ships[i] if i < len(ct.ships) else ag.actions[fp].ships:  # (this target's own weights)
                 other = None if s.action in failed else lookup(s.action)
                 if other is None or s.output not in other.outputs:
                     res = None
@@ -185,7 +185,7 @@ def materialize(root: Path, ag: ActionGraph, cache: LocalCache, failed: set[str]
                 "trace": trace_fp,
                 "model_outputs": _traced_outputs(cache, trace_fp),
                 "outputs": {n: {"digest": r.digest, "size": r.size, "path": f"{bucket.name}/{n}"}
-                            for n, r in sorted(_with_shipped(ag, fp, res, lookup).items())},
+                            for n, r in sorted(_with_shipped(ag, fp, res, lookup, ct.ships_of(fp)).items())},
             })
         manifest = {
             "format": FORMAT_VERSION,
@@ -212,11 +212,13 @@ def materialize(root: Path, ag: ActionGraph, cache: LocalCache, failed: set[str]
     return done
 
 
-def _with_shipped(ag: ActionGraph, fp: str, res: Any, lookup: Any) -> dict[str, Any]:
-    """A bucket's files: its action's outputs and what it ships (ActionGraph.shipped_outputs; all cached here)."""
-    if not ag.actions[fp].ships:
+def _with_shipped(ag: ActionGraph, fp: str, res: Any, lookup: Any,
+                  ships: tuple[Any, ...] | None = None) -> dict[str, Any]:
+    """A bucket's files: its action's outputs and what it ships (ActionGraph.shipped_outputs; all cached here).
+    `ships`: the compile target's own (CompileTarget.ships_of)."""
+    if not (ag.actions[fp].ships if ships is None else ships):
         return dict(res.outputs)
-    out = ag.shipped_outputs(fp, lookup)
+    out = ag.shipped_outputs(fp, lookup, ships)
     assert out is not None
     return out
 

@@ -277,11 +277,11 @@ class DeployedCache:
         """The graphs serving `label`: the expected fingerprints, else the newest release holding the label."""
         problems: list[Problem] = []
         slots: dict[str, _Slot] = {}
-        by_fp: dict[str, tuple[Graph, Release]] = {}
+        by_fp: dict[tuple[str, str, tuple[str, ...]], tuple[Graph, Release]] = {}  # (by Graph.identity)
         by_key: dict[tuple[str, str], list[Graph]] = {}
         for r in self._releases:
             for g in r.manifest.graphs:
-                by_fp.setdefault(g.fingerprint, (g, r))
+                by_fp.setdefault(g.identity, (g, r))
                 by_key.setdefault(g.key, []).append(g)
         pinned = expected is not None
         if expected is None:
@@ -290,7 +290,7 @@ class DeployedCache:
                 return {}, [Problem(label, "not deployed (no release in this directory holds it)")]
             expected = [g for g in newest.manifest.graphs if g.label == label]
         for eg in expected:
-            hit = by_fp.get(eg.fingerprint)
+            hit = by_fp.get(eg.identity)
             if hit is None:
                 near = by_key.get(eg.key)
                 if near:

@@ -90,6 +90,13 @@ class Graph:
         return (self.label, self.bucket_name)
 
     @property
+    def identity(self) -> tuple[str, str, tuple[str, ...]]:
+        """What serves the same results: the graph (its fingerprint) with the same weights (by content). Two models
+        with identical graphs and different checkpoints share the fingerprint, never the identity."""
+        return (self.fingerprint, self.weights.sha256 if self.weights else "",
+                tuple(ref.sha256 for ref in self.rank_weights))
+
+    @property
     def toolchain(self) -> Mapping[str, str]:
         tc = self.record.get("toolchain")
         return tc if isinstance(tc, Mapping) else {}
