@@ -24,6 +24,7 @@ from neuronbuild.errors import UserInputError
 from neuronbuild.execution.env import action_environment, default_jobs, undeclared_warning  # noqa: F401 (default_jobs: re-exported)
 from neuronbuild.execution.events import EventBus, JsonLinesWriter, Listener
 from neuronbuild.execution.jobs import Executor
+from neuronbuild.execution.limits import LimitSettings
 from neuronbuild.execution.progress import make_progress
 from neuronbuild.execution.scheduler import BuildResult, Scheduler, SchedulerOptions
 from neuronbuild.packaging.materialize import materialize
@@ -50,6 +51,7 @@ class BuildRequest:
     profile: Path | None = None
     event_file: Path | None = None
     action_timeout: float = 0.0  # seconds an action may run; 0: no limit
+    limits: LimitSettings | None = None  # each action's limits (None: automatic but action_timeout; execution/limits.py)
 
 
 def settings_notes(settings: PlanSettings, ag: ActionGraph, toolchains: Sequence[str] | None = None) -> list[str]:
@@ -109,7 +111,7 @@ def make_executor(ctx: BuildContext, req: BuildRequest, cache: LocalCache,
     if req.executor == "local":
         from neuronbuild.execution.local_executor import LocalExecutor
 
-        return LocalExecutor(root, cache, req.jobs, env, req.action_timeout, timeouts)
+        return LocalExecutor(root, cache, req.jobs, env, req.action_timeout, timeouts, req.limits)
     from neuronbuild.execution.dask_executor import DaskExecutor
 
     remote = ctx.cache.remote

@@ -32,11 +32,33 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                    help="where actions run: local worker processes (default), a Dask cluster, or a LocalCluster")
     b.add_argument("--scheduler", metavar="tcp://HOST:PORT", help="the Dask scheduler (--executor dask)")
     b.add_argument("--dry-run", action="store_true", help="show what would execute (the `plan` command); run nothing")
-    b.add_argument("--action-timeout", type=float, default=0.0, metavar="SECONDS",
-                   help="fail an action (killing every process it started) after this many seconds (default: none)")
+    add_limit_args(b)
     b.add_argument("--signing-key", metavar="FILE",
                    help="sign bundles' manifests with this Ed25519 private key (default: $NEURONBUILD_SIGNING_KEY)")
     add_context_args(b)
+
+
+def add_limit_args(b: argparse.ArgumentParser) -> None:
+    """Each action's limits (#49; execution/limits.py): on by default, scaled from its estimate."""
+    b.add_argument("--action-timeout", default="auto", metavar="SECONDS",
+                   help="fail an action (killing every process it started) after this many seconds; default auto: "
+                        "10 x its estimate, at least 900 s for a trace or weights and 3600 s for a compile step "
+                        "(auto*0.5 scales that); 0: none")
+    b.add_argument("--action-memory", default="auto", metavar="SIZE",
+                   help="fail an action whose processes use more memory: MB, 512M, 16G; default auto: 3 x its peak "
+                        "estimate, at least 2048 MB (auto*2 scales that); 0: none")
+    b.add_argument("--action-pids", default="auto", metavar="N",
+                   help="fail an action that has more processes and threads at once; default auto: 16 per core, at "
+                        "least 1024; 0: none")
+
+
+def limit_settings(args: argparse.Namespace) -> Any:
+    """The LimitSettings the limit flags ask for; ValueError (its message names the flag) when one is malformed."""
+    from neuronbuild.execution.limits import LimitSettings, parse_memory, parse_pids, parse_timeout
+
+    timeout, t_scale = parse_timeout(str(args.action_timeout))
+    memory, m_scale = parse_memory(str(args.action_memory))
+    return LimitSettings(timeout, t_scale, memory, m_scale, parse_pids(str(args.action_pids)))
 
 
 def _bad(msg: str) -> int:
@@ -49,7 +71,7 @@ def _raise_interrupt(signum: int, frame: Any) -> None:
 
 
 # Flags that change how a build runs or reports, never what a finished no-op build would contain.
-NOOP_IGNORED = ("local_ram", "retries", "action_timeout", "quiet", "verbose", "profile", "build_event_json_file", "executor", "scheduler")
+NOOP_IGNORED = ("local_ram", "retries", "action_timeout", "action_memory", "action_pids", "quiet", "verbose", "profile", "build_event_json_file", "executor", "scheduler")
 
 
 def _record_noop_stats(cache_dir: Path, line: str, started: float) -> None:
@@ -123,8 +145,10 @@ def run(args: argparse.Namespace) -> int:
         return _bad("--jobs must be at least 1")
     if args.retries < 0:
         return _bad("--retries must be 0 or more")
-    if not args.action_timeout >= 0:
-        return _bad("--action-timeout must be 0 (no limit) or a positive number of seconds")
+    try:
+        limits = limit_settings(args)
+    except ValueError as e:
+        return _bad(str(e))
     if args.executor == "dask" and not args.scheduler:
         return _bad("--executor dask needs --scheduler tcp://HOST:PORT")
     if args.executor == "dask" and not args.remote_cache:
@@ -192,7 +216,7 @@ def run(args: argparse.Namespace) -> int:
         scheduler=args.scheduler,
         profile=Path(args.profile).resolve() if args.profile else None,
         event_file=Path(args.build_event_json_file).resolve() if args.build_event_json_file else None,
-        action_timeout=args.action_timeout,
+        action_timeout=limits.timeout_s or 0.0, limits=limits,
     )
     from neuronbuild.report.invocation import Invocation, note_line
 

@@ -18,6 +18,9 @@ class Job:
     attempt: int
     log: Path
     host: str = ""  # a warm-up pseudo-job: the host it must run on ("" : any)
+    # the scheduler's estimates of the action (seconds, peak MB; 0: none), which its default limits scale from
+    estimate_s: float = 0.0
+    estimate_mb: float = 0.0
 
     @property
     def id(self) -> str:

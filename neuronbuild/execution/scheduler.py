@@ -223,6 +223,7 @@ class Scheduler:
         for fp in cached_list:
             self.bus.emit(ev.ACTION_CACHED, **action_fields(ag.actions[fp]))
         run = _Run(self, ag, todo, prio, mem)
+        run.duration = duration
         interrupted = False
         try:
             run.loop()
@@ -253,6 +254,7 @@ class _Run:
         self.todo = {a.fingerprint: a for a in todo}
         self.prio = prio
         self.mem = mem
+        self.duration: dict[str, float] = {}  # the estimated seconds of each action (its default timeout's base)
         self.blockers = {a.fingerprint: {d for d in a.deps if d in self.todo} for a in todo}
         self.ready: list[tuple[float, int, str]] = []
         self._seq = 0
@@ -436,7 +438,7 @@ class _Run:
         fp = a.fingerprint
         attempt = self.attempts.get(fp, 0)
         log = self.s.cache.logs / fp[:2] / f"{fp}.log"
-        job = Job(a, attempt, log)
+        job = Job(a, attempt, log, estimate_s=self.duration.get(fp, 0.0), estimate_mb=self.mem.get(fp, 0.0))
         try:
             log.parent.mkdir(parents=True, exist_ok=True)
             if attempt == 0:
