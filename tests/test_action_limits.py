@@ -100,7 +100,7 @@ def test_an_endless_trace_is_ended_by_the_default_timeout_scaled_from_its_estima
     proc, took, seen = build_watching(["build", "//pkg:all", "--jobs", "1", "--cache-dir", str(tmp_path / "cache"),
                                        "--action-timeout", "auto*0.01"], ws, name)
     assert proc.returncode == 1, proc.stdout + proc.stderr
-    assert "timed out after 9 s (the default for a trace: 10 x its estimate of 4 s, at least 900 s, scaled by " \
+    assert "timed out after 9 s (the default for a trace action: 10 x its estimate of 4 s, at least 900 s, scaled by " \
            "auto*0.01; --action-timeout SECONDS changes it" in proc.stderr, proc.stderr
     assert took < 200 and time.monotonic() - start < 200
     assert none_left(name)
@@ -127,3 +127,80 @@ def test_default_limits_scale_with_the_estimate_and_state_where_they_come_from()
     assert (off.timeout_s, off.memory_mb, off.pids) == (0.0, 0, 0)
     attr = limits.for_action(auto, "trace", None, 4.0, 800.0, (6.0, "timeout = 6 on //pkg:c"))
     assert attr.timeout_s == 6.0 and attr.timeout_source == "timeout = 6 on //pkg:c"
+
+
+def test_explain_states_each_actions_limits_and_what_enforces_them(tmp_path: Path) -> None:
+    import json
+
+    ws, _name = _ws(tmp_path, "ok")
+    proc = run_cli(["explain", "//pkg:all", "--cache-dir", str(tmp_path / "cache"), "--action-pids", "64"], ws)
+    assert proc.returncode == 0, proc.stderr
+    assert "limits: timeout 900 s (the default for a trace action: 10 x its estimate of 4 s, at least 900 s; " \
+           "--action-timeout SECONDS changes it, 0: none); memory 2400 MiB (the default: 3 x its peak estimate " \
+           "of 800 MB" in proc.stdout, proc.stdout
+    assert "processes and threads 64 (--action-pids 64)" in proc.stdout
+    assert f"their limits are enforced by {limits.host_offers()}" in proc.stdout
+    js = run_cli(["explain", "//pkg:all", "--cache-dir", str(tmp_path / "cache"), "--output", "json",
+                  "--action-timeout", "0", "--action-memory", "8G"], ws)
+    got = [e["limits"] for e in json.loads(js.stdout)["execute"]]
+    assert got and all(g["timeout_s"] == 0 and g["memory_mb"] == 8192 and g["pids"] >= limits.MIN_PIDS for g in got)
+
+
+NPROC_IN_USERNS = r'''
+import os, resource, sys, time
+sys.path.insert(0, os.getcwd())
+import confine_ns
+
+why = confine_ns.enter()
+if why is not None:
+    print(why)
+    sys.exit(3)
+init = os.fork()
+if init == 0:  # pid 1 of the user namespace's pid namespace, as worker._init: the limit, then the action's tasks
+    resource.setrlimit(resource.RLIMIT_NPROC, (NMAX, NMAX))
+    made = 0
+    for _ in range(4 * NMAX):
+        try:
+            pid = os.fork()
+        except BlockingIOError:
+            break
+        if pid == 0:
+            time.sleep(30)
+            os._exit(0)
+        made += 1
+    print(f"made={made}", flush=True)
+    os._exit(0)  # (the namespace's init: every process left is killed with it)
+os.waitpid(init, 0)
+'''
+
+
+def test_rlimit_nproc_bounds_a_non_root_actions_tasks_in_its_own_user_namespace(tmp_path: Path) -> None:
+    """The fallback for a non-root user without a cgroup (limits.nproc_in_user_namespace): the kernel counts
+    RLIMIT_NPROC per user namespace, so the action's forks stop at the limit although the uid may run more processes
+    elsewhere (here: the test's uid 65534 holds none, but the limit is what stops the loop, not the machine)."""
+    import os
+    import shutil
+    import subprocess
+    import tempfile
+
+    from neuronbuild.execution import confine_ns
+
+    python = shutil.which("python3", path="/usr/bin:/bin")
+    setpriv = shutil.which("setpriv")
+    if os.getuid() != 0 or python is None or setpriv is None:
+        pytest.skip("needs root, setpriv and a system python3 another user can run")
+    d = Path(tempfile.mkdtemp(prefix="nb-nproc-", dir="/tmp"))
+    try:
+        shutil.copy(confine_ns.__file__, d / "confine_ns.py")
+        os.chmod(d, 0o755)
+        os.chmod(d / "confine_ns.py", 0o644)
+        proc = subprocess.run([setpriv, "--reuid", "65534", "--regid", "65534", "--clear-groups", python, "-I", "-c",
+                               NPROC_IN_USERNS.replace("NMAX", "12")], cwd=d, env={"PATH": "/usr/bin:/bin"},
+                              capture_output=True, text=True, timeout=120)
+        if proc.returncode == 3:
+            pytest.skip(f"unprivileged user namespaces are refused here: {proc.stdout.strip()}")
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        made = int(proc.stdout.split("made=")[1].split()[0])
+        assert 1 <= made < 12, proc.stdout  # (the init counts too: at most the limit's tasks, never 4 times more)
+    finally:
+        shutil.rmtree(d, ignore_errors=True)

@@ -160,7 +160,7 @@ def for_action(settings: LimitSettings, kind: str, toolchain: str | None, estima
     if attribute is not None and attribute[0] > 0:
         timeout, t_src = attribute[0], attribute[1]
     elif settings.timeout_s is None:
-        what = f"a {toolchain} step" if toolchain and kind not in MIN_TIMEOUT_S else f"a {kind}"
+        what = f"a {toolchain} step" if toolchain and kind not in MIN_TIMEOUT_S else f"a {kind} action"
         floor = MIN_TIMEOUT_S.get(kind, MIN_STEP_TIMEOUT_S)
         timeout = round(max(floor, TIMEOUT_FACTOR * max(0.0, estimate_s)) * settings.timeout_scale, 1)
         t_src = (f"the default for {what}: {TIMEOUT_FACTOR:g} x its estimate of {estimate_s:.0f} s, at least "
