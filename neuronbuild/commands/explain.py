@@ -33,8 +33,8 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         settings = limit_settings(args)
-    except ValueError as e:
-        print(f"neuronbuild: error: {e}", file=sys.stderr)
+    except ValueError as bad:
+        print(f"neuronbuild: error: {bad}", file=sys.stderr)
         return EXIT_BAD_INPUT
     ctx = context_from_args(args)
     graph = ctx.load(args.patterns)
