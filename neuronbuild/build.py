@@ -119,10 +119,11 @@ def make_executor(ctx: BuildContext, req: BuildRequest, cache: LocalCache,
     if req.executor == "dask":
         assert req.scheduler and remote
         return DaskExecutor(root, cache, remote, req.scheduler, req.jobs, store,
-                            action_timeout=req.action_timeout, timeouts=timeouts)
+                            action_timeout=req.action_timeout, timeouts=timeouts, limits=req.limits)
     # dask-local: workers on this machine can use the local cache as the shared store.
     return DaskExecutor(root, cache, remote or str(ctx.cache.dir), None, req.jobs, store, same=remote is None,
-                        toolchain_tmp=cache.toolchain_tmp, action_timeout=req.action_timeout, timeouts=timeouts)
+                        toolchain_tmp=cache.toolchain_tmp, action_timeout=req.action_timeout, timeouts=timeouts,
+                        limits=req.limits)
 
 
 def default_listeners(ctx: BuildContext, req: BuildRequest) -> list[Listener]:

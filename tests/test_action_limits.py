@@ -204,3 +204,15 @@ def test_rlimit_nproc_bounds_a_non_root_actions_tasks_in_its_own_user_namespace(
         assert 1 <= made < 12, proc.stdout  # (the init counts too: at most the limit's tasks, never 4 times more)
     finally:
         shutil.rmtree(d, ignore_errors=True)
+
+
+def test_a_workspace_rc_that_lifts_the_limits_is_named_on_stderr(tmp_path: Path) -> None:
+    ws, _name = _ws(tmp_path, "ok")
+    (ws / ".neuronbuildrc").write_text("build --action-pids 0 --action-memory 0 --action-timeout 0\n")
+    proc = run_cli(["explain", "//pkg:all", "--cache-dir", str(tmp_path / "cache")], ws,
+                   env={"HOME": str(tmp_path / "home")})
+    assert proc.returncode == 0, proc.stderr
+    for flag in ("--action-pids", "--action-memory", "--action-timeout"):
+        assert f"(a workspace rc file) sets {flag} '0'" in proc.stderr, proc.stderr
+    assert "limits: timeout none (--action-timeout 0); memory none (--action-memory 0); processes and threads none " \
+           "(--action-pids 0)" in proc.stdout, proc.stdout
