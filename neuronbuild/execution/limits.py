@@ -360,22 +360,16 @@ class ActionCgroup:
         return int(text) / (1 << 20) if text.isdigit() else 0.0
 
     def remove(self) -> None:
-        """Remove the cgroups (their processes are gone, or going: the kernel empties them asynchronously; one still
-        busy is removed before the worker makes its next)."""
-        import time
-
+        """Remove the cgroups (their processes are gone, or going: the kernel empties them asynchronously, so one still
+        busy is removed before the worker makes its next, off the action's time; a killed worker's, by the next
+        worker that makes one: _sweep)."""
         for d in set(self.dirs.values()):
-            for attempt in range(5):
-                try:
-                    os.rmdir(d)
-                    break
-                except FileNotFoundError:
-                    break
-                except OSError:
-                    if attempt == 4:
-                        _LEFT.append(d)
-                    else:
-                        time.sleep(0.005)
+            try:
+                os.rmdir(d)
+            except FileNotFoundError:
+                pass
+            except OSError:
+                _LEFT.append(d)
 
 
 def _sweep(base: str) -> None:
