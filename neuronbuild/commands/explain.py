@@ -7,7 +7,7 @@ import json
 import sys
 from typing import Any
 
-from neuronbuild.commands.common import add_context_args, add_output_arg
+from neuronbuild.commands.common import add_context_args, add_limit_args, add_output_arg
 from neuronbuild.errors import EXIT_BAD_INPUT, EXIT_OK
 
 
@@ -18,16 +18,13 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                                                        "prefix), each with its digest, and those that differ from "
                                                        "its identity's most recent result")
     add_output_arg(p)
-    from neuronbuild.commands.build import add_limit_args
-
     add_limit_args(p)  # (each action to execute is shown with the limits a build with these flags gives it)
     add_context_args(p, what_if=True)
 
 
 def run(args: argparse.Namespace) -> int:
     from neuronbuild.analysis.explain import display_order, explain, ignored_options
-    from neuronbuild.commands.build import limit_settings
-    from neuronbuild.commands.common import context_from_args
+    from neuronbuild.commands.common import context_from_args, limit_settings
     from neuronbuild.execution.cutoff import reason
     from neuronbuild.execution.scheduler import needed_actions
 
