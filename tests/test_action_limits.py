@@ -125,6 +125,9 @@ def test_default_limits_scale_with_the_estimate_and_state_where_they_come_from()
     assert step.timeout_s == limits.MIN_STEP_TIMEOUT_S and "a cpu step" in step.timeout_source
     off = limits.for_action(limits.LimitSettings(0.0, 1.0, 0.0, 1.0, 0), "trace", None, 4.0, 800.0)
     assert (off.timeout_s, off.memory_mb, off.pids) == (0.0, 0, 0)
+    first = limits.for_action(auto, "compile", "neuron", 4.0, 900.0, mb_recorded=False)  # (a default estimate)
+    assert first.memory_mb == int(max(2700, 0.5 * limits.host_ram_mb())) or first.memory_mb >= 0.9 * limits.host_ram_mb()
+    assert "until a run of it is recorded" in first.memory_source
     attr = limits.for_action(auto, "trace", None, 4.0, 800.0, (6.0, "timeout = 6 on //pkg:c"))
     assert attr.timeout_s == 6.0 and attr.timeout_source == "timeout = 6 on //pkg:c"
 
@@ -135,9 +138,13 @@ def test_explain_states_each_actions_limits_and_what_enforces_them(tmp_path: Pat
     ws, _name = _ws(tmp_path, "ok")
     proc = run_cli(["explain", "//pkg:all", "--cache-dir", str(tmp_path / "cache"), "--action-pids", "64"], ws)
     assert proc.returncode == 0, proc.stderr
+    # Nothing recorded yet: the memory limit is at least half the machine's RAM until a run of the action is.
+    ram = limits.host_ram_mb()
+    mem = int(min(max(2048, 0.9 * ram), max(2048, 0.5 * ram, 2400)))
     assert "limits: timeout 900 s (the default for a trace action: 10 x its estimate of 4 s, at least 900 s; " \
-           "--action-timeout SECONDS changes it, 0: none); memory 2400 MiB (the default: 3 x its peak estimate " \
-           "of 800 MB" in proc.stdout, proc.stdout
+           f"--action-timeout SECONDS changes it, 0: none); memory {mem} MiB (the default: 3 x its peak estimate " \
+           "of 800 MB, at least" in proc.stdout, proc.stdout
+    assert "until a run of it is recorded" in proc.stdout
     assert "processes and threads 64 (--action-pids 64)" in proc.stdout
     assert f"their limits are enforced by {limits.host_offers()}" in proc.stdout
     js = run_cli(["explain", "//pkg:all", "--cache-dir", str(tmp_path / "cache"), "--output", "json",

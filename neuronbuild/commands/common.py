@@ -66,7 +66,7 @@ def add_limit_args(b: argparse.ArgumentParser) -> None:
                         "(auto*0.5 scales that); 0: none")
     b.add_argument("--action-memory", default="auto", metavar="SIZE",
                    help="fail an action whose processes use more memory: MB, 512M, 16G; default auto: 3 x its peak "
-                        "estimate, at least 2048 MB (auto*2 scales that); 0: none")
+                        "estimate, at least 2048 MB (half the RAM until a run of the action is recorded; auto*2 scales that); 0: none")
     b.add_argument("--action-pids", default="auto", metavar="N",
                    help="fail an action that has more processes and threads at once; default auto: 16 per core, at "
                         "least 1024; 0: none")

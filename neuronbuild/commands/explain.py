@@ -148,8 +148,9 @@ def _limits(ctx: Any, graph: Any, ag: Any, cache: Any, todo: list[Any], settings
     attrs = action_timeouts(graph, ag)
     out = {}
     for a in todo:
-        lim = for_action(settings, a.kind, a.toolchain, est.estimate(a).seconds,
-                         est.peak_mb(a, weight_mb[a.fingerprint]).mb, attrs.get(a.fingerprint))
+        peak = est.peak_mb(a, weight_mb[a.fingerprint])
+        lim = for_action(settings, a.kind, a.toolchain, est.estimate(a).seconds, peak.mb, attrs.get(a.fingerprint),
+                         peak.recorded)
         out[a.fingerprint] = {"timeout_s": lim.timeout_s, "timeout_source": lim.timeout_source,
                               "memory_mb": lim.memory_mb, "memory_source": lim.memory_source, "pids": lim.pids,
                               "pids_source": lim.pids_source, "text": lim.describe()}

@@ -163,7 +163,7 @@ class DaskExecutor:
                    "description": a.describe(), "host_threads": dict(self._host_threads)}
         if a.kind != WARM_UP:
             lim = for_action(self.limits, a.kind, a.toolchain, job.estimate_s, job.estimate_mb,
-                             self._timeouts.get(a.fingerprint))
+                             self._timeouts.get(a.fingerprint), job.estimate_mb_recorded)
             payload["limits"] = lim.message()
             if lim.timeout_s > 0:
                 payload["timeout"] = [lim.timeout_s, lim.timeout_source]

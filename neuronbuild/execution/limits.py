@@ -36,6 +36,9 @@ MIN_STEP_TIMEOUT_S = 3600.0  # a toolchain's step (neuronx-cc on a large model t
 MEMORY_FACTOR = 3.0
 MIN_MEMORY_MB = 2048.0
 MAX_MEMORY_SHARE = 0.9
+# While nothing was recorded for an action (its peak estimate is a default: a first compile of a large model may need
+# many times it), its limit is at least this share of the machine's RAM; once a run is recorded, MEMORY_FACTOR x that.
+UNRECORDED_MEMORY_SHARE = 0.5
 # The automatic process/thread limit: PIDS_PER_CORE per core, at least MIN_PIDS (torch's and the compilers' thread
 # pools, inductor's compile workers, g++ and neuronx-cc's processes fit many times over).
 MIN_PIDS = 1024
@@ -154,9 +157,10 @@ def auto_pids() -> int:
 
 
 def for_action(settings: LimitSettings, kind: str, toolchain: str | None, estimate_s: float, estimate_mb: float,
-               attribute: tuple[float, str] | None = None) -> ActionLimits:
+               attribute: tuple[float, str] | None = None, mb_recorded: bool = True) -> ActionLimits:
     """The limits of one action of `kind` (and `toolchain`: a step of it) estimated to take `estimate_s` seconds and
-    `estimate_mb` MB at its peak; `attribute`: a target's own `timeout` (seconds, the attribute), which wins."""
+    `estimate_mb` MB at its peak (`mb_recorded`: from a recorded run, not a default); `attribute`: a target's own
+    `timeout` (seconds, the attribute), which wins."""
     if attribute is not None and attribute[0] > 0:
         timeout, t_src = attribute[0], attribute[1]
     elif settings.timeout_s is None:
@@ -170,10 +174,14 @@ def for_action(settings: LimitSettings, kind: str, toolchain: str | None, estima
     else:
         timeout, t_src = 0.0, "--action-timeout 0"
     if settings.memory_mb is None:
-        cap = max(MIN_MEMORY_MB, MAX_MEMORY_SHARE * host_ram_mb())
-        mem = int(min(cap, max(MIN_MEMORY_MB, MEMORY_FACTOR * max(0.0, estimate_mb))) * settings.memory_scale)
-        m_src = (f"the default: {MEMORY_FACTOR:g} x its peak estimate of {estimate_mb:.0f} MB, at least "
-                 f"{MIN_MEMORY_MB:.0f} MB{_scaled(settings.memory_scale)}; --action-memory SIZE changes it, 0: none")
+        ram = host_ram_mb()
+        cap = max(MIN_MEMORY_MB, MAX_MEMORY_SHARE * ram)
+        floor = MIN_MEMORY_MB if mb_recorded else max(MIN_MEMORY_MB, UNRECORDED_MEMORY_SHARE * ram)
+        mem = int(min(cap, max(floor, MEMORY_FACTOR * max(0.0, estimate_mb))) * settings.memory_scale)
+        least = (f"{MIN_MEMORY_MB:.0f} MB" if mb_recorded else
+                 f"{floor:.0f} MB ({UNRECORDED_MEMORY_SHARE:.0%} of RAM until a run of it is recorded)")
+        m_src = (f"the default: {MEMORY_FACTOR:g} x its peak estimate of {estimate_mb:.0f} MB, at least {least}"
+                 f"{_scaled(settings.memory_scale)}; --action-memory SIZE changes it, 0: none")
     elif settings.memory_mb > 0:
         mem, m_src = int(settings.memory_mb), f"--action-memory {settings.memory_mb:g}M"
     else:

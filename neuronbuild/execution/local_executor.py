@@ -95,7 +95,7 @@ class LocalExecutor:
                "outputs": str(sb.outputs), "log": str(job.log), "expect": dict(a.versions)}
         try:
             lim = for_action(self.limits, a.kind, a.toolchain, job.estimate_s, job.estimate_mb,
-                             self._timeouts.get(a.fingerprint))
+                             self._timeouts.get(a.fingerprint), job.estimate_mb_recorded)
             msg["limits"] = lim.message()
             slot, pid = self._pool.submit(job.id, msg, lim.timeout_s or None, lim.timeout_source)
         except BaseException:
