@@ -101,15 +101,19 @@ def _reset_peak_rss() -> None:
 
 
 def peak_rss_mb() -> float:
+    """The action's peak resident MB: its process's (VmHWM), or the largest of the processes it started and waited
+    for (a compiler: g++, neuronx-cc) when that was larger, so the estimate its memory limit scales from (#49)
+    covers the compiler too. (A forked action process starts with no children's usage.)"""
+    import resource
+
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024.0
     try:
         for line in Path("/proc/self/status").read_text().splitlines():
             if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024.0
+                return max(int(line.split()[1]) / 1024.0, kids)
     except (OSError, ValueError, IndexError):
         pass
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+    return max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0, kids)
 
 
 def toolchain_mismatch(expect: Mapping[str, str]) -> str | None:
