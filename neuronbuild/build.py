@@ -25,6 +25,7 @@ from neuronbuild.errors import UserInputError
 from neuronbuild.execution.env import action_environment, default_jobs, undeclared_warning  # noqa: F401 (default_jobs: re-exported)
 from neuronbuild.execution.events import EventBus, JsonLinesWriter, Listener
 from neuronbuild.execution.jobs import Executor
+from neuronbuild.execution.limits import LimitSettings
 from neuronbuild.execution.progress import make_progress
 from neuronbuild.execution.scheduler import BuildResult, Scheduler, SchedulerOptions
 from neuronbuild.packaging.materialize import materialize
@@ -51,6 +52,7 @@ class BuildRequest:
     profile: Path | None = None
     event_file: Path | None = None
     action_timeout: float = 0.0  # seconds an action may run; 0: no limit
+    limits: LimitSettings | None = None  # each action's limits (None: automatic but action_timeout; execution/limits.py)
 
 
 def settings_notes(settings: PlanSettings, ag: ActionGraph, toolchains: Sequence[str] | None = None) -> list[str]:
@@ -110,7 +112,7 @@ def make_executor(ctx: BuildContext, req: BuildRequest, cache: LocalCache,
     if req.executor == "local":
         from neuronbuild.execution.local_executor import LocalExecutor
 
-        return LocalExecutor(root, cache, req.jobs, env, req.action_timeout, timeouts)
+        return LocalExecutor(root, cache, req.jobs, env, req.action_timeout, timeouts, req.limits)
     from neuronbuild.execution.dask_executor import DaskExecutor
 
     remote = ctx.cache.remote
@@ -118,10 +120,11 @@ def make_executor(ctx: BuildContext, req: BuildRequest, cache: LocalCache,
     if req.executor == "dask":
         assert req.scheduler and remote
         return DaskExecutor(root, cache, remote, req.scheduler, req.jobs, store,
-                            action_timeout=req.action_timeout, timeouts=timeouts)
+                            action_timeout=req.action_timeout, timeouts=timeouts, limits=req.limits)
     # dask-local: workers on this machine can use the local cache as the shared store.
     return DaskExecutor(root, cache, remote or str(ctx.cache.dir), None, req.jobs, store, same=remote is None,
-                        toolchain_tmp=cache.toolchain_tmp, action_timeout=req.action_timeout, timeouts=timeouts)
+                        toolchain_tmp=cache.toolchain_tmp, action_timeout=req.action_timeout, timeouts=timeouts,
+                        limits=req.limits)
 
 
 def default_listeners(ctx: BuildContext, req: BuildRequest) -> list[Listener]:

@@ -126,29 +126,46 @@ def make_context(*, cache_dir: str | None = None, remote_cache: str | None = Non
     if remote and "://" not in remote:
         remote = str(Path(remote).expanduser().resolve())
     signer, trusted, key_path = _record_keys(remote_cache_trusted_keys, remote_cache_trust_writers,
-                                            remote_cache_signing_key)
+                                            remote_cache_signing_key, bool(remote))
     cfg = CacheConfig(resolve_cache_dir(cache_dir), remote, remote_cache_readonly, s3_endpoint_url, signer, key_path,
                       trusted, remote_cache_trust_writers)
     settings = resolve_settings(action_env, tool_flags, toolchain)
     return BuildContext(ws, cfg, settings, NORMAL if verbosity is None else verbosity)
 
 
-def _record_keys(trusted_keys: str | None, trust_writers: bool, signing_key: str | None) -> tuple[Any, Any, str | None]:
+def _record_keys(trusted_keys: str | None, trust_writers: bool, signing_key: str | None,
+                 shared: bool = False) -> tuple[Any, Any, str | None]:
     """(signer, trusted keys, signing key path) from the shared-tier trust flags; UserInputError (exit 2) for a key
-    that cannot be used or flags that contradict each other."""
+    that cannot be used or flags that contradict each other. With a `shared` tier and the tier not declared trusted
+    (#49): records are signed with the signing key, else the user's own (cache/user_key.py: made on first use), and
+    only records signed by that key or one of `trusted_keys` are served."""
+    if trusted_keys and trust_writers:
+        raise UserInputError("--remote-cache-trusted-keys and --remote-cache-trust-writers contradict each other: "
+                             "give one (trusted keys: only signed records are served; trust writers: any record)")
+    flag = "--remote-cache-signing-key"
+    if shared and not trust_writers and not signing_key:
+        from neuronbuild.cache.user_key import ensure_user_key
+
+        flag = "the user's own record key"
+        try:
+            signing_key = str(ensure_user_key()[0])
+        except OSError as e:
+            raise UserInputError(f"cannot make your record-signing key for the shared cache ({e}): set "
+                                 "$NEURONBUILD_RECORD_KEY to a file to keep it in, or give --remote-cache-signing-key "
+                                 "FILE, or --remote-cache-trust-writers to serve every record unsigned") from None
     if not trusted_keys and not signing_key:
         return None, None, None
     from neuronbuild.runtime.signing import SignatureError, SigningKey, TrustedKeys
 
-    if trusted_keys and trust_writers:
-        raise UserInputError("--remote-cache-trusted-keys and --remote-cache-trust-writers contradict each other: "
-                             "give one (trusted keys: only signed records are served; trust writers: any record)")
-    flag = "--remote-cache-trusted-keys"
     try:
-        trusted = TrustedKeys(Path(trusted_keys).expanduser()) if trusted_keys else None
-        flag = "--remote-cache-signing-key"
         path = str(Path(signing_key).expanduser().resolve()) if signing_key else None
         signer = SigningKey(Path(path)) if path else None
+        flag = "--remote-cache-trusted-keys"
+        trusted: Any = TrustedKeys(Path(trusted_keys).expanduser()) if trusted_keys else None
     except SignatureError as e:
         raise UserInputError(f"{flag}: {e}") from None
+    if shared and not trust_writers and signer is not None:
+        from neuronbuild.cache.user_key import TrustSet, public_of
+
+        trusted = TrustSet([public_of(signer._key)], trusted, implicit=trusted is None)
     return signer, trusted, path

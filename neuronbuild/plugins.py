@@ -67,6 +67,25 @@ def _ensure() -> None:
 
                 _loaded = False
                 raise UserInputError(f"${PLUGINS_ENV}: cannot import plug-in module {name!r}: {e}") from None
+            except (Exception, SystemExit) as e:  # noqa: BLE001 - a plug-in's own code failed: one line, exit 2
+                from neuronbuild.errors import UserInputError
+
+                _loaded = False
+                raise UserInputError(f"${PLUGINS_ENV}: plug-in module {name!r} failed while it was imported"
+                                     f"{_where(e)}: {_one_line(e)}") from None
+
+
+def _one_line(e: BaseException) -> str:
+    text = " ".join(str(e).split())
+    return f"{type(e).__name__}: {text[:300]}" if text else type(e).__name__
+
+
+def _where(e: BaseException) -> str:
+    """' (at file:line)' of the innermost frame of the traceback that is not importlib's, or ''."""
+    import traceback
+
+    frames = [f for f in traceback.extract_tb(e.__traceback__) if "importlib" not in f.filename]
+    return f" (at {frames[-1].filename}:{frames[-1].lineno})" if frames else ""
 
 
 def register_rule(kind: Any) -> Any:
@@ -245,7 +264,7 @@ def tool_settings(builtin_only: bool = False) -> list[ToolSettings]:
                 try:
                     importlib.import_module(name)
                     _settings_import_errors.pop(name, None)
-                except Exception as e:  # noqa: BLE001 - reported by _ensure, with the plug-in's name, when a command plans
+                except (Exception, SystemExit) as e:  # noqa: BLE001 - reported by _ensure, with the plug-in's name, when a command plans
                     if name in SETTINGS_BUILTIN:
                         raise
                     _settings_modules_tried.discard(name)

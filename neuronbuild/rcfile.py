@@ -312,6 +312,9 @@ NOTED = {
     "--remote-cache-trusted-keys": "the keys whose shared-cache records are served",
     "--remote-cache-trust-writers": "serving shared-cache records no trusted key signed",
     "--build-event-json-file": "the file build events are written to",
+    "--action-timeout": "each action's wall-clock limit",  # (a repository could lift the limits of its own models)
+    "--action-memory": "each action's memory limit",
+    "--action-pids": "each action's limit of processes and threads",
 }
 # Of those, the ones naming a program the build process runs (a `--version` probe before any action): a workspace rc
 # file's value is used only with the user's consent (TRUST_FLAG once, remembered per rc file, option and value).

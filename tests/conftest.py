@@ -10,6 +10,16 @@ from pathlib import Path
 # devices as the runtime gives a process it starts (runtime/xla_cpu.HOST_DEVICES), whatever the files' order on
 # an xdist worker (a tp_degree 2 graph in a process started with 1 device failed, depending on that order).
 os.environ.setdefault("JAX_NUM_CPU_DEVICES", "64")
+# The test session's own record-signing key for shared cache tiers (#49: each user's is made on first use, in
+# ~/.config/neuronbuild), so tests never touch the user's and make one key per session (per xdist worker).
+if "NEURONBUILD_RECORD_KEY" not in os.environ:
+    import atexit
+    import shutil
+    import tempfile
+
+    _KEY_DIR = tempfile.mkdtemp(prefix="nb-record-key-")
+    os.environ["NEURONBUILD_RECORD_KEY"] = os.path.join(_KEY_DIR, "record-key")
+    atexit.register(shutil.rmtree, _KEY_DIR, True)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 

@@ -127,9 +127,9 @@ def test_empty_local_cache_is_filled_from_the_shared_directory(populated: tuple[
     _local, shared = populated
     proc = build(ws, tmp_path / "fresh", "--remote-cache", str(shared))
     assert "7 actions: 0 executed, 7 cached" in proc.stdout
-    # No trusted keys and the tier not declared trusted: served, with one warning that no one vouched for them.
-    assert executed(proc.stderr) == [] and len(warnings(proc.stderr)) == 1, proc.stderr
-    assert "serving records no trusted key signed" in warnings(proc.stderr)[0]
+    # Uploaded signed with this user's own record key (#49: the default) and served by it, without a warning.
+    assert executed(proc.stderr) == [] and warnings(proc.stderr) == [], proc.stderr
+    assert all(json.loads(p.read_bytes()).get("signature") for p in (shared / "v1" / "ac").glob("*/*.json"))
     assert set(entries(tmp_path / "fresh")) == {C1, C2, "weights //pkg:m", "trace //pkg:m [batch=1, seq=4]",
                                                  "trace //pkg:m [batch=2, seq=4]", "lower //pkg:m [batch=1, seq=4]",
                                                  "lower //pkg:m [batch=2, seq=4]"}  # copied down

@@ -102,3 +102,19 @@ def test_a_runtime_loader_missing_protocol_members_is_refused_at_registration_na
     with pytest.raises(TypeError, match=r"runtime loader 'half-format' .*missing host_mismatches, load, scratch_bytes"):
         plugins.register_loader(Half())  # type: ignore[arg-type]
     assert plugins.loader_for("half-format") is None
+
+
+def test_a_plug_in_that_raises_while_imported_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    plugins = tmp_path / "plugins"
+    plugins.mkdir()
+    (plugins / "raising_plugin.py").write_text("import os\n\nraise RuntimeError('the plug-in needs\\nits licence')\n")
+    (plugins / "exiting_plugin.py").write_text("import sys\nsys.exit(5)\n")
+    ws = write_ws(tmp_path / "ws", {"m/llama.py": MODEL_SRC, "m/BUILD": BUILD})
+    for name, line, what in (("raising_plugin", 3, "RuntimeError: the plug-in needs its licence"),
+                             ("exiting_plugin", 2, "SystemExit: 5")):
+        env = {"NEURONBUILD_PLUGINS": name, "NEURONBUILD_PLUGIN_PATH": str(plugins)}
+        for cmd in (["plan"], ["build", "--cache-dir", str(tmp_path / "cache")]):
+            bad = run_cli(cmd, ws, env)
+            assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "Traceback" not in bad.stderr, bad.stderr
+            assert f"plug-in module '{name}' failed while it was imported (at {plugins / name}.py:{line}): {what}" \
+                in bad.stderr, bad.stderr

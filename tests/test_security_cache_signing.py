@@ -219,7 +219,8 @@ def test_a_build_rebuilds_a_forged_shared_record_and_serves_the_signed_ones(keys
                                                                            tmp_path: Path) -> None:
     """End to end: the CI writer builds with its signing key into a shared directory; someone with write access
     replaces the compile's record by a well-formed forgery naming their blob; a developer trusting the CI key runs
-    that one action again (one warning) and takes the rest from the shared tier. Their results are not uploaded."""
+    that one action again (one warning) and takes the rest from the shared tier. Their result is uploaded signed with
+    their own key (#49), which the CI writer does not trust."""
     ws = write_ws(tmp_path / "ws", {"pkg/BUILD": BUILD, "pkg/m.py": MODEL})
     shared = tmp_path / "shared"
     shared.mkdir()
@@ -242,10 +243,22 @@ def test_a_build_rebuilds_a_forged_shared_record_and_serves_the_signed_ones(keys
     assert re.search(rf"{len(records)} actions: 1 executed, {len(records) - 1} cached", dev.stdout), dev.stdout
     warned = [ln for ln in dev.stderr.splitlines() if ln.startswith("warning:")]
     assert len(warned) == 1 and "is not signed" in warned[0] and str(shared) in warned[0], dev.stderr
-    assert json.loads(records[compile_id].read_bytes()) == forged  # not overwritten by an unsigned record
+    # The developer's run replaced the forgery, signed with the developer's own key (#49: each user's, made on first
+    # use; the test session's): readers trusting that key (the developer's own builds) serve it, others re-run it.
+    import os
+
+    from neuronbuild.runtime.signing import SigningKey
+
+    rewritten = json.loads(records[compile_id].read_bytes())
+    own = SigningKey(Path(os.environ["NEURONBUILD_RECORD_KEY"])).key_id
+    assert rewritten != forged and rewritten["writer"] == own and rewritten.get("signature")
     v = run_cli(["cache", "verify", "--cache-dir", str(tmp_path / "dev"), "--remote-cache", str(shared),
                  "--remote-cache-trusted-keys", str(keys["trusted"])], ws)
-    assert v.returncode == 1 and v.stdout.count("untrusted-record") == 1, v.stdout + v.stderr
+    assert v.returncode == 0 and "untrusted-record" not in v.stdout, v.stdout + v.stderr
+    ci_view = run_cli(["cache", "verify", "--cache-dir", str(tmp_path / "ci"), "--remote-cache", str(shared),
+                       "--remote-cache-trusted-keys", str(keys["trusted"]), "--remote-cache-signing-key",
+                       str(keys["ci"])], ws)
+    assert ci_view.returncode == 1 and ci_view.stdout.count("untrusted-record") == 1, ci_view.stdout
 
 
 def test_a_signing_key_actions_could_read_is_refused(keys: dict[str, Path], tmp_path: Path) -> None:

@@ -200,6 +200,7 @@ class LocalCache:
         if sign is not None and data is None:
             return res  # (not written)
         self.actions.put(res, data)
+        self._complete.pop(fp, None)  # (a record found earlier in this build, e.g. an unverified copy, is replaced)
         IdentityIndex(self.root).record(res)  # explain/plan/upgrade-impact: this identity's most recent result
         self.stats.save(fp)
         self._touched.add(fp)

@@ -5,8 +5,9 @@ it never fails the build. Blobs fetched from it are verified before they enter t
 evicted from the shared tier (when writable), reported once and treated as a miss.
 
 Who wrote a shared record (cache/record_auth.py): with `trusted` keys, only records one of them signed are served
-(anything else is an error and a miss, one warning per record: the action runs again); with none, records are served
-unauthenticated (one warning per process, unless the tier is declared trusted: `trust_writers`). With a `signer`,
+(anything else is an error and a miss, one warning per record: the action runs again; with the default trust set, the
+user's own key, one warning per process: cache/user_key.py); with none, records are served unauthenticated (one
+warning per process, unless the tier is declared trusted: `trust_writers`). With a `signer`,
 every record uploaded is signed; a reader that trusts keys but holds none uploads nothing (readers like it would
 refuse its unsigned records)."""
 
@@ -118,7 +119,15 @@ class TieredCache(LocalCache):
             signer, why = check_record(data, self.trusted)
             if why is None:
                 return dataclasses.replace(res, writer=signer)
-            if warn:
+            if warn and getattr(self.trusted, "implicit", False):  # the default: one note per process (#49)
+                self.warn_once("untrusted-default", f"warning: shared cache {self.shared_url()}: record {fp[:12]} "
+                               f"({res.identity[:120]}) is {why}, so it is not served and the action runs here (so "
+                               "is any other record not signed by a trusted key). Trusted: "
+                               f"{self.trusted.path}; declare your team's public keys with "
+                               "--remote-cache-trusted-keys FILE (e.g. in ~/.neuronbuildrc; yours is in "
+                               "~/.config/neuronbuild/record-key.pub), or serve every record with "
+                               "--remote-cache-trust-writers (docs/security.md)")
+            elif warn:
                 self.stats.errors += 1
                 self.warn_once(f"record:{fp}", f"warning: cache: record {fp[:12]} ({res.identity[:120]}) in the "
                                f"shared cache {self.shared_url()} is {why}; not served (--remote-cache-trusted-keys "

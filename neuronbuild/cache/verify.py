@@ -88,7 +88,10 @@ def _remove(p: Path) -> None:
 
 def verify_tier(tier: SharedTier, repair: bool = False, trusted: RecordVerifier | None = None) -> VerifyReport:
     """Re-hash every blob, check every record references intact blobs (and, with `trusted` keys, is signed by one of
-    them: an `untrusted-record` otherwise); with `repair`, remove bad blobs and records."""
+    them: an `untrusted-record` otherwise); with `repair`, remove bad blobs and records. The default trust set (the
+    user's own key only, cache/user_key.TrustSet.implicit) checks nothing here: other writers' records are not bad."""
+    if trusted is not None and getattr(trusted, "implicit", False):
+        trusted = None
     problems: list[Problem] = []
     sizes: dict[str, int] = {}
     bad: set[str] = set()

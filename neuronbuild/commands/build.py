@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from neuronbuild.commands.common import add_context_args, context_from_args
+from neuronbuild.commands.common import add_context_args, add_limit_args, context_from_args, limit_settings
 from neuronbuild.errors import EXIT_BAD_INPUT, EXIT_BUILD_FAILED, EXIT_OK
 
 
@@ -32,8 +32,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                    help="where actions run: local worker processes (default), a Dask cluster, or a LocalCluster")
     b.add_argument("--scheduler", metavar="tcp://HOST:PORT", help="the Dask scheduler (--executor dask)")
     b.add_argument("--dry-run", action="store_true", help="show what would execute (the `plan` command); run nothing")
-    b.add_argument("--action-timeout", type=float, default=0.0, metavar="SECONDS",
-                   help="fail an action (killing every process it started) after this many seconds (default: none)")
+    add_limit_args(b)
     b.add_argument("--signing-key", metavar="FILE",
                    help="sign bundles' manifests with this Ed25519 private key (default: $NEURONBUILD_SIGNING_KEY)")
     add_context_args(b)
@@ -49,7 +48,7 @@ def _raise_interrupt(signum: int, frame: Any) -> None:
 
 
 # Flags that change how a build runs or reports, never what a finished no-op build would contain.
-NOOP_IGNORED = ("local_ram", "retries", "action_timeout", "quiet", "verbose", "profile", "build_event_json_file", "executor", "scheduler")
+NOOP_IGNORED = ("local_ram", "retries", "action_timeout", "action_memory", "action_pids", "quiet", "verbose", "profile", "build_event_json_file", "executor", "scheduler")
 
 
 def _record_noop_stats(cache_dir: Path, line: str, started: float) -> None:
@@ -123,8 +122,10 @@ def run(args: argparse.Namespace) -> int:
         return _bad("--jobs must be at least 1")
     if args.retries < 0:
         return _bad("--retries must be 0 or more")
-    if not args.action_timeout >= 0:
-        return _bad("--action-timeout must be 0 (no limit) or a positive number of seconds")
+    try:
+        limits = limit_settings(args)
+    except ValueError as e:
+        return _bad(str(e))
     if args.executor == "dask" and not args.scheduler:
         return _bad("--executor dask needs --scheduler tcp://HOST:PORT")
     if args.executor == "dask" and not args.remote_cache:
@@ -192,7 +193,7 @@ def run(args: argparse.Namespace) -> int:
         scheduler=args.scheduler,
         profile=Path(args.profile).resolve() if args.profile else None,
         event_file=Path(args.build_event_json_file).resolve() if args.build_event_json_file else None,
-        action_timeout=args.action_timeout,
+        action_timeout=limits.timeout_s or 0.0, limits=limits,
     )
     from neuronbuild.report.invocation import Invocation, note_line
 

@@ -94,7 +94,8 @@ def _verify(ctx: Any, args: argparse.Namespace) -> int:
                                      else f"{len(rep.problems)} problems (run with --repair to remove them)")
         signed = ""
         if label == "shared":
-            signed = (f"; records signed by a key in {ctx.cache.trusted.path}" if ctx.cache.trusted is not None
+            checked = ctx.cache.trusted is not None and not getattr(ctx.cache.trusted, "implicit", False)
+            signed = (f"; records signed by a key in {ctx.cache.trusted.path}" if checked
                       else "; records not authenticated (no --remote-cache-trusted-keys)")
         print(f"{label} {rep.tier}: {rep.blobs} blobs, {rep.records} entries verified: {state}{signed}")
         if not rep.ok and not args.repair:

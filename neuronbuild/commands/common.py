@@ -58,6 +58,29 @@ def add_context_args(p: argparse.ArgumentParser, *, what_if: bool = False) -> No
                             "...) had this version")
 
 
+def add_limit_args(b: argparse.ArgumentParser) -> None:
+    """Each action's limits (#49; execution/limits.py): on by default, scaled from its estimate."""
+    b.add_argument("--action-timeout", default="auto", metavar="SECONDS",
+                   help="fail an action (killing every process it started) after this many seconds; default auto: "
+                        "10 x its estimate, at least 900 s for a trace or weights and 3600 s for a compile step "
+                        "(auto*0.5 scales that); 0: none")
+    b.add_argument("--action-memory", default="auto", metavar="SIZE",
+                   help="fail an action whose processes use more memory: MB, 512M, 16G; default auto: 3 x its peak "
+                        "estimate, at least 2048 MB (half the RAM until a run of the action is recorded; auto*2 scales that); 0: none")
+    b.add_argument("--action-pids", default="auto", metavar="N",
+                   help="fail an action that has more processes and threads at once; default auto: 16 per core, at "
+                        "least 1024; 0: none")
+
+
+def limit_settings(args: argparse.Namespace) -> Any:
+    """The LimitSettings the limit flags ask for; ValueError (its message names the flag) when one is malformed."""
+    from neuronbuild.execution.limits import LimitSettings, parse_memory, parse_pids, parse_timeout
+
+    timeout, t_scale = parse_timeout(str(args.action_timeout))
+    memory, m_scale = parse_memory(str(args.action_memory))
+    return LimitSettings(timeout, t_scale, memory, m_scale, parse_pids(str(args.action_pids)))
+
+
 def add_output_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output", choices=("text", "json"), default="text", help="output format (default text)")
 

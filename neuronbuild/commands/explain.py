@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from typing import Any
 
-from neuronbuild.commands.common import add_context_args, add_output_arg
-from neuronbuild.errors import EXIT_OK
+from neuronbuild.commands.common import add_context_args, add_limit_args, add_output_arg
+from neuronbuild.errors import EXIT_BAD_INPUT, EXIT_OK
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -17,17 +18,24 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                                                        "prefix), each with its digest, and those that differ from "
                                                        "its identity's most recent result")
     add_output_arg(p)
+    add_limit_args(p)  # (each action to execute is shown with the limits a build with these flags gives it)
     add_context_args(p, what_if=True)
 
 
 def run(args: argparse.Namespace) -> int:
     from neuronbuild.analysis.explain import display_order, explain, ignored_options
-    from neuronbuild.commands.common import context_from_args
+    from neuronbuild.commands.common import context_from_args, limit_settings
     from neuronbuild.execution.cutoff import reason
     from neuronbuild.execution.scheduler import needed_actions
 
+    try:
+        settings = limit_settings(args)
+    except ValueError as bad:
+        print(f"neuronbuild: error: {bad}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     ctx = context_from_args(args)
-    ag = ctx.plan(ctx.load(args.patterns))
+    graph = ctx.load(args.patterns)
+    ag = ctx.plan(graph)
     cache = ctx.open_cache()
     if args.key is not None:
         return _key(args, ag, cache, ctx.history(cache))
@@ -41,17 +49,20 @@ def run(args: argparse.Namespace) -> int:
     waits = {e.action.fingerprint for e in found if e.may_cut_off and any(d.action in running
                                                                           for d in e.action.dep_inputs)}
     ignored = ignored_options(ag)
+    limits = _limits(ctx, graph, ag, cache, [e.action for e in found], settings)
     if args.output == "json":
         print(json.dumps({"total": len(ag.actions), "cached": len(cached),
                           "ignored_options": [{"label": str(ct.label), "toolchain": ct.toolchain,
                                                "options": list(ct.ignored_options)} for ct, _text in ignored],
-                          "execute": [e.to_json() | {"early_cutoff": e.action.fingerprint in waits} for e in found],
+                          "execute": [e.to_json() | {"early_cutoff": e.action.fingerprint in waits,
+                                                     "limits": limits[e.action.fingerprint]} for e in found],
                           "cutoff": [{"description": a.describe(), "fingerprint": a.fingerprint, "reuses": prev,
                                       "reason": reason(a)} for a, prev in reused]},
                          indent=1, sort_keys=True))
         return EXIT_OK
     for e in found:
         print("\n".join(e.lines()))
+        print(f"  limits: {limits[e.action.fingerprint]['text']}")
         if e.action.fingerprint in waits:
             print(f"  (skipped if its inputs re-run to identical outputs: {reason(e.action)})")
     for a, prev in reused:
@@ -59,7 +70,10 @@ def run(args: argparse.Namespace) -> int:
     for _ct, text in ignored:
         print(f"options: {text}")
     if found:
-        print(f"{len(found)} of {len(ag.actions)} actions would execute ({len(cached)} cached)")
+        from neuronbuild.execution.limits import host_offers
+
+        print(f"{len(found)} of {len(ag.actions)} actions would execute ({len(cached)} cached); their limits are "
+              f"enforced by {host_offers()}")
     else:
         print(f"nothing would execute: all {len(ag.actions)} actions are cached")
     return EXIT_OK
@@ -121,3 +135,23 @@ def _key(args: argparse.Namespace, ag: Any, cache: Any, history: Any) -> int:
     else:
         print("not cached: no earlier record of this identity to compare with")
     return EXIT_OK
+
+
+def _limits(ctx: Any, graph: Any, ag: Any, cache: Any, todo: list[Any], settings: Any) -> dict[str, dict[str, Any]]:
+    """{fingerprint: the limits a build would give the action (execution/limits.py), as JSON and a line}."""
+    from neuronbuild.analysis.estimate import Estimator, declared_weight_mb
+    from neuronbuild.build import action_timeouts
+    from neuronbuild.execution.limits import for_action
+
+    est = Estimator(ctx.history(cache))
+    weight_mb = declared_weight_mb(todo, ag.actions, ctx.workspace.root)
+    attrs = action_timeouts(graph, ag)
+    out = {}
+    for a in todo:
+        peak = est.peak_mb(a, weight_mb[a.fingerprint])
+        lim = for_action(settings, a.kind, a.toolchain, est.estimate(a).seconds, peak.mb, attrs.get(a.fingerprint),
+                         peak.recorded)
+        out[a.fingerprint] = {"timeout_s": lim.timeout_s, "timeout_source": lim.timeout_source,
+                              "memory_mb": lim.memory_mb, "memory_source": lim.memory_source, "pids": lim.pids,
+                              "pids_source": lim.pids_source, "text": lim.describe()}
+    return out

@@ -31,6 +31,7 @@ from neuronbuild.errors import NeuronBuildError
 from neuronbuild.execution.cache_api import SpawnCache
 from neuronbuild.execution.env import action_environment, with_threads, worker_threads
 from neuronbuild.execution.jobs import Completion, Job, Started
+from neuronbuild.execution.limits import LimitSettings, for_action
 from neuronbuild.execution.pool import WorkerPool
 from neuronbuild.execution.sandbox import InputChanged, place_input
 from neuronbuild.execution.worker import first_lines
@@ -47,7 +48,8 @@ class DaskExecutor:
 
     def __init__(self, root: Path, cache: SpawnCache, shared_url: str, address: str | None, jobs: int,
                  open_store: Callable[[str], Any], same: bool = False, toolchain_tmp: Path | None = None,
-                 action_timeout: float = 0.0, timeouts: Mapping[str, tuple[float, str]] | None = None) -> None:
+                 action_timeout: float = 0.0, timeouts: Mapping[str, tuple[float, str]] | None = None,
+                 limits: LimitSettings | None = None) -> None:
         """`shared_url`: the farm store every worker reaches (a directory mounted at the same path everywhere, or
         s3://bucket/prefix); `open_store(url)` opens it (picklable: workers call it too); `same`: it is `cache`.
         `action_timeout` / `timeouts` ({fingerprint: (seconds, what set it)}): as the local executor's; the Dask
@@ -61,6 +63,8 @@ class DaskExecutor:
         self.cache = cache
         self._action_timeout = action_timeout
         self._timeouts = dict(timeouts or {})
+        # each action's limits (execution/limits.py), enforced by the farm worker's pool as locally
+        self.limits = limits if limits is not None else LimitSettings(timeout_s=action_timeout or None)
         self._open_store = open_store  # also sent to farm workers (pickled by reference)
         self.shared = open_store(shared_url)
         self._shared_url = shared_url
@@ -157,9 +161,12 @@ class DaskExecutor:
         payload = {"kind": a.kind, "spec": json.loads(json.dumps(a.spec)), "inputs": inputs, "expect": dict(a.versions),
                    "outputs": list(a.outputs), "shared": self._shared_url, "open_store": self._open_store, "toolchain_tmp": self._toolchain_tmp,
                    "description": a.describe(), "host_threads": dict(self._host_threads)}
-        limit, source = self._timeouts.get(a.fingerprint) or (self._action_timeout, "--action-timeout")
-        if a.kind != WARM_UP and limit > 0:
-            payload["timeout"] = [limit, source]
+        if a.kind != WARM_UP:
+            lim = for_action(self.limits, a.kind, a.toolchain, job.estimate_s, job.estimate_mb,
+                             self._timeouts.get(a.fingerprint), job.estimate_mb_recorded)
+            payload["limits"] = lim.message()
+            if lim.timeout_s > 0:
+                payload["timeout"] = [lim.timeout_s, lim.timeout_source]
         prefix = "neuronbuild-warmup" if a.kind == WARM_UP else "neuronbuild"  # a warm-up is not an action
         key = f"{prefix}-{a.fingerprint[:16]}-{job.attempt}-{uuid.uuid4().hex[:8]}"
         payload["key"] = key
@@ -588,7 +595,7 @@ def farm_run(payload: dict[str, Any]) -> dict[str, Any]:
         pool = _farm_pool(payload.get("toolchain_tmp"), threads, _dask_threads(dask_worker) if dask_worker else 1)
         limit, source = payload.get("timeout") or (0.0, "")  # the pool kills the action's process tree after it
         msg = {"kind": payload["kind"], "spec": payload["spec"], "inputs": str(inputs), "outputs": str(outputs),
-               "log": str(log), "expect": payload.get("expect")}
+               "log": str(log), "expect": payload.get("expect"), "limits": payload.get("limits")}
         apart = pool.warms_apart and _is_warm_up_msg(msg)
         if apart and dask_worker is not None:
             _secede()  # its slot runs other tasks (traces) now

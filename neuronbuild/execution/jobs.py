@@ -18,6 +18,10 @@ class Job:
     attempt: int
     log: Path
     host: str = ""  # a warm-up pseudo-job: the host it must run on ("" : any)
+    # the scheduler's estimates of the action (seconds, peak MB; 0: none), which its default limits scale from
+    estimate_s: float = 0.0
+    estimate_mb: float = 0.0
+    estimate_mb_recorded: bool = True  # False: the peak estimate is a default (nothing recorded for the action)
 
     @property
     def id(self) -> str:

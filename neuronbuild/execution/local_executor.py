@@ -14,6 +14,7 @@ from neuronbuild.execution import sandbox as sandboxes
 from neuronbuild.execution.cache_api import SpawnCache
 from neuronbuild.execution.env import action_environment, with_threads, worker_threads
 from neuronbuild.execution.jobs import Completion, Job, Started
+from neuronbuild.execution.limits import LimitSettings, for_action
 from neuronbuild.execution.pool import WorkerPool
 
 # Makes each build's worker pool; the build server (neuronbuild/server/warm.py) installs one that keeps idle workers.
@@ -52,8 +53,11 @@ class LocalExecutor:
     name = "local"
 
     def __init__(self, root: Path, cache: SpawnCache, jobs: int, env: dict[str, str],
-                 action_timeout: float = 0.0, timeouts: Mapping[str, tuple[float, str]] | None = None) -> None:
+                 action_timeout: float = 0.0, timeouts: Mapping[str, tuple[float, str]] | None = None,
+                 limits: LimitSettings | None = None) -> None:
         self.root = root
+        # each action's limits (execution/limits.py): automatic unless the build's flags say otherwise
+        self.limits = limits if limits is not None else LimitSettings(timeout_s=action_timeout or None)
         self._timeouts = dict(timeouts or {})  # fingerprint -> (seconds, the attribute that set it)
         self.cache = cache
         self.slots = max(1, jobs)
@@ -90,8 +94,10 @@ class LocalExecutor:
         msg = {"kind": a.kind, "spec": json.loads(json.dumps(a.spec)), "inputs": str(sb.inputs),
                "outputs": str(sb.outputs), "log": str(job.log), "expect": dict(a.versions)}
         try:
-            limit, source = self._timeouts.get(a.fingerprint, (0.0, ""))
-            slot, pid = self._pool.submit(job.id, msg, limit or None, source)
+            lim = for_action(self.limits, a.kind, a.toolchain, job.estimate_s, job.estimate_mb,
+                             self._timeouts.get(a.fingerprint), job.estimate_mb_recorded)
+            msg["limits"] = lim.message()
+            slot, pid = self._pool.submit(job.id, msg, lim.timeout_s or None, lim.timeout_source)
         except BaseException:
             sb.remove()
             raise

@@ -228,6 +228,8 @@ class Scheduler:
         for fp in cached_list:
             self.bus.emit(ev.ACTION_CACHED, **action_fields(ag.actions[fp]))
         run = _Run(self, ag, todo, prio, mem)
+        run.duration = duration
+        run.mem_recorded = {fp: p.recorded for fp, p in peaks.items()}
         interrupted = False
         try:
             run.loop()
@@ -258,6 +260,8 @@ class _Run:
         self.todo = {a.fingerprint: a for a in todo}
         self.prio = prio
         self.mem = mem
+        self.duration: dict[str, float] = {}  # the estimated seconds of each action (its default timeout's base)
+        self.mem_recorded: dict[str, bool] = {}  # whether each peak estimate comes from a recorded run
         self.blockers = {a.fingerprint: {d for d in a.deps if d in self.todo} for a in todo}
         self.ready: list[tuple[float, int, str]] = []
         self._seq = 0
@@ -441,7 +445,8 @@ class _Run:
         fp = a.fingerprint
         attempt = self.attempts.get(fp, 0)
         log = self.s.cache.logs / fp[:2] / f"{fp}.log"
-        job = Job(a, attempt, log)
+        job = Job(a, attempt, log, estimate_s=self.duration.get(fp, 0.0), estimate_mb=self.mem.get(fp, 0.0),
+                  estimate_mb_recorded=self.mem_recorded.get(fp, True))
         try:
             log.parent.mkdir(parents=True, exist_ok=True)
             if attempt == 0:

@@ -19,7 +19,7 @@ from typing import Any
 
 from neuronbuild.analysis.toolchain_api import StepDirs
 from neuronbuild.atomic import atomic_write_bytes, umask_mode
-from neuronbuild.execution import channel, confine_ns
+from neuronbuild.execution import channel, confine_ns, limits
 from neuronbuild.execution.confine import (
     Policy,
     confine,
@@ -101,15 +101,19 @@ def _reset_peak_rss() -> None:
 
 
 def peak_rss_mb() -> float:
+    """The action's peak resident MB: its process's (VmHWM), or the largest of the processes it started and waited
+    for (a compiler: g++, neuronx-cc) when that was larger, so the estimate its memory limit scales from (#49)
+    covers the compiler too. (A forked action process starts with no children's usage.)"""
+    import resource
+
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024.0
     try:
         for line in Path("/proc/self/status").read_text().splitlines():
             if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024.0
+                return max(int(line.split()[1]) / 1024.0, kids)
     except (OSError, ValueError, IndexError):
         pass
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+    return max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0, kids)
 
 
 def toolchain_mismatch(expect: Mapping[str, str]) -> str | None:
@@ -241,6 +245,12 @@ def run_isolated(msg: Mapping[str, Any], installation: tuple[str, ...]) -> dict[
     (confine_ns.enter), forks the init and ends as it did (confine_ns.reraise). Where namespaces are refused, the
     outside child runs the action itself (as before; its log says so)."""
     policy = action_policy(msg, dict(os.environ), installation)
+    lim: Mapping[str, Any] = msg["limits"] if isinstance(msg.get("limits"), Mapping) else {}
+    want_pids, want_mb = int(lim.get("pids") or 0), int(lim.get("memory_mb") or 0)
+    cg, no_cg = limits.ActionCgroup.make(want_pids, want_mb, lim.get("cgroups") is not False)
+    if no_cg is not None:
+        msg = {**msg, "limit_notes": [f"no cgroup for this action's limits ({no_cg}); its worker counts its processes "
+                                      f"and memory every {limits.POLL_S:g} s instead"]}
     r, w = os.pipe()
     worker_pid = os.getpid()
     in_ns = confine_ns.pid_ns_for_children() is None  # (root) this fork is pid 1 of the action's namespace
@@ -255,6 +265,8 @@ def run_isolated(msg: Mapping[str, Any], installation: tuple[str, ...]) -> dict[
     if pid == 0:  # the namespace's init (in_ns), else the action's outside process
         code = 70
         try:
+            if cg is not None:
+                cg.join()  # (first: every process the action starts is in its cgroups)
             if not in_ns:
                 set_dumpable(True)  # the worker is not (confine.set_dumpable); the namespaces' maps use /proc/self
             os.close(r)
@@ -277,7 +289,8 @@ def run_isolated(msg: Mapping[str, Any], installation: tuple[str, ...]) -> dict[
             if why is not None:  # the kernel or the container refuses namespaces: this process runs the action
                 _run_child(msg, policy, w, worker_pid,
                            [f"no pid namespace for this action ({why}); it may read other processes' cmdline, comm, "
-                            "stat and status, and what it forks is ended by its worker"])
+                            "stat and status, and what it forks is ended by its worker",
+                            *(msg.get("limit_notes") or ())])
             set_dumpable(False)  # (the init inherits this; the action's process turns it back on)
             outside = os.getpid()
             init = os.fork()
@@ -299,10 +312,22 @@ def run_isolated(msg: Mapping[str, Any], installation: tuple[str, ...]) -> dict[
         pidfd = os.pidfd_open(pid)
     res: dict[str, Any] | None = None
     bad: str | None = None
+    started = time.perf_counter()
+    have = cg.dirs if cg is not None else {}
+    watch = limits.Watch(pid, 0 if "pids" in have else want_pids, 0 if "memory" in have else want_mb)
+    watching = cg is not None or bool(watch.pids or watch.memory_mb)
+    hit: tuple[str, str] | None = None  # (the limit exceeded, how it was seen)
     try:
         handles: list[Any] = [conn] if pidfd is None else [conn, pidfd]
         while True:
-            ready = wait(handles)
+            ready = wait(handles, limits.POLL_S if watching else None)
+            if not ready:
+                hit = _limit_hit(cg, watch)
+                if hit is not None:
+                    with contextlib.suppress(OSError):
+                        os.kill(pid, signal.SIGKILL)  # (its namespace, and so every process it started, ends with it)
+                    break
+                continue
             if conn in ready or conn.poll(0):
                 try:
                     res = action_result(channel.recv(conn, MAX_RESULT_BYTES))
@@ -320,7 +345,14 @@ def run_isolated(msg: Mapping[str, Any], installation: tuple[str, ...]) -> dict[
         if pidfd is not None:
             os.close(pidfd)
     _pid, status, usage = os.wait4(pid, 0)
-    if bad is not None:
+    if hit is None and cg is not None:
+        hit = _limit_hit(cg, None)  # (refused or OOM-killed near its end: the action failed all the same)
+    if cg is not None:
+        cg.remove()
+    if hit is not None:
+        res = {"ok": False, "error": limits.exceeded(hit[0], lim, hit[1]),
+               "duration_s": time.perf_counter() - started, "limit": hit[0]}
+    elif bad is not None:
         res = {"ok": False, "error": bad, "duration_s": 0.0}
     elif res is None:
         code = os.waitstatus_to_exitcode(status)
@@ -332,6 +364,21 @@ def run_isolated(msg: Mapping[str, Any], installation: tuple[str, ...]) -> dict[
     res["action_pid"] = pid
     res["pid"] = os.getpid()
     return res
+
+
+def _limit_hit(cg: limits.ActionCgroup | None, watch: limits.Watch | None) -> tuple[str, str] | None:
+    """(which limit the running action exceeded, how it was seen), or None."""
+    if cg is not None:
+        what = cg.exceeded()
+        if what is not None:
+            return what, ("a fork or thread refused by its pids cgroup" if what == "pids" else
+                          "a process OOM-killed in its memory cgroup")
+    if watch is not None:
+        what = watch.exceeded()
+        if what is not None:
+            return what, ("counted by its worker" if what == "pids" else
+                          "its processes' proportional anonymous memory, measured by its worker")
+    return None
 
 
 def _die_with_parent(parent: int, check: bool = True) -> None:
@@ -350,6 +397,9 @@ def _init(msg: Mapping[str, Any], policy: Policy, w: int, no_mounts: str | None 
     read-only sibling mounted read-only (none of them when `no_mounts` says why not), then the action's process (pid
     2: _run_child), reaping whatever ends until it has. Returns the code to exit with (confine_ns.status_code)."""
     notes = [no_mounts] if no_mounts is not None else []
+    notes += list(msg.get("limit_notes") or ())
+    lim: Mapping[str, Any] = msg["limits"] if isinstance(msg.get("limits"), Mapping) else {}
+    limits.nproc_in_user_namespace(int(lim.get("pids") or 0))  # (a non-root user's: its own user namespace)
     if (why := confine_ns.private_net()) is not None:
         notes.append(f"no private network namespace ({why}); this action shares the machine's network and sees "
                      "its sockets in /proc/net")
