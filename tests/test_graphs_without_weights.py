@@ -139,6 +139,11 @@ def test_graph_targets_build_with_no_weights_file_in_the_workspace(fleet: dict[s
     assert sorted(p.name for p in out.iterdir() if p.is_dir()) == ["context_batch1_seq16", "token_batch1"]
     assert not list(out.rglob("constants.safetensors"))  # nothing ships: the graphs alone
     assert (out / "context_batch1_seq16/model.hlo.pb").stat().st_size > 0
+    # validate has no weights to run them with: each graph says so, and the summary does not claim it checked them
+    val = run_cli(["validate", LABEL, "--cache-dir", str(fleet["cache"])], ws)
+    assert val.returncode == 0, val.stdout + val.stderr
+    assert val.stdout.count("skipped: built without weights (graphs only)") == 2, val.stdout
+    assert "no graph was run: 2 graph(s) built without weights" in val.stdout, val.stdout
 
 
 def test_graphs_equal_those_built_with_the_weights_present_bytes_and_fingerprints(

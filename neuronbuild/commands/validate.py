@@ -56,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
         verify_width,
     )
 
-    failed = 0
+    failed = skipped = rows = 0
     models: dict[str, Any] = {}
     refs: dict[Any, HfReference] = {}  # hf_causal_lm: transformers' model per model label
     loaded: dict[Any, dict[str, dict[str, Any]]] = {}  # compile label -> graph family -> bucket -> (spec, bucket, fn)
@@ -78,6 +78,7 @@ def run(args: argparse.Namespace) -> int:
             # the weights action): None until all of it is built (a build still running, or stopped early).
             shipped = ag.shipped_outputs(fp, cache.lookup, ct.ships_of(fp)) if res is not None else None
             row = f"{str(ct.label):<{w_t}}  {bucket.name:<{w_b}}  {plat:<{w_p}}"
+            rows += 1
             if res is None or shipped is None:
                 failed += 1
                 print(f"{row} {'-':>10} {'-':>10} {tol:>10.1e}  NOT BUILT (run neuronbuild build {ct.label})",
@@ -86,6 +87,7 @@ def run(args: argparse.Namespace) -> int:
             if graph.targets[ct.model].attrs.get("graphs_only"):  # (#51: no weights to run it with)
                 print(f"{row} {'-':>10} {'-':>10} {tol:>10.1e}  skipped: built without weights (graphs only); "
                       "validate a compile of the model with its checkpoint", flush=True)
+                skipped += 1
                 continue
             spec = ag.model_of(fp, ct.ships_of(fp))
             spec["libraries"] = sorted(spec.get("deps") or {})
@@ -156,5 +158,10 @@ def run(args: argparse.Namespace) -> int:
     if failed:
         print(f"{failed} graph(s) failed validation", file=sys.stderr)
         return EXIT_BUILD_FAILED
-    print("every graph is within its tolerance")
+    if not skipped:
+        print("every graph is within its tolerance")
+    elif skipped == rows:
+        print(f"no graph was run: {skipped} graph(s) built without weights")
+    else:
+        print(f"every graph run is within its tolerance; {skipped} graph(s) not run: built without weights")
     return EXIT_OK
