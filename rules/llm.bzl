@@ -224,8 +224,6 @@ def hf_causal_lm(name, config, weights = None, max_seq = 256, model_type = None,
     hf = {k: v for k, v in config.items() if k not in ("model_type", "torch_dtype", "dtype")}
     if dt != "float32":  # (float32 is transformers' default: such configs stay as they were)
         hf["dtype"] = dt
-    if kv_cache_dtype != None and continuous_batching:
-        fail("hf_causal_lm %s: kv_cache_dtype is not supported with continuous_batching yet (the serving graphs' cache is held in the model dtype)" % name)
     if kv_cache_dtype not in (None, "float8_e4m3"):
         fail("hf_causal_lm %s: kv_cache_dtype %r is not supported (float8_e4m3, or None: the model dtype)" % (name, kv_cache_dtype))
     kv = ("float8_e4m3fn" if kv_cache_dtype else dt) + "[layers, 2, batch, kv_heads, max_seq, head_dim]"

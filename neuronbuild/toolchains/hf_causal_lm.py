@@ -371,6 +371,19 @@ def sample(logits: torch.Tensor, sampling_params: torch.Tensor, rand: torch.Tens
     return torch.where(greedy, logits.argmax(-1), sampled).to(torch.int32)
 
 
+def _read_lines(cache: Any, layer_idx: int, j: int, like: torch.Tensor) -> torch.Tensor:
+    """The batch rows' cache lines of one layer's keys (j = 0) or values (1), in `like`'s dtype when the cache is fp8
+    (kv_cache_dtype: torch's CPU gather has no float8 kernel, and attention reads the model dtype)."""
+    held = cache.lines_kv[layer_idx, j].index_select(0, cache.lines)
+    return held if cache.kv_dtype is None else held.to(like.dtype)
+
+
+def _as_held(cache: Any, new: torch.Tensor) -> torch.Tensor:
+    """New keys/values as attention must see them: rounded through the cache's fp8 dtype when it has one (what a
+    later call reads back), else as they are."""
+    return new if cache.kv_dtype is None else new.to(cache.kv_dtype).to(new.dtype)
+
+
 class LineKV(StaticKV):
     """The serving cache: kv [layers, 2, max_batch + 1, kv_heads, max_seq, head_dim], one line per sequence slot (the
     last line is where padding rows, seq_ids < 0, write). A row's tokens sit in its line at slots 0..n-1, slot =
@@ -380,9 +393,9 @@ class LineKV(StaticKV):
     query offset for the batch), so its own masks (causal, sliding windows, ALiBi from the 2-D mask) hold per row."""
 
     def __init__(self, config: Any, kv: torch.Tensor, seq_ids: torch.Tensor, max_seq: int,
-                 positions: torch.Tensor | None) -> None:
+                 positions: torch.Tensor | None, kv_dtype: torch.dtype | None = None) -> None:
         super().__init__(config, kv if positions is not None else None,
-                         None if positions is None else torch.tensor([max_seq - 1]), max_seq)
+                         None if positions is None else torch.tensor([max_seq - 1]), max_seq, kv_dtype)
         self.lines_kv = kv
         self.lines = torch.where(seq_ids < 0, torch.full_like(seq_ids, kv.shape[2] - 1), seq_ids).long()
         self.positions = positions  # token graphs: [batch] the slot each row writes
@@ -396,8 +409,9 @@ class LineKV(StaticKV):
         idx = self.view[:, None, :, None].expand(-1, key.shape[1], -1, key.shape[3])
         out = []
         for j, new in enumerate((key, value)):
-            line = self.lines_kv[layer_idx, j].index_select(0, self.lines).gather(2, idx)  # the rows' rotated lines
-            out.append(torch.cat([line[:, :, :-1], new.to(line.dtype)], dim=2))
+            line = _read_lines(self, layer_idx, j, new)  # the rows' lines (an fp8 cache read back in the model dtype)
+            line = line.gather(2, idx)  # rotated
+            out.append(torch.cat([line[:, :, :-1], _as_held(self, new).to(line.dtype)], dim=2))
         self.written[layer_idx] = (key, value)
         return out[0], out[1]
 
@@ -445,7 +459,7 @@ def _serving_outputs(logits: torch.Tensor, kv: torch.Tensor, sampled: tuple[torc
 def _prefill(self: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
              seq_ids: torch.Tensor, sampled: tuple[torch.Tensor, ...], kv: torch.Tensor) -> dict[str, torch.Tensor]:
     """Prefill of left-padded prompts into the lines seq_ids name (positions as generate derives them)."""
-    cache = LineKV(self.config, kv, seq_ids, self._nb_max_seq, None)
+    cache = LineKV(self.config, kv, seq_ids, self._nb_max_seq, None, self._nb_kv_dtype)
     mask = attention_mask.long()
     out = _model_forward(self, input_ids=input_ids.long(), attention_mask=mask, position_ids=position_ids.long(),
                          past_key_values=cache)
@@ -457,7 +471,7 @@ def _decode(self: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, po
     """One token per row: position_ids [batch, 1] is the slot it writes in its line, attention_mask [batch, max_seq]
     the line's slots it attends (1; the written one included)."""
     positions = position_ids[:, 0]
-    cache = LineKV(self.config, kv, seq_ids, self._nb_max_seq, positions)
+    cache = LineKV(self.config, kv, seq_ids, self._nb_max_seq, positions, self._nb_kv_dtype)
     view_mask = attention_mask.long().gather(1, cache.view)
     out = _model_forward(self, input_ids=input_ids.long(), attention_mask=view_mask,
                          position_ids=position_ids.long(), past_key_values=cache)
@@ -534,11 +548,11 @@ class VerifyKV(LineKV):
     builds its causal (and sliding-window) masks itself, each draft token attending to the ones before it."""
 
     def __init__(self, config: Any, kv: torch.Tensor, seq_ids: torch.Tensor, max_seq: int,
-                 position_ids: torch.Tensor) -> None:
+                 position_ids: torch.Tensor, kv_dtype: torch.dtype | None = None) -> None:
         n = int(position_ids.shape[1])
         Cache.__init__(self, layers=[_SlotLayer(self, i, t == "sliding_attention")
                                      for i, t in enumerate(layer_types(config))])
-        self.kv, self.slot, self.max_seq, self.kv_dtype = kv, torch.tensor([max_seq - n]), max_seq, None
+        self.kv, self.slot, self.max_seq, self.kv_dtype = kv, torch.tensor([max_seq - n]), max_seq, kv_dtype
         self.latent_width = cache_width(config)
         self.updated = [None] * kv.shape[0]
         self.lines_kv = kv
@@ -554,8 +568,8 @@ class VerifyKV(LineKV):
         idx = self.view[:, None, :, None].expand(-1, key.shape[1], -1, key.shape[3])
         out = []
         for j, new in enumerate((key, value)):
-            line = self.lines_kv[layer_idx, j].index_select(0, self.lines).gather(2, idx)
-            out.append(torch.cat([line[:, :, : -self.width], new.to(line.dtype)], dim=2))
+            line = _read_lines(self, layer_idx, j, new).gather(2, idx)
+            out.append(torch.cat([line[:, :, : -self.width], _as_held(self, new).to(line.dtype)], dim=2))
         self.written[layer_idx] = (key, value)
         return out[0], out[1]
 
@@ -578,7 +592,7 @@ def _verify(self: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, po
     (those before the first position, 1) and causally to each other; returns the target's token after each: the
     greedy argmax, or the sampler's choice from rand[:, i] with on-device sampling."""
     n = int(input_ids.shape[1])
-    cache = VerifyKV(self.config, kv, seq_ids, self._nb_max_seq, position_ids)
+    cache = VerifyKV(self.config, kv, seq_ids, self._nb_max_seq, position_ids, self._nb_kv_dtype)
     view_mask = attention_mask.long().gather(1, cache.view)[:, :-n]  # the written slots: always attended (causally,
     view_mask = torch.cat([view_mask, view_mask.new_ones((view_mask.shape[0], n))], 1)  # by transformers' own mask)
     out = super(type(self), self).forward(use_cache=True, logits_to_keep=n, input_ids=input_ids.long(),
