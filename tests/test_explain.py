@@ -103,6 +103,9 @@ def test_dry_run_matches_the_following_build(tiny_built: tuple[Path, Path], tmp_
     text = run_cli(["plan", "--cache-dir", str(cache)], ws).stdout
     assert dry.stdout == text
     assert "7 actions: 4 to execute, 3 cached" in text  # seq=32: trace, lower, compile; seq=8: the compile only
+    # the limits every executed action gets, and how to change them (#49)
+    assert re.search(r"limits per executed action .*at most \d+ processes and threads, memory 3x .*--action-timeout",
+                     text), text
     assert re.search(r"batch=1, seq=32\s+build\s+build\s+\d+\.\d s", text)  # estimated from the fixture's durations
     assert re.search(r"batch=1, seq=8\s+cached\s+build", text)
     assert cli_json(["plan", "--cache-dir", str(cache)], ws) == planned  # the dry run ran and stored nothing

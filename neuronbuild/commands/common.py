@@ -149,6 +149,10 @@ def run_plan(args: argparse.Namespace) -> int:
             if matrix:
                 sys.stdout.write("\n".join(matrix) + "\n")
             print(report.summary_line())
+            if todo:
+                from neuronbuild.execution.limits import defaults_line
+
+                print(defaults_line())
     _record_plan(args, ctx, ag, cache, todo, cached)
     from neuronbuild.execution.local_executor import want_workers
 

@@ -156,6 +156,16 @@ def auto_pids() -> int:
     return max(MIN_PIDS, PIDS_PER_CORE * (os.cpu_count() or 1))
 
 
+def defaults_line() -> str:
+    """The automatic limits in one line (what `plan` states; `explain` gives each action's own)."""
+    trace = MIN_TIMEOUT_S["trace"]
+    return (f"limits per executed action (automatic; `neuronbuild explain` shows each one's): at most {auto_pids()} "
+            f"processes and threads, memory {MEMORY_FACTOR:g}x its peak estimate (at least {MIN_MEMORY_MB:.0f} MB), "
+            f"time {TIMEOUT_FACTOR:g}x its estimate (at least {trace:.0f} s for a trace, {MIN_STEP_TIMEOUT_S:.0f} s "
+            f"for a compile step); enforced by {host_offers()}; build's --action-pids, --action-memory and "
+            "--action-timeout change them")
+
+
 def for_action(settings: LimitSettings, kind: str, toolchain: str | None, estimate_s: float, estimate_mb: float,
                attribute: tuple[float, str] | None = None, mb_recorded: bool = True) -> ActionLimits:
     """The limits of one action of `kind` (and `toolchain`: a step of it) estimated to take `estimate_s` seconds and
