@@ -148,6 +148,10 @@ SCHEMA = RuleSchema(
              "checkpoint is read or needed, no weights action runs and none ships beside the graphs; a model_weights "
              "target (built where the checkpoint lives) supplies the weights in a neuron_bundle. False (default): "
              "`weights`, else the factory's seeded initialisation, ship with every compile.", default=False),
+        Attr("quantization", DICT, "Weight-only quantization of the module's nn.Linear layers (docs/quantization.md): "
+             "{\"dtype\": int8 | float8_e4m3 | float8_e5m2, \"scheme\": per_tensor | per_channel (default) | "
+             "blockwise, \"block_size\", \"modules_to_not_convert\": [name patterns]}; the weights action quantizes "
+             "the checkpoint. Reaches the factory's config as its \"quantization\" key.", default={}),
         Attr("weights_prefix", STRING, "A prefix the weight files' keys carry and the module's do not (e.g. "
              "'model.'); stripped before loading.", default=""),
         Attr("data", LABEL_LIST, "Non-Python files the model reads (config.json, tokenizer files), placed in the "
@@ -170,6 +174,24 @@ SCHEMA = RuleSchema(
     ),
     _check,
 )
+
+
+def _config_with_quantization(ctx: AnalysisContext, model: Target) -> dict[str, Any]:
+    """The factory's config, with the `quantization` attribute checked and normalised as its "quantization" key
+    (where hf_causal_lm's macro puts its own)."""
+    config = dict(model.attrs["config"])
+    raw = model.attrs.get("quantization")
+    if not raw:
+        return config
+    from neuronbuild.analysis.quantization import normalize
+
+    if "quantization" in config:
+        raise UserInputError(f"{model.label}: quantization is given twice: as an attribute and as a config key",
+                             locate(ctx.graph, model, "quantization"))
+    try:
+        return config | {"quantization": normalize(raw)}
+    except ValueError as e:
+        raise UserInputError(f"{model.label}: {e}", locate(ctx.graph, model, "quantization")) from None
 
 
 def analyze(ctx: AnalysisContext, model: Target) -> ModelInfo:
@@ -208,7 +230,7 @@ def analyze(ctx: AnalysisContext, model: Target) -> ModelInfo:
         "package": model.label.package,
         "srcs": srcs,
         "entry": model.attrs["entry"],
-        "config": dict(model.attrs["config"]),
+        "config": _config_with_quantization(ctx, model),
         "weights": weights,
         "seed": model.attrs["seed"],
         "inputs": inputs,

@@ -127,6 +127,7 @@ def build_eager_model(model: dict[str, Any], sandbox: Path) -> torch.nn.Module:
             raise missing from e
     if not isinstance(module, torch.nn.Module):
         raise ToolchainError(f"factory {model.get('entry')} returned {type(module).__name__}, not a torch.nn.Module")
+    _quantize_plain(module, model)
     module.eval()
     files = _weight_files(model, sandbox)
     if files is not None and (model.get("config") or {}).get("quantization"):
@@ -134,6 +135,22 @@ def build_eager_model(model: dict[str, Any], sandbox: Path) -> torch.nn.Module:
     elif files is not None:
         _load_weights(module, files[0], files[1], str(model.get("weights_prefix") or ""))
     return module
+
+
+def _quantize_plain(module: Any, model: Mapping[str, Any]) -> None:
+    """A plain neuron_model's `quantization` (in its config, as hf_causal_lm's): its nn.Linear layers made
+    QuantLinear (toolchains/quantize.py), the weights action then writing their quantized values and scales. An
+    hf_causal_lm's graphs quantize their decoder layers themselves (hf_causal_lm.hf_model)."""
+    config = model.get("config") or {}
+    if not isinstance(module, torch.nn.Module) or not config.get("quantization") or \
+            str(model.get("entry") or "").startswith("neuronbuild.toolchains.hf_causal_lm:"):
+        return
+    from neuronbuild.toolchains.quantize import quantize_linears
+
+    try:
+        quantize_linears(module, config, every_linear=True)
+    except ValueError as e:
+        raise ToolchainError(str(e)) from None
 
 
 def _missing_config_key(e: KeyError, model: Mapping[str, Any], config: Mapping[str, Any],
@@ -206,6 +223,7 @@ def build_shape_model(model: dict[str, Any], sandbox: Path, tp: int = 1) -> tupl
                 if missing is None:
                     raise
                 raise missing from e
+            _quantize_plain(module, model)
     if not isinstance(module, torch.nn.Module):
         raise ToolchainError(f"factory {model.get('entry')} returned {type(module).__name__}, not a torch.nn.Module")
     module.eval()

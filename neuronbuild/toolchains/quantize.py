@@ -28,8 +28,6 @@ QDTYPES: dict[str, tuple[torch.dtype, float]] = {
     "float8_e4m3": (torch.float8_e4m3fn, 240.0),  # Neuron's e4m3 saturates at +-240 (not e4m3fn's +-448)
     "float8_e5m2": (torch.float8_e5m2, 57344.0),
 }
-SCHEMES = ("per_tensor", "per_channel", "blockwise")
-KEYS = ("dtype", "scheme", "block_size", "modules_to_not_convert")
 E4M3_NEURON_MAX = 240.0
 KV_CACHE_DTYPES = {"float8_e4m3": torch.float8_e4m3fn}
 
@@ -45,27 +43,12 @@ class QuantSpec:
 
     @classmethod
     def parse(cls, raw: Mapping[str, Any]) -> QuantSpec:
-        """The config's `quantization` dict; ValueError naming the bad field."""
-        if not isinstance(raw, Mapping):
-            raise ValueError(f"quantization must be a dict, got {type(raw).__name__}")
-        extra = sorted(set(map(str, raw)) - set(KEYS))
-        if extra:
-            raise ValueError(f"quantization: unknown key(s) {', '.join(extra)} (known: {', '.join(KEYS)})")
-        dtype, scheme = raw.get("dtype"), raw.get("scheme", "per_channel")
-        if dtype not in QDTYPES:
-            raise ValueError(f"quantization: dtype {dtype!r} is not one of {', '.join(QDTYPES)}")
-        if scheme not in SCHEMES:
-            raise ValueError(f"quantization: scheme {scheme!r} is not one of {', '.join(SCHEMES)}")
-        block = raw.get("block_size")
-        if scheme == "blockwise":
-            if not isinstance(block, int) or isinstance(block, bool) or block < 1:
-                raise ValueError(f"quantization: scheme blockwise needs a positive int block_size, got {block!r}")
-        elif block is not None:
-            raise ValueError(f"quantization: block_size is for scheme blockwise only (scheme is {scheme})")
-        skip = raw.get("modules_to_not_convert") or ()
-        if isinstance(skip, str) or not all(isinstance(s, str) and s for s in skip):
-            raise ValueError("quantization: modules_to_not_convert must be a list of module name patterns")
-        return cls(str(dtype), str(scheme), int(block or 0), tuple(skip))
+        """The config's `quantization` dict; ValueError naming the bad field (analysis/quantization.py's rules)."""
+        from neuronbuild.analysis.quantization import normalize
+
+        q = normalize(raw)
+        return cls(str(q["dtype"]), str(q["scheme"]), int(q.get("block_size") or 0),
+                   tuple(q.get("modules_to_not_convert") or ()))
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -217,21 +200,27 @@ class QuantLinear(nn.Module):
         return nn.functional.linear(x, w, self.bias)
 
 
-def quantize_linears(model: nn.Module, config: Mapping[str, Any]) -> list[str]:
+def quantize_linears(model: nn.Module, config: Mapping[str, Any], every_linear: bool = False) -> list[str]:
     """Replace the model's quantized Linear layers by QuantLinear (before tensor-parallel hooks are attached):
     every nn.Linear inside a decoder layer (the classes transformers lists in `_no_split_modules`), except those
-    modules_to_not_convert matches. Embeddings, norms and lm_head are never converted. Returns the names replaced;
-    ValueError when a pattern of modules_to_not_convert matches no decoder Linear, or a layer cannot be split in
-    blocks."""
+    modules_to_not_convert matches. Embeddings, norms and lm_head are never converted. `every_linear` (a plain
+    neuron_model: no decoder layer classes): every nn.Linear of the module, but those modules_to_not_convert matches.
+    Returns the names replaced; ValueError when a pattern of modules_to_not_convert matches no quantizable Linear,
+    or a layer cannot be split in blocks."""
     spec = spec_of(config)
     if spec is None:
         return []
-    layer_classes = set(getattr(model, "_no_split_modules", None) or ())
-    inside: list[str] = [n + "." for n, m in model.named_modules() if type(m).__name__ in layer_classes]
-    if not inside:
-        raise ValueError(f"quantization: {type(model).__name__} lists no decoder layer class (_no_split_modules)")
-    candidates = [(n, m) for n, m in model.named_modules()
-                  if isinstance(m, nn.Linear) and any(n.startswith(p) for p in inside)]
+    if every_linear:
+        candidates = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+        if not candidates:
+            raise ValueError(f"quantization: {type(model).__name__} has no nn.Linear layer to quantize")
+    else:
+        layer_classes = set(getattr(model, "_no_split_modules", None) or ())
+        inside: list[str] = [n + "." for n, m in model.named_modules() if type(m).__name__ in layer_classes]
+        if not inside:
+            raise ValueError(f"quantization: {type(model).__name__} lists no decoder layer class (_no_split_modules)")
+        candidates = [(n, m) for n, m in model.named_modules()
+                      if isinstance(m, nn.Linear) and any(n.startswith(p) for p in inside)]
     for pat in spec.modules_to_not_convert:
         probe = QuantSpec(spec.dtype, spec.scheme, spec.block_size, (pat,))
         if all(probe.converts(n) for n, _m in candidates):
