@@ -74,6 +74,11 @@ class Request:
         at once), so its tokens do not depend on its neighbours; greedy requests take none (0)."""
         return self.draws[len(self.tokens)] if self.draws else 0.0
 
+    def fresh_draw(self) -> float:
+        """A new uniform draw in [0, 1) from the request's own generator, in the order asked: for speculation,
+        which draws several times per token (a proposal, its acceptance test, a residual token), each independent."""
+        return float(torch.rand((), generator=self.generator))
+
 
 @dataclass
 class _Inputs:

@@ -120,9 +120,10 @@ def distribution(logits: torch.Tensor, sampling: Any) -> torch.Tensor:
 
 
 def _draw(probs: torch.Tensor, r: Request) -> int:
-    """A token from `probs` by inverse CDF with the request's own next draw."""
+    """A token from `probs` by inverse CDF with a fresh draw from the request's own generator (each draw of the rule
+    independent: Request.fresh_draw)."""
     cdf = probs.cumsum(-1)
-    u = r.draw() * float(cdf[-1])
+    u = r.fresh_draw() * float(cdf[-1])
     return int(min(int((cdf < u).sum()), int(probs.shape[0]) - 1))
 
 
@@ -349,7 +350,7 @@ class SpeculativeEngine(Engine):
 def _accept_or_resample(r: Request, x: int, q: torch.Tensor, p: torch.Tensor) -> tuple[int, bool]:
     """One position of the rule: (x, True) with probability min(1, p(x) / q(x)), else (a draw from
     norm(max(0, p - q)), False)."""
-    if r.draw() < min(1.0, float(p[x] / q[x])):
+    if r.fresh_draw() < min(1.0, float(p[x] / q[x])):
         return x, True
     residual = (p - q).clamp(min=0)
     return _draw(residual if float(residual.sum()) > 0 else p, r), False
