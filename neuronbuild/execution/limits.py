@@ -159,10 +159,10 @@ def auto_pids() -> int:
 def defaults_line() -> str:
     """The automatic limits in one line (what `plan` states; `explain` gives each action's own)."""
     trace = MIN_TIMEOUT_S["trace"]
-    return (f"limits per executed action (automatic; `neuronbuild explain` shows each one's): at most {auto_pids()} "
+    return (f"limits per executed action (automatic; `explain` shows each one's): at most {auto_pids()} "
             f"processes and threads, memory {MEMORY_FACTOR:g}x its peak estimate (at least {MIN_MEMORY_MB:.0f} MB), "
             f"time {TIMEOUT_FACTOR:g}x its estimate (at least {trace:.0f} s for a trace, {MIN_STEP_TIMEOUT_S:.0f} s "
-            f"for a compile step); enforced by {host_offers()}; build's --action-pids, --action-memory and "
+            f"for a compile step); enforced by {host_offers()}; --action-pids, --action-memory and "
             "--action-timeout change them")
 
 
