@@ -2,6 +2,7 @@
 load("@neuronbuild//rules:llm.bzl", "hf_causal_lm", "llm_buckets", "llm_compile")."""
 
 _GRAPHS_MODULE = "neuronbuild.toolchains.hf_causal_lm"
+_BLOCK_MODULE = "neuronbuild.toolchains.hf_block_kv"  # (a module of its own: hf_causal_lm.py's digest is in every trace)
 
 def _field(config, names, default = None):
     for n in names:
@@ -155,8 +156,7 @@ def _block_graphs(graphs, layout):
                 inputs["block_table"] = "int32[batch, blocks_per_seq]"
             else:
                 inputs[k] = v
-        entry = g["entry"].split(":")
-        out[family] = {"entry": entry[0] + ":block_" + entry[1], "inputs": inputs, "outputs": g["outputs"],
+        out[family] = {"entry": _BLOCK_MODULE + ":block_" + g["entry"].split(":")[1], "inputs": inputs, "outputs": g["outputs"],
                        "aliases": g["aliases"], "config": {"kv_layout": {"kind": "block"} | layout}}
     return out
 

@@ -163,11 +163,14 @@ def test_block_attributes_leave_graphs_built_without_them_unchanged(tmp_path: Pa
 
     ws = write_ws(tmp_path / "ws", {"llama.safetensors": ""})
 
+    code: dict[str, set[str]] = {}  # label -> the shipped modules whose digests its traces' fingerprints cover
+
     def actions(build: str, label: str) -> dict[str, set[str]]:
         (ws / "BUILD").write_text(build)
         ag = plan(load_targets(ws, [label]))
         (compile_,) = ag.compiles
         fps = {x for _b, fp in compile_.buckets for x in ag.closure(fp)}
+        code[label] = {m for fp in fps if ag.actions[fp].kind == "trace" for m in ag.actions[fp].record["model"]["builtin"]}
         return {kind: {fp for fp in fps if ag.actions[fp].kind == kind} for kind in ("weights", "trace")}
 
     block = _build_file()
@@ -175,9 +178,14 @@ def test_block_attributes_leave_graphs_built_without_them_unchanged(tmp_path: Pa
     explicit = _build_file(block=', max_batch = 4, kv_layout = "contiguous"')
     lines = [actions(b, LINES) for b in (block, plain, explicit)]
     assert lines[0] == lines[1] == lines[2]  # the other model's graphs whatever this one's layout
+    # the block graphs' code is a module of its own: editing it cannot change the fingerprints of the others
+    assert code[LINES] == {"neuronbuild.toolchains.hf_causal_lm"}
     runs = [actions(b, BLOCKS) for b in (plain, explicit, block, block.replace("num_blocks = 12", "num_blocks = 13"))]
     assert runs[0] == runs[1]  # kv_layout absent or "contiguous": the very graphs built without it
-    assert len({frozenset(r["weights"]) for r in runs}) == 1  # one weights action whatever the layout
+    # one weights action whatever the block count (the block layout's model record names its module too, so its
+    # weights action is not the line layout's: computed once more, same checkpoint)
+    assert runs[0]["weights"] == runs[1]["weights"] and runs[2]["weights"] == runs[3]["weights"]
+    assert code[BLOCKS] == {"neuronbuild.toolchains.hf_causal_lm", "neuronbuild.toolchains.hf_block_kv"}
     traces = [frozenset(r["trace"]) for r in runs[1:]]
     assert all(len(t) == 2 for t in traces)
     assert all(not a & b for i, a in enumerate(traces) for b in traces[i + 1:])  # block, its count: new traces
