@@ -2,7 +2,8 @@
 weights (continuous batching over cache lines; over a pool of 12 blocks of 16 positions), built and deployed once.
 The same requests with the blocks handed out in a shuffled order, in order, and through the contiguous cache each get
 transformers' greedy tokens of the request alone; admission waits for free blocks; two requests sharing a 48-token
-prefix share its 3 blocks (counted as prefix hits) with unchanged tokens; an engine asking for another block count is
+prefix share its 3 blocks (counted as prefix hits) with unchanged tokens; seeded sampled requests get the same tokens from
+both layouts; an engine asking for another block count is
 refused naming both; the block attributes leave the fingerprints of graphs built without them unchanged."""
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ HF = {"vocab_size": 128, "hidden_size": 32, "intermediate_size": 64, "num_hidden
       "num_key_value_heads": 2, "max_position_embeddings": 128, "eos_token_id": 2, "bos_token_id": 1, "pad_token_id": 0}
 MAX_SEQ, BLOCK, NUM_BLOCKS = 96, 16, 12
 LINES, BLOCKS = "//:lines_cpu", "//:blocks_cpu"
+SAMPLING = "on_device_sampling = True, output_logits = True"  # greedy requests take the graphs' argmax tokens
 PREFIX = [1] + [3 + (7 * i) % 120 for i in range(47)]  # 48 tokens: 3 full blocks
 # (prompt, new tokens): positions needed = prompt + new - 1; blocks = ceil(positions / 16)
 REQUESTS = [(PREFIX + [5, 6, 7], 8),  # 58 positions: 4 blocks, the first 3 the prefix's
@@ -32,9 +34,9 @@ def _build_file(block: str = ', kv_layout = "block", block_size = 16, num_blocks
     return f'''load("@neuronbuild//rules:llm.bzl", "hf_causal_lm")
 neuron_target(name = "cpu", platform = "cpu", isa = "native")
 hf_causal_lm(name = "lines", model_type = "llama", config = {json.dumps(HF)}, weights = "llama.safetensors",
-             max_seq = {MAX_SEQ}, continuous_batching = True, max_batch = 4)
+             max_seq = {MAX_SEQ}, continuous_batching = True, max_batch = 4, {SAMPLING})
 hf_causal_lm(name = "blocks", model_type = "llama", config = {json.dumps(HF)}, weights = "llama.safetensors",
-             max_seq = {MAX_SEQ}, continuous_batching = True{block})
+             max_seq = {MAX_SEQ}, continuous_batching = True, {SAMPLING}{block})
 neuron_buckets(name = "ctx", shapes = [{{"batch": 2, "seq": 64}}])
 neuron_buckets(name = "tok", shapes = [{{"batch": 4}}])
 BUCKETS = {{"context": [":ctx"], "token": [":tok"]}}
@@ -137,6 +139,19 @@ def test_a_request_sharing_a_cached_48_token_prefix_reuses_its_blocks_with_uncha
     assert out[first] == reference[0] and out[second] == reference[1]
 
 
+def test_sampled_requests_with_a_seed_get_the_same_tokens_from_blocks_and_from_cache_lines(
+        deployed: Path, reference: dict[int, list[int]]) -> None:
+    got = []
+    for label in (BLOCKS, LINES):
+        eng = _lm(deployed, label).engine()
+        rids = [eng.add(p, max_new_tokens=n, temperature=1.0, top_p=0.9, seed=i, eos_token_id=None)
+                for i, (p, n) in enumerate(REQUESTS)]
+        out = eng.run()
+        got.append([out[r] for r in rids])
+    assert got[0] == got[1]  # the in-graph sampler over the same logits, the same per-request draws
+    assert got[0] != [reference[i] for i in range(len(REQUESTS))]  # (sampled: not the greedy tokens)
+
+
 def test_the_bundle_records_the_block_layout_and_another_block_count_is_refused_naming_both(deployed: Path) -> None:
     from neuronbuild.runtime.block_engine import BlockLayoutMismatch
 
@@ -194,7 +209,7 @@ def test_block_attributes_leave_graphs_built_without_them_unchanged(tmp_path: Pa
 def test_a_block_size_that_does_not_divide_max_seq_is_refused_naming_the_target(tmp_path: Path) -> None:
     ws = write_ws(tmp_path / "ws", {"llama.safetensors": "",
                                     "BUILD": _build_file().replace("block_size = 16", "block_size = 20")})
-    proc = run_cli(["build", BLOCKS], ws)
+    proc = run_cli(["build", BLOCKS], ws)  # (analysis fails: nothing is built)
     assert proc.returncode != 0
     out = proc.stdout + proc.stderr
     assert "BUILD:" in out and "needs block_size = B, a positive int dividing max_seq (96), got 20" in out, out
