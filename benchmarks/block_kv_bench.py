@@ -32,7 +32,7 @@ def _build(ws: Path) -> Path:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     ws.mkdir(parents=True, exist_ok=True)
-    (ws / "WORKSPACE").write_text("")
+    (ws / "WORKSPACE.neuronbuild").write_text("")
     (ws / "BUILD").write_text(f'''load("@neuronbuild//rules:llm.bzl", "hf_causal_lm")
 neuron_target(name = "cpu", platform = "cpu", isa = "native")
 hf_causal_lm(name = "lines", model_type = "llama", config = {json.dumps(HF)}, weights = "llama.safetensors",

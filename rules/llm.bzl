@@ -125,7 +125,7 @@ def _serving_graphs(name, kv, max_seq, max_batch, on_device_sampling, output_log
 
 _KV_LAYOUTS = ["contiguous", "block"]
 
-def _block_layout(name, kv_layout, block_size, num_blocks, max_seq, continuous_batching, speculation):
+def _block_layout(name, kv_layout, block_size, num_blocks, max_seq, continuous_batching, speculation, kv_cache_dtype):
     """hf_causal_lm's kv_layout / block_size / num_blocks checked: None (the contiguous layout, whose graphs are those
     built without the attributes) or {"block_size": B, "num_blocks": N} (docs/llm.md "Block KV cache")."""
     if kv_layout == None or kv_layout == "contiguous":
@@ -138,6 +138,8 @@ def _block_layout(name, kv_layout, block_size, num_blocks, max_seq, continuous_b
         fail("hf_causal_lm %s: kv_layout = \"block\" needs continuous_batching = True (the engine hands out the blocks)" % name)
     if speculation != None:
         fail("hf_causal_lm %s: kv_layout = \"block\" with speculation is not supported yet (the verify graph reads cache lines)" % name)
+    if kv_cache_dtype != None:
+        fail("hf_causal_lm %s: kv_layout = \"block\" with kv_cache_dtype is not supported yet (the block pool is held in the model dtype)" % name)
     if type(block_size) != "int" or block_size < 1 or max_seq % block_size:
         fail("hf_causal_lm %s: kv_layout = \"block\" needs block_size = B, a positive int dividing max_seq (%d), got %r" % (
             name, max_seq, block_size))
@@ -289,7 +291,7 @@ def hf_causal_lm(name, config, weights = None, max_seq = 256, model_type = None,
             "aliases": {"kv": "kv"},
         },
     }
-    layout = _block_layout(name, kv_layout, block_size, num_blocks, max_seq, continuous_batching, speculation)
+    layout = _block_layout(name, kv_layout, block_size, num_blocks, max_seq, continuous_batching, speculation, kv_cache_dtype)
     if layout != None:
         dims = dims | {"blocks": num_blocks + 1, "block_size": block_size, "blocks_per_seq": max_seq // block_size}
         ranges = {"position_ids": [0, max_seq], "block_table": [0, num_blocks + 1], "attention_mask": [1, 2]}
