@@ -5,7 +5,7 @@ block where the lines layout has a scratch line): more short sequences fit the p
 (wall and per process CPU second), graph calls, and the most sequences active at once; checks both layouts give
 the same tokens. Run with OMP_NUM_THREADS=1 on a shared machine.
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/block_kv_bench.py [--requests 32] [--workdir DIR]
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/block_kv_bench.py [--requests 32] [--workdir DIR] [--bigger]
 
 Not part of the test suite: one build of 6 tiny cpu graphs (~2 min on 2 cores)."""
 
@@ -26,7 +26,7 @@ HF = {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidde
 MAX_SEQ = 128
 
 
-def _build(ws: Path) -> Path:
+def _build(ws: Path, hf: dict[str, int]) -> Path:
     import torch
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -35,9 +35,9 @@ def _build(ws: Path) -> Path:
     (ws / "WORKSPACE.neuronbuild").write_text("")
     (ws / "BUILD").write_text(f'''load("@neuronbuild//rules:llm.bzl", "hf_causal_lm")
 neuron_target(name = "cpu", platform = "cpu", isa = "native")
-hf_causal_lm(name = "lines", model_type = "llama", config = {json.dumps(HF)}, weights = "llama.safetensors",
+hf_causal_lm(name = "lines", model_type = "llama", config = {json.dumps(hf)}, weights = "llama.safetensors",
              max_seq = {MAX_SEQ}, continuous_batching = True, max_batch = 2)
-hf_causal_lm(name = "blocks", model_type = "llama", config = {json.dumps(HF)}, weights = "llama.safetensors",
+hf_causal_lm(name = "blocks", model_type = "llama", config = {json.dumps(hf)}, weights = "llama.safetensors",
              max_seq = {MAX_SEQ}, continuous_batching = True, kv_layout = "block", block_size = 16, num_blocks = 16)
 neuron_buckets(name = "ctx", shapes = [{{"batch": 2, "seq": 48}}])
 neuron_buckets(name = "tok2", shapes = [{{"batch": 2}}])
@@ -47,7 +47,7 @@ neuron_compile(name = "blocks_cpu", model = ":blocks", target = ":cpu", buckets 
 neuron_bundle(name = "release", srcs = [":lines_cpu", ":blocks_cpu"])
 ''')
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **HF, initializer_range=0.2))
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **hf, initializer_range=0.2))
     save_file({k: v.detach().contiguous() for k, v in model.state_dict().items()}, str(ws / "llama.safetensors"))
     cli = [sys.executable, "-m", "neuronbuild"]
     env = {"NEURONBUILD_NO_SERVER": "1"}
@@ -65,9 +65,13 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--workdir", type=Path)
+    ap.add_argument("--bigger", action="store_true", help="hidden 512, 4 layers: graph calls costlier than host work")
+    ap.add_argument("--repeats", type=int, default=3, help="runs per layout; the fastest is printed")
     args = ap.parse_args()
+    hf = HF | ({"hidden_size": 512, "intermediate_size": 1024, "num_hidden_layers": 4, "num_attention_heads": 8,
+                "num_key_value_heads": 4} if args.bigger else {})
     work = args.workdir or Path(tempfile.mkdtemp(prefix="block_kv_bench"))
-    dest = work / "serve" if (work / "serve").is_dir() else _build(work / "ws")
+    dest = work / "serve" if (work / "serve").is_dir() else _build(work / "ws", hf)
     from neuronbuild.runtime import open_cache
 
     rng = random.Random(46)
@@ -80,14 +84,19 @@ def main() -> None:
         eng = lm.engine()
         eng.add([1, 5, 6], max_new_tokens=2, eos_token_id=None)  # warm: load every graph it picks first
         eng.run()
-        eng = lm.engine()
-        rids = [eng.add(p, max_new_tokens=n, eos_token_id=None) for p, n in reqs]
-        most = 0
-        w0, c0 = time.perf_counter(), time.process_time()
-        while eng.pending:
-            eng.step()
-            most = max(most, len(eng.active))
-        wall, cpu = time.perf_counter() - w0, time.process_time() - c0
+        best: tuple[float, float] | None = None
+        for _ in range(args.repeats):
+            eng = lm.engine()
+            rids = [eng.add(p, max_new_tokens=n, eos_token_id=None) for p, n in reqs]
+            most = 0
+            w0, c0 = time.perf_counter(), time.process_time()
+            while eng.pending:
+                eng.step()
+                most = max(most, len(eng.active))
+            run = (time.perf_counter() - w0, time.process_time() - c0)
+            best = run if best is None or run[0] < best[0] else best
+        assert best is not None
+        wall, cpu = best
         tokens = sum(n for _p, n in reqs)
         results[label] = [eng.finished[r] for r in rids]
         print(f"{label}: {tokens} tokens in {wall:.2f} s wall ({tokens / wall:.0f} tok/s), {cpu:.2f} CPU s "
