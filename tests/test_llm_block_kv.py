@@ -214,3 +214,23 @@ def test_a_block_size_that_does_not_divide_max_seq_is_refused_naming_the_target(
     out = proc.stdout + proc.stderr
     assert "BUILD:" in out and "needs block_size = B, a positive int dividing max_seq (96), got 20" in out, out
     assert "Traceback" not in out
+
+
+def test_block_manager_shares_prefix_blocks_by_refcount_and_evicts_cached_ones_least_recently_used() -> None:
+    from neuronbuild.runtime.block_engine import BlockManager
+
+    m = BlockManager(num_blocks=4, block_size=2, order=[3, 1, 0, 2])
+    a = m.allocate([1, 2, 3, 4, 5], positions=6)  # 3 blocks, the first 2 full prompt blocks (hashed)
+    assert a == ([3, 1, 0], 0)
+    b = m.allocate([1, 2, 3, 4, 9], positions=5)  # the same 4-token prefix: its 2 blocks shared, 1 new
+    assert b == ([3, 1, 2], 2) and m.refs == {3: 2, 1: 2, 0: 1, 2: 1}
+    assert m.allocate([7, 8], positions=2) is None  # no block left: nothing taken
+    m.release(a[0])
+    assert m.in_use == 3 and m.free == [0]  # the shared ones still referenced by the second request
+    m.release(b[0])
+    assert m.in_use == 0 and list(m.cached) == [3, 1] and sorted(m.free) == [0, 2]
+    c = m.allocate([5, 6, 7, 8, 9, 10, 11], positions=8)  # 4 blocks: both free ones, then the cached, oldest first
+    assert c is not None and c[1] == 0 and sorted(c[0]) == [0, 1, 2, 3] and not m.cached
+    m.release(c[0])
+    again = m.allocate([1, 2, 3, 4, 5], positions=5)  # the evicted prefix is not found any more
+    assert again is not None and again[1] == 0 and (m.prefix_queries, m.prefix_hits) == (9, 2)
