@@ -2,6 +2,7 @@
 load("@neuronbuild//rules:llm.bzl", "hf_causal_lm", "llm_buckets", "llm_compile")."""
 
 _GRAPHS_MODULE = "neuronbuild.toolchains.hf_causal_lm"
+_BLOCK_MODULE = "neuronbuild.toolchains.hf_block_kv"  # (a module of its own: hf_causal_lm.py's digest is in every trace)
 
 def _field(config, names, default = None):
     for n in names:
@@ -122,6 +123,45 @@ def _serving_graphs(name, kv, max_seq, max_batch, on_device_sampling, output_log
                          "aliases": {"kv": "kv"}}
     return graphs
 
+_KV_LAYOUTS = ["contiguous", "block"]
+
+def _block_layout(name, kv_layout, block_size, num_blocks, max_seq, continuous_batching, speculation, kv_cache_dtype):
+    """hf_causal_lm's kv_layout / block_size / num_blocks checked: None (the contiguous layout, whose graphs are those
+    built without the attributes) or {"block_size": B, "num_blocks": N} (docs/llm.md "Block KV cache")."""
+    if kv_layout == None or kv_layout == "contiguous":
+        if block_size != None or num_blocks != None:
+            fail("hf_causal_lm %s: block_size and num_blocks need kv_layout = \"block\"" % name)
+        return None
+    if kv_layout not in _KV_LAYOUTS:
+        fail("hf_causal_lm %s: kv_layout %r is not one of %s" % (name, kv_layout, ", ".join(_KV_LAYOUTS)))
+    if not continuous_batching:
+        fail("hf_causal_lm %s: kv_layout = \"block\" needs continuous_batching = True (the engine hands out the blocks)" % name)
+    if speculation != None:
+        fail("hf_causal_lm %s: kv_layout = \"block\" with speculation is not supported yet (the verify graph reads cache lines)" % name)
+    if kv_cache_dtype != None:
+        fail("hf_causal_lm %s: kv_layout = \"block\" with kv_cache_dtype is not supported yet (the block pool is held in the model dtype)" % name)
+    if type(block_size) != "int" or block_size < 1 or max_seq % block_size:
+        fail("hf_causal_lm %s: kv_layout = \"block\" needs block_size = B, a positive int dividing max_seq (%d), got %r" % (
+            name, max_seq, block_size))
+    if type(num_blocks) != "int" or num_blocks < 1:
+        fail("hf_causal_lm %s: kv_layout = \"block\" needs num_blocks = N >= 1 (the KV pool's blocks), got %r" % (name, num_blocks))
+    return {"block_size": block_size, "num_blocks": num_blocks}
+
+def _block_graphs(graphs, layout):
+    """The continuous-batching graphs over a block pool: a per-row `block_table` int32[batch, blocks_per_seq] where
+    seq_ids stood, the `block_*` entries, the layout in each graph's config (its fingerprint and the bundle's record)."""
+    out = {}
+    for family, g in graphs.items():
+        inputs = {}
+        for k, v in g["inputs"].items():
+            if k == "seq_ids":
+                inputs["block_table"] = "int32[batch, blocks_per_seq]"
+            else:
+                inputs[k] = v
+        out[family] = {"entry": _BLOCK_MODULE + ":block_" + g["entry"].split(":")[1], "inputs": inputs, "outputs": g["outputs"],
+                       "aliases": g["aliases"], "config": {"kv_layout": {"kind": "block"} | layout}}
+    return out
+
 _SPEC_KEYS = ["draft", "length", "fused"]
 
 def _speculation(name, spec):
@@ -175,7 +215,8 @@ def _verify_graph(kv, spec, on_device_sampling, output_logits):
 
 def hf_causal_lm(name, config, weights = None, max_seq = 256, model_type = None, weights_prefix = "", dtype = None,
                  continuous_batching = False, max_batch = None, on_device_sampling = False, output_logits = False,
-                 quantization = None, kv_cache_dtype = None, speculation = None, tags = []):
+                 quantization = None, kv_cache_dtype = None, speculation = None, kv_layout = None, block_size = None,
+                 num_blocks = None, tags = []):
     """A transformers causal LM (llama, mistral, qwen2, gpt2, ...) as served: a `context` graph (prefill: input_ids and
     attention_mask [batch, seq] -> last logits + the KV cache) and a `token` graph (decode: one token per sequence,
     its position, the cache mask and slot, the cache -> logits + the cache, aliased), over a static KV cache of
@@ -193,7 +234,11 @@ def hf_causal_lm(name, config, weights = None, max_seq = 256, model_type = None,
     no weights; a `model_weights(model = ":<name>", weights = <checkpoint>)` target supplies them to a bundle.
     `speculation = {"draft": ":small_lm", "length": k, "fused": False}` (needs continuous_batching; docs/llm.md
     "Speculative decoding"): adds the `verify` graph family (k + 1 positions per row against the cache); the draft
-    is another hf_causal_lm with continuous_batching, compiled and bundled on its own."""
+    is another hf_causal_lm with continuous_batching, compiled and bundled on its own.
+    `kv_layout = "block"` with `block_size = B` (dividing max_seq) and `num_blocks = N` (needs continuous_batching;
+    docs/llm.md "Block KV cache"): the cache is a pool of N blocks of B positions (+ one scratch block) and the
+    graphs take a per-row `block_table` instead of seq_ids; max_batch is then optional (the engine's cap on active
+    sequences). Without kv_layout (or "contiguous") the graphs are exactly those built without it."""
     if speculation != None and not continuous_batching:
         fail("hf_causal_lm %s: speculation needs continuous_batching = True (the engine speculates per request)" % name)
     if not continuous_batching:
@@ -244,7 +289,16 @@ def hf_causal_lm(name, config, weights = None, max_seq = 256, model_type = None,
             "aliases": {"kv": "kv"},
         },
     }
-    if continuous_batching:
+    layout = _block_layout(name, kv_layout, block_size, num_blocks, max_seq, continuous_batching, speculation, kv_cache_dtype)
+    if layout != None:
+        dims = dims | {"blocks": num_blocks + 1, "block_size": block_size, "blocks_per_seq": max_seq // block_size}
+        ranges = {"position_ids": [0, max_seq], "block_table": [0, num_blocks + 1], "attention_mask": [1, 2]}
+        pool = kv.replace("[layers, 2, batch, kv_heads, max_seq, head_dim]", "[layers, 2, blocks, kv_heads, block_size, head_dim]")
+        if max_batch != None:  # the engine's cap on active sequences (recorded; the graphs' shapes do not hold it)
+            _positive(name, "max_batch", max_batch)
+            layout["max_batch"] = max_batch
+        graphs = _block_graphs(_serving_graphs(name, pool, max_seq, max_batch or 1, on_device_sampling, output_logits), layout)
+    elif continuous_batching:
         dims["lines"] = max_batch + 1
         ranges = {"position_ids": [0, max_seq], "seq_ids": [0, max_batch], "attention_mask": [1, 2]}
         graphs = _serving_graphs(name, kv.replace("[layers, 2, batch,", "[layers, 2, lines,"), max_seq, max_batch,

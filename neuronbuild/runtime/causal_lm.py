@@ -65,7 +65,17 @@ class CausalLM:
             raise TypeError(f"{model.label}: the token graph declares no kv -> kv alias ({self.aliases})")
         self.kv_spec: dict[str, Any] = dict(tok_graph.inputs["kv"])
         kv_dims = list(self.kv_spec["dims"])
-        if self.serving:  # a cache of max_batch lines + the padding rows' scratch line: no bucket dim
+        # kv_layout = "block" (docs/llm.md "Block KV cache"): the layout its graphs were traced for, else None
+        self.block_layout: dict[str, Any] | None = None
+        if self.serving and "block_table" in tok_graph.inputs:
+            traced = ((tok_graph.trace_record.get("model") or {}).get("config") or {}).get("kv_layout") or {}
+            self.block_layout = {"block_size": int(kv_dims[4]), "num_blocks": int(kv_dims[2]) - 1,
+                                 "blocks_per_seq": int(tok_graph.inputs["block_table"]["dims"][1]),
+                                 "kv_dtype": str(self.kv_spec["dtype"]), "shape": [int(d) for d in kv_dims],
+                                 "max_batch": traced.get("max_batch")}
+            self.max_batch = int(traced.get("max_batch") or self.block_layout["num_blocks"])
+            self.max_seq = int(tok_graph.inputs["attention_mask"]["dims"][1])
+        elif self.serving:  # a cache of max_batch lines + the padding rows' scratch line: no bucket dim
             self.max_batch = int(kv_dims[2]) - 1
             self.max_seq = int(tok_graph.inputs["attention_mask"]["dims"][1])
         else:
@@ -142,11 +152,19 @@ class CausalLM:
     def token_id(t: Any) -> int:
         return _token_id(t)
 
-    def engine(self, seed: int = 0, speculation: Mapping[str, Any] | bool | None = None) -> Engine:
+    def engine(self, seed: int = 0, speculation: Mapping[str, Any] | bool | None = None,
+               num_blocks: int | None = None, block_order: Sequence[int] | None = None) -> Engine:
         """A continuous-batching engine over this model's serving graphs (runtime/engine.py); `seed` seeds the
         draws of requests added without their own. A bundle with verify graphs speculates (runtime/speculative.py):
-        `speculation` False serves without, a dict ({"length", "draft", "fused"}) must match the bundle's."""
+        `speculation` False serves without, a dict ({"length", "draft", "fused"}) must match the bundle's.
+        A bundle built with kv_layout = "block" gets a BlockEngine (runtime/block_engine.py): `num_blocks`, when
+        given, must be the compiled block count; `block_order` the order free blocks are handed out (tests)."""
+        from neuronbuild.runtime.block_engine import BlockEngine, check_num_blocks
         from neuronbuild.runtime.speculative import speculative_engine
+
+        check_num_blocks(self, num_blocks)
+        if self.block_layout is not None:
+            return BlockEngine(self, seed, block_order=block_order)
 
         return speculative_engine(self, seed, speculation)
 

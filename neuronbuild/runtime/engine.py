@@ -219,13 +219,12 @@ class Engine:
         cb, seq = bucket["batch"], bucket["seq"]
         ids = torch.full((cb, seq), self.lm.pad_token_id, dtype=torch.int32)
         mask = torch.ones((cb, seq), dtype=torch.int32)  # padding rows attend to their own pad tokens
-        seq_ids = torch.full((cb,), PADDING_LINE, dtype=torch.int32)
         for b, r in enumerate(reqs):
             r.line = self.free.pop(0)
             self.active[r.line] = r
             ids[b, seq - len(r.prompt):] = torch.tensor(r.prompt, dtype=torch.int32)
             mask[b, : seq - len(r.prompt)] = 0
-            seq_ids[b] = r.line
+        seq_ids = self._rows_input(CONTEXT, reqs, cb)
         positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1).to(torch.int32)  # as generate derives them
         args = [ids, mask, positions, seq_ids, *self._sampling_inputs(reqs, cb)]
         self._emit(CONTEXT, name, args, reqs, got)
@@ -248,12 +247,17 @@ class Engine:
             pad = self._tok_buckets[name]["batch"] - len(rows)
             ids = torch.tensor([[r.tokens[-1]] for r in rows] + [[self.lm.pad_token_id]] * pad, dtype=torch.int32)
             positions = torch.tensor([[r.position] for r in rows] + [[0]] * pad, dtype=torch.int32)
-            seq_ids = torch.tensor(list(lines) + [PADDING_LINE] * pad, dtype=torch.int32)
+            seq_ids = self._rows_input(TOKEN, rows, len(rows) + pad)
             # slots 0..position (padding rows: slot 0 of the scratch line)
             mask = (self._slots[None, :] <= positions).to(torch.int32)
             args = [ids, mask, positions, seq_ids, *self._sampling_inputs(rows, len(rows) + pad)]
             self._last = _Inputs(name, lines, args)
         self._emit(TOKEN, name, args, rows, got)
+
+    def _rows_input(self, family: str, rows: Sequence[Request], batch: int) -> torch.Tensor:
+        """The graphs' per-row cache input: seq_ids, each row's line (padding rows: PADDING_LINE). The block engine
+        (runtime/block_engine.py) returns block tables instead."""
+        return torch.tensor([r.line for r in rows] + [PADDING_LINE] * (batch - len(rows)), dtype=torch.int32)
 
     def _emit(self, family: str, name: str, args: list[torch.Tensor], rows: Sequence[Request],
               got: dict[int, list[int]]) -> None:
@@ -283,6 +287,8 @@ class Engine:
 def serving_spec(inputs: Mapping[str, Any]) -> tuple[bool, bool]:
     """(serving, sampling) of a graph's declared inputs: the continuous-batching signature, with sampling inputs."""
     names = list(inputs)
+    if "block_table" in names and "seq_ids" not in names:  # kv_layout = "block": the block table stands where seq_ids does
+        names = ["seq_ids" if n == "block_table" else n for n in names]
     if names[: len(SERVING_INPUTS)] != list(SERVING_INPUTS) or names[-1] != "kv":
         return False, False
     middle = names[len(SERVING_INPUTS):-1]

@@ -1,0 +1,148 @@
+"""The block-KV-cache graphs of hf_causal_lm(kv_layout = "block", ...) (docs/llm.md "Block KV cache"): the serving
+graphs of toolchains/hf_causal_lm.py over a pool of blocks addressed through a per-row block table. A module of its
+own: the trace fingerprints of hf_causal_lm's other graphs cover hf_causal_lm.py's digest, so they stay unchanged."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from neuronbuild.toolchains.hf_causal_lm import LineKV, _model_forward, _serving, _serving_outputs
+
+
+class BlockKV(LineKV):
+    """The block-layout serving cache: a pool kv [layers, 2, num_blocks + 1, kv_heads, block_size, head_dim] (the last
+    block is scratch: where padding rows and the table's unused entries point) and a per-row block table
+    int32 [batch, max_seq / block_size] (NxD Inference's active_block_table). A row's position p lives at slot
+    table[row, p // block_size] * block_size + p % block_size (NxD's slot_mapping, derived here in the graph from the
+    table and the positions). Reads gather the row's blocks into a line of max_seq slots and attend as LineKV does
+    (the same rotated view, so transformers' own masks hold per row); writes scatter into the pool through the table."""
+
+    def __init__(self, config: Any, pool: torch.Tensor, block_table: torch.Tensor, max_seq: int,
+                 positions: torch.Tensor | None) -> None:
+        table = block_table.long()
+        batch, per_row = int(table.shape[0]), int(table.shape[1])
+        self.pool, self.table, self.block_size = pool, table, int(pool.shape[4])
+        rows = torch.arange(batch, device=table.device)
+        if positions is None:  # a context graph reads no cache: its writes go straight to the pool (new_cache)
+            lines = pool
+        else:  # the rows' lines: [layers, 2, batch, kv_heads, per_row * block_size, head_dim]
+            got = pool.index_select(2, table.reshape(-1))
+            shape = got.shape
+            got = got.reshape(shape[0], shape[1], batch, per_row, shape[3], shape[4], shape[5])
+            lines = got.permute(0, 1, 2, 4, 3, 5, 6).reshape(shape[0], shape[1], batch, shape[3],
+                                                             per_row * self.block_size, shape[5])
+        super().__init__(config, lines, rows, max_seq, positions)
+        self.lines = rows
+
+    def new_cache(self, prompt_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """The pool with this call's writes, as ONE scatter into the kv input: a context graph's prompts
+        (left-aligned) into every slot of the row's table (entries naming the scratch block write nowhere that is
+        read), a token graph's one slot per row."""
+        pool, size = self.pool, self.block_size
+        layers = torch.arange(pool.shape[0], device=pool.device)
+        pair = torch.arange(2, device=pool.device)
+        heads = torch.arange(pool.shape[3], device=pool.device)
+        if self.positions is None:
+            assert prompt_mask is not None
+            shift = prompt_mask.shape[1] - prompt_mask.sum(-1)  # left padding per row
+            src = (torch.arange(self.max_seq, device=shift.device)[None, :] + shift[:, None]).clamp(max=self.max_seq - 1)
+            rows = []
+            for k, v in self.updated:  # type: ignore[misc]  # [batch, kv_heads, max_seq, head_dim], prompt-padded
+                idx = src[:, None, :, None].expand_as(k)
+                rows.append(torch.stack([k.gather(2, idx), v.gather(2, idx)]))
+            values = torch.stack(rows).to(pool.dtype)  # [layers, 2, batch, kv_heads, max_seq, head_dim]
+            pos = torch.arange(self.max_seq, device=pool.device)
+            blocks = self.table[:, pos // size]  # [batch, max_seq]
+            offsets = (pos % size)[None, None, None, None, :]
+            index = (layers[:, None, None, None, None], pair[None, :, None, None, None],
+                     blocks[None, None, :, None, :], heads[None, None, None, :, None], offsets)
+            return torch.index_put(pool, index, values)
+        written = torch.stack([torch.stack([k[:, :, 0], v[:, :, 0]]) for k, v in self.written])  # type: ignore[misc]
+        pos = self.positions.long()
+        blocks = self.table.gather(1, (pos // size)[:, None])[:, 0]
+        index = (layers[:, None, None, None], pair[None, :, None, None], blocks[None, None, :, None],
+                 heads[None, None, None, :], (pos % size)[None, None, :, None])
+        return torch.index_put(pool, index, written.to(pool.dtype))
+
+
+def _block_prefill(self: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
+                   block_table: torch.Tensor, sampled: tuple[torch.Tensor, ...], kv: torch.Tensor
+                   ) -> dict[str, torch.Tensor]:
+    """Prefill of left-padded prompts into the blocks each row's table names (as _prefill into lines)."""
+    cache = BlockKV(self.config, kv, block_table, self._nb_max_seq, None)
+    mask = attention_mask.long()
+    out = _model_forward(self, input_ids=input_ids.long(), attention_mask=mask, position_ids=position_ids.long(),
+                         past_key_values=cache)
+    return _serving_outputs(out.logits[:, -1].float(), cache.new_cache(mask), sampled, self._nb_logits)
+
+
+def _block_decode(self: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
+                  block_table: torch.Tensor, sampled: tuple[torch.Tensor, ...], kv: torch.Tensor
+                  ) -> dict[str, torch.Tensor]:
+    """One token per row at position position_ids[b], attending to the positions attention_mask [batch, max_seq]
+    names (the written one included), its keys/values read from and written to the row's blocks."""
+    positions = position_ids[:, 0]
+    cache = BlockKV(self.config, kv, block_table, self._nb_max_seq, positions)
+    view_mask = attention_mask.long().gather(1, cache.view)
+    out = _model_forward(self, input_ids=input_ids.long(), attention_mask=view_mask,
+                         position_ids=position_ids.long(), past_key_values=cache)
+    return _serving_outputs(out.logits[:, -1].float(), cache.new_cache(), sampled, self._nb_logits)
+
+
+def _block_serving_context_forward(self: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                                   position_ids: torch.Tensor, block_table: torch.Tensor, kv: torch.Tensor
+                                   ) -> dict[str, torch.Tensor]:
+    return _block_prefill(self, input_ids, attention_mask, position_ids, block_table, (), kv)
+
+
+def _block_serving_token_forward(self: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                                 position_ids: torch.Tensor, block_table: torch.Tensor, kv: torch.Tensor
+                                 ) -> dict[str, torch.Tensor]:
+    return _block_decode(self, input_ids, attention_mask, position_ids, block_table, (), kv)
+
+
+def _block_sampling_context_forward(self: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                                    position_ids: torch.Tensor, block_table: torch.Tensor,
+                                    sampling_params: torch.Tensor, rand: torch.Tensor, kv: torch.Tensor
+                                    ) -> dict[str, torch.Tensor]:
+    return _block_prefill(self, input_ids, attention_mask, position_ids, block_table, (sampling_params, rand), kv)
+
+
+def _block_sampling_token_forward(self: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                                  position_ids: torch.Tensor, block_table: torch.Tensor,
+                                  sampling_params: torch.Tensor, rand: torch.Tensor, kv: torch.Tensor
+                                  ) -> dict[str, torch.Tensor]:
+    return _block_decode(self, input_ids, attention_mask, position_ids, block_table, (sampling_params, rand), kv)
+
+
+def block_serving_context(config: dict[str, Any]) -> nn.Module:
+    """kv_layout = "block" context graph: logits and the block pool (no sampling)."""
+    return _serving(config, _block_serving_context_forward, "BlockServingContextGraph", True)
+
+
+def block_serving_token(config: dict[str, Any]) -> nn.Module:
+    """kv_layout = "block" token graph: logits and the block pool (no sampling)."""
+    return _serving(config, _block_serving_token_forward, "BlockServingTokenGraph", True)
+
+
+def block_sampling_context(config: dict[str, Any]) -> nn.Module:
+    """kv_layout = "block" + on_device_sampling context graph: tokens and the block pool."""
+    return _serving(config, _block_sampling_context_forward, "BlockSamplingContextGraph", False)
+
+
+def block_sampling_token(config: dict[str, Any]) -> nn.Module:
+    """kv_layout = "block" + on_device_sampling token graph: tokens and the block pool."""
+    return _serving(config, _block_sampling_token_forward, "BlockSamplingTokenGraph", False)
+
+
+def block_sampling_logits_context(config: dict[str, Any]) -> nn.Module:
+    """kv_layout = "block" + on_device_sampling with output_logits: tokens, logits and the block pool."""
+    return _serving(config, _block_sampling_context_forward, "BlockSamplingLogitsContextGraph", True)
+
+
+def block_sampling_logits_token(config: dict[str, Any]) -> nn.Module:
+    """kv_layout = "block" + on_device_sampling with output_logits: tokens, logits and the block pool."""
+    return _serving(config, _block_sampling_token_forward, "BlockSamplingLogitsTokenGraph", True)

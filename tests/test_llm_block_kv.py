@@ -1,0 +1,236 @@
+"""Block KV cache (hf_causal_lm kv_layout = "block", #46): one tiny Llama workspace, cpu only, two models with the same
+weights (continuous batching over cache lines; over a pool of 12 blocks of 16 positions), built and deployed once.
+The same requests with the blocks handed out in a shuffled order, in order, and through the contiguous cache each get
+transformers' greedy tokens of the request alone; admission waits for free blocks; two requests sharing a 48-token
+prefix share its 3 blocks (counted as prefix hits) with unchanged tokens; seeded sampled requests get the same tokens from
+both layouts; an engine asking for another block count is
+refused naming both; the block attributes leave the fingerprints of graphs built without them unchanged."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+from helpers import run_cli, write_ws
+
+HF = {"vocab_size": 128, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+      "num_key_value_heads": 2, "max_position_embeddings": 128, "eos_token_id": 2, "bos_token_id": 1, "pad_token_id": 0}
+MAX_SEQ, BLOCK, NUM_BLOCKS = 96, 16, 12
+LINES, BLOCKS = "//:lines_cpu", "//:blocks_cpu"
+SAMPLING = "on_device_sampling = True, output_logits = True"  # greedy requests take the graphs' argmax tokens
+PREFIX = [1] + [3 + (7 * i) % 120 for i in range(47)]  # 48 tokens: 3 full blocks
+# (prompt, new tokens): positions needed = prompt + new - 1; blocks = ceil(positions / 16)
+REQUESTS = [(PREFIX + [5, 6, 7], 8),  # 58 positions: 4 blocks, the first 3 the prefix's
+            (PREFIX + [9, 10], 6),  # 55: 4 blocks, sharing the prefix's 3 when the first holds them
+            ([1, 20, 21, 22], 10),  # 13: 1 block
+            ([1] + list(range(40, 69)), 12),  # 30 + 11 = 41: 3 blocks
+            ([1] + list(range(60, 119)), 8)]  # 60 + 7 = 67: 5 blocks (4 + 1 + 1 + 3 + 5 = 14 > 12: it waits)
+
+
+def _build_file(block: str = ', kv_layout = "block", block_size = 16, num_blocks = 12') -> str:
+    return f'''load("@neuronbuild//rules:llm.bzl", "hf_causal_lm")
+neuron_target(name = "cpu", platform = "cpu", isa = "native")
+hf_causal_lm(name = "lines", model_type = "llama", config = {json.dumps(HF)}, weights = "llama.safetensors",
+             max_seq = {MAX_SEQ}, continuous_batching = True, max_batch = 4, {SAMPLING})
+hf_causal_lm(name = "blocks", model_type = "llama", config = {json.dumps(HF)}, weights = "llama.safetensors",
+             max_seq = {MAX_SEQ}, continuous_batching = True, {SAMPLING}{block})
+neuron_buckets(name = "ctx", shapes = [{{"batch": 2, "seq": 64}}])
+neuron_buckets(name = "tok", shapes = [{{"batch": 4}}])
+BUCKETS = {{"context": [":ctx"], "token": [":tok"]}}
+neuron_compile(name = "lines_cpu", model = ":lines", target = ":cpu", buckets = BUCKETS)
+neuron_compile(name = "blocks_cpu", model = ":blocks", target = ":cpu", buckets = BUCKETS)
+neuron_bundle(name = "release", srcs = [":lines_cpu", ":blocks_cpu"])
+'''
+
+
+def _model() -> Any:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    # weights 10x transformers' default scale: peaked next-token distributions (no near-ties for greedy to flip)
+    return AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **HF, initializer_range=0.2)).eval()
+
+
+@pytest.fixture(scope="module")
+def deployed(tmp_path_factory: pytest.TempPathFactory, cache_dir: Path) -> Path:
+    import torch
+    from safetensors.torch import save_file
+
+    ws = write_ws(tmp_path_factory.mktemp("llm_block_kv") / "ws", {"BUILD": _build_file()})
+    torch.manual_seed(0)
+    save_file({k: v.detach().contiguous() for k, v in _model().state_dict().items()}, str(ws / "llama.safetensors"))
+    proc = run_cli(["build", "//:release", "--jobs", "2", "--cache-dir", str(cache_dir)], ws)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    dest = ws.parent / "serve"
+    proc = run_cli(["deploy", str(ws / "neuronbuild-out" / "release.tar.zst"), "--dest", str(dest)], ws)
+    assert proc.returncode == 0, proc.stderr
+    return dest
+
+
+@pytest.fixture(scope="module")
+def reference(deployed: Path) -> dict[int, list[int]]:
+    """transformers' greedy tokens of each request alone."""
+    import torch
+    from safetensors.torch import load_file
+
+    model = _model()
+    model.load_state_dict(load_file(str(deployed.parent / "ws" / "llama.safetensors")))
+    out = {}
+    with torch.no_grad():
+        for i, (prompt, new) in enumerate(REQUESTS):
+            ids = model.generate(torch.tensor([prompt]), max_new_tokens=new, do_sample=False, eos_token_id=None,
+                                 pad_token_id=0)
+            out[i] = ids[0, len(prompt):].tolist()
+    return out
+
+
+def _lm(deployed: Path, label: str) -> Any:
+    from neuronbuild.runtime import open_cache
+
+    return open_cache(deployed, strict=True).causal_lm(label)
+
+
+def _serve(eng: Any) -> tuple[dict[int, list[int]], list[tuple[int, int]]]:
+    """Every request through the engine; (tokens by request index, (active, waiting) after each step)."""
+    rids = [eng.add(p, max_new_tokens=n, eos_token_id=None) for p, n in REQUESTS]
+    trace = []
+    while eng.pending:
+        eng.step()
+        trace.append((len(eng.active), len(eng.waiting)))
+    return {i: eng.finished[rid] for i, rid in enumerate(rids)}, trace
+
+
+def test_shuffled_blocks_in_order_blocks_and_cache_lines_all_give_transformers_greedy_tokens(
+        deployed: Path, reference: dict[int, list[int]]) -> None:
+    blocks = _lm(deployed, BLOCKS)
+    assert blocks.block_layout is not None and blocks.max_seq == MAX_SEQ
+    shuffled = list(range(NUM_BLOCKS))
+    random.Random(46).shuffle(shuffled)
+    runs = {}
+    for name, order in (("shuffled", shuffled), ("in order", None)):
+        eng = blocks.engine(block_order=order)
+        runs[name], trace = _serve(eng)
+        # the 5th request (5 blocks) waits for blocks while the first four hold 9 of 12 (not for a line: 12 lines)
+        assert trace[0] == (4, 1), (name, trace)
+        counters = eng.counters()
+        assert counters["prefix_hits"] == 3 and counters["blocks_in_use"] == 0, counters
+    lines = _lm(deployed, LINES)
+    assert lines.block_layout is None
+    runs["cache lines"], _trace = _serve(lines.engine())
+    for name, got in runs.items():
+        assert got == reference, name
+
+
+def test_a_request_sharing_a_cached_48_token_prefix_reuses_its_blocks_with_unchanged_tokens(
+        deployed: Path, reference: dict[int, list[int]]) -> None:
+    eng = _lm(deployed, BLOCKS).engine()
+    first = eng.add(REQUESTS[0][0], max_new_tokens=REQUESTS[0][1], eos_token_id=None)
+    eng.run()
+    held = eng.counters()
+    # the finished request's 3 full prompt blocks stay cached (unreferenced) for a later prompt; its last is freed
+    assert held == {"blocks_in_use": 0, "blocks_free": NUM_BLOCKS - 3, "blocks_cached": 3, "prefix_queries": 3,
+                    "prefix_hits": 0}
+    second = eng.add(REQUESTS[1][0], max_new_tokens=REQUESTS[1][1], eos_token_id=None)
+    eng.step()
+    assert eng.counters()["prefix_hits"] == 3 and eng.counters()["blocks_in_use"] == 4  # 3 shared + its own
+    out = eng.run()
+    assert out[first] == reference[0] and out[second] == reference[1]
+
+
+def test_sampled_requests_with_a_seed_get_the_same_tokens_from_blocks_and_from_cache_lines(
+        deployed: Path, reference: dict[int, list[int]]) -> None:
+    got = []
+    for label in (BLOCKS, LINES):
+        eng = _lm(deployed, label).engine()
+        rids = [eng.add(p, max_new_tokens=n, temperature=1.0, top_p=0.9, seed=i, eos_token_id=None)
+                for i, (p, n) in enumerate(REQUESTS)]
+        out = eng.run()
+        got.append([out[r] for r in rids])
+    assert got[0] == got[1]  # the in-graph sampler over the same logits, the same per-request draws
+    assert got[0] != [reference[i] for i in range(len(REQUESTS))]  # (sampled: not the greedy tokens)
+
+
+def test_the_bundle_records_the_block_layout_and_another_block_count_is_refused_naming_both(deployed: Path) -> None:
+    from neuronbuild.runtime.block_engine import BlockLayoutMismatch
+
+    lm = _lm(deployed, BLOCKS)
+    heads, head_dim = HF["num_key_value_heads"], HF["hidden_size"] // HF["num_attention_heads"]
+    assert lm.block_layout == {"block_size": BLOCK, "num_blocks": NUM_BLOCKS, "blocks_per_seq": MAX_SEQ // BLOCK,
+                               "kv_dtype": "float32", "max_batch": None,
+                               "shape": [HF["num_hidden_layers"], 2, NUM_BLOCKS + 1, heads, BLOCK, head_dim]}
+    # the layout is in the graphs' trace record (the bundle's manifest)
+    tok = lm._token.graph(next(iter(lm._token.buckets)))
+    assert tok.trace_record["model"]["config"]["kv_layout"] == {"kind": "block", "block_size": BLOCK,
+                                                                 "num_blocks": NUM_BLOCKS}
+    assert lm.engine(num_blocks=NUM_BLOCKS).blocks.num_blocks == NUM_BLOCKS
+    with pytest.raises(BlockLayoutMismatch) as info:
+        lm.engine(num_blocks=16)
+    assert "num_blocks=16 requested" in str(info.value) and "compiled for num_blocks=12" in str(info.value)
+    with pytest.raises(BlockLayoutMismatch, match="compiled without kv_layout"):
+        _lm(deployed, LINES).engine(num_blocks=12)
+
+
+def test_block_attributes_leave_graphs_built_without_them_unchanged(tmp_path: Path) -> None:
+    from neuronbuild.analysis.planner import plan
+    from neuronbuild.loading.target_graph import load_targets
+
+    ws = write_ws(tmp_path / "ws", {"llama.safetensors": ""})
+
+    code: dict[str, set[str]] = {}  # label -> the shipped modules whose digests its traces' fingerprints cover
+
+    def actions(build: str, label: str) -> dict[str, set[str]]:
+        (ws / "BUILD").write_text(build)
+        ag = plan(load_targets(ws, [label]))
+        (compile_,) = ag.compiles
+        fps = {x for _b, fp in compile_.buckets for x in ag.closure(fp)}
+        code[label] = {m for fp in fps if ag.actions[fp].kind == "trace" for m in ag.actions[fp].record["model"]["builtin"]}
+        return {kind: {fp for fp in fps if ag.actions[fp].kind == kind} for kind in ("weights", "trace")}
+
+    block = _build_file()
+    plain = _build_file(block=", max_batch = 4")  # the second model as the first: without the block attributes
+    explicit = _build_file(block=', max_batch = 4, kv_layout = "contiguous"')
+    lines = [actions(b, LINES) for b in (block, plain, explicit)]
+    assert lines[0] == lines[1] == lines[2]  # the other model's graphs whatever this one's layout
+    # the block graphs' code is a module of its own: editing it cannot change the fingerprints of the others
+    assert code[LINES] == {"neuronbuild.toolchains.hf_causal_lm"}
+    runs = [actions(b, BLOCKS) for b in (plain, explicit, block, block.replace("num_blocks = 12", "num_blocks = 13"))]
+    assert runs[0] == runs[1]  # kv_layout absent or "contiguous": the very graphs built without it
+    # one weights action whatever the block count (the block layout's model record names its module too, so its
+    # weights action is not the line layout's: computed once more, same checkpoint)
+    assert runs[0]["weights"] == runs[1]["weights"] and runs[2]["weights"] == runs[3]["weights"]
+    assert code[BLOCKS] == {"neuronbuild.toolchains.hf_causal_lm", "neuronbuild.toolchains.hf_block_kv"}
+    traces = [frozenset(r["trace"]) for r in runs[1:]]
+    assert all(len(t) == 2 for t in traces)
+    assert all(not a & b for i, a in enumerate(traces) for b in traces[i + 1:])  # block, its count: new traces
+
+
+def test_a_block_size_that_does_not_divide_max_seq_is_refused_naming_the_target(tmp_path: Path) -> None:
+    ws = write_ws(tmp_path / "ws", {"llama.safetensors": "",
+                                    "BUILD": _build_file().replace("block_size = 16", "block_size = 20")})
+    proc = run_cli(["build", BLOCKS], ws)  # (analysis fails: nothing is built)
+    assert proc.returncode != 0
+    out = proc.stdout + proc.stderr
+    assert "BUILD:" in out and "needs block_size = B, a positive int dividing max_seq (96), got 20" in out, out
+    assert "Traceback" not in out
+
+
+def test_block_manager_shares_prefix_blocks_by_refcount_and_evicts_cached_ones_least_recently_used() -> None:
+    from neuronbuild.runtime.block_engine import BlockManager
+
+    m = BlockManager(num_blocks=4, block_size=2, order=[3, 1, 0, 2])
+    a = m.allocate([1, 2, 3, 4, 5], positions=6)  # 3 blocks, the first 2 full prompt blocks (hashed)
+    assert a == ([3, 1, 0], 0)
+    b = m.allocate([1, 2, 3, 4, 9], positions=5)  # the same 4-token prefix: its 2 blocks shared, 1 new
+    assert b == ([3, 1, 2], 2) and m.refs == {3: 2, 1: 2, 0: 1, 2: 1}
+    assert m.allocate([7, 8], positions=2) is None  # no block left: nothing taken
+    m.release(a[0])
+    assert m.in_use == 3 and m.free == [0]  # the shared ones still referenced by the second request
+    m.release(b[0])
+    assert m.in_use == 0 and list(m.cached) == [3, 1] and sorted(m.free) == [0, 2]
+    c = m.allocate([5, 6, 7, 8, 9, 10, 11], positions=8)  # 4 blocks: both free ones, then the cached, oldest first
+    assert c is not None and c[1] == 0 and sorted(c[0]) == [0, 1, 2, 3] and not m.cached
+    m.release(c[0])
+    again = m.allocate([1, 2, 3, 4, 5], positions=5)  # the evicted prefix is not found any more
+    assert again is not None and again[1] == 0 and (m.prefix_queries, m.prefix_hits) == (9, 2)
