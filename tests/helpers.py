@@ -46,7 +46,8 @@ if "NEURONBUILD_OUTPUT_USER_ROOT" not in os.environ:
 # A caller's compile-affecting variables (OMP_NUM_THREADS in many CI images, NEURON_*, XLA_*) make every build warn
 # that they are not passed to actions: tests that count warnings would see the machine's shell, not the build. The
 # suite starts without them; tests of that warning pass them explicitly (tests/test_explain_env.py).
-for _name in [k for k in os.environ if re.match(r"^(NEURON_.*|TORCHINDUCTOR_.*|XLA_.*|OMP_NUM_THREADS)$", k)]:
+_COMPILE_AFFECTING = re.compile(r"^(NEURON_.*|TORCHINDUCTOR_.*|XLA_.*|OMP_NUM_THREADS)$")
+for _name in [k for k in os.environ if _COMPILE_AFFECTING.match(k)]:
     del os.environ[_name]
 
 _ENV_AT_START = frozenset(os.environ)  # helpers is imported by conftest, before any test imports torch
@@ -54,9 +55,10 @@ _ENV_AT_START = frozenset(os.environ)  # helpers is imported by conftest, before
 
 def run_cli(args: list[str], cwd: Path, env: dict[str, str] | None = None,
             python_flags: tuple[str, ...] = ()) -> subprocess.CompletedProcess[str]:
-    # In-process torch use in other tests sets variables such as TORCHINDUCTOR_CACHE_DIR in this process; a user's
-    # shell would not have them, so children start without them unless a test passes them explicitly.
-    full_env = {k: v for k, v in os.environ.items() if k in _ENV_AT_START or not k.startswith("TORCHINDUCTOR_")}
+    # In-process use of torch, dask or jax in other tests sets variables such as TORCHINDUCTOR_CACHE_DIR or
+    # OMP_NUM_THREADS in this process; a user's shell would not have them, so children start without them unless a
+    # test passes them explicitly.
+    full_env = {k: v for k, v in os.environ.items() if k in _ENV_AT_START or not _COMPILE_AFFECTING.match(k)}
     full_env.update(env or {})
     return subprocess.run([sys.executable, *python_flags, "-m", "neuronbuild", *args], cwd=cwd, env=full_env,
                           capture_output=True, text=True, timeout=1800)
