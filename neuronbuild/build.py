@@ -13,9 +13,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from neuronbuild import after_answer, incremental, plugins
+from neuronbuild.analysis.action_graph import ActionGraph
 from neuronbuild.analysis.explain import ignored_option_warnings
 from neuronbuild.analysis.plan_settings import PlanSettings
-from neuronbuild.analysis.planner import ActionGraph
 from neuronbuild.cache.farm_store import open_farm_store
 from neuronbuild.cache.gc import auto_gc
 from neuronbuild.cache.local import LocalCache

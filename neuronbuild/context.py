@@ -15,8 +15,8 @@ from neuronbuild.errors import UserInputError
 from neuronbuild.workspace import Workspace, find_workspace
 
 if TYPE_CHECKING:
+    from neuronbuild.analysis.action_graph import ActionGraph
     from neuronbuild.analysis.plan_settings import PlanSettings
-    from neuronbuild.analysis.planner import ActionGraph
     from neuronbuild.cache.local import LocalCache
     from neuronbuild.history import History
     from neuronbuild.loading.target_graph import TargetGraph

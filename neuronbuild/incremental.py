@@ -58,7 +58,7 @@ def kept_count() -> int:
     return len(_kept or {})
 
 
-# Per (workspace, settings): the analysis engine's memo (analysis/planner.AnalysisMemo), kept by the build server.
+# Per (workspace, settings): the analysis engine's memo (analysis/analysis_nodes.AnalysisMemo), kept by the build server.
 _memos: dict[tuple[str, str], Any] = {}
 
 
@@ -67,7 +67,7 @@ def analysis_memo(root: Path, settings: Any) -> Any:
     then starts empty: analysis/planner.plan)."""
     if _kept is None:
         return None
-    from neuronbuild.analysis.planner import AnalysisMemo, settings_key
+    from neuronbuild.analysis.analysis_nodes import AnalysisMemo, settings_key
 
     key = (str(root), settings_key(settings))
     memo = _memos.pop(key, None) or AnalysisMemo()

@@ -9,8 +9,8 @@ from pathlib import Path
 import networkx as nx
 
 from neuronbuild import plugins
+from neuronbuild.analysis.action_graph import ActionGraph
 from neuronbuild.analysis.actions import COMPILE, TRACE, WEIGHTS, Action, Bucket, DepInput
-from neuronbuild.analysis.planner import ActionGraph
 from neuronbuild.analysis.toolchain_api import StepDirs
 from neuronbuild.cache.action_cache import ActionResult
 from neuronbuild.cache.identity_index import IdentityIndex

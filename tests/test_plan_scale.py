@@ -258,8 +258,8 @@ def test_the_plan_matrix_renders_each_cell_as_row_by_row(action_graph: Any) -> N
 
 
 def test_a_missing_dependency_becomes_a_node_as_add_edge_makes_it(tmp_path: Path) -> None:
+    from neuronbuild.analysis.action_graph import action_digraph
     from neuronbuild.analysis.actions import Action, Bucket, DepInput
-    from neuronbuild.analysis.planner import action_digraph
     from neuronbuild.loading.labels import Label
 
     def act(fp: str, *deps: str) -> Action:
@@ -278,8 +278,8 @@ def test_a_missing_dependency_becomes_a_node_as_add_edge_makes_it(tmp_path: Path
 
 
 def test_a_cycle_in_the_action_graph_is_refused() -> None:
+    from neuronbuild.analysis.action_graph import ActionGraph, action_digraph
     from neuronbuild.analysis.actions import Action, Bucket, DepInput
-    from neuronbuild.analysis.planner import ActionGraph, action_digraph
     from neuronbuild.loading.labels import Label
 
     def act(fp: str, *deps: str) -> Action:
@@ -297,8 +297,8 @@ def test_a_cycle_in_the_action_graph_is_refused() -> None:
 def test_an_action_registered_before_its_input_is_ordered_after_it_smallest_ready_first() -> None:
     """Registration order is the topological order only when it is one; otherwise Kahn's, smallest ready first
     (networkx's lexicographical_topological_sort)."""
+    from neuronbuild.analysis.action_graph import ActionGraph, action_digraph
     from neuronbuild.analysis.actions import Action, Bucket, DepInput
-    from neuronbuild.analysis.planner import ActionGraph, action_digraph
     from neuronbuild.loading.labels import Label
 
     def act(fp: str, *deps: str) -> Action:
@@ -426,7 +426,8 @@ def test_a_plans_probe_from_shard_listings_finds_exactly_the_records_there_and_t
 
 
 def test_an_equal_re_plan_returns_the_previous_action_graph_and_a_changed_one_a_new_value(tmp_path: Path) -> None:
-    from neuronbuild.analysis.planner import AnalysisMemo, plan
+    from neuronbuild.analysis.analysis_nodes import AnalysisMemo
+    from neuronbuild.analysis.planner import plan
     from neuronbuild.loading.target_graph import load_targets
 
     ws = tmp_path / "ws"
@@ -466,7 +467,8 @@ def test_a_kept_engine_after_an_analysis_error_and_its_fix_plans_what_a_fresh_on
     """An analysis error half-way through a plan (a bucket set with a dimension no input uses) leaves the kept engine
     (neuronbuild/engine.py under planner.AnalysisMemo) consistent: nothing half-running, and once the edit is fixed
     the re-plan equals a fresh engine's, reusing the nodes the error did not touch."""
-    from neuronbuild.analysis.planner import AnalysisMemo, plan
+    from neuronbuild.analysis.analysis_nodes import AnalysisMemo
+    from neuronbuild.analysis.planner import plan
     from neuronbuild.errors import UserInputError
     from neuronbuild.loading.target_graph import load_targets
 

@@ -7,8 +7,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from neuronbuild.analysis.action_graph import ActionGraph
 from neuronbuild.analysis.actions import COMPILE, TRACE, WEIGHTS, Action
-from neuronbuild.analysis.planner import ActionGraph
 from neuronbuild.analysis.providers import CompileTarget
 from neuronbuild.history import History, LatestEntry
 from neuronbuild.loading.target_graph import TargetGraph, locate

@@ -9,9 +9,9 @@ from functools import cached_property
 from itertools import compress, count
 from typing import Any
 
+from neuronbuild.analysis.action_graph import ActionGraph
 from neuronbuild.analysis.actions import Action
 from neuronbuild.analysis.estimate import Estimate, Estimator, schedule, schedule_from
-from neuronbuild.analysis.planner import ActionGraph
 from neuronbuild.analysis.providers import CompileTarget
 from neuronbuild.engine import Projection
 from neuronbuild.history import History
@@ -38,7 +38,7 @@ class PlanReport:
     cached: frozenset[str] = frozenset()
     estimates: dict[str, Estimate] = field(default_factory=dict, hash=False, compare=False)
     jobs: int = 1
-    # the analysis engine's state (planner.AnalysisMemo) keeping the wall-time schedule, or None (batch: afresh)
+    # the analysis engine's state (analysis_nodes.AnalysisMemo) keeping the wall-time schedule, or None (batch: afresh)
     engine: Any = field(default=None, hash=False, compare=False, repr=False)
     # the fingerprints of todo, in order (None: made from todo when needed)
     fps: list[str] | None = field(default=None, hash=False, compare=False, repr=False)
@@ -280,7 +280,7 @@ class ReportMemo:
 def plan_report(ag: ActionGraph, todo: Sequence[Action], cached: Sequence[str], history: History,
                 jobs: int, engine: Any = None) -> PlanReport:
     """`todo`/`cached` come from the scheduler's own needed_actions(), so the report matches what a build runs.
-    `engine`: the build server's analysis engine (planner.AnalysisMemo), which keeps the wall-time schedule and the
+    `engine`: the build server's analysis engine (analysis_nodes.AnalysisMemo), which keeps the wall-time schedule and the
     report's estimates and matrix lines (ReportMemo) for as long as the history's stamp stays the same."""
     est = Estimator(history)
     stamp_of = getattr(history, "stamp", None)

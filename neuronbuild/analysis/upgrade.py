@@ -6,10 +6,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from neuronbuild.analysis.action_graph import ActionGraph
 from neuronbuild.analysis.actions import Action
 from neuronbuild.analysis.estimate import Estimate, Estimator, wall_time
 from neuronbuild.analysis.explain import target_actions
-from neuronbuild.analysis.planner import ActionGraph
 from neuronbuild.history import History
 
 

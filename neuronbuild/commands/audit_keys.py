@@ -19,8 +19,8 @@ from neuronbuild.commands.common import add_context_args, add_output_arg
 from neuronbuild.errors import EXIT_BAD_INPUT, EXIT_BUILD_FAILED, EXIT_OK
 
 if TYPE_CHECKING:
+    from neuronbuild.analysis.action_graph import ActionGraph
     from neuronbuild.analysis.key_audit import Variation
-    from neuronbuild.analysis.planner import ActionGraph
     from neuronbuild.context import BuildContext
     from neuronbuild.loading.target_graph import TargetGraph
 

@@ -10,9 +10,9 @@ from pathlib import Path
 import networkx as nx
 
 from neuronbuild import plugins
+from neuronbuild.analysis.action_graph import ActionGraph
 from neuronbuild.analysis.actions import Action, Bucket, make_action
 from neuronbuild.analysis.estimate import Estimator, declared_weight_mb
-from neuronbuild.analysis.planner import ActionGraph
 from neuronbuild.analysis.toolchain_api import WARM_UP, warm_up_key
 from neuronbuild.execution import cutoff
 from neuronbuild.execution import events as ev

@@ -7,7 +7,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from neuronbuild.analysis.planner import AnalysisContext
+from neuronbuild.analysis.analysis_context import AnalysisContext
 from neuronbuild.analysis.providers import BucketsInfo
 from neuronbuild.kinds.base import RuleKind
 from neuronbuild.loading.schema import DIMS, NAME, SHAPES, TAGS, Attr, AttrError, RuleSchema

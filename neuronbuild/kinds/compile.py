@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from neuronbuild import plugins
 from neuronbuild.analysis import tensor_parallel
 from neuronbuild.analysis.actions import Bucket, DepInput
-from neuronbuild.analysis.planner import AnalysisContext
+from neuronbuild.analysis.analysis_context import AnalysisContext
 from neuronbuild.analysis.providers import BucketsInfo, CompileTarget, ModelInfo, PlatformInfo
 from neuronbuild.analysis.toolchain_api import CompileRequest, ignored_options, option_warnings, toolchain_options
 from neuronbuild.errors import UserInputError

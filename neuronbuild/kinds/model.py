@@ -8,8 +8,8 @@ from typing import Any
 
 from neuronbuild import jsondata
 from neuronbuild.analysis.actions import FileInput
+from neuronbuild.analysis.analysis_context import AnalysisContext
 from neuronbuild.analysis.hf_config import config_problem
-from neuronbuild.analysis.planner import AnalysisContext
 from neuronbuild.analysis.providers import ModelInfo
 from neuronbuild.analysis.toolchain_versions import distributions_of
 from neuronbuild.digests import digest_bytes, digest_file

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from neuronbuild import plugins
-from neuronbuild.analysis.planner import AnalysisContext
+from neuronbuild.analysis.analysis_context import AnalysisContext
 from neuronbuild.analysis.providers import OptionsInfo
 from neuronbuild.analysis.toolchain_api import OptionKey
 from neuronbuild.loading.schema import LABEL_LIST, NAME, STRING_LIST, TAGS, Attr, RuleSchema

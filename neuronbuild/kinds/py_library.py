@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from neuronbuild.analysis.actions import FileInput
-from neuronbuild.analysis.planner import AnalysisContext
+from neuronbuild.analysis.analysis_context import AnalysisContext
 from neuronbuild.digests import digest_file
 from neuronbuild.kinds.base import RuleKind
 from neuronbuild.loading.labels import Label

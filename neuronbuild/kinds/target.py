@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from neuronbuild import plugins
-from neuronbuild.analysis.planner import AnalysisContext
+from neuronbuild.analysis.analysis_context import AnalysisContext
 from neuronbuild.analysis.providers import PlatformInfo
 from neuronbuild.errors import UserInputError
 from neuronbuild.loading.schema import NAME, STRING, TAGS, Attr, AttrError, RuleSchema

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from neuronbuild.analysis import tensor_parallel
-from neuronbuild.analysis.planner import AnalysisContext
+from neuronbuild.analysis.analysis_context import AnalysisContext
 from neuronbuild.analysis.providers import ModelInfo
 from neuronbuild.errors import UserInputError
 from neuronbuild.kinds.base import RuleKind

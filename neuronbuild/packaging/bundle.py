@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from neuronbuild.analysis.planner import ActionGraph
+from neuronbuild.analysis.action_graph import ActionGraph
 from neuronbuild.atomic import atomic_write_bytes, atomic_writer
 from neuronbuild.cache.cas import umask_mode
 from neuronbuild.cache.local import LocalCache

@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from neuronbuild import FORMAT_VERSION, __version__
-from neuronbuild.analysis.planner import ActionGraph, CompileTarget
+from neuronbuild.analysis.action_graph import ActionGraph
+from neuronbuild.analysis.providers import CompileTarget
 from neuronbuild.cache.cas import CorruptBlob
 from neuronbuild.cache.local import LocalCache
 from neuronbuild.loading.labels import Label

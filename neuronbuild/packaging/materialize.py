@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from neuronbuild import FORMAT_VERSION
-from neuronbuild.analysis.planner import ActionGraph, CompileTarget
+from neuronbuild.analysis.action_graph import ActionGraph
+from neuronbuild.analysis.providers import CompileTarget
 from neuronbuild.atomic import atomic_write_bytes
 from neuronbuild.cache.cas import COPY_TEMP_PREFIX, CorruptBlob, umask_mode
 from neuronbuild.cache.local import LocalCache

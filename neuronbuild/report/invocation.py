@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from neuronbuild.report.store import InvocationStore, new_id, output_base
 
 if TYPE_CHECKING:
-    from neuronbuild.analysis.planner import ActionGraph
+    from neuronbuild.analysis.action_graph import ActionGraph
     from neuronbuild.cache.local import LocalCache
     from neuronbuild.report.record import InvocationRecorder
 

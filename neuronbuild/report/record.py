@@ -28,7 +28,7 @@ from neuronbuild.report.states import (
 from neuronbuild.report.store import FORMAT
 
 if TYPE_CHECKING:
-    from neuronbuild.analysis.planner import ActionGraph
+    from neuronbuild.analysis.action_graph import ActionGraph
     from neuronbuild.cache.local import LocalCache
 
 LOG_EXCERPT_LINES = 40

@@ -6,7 +6,7 @@ Registration is this module's name in $NEURONBUILD_PLUGINS."""
 from __future__ import annotations
 
 from neuronbuild import plugins
-from neuronbuild.analysis.planner import AnalysisContext
+from neuronbuild.analysis.analysis_context import AnalysisContext
 from neuronbuild.analysis.providers import CompileTarget, ModelInfo
 from neuronbuild.analysis.toolchain_api import CompileRequest, toolchain_options
 from neuronbuild.kinds.base import RuleKind
