@@ -8,6 +8,7 @@ speculation (the rejection-sampling rule) follows the target's sampler distribut
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -272,3 +273,15 @@ def test_validate_compares_the_verify_graph_with_transformers(deployed: Path, ca
     rows = [line for line in out.splitlines() if line.startswith("//:llama3_cpu ")]
     assert len(rows) == 3 and all(r.endswith(" ok") for r in rows), out  # context, token and verify
     assert any(" verify_batch4 " in r for r in rows), out  # the k + 1 positions' logits against transformers'
+
+
+def test_a_bundle_shipping_verify_graphs_without_their_drafts_graphs_is_refused_at_its_srcs(tmp_path: Path) -> None:
+    build = _build_file() + 'neuron_bundle(name = "no_draft", srcs = [":llama3_cpu", ":same_trn2", ":llama5_trn2"])\n'
+    ws = write_ws(tmp_path / "ws", {"llama.safetensors": "", "small.safetensors": "", "BUILD": build})
+    proc = run_cli(["plan", "//:no_draft"], ws)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr
+    # the cpu target's draft (//:small) has no cpu compile here; the trn2 one's (//:same, same_trn2) is shipped
+    assert re.search(r"BUILD:\d+.*//:llama3_cpu speculates with draft model //:small \(verify graphs\), but this bundle "
+                     r"ships no compile of //:small for .*cpu.*: add one to `srcs`", proc.stderr), proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert run_cli(["plan", "//:release"], ws).returncode == 0  # (every draft shipped)

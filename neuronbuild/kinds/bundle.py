@@ -72,12 +72,33 @@ def analyze(ctx: AnalysisContext, t: Target) -> BundleInfo:
             raise UserInputError(f"{src} is built without weights ({ct.model} declares graphs only): list a "
                                  f"model_weights target of {ct.model} in this bundle's `weights`{have}",
                                  locate(ctx.graph, t))
+    _check_drafts(ctx, t)
     if pairs:
         info: BundleInfo = WeightsBundleInfo(tuple(t.attrs["srcs"]), str(t.attrs["compression"]), tuple(pairs))
     else:
         info = BundleInfo(tuple(t.attrs["srcs"]), str(t.attrs["compression"]))
     ctx.bundles[t.label] = info
     return info
+
+
+def _check_drafts(ctx: AnalysisContext, t: Target) -> None:
+    """A compile whose verify graphs speculate with a draft model (hf_causal_lm's `speculation`) needs the draft's
+    graphs for the same platform beside it: without them the deployed model cannot speculate (the runtime's engine
+    would refuse it on the serving host). Refused here, at the bundle's line, instead."""
+    cts: list[CompileTarget] = [ctx.provider(src) for src in t.attrs["srcs"]]
+    for ct in cts:
+        model: ModelInfo = ctx.provider(ct.model)
+        compiled = {b.graph for b, _fp in ct.buckets}
+        for name, g in model.graphs:
+            spec = (g.record.get("config") or {}).get("speculation") if name in compiled else None
+            if not isinstance(spec, Mapping) or not isinstance(spec.get("draft"), str):
+                continue
+            draft = spec["draft"]
+            if not any(str(o.model) == draft and o.platform == ct.platform and
+                       o.target.get("isa") == ct.target.get("isa") for o in cts):
+                raise UserInputError(f"{ct.label} speculates with draft model {draft} ({name} graphs), but this bundle "
+                                     f"ships no compile of {draft} for {ct.description or ct.platform}: add one to "
+                                     "`srcs`", locate(ctx.graph, t, "srcs"))
 
 
 KIND = RuleKind(SCHEMA, analyze, plans_actions=True)
