@@ -30,7 +30,12 @@ REQUESTS = [(PREFIX + [5, 6, 7], 8),  # 58 positions: 4 blocks, the first 3 the 
             ([1] + list(range(60, 119)), 8)]  # 60 + 7 = 67: 5 blocks (4 + 1 + 1 + 3 + 5 = 14 > 12: it waits)
 
 
-def _build_file(block: str = ', kv_layout = "block", block_size = 16, num_blocks = 12') -> str:
+PREFIX_BUCKETS = [{"batch": 1, "seq": 16, "prefix": 48}, {"batch": 1, "seq": 16, "prefix": 80}]
+LONG = ([1] + [4 + (11 * i) % 119 for i in range(87)], 8)  # 88 tokens > the context bucket's 64: chunked prefill
+
+
+def _build_file(block: str = ', kv_layout = "block", block_size = 16, num_blocks = 12, prefix_caching = True') -> str:
+    prefix = "prefix_caching" in block
     return f'''load("@neuronbuild//rules:llm.bzl", "hf_causal_lm")
 neuron_target(name = "cpu", platform = "cpu", isa = "native")
 hf_causal_lm(name = "lines", model_type = "llama", config = {json.dumps(HF)}, weights = "llama.safetensors",
@@ -39,9 +44,11 @@ hf_causal_lm(name = "blocks", model_type = "llama", config = {json.dumps(HF)}, w
              max_seq = {MAX_SEQ}, continuous_batching = True, {SAMPLING}{block})
 neuron_buckets(name = "ctx", shapes = [{{"batch": 2, "seq": 64}}])
 neuron_buckets(name = "tok", shapes = [{{"batch": 4}}])
+neuron_buckets(name = "pfx", shapes = {json.dumps(PREFIX_BUCKETS)})
 BUCKETS = {{"context": [":ctx"], "token": [":tok"]}}
 neuron_compile(name = "lines_cpu", model = ":lines", target = ":cpu", buckets = BUCKETS)
-neuron_compile(name = "blocks_cpu", model = ":blocks", target = ":cpu", buckets = BUCKETS)
+neuron_compile(name = "blocks_cpu", model = ":blocks", target = ":cpu",
+               buckets = BUCKETS{' | {"prefix": [":pfx"]}' if prefix else ''})
 neuron_bundle(name = "release", srcs = [":lines_cpu", ":blocks_cpu"])
 '''
 
@@ -79,7 +86,7 @@ def reference(deployed: Path) -> dict[int, list[int]]:
     model.load_state_dict(load_file(str(deployed.parent / "ws" / "llama.safetensors")))
     out = {}
     with torch.no_grad():
-        for i, (prompt, new) in enumerate(REQUESTS):
+        for i, (prompt, new) in enumerate([*REQUESTS, LONG]):
             ids = model.generate(torch.tensor([prompt]), max_new_tokens=new, do_sample=False, eos_token_id=None,
                                  pad_token_id=0)
             out[i] = ids[0, len(prompt):].tolist()
