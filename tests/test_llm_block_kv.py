@@ -2,7 +2,9 @@
 weights (continuous batching over cache lines; over a pool of 12 blocks of 16 positions), built and deployed once.
 The same requests with the blocks handed out in a shuffled order, in order, and through the contiguous cache each get
 transformers' greedy tokens of the request alone; admission waits for free blocks; two requests sharing a 48-token
-prefix share its 3 blocks (counted as prefix hits) with unchanged tokens; seeded sampled requests get the same tokens from
+prefix share its 3 blocks (counted as prefix hits) and the second prefills only its suffix through a prefix graph
+(prefix_caching) with transformers' tokens; a prompt longer than the context bucket is prefilled in chunks; growing
+requests that exhaust the pool preempt one, recomputed later with unchanged tokens; seeded sampled requests get the same tokens from
 both layouts; an engine asking for another block count is
 refused naming both; the block attributes leave the fingerprints of graphs built without them unchanged."""
 
@@ -119,18 +121,21 @@ def test_shuffled_blocks_in_order_blocks_and_cache_lines_all_give_transformers_g
     for name, order in (("shuffled", shuffled), ("in order", None)):
         eng = blocks.engine(block_order=order)
         runs[name], trace = _serve(eng)
-        # the 5th request (5 blocks) waits for blocks while the first four hold 9 of 12 (not for a line: 12 lines)
-        assert trace[0] == (4, 1), (name, trace)
+        # all five admitted at once: their prompts' blocks (4 + 1 new + 1 + 2 + 4 = 12) fill the pool; growing
+        # requests then preempt the latest admitted, which waits and is recomputed (prompt + its tokens so far)
+        assert trace[0] == (5, 0) and any(w for _a, w in trace), (name, trace)
         counters = eng.counters()
-        assert counters["prefix_hits"] == 3 and counters["blocks_in_use"] == 0, counters
+        assert counters["preemptions"] >= 1 and counters["blocks_in_use"] == 0, counters
+        # the recompute of a preempted request reads its prompt's cached blocks through a prefix call
+        assert counters["prefix_hits"] > 3 and eng.calls.get("prefix_batch1_seq16_prefix48", 0) >= 2, eng.calls
     lines = _lm(deployed, LINES)
     assert lines.block_layout is None
     runs["cache lines"], _trace = _serve(lines.engine())
     for name, got in runs.items():
-        assert got == reference, name
+        assert got == {i: reference[i] for i in range(len(REQUESTS))}, name
 
 
-def test_a_request_sharing_a_cached_48_token_prefix_reuses_its_blocks_with_unchanged_tokens(
+def test_a_request_sharing_a_cached_48_token_prefix_prefills_only_its_suffix_with_transformers_tokens(
         deployed: Path, reference: dict[int, list[int]]) -> None:
     eng = _lm(deployed, BLOCKS).engine()
     first = eng.add(REQUESTS[0][0], max_new_tokens=REQUESTS[0][1], eos_token_id=None)
@@ -138,12 +143,34 @@ def test_a_request_sharing_a_cached_48_token_prefix_reuses_its_blocks_with_uncha
     held = eng.counters()
     # the finished request's 3 full prompt blocks stay cached (unreferenced) for a later prompt; its last is freed
     assert held == {"blocks_in_use": 0, "blocks_free": NUM_BLOCKS - 3, "blocks_cached": 3, "prefix_queries": 3,
-                    "prefix_hits": 0}
+                    "prefix_hits": 0, "prefill_tokens": 51, "cached_tokens": 0, "preemptions": 0}
+    assert eng.calls == {"context_batch2_seq64": 1, "token_batch4": REQUESTS[0][1] - 1}
     second = eng.add(REQUESTS[1][0], max_new_tokens=REQUESTS[1][1], eos_token_id=None)
     eng.step()
-    assert eng.counters()["prefix_hits"] == 3 and eng.counters()["blocks_in_use"] == 4  # 3 shared + its own
+    now = eng.counters()
+    assert now["prefix_hits"] == 3 and now["blocks_in_use"] == 4  # 3 shared + its own
+    # its prefill computed its 2 suffix tokens only, after 48 read from the shared blocks, through the smallest
+    # prefix bucket holding them (prefix 48, not 80); no context call
+    assert now["prefill_tokens"] - held["prefill_tokens"] == 2 and now["cached_tokens"] == 48, now
+    assert eng.calls["prefix_batch1_seq16_prefix48"] == 1 and eng.calls["context_batch2_seq64"] == 1, eng.calls
     out = eng.run()
     assert out[first] == reference[0] and out[second] == reference[1]
+
+
+def test_a_prompt_longer_than_the_largest_context_bucket_is_prefilled_in_chunks_with_transformers_tokens(
+        deployed: Path, reference: dict[int, list[int]]) -> None:
+    from neuronbuild.runtime.router import NoBucketFits
+
+    prompt, new = LONG
+    eng = _lm(deployed, BLOCKS).engine()
+    rid = eng.add(prompt, max_new_tokens=new, eos_token_id=None)
+    out = eng.run()
+    assert out[rid] == reference[len(REQUESTS)]
+    # 88 tokens: 64 through the context bucket, then 16 + 8 through the prefix bucket reading 64, then 80 positions
+    assert eng.calls == {"context_batch2_seq64": 1, "prefix_batch1_seq16_prefix80": 2, "token_batch4": new - 1}
+    assert eng.counters()["prefill_tokens"] == len(prompt)
+    with pytest.raises(NoBucketFits, match="88 tokens fits no context bucket"):  # (the line layout: no chunks)
+        _lm(deployed, LINES).engine().add(prompt, max_new_tokens=new)
 
 
 def test_sampled_requests_with_a_seed_get_the_same_tokens_from_blocks_and_from_cache_lines(
@@ -209,7 +236,7 @@ def test_block_attributes_leave_graphs_built_without_them_unchanged(tmp_path: Pa
     assert runs[0]["weights"] == runs[1]["weights"] and runs[2]["weights"] == runs[3]["weights"]
     assert code[BLOCKS] == {"neuronbuild.toolchains.hf_causal_lm", "neuronbuild.toolchains.hf_block_kv"}
     traces = [frozenset(r["trace"]) for r in runs[1:]]
-    assert all(len(t) == 2 for t in traces)
+    assert [len(t) for t in traces] == [2, 4, 4]  # block layout: context, token and the 2 prefix buckets
     assert all(not a & b for i, a in enumerate(traces) for b in traces[i + 1:])  # block, its count: new traces
 
 
@@ -241,3 +268,9 @@ def test_block_manager_shares_prefix_blocks_by_refcount_and_evicts_cached_ones_l
     m.release(c[0])
     again = m.allocate([1, 2, 3, 4, 5], positions=5)  # the evicted prefix is not found any more
     assert again is not None and again[1] == 0 and (m.prefix_queries, m.prefix_hits) == (9, 2)
+    # a prompt made of cached blocks only: the block of its last token is not shared (its prefill computes that
+    # token: its logits are the next token's)
+    assert m.lookup([1, 2, 3, 4]) == 1 and m.lookup([1, 2, 3, 4, 5]) == 2
+    m.release(again[0])
+    grown = [m.grow() for _ in range(5)]  # a running request's next blocks: free, then cached (evicted), then none
+    assert sorted(b for b in grown if b is not None) == [0, 1, 2, 3] and grown[-1] is None and not m.by_hash

@@ -19,14 +19,12 @@ from typing import Any
 
 import torch
 
+from neuronbuild.runtime.block_layout import BlockLayoutMismatch
 from neuronbuild.runtime.engine import CONTEXT, Engine, Request
 from neuronbuild.runtime.router import NoBucketFits
 
 PREFIX = "prefix"  # the prefix graph family (hf_causal_lm prefix_caching = True)
-
-
-class BlockLayoutMismatch(ValueError):
-    """A host configuration asking for another block layout than the one the graphs were compiled for."""
+__all__ = ["PREFIX", "BlockEngine", "BlockLayoutMismatch", "BlockManager", "check_num_blocks"]
 
 
 def check_num_blocks(lm: Any, num_blocks: int | None) -> None:
@@ -287,28 +285,19 @@ class BlockEngine(Engine):
         return taken
 
     def _prefill_all(self, reqs: list[Request], got: dict[int, list[int]]) -> None:
-        """One context call per group of whole prompts that one bucket holds; a prefix call (or chunked calls) per
-        request that skips a cached prefix or is longer than the longest context bucket."""
+        """One context call per group of whole prompts that one bucket holds, first (a later request's prefix call
+        may read the blocks they write); then, in admission order, a prefix call (or chunked calls) per request that
+        skips a cached prefix or is longer than the longest context bucket."""
         plain: list[Request] = []
+        rest: list[tuple[Request, int]] = []
         for r in reqs:
             cached = self._start.pop(r.rid, 0)
             r.line = self.free.pop(0)
             self.active[r.line] = r
-            seq = r.prompt + r.tokens
-            if cached == 0 and len(seq) <= self._ctx_longest:
+            if cached == 0 and len(r.prompt) + len(r.tokens) <= self._ctx_longest:
                 plain.append(r)
-                continue
-            plan = self._plan(cached * self.block_size, len(seq))
-            assert plan is not None  # (admission checked)
-            start = cached * self.block_size
-            self.cached_tokens += start
-            for i, (family, name, stop) in enumerate(plan):
-                last = i == len(plan) - 1
-                if family == CONTEXT:
-                    self._context_call([r], [seq[:stop]], name, got, emit=last)
-                else:
-                    self._prefix_call(r, seq, start, stop, name, got, emit=last)
-                start = stop
+            else:
+                rest.append((r, cached * self.block_size))
         while plain:
             n = len(plain)
             while n > 1 and self._fits(plain[:n]) is None:
@@ -317,6 +306,18 @@ class BlockEngine(Engine):
             fit = self._fits(group)
             assert fit is not None
             self._context_call(group, [r.prompt + r.tokens for r in group], fit, got, emit=True)
+        for r, start in rest:
+            seq = r.prompt + r.tokens
+            plan = self._plan(start, len(seq))
+            assert plan is not None  # (admission checked)
+            self.cached_tokens += start
+            for i, (family, name, stop) in enumerate(plan):
+                last = i == len(plan) - 1
+                if family == CONTEXT:
+                    self._context_call([r], [seq[:stop]], name, got, emit=last)
+                else:
+                    self._prefix_call(r, seq, start, stop, name, got, emit=last)
+                start = stop
 
     def _fits(self, reqs: Sequence[Request]) -> str | None:
         try:
