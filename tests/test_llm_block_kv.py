@@ -206,6 +206,36 @@ def test_the_bundle_records_the_block_layout_and_another_block_count_is_refused_
         _lm(deployed, LINES).engine(num_blocks=12)
 
 
+def test_a_host_asking_for_another_block_count_is_refused_by_verify_and_open_cache_naming_both(
+        deployed: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from neuronbuild.runtime import open_cache
+    from neuronbuild.runtime.block_engine import BlockLayoutMismatch
+
+    ws = deployed.parent / "ws"
+    bundle = str(ws / "neuronbuild-out" / "release.tar.zst")
+    proc = run_cli(["verify", bundle, "--host", "--num-blocks", "16"], ws)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert ("//:blocks_cpu: kv_layout.num_blocks differs (built for num_blocks=12 (block_size 16), this host has "
+            "num_blocks=16 asked by --num-blocks)") in proc.stderr, proc.stderr
+    assert "lines_cpu" not in proc.stderr  # (a count for every block-layout model: the line layout is not concerned)
+    ok = run_cli(["verify", bundle, "--host"], ws, env={"NEURONBUILD_NUM_BLOCKS": "12"})
+    assert ok.returncode == 0, ok.stderr
+    named = run_cli(["verify", bundle, "--host", "--num-blocks", "//:lines_cpu=4"], ws)
+    assert named.returncode == 1 and "built for a contiguous cache of sequence lines" in named.stderr, named.stderr
+    bad = run_cli(["verify", bundle, "--host", "--num-blocks", "many"], ws)
+    assert bad.returncode == 2 and "--num-blocks: 'many' is not a block count" in bad.stderr
+    assert "Traceback" not in bad.stderr
+    with pytest.raises(RuntimeError) as info:  # strict: at open, before any graph loads
+        open_cache(deployed, strict=True, require=[BLOCKS, LINES], num_blocks=16)
+    assert "built for num_blocks=12" in str(info.value) and "num_blocks=16 asked by open_cache" in str(info.value)
+    monkeypatch.setenv("NEURONBUILD_NUM_BLOCKS", f"{BLOCKS}=16")
+    with pytest.raises(BlockLayoutMismatch, match=r"num_blocks=16 requested by \$NEURONBUILD_NUM_BLOCKS, but its "
+                                                  r"graphs were compiled for num_blocks=12"):
+        open_cache(deployed, strict=False).causal_lm(BLOCKS)
+    monkeypatch.setenv("NEURONBUILD_NUM_BLOCKS", "12")
+    assert open_cache(deployed, strict=True, require=[BLOCKS]).causal_lm(BLOCKS).block_layout["num_blocks"] == 12
+
+
 def test_block_attributes_leave_graphs_built_without_them_unchanged(tmp_path: Path) -> None:
     from neuronbuild.analysis.planner import plan
     from neuronbuild.loading.target_graph import load_targets

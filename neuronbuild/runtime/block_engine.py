@@ -1,15 +1,18 @@
 """The continuous-batching engine over a block KV cache (hf_causal_lm(kv_layout = "block", ...), docs/llm.md "Block
-KV cache"): a BlockManager hands out the pool's blocks (free list, reference counts, full prompt blocks shared by a
-content hash chain, least recently used eviction of cached blocks nobody references) and the BlockEngine gives the
-graphs each row's block table instead of its cache line. torch only.
+KV cache"): a BlockManager hands out the pool's blocks (free list, reference counts, full blocks shared by a content
+hash chain, least recently used eviction of cached blocks nobody references) and the BlockEngine gives the graphs
+each row's block table instead of its cache line. torch only.
 
-A request reserves at admission every block it can need (prompt + max_new_tokens - 1 positions), so a running
-request never runs out of blocks: admission is by free blocks (FIFO; the head of the queue waits until blocks free
-up), and there is no preemption. Prefix caching: the full blocks of a prompt are keyed by the hash chain of their
-tokens; a later prompt starting with the same full blocks references them (prefix_hits counts them) and its context
-graph is handed the scratch block in their place, so the shared blocks are never rewritten. The prefill still
-computes the whole prompt (no context buckets over a cached prefix yet): prefix caching saves KV memory and the
-writes, not prefill compute."""
+Admission (FIFO, the head waits) takes the blocks a request's prefill writes; a running request takes one more block
+when its next position starts one, and when the pool has none left the most recently admitted request is preempted:
+its blocks released (its full prompt blocks stay cached), queued first, and later prefilled again from its prompt
+and its tokens so far (recompute), so its tokens are unchanged. Prefix caching: the full blocks of a prompt are keyed
+by the hash chain of their tokens; a later prompt starting with the same full blocks references them (prefix_hits).
+With prefix graphs (hf_causal_lm prefix_caching = True) its prefill computes only the tokens after them (a prefix
+call reading them through the block table), and a prompt longer than the longest context bucket is prefilled in
+chunks (a context call, then prefix calls each reading what the previous ones wrote). Without prefix graphs a
+prefix hit still saves the blocks: the context call recomputes the prompt and writes the scratch block in place of
+the shared ones."""
 
 from __future__ import annotations
 
