@@ -278,6 +278,11 @@ def test_a_block_size_that_does_not_divide_max_seq_is_refused_naming_the_target(
     out = proc.stdout + proc.stderr
     assert "BUILD:" in out and "needs block_size = B, a positive int dividing max_seq (96), got 20" in out, out
     assert "Traceback" not in out
+    (ws / "BUILD").write_text(_build_file(block=", max_batch = 4, prefix_caching = True"))
+    proc = run_cli(["build", BLOCKS], ws)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "Traceback" not in out
+    assert "BUILD:" in out and 'prefix_caching = True needs kv_layout = "block"' in out, out
 
 
 def test_block_manager_shares_prefix_blocks_by_refcount_and_evicts_cached_ones_least_recently_used() -> None:
