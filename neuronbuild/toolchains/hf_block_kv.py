@@ -148,6 +148,9 @@ def _block_prefix(self: Any, input_ids: torch.Tensor, attention_mask: torch.Tens
                   kv: torch.Tensor) -> dict[str, torch.Tensor]:
     """Prefill of new tokens after a cached prefix (prefix_caching = True): the rows' cached positions read from their
     blocks, only the new tokens computed and written; logits (or the sampled token) at the last new token."""
+    if int(prefix_mask.shape[1]) >= self._nb_max_seq:
+        raise ValueError(f"prefix bucket: prefix={int(prefix_mask.shape[1])} must be below max_seq "
+                         f"({self._nb_max_seq}): a prefix call reads at most the positions before the last")
     cache = PrefixKV(self.config, kv, block_table, prefix_mask, attention_mask, position_ids)
     out = _model_forward(self, input_ids=input_ids.long(), attention_mask=cache.view_mask,
                          position_ids=position_ids.long(), past_key_values=cache)
