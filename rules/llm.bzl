@@ -316,7 +316,8 @@ def hf_causal_lm(name, config, weights = None, max_seq = 256, model_type = None,
             layout["max_batch"] = max_batch
         if type(prefix_caching) != "bool":
             fail("hf_causal_lm %s: prefix_caching must be True or False, got %r" % (name, prefix_caching))
-        ranges["prefix_mask"] = [1, 2]
+        if prefix_caching:
+            ranges["prefix_mask"] = [1, 2]
         graphs = _block_graphs(_serving_graphs(name, pool, max_seq, max_batch or 1, on_device_sampling, output_logits), layout,
                                prefix_caching)
     elif continuous_batching:

@@ -259,15 +259,18 @@ def test_block_attributes_leave_graphs_built_without_them_unchanged(tmp_path: Pa
     assert lines[0] == lines[1] == lines[2]  # the other model's graphs whatever this one's layout
     # the block graphs' code is a module of its own: editing it cannot change the fingerprints of the others
     assert code[LINES] == {"neuronbuild.toolchains.hf_causal_lm"}
-    runs = [actions(b, BLOCKS) for b in (plain, explicit, block, block.replace("num_blocks = 12", "num_blocks = 13"))]
+    runs = [actions(b, BLOCKS) for b in (plain, explicit, block, block.replace("num_blocks = 12", "num_blocks = 13"),
+                                         _build_file(block=', kv_layout = "block", block_size = 16, num_blocks = 12'))]
     assert runs[0] == runs[1]  # kv_layout absent or "contiguous": the very graphs built without it
     # one weights action whatever the block count (the block layout's model record names its module too, so its
     # weights action is not the line layout's: computed once more, same checkpoint)
     assert runs[0]["weights"] == runs[1]["weights"] and runs[2]["weights"] == runs[3]["weights"]
     assert code[BLOCKS] == {"neuronbuild.toolchains.hf_causal_lm", "neuronbuild.toolchains.hf_block_kv"}
-    traces = [frozenset(r["trace"]) for r in runs[1:]]
+    traces = [frozenset(r["trace"]) for r in runs[1:4]]
     assert [len(t) for t in traces] == [2, 4, 4]  # block layout: context, token and the 2 prefix buckets
     assert all(not a & b for i, a in enumerate(traces) for b in traces[i + 1:])  # block, its count: new traces
+    # prefix_caching adds the prefix graphs and leaves the block layout's context and token graphs as they were
+    assert len(runs[4]["trace"]) == 2 and runs[4]["trace"] < runs[2]["trace"]
 
 
 def test_a_block_size_that_does_not_divide_max_seq_is_refused_naming_the_target(tmp_path: Path) -> None:
