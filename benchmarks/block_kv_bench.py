@@ -190,7 +190,8 @@ def main() -> None:
         results[label] = [eng.finished[r] for r in rids]
         print(f"{label}: {tokens} tokens in {wall:.2f} s wall ({tokens / wall:.0f} tok/s), {cpu:.2f} CPU s "
               f"({tokens / cpu:.0f} tok/CPU s); {sum(eng.calls.values())} graph calls; at most {most} active; "
-              f"calls {dict(sorted(eng.calls.items()))}")
+              f"calls {dict(sorted(eng.calls.items()))}"
+              + (f"; {eng.counters()}" if hasattr(eng, "counters") else ""))
     same = results["//:lines_cpu"] == results["//:blocks_cpu"]
     print("same tokens from both layouts:", same)
     if not same:

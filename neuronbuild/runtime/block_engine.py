@@ -417,6 +417,7 @@ class BlockEngine(Engine):
                     break
                 victim = max(victims, key=lambda v: self._admitted[v.rid])
                 self._preempt(victim)
+                ready.discard(victim.rid)  # (an earlier request when the later ones cannot be recomputed)
                 if victim is r:
                     break
             else:
