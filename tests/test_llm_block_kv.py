@@ -312,3 +312,125 @@ def test_block_manager_shares_prefix_blocks_by_refcount_and_evicts_cached_ones_l
     m.release(again[0])
     grown = [m.grow() for _ in range(5)]  # a running request's next blocks: free, then cached (evicted), then none
     assert sorted(b for b in grown if b is not None) == [0, 1, 2, 3] and grown[-1] is None and not m.by_hash
+
+
+# -- the engine's block bookkeeping against stand-in graphs (no compile) -------------------------------------------
+
+class _FakeFamily:
+    """A graph family of stand-in graphs: each writes the token ids it is given into the pool at their positions
+    through the block table and returns, as one-hot logits, a function of the whole sequence: context graphs of their
+    prompt, token and prefix graphs of what they read back through the table (cached positions included), so any
+    block handed out wrongly, shared wrongly or read before it is written changes a later token."""
+
+    def __init__(self, kind: str, buckets: dict[str, dict[str, int]]) -> None:
+        self.kind, self.buckets = kind, buckets
+
+    def bucket_fn(self, name: str) -> Any:
+        return self._run
+
+    def graph(self, name: str) -> Any:
+        from types import SimpleNamespace
+
+        return SimpleNamespace(outputs=[{"name": "logits"}, {"name": "kv"}], describe=lambda: name)
+
+    def _run(self, *args: Any) -> Any:
+        import torch
+
+        kv = args[-1]
+        ids, mask, positions, table = args[:4]
+        size = kv.shape[4]
+        logits = torch.zeros((ids.shape[0], _VOCAB))
+        for b in range(ids.shape[0]):
+            if self.kind == "token":
+                p = int(positions[b, 0])
+                kv[0, 0, int(table[b, p // size]), 0, p % size, 0] = float(ids[b, 0]) + 1
+                upto = [q for q in range(p + 1) if mask[b, q]]
+            else:
+                start = int(args[4][b].sum()) if self.kind == "prefix" else 0
+                new = [(int(positions[b, j]) if self.kind == "prefix" else start + k, int(ids[b, j]))
+                       for k, j in enumerate(j for j in range(ids.shape[1]) if mask[b, j])]
+                for p, t in new:
+                    kv[0, 0, int(table[b, p // size]), 0, p % size, 0] = float(t) + 1
+                upto = list(range(new[-1][0] + 1))
+                if self.kind == "context":  # (attends within the prompt: reads no cache)
+                    logits[b, _next([t for _p, t in new])] = 1.0
+                    continue
+            seq = [int(kv[0, 0, int(table[b, q // size]), 0, q % size, 0]) - 1 for q in upto]
+            logits[b, _next(seq)] = 1.0
+        return logits, kv
+
+
+_VOCAB = 97
+
+
+def _next(seq: list[int]) -> int:
+    return (sum((i + 1) * (t + 1) for i, t in enumerate(seq)) * 31 + len(seq)) % (_VOCAB - 3) + 3
+
+
+class _FakeLM:
+    """What BlockEngine reads of a CausalLM, over stand-in graphs: 8 blocks of 4 positions, max_seq 32."""
+
+    def __init__(self, prefix: bool, ctx_seq: int = 8) -> None:
+        from neuronbuild.runtime.causal_lm import CausalLM
+
+        self.label, self.strict, self.serving, self.sampling = "//:fake", True, True, False
+        self.max_seq, self.max_batch, self.pad_token_id, self.eos_token_id, self.vocab_size = 32, 4, 0, None, _VOCAB
+        self.block_layout = {"block_size": 4, "num_blocks": 8, "blocks_per_seq": 8}
+        self.kv_spec = {"dims": [1, 2, 9, 1, 4, 1], "dtype": "float32"}
+        self.context_buckets = {f"context_batch2_seq{ctx_seq}": {"batch": 2, "seq": ctx_seq}}
+        self.token_buckets = {f"token_batch{n}": {"batch": n} for n in (1, 2, 4)}
+        pfx = {"prefix_batch1_seq4_prefix16": {"batch": 1, "seq": 4, "prefix": 16},
+               "prefix_batch1_seq8_prefix24": {"batch": 1, "seq": 8, "prefix": 24}}
+        self._fams = {"context": _FakeFamily("context", self.context_buckets),
+                      "token": _FakeFamily("token", self.token_buckets)} | (
+            {"prefix": _FakeFamily("prefix", pfx)} if prefix else {})
+        self.model = self
+        self.families = list(self._fams)
+        self.pick = CausalLM.pick.__get__(self)
+        self.token_id, self.check_ids = CausalLM.token_id, CausalLM.check_ids.__get__(self)
+
+    def family(self, name: str) -> Any:
+        return self._fams[name]
+
+    def fn(self, family: str, name: str) -> Any:
+        return self._fams[family].bucket_fn(name)
+
+    def named(self, family: str, out: Any) -> dict[str, Any]:
+        return {"logits": out[0], "kv": out[1]}
+
+
+def _greedy(prompt: list[int], n: int) -> list[int]:
+    seq, out = list(prompt), []
+    for _ in range(n):
+        out.append(_next(seq))
+        seq.append(out[-1])
+    return out
+
+
+@pytest.mark.parametrize("prefix", [True, False], ids=["prefix graphs", "no prefix graphs"])
+def test_block_engine_preempts_recomputes_shares_and_chunks_with_unchanged_tokens(prefix: bool) -> None:
+    from neuronbuild.runtime.block_engine import BlockEngine
+
+    shared = [5, 6, 7, 8, 9, 10, 11, 12]  # 2 full blocks
+    reqs = [(shared + [13], 12), (shared + [14, 15], 10), ([20, 21, 22], 14), ([30, 31, 32, 33, 34], 9)]
+    if prefix:  # 20 tokens > the context bucket's 8: chunked (8 through the context graph, then prefix calls)
+        reqs.append(([40 + i for i in range(20)], 5))
+    # without prefix graphs a request is recomputable while its prompt and tokens fit the context bucket (12): the
+    # latest admitted may not be, and an earlier one is preempted instead
+    eng = BlockEngine(_FakeLM(prefix, ctx_seq=8 if prefix else 12))
+    rids = [eng.add(p, max_new_tokens=n, eos_token_id=None) for p, n in reqs]
+    out = eng.run()
+    assert [out[r] for r in rids] == [_greedy(p, n) for p, n in reqs]
+    c = eng.counters()
+    assert c["preemptions"] >= 1 and c["prefix_hits"] >= 2 and c["blocks_in_use"] == 0, c
+    if prefix:
+        assert c["cached_tokens"] >= 8 and any(n.startswith("prefix_") for n in eng.calls), (c, eng.calls)
+        return
+    assert not any(n.startswith("prefix_") for n in eng.calls)
+    # a long request that cannot be recomputed (12 + its tokens > 12) outgrows the pool beside a short one admitted
+    # before it: the short one is preempted (though already due to decode in that step) and completes later
+    eng = BlockEngine(_FakeLM(prefix, ctx_seq=12))
+    reqs = [([20], 12), ([30 + i for i in range(12)], 13)]
+    rids = [eng.add(p, max_new_tokens=n, eos_token_id=None) for p, n in reqs]
+    out = eng.run()
+    assert [out[r] for r in rids] == [_greedy(p, n) for p, n in reqs] and eng.counters()["preemptions"] >= 1
