@@ -7,7 +7,14 @@ the same tokens. Run with OMP_NUM_THREADS=1 on a shared machine.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/block_kv_bench.py [--requests 32] [--workdir DIR] [--bigger]
 
-Not part of the test suite: one build of 6 tiny cpu graphs (~2 min on 2 cores)."""
+Not part of the test suite: one build of 6 tiny cpu graphs (~2 min on 2 cores).
+
+`--ttft`: time to first token of a request whose 1,024-token prefix is cached (a prefix graph computes its 32-token
+suffix after reading the prefix's 64 blocks) vs the same request cold (the context graph prefills all 1,056 tokens),
+one block-layout model with prefix_caching (hidden 512, 4 layers; 3 cpu graphs). Each timing is one engine step of
+a max_new_tokens = 1 request (the prefill call and its token); the median of --repeats runs each.
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/block_kv_bench.py --ttft [--repeats 7] [--workdir DIR]"""
 
 from __future__ import annotations
 
@@ -61,13 +68,95 @@ neuron_bundle(name = "release", srcs = [":lines_cpu", ":blocks_cpu"])
     return dest
 
 
+PREFIX_LEN, SUFFIX_LEN = 1024, 32
+
+
+def _build_ttft(ws: Path) -> Path:
+    import os
+
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    hf = HF | {"hidden_size": 512, "intermediate_size": 1024, "num_hidden_layers": 4, "num_attention_heads": 8,
+               "num_key_value_heads": 4, "max_position_embeddings": 2048}
+    ws.mkdir(parents=True, exist_ok=True)
+    (ws / "WORKSPACE.neuronbuild").write_text("")
+    total = PREFIX_LEN + SUFFIX_LEN
+    (ws / "BUILD").write_text(f'''load("@neuronbuild//rules:llm.bzl", "hf_causal_lm")
+neuron_target(name = "cpu", platform = "cpu", isa = "native")
+hf_causal_lm(name = "blocks", model_type = "llama", config = {json.dumps(hf)}, weights = "llama.safetensors",
+             max_seq = {total + 32}, continuous_batching = True, kv_layout = "block", block_size = 16,
+             num_blocks = {2 * (total + 32) // 16}, prefix_caching = True)
+neuron_buckets(name = "ctx", shapes = [{{"batch": 1, "seq": {total}}}])
+neuron_buckets(name = "tok", shapes = [{{"batch": 1}}])
+neuron_buckets(name = "pfx", shapes = [{{"batch": 1, "seq": {SUFFIX_LEN}, "prefix": {PREFIX_LEN}}}])
+neuron_compile(name = "blocks_cpu", model = ":blocks", target = ":cpu",
+               buckets = {{"context": [":ctx"], "token": [":tok"], "prefix": [":pfx"]}})
+neuron_bundle(name = "release", srcs = [":blocks_cpu"])
+''')
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **hf, initializer_range=0.2))
+    save_file({k: v.detach().contiguous() for k, v in model.state_dict().items()}, str(ws / "llama.safetensors"))
+    env = os.environ | {"NEURONBUILD_NO_SERVER": "1"}
+    cli = [sys.executable, "-m", "neuronbuild"]
+    subprocess.run([*cli, "build", "//:release", "--jobs", "2"], cwd=ws, check=True, env=env)
+    dest = ws.parent / "serve"
+    subprocess.run([*cli, "deploy", str(ws / "neuronbuild-out" / "release.tar.zst"), "--dest", str(dest)], cwd=ws,
+                   check=True, env=env)
+    return dest
+
+
+def ttft(work: Path, repeats: int) -> None:
+    """Time to first token with the request's 1,024-token prefix cached vs cold, same request, same bundle."""
+    import statistics
+
+    from neuronbuild.runtime import open_cache
+
+    dest = work / "serve" if (work / "serve").is_dir() else _build_ttft(work / "ws")
+    rng = random.Random(46)
+    prefix = [1] + [rng.randrange(3, HF["vocab_size"]) for _ in range(PREFIX_LEN - 1)]
+    suffixes = [[rng.randrange(3, HF["vocab_size"]) for _ in range(SUFFIX_LEN)] for _ in range(repeats + 1)]
+    lm = open_cache(dest, strict=True).causal_lm("//:blocks_cpu")
+
+    def first_token(eng: object, prompt: list[int]) -> tuple[float, int]:
+        rid = eng.add(prompt, max_new_tokens=1, eos_token_id=None)  # type: ignore[attr-defined]
+        t0 = time.perf_counter()
+        eng.step()  # type: ignore[attr-defined]
+        return time.perf_counter() - t0, eng.finished[rid][0]  # type: ignore[attr-defined]
+
+    first_token(lm.engine(), prefix + suffixes[-1])  # warm: load and run every graph once
+    warm_eng = lm.engine()
+    first_token(warm_eng, prefix + suffixes[-1])  # the prefix's blocks now cached in this engine
+    cold, warm, same = [], [], True
+    for s in suffixes[:repeats]:
+        c, tc = first_token(lm.engine(), prefix + s)  # a fresh engine: nothing cached
+        w, tw = first_token(warm_eng, prefix + s)
+        cold.append(c)
+        warm.append(w)
+        same &= tc == tw
+    counters = warm_eng.counters()  # type: ignore[attr-defined]
+    mc, mw = statistics.median(cold), statistics.median(warm)
+    print(f"TTFT, {PREFIX_LEN}-token prefix + {SUFFIX_LEN}-token suffix, median of {repeats}: cold {mc * 1000:.1f} ms "
+          f"(context call, {PREFIX_LEN + SUFFIX_LEN} tokens), prefix cached {mw * 1000:.1f} ms (prefix call, "
+          f"{SUFFIX_LEN} tokens): {mc / mw:.1f}x; min cold {min(cold) * 1000:.1f} / cached {min(warm) * 1000:.1f} ms")
+    print(f"warm engine: {counters}; calls {warm_eng.calls}")  # type: ignore[attr-defined]
+    print("same first token cold and cached:", same)
+    if not same:
+        sys.exit(1)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--workdir", type=Path)
     ap.add_argument("--bigger", action="store_true", help="hidden 512, 4 layers: graph calls costlier than host work")
     ap.add_argument("--repeats", type=int, default=3, help="runs per layout; the fastest is printed")
+    ap.add_argument("--ttft", action="store_true", help="time to first token, cached 1,024-token prefix vs cold")
     args = ap.parse_args()
+    if args.ttft:
+        ttft(args.workdir or Path(tempfile.mkdtemp(prefix="block_kv_ttft")), max(args.repeats, 1))
+        return
     hf = HF | ({"hidden_size": 512, "intermediate_size": 1024, "num_hidden_layers": 4, "num_attention_heads": 8,
                 "num_key_value_heads": 4} if args.bigger else {})
     work = args.workdir or Path(tempfile.mkdtemp(prefix="block_kv_bench"))
@@ -101,7 +190,8 @@ def main() -> None:
         results[label] = [eng.finished[r] for r in rids]
         print(f"{label}: {tokens} tokens in {wall:.2f} s wall ({tokens / wall:.0f} tok/s), {cpu:.2f} CPU s "
               f"({tokens / cpu:.0f} tok/CPU s); {sum(eng.calls.values())} graph calls; at most {most} active; "
-              f"calls {dict(sorted(eng.calls.items()))}")
+              f"calls {dict(sorted(eng.calls.items()))}"
+              + (f"; {eng.counters()}" if hasattr(eng, "counters") else ""))
     same = results["//:lines_cpu"] == results["//:blocks_cpu"]
     print("same tokens from both layouts:", same)
     if not same:

@@ -147,9 +147,12 @@ def _block_layout(name, kv_layout, block_size, num_blocks, max_seq, continuous_b
         fail("hf_causal_lm %s: kv_layout = \"block\" needs num_blocks = N >= 1 (the KV pool's blocks), got %r" % (name, num_blocks))
     return {"block_size": block_size, "num_blocks": num_blocks}
 
-def _block_graphs(graphs, layout):
+def _block_graphs(graphs, layout, prefix_caching):
     """The continuous-batching graphs over a block pool: a per-row `block_table` int32[batch, blocks_per_seq] where
-    seq_ids stood, the `block_*` entries, the layout in each graph's config (its fingerprint and the bundle's record)."""
+    seq_ids stood, the `block_*` entries, the layout in each graph's config (its fingerprint and the bundle's record).
+    prefix_caching adds the `prefix` family: the context graph's signature over `seq` new tokens after up to `prefix`
+    cached positions (2-D buckets batch x seq x prefix, NxD Inference's prefix buckets), which `prefix_mask`
+    int32[batch, prefix] marks (1 = a cached position of the row, read from its blocks)."""
     out = {}
     for family, g in graphs.items():
         inputs = {}
@@ -160,6 +163,15 @@ def _block_graphs(graphs, layout):
                 inputs[k] = v
         out[family] = {"entry": _BLOCK_MODULE + ":block_" + g["entry"].split(":")[1], "inputs": inputs, "outputs": g["outputs"],
                        "aliases": g["aliases"], "config": {"kv_layout": {"kind": "block"} | layout}}
+    if prefix_caching:
+        ctx = out["context"]
+        inputs = {}
+        for k, v in ctx["inputs"].items():
+            inputs[k] = v
+            if k == "block_table":
+                inputs["prefix_mask"] = "int32[batch, prefix]"
+        out["prefix"] = {"entry": ctx["entry"].replace("_context", "_prefix"), "inputs": inputs, "outputs": ctx["outputs"],
+                         "aliases": ctx["aliases"], "config": ctx["config"]}
     return out
 
 _SPEC_KEYS = ["draft", "length", "fused"]
@@ -216,7 +228,7 @@ def _verify_graph(kv, spec, on_device_sampling, output_logits):
 def hf_causal_lm(name, config, weights = None, max_seq = 256, model_type = None, weights_prefix = "", dtype = None,
                  continuous_batching = False, max_batch = None, on_device_sampling = False, output_logits = False,
                  quantization = None, kv_cache_dtype = None, speculation = None, kv_layout = None, block_size = None,
-                 num_blocks = None, tags = []):
+                 num_blocks = None, prefix_caching = False, tags = []):
     """A transformers causal LM (llama, mistral, qwen2, gpt2, ...) as served: a `context` graph (prefill: input_ids and
     attention_mask [batch, seq] -> last logits + the KV cache) and a `token` graph (decode: one token per sequence,
     its position, the cache mask and slot, the cache -> logits + the cache, aliased), over a static KV cache of
@@ -238,7 +250,10 @@ def hf_causal_lm(name, config, weights = None, max_seq = 256, model_type = None,
     `kv_layout = "block"` with `block_size = B` (dividing max_seq) and `num_blocks = N` (needs continuous_batching;
     docs/llm.md "Block KV cache"): the cache is a pool of N blocks of B positions (+ one scratch block) and the
     graphs take a per-row `block_table` instead of seq_ids; max_batch is then optional (the engine's cap on active
-    sequences). Without kv_layout (or "contiguous") the graphs are exactly those built without it."""
+    sequences). Without kv_layout (or "contiguous") the graphs are exactly those built without it.
+    `prefix_caching = True` (block layout only) adds the `prefix` graph family, bucketed over batch x seq (new tokens)
+    x prefix (cached positions read from the blocks): a prefill computing only what follows a cached prefix, and the
+    chunks of a prompt longer than the largest context bucket."""
     if speculation != None and not continuous_batching:
         fail("hf_causal_lm %s: speculation needs continuous_batching = True (the engine speculates per request)" % name)
     if not continuous_batching:
@@ -290,6 +305,8 @@ def hf_causal_lm(name, config, weights = None, max_seq = 256, model_type = None,
         },
     }
     layout = _block_layout(name, kv_layout, block_size, num_blocks, max_seq, continuous_batching, speculation, kv_cache_dtype)
+    if prefix_caching and layout == None:
+        fail("hf_causal_lm %s: prefix_caching = True needs kv_layout = \"block\" (cached prefixes are shared blocks)" % name)
     if layout != None:
         dims = dims | {"blocks": num_blocks + 1, "block_size": block_size, "blocks_per_seq": max_seq // block_size}
         ranges = {"position_ids": [0, max_seq], "block_table": [0, num_blocks + 1], "attention_mask": [1, 2]}
@@ -297,7 +314,12 @@ def hf_causal_lm(name, config, weights = None, max_seq = 256, model_type = None,
         if max_batch != None:  # the engine's cap on active sequences (recorded; the graphs' shapes do not hold it)
             _positive(name, "max_batch", max_batch)
             layout["max_batch"] = max_batch
-        graphs = _block_graphs(_serving_graphs(name, pool, max_seq, max_batch or 1, on_device_sampling, output_logits), layout)
+        if type(prefix_caching) != "bool":
+            fail("hf_causal_lm %s: prefix_caching must be True or False, got %r" % (name, prefix_caching))
+        if prefix_caching:
+            ranges["prefix_mask"] = [1, 2]
+        graphs = _block_graphs(_serving_graphs(name, pool, max_seq, max_batch or 1, on_device_sampling, output_logits), layout,
+                               prefix_caching)
     elif continuous_batching:
         dims["lines"] = max_batch + 1
         ranges = {"position_ids": [0, max_seq], "seq_ids": [0, max_batch], "attention_mask": [1, 2]}

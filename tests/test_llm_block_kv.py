@@ -2,7 +2,9 @@
 weights (continuous batching over cache lines; over a pool of 12 blocks of 16 positions), built and deployed once.
 The same requests with the blocks handed out in a shuffled order, in order, and through the contiguous cache each get
 transformers' greedy tokens of the request alone; admission waits for free blocks; two requests sharing a 48-token
-prefix share its 3 blocks (counted as prefix hits) with unchanged tokens; seeded sampled requests get the same tokens from
+prefix share its 3 blocks (counted as prefix hits) and the second prefills only its suffix through a prefix graph
+(prefix_caching) with transformers' tokens; a prompt longer than the context bucket is prefilled in chunks; growing
+requests that exhaust the pool preempt one, recomputed later with unchanged tokens; seeded sampled requests get the same tokens from
 both layouts; an engine asking for another block count is
 refused naming both; the block attributes leave the fingerprints of graphs built without them unchanged."""
 
@@ -30,7 +32,12 @@ REQUESTS = [(PREFIX + [5, 6, 7], 8),  # 58 positions: 4 blocks, the first 3 the 
             ([1] + list(range(60, 119)), 8)]  # 60 + 7 = 67: 5 blocks (4 + 1 + 1 + 3 + 5 = 14 > 12: it waits)
 
 
-def _build_file(block: str = ', kv_layout = "block", block_size = 16, num_blocks = 12') -> str:
+PREFIX_BUCKETS = [{"batch": 1, "seq": 16, "prefix": 48}, {"batch": 1, "seq": 16, "prefix": 80}]
+LONG = ([1] + [4 + (11 * i) % 119 for i in range(87)], 8)  # 88 tokens > the context bucket's 64: chunked prefill
+
+
+def _build_file(block: str = ', kv_layout = "block", block_size = 16, num_blocks = 12, prefix_caching = True') -> str:
+    prefix = "prefix_caching" in block
     return f'''load("@neuronbuild//rules:llm.bzl", "hf_causal_lm")
 neuron_target(name = "cpu", platform = "cpu", isa = "native")
 hf_causal_lm(name = "lines", model_type = "llama", config = {json.dumps(HF)}, weights = "llama.safetensors",
@@ -39,9 +46,11 @@ hf_causal_lm(name = "blocks", model_type = "llama", config = {json.dumps(HF)}, w
              max_seq = {MAX_SEQ}, continuous_batching = True, {SAMPLING}{block})
 neuron_buckets(name = "ctx", shapes = [{{"batch": 2, "seq": 64}}])
 neuron_buckets(name = "tok", shapes = [{{"batch": 4}}])
+neuron_buckets(name = "pfx", shapes = {json.dumps(PREFIX_BUCKETS)})
 BUCKETS = {{"context": [":ctx"], "token": [":tok"]}}
 neuron_compile(name = "lines_cpu", model = ":lines", target = ":cpu", buckets = BUCKETS)
-neuron_compile(name = "blocks_cpu", model = ":blocks", target = ":cpu", buckets = BUCKETS)
+neuron_compile(name = "blocks_cpu", model = ":blocks", target = ":cpu",
+               buckets = BUCKETS{' | {"prefix": [":pfx"]}' if prefix else ''})
 neuron_bundle(name = "release", srcs = [":lines_cpu", ":blocks_cpu"])
 '''
 
@@ -79,7 +88,7 @@ def reference(deployed: Path) -> dict[int, list[int]]:
     model.load_state_dict(load_file(str(deployed.parent / "ws" / "llama.safetensors")))
     out = {}
     with torch.no_grad():
-        for i, (prompt, new) in enumerate(REQUESTS):
+        for i, (prompt, new) in enumerate([*REQUESTS, LONG]):
             ids = model.generate(torch.tensor([prompt]), max_new_tokens=new, do_sample=False, eos_token_id=None,
                                  pad_token_id=0)
             out[i] = ids[0, len(prompt):].tolist()
@@ -112,18 +121,21 @@ def test_shuffled_blocks_in_order_blocks_and_cache_lines_all_give_transformers_g
     for name, order in (("shuffled", shuffled), ("in order", None)):
         eng = blocks.engine(block_order=order)
         runs[name], trace = _serve(eng)
-        # the 5th request (5 blocks) waits for blocks while the first four hold 9 of 12 (not for a line: 12 lines)
-        assert trace[0] == (4, 1), (name, trace)
+        # all five admitted at once: their prompts' blocks (4 + 1 new + 1 + 2 + 4 = 12) fill the pool; growing
+        # requests then preempt the latest admitted, which waits and is recomputed (prompt + its tokens so far)
+        assert trace[0] == (5, 0) and any(w for _a, w in trace), (name, trace)
         counters = eng.counters()
-        assert counters["prefix_hits"] == 3 and counters["blocks_in_use"] == 0, counters
+        assert counters["preemptions"] >= 1 and counters["blocks_in_use"] == 0, counters
+        # the recompute of a preempted request reads its prompt's cached blocks through a prefix call
+        assert counters["prefix_hits"] > 3 and eng.calls.get("prefix_batch1_seq16_prefix48", 0) >= 2, eng.calls
     lines = _lm(deployed, LINES)
     assert lines.block_layout is None
     runs["cache lines"], _trace = _serve(lines.engine())
     for name, got in runs.items():
-        assert got == reference, name
+        assert got == {i: reference[i] for i in range(len(REQUESTS))}, name
 
 
-def test_a_request_sharing_a_cached_48_token_prefix_reuses_its_blocks_with_unchanged_tokens(
+def test_a_request_sharing_a_cached_48_token_prefix_prefills_only_its_suffix_with_transformers_tokens(
         deployed: Path, reference: dict[int, list[int]]) -> None:
     eng = _lm(deployed, BLOCKS).engine()
     first = eng.add(REQUESTS[0][0], max_new_tokens=REQUESTS[0][1], eos_token_id=None)
@@ -131,12 +143,34 @@ def test_a_request_sharing_a_cached_48_token_prefix_reuses_its_blocks_with_uncha
     held = eng.counters()
     # the finished request's 3 full prompt blocks stay cached (unreferenced) for a later prompt; its last is freed
     assert held == {"blocks_in_use": 0, "blocks_free": NUM_BLOCKS - 3, "blocks_cached": 3, "prefix_queries": 3,
-                    "prefix_hits": 0}
+                    "prefix_hits": 0, "prefill_tokens": 51, "cached_tokens": 0, "preemptions": 0}
+    assert eng.calls == {"context_batch2_seq64": 1, "token_batch4": REQUESTS[0][1] - 1}
     second = eng.add(REQUESTS[1][0], max_new_tokens=REQUESTS[1][1], eos_token_id=None)
     eng.step()
-    assert eng.counters()["prefix_hits"] == 3 and eng.counters()["blocks_in_use"] == 4  # 3 shared + its own
+    now = eng.counters()
+    assert now["prefix_hits"] == 3 and now["blocks_in_use"] == 4  # 3 shared + its own
+    # its prefill computed its 2 suffix tokens only, after 48 read from the shared blocks, through the smallest
+    # prefix bucket holding them (prefix 48, not 80); no context call
+    assert now["prefill_tokens"] - held["prefill_tokens"] == 2 and now["cached_tokens"] == 48, now
+    assert eng.calls["prefix_batch1_seq16_prefix48"] == 1 and eng.calls["context_batch2_seq64"] == 1, eng.calls
     out = eng.run()
     assert out[first] == reference[0] and out[second] == reference[1]
+
+
+def test_a_prompt_longer_than_the_largest_context_bucket_is_prefilled_in_chunks_with_transformers_tokens(
+        deployed: Path, reference: dict[int, list[int]]) -> None:
+    from neuronbuild.runtime.router import NoBucketFits
+
+    prompt, new = LONG
+    eng = _lm(deployed, BLOCKS).engine()
+    rid = eng.add(prompt, max_new_tokens=new, eos_token_id=None)
+    out = eng.run()
+    assert out[rid] == reference[len(REQUESTS)]
+    # 88 tokens: 64 through the context bucket, then 16 + 8 through the prefix bucket reading 64, then 80 positions
+    assert eng.calls == {"context_batch2_seq64": 1, "prefix_batch1_seq16_prefix80": 2, "token_batch4": new - 1}
+    assert eng.counters()["prefill_tokens"] == len(prompt)
+    with pytest.raises(NoBucketFits, match="88 tokens fits no context bucket"):  # (the line layout: no chunks)
+        _lm(deployed, LINES).engine().add(prompt, max_new_tokens=new)
 
 
 def test_sampled_requests_with_a_seed_get_the_same_tokens_from_blocks_and_from_cache_lines(
@@ -172,6 +206,36 @@ def test_the_bundle_records_the_block_layout_and_another_block_count_is_refused_
         _lm(deployed, LINES).engine(num_blocks=12)
 
 
+def test_a_host_asking_for_another_block_count_is_refused_by_verify_and_open_cache_naming_both(
+        deployed: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from neuronbuild.runtime import open_cache
+    from neuronbuild.runtime.block_engine import BlockLayoutMismatch
+
+    ws = deployed.parent / "ws"
+    bundle = str(ws / "neuronbuild-out" / "release.tar.zst")
+    proc = run_cli(["verify", bundle, "--host", "--num-blocks", "16"], ws)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert ("//:blocks_cpu: kv_layout.num_blocks differs (built for num_blocks=12 (block_size 16), this host has "
+            "num_blocks=16 asked by --num-blocks)") in proc.stderr, proc.stderr
+    assert "lines_cpu" not in proc.stderr  # (a count for every block-layout model: the line layout is not concerned)
+    ok = run_cli(["verify", bundle, "--host"], ws, env={"NEURONBUILD_NUM_BLOCKS": "12"})
+    assert ok.returncode == 0, ok.stderr
+    named = run_cli(["verify", bundle, "--host", "--num-blocks", "//:lines_cpu=4"], ws)
+    assert named.returncode == 1 and "built for a contiguous cache of sequence lines" in named.stderr, named.stderr
+    bad = run_cli(["verify", bundle, "--host", "--num-blocks", "many"], ws)
+    assert bad.returncode == 2 and "--num-blocks: 'many' is not a block count" in bad.stderr
+    assert "Traceback" not in bad.stderr
+    with pytest.raises(RuntimeError) as info:  # strict: at open, before any graph loads
+        open_cache(deployed, strict=True, require=[BLOCKS, LINES], num_blocks=16)
+    assert "built for num_blocks=12" in str(info.value) and "num_blocks=16 asked by open_cache" in str(info.value)
+    monkeypatch.setenv("NEURONBUILD_NUM_BLOCKS", f"{BLOCKS}=16")
+    with pytest.raises(BlockLayoutMismatch, match=r"num_blocks=16 requested by \$NEURONBUILD_NUM_BLOCKS, but its "
+                                                  r"graphs were compiled for num_blocks=12"):
+        open_cache(deployed, strict=False).causal_lm(BLOCKS)
+    monkeypatch.setenv("NEURONBUILD_NUM_BLOCKS", "12")
+    assert open_cache(deployed, strict=True, require=[BLOCKS]).causal_lm(BLOCKS).block_layout["num_blocks"] == 12
+
+
 def test_block_attributes_leave_graphs_built_without_them_unchanged(tmp_path: Path) -> None:
     from neuronbuild.analysis.planner import plan
     from neuronbuild.loading.target_graph import load_targets
@@ -195,15 +259,18 @@ def test_block_attributes_leave_graphs_built_without_them_unchanged(tmp_path: Pa
     assert lines[0] == lines[1] == lines[2]  # the other model's graphs whatever this one's layout
     # the block graphs' code is a module of its own: editing it cannot change the fingerprints of the others
     assert code[LINES] == {"neuronbuild.toolchains.hf_causal_lm"}
-    runs = [actions(b, BLOCKS) for b in (plain, explicit, block, block.replace("num_blocks = 12", "num_blocks = 13"))]
+    runs = [actions(b, BLOCKS) for b in (plain, explicit, block, block.replace("num_blocks = 12", "num_blocks = 13"),
+                                         _build_file(block=', kv_layout = "block", block_size = 16, num_blocks = 12'))]
     assert runs[0] == runs[1]  # kv_layout absent or "contiguous": the very graphs built without it
     # one weights action whatever the block count (the block layout's model record names its module too, so its
     # weights action is not the line layout's: computed once more, same checkpoint)
     assert runs[0]["weights"] == runs[1]["weights"] and runs[2]["weights"] == runs[3]["weights"]
     assert code[BLOCKS] == {"neuronbuild.toolchains.hf_causal_lm", "neuronbuild.toolchains.hf_block_kv"}
-    traces = [frozenset(r["trace"]) for r in runs[1:]]
-    assert all(len(t) == 2 for t in traces)
+    traces = [frozenset(r["trace"]) for r in runs[1:4]]
+    assert [len(t) for t in traces] == [2, 4, 4]  # block layout: context, token and the 2 prefix buckets
     assert all(not a & b for i, a in enumerate(traces) for b in traces[i + 1:])  # block, its count: new traces
+    # prefix_caching adds the prefix graphs and leaves the block layout's context and token graphs as they were
+    assert len(runs[4]["trace"]) == 2 and runs[4]["trace"] < runs[2]["trace"]
 
 
 def test_a_block_size_that_does_not_divide_max_seq_is_refused_naming_the_target(tmp_path: Path) -> None:
@@ -214,6 +281,11 @@ def test_a_block_size_that_does_not_divide_max_seq_is_refused_naming_the_target(
     out = proc.stdout + proc.stderr
     assert "BUILD:" in out and "needs block_size = B, a positive int dividing max_seq (96), got 20" in out, out
     assert "Traceback" not in out
+    (ws / "BUILD").write_text(_build_file(block=", max_batch = 4, prefix_caching = True"))
+    proc = run_cli(["build", BLOCKS], ws)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "Traceback" not in out
+    assert "BUILD:" in out and 'prefix_caching = True needs kv_layout = "block"' in out, out
 
 
 def test_block_manager_shares_prefix_blocks_by_refcount_and_evicts_cached_ones_least_recently_used() -> None:
@@ -234,3 +306,131 @@ def test_block_manager_shares_prefix_blocks_by_refcount_and_evicts_cached_ones_l
     m.release(c[0])
     again = m.allocate([1, 2, 3, 4, 5], positions=5)  # the evicted prefix is not found any more
     assert again is not None and again[1] == 0 and (m.prefix_queries, m.prefix_hits) == (9, 2)
+    # a prompt made of cached blocks only: the block of its last token is not shared (its prefill computes that
+    # token: its logits are the next token's)
+    assert m.lookup([1, 2, 3, 4]) == 1 and m.lookup([1, 2, 3, 4, 5]) == 2
+    m.release(again[0])
+    grown = [m.grow() for _ in range(5)]  # a running request's next blocks: free, then cached (evicted), then none
+    assert sorted(b for b in grown if b is not None) == [0, 1, 2, 3] and grown[-1] is None and not m.by_hash
+
+
+# -- the engine's block bookkeeping against stand-in graphs (no compile) -------------------------------------------
+
+class _FakeFamily:
+    """A graph family of stand-in graphs: each writes the token ids it is given into the pool at their positions
+    through the block table and returns, as one-hot logits, a function of the whole sequence: context graphs of their
+    prompt, token and prefix graphs of what they read back through the table (cached positions included), so any
+    block handed out wrongly, shared wrongly or read before it is written changes a later token."""
+
+    def __init__(self, kind: str, buckets: dict[str, dict[str, int]]) -> None:
+        self.kind, self.buckets = kind, buckets
+
+    def bucket_fn(self, name: str) -> Any:
+        return self._run
+
+    def graph(self, name: str) -> Any:
+        from types import SimpleNamespace
+
+        return SimpleNamespace(outputs=[{"name": "logits"}, {"name": "kv"}], describe=lambda: name)
+
+    def _run(self, *args: Any) -> Any:
+        import torch
+
+        kv = args[-1]
+        ids, mask, positions, table = args[:4]
+        size = kv.shape[4]
+        logits = torch.zeros((ids.shape[0], _VOCAB))
+        for b in range(ids.shape[0]):
+            if self.kind == "token":
+                p = int(positions[b, 0])
+                kv[0, 0, int(table[b, p // size]), 0, p % size, 0] = float(ids[b, 0]) + 1
+                upto = [q for q in range(p + 1) if mask[b, q]]
+            else:
+                start = int(args[4][b].sum()) if self.kind == "prefix" else 0
+                new = [(int(positions[b, j]) if self.kind == "prefix" else start + k, int(ids[b, j]))
+                       for k, j in enumerate(j for j in range(ids.shape[1]) if mask[b, j])]
+                for p, t in new:
+                    kv[0, 0, int(table[b, p // size]), 0, p % size, 0] = float(t) + 1
+                upto = list(range(new[-1][0] + 1))
+                if self.kind == "context":  # (attends within the prompt: reads no cache)
+                    logits[b, _next([t for _p, t in new])] = 1.0
+                    continue
+            seq = [int(kv[0, 0, int(table[b, q // size]), 0, q % size, 0]) - 1 for q in upto]
+            logits[b, _next(seq)] = 1.0
+        return logits, kv
+
+
+_VOCAB = 97
+
+
+def _next(seq: list[int]) -> int:
+    return (sum((i + 1) * (t + 1) for i, t in enumerate(seq)) * 31 + len(seq)) % (_VOCAB - 3) + 3
+
+
+class _FakeLM:
+    """What BlockEngine reads of a CausalLM, over stand-in graphs: 8 blocks of 4 positions, max_seq 32."""
+
+    def __init__(self, prefix: bool, ctx_seq: int = 8) -> None:
+        from neuronbuild.runtime.causal_lm import CausalLM
+
+        self.label, self.strict, self.serving, self.sampling = "//:fake", True, True, False
+        self.max_seq, self.max_batch, self.pad_token_id, self.eos_token_id, self.vocab_size = 32, 4, 0, None, _VOCAB
+        self.block_layout = {"block_size": 4, "num_blocks": 8, "blocks_per_seq": 8}
+        self.kv_spec = {"dims": [1, 2, 9, 1, 4, 1], "dtype": "float32"}
+        self.context_buckets = {f"context_batch2_seq{ctx_seq}": {"batch": 2, "seq": ctx_seq}}
+        self.token_buckets = {f"token_batch{n}": {"batch": n} for n in (1, 2, 4)}
+        pfx = {"prefix_batch1_seq4_prefix16": {"batch": 1, "seq": 4, "prefix": 16},
+               "prefix_batch1_seq8_prefix24": {"batch": 1, "seq": 8, "prefix": 24}}
+        self._fams = {"context": _FakeFamily("context", self.context_buckets),
+                      "token": _FakeFamily("token", self.token_buckets)} | (
+            {"prefix": _FakeFamily("prefix", pfx)} if prefix else {})
+        self.model = self
+        self.families = list(self._fams)
+        self.pick = CausalLM.pick.__get__(self)
+        self.token_id, self.check_ids = CausalLM.token_id, CausalLM.check_ids.__get__(self)
+
+    def family(self, name: str) -> Any:
+        return self._fams[name]
+
+    def fn(self, family: str, name: str) -> Any:
+        return self._fams[family].bucket_fn(name)
+
+    def named(self, family: str, out: Any) -> dict[str, Any]:
+        return {"logits": out[0], "kv": out[1]}
+
+
+def _greedy(prompt: list[int], n: int) -> list[int]:
+    seq, out = list(prompt), []
+    for _ in range(n):
+        out.append(_next(seq))
+        seq.append(out[-1])
+    return out
+
+
+@pytest.mark.parametrize("prefix", [True, False], ids=["prefix graphs", "no prefix graphs"])
+def test_block_engine_preempts_recomputes_shares_and_chunks_with_unchanged_tokens(prefix: bool) -> None:
+    from neuronbuild.runtime.block_engine import BlockEngine
+
+    shared = [5, 6, 7, 8, 9, 10, 11, 12]  # 2 full blocks
+    reqs = [(shared + [13], 12), (shared + [14, 15], 10), ([20, 21, 22], 14), ([30, 31, 32, 33, 34], 9)]
+    if prefix:  # 20 tokens > the context bucket's 8: chunked (8 through the context graph, then prefix calls)
+        reqs.append(([40 + i for i in range(20)], 5))
+    # without prefix graphs a request is recomputable while its prompt and tokens fit the context bucket (12): the
+    # latest admitted may not be, and an earlier one is preempted instead
+    eng = BlockEngine(_FakeLM(prefix, ctx_seq=8 if prefix else 12))
+    rids = [eng.add(p, max_new_tokens=n, eos_token_id=None) for p, n in reqs]
+    out = eng.run()
+    assert [out[r] for r in rids] == [_greedy(p, n) for p, n in reqs]
+    c = eng.counters()
+    assert c["preemptions"] >= 1 and c["prefix_hits"] >= 2 and c["blocks_in_use"] == 0, c
+    if prefix:
+        assert c["cached_tokens"] >= 8 and any(n.startswith("prefix_") for n in eng.calls), (c, eng.calls)
+        return
+    assert not any(n.startswith("prefix_") for n in eng.calls)
+    # a long request that cannot be recomputed (12 + its tokens > 12) outgrows the pool beside a short one admitted
+    # before it: the short one is preempted (though already due to decode in that step) and completes later
+    eng = BlockEngine(_FakeLM(prefix, ctx_seq=12))
+    reqs = [([20], 12), ([30 + i for i in range(12)], 13)]
+    rids = [eng.add(p, max_new_tokens=n, eos_token_id=None) for p, n in reqs]
+    out = eng.run()
+    assert [out[r] for r in rids] == [_greedy(p, n) for p, n in reqs] and eng.counters()["preemptions"] >= 1

@@ -1,15 +1,18 @@
 """The continuous-batching engine over a block KV cache (hf_causal_lm(kv_layout = "block", ...), docs/llm.md "Block
-KV cache"): a BlockManager hands out the pool's blocks (free list, reference counts, full prompt blocks shared by a
-content hash chain, least recently used eviction of cached blocks nobody references) and the BlockEngine gives the
-graphs each row's block table instead of its cache line. torch only.
+KV cache"): a BlockManager hands out the pool's blocks (free list, reference counts, full blocks shared by a content
+hash chain, least recently used eviction of cached blocks nobody references) and the BlockEngine gives the graphs
+each row's block table instead of its cache line. torch only.
 
-A request reserves at admission every block it can need (prompt + max_new_tokens - 1 positions), so a running
-request never runs out of blocks: admission is by free blocks (FIFO; the head of the queue waits until blocks free
-up), and there is no preemption. Prefix caching: the full blocks of a prompt are keyed by the hash chain of their
-tokens; a later prompt starting with the same full blocks references them (prefix_hits counts them) and its context
-graph is handed the scratch block in their place, so the shared blocks are never rewritten. The prefill still
-computes the whole prompt (no context buckets over a cached prefix yet): prefix caching saves KV memory and the
-writes, not prefill compute."""
+Admission (FIFO, the head waits) takes the blocks a request's prefill writes; a running request takes one more block
+when its next position starts one, and when the pool has none left the most recently admitted request is preempted:
+its blocks released (its full prompt blocks stay cached), queued first, and later prefilled again from its prompt
+and its tokens so far (recompute), so its tokens are unchanged. Prefix caching: the full blocks of a prompt are keyed
+by the hash chain of their tokens; a later prompt starting with the same full blocks references them (prefix_hits).
+With prefix graphs (hf_causal_lm prefix_caching = True) its prefill computes only the tokens after them (a prefix
+call reading them through the block table), and a prompt longer than the longest context bucket is prefilled in
+chunks (a context call, then prefix calls each reading what the previous ones wrote). Without prefix graphs a
+prefix hit still saves the blocks: the context call recomputes the prompt and writes the scratch block in place of
+the shared ones."""
 
 from __future__ import annotations
 
@@ -19,12 +22,12 @@ from typing import Any
 
 import torch
 
+from neuronbuild.runtime.block_layout import BlockLayoutMismatch
 from neuronbuild.runtime.engine import CONTEXT, Engine, Request
 from neuronbuild.runtime.router import NoBucketFits
 
-
-class BlockLayoutMismatch(ValueError):
-    """A host configuration asking for another block layout than the one the graphs were compiled for."""
+PREFIX = "prefix"  # the prefix graph family (hf_causal_lm prefix_caching = True)
+__all__ = ["PREFIX", "BlockEngine", "BlockLayoutMismatch", "BlockManager", "check_num_blocks"]
 
 
 def check_num_blocks(lm: Any, num_blocks: int | None) -> None:
@@ -85,13 +88,27 @@ class BlockManager:
         self.cached.pop(block, None)
         self.refs[block] = self.refs.get(block, 0) + 1
 
-    def allocate(self, prompt: Sequence[int], positions: int) -> tuple[list[int], int] | None:
-        """Blocks for `positions` positions of a request whose prompt is `prompt`: (its blocks in order, how many
-        leading ones were cached), or None when the pool cannot hold it now (nothing taken)."""
+    def lookup(self, seq: Sequence[int]) -> int:
+        """How many leading full blocks of `seq` are cached. The block holding its last token is never shared: a
+        prefill always computes at least that token (its logits are the request's next token), and shared blocks are
+        never rewritten."""
+        n = 0
+        for k in self.chain(seq[:-1]):
+            if k not in self.by_hash:
+                break
+            n += 1
+        return n
+
+    def allocate(self, prompt: Sequence[int], positions: int, max_hits: int | None = None
+                 ) -> tuple[list[int], int] | None:
+        """Blocks for `positions` positions of a request whose prefill sequence is `prompt`: (its blocks in order, how
+        many leading ones were cached: at most `max_hits`), or None when the pool cannot hold it now (nothing
+        taken). The full blocks it writes are registered under their hash chain for later prompts."""
         need = -(-positions // self.block_size)
         keys = self.chain(prompt)[:need]
+        looked = self.chain(prompt[:-1])[:need]
         hits: list[int] = []
-        for k in keys:
+        for k in looked[: len(looked) if max_hits is None else max_hits]:
             b = self.by_hash.get(k)
             if b is None:
                 break
@@ -106,18 +123,27 @@ class BlockManager:
             b = self._take()
             self._ref(b)
             blocks.append(b)
-        for i in range(len(hits), len(keys)):  # this request writes these full prompt blocks: later prompts share them
+        for i in range(len(hits), len(keys)):  # this request writes these full blocks: later prompts share them
             old = self.by_hash.get(keys[i])
-            if old is not None:  # (a cached block whose predecessor was evicted: unreachable, freed)
+            if old is not None:  # (a cached block not used here: its predecessor evicted, or past the hit cap)
                 del self.hash_of[old]
                 if old in self.cached:
                     del self.cached[old]
                     self.free.insert(0, old)
             self.by_hash[keys[i]] = blocks[i]
             self.hash_of[blocks[i]] = keys[i]
-        self.prefix_queries += len(keys)
+        self.prefix_queries += len(looked)
         self.prefix_hits += len(hits)
         return blocks, len(hits)
+
+    def grow(self) -> int | None:
+        """One more block for a running request (a free one, else the least recently used cached one), or None
+        when every block is referenced."""
+        if not self.free and not self.cached:
+            return None
+        b = self._take()
+        self._ref(b)
+        return b
 
     def release(self, blocks: Sequence[int]) -> None:
         for b in blocks:
@@ -132,7 +158,9 @@ class BlockManager:
 
 class BlockEngine(Engine):
     """The Engine over block-layout graphs: the same scheduling (admission FIFO, smallest fitting buckets, one decode
-    per step), admission also by free blocks, rows given their block tables."""
+    per step), admission also by free blocks, rows given their block tables; with prefix graphs, prefills that skip
+    a cached prefix and prompts longer than the largest context bucket prefilled in chunks; a request that needs a
+    block when none is left preempts the most recently admitted one (recomputed later)."""
 
     def __init__(self, lm: Any, seed: int = 0, block_order: Sequence[int] | None = None) -> None:
         super().__init__(lm, seed)
@@ -141,10 +169,39 @@ class BlockEngine(Engine):
         self.blocks_per_seq: int = int(layout["blocks_per_seq"])
         self.scratch: int = int(layout["num_blocks"])  # the pool's last block: padding rows and unused entries
         self.blocks = BlockManager(int(layout["num_blocks"]), self.block_size, block_order)
-        self._held: dict[int, tuple[list[int], int]] = {}  # rid -> (blocks, cached leading blocks)
+        self._held: dict[int, list[int]] = {}  # rid -> its blocks, in position order
+        self._skip: dict[int, int] = {}  # rid -> cached leading blocks its context call must not rewrite
+        self._start: dict[int, int] = {}  # rid -> cached leading blocks its prefix call reads (prefix graphs)
+        self._admitted: dict[int, int] = {}  # rid -> admission count (preemption takes the latest)
+        self._admissions = 0
+        self._ctx_longest = max(b["seq"] for b in self._ctx_buckets.values())
+        self._prefix: Any = lm.model.family(PREFIX) if PREFIX in lm.model.families else None
+        self.prefix_buckets: dict[str, dict[str, int]] = dict(self._prefix.buckets) if self._prefix else {}
+        self._prefix_out: list[str] = []
+        if self._prefix is not None:
+            g = self._prefix.graph(next(iter(self.prefix_buckets)))
+            self._prefix_out = [str(o["name"]) for o in g.outputs]
+            if lm.strict:
+                bad = [self._prefix.graph(n).describe() for n in self.prefix_buckets
+                       if self._prefix.bucket_fn(n) is None]
+                if bad:
+                    raise RuntimeError(f"strict mode: {lm.label}: prefix graph(s) cannot run here: {', '.join(bad)}")
+        self.preemptions = 0
+        self.prefill_tokens = 0  # prompt tokens computed by context and prefix calls (recomputed ones included)
+        self.cached_tokens = 0  # prompt tokens read from cached blocks instead of computed
+
+    # -- requests ------------------------------------------------------------------------------------------------
 
     def _needs(self, r: Request) -> int:
         return len(r.prompt) + r.max_new_tokens - 1
+
+    def _check_prompt(self, prompt: Sequence[int]) -> None:
+        if self._plan(0, len(prompt)) is None:
+            pfx = "; ".join(f"[{', '.join(f'{k}={v}' for k, v in b.items())}]" for b in self.prefix_buckets.values())
+            raise NoBucketFits(f"{self.label}: a prompt of {len(prompt)} tokens fits no context bucket (the longest "
+                               f"holds seq={self._ctx_longest}) and "
+                               + (f"its prefix graphs ({pfx}) cannot prefill the rest in chunks" if pfx else
+                                  "there are no prefix graphs to prefill it in chunks (hf_causal_lm prefix_caching)"))
 
     def add(self, prompt_ids: Sequence[int], max_new_tokens: int = 16, temperature: float = 0.0, top_k: int = 0,
             top_p: float = 1.0, seed: int | None = None, eos_token_id: int | None | str = "config") -> int:
@@ -158,55 +215,247 @@ class BlockEngine(Engine):
                                f"{self.blocks.num_blocks}")
         return rid
 
+    # -- prefill plans -------------------------------------------------------------------------------------------
+
+    def _plan(self, start: int, end: int) -> list[tuple[str, str, int]] | None:
+        """The calls prefilling positions start..end-1 of one request: (family, bucket, end of the chunk) each; the
+        first chunk from position 0 is a context call (the longest bucket's seq when the prompt is longer), every
+        later one a prefix call whose bucket reads at least the positions before it. None: no graphs can."""
+        out: list[tuple[str, str, int]] = []
+        while start < end:
+            rest = end - start
+            if start == 0:
+                seq = min(rest, self._ctx_longest)
+                out.append((CONTEXT, self.lm.pick(CONTEXT, self._ctx_buckets, {"batch": 1, "seq": seq}), seq))
+                start = seq
+                continue
+            fits = {n: b for n, b in self.prefix_buckets.items() if b["prefix"] >= start}
+            if not fits:
+                return None
+            seq = min(rest, max(b["seq"] for b in fits.values()))
+            out.append((PREFIX, self.lm.pick(PREFIX, fits, {"batch": 1, "seq": seq, "prefix": start}), start + seq))
+            start += seq
+        return out
+
+    def _recomputable(self, r: Request) -> bool:
+        return self._plan(0, len(r.prompt) + len(r.tokens)) is not None
+
+    # -- scheduling ----------------------------------------------------------------------------------------------
+
     def step(self) -> dict[int, list[int]]:
         got: dict[int, list[int]] = {}
         with torch.inference_mode():
+            admitted = False
             while self.waiting and self.free:
                 reqs = self._admissible()
                 if not reqs:
                     break  # the queue's head waits for blocks
-                self._prefill(reqs, got)
+                admitted = True
+                self._prefill_all(reqs, got)
             rows = [self.active[line] for line in sorted(self.active)]
-            for i in range(0, len(rows), self._largest):
-                self._decode(rows[i:i + self._largest], got)
+            ready = self._grow(rows)
+            if rows and not ready and not admitted:
+                raise RuntimeError(f"{self.label}: the block pool is exhausted and no running request can be "
+                                   "preempted (recomputing one needs prefix graphs: hf_causal_lm prefix_caching)")
+            for i in range(0, len(ready), self._largest):
+                self._decode(ready[i:i + self._largest], got)
         return got
 
     def _admissible(self) -> list[Request]:
-        """The longest FIFO prefix of the waiting requests that free lines, free blocks and a context bucket hold;
-        their blocks are taken here."""
-        n = min(len(self.waiting), len(self.free))
-        while n > 1 and self._context_bucket(list(self.waiting)[:n]) is None:
-            n -= 1
+        """The FIFO head of the waiting requests that free lines and free blocks hold, each with the blocks its
+        prefill writes (the prompt, or for a preempted request its prompt and tokens so far: recomputed), the
+        cached leading ones shared: with prefix graphs only as many as a prefix call can follow."""
         taken: list[Request] = []
-        for r in list(self.waiting)[:n]:
-            got = self.blocks.allocate(r.prompt, self._needs(r))
+        while self.waiting and len(taken) < len(self.free):
+            r = self.waiting[0]
+            seq = r.prompt + r.tokens
+            hits = self.blocks.lookup(seq)
+            if self._prefix is not None:
+                while hits and self._plan(hits * self.block_size, len(seq)) is None:
+                    hits -= 1
+            got = self.blocks.allocate(seq, len(seq), max_hits=hits)
             if got is None:
                 break
-            self._held[r.rid] = got
-            taken.append(r)
-        for _ in taken:
+            self._held[r.rid], cached = got
+            self._admissions += 1
+            self._admitted[r.rid] = self._admissions
             self.waiting.popleft()
+            taken.append(r)
+            if self._prefix is None:
+                self._skip[r.rid] = cached  # recomputed by the context call, not rewritten (scratch in their place)
+            else:
+                self._start[r.rid] = cached  # its prefill starts after them
         return taken
+
+    def _prefill_all(self, reqs: list[Request], got: dict[int, list[int]]) -> None:
+        """One context call per group of whole prompts that one bucket holds, first (a later request's prefix call
+        may read the blocks they write); then, in admission order, a prefix call (or chunked calls) per request that
+        skips a cached prefix or is longer than the longest context bucket."""
+        plain: list[Request] = []
+        rest: list[tuple[Request, int]] = []
+        for r in reqs:
+            cached = self._start.pop(r.rid, 0)
+            r.line = self.free.pop(0)
+            self.active[r.line] = r
+            if cached == 0 and len(r.prompt) + len(r.tokens) <= self._ctx_longest:
+                plain.append(r)
+            else:
+                rest.append((r, cached * self.block_size))
+        while plain:
+            n = len(plain)
+            while n > 1 and self._fits(plain[:n]) is None:
+                n -= 1
+            group, plain = plain[:n], plain[n:]
+            fit = self._fits(group)
+            assert fit is not None
+            self._context_call(group, [r.prompt + r.tokens for r in group], fit, got, emit=True)
+        for r, start in rest:
+            seq = r.prompt + r.tokens
+            plan = self._plan(start, len(seq))
+            assert plan is not None  # (admission checked)
+            self.cached_tokens += start
+            for i, (family, name, stop) in enumerate(plan):
+                last = i == len(plan) - 1
+                if family == CONTEXT:
+                    self._context_call([r], [seq[:stop]], name, got, emit=last)
+                else:
+                    self._prefix_call(r, seq, start, stop, name, got, emit=last)
+                start = stop
+
+    def _fits(self, reqs: Sequence[Request]) -> str | None:
+        try:
+            return self.lm.pick(CONTEXT, self._ctx_buckets,
+                                {"batch": len(reqs), "seq": max(len(r.prompt) + len(r.tokens) for r in reqs)})
+        except NoBucketFits:
+            return None
+
+    def _context_call(self, reqs: list[Request], seqs: list[list[int]], name: str, got: dict[int, list[int]],
+                      emit: bool) -> None:
+        bucket = self._ctx_buckets[name]
+        self._last = None
+        cb, width = bucket["batch"], bucket["seq"]
+        ids = torch.full((cb, width), self.lm.pad_token_id, dtype=torch.int32)
+        mask = torch.ones((cb, width), dtype=torch.int32)  # padding rows attend to their own pad tokens
+        for b, seq in enumerate(seqs):
+            ids[b, width - len(seq):] = torch.tensor(seq, dtype=torch.int32)
+            mask[b, : width - len(seq)] = 0
+        table = self._rows_input(CONTEXT, reqs, cb)
+        for r in reqs:
+            self._skip.pop(r.rid, None)
+        positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1).to(torch.int32)  # as generate derives them
+        self.prefill_tokens += sum(len(s) for s in seqs)
+        self._emit(CONTEXT, name, [ids, mask, positions, table, *self._sampling_inputs(reqs, cb)], reqs, got, emit)
+
+    def _prefix_call(self, r: Request, seq: list[int], start: int, stop: int, name: str, got: dict[int, list[int]],
+                     emit: bool) -> None:
+        """Positions start..stop-1 of `seq` after the start positions already in the request's blocks."""
+        bucket = self.prefix_buckets[name]
+        self._last = None
+        pb, width, prefix = bucket["batch"], bucket["seq"], bucket["prefix"]
+        n = stop - start
+        ids = torch.full((pb, width), self.lm.pad_token_id, dtype=torch.int32)
+        mask = torch.ones((pb, width), dtype=torch.int32)  # padding rows: seq new tokens after nothing
+        positions = torch.arange(width, dtype=torch.int32)[None, :].repeat(pb, 1)
+        cached = torch.zeros((pb, prefix), dtype=torch.int32)
+        ids[0, width - n:] = torch.tensor(seq[start:stop], dtype=torch.int32)
+        mask[0, : width - n] = 0
+        positions[0] = 1
+        positions[0, width - n:] = torch.arange(start, stop, dtype=torch.int32)
+        cached[0, :start] = 1
+        table = self._rows_input(PREFIX, [r], pb)
+        self.prefill_tokens += n
+        args = [ids, mask, positions, table, cached, *self._sampling_inputs([r], pb)]
+        self._emit(PREFIX, name, args, [r], got, emit)
+
+    def _emit(self, family: str, name: str, args: list[torch.Tensor], rows: Sequence[Request],
+              got: dict[int, list[int]], emit: bool = True) -> None:
+        if family != PREFIX and emit:
+            return super()._emit(family, name, args, rows, got)
+        if family == PREFIX:
+            fn = self._fns.get((family, name))
+            if fn is None:
+                fn = self._fns[(family, name)] = self._prefix.bucket_fn(name)
+                if fn is None:
+                    raise RuntimeError(f"{self.label}: graph {self._prefix.graph(name).describe()} is not usable")
+            res = fn(*args, self.kv)
+            out = dict(zip(self._prefix_out, [res] if isinstance(res, torch.Tensor) else list(res), strict=True))
+        else:
+            fn = self._fns.get((family, name))
+            if fn is None:
+                fn = self._fns[(family, name)] = self.lm.fn(family, name)
+            out = self.lm.named(family, fn(*args, self.kv))
+        self.calls[name] = self.calls.get(name, 0) + 1
+        self.kv = out["kv"]
+        if not emit:
+            return None
+        nxt = (out["tokens"] if "tokens" in out else out["logits"].argmax(-1)).tolist()
+        for b, r in enumerate(rows):
+            r.tokens.append(nxt[b])
+            got.setdefault(r.rid, []).append(nxt[b])
+            if len(r.tokens) >= r.max_new_tokens or (r.eos_token_id is not None and nxt[b] == r.eos_token_id):
+                self._finish(r)
+        return None
+
+    def _grow(self, rows: list[Request]) -> list[Request]:
+        """Each running request's block for the position its next decode writes, taken from the pool; when none is
+        left, the most recently admitted request that can be recomputed is preempted (its blocks released, its
+        prompt blocks kept cached) and queued first, to be prefilled again with its tokens so far. Returns the rows
+        that decode now, in line order (a row with no block and nothing to preempt waits)."""
+        ready: set[int] = set()
+        for r in sorted(rows, key=lambda x: self._admitted[x.rid]):
+            if r.line not in self.active or self.active[r.line] is not r:
+                continue  # preempted for an earlier request in this loop
+            blocks = self._held[r.rid]
+            while r.position // self.block_size >= len(blocks):
+                b = self.blocks.grow()
+                if b is not None:
+                    blocks.append(b)
+                    self._last = None
+                    continue
+                victims = [v for v in self.active.values() if self._recomputable(v)]
+                if not victims:
+                    break
+                victim = max(victims, key=lambda v: self._admitted[v.rid])
+                self._preempt(victim)
+                ready.discard(victim.rid)  # (an earlier request when the later ones cannot be recomputed)
+                if victim is r:
+                    break
+            else:
+                ready.add(r.rid)
+        return [r for r in rows if r.rid in ready]
+
+    def _preempt(self, r: Request) -> None:
+        self.blocks.release(self._held.pop(r.rid))
+        del self.active[r.line]
+        self.free.append(r.line)
+        self.free.sort()
+        r.line = -1
+        self._last = None
+        self.waiting.appendleft(r)
+        self.preemptions += 1
 
     def _rows_input(self, family: str, rows: Sequence[Request], batch: int) -> torch.Tensor:
         """block_table int32 [batch, max_seq / block_size]: each row's blocks in position order, then the scratch
-        block; a context graph gets the scratch block in place of cached prefix blocks (written by an earlier
-        request, shared, never rewritten)."""
+        block; a context call recomputing a cached prefix (no prefix graphs) gets the scratch block in place of its
+        shared blocks (written by an earlier request, never rewritten)."""
         table = torch.full((batch, self.blocks_per_seq), self.scratch, dtype=torch.int32)
         for b, r in enumerate(rows):
-            blocks, cached = self._held[r.rid]
+            blocks = self._held[r.rid]
             table[b, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
             if family == CONTEXT:
-                table[b, :cached] = self.scratch
+                table[b, : self._skip.get(r.rid, 0)] = self.scratch
         return table
 
     def _finish(self, r: Request) -> None:
         super()._finish(r)
-        blocks, _cached = self._held.pop(r.rid)
-        self.blocks.release(blocks)
+        self.blocks.release(self._held.pop(r.rid))
+        self._admitted.pop(r.rid, None)
 
     def counters(self) -> dict[str, int]:
-        """Blocks in use, free, cached (unreferenced, kept for prefix hits) and the prefix lookups and hits."""
+        """Blocks in use, free, cached (unreferenced, kept for prefix hits); the prefix lookups and hits (full prompt
+        blocks), prompt tokens computed and read from cache, preemptions."""
         m = self.blocks
         return {"blocks_in_use": m.in_use, "blocks_free": len(m.free), "blocks_cached": len(m.cached),
-                "prefix_queries": m.prefix_queries, "prefix_hits": m.prefix_hits}
+                "prefix_queries": m.prefix_queries, "prefix_hits": m.prefix_hits,
+                "prefill_tokens": self.prefill_tokens, "cached_tokens": self.cached_tokens,
+                "preemptions": self.preemptions}

@@ -226,6 +226,8 @@ class DeployedCache:
         self._slots: dict[str, dict[str, _Slot]] = {}
         self._scratch: Scratch | None = None  # while a strict open loads many packages: one reused memory file
         self.load_ms: float = 0.0
+        self.num_blocks: Any = None  # the block count the host asks for (runtime/block_layout.py), or None
+        self.num_blocks_source = ""
 
     @property
     def counters(self) -> Counters:
@@ -269,6 +271,10 @@ class DeployedCache:
         model = self.model(label)
         if not isinstance(model, Model):
             raise KeyError(f"{label} is not deployed in {self.root}")
+        from neuronbuild.runtime.block_layout import check_label
+
+        check_label(label, [s.graph for s in self._slots.get(label, {}).values()], self.num_blocks,
+                    self.num_blocks_source)  # (a block count asked for by the host: the compiled one, or refused)
         return CausalLM(model, strict=self.strict)  # strict: model() loaded every graph, or raised
 
     # -- resolution ------------------------------------------------------------------------------------------------
@@ -411,7 +417,8 @@ def _expected(expect: str | Path | Manifest | Mapping[str, Any] | None) -> Manif
 def open_cache(root: str | Path, strict: bool | None = None, require: Iterable[str] | None = None,
                expect: str | Path | Manifest | Mapping[str, Any] | None = None,
                eager: Mapping[str, Callable[..., Any]] | None = None, emulate: str | None = None,
-               trusted_keys: str | Path | list[TrustedKey] | None = None) -> DeployedCache:
+               trusted_keys: str | Path | list[TrustedKey] | None = None,
+               num_blocks: int | Mapping[str, int] | str | None = None) -> DeployedCache:
     """Open a directory written by `neuronbuild deploy`.
 
     strict (default: $NEURONBUILD_STRICT): every required graph must be deployed, intact, match `expect` (a bundle
@@ -423,6 +430,9 @@ def open_cache(root: str | Path, strict: bool | None = None, require: Iterable[s
     the `neuron` extra), counted as `emulated`; without it a Neuron graph needs a Neuron device.
     trusted_keys (default: $NEURONBUILD_TRUSTED_KEYS, a file of Ed25519 public keys): releases whose manifest is not
     signed by one of them are not served (in strict mode, a required label they hold is an error).
+    num_blocks (default: $NEURONBUILD_NUM_BLOCKS): the KV block count this host serves with, N for every
+    block-layout model or {label: N} (runtime/block_layout.py): a required model compiled for another count is a
+    strict-mode problem naming both counts, and causal_lm(label) refuses it (BlockLayoutMismatch) in either mode.
     Every artifact and weights file is checked against its manifest digest (BLAKE3, else SHA-256) as it is read,
     before it is used."""
     root = Path(root)
@@ -461,7 +471,12 @@ def open_cache(root: str | Path, strict: bool | None = None, require: Iterable[s
         releases = kept
     if not releases and strict and not unsigned:
         raise RuntimeError(f"strict mode: nothing is deployed in {root} (run `neuronbuild deploy BUNDLE --dest {root}`)")
+    from neuronbuild.runtime.block_layout import NUM_BLOCKS_ENV, block_count_mismatches, parse_num_blocks
+
+    source = "open_cache(num_blocks=...)" if num_blocks is not None else f"${NUM_BLOCKS_ENV}"
+    asked = parse_num_blocks(num_blocks if num_blocks is not None else os.environ.get(NUM_BLOCKS_ENV), source)
     cache = DeployedCache(root, strict, releases, current_host(), eager or {}, emulate)
+    cache.num_blocks, cache.num_blocks_source = asked, source
     problems: list[Problem] = []
     for label in required:
         if label in unsigned and not any(label in r.manifest.labels() for r in releases):
@@ -473,6 +488,8 @@ def open_cache(root: str | Path, strict: bool | None = None, require: Iterable[s
             continue
         slots, found = cache._select(label, expected)
         problems += found
+        problems += [Problem(m.graph, f"{m.field} differs (built for {m.built}, this host has {m.here})")
+                     for m in block_count_mismatches([s.graph for s in slots.values()], asked, source)]
         if slots:
             cache._slots[label] = slots
     if strict and problems:

@@ -148,10 +148,7 @@ class Engine:
             eos_token_id = self.lm.eos_token_id
         if eos_token_id is not None and (isinstance(eos_token_id, bool) or not isinstance(eos_token_id, int)):
             raise ValueError(f"eos_token_id must be an int, None or 'config', got {eos_token_id!r}")
-        longest = max(b["seq"] for b in self.lm.context_buckets.values())
-        if len(prompt) > longest:
-            raise NoBucketFits(f"{self.label}: a prompt of {len(prompt)} tokens fits no context bucket (the longest "
-                               f"holds seq={longest})")
+        self._check_prompt(prompt)
         if len(prompt) + max_new_tokens - 1 > self.max_seq:
             raise NoBucketFits(f"{self.label}: a prompt of {len(prompt)} tokens + {max_new_tokens} new tokens need "
                                f"{len(prompt) + max_new_tokens - 1} cache slots; the KV cache holds "
@@ -162,6 +159,14 @@ class Engine:
         draws = [] if sampling.greedy else torch.rand(max_new_tokens, generator=gen).tolist()
         self.waiting.append(Request(rid, prompt, max_new_tokens, sampling, eos_token_id, gen, draws=draws))
         return rid
+
+    def _check_prompt(self, prompt: Sequence[int]) -> None:
+        """NoBucketFits when no prefill can take the prompt: here, when it fits no context bucket (the block engine
+        also prefills it in chunks through its prefix graphs)."""
+        longest = max(b["seq"] for b in self.lm.context_buckets.values())
+        if len(prompt) > longest:
+            raise NoBucketFits(f"{self.label}: a prompt of {len(prompt)} tokens fits no context bucket (the longest "
+                               f"holds seq={longest})")
 
     @property
     def pending(self) -> bool:
