@@ -315,7 +315,7 @@ def shard_hf_model(model: torch.nn.Module, model_type: str, hf: Mapping[str, Any
     declare_fused(model, model_type, hf, tp)
 
 
-def _resize(linear: torch.nn.Module, dim: int, size: int) -> None:
+def _resize(linear: Any, dim: int, size: int) -> None:
     """Give an nn.Linear `size` output (dim 0) or input (dim 1) features: new (valueless) parameters of the rank's
     shapes, in the same dtype and device (the weights action fills them)."""
     weight = linear.weight
