@@ -1,10 +1,13 @@
 """Tensor parallelism beyond llama: families whose decoder layers are llama's in shape but not in detail (qwen2's q/k/v
 biases, qwen3's per-head q/k norms, gemma3's scaled embedding and sliding-window layers), Phi-3's fused q|k|v and
-gate|up projections (each part split on its own) and Qwen2-MoE's experts and shared expert, built at tp_degree 2 for
-trn2 in one workspace and one build, their HLO run on 2 XLA:CPU host devices by `validate --generate`: logits within
-tolerance of transformers' own model and greedy tokens equal to transformers' `generate` (batch 1 and a padded batch).
-A family whose layers need another sharding (BLOOM's per-head interleaved q|k|v and ALiBi slopes) is refused at
-analysis with the BUILD line."""
+gate|up projections (each part split on its own), Qwen2-MoE's experts and shared expert, BLOOM (per-head interleaved
+q|k|v, ALiBi slopes taken by each rank for its heads, row-parallel biases added once), GPT-BigCode's multi-query
+attention (the one k and v head replicated) and gpt-oss (experts with biases, transposed and interleaved, attention
+sinks split by head), built at tp_degree 2 for trn2 in one workspace and one build, their HLO run on 2 XLA:CPU host
+devices by `validate --generate`: logits within tolerance of transformers' own model and greedy tokens equal to
+transformers' `generate` (batch 1 and a padded batch). Biases and norm weights are perturbed from transformers'
+initial 0 and 1, so a bias added on every rank or a norm given another rank's block shows. A family without a
+sharding plan is refused at analysis with the BUILD line."""
 
 from __future__ import annotations
 
@@ -28,6 +31,14 @@ FAMILIES = {
     # experts (fused gate|up, their intermediate width split, an all-reduce after them) and a shared expert
     "qwen2_moe": ("qwen2_moe", _BASE | {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 8,
                                         "shared_expert_intermediate_size": 16}),
+    # ALiBi: 4 heads, each rank's 2 with their own slopes; biases on every linear
+    "bloom": ("bloom", {"vocab_size": 64, "hidden_size": 16, "n_layer": 2, "n_head": 4}),
+    # multi-query: q|k|v fused, 4 query heads split, the one k/v head replicated
+    "gpt_bigcode_mqa": ("gpt_bigcode", {"vocab_size": 64, "n_embd": 16, "n_layer": 2, "n_head": 4, "n_positions": 32,
+                                        "bos_token_id": 1, "eos_token_id": 1}),
+    "gpt_oss": ("gpt_oss", _BASE | {"intermediate_size": 16, "head_dim": 8, "num_local_experts": 4,
+                                    "num_experts_per_tok": 2, "sliding_window": WINDOW,
+                                    "max_position_embeddings": 131072}),
 }
 
 
@@ -44,8 +55,10 @@ def _workspace(root: Path) -> Path:
     for name, (model_type, hf) in FAMILIES.items():
         torch.manual_seed(0)
         model = hf_model({"model_type": model_type, "hf": hf, "max_seq": MAX_SEQ})
-        save_file({k: v.detach().clone().contiguous() for k, v in model.state_dict().items()},
-                  str(root / f"{name}.safetensors"))
+        g = torch.Generator().manual_seed(1)
+        state = {k: v + 0.2 * torch.randn(v.shape, generator=g) if v.dim() == 1 and v.is_floating_point() else v
+                 for k, v in model.state_dict().items()}  # (biases, norms, sinks: not transformers' 0 and 1)
+        save_file({k: v.detach().clone().contiguous() for k, v in state.items()}, str(root / f"{name}.safetensors"))
         lines += [f'hf_causal_lm(name = "{name}", model_type = "{model_type}", config = {json.dumps(hf)}, '
                   f'weights = "{name}.safetensors", max_seq = {MAX_SEQ})',
                   f'neuron_compile(name = "{name}_tp2", model = ":{name}", target = ":trn2", tp_degree = 2, '
@@ -54,7 +67,7 @@ def _workspace(root: Path) -> Path:
 
 
 @pytest.mark.timeout(1800)
-def test_qwen2_qwen3_gemma3_phi3_and_qwen2_moe_at_tp2_validate_and_generate_like_transformers(
+def test_qwen2_qwen3_gemma3_phi3_qwen2_moe_bloom_gpt_bigcode_gpt_oss_at_tp2_validate_and_generate_like_transformers(
         tmp_path: Path, cache_dir: Path) -> None:
     ws = _workspace(tmp_path / "ws")
     proc = run_cli(["build", "//...", "--jobs", "2", "--cache-dir", str(cache_dir)], ws)
@@ -74,18 +87,27 @@ def test_qwen2_qwen3_gemma3_phi3_and_qwen2_moe_at_tp2_validate_and_generate_like
     assert {"model.hlo.pb", "rank_0.safetensors", "rank_1.safetensors"} <= {p.name for p in out_dir.iterdir()}
 
 
-def test_a_family_without_a_sharding_plan_is_refused_tp_at_analysis_with_its_line(tmp_path: Path) -> None:
-    hf = {"vocab_size": 64, "hidden_size": 16, "n_layer": 2, "n_head": 2}
+REFUSED = {
+    "gpt2": ("gpt2", {"vocab_size": 64, "n_embd": 16, "n_layer": 2, "n_head": 2}, "only hf_causal_lm models of the"),
+    "falcon_alibi": ("falcon", {"vocab_size": 64, "hidden_size": 16, "num_hidden_layers": 2, "num_attention_heads": 2,
+                                "alibi": True}, "falcon with alibi has no sharding plan"),
+}
+
+
+@pytest.mark.parametrize("name", list(REFUSED))
+def test_a_family_or_feature_without_a_sharding_plan_is_refused_tp_at_analysis_with_its_line(
+        tmp_path: Path, name: str) -> None:
+    model_type, hf, message = REFUSED[name]
     ws = write_ws(tmp_path / "ws", {"BUILD": "\n".join([
         'load("@neuronbuild//rules:llm.bzl", "hf_causal_lm", "llm_buckets")',
         'neuron_target(name = "trn2", platform = "trn2")',
         f'llm_buckets(name = "serve", batch_sizes = [1], context_lengths = [{SEQ}])',
-        f'hf_causal_lm(name = "bloom", model_type = "bloom", config = {json.dumps(hf)}, max_seq = {MAX_SEQ}, '
-        'weights = "bloom.safetensors")',
-        'neuron_compile(name = "bloom_tp2", model = ":bloom", target = ":trn2", tp_degree = 2,',
+        f'hf_causal_lm(name = "{name}", model_type = "{model_type}", config = {json.dumps(hf)}, max_seq = {MAX_SEQ}, '
+        f'weights = "{name}.safetensors")'.replace("true", "True"),
+        f'neuron_compile(name = "{name}_tp2", model = ":{name}", target = ":trn2", tp_degree = 2,',
         '    buckets = {"context": [":serve_context"], "token": [":serve_token"]})']) + "\n",
-        "bloom.safetensors": ""})
+        f"{name}.safetensors": ""})
     proc = run_cli(["plan", "//...", "--cache-dir", str(tmp_path / "cache")], ws)
     assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert "BUILD:5" in proc.stderr and "tp_degree 2" in proc.stderr and "bloom" in proc.stderr, proc.stderr
+    assert "BUILD:5" in proc.stderr and "tp_degree 2" in proc.stderr and message in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr

@@ -12,11 +12,21 @@ from collections.abc import Mapping
 from typing import Any
 
 HF_CAUSAL_LM = "neuronbuild.toolchains.hf_causal_lm"
-# transformers families whose decoder layers have llama's projections (q/k/v/o, gate/up/down; q/k/v biases and per-head
-# q/k norms shard with their heads; Gemma's scaled embedding keeps its scale): each verified against transformers at
-# tp 2 (tests/test_tensor_parallel.py, tests/test_tp_families.py). Fused projections and experts need other splits.
+TP_OPS = "neuronbuild.toolchains.tp_ops"  # the per-rank model's code: its digest enters sharded traces' records
+# transformers families with a sharding plan (toolchains/tp_ops.py), each verified against transformers at tp 2
+# (tests/test_tensor_parallel.py, tests/test_tp_families.py, and by hand: docs/neuron.md lists which).
 TP_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "mixtral", "qwen2_moe",
-               "qwen3_moe")
+               "qwen3_moe",
+               # q/k/v biases; row-parallel output projections with a bias (added once, after the all-reduce)
+               "glm", "glm4", "smollm3", "cohere2", "starcoder2", "phi",
+               # experts: OLMoE's whole-width q/k norms; gpt-oss's biased transposed experts and attention sinks;
+               # DeepSeek-V3's latent attention (the latent cache replicated) and shared experts; Llama 4's
+               "olmoe", "gpt_oss", "deepseek_v3", "llama4_text",
+               # module-patched: fused q|k|v per head (BLOOM with its ALiBi slopes, multi-head Falcon) or multi-query
+               "falcon", "bloom", "gpt_bigcode")
+# MLP widths each rank holds 1/tp of (config key -> its class default when absent: a multiple of the hidden size)
+WIDTHS = {"intermediate_size": 0, "moe_intermediate_size": 0, "shared_expert_intermediate_size": 0,
+          "intermediate_size_mlp": 0, "ffn_hidden_size": 4, "n_inner": 4}
 KV_INPUT = "kv"
 KV_HEADS_DIM = 3  # kv: [layers, 2, batch, kv_heads, max_seq, head_dim]
 
@@ -25,6 +35,40 @@ def _hf(record: Mapping[str, Any]) -> tuple[str, Mapping[str, Any]]:
     config = record.get("config") or {}
     hf = config.get("hf") if isinstance(config, Mapping) else None
     return str(config.get("model_type") or ""), hf if isinstance(hf, Mapping) else {}
+
+
+def _heads(hf: Mapping[str, Any]) -> int:
+    return int(hf.get("num_attention_heads") or hf.get("n_head") or 0)
+
+
+def _cache_heads(record: Mapping[str, Any]) -> int | None:
+    """The key/value heads the graph's KV cache holds (rules/llm.bzl declares them from each family's own keys:
+    Falcon's and GPT-BigCode's multi_query, one latent line for DeepSeek's latent attention), or None."""
+    for name, spec in [*(record.get("inputs") or []), *(record.get("outputs") or [])]:
+        dims = spec.get("dims") if name == KV_INPUT and isinstance(spec, Mapping) else None
+        if dims and len(dims) > KV_HEADS_DIM and isinstance(dims[KV_HEADS_DIM], int):
+            return int(dims[KV_HEADS_DIM])
+    return None
+
+
+def _kv_heads(record: Mapping[str, Any]) -> int:
+    _mt, hf = _hf(record)
+    held = _cache_heads(record)
+    return held if held is not None else int(hf.get("num_key_value_heads") or _heads(hf))
+
+
+def _family_problem(model_type: str, hf: Mapping[str, Any], tp: int) -> str | None:
+    """What of a supported family's config has no sharding plan, or None."""
+    if model_type == "falcon" and (hf.get("alibi") or hf.get("new_decoder_architecture")):
+        what = "alibi" if hf.get("alibi") else "new_decoder_architecture"
+        return f"tp_degree {tp}: falcon with {what} has no sharding plan (falcon with rotary embeddings has)"
+    if model_type == "bloom" and hf.get("slow_but_exact") and int(hf.get("pretraining_tp") or 1) > 1:
+        return f"tp_degree {tp}: bloom with slow_but_exact and pretraining_tp > 1 has no sharding plan"
+    if model_type == "gpt_bigcode" and hf.get("add_cross_attention"):
+        return f"tp_degree {tp}: gpt_bigcode with cross-attention has no sharding plan"
+    if model_type == "deepseek_v3" and int(hf.get("num_key_value_heads") or _heads(hf)) != _heads(hf):
+        return f"tp_degree {tp}: deepseek_v3 with num_key_value_heads != num_attention_heads has no sharding plan"
+    return None
 
 
 def check(record: Mapping[str, Any], platform: str, tp: int, allowed: tuple[int, ...] = (1,)) -> str | None:
@@ -39,30 +83,41 @@ def check(record: Mapping[str, Any], platform: str, tp: int, allowed: tuple[int,
     if not entry.startswith(HF_CAUSAL_LM + ":") or model_type not in TP_FAMILIES:
         return (f"tp_degree {tp}: only hf_causal_lm models of the {', '.join(TP_FAMILIES)} families, or a "
                 f"neuron_model with a tp_plan, can be sharded (this model: {model_type or entry})")
-    heads = int(hf.get("num_attention_heads") or 0)
-    kv = int(hf.get("num_key_value_heads") or heads)
+    heads = _heads(hf)
+    kv = _kv_heads(record)
     if heads % tp:
         return f"tp_degree {tp} does not divide the model's {heads} attention heads"
     if kv % tp and tp % kv:
         return f"tp_degree {tp}: the model's {kv} key/value heads neither divide by it nor divide it"
-    for key in ("intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size"):
-        width = int(hf.get(key) or 0)
+    hidden = int(hf.get("hidden_size") or hf.get("n_embd") or 0)
+    for key, default in WIDTHS.items():
+        width = int(hf.get(key) or 0) or (default * hidden if _uses(model_type, key) else 0)
         if width % tp:
             return f"tp_degree {tp} does not divide the model's {key} {width}"
     vocab = int(hf.get("vocab_size") or 0)
     if vocab < tp:  # (each rank holds a block of the vocabulary, padded to a multiple of tp)
         return f"tp_degree {tp}: the model's vocab_size {vocab} is smaller than it"
-    if hf.get("attention_bias") or hf.get("mlp_bias"):
-        return f"tp_degree {tp}: models with attention_bias or mlp_bias are not supported (row-parallel biases)"
-    return None
+    return _family_problem(model_type, hf, tp)
+
+
+def _uses(model_type: str, key: str) -> bool:
+    """Whether the family's config class fills `key` in with its default when the config leaves it out."""
+    return (model_type, key) in (("falcon", "ffn_hidden_size"), ("gpt_bigcode", "n_inner"))
 
 
 def kv_heads_per_rank(record: Mapping[str, Any], tp: int) -> int:
     """Key/value heads each rank holds: kv/tp, or 1 (replicated) when there are fewer kv heads than ranks."""
-    _mt, hf = _hf(record)
-    heads = int(hf.get("num_attention_heads") or 0)
-    kv = int(hf.get("num_key_value_heads") or heads)
-    return max(1, kv // tp)
+    return max(1, _kv_heads(record) // tp)
+
+
+def builtin_digest(module: str) -> str:
+    """The digest of a module neuronbuild ships (read, not imported: it imports torch)."""
+    from pathlib import Path
+
+    import neuronbuild
+    from neuronbuild.digests import digest_file
+
+    return digest_file(Path(neuronbuild.__file__).resolve().parent.joinpath(*module.split(".")[1:]).with_suffix(".py"))
 
 
 def _with_kv_heads(specs: Any, n: int) -> list[Any]:
@@ -82,14 +137,15 @@ def per_rank_record(record: Mapping[str, Any], tp: int) -> dict[str, Any]:
     whole (the unsharded model's shape, so they see the model's own interface): rank r takes block r*blocks//tp of
     `blocks` equal blocks along that dim (kv heads replicated over tp/blocks ranks when fewer than ranks); outputs in
     `output_rank_dims` (index -> dim) are joined back from one rank per block."""
+    # the rank's program is made by tp_ops (the plan's, or the family's sharding): its code is in the trace's record
+    builtin = dict(record.get("builtin") or {}) | {TP_OPS: builtin_digest(TP_OPS)}
     if record.get("tp_plan"):  # a plain model with a declared plan: every input and output the same on every rank
-        return dict(record) | {"whole_inputs": record["inputs"],
+        return dict(record) | {"whole_inputs": record["inputs"], "builtin": builtin,
                                "tp": {"degree": tp, "rank_dims": {}, "blocks": tp, "output_rank_dims": {}}}
     kv_r = kv_heads_per_rank(record, tp)
-    _mt, hf = _hf(record)
-    heads = int(hf.get("num_attention_heads") or 0)
-    kv = int(hf.get("num_key_value_heads") or heads)
+    kv = _kv_heads(record)
     rec = dict(record)
+    rec["builtin"] = builtin
     rec["whole_inputs"] = record["inputs"]  # what callers feed (bundle manifests list these)
     rec["inputs"] = _with_kv_heads(record["inputs"], kv_r)
     if record.get("outputs"):

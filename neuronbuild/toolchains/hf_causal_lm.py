@@ -158,16 +158,17 @@ def model_dtype(hf: dict[str, Any]) -> torch.dtype:
 def hf_model(config: dict[str, Any]) -> nn.Module:
     """The transformers model of `config` in the config's dtype (random init; weights are loaded by neuronbuild
     afterwards, in that dtype: a bf16 checkpoint stays bf16 end to end). With config["tp_degree"] > 1, one rank's
-    model of a Megatron tensor-parallel split (see per_rank_config)."""
+    model of a Megatron tensor-parallel split (tp_ops.per_rank_hf, tp_ops.shard_hf_model)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     hf = dict(config.get("hf") or {})
     model_type = str(config.get("model_type") or hf.pop("model_type", ""))
     hf.pop("model_type", None)
     tp = int(config.get("tp_degree") or 1)
-    vocab = int(hf.get("vocab_size") or 0)
-    if tp > 1:
-        hf = per_rank_config(hf, tp)
+    if tp > 1:  # one rank's model (toolchains/tp_ops.py: its config here, the rest below)
+        from neuronbuild.toolchains.tp_ops import per_rank_hf, shard_hf_model
+
+        hf = per_rank_hf(model_type, hf, tp)
     dtype = model_dtype(hf)
     hf.pop("torch_dtype", None)
     hf["dtype"] = dtype
@@ -178,85 +179,8 @@ def hf_model(config: dict[str, Any]) -> nn.Module:
 
         quantize_linears(model, config)
     if tp > 1:
-        _add_all_reduces(model, tp)
-        _vocab_parallel(model, tp, vocab)
-        _declare_fused(model, dict(config.get("hf") or {}), tp)
+        shard_hf_model(model, model_type, dict(config.get("hf") or {}), tp)
     return model
-
-
-def per_rank_config(hf: dict[str, Any], tp: int) -> dict[str, Any]:
-    """One rank's HF config of a llama-family model: its attention heads (q/k/v column-parallel by heads, kv heads
-    replicated when fewer than ranks) and its slice of the MLP's intermediate width (gate/up column-parallel);
-    head_dim stays the model's. o_proj and down_proj then take this rank's inputs (row-parallel) and are followed by
-    an all-reduce (_add_all_reduces). The embedding and lm_head hold the rank's block of the vocabulary padded to a
-    multiple of tp (_vocab_parallel); norms are replicated."""
-    from neuronbuild.toolchains.tp_ops import vocab_rows
-
-    heads = int(hf["num_attention_heads"])
-    kv = int(hf.get("num_key_value_heads") or heads)
-    out = dict(hf)
-    out["head_dim"] = int(hf.get("head_dim") or int(hf["hidden_size"]) // heads)
-    out["num_attention_heads"] = heads // tp
-    out["num_key_value_heads"] = max(1, kv // tp)
-    out["intermediate_size"] = int(hf["intermediate_size"]) // tp
-    for key in ("moe_intermediate_size", "shared_expert_intermediate_size"):  # MoE experts' widths, split alike
-        if hf.get(key):
-            out[key] = int(hf[key]) // tp
-    out["vocab_size"] = vocab_rows(int(hf["vocab_size"]), tp)
-    out["pad_token_id"] = None  # (the embedding's padding_idx: a global id, and only init and gradients use it)
-    return out
-
-
-def _vocab_parallel(model: nn.Module, tp: int, vocab: int) -> None:
-    """Vocabulary-parallel embedding and lm_head (Megatron, as NxD Inference): each rank's embedding looks up its
-    block of ids, zeros elsewhere, all-reduced (tp_ops.VocabParallelEmbedding); its lm_head is column-parallel over
-    the same blocks, its logits all-gathered and the padding cut, so the graph outputs the whole model's logits. A
-    tied lm_head is the embedding's own weight: one shard serves both."""
-    from neuronbuild.toolchains.tp_ops import gather_vocab, make_vocab_parallel
-
-    embed, head = model.get_input_embeddings(), model.get_output_embeddings()  # type: ignore[operator]
-    if head is None or getattr(head, "bias", None) is not None:
-        raise ValueError("tensor parallelism: the model's lm_head is missing or has a bias")
-    make_vocab_parallel(embed, tp)
-    gather_vocab(head, tp, vocab)
-
-
-def _add_all_reduces(model: nn.Module, tp: int) -> None:
-    from neuronbuild.toolchains.tp_ops import all_reduce
-
-    def reduce(_m: nn.Module, _args: Any, out: torch.Tensor) -> torch.Tensor:
-        return all_reduce(out, tp)  # type: ignore[no-any-return]
-
-    for name, m in model.named_modules():
-        # row-parallel: attention's output projection, the MLP's (a shared expert's too) and the experts' (whose
-        # intermediate width each rank holds 1/tp of: each rank's sum over experts is a partial sum)
-        if name.endswith((".self_attn.o_proj", ".mlp.down_proj", ".shared_expert.down_proj", ".mlp.experts")):
-            if getattr(m, "bias", None) is not None or getattr(m, "has_bias", False):
-                raise ValueError(f"{name} has a bias: row-parallel layers with a bias are not supported for "
-                                 "tensor parallelism")
-            m.register_forward_hook(reduce)
-
-
-def _declare_fused(model: nn.Module, hf: dict[str, Any], tp: int) -> None:
-    """Declare one rank's fused column-parallel parameters (tp_ops.FUSED_ATTR) for the weights action: Phi-3's
-    q|k|v projection (q heads split, kv heads split or replicated) and gate|up projections, dense (gate_up_proj
-    [2 x intermediate, hidden]) or experts' ([experts, 2 x intermediate, hidden]): each part split on its own."""
-    from neuronbuild.toolchains.tp_ops import FUSED_ATTR
-
-    heads = int(hf.get("num_attention_heads") or 0)
-    kv = int(hf.get("num_key_value_heads") or heads)
-    head_dim = int(hf.get("head_dim") or (int(hf.get("hidden_size") or 0) // max(heads, 1)))
-    fused: dict[str, tuple[int, tuple[tuple[int, int], ...]]] = {}
-    for name, p in model.named_parameters():
-        if name.endswith(".self_attn.qkv_proj.weight"):
-            kv_rank = max(1, kv // tp)
-            fused[name] = (0, ((heads * head_dim, heads // tp * head_dim), (kv * head_dim, kv_rank * head_dim),
-                               (kv * head_dim, kv_rank * head_dim)))
-        elif name.endswith(".mlp.gate_up_proj.weight") or name.endswith(".experts.gate_up_proj"):
-            dim = p.dim() - 2  # (the out dim: 0 for a linear's weight, 1 for experts' [experts, out, in])
-            half = p.shape[dim] // 2
-            fused[name] = (dim, ((half * tp, half), (half * tp, half)))
-    setattr(model, FUSED_ATTR, fused)
 
 
 EXPERTS = "neuronbuild_dense"

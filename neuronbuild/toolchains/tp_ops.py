@@ -254,3 +254,272 @@ def _row_parallel_hook(tp: int) -> Any:
         return all_reduce(out - bias, tp) + bias  # type: ignore[no-any-return]
 
     return hook
+
+
+# -- transformers families (hf_causal_lm): one rank's model -----------------------------------------------------------
+# hf_causal_lm.hf_model builds one rank's model from `per_rank_hf` (the config) and `shard_hf_model` (what the config
+# cannot say). Two ways, by family:
+# - config-driven (llama and every family whose attention reads `head_dim` from its config): the rank's config holds
+#   heads/tp, kv heads/tp (or 1, replicated), the MLP's and experts' widths /tp; transformers then builds the rank's
+#   layers at their per-rank shapes;
+# - module-patched (PATCHED: falcon, bloom, gpt_bigcode, whose attention derives head_dim from hidden_size/heads): the
+#   whole model's config, then each attention's head counts and its q|k|v and output projections are cut to the rank's.
+# Row-parallel layers (ROW_PARALLEL: attention's output projection, the MLP's down projection, experts) are followed
+# by an all-reduce, their bias added once, after it.
+PATCHED = ("falcon", "bloom", "gpt_bigcode")
+# MLP widths split over the ranks, by config key (an expert's and a shared expert's too; Llama 4's dense layers')
+WIDTH_KEYS = ("intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size", "intermediate_size_mlp",
+              "ffn_hidden_size", "n_inner")
+ROW_PARALLEL = (".self_attn.o_proj", ".mlp.down_proj", ".shared_expert.down_proj", ".shared_experts.down_proj",
+                ".feed_forward.down_proj", ".feed_forward.shared_expert.down_proj",
+                ".self_attn.dense", ".mlp.fc2",  # phi
+                ".mlp.c_proj", ".attn.c_proj",  # starcoder2, gpt_bigcode
+                ".self_attention.dense", ".mlp.dense_4h_to_h")  # falcon, bloom
+EXPERTS = (".mlp.experts", ".feed_forward.experts")  # experts' intermediate width split: partial sums, all-reduced
+
+
+def per_rank_hf(model_type: str, hf: dict[str, Any], tp: int) -> dict[str, Any]:
+    """One rank's HF config (see above). The embedding and lm_head hold the rank's block of the vocabulary padded to
+    a multiple of tp (vocab_parallel); norms are replicated."""
+    out = dict(hf)
+    hidden = int(hf.get("hidden_size") or hf.get("n_embd") or 0)
+    if model_type == "falcon":
+        out["ffn_hidden_size"] = int(hf.get("ffn_hidden_size") or 4 * hidden) // tp
+    elif model_type == "gpt_bigcode":
+        out["n_inner"] = int(hf.get("n_inner") or 4 * hidden) // tp
+    if model_type not in PATCHED:
+        heads = int(hf["num_attention_heads"])
+        kv = int(hf.get("num_key_value_heads") or heads)
+        if not hf.get("kv_lora_rank"):  # (latent attention's head_dim is its rotary width: the config's own)
+            out["head_dim"] = int(hf.get("head_dim") or hidden // heads)
+        out["num_attention_heads"] = heads // tp
+        out["num_key_value_heads"] = max(1, kv // tp)
+        for key in WIDTH_KEYS:
+            if hf.get(key):
+                out[key] = int(hf[key]) // tp
+    out["vocab_size"] = vocab_rows(int(hf["vocab_size"]), tp)
+    out["pad_token_id"] = None  # (the embedding's padding_idx: a global id, and only init and gradients use it)
+    return out
+
+
+def shard_hf_model(model: torch.nn.Module, model_type: str, hf: Mapping[str, Any], tp: int) -> None:
+    """Make `model` (built from per_rank_hf's config) one rank's model: the patched families' attention cut to the
+    rank's heads, whole-width q/k norms (OLMoE) made tensor-parallel, all-reduces after the row-parallel layers,
+    biases of row-parallel experts added by one rank, the vocabulary-parallel embedding and lm_head, and the fused
+    parameters declared (FUSED_ATTR) for the weights action. ValueError for what no rule covers."""
+    if model_type in PATCHED:
+        _patch_attention(model, model_type, hf, tp)
+    _tp_qk_norms(model, hf, tp)
+    _row_parallel(model, tp)
+    vocab_parallel(model, tp, int(hf.get("vocab_size") or 0))
+    declare_fused(model, model_type, hf, tp)
+
+
+def _resize(linear: Any, dim: int, size: int) -> None:
+    """Give an nn.Linear `size` output (dim 0) or input (dim 1) features: new (valueless) parameters of the rank's
+    shapes, in the same dtype and device (the weights action fills them)."""
+    weight = linear.weight
+    shape = list(weight.shape)
+    shape[dim] = size
+    linear.weight = torch.nn.Parameter(torch.empty(shape, dtype=weight.dtype, device=weight.device),
+                                       requires_grad=False)
+    if dim == 0:
+        linear.out_features = size  # type: ignore[assignment]
+        if linear.bias is not None:
+            bias = linear.bias
+            linear.bias = torch.nn.Parameter(torch.empty(size, dtype=bias.dtype, device=bias.device),
+                                             requires_grad=False)
+    else:
+        linear.in_features = size  # type: ignore[assignment]
+
+
+def _patch_attention(model: torch.nn.Module, model_type: str, hf: Mapping[str, Any], tp: int) -> None:
+    """Falcon, BLOOM, GPT-BigCode: each attention's heads cut to the rank's (head_dim kept), its fused q|k|v cut to the
+    rank's heads (per-head interleaved [q k v] per head: a plain block of heads; multi-query [q... | k | v]: the
+    query heads split, the one k and v replicated, declared fused) and its output projection's input to theirs;
+    BLOOM's ALiBi slopes are the whole model's, each rank taking its heads' (its rank id)."""
+    for name, m in model.named_modules():
+        cls = type(m).__name__
+        if cls.endswith("MLP") and model_type == "bloom":
+            _resize(m.dense_h_to_4h, 0, m.dense_h_to_4h.out_features // tp)
+            _resize(m.dense_4h_to_h, 1, m.dense_4h_to_h.in_features // tp)
+        if not cls.endswith("Attention"):
+            continue
+        heads, head_dim = int(m.num_heads), int(m.head_dim)
+        m.num_heads = heads // tp
+        if model_type == "falcon":
+            if m.new_decoder_architecture:
+                raise ValueError(f"{name}: falcon's new_decoder_architecture is not supported at tp_degree > 1")
+            m.num_kv_heads = 1 if m.multi_query else heads // tp
+            qkv = m.query_key_value
+            dense = m.dense
+            multi_query = bool(m.multi_query)
+        elif model_type == "bloom":
+            qkv, dense, multi_query = m.query_key_value, m.dense, False
+        else:  # gpt_bigcode
+            if getattr(m, "is_cross_attention", False):
+                raise ValueError(f"{name}: cross-attention is not supported at tp_degree > 1")
+            multi_query = bool(m.multi_query)
+            m.embed_dim = heads // tp * head_dim
+            m.kv_heads = 1 if multi_query else heads // tp
+            m.kv_dim = m.kv_heads * head_dim
+            m.num_key_value_groups = m.num_heads // m.kv_heads
+            m.split_size = m.embed_dim
+            qkv, dense = m.c_attn, m.c_proj
+        rank_q = heads // tp * head_dim
+        _resize(qkv, 0, rank_q + 2 * head_dim if multi_query else 3 * rank_q)
+        _resize(dense, 1, rank_q)
+    if model_type == "bloom":
+        _bloom_alibi(model, tp)
+
+
+def _bloom_alibi(model: torch.nn.Module, tp: int) -> None:
+    """BLOOM's ALiBi bias for the rank's heads: the whole model's tensor (its slopes depend on the head count and the
+    head's index), the rank's block of heads taken by its rank id (a buffer, as the embedding's)."""
+    base: Any = model.transformer  # BloomModel: builds the bias from its num_heads (the whole model's)
+    base.register_buffer(RANK_BUFFER, torch.zeros(1, dtype=torch.int32), persistent=False)
+    whole_build = base.build_alibi_tensor
+    heads = int(base.num_heads)
+
+    def build_alibi_tensor(attention_mask: torch.Tensor, num_heads: int, dtype: torch.dtype) -> torch.Tensor:
+        alibi = whole_build(attention_mask, num_heads, dtype)  # [batch * heads, 1, seq]
+        batch = attention_mask.shape[0]
+        per = heads // tp
+        index = getattr(base, RANK_BUFFER).to(torch.int64) * per + torch.arange(per, device=alibi.device)
+        alibi = alibi.view(batch, heads, 1, alibi.shape[-1]).index_select(1, index)
+        return alibi.reshape(batch * per, 1, alibi.shape[-1])
+
+    base.build_alibi_tensor = build_alibi_tensor
+
+
+class TPRMSNorm(torch.nn.Module):
+    """One rank's part of an RMSNorm over a width split across the ranks (OLMoE's q and k norms span every head): the
+    sum of squares all-reduced (each block counted once: divided by the ranks holding it) over the whole width."""
+
+    weight: torch.nn.Parameter
+
+    def __init__(self, weight: torch.nn.Parameter, eps: float, width: int, copies: int, tp: int) -> None:
+        super().__init__()
+        self.weight = weight
+        self.variance_epsilon, self.width, self.copies, self.tp = eps, width, copies, tp
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        dtype = hidden_states.dtype
+        x = hidden_states.to(torch.float32)
+        squares = all_reduce(x.pow(2).sum(-1, keepdim=True), self.tp)
+        variance = squares / (self.copies * self.width)
+        x = x * torch.rsqrt(variance + self.variance_epsilon)
+        return self.weight * x.to(dtype)  # type: ignore[no-any-return]
+
+
+def _tp_qk_norms(model: torch.nn.Module, hf: Mapping[str, Any], tp: int) -> None:
+    """Whole-width q/k RMSNorms (over all heads, before the heads are split: OLMoE's, OLMo-2's) as TPRMSNorm over the
+    rank's heads. Per-head norms (Qwen3's, of head_dim) are replicated as they are."""
+    heads = int(hf.get("num_attention_heads") or 0)
+    kv = int(hf.get("num_key_value_heads") or heads)
+    for _name, m in model.named_modules():
+        q_norm, q_proj = getattr(m, "q_norm", None), getattr(m, "q_proj", None)
+        if q_norm is None or q_proj is None or not isinstance(q_proj, torch.nn.Linear):
+            continue
+        head_dim = int(getattr(m, "head_dim", 0) or 0)
+        weight = getattr(q_norm, "weight", None)
+        if weight is None or weight.dim() != 1 or weight.shape[0] == head_dim:
+            continue  # per head: replicated
+        for attr, proj, blocks in (("q_norm", q_proj, tp), ("k_norm", m.k_proj, min(kv, tp))):
+            norm = getattr(m, attr)
+            eps = float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6)))
+            rank = int(proj.out_features)
+            w = norm.weight
+            made = torch.nn.Parameter(torch.empty(rank, dtype=w.dtype, device=w.device), requires_grad=False)
+            setattr(m, attr, TPRMSNorm(made, eps, rank * blocks, tp // blocks, tp))
+
+
+def _row_parallel_linear(cls: type) -> type:
+    def forward(self: Any, x: torch.Tensor) -> torch.Tensor:
+        out = all_reduce(torch.nn.functional.linear(x, self.weight), self.nb_tp)
+        return out + self.bias  # type: ignore[no-any-return]
+
+    return type(f"RowParallel{cls.__name__}", (cls,), {"forward": forward})
+
+
+class _RankMaskedDownBias:
+    """Experts whose down projection has a bias (gpt-oss): each rank's experts output a partial sum over its slice of
+    the intermediate width, all-reduced; the bias is added by rank 0 only (its value times rank == 0), so the sum
+    holds it once. The parameter keeps its name (the checkpoint's)."""
+
+    @property
+    def down_proj_bias(self) -> torch.Tensor:
+        bias = self._parameters["down_proj_bias"]  # type: ignore[attr-defined]
+        rank = getattr(self, RANK_BUFFER)
+        return bias * (rank == 0).to(bias.dtype)  # type: ignore[no-any-return]
+
+
+def _row_parallel(model: torch.nn.Module, tp: int) -> None:
+    """An all-reduce after every row-parallel layer (ROW_PARALLEL linears, EXPERTS modules), the bias added once."""
+    def reduce(_m: torch.nn.Module, _args: Any, out: torch.Tensor) -> torch.Tensor:
+        return all_reduce(out, tp)  # type: ignore[no-any-return]
+
+    for name, m in list(model.named_modules()):
+        if name.endswith(EXPERTS):
+            if getattr(m, "has_bias", False):
+                cls = type(m)
+                m.__class__ = type(f"RankMasked{cls.__name__}", (_RankMaskedDownBias, cls), {})
+                m.register_buffer(RANK_BUFFER, torch.zeros(1, dtype=torch.int32), persistent=False)
+            m.register_forward_hook(reduce)
+        elif name.endswith(ROW_PARALLEL):
+            if getattr(m, "bias", None) is None:
+                m.register_forward_hook(reduce)
+            elif isinstance(m, torch.nn.Linear):
+                m.__class__ = _row_parallel_linear(type(m))
+                setattr(m, "nb_tp", tp)  # noqa: B010
+            else:
+                raise ValueError(f"{name}: a row-parallel {type(m).__name__} with a bias is not supported for "
+                                 "tensor parallelism")
+
+
+def vocab_parallel(model: torch.nn.Module, tp: int, vocab: int) -> None:
+    """Vocabulary-parallel embedding and lm_head (Megatron, as NxD Inference): each rank's embedding looks up its
+    block of ids, zeros elsewhere, all-reduced (VocabParallelEmbedding); its lm_head is column-parallel over the same
+    blocks (a bias too: Phi's), its logits all-gathered and the padding cut, so the graph outputs the whole model's
+    logits. A tied lm_head is the embedding's own weight: one shard serves both."""
+    embed, head = model.get_input_embeddings(), model.get_output_embeddings()  # type: ignore[operator]
+    if head is None:
+        raise ValueError("tensor parallelism: the model has no lm_head")
+    make_vocab_parallel(embed, tp)
+    gather_vocab(head, tp, vocab)
+
+
+def declare_fused(model: torch.nn.Module, model_type: str, hf: Mapping[str, Any], tp: int) -> None:
+    """Declare one rank's fused column-parallel parameters (FUSED_ATTR) for the weights action: Phi-3's q|k|v (q heads
+    split, kv heads split or replicated), multi-query q|k|v (Falcon's, GPT-BigCode's: k and v replicated), gate|up
+    projections, dense ([2 x intermediate, hidden]) or experts' ([experts, 2 x intermediate, hidden], or transposed
+    [experts, hidden, 2 x intermediate]): each part split on its own. Interleaved ones (per-head [q k v] of BLOOM and
+    multi-head Falcon; gpt-oss's gate/up pairs) need none: a rank's block of the whole is its part."""
+    heads = int(hf.get("num_attention_heads") or hf.get("n_head") or 0)
+    kv = int(hf.get("num_key_value_heads") or heads)
+    hidden = int(hf.get("hidden_size") or hf.get("n_embd") or 0)
+    head_dim = int(hf.get("head_dim") or (hidden // max(heads, 1)))
+    modules = dict(model.named_modules())
+    fused: dict[str, tuple[int, tuple[tuple[int, int], ...]]] = {}
+    for name, p in model.named_parameters():
+        owner = modules.get(name.rpartition(".")[0])
+        if name.endswith(".self_attn.qkv_proj.weight"):
+            kv_rank = max(1, kv // tp)
+            fused[name] = (0, ((heads * head_dim, heads // tp * head_dim), (kv * head_dim, kv_rank * head_dim),
+                               (kv * head_dim, kv_rank * head_dim)))
+        elif name.endswith((".query_key_value.weight", ".query_key_value.bias", ".c_attn.weight", ".c_attn.bias")):
+            attn = modules.get(name.rsplit(".", 2)[0])
+            if getattr(attn, "multi_query", False):
+                fused[name] = (0, ((heads * head_dim, heads // tp * head_dim), (head_dim, head_dim),
+                                   (head_dim, head_dim)))
+        elif name.endswith(".mlp.gate_up_proj.weight"):
+            half = p.shape[0] // 2
+            fused[name] = (0, ((half * tp, half), (half * tp, half)))
+        elif name.endswith(".experts.gate_up_proj") or name.endswith(".experts.gate_up_proj_bias"):
+            if not getattr(owner, "is_concatenated", True):
+                continue  # interleaved gate/up pairs (gpt-oss): a contiguous block holds whole pairs
+            transposed = getattr(owner, "is_transposed", type(owner).__name__ == "Llama4TextExperts")
+            dim = p.dim() - 1 if (transposed or name.endswith("_bias")) else p.dim() - 2
+            half = p.shape[dim] // 2
+            fused[name] = (dim, ((half * tp, half), (half * tp, half)))
+    setattr(model, FUSED_ATTR, fused)
