@@ -312,3 +312,34 @@ def test_a_bad_plan_value_is_a_located_error(tmp_path: Path) -> None:
     assert proc.returncode != 0
     assert "pkg/BUILD:" in proc.stderr and "attribute 'tp_plan': 'down.weight'" in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_a_change_to_the_sharding_code_rekeys_sharded_weights_and_traces_only(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """tp_ops cuts the rank shards (the weights action) and builds each rank's program (the traces): its digest is in
+    both records at tp > 1, so editing it can never serve shards cut by the old code; unsharded actions keep theirs."""
+    from neuronbuild.analysis import analysis_context, tensor_parallel
+    from neuronbuild.analysis.planner import plan
+    from neuronbuild.loading.target_graph import load_targets
+
+    ws = write_ws(tmp_path / "ws", {"pkg/mlp.py": MLP_SRC, "pkg/w.safetensors": ""})
+    build = MLP_BUILD.replace('name = "mlp",', 'name = "mlp", weights = "w.safetensors",') + \
+        'neuron_compile(name = "mlp_tp1", model = ":mlp", buckets = [":bk"], target = ":trn2")\n'
+    (ws / "pkg" / "BUILD").write_text(build)
+
+    def kinds() -> dict[str, dict[str, str]]:
+        ag = plan(load_targets(ws, ["//pkg:all"]))
+        return {str(c.label): {ag.actions[x].kind + ("" if ag.actions[x].kind == "weights" else str(b)): x
+                               for b, fp in c.buckets for x in ag.closure(fp)} for c in ag.compiles}
+
+    before = kinds()
+    real = tensor_parallel.builtin_digest
+    edited = lambda m: "edited" if m == tensor_parallel.TP_OPS else real(m)  # noqa: E731
+    monkeypatch.setattr(tensor_parallel, "builtin_digest", edited)
+    monkeypatch.setattr(analysis_context, "builtin_digest", edited)
+    after = kinds()
+    assert after["//pkg:mlp_tp1"] == before["//pkg:mlp_tp1"]
+    for label in ("//pkg:mlp_tp2", "//pkg:mlp_tp4"):
+        assert "weights" in before[label], before[label]
+        changed = {k for k in before[label] if after[label].get(k) != before[label][k]}
+        assert {"weights"} | {k for k in before[label] if k.startswith("trace")} <= changed, (label, changed)

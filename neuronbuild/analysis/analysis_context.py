@@ -30,6 +30,7 @@ from neuronbuild.analysis.analysis_nodes import (
 )
 from neuronbuild.analysis.plan_settings import PlanSettings
 from neuronbuild.analysis.providers import BundleInfo, CompileTarget, ModelInfo
+from neuronbuild.analysis.tensor_parallel import TP_OPS, builtin_digest
 from neuronbuild.analysis.toolchain_api import CompileRequest, Toolchain
 from neuronbuild.engine import Node
 from neuronbuild.loading.labels import Label
@@ -399,6 +400,8 @@ class AnalysisContext:
         rec = {k: v for k, v in model.record.items() if k not in _GRAPH_KEYS}
         if tp_degree <= 1:
             rec.pop("tp_plan", None)
+        else:  # the rank shards are cut by tp_ops (fused parts, replicated kv heads, ...): its code is in the record
+            rec["builtin"] = dict(rec.get("builtin") or {}) | {TP_OPS: builtin_digest(TP_OPS)}
         record = {
             "format": FORMAT_VERSION,
             "action": WEIGHTS,

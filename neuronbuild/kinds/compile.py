@@ -32,7 +32,7 @@ SCHEMA = RuleSchema(
         Attr("options", GRAPH_LABEL, "A compiler_options target (default: no options), or {graph: label} per graph "
              "family (e.g. context at -O1, token at -O2).", kinds=("compiler_options",)),
         Attr("tp_degree", INT, "Tensor-parallel degree: each graph becomes one SPMD program for tp_degree NeuronCores "
-             "with one weights shard per rank (hf_causal_lm llama-family models; a degree the platform accepts).",
+             "with one weights shard per rank (hf_causal_lm models of the families in docs/neuron.md, neuron_model with a tp_plan; a degree the platform accepts).",
              default=1),
         Attr("tolerance", FLOAT, "Max abs error against eager accepted by `neuronbuild validate`.", default=1e-4),
         Attr("timeout", FLOAT, "Seconds each action of this target may run (trace, lowering, compile); overrides "
