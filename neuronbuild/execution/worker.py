@@ -243,7 +243,22 @@ def run_isolated(msg: Mapping[str, Any], installation: tuple[str, ...]) -> dict[
     (one fewer than through an outside child); this worker's wait4 gives the action's end (the init's code, decoded)
     and CPU time. Otherwise (a non-root user: a user namespace) the child outside the namespace enters it
     (confine_ns.enter), forks the init and ends as it did (confine_ns.reraise). Where namespaces are refused, the
-    outside child runs the action itself (as before; its log says so)."""
+    outside child runs the action itself (as before; its log says so).
+
+    As root the namespace's init and the action's process are *prepared*: forked, their namespaces, private /proc,
+    /dev/shm and network made, before the action is known (`prepare`; the worker's loop makes the next one while it
+    idles, between sending a result and receiving the next action), and dispatching the action is one message (JSON
+    data) to the waiting init (`_dispatch`). Without a prepared process this makes one now, so every action as root
+    runs the same way."""
+    prep = _take_prepared(installation)
+    if prep is not None:
+        return _dispatch(prep, msg, installation)
+    return _run_isolated_now(msg, installation)
+
+
+def _run_isolated_now(msg: Mapping[str, Any], installation: tuple[str, ...]) -> dict[str, Any]:
+    """run_isolated where no action process can be prepared (a non-root user: the outside child enters a user
+    namespace; or namespaces refused): every process forked for this action, after it is known."""
     policy = action_policy(msg, dict(os.environ), installation)
     lim: Mapping[str, Any] = msg["limits"] if isinstance(msg.get("limits"), Mapping) else {}
     want_pids, want_mb = int(lim.get("pids") or 0), int(lim.get("memory_mb") or 0)
@@ -306,6 +321,13 @@ def run_isolated(msg: Mapping[str, Any], installation: tuple[str, ...]) -> dict[
         finally:
             os._exit(code)
     os.close(w)
+    return _collect(pid, r, cg, lim, in_ns)
+
+
+def _collect(pid: int, r: int, cg: limits.ActionCgroup | None, lim: Mapping[str, Any], in_ns: bool) -> dict[str, Any]:
+    """Wait for the action forked as `pid` (its result on the pipe `r`, which this closes) within its limits `lim`
+    (its cgroups `cg`, else this worker's watch), reap it and return its result."""
+    want_pids, want_mb = int(lim.get("pids") or 0), int(lim.get("memory_mb") or 0)
     conn = Connection(r, writable=False)
     pidfd: int | None = None
     with contextlib.suppress(AttributeError, OSError):
@@ -315,7 +337,7 @@ def run_isolated(msg: Mapping[str, Any], installation: tuple[str, ...]) -> dict[
     started = time.perf_counter()
     have = cg.dirs if cg is not None else {}
     watch = limits.Watch(pid, 0 if "pids" in have else want_pids, 0 if "memory" in have else want_mb)
-    watching = cg is not None or bool(watch.pids or watch.memory_mb)
+    watching = bool(have) or bool(watch.pids or watch.memory_mb)
     hit: tuple[str, str] | None = None  # (the limit exceeded, how it was seen)
     try:
         handles: list[Any] = [conn] if pidfd is None else [conn, pidfd]
@@ -364,6 +386,192 @@ def run_isolated(msg: Mapping[str, Any], installation: tuple[str, ...]) -> dict[
     res["action_pid"] = pid
     res["pid"] = os.getpid()
     return res
+
+
+# Prepared action processes (run_isolated, as root): the init of a fresh pid namespace and the action's process,
+# forked and set up before the action is known, waiting for it.
+PREPARED_VAR = "NEURONBUILD_PREPARED_ACTIONS"  # "0": fork every action's processes when it is dispatched (A/B)
+_NO_MOUNTS = ("no private mounts ({}); this action may read other processes' cmdline, comm, stat and status, what it "
+              "leaves in /dev/shm outlives it, and the linked big inputs are protected against writes only (Landlock)")
+
+
+class Prepared:
+    """A prepared action process: `pid`, this worker's child, is pid 1 of its own pid namespace (its mount and
+    network namespaces, private /proc and /dev/shm made) and has forked the action's process (pid 2), which waits;
+    both are in the cgroups `cg` (made without limits: _dispatch sets the action's). The init reads the action's
+    message from `msg_w`; the action's process writes its result to `res_r`. `state` is what this worker held when
+    it forked them (a process prepared before a warm-up or an import here lacks it: it is discarded)."""
+
+    def __init__(self, pid: int, msg_w: int, res_r: int, cg: limits.ActionCgroup | None, no_cg: str | None,
+                 installation: tuple[str, ...], state: tuple[int, int]) -> None:
+        self.pid, self.msg_w, self.res_r, self.cg, self.no_cg = pid, msg_w, res_r, cg, no_cg
+        self.installation, self.state = installation, state
+
+
+_PREPARED: list[Prepared] = []  # at most one, this worker's
+_CHANGES = [0]  # warm-ups run in this process (a prepared process forked before one lacks it)
+
+
+def _worker_state() -> tuple[int, int]:
+    return len(sys.modules), _CHANGES[0]
+
+
+def prepare(installation: tuple[str, ...]) -> Prepared | None:
+    """Fork the next action's processes ahead of demand (the worker's loop calls this while it idles), or None where
+    they cannot be prepared: a non-root user (its namespaces need a user namespace, which the outside child enters
+    after the fork: run_isolated's other path), namespaces refused, or ${PREPARED_VAR}=0. Idempotent."""
+    if _PREPARED:
+        if _PREPARED[0].state == _worker_state() and _PREPARED[0].installation == installation:
+            return _PREPARED[0]
+        discard_prepared()
+    if os.environ.get(PREPARED_VAR) == "0" or os.getuid() != 0:
+        return None
+    worker_pid = os.getpid()
+    if confine_ns.pid_ns_for_children() is not None:  # (remembered: not tried again by this worker)
+        return None
+    cg, no_cg = limits.ActionCgroup.make(0, 0, True, ahead=True)
+    seen_as = _proc_pid()  # this worker's pid as /proc numbers it
+    msg_r, msg_w = os.pipe()
+    res_r, res_w = os.pipe()
+    try:
+        pid = os.fork()
+    finally:
+        if os.getpid() == worker_pid and (why := confine_ns.own_pid_ns()) is not None:
+            print(f"neuronbuild: worker {worker_pid} cannot fork into its own pid namespace again ({why}); it exits",
+                  file=sys.stderr, flush=True)
+            os._exit(70)  # (never seen) its next forks would fail: the pool replaces it
+    if pid == 0:  # pid 1 of the next action's namespaces
+        code = 70
+        try:
+            if cg is not None:
+                cg.join()  # (first: every process the action starts is in its cgroups)
+            close_inherited_fds(keep=(msg_r, res_w))  # the worker's pipes, its pidfds: not the model's
+            null = os.open(os.devnull, os.O_RDWR)
+            for fd in (0, 1, 2):
+                os.dup2(null, fd)
+            os.close(null)
+            _die_with_parent(worker_pid, check=False)
+            if seen_as and _proc_pid(ppid=True) != seen_as:  # the worker died before the line above
+                os._exit(70)
+            why = confine_ns.enter_mounts()
+            code = _prepared_init(msg_r, res_w, installation, None if why is None else _NO_MOUNTS.format(why))
+        except BaseException:  # noqa: BLE001 - reported as a death by the worker
+            code = 70
+        finally:
+            os._exit(code)
+    os.close(msg_r)
+    os.close(res_w)
+    prep = Prepared(pid, msg_w, res_r, cg, no_cg, installation, _worker_state())
+    _PREPARED.append(prep)
+    return prep
+
+
+def discard_prepared() -> None:
+    """End the prepared action process (the worker changed since it was forked, or stops): kill its init (the
+    kernel then kills the waiting action's process), reap it, remove its cgroups."""
+    while _PREPARED:
+        prep = _PREPARED.pop()
+        with contextlib.suppress(OSError):
+            os.kill(prep.pid, signal.SIGKILL)
+        with contextlib.suppress(ChildProcessError, OSError):
+            os.waitpid(prep.pid, 0)
+        for fd in (prep.msg_w, prep.res_r):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        if prep.cg is not None:
+            prep.cg.remove()
+
+
+def _take_prepared(installation: tuple[str, ...]) -> Prepared | None:
+    """The prepared action process (made now when there is none), taken: it will run the next action."""
+    prep = prepare(installation)
+    if prep is not None:
+        _PREPARED.remove(prep)
+    return prep
+
+
+def _prepared_init(msg_r: int, res_w: int, installation: tuple[str, ...], no_mounts: str | None) -> int:
+    """The prepared namespace's init (pid 1; runs no model code): what _init does before it knows the action (a
+    network namespace, a private /proc and /dev/shm), the action's process forked (_prepared_child, waiting); then,
+    once the action's message arrives, the sandbox's read-only sibling mounted read-only and the message passed on;
+    reaps until the action's process ended. Returns the code to exit with (confine_ns.status_code); 70 when the
+    worker closed the message pipe without an action (discarded)."""
+    notes = [no_mounts] if no_mounts is not None else []
+    if (why := confine_ns.private_net()) is not None:
+        notes.append(f"no private network namespace ({why}); this action shares the machine's network and sees "
+                     "its sockets in /proc/net")
+    if no_mounts is None:
+        if (why := confine_ns.private_proc()) is not None:
+            notes.append(f"no private /proc ({why}); this action may read other processes' cmdline, comm, stat and "
+                         "status")
+        if (why := confine_ns.private_shm()) is not None:
+            notes.append(f"no private /dev/shm ({why}); what this action leaves there outlives it")
+    fwd_r, fwd_w = os.pipe()
+    child = os.fork()
+    if child == 0:
+        os.close(fwd_w)
+        os.close(msg_r)
+        _prepared_child(fwd_r, res_w, installation)
+    os.close(fwd_r)
+    os.close(res_w)
+    try:
+        msg = channel.recv(Connection(msg_r, writable=False))
+    except (EOFError, OSError, channel.BadMessage):
+        return 70
+    if not isinstance(msg, dict):
+        return 70
+    notes += list(msg.get("limit_notes") or ())
+    ro = read_only_dir(msg["inputs"])
+    if no_mounts is None and ro.is_dir() and (why := confine_ns.read_only_bind(str(ro))) is not None:
+        notes.append(f"{why}; the linked big inputs are protected against writes only (Landlock)")
+    out = Connection(fwd_w, readable=False)
+    channel.send(out, {"msg": msg, "notes": notes})
+    out.close()
+    return confine_ns.init_wait(child)
+
+
+def _prepared_child(fwd_r: int, res_w: int, installation: tuple[str, ...]) -> None:
+    """The prepared action's process (pid 2): waits for its action from the init, then runs it as _init's child does
+    (_run_child: its own $HOME and $TMPDIR, confined to the action's policy). Never returns."""
+    try:
+        _die_with_parent(1)
+        conn = Connection(fwd_r, writable=False)
+        got = channel.recv(conn)
+        conn.close()
+        msg, notes = got["msg"], [str(n) for n in got["notes"]]
+        policy = action_policy(msg, dict(os.environ), installation)
+    except BaseException:  # noqa: BLE001 - discarded, or a broken message: reported as a death by the worker
+        os._exit(70)
+    _run_child(msg, policy, res_w, 1, notes)
+
+
+def _dispatch(prep: Prepared, msg: Mapping[str, Any], installation: tuple[str, ...]) -> dict[str, Any]:
+    """Run the action `msg` in the prepared process `prep` (taken): its limits set on the prepared cgroups (else
+    this worker watches), the message sent to the waiting init, then as run_isolated (_collect)."""
+    lim: Mapping[str, Any] = msg["limits"] if isinstance(msg.get("limits"), Mapping) else {}
+    want_pids, want_mb = int(lim.get("pids") or 0), int(lim.get("memory_mb") or 0)
+    cg, no_cg = prep.cg, prep.no_cg
+    if cg is not None:
+        if lim.get("cgroups") is False:  # the build's watch-only setting: the prepared cgroup sets no limit
+            cg.dirs, no_cg = {}, f"${limits.CGROUPS_VAR}=0"
+        else:
+            no_cg = cg.apply(want_pids, want_mb)
+    if no_cg is not None and (want_pids or want_mb):
+        msg = {**msg, "limit_notes": [f"no cgroup for this action's limits ({no_cg}); its worker counts its processes "
+                                      f"and memory every {limits.POLL_S:g} s instead"]}
+    out = Connection(prep.msg_w, readable=False)
+    try:
+        channel.send(out, msg)
+    except OSError:  # (never seen) the prepared init is gone: it is reaped, and the action runs in a fresh one
+        out.close()
+        with contextlib.suppress(ChildProcessError, OSError):
+            os.waitpid(prep.pid, 0)
+        os.close(prep.res_r)
+        if cg is not None:
+            cg.remove()
+        return _run_isolated_now(msg, installation)
+    out.close()
+    return _collect(prep.pid, prep.res_r, cg, lim, True)
 
 
 def _limit_hit(cg: limits.ActionCgroup | None, watch: limits.Watch | None) -> tuple[str, str] | None:
@@ -680,6 +888,7 @@ def serve(conn_in: Connection, conn_out: Connection, installation: tuple[str, ..
     is gone."""
     warmed = set() if warmed is None else warmed  # toolchain warm-ups done in this process (their keys)
     channel.send(conn_out, {"ready": True, "pid": os.getpid()})
+    prepare(installation)  # the first action's processes, while the build sends it
     while True:
         try:
             msg = channel.recv(conn_in)
@@ -688,10 +897,11 @@ def serve(conn_in: Connection, conn_out: Connection, installation: tuple[str, ..
         if msg is None:
             _exit_now()
         if _is_warm_up(msg):
+            discard_prepared()  # (forked before the warm-up: it would lack it)
             result = run_warm_up(msg, warmed)
         else:
             implicit = warm_before(msg, warmed)
-            import_builtin_factory(msg)
+            import_builtin_factory(msg)  # (a prepared process forked before an import here is made again)
             result = run_isolated(msg, installation)
             if implicit is not None:
                 result["duration_s"] = float(result.get("duration_s") or 0.0) + implicit
@@ -701,6 +911,7 @@ def serve(conn_in: Connection, conn_out: Connection, installation: tuple[str, ..
         cap_log(msg["log"])
         result["warmed"] = sorted(warmed)
         channel.send(conn_out, result)
+        prepare(installation)  # the next action's processes, while the build stores this one's outputs
 
 
 def _without_foreign_entries(msg: Mapping[str, Any], result: dict[str, Any]) -> dict[str, Any]:
@@ -729,7 +940,9 @@ def _watch_pidfd(pidfd: int) -> None:
 def _exit_now() -> None:
     """Told to stop (or its build is gone), between actions: exit without the interpreter's teardown, which with torch,
     inductor and jax loaded is slow and the build would wait for it. Nothing is left to clean up: the
-    last action's processes were ended and its log closed."""
+    last action's processes were ended and its log closed (and a prepared one is ended now)."""
+    with contextlib.suppress(Exception):
+        discard_prepared()
     with contextlib.suppress(Exception):
         sys.stdout.flush()
         sys.stderr.flush()
@@ -755,6 +968,7 @@ def run_warm_up(msg: Mapping[str, Any], warmed: set[str]) -> dict[str, Any]:
     res = run_action(str(msg["kind"]), dict(msg["spec"]), str(msg["inputs"]), str(msg["outputs"]), str(msg["log"]),
                      msg.get("expect"), None)
     res["cpu_s"] = round(_cpu_here() - before, 3)
+    _CHANGES[0] += 1  # (an action process prepared before it lacks what it left in memory)
     if res.get("ok"):
         warmed.add(_key(msg["spec"]))
     res["action_pid"] = os.getpid()
