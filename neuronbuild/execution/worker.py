@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import os
 import re
@@ -268,6 +269,7 @@ def _run_isolated_now(msg: Mapping[str, Any], installation: tuple[str, ...]) -> 
                                       f"and memory every {limits.POLL_S:g} s instead"]}
     r, w = os.pipe()
     worker_pid = os.getpid()
+    freeze_for_fork()
     in_ns = confine_ns.pid_ns_for_children() is None  # (root) this fork is pid 1 of the action's namespace
     seen_as = _proc_pid() if in_ns else 0  # this worker's pid as /proc numbers it
     try:
@@ -430,6 +432,7 @@ def prepare(installation: tuple[str, ...]) -> Prepared | None:
     if confine_ns.pid_ns_for_children() is not None:  # (remembered: not tried again by this worker)
         return None
     cg, no_cg = limits.ActionCgroup.make(0, 0, True, ahead=True)
+    freeze_for_fork()
     seen_as = _proc_pid()  # this worker's pid as /proc numbers it
     msg_r, msg_w = os.pipe()
     res_r, res_w = os.pipe()
@@ -572,6 +575,15 @@ def _dispatch(prep: Prepared, msg: Mapping[str, Any], installation: tuple[str, .
         return _run_isolated_now(msg, installation)
     out.close()
     return _collect(prep.pid, prep.res_r, cg, lim, True)
+
+
+def freeze_for_fork() -> None:
+    """Before a fork for an action: this worker's young cyclic garbage collected, then every object it holds moved
+    to the collector's permanent generation (gc.freeze), so no collection in the action's process walks them: a
+    walk writes to each object's header, and so copies every page of the worker's heap into the action's process
+    (copy-on-write), to be freed again when it exits, both on the action's time."""
+    gc.collect(1)
+    gc.freeze()
 
 
 def _limit_hit(cg: limits.ActionCgroup | None, watch: limits.Watch | None) -> tuple[str, str] | None:
