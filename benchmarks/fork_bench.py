@@ -208,6 +208,8 @@ def main() -> None:
         warm_s = time.perf_counter() - t
         installation = installation_roots()
         worker.become_subreaper()
+        if hasattr(worker, "FREEZE"):
+            worker.FREEZE[0] = True  # (as in a worker's loop, serve)
 
         from neuronbuild.execution import confine_ns
 

@@ -581,9 +581,14 @@ def freeze_for_fork() -> None:
     """Before a fork for an action: this worker's young cyclic garbage collected, then every object it holds moved
     to the collector's permanent generation (gc.freeze), so no collection in the action's process walks them: a
     walk writes to each object's header, and so copies every page of the worker's heap into the action's process
-    (copy-on-write), to be freed again when it exits, both on the action's time."""
-    gc.collect(1)
-    gc.freeze()
+    (copy-on-write), to be freed again when it exits, both on the action's time. Only in a worker process
+    (`serve` sets FREEZE): a process that also runs other code (a test calling run_isolated) keeps its collector."""
+    if FREEZE[0]:
+        gc.collect(1)
+        gc.freeze()
+
+
+FREEZE = [False]
 
 
 def _limit_hit(cg: limits.ActionCgroup | None, watch: limits.Watch | None) -> tuple[str, str] | None:
@@ -899,6 +904,7 @@ def serve(conn_in: Connection, conn_out: Connection, installation: tuple[str, ..
     and send its result, with the keys of the warm-ups this process holds ("warmed"), until told to stop or the pool
     is gone."""
     warmed = set() if warmed is None else warmed  # toolchain warm-ups done in this process (their keys)
+    FREEZE[0] = True
     channel.send(conn_out, {"ready": True, "pid": os.getpid()})
     prepare(installation)  # the first action's processes, while the build sends it
     while True:
