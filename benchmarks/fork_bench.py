@@ -237,13 +237,17 @@ def main() -> None:
                 prepare_s.append(time.perf_counter() - s)
                 time.sleep(0.05)  # (its init sets up meanwhile, as while the build stores the last action's outputs)
             start, cpu = time.perf_counter(), cpu_now()
-            if forked:
-                res = worker.run_isolated(msg, installation)
-                worker.end_descendants()
+            if forked:  # (defer: as the worker's loop, which hands the result on before the init's exit ended)
+                res = worker.run_isolated(msg, installation, **({"defer": True} if can_prepare else {}))
             else:
                 res = worker.run_action(msg["kind"], msg["spec"], msg["inputs"], msg["outputs"], msg["log"],
                                         msg["expect"])
-            took, cpu = time.perf_counter() - start, cpu_now() - cpu
+            took = time.perf_counter() - start
+            if forked:
+                if can_prepare:
+                    worker.reap_deferred()
+                worker.end_descendants()
+            cpu = cpu_now() - cpu  # (every process of the run reaped: its CPU counted)
             sb.remove()
             if not res.get("ok"):
                 raise SystemExit(f"the action failed: {res.get('error')}")

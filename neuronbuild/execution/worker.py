@@ -231,7 +231,7 @@ def action_policy(msg: Mapping[str, Any], env: Mapping[str, str], installation: 
                       [*dirs.read, *([str(ro)] if ro.is_dir() else [])])
 
 
-def run_isolated(msg: Mapping[str, Any], installation: tuple[str, ...]) -> dict[str, Any]:
+def run_isolated(msg: Mapping[str, Any], installation: tuple[str, ...], defer: bool = False) -> dict[str, Any]:
     """Run one action in a child forked from this (warm, model-free) worker and confined to its sandbox: whatever the
     model's code changes in the interpreter (monkeypatches, sys.modules, audit hooks) ends with the child. The child's
     death (a crash, os._exit, the OOM killer) fails the action as a worker death (retried with --retries).
@@ -250,11 +250,17 @@ def run_isolated(msg: Mapping[str, Any], installation: tuple[str, ...]) -> dict[
     /dev/shm and network made, before the action is known (`prepare`; the worker's loop makes the next one while it
     idles, between sending a result and receiving the next action), and dispatching the action is one message (JSON
     data) to the waiting init (`_dispatch`). Without a prepared process this makes one now, so every action as root
-    runs the same way."""
+    runs the same way. A prepared init kills and reaps whatever the action left in its namespace and reports that
+    (with the action's exit code and CPU seconds) before its own exit, whose teardown (a copy of the worker's address
+    space) then runs beside the next steps: with `defer` (the worker's loop) it is reaped later (reap_deferred: after
+    the result is sent), else before this returns."""
     prep = _take_prepared(installation)
-    if prep is not None:
-        return _dispatch(prep, msg, installation)
-    return _run_isolated_now(msg, installation)
+    if prep is None:
+        return _run_isolated_now(msg, installation)
+    res = _dispatch(prep, msg, installation)
+    if not defer:
+        reap_deferred()
+    return res
 
 
 def _run_isolated_now(msg: Mapping[str, Any], installation: tuple[str, ...]) -> dict[str, Any]:
@@ -326,9 +332,12 @@ def _run_isolated_now(msg: Mapping[str, Any], installation: tuple[str, ...]) -> 
     return _collect(pid, r, cg, lim, in_ns)
 
 
-def _collect(pid: int, r: int, cg: limits.ActionCgroup | None, lim: Mapping[str, Any], in_ns: bool) -> dict[str, Any]:
+def _collect(pid: int, r: int, cg: limits.ActionCgroup | None, lim: Mapping[str, Any], in_ns: bool,
+             done: int = -1) -> dict[str, Any]:
     """Wait for the action forked as `pid` (its result on the pipe `r`, which this closes) within its limits `lim`
-    (its cgroups `cg`, else this worker's watch), reap it and return its result."""
+    (its cgroups `cg`, else this worker's watch), reap it and return its result. `done` (a prepared init's report
+    pipe, closed here): after a result, the init's word that its namespace is empty (with the action's exit code
+    and CPU seconds) stands for its exit; the init, still exiting, is reaped by reap_deferred."""
     want_pids, want_mb = int(lim.get("pids") or 0), int(lim.get("memory_mb") or 0)
     conn = Connection(r, writable=False)
     pidfd: int | None = None
@@ -368,7 +377,18 @@ def _collect(pid: int, r: int, cg: limits.ActionCgroup | None, lim: Mapping[str,
         conn.close()
         if pidfd is not None:
             os.close(pidfd)
-    _pid, status, usage = os.wait4(pid, 0)
+    early: dict[str, Any] | None = None
+    if done >= 0:
+        if res is not None and hit is None and bad is None:
+            early = _done_report(done)  # (closes it)
+        else:
+            os.close(done)
+    if early is not None:
+        _DEFERRED.append(pid)
+        status, cpu = 0, float(early["cpu_s"])  # (status: read only without a result)
+    else:
+        _pid, status, usage = os.wait4(pid, 0)
+        cpu = usage.ru_utime + usage.ru_stime
     if hit is None and cg is not None:
         hit = _limit_hit(cg, None)  # (refused or OOM-killed near its end: the action failed all the same)
     if cg is not None:
@@ -379,12 +399,12 @@ def _collect(pid: int, r: int, cg: limits.ActionCgroup | None, lim: Mapping[str,
     elif bad is not None:
         res = {"ok": False, "error": bad, "duration_s": 0.0}
     elif res is None:
-        code = os.waitstatus_to_exitcode(status)
+        code = os.waitstatus_to_exitcode(status)  # (res is None: never an early report)
         if in_ns and code > 128 and confine_ns.signal_of(code):  # the init's code for the action's death by a signal
             code = -confine_ns.signal_of(code)
         res = {"ok": False, "worker_died": True, "error": death_message(code), "duration_s": 0.0}
     # The action's CPU seconds: its process and every process it waited for (compilers), whatever the cores.
-    res["cpu_s"] = round(usage.ru_utime + usage.ru_stime, 3)
+    res["cpu_s"] = round(cpu, 3)
     res["action_pid"] = pid
     res["pid"] = os.getpid()
     return res
@@ -405,9 +425,10 @@ class Prepared:
     it forked them (a process prepared before a warm-up or an import here lacks it: it is discarded)."""
 
     def __init__(self, pid: int, msg_w: int, res_r: int, cg: limits.ActionCgroup | None, no_cg: str | None,
-                 installation: tuple[str, ...], state: tuple[int, int]) -> None:
+                 installation: tuple[str, ...], state: tuple[int, int], done_r: int = -1) -> None:
         self.pid, self.msg_w, self.res_r, self.cg, self.no_cg = pid, msg_w, res_r, cg, no_cg
         self.installation, self.state = installation, state
+        self.done_r = done_r  # the init's report that its namespace is empty (_end_namespace), before it exits
 
 
 _PREPARED: list[Prepared] = []  # at most one, this worker's
@@ -436,6 +457,7 @@ def prepare(installation: tuple[str, ...]) -> Prepared | None:
     seen_as = _proc_pid()  # this worker's pid as /proc numbers it
     msg_r, msg_w = os.pipe()
     res_r, res_w = os.pipe()
+    done_r, done_w = os.pipe()
     try:
         pid = os.fork()
     finally:
@@ -448,7 +470,7 @@ def prepare(installation: tuple[str, ...]) -> Prepared | None:
         try:
             if cg is not None:
                 cg.join()  # (first: every process the action starts is in its cgroups)
-            close_inherited_fds(keep=(msg_r, res_w))  # the worker's pipes, its pidfds: not the model's
+            close_inherited_fds(keep=(msg_r, res_w, done_w))  # the worker's pipes, its pidfds: not the model's
             null = os.open(os.devnull, os.O_RDWR)
             for fd in (0, 1, 2):
                 os.dup2(null, fd)
@@ -457,14 +479,16 @@ def prepare(installation: tuple[str, ...]) -> Prepared | None:
             if seen_as and _proc_pid(ppid=True) != seen_as:  # the worker died before the line above
                 os._exit(70)
             why = confine_ns.enter_mounts()
-            code = _prepared_init(msg_r, res_w, installation, None if why is None else _NO_MOUNTS.format(why))
+            code = _prepared_init(msg_r, res_w, installation, None if why is None else _NO_MOUNTS.format(why),
+                                  done_w)
         except BaseException:  # noqa: BLE001 - reported as a death by the worker
             code = 70
         finally:
             os._exit(code)
     os.close(msg_r)
     os.close(res_w)
-    prep = Prepared(pid, msg_w, res_r, cg, no_cg, installation, _worker_state())
+    os.close(done_w)
+    prep = Prepared(pid, msg_w, res_r, cg, no_cg, installation, _worker_state(), done_r)
     _PREPARED.append(prep)
     return prep
 
@@ -478,7 +502,7 @@ def discard_prepared() -> None:
             os.kill(prep.pid, signal.SIGKILL)
         with contextlib.suppress(ChildProcessError, OSError):
             os.waitpid(prep.pid, 0)
-        for fd in (prep.msg_w, prep.res_r):
+        for fd in (prep.msg_w, prep.res_r, prep.done_r):
             with contextlib.suppress(OSError):
                 os.close(fd)
         if prep.cg is not None:
@@ -493,7 +517,8 @@ def _take_prepared(installation: tuple[str, ...]) -> Prepared | None:
     return prep
 
 
-def _prepared_init(msg_r: int, res_w: int, installation: tuple[str, ...], no_mounts: str | None) -> int:
+def _prepared_init(msg_r: int, res_w: int, installation: tuple[str, ...], no_mounts: str | None,
+                   done_w: int = -1) -> int:
     """The prepared namespace's init (pid 1; runs no model code): what _init does before it knows the action (a
     network namespace, a private /proc and /dev/shm), the action's process forked (_prepared_child, waiting); then,
     once the action's message arrives, the sandbox's read-only sibling mounted read-only and the message passed on;
@@ -514,6 +539,8 @@ def _prepared_init(msg_r: int, res_w: int, installation: tuple[str, ...], no_mou
     if child == 0:
         os.close(fwd_w)
         os.close(msg_r)
+        if done_w >= 0:
+            os.close(done_w)  # (the init's report is the init's alone)
         _prepared_child(fwd_r, res_w, installation)
     os.close(fwd_r)
     os.close(res_w)
@@ -530,7 +557,46 @@ def _prepared_init(msg_r: int, res_w: int, installation: tuple[str, ...], no_mou
     out = Connection(fwd_w, readable=False)
     channel.send(out, {"msg": msg, "notes": notes})
     out.close()
-    return confine_ns.init_wait(child)
+    code = confine_ns.init_wait(child)
+    if done_w >= 0 and no_mounts is None and _end_namespace():
+        import resource
+
+        kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+        with contextlib.suppress(OSError):
+            channel.send(Connection(done_w, readable=False),
+                         {"code": code, "cpu_s": round(kids.ru_utime + kids.ru_stime, 3)})
+    return code
+
+
+def _end_namespace() -> bool:
+    """In the prepared init (pid 1 of the action's pid namespace, its private /proc mounted), once the action's
+    process ended: kill every process left in the namespace (kill(-1) from a namespace's init reaches all of them
+    but itself) and reap them, until its /proc shows no process but this one. True then: nothing of the action runs
+    or can run again (every process of it exited, its files closed), and the init may report so to the worker before
+    its own exit (whose teardown of the worker's address space is then off the action's time). False when not sure
+    (not pid 1, a /proc that is not the namespace's, processes still there after a few rounds): the worker then
+    waits for the init's exit, as for an action forked at dispatch."""
+    if os.getpid() != 1:  # (never as anything but a namespace's init: kill(-1) would reach the machine)
+        return False
+    for _ in range(20):
+        with contextlib.suppress(OSError):
+            os.kill(-1, signal.SIGKILL)
+        while True:
+            try:
+                if os.waitpid(-1, 0)[0] <= 0:
+                    break
+            except ChildProcessError:
+                break
+            except InterruptedError:
+                continue
+        try:
+            left = [p for p in os.listdir("/proc") if p.isdigit() and p != "1"]
+        except OSError:
+            return False
+        if not left:
+            return True
+        time.sleep(0.005)  # (a process being re-parented to this init: reaped next round)
+    return False
 
 
 def _prepared_child(fwd_r: int, res_w: int, installation: tuple[str, ...]) -> None:
@@ -570,11 +636,12 @@ def _dispatch(prep: Prepared, msg: Mapping[str, Any], installation: tuple[str, .
         with contextlib.suppress(ChildProcessError, OSError):
             os.waitpid(prep.pid, 0)
         os.close(prep.res_r)
+        os.close(prep.done_r)
         if cg is not None:
             cg.remove()
         return _run_isolated_now(msg, installation)
     out.close()
-    return _collect(prep.pid, prep.res_r, cg, lim, True)
+    return _collect(prep.pid, prep.res_r, cg, lim, True, prep.done_r)
 
 
 def freeze_for_fork() -> None:
@@ -589,6 +656,33 @@ def freeze_for_fork() -> None:
 
 
 FREEZE = [False]
+
+
+_DEFERRED: list[int] = []  # prepared inits that reported their namespace empty and are still exiting (reap_deferred)
+
+
+def _done_report(done: int) -> dict[str, Any] | None:
+    """The prepared init's report (_end_namespace) on the pipe `done` (closed here), or None (the init died or
+    exited without one: then its exit is waited for). Waits for it or for the init's end, whichever comes first."""
+    conn = Connection(done, writable=False)
+    try:
+        got = channel.recv(conn, 4096)
+    except (EOFError, OSError, channel.BadMessage):
+        return None
+    finally:
+        conn.close()
+    if not isinstance(got, dict) or not isinstance(got.get("code"), int) or \
+            not isinstance(got.get("cpu_s"), (int, float)):
+        return None
+    return got
+
+
+def reap_deferred() -> None:
+    """Reap the prepared inits whose actions' results were handed on before their exit ended (_collect)."""
+    while _DEFERRED:
+        pid = _DEFERRED.pop()
+        with contextlib.suppress(ChildProcessError, OSError):
+            os.waitpid(pid, 0)
 
 
 def _limit_hit(cg: limits.ActionCgroup | None, watch: limits.Watch | None) -> tuple[str, str] | None:
@@ -770,14 +864,14 @@ def _children(pid: int) -> list[int]:
     return out
 
 
-def end_descendants() -> int:
+def end_descendants(spare: Sequence[int] = ()) -> int:
     """Kill every process the last action left behind (orphans re-parented to this worker, a subreaper, and
     inductor's compile workers started in the action's process); reap them. Returns how many were killed."""
     import signal
 
     killed = 0
     for _ in range(50):  # killing a process re-parents its children to us: repeat until none is left
-        victims = _children(os.getpid())
+        victims = [c for c in _children(os.getpid()) if c not in spare]
         if not victims:
             break
         for c in victims:
@@ -920,15 +1014,16 @@ def serve(conn_in: Connection, conn_out: Connection, installation: tuple[str, ..
         else:
             implicit = warm_before(msg, warmed)
             import_builtin_factory(msg)  # (a prepared process forked before an import here is made again)
-            result = run_isolated(msg, installation)
+            result = run_isolated(msg, installation, defer=True)
             if implicit is not None:
                 result["duration_s"] = float(result.get("duration_s") or 0.0) + implicit
-        end_descendants()  # nothing an action started outlives it
+        end_descendants(spare=_DEFERRED)  # nothing an action started outlives it (its init: exiting, reaped below)
         if not _is_warm_up(msg):
             result = _without_foreign_entries(msg, result)
         cap_log(msg["log"])
         result["warmed"] = sorted(warmed)
         channel.send(conn_out, result)
+        reap_deferred()
         prepare(installation)  # the next action's processes, while the build stores this one's outputs
 
 
