@@ -162,3 +162,38 @@ def test_a_blob_this_process_stored_is_placed_in_a_sandbox_without_hashing_it_ag
     with pytest.raises(cas.CorruptBlob):
         store.copy_read_only(digest, tmp_path / "sandbox2" / "in" / "program.pt2")
     assert hashed and not blob.exists() and not (tmp_path / "sandbox2" / "in" / "program.pt2").exists()
+
+
+def test_an_actions_outputs_are_synced_together_and_a_stored_one_is_not_synced_again(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """#53, group commits: put_files stores each of an action's outputs intact (hashed, read-only in the store, no
+    staged file left), syncing each new blob once (all at once, before any is named in the store) and an output
+    whose blob the store holds already not at all."""
+    from neuronbuild.cache import cas
+
+    store = BlobStore(tmp_path / "cache")
+    out = tmp_path / "out"
+    out.mkdir()
+    (tmp_path / "old").write_bytes(b"stored before")
+    store.put_file(tmp_path / "old")
+    for name, data in (("a.pt2", b"program"), ("b.json", b"{}"), ("c.bin", b"stored before")):
+        (out / name).write_bytes(data)
+    synced: list[str] = []
+    real_sync_all = cas._sync_all
+
+    def counting(paths: Any) -> None:
+        assert not any(store.path(hash_file(Path(p))[0]).exists() for p in paths)  # synced before named
+        synced.extend(paths)
+        real_sync_all(paths)
+
+    monkeypatch.setattr(cas, "_sync_all", counting)
+    names = ("a.pt2", "b.json", "c.bin")
+    want = [hash_file(out / n) for n in names]
+    got = store.put_files([out / n for n in names], scratch=True)
+    assert got == want
+    assert all(store.check(d, n) == "ok" and store.path(d).stat().st_mode & 0o222 == 0 for d, n in got)
+    assert all(store.path(d).read_bytes() == (out / name).read_bytes()
+               for (d, _n), name in zip(got, names, strict=True))
+    assert len(synced) == 2  # the two new blobs, in one group; the third was stored already
+    assert not list((tmp_path / "cache" / "tmp").glob(".link-*"))
+    assert not list((tmp_path / "cache" / "tmp").glob(".blob-*"))

@@ -228,6 +228,8 @@ class ActionCache:
         if known is not None and known[0] == stat_key(before):
             _parsed[p] = (stat_key(after), known[1])
 
-    def put(self, result: ActionResult, data: bytes | None = None) -> None:
-        """Write `result`'s record: its JSON, or `data` (the same record signed: record_auth.sign_record)."""
-        atomic_write_bytes(self.path(result.fingerprint), result.to_json() if data is None else data, self.tmp)
+    def put(self, result: ActionResult, data: bytes | None = None, durable: bool = True) -> None:
+        """Write `result`'s record: its JSON, or `data` (the same record signed: record_auth.sign_record); synced
+        unless not `durable` (a local cache's: LocalCache.record_outputs)."""
+        atomic_write_bytes(self.path(result.fingerprint), result.to_json() if data is None else data, self.tmp,
+                           durable=durable)

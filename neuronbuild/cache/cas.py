@@ -13,7 +13,7 @@ import stat
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import BinaryIO
 
@@ -42,6 +42,27 @@ def _removed_on_failure(tmp: str) -> Iterator[None]:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+
+
+def _sync_all(paths: Sequence[str]) -> None:
+    """fsync every file of `paths`, issued at once from a thread each (a group commit: the filesystem's journal
+    takes them in one commit). Raises the first failure, after every sync ended."""
+    def sync(path: str) -> None:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    if len(paths) < 2:
+        for path in paths:
+            sync(path)
+        return
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=min(8, len(paths)), thread_name_prefix="neuronbuild-sync") as ex:
+        for f in [ex.submit(sync, path) for path in paths]:
+            f.result()
 
 
 class CorruptBlob(OSError):
@@ -223,6 +244,57 @@ class BlobStore:
             self._commit(tmp, digest)
             return digest, size
 
+    def put_files(self, srcs: Sequence[Path], scratch: bool = False) -> list[tuple[str, int]]:
+        """put_file for each of an action's outputs, with one group commit (#53): with `scratch`, the files it can
+        link are linked and hashed first, then the new blobs among them are synced all at once (one thread each, so
+        the filesystem writes them in one journal commit, not one commit per file after another), then stored. A
+        blob is still in the store only once its bytes are synced, and its record is written after all of them."""
+        if not scratch or len(srcs) < 2:
+            return [self.put_file(src, scratch) for src in srcs]
+        out: list[tuple[str, int] | None] = [None] * len(srcs)
+        staged: list[tuple[int, str, str, int]] = []  # (index, staged name, digest, size): to sync and store
+        try:
+            for i, src in enumerate(srcs):
+                tmp = self._link_staged(src, sole=True)
+                if tmp is not None:
+                    with _removed_on_failure(tmp):
+                        digest, size = hash_file(Path(tmp))
+                else:  # copied (put_file's way, but the sync)
+                    known = self._stored_large(src)
+                    if known is not None:
+                        out[i] = known
+                        continue
+                    fd, tmp = self._stage()
+                    with _removed_on_failure(tmp), os.fdopen(fd, "wb") as o, open(src, "rb") as f:
+                        digest, size = copy_hashing(f, o)
+                if self.check(digest, size) == "ok":  # stored already: this name goes
+                    os.unlink(tmp)
+                    self._touch(digest)
+                    out[i] = (digest, size)
+                    continue
+                staged.append((i, tmp, digest, size))
+            _sync_all([tmp for _i, tmp, _d, _n in staged])
+            while staged:
+                i, tmp, digest, size = staged[0]
+                self._commit(tmp, digest)
+                staged.pop(0)
+                out[i] = (digest, size)
+        finally:
+            for _i, tmp, _d, _n in staged:  # (a failure: nothing half-stored is left staged)
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+        return [o for o in out if o is not None]
+
+    def _stored_large(self, src: Path) -> tuple[str, int] | None:
+        """(digest, size) of `src`, a large file whose blob is stored intact already (hashed, not copied), else None."""
+        with contextlib.suppress(OSError):
+            if os.path.getsize(src) >= _CHUNK:
+                digest, size = hash_file(src)
+                if self.check(digest, size) == "ok":
+                    self._touch(digest)
+                    return digest, size
+        return None
+
     def put_file(self, src: Path, scratch: bool = False) -> tuple[str, int]:
         """Copy `src` into the store (hashing while copying); returns (digest, size). A large file whose blob is
         stored (and intact) already is hashed, not copied and synced again: every graph of a model writes the same
@@ -235,12 +307,9 @@ class BlobStore:
                 done = self._commit_linked(tmp)
                 assert done is not None
                 return done
-        with contextlib.suppress(OSError):
-            if os.path.getsize(src) >= _CHUNK:
-                digest, size = hash_file(src)
-                if self.check(digest, size) == "ok":
-                    self._touch(digest)
-                    return digest, size
+        known = self._stored_large(src)
+        if known is not None:
+            return known
         fd, tmp = self._stage()
         with _removed_on_failure(tmp):
             with os.fdopen(fd, "wb") as out, open(src, "rb") as f:

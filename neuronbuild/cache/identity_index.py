@@ -43,8 +43,8 @@ class IdentityIndex:
                            "duration_s": round(res.duration_s, 3), "created": round(res.created, 3),
                            "peak_rss_mb": round(float(peak), 1) if isinstance(peak, (int, float)) else 0.0},
                           sort_keys=True).encode()
-        with contextlib.suppress(OSError):
-            atomic_write_bytes(self.path(res.identity), data, self.tmp)
+        with contextlib.suppress(OSError):  # (not synced: advisory, and a file a crash cut reads as no entry)
+            atomic_write_bytes(self.path(res.identity), data, self.tmp, durable=False)
 
     def _read(self, p: Path) -> LatestEntry | None:
         try:

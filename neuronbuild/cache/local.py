@@ -173,6 +173,7 @@ class LocalCache:
         nothing recorded, if one does not match) and adopted by a hard link where the files allow (BlobStore.adopt):
         not copied and synced a second time."""
         outputs: dict[str, OutputRef] = {}
+        local: list[str] = []  # outputs this store hashes itself: put together (one group commit of their syncs)
         for name in names:
             p = out_dir / name
             if not p.is_file():
@@ -183,10 +184,13 @@ class LocalCache:
                 if size is None:
                     raise CorruptBlob(f"output '{name}' does not match the digest its worker reported "
                                       f"({want[:16]}): corrupt in the farm's store", want)
-                digest = want
+                outputs[name] = OutputRef(want, size)
             else:
-                digest, size = self.blobs.put_file(p, scratch)
+                local.append(name)
+        for name, (digest, size) in zip(local, self.blobs.put_files([out_dir / n for n in local], scratch),
+                                        strict=True):
             outputs[name] = OutputRef(digest, size)
+        outputs = {name: outputs[name] for name in names}  # (in the declared order, as before)
         return self.record_outputs(fp, identity, record, outputs, duration_s, metadata, sign)
 
     def record_outputs(self, fp: str, identity: str, record: Mapping[str, Any], outputs: Mapping[str, OutputRef],
@@ -199,7 +203,9 @@ class LocalCache:
         data = sign(res.to_json()) if sign is not None else None
         if sign is not None and data is None:
             return res  # (not written)
-        self.actions.put(res, data)
+        # Not synced (#53): the record names blobs synced already (put_files), so whatever a crash leaves of it is
+        # a complete entry, a miss (the action runs again) or an unreadable file (a miss, removed: ActionCache.get).
+        self.actions.put(res, data, durable=sign is not None)
         self._complete.pop(fp, None)  # (a record found earlier in this build, e.g. an unverified copy, is replaced)
         IdentityIndex(self.root).record(res)  # explain/plan/upgrade-impact: this identity's most recent result
         self.stats.save(fp)

@@ -147,10 +147,11 @@ class LockDir:
         self.tmp.mkdir(parents=True, exist_ok=True)
         owner = Owner(HOST, os.getpid(), uuid.uuid4().hex, time.time())
         tmp = self.tmp / f".lock-{owner.token}"
+        # Not synced (#53: an fsync per claim was on every action's dispatch): the owner is read by live processes
+        # (the page cache; on NFS close() sends it to the server before the link below names it); after a crash
+        # every claim is stale whatever a crash left of it (read_owner: None for a cut file; then the stale timers).
         with open(tmp, "wb") as f:
             f.write(owner.to_json())
-            f.flush()
-            os.fsync(f.fileno())
         try:
             os.link(tmp, path)  # atomic, fails if the lock exists (also over NFS)
         except FileExistsError:

@@ -11,7 +11,8 @@ from neuronbuild.platforms import THREADS_VAR, host_cores
 
 # Variables passed through from the caller. PATH only locates tools (g++); their versions enter fingerprints. The
 # plug-in list and path make workers see the toolchains the build planned with (their versions enter fingerprints).
-PASSTHROUGH = ("PATH", "NEURONBUILD_PLUGINS", "NEURONBUILD_PLUGIN_PATH")
+# (NEURONBUILD_PREPARED_ACTIONS=0: workers fork each action's processes when it is dispatched, worker.PREPARED_VAR)
+PASSTHROUGH = ("PATH", "NEURONBUILD_PLUGINS", "NEURONBUILD_PLUGIN_PATH", "NEURONBUILD_PREPARED_ACTIONS")
 # Caller variables that commonly change compiles; a build warns once when they are set but not declared.
 COMPILE_AFFECTING = re.compile(r"^(NEURON_.*|NEURON_CC_FLAGS|TORCHINDUCTOR_.*|XLA_.*|OMP_NUM_THREADS)$")
 

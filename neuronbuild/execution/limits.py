@@ -282,14 +282,18 @@ class ActionCgroup:
     once it ended (`remove`)."""
 
     def __init__(self, dirs: dict[str, str], v2: bool) -> None:
-        self.dirs = dirs  # {"pids"|"memory": directory}
+        self.dirs = dirs  # {"pids"|"memory": directory} of the limits in force (checked by exceeded, peak_mb)
         self.v2 = v2
+        self.made = set(dirs.values())  # every directory made (removed by remove)
 
     @classmethod
-    def make(cls, pids: int, memory_mb: int, use: bool = True) -> tuple[ActionCgroup | None, str | None]:
+    def make(cls, pids: int, memory_mb: int, use: bool = True,
+             ahead: bool = False) -> tuple[ActionCgroup | None, str | None]:
         """The action's cgroups with its limits (`pids` tasks, `memory_mb`; 0: not that one), or (None, why not).
-        `use`: False when the build's ${CGROUPS_VAR} is 0 (the watch only)."""
-        if not pids and not memory_mb:
+        `use`: False when the build's ${CGROUPS_VAR} is 0 (the watch only). `ahead`: made for a prepared action
+        process before its action (and so its limits) is known: both controllers, no limit yet (`apply` sets them
+        when the action is dispatched; the prepared process joined them before it forked anything)."""
+        if not pids and not memory_mb and not ahead:
             return None, None
         if not use:
             return None, f"${CGROUPS_VAR}=0"
@@ -307,7 +311,7 @@ class ActionCgroup:
         try:
             if v1:
                 for ctl in ("pids", "memory"):
-                    if ctl in v1 and (pids if ctl == "pids" else memory_mb):
+                    if ctl in v1 and (ahead or (pids if ctl == "pids" else memory_mb)):
                         _sweep(v1[ctl])
                         d = os.path.join(v1[ctl], name)
                         os.mkdir(d, 0o700)
@@ -326,7 +330,9 @@ class ActionCgroup:
                 cg = cls(made, True)
             else:
                 raise OSError(why)
-            cg._set(pids, memory_mb)
+            cg.made = set(made.values())
+            if not ahead:
+                cg._set(pids, memory_mb)
             return cg, None
         except OSError as e:
             for d in set(made.values()):
@@ -353,9 +359,21 @@ class ActionCgroup:
                 with contextlib.suppress(OSError):  # (only with swap accounting)
                     _write(os.path.join(d, "memory.memsw.limit_in_bytes"), size)
 
+    def apply(self, pids: int, memory_mb: int) -> str | None:
+        """A cgroup made `ahead`, once its action is known: its limits set (0: none), and only those checked by
+        exceeded. None when done, else why not (then no limit of it is in force: the worker watches instead)."""
+        want = {"pids": pids, "memory": memory_mb}
+        self.dirs = {ctl: d for ctl, d in self.dirs.items() if want[ctl]}
+        try:
+            self._set(pids, memory_mb)
+        except OSError as e:
+            self.dirs = {}
+            return f"setting the limits of a prepared cgroup ({e.strerror})"
+        return None
+
     def join(self) -> None:
         """Move the calling process (just forked; nothing started yet) into the action's cgroups."""
-        for d in set(self.dirs.values()):
+        for d in sorted(self.made):
             _write(os.path.join(d, "cgroup.procs"), "0")
 
     def exceeded(self) -> str | None:
@@ -381,7 +399,7 @@ class ActionCgroup:
         """Remove the cgroups (their processes are gone, or going: the kernel empties them asynchronously, so one still
         busy is removed before the worker makes its next, off the action's time; a killed worker's, by the next
         worker that makes one: _sweep)."""
-        for d in set(self.dirs.values()):
+        for d in self.made | set(self.dirs.values()):
             try:
                 os.rmdir(d)
             except FileNotFoundError:

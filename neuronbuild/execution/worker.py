@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import os
 import re
@@ -230,7 +231,7 @@ def action_policy(msg: Mapping[str, Any], env: Mapping[str, str], installation: 
                       [*dirs.read, *([str(ro)] if ro.is_dir() else [])])
 
 
-def run_isolated(msg: Mapping[str, Any], installation: tuple[str, ...]) -> dict[str, Any]:
+def run_isolated(msg: Mapping[str, Any], installation: tuple[str, ...], defer: bool = False) -> dict[str, Any]:
     """Run one action in a child forked from this (warm, model-free) worker and confined to its sandbox: whatever the
     model's code changes in the interpreter (monkeypatches, sys.modules, audit hooks) ends with the child. The child's
     death (a crash, os._exit, the OOM killer) fails the action as a worker death (retried with --retries).
@@ -243,7 +244,28 @@ def run_isolated(msg: Mapping[str, Any], installation: tuple[str, ...]) -> dict[
     (one fewer than through an outside child); this worker's wait4 gives the action's end (the init's code, decoded)
     and CPU time. Otherwise (a non-root user: a user namespace) the child outside the namespace enters it
     (confine_ns.enter), forks the init and ends as it did (confine_ns.reraise). Where namespaces are refused, the
-    outside child runs the action itself (as before; its log says so)."""
+    outside child runs the action itself (as before; its log says so).
+
+    As root the namespace's init and the action's process are *prepared*: forked, their namespaces, private /proc,
+    /dev/shm and network made, before the action is known (`prepare`; the worker's loop makes the next one while it
+    idles, between sending a result and receiving the next action), and dispatching the action is one message (JSON
+    data) to the waiting init (`_dispatch`). Without a prepared process this makes one now, so every action as root
+    runs the same way. A prepared init kills and reaps whatever the action left in its namespace and reports that
+    (with the action's exit code and CPU seconds) before its own exit, whose teardown (a copy of the worker's address
+    space) then runs beside the next steps: with `defer` (the worker's loop) it is reaped later (reap_deferred: after
+    the result is sent), else before this returns."""
+    prep = _take_prepared(installation)
+    if prep is None:
+        return _run_isolated_now(msg, installation)
+    res = _dispatch(prep, msg, installation)
+    if not defer:
+        reap_deferred()
+    return res
+
+
+def _run_isolated_now(msg: Mapping[str, Any], installation: tuple[str, ...]) -> dict[str, Any]:
+    """run_isolated where no action process can be prepared (a non-root user: the outside child enters a user
+    namespace; or namespaces refused): every process forked for this action, after it is known."""
     policy = action_policy(msg, dict(os.environ), installation)
     lim: Mapping[str, Any] = msg["limits"] if isinstance(msg.get("limits"), Mapping) else {}
     want_pids, want_mb = int(lim.get("pids") or 0), int(lim.get("memory_mb") or 0)
@@ -253,6 +275,7 @@ def run_isolated(msg: Mapping[str, Any], installation: tuple[str, ...]) -> dict[
                                       f"and memory every {limits.POLL_S:g} s instead"]}
     r, w = os.pipe()
     worker_pid = os.getpid()
+    freeze_for_fork()
     in_ns = confine_ns.pid_ns_for_children() is None  # (root) this fork is pid 1 of the action's namespace
     seen_as = _proc_pid() if in_ns else 0  # this worker's pid as /proc numbers it
     try:
@@ -306,6 +329,16 @@ def run_isolated(msg: Mapping[str, Any], installation: tuple[str, ...]) -> dict[
         finally:
             os._exit(code)
     os.close(w)
+    return _collect(pid, r, cg, lim, in_ns)
+
+
+def _collect(pid: int, r: int, cg: limits.ActionCgroup | None, lim: Mapping[str, Any], in_ns: bool,
+             done: int = -1) -> dict[str, Any]:
+    """Wait for the action forked as `pid` (its result on the pipe `r`, which this closes) within its limits `lim`
+    (its cgroups `cg`, else this worker's watch), reap it and return its result. `done` (a prepared init's report
+    pipe, closed here): after a result, the init's word that its namespace is empty (with the action's exit code
+    and CPU seconds) stands for its exit; the init, still exiting, is reaped by reap_deferred."""
+    want_pids, want_mb = int(lim.get("pids") or 0), int(lim.get("memory_mb") or 0)
     conn = Connection(r, writable=False)
     pidfd: int | None = None
     with contextlib.suppress(AttributeError, OSError):
@@ -315,7 +348,7 @@ def run_isolated(msg: Mapping[str, Any], installation: tuple[str, ...]) -> dict[
     started = time.perf_counter()
     have = cg.dirs if cg is not None else {}
     watch = limits.Watch(pid, 0 if "pids" in have else want_pids, 0 if "memory" in have else want_mb)
-    watching = cg is not None or bool(watch.pids or watch.memory_mb)
+    watching = bool(have) or bool(watch.pids or watch.memory_mb)
     hit: tuple[str, str] | None = None  # (the limit exceeded, how it was seen)
     try:
         handles: list[Any] = [conn] if pidfd is None else [conn, pidfd]
@@ -344,7 +377,18 @@ def run_isolated(msg: Mapping[str, Any], installation: tuple[str, ...]) -> dict[
         conn.close()
         if pidfd is not None:
             os.close(pidfd)
-    _pid, status, usage = os.wait4(pid, 0)
+    early: dict[str, Any] | None = None
+    if done >= 0:
+        if res is not None and hit is None and bad is None:
+            early = _done_report(done)  # (closes it)
+        else:
+            os.close(done)
+    if early is not None:
+        _DEFERRED.append(pid)
+        status, cpu = 0, float(early["cpu_s"])  # (status: read only without a result)
+    else:
+        _pid, status, usage = os.wait4(pid, 0)
+        cpu = usage.ru_utime + usage.ru_stime
     if hit is None and cg is not None:
         hit = _limit_hit(cg, None)  # (refused or OOM-killed near its end: the action failed all the same)
     if cg is not None:
@@ -355,15 +399,290 @@ def run_isolated(msg: Mapping[str, Any], installation: tuple[str, ...]) -> dict[
     elif bad is not None:
         res = {"ok": False, "error": bad, "duration_s": 0.0}
     elif res is None:
-        code = os.waitstatus_to_exitcode(status)
+        code = os.waitstatus_to_exitcode(status)  # (res is None: never an early report)
         if in_ns and code > 128 and confine_ns.signal_of(code):  # the init's code for the action's death by a signal
             code = -confine_ns.signal_of(code)
         res = {"ok": False, "worker_died": True, "error": death_message(code), "duration_s": 0.0}
     # The action's CPU seconds: its process and every process it waited for (compilers), whatever the cores.
-    res["cpu_s"] = round(usage.ru_utime + usage.ru_stime, 3)
+    res["cpu_s"] = round(cpu, 3)
     res["action_pid"] = pid
     res["pid"] = os.getpid()
     return res
+
+
+# Prepared action processes (run_isolated, as root): the init of a fresh pid namespace and the action's process,
+# forked and set up before the action is known, waiting for it.
+PREPARED_VAR = "NEURONBUILD_PREPARED_ACTIONS"  # "0": fork every action's processes when it is dispatched (A/B)
+_NO_MOUNTS = ("no private mounts ({}); this action may read other processes' cmdline, comm, stat and status, what it "
+              "leaves in /dev/shm outlives it, and the linked big inputs are protected against writes only (Landlock)")
+
+
+class Prepared:
+    """A prepared action process: `pid`, this worker's child, is pid 1 of its own pid namespace (its mount and
+    network namespaces, private /proc and /dev/shm made) and has forked the action's process (pid 2), which waits;
+    both are in the cgroups `cg` (made without limits: _dispatch sets the action's). The init reads the action's
+    message from `msg_w`; the action's process writes its result to `res_r`. `state` is what this worker held when
+    it forked them (a process prepared before a warm-up or an import here lacks it: it is discarded)."""
+
+    def __init__(self, pid: int, msg_w: int, res_r: int, cg: limits.ActionCgroup | None, no_cg: str | None,
+                 installation: tuple[str, ...], state: tuple[int, int], done_r: int = -1) -> None:
+        self.pid, self.msg_w, self.res_r, self.cg, self.no_cg = pid, msg_w, res_r, cg, no_cg
+        self.installation, self.state = installation, state
+        self.done_r = done_r  # the init's report that its namespace is empty (_end_namespace), before it exits
+
+
+_PREPARED: list[Prepared] = []  # at most one, this worker's
+_CHANGES = [0]  # warm-ups run in this process (a prepared process forked before one lacks it)
+
+
+def _worker_state() -> tuple[int, int]:
+    return len(sys.modules), _CHANGES[0]
+
+
+def prepare(installation: tuple[str, ...]) -> Prepared | None:
+    """Fork the next action's processes ahead of demand (the worker's loop calls this while it idles), or None where
+    they cannot be prepared: a non-root user (its namespaces need a user namespace, which the outside child enters
+    after the fork: run_isolated's other path), namespaces refused, or ${PREPARED_VAR}=0. Idempotent."""
+    if _PREPARED:
+        if _PREPARED[0].state == _worker_state() and _PREPARED[0].installation == installation:
+            return _PREPARED[0]
+        discard_prepared()
+    if os.environ.get(PREPARED_VAR) == "0" or os.getuid() != 0:
+        return None
+    worker_pid = os.getpid()
+    if confine_ns.pid_ns_for_children() is not None:  # (remembered: not tried again by this worker)
+        return None
+    cg, no_cg = limits.ActionCgroup.make(0, 0, True, ahead=True)
+    freeze_for_fork()
+    seen_as = _proc_pid()  # this worker's pid as /proc numbers it
+    msg_r, msg_w = os.pipe()
+    res_r, res_w = os.pipe()
+    done_r, done_w = os.pipe()
+    try:
+        pid = os.fork()
+    finally:
+        if os.getpid() == worker_pid and (why := confine_ns.own_pid_ns()) is not None:
+            print(f"neuronbuild: worker {worker_pid} cannot fork into its own pid namespace again ({why}); it exits",
+                  file=sys.stderr, flush=True)
+            os._exit(70)  # (never seen) its next forks would fail: the pool replaces it
+    if pid == 0:  # pid 1 of the next action's namespaces
+        code = 70
+        try:
+            if cg is not None:
+                cg.join()  # (first: every process the action starts is in its cgroups)
+            close_inherited_fds(keep=(msg_r, res_w, done_w))  # the worker's pipes, its pidfds: not the model's
+            null = os.open(os.devnull, os.O_RDWR)
+            for fd in (0, 1, 2):
+                os.dup2(null, fd)
+            os.close(null)
+            _die_with_parent(worker_pid, check=False)
+            if seen_as and _proc_pid(ppid=True) != seen_as:  # the worker died before the line above
+                os._exit(70)
+            why = confine_ns.enter_mounts()
+            code = _prepared_init(msg_r, res_w, installation, None if why is None else _NO_MOUNTS.format(why),
+                                  done_w)
+        except BaseException:  # noqa: BLE001 - reported as a death by the worker
+            code = 70
+        finally:
+            os._exit(code)
+    os.close(msg_r)
+    os.close(res_w)
+    os.close(done_w)
+    prep = Prepared(pid, msg_w, res_r, cg, no_cg, installation, _worker_state(), done_r)
+    _PREPARED.append(prep)
+    return prep
+
+
+def discard_prepared() -> None:
+    """End the prepared action process (the worker changed since it was forked, or stops): kill its init (the
+    kernel then kills the waiting action's process), reap it, remove its cgroups."""
+    while _PREPARED:
+        prep = _PREPARED.pop()
+        with contextlib.suppress(OSError):
+            os.kill(prep.pid, signal.SIGKILL)
+        with contextlib.suppress(ChildProcessError, OSError):
+            os.waitpid(prep.pid, 0)
+        for fd in (prep.msg_w, prep.res_r, prep.done_r):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        if prep.cg is not None:
+            prep.cg.remove()
+
+
+def _take_prepared(installation: tuple[str, ...]) -> Prepared | None:
+    """The prepared action process (made now when there is none), taken: it will run the next action."""
+    prep = prepare(installation)
+    if prep is not None:
+        _PREPARED.remove(prep)
+    return prep
+
+
+def _prepared_init(msg_r: int, res_w: int, installation: tuple[str, ...], no_mounts: str | None,
+                   done_w: int = -1) -> int:
+    """The prepared namespace's init (pid 1; runs no model code): what _init does before it knows the action (a
+    network namespace, a private /proc and /dev/shm), the action's process forked (_prepared_child, waiting); then,
+    once the action's message arrives, the sandbox's read-only sibling mounted read-only and the message passed on;
+    reaps until the action's process ended. Returns the code to exit with (confine_ns.status_code); 70 when the
+    worker closed the message pipe without an action (discarded)."""
+    notes = [no_mounts] if no_mounts is not None else []
+    if (why := confine_ns.private_net()) is not None:
+        notes.append(f"no private network namespace ({why}); this action shares the machine's network and sees "
+                     "its sockets in /proc/net")
+    if no_mounts is None:
+        if (why := confine_ns.private_proc()) is not None:
+            notes.append(f"no private /proc ({why}); this action may read other processes' cmdline, comm, stat and "
+                         "status")
+        if (why := confine_ns.private_shm()) is not None:
+            notes.append(f"no private /dev/shm ({why}); what this action leaves there outlives it")
+    fwd_r, fwd_w = os.pipe()
+    child = os.fork()
+    if child == 0:
+        os.close(fwd_w)
+        os.close(msg_r)
+        if done_w >= 0:
+            os.close(done_w)  # (the init's report is the init's alone)
+        _prepared_child(fwd_r, res_w, installation)
+    os.close(fwd_r)
+    os.close(res_w)
+    try:
+        msg = channel.recv(Connection(msg_r, writable=False))
+    except (EOFError, OSError, channel.BadMessage):
+        return 70
+    if not isinstance(msg, dict):
+        return 70
+    notes += list(msg.get("limit_notes") or ())
+    ro = read_only_dir(msg["inputs"])
+    if no_mounts is None and ro.is_dir() and (why := confine_ns.read_only_bind(str(ro))) is not None:
+        notes.append(f"{why}; the linked big inputs are protected against writes only (Landlock)")
+    out = Connection(fwd_w, readable=False)
+    channel.send(out, {"msg": msg, "notes": notes})
+    out.close()
+    code = confine_ns.init_wait(child)
+    if done_w >= 0 and no_mounts is None and _end_namespace():
+        import resource
+
+        kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+        with contextlib.suppress(OSError):
+            channel.send(Connection(done_w, readable=False),
+                         {"code": code, "cpu_s": round(kids.ru_utime + kids.ru_stime, 3)})
+    return code
+
+
+def _end_namespace() -> bool:
+    """In the prepared init (pid 1 of the action's pid namespace, its private /proc mounted), once the action's
+    process ended: kill every process left in the namespace (kill(-1) from a namespace's init reaches all of them
+    but itself) and reap them, until its /proc shows no process but this one. True then: nothing of the action runs
+    or can run again (every process of it exited, its files closed), and the init may report so to the worker before
+    its own exit (whose teardown of the worker's address space is then off the action's time). False when not sure
+    (not pid 1, a /proc that is not the namespace's, processes still there after a few rounds): the worker then
+    waits for the init's exit, as for an action forked at dispatch."""
+    if os.getpid() != 1:  # (never as anything but a namespace's init: kill(-1) would reach the machine)
+        return False
+    for _ in range(20):
+        with contextlib.suppress(OSError):
+            os.kill(-1, signal.SIGKILL)
+        while True:
+            try:
+                if os.waitpid(-1, 0)[0] <= 0:
+                    break
+            except ChildProcessError:
+                break
+            except InterruptedError:
+                continue
+        try:
+            left = [p for p in os.listdir("/proc") if p.isdigit() and p != "1"]
+        except OSError:
+            return False
+        if not left:
+            return True
+        time.sleep(0.005)  # (a process being re-parented to this init: reaped next round)
+    return False
+
+
+def _prepared_child(fwd_r: int, res_w: int, installation: tuple[str, ...]) -> None:
+    """The prepared action's process (pid 2): waits for its action from the init, then runs it as _init's child does
+    (_run_child: its own $HOME and $TMPDIR, confined to the action's policy). Never returns."""
+    try:
+        _die_with_parent(1)
+        conn = Connection(fwd_r, writable=False)
+        got = channel.recv(conn)
+        conn.close()
+        msg, notes = got["msg"], [str(n) for n in got["notes"]]
+        policy = action_policy(msg, dict(os.environ), installation)
+    except BaseException:  # noqa: BLE001 - discarded, or a broken message: reported as a death by the worker
+        os._exit(70)
+    _run_child(msg, policy, res_w, 1, notes)
+
+
+def _dispatch(prep: Prepared, msg: Mapping[str, Any], installation: tuple[str, ...]) -> dict[str, Any]:
+    """Run the action `msg` in the prepared process `prep` (taken): its limits set on the prepared cgroups (else
+    this worker watches), the message sent to the waiting init, then as run_isolated (_collect)."""
+    lim: Mapping[str, Any] = msg["limits"] if isinstance(msg.get("limits"), Mapping) else {}
+    want_pids, want_mb = int(lim.get("pids") or 0), int(lim.get("memory_mb") or 0)
+    cg, no_cg = prep.cg, prep.no_cg
+    if cg is not None:
+        if lim.get("cgroups") is False:  # the build's watch-only setting: the prepared cgroup sets no limit
+            cg.dirs, no_cg = {}, f"${limits.CGROUPS_VAR}=0"
+        else:
+            no_cg = cg.apply(want_pids, want_mb)
+    if no_cg is not None and (want_pids or want_mb):
+        msg = {**msg, "limit_notes": [f"no cgroup for this action's limits ({no_cg}); its worker counts its processes "
+                                      f"and memory every {limits.POLL_S:g} s instead"]}
+    out = Connection(prep.msg_w, readable=False)
+    try:
+        channel.send(out, msg)
+    except OSError:  # (never seen) the prepared init is gone: it is reaped, and the action runs in a fresh one
+        out.close()
+        with contextlib.suppress(ChildProcessError, OSError):
+            os.waitpid(prep.pid, 0)
+        os.close(prep.res_r)
+        os.close(prep.done_r)
+        if cg is not None:
+            cg.remove()
+        return _run_isolated_now(msg, installation)
+    out.close()
+    return _collect(prep.pid, prep.res_r, cg, lim, True, prep.done_r)
+
+
+def freeze_for_fork() -> None:
+    """Before a fork for an action: this worker's young cyclic garbage collected, then every object it holds moved
+    to the collector's permanent generation (gc.freeze), so no collection in the action's process walks them: a
+    walk writes to each object's header, and so copies every page of the worker's heap into the action's process
+    (copy-on-write), to be freed again when it exits, both on the action's time. Only in a worker process
+    (`serve` sets FREEZE): a process that also runs other code (a test calling run_isolated) keeps its collector."""
+    if FREEZE[0]:
+        gc.collect(1)
+        gc.freeze()
+
+
+FREEZE = [False]
+
+
+_DEFERRED: list[int] = []  # prepared inits that reported their namespace empty and are still exiting (reap_deferred)
+
+
+def _done_report(done: int) -> dict[str, Any] | None:
+    """The prepared init's report (_end_namespace) on the pipe `done` (closed here), or None (the init died or
+    exited without one: then its exit is waited for). Waits for it or for the init's end, whichever comes first."""
+    conn = Connection(done, writable=False)
+    try:
+        got = channel.recv(conn, 4096)
+    except (EOFError, OSError, channel.BadMessage):
+        return None
+    finally:
+        conn.close()
+    if not isinstance(got, dict) or not isinstance(got.get("code"), int) or \
+            not isinstance(got.get("cpu_s"), (int, float)):
+        return None
+    return got
+
+
+def reap_deferred() -> None:
+    """Reap the prepared inits whose actions' results were handed on before their exit ended (_collect)."""
+    while _DEFERRED:
+        pid = _DEFERRED.pop()
+        with contextlib.suppress(ChildProcessError, OSError):
+            os.waitpid(pid, 0)
 
 
 def _limit_hit(cg: limits.ActionCgroup | None, watch: limits.Watch | None) -> tuple[str, str] | None:
@@ -545,14 +864,14 @@ def _children(pid: int) -> list[int]:
     return out
 
 
-def end_descendants() -> int:
+def end_descendants(spare: Sequence[int] = ()) -> int:
     """Kill every process the last action left behind (orphans re-parented to this worker, a subreaper, and
     inductor's compile workers started in the action's process); reap them. Returns how many were killed."""
     import signal
 
     killed = 0
     for _ in range(50):  # killing a process re-parents its children to us: repeat until none is left
-        victims = _children(os.getpid())
+        victims = [c for c in _children(os.getpid()) if c not in spare]
         if not victims:
             break
         for c in victims:
@@ -679,7 +998,9 @@ def serve(conn_in: Connection, conn_out: Connection, installation: tuple[str, ..
     and send its result, with the keys of the warm-ups this process holds ("warmed"), until told to stop or the pool
     is gone."""
     warmed = set() if warmed is None else warmed  # toolchain warm-ups done in this process (their keys)
+    FREEZE[0] = True
     channel.send(conn_out, {"ready": True, "pid": os.getpid()})
+    prepare(installation)  # the first action's processes, while the build sends it
     while True:
         try:
             msg = channel.recv(conn_in)
@@ -688,19 +1009,22 @@ def serve(conn_in: Connection, conn_out: Connection, installation: tuple[str, ..
         if msg is None:
             _exit_now()
         if _is_warm_up(msg):
+            discard_prepared()  # (forked before the warm-up: it would lack it)
             result = run_warm_up(msg, warmed)
         else:
             implicit = warm_before(msg, warmed)
-            import_builtin_factory(msg)
-            result = run_isolated(msg, installation)
+            import_builtin_factory(msg)  # (a prepared process forked before an import here is made again)
+            result = run_isolated(msg, installation, defer=True)
             if implicit is not None:
                 result["duration_s"] = float(result.get("duration_s") or 0.0) + implicit
-        end_descendants()  # nothing an action started outlives it
+        end_descendants(spare=_DEFERRED)  # nothing an action started outlives it (its init: exiting, reaped below)
         if not _is_warm_up(msg):
             result = _without_foreign_entries(msg, result)
         cap_log(msg["log"])
         result["warmed"] = sorted(warmed)
         channel.send(conn_out, result)
+        reap_deferred()
+        prepare(installation)  # the next action's processes, while the build stores this one's outputs
 
 
 def _without_foreign_entries(msg: Mapping[str, Any], result: dict[str, Any]) -> dict[str, Any]:
@@ -729,7 +1053,9 @@ def _watch_pidfd(pidfd: int) -> None:
 def _exit_now() -> None:
     """Told to stop (or its build is gone), between actions: exit without the interpreter's teardown, which with torch,
     inductor and jax loaded is slow and the build would wait for it. Nothing is left to clean up: the
-    last action's processes were ended and its log closed."""
+    last action's processes were ended and its log closed (and a prepared one is ended now)."""
+    with contextlib.suppress(Exception):
+        discard_prepared()
     with contextlib.suppress(Exception):
         sys.stdout.flush()
         sys.stderr.flush()
@@ -755,6 +1081,7 @@ def run_warm_up(msg: Mapping[str, Any], warmed: set[str]) -> dict[str, Any]:
     res = run_action(str(msg["kind"]), dict(msg["spec"]), str(msg["inputs"]), str(msg["outputs"]), str(msg["log"]),
                      msg.get("expect"), None)
     res["cpu_s"] = round(_cpu_here() - before, 3)
+    _CHANGES[0] += 1  # (an action process prepared before it lacks what it left in memory)
     if res.get("ok"):
         warmed.add(_key(msg["spec"]))
     res["action_pid"] = os.getpid()
