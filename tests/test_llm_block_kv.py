@@ -1,5 +1,7 @@
-"""Block KV cache (hf_causal_lm kv_layout = "block", #46): one tiny Llama workspace, cpu only, two models with the same
-weights (continuous batching over cache lines; over a pool of 12 blocks of 16 positions), built and deployed once.
+"""Block KV cache (hf_causal_lm kv_layout = "block", #46): one tiny Llama workspace, two models with the same
+weights (continuous batching over cache lines; over a pool of 12 blocks of 16 positions), built and deployed once, the
+block model for cpu and for trn2 (the same traces lowered to HLO, run on XLA:CPU: shuffled blocks, preemption and
+chunked prefill give transformers' tokens there too).
 The same requests with the blocks handed out in a shuffled order, in order, and through the contiguous cache each get
 transformers' greedy tokens of the request alone; admission waits for free blocks; two requests sharing a 48-token
 prefix share its 3 blocks (counted as prefix hits) and the second prefills only its suffix through a prefix graph
@@ -21,7 +23,7 @@ from helpers import run_cli, write_ws
 HF = {"vocab_size": 128, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
       "num_key_value_heads": 2, "max_position_embeddings": 128, "eos_token_id": 2, "bos_token_id": 1, "pad_token_id": 0}
 MAX_SEQ, BLOCK, NUM_BLOCKS = 96, 16, 12
-LINES, BLOCKS = "//:lines_cpu", "//:blocks_cpu"
+LINES, BLOCKS, TRN2 = "//:lines_cpu", "//:blocks_cpu", "//:blocks_trn2"
 SAMPLING = "on_device_sampling = True, output_logits = True"  # greedy requests take the graphs' argmax tokens
 PREFIX = [1] + [3 + (7 * i) % 120 for i in range(47)]  # 48 tokens: 3 full blocks
 # (prompt, new tokens): positions needed = prompt + new - 1; blocks = ceil(positions / 16)
@@ -40,6 +42,7 @@ def _build_file(block: str = ', kv_layout = "block", block_size = 16, num_blocks
     prefix = "prefix_caching" in block
     return f'''load("@neuronbuild//rules:llm.bzl", "hf_causal_lm")
 neuron_target(name = "cpu", platform = "cpu", isa = "native")
+neuron_target(name = "trn2", platform = "trn2")
 hf_causal_lm(name = "lines", model_type = "llama", config = {json.dumps(HF)}, weights = "llama.safetensors",
              max_seq = {MAX_SEQ}, continuous_batching = True, max_batch = 4, {SAMPLING})
 hf_causal_lm(name = "blocks", model_type = "llama", config = {json.dumps(HF)}, weights = "llama.safetensors",
@@ -52,6 +55,10 @@ neuron_compile(name = "lines_cpu", model = ":lines", target = ":cpu", buckets = 
 neuron_compile(name = "blocks_cpu", model = ":blocks", target = ":cpu",
                buckets = BUCKETS{' | {"prefix": [":pfx"]}' if prefix else ''})
 neuron_bundle(name = "release", srcs = [":lines_cpu", ":blocks_cpu"])
+# trn2: the same traces lowered to HLO (run on XLA:CPU), a bundle of its own (verify --host here is for cpu graphs)
+neuron_compile(name = "blocks_trn2", model = ":blocks", target = ":trn2",
+               buckets = BUCKETS{' | {"prefix": [":pfx"]}' if prefix else ''})
+neuron_bundle(name = "release_trn2", srcs = [":blocks_trn2"])
 '''
 
 
@@ -70,12 +77,12 @@ def deployed(tmp_path_factory: pytest.TempPathFactory, cache_dir: Path) -> Path:
     ws = write_ws(tmp_path_factory.mktemp("llm_block_kv") / "ws", {"BUILD": _build_file()})
     torch.manual_seed(0)
     save_file({k: v.detach().contiguous() for k, v in _model().state_dict().items()}, str(ws / "llama.safetensors"))
-    proc = run_cli(["build", "//:release", "--jobs", "2", "--cache-dir", str(cache_dir)], ws)
+    proc = run_cli(["build", "//:release", "//:release_trn2", "--jobs", "2", "--cache-dir", str(cache_dir)], ws)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    dest = ws.parent / "serve"
-    proc = run_cli(["deploy", str(ws / "neuronbuild-out" / "release.tar.zst"), "--dest", str(dest)], ws)
-    assert proc.returncode == 0, proc.stderr
-    return dest
+    for name, dest in (("release", ws.parent / "serve"), ("release_trn2", ws.parent / "serve_trn2")):
+        proc = run_cli(["deploy", str(ws / "neuronbuild-out" / f"{name}.tar.zst"), "--dest", str(dest)], ws)
+        assert proc.returncode == 0, proc.stderr
+    return ws.parent / "serve"
 
 
 @pytest.fixture(scope="module")
@@ -133,6 +140,24 @@ def test_shuffled_blocks_in_order_blocks_and_cache_lines_all_give_transformers_g
     runs["cache lines"], _trace = _serve(lines.engine())
     for name, got in runs.items():
         assert got == {i: reference[i] for i in range(len(REQUESTS))}, name
+
+
+def test_trn2_block_graphs_on_xla_cpu_give_transformers_greedy_tokens_through_shuffled_blocks_preemption_and_chunks(
+        deployed: Path, reference: dict[int, list[int]]) -> None:
+    from neuronbuild.runtime import open_cache
+
+    lm = open_cache(deployed.parent / "serve_trn2", strict=True, emulate="xla-cpu").causal_lm(TRN2)
+    assert lm.block_layout is not None and lm.block_layout["num_blocks"] == NUM_BLOCKS
+    shuffled = list(range(NUM_BLOCKS))
+    random.Random(46).shuffle(shuffled)
+    eng = lm.engine(block_order=shuffled)
+    reqs = [*REQUESTS, LONG]  # (the 88-token prompt is chunked: 64 through the context graph, then prefix calls)
+    rids = [eng.add(p, max_new_tokens=n, eos_token_id=None) for p, n in reqs]
+    out = eng.run()
+    assert [out[r] for r in rids] == [reference[i] for i in range(len(reqs))]
+    counters = eng.counters()
+    assert counters["preemptions"] >= 1 and counters["prefix_hits"] >= 3 and counters["blocks_in_use"] == 0, counters
+    assert eng.calls.get("prefix_batch1_seq16_prefix80", 0) >= 2, eng.calls  # the long prompt's chunks
 
 
 def test_a_request_sharing_a_cached_48_token_prefix_prefills_only_its_suffix_with_transformers_tokens(
