@@ -313,6 +313,41 @@ def test_a_block_size_that_does_not_divide_max_seq_is_refused_naming_the_target(
     assert "BUILD:" in out and 'prefix_caching = True needs kv_layout = "block"' in out, out
 
 
+def test_validate_compares_the_block_graphs_with_transformers_and_generates_through_the_block_engine(
+        deployed: Path, cache_dir: Path) -> None:
+    proc = run_cli(["validate", BLOCKS, "--generate", "4", "--cache-dir", str(cache_dir)], deployed.parent / "ws")
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stdout + proc.stderr
+    rows = [line.split() for line in proc.stdout.splitlines() if line.startswith(BLOCKS + " ")]
+    assert sorted(r[1] for r in rows) == ["context_batch2_seq64", "prefix_batch1_seq16_prefix48",
+                                          "prefix_batch1_seq16_prefix80", "token_batch4"] and all(r[-1] == "ok" for r in rows)
+    # (recognised as hf_causal_lm graphs: compared with transformers, and generated from as served)
+    assert f"{BLOCKS}: generate batch1 against transformers: ok (4 tokens x 1 equal)" in proc.stdout, proc.stdout
+
+
+def test_validate_block_cases_match_transformers_and_catch_a_graph_reading_the_wrong_blocks(tmp_path: Path) -> None:
+    from neuronbuild.toolchains import hf_block_kv
+    from neuronbuild.toolchains.validate import HfReference, compare_hf, is_hf_causal_lm
+
+    cfg = {"model_type": "llama", "hf": HF | {"initializer_range": 0.2}, "max_seq": MAX_SEQ,
+           "kv_layout": {"kind": "block", "block_size": BLOCK, "num_blocks": NUM_BLOCKS}}
+    heads, head_dim = HF["num_key_value_heads"], HF["hidden_size"] // HF["num_attention_heads"]
+    spec = {"entry": "neuronbuild.toolchains.hf_block_kv:block_serving_token", "config": cfg, "inputs": [
+        ["kv", {"dims": [HF["num_hidden_layers"], 2, NUM_BLOCKS + 1, heads, BLOCK, head_dim], "dtype": "float32"}]]}
+    assert is_hf_causal_lm(spec)
+    ref = HfReference(spec, tmp_path)  # (no weights file: the seeded model, shared with the graphs below)
+    for graph, make, bucket in (("context", hf_block_kv.block_serving_context, {"batch": 2, "seq": 64}),
+                                ("token", hf_block_kv.block_serving_token, {"batch": 4}),
+                                ("prefix", hf_block_kv.block_serving_prefix, {"batch": 2, "seq": 16, "prefix": 48})):
+        eager = make(cfg).eval()
+        eager.load_state_dict(ref.model.state_dict())
+        got = compare_hf(eager, ref, graph, bucket, ["logits", "kv"], seed=3)
+        assert not got.error and got.max_abs < 1e-4, (graph, got)
+        if graph != "context":  # (a context graph reads no cache) rows handed each other's blocks: caught
+            wrong = compare_hf(lambda i, m, p, t, *rest: eager(i, m, p, t.roll(1, 0), *rest),  # noqa: B023
+                               ref, graph, bucket, ["logits", "kv"], seed=3)
+            assert wrong.max_abs > 0.1, (graph, wrong)
+
+
 def test_block_manager_shares_prefix_blocks_by_refcount_and_evicts_cached_ones_least_recently_used() -> None:
     from neuronbuild.runtime.block_engine import BlockManager
 
