@@ -346,6 +346,18 @@ def test_validate_block_cases_match_transformers_and_catch_a_graph_reading_the_w
             wrong = compare_hf(lambda i, m, p, t, *rest: eager(i, m, p, t.roll(1, 0), *rest),  # noqa: B023
                                ref, graph, bucket, ["logits", "kv"], seed=3)
             assert wrong.max_abs > 0.1, (graph, wrong)
+    # validate --generate's reference for serving graphs (each request alone): a prompt token equal to the pad id (0)
+    # is a token, as the engine serves it, not padding
+    import torch
+
+    from neuronbuild.toolchains.validate import _hf_tokens
+
+    ids = torch.tensor([[1, 17, 0, 99, 0, 5]])
+    seq = ids[0].tolist()
+    with torch.no_grad():
+        for _ in range(3):
+            seq.append(int(ref.model(torch.tensor([seq])).logits[0, -1].argmax()))
+        assert _hf_tokens(ref, ids, torch.ones_like(ids), 3)[0][0].tolist() == seq[6:]
 
 
 def test_block_manager_shares_prefix_blocks_by_refcount_and_evicts_cached_ones_least_recently_used() -> None:

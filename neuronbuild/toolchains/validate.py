@@ -398,8 +398,10 @@ def _hf_tokens(ref: HfReference, ids: Any, mask: Any, n: int, logits: bool = Fal
     import torch
 
     width = ids.shape[1]
-    parts = [(ids[i:i + 1, width - int(mask[i].sum()):], None) for i in range(ids.shape[0])] if ref.serving \
-        else [(ids, mask)]
+    # (each request alone: every one of its tokens attended, pad id or not; without a mask generate would take a
+    # token equal to the pad id inside a prompt for padding)
+    parts = [(r, torch.ones_like(r)) for r in (ids[i:i + 1, width - int(mask[i].sum()):] for i in range(ids.shape[0]))] \
+        if ref.serving else [(ids, mask)]
     toks, first = [], []
     for r, m in parts:
         res = ref.model.generate(r, attention_mask=m, max_new_tokens=n, do_sample=False, eos_token_id=None,
