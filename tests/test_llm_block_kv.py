@@ -1,5 +1,7 @@
-"""Block KV cache (hf_causal_lm kv_layout = "block", #46): one tiny Llama workspace, cpu only, two models with the same
-weights (continuous batching over cache lines; over a pool of 12 blocks of 16 positions), built and deployed once.
+"""Block KV cache (hf_causal_lm kv_layout = "block", #46): one tiny Llama workspace, two models with the same
+weights (continuous batching over cache lines; over a pool of 12 blocks of 16 positions), built and deployed once, the
+block model for cpu and for trn2 (the same traces lowered to HLO, run on XLA:CPU: shuffled blocks, preemption and
+chunked prefill give transformers' tokens there too).
 The same requests with the blocks handed out in a shuffled order, in order, and through the contiguous cache each get
 transformers' greedy tokens of the request alone; admission waits for free blocks; two requests sharing a 48-token
 prefix share its 3 blocks (counted as prefix hits) and the second prefills only its suffix through a prefix graph
@@ -21,7 +23,7 @@ from helpers import run_cli, write_ws
 HF = {"vocab_size": 128, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
       "num_key_value_heads": 2, "max_position_embeddings": 128, "eos_token_id": 2, "bos_token_id": 1, "pad_token_id": 0}
 MAX_SEQ, BLOCK, NUM_BLOCKS = 96, 16, 12
-LINES, BLOCKS = "//:lines_cpu", "//:blocks_cpu"
+LINES, BLOCKS, TRN2 = "//:lines_cpu", "//:blocks_cpu", "//:blocks_trn2"
 SAMPLING = "on_device_sampling = True, output_logits = True"  # greedy requests take the graphs' argmax tokens
 PREFIX = [1] + [3 + (7 * i) % 120 for i in range(47)]  # 48 tokens: 3 full blocks
 # (prompt, new tokens): positions needed = prompt + new - 1; blocks = ceil(positions / 16)
@@ -40,6 +42,7 @@ def _build_file(block: str = ', kv_layout = "block", block_size = 16, num_blocks
     prefix = "prefix_caching" in block
     return f'''load("@neuronbuild//rules:llm.bzl", "hf_causal_lm")
 neuron_target(name = "cpu", platform = "cpu", isa = "native")
+neuron_target(name = "trn2", platform = "trn2")
 hf_causal_lm(name = "lines", model_type = "llama", config = {json.dumps(HF)}, weights = "llama.safetensors",
              max_seq = {MAX_SEQ}, continuous_batching = True, max_batch = 4, {SAMPLING})
 hf_causal_lm(name = "blocks", model_type = "llama", config = {json.dumps(HF)}, weights = "llama.safetensors",
@@ -52,6 +55,10 @@ neuron_compile(name = "lines_cpu", model = ":lines", target = ":cpu", buckets = 
 neuron_compile(name = "blocks_cpu", model = ":blocks", target = ":cpu",
                buckets = BUCKETS{' | {"prefix": [":pfx"]}' if prefix else ''})
 neuron_bundle(name = "release", srcs = [":lines_cpu", ":blocks_cpu"])
+# trn2: the same traces lowered to HLO (run on XLA:CPU), a bundle of its own (verify --host here is for cpu graphs)
+neuron_compile(name = "blocks_trn2", model = ":blocks", target = ":trn2",
+               buckets = BUCKETS{' | {"prefix": [":pfx"]}' if prefix else ''})
+neuron_bundle(name = "release_trn2", srcs = [":blocks_trn2"])
 '''
 
 
@@ -70,12 +77,12 @@ def deployed(tmp_path_factory: pytest.TempPathFactory, cache_dir: Path) -> Path:
     ws = write_ws(tmp_path_factory.mktemp("llm_block_kv") / "ws", {"BUILD": _build_file()})
     torch.manual_seed(0)
     save_file({k: v.detach().contiguous() for k, v in _model().state_dict().items()}, str(ws / "llama.safetensors"))
-    proc = run_cli(["build", "//:release", "--jobs", "2", "--cache-dir", str(cache_dir)], ws)
+    proc = run_cli(["build", "//:release", "//:release_trn2", "--jobs", "2", "--cache-dir", str(cache_dir)], ws)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    dest = ws.parent / "serve"
-    proc = run_cli(["deploy", str(ws / "neuronbuild-out" / "release.tar.zst"), "--dest", str(dest)], ws)
-    assert proc.returncode == 0, proc.stderr
-    return dest
+    for name, dest in (("release", ws.parent / "serve"), ("release_trn2", ws.parent / "serve_trn2")):
+        proc = run_cli(["deploy", str(ws / "neuronbuild-out" / f"{name}.tar.zst"), "--dest", str(dest)], ws)
+        assert proc.returncode == 0, proc.stderr
+    return ws.parent / "serve"
 
 
 @pytest.fixture(scope="module")
@@ -133,6 +140,24 @@ def test_shuffled_blocks_in_order_blocks_and_cache_lines_all_give_transformers_g
     runs["cache lines"], _trace = _serve(lines.engine())
     for name, got in runs.items():
         assert got == {i: reference[i] for i in range(len(REQUESTS))}, name
+
+
+def test_trn2_block_graphs_on_xla_cpu_give_transformers_greedy_tokens_through_shuffled_blocks_preemption_and_chunks(
+        deployed: Path, reference: dict[int, list[int]]) -> None:
+    from neuronbuild.runtime import open_cache
+
+    lm = open_cache(deployed.parent / "serve_trn2", strict=True, emulate="xla-cpu").causal_lm(TRN2)
+    assert lm.block_layout is not None and lm.block_layout["num_blocks"] == NUM_BLOCKS
+    shuffled = list(range(NUM_BLOCKS))
+    random.Random(46).shuffle(shuffled)
+    eng = lm.engine(block_order=shuffled)
+    reqs = [*REQUESTS, LONG]  # (the 88-token prompt is chunked: 64 through the context graph, then prefix calls)
+    rids = [eng.add(p, max_new_tokens=n, eos_token_id=None) for p, n in reqs]
+    out = eng.run()
+    assert [out[r] for r in rids] == [reference[i] for i in range(len(reqs))]
+    counters = eng.counters()
+    assert counters["preemptions"] >= 1 and counters["prefix_hits"] >= 3 and counters["blocks_in_use"] == 0, counters
+    assert eng.calls.get("prefix_batch1_seq16_prefix80", 0) >= 2, eng.calls  # the long prompt's chunks
 
 
 def test_a_request_sharing_a_cached_48_token_prefix_prefills_only_its_suffix_with_transformers_tokens(
@@ -286,6 +311,53 @@ def test_a_block_size_that_does_not_divide_max_seq_is_refused_naming_the_target(
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0 and "Traceback" not in out
     assert "BUILD:" in out and 'prefix_caching = True needs kv_layout = "block"' in out, out
+
+
+def test_validate_compares_the_block_graphs_with_transformers_and_generates_through_the_block_engine(
+        deployed: Path, cache_dir: Path) -> None:
+    proc = run_cli(["validate", BLOCKS, "--generate", "4", "--cache-dir", str(cache_dir)], deployed.parent / "ws")
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stdout + proc.stderr
+    rows = [line.split() for line in proc.stdout.splitlines() if line.startswith(BLOCKS + " ")]
+    assert sorted(r[1] for r in rows) == ["context_batch2_seq64", "prefix_batch1_seq16_prefix48",
+                                          "prefix_batch1_seq16_prefix80", "token_batch4"] and all(r[-1] == "ok" for r in rows)
+    # (recognised as hf_causal_lm graphs: compared with transformers, and generated from as served)
+    assert f"{BLOCKS}: generate batch1 against transformers: ok (4 tokens x 1 equal)" in proc.stdout, proc.stdout
+
+
+def test_validate_block_cases_match_transformers_and_catch_a_graph_reading_the_wrong_blocks(tmp_path: Path) -> None:
+    from neuronbuild.toolchains import hf_block_kv
+    from neuronbuild.toolchains.validate import HfReference, compare_hf, is_hf_causal_lm
+
+    cfg = {"model_type": "llama", "hf": HF | {"initializer_range": 0.2}, "max_seq": MAX_SEQ,
+           "kv_layout": {"kind": "block", "block_size": BLOCK, "num_blocks": NUM_BLOCKS}}
+    heads, head_dim = HF["num_key_value_heads"], HF["hidden_size"] // HF["num_attention_heads"]
+    spec = {"entry": "neuronbuild.toolchains.hf_block_kv:block_serving_token", "config": cfg, "inputs": [
+        ["kv", {"dims": [HF["num_hidden_layers"], 2, NUM_BLOCKS + 1, heads, BLOCK, head_dim], "dtype": "float32"}]]}
+    assert is_hf_causal_lm(spec)
+    ref = HfReference(spec, tmp_path)  # (no weights file: the seeded model, shared with the graphs below)
+    for graph, make, bucket in (("context", hf_block_kv.block_serving_context, {"batch": 2, "seq": 64}),
+                                ("token", hf_block_kv.block_serving_token, {"batch": 4}),
+                                ("prefix", hf_block_kv.block_serving_prefix, {"batch": 2, "seq": 16, "prefix": 48})):
+        eager = make(cfg).eval()
+        eager.load_state_dict(ref.model.state_dict())
+        got = compare_hf(eager, ref, graph, bucket, ["logits", "kv"], seed=3)
+        assert not got.error and got.max_abs < 1e-4, (graph, got)
+        if graph != "context":  # (a context graph reads no cache) rows handed each other's blocks: caught
+            wrong = compare_hf(lambda i, m, p, t, *rest: eager(i, m, p, t.roll(1, 0), *rest),  # noqa: B023
+                               ref, graph, bucket, ["logits", "kv"], seed=3)
+            assert wrong.max_abs > 0.1, (graph, wrong)
+    # validate --generate's reference for serving graphs (each request alone): a prompt token equal to the pad id (0)
+    # is a token, as the engine serves it, not padding
+    import torch
+
+    from neuronbuild.toolchains.validate import _hf_tokens
+
+    ids = torch.tensor([[1, 17, 0, 99, 0, 5]])
+    seq = ids[0].tolist()
+    with torch.no_grad():
+        for _ in range(3):
+            seq.append(int(ref.model(torch.tensor([seq])).logits[0, -1].argmax()))
+        assert _hf_tokens(ref, ids, torch.ones_like(ids), 3)[0][0].tolist() == seq[6:]
 
 
 def test_block_manager_shares_prefix_blocks_by_refcount_and_evicts_cached_ones_least_recently_used() -> None:

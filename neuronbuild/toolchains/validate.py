@@ -76,7 +76,9 @@ HF_ENTRY = "neuronbuild.toolchains.hf_causal_lm:"
 
 
 def is_hf_causal_lm(model_spec: Mapping[str, Any]) -> bool:
-    return str(model_spec.get("entry") or "").startswith(HF_ENTRY)
+    from neuronbuild.toolchains.validate_block import BLOCK_ENTRY  # (kv_layout = "block": its own graph module)
+
+    return str(model_spec.get("entry") or "").startswith((HF_ENTRY, BLOCK_ENTRY))
 
 
 def unquantized(model_spec: Mapping[str, Any]) -> dict[str, Any] | None:
@@ -140,7 +142,10 @@ class HfReference:
         self.kv_input: Any = None  # the graphs' KV cache dtype when it is not this model's (HfReference.unquantized)
 
         # continuous-batching graphs (hf_causal_lm serving_* / sampling_* entries): a cache of lines, rows by seq_ids
-        entry = str(model_spec.get("entry") or "").rsplit(":", 1)[-1]
+        from neuronbuild.toolchains.validate_block import is_block
+
+        self.block = is_block(model_spec)  # kv_layout = "block": block_* entries over a pool of blocks
+        entry = str(model_spec.get("entry") or "").rsplit(":", 1)[-1].removeprefix("block_")
         self.serving = entry.startswith(("serving_", "sampling_"))
         self.sampling = entry.startswith("sampling_")
         kv = dict(model_spec.get("whole_inputs") or model_spec.get("inputs") or []).get("kv") or {}
@@ -266,7 +271,14 @@ def compare_hf(fn: Callable[..., Any], ref: HfReference, graph: str, bucket: Map
     gen = torch.Generator().manual_seed(int(seed))
     try:
         with torch.no_grad():
-            if graph == "token":
+            if ref.block:  # (toolchains/validate_block.py: the pool's blocks shuffled among the rows)
+                from neuronbuild.toolchains import validate_block
+
+                batch = int(bucket["batch"])
+                args, want = (validate_block.token_case(ref, gen, batch) if graph == "token" else
+                              validate_block.prefix_case(ref, gen, batch, int(bucket["seq"]), int(bucket["prefix"]))
+                              if graph == "prefix" else validate_block.context_case(ref, gen, batch, int(bucket["seq"])))
+            elif graph == "token":
                 args, want = ref.token_case(gen, int(bucket["batch"]))
             elif graph == "verify":  # (hf_causal_lm speculation) k + 1 positions per row
                 args, want = ref.token_case(gen, int(bucket["batch"]), verify)
@@ -386,8 +398,10 @@ def _hf_tokens(ref: HfReference, ids: Any, mask: Any, n: int, logits: bool = Fal
     import torch
 
     width = ids.shape[1]
-    parts = [(ids[i:i + 1, width - int(mask[i].sum()):], None) for i in range(ids.shape[0])] if ref.serving \
-        else [(ids, mask)]
+    # (each request alone: every one of its tokens attended, pad id or not; without a mask generate would take a
+    # token equal to the pad id inside a prompt for padding)
+    parts = [(r, torch.ones_like(r)) for r in (ids[i:i + 1, width - int(mask[i].sum()):] for i in range(ids.shape[0]))] \
+        if ref.serving else [(ids, mask)]
     toks, first = [], []
     for r, m in parts:
         res = ref.model.generate(r, attention_mask=m, max_new_tokens=n, do_sample=False, eos_token_id=None,
