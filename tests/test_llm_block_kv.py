@@ -298,6 +298,24 @@ def test_block_attributes_leave_graphs_built_without_them_unchanged(tmp_path: Pa
     assert len(runs[4]["trace"]) == 2 and runs[4]["trace"] < runs[2]["trace"]
 
 
+def test_block_graphs_shard_at_tp2_with_each_ranks_pool_holding_its_kv_heads(tmp_path: Path) -> None:
+    """The block layout shards as the line layout does: each rank's pool [layers, 2, N + 1, kv_heads / tp, B, head_dim]
+    (tokens equal to transformers' at tp 2 on trn2, with shuffled blocks, preemption and chunks, checked by hand)."""
+    from neuronbuild.analysis.planner import plan
+    from neuronbuild.loading.target_graph import load_targets
+
+    build = _build_file() + 'neuron_compile(name = "blocks_tp2", model = ":blocks", target = ":trn2", ' \
+        'buckets = BUCKETS | {"prefix": [":pfx"]}, tp_degree = 2)\n'
+    ws = write_ws(tmp_path / "ws", {"llama.safetensors": "", "BUILD": build})
+    ag = plan(load_targets(ws, ["//:blocks_tp2"]))
+    traces = [a for a in ag.actions.values() if a.kind == "trace"]
+    assert len(traces) == 4 and all(a.record["model"]["tp"]["degree"] == 2 for a in traces)
+    for a in traces:
+        kv = dict(a.record["model"]["inputs"])["kv"]["dims"]
+        whole = dict(a.record["model"]["whole_inputs"])["kv"]["dims"]
+        assert kv[3] * 2 == whole[3] == HF["num_key_value_heads"] and kv[:3] == whole[:3], (kv, whole)
+
+
 def test_a_block_size_that_does_not_divide_max_seq_is_refused_naming_the_target(tmp_path: Path) -> None:
     ws = write_ws(tmp_path / "ws", {"llama.safetensors": "",
                                     "BUILD": _build_file().replace("block_size = 16", "block_size = 20")})

@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from typing import Any
 
 HF_CAUSAL_LM = "neuronbuild.toolchains.hf_causal_lm"
+HF_BLOCK_KV = "neuronbuild.toolchains.hf_block_kv"  # the block layout's graphs (shard as hf_causal_lm's: kv heads on dim 3)
 TP_OPS = "neuronbuild.toolchains.tp_ops"  # the per-rank model's code: its digest enters sharded traces' records
 # transformers families with a sharding plan (toolchains/tp_ops.py), each verified against transformers at tp 2
 # (tests/test_tensor_parallel.py, tests/test_tp_families.py, and by hand: docs/neuron.md lists which).
@@ -80,7 +81,7 @@ def check(record: Mapping[str, Any], platform: str, tp: int, allowed: tuple[int,
         return None
     entry = str(record.get("entry") or "")
     model_type, hf = _hf(record)
-    if not entry.startswith(HF_CAUSAL_LM + ":") or model_type not in TP_FAMILIES:
+    if not entry.startswith((HF_CAUSAL_LM + ":", HF_BLOCK_KV + ":")) or model_type not in TP_FAMILIES:
         return (f"tp_degree {tp}: only hf_causal_lm models of the {', '.join(TP_FAMILIES)} families, or a "
                 f"neuron_model with a tp_plan, can be sharded (this model: {model_type or entry})")
     heads = _heads(hf)
