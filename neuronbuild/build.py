@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 import sys
 import time
 from collections.abc import Mapping, Sequence
@@ -12,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from neuronbuild import after_answer, incremental, plugins
+from neuronbuild import after_answer, envvars, incremental, plugins
 from neuronbuild.analysis.explain import ignored_option_warnings
 from neuronbuild.analysis.plan_settings import PlanSettings
 from neuronbuild.analysis.planner import ActionGraph
@@ -93,7 +92,7 @@ def _check_keys_unreadable(ctx: BuildContext, env: Mapping[str, str]) -> None:
     from neuronbuild.runtime.signing import key_too_open
 
     keys = (("--remote-cache-signing-key", ctx.cache.signing_key),
-            ("--signing-key", os.environ.get("NEURONBUILD_SIGNING_KEY", "").strip() or None))
+            ("--signing-key", envvars.current().text("NEURONBUILD_SIGNING_KEY")))
     for flag, key in keys:
         too_open = key_too_open(key) if key else None
         if too_open is not None:

@@ -138,7 +138,9 @@ _parsers: dict[object, tuple[argparse.ArgumentParser, dict[str, str]]] = {}
 def _parser() -> tuple[argparse.ArgumentParser, dict[str, str]]:
     """make_parser(), kept for the next command of a build server with the same environment (some defaults read
     it). Parsing does not change a parser, and help text is formatted when printed (COLUMNS then)."""
-    key = frozenset(os.environ.items())
+    from neuronbuild import envvars
+
+    key = frozenset(envvars.environ().items())
     found = _parsers.get(key)
     if found is None:
         _parsers.clear()

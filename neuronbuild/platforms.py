@@ -8,6 +8,8 @@ import platform
 import shutil
 import subprocess
 
+from neuronbuild import envvars
+
 _LEVELS = (
     ("x86-64-v4", {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}),
     ("x86-64-v3", {"avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe"}),
@@ -32,7 +34,7 @@ def host_cores() -> int:
 @functools.lru_cache(maxsize=1)
 def host_isa() -> str:
     """This machine's CPU ISA level (x86-64-v4 ... x86-64), or the machine name on other architectures."""
-    forced = os.environ.get(HOST_ISA_ENV)
+    forced = envvars.current().text(HOST_ISA_ENV)
     if forced:
         return forced
     machine = platform.machine()

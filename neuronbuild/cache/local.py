@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from neuronbuild import jsondata
+from neuronbuild import envvars, jsondata
 from neuronbuild.atomic import atomic_write_bytes, try_lock, unlock
 from neuronbuild.cache.action_cache import ActionCache, ActionResult, OutputRef
 from neuronbuild.cache.cas import BlobStore, CorruptBlob
@@ -39,7 +39,7 @@ def resolve_cache_dir(flag: str | None) -> Path:
     """--cache-dir, else $NEURONBUILD_CACHE_DIR, else a per-user default (~/.cache/neuronbuild)."""
     if flag:
         return Path(flag).expanduser().resolve()
-    env = os.environ.get(CACHE_ENV)
+    env = envvars.current().text(CACHE_ENV)
     if env:
         return Path(env).expanduser().resolve()
     return default_cache_dir()

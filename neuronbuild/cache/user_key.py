@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from neuronbuild import envvars
 from neuronbuild.cache.record_auth import RecordVerifier
 
 KEY_ENV = "NEURONBUILD_RECORD_KEY"  # a file to use (or make) instead of the default place
@@ -29,7 +30,7 @@ KEY_ENV = "NEURONBUILD_RECORD_KEY"  # a file to use (or make) instead of the def
 def default_key_path() -> Path:
     """Where the user's own record key lives: $NEURONBUILD_RECORD_KEY, else $XDG_CONFIG_HOME/neuronbuild/record-key
     (default ~/.config/neuronbuild/record-key)."""
-    explicit = os.environ.get(KEY_ENV, "").strip()
+    explicit = envvars.current().text(KEY_ENV)
     if explicit:
         return Path(explicit).expanduser()
     base = os.environ.get("XDG_CONFIG_HOME", "").strip() or str(Path("~/.config").expanduser())

@@ -4,35 +4,38 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import os
 from collections.abc import Iterator, Mapping, Sequence, ValuesView
 from typing import TYPE_CHECKING, Any
+
+from neuronbuild import envvars
 
 if TYPE_CHECKING:
     from neuronbuild.context import BuildContext
 
 
 def add_cache_args(p: argparse.ArgumentParser) -> None:
-    """Flags naming the cache tiers a command reads (the `cache` sub-commands take only these)."""
+    """Flags naming the cache tiers a command reads (the `cache` sub-commands take only these); defaults from the
+    command's environment (cli._parser keeps a parser per environment)."""
+    cfg = envvars.current()
     p.add_argument("--cache-dir", help="cache directory (default: $NEURONBUILD_CACHE_DIR or ~/.cache/neuronbuild)")
-    p.add_argument("--remote-cache", default=os.environ.get("NEURONBUILD_REMOTE_CACHE") or None,
+    p.add_argument("--remote-cache", default=cfg.text("NEURONBUILD_REMOTE_CACHE"),
                    metavar="PATH|s3://bucket/prefix",
                    help="shared cache tier: a shared directory or an S3 prefix (default: $NEURONBUILD_REMOTE_CACHE)")
     p.add_argument("--remote-cache-readonly", action="store_true",
-                   default=os.environ.get("NEURONBUILD_REMOTE_CACHE_READONLY", "") not in ("", "0"),
+                   default=cfg.flag("NEURONBUILD_REMOTE_CACHE_READONLY"),
                    help="read from the shared tier but never upload to it")
     p.add_argument("--s3-endpoint-url", default=None,
                    help="S3-compatible endpoint for s3:// tiers (default: $NEURONBUILD_S3_ENDPOINT_URL or AWS's)")
     p.add_argument("--remote-cache-trusted-keys", metavar="FILE",
-                   default=os.environ.get("NEURONBUILD_REMOTE_CACHE_TRUSTED_KEYS") or None,
+                   default=cfg.text("NEURONBUILD_REMOTE_CACHE_TRUSTED_KEYS"),
                    help="serve only shared-tier records signed by one of these Ed25519 public keys (ssh-ed25519 "
                         "lines or PEM; default: $NEURONBUILD_REMOTE_CACHE_TRUSTED_KEYS); others are rebuilt")
     p.add_argument("--remote-cache-trust-writers", action="store_true",
-                   default=os.environ.get("NEURONBUILD_REMOTE_CACHE_TRUST_WRITERS", "") not in ("", "0"),
+                   default=cfg.flag("NEURONBUILD_REMOTE_CACHE_TRUST_WRITERS"),
                    help="declare whoever can write the shared tier trusted: serve its records unsigned, without "
                         "the warning (Bazel's model; default: $NEURONBUILD_REMOTE_CACHE_TRUST_WRITERS)")
     p.add_argument("--remote-cache-signing-key", metavar="FILE",
-                   default=os.environ.get("NEURONBUILD_REMOTE_CACHE_SIGNING_KEY") or None,
+                   default=cfg.text("NEURONBUILD_REMOTE_CACHE_SIGNING_KEY"),
                    help="sign the records this build uploads with this Ed25519 private key (default: "
                         "$NEURONBUILD_REMOTE_CACHE_SIGNING_KEY); keep it where actions cannot read it")
 

@@ -7,6 +7,7 @@ import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from neuronbuild import envvars
 from neuronbuild.platforms import THREADS_VAR, host_cores
 
 # Variables passed through from the caller. PATH only locates tools (g++); their versions enter fingerprints. The
@@ -19,7 +20,8 @@ COMPILE_AFFECTING = re.compile(r"^(NEURON_.*|NEURON_CC_FLAGS|TORCHINDUCTOR_.*|XL
 def action_environment(toolchain_tmp: Path, home: Path,
                        declared: Sequence[tuple[str, str | None]] = ()) -> dict[str, str]:
     """The allow-list, then declared variables (their names and values are in every fingerprint) on top."""
-    env = {k: os.environ[k] for k in PASSTHROUGH if k in os.environ}
+    caller = envvars.environ()  # the command's environment
+    env = {k: caller[k] for k in PASSTHROUGH if k in caller}
     env.setdefault("PATH", "/usr/local/bin:/usr/bin:/bin")
     env.update({
         "HOME": str(home),

@@ -28,6 +28,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from neuronbuild import envvars
 from neuronbuild.errors import EXIT_BAD_INPUT, Location, UserInputError
 
 T = TypeVar("T")
@@ -129,8 +130,8 @@ _evaluations = 0
 def memory_budget() -> int:
     """The per-file Starlark memory budget in bytes ($NEURONBUILD_STARLARK_MEMORY_MB, default 1024 MiB)."""
     try:
-        mb = int(os.environ.get(BUDGET_ENV, "") or DEFAULT_BUDGET_MB)
-    except ValueError:
+        mb = envvars.current().integer(BUDGET_ENV)
+    except UserInputError:
         mb = DEFAULT_BUDGET_MB
     return max(16, mb) << 20
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
+from neuronbuild import envvars
 from neuronbuild.analysis.planner import ActionGraph
 from neuronbuild.atomic import atomic_write_bytes, atomic_writer
 from neuronbuild.cache.cas import umask_mode
@@ -56,7 +57,7 @@ class BundleOutput:
 
 def signing_key() -> Path | None:
     """The private key bundles are signed with: $NEURONBUILD_SIGNING_KEY (set by `build --signing-key`), or None."""
-    v = os.environ.get(SIGNING_KEY_ENV, "").strip()
+    v = envvars.current().text(SIGNING_KEY_ENV)
     return Path(v).expanduser() if v else None
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import sys
 
+from neuronbuild import envvars
 from neuronbuild.self_stamp import checkout_dir, code_stamp
 
 try:  # CPython's built-in SHA-256 (hashlib imports OpenSSL's binding first: milliseconds)
@@ -110,7 +111,7 @@ class StartupOptions:
 
 
 def default_output_user_root() -> str:
-    env = os.environ.get("NEURONBUILD_OUTPUT_USER_ROOT")
+    env = envvars.current().text("NEURONBUILD_OUTPUT_USER_ROOT")
     if env:
         return os.path.abspath(os.path.expanduser(env))
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
@@ -243,9 +244,10 @@ def server_stamp(opts: StartupOptions) -> str:
             tools.append([p, st.st_size, st.st_mtime_ns, st.st_ino, st.st_ctime_ns])
         except OSError:
             tools.append([p])
-    plugins = sorted((k, v) for k, v in os.environ.items() if k.startswith("NEURONBUILD_PLUGIN"))
+    cfg = envvars.current()
+    plugins = sorted((k, cfg.env[k]) for k in ("NEURONBUILD_PLUGINS", "NEURONBUILD_PLUGIN_PATH") if k in cfg.env)
     plugin_files = []
-    for d in os.environ.get("NEURONBUILD_PLUGIN_PATH", "").split(os.pathsep):
+    for d in cfg.words("NEURONBUILD_PLUGIN_PATH"):
         if not d:
             continue
         try:

@@ -17,6 +17,8 @@ from collections.abc import Generator, Iterator
 from pathlib import Path
 from typing import Any
 
+from neuronbuild import envvars
+from neuronbuild.errors import UserInputError
 from neuronbuild.execution import local_executor
 from neuronbuild.execution.pool import WorkerPool
 from neuronbuild.execution.resources import rss_kib
@@ -387,8 +389,8 @@ def _env_secs(name: str, default: float) -> float:
     """Seconds from the environment variable `name` (of the client that started the server): a positive number, else
     `default`."""
     try:
-        value = float(os.environ.get(name) or default)
-    except ValueError:
+        value = envvars.current().seconds(name)
+    except UserInputError:
         value = default
     return value if 0 < value < float("inf") else default
 
