@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from neuronbuild import after_answer, envvars, incremental, plugins
+from neuronbuild import after_answer, incremental, plugins
 from neuronbuild.analysis.explain import ignored_option_warnings
 from neuronbuild.analysis.plan_settings import PlanSettings
 from neuronbuild.analysis.planner import ActionGraph
@@ -92,7 +92,7 @@ def _check_keys_unreadable(ctx: BuildContext, env: Mapping[str, str]) -> None:
     from neuronbuild.runtime.signing import key_too_open
 
     keys = (("--remote-cache-signing-key", ctx.cache.signing_key),
-            ("--signing-key", envvars.current().text("NEURONBUILD_SIGNING_KEY")))
+            ("--signing-key", str(ctx.signing_key) if ctx.signing_key else None))
     for flag, key in keys:
         too_open = key_too_open(key) if key else None
         if too_open is not None:
@@ -207,7 +207,7 @@ def _run_build(ctx: BuildContext, req: BuildRequest, listeners: Sequence[Listene
         if ag.bundles:
             from neuronbuild.packaging.bundle import build_bundles
 
-            bundles, skipped = build_bundles(root, graph, ag, cache, failed)
+            bundles, skipped = build_bundles(root, graph, ag, cache, failed, ctx.signing_key)
             outputs += [str(b.archive.relative_to(root / OUTPUT_DIR)) for b in bundles]
             for b in bundles:
                 ctx.report(f"Bundle {b.label}: {b.archive} ({b.size} bytes{'' if b.written else ', up to date'})")

@@ -10,6 +10,8 @@ if TYPE_CHECKING:
     import argparse
     from collections.abc import Sequence
 
+    from neuronbuild.command import Command
+
 # argparse, the command modules and errors are imported only when the command runs in this process: a command the
 # build server runs costs the client nothing but the thin client (neuronbuild/server/client.py).
 
@@ -208,9 +210,16 @@ def command_line_error(argv: list[str]) -> int | None:
     return parsed if isinstance(parsed, int) else None
 
 
-def _main(argv: list[str]) -> int:
-    import importlib
-    from pathlib import Path
+def _main(argv: list[str], cmd: Command | None = None) -> int:
+    """Runs one command: `cmd` (the build server's, from its client's message), else this process as a batch one."""
+    from neuronbuild.command import Command
+
+    cmd = cmd if cmd is not None else Command.batch(argv)
+    with cmd.active():
+        return _run(argv, cmd)
+
+
+def _run(argv: list[str], cmd: Command) -> int:
 
     from neuronbuild.errors import EXIT_BAD_INPUT, EXIT_BUILD_FAILED, EXIT_INTERRUPTED, NeuronBuildError
 
@@ -227,9 +236,10 @@ def _main(argv: list[str]) -> int:
         return EXIT_BAD_INPUT
     try:
         if args.directory:
-            os.chdir(Path(args.directory))
-        mod = importlib.import_module(f"neuronbuild.commands.{owners[args.command]}")
-        return int(mod.run(args))
+            os.chdir(cmd.path(args.directory))  # (the modules below still resolve some paths against the process cwd)
+            with cmd.in_directory(args.directory).active():
+                return _run_command(owners[args.command], args)
+        return _run_command(owners[args.command], args)
     except NeuronBuildError as e:
         print(str(e), file=sys.stderr)
         return e.exit_code
@@ -241,6 +251,12 @@ def _main(argv: list[str]) -> int:
     except OSError as e:
         print(f"neuronbuild: error: {e}", file=sys.stderr)
         return EXIT_BUILD_FAILED
+
+
+def _run_command(module: str, args: argparse.Namespace) -> int:
+    import importlib
+
+    return int(importlib.import_module(f"neuronbuild.commands.{module}").run(args))
 
 
 def entry() -> None:

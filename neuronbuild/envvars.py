@@ -9,13 +9,14 @@ NEURONBUILD_* variable from os.environ (tests/test_envvars.py)."""
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
 import os
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
+from collections import namedtuple
 
-from neuronbuild.errors import UserInputError
+TYPE_CHECKING = False  # (not typing's: the build server's thin client imports this module and must stay light)
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+
 
 # Types: "text" (a string; empty = unset), "path" (a file or directory; empty = unset), "flag" (unset/empty: the
 # default; 0, false, no, off: false; anything else: true), "seconds" (a positive number), "int" (a whole number),
@@ -23,13 +24,8 @@ from neuronbuild.errors import UserInputError
 KINDS = ("text", "path", "flag", "seconds", "int", "list", "paths")
 
 
-@dataclass(frozen=True)
-class Var:
-    name: str
-    kind: str
-    default: object
-    meaning: str
-    scope: str  # who reads it: build (commands), server, worker (set by neuronbuild for its workers), runtime, release
+# scope: who reads it: build (commands), server, worker (set by neuronbuild for its workers), runtime, release
+Var = namedtuple("Var", "name kind default meaning scope")
 
 
 VARIABLES: tuple[Var, ...] = (
@@ -113,6 +109,8 @@ def _parse(var: Var, raw: str) -> object:
         return tuple(w.strip() for w in text.split(",") if w.strip())
     if var.kind == "paths":
         return tuple(d for d in raw.split(os.pathsep) if d)
+    from neuronbuild.errors import UserInputError
+
     try:
         value: float = int(text) if var.kind == "int" else float(text)
     except ValueError:
@@ -123,25 +121,29 @@ def _parse(var: Var, raw: str) -> object:
     return value
 
 
-@dataclass(frozen=True)
 class Config:
     """The NEURONBUILD_* variables of one environment, typed (read once, by `of`), and that environment itself
     (`env`: what else a command reads from its caller's environment, e.g. HOME, PATH, --action-env values)."""
 
-    env: Mapping[str, str]
-    _values: Mapping[str, object] = field(repr=False)
-    _errors: Mapping[str, UserInputError] = field(repr=False)
+    __slots__ = ("env", "_values", "_errors")
+
+    def __init__(self, env: Mapping[str, str], values: Mapping[str, object],
+                 errors: Mapping[str, Exception]) -> None:
+        self.env, self._values, self._errors = env, values, errors
+
+    def __repr__(self) -> str:
+        return f"Config({sorted(k for k in self.env if k.startswith('NEURONBUILD_'))})"
 
     @classmethod
     def of(cls, env: Mapping[str, str]) -> Config:
         values: dict[str, object] = {}
-        errors: dict[str, UserInputError] = {}
+        errors: dict[str, Exception] = {}
         frozen = dict(env)
         for var in VARIABLES:
             raw = frozen.get(var.name)
             try:
                 values[var.name] = var.default if raw is None else _parse(var, raw)
-            except UserInputError as e:  # raised where it is read (a command that never needs it is not refused)
+            except Exception as e:  # noqa: BLE001 - (UserInputError, not imported here: the client stays light)  # raised where it is read (a command that never needs it is not refused)
                 errors[var.name] = e
                 values[var.name] = var.default
         return cls(frozen, values, errors)
@@ -200,15 +202,20 @@ def environ() -> Mapping[str, str]:
     return cfg.env if cfg is not None else os.environ
 
 
-@contextlib.contextmanager
-def using(config: Config) -> Iterator[Config]:
-    """`config` is current() for the code run inside (this thread's context; threads the code starts read it through
-    what it passes them)."""
-    token = _current.set(config)
-    try:
-        yield config
-    finally:
-        _current.reset(token)
+class using:  # noqa: N801 - used as a context manager function (contextlib costs the thin client an import)
+    """`with using(config):` config is current() for the code run inside (this thread's context; threads the code
+    starts read it through what it passes them)."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self._tokens: list[contextvars.Token[Config | None]] = []
+
+    def __enter__(self) -> Config:
+        self._tokens.append(_current.set(self.config))
+        return self.config
+
+    def __exit__(self, *exc: object) -> None:
+        _current.reset(self._tokens.pop())
 
 
 def table_markdown() -> str:

@@ -25,7 +25,7 @@ ALLOWED = {
     "packaging": {"loading", "analysis", "cache", "runtime"},
     "top": {"loading", "analysis", "kinds", "toolchains", "execution", "cache", "packaging", "runtime"},
 }
-TOP = {"__main__", "build", "cli", "context", "incremental", "noop", "after_answer", "commands", "rcfile", "completion",
+TOP = {"__main__", "build", "cli", "command", "context", "incremental", "noop", "after_answer", "commands", "rcfile", "completion",
        "clean", "server", "report"}
 
 

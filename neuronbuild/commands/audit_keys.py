@@ -85,24 +85,6 @@ def _progress(msg: str) -> None:
     print(f"audit-keys: {msg}", file=sys.stderr, flush=True)
 
 
-@contextlib.contextmanager
-def _environ(changes: Mapping[str, str | None]) -> Iterator[None]:
-    old = {k: os.environ.get(k) for k in changes}
-    try:
-        for k, v in changes.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
 class _Audit:
     """One audit: a scratch copy of the workspace, the baseline plan, and a fresh scratch cache per run."""
 
@@ -237,8 +219,10 @@ class _Audit:
                 yield ctx, ctx.load(self.patterns)
             finally:
                 path.write_bytes(original)
-        elif v.how in ("env", "home"):
-            with _environ(v.env):
+        elif v.how in ("env", "home"):  # the command's environment changed: what it plans and runs sees it
+            from neuronbuild.command import current
+
+            with current().with_env(v.env).active():
                 ctx = self._context(self.ws, fresh)
                 yield ctx, ctx.load(self.patterns)
         elif v.how == "workspace":

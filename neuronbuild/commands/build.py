@@ -116,7 +116,7 @@ def _want_workers(args: argparse.Namespace, cache_dir: Path) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from neuronbuild import noop
+    from neuronbuild import command, noop
 
     if args.jobs is not None and args.jobs < 1:
         return _bad("--jobs must be at least 1")
@@ -142,10 +142,6 @@ def run(args: argparse.Namespace) -> int:
         # and creating it here could put the farm's cache on a local disk where the share is not mounted.
         return _bad(f"--remote-cache {args.remote_cache}: no such directory (the Dask executor needs a directory "
                     "every worker can read and write; create it, or mount the share)")
-    if getattr(args, "signing_key", None):  # read by packaging/bundle.py (and part of the no-op key)
-        import os
-
-        os.environ["NEURONBUILD_SIGNING_KEY"] = str(Path(args.signing_key).expanduser().resolve())
     from neuronbuild.cache.local import resolve_cache_dir
     from neuronbuild.context import NORMAL, QUIET, VERBOSE, patterns_or_default
     from neuronbuild.execution.resources import parse_local_ram
@@ -164,6 +160,8 @@ def run(args: argparse.Namespace) -> int:
     cache_dir = resolve_cache_dir(args.cache_dir)
     patterns = patterns_or_default(args.patterns)
     noop_flags = {k: v for k, v in vars(args).items() if k not in NOOP_IGNORED}
+    signing_key = command.current().signing_key(args.signing_key)  # (flag, else $NEURONBUILD_SIGNING_KEY)
+    noop_flags["signing_key"] = str(signing_key) if signing_key else None  # the key a bundle is signed with
     key = noop.request_key(ws.root, ws.cwd_package, patterns, cache_dir, noop_flags)
     wants_events = args.profile or args.build_event_json_file
     started = time.time()

@@ -368,6 +368,7 @@ class Server:
 
     def run_command(self, conn: socket.socket, msg: dict[str, Any]) -> int:
         from neuronbuild import cli
+        from neuronbuild.command import Command
 
         self.commands += 1
         tty = msg.get("tty") or [False, False]
@@ -393,7 +394,7 @@ class Server:
             self.cancel_armed.set()
             watcher.start()
             with self.warm.active():
-                code = cli._main(argv)
+                code = cli._main(argv, Command.from_message(msg, out, err))
         except SystemExit as e:
             code = e.code if isinstance(e.code, int) else EXIT_BUILD_FAILED
         except KeyboardInterrupt:
