@@ -13,6 +13,8 @@ import traceback
 from collections.abc import Callable, Generator
 from typing import Any
 
+from neuronbuild import streams
+
 _deferring = False
 _pending: list[Callable[[], object]] = []
 _when_idle: list[Callable[[], object]] = []  # what may wait until the server idles (when_idle)
@@ -81,17 +83,14 @@ def run() -> None:
     start = time.perf_counter()
     n = len(_pending)
     tee = _Tee(sys.stderr)
-    sys.stderr = tee  # type: ignore[assignment]
-    try:
-        while _pending:
-            fn = _pending.pop(0)
-            try:
+    while _pending:
+        fn = _pending.pop(0)
+        try:
+            with streams.using(sys.stdout, tee):  # (what the tasks warn is carried to the next command)
                 fn()
-            except Exception as e:  # noqa: BLE001 - a record or a stamp not written costs a page or a speed-up only
-                traceback.print_exc(file=tee.log)
-                tee.text.append(f"warning: {type(e).__name__}: {e} (the build server's log has its traceback)\n")
-    finally:
-        sys.stderr = tee.log
+        except Exception as e:  # noqa: BLE001 - a record or a stamp not written costs a page or a speed-up only
+            traceback.print_exc(file=tee.log)
+            tee.text.append(f"warning: {type(e).__name__}: {e} (the build server's log has its traceback)\n")
     _carried.extend(ln for ln in "".join(tee.text).splitlines() if ln.startswith("warning: "))
     del _carried[:-20]
     print(f"{time.strftime('%H:%M:%S')} after the answer: {n} task(s) in {time.perf_counter() - start:.2f} s",

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import sys
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from neuronbuild import after_answer, incremental, plugins
+from neuronbuild import after_answer, incremental, plugins, streams
 from neuronbuild.analysis.explain import ignored_option_warnings
 from neuronbuild.analysis.plan_settings import PlanSettings
 from neuronbuild.analysis.planner import ActionGraph
@@ -179,7 +178,7 @@ def _run_build(ctx: BuildContext, req: BuildRequest, listeners: Sequence[Listene
     errors: list[UserInputError] | None = [] if req.keep_going else None
     ag = ctx.plan(graph, errors=errors)
     for e in errors or ():  # (said now, even when quiet: the build goes on without these targets)
-        print(str(e), file=sys.stderr, flush=True)
+        print(str(e), file=streams.err(), flush=True)
     for note in settings_notes(ctx.settings, ag, toolchains=()):  # toolchain notes: after execution, if it ran any
         ctx.report(note)
     for note in ignored_option_warnings(graph, ag):

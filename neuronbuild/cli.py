@@ -5,10 +5,13 @@ from __future__ import annotations
 import os
 import sys
 
+from neuronbuild import streams
+
 TYPE_CHECKING = False  # (not typing's: importing typing alone costs a no-op client through the server milliseconds)
 if TYPE_CHECKING:
     import argparse
     from collections.abc import Sequence
+    from typing import Any
 
     from neuronbuild.command import Command
 
@@ -48,8 +51,23 @@ def _parser_class() -> type[argparse.ArgumentParser]:
                 for mod, why in settings_problems().items():
                     message += (f" (plug-in {mod} from ${PLUGINS_ENV} could not be imported, so its flags are "
                                 f"unknown: {why})")
-            print(f"neuronbuild: error: {message}", file=sys.stderr)
+            print(f"neuronbuild: error: {message}", file=streams.err())
             raise SystemExit(EXIT_BAD_INPUT)
+
+        def _print_message(self, message: str, file: Any = None) -> None:
+            # help, usage and errors to the command's streams (a server command's go to its client)
+            super()._print_message(message, streams.err() if file is sys.stderr else streams.out() if file in (
+                None, sys.stdout) else file)
+
+        def _get_formatter(self) -> argparse.HelpFormatter:
+            # help as wide as the command's terminal ($COLUMNS of its environment, which the server's client sets)
+            import shutil
+
+            from neuronbuild import envvars
+
+            cols = envvars.environ().get("COLUMNS", "")
+            width = int(cols) if cols.isdigit() else shutil.get_terminal_size().columns
+            return self.formatter_class(prog=self.prog, width=max(width - 2, 11))  # type: ignore[call-arg]
 
     return _Parser
 
@@ -106,7 +124,7 @@ def make_parser() -> tuple[argparse.ArgumentParser, dict[str, str]]:
 
     class _VersionAction(argparse.Action):
         def __call__(self, parser: argparse.ArgumentParser, *_args: object) -> None:
-            print(version_text())
+            print(version_text(), file=streams.out())
             parser.exit()
 
     parser = _Parser(prog="neuronbuild", description="Bazel-style builds of model graphs for accelerators.",
@@ -178,7 +196,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         # A serving-only install (`pip install neuronbuild`: the runtime's dependencies alone).
         print(f"neuronbuild: error: this command needs the build side (module {e.name!r} is not installed): "
-              "pip install 'neuronbuild[build]'", file=sys.stderr)
+              "pip install 'neuronbuild[build]'", file=streams.err())
         return 2
 
 
@@ -194,7 +212,7 @@ def _expand_and_parse(argv: list[str], parser: argparse.ArgumentParser) -> argpa
     try:
         argv = expand(argv, parser)
     except NeuronBuildError as e:
-        print(str(e), file=sys.stderr)
+        print(str(e), file=streams.err())
         return e.exit_code
     _argv_seen[:] = argv
     try:
@@ -231,8 +249,8 @@ def _run(argv: list[str], cmd: Command) -> int:
     if isinstance(args, int):
         return args
     if args.command is None:
-        parser.print_usage(sys.stderr)
-        print("neuronbuild: error: give a command (neuronbuild -h lists them)", file=sys.stderr)
+        parser.print_usage(streams.err())
+        print("neuronbuild: error: give a command (neuronbuild -h lists them)", file=streams.err())
         return EXIT_BAD_INPUT
     try:
         if args.directory:
@@ -241,15 +259,15 @@ def _run(argv: list[str], cmd: Command) -> int:
                 return _run_command(owners[args.command], args)
         return _run_command(owners[args.command], args)
     except NeuronBuildError as e:
-        print(str(e), file=sys.stderr)
+        print(str(e), file=streams.err())
         return e.exit_code
     except BrokenPipeError:
         raise
     except KeyboardInterrupt:
-        print("neuronbuild: interrupted", file=sys.stderr)
+        print("neuronbuild: interrupted", file=streams.err())
         return EXIT_INTERRUPTED
     except OSError as e:
-        print(f"neuronbuild: error: {e}", file=sys.stderr)
+        print(f"neuronbuild: error: {e}", file=streams.err())
         return EXIT_BUILD_FAILED
 
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
-from neuronbuild import envvars
+from neuronbuild import envvars, streams
 from neuronbuild.atomic import current_umask
 
 
@@ -88,7 +88,7 @@ class Command:
         """Runs the code inside as this command: current() is it, envvars.current() its config."""
         token = _current.set(self)
         try:
-            with envvars.using(self.config):
+            with envvars.using(self.config), streams.using(self.out, self.err):
                 yield self
         finally:
             _current.reset(token)

@@ -5,12 +5,12 @@ Made once per command by `make_context` from the common flags (commands/common.p
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from neuronbuild import streams
 from neuronbuild.errors import UserInputError
 from neuronbuild.workspace import Workspace, find_workspace
 
@@ -63,7 +63,7 @@ class BuildContext:
     def report(self, msg: str) -> None:
         """Print a note to stderr (warnings and errors even when quiet)."""
         if self.verbosity != QUIET or msg.startswith(("warning", "error")):
-            print(msg, file=self.command.err if self.command is not None else sys.stderr, flush=True)
+            print(msg, file=self.command.err if self.command is not None else streams.err(), flush=True)
 
     def load(self, patterns: Sequence[str]) -> TargetGraph:
         """Load the targets the patterns select (with the persistent load and digest caches)."""

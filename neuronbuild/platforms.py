@@ -62,11 +62,14 @@ def resolve_isa(isa: str | None) -> str:
 @functools.lru_cache(maxsize=1)
 def cxx_version() -> str:
     """Version of the C++ compiler AOTInductor will use (g++ on PATH), or 'none'."""
-    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    env = envvars.environ()  # the command's
+    path = env.get("PATH")
+    cxx = env.get("CXX") or shutil.which("g++", path=path) or shutil.which("c++", path=path)
     if not cxx:
         return "none"
     try:
-        out = subprocess.run([cxx, "-dumpfullversion", "-dumpversion"], capture_output=True, text=True, timeout=10)
+        out = subprocess.run([cxx, "-dumpfullversion", "-dumpversion"], capture_output=True, text=True, timeout=10,
+                             env=dict(env))
         return f"{os.path.basename(cxx)} {out.stdout.strip()}"
     except (OSError, subprocess.SubprocessError):
         return "unknown"

@@ -10,7 +10,6 @@ $NEURONBUILD_PLUGIN_PATH; worker processes import the same list)."""
 from __future__ import annotations
 
 import importlib
-import os
 import sys
 from _thread import RLock  # (threading's RLock; importing threading costs the build server's client milliseconds)
 
@@ -299,7 +298,7 @@ def tool_files(builtin_only: bool = False) -> list[str]:
     for s in tool_settings(builtin_only):
         for t in s.tools:
             if t.startswith("$"):
-                v = os.environ.get(t[1:])
+                v = envvars.environ().get(t[1:])
                 if v:
                     out.append(v)
             else:

@@ -10,9 +10,9 @@ from pathlib import Path
 PKG = Path(__file__).resolve().parent.parent / "neuronbuild"
 
 # What each part of neuronbuild may import besides itself (the base layer: errors, workspace, atomic, digests,
-# platforms, vocabulary, history, plugins, engine, envvars).
+# platforms, vocabulary, history, plugins, engine, envvars, streams).
 BASE = {"__init__", "errors", "workspace", "atomic", "digests", "platforms", "vocabulary", "history",
-        "plugins", "self_stamp", "jsondata", "engine", "envvars"}
+        "plugins", "self_stamp", "jsondata", "engine", "envvars", "streams"}
 ALLOWED = {
     "base": set(),
     "loading": set(),

@@ -79,10 +79,16 @@ class S3Tier(SharedTier):
             except ImportError as e:
                 raise TierUnavailable("boto3 is not installed (pip install 'neuronbuild[s3]')") from e
             self._errors = botocore.exceptions
-            region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"
+            env = envvars.environ()  # (the command's)
+            region = env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION") or "us-east-1"
             cfg = botocore.config.Config(connect_timeout=3, read_timeout=60, region_name=region,
                                          retries={"max_attempts": 2, "mode": "standard"})
-            self._client = boto3.client("s3", endpoint_url=self.endpoint_url, config=cfg)
+            # the command's credentials (a build server's process environment is another client's)
+            session = boto3.session.Session(aws_access_key_id=env.get("AWS_ACCESS_KEY_ID") or None,
+                                            aws_secret_access_key=env.get("AWS_SECRET_ACCESS_KEY") or None,
+                                            aws_session_token=env.get("AWS_SESSION_TOKEN") or None,
+                                            profile_name=env.get("AWS_PROFILE") or None)
+            self._client = session.client("s3", endpoint_url=self.endpoint_url, config=cfg)
         return self._client
 
     def key(self, *parts: str) -> str:

@@ -33,7 +33,8 @@ def default_key_path() -> Path:
     explicit = envvars.current().text(KEY_ENV)
     if explicit:
         return Path(explicit).expanduser()
-    base = os.environ.get("XDG_CONFIG_HOME", "").strip() or str(Path("~/.config").expanduser())
+    env = envvars.environ()  # (the command's)
+    base = env.get("XDG_CONFIG_HOME", "").strip() or str(Path(env.get("HOME") or Path.home()) / ".config")
     return Path(base) / "neuronbuild" / "record-key"
 
 
@@ -71,7 +72,7 @@ def ensure_user_key(path: Path | None = None) -> tuple[Path, bool]:
     finally:
         tmp.unlink(missing_ok=True)
     blob = b"".join(len(x).to_bytes(4, "big") + x for x in (b"ssh-ed25519", raw))
-    user = os.environ.get("USER") or str(os.getuid())
+    user = envvars.environ().get("USER") or str(os.getuid())
     with contextlib.suppress(OSError):
         Path(f"{p}.pub").write_text(f"ssh-ed25519 {base64.b64encode(blob).decode()} neuronbuild-records-{user}\n")
     return p, True

@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from neuronbuild import streams
 from neuronbuild.commands.common import add_context_args, add_limit_args, context_from_args, limit_settings
 from neuronbuild.errors import EXIT_BAD_INPUT, EXIT_BUILD_FAILED, EXIT_OK
 
@@ -39,7 +40,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 
 
 def _bad(msg: str) -> int:
-    print(f"neuronbuild: error: {msg}", file=sys.stderr)
+    print(f"neuronbuild: error: {msg}", file=streams.err())
     return EXIT_BAD_INPUT
 
 
@@ -175,7 +176,7 @@ def run(args: argparse.Namespace) -> int:
         after_answer.later(lambda: _record_noop_stats(cache_dir, line, started))  # (the server: after the answer)
         note = note_line(record_noop(args, ws.root, cache_dir, patterns, key, line))
         if not args.quiet:
-            print(line + (f"\n{note}" if note else ""), flush=True)
+            print(line + (f"\n{note}" if note else ""), flush=True, file=streams.out())
         _want_workers(args, cache_dir)
         return EXIT_OK
 
@@ -202,15 +203,15 @@ def run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         note = note_line(inv.page)
         if note:
-            print(note, file=sys.stderr, flush=True)
+            print(note, file=streams.err(), flush=True)
         raise
     finally:
         signal.signal(signal.SIGTERM, previous)
     if not args.quiet or not result.ok:
         note = note_line(inv.page)
-        print(result.summary() + (f"\n{note}" if note else ""), flush=True)
+        print(result.summary() + (f"\n{note}" if note else ""), flush=True, file=streams.out())
     if result.failures:
-        print("\n".join(failure_lines(result.failures, describe_failure)), file=sys.stderr)
+        print("\n".join(failure_lines(result.failures, describe_failure)), file=streams.err())
     if result.analysis_errors:  # (--keep-going; said when analysis failed, as without it: bad input, exit 2)
         return EXIT_BAD_INPUT
     return EXIT_BUILD_FAILED if result.failures else EXIT_OK

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from neuronbuild import streams
 from neuronbuild.errors import EXIT_OK
 
 
@@ -25,12 +26,12 @@ def run(args: argparse.Namespace) -> int:
     ws = find_workspace()
     removed = clean_outputs(ws.root)
     if removed is None:
-        print(f"clean: no outputs in {ws.root}")
+        print(f"clean: no outputs in {ws.root}", file=streams.out())
     else:
-        print(f"clean: removed {removed.path} ({removed.files} files, {human(removed.bytes)})")
+        print(f"clean: removed {removed.path} ({removed.files} files, {human(removed.bytes)})", file=streams.out())
     if args.expunge:
         cache_dir = resolve_cache_dir(args.cache_dir)
         files = expunge_state(ws.root, cache_dir)
         print(f"clean: removed {len(files)} state file(s) of this workspace from {cache_dir} "
-              f"(cached results are kept; `neuronbuild cache gc` bounds them)")
+              f"(cached results are kept; `neuronbuild cache gc` bounds them)", file=streams.out())
     return EXIT_OK

@@ -7,7 +7,7 @@ import itertools
 from collections.abc import Iterator, Mapping, Sequence, ValuesView
 from typing import TYPE_CHECKING, Any
 
-from neuronbuild import envvars
+from neuronbuild import envvars, streams
 
 if TYPE_CHECKING:
     from neuronbuild.context import BuildContext
@@ -119,7 +119,6 @@ def bad_jobs(args: argparse.Namespace) -> str | None:
 def run_plan(args: argparse.Namespace) -> int:
     """`plan` and `build --dry-run`: what a build would execute, checked against every cache tier without fetching."""
     import json
-    import sys
 
     from neuronbuild.analysis.plan_report import plan_report
     from neuronbuild.build import default_jobs, settings_notes
@@ -127,17 +126,17 @@ def run_plan(args: argparse.Namespace) -> int:
 
     err = bad_jobs(args)
     if err:
-        print(f"neuronbuild: error: {err}", file=sys.stderr)
+        print(f"neuronbuild: error: {err}", file=streams.err())
         return EXIT_BAD_INPUT
     ctx = context_from_args(args)
     graph = ctx.load(args.patterns)
     ag = ctx.plan(graph)
     for note in settings_notes(ctx.settings, ag, toolchains=()):  # a plan makes no graphs: no toolchain notes
-        print(note, file=sys.stderr)
+        print(note, file=streams.err())
     from neuronbuild.analysis.explain import ignored_option_warnings
 
     for note in ignored_option_warnings(graph, ag):
-        print(note, file=sys.stderr)
+        print(note, file=streams.err())
     from neuronbuild import incremental
     from neuronbuild.execution.scheduler import needed_actions
 
@@ -147,16 +146,16 @@ def run_plan(args: argparse.Namespace) -> int:
         report = plan_report(ag, todo, cached, ctx.history(cache), args.jobs or default_jobs(),
                              incremental.analysis_memo(ctx.workspace.root, ctx.settings))
         if getattr(args, "output", "text") == "json":
-            print(json.dumps(report.to_json(), indent=1, sort_keys=True))
+            print(json.dumps(report.to_json(), indent=1, sort_keys=True), file=streams.out())
         else:  # (the matrix first: the build server sends it while the schedule for the summary is computed)
             matrix = report.matrix_lines()
             if matrix:
-                sys.stdout.write("\n".join(matrix) + "\n")
-            print(report.summary_line())
+                streams.out().write("\n".join(matrix) + "\n")
+            print(report.summary_line(), file=streams.out())
             if todo:
                 from neuronbuild.execution.limits import defaults_line
 
-                print(defaults_line())
+                print(defaults_line(), file=streams.out())
     _record_plan(args, ctx, ag, cache, todo, cached)
     from neuronbuild.execution.local_executor import want_workers
 

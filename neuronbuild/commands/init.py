@@ -4,8 +4,8 @@ target), to replace the model of with one's own."""
 from __future__ import annotations
 
 import argparse
-import sys
 
+from neuronbuild import streams
 from neuronbuild.errors import EXIT_BAD_INPUT, EXIT_OK
 
 PACKAGE = "models"
@@ -92,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
 
     root = Path(args.dir)
     if root.exists() and not root.is_dir():
-        print(f"neuronbuild: error: {root} exists and is not a directory", file=sys.stderr)
+        print(f"neuronbuild: error: {root} exists and is not a directory", file=streams.err())
         return EXIT_BAD_INPUT
     todo = files()
     if (root / ".gitignore").exists():
@@ -102,12 +102,12 @@ def run(args: argparse.Namespace) -> int:
         parent = (root / rel).parent
         if parent.exists() and not parent.resolve().is_relative_to(real_root):
             print(f"neuronbuild: error: {parent} leads outside {root} (to {parent.resolve()}); init writes only inside "
-                  "the new workspace", file=sys.stderr)
+                  "the new workspace", file=streams.err())
             return EXIT_BAD_INPUT
     there = [rel for rel in todo if (root / rel).exists() or (root / rel).is_symlink()]
     if there:
         what = "is already a workspace" if MARKER in there else f"already has {', '.join(there)}"
-        print(f"neuronbuild: error: {root} {what}; init writes only new files (choose another DIR)", file=sys.stderr)
+        print(f"neuronbuild: error: {root} {what}; init writes only new files (choose another DIR)", file=streams.err())
         return EXIT_BAD_INPUT
     for rel, text in todo.items():
         path = root / rel
@@ -115,12 +115,12 @@ def run(args: argparse.Namespace) -> int:
         with open(path, "x", encoding="utf-8") as f:  # never overwrite, even what appeared meanwhile
             f.write(text)
     shown = "." if str(args.dir) == "." else str(args.dir)
-    print(f"Created a neuronbuild workspace in {shown}:")
-    print(f"  {MARKER:<22} marks the workspace root")
+    print(f"Created a neuronbuild workspace in {shown}:", file=streams.out())
+    print(f"  {MARKER:<22} marks the workspace root", file=streams.out())
     print(f"  {PACKAGE}/BUILD{'':<{16 - len(PACKAGE)}} one model, its buckets (batch 1 and 4), a cpu and a trn2 target, "
-          "a cpu release bundle")
-    print(f"  {PACKAGE}/model.py{'':<{13 - len(PACKAGE)}} a tiny model: replace it with yours (docs/models.md)")
+          "a cpu release bundle", file=streams.out())
+    print(f"  {PACKAGE}/model.py{'':<{13 - len(PACKAGE)}} a tiny model: replace it with yours (docs/models.md)", file=streams.out())
     cd = "" if shown == "." else f"cd {shown} && "
     print(f"Next: {cd}neuronbuild build   (outputs in neuronbuild-out/{PACKAGE}/; `neuronbuild plan` shows what "
-          "would run)")
+          "would run)", file=streams.out())
     return EXIT_OK

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from neuronbuild import streams
 from neuronbuild.errors import EXIT_OK
 
 
@@ -22,12 +23,12 @@ def run(args: argparse.Namespace) -> int:
     ws = find_workspace()
     qg, result = run_query(ws.root, " ".join(args.expr), ws.cwd_package)
     if args.output == "json":
-        print(json.dumps(to_json(qg, result), indent=1, sort_keys=True))
+        print(json.dumps(to_json(qg, result), indent=1, sort_keys=True), file=streams.out())
     elif args.output == "graph":
-        print(to_dot(qg, result), end="")
+        print(to_dot(qg, result), end="", file=streams.out())
     else:
         for label in result:
-            print(label)
+            print(label, file=streams.out())
     _want_workers()
     return EXIT_OK
 

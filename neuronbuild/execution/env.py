@@ -46,7 +46,7 @@ def action_environment(toolchain_tmp: Path, home: Path,
 def undeclared_warning(declared: Sequence[tuple[str, str | None]],
                        environ: Mapping[str, str] | None = None) -> str | None:
     """One warning line naming compile-affecting caller variables that actions will not see, or None."""
-    environ = os.environ if environ is None else environ
+    environ = envvars.environ() if environ is None else environ  # (the command's)
     names = {n for n, _v in declared}
     ignored = sorted(k for k in environ if COMPILE_AFFECTING.match(k) and k not in names)
     if not ignored:
