@@ -11,6 +11,7 @@ TYPE_CHECKING = False  # (not typing's: importing typing alone costs a no-op cli
 if TYPE_CHECKING:
     import argparse
     from collections.abc import Sequence
+    from pathlib import Path
     from typing import Any
 
     from neuronbuild.command import Command
@@ -204,13 +205,15 @@ def main(argv: Sequence[str] | None = None) -> int:
 BUILD_SIDE = frozenset({"starlark_go", "networkx", "blake3", "rich", "jinja2", "zstandard", "cryptography"})
 
 
-def _expand_and_parse(argv: list[str], parser: argparse.ArgumentParser) -> argparse.Namespace | int:
-    """argv with its rc files' flags, parsed; or the exit code of a command line refused (its error printed)."""
+def _expand_and_parse(argv: list[str], parser: argparse.ArgumentParser,
+                      cwd: Path | None = None) -> argparse.Namespace | int:
+    """argv with its rc files' flags (those of `cwd`, the command's directory), parsed; or the exit code of a command
+    line refused (its error printed)."""
     from neuronbuild.errors import NeuronBuildError
     from neuronbuild.rcfile import expand
 
     try:
-        argv = expand(argv, parser)
+        argv = expand(argv, parser, cwd)
     except NeuronBuildError as e:
         print(str(e), file=streams.err())
         return e.exit_code
@@ -245,7 +248,7 @@ def _run(argv: list[str], cmd: Command) -> int:
     if not argv:
         parser.print_help()
         return EXIT_BAD_INPUT
-    args = _expand_and_parse(argv, parser)
+    args = _expand_and_parse(argv, parser, cmd.cwd)
     if isinstance(args, int):
         return args
     if args.command is None:
@@ -253,11 +256,11 @@ def _run(argv: list[str], cmd: Command) -> int:
         print("neuronbuild: error: give a command (neuronbuild -h lists them)", file=streams.err())
         return EXIT_BAD_INPUT
     try:
-        if args.directory:
-            os.chdir(cmd.path(args.directory))  # (the modules below still resolve some paths against the process cwd)
-            with cmd.in_directory(args.directory).active():
-                return _run_command(owners[args.command], args)
-        return _run_command(owners[args.command], args)
+        if args.directory:  # -C DIR: the command runs as if started there
+            cmd = cmd.in_directory(args.directory)
+        _absolute_paths(args, cmd)
+        with cmd.active():
+            return _run_command(owners[args.command], args)
     except NeuronBuildError as e:
         print(str(e), file=streams.err())
         return e.exit_code
@@ -269,6 +272,26 @@ def _run(argv: list[str], cmd: Command) -> int:
     except OSError as e:
         print(f"neuronbuild: error: {e}", file=streams.err())
         return EXIT_BUILD_FAILED
+
+
+# Flags and arguments naming files or directories: made absolute against the command's directory once parsed, so no
+# command depends on the process's working directory (a build server's is its own).
+PATH_DESTS = ("cache_dir", "remote_cache", "remote_cache_trusted_keys", "remote_cache_signing_key", "output_user_root",
+              "trusted_keys", "bundle", "scratch", "dest", "src", "profile", "build_event_json_file", "signing_key")
+
+
+def _absolute_paths(args: argparse.Namespace, cmd: Command) -> None:
+    for dest in PATH_DESTS:
+        v = getattr(args, dest, None)
+        if isinstance(v, str) and v and "://" not in v:
+            setattr(args, dest, str(cmd.path(v)))
+    from neuronbuild import plugins
+
+    for s in plugins.tool_settings():  # a toolchain's PATH flag: a value with a slash is a path, else a name on PATH
+        for f in s.flags:
+            v = getattr(args, f.dest, None)
+            if f.metavar == "PATH" and isinstance(v, str) and (os.sep in v or v.startswith("~")):
+                setattr(args, f.dest, str(cmd.path(v)))
 
 
 def _run_command(module: str, args: argparse.Namespace) -> int:

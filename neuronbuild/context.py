@@ -57,7 +57,7 @@ class BuildContext:
     @property
     def workspace(self) -> Workspace:
         if self.found_workspace is None:
-            return find_workspace()  # raises the usual "not inside a neuronbuild workspace" error
+            return find_workspace(self.command.cwd if self.command is not None else None)  # raises the usual "not inside a neuronbuild workspace" error
         return self.found_workspace
 
     def report(self, msg: str) -> None:
@@ -128,13 +128,13 @@ def make_context(*, cache_dir: str | None = None, remote_cache: str | None = Non
     ws = workspace
     if ws is None:
         try:
-            ws = find_workspace()
+            ws = find_workspace(cmd.cwd)
         except UserInputError:
             if need_workspace:
                 raise
     remote = remote_cache or None
     if remote and "://" not in remote:
-        remote = str(Path(remote).expanduser().resolve())
+        remote = str(cmd.path(remote))
     signer, trusted, key_path = _record_keys(remote_cache_trusted_keys, remote_cache_trust_writers,
                                             remote_cache_signing_key, bool(remote))
     cfg = CacheConfig(resolve_cache_dir(cache_dir), remote, remote_cache_readonly, s3_endpoint_url, signer, key_path,

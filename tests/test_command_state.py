@@ -53,7 +53,7 @@ def server(tmp_path: Path) -> Any:
 
 def test_two_clients_commands_see_their_own_env_cwd_and_umask_and_the_server_keeps_its_own(
         server: Any, tmp_path: Path) -> None:
-    environ, streams = dict(os.environ), (sys.stdout, sys.stderr)
+    environ, cwd, umask, streams = dict(os.environ), os.getcwd(), _umask(), (sys.stdout, sys.stderr)
     a, b = tmp_path / "a", tmp_path / "b"
     a.mkdir()
     b.mkdir()
@@ -74,6 +74,7 @@ def test_two_clients_commands_see_their_own_env_cwd_and_umask_and_the_server_kee
     assert stat.S_IMODE((b / "proj" / "WORKSPACE.neuronbuild").stat().st_mode) == 0o600
     # nothing of either stayed in the server process
     assert dict(os.environ) == environ and "ONLY_A" not in os.environ
+    assert os.getcwd() == cwd and _umask() == umask
     assert (sys.stdout, sys.stderr) == streams
 
 

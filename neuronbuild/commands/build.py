@@ -157,7 +157,7 @@ def run(args: argparse.Namespace) -> int:
         from neuronbuild.commands.common import run_plan
 
         return run_plan(args)
-    ws = find_workspace()
+    ws = find_workspace(command.current().cwd)
     cache_dir = resolve_cache_dir(args.cache_dir)
     patterns = patterns_or_default(args.patterns)
     noop_flags = {k: v for k, v in vars(args).items() if k not in NOOP_IGNORED}

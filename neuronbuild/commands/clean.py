@@ -18,12 +18,13 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 
 
 def run(args: argparse.Namespace) -> int:
+    from neuronbuild import command
     from neuronbuild.cache.gc import human
     from neuronbuild.cache.local import resolve_cache_dir
     from neuronbuild.clean import clean_outputs, expunge_state
     from neuronbuild.workspace import find_workspace
 
-    ws = find_workspace()
+    ws = find_workspace(command.current().cwd)
     removed = clean_outputs(ws.root)
     if removed is None:
         print(f"clean: no outputs in {ws.root}", file=streams.out())

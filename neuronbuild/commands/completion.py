@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from neuronbuild import streams
+from neuronbuild import command, streams
 from neuronbuild.errors import EXIT_BAD_INPUT, EXIT_OK
 
 
@@ -20,7 +20,7 @@ def run(args: argparse.Namespace) -> int:
     from neuronbuild.cli import make_parser
 
     if args.labels is not None:
-        for cand in completion.label_candidates(args.labels):
+        for cand in completion.label_candidates(args.labels, command.current().cwd):
             print(cand, file=streams.out())
         return EXIT_OK
     if args.shell is None:

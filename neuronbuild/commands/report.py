@@ -23,12 +23,13 @@ def run(args: argparse.Namespace) -> int:
     import json
     import time
 
+    from neuronbuild import command
     from neuronbuild.errors import EXIT_BAD_INPUT, EXIT_OK
     from neuronbuild.report.invocation import page_inputs, page_url, render_invocation
     from neuronbuild.report.store import InvocationStore, output_base
     from neuronbuild.workspace import find_workspace
 
-    store = InvocationStore(output_base(find_workspace().root, getattr(args, "output_user_root", None)))
+    store = InvocationStore(output_base(find_workspace(command.current().cwd).root, getattr(args, "output_user_root", None)))
     if args.list:
         for e in store.index():
             c = e.get("counts") or {}

@@ -18,11 +18,12 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 
 
 def _paths(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    from neuronbuild import command
     from neuronbuild.server import protocol
     from neuronbuild.server.client import startup_options
     from neuronbuild.workspace import find_workspace
 
-    ws = find_workspace()  # outside a workspace: the usual one-line error, exit 2
+    ws = find_workspace(command.current().cwd)  # outside a workspace: the usual one-line error, exit 2
     opts = startup_options(getattr(args, "output_user_root", None), getattr(args, "max_idle_secs", None))
     return protocol.server_paths(ws.root, opts.output_user_root)
 

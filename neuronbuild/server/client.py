@@ -313,8 +313,8 @@ def run(paths: ServerPaths, opts: StartupOptions, argv: list[str], workspace: st
             return int(val)
         if what in ("mismatch", "stopped"):
             if what == "mismatch":
-                print("neuronbuild: the build server was started by another neuronbuild version or with other startup "
-                      "options; restarting it", file=sys.stderr, flush=True)
+                print("neuronbuild: the build server was started by another neuronbuild version, with other startup "
+                      "options or another umask; restarting it", file=sys.stderr, flush=True)
             if isinstance(val, int) and not wait_gone(val):
                 try:
                     os.kill(val, _signal.SIGKILL)

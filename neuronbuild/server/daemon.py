@@ -1,5 +1,7 @@
 """The server process: accepts commands on the workspace's Unix socket and runs them one at a time in its main thread,
-with the client's cwd, environment and a stream of output back; keeps warm state (server/warm.py) between them."""
+each as a command.Command made from its client's message (argv, environment, directory, umask) with a stream of output
+back, never by changing the process's environment, directory or standard streams; keeps warm state (server/warm.py)
+between them."""
 
 from __future__ import annotations
 
@@ -381,9 +383,6 @@ class Server:
         t0 = time.perf_counter()
         code = EXIT_BUILD_FAILED
         try:
-            os.chdir(str(msg.get("cwd") or "/"))
-            umask = msg.get("umask")
-            os.umask(umask & 0o777 if isinstance(umask, int) else 0o022)  # outputs: as the client's would be
             for line in after_answer.carried():  # (what the last command's record or stamp could not do)
                 err.write(line + "\n")
             self.cancel_armed.set()
@@ -403,9 +402,6 @@ class Server:
                 self.cancel_armed.clear()
                 done.set()
             outbox.close()  # everything the command wrote is sent before its exit code
-            os.umask(0o077)  # (the server's own files: private)
-            with contextlib.suppress(OSError):
-                os.chdir(self.output_base)
         print(f"{time.strftime('%H:%M:%S')} {' '.join(argv)[:200]} -> {code} in {time.perf_counter() - t0:.2f} s "
               f"(rss {rss_kib() // 1024} MiB)", flush=True)
         return int(code)
@@ -434,7 +430,8 @@ def _starlark_stuck() -> bool:
 
 def main(config_json: str) -> None:
     config = json.loads(config_json)
-    os.umask(0o077)
+    # (the umask stays the starting client's, which is in the server's stamp: a client with another one replaces the
+    # server; the server's own files are private by their modes and the 0700 output base)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     server = Server(config)

@@ -235,7 +235,7 @@ def private_dir(d: str | Path) -> None:
 def server_stamp(opts: StartupOptions) -> str:
     """Who a server is: neuronbuild's code (version, format, every source file), the interpreter, its import path and
     the toolchain as the no-op stamp sees it (stat keys of sys.path entries and compilers: installing or upgrading
-    torch changes them), plug-in settings and the startup options. A client whose stamp differs replaces the server,
+    torch changes them), plug-in settings, the startup options and the umask. A client whose stamp differs replaces the server,
     so nothing a server memoised about its environment outlives a change to it."""
     tools = []
     for p in _toolchain_paths():
@@ -256,9 +256,14 @@ def server_stamp(opts: StartupOptions) -> str:
                                            if e.name.endswith(".py")))
         except OSError:
             pass
+    # The umask: a server runs with the umask of the client that started it (what it writes for commands, and the
+    # processes it starts, get it as a batch command's would), so a client with another umask replaces it rather
+    # than the server changing its umask per command.
+    umask = os.umask(0o077)
+    os.umask(umask)
     text = dumps_sorted({"code": code_stamp(), "python": sys.version, "exe": os.path.realpath(sys.executable),
                          "prefix": sys.prefix, "path": sys.path[1:], "tools": tools, "plugins": plugins,
-                         "plugin_files": plugin_files, "opts": opts.to_json()})
+                         "plugin_files": plugin_files, "opts": opts.to_json(), "umask": umask})
     return sha256(text.encode()).hexdigest()
 
 
