@@ -61,8 +61,13 @@ class Command:
                    Path(str(msg.get("cwd") or "/")), out, err, umask & 0o777 if isinstance(umask, int) else 0o022)
 
     def path(self, p: str | os.PathLike[str]) -> Path:
-        """A path given by the user: ~ expanded, relative ones against the command's directory, made absolute."""
-        q = Path(p).expanduser()
+        """A path given by the user: ~ expanded (the command's $HOME), relative ones against the command's directory,
+        made absolute."""
+        text = os.fspath(p)
+        home = self.env.get("HOME")
+        if home and (text == "~" or text.startswith("~/")):
+            text = home + text[1:]
+        q = Path(text).expanduser()
         return Path(os.path.normpath(self.cwd / q)) if not q.is_absolute() else q
 
     def in_directory(self, directory: str) -> Command:

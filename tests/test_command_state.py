@@ -82,6 +82,7 @@ def test_a_command_object_resolves_paths_and_modes_as_its_client_would(tmp_path:
     cmd = Command.from_message({"argv": ["build"], "env": {"NEURONBUILD_SIGNING_KEY": "keys/k.pem", "HOME": "/h"},
                                 "cwd": str(tmp_path), "umask": 0o027}, sys.stdout, sys.stderr)
     assert cmd.path("x/y") == tmp_path / "x" / "y" and cmd.path("/abs") == Path("/abs")
+    assert cmd.path("~/k") == Path("/h/k")  # (the command's HOME, not the process's)
     assert cmd.mode() == 0o640 and cmd.mode(0o777) == 0o750
     # the signing key: the flag, else the command's $NEURONBUILD_SIGNING_KEY; resolved against the command's cwd
     assert cmd.signing_key(None) == Path(os.path.realpath(tmp_path / "keys" / "k.pem"))
