@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 
 
 # Types: "text" (a string; empty = unset), "path" (a file or directory; empty = unset), "flag" (unset/empty: the
-# default; 0, false, no, off: false; anything else: true), "seconds" (a positive number), "int" (a whole number),
+# default; 0, false, no, off: false; anything else: true), "seconds" (a number >= 0), "int" (a whole number),
 # "list" (comma-separated words), "paths" (os.pathsep-separated directories).
 KINDS = ("text", "path", "flag", "seconds", "int", "list", "paths")
 
@@ -116,8 +116,8 @@ def _parse(var: Var, raw: str) -> object:
     except ValueError:
         raise UserInputError(f"${var.name}: {raw!r} is not a {'whole ' if var.kind == 'int' else ''}number "
                              f"(unset, it is {var.default})") from None
-    if var.kind == "seconds" and not 0 < value < float("inf"):
-        raise UserInputError(f"${var.name}: {raw!r} is not a positive number of seconds (unset, it is {var.default})")
+    if var.kind == "seconds" and not 0 <= value < float("inf"):
+        raise UserInputError(f"${var.name}: {raw!r} is not a number of seconds >= 0 (unset, it is {var.default})")
     return value
 
 

@@ -93,9 +93,10 @@ def test_config_is_typed_and_read_from_the_given_environment() -> None:
 def test_a_malformed_number_is_an_error_naming_the_variable_only_where_it_is_read() -> None:
     cfg = envvars.Config.of({"NEURONBUILD_LOCK_STALE_S": "soon", "NEURONBUILD_CACHE_GC_GRACE_S": "-1"})
     assert cfg.seconds("NEURONBUILD_LOCK_HEARTBEAT_S") == 10  # the others are fine
+    assert envvars.Config.of({"NEURONBUILD_CACHE_GC_GRACE_S": "0"}).seconds("NEURONBUILD_CACHE_GC_GRACE_S") == 0
     with pytest.raises(UserInputError, match=r"\$NEURONBUILD_LOCK_STALE_S: 'soon' is not a number"):
         cfg.seconds("NEURONBUILD_LOCK_STALE_S")
-    with pytest.raises(UserInputError, match=r"NEURONBUILD_CACHE_GC_GRACE_S: '-1' is not a positive number"):
+    with pytest.raises(UserInputError, match=r"NEURONBUILD_CACHE_GC_GRACE_S: '-1' is not a number of seconds >= 0"):
         cfg.seconds("NEURONBUILD_CACHE_GC_GRACE_S")
 
 
