@@ -7,14 +7,17 @@ Imports nothing beyond typing: the no-op fast path uses it."""
 
 from __future__ import annotations
 
+import contextvars
 import sys
 import time
 import traceback
 from collections.abc import Callable, Generator
 from typing import Any
 
+from neuronbuild import streams
+
 _deferring = False
-_pending: list[Callable[[], object]] = []
+_pending: list[tuple[contextvars.Context, Callable[[], object]]] = []  # (the command's context, the task)
 _when_idle: list[Callable[[], object]] = []  # what may wait until the server idles (when_idle)
 _carried: list[str] = []  # warnings of the work done after the last answer, for the next command to show (at most 20)
 
@@ -44,9 +47,10 @@ def defer(on: bool) -> None:
 
 
 def later(fn: Callable[[], object]) -> None:
-    """Run `fn` after the answer (deferring), else now."""
+    """Run `fn` after the answer (deferring), else now. Deferred, it runs in the command's context (its environment and
+    config: the no-op stamp it writes is the one the command checked), its output kept for the next command (run)."""
     if _deferring:
-        _pending.append(fn)
+        _pending.append((contextvars.copy_context(), fn))
     else:
         fn()
 
@@ -73,6 +77,13 @@ def idle_steps() -> Generator[float, None, None]:
         yield 0.0
 
 
+def _in_streams(tee: _Tee, fn: Callable[[], object]) -> None:
+    # the command's answer was sent: what the task writes goes to the server's log and is kept (what it warns is
+    # carried to the next command)
+    with streams.using(sys.stdout, tee):
+        fn()
+
+
 def run() -> None:
     """Run what the last command left, in order; a failure is printed (the server's log) and the rest still run. The
     time it took is logged (stdout: the server's log)."""
@@ -81,17 +92,13 @@ def run() -> None:
     start = time.perf_counter()
     n = len(_pending)
     tee = _Tee(sys.stderr)
-    sys.stderr = tee  # type: ignore[assignment]
-    try:
-        while _pending:
-            fn = _pending.pop(0)
-            try:
-                fn()
-            except Exception as e:  # noqa: BLE001 - a record or a stamp not written costs a page or a speed-up only
-                traceback.print_exc(file=tee.log)
-                tee.text.append(f"warning: {type(e).__name__}: {e} (the build server's log has its traceback)\n")
-    finally:
-        sys.stderr = tee.log
+    while _pending:
+        ctx, fn = _pending.pop(0)
+        try:
+            ctx.run(_in_streams, tee, fn)  # (in its command's context: its environment and config)
+        except Exception as e:  # noqa: BLE001 - a record or a stamp not written costs a page or a speed-up only
+            traceback.print_exc(file=tee.log)
+            tee.text.append(f"warning: {type(e).__name__}: {e} (the build server's log has its traceback)\n")
     _carried.extend(ln for ln in "".join(tee.text).splitlines() if ln.startswith("warning: "))
     del _carried[:-20]
     print(f"{time.strftime('%H:%M:%S')} after the answer: {n} task(s) in {time.perf_counter() - start:.2f} s",

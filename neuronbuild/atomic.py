@@ -18,6 +18,11 @@ from pathlib import Path
 from typing import BinaryIO
 
 
+def current_umask() -> int:
+    """This process's umask (read without changing it where Linux allows)."""
+    return _umask()
+
+
 def _umask() -> int:
     try:  # Linux: read it without changing it (os.umask would, for a moment, for every thread)
         with open("/proc/self/status", encoding="ascii", errors="replace") as f:

@@ -4,15 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
-import sys
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from neuronbuild import after_answer, incremental, plugins
+from neuronbuild import after_answer, incremental, plugins, streams
 from neuronbuild.analysis.action_graph import ActionGraph
 from neuronbuild.analysis.explain import ignored_option_warnings
 from neuronbuild.analysis.plan_settings import PlanSettings
@@ -93,7 +91,7 @@ def _check_keys_unreadable(ctx: BuildContext, env: Mapping[str, str]) -> None:
     from neuronbuild.runtime.signing import key_too_open
 
     keys = (("--remote-cache-signing-key", ctx.cache.signing_key),
-            ("--signing-key", os.environ.get("NEURONBUILD_SIGNING_KEY", "").strip() or None))
+            ("--signing-key", str(ctx.signing_key) if ctx.signing_key else None))
     for flag, key in keys:
         too_open = key_too_open(key) if key else None
         if too_open is not None:
@@ -180,7 +178,7 @@ def _run_build(ctx: BuildContext, req: BuildRequest, listeners: Sequence[Listene
     errors: list[UserInputError] | None = [] if req.keep_going else None
     ag = ctx.plan(graph, errors=errors)
     for e in errors or ():  # (said now, even when quiet: the build goes on without these targets)
-        print(str(e), file=sys.stderr, flush=True)
+        print(str(e), file=streams.err(), flush=True)
     for note in settings_notes(ctx.settings, ag, toolchains=()):  # toolchain notes: after execution, if it ran any
         ctx.report(note)
     for note in ignored_option_warnings(graph, ag):
@@ -208,7 +206,7 @@ def _run_build(ctx: BuildContext, req: BuildRequest, listeners: Sequence[Listene
         if ag.bundles:
             from neuronbuild.packaging.bundle import build_bundles
 
-            bundles, skipped = build_bundles(root, graph, ag, cache, failed)
+            bundles, skipped = build_bundles(root, graph, ag, cache, failed, ctx.signing_key)
             outputs += [str(b.archive.relative_to(root / OUTPUT_DIR)) for b in bundles]
             for b in bundles:
                 ctx.report(f"Bundle {b.label}: {b.archive} ({b.size} bytes{'' if b.written else ', up to date'})")

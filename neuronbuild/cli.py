@@ -5,10 +5,16 @@ from __future__ import annotations
 import os
 import sys
 
+from neuronbuild import streams
+
 TYPE_CHECKING = False  # (not typing's: importing typing alone costs a no-op client through the server milliseconds)
 if TYPE_CHECKING:
     import argparse
     from collections.abc import Sequence
+    from pathlib import Path
+    from typing import Any
+
+    from neuronbuild.command import Command
 
 # argparse, the command modules and errors are imported only when the command runs in this process: a command the
 # build server runs costs the client nothing but the thin client (neuronbuild/server/client.py).
@@ -46,8 +52,23 @@ def _parser_class() -> type[argparse.ArgumentParser]:
                 for mod, why in settings_problems().items():
                     message += (f" (plug-in {mod} from ${PLUGINS_ENV} could not be imported, so its flags are "
                                 f"unknown: {why})")
-            print(f"neuronbuild: error: {message}", file=sys.stderr)
+            print(f"neuronbuild: error: {message}", file=streams.err())
             raise SystemExit(EXIT_BAD_INPUT)
+
+        def _print_message(self, message: str, file: Any = None) -> None:
+            # help, usage and errors to the command's streams (a server command's go to its client)
+            super()._print_message(message, streams.err() if file is sys.stderr else streams.out() if file in (
+                None, sys.stdout) else file)
+
+        def _get_formatter(self) -> argparse.HelpFormatter:
+            # help as wide as the command's terminal ($COLUMNS of its environment, which the server's client sets)
+            import shutil
+
+            from neuronbuild import envvars
+
+            cols = envvars.environ().get("COLUMNS", "")
+            width = int(cols) if cols.isdigit() else shutil.get_terminal_size().columns
+            return self.formatter_class(prog=self.prog, width=max(width - 2, 11))  # type: ignore[call-arg]
 
     return _Parser
 
@@ -104,7 +125,7 @@ def make_parser() -> tuple[argparse.ArgumentParser, dict[str, str]]:
 
     class _VersionAction(argparse.Action):
         def __call__(self, parser: argparse.ArgumentParser, *_args: object) -> None:
-            print(version_text())
+            print(version_text(), file=streams.out())
             parser.exit()
 
     parser = _Parser(prog="neuronbuild", description="Bazel-style builds of model graphs for accelerators.",
@@ -138,7 +159,9 @@ _parsers: dict[object, tuple[argparse.ArgumentParser, dict[str, str]]] = {}
 def _parser() -> tuple[argparse.ArgumentParser, dict[str, str]]:
     """make_parser(), kept for the next command of a build server with the same environment (some defaults read
     it). Parsing does not change a parser, and help text is formatted when printed (COLUMNS then)."""
-    key = frozenset(os.environ.items())
+    from neuronbuild import envvars
+
+    key = frozenset(envvars.environ().items())
     found = _parsers.get(key)
     if found is None:
         _parsers.clear()
@@ -174,7 +197,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         # A serving-only install (`pip install neuronbuild`: the runtime's dependencies alone).
         print(f"neuronbuild: error: this command needs the build side (module {e.name!r} is not installed): "
-              "pip install 'neuronbuild[build]'", file=sys.stderr)
+              "pip install 'neuronbuild[build]'", file=streams.err())
         return 2
 
 
@@ -182,15 +205,17 @@ def main(argv: Sequence[str] | None = None) -> int:
 BUILD_SIDE = frozenset({"starlark_go", "networkx", "blake3", "rich", "jinja2", "zstandard", "cryptography"})
 
 
-def _expand_and_parse(argv: list[str], parser: argparse.ArgumentParser) -> argparse.Namespace | int:
-    """argv with its rc files' flags, parsed; or the exit code of a command line refused (its error printed)."""
+def _expand_and_parse(argv: list[str], parser: argparse.ArgumentParser,
+                      cwd: Path | None = None) -> argparse.Namespace | int:
+    """argv with its rc files' flags (those of `cwd`, the command's directory), parsed; or the exit code of a command
+    line refused (its error printed)."""
     from neuronbuild.errors import NeuronBuildError
     from neuronbuild.rcfile import expand
 
     try:
-        argv = expand(argv, parser)
+        argv = expand(argv, parser, cwd)
     except NeuronBuildError as e:
-        print(str(e), file=sys.stderr)
+        print(str(e), file=streams.err())
         return e.exit_code
     _argv_seen[:] = argv
     try:
@@ -206,9 +231,16 @@ def command_line_error(argv: list[str]) -> int | None:
     return parsed if isinstance(parsed, int) else None
 
 
-def _main(argv: list[str]) -> int:
-    import importlib
-    from pathlib import Path
+def _main(argv: list[str], cmd: Command | None = None) -> int:
+    """Runs one command: `cmd` (the build server's, from its client's message), else this process as a batch one."""
+    from neuronbuild.command import Command
+
+    cmd = cmd if cmd is not None else Command.batch(argv)
+    with cmd.active():
+        return _run(argv, cmd)
+
+
+def _run(argv: list[str], cmd: Command) -> int:
 
     from neuronbuild.errors import EXIT_BAD_INPUT, EXIT_BUILD_FAILED, EXIT_INTERRUPTED, NeuronBuildError
 
@@ -216,29 +248,56 @@ def _main(argv: list[str]) -> int:
     if not argv:
         parser.print_help()
         return EXIT_BAD_INPUT
-    args = _expand_and_parse(argv, parser)
+    args = _expand_and_parse(argv, parser, cmd.cwd)
     if isinstance(args, int):
         return args
     if args.command is None:
-        parser.print_usage(sys.stderr)
-        print("neuronbuild: error: give a command (neuronbuild -h lists them)", file=sys.stderr)
+        parser.print_usage(streams.err())
+        print("neuronbuild: error: give a command (neuronbuild -h lists them)", file=streams.err())
         return EXIT_BAD_INPUT
     try:
-        if args.directory:
-            os.chdir(Path(args.directory))
-        mod = importlib.import_module(f"neuronbuild.commands.{owners[args.command]}")
-        return int(mod.run(args))
+        if args.directory:  # -C DIR: the command runs as if started there
+            cmd = cmd.in_directory(args.directory)
+        _absolute_paths(args, cmd)
+        with cmd.active():
+            return _run_command(owners[args.command], args)
     except NeuronBuildError as e:
-        print(str(e), file=sys.stderr)
+        print(str(e), file=streams.err())
         return e.exit_code
     except BrokenPipeError:
         raise
     except KeyboardInterrupt:
-        print("neuronbuild: interrupted", file=sys.stderr)
+        print("neuronbuild: interrupted", file=streams.err())
         return EXIT_INTERRUPTED
     except OSError as e:
-        print(f"neuronbuild: error: {e}", file=sys.stderr)
+        print(f"neuronbuild: error: {e}", file=streams.err())
         return EXIT_BUILD_FAILED
+
+
+# Flags and arguments naming files or directories: made absolute against the command's directory once parsed, so no
+# command depends on the process's working directory (a build server's is its own).
+PATH_DESTS = ("cache_dir", "remote_cache", "remote_cache_trusted_keys", "remote_cache_signing_key", "output_user_root",
+              "trusted_keys", "bundle", "scratch", "dest", "src", "profile", "build_event_json_file", "signing_key")
+
+
+def _absolute_paths(args: argparse.Namespace, cmd: Command) -> None:
+    for dest in PATH_DESTS:
+        v = getattr(args, dest, None)
+        if isinstance(v, str) and v and "://" not in v:
+            setattr(args, dest, str(cmd.path(v)))
+    from neuronbuild import plugins
+
+    for s in plugins.tool_settings():  # a toolchain's PATH flag: a value with a slash is a path, else a name on PATH
+        for f in s.flags:
+            v = getattr(args, f.dest, None)
+            if f.metavar == "PATH" and isinstance(v, str) and (os.sep in v or v.startswith("~")):
+                setattr(args, f.dest, str(cmd.path(v)))
+
+
+def _run_command(module: str, args: argparse.Namespace) -> int:
+    import importlib
+
+    return int(importlib.import_module(f"neuronbuild.commands.{module}").run(args))
 
 
 def entry() -> None:

@@ -5,12 +5,12 @@ Made once per command by `make_context` from the common flags (commands/common.p
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from neuronbuild import streams
 from neuronbuild.errors import UserInputError
 from neuronbuild.workspace import Workspace, find_workspace
 
@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from neuronbuild.analysis.action_graph import ActionGraph
     from neuronbuild.analysis.plan_settings import PlanSettings
     from neuronbuild.cache.local import LocalCache
+    from neuronbuild.command import Command
     from neuronbuild.history import History
     from neuronbuild.loading.target_graph import TargetGraph
 
@@ -48,17 +49,21 @@ class BuildContext:
     cache: CacheConfig
     settings: PlanSettings
     verbosity: int = NORMAL
+    # The command this context is for (command.Command: its environment, cwd, streams) and the key bundles are signed
+    # with (--signing-key, else $NEURONBUILD_SIGNING_KEY; absolute), handed to packaging by build.py.
+    command: Command | None = field(default=None, compare=False, repr=False)
+    signing_key: Path | None = None
 
     @property
     def workspace(self) -> Workspace:
         if self.found_workspace is None:
-            return find_workspace()  # raises the usual "not inside a neuronbuild workspace" error
+            return find_workspace(self.command.cwd if self.command is not None else None)  # raises the usual "not inside a neuronbuild workspace" error
         return self.found_workspace
 
     def report(self, msg: str) -> None:
         """Print a note to stderr (warnings and errors even when quiet)."""
         if self.verbosity != QUIET or msg.startswith(("warning", "error")):
-            print(msg, file=sys.stderr, flush=True)
+            print(msg, file=self.command.err if self.command is not None else streams.err(), flush=True)
 
     def load(self, patterns: Sequence[str]) -> TargetGraph:
         """Load the targets the patterns select (with the persistent load and digest caches)."""
@@ -109,28 +114,34 @@ def make_context(*, cache_dir: str | None = None, remote_cache: str | None = Non
                  remote_cache_trust_writers: bool = False, remote_cache_signing_key: str | None = None,
                  action_env: list[str] | None = None, tool_flags: Mapping[str, Any] | None = None,
                  toolchain: list[str] | None = None, verbosity: int | None = None,
-                 workspace: Workspace | None = None, need_workspace: bool = True) -> BuildContext:
-    """The one function that turns the common flags into a BuildContext. `tool_flags`: the toolchain settings
-    flags' values by dest (plan_settings.tool_values)."""
+                 workspace: Workspace | None = None, need_workspace: bool = True,
+                 signing_key: str | None = None, command: Command | None = None) -> BuildContext:
+    """The one function that turns the common flags into a BuildContext, for `command` (default: the running one).
+    `tool_flags`: the toolchain settings flags' values by dest (plan_settings.tool_values). `signing_key`: the
+    --signing-key flag (else the command's $NEURONBUILD_SIGNING_KEY)."""
     from neuronbuild.analysis.plan_settings import resolve_settings
     from neuronbuild.cache.local import resolve_cache_dir
+    from neuronbuild.command import current
+
+    cmd = command if command is not None else current()
 
     ws = workspace
     if ws is None:
         try:
-            ws = find_workspace()
+            ws = find_workspace(cmd.cwd)
         except UserInputError:
             if need_workspace:
                 raise
     remote = remote_cache or None
     if remote and "://" not in remote:
-        remote = str(Path(remote).expanduser().resolve())
+        remote = str(cmd.path(remote))
     signer, trusted, key_path = _record_keys(remote_cache_trusted_keys, remote_cache_trust_writers,
                                             remote_cache_signing_key, bool(remote))
     cfg = CacheConfig(resolve_cache_dir(cache_dir), remote, remote_cache_readonly, s3_endpoint_url, signer, key_path,
                       trusted, remote_cache_trust_writers)
     settings = resolve_settings(action_env, tool_flags, toolchain)
-    return BuildContext(ws, cfg, settings, NORMAL if verbosity is None else verbosity)
+    return BuildContext(ws, cfg, settings, NORMAL if verbosity is None else verbosity, cmd,
+                        cmd.signing_key(signing_key))
 
 
 def _record_keys(trusted_keys: str | None, trust_writers: bool, signing_key: str | None,

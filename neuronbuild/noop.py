@@ -34,6 +34,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from neuronbuild import envvars
 from neuronbuild.atomic import atomic_write_bytes, read_own_state_stat
 from neuronbuild.self_stamp import checkout_dir, code_stamp
 from neuronbuild.workspace import BUILD_FILE, MARKER
@@ -55,7 +56,8 @@ def request_key(root: Path, cwd_package: str, patterns: Sequence[str], cache_dir
     rest = {k: v for k, v in flags.items() if k not in IGNORED_FLAGS and k not in ("patterns", "cache_dir")}
     # A flag naming an environment variable (e.g. --action-env NAME) makes that variable's value an input too. The key
     # is stored (in the stamp): --action-env values, which may be secrets, enter it as digests only.
-    named = {w: _secret(os.environ[w]) for w in _words(rest) if _ENV_NAME.match(w) and w in os.environ}
+    caller = envvars.environ()  # the command's environment
+    named = {w: _secret(caller[w]) for w in _words(rest) if _ENV_NAME.match(w) and w in caller}
     if rest.get("action_env"):
         rest["action_env"] = [f"{n}={_secret(v)}" if eq else n
                               for n, eq, v in (str(x).partition("=") for x in rest["action_env"])]
@@ -84,7 +86,7 @@ def stamp_file(cache_dir: Path, key: str) -> Path:
 
 
 def environment() -> str:
-    env = sorted((k, v) for k, v in os.environ.items() if k.startswith(ENV_PREFIXES) or k in ENV_NAMES)
+    env = sorted((k, v) for k, v in envvars.environ().items() if k.startswith(ENV_PREFIXES) or k in ENV_NAMES)
     return json.dumps({"python": sys.version, "exe": os.path.realpath(sys.executable),
                        "prefix": sys.prefix, "uname": list(os.uname()), "env": env,
                        "cpu": _cpu_flags(), "code": code_stamp()}, sort_keys=True)
@@ -110,7 +112,7 @@ def toolchain_paths() -> list[str]:
     skip = checkout_dir()  # a source checkout on sys.path: code_stamp covers what builds use of it
     out = [p for p in sys.path[1:] if p and p != skip and os.path.isdir(p)]  # [0] is the script's or cwd's directory
     for t in tool_files():
-        found = shutil.which(t)
+        found = shutil.which(t, path=envvars.environ().get("PATH"))
         if found:
             out.append(os.path.realpath(found))
     return list(dict.fromkeys(out))

@@ -8,6 +8,8 @@ import platform
 import shutil
 import subprocess
 
+from neuronbuild import envvars
+
 _LEVELS = (
     ("x86-64-v4", {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}),
     ("x86-64-v3", {"avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe"}),
@@ -32,7 +34,7 @@ def host_cores() -> int:
 @functools.lru_cache(maxsize=1)
 def host_isa() -> str:
     """This machine's CPU ISA level (x86-64-v4 ... x86-64), or the machine name on other architectures."""
-    forced = os.environ.get(HOST_ISA_ENV)
+    forced = envvars.current().text(HOST_ISA_ENV)
     if forced:
         return forced
     machine = platform.machine()
@@ -60,11 +62,14 @@ def resolve_isa(isa: str | None) -> str:
 @functools.lru_cache(maxsize=1)
 def cxx_version() -> str:
     """Version of the C++ compiler AOTInductor will use (g++ on PATH), or 'none'."""
-    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    env = envvars.environ()  # the command's
+    path = env.get("PATH")
+    cxx = env.get("CXX") or shutil.which("g++", path=path) or shutil.which("c++", path=path)
     if not cxx:
         return "none"
     try:
-        out = subprocess.run([cxx, "-dumpfullversion", "-dumpversion"], capture_output=True, text=True, timeout=10)
+        out = subprocess.run([cxx, "-dumpfullversion", "-dumpversion"], capture_output=True, text=True, timeout=10,
+                             env=dict(env))
         return f"{os.path.basename(cxx)} {out.stdout.strip()}"
     except (OSError, subprocess.SubprocessError):
         return "unknown"

@@ -10,9 +10,10 @@ $NEURONBUILD_PLUGIN_PATH; worker processes import the same list)."""
 from __future__ import annotations
 
 import importlib
-import os
 import sys
 from _thread import RLock  # (threading's RLock; importing threading costs the build server's client milliseconds)
+
+from neuronbuild import envvars
 
 TYPE_CHECKING = False  # (not typing's: the build server's client imports this module for toolchain settings)
 if TYPE_CHECKING:
@@ -44,7 +45,7 @@ _loaded = False
 
 
 def plugin_modules() -> tuple[str, ...]:
-    extra = tuple(m.strip() for m in os.environ.get(PLUGINS_ENV, "").split(",") if m.strip())
+    extra = envvars.current().words(PLUGINS_ENV)
     return BUILTIN + extra
 
 
@@ -56,7 +57,7 @@ def _ensure() -> None:
         if _loaded:
             return
         _loaded = True
-        for d in os.environ.get(PLUGIN_PATH_ENV, "").split(os.pathsep):
+        for d in envvars.current().words(PLUGIN_PATH_ENV):
             if d and d not in sys.path:
                 sys.path.append(d)
         for name in plugin_modules():
@@ -193,7 +194,7 @@ def loader_for(fmt: str) -> ArtifactLoader | None:
     if found is not None:
         return found
     with _lock:
-        for d in os.environ.get(PLUGIN_PATH_ENV, "").split(os.pathsep):
+        for d in envvars.current().words(PLUGIN_PATH_ENV):
             if d and d not in sys.path:
                 sys.path.append(d)
         for name in RUNTIME_BUILTIN + plugin_modules()[len(BUILTIN):]:
@@ -256,7 +257,7 @@ def tool_settings(builtin_only: bool = False) -> list[ToolSettings]:
         extra = () if builtin_only else plugin_modules()[len(BUILTIN):]
         todo = [m for m in SETTINGS_BUILTIN + extra if m not in _settings_modules_tried]
         if todo:
-            for d in os.environ.get(PLUGIN_PATH_ENV, "").split(os.pathsep) if extra else ():
+            for d in envvars.current().words(PLUGIN_PATH_ENV) if extra else ():
                 if d and d not in sys.path:
                     sys.path.append(d)
             for name in todo:
@@ -297,7 +298,7 @@ def tool_files(builtin_only: bool = False) -> list[str]:
     for s in tool_settings(builtin_only):
         for t in s.tools:
             if t.startswith("$"):
-                v = os.environ.get(t[1:])
+                v = envvars.environ().get(t[1:])
                 if v:
                     out.append(v)
             else:

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from neuronbuild import envvars, streams
 from neuronbuild.errors import UserInputError
 from neuronbuild.workspace import MARKER
 
@@ -92,7 +93,7 @@ def read_rc(path: Path, sections: Sequence[str]) -> list[RcLine]:
 def rc_files(start: Path) -> list[Path]:
     """The home rc, then the rc in the root of the workspace containing `start` (if any, and not the same file)."""
     files: list[Path] = []
-    home = os.environ.get("HOME")
+    home = envvars.environ().get("HOME")  # (the command's)
     if home:
         files.append(Path(home) / RC_NAME)
     cwd = start.resolve()
@@ -326,7 +327,7 @@ MAX_NOTICES = 1000
 
 
 def _is_home_rc(path: Path) -> bool:
-    home = os.environ.get("HOME")
+    home = envvars.environ().get("HOME")  # (the command's)
     if not home:
         return False
     try:
@@ -365,7 +366,6 @@ def _note_workspace_settings(groups: list[tuple[argparse.Action, list[str]]],
     never the workspace's, so a workspace cannot mark its own settings as already seen. A PROGRAMS flag's value is
     refused (RcError, before anything runs) until the user allowed it with TRUST_FLAG (`trusted`), once per value."""
     import hashlib
-    import sys
 
     from neuronbuild.server.protocol import default_output_user_root
 
@@ -397,6 +397,6 @@ def _note_workspace_settings(groups: list[tuple[argparse.Action, list[str]]],
     seen = _seen(state)
     new = [(k, msg) for k, msg in noted if k not in seen]
     for _k, msg in new:
-        print(msg, file=sys.stderr)
+        print(msg, file=streams.err())
     if new:
         _remember(state, seen, [k for k, _m in new])

@@ -39,7 +39,7 @@ def test_lock_of_a_dead_process_on_this_host_is_taken_over_at_once(tmp_path: Pat
 
 def test_lock_of_another_machine_is_broken_only_when_its_heartbeat_stops(tmp_path: Path,
                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(locks, "STALE_S", 0.6)
+    monkeypatch.setenv("NEURONBUILD_LOCK_STALE_S", "0.6")  # (read through envvars.current(): no command here)
     d = LockDir(tmp_path / "locks", tmp_path / "tmp")
     d.dir.mkdir(parents=True)
     path = d.path("fp")

@@ -10,9 +10,9 @@ from pathlib import Path
 PKG = Path(__file__).resolve().parent.parent / "neuronbuild"
 
 # What each part of neuronbuild may import besides itself (the base layer: errors, workspace, atomic, digests,
-# platforms, vocabulary, history, plugins, engine).
+# platforms, vocabulary, history, plugins, engine, envvars, streams).
 BASE = {"__init__", "errors", "workspace", "atomic", "digests", "platforms", "vocabulary", "history",
-        "plugins", "self_stamp", "jsondata", "engine"}
+        "plugins", "self_stamp", "jsondata", "engine", "envvars", "streams"}
 ALLOWED = {
     "base": set(),
     "loading": set(),
@@ -25,7 +25,7 @@ ALLOWED = {
     "packaging": {"loading", "analysis", "cache", "runtime"},
     "top": {"loading", "analysis", "kinds", "toolchains", "execution", "cache", "packaging", "runtime"},
 }
-TOP = {"__main__", "build", "cli", "context", "incremental", "noop", "after_answer", "commands", "rcfile", "completion",
+TOP = {"__main__", "build", "cli", "command", "context", "incremental", "noop", "after_answer", "commands", "rcfile", "completion",
        "clean", "server", "report"}
 
 

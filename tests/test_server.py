@@ -369,6 +369,13 @@ def test_another_version_or_other_startup_options_replace_the_server(servers: Se
     # and back: the original version replaces it again
     p = servers.run(["--max-idle-secs", "600", "plan", "//...", "--cache-dir", str(shared_cache)], ws)
     assert p.returncode == 0 and "restarting it" in p.stderr
+    # another umask: a server keeps its starting client's (it never changes its umask per command), so it is replaced
+    old = os.umask(0o027)
+    try:
+        p = servers.run(["--max-idle-secs", "600", "plan", "//...", "--cache-dir", str(shared_cache)], ws)
+    finally:
+        os.umask(old)
+    assert p.returncode == 0 and "another umask; restarting it" in p.stderr, p.stderr
 
 
 def test_concurrent_commands_wait_with_a_message(servers: Servers, tmp_path: Path, shared_cache: Path) -> None:

@@ -3,13 +3,12 @@ configured compiler, from their flags: analysis/toolchain_api.ToolSettings), too
 
 from __future__ import annotations
 
-import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from neuronbuild import plugins
+from neuronbuild import envvars, plugins
 from neuronbuild.analysis.toolchain_versions import trace_toolchain
 from neuronbuild.errors import UserInputError
 
@@ -66,7 +65,7 @@ def redact_action_env(items: list[str]) -> list[str]:
 def parse_action_env(items: list[str] | None, environ: Mapping[str, str] | None = None) -> tuple[
         tuple[str, str | None], ...]:
     """`--action-env NAME` (value from the caller's environment) or `--action-env NAME=VALUE`; sorted by name."""
-    environ = os.environ if environ is None else environ
+    environ = envvars.environ() if environ is None else environ  # (the command's)
     out: dict[str, str | None] = {}
     for item in items or ():
         name, eq, value = item.partition("=")

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from neuronbuild import jsondata
+from neuronbuild import envvars, jsondata
 from neuronbuild.atomic import file_lock
 from neuronbuild.cache.pins import pinned
 from neuronbuild.cache.roots import live_roots
@@ -24,9 +24,11 @@ from neuronbuild.cache.usage import clear_scratch, disk_usage
 if TYPE_CHECKING:
     from neuronbuild.cache.local import LocalCache
 
-GRACE_S = float(os.environ.get("NEURONBUILD_CACHE_GC_GRACE_S", "600"))
+def grace_s() -> float:
+    return envvars.current().seconds("NEURONBUILD_CACHE_GC_GRACE_S")
 SANDBOX_MAX_AGE_S = 24 * 3600.0
-AUTO_INTERVAL_S = float(os.environ.get("NEURONBUILD_CACHE_GC_INTERVAL_S", "3600"))
+def auto_interval_s() -> float:
+    return envvars.current().seconds("NEURONBUILD_CACHE_GC_INTERVAL_S")
 CONFIG = "config.json"
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 _AGES = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
@@ -115,6 +117,7 @@ def collect(cache: LocalCache, max_size: int | None = None, max_age: float | Non
     Protected: `keep`, pins and (with `protect_roots`) what the last successful build of every live workspace
     referenced (cache/roots.py), whatever flags that build ran with."""
     now = time.time() if now is None else now
+    grace = grace_s()
     root = cache.root
     with file_lock(root / "gc.lock"):
         pin_fps, pin_digests = pinned(root)
@@ -138,7 +141,7 @@ def collect(cache: LocalCache, max_size: int | None = None, max_age: float | Non
             if e.fp in protected_fps:
                 protected_digests.update(e.digests)
         kept = sum(1 for e in entries if e.fp in protected_fps)
-        candidates = sorted((e for e in entries if e.fp not in protected_fps and now - e.last_used > GRACE_S),
+        candidates = sorted((e for e in entries if e.fp not in protected_fps and now - e.last_used > grace),
                             key=lambda e: e.last_used)
         removed_entries = 0
         removed_blobs = 0
@@ -147,7 +150,7 @@ def collect(cache: LocalCache, max_size: int | None = None, max_age: float | Non
         def drop_blob(dg: str) -> None:
             nonlocal total, freed, removed_blobs
             size, mtime = blobs.get(dg, (0, now))
-            if dg in protected_digests or refcount.get(dg, 0) > 0 or now - mtime <= GRACE_S or dg not in blobs:
+            if dg in protected_digests or refcount.get(dg, 0) > 0 or now - mtime <= grace or dg not in blobs:
                 return
             cache.blobs.evict(dg)
             del blobs[dg]
@@ -180,7 +183,7 @@ def collect(cache: LocalCache, max_size: int | None = None, max_age: float | Non
             drop_blob(dg)
         scratch = 0
         if max_size is not None and total > max_size:
-            scratch = clear_scratch(root, now, GRACE_S)
+            scratch = clear_scratch(root, now, grace)
             total -= scratch
             freed += scratch
         for e in rest:
@@ -194,7 +197,7 @@ def collect(cache: LocalCache, max_size: int | None = None, max_age: float | Non
 
 def _sweep(cache: LocalCache, now: float, max_age: float | None) -> None:
     """Leftovers of killed builds (staging files, sandboxes) and old failure records."""
-    for d, limit in ((cache.root / "tmp", GRACE_S), (cache.scratch, SANDBOX_MAX_AGE_S)):
+    for d, limit in ((cache.root / "tmp", grace_s()), (cache.scratch, SANDBOX_MAX_AGE_S)):
         if not d.is_dir():
             continue
         for p in d.iterdir():
@@ -218,8 +221,8 @@ def configured_limits(cache: LocalCache) -> tuple[int | None, float | None]:
         data = jsondata.loads((cache.base / CONFIG).read_text())
         if isinstance(data, dict):
             conf = {k: str(v) for k, v in data.items()}
-    size = os.environ.get("NEURONBUILD_CACHE_MAX_SIZE") or conf.get("max_size")
-    age = os.environ.get("NEURONBUILD_CACHE_MAX_AGE") or conf.get("max_age")
+    size = envvars.current().text("NEURONBUILD_CACHE_MAX_SIZE") or conf.get("max_size")
+    age = envvars.current().text("NEURONBUILD_CACHE_MAX_AGE") or conf.get("max_age")
     try:
         return (parse_size(size) if size else None), (parse_age(age) if age else None)
     except ValueError as e:
@@ -234,7 +237,7 @@ def auto_gc(cache: LocalCache, keep: set[str]) -> GcResult | None:
         return None
     marker = cache.root / "gc.last"
     with contextlib.suppress(OSError):
-        if time.time() - marker.stat().st_mtime < AUTO_INTERVAL_S:
+        if time.time() - marker.stat().st_mtime < auto_interval_s():
             return None
     try:
         marker.parent.mkdir(parents=True, exist_ok=True)

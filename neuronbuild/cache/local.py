@@ -8,13 +8,12 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from neuronbuild import jsondata
+from neuronbuild import envvars, jsondata, streams
 from neuronbuild.atomic import atomic_write_bytes, try_lock, unlock
 from neuronbuild.cache.action_cache import ActionCache, ActionResult, OutputRef
 from neuronbuild.cache.cas import BlobStore, CorruptBlob
@@ -30,8 +29,9 @@ TOUCH_NS = 60 * 1_000_000_000
 
 
 def default_cache_dir() -> Path:
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    base = Path(xdg) if xdg else Path.home() / ".cache"
+    env = envvars.environ()  # (the command's)
+    xdg = env.get("XDG_CACHE_HOME")
+    base = Path(xdg) if xdg else Path(env.get("HOME") or Path.home()) / ".cache"
     return base / "neuronbuild"
 
 
@@ -39,14 +39,14 @@ def resolve_cache_dir(flag: str | None) -> Path:
     """--cache-dir, else $NEURONBUILD_CACHE_DIR, else a per-user default (~/.cache/neuronbuild)."""
     if flag:
         return Path(flag).expanduser().resolve()
-    env = os.environ.get(CACHE_ENV)
+    env = envvars.current().text(CACHE_ENV)
     if env:
         return Path(env).expanduser().resolve()
     return default_cache_dir()
 
 
 def _warn(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
+    print(msg, file=streams.err(), flush=True)
 
 
 class LocalCache:

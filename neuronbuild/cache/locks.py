@@ -18,10 +18,15 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from neuronbuild import jsondata
+from neuronbuild import envvars, jsondata
 
-HEARTBEAT_S = float(os.environ.get("NEURONBUILD_LOCK_HEARTBEAT_S", "10"))
-STALE_S = float(os.environ.get("NEURONBUILD_LOCK_STALE_S", "60"))
+
+def heartbeat_s() -> float:
+    return envvars.current().seconds("NEURONBUILD_LOCK_HEARTBEAT_S")
+
+
+def stale_s() -> float:
+    return envvars.current().seconds("NEURONBUILD_LOCK_STALE_S")
 MAX_SKEW_S = 300.0
 HOST = socket.gethostname()
 
@@ -85,7 +90,7 @@ class _Heartbeat:
 
     def _run(self) -> None:
         while True:
-            time.sleep(HEARTBEAT_S)
+            time.sleep(heartbeat_s())
             with self._mu:
                 held = list(self._held.items())
             for path, token in held:
@@ -176,9 +181,9 @@ class LockDir:
         self._seen[key] = (first, st.st_mtime_ns, token)
         if owner is not None and owner.host == HOST and not _pid_alive(owner.pid):
             return True, owner
-        if now - first >= STALE_S:
+        if now - first >= stale_s():
             return True, owner
-        if time.time() - st.st_mtime > STALE_S + MAX_SKEW_S:
+        if time.time() - st.st_mtime > stale_s() + MAX_SKEW_S:
             return True, owner
         return False, owner
 

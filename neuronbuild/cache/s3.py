@@ -16,8 +16,9 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from neuronbuild import envvars
 from neuronbuild.cache.action_cache import ActionCache
-from neuronbuild.cache.locks import HEARTBEAT_S, HOST, MAX_SKEW_S, STALE_S, Owner, _pid_alive
+from neuronbuild.cache.locks import HOST, MAX_SKEW_S, Owner, _pid_alive, heartbeat_s, stale_s
 from neuronbuild.cache.tier import MAX_RECORD_BYTES, SharedTier, TierReadOnly, TierUnavailable
 
 LAYOUT = "v1"
@@ -61,7 +62,7 @@ class S3Tier(SharedTier):
         self.url = url
         self.bucket, prefix = parse_url(url)
         self.prefix = f"{prefix}/{LAYOUT}" if prefix else LAYOUT
-        self.endpoint_url = endpoint_url or os.environ.get(ENDPOINT_ENV) or None
+        self.endpoint_url = endpoint_url or envvars.current().text(ENDPOINT_ENV)
         self._client: Any = None
         self._errors: Any = None
         self._leases: set[S3Lease] = set()
@@ -78,10 +79,16 @@ class S3Tier(SharedTier):
             except ImportError as e:
                 raise TierUnavailable("boto3 is not installed (pip install 'neuronbuild[s3]')") from e
             self._errors = botocore.exceptions
-            region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"
+            env = envvars.environ()  # (the command's)
+            region = env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION") or "us-east-1"
             cfg = botocore.config.Config(connect_timeout=3, read_timeout=60, region_name=region,
                                          retries={"max_attempts": 2, "mode": "standard"})
-            self._client = boto3.client("s3", endpoint_url=self.endpoint_url, config=cfg)
+            # the command's credentials (a build server's process environment is another client's)
+            session = boto3.session.Session(aws_access_key_id=env.get("AWS_ACCESS_KEY_ID") or None,
+                                            aws_secret_access_key=env.get("AWS_SECRET_ACCESS_KEY") or None,
+                                            aws_session_token=env.get("AWS_SESSION_TOKEN") or None,
+                                            profile_name=env.get("AWS_PROFILE") or None)
+            self._client = session.client("s3", endpoint_url=self.endpoint_url, config=cfg)
         return self._client
 
     def key(self, *parts: str) -> str:
@@ -230,7 +237,7 @@ class S3Tier(SharedTier):
         self._seen[key] = (first, etag)
         age = time.time() - head["LastModified"].timestamp()
         dead = held_by is not None and held_by.host == HOST and not _pid_alive(held_by.pid)
-        if not (dead or now - first >= STALE_S or age > STALE_S + MAX_SKEW_S):
+        if not (dead or now - first >= stale_s() or age > stale_s() + MAX_SKEW_S):
             return None
         try:
             r = self._call(True, "put_object", Key=key, Body=owner.to_json(), IfMatch=etag)
@@ -249,7 +256,7 @@ class S3Tier(SharedTier):
 
     def _heartbeat(self) -> None:
         while True:
-            time.sleep(HEARTBEAT_S)
+            time.sleep(heartbeat_s())
             for lease in list(self._leases):
                 lease.beats += 1
                 body = json.dumps({**json.loads(lease.owner.to_json()), "beat": lease.beats}).encode()

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from neuronbuild import envvars
 from neuronbuild.cache.record_auth import RecordVerifier
 
 KEY_ENV = "NEURONBUILD_RECORD_KEY"  # a file to use (or make) instead of the default place
@@ -29,10 +30,11 @@ KEY_ENV = "NEURONBUILD_RECORD_KEY"  # a file to use (or make) instead of the def
 def default_key_path() -> Path:
     """Where the user's own record key lives: $NEURONBUILD_RECORD_KEY, else $XDG_CONFIG_HOME/neuronbuild/record-key
     (default ~/.config/neuronbuild/record-key)."""
-    explicit = os.environ.get(KEY_ENV, "").strip()
+    explicit = envvars.current().text(KEY_ENV)
     if explicit:
         return Path(explicit).expanduser()
-    base = os.environ.get("XDG_CONFIG_HOME", "").strip() or str(Path("~/.config").expanduser())
+    env = envvars.environ()  # (the command's)
+    base = env.get("XDG_CONFIG_HOME", "").strip() or str(Path(env.get("HOME") or Path.home()) / ".config")
     return Path(base) / "neuronbuild" / "record-key"
 
 
@@ -70,7 +72,7 @@ def ensure_user_key(path: Path | None = None) -> tuple[Path, bool]:
     finally:
         tmp.unlink(missing_ok=True)
     blob = b"".join(len(x).to_bytes(4, "big") + x for x in (b"ssh-ed25519", raw))
-    user = os.environ.get("USER") or str(os.getuid())
+    user = envvars.environ().get("USER") or str(os.getuid())
     with contextlib.suppress(OSError):
         Path(f"{p}.pub").write_text(f"ssh-ed25519 {base64.b64encode(blob).decode()} neuronbuild-records-{user}\n")
     return p, True

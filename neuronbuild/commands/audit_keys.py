@@ -9,12 +9,12 @@ import dataclasses
 import json
 import os
 import shutil
-import sys
 import tempfile
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from neuronbuild import streams
 from neuronbuild.commands.common import add_context_args, add_output_arg
 from neuronbuild.errors import EXIT_BAD_INPUT, EXIT_BUILD_FAILED, EXIT_OK
 
@@ -52,12 +52,12 @@ def run(args: argparse.Namespace) -> int:
 
     err = bad_jobs(args)
     if err:
-        print(f"neuronbuild: error: {err}", file=sys.stderr)
+        print(f"neuronbuild: error: {err}", file=streams.err())
         return EXIT_BAD_INPUT
     ctx = context_from_args(args)
     if args.scratch and (Path(args.scratch) / "ws").exists():
         print(f"neuronbuild: error: --scratch {args.scratch}: holds an earlier audit's files; give an empty or new "
-              "directory", file=sys.stderr)
+              "directory", file=streams.err())
         return EXIT_BAD_INPUT
     scratch = Path(args.scratch).resolve() if args.scratch else Path(tempfile.mkdtemp(prefix="neuronbuild-audit-"))
     try:
@@ -65,15 +65,15 @@ def run(args: argparse.Namespace) -> int:
         report: AuditReport = audit.determinism() if args.determinism else audit.run(args.quick, args.only or ())
     except _BaselineFailed as e:
         print(f"neuronbuild: error: audit-keys: the baseline build failed (nothing to compare with): {e}",
-              file=sys.stderr)
+              file=streams.err())
         return EXIT_BUILD_FAILED
     finally:
         if not args.scratch:
             shutil.rmtree(scratch, ignore_errors=True)
     if args.output == "json":
-        print(json.dumps(report.to_json(), indent=1, sort_keys=True))
+        print(json.dumps(report.to_json(), indent=1, sort_keys=True), file=streams.out())
     else:
-        print("\n".join(report.lines()))
+        print("\n".join(report.lines()), file=streams.out())
     return EXIT_BUILD_FAILED if report.under_keyed or report.nondeterministic else EXIT_OK
 
 
@@ -82,25 +82,7 @@ class _BaselineFailed(Exception):
 
 
 def _progress(msg: str) -> None:
-    print(f"audit-keys: {msg}", file=sys.stderr, flush=True)
-
-
-@contextlib.contextmanager
-def _environ(changes: Mapping[str, str | None]) -> Iterator[None]:
-    old = {k: os.environ.get(k) for k in changes}
-    try:
-        for k, v in changes.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    print(f"audit-keys: {msg}", file=streams.err(), flush=True)
 
 
 class _Audit:
@@ -237,8 +219,10 @@ class _Audit:
                 yield ctx, ctx.load(self.patterns)
             finally:
                 path.write_bytes(original)
-        elif v.how in ("env", "home"):
-            with _environ(v.env):
+        elif v.how in ("env", "home"):  # the command's environment changed: what it plans and runs sees it
+            from neuronbuild.command import current
+
+            with current().with_env(v.env).active():
                 ctx = self._context(self.ws, fresh)
                 yield ctx, ctx.load(self.patterns)
         elif v.how == "workspace":

@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from neuronbuild import streams
 from neuronbuild.commands.common import add_context_args, add_limit_args, context_from_args, limit_settings
 from neuronbuild.errors import EXIT_BAD_INPUT, EXIT_BUILD_FAILED, EXIT_OK
 
@@ -39,7 +40,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 
 
 def _bad(msg: str) -> int:
-    print(f"neuronbuild: error: {msg}", file=sys.stderr)
+    print(f"neuronbuild: error: {msg}", file=streams.err())
     return EXIT_BAD_INPUT
 
 
@@ -116,7 +117,7 @@ def _want_workers(args: argparse.Namespace, cache_dir: Path) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from neuronbuild import noop
+    from neuronbuild import command, noop
 
     if args.jobs is not None and args.jobs < 1:
         return _bad("--jobs must be at least 1")
@@ -142,10 +143,6 @@ def run(args: argparse.Namespace) -> int:
         # and creating it here could put the farm's cache on a local disk where the share is not mounted.
         return _bad(f"--remote-cache {args.remote_cache}: no such directory (the Dask executor needs a directory "
                     "every worker can read and write; create it, or mount the share)")
-    if getattr(args, "signing_key", None):  # read by packaging/bundle.py (and part of the no-op key)
-        import os
-
-        os.environ["NEURONBUILD_SIGNING_KEY"] = str(Path(args.signing_key).expanduser().resolve())
     from neuronbuild.cache.local import resolve_cache_dir
     from neuronbuild.context import NORMAL, QUIET, VERBOSE, patterns_or_default
     from neuronbuild.execution.resources import parse_local_ram
@@ -160,10 +157,12 @@ def run(args: argparse.Namespace) -> int:
         from neuronbuild.commands.common import run_plan
 
         return run_plan(args)
-    ws = find_workspace()
+    ws = find_workspace(command.current().cwd)
     cache_dir = resolve_cache_dir(args.cache_dir)
     patterns = patterns_or_default(args.patterns)
     noop_flags = {k: v for k, v in vars(args).items() if k not in NOOP_IGNORED}
+    signing_key = command.current().signing_key(args.signing_key)  # (flag, else $NEURONBUILD_SIGNING_KEY)
+    noop_flags["signing_key"] = str(signing_key) if signing_key else None  # the key a bundle is signed with
     key = noop.request_key(ws.root, ws.cwd_package, patterns, cache_dir, noop_flags)
     wants_events = args.profile or args.build_event_json_file
     started = time.time()
@@ -177,7 +176,7 @@ def run(args: argparse.Namespace) -> int:
         after_answer.later(lambda: _record_noop_stats(cache_dir, line, started))  # (the server: after the answer)
         note = note_line(record_noop(args, ws.root, cache_dir, patterns, key, line))
         if not args.quiet:
-            print(line + (f"\n{note}" if note else ""), flush=True)
+            print(line + (f"\n{note}" if note else ""), flush=True, file=streams.out())
         _want_workers(args, cache_dir)
         return EXIT_OK
 
@@ -204,15 +203,15 @@ def run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         note = note_line(inv.page)
         if note:
-            print(note, file=sys.stderr, flush=True)
+            print(note, file=streams.err(), flush=True)
         raise
     finally:
         signal.signal(signal.SIGTERM, previous)
     if not args.quiet or not result.ok:
         note = note_line(inv.page)
-        print(result.summary() + (f"\n{note}" if note else ""), flush=True)
+        print(result.summary() + (f"\n{note}" if note else ""), flush=True, file=streams.out())
     if result.failures:
-        print("\n".join(failure_lines(result.failures, describe_failure)), file=sys.stderr)
+        print("\n".join(failure_lines(result.failures, describe_failure)), file=streams.err())
     if result.analysis_errors:  # (--keep-going; said when analysis failed, as without it: bad input, exit 2)
         return EXIT_BAD_INPUT
     return EXIT_BUILD_FAILED if result.failures else EXIT_OK

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from typing import Any
 
+from neuronbuild import streams
 from neuronbuild.commands.common import add_cache_args
 from neuronbuild.errors import EXIT_BAD_INPUT, EXIT_BUILD_FAILED, EXIT_OK
 
@@ -42,7 +42,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 
 
 def _err(msg: str) -> int:
-    print(f"neuronbuild: error: {msg}", file=sys.stderr)
+    print(f"neuronbuild: error: {msg}", file=streams.err())
     return EXIT_BAD_INPUT
 
 
@@ -81,15 +81,15 @@ def _verify(ctx: Any, args: argparse.Namespace) -> int:
     bad = 0
     for label, tier in tiers:
         if label == "local" and not cache.base.is_dir():
-            print(f"local {cache.base}: empty (no cache directory)")
+            print(f"local {cache.base}: empty (no cache directory)", file=streams.out())
             continue
         try:
             rep = verify_tier(tier, args.repair, ctx.cache.trusted if label == "shared" else None)
         except (TierUnavailable, TierReadOnly, OSError) as e:
-            print(f"neuronbuild: error: {label} cache {tier.url} is unavailable: {e}", file=sys.stderr)
+            print(f"neuronbuild: error: {label} cache {tier.url} is unavailable: {e}", file=streams.err())
             return EXIT_BUILD_FAILED
         for p in rep.problems:
-            print(f"{label}: {p}")
+            print(f"{label}: {p}", file=streams.out())
         state = "ok" if rep.ok else (f"{len(rep.problems)} problems, removed" if args.repair
                                      else f"{len(rep.problems)} problems (run with --repair to remove them)")
         signed = ""
@@ -97,7 +97,7 @@ def _verify(ctx: Any, args: argparse.Namespace) -> int:
             checked = ctx.cache.trusted is not None and not getattr(ctx.cache.trusted, "implicit", False)
             signed = (f"; records signed by a key in {ctx.cache.trusted.path}" if checked
                       else "; records not authenticated (no --remote-cache-trusted-keys)")
-        print(f"{label} {rep.tier}: {rep.blobs} blobs, {rep.records} entries verified: {state}{signed}")
+        print(f"{label} {rep.tier}: {rep.blobs} blobs, {rep.records} entries verified: {state}{signed}", file=streams.out())
         if not rep.ok and not args.repair:
             bad += 1
     return EXIT_BUILD_FAILED if bad else EXIT_OK
@@ -122,18 +122,18 @@ def _gc(ctx: Any, args: argparse.Namespace) -> int:
         if max_size is None and max_age is None:
             max_size, max_age = parse_size(DEFAULT_MAX_SIZE), parse_age(DEFAULT_MAX_AGE)
             where = f"the default policy --max-size {DEFAULT_MAX_SIZE} --max-age {DEFAULT_MAX_AGE}"
-        print(f"gc: no --max-size or --max-age given: using {where} (docs/cache.md)")
+        print(f"gc: no --max-size or --max-age given: using {where} (docs/cache.md)", file=streams.out())
     if not cache.root.is_dir():
-        print("gc: the cache is empty")
+        print("gc: the cache is empty", file=streams.out())
         return EXIT_OK
     if not args.no_workspace:
         fps, n = live_roots(cache.root)
-        print(f"gc: protecting {len(fps)} actions that the last successful builds of {n} workspace(s) used")
+        print(f"gc: protecting {len(fps)} actions that the last successful builds of {n} workspace(s) used", file=streams.out())
     try:
         result = collect(cache, max_size, max_age, protect_roots=not args.no_workspace)
     except PinError as e:
         return _err(str(e))
-    print(result.summary())
+    print(result.summary(), file=streams.out())
     return EXIT_OK
 
 
@@ -152,47 +152,47 @@ def _stats(ctx: Any, args: argparse.Namespace) -> int:
     cache = _local(ctx)
     entries, nblobs, nbytes = _usage(SharedDirTier(cache.base)) if cache.base.is_dir() else (0, 0, 0)
     failures = len(list(cache.failures.glob("*/*.json"))) if cache.failures.is_dir() else 0
-    print(f"local  {cache.base}: {entries} entries, {nblobs} blobs, {human(nbytes)}; {failures} recorded failures")
+    print(f"local  {cache.base}: {entries} entries, {nblobs} blobs, {human(nbytes)}; {failures} recorded failures", file=streams.out())
     from neuronbuild.cache.usage import disk_usage
 
     du = disk_usage(cache.base)
     shown = [(p, b) for p, b in du.parts if b][:4]
     rest = du.total - sum(b for _p, b in shown)
     print(f"       on disk {human(du.total)} in all (what gc --max-size bounds): "
-          + ", ".join([f"{p} {human(b)}" for p, b in shown] + ([f"the rest {human(rest)}"] if rest else [])))
+          + ", ".join([f"{p} {human(b)}" for p, b in shown] + ([f"the rest {human(rest)}"] if rest else [])), file=streams.out())
     shared = _shared(ctx)
     if shared is not None:
         try:
             entries, nblobs, nbytes = _usage(shared)
-            print(f"shared {shared.url}: {entries} entries, {nblobs} blobs, {human(nbytes)}")
+            print(f"shared {shared.url}: {entries} entries, {nblobs} blobs, {human(nbytes)}", file=streams.out())
         except (TierUnavailable, TierReadOnly, OSError) as e:
-            print(f"shared {shared.url}: unavailable ({e})")
+            print(f"shared {shared.url}: unavailable ({e})", file=streams.out())
     try:
         pins = load_pins(cache.root)
         if pins:
             print("pins: " + ", ".join(f"{p.name} ({len(p.fingerprints)} actions, {len(p.digests)} blobs)"
-                                       for p in pins))
+                                       for p in pins), file=streams.out())
     except PinError as e:
-        print(f"pins: {e}")
+        print(f"pins: {e}", file=streams.out())
     builds = recent(cache.root, max(0, args.builds))
     if builds:
         # executed/cached: as each build's summary counted its actions (a result reused by early cutoff is cached);
         # then what the cache saw: lookups served (hits) or not (misses, each fingerprint once), entries saved
         print("recent builds (oldest first):  executed  cached  | cache: hits (local+shared)  misses  saves  uploads  "
-              "errors")
+              "errors", file=streams.out())
         import time
 
         for b in builds:
             when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(b.started))
             ex, ca = (f"{b.executed:8d}", f"{b.cached:6d}") if b.executed >= 0 else (f"{'?':>8}", f"{'?':>6}")
             print(f"  {when}  {ex}  {ca}  |        {b.hits:5d} ({b.hits_local}+{b.hits_shared})  {b.misses:6d}  "
-                  f"{b.saves:5d}  {b.uploads:7d}  {b.errors:6d}" + (f"  [{b.shared}]" if b.shared else ""))
+                  f"{b.saves:5d}  {b.uploads:7d}  {b.errors:6d}" + (f"  [{b.shared}]" if b.shared else ""), file=streams.out())
         known = [b for b in builds if b.executed >= 0]
         tot_c = sum(b.cached for b in known)
         tot = tot_c + sum(b.executed for b in known)
         if tot:
             print(f"cached over these builds: {100.0 * tot_c / tot:.0f}% of actions ({tot_c} cached, "
-                  f"{tot - tot_c} executed)")
+                  f"{tot - tot_c} executed)", file=streams.out())
     return EXIT_OK
 
 
@@ -221,7 +221,7 @@ def _pin(ctx: Any, args: argparse.Namespace) -> int:
         for lbl in wanted:
             fps.update(built[lbl])
     path = write_pin(cache.root, args.name, fps)
-    print(f"pinned {len(fps)} actions as '{args.name}' ({path})")
+    print(f"pinned {len(fps)} actions as '{args.name}' ({path})", file=streams.out())
     return EXIT_OK
 
 
@@ -235,5 +235,5 @@ def _unpin(ctx: Any, args: argparse.Namespace) -> int:
         return _err(str(e))
     if not found:
         return _err(f"no pin named '{args.name}'")
-    print(f"unpinned '{args.name}'")
+    print(f"unpinned '{args.name}'", file=streams.out())
     return EXIT_OK

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from neuronbuild import streams
 from neuronbuild.errors import EXIT_OK
 
 
@@ -17,20 +18,21 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 
 
 def run(args: argparse.Namespace) -> int:
+    from neuronbuild import command
     from neuronbuild.cache.gc import human
     from neuronbuild.cache.local import resolve_cache_dir
     from neuronbuild.clean import clean_outputs, expunge_state
     from neuronbuild.workspace import find_workspace
 
-    ws = find_workspace()
+    ws = find_workspace(command.current().cwd)
     removed = clean_outputs(ws.root)
     if removed is None:
-        print(f"clean: no outputs in {ws.root}")
+        print(f"clean: no outputs in {ws.root}", file=streams.out())
     else:
-        print(f"clean: removed {removed.path} ({removed.files} files, {human(removed.bytes)})")
+        print(f"clean: removed {removed.path} ({removed.files} files, {human(removed.bytes)})", file=streams.out())
     if args.expunge:
         cache_dir = resolve_cache_dir(args.cache_dir)
         files = expunge_state(ws.root, cache_dir)
         print(f"clean: removed {len(files)} state file(s) of this workspace from {cache_dir} "
-              f"(cached results are kept; `neuronbuild cache gc` bounds them)")
+              f"(cached results are kept; `neuronbuild cache gc` bounds them)", file=streams.out())
     return EXIT_OK

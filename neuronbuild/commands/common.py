@@ -4,35 +4,38 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import os
 from collections.abc import Iterator, Mapping, Sequence, ValuesView
 from typing import TYPE_CHECKING, Any
+
+from neuronbuild import envvars, streams
 
 if TYPE_CHECKING:
     from neuronbuild.context import BuildContext
 
 
 def add_cache_args(p: argparse.ArgumentParser) -> None:
-    """Flags naming the cache tiers a command reads (the `cache` sub-commands take only these)."""
+    """Flags naming the cache tiers a command reads (the `cache` sub-commands take only these); defaults from the
+    command's environment (cli._parser keeps a parser per environment)."""
+    cfg = envvars.current()
     p.add_argument("--cache-dir", help="cache directory (default: $NEURONBUILD_CACHE_DIR or ~/.cache/neuronbuild)")
-    p.add_argument("--remote-cache", default=os.environ.get("NEURONBUILD_REMOTE_CACHE") or None,
+    p.add_argument("--remote-cache", default=cfg.text("NEURONBUILD_REMOTE_CACHE"),
                    metavar="PATH|s3://bucket/prefix",
                    help="shared cache tier: a shared directory or an S3 prefix (default: $NEURONBUILD_REMOTE_CACHE)")
     p.add_argument("--remote-cache-readonly", action="store_true",
-                   default=os.environ.get("NEURONBUILD_REMOTE_CACHE_READONLY", "") not in ("", "0"),
+                   default=cfg.flag("NEURONBUILD_REMOTE_CACHE_READONLY"),
                    help="read from the shared tier but never upload to it")
     p.add_argument("--s3-endpoint-url", default=None,
                    help="S3-compatible endpoint for s3:// tiers (default: $NEURONBUILD_S3_ENDPOINT_URL or AWS's)")
     p.add_argument("--remote-cache-trusted-keys", metavar="FILE",
-                   default=os.environ.get("NEURONBUILD_REMOTE_CACHE_TRUSTED_KEYS") or None,
+                   default=cfg.text("NEURONBUILD_REMOTE_CACHE_TRUSTED_KEYS"),
                    help="serve only shared-tier records signed by one of these Ed25519 public keys (ssh-ed25519 "
                         "lines or PEM; default: $NEURONBUILD_REMOTE_CACHE_TRUSTED_KEYS); others are rebuilt")
     p.add_argument("--remote-cache-trust-writers", action="store_true",
-                   default=os.environ.get("NEURONBUILD_REMOTE_CACHE_TRUST_WRITERS", "") not in ("", "0"),
+                   default=cfg.flag("NEURONBUILD_REMOTE_CACHE_TRUST_WRITERS"),
                    help="declare whoever can write the shared tier trusted: serve its records unsigned, without "
                         "the warning (Bazel's model; default: $NEURONBUILD_REMOTE_CACHE_TRUST_WRITERS)")
     p.add_argument("--remote-cache-signing-key", metavar="FILE",
-                   default=os.environ.get("NEURONBUILD_REMOTE_CACHE_SIGNING_KEY") or None,
+                   default=cfg.text("NEURONBUILD_REMOTE_CACHE_SIGNING_KEY"),
                    help="sign the records this build uploads with this Ed25519 private key (default: "
                         "$NEURONBUILD_REMOTE_CACHE_SIGNING_KEY); keep it where actions cannot read it")
 
@@ -99,6 +102,7 @@ def context_from_args(args: argparse.Namespace, verbosity: int | None = None,
         remote_cache_trusted_keys=getattr(args, "remote_cache_trusted_keys", None),
         remote_cache_trust_writers=bool(getattr(args, "remote_cache_trust_writers", False)),
         remote_cache_signing_key=getattr(args, "remote_cache_signing_key", None),
+        signing_key=getattr(args, "signing_key", None),
         action_env=getattr(args, "action_env", None),
         tool_flags=tool_values(args),
         toolchain=getattr(args, "toolchain", None),
@@ -115,7 +119,6 @@ def bad_jobs(args: argparse.Namespace) -> str | None:
 def run_plan(args: argparse.Namespace) -> int:
     """`plan` and `build --dry-run`: what a build would execute, checked against every cache tier without fetching."""
     import json
-    import sys
 
     from neuronbuild.analysis.plan_report import plan_report
     from neuronbuild.build import default_jobs, settings_notes
@@ -123,17 +126,17 @@ def run_plan(args: argparse.Namespace) -> int:
 
     err = bad_jobs(args)
     if err:
-        print(f"neuronbuild: error: {err}", file=sys.stderr)
+        print(f"neuronbuild: error: {err}", file=streams.err())
         return EXIT_BAD_INPUT
     ctx = context_from_args(args)
     graph = ctx.load(args.patterns)
     ag = ctx.plan(graph)
     for note in settings_notes(ctx.settings, ag, toolchains=()):  # a plan makes no graphs: no toolchain notes
-        print(note, file=sys.stderr)
+        print(note, file=streams.err())
     from neuronbuild.analysis.explain import ignored_option_warnings
 
     for note in ignored_option_warnings(graph, ag):
-        print(note, file=sys.stderr)
+        print(note, file=streams.err())
     from neuronbuild import incremental
     from neuronbuild.execution.scheduler import needed_actions
 
@@ -143,16 +146,16 @@ def run_plan(args: argparse.Namespace) -> int:
         report = plan_report(ag, todo, cached, ctx.history(cache), args.jobs or default_jobs(),
                              incremental.analysis_memo(ctx.workspace.root, ctx.settings))
         if getattr(args, "output", "text") == "json":
-            print(json.dumps(report.to_json(), indent=1, sort_keys=True))
+            print(json.dumps(report.to_json(), indent=1, sort_keys=True), file=streams.out())
         else:  # (the matrix first: the build server sends it while the schedule for the summary is computed)
             matrix = report.matrix_lines()
             if matrix:
-                sys.stdout.write("\n".join(matrix) + "\n")
-            print(report.summary_line())
+                streams.out().write("\n".join(matrix) + "\n")
+            print(report.summary_line(), file=streams.out())
             if todo:
                 from neuronbuild.execution.limits import defaults_line
 
-                print(defaults_line())
+                print(defaults_line(), file=streams.out())
     _record_plan(args, ctx, ag, cache, todo, cached)
     from neuronbuild.execution.local_executor import want_workers
 

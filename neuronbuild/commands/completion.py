@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import argparse
-import sys
 
+from neuronbuild import command, streams
 from neuronbuild.errors import EXIT_BAD_INPUT, EXIT_OK
 
 
@@ -20,13 +20,13 @@ def run(args: argparse.Namespace) -> int:
     from neuronbuild.cli import make_parser
 
     if args.labels is not None:
-        for cand in completion.label_candidates(args.labels):
-            print(cand)
+        for cand in completion.label_candidates(args.labels, command.current().cwd):
+            print(cand, file=streams.out())
         return EXIT_OK
     if args.shell is None:
-        print("neuronbuild: error: give a shell: neuronbuild completion bash|zsh|fish", file=sys.stderr)
+        print("neuronbuild: error: give a shell: neuronbuild completion bash|zsh|fish", file=streams.err())
         return EXIT_BAD_INPUT
     parser, _ = make_parser()
     script = {"bash": completion.bash_script, "zsh": completion.zsh_script, "fish": completion.fish_script}
-    print(script[args.shell](parser), end="")
+    print(script[args.shell](parser), end="", file=streams.out())
     return EXIT_OK

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import argparse
 import signal
-import sys
 from typing import Any
 
+from neuronbuild import streams
 from neuronbuild.errors import EXIT_BAD_INPUT, EXIT_BUILD_FAILED, EXIT_OK
 
 
@@ -58,30 +58,30 @@ def run(args: argparse.Namespace) -> int:
     try:
         keys = load_trusted_keys(args.trusted_keys) if args.trusted_keys else None
     except SignatureError as e:
-        print(f"neuronbuild: error: {e}", file=sys.stderr)
+        print(f"neuronbuild: error: {e}", file=streams.err())
         return EXIT_BAD_INPUT
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)  # `kill` cleans up like Ctrl-C does
     try:
         res = deploy(Path(args.bundle), Path(args.dest), args.sha256, keys, check=check_host,
                      allow_downgrade=True if args.allow_downgrade else None)
     except BundleError as e:
-        print(f"neuronbuild: error: {e} (nothing was installed)", file=sys.stderr)
+        print(f"neuronbuild: error: {e} (nothing was installed)", file=streams.err())
         return EXIT_BAD_INPUT
     except _HostCannotRun as e:
-        print(f"neuronbuild: error: {e}", file=sys.stderr)
+        print(f"neuronbuild: error: {e}", file=streams.err())
         return EXIT_BUILD_FAILED
     finally:
         signal.signal(signal.SIGTERM, previous)
     state = ("was damaged; repaired and made current" if res.repaired
              else "already installed; made current" if res.already else "installed")
-    print(f"{res.label}: release {res.id} {state} in {res.dir} ({res.files} files)")
+    print(f"{res.label}: release {res.id} {state} in {res.dir} ({res.files} files)", file=streams.out())
     if res.downgraded_from and not args.allow_downgrade:
         print(f"neuronbuild: warning: a downgrade: {res.label}'s current release was {res.downgraded_from}, deployed "
-              f"after {res.id}; --trusted-keys refuses this without --allow-downgrade", file=sys.stderr)
+              f"after {res.id}; --trusted-keys refuses this without --allow-downgrade", file=streams.err())
     count, total, lines = report[0] if report else (0, 0, [])
     if count:  # installed all the same: a serving directory may be prepared on another host than the one it serves
         print(f"neuronbuild: warning: this host ({host.describe()}) cannot run {count} of {total} graph(s) of this "
               f"release:\n  " + "\n  ".join(lines) + f"\n  it is now the newest release in {args.dest}: a strict "
               f"open_cache() on this host refuses those graphs (`deploy --host` refuses such a bundle; "
-              f"`verify --host` checks one without installing it)", file=sys.stderr)
+              f"`verify --host` checks one without installing it)", file=streams.err())
     return EXIT_OK

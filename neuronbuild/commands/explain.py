@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from typing import Any
 
+from neuronbuild import streams
 from neuronbuild.commands.common import add_context_args, add_limit_args, add_output_arg
 from neuronbuild.errors import EXIT_BAD_INPUT, EXIT_OK
 
@@ -31,7 +31,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         settings = limit_settings(args)
     except ValueError as bad:
-        print(f"neuronbuild: error: {bad}", file=sys.stderr)
+        print(f"neuronbuild: error: {bad}", file=streams.err())
         return EXIT_BAD_INPUT
     ctx = context_from_args(args)
     graph = ctx.load(args.patterns)
@@ -58,24 +58,24 @@ def run(args: argparse.Namespace) -> int:
                                                      "limits": limits[e.action.fingerprint]} for e in found],
                           "cutoff": [{"description": a.describe(), "fingerprint": a.fingerprint, "reuses": prev,
                                       "reason": reason(a)} for a, prev in reused]},
-                         indent=1, sort_keys=True))
+                         indent=1, sort_keys=True), file=streams.out())
         return EXIT_OK
     for e in found:
-        print("\n".join(e.lines()))
-        print(f"  limits: {limits[e.action.fingerprint]['text']}")
+        print("\n".join(e.lines()), file=streams.out())
+        print(f"  limits: {limits[e.action.fingerprint]['text']}", file=streams.out())
         if e.action.fingerprint in waits:
-            print(f"  (skipped if its inputs re-run to identical outputs: {reason(e.action)})")
+            print(f"  (skipped if its inputs re-run to identical outputs: {reason(e.action)})", file=streams.out())
     for a, prev in reused:
-        print(f"{a.describe()}  ({a.fingerprint[:12]})\n  {reason(a)}: cached, the result of {prev[:12]}")
+        print(f"{a.describe()}  ({a.fingerprint[:12]})\n  {reason(a)}: cached, the result of {prev[:12]}", file=streams.out())
     for _ct, text in ignored:
-        print(f"options: {text}")
+        print(f"options: {text}", file=streams.out())
     if found:
         from neuronbuild.execution.limits import host_offers
 
         print(f"{len(found)} of {len(ag.actions)} actions would execute ({len(cached)} cached); their limits are "
-              f"enforced by {host_offers()}")
+              f"enforced by {host_offers()}", file=streams.out())
     else:
-        print(f"nothing would execute: all {len(ag.actions)} actions are cached")
+        print(f"nothing would execute: all {len(ag.actions)} actions are cached", file=streams.out())
     return EXIT_OK
 
 
@@ -96,7 +96,6 @@ def _cutoffs(ag: Any, cache: Any, cached: list[str]) -> list[tuple[Any, str]]:
 
 def _key(args: argparse.Namespace, ag: Any, cache: Any, history: Any) -> int:
     """`explain --key FP`: the action's key as named parts, and which differ from the nearest earlier record."""
-    import sys
 
     from neuronbuild.analysis.key_parts import differing, key_parts
     from neuronbuild.errors import EXIT_BAD_INPUT
@@ -106,7 +105,7 @@ def _key(args: argparse.Namespace, ag: Any, cache: Any, history: Any) -> int:
     if len(found) != 1:
         why = "no action of this plan has" if not found else f"{len(found)} actions of this plan have"
         print(f"neuronbuild: error: --key {args.key}: {why} a fingerprint starting so (explain lists them)",
-              file=sys.stderr)
+              file=streams.err())
         return EXIT_BAD_INPUT
     a = found[0]
     parts = key_parts(a.record)
@@ -118,22 +117,22 @@ def _key(args: argparse.Namespace, ag: Any, cache: Any, history: Any) -> int:
         print(json.dumps({"description": a.describe(), "fingerprint": a.fingerprint, "cached": cached,
                           "parts": [{"name": p.name, "digest": p.digest, "value": p.value} for p in parts],
                           "compared_with": latest.fingerprint if prev is not None and latest is not None else None,
-                          "differs": differs}, indent=1, sort_keys=True, default=str))
+                          "differs": differs}, indent=1, sort_keys=True, default=str), file=streams.out())
         return EXIT_OK
-    print(f"{a.describe()}  ({a.fingerprint})")
+    print(f"{a.describe()}  ({a.fingerprint})", file=streams.out())
     width = max(len(p.name) for p in parts)
     for p in parts:
         mark = "*" if p.name in differs else " "
-        print(f" {mark}{p.name:<{width}}  {p.digest[:12]}  {p.text()}")
+        print(f" {mark}{p.name:<{width}}  {p.digest[:12]}  {p.text()}", file=streams.out())
     if cached:
-        print("cached: this key has a result")
+        print("cached: this key has a result", file=streams.out())
     elif prev is not None and latest is not None:
         print(f"not cached; against its identity's most recent result ({latest.fingerprint[:12]}) "
-              f"{len(differs)} part{' differs' if len(differs) == 1 else 's differ'} (*): {', '.join(differs)}")
+              f"{len(differs)} part{' differs' if len(differs) == 1 else 's differ'} (*): {', '.join(differs)}", file=streams.out())
     elif latest is not None and latest.fingerprint == a.fingerprint:
-        print("not cached: its result's outputs are no longer complete in the cache")
+        print("not cached: its result's outputs are no longer complete in the cache", file=streams.out())
     else:
-        print("not cached: no earlier record of this identity to compare with")
+        print("not cached: no earlier record of this identity to compare with", file=streams.out())
     return EXIT_OK
 
 

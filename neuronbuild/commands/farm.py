@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from typing import Any
 
+from neuronbuild import streams
 from neuronbuild.errors import EXIT_BUILD_FAILED, EXIT_OK
 
 
@@ -22,14 +22,14 @@ def run(args: argparse.Namespace) -> int:
         from distributed import Client
     except ImportError:
         print("neuronbuild: error: the farm commands need dask[distributed]: pip install 'neuronbuild[farm]'",
-              file=sys.stderr)
+              file=streams.err())
         return EXIT_BUILD_FAILED
     from neuronbuild.execution.dask_executor import worker_toolchain
 
     try:
         client = Client(args.scheduler, timeout=f"{args.timeout}s")
     except (OSError, TimeoutError) as e:
-        print(f"neuronbuild: error: cannot reach the Dask scheduler at {args.scheduler}: {e}", file=sys.stderr)
+        print(f"neuronbuild: error: cannot reach the Dask scheduler at {args.scheduler}: {e}", file=streams.err())
         return EXIT_BUILD_FAILED
     with client:
         info = client.scheduler_info()
@@ -37,7 +37,7 @@ def run(args: argparse.Namespace) -> int:
         toolchains = client.run(worker_toolchain, on_error="return") if workers else {}
         processing = client.processing()
     print(f"scheduler {args.scheduler}: {len(workers)} worker(s), "
-          f"{sum(int(w.get('nthreads', 0)) for w in workers.values())} thread(s)")
+          f"{sum(int(w.get('nthreads', 0)) for w in workers.values())} thread(s)", file=streams.out())
     # The toolchains' columns (Toolchain.host_status) as the workers report them, in the order first seen.
     columns: dict[str, None] = {}
     for tc in toolchains.values():
@@ -57,5 +57,5 @@ def run(args: argparse.Namespace) -> int:
                      *(str(status[c]) if status.get(c) is not None else "-" if c in status else "?" for c in columns)))
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     for r in rows:
-        print("  ".join(c.ljust(wd) for c, wd in zip(r, widths, strict=True)).rstrip())
+        print("  ".join(c.ljust(wd) for c, wd in zip(r, widths, strict=True)).rstrip(), file=streams.out())
     return EXIT_OK

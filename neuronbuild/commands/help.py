@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import argparse
-import sys
 
+from neuronbuild import streams
 from neuronbuild.errors import EXIT_BAD_INPUT, EXIT_OK
 
 
@@ -25,7 +25,7 @@ def run(args: argparse.Namespace) -> int:
     if args.command == "version":
         from neuronbuild.cli import version_text
 
-        print(version_text())
+        print(version_text(), file=streams.out())
         return EXIT_OK
     import difflib
 
@@ -39,7 +39,7 @@ def run(args: argparse.Namespace) -> int:
             near = difflib.get_close_matches(word, list(subs), n=1)
             where = "neuronbuild" if target is parser else target.prog
             hint = f" (did you mean '{near[0]}'?)" if near else f" (commands: {', '.join(subs)})" if subs else ""
-            print(f"neuronbuild: error: {where} has no command '{word}'{hint}", file=sys.stderr)
+            print(f"neuronbuild: error: {where} has no command '{word}'{hint}", file=streams.err())
             return EXIT_BAD_INPUT
         target = subs[word]
     target.print_help()

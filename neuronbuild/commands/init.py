@@ -4,8 +4,8 @@ target), to replace the model of with one's own."""
 from __future__ import annotations
 
 import argparse
-import sys
 
+from neuronbuild import streams
 from neuronbuild.errors import EXIT_BAD_INPUT, EXIT_OK
 
 PACKAGE = "models"
@@ -86,13 +86,21 @@ def files() -> dict[str, str]:
 
 
 def run(args: argparse.Namespace) -> int:
+    import os
     from pathlib import Path
 
+    from neuronbuild import command
     from neuronbuild.workspace import MARKER
 
-    root = Path(args.dir)
+    cmd = command.current()
+    shown_root = Path(args.dir)  # (as given, in messages)
+    root = cmd.path(args.dir)  # (the command's directory, not the process's)
+
+    def show(p: Path) -> Path:
+        return shown_root / p.relative_to(root) if p.is_relative_to(root) else p
+
     if root.exists() and not root.is_dir():
-        print(f"neuronbuild: error: {root} exists and is not a directory", file=sys.stderr)
+        print(f"neuronbuild: error: {shown_root} exists and is not a directory", file=streams.err())
         return EXIT_BAD_INPUT
     todo = files()
     if (root / ".gitignore").exists():
@@ -101,26 +109,31 @@ def run(args: argparse.Namespace) -> int:
     for rel in todo:  # (a directory on the way that is a symlink leading out would take the files elsewhere)
         parent = (root / rel).parent
         if parent.exists() and not parent.resolve().is_relative_to(real_root):
-            print(f"neuronbuild: error: {parent} leads outside {root} (to {parent.resolve()}); init writes only inside "
-                  "the new workspace", file=sys.stderr)
+            print(f"neuronbuild: error: {show(parent)} leads outside {shown_root} (to {parent.resolve()}); init writes "
+                  "only inside the new workspace", file=streams.err())
             return EXIT_BAD_INPUT
     there = [rel for rel in todo if (root / rel).exists() or (root / rel).is_symlink()]
     if there:
         what = "is already a workspace" if MARKER in there else f"already has {', '.join(there)}"
-        print(f"neuronbuild: error: {root} {what}; init writes only new files (choose another DIR)", file=sys.stderr)
+        print(f"neuronbuild: error: {shown_root} {what}; init writes only new files (choose another DIR)",
+              file=streams.err())
         return EXIT_BAD_INPUT
     for rel, text in todo.items():
         path = root / rel
+        made = [d for d in (path.parent, *path.parent.parents) if not d.exists()]
         path.parent.mkdir(parents=True, exist_ok=True)
+        for d in made:  # the command's umask, not the process's (a build server's is its own)
+            os.chmod(d, cmd.mode(0o777))
         with open(path, "x", encoding="utf-8") as f:  # never overwrite, even what appeared meanwhile
+            os.fchmod(f.fileno(), cmd.mode())
             f.write(text)
     shown = "." if str(args.dir) == "." else str(args.dir)
-    print(f"Created a neuronbuild workspace in {shown}:")
-    print(f"  {MARKER:<22} marks the workspace root")
+    print(f"Created a neuronbuild workspace in {shown}:", file=streams.out())
+    print(f"  {MARKER:<22} marks the workspace root", file=streams.out())
     print(f"  {PACKAGE}/BUILD{'':<{16 - len(PACKAGE)}} one model, its buckets (batch 1 and 4), a cpu and a trn2 target, "
-          "a cpu release bundle")
-    print(f"  {PACKAGE}/model.py{'':<{13 - len(PACKAGE)}} a tiny model: replace it with yours (docs/models.md)")
+          "a cpu release bundle", file=streams.out())
+    print(f"  {PACKAGE}/model.py{'':<{13 - len(PACKAGE)}} a tiny model: replace it with yours (docs/models.md)", file=streams.out())
     cd = "" if shown == "." else f"cd {shown} && "
     print(f"Next: {cd}neuronbuild build   (outputs in neuronbuild-out/{PACKAGE}/; `neuronbuild plan` shows what "
-          "would run)")
+          "would run)", file=streams.out())
     return EXIT_OK

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from neuronbuild import streams
 from neuronbuild.errors import EXIT_OK
 
 
@@ -16,18 +17,19 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 
 
 def run(args: argparse.Namespace) -> int:
+    from neuronbuild import command
     from neuronbuild.analysis.query import run_query, to_dot, to_json
     from neuronbuild.workspace import find_workspace
 
-    ws = find_workspace()
+    ws = find_workspace(command.current().cwd)
     qg, result = run_query(ws.root, " ".join(args.expr), ws.cwd_package)
     if args.output == "json":
-        print(json.dumps(to_json(qg, result), indent=1, sort_keys=True))
+        print(json.dumps(to_json(qg, result), indent=1, sort_keys=True), file=streams.out())
     elif args.output == "graph":
-        print(to_dot(qg, result), end="")
+        print(to_dot(qg, result), end="", file=streams.out())
     else:
         for label in result:
-            print(label)
+            print(label, file=streams.out())
     _want_workers()
     return EXIT_OK
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 
+from neuronbuild import streams
+
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser("report", help="a recorded build or plan as an HTML page (summary, matrix, timeline, compare)")
@@ -19,22 +21,22 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 
 def run(args: argparse.Namespace) -> int:
     import json
-    import sys
     import time
 
+    from neuronbuild import command
     from neuronbuild.errors import EXIT_BAD_INPUT, EXIT_OK
     from neuronbuild.report.invocation import page_inputs, page_url, render_invocation
     from neuronbuild.report.store import InvocationStore, output_base
     from neuronbuild.workspace import find_workspace
 
-    store = InvocationStore(output_base(find_workspace().root, getattr(args, "output_user_root", None)))
+    store = InvocationStore(output_base(find_workspace(command.current().cwd).root, getattr(args, "output_user_root", None)))
     if args.list:
         for e in store.index():
             c = e.get("counts") or {}
             when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(e.get("started") or 0)))
             print(f"{e.get('id')}  {when}  {e.get('command')} {' '.join(e.get('patterns') or ())}  "
                   f"{e.get('outcome')}  {e.get('total') or 0} actions, {c.get('executed', 0)} executed"
-                  + ("  (no-op)" if e.get("noop") else ""))
+                  + ("  (no-op)" if e.get("noop") else ""), file=streams.out())
         return EXIT_OK
     inv_id = store.resolve(args.invocation)
     rec = store.load(inv_id) if inv_id else None
@@ -42,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
         known = store.ids()
         hint = f" (recorded: {known[0]} .. {known[-1]}; `neuronbuild report --list`)" if known else \
             " (no invocation of this workspace is recorded yet: run a build)"
-        print(f"neuronbuild: error: no recorded invocation {args.invocation!r}{hint}", file=sys.stderr)
+        print(f"neuronbuild: error: no recorded invocation {args.invocation!r}{hint}", file=streams.err())
         return EXIT_BAD_INPUT
     try:
         if args.output == "json":
@@ -51,11 +53,11 @@ def run(args: argparse.Namespace) -> int:
             full, other, history = page_inputs(store, rec, args.compare)
             ctx = page_context(full, other, history)
             print(json.dumps({k: ctx[k] for k in ("rec", "summary", "matrix", "failures", "timeline", "compare",
-                                                  "trends")}, indent=1, default=str))
+                                                  "trends")}, indent=1, default=str), file=streams.out())
             return EXIT_OK
         page = render_invocation(store, rec, args.compare)
     except LookupError as e:
-        print(f"neuronbuild: error: {e.args[0]}", file=sys.stderr)
+        print(f"neuronbuild: error: {e.args[0]}", file=streams.err())
         return EXIT_BAD_INPUT
-    print(page_url(page))
+    print(page_url(page), file=streams.out())
     return EXIT_OK

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 
+from neuronbuild import streams
 from neuronbuild.commands.common import add_context_args, add_output_arg
 from neuronbuild.errors import EXIT_BAD_INPUT, EXIT_OK
 
@@ -26,11 +26,11 @@ def run(args: argparse.Namespace) -> int:
     from neuronbuild.execution.scheduler import needed_actions
 
     if not args.toolchain:
-        print("neuronbuild: error: upgrade-impact needs at least one --toolchain COMPONENT=VERSION", file=sys.stderr)
+        print("neuronbuild: error: upgrade-impact needs at least one --toolchain COMPONENT=VERSION", file=streams.err())
         return EXIT_BAD_INPUT
     err = bad_jobs(args)
     if err:
-        print(f"neuronbuild: error: {err}", file=sys.stderr)
+        print(f"neuronbuild: error: {err}", file=streams.err())
         return EXIT_BAD_INPUT
     ctx = context_from_args(args)
     base_ctx = ctx.without_overrides()
@@ -44,14 +44,14 @@ def run(args: argparse.Namespace) -> int:
         if name not in known and name not in recorded:
             print(f"neuronbuild: error: --toolchain: unknown component {name!r} (known: "
                   f"{', '.join(known)}, or a distribution a model imports; no model here imports it)",
-                  file=sys.stderr)
+                  file=streams.err())
             return EXIT_BAD_INPUT
     cache = ctx.open_cache()
     _todo, cached = needed_actions(base, cache, probe=True)
     impact = upgrade_impact(base, new, ctx.settings.toolchain_overrides, ctx.history(cache), set(cached),
                             args.jobs or default_jobs())
     if args.output == "json":
-        print(json.dumps(impact.to_json(), indent=1, sort_keys=True))
+        print(json.dumps(impact.to_json(), indent=1, sort_keys=True), file=streams.out())
     else:
-        print("\n".join(impact.lines()))
+        print("\n".join(impact.lines()), file=streams.out())
     return EXIT_OK

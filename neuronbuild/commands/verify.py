@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import argparse
-import sys
 
+from neuronbuild import envvars, streams
 from neuronbuild.errors import EXIT_BAD_INPUT, EXIT_BUILD_FAILED, EXIT_OK
 
 
@@ -21,7 +21,6 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 
 
 def run(args: argparse.Namespace) -> int:
-    import os
     from pathlib import Path
 
     from neuronbuild.packaging.deploy import BundleError, check_bundle
@@ -31,28 +30,28 @@ def run(args: argparse.Namespace) -> int:
 
     source = "--num-blocks" if args.num_blocks is not None else f"${NUM_BLOCKS_ENV}"
     try:
-        asked = parse_num_blocks(args.num_blocks if args.num_blocks is not None else os.environ.get(NUM_BLOCKS_ENV),
+        asked = parse_num_blocks(args.num_blocks if args.num_blocks is not None else envvars.current().text(NUM_BLOCKS_ENV),
                                  source)
     except ValueError as e:
-        print(f"neuronbuild: error: {e}", file=sys.stderr)
+        print(f"neuronbuild: error: {e}", file=streams.err())
         return EXIT_BAD_INPUT
     try:
         keys = load_trusted_keys(args.trusted_keys) if args.trusted_keys else None
         manifest, _ = check_bundle(Path(args.bundle), keys)
     except (BundleError, SignatureError) as e:
-        print(f"neuronbuild: error: {e}", file=sys.stderr)
+        print(f"neuronbuild: error: {e}", file=streams.err())
         return EXIT_BAD_INPUT
     print(f"{manifest.label}: {len(manifest.graphs)} graph(s), {len(manifest.files) + 1} files, every digest matches"
-          + (", signed by a trusted key" if keys else ""))
+          + (", signed by a trusted key" if keys else ""), file=streams.out())
     if not args.host:
         return EXIT_OK
     host = current_host()
     mismatches = [m for g in manifest.graphs for m in check_graph(g, host)]
     mismatches += block_count_mismatches(manifest.graphs, asked, source)  # (the block layout, #46)
     if mismatches:
-        print(f"this host ({host.describe()}) cannot use {len(mismatches)} graph check(s):", file=sys.stderr)
+        print(f"this host ({host.describe()}) cannot use {len(mismatches)} graph check(s):", file=streams.err())
         for m in mismatches:
-            print(f"  {m}", file=sys.stderr)
+            print(f"  {m}", file=streams.err())
         return EXIT_BUILD_FAILED
-    print(f"this host ({host.describe()}) can use every graph")
+    print(f"this host ({host.describe()}) can use every graph", file=streams.out())
     return EXIT_OK

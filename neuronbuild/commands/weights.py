@@ -4,8 +4,8 @@ safetensors file a model loads."""
 from __future__ import annotations
 
 import argparse
-import sys
 
+from neuronbuild import streams
 from neuronbuild.errors import EXIT_BAD_INPUT, EXIT_OK
 
 
@@ -46,13 +46,13 @@ def run(args: argparse.Namespace) -> int:
         report, dropped = convert(src, dest, allow_pickle=args.allow_pickle, prefix=args.prefix, drop=args.drop)
     except ToolchainError as e:
         return _err(str(e))
-    print(report)
+    print(report, file=streams.out())
     if args.verbose:
         for key in dropped:
-            print(f"  left out: {key}")
+            print(f"  left out: {key}", file=streams.out())
     return EXIT_OK
 
 
 def _err(msg: str) -> int:
-    print(f"neuronbuild: error: {msg}", file=sys.stderr)
+    print(f"neuronbuild: error: {msg}", file=streams.err())
     return EXIT_BAD_INPUT

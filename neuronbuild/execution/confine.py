@@ -38,6 +38,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from neuronbuild import envvars
+
 # Of /dev, the nodes actions use (libc, Python, compilers, multiprocessing's semaphores in /dev/shm), read and written
 # by rules of their own: never all of /dev, where an action running as root (it owns the nodes, so no capability is
 # needed) would read and write the machine's block devices (every file on its disks, past every rule), open /dev/kvm
@@ -118,7 +120,7 @@ def installation_roots() -> tuple[str, ...]:
             roots.append(p)
     with contextlib.suppress(Exception):
         roots += site.getsitepackages()
-    for d in os.environ.get("NEURONBUILD_PLUGIN_PATH", "").split(os.pathsep):
+    for d in envvars.current().words("NEURONBUILD_PLUGIN_PATH"):
         if d and os.path.isabs(d):
             roots.append(d)
     return _dedup(_real(r) for r in roots if os.path.exists(r))

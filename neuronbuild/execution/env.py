@@ -7,6 +7,7 @@ import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from neuronbuild import envvars
 from neuronbuild.platforms import THREADS_VAR, host_cores
 
 # Variables passed through from the caller. PATH only locates tools (g++); their versions enter fingerprints. The
@@ -20,7 +21,8 @@ COMPILE_AFFECTING = re.compile(r"^(NEURON_.*|NEURON_CC_FLAGS|TORCHINDUCTOR_.*|XL
 def action_environment(toolchain_tmp: Path, home: Path,
                        declared: Sequence[tuple[str, str | None]] = ()) -> dict[str, str]:
     """The allow-list, then declared variables (their names and values are in every fingerprint) on top."""
-    env = {k: os.environ[k] for k in PASSTHROUGH if k in os.environ}
+    caller = envvars.environ()  # the command's environment
+    env = {k: caller[k] for k in PASSTHROUGH if k in caller}
     env.setdefault("PATH", "/usr/local/bin:/usr/bin:/bin")
     env.update({
         "HOME": str(home),
@@ -45,7 +47,7 @@ def action_environment(toolchain_tmp: Path, home: Path,
 def undeclared_warning(declared: Sequence[tuple[str, str | None]],
                        environ: Mapping[str, str] | None = None) -> str | None:
     """One warning line naming compile-affecting caller variables that actions will not see, or None."""
-    environ = os.environ if environ is None else environ
+    environ = envvars.environ() if environ is None else environ  # (the command's)
     names = {n for n, _v in declared}
     ignored = sorted(k for k in environ if COMPILE_AFFECTING.match(k) and k not in names)
     if not ignored:

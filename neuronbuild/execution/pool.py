@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import neuronbuild
+from neuronbuild import envvars
 from neuronbuild.execution import channel
 from neuronbuild.execution import zygote as zy
 from neuronbuild.execution.env import hide_process_environ
@@ -176,7 +177,7 @@ class WorkerPool:
         # NEURONBUILD_ZYGOTE=0, and where pidfds are missing.
         if use_zygote is None:
             use_zygote = self.size >= 2
-        self._use_zygote = use_zygote and os.environ.get("NEURONBUILD_ZYGOTE", "1") != "0" and zy.supported()
+        self._use_zygote = use_zygote and envvars.current().flag("NEURONBUILD_ZYGOTE") and zy.supported()
         self._zygote: zy.Zygote | None = None
         # Toolchain warm-ups sent to the zygote between builds (warm_up_between): their results are no build's
         self._between: set[str] = set()

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import re
-import sys
 import time
 from collections.abc import Mapping
 from typing import IO, Any
 
+from neuronbuild import envvars, streams
 from neuronbuild.execution import events as ev
 from neuronbuild.execution.events import BuildEvent
 
@@ -188,7 +188,7 @@ class PlainProgress:
 
     def __init__(self, level: int = NORMAL, stream: IO[str] | None = None) -> None:
         self.level = level
-        self.stream = stream or sys.stderr
+        self.stream = stream or streams.err()
         self.tally = _Tally()
 
     def on_event(self, e: BuildEvent) -> None:
@@ -210,7 +210,7 @@ class RichProgress:
 
         self.level = level
         self.tally = _Tally()
-        self.console = Console(stderr=True)
+        self.console = Console(file=streams.err(), _environ=dict(envvars.environ()))  # (the command's TERM, COLUMNS)
         self._live: Any = Live(self, console=self.console, refresh_per_second=4, transient=True)
         self._started = False
 
@@ -258,7 +258,7 @@ class RichProgress:
 def make_progress(level: int, tty: bool | None = None) -> PlainProgress | RichProgress:
     """Rich on a terminal (unless --quiet), plain lines otherwise."""
     if tty is None:
-        tty = sys.stderr.isatty()
+        tty = streams.err().isatty()
     if tty and level >= NORMAL:
         return RichProgress(level)
     return PlainProgress(level)

@@ -15,11 +15,11 @@ them in BUILD and .bzl files).
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import os
 import queue
 import re
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -28,6 +28,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from neuronbuild import envvars, streams
 from neuronbuild.errors import EXIT_BAD_INPUT, Location, UserInputError
 
 T = TypeVar("T")
@@ -129,8 +130,8 @@ _evaluations = 0
 def memory_budget() -> int:
     """The per-file Starlark memory budget in bytes ($NEURONBUILD_STARLARK_MEMORY_MB, default 1024 MiB)."""
     try:
-        mb = int(os.environ.get(BUDGET_ENV, "") or DEFAULT_BUDGET_MB)
-    except ValueError:
+        mb = envvars.current().integer(BUDGET_ENV)
+    except UserInputError:
         mb = DEFAULT_BUDGET_MB
     return max(16, mb) << 20
 
@@ -206,7 +207,8 @@ def run_on_starlark_thread(fn: Callable[..., T], *args: Any) -> T:
             threading.Thread(target=_serve, args=(_queue,), name="starlark", daemon=True).start()
     fut: Future[T] = Future()
     watch = _Watch()
-    _queue.put((fn, args, fut))
+    # in the caller's context: a BUILD file's print() goes to the command's stream, settings are the command's
+    _queue.put((contextvars.copy_context().run, (fn, *args), fut))
     try:
         while True:
             # Poll: a process-directed signal may be taken by one of the Go runtime's threads, whose handler only sets
@@ -233,7 +235,7 @@ def starlark_thread_stuck() -> bool:
 def _safe_print(prefix: str) -> Callable[[str], None]:
     def _print(msg: str) -> None:
         try:
-            sys.stderr.write(f"DEBUG: {prefix}: {msg}\n")
+            streams.err().write(f"DEBUG: {prefix}: {msg}\n")  # (the command's: run in its context)
         except Exception:  # noqa: BLE001 - a print callback must never raise
             pass
 

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import difflib
 import operator
-import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from neuronbuild import plugins
+from neuronbuild import plugins, streams
 from neuronbuild.errors import Location, UserInputError
 from neuronbuild.loading.labels import Label, LabelError, TargetPattern, parse_pattern
 from neuronbuild.loading.loader import Loader
@@ -35,7 +34,7 @@ def _buildable_kinds() -> list[str]:
 
 
 def _stderr(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
+    print(msg, file=streams.err(), flush=True)
 
 
 def _did_you_mean(word: str, candidates: Sequence[str]) -> str:

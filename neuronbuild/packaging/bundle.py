@@ -24,7 +24,7 @@ from neuronbuild.loading.target_graph import TargetGraph
 from neuronbuild.packaging.envfile import render_env
 from neuronbuild.packaging.manifest import BundlePlan, Member, MissingResult, plan_bundle, with_files
 from neuronbuild.runtime.layout import ENV_FILE, MANIFEST, README
-from neuronbuild.runtime.signing import SIGNATURE, SIGNING_KEY_ENV, SignatureError, sign_manifest
+from neuronbuild.runtime.signing import SIGNATURE, SignatureError, sign_manifest
 from neuronbuild.workspace import OUTPUT_DIR
 
 # Compression level chosen per member: weights (`weights/`) are floats that hardly compress (bf16: ~0.78 at any
@@ -52,12 +52,6 @@ class BundleOutput:
     sha256: str
     size: int
     written: bool
-
-
-def signing_key() -> Path | None:
-    """The private key bundles are signed with: $NEURONBUILD_SIGNING_KEY (set by `build --signing-key`), or None."""
-    v = os.environ.get(SIGNING_KEY_ENV, "").strip()
-    return Path(v).expanduser() if v else None
 
 
 def bundle_paths(root: Path, label: Label, compression: str) -> tuple[Path, Path, Path]:
@@ -210,15 +204,16 @@ def write_pin(cache: LocalCache, name: str, plan: BundlePlan) -> Path:
     return dest
 
 
-def build_bundle(root: Path, graph: TargetGraph, ag: ActionGraph, cache: LocalCache, label: Label) -> BundleOutput:
-    """Write the bundle from cached results (never compiles); skipped when the archive is already up to date."""
+def build_bundle(root: Path, graph: TargetGraph, ag: ActionGraph, cache: LocalCache, label: Label,
+                 key: Path | None = None) -> BundleOutput:
+    """Write the bundle from cached results (never compiles); skipped when the archive is already up to date. `key`:
+    the private key its manifest is signed with (the command's --signing-key), or None."""
     compression = ag.bundles[label].compression
     plan = plan_bundle(graph, ag, cache, label)
     docs = render_docs(dict(plan.manifest))
     members = list(plan.members) + [Member(p, hashlib.sha256(b).hexdigest(), len(b), None, b) for p, b in docs.items()]
     manifest_bytes = with_files(plan.manifest, members)
     archive, manifest_copy, sha_file = bundle_paths(root, label, compression)
-    key = signing_key()
     try:
         signature = sign_manifest(manifest_bytes, key) if key is not None else None
     except SignatureError as e:
@@ -251,7 +246,7 @@ def build_bundle(root: Path, graph: TargetGraph, ag: ActionGraph, cache: LocalCa
 
 
 def build_bundles(root: Path, graph: TargetGraph, ag: ActionGraph, cache: LocalCache,
-                  failed: set[str]) -> tuple[list[BundleOutput], list[str]]:
+                  failed: set[str], signing_key: Path | None = None) -> tuple[list[BundleOutput], list[str]]:
     """Every requested neuron_bundle whose graphs all built; returns (outputs, one line per skipped bundle)."""
     outs: list[BundleOutput] = []
     skipped: list[str] = []
@@ -259,7 +254,7 @@ def build_bundles(root: Path, graph: TargetGraph, ag: ActionGraph, cache: LocalC
         if lbl not in ag.bundles:  # (a bundle's analysis registers it; other requested targets are not bundles)
             continue
         try:
-            outs.append(build_bundle(root, graph, ag, cache, lbl))
+            outs.append(build_bundle(root, graph, ag, cache, lbl, signing_key))
         except MissingResult as e:
             skipped.append(f"bundle {lbl} not written: {e}")
     return outs, skipped

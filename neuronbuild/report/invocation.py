@@ -11,6 +11,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from neuronbuild import streams
 from neuronbuild.report.store import InvocationStore, new_id, output_base
 
 if TYPE_CHECKING:
@@ -116,7 +117,7 @@ class Invocation:
                 render_soon(self.store, rec)
             return self.page
         except Exception as e:  # noqa: BLE001 - recording never fails the build it records
-            print(f"warning: the invocation record was not written: {e}", file=sys.stderr)
+            print(f"warning: the invocation record was not written: {e}", file=streams.err())
             self.page = None
             return None
 
@@ -153,7 +154,7 @@ def _write_noop(inv: Invocation, workspace: Path, cache_dir: Path, key: str, lin
         inv.store.write(rec)
         render_soon(inv.store, rec)
     except Exception as e:  # noqa: BLE001 - recording never fails the build it records
-        print(f"warning: the invocation record was not written: {e}", file=sys.stderr)
+        print(f"warning: the invocation record was not written: {e}", file=streams.err())
         inv.page = None
 
 
@@ -214,7 +215,9 @@ def _spawn_renderer(store: InvocationStore, rec: Mapping[str, Any]) -> None:
     import os
 
     pkg_parent = str(Path(__file__).resolve().parent.parent.parent)
-    env = dict(os.environ)
+    from neuronbuild import envvars
+
+    env = dict(envvars.environ())  # (the command's)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_parent, env.get("PYTHONPATH", "")) if p)
     # -P and absolute sys.path entries only: `-c` would put the working directory (the workspace, the client's in the
     # build server) first on sys.path, and a cloned repo's json.py or argparse.py would run here, unconfined.

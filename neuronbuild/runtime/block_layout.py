@@ -10,7 +10,6 @@ must have been compiled with the block layout)."""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -57,10 +56,6 @@ def parse_num_blocks(value: str | int | Mapping[str, int] | None, what: str = NU
             raise ValueError(f"{what}: {part.strip()!r} is not LABEL=N (e.g. //models:llama_cpu=64)")
         out[label.strip()] = _count(n, f"{what} [{label.strip()}]")
     return out
-
-
-def asked_from_env() -> Asked | None:
-    return parse_num_blocks(os.environ.get(NUM_BLOCKS_ENV), f"${NUM_BLOCKS_ENV}")
 
 
 def compiled_layout(g: Graph) -> dict[str, Any] | None:

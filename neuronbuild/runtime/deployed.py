@@ -9,14 +9,13 @@ cache (hit, miss, error, save); save stays 0 here because production never compi
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from neuronbuild import plugins
+from neuronbuild import envvars, plugins
 from neuronbuild.runtime.host import Host, check_graph, current_host, no_loader
 from neuronbuild.runtime.inputs import prepare
 from neuronbuild.runtime.layout import (
@@ -59,10 +58,6 @@ class Counters:
     def __str__(self) -> str:
         return (f"hit={self.hit} miss={self.miss} error={self.error} save={self.save} eager_calls={self.eager}"
                 f" emulated={self.emulated}")
-
-
-def _env_flag(name: str) -> bool:
-    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def diff_records(expected: Any, deployed: Any, prefix: str = "") -> list[tuple[str, Any, Any]]:
@@ -437,13 +432,13 @@ def open_cache(root: str | Path, strict: bool | None = None, require: Iterable[s
     before it is used."""
     root = Path(root)
     if emulate is None:
-        emulate = os.environ.get(EMULATE_ENV, "").strip() or None
+        emulate = envvars.current().text(EMULATE_ENV)
     if emulate is not None and emulate not in EMULATE_MODES:
         raise ValueError(f"emulate must be one of {', '.join(EMULATE_MODES)} or None, got {emulate!r}")
-    strict = _env_flag(STRICT_ENV) if strict is None else bool(strict)
+    strict = envvars.current().flag(STRICT_ENV) if strict is None else bool(strict)
     want = _expected(expect)
     if require is None:
-        env = [s.strip() for s in os.environ.get(REQUIRE_ENV, "").split(",") if s.strip()]
+        env = list(envvars.current().words(REQUIRE_ENV))
         require = env or (want.labels() if want is not None else [])
     required = list(dict.fromkeys(require))
     start = time.perf_counter()
@@ -451,7 +446,7 @@ def open_cache(root: str | Path, strict: bool | None = None, require: Iterable[s
         releases = read_releases(root)
     except LayoutError as e:
         raise RuntimeError(f"cannot open deployed cache {root}: {e}") from None
-    keys_from = trusted_keys if trusted_keys is not None else (os.environ.get(TRUSTED_KEYS_ENV) or None)
+    keys_from = trusted_keys if trusted_keys is not None else envvars.current().text(TRUSTED_KEYS_ENV)
     unsigned: dict[str, str] = {}
     if keys_from is not None:
         try:
@@ -474,7 +469,7 @@ def open_cache(root: str | Path, strict: bool | None = None, require: Iterable[s
     from neuronbuild.runtime.block_layout import NUM_BLOCKS_ENV, block_count_mismatches, parse_num_blocks
 
     source = "open_cache(num_blocks=...)" if num_blocks is not None else f"${NUM_BLOCKS_ENV}"
-    asked = parse_num_blocks(num_blocks if num_blocks is not None else os.environ.get(NUM_BLOCKS_ENV), source)
+    asked = parse_num_blocks(num_blocks if num_blocks is not None else envvars.current().text(NUM_BLOCKS_ENV), source)
     cache = DeployedCache(root, strict, releases, current_host(), eager or {}, emulate)
     cache.num_blocks, cache.num_blocks_source = asked, source
     problems: list[Problem] = []

@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import atexit
 import ctypes
-import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from neuronbuild import envvars
 from neuronbuild.vocabulary import NEURON_INSTANCE_FAMILIES
 
 LIBNRT_ENV = "NEURONBUILD_LIBNRT"
@@ -104,7 +104,7 @@ _SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
 
 
 def library_path() -> str:
-    return os.environ.get(LIBNRT_ENV, "").strip() or DEFAULT_LIBNRT
+    return envvars.current().text(LIBNRT_ENV) or DEFAULT_LIBNRT
 
 
 _libs: dict[str, ctypes.CDLL] = {}

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from neuronbuild import envvars
+
 SIGNATURE = "manifest.json.sig"  # archive member / file next to manifest.json in a deployed release
 SIGNING_KEY_ENV = "NEURONBUILD_SIGNING_KEY"  # build side: private key file bundles are signed with
 TRUSTED_KEYS_ENV = "NEURONBUILD_TRUSTED_KEYS"  # runtime: public keys (one per line) a strict open accepts
@@ -75,7 +77,7 @@ def _load_private(path: Path) -> Any:
         raise SignatureError(f"cannot read signing key {path}: {e.strerror or e}") from None
     if len(data) > MAX_PRIVATE_KEY_BYTES:
         raise SignatureError(f"signing key {path}: not a usable private key (over {MAX_PRIVATE_KEY_BYTES} bytes)")
-    password = os.environ.get("NEURONBUILD_SIGNING_KEY_PASSPHRASE")
+    password = envvars.current().text("NEURONBUILD_SIGNING_KEY_PASSPHRASE")
     pw = password.encode() if password else None
     key: Any
     try:

@@ -12,6 +12,7 @@ import os
 import sys
 import time
 
+from neuronbuild import envvars
 from neuronbuild.server import protocol
 from neuronbuild.server.protocol import ServerPaths, StartupOptions
 
@@ -85,7 +86,7 @@ def prescan(argv: Sequence[str]) -> Invocation:
 
 
 def no_server_env() -> bool:
-    return os.environ.get("NEURONBUILD_NO_SERVER", "") not in ("", "0")
+    return envvars.current().flag("NEURONBUILD_NO_SERVER")
 
 
 def startup_options(output_user_root: str | None, max_idle_secs: int | None) -> StartupOptions:
@@ -312,8 +313,8 @@ def run(paths: ServerPaths, opts: StartupOptions, argv: list[str], workspace: st
             return int(val)
         if what in ("mismatch", "stopped"):
             if what == "mismatch":
-                print("neuronbuild: the build server was started by another neuronbuild version or with other startup "
-                      "options; restarting it", file=sys.stderr, flush=True)
+                print("neuronbuild: the build server was started by another neuronbuild version, with other startup "
+                      "options or another umask; restarting it", file=sys.stderr, flush=True)
             if isinstance(val, int) and not wait_gone(val):
                 try:
                     os.kill(val, _signal.SIGKILL)

@@ -1,5 +1,7 @@
 """The server process: accepts commands on the workspace's Unix socket and runs them one at a time in its main thread,
-with the client's cwd, environment and a stream of output back; keeps warm state (server/warm.py) between them."""
+each as a command.Command made from its client's message (argv, environment, directory, umask) with a stream of output
+back, never by changing the process's environment, directory or standard streams; keeps warm state (server/warm.py)
+between them."""
 
 from __future__ import annotations
 
@@ -368,53 +370,40 @@ class Server:
 
     def run_command(self, conn: socket.socket, msg: dict[str, Any]) -> int:
         from neuronbuild import cli
+        from neuronbuild.command import Command
 
         self.commands += 1
         tty = msg.get("tty") or [False, False]
         outbox = Outbox(conn)
         out = SocketStream(outbox, "out", bool(tty[0]))
         err = SocketStream(outbox, "err", bool(tty[1]))
-        saved_env = dict(os.environ)
-        saved_streams = sys.stdout, sys.stderr
         done = threading.Event()
         watcher = threading.Thread(target=self._watch_client, args=(conn, done), daemon=True)
         argv = [str(a) for a in msg.get("argv") or []]
         t0 = time.perf_counter()
         code = EXIT_BUILD_FAILED
         try:
-            os.environ.clear()
-            os.environ.update({str(k): str(v) for k, v in (msg.get("env") or {}).items()})
-            os.chdir(str(msg.get("cwd") or "/"))
-            umask = msg.get("umask")
-            os.umask(umask & 0o777 if isinstance(umask, int) else 0o022)  # outputs: as the client's would be
-            sys.stdout, sys.stderr = out, err
             for line in after_answer.carried():  # (what the last command's record or stamp could not do)
                 err.write(line + "\n")
             self.cancel_armed.set()
             watcher.start()
             with self.warm.active():
-                code = cli._main(argv)
+                code = cli._main(argv, Command.from_message(msg, out, err))
         except SystemExit as e:
             code = e.code if isinstance(e.code, int) else EXIT_BUILD_FAILED
         except KeyboardInterrupt:
             code = 8
         except Exception:  # noqa: BLE001 - a bug in a command must not end the server
-            saved_streams[1].write(traceback.format_exc())
+            sys.stderr.write(traceback.format_exc())  # (the server's log)
             err.write("neuronbuild: internal error in the build server (see its log; --batch runs without it)\n")
             code = EXIT_BUILD_FAILED
         finally:
             with self.cancel_lock:
                 self.cancel_armed.clear()
                 done.set()
-            sys.stdout, sys.stderr = saved_streams
             outbox.close()  # everything the command wrote is sent before its exit code
-            os.environ.clear()
-            os.environ.update(saved_env)
-            os.umask(0o077)  # (the server's own files: private)
-            with contextlib.suppress(OSError):
-                os.chdir(self.output_base)
         print(f"{time.strftime('%H:%M:%S')} {' '.join(argv)[:200]} -> {code} in {time.perf_counter() - t0:.2f} s "
-              f"(rss {rss_kib() // 1024} MiB)", file=saved_streams[0], flush=True)
+              f"(rss {rss_kib() // 1024} MiB)", flush=True)
         return int(code)
 
     def _watch_client(self, conn: socket.socket, done: threading.Event) -> None:
@@ -441,7 +430,8 @@ def _starlark_stuck() -> bool:
 
 def main(config_json: str) -> None:
     config = json.loads(config_json)
-    os.umask(0o077)
+    # (the umask stays the starting client's, which is in the server's stamp: a client with another one replaces the
+    # server; the server's own files are private by their modes and the 0700 output base)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     server = Server(config)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import sys
 
+from neuronbuild import envvars
 from neuronbuild.self_stamp import checkout_dir, code_stamp
 
 try:  # CPython's built-in SHA-256 (hashlib imports OpenSSL's binding first: milliseconds)
@@ -110,7 +111,7 @@ class StartupOptions:
 
 
 def default_output_user_root() -> str:
-    env = os.environ.get("NEURONBUILD_OUTPUT_USER_ROOT")
+    env = envvars.current().text("NEURONBUILD_OUTPUT_USER_ROOT")
     if env:
         return os.path.abspath(os.path.expanduser(env))
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
@@ -234,7 +235,7 @@ def private_dir(d: str | Path) -> None:
 def server_stamp(opts: StartupOptions) -> str:
     """Who a server is: neuronbuild's code (version, format, every source file), the interpreter, its import path and
     the toolchain as the no-op stamp sees it (stat keys of sys.path entries and compilers: installing or upgrading
-    torch changes them), plug-in settings and the startup options. A client whose stamp differs replaces the server,
+    torch changes them), plug-in settings, the startup options and the umask. A client whose stamp differs replaces the server,
     so nothing a server memoised about its environment outlives a change to it."""
     tools = []
     for p in _toolchain_paths():
@@ -243,9 +244,10 @@ def server_stamp(opts: StartupOptions) -> str:
             tools.append([p, st.st_size, st.st_mtime_ns, st.st_ino, st.st_ctime_ns])
         except OSError:
             tools.append([p])
-    plugins = sorted((k, v) for k, v in os.environ.items() if k.startswith("NEURONBUILD_PLUGIN"))
+    cfg = envvars.current()
+    plugins = sorted((k, cfg.env[k]) for k in ("NEURONBUILD_PLUGINS", "NEURONBUILD_PLUGIN_PATH") if k in cfg.env)
     plugin_files = []
-    for d in os.environ.get("NEURONBUILD_PLUGIN_PATH", "").split(os.pathsep):
+    for d in cfg.words("NEURONBUILD_PLUGIN_PATH"):
         if not d:
             continue
         try:
@@ -254,9 +256,14 @@ def server_stamp(opts: StartupOptions) -> str:
                                            if e.name.endswith(".py")))
         except OSError:
             pass
+    # The umask: a server runs with the umask of the client that started it (what it writes for commands, and the
+    # processes it starts, get it as a batch command's would), so a client with another umask replaces it rather
+    # than the server changing its umask per command.
+    umask = os.umask(0o077)
+    os.umask(umask)
     text = dumps_sorted({"code": code_stamp(), "python": sys.version, "exe": os.path.realpath(sys.executable),
                          "prefix": sys.prefix, "path": sys.path[1:], "tools": tools, "plugins": plugins,
-                         "plugin_files": plugin_files, "opts": opts.to_json()})
+                         "plugin_files": plugin_files, "opts": opts.to_json(), "umask": umask})
     return sha256(text.encode()).hexdigest()
 
 

@@ -17,6 +17,8 @@ from collections.abc import Generator, Iterator
 from pathlib import Path
 from typing import Any
 
+from neuronbuild import envvars
+from neuronbuild.errors import UserInputError
 from neuronbuild.execution import local_executor
 from neuronbuild.execution.pool import WorkerPool
 from neuronbuild.execution.resources import rss_kib
@@ -51,7 +53,6 @@ class WarmState:
         self._planned: Any = None  # the action graph the last command planned (read by background_steps)
         self._seq = 0  # warm-ups sent between commands
         self._pool: KeptPool | None = None
-        self._umask = 0o022  # the umask of the command that made the kept pool (its processes inherit it)
         self.pending = 0  # commands since the last collection
         # Warm workers (with torch imported: ~1.3 GB after `make example`) are released after this long without a
         # command; the server itself stays until --max-idle-secs. NEURONBUILD_WORKERS_IDLE_SECS (in the environment
@@ -60,9 +61,9 @@ class WarmState:
         # The background warm-up after an answer starts once no command came for this long, so a script's commands
         # back to back do not share the machine with it (NEURONBUILD_WARM_GRACE_SECS, read the same way).
         self.warm_grace_s = _env_secs("NEURONBUILD_WARM_GRACE_SECS", 0.5)
-        # The pool a command that made none named (local_executor.want_workers): its args, kwargs and the command's
-        # umask; made and warmed once the answer is sent (warm_in_background), then forgotten.
-        self._wanted: tuple[tuple[Any, ...], dict[str, Any], int] | None = None
+        # The pool a command that made none named (local_executor.want_workers): its args and kwargs; made and warmed
+        # once the answer is sent (warm_in_background), then forgotten.
+        self._wanted: tuple[tuple[Any, ...], dict[str, Any]] | None = None
 
     def _pool_factory(self, *args: Any, **kwargs: Any) -> WorkerPool:
         key = json.dumps([args, kwargs], sort_keys=True, default=str)
@@ -72,8 +73,6 @@ class WarmState:
             self._pool.shutdown()
             WorkerPool.shutdown(self._pool)
         self._pool, self._pool_key = KeptPool(*args, **kwargs), key
-        self._umask = os.umask(0o077)  # (during the command: the client's)
-        os.umask(self._umask)
         env = args[1] if len(args) > 1 else kwargs.get("env") or {}
         self._sentinel = _scratch_sentinel(env.get("TMPDIR"))
         self._scratch = Path(args[2]) if len(args) > 2 else None
@@ -186,30 +185,23 @@ class WarmState:
         return True
 
     def _want_pool(self, *args: Any, **kwargs: Any) -> None:
-        umask = os.umask(0o077)  # (during the command: the client's)
-        os.umask(umask)
-        self._wanted = (args, kwargs, umask)
+        self._wanted = (args, kwargs)
 
     def warm_in_background(self) -> list[int]:
         """After a command's answer was sent: start the processes of a kept pool that has none (a build whose actions
         were all cached made it without starting any), so the next build, the first edit's, finds them warm. With a
         zygote only the zygote starts (it imports torch in its own process; the workers are forked from it when tasks
         come). A command that made no pool but named the one a build would make (a build answered from its no-op
-        stamp, a plan, a query: local_executor.want_workers) has that pool made now, with the command's umask, and
+        stamp, a plan, a query: local_executor.want_workers) has that pool made now, and
         warmed the same way. Returns the pids started (none when there is no such pool or nothing could start)."""
         wanted, self._wanted = self._wanted, None
         if self._pool is None and wanted is not None:
-            args, kwargs, umask = wanted
-            old = os.umask(umask)
-            try:
-                self._pool_factory(*args, **kwargs)
-            finally:
-                os.umask(old)
+            args, kwargs = wanted
+            self._pool_factory(*args, **kwargs)
         pool = self._pool
         if pool is None or pool.pids() or not self._scratch_intact():
             return []
-        with self._client_umask():  # the processes the build would have started: with the client's umask
-            pool.warm(pool.size)
+        pool.warm(pool.size)  # (with the server's umask: its starting client's, as the build's would be)
         return pool.pids()
 
     # A step of background_steps does at most this many actions' warm-up keys (a command arriving meanwhile waits for
@@ -248,8 +240,7 @@ class WarmState:
             yield 0.05
         if not pool.zygote_ready() or pool is not self._pool:
             return
-        with self._client_umask():
-            pool.warm(pool.size)  # the forks (ms each): a build arriving during the warm-ups finds its workers
+        pool.warm(pool.size)  # the forks (ms each): a build arriving during the warm-ups finds its workers
         held = pool.zygote_keys()
         work = Path(tempfile.mkdtemp(dir=self._scratch, prefix="warm-between-"))
         try:
@@ -273,24 +264,14 @@ class WarmState:
                 print(f"{time.strftime('%H:%M:%S')} toolchain warm-ups in the zygote in the background "
                       f"({', '.join(sent)})", flush=True)
             while True:
-                with self._client_umask():
-                    if pool.settle() or time.monotonic() >= give_up:
-                        break
+                if pool.settle() or time.monotonic() >= give_up:
+                    break
                 yield 0.05
             if pool is self._pool:
                 print(f"{time.strftime('%H:%M:%S')} background warm-up done (toolchain warm-ups held: "
                       f"{len(pool.zygote_keys())}; pids {' '.join(map(str, pool.pids()))})", flush=True)
         finally:
             shutil.rmtree(work, ignore_errors=True)
-
-    @contextlib.contextmanager
-    def _client_umask(self) -> Iterator[None]:
-        """The umask of the command that made the kept pool: processes started for it get it, as in a build."""
-        old = os.umask(self._umask)
-        try:
-            yield
-        finally:
-            os.umask(old)
 
     def _load_record(self) -> dict[str, dict[str, Any]]:
         """The warm-ups an earlier plan of the kept pool's cache recorded (none if unreadable: only a speed-up)."""
@@ -387,8 +368,8 @@ def _env_secs(name: str, default: float) -> float:
     """Seconds from the environment variable `name` (of the client that started the server): a positive number, else
     `default`."""
     try:
-        value = float(os.environ.get(name) or default)
-    except ValueError:
+        value = envvars.current().seconds(name)
+    except UserInputError:
         value = default
     return value if 0 < value < float("inf") else default
 

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from neuronbuild import envvars
 from neuronbuild.analysis.toolchain_api import StepDirs
 from neuronbuild.platforms import SHARED_TMP_VAR, THREADS_VAR, host_cores
 from neuronbuild.toolchains.errors import ToolchainError
@@ -260,7 +261,7 @@ def toolchain_scratch() -> Path:
 def shared_scratch() -> Path:
     """The machine's toolchain scratch dir shared by its workers (their $TMPDIR, the cache's toolchain-tmp), also in
     an action's process, whose own $TMPDIR is private (SHARED_TMP_VAR names the shared one there)."""
-    shared = os.environ.get(SHARED_TMP_VAR)
+    shared = envvars.current().text(SHARED_TMP_VAR)
     return Path(shared) if shared and os.path.isabs(shared) else toolchain_scratch()
 
 
@@ -313,7 +314,7 @@ def compile_jobs() -> int:
     budget (THREADS_VAR, set by execution/env.py in every worker's environment; unset: 1). Only the compiler's concurrency follows it, never codegen (torch's own thread count, which inductor's
     codegen reads, stays at OMP_NUM_THREADS=1 in workers: artifacts must not depend on --jobs)."""
     try:
-        return max(1, int(os.environ.get(THREADS_VAR) or 1))
+        return max(1, envvars.current().integer(THREADS_VAR))
     except ValueError:
         return 1
 

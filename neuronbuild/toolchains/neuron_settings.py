@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 
-from neuronbuild import plugins
+from neuronbuild import envvars, plugins
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -26,10 +26,10 @@ def find_neuronx_cc(flag: str | None, environ: Mapping[str, str] | None = None) 
     """--neuronx-cc PATH, else $NEURONX_CC, else neuronx-cc on PATH, else None. Absolute path of an executable."""
     import shutil
 
-    environ = os.environ if environ is None else environ
+    environ = envvars.environ() if environ is None else environ  # (the command's)
     explicit = flag or environ.get(ENV)
     if explicit:
-        found = shutil.which(explicit) if os.sep not in explicit else explicit
+        found = shutil.which(explicit, path=environ.get("PATH")) if os.sep not in explicit else explicit
         if not found or not os.path.isfile(found) or not os.access(found, os.X_OK):
             from neuronbuild.errors import UserInputError
 

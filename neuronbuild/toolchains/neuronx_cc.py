@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from neuronbuild import envvars
 from neuronbuild.toolchains import neuron_flags
 from neuronbuild.toolchains.errors import ToolchainError
 
@@ -43,7 +44,8 @@ def neuronx_cc_version(path: str) -> str:
     from neuronbuild.errors import UserInputError
 
     try:
-        proc = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=60)
+        proc = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=60,
+                              env=dict(envvars.environ()))
     except (OSError, subprocess.SubprocessError) as e:
         raise UserInputError(f"neuronx-cc at {path} does not run: {e}") from None
     text = (proc.stdout or "") + (proc.stderr or "")
