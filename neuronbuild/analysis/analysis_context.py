@@ -67,6 +67,15 @@ class _Bundles(dict):  # type: ignore[type-arg]
         self._ctx._event(("bundle", key, value))
 
 
+class PlannedBucket(list):  # type: ignore[type-arg]
+    """AnalysisContext.plan_bucket's answer: the bucket's registered actions (a list, the primary one last) and what
+    the primary action ships for this request (`ships`)."""
+
+    def __init__(self, actions: list[Action], ships: tuple[DepInput, ...]) -> None:
+        super().__init__(actions)
+        self.ships = ships
+
+
 class AnalysisContext:
     """What a rule kind's analysis sees: targets, settings, other targets' providers, and where to add actions."""
 
@@ -373,17 +382,17 @@ class AnalysisContext:
         return self.add(make_action(TRACE, model.label, bucket, record, spec, files=_source_files(model),
                                     outputs=(TRACE_OUTPUT,)))
 
-    def plan_bucket(self, tc: Toolchain, req: CompileRequest) -> tuple[list[Action], tuple[DepInput, ...]]:
+    def plan_bucket(self, tc: Toolchain, req: CompileRequest) -> PlannedBucket:
         """The actions toolchain `tc` plans for one bucket (`req`: a CompileRequest), registered, with the model's
         weights action first when one of them binds it (a toolchain on shapes alone adds none); the last one is the
-        bucket's primary action. And what that primary action ships for this request (its model's weights): the
-        registered action may be another model's with an identical graph (the same fingerprint: a compile never
+        bucket's primary action. Its `ships`: what that primary action ships for this request (its model's weights):
+        the registered action may be another model's with an identical graph (the same fingerprint: a compile never
         reads weights), holding that model's in `Action.ships`."""
         planned = tc.plan(req)
         w = req.weights
         if w is not None and any(d.action == w.fingerprint for a in planned for d in (*a.dep_inputs, *a.ships)):
             self.add(w)
-        return [self.add(a) for a in planned], (planned[-1].ships if planned else ())
+        return PlannedBucket([self.add(a) for a in planned], planned[-1].ships if planned else ())
 
     def weights(self, model: ModelInfo, tp_degree: int = 1) -> Action:
         """The weights action of `model` (the model itself, not one of its graph families: they share its weights):

@@ -125,14 +125,14 @@ def analyze(ctx: AnalysisContext, t: Target) -> CompileTarget:
             req = CompileRequest(t.label, plat.platform, plat.target, opts, bucket, inputs, trace, ctx.settings,
                                  ctx.common, weights)
             try:
-                planned, ships = ctx.plan_bucket(tc, req)
+                planned = ctx.plan_bucket(tc, req)
             except UserInputError as e:  # (a toolchain's plan refusing the options: at this target's call)
                 if e.location is not None:
                     raise
                 raise UserInputError(e.message, locate(ctx.graph, t)) from None
             assert planned, f"toolchain {tc.name} planned no action"
             entries.append((bucket, planned[-1].fingerprint))
-            shipped.append(ships)
+            shipped.append(planned.ships)
     first = next(iter(graph_options.values()), None)
     ct = CompileTarget(t.label, model.label, plat.platform, tc.name, plat.target, plat.description,
                        first if first is not None else options_for(""), tuple(entries), float(t.attrs["tolerance"]),
