@@ -108,9 +108,11 @@ def make_executor(ctx: BuildContext, req: BuildRequest, cache: LocalCache,
     env = action_environment(cache.toolchain_tmp, cache.root / "home", ctx.settings.action_env)
     _check_keys_unreadable(ctx, env)
     if req.executor == "local":
-        from neuronbuild.execution.local_executor import LocalExecutor
+        from neuronbuild.execution.local_executor import FRESH_POOLS, LocalExecutor
 
-        return LocalExecutor(root, cache, req.jobs, env, req.action_timeout, timeouts, req.limits)
+        return LocalExecutor(root, cache, req.jobs, env, req.action_timeout, timeouts, req.limits,
+                             ctx.command.pools if ctx.command is not None and ctx.command.pools is not None else
+                             FRESH_POOLS)
     from neuronbuild.execution.dask_executor import DaskExecutor
 
     remote = ctx.cache.remote

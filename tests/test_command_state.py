@@ -53,7 +53,10 @@ def server(tmp_path: Path) -> Any:
 
 def test_two_clients_commands_see_their_own_env_cwd_and_umask_and_the_server_keeps_its_own(
         server: Any, tmp_path: Path) -> None:
+    from neuronbuild.execution import local_executor
+
     environ, cwd, umask, streams = dict(os.environ), os.getcwd(), _umask(), (sys.stdout, sys.stderr)
+    executor_module = dict(vars(local_executor))  # (the server's kept pools reach builds as Command.pools)
     a, b = tmp_path / "a", tmp_path / "b"
     a.mkdir()
     b.mkdir()
@@ -76,6 +79,7 @@ def test_two_clients_commands_see_their_own_env_cwd_and_umask_and_the_server_kee
     assert dict(os.environ) == environ and "ONLY_A" not in os.environ
     assert os.getcwd() == cwd and _umask() == umask
     assert (sys.stdout, sys.stderr) == streams
+    assert dict(vars(local_executor)) == executor_module and not server.warm.wanting
 
 
 def test_a_command_object_resolves_paths_and_modes_as_its_client_would(tmp_path: Path) -> None:

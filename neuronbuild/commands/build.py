@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import signal
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -101,19 +100,22 @@ def _want_workers(args: argparse.Namespace, cache_dir: Path) -> None:
     """In the build server, after a build answered from its no-op stamp (which starts no worker): name the pool the next
     build would make, so the server warms it once the answer is sent (local_executor.want_workers). Outside the server
     nothing is imported."""
-    le = sys.modules.get("neuronbuild.execution.local_executor")
-    if le is None or le.pool_wanted is None or args.executor != "local":
+    from neuronbuild import command
+
+    pools = command.current().pools
+    if pools is None or not pools.wanting or args.executor != "local":
         return
     from neuronbuild.analysis.plan_settings import parse_action_env
     from neuronbuild.cache.local import LocalCache
     from neuronbuild.errors import UserInputError
+    from neuronbuild.execution import local_executor as le
     from neuronbuild.execution.env import default_jobs
 
     try:
         declared = parse_action_env(args.action_env)
     except UserInputError:
         return
-    le.want_workers(LocalCache(cache_dir), args.jobs or default_jobs(), declared)
+    le.want_workers(pools, LocalCache(cache_dir), args.jobs or default_jobs(), declared)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -157,9 +157,11 @@ def run_plan(args: argparse.Namespace) -> int:
 
                 print(defaults_line(), file=streams.out())
     _record_plan(args, ctx, ag, cache, todo, cached)
-    from neuronbuild.execution.local_executor import want_workers
+    pools = ctx.command.pools if ctx.command is not None else None
+    if pools is not None and pools.wanting:  # (the build server warms them)
+        from neuronbuild.execution.local_executor import want_workers
 
-    want_workers(cache, args.jobs or default_jobs(), ctx.settings.action_env)  # (the build server warms them)
+        want_workers(pools, cache, args.jobs or default_jobs(), ctx.settings.action_env)
     return EXIT_OK
 
 

@@ -36,11 +36,13 @@ def run(args: argparse.Namespace) -> int:
 
 def _want_workers() -> None:
     """In the build server: the workers a build with the default cache and jobs would use (warmed once answered)."""
-    from neuronbuild.execution import local_executor
+    from neuronbuild import command
 
-    if local_executor.pool_wanted is None:
+    pools = command.current().pools
+    if pools is None or not pools.wanting:
         return
     from neuronbuild.cache.local import LocalCache, resolve_cache_dir
+    from neuronbuild.execution import local_executor
     from neuronbuild.execution.env import default_jobs
 
-    local_executor.want_workers(LocalCache(resolve_cache_dir(None)), default_jobs())
+    local_executor.want_workers(pools, LocalCache(resolve_cache_dir(None)), default_jobs())

@@ -6,7 +6,7 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -17,12 +17,24 @@ from neuronbuild.execution.jobs import Completion, Job, Started
 from neuronbuild.execution.limits import LimitSettings, for_action
 from neuronbuild.execution.pool import WorkerPool
 
-# Makes each build's worker pool; the build server (neuronbuild/server/warm.py) installs one that keeps idle workers.
-pool_factory: Callable[..., WorkerPool] = WorkerPool
-# The build server's, while it keeps no pool: told the pool a local build would make after a command that made none
-# (a build answered from its no-op stamp, a plan, a query), so it can start that pool's processes once the answer is
-# sent. None otherwise (and outside the server).
-pool_wanted: Callable[..., None] | None = None
+
+class Pools:
+    """Where a command's builds get their worker pool (its session's, passed explicitly: command.Command.pools): a
+    batch command makes a fresh pool per build and names none for later (this class); the build server's
+    (server/warm.py WarmState) keeps one pool across commands and, while it keeps none, is told (`want`) the pool a
+    local build would make after a command that made none (a build answered from its no-op stamp, a plan, a query),
+    so it can start that pool's processes once the answer is sent."""
+
+    wanting = False  # whether `want` is listened to (the server's, while it keeps no pool)
+
+    def make(self, *args: Any, **kwargs: Any) -> WorkerPool:
+        return WorkerPool(*args, **kwargs)
+
+    def want(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+
+FRESH_POOLS = Pools()
 
 
 def pool_args(cache: SpawnCache, jobs: int, env: dict[str, str],
@@ -33,17 +45,16 @@ def pool_args(cache: SpawnCache, jobs: int, env: dict[str, str],
              action_timeout), {"use_zygote": True})
 
 
-def want_workers(cache: Any, jobs: int, declared: Sequence[tuple[str, str | None]] = ()) -> None:
+def want_workers(pools: Pools, cache: Any, jobs: int, declared: Sequence[tuple[str, str | None]] = ()) -> None:
     """In the build server, after a command that made no worker pool (a build answered from its no-op stamp, a plan, a
     query): name the pool a local build running `jobs` actions with this cache (a LocalCache: its local paths only)
     and these declared --action-env values would make, so the server can start its processes once the answer is sent
     (server/warm.py). Nothing outside the server, or while it keeps a pool."""
-    wanted = pool_wanted
-    if wanted is None or not (os.path.isdir(cache.scratch) and os.path.isdir(cache.logs)):
+    if not pools.wanting or not (os.path.isdir(cache.scratch) and os.path.isdir(cache.logs)):
         return  # (a cache that never ran an action: its first build makes the directories and starts the workers)
     env = action_environment(cache.toolchain_tmp, cache.root / "home", declared)
     args, kwargs = pool_args(cache, jobs, env)
-    wanted(*args, **kwargs)
+    pools.want(*args, **kwargs)
 
 
 class LocalExecutor:
@@ -54,7 +65,7 @@ class LocalExecutor:
 
     def __init__(self, root: Path, cache: SpawnCache, jobs: int, env: dict[str, str],
                  action_timeout: float = 0.0, timeouts: Mapping[str, tuple[float, str]] | None = None,
-                 limits: LimitSettings | None = None) -> None:
+                 limits: LimitSettings | None = None, pools: Pools = FRESH_POOLS) -> None:
         self.root = root
         # each action's limits (execution/limits.py): automatic unless the build's flags say otherwise
         self.limits = limits if limits is not None else LimitSettings(timeout_s=action_timeout or None)
@@ -63,7 +74,7 @@ class LocalExecutor:
         self.slots = max(1, jobs)
         self.threads = worker_threads(self.slots)  # each worker's share of the machine's cores
         args, kwargs = pool_args(cache, jobs, env, action_timeout)
-        self._pool = pool_factory(*args, **kwargs)
+        self._pool = pools.make(*args, **kwargs)
         self._running: dict[str, tuple[Job, sandboxes.Sandbox]] = {}
         # This build's sandboxes live under one directory, removed whole at the end (even after a Ctrl-C that
         # struck while a sandbox was being made). Made on the first action: a fully cached build writes nothing to

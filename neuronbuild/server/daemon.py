@@ -388,7 +388,7 @@ class Server:
             self.cancel_armed.set()
             watcher.start()
             with self.warm.active():
-                code = cli._main(argv, Command.from_message(msg, out, err))
+                code = cli._main(argv, Command.from_message(msg, out, err, self.warm))
         except SystemExit as e:
             code = e.code if isinstance(e.code, int) else EXIT_BUILD_FAILED
         except KeyboardInterrupt:

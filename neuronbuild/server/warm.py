@@ -19,7 +19,6 @@ from typing import Any
 
 from neuronbuild import envvars
 from neuronbuild.errors import UserInputError
-from neuronbuild.execution import local_executor
 from neuronbuild.execution.pool import WorkerPool
 from neuronbuild.execution.resources import rss_kib
 
@@ -64,6 +63,7 @@ class WarmState:
         # The pool a command that made none named (local_executor.want_workers): its args and kwargs; made and warmed
         # once the answer is sent (warm_in_background), then forgotten.
         self._wanted: tuple[tuple[Any, ...], dict[str, Any]] | None = None
+        self.wanting = False  # (local_executor.Pools: listened to while a command runs and no pool is kept)
 
     def _pool_factory(self, *args: Any, **kwargs: Any) -> WorkerPool:
         key = json.dumps([args, kwargs], sort_keys=True, default=str)
@@ -106,15 +106,13 @@ class WarmState:
 
         forget_memoised()
         before = {id(ag) for ag in _last_plans()}
-        local_executor.pool_factory = self._pool_factory
         self._wanted = None
-        local_executor.pool_wanted = self._want_pool if self._pool is None else None
+        self.wanting = self._pool is None  # (commands name the pool they would make: warmed once answered)
         incremental.keep_in_memory(True)
         try:
             yield
         finally:
-            local_executor.pool_factory = WorkerPool
-            local_executor.pool_wanted = None
+            self.wanting = False
             planned = next((ag for ag in _last_plans() if id(ag) not in before), None)
             if planned is not None:  # (else the last plan's, until a background warm-up takes it)
                 self._planned = planned
@@ -184,8 +182,15 @@ class WarmState:
         self.close()
         return True
 
-    def _want_pool(self, *args: Any, **kwargs: Any) -> None:
-        self._wanted = (args, kwargs)
+    def want(self, *args: Any, **kwargs: Any) -> None:
+        """A command that made no pool names the one a build would make (local_executor.want_workers; while
+        `wanting`)."""
+        if self.wanting:
+            self._wanted = (args, kwargs)
+
+    def make(self, *args: Any, **kwargs: Any) -> WorkerPool:
+        """A build's pool (local_executor.Pools): the kept one when made with the same arguments."""
+        return self._pool_factory(*args, **kwargs)
 
     def warm_in_background(self) -> list[int]:
         """After a command's answer was sent: start the processes of a kept pool that has none (a build whose actions
