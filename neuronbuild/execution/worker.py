@@ -517,6 +517,22 @@ def _take_prepared(installation: tuple[str, ...]) -> Prepared | None:
     return prep
 
 
+def _private_namespaces(mounts: bool) -> list[str]:
+    """In a new namespace's init: the private network namespace and, when `mounts`, a private /proc and /dev/shm set
+    up; a note for each that could not be, saying what the action then shares."""
+    notes = []
+    if (why := confine_ns.private_net()) is not None:
+        notes.append(f"no private network namespace ({why}); this action shares the machine's network and sees "
+                     "its sockets in /proc/net")
+    if mounts:
+        if (why := confine_ns.private_proc()) is not None:
+            notes.append(f"no private /proc ({why}); this action may read other processes' cmdline, comm, stat and "
+                         "status")
+        if (why := confine_ns.private_shm()) is not None:
+            notes.append(f"no private /dev/shm ({why}); what this action leaves there outlives it")
+    return notes
+
+
 def _prepared_init(msg_r: int, res_w: int, installation: tuple[str, ...], no_mounts: str | None,
                    done_w: int = -1) -> int:
     """The prepared namespace's init (pid 1; runs no model code): what _init does before it knows the action (a
@@ -525,15 +541,7 @@ def _prepared_init(msg_r: int, res_w: int, installation: tuple[str, ...], no_mou
     reaps until the action's process ended. Returns the code to exit with (confine_ns.status_code); 70 when the
     worker closed the message pipe without an action (discarded)."""
     notes = [no_mounts] if no_mounts is not None else []
-    if (why := confine_ns.private_net()) is not None:
-        notes.append(f"no private network namespace ({why}); this action shares the machine's network and sees "
-                     "its sockets in /proc/net")
-    if no_mounts is None:
-        if (why := confine_ns.private_proc()) is not None:
-            notes.append(f"no private /proc ({why}); this action may read other processes' cmdline, comm, stat and "
-                         "status")
-        if (why := confine_ns.private_shm()) is not None:
-            notes.append(f"no private /dev/shm ({why}); what this action leaves there outlives it")
+    notes += _private_namespaces(no_mounts is None)
     fwd_r, fwd_w = os.pipe()
     child = os.fork()
     if child == 0:
@@ -719,15 +727,8 @@ def _init(msg: Mapping[str, Any], policy: Policy, w: int, no_mounts: str | None 
     notes += list(msg.get("limit_notes") or ())
     lim: Mapping[str, Any] = msg["limits"] if isinstance(msg.get("limits"), Mapping) else {}
     limits.nproc_in_user_namespace(int(lim.get("pids") or 0))  # (a non-root user's: its own user namespace)
-    if (why := confine_ns.private_net()) is not None:
-        notes.append(f"no private network namespace ({why}); this action shares the machine's network and sees "
-                     "its sockets in /proc/net")
+    notes += _private_namespaces(no_mounts is None)
     if no_mounts is None:
-        if (why := confine_ns.private_proc()) is not None:
-            notes.append(f"no private /proc ({why}); this action may read other processes' cmdline, comm, stat and "
-                         "status")
-        if (why := confine_ns.private_shm()) is not None:
-            notes.append(f"no private /dev/shm ({why}); what this action leaves there outlives it")
         ro = read_only_dir(msg["inputs"])
         if ro.is_dir() and (why := confine_ns.read_only_bind(str(ro))) is not None:
             notes.append(f"{why}; the linked big inputs are protected against writes only (Landlock)")

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from neuronbuild.runtime.block_layout import BlockLayoutMismatch
-from neuronbuild.runtime.engine import CONTEXT, Engine, Request
+from neuronbuild.runtime.engine import CONTEXT, Engine, Request, left_padded
 from neuronbuild.runtime.router import NoBucketFits
 
 PREFIX = "prefix"  # the prefix graph family (hf_causal_lm prefix_caching = True)
@@ -333,16 +333,11 @@ class BlockEngine(Engine):
                       emit: bool) -> None:
         bucket = self._ctx_buckets[name]
         self._last = None
-        cb, width = bucket["batch"], bucket["seq"]
-        ids = torch.full((cb, width), self.lm.pad_token_id, dtype=torch.int32)
-        mask = torch.ones((cb, width), dtype=torch.int32)  # padding rows attend to their own pad tokens
-        for b, seq in enumerate(seqs):
-            ids[b, width - len(seq):] = torch.tensor(seq, dtype=torch.int32)
-            mask[b, : width - len(seq)] = 0
+        cb = bucket["batch"]
+        ids, mask, positions = left_padded(seqs, cb, bucket["seq"], self.lm.pad_token_id)
         table = self._rows_input(CONTEXT, reqs, cb)
         for r in reqs:
             self._skip.pop(r.rid, None)
-        positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1).to(torch.int32)  # as generate derives them
         self.prefill_tokens += sum(len(s) for s in seqs)
         self._emit(CONTEXT, name, [ids, mask, positions, table, *self._sampling_inputs(reqs, cb)], reqs, got, emit)
 

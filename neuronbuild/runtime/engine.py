@@ -90,6 +90,18 @@ class _Inputs:
     args: list[torch.Tensor]
 
 
+
+def left_padded(seqs: list[list[int]], batch: int, width: int, pad: int) -> tuple[Any, Any, Any]:
+    """A context call's input_ids, attention_mask and position_ids [batch, width]: each sequence right-aligned in its
+    row (left padding, masked out); padding rows attend to their own pad tokens; positions as generate derives them."""
+    ids = torch.full((batch, width), pad, dtype=torch.int32)
+    mask = torch.ones((batch, width), dtype=torch.int32)
+    for b, seq in enumerate(seqs):
+        ids[b, width - len(seq):] = torch.tensor(seq, dtype=torch.int32)
+        mask[b, : width - len(seq)] = 0
+    positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1).to(torch.int32)
+    return ids, mask, positions
+
 class Engine:
     """`add(prompt_ids, ...)` -> request id; `step()` admits and decodes once; `run()` until every request ends.
     Built by `CausalLM.engine()` over a model with continuous-batching graphs."""
@@ -221,16 +233,12 @@ class Engine:
             raise NoBucketFits(f"{self.label}: no context bucket holds a prompt of {len(reqs[0].prompt)} tokens")
         bucket = self._ctx_buckets[name]
         self._last = None
-        cb, seq = bucket["batch"], bucket["seq"]
-        ids = torch.full((cb, seq), self.lm.pad_token_id, dtype=torch.int32)
-        mask = torch.ones((cb, seq), dtype=torch.int32)  # padding rows attend to their own pad tokens
-        for b, r in enumerate(reqs):
+        cb = bucket["batch"]
+        for r in reqs:
             r.line = self.free.pop(0)
             self.active[r.line] = r
-            ids[b, seq - len(r.prompt):] = torch.tensor(r.prompt, dtype=torch.int32)
-            mask[b, : seq - len(r.prompt)] = 0
+        ids, mask, positions = left_padded([r.prompt for r in reqs], cb, bucket["seq"], self.lm.pad_token_id)
         seq_ids = self._rows_input(CONTEXT, reqs, cb)
-        positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1).to(torch.int32)  # as generate derives them
         args = [ids, mask, positions, seq_ids, *self._sampling_inputs(reqs, cb)]
         self._emit(CONTEXT, name, args, reqs, got)
 
