@@ -216,9 +216,10 @@ def test_the_bundle_records_the_block_layout_and_another_block_count_is_refused_
 
     lm = _lm(deployed, BLOCKS)
     heads, head_dim = HF["num_key_value_heads"], HF["hidden_size"] // HF["num_attention_heads"]
+    pool = [HF["num_hidden_layers"], 2, NUM_BLOCKS + 1, heads, BLOCK, head_dim]
     assert lm.block_layout == {"block_size": BLOCK, "num_blocks": NUM_BLOCKS, "blocks_per_seq": MAX_SEQ // BLOCK,
-                               "kv_dtype": "float32", "max_batch": None,
-                               "shape": [HF["num_hidden_layers"], 2, NUM_BLOCKS + 1, heads, BLOCK, head_dim]}
+                               "kv_dtype": "float32", "max_batch": None, "shape": pool, "tp_degree": 1,
+                               "rank_shape": pool}
     # the layout is in the graphs' trace record (the bundle's manifest)
     tok = lm._token.graph(next(iter(lm._token.buckets)))
     assert tok.trace_record["model"]["config"]["kv_layout"] == {"kind": "block", "block_size": BLOCK,

@@ -65,6 +65,25 @@ def compiled_layout(g: Graph) -> dict[str, Any] | None:
     return dict(layout) if isinstance(layout, Mapping) and layout.get("kind") == "block" else None
 
 
+def served_layout(g: Any) -> dict[str, Any] | None:
+    """The block layout of a block-layout token graph (a deployed layout.Graph, or validate's over loaded artifacts)
+    as the bundle's manifest records it (its inputs, its trace record), or None: block_size,
+    num_blocks (the pool's blocks, its scratch block aside), blocks_per_seq, kv_dtype, shape (the whole pool, as
+    callers hold it), tp_degree and rank_shape (the pool each rank's graph holds: the kv heads split over the ranks
+    at tp_degree > 1, from the traced program's own inputs), max_batch (the engine's cap, None: num_blocks)."""
+    if "block_table" not in g.inputs:
+        return None
+    dims = [int(d) for d in dict(g.inputs["kv"])["dims"]]
+    model = g.trace_record.get("model") or {}
+    traced = (model.get("config") or {}).get("kv_layout") or {}
+    degree = int((model.get("tp") or {}).get("degree") or 1)
+    # the traced program's own kv input: one rank's at tp_degree > 1
+    rank = [int(d) for d in dict(model.get("inputs") or [])["kv"]["dims"]] if degree > 1 else dims
+    return {"block_size": dims[4], "num_blocks": dims[2] - 1, "blocks_per_seq": int(g.inputs["block_table"]["dims"][1]),
+            "kv_dtype": str(dict(g.inputs["kv"])["dtype"]), "shape": dims, "tp_degree": degree, "rank_shape": rank,
+            "max_batch": traced.get("max_batch")}
+
+
 def _mismatch(label: str, layout: Mapping[str, Any] | None, n: int, source: str) -> Mismatch:
     built = ("a contiguous cache of sequence lines (no kv_layout = \"block\")" if layout is None
              else f"num_blocks={layout['num_blocks']} (block_size {layout['block_size']})")

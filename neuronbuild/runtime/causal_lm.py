@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from neuronbuild.runtime.block_layout import served_layout
 from neuronbuild.runtime.engine import Engine, serving_spec
 from neuronbuild.runtime.inputs import from_numpy
 from neuronbuild.runtime.router import NoBucketFits
@@ -66,14 +67,9 @@ class CausalLM:
         self.kv_spec: dict[str, Any] = dict(tok_graph.inputs["kv"])
         kv_dims = list(self.kv_spec["dims"])
         # kv_layout = "block" (docs/llm.md "Block KV cache"): the layout its graphs were traced for, else None
-        self.block_layout: dict[str, Any] | None = None
-        if self.serving and "block_table" in tok_graph.inputs:
-            traced = ((tok_graph.trace_record.get("model") or {}).get("config") or {}).get("kv_layout") or {}
-            self.block_layout = {"block_size": int(kv_dims[4]), "num_blocks": int(kv_dims[2]) - 1,
-                                 "blocks_per_seq": int(tok_graph.inputs["block_table"]["dims"][1]),
-                                 "kv_dtype": str(self.kv_spec["dtype"]), "shape": [int(d) for d in kv_dims],
-                                 "max_batch": traced.get("max_batch")}
-            self.max_batch = int(traced.get("max_batch") or self.block_layout["num_blocks"])
+        self.block_layout: dict[str, Any] | None = served_layout(tok_graph) if self.serving else None
+        if self.block_layout is not None:
+            self.max_batch = int(self.block_layout["max_batch"] or self.block_layout["num_blocks"])
             self.max_seq = int(tok_graph.inputs["attention_mask"]["dims"][1])
         elif self.serving:  # a cache of max_batch lines + the padding rows' scratch line: no bucket dim
             self.max_batch = int(kv_dims[2]) - 1
