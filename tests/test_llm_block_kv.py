@@ -459,19 +459,20 @@ def _next(seq: list[int]) -> int:
 
 
 class _FakeLM:
-    """What BlockEngine reads of a CausalLM, over stand-in graphs: 8 blocks of 4 positions, max_seq 32."""
+    """What BlockEngine reads of a CausalLM, over stand-in graphs: 8 blocks of 4 positions (or num_blocks), max_seq 32;
+    prefix buckets of `prefix_batch` rows."""
 
-    def __init__(self, prefix: bool, ctx_seq: int = 8) -> None:
+    def __init__(self, prefix: bool, ctx_seq: int = 8, num_blocks: int = 8, prefix_batch: int = 1) -> None:
         from neuronbuild.runtime.causal_lm import CausalLM
 
         self.label, self.strict, self.serving, self.sampling = "//:fake", True, True, False
         self.max_seq, self.max_batch, self.pad_token_id, self.eos_token_id, self.vocab_size = 32, 4, 0, None, _VOCAB
-        self.block_layout = {"block_size": 4, "num_blocks": 8, "blocks_per_seq": 8}
-        self.kv_spec = {"dims": [1, 2, 9, 1, 4, 1], "dtype": "float32"}
+        self.block_layout = {"block_size": 4, "num_blocks": num_blocks, "blocks_per_seq": 8}
+        self.kv_spec = {"dims": [1, 2, num_blocks + 1, 1, 4, 1], "dtype": "float32"}
         self.context_buckets = {f"context_batch2_seq{ctx_seq}": {"batch": 2, "seq": ctx_seq}}
         self.token_buckets = {f"token_batch{n}": {"batch": n} for n in (1, 2, 4)}
-        pfx = {"prefix_batch1_seq4_prefix16": {"batch": 1, "seq": 4, "prefix": 16},
-               "prefix_batch1_seq8_prefix24": {"batch": 1, "seq": 8, "prefix": 24}}
+        pfx = {f"prefix_batch{prefix_batch}_seq{seq}_prefix{n}": {"batch": prefix_batch, "seq": seq, "prefix": n}
+               for seq, n in ((4, 16), (8, 24))}
         self._fams = {"context": _FakeFamily("context", self.context_buckets),
                       "token": _FakeFamily("token", self.token_buckets)} | (
             {"prefix": _FakeFamily("prefix", pfx)} if prefix else {})
@@ -525,3 +526,27 @@ def test_block_engine_preempts_recomputes_shares_and_chunks_with_unchanged_token
     rids = [eng.add(p, max_new_tokens=n, eos_token_id=None) for p, n in reqs]
     out = eng.run()
     assert [out[r] for r in rids] == [_greedy(p, n) for p, n in reqs] and eng.counters()["preemptions"] >= 1
+
+
+def test_block_engine_batches_prefix_and_chunk_calls_over_requests_with_unchanged_tokens() -> None:
+    """Prefix and chunk calls run several requests' chunks at once (prefix buckets of 2 rows), round by round; a
+    request sharing blocks that a chunked prompt writes only in its second chunk waits for that chunk."""
+    from neuronbuild.runtime.block_engine import BlockEngine
+
+    shared = [40 + i for i in range(16)]  # 4 full blocks: the context bucket's 8 tokens write 2 of them
+    reqs = [(shared + [1, 2, 3, 4], 3),  # 20 tokens: chunks 0-8 (context), 8-16, 16-20 (prefix)
+            ([60 + i for i in range(18)], 3),  # 18: 0-8, 8-16, 16-18
+            (shared + [9], 4),  # 17: its first 16 read from the first request's blocks, 16-17 computed
+            ([30, 31, 32], 5)]  # a whole prompt
+    eng = BlockEngine(_FakeLM(True, num_blocks=24, prefix_batch=2))
+    rids = [eng.add(p, max_new_tokens=n, eos_token_id=None) for p, n in reqs]
+    eng.step()  # every prefill in the admission step, then one decode
+    assert all(len(eng.active[line].tokens) == 2 for line in eng.active), eng.active
+    # round 1: the 3 context chunks in 2 context calls; round 2: both long prompts' second chunks in one prefix call
+    # (the third request waits: its blocks 2-3 are being written); round 3: the last chunks of all three (4, 2 and
+    # 1 tokens after 16), 2 + 1 rows of the smaller bucket; one request at a time would take 5 prefix calls
+    assert eng.calls == {"context_batch2_seq8": 2, "prefix_batch2_seq8_prefix24": 1, "prefix_batch2_seq4_prefix16": 2,
+                         "token_batch4": 1}, eng.calls
+    assert eng.counters()["cached_tokens"] == 16 and eng.counters()["prefix_hits"] == 4, eng.counters()
+    out = eng.run()
+    assert [out[r] for r in rids] == [_greedy(p, n) for p, n in reqs]

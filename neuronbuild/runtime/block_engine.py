@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -156,6 +157,16 @@ class BlockManager:
                     self.free.append(b)
 
 
+@dataclass
+class _Prefill:
+    """One admitted request's prefill in progress: its sequence (prompt, and for a recompute its tokens so far) and
+    the position its next chunk starts at (after the cached blocks it shares, then after its earlier chunks)."""
+
+    r: Request
+    seq: list[int]
+    start: int
+
+
 class BlockEngine(Engine):
     """The Engine over block-layout graphs: the same scheduling (admission FIFO, smallest fitting buckets, one decode
     per step), admission also by free blocks, rows given their block tables; with prefix graphs, prefills that skip
@@ -288,49 +299,69 @@ class BlockEngine(Engine):
         return taken
 
     def _prefill_all(self, reqs: list[Request], got: dict[int, list[int]]) -> None:
-        """One context call per group of whole prompts that one bucket holds, first (a later request's prefix call
-        may read the blocks they write); then, in admission order, a prefix call (or chunked calls) per request that
-        skips a cached prefix or is longer than the longest context bucket."""
-        plain: list[Request] = []
-        rest: list[tuple[Request, int]] = []
+        """The admitted requests' prefills, in rounds until all are done: a round runs one chunk of every request
+        whose reads are written, first the context chunks (whole prompts; the first chunk of a prompt longer than
+        the longest context bucket) in calls batched as one context bucket holds them, then the prefix chunks (after
+        a cached prefix, or after the request's earlier chunks) in calls batched as one prefix bucket holds them, in
+        admission order. A request sharing full blocks that another request of this step has yet to write (a
+        prefix longer than that one's first chunk) waits for a later round."""
+        jobs: list[_Prefill] = []
         for r in reqs:
             cached = self._start.pop(r.rid, 0)
             r.line = self.free.pop(0)
             self.active[r.line] = r
-            if cached == 0 and len(r.prompt) + len(r.tokens) <= self._ctx_longest:
-                plain.append(r)
-            else:
-                rest.append((r, cached * self.block_size))
-        while plain:
-            n = len(plain)
-            while n > 1 and self._fits(plain[:n]) is None:
-                n -= 1
-            group, plain = plain[:n], plain[n:]
-            fit = self._fits(group)
-            assert fit is not None
-            self._context_call(group, [r.prompt + r.tokens for r in group], fit, got, emit=True)
-        for r, start in rest:
-            seq = r.prompt + r.tokens
-            plan = self._plan(start, len(seq))
-            assert plan is not None  # (admission checked)
-            self.cached_tokens += start
-            for i, (family, name, stop) in enumerate(plan):
-                last = i == len(plan) - 1
-                if family == CONTEXT:
-                    self._context_call([r], [seq[:stop]], name, got, emit=last)
-                else:
-                    self._prefix_call(r, seq, start, stop, name, got, emit=last)
-                start = stop
+            self.cached_tokens += cached * self.block_size
+            jobs.append(_Prefill(r, r.prompt + r.tokens, cached * self.block_size))
+        # blocks a request of this step is still to write -> that request (another one reading them waits)
+        unwritten = {b: j.r.rid for j in jobs for b in self._held[j.r.rid][j.start // self.block_size:]}
+        while jobs:
+            for group in self._groups([j for j in jobs if j.start == 0], CONTEXT):
+                name, ends = group
+                rows = [j for j, _stop in ends]
+                self._context_call([j.r for j in rows], [j.seq[:stop] for j, stop in ends], name, got,
+                                   emit=[stop == len(j.seq) for j, stop in ends])
+                self._written(ends, unwritten)
+            ready = [j for j in jobs if 0 < j.start < len(j.seq) and not any(
+                unwritten.get(b, j.r.rid) != j.r.rid for b in self._held[j.r.rid][: -(-j.start // self.block_size)])]
+            for name, ends in self._groups(ready, PREFIX):
+                self._prefix_call(ends, name, got)
+                self._written(ends, unwritten)
+            jobs = [j for j in jobs if j.start < len(j.seq)]
 
-    def _fits(self, reqs: Sequence[Request]) -> str | None:
-        try:
-            return self.lm.pick(CONTEXT, self._ctx_buckets,
-                                {"batch": len(reqs), "seq": max(len(r.prompt) + len(r.tokens) for r in reqs)})
-        except NoBucketFits:
-            return None
+    def _groups(self, jobs: list[_Prefill], family: str) -> list[tuple[str, list[tuple[_Prefill, int]]]]:
+        """The calls running one chunk of each job, in order: (bucket, [(job, end of its chunk)]), as many rows per
+        call as one bucket of the family holds (chunks as _plan cuts them: a context chunk is the prompt or the
+        longest context bucket's seq, a prefix chunk the largest prefix bucket's seq that reads its start)."""
+        out: list[tuple[str, list[tuple[_Prefill, int]]]] = []
+        ends = [(j, stop) for j in jobs for _f, _n, stop in [self._plan(j.start, len(j.seq))[0]]]  # type: ignore[index]
+        buckets = self._ctx_buckets if family == CONTEXT else self.prefix_buckets
+        while ends:
+            n = len(ends)
+            while True:
+                want = {"batch": n, "seq": max(stop - j.start for j, stop in ends[:n])}
+                if family == PREFIX:
+                    want["prefix"] = max(j.start for j, _stop in ends[:n])
+                try:
+                    name = self.lm.pick(family, buckets, want)
+                    break
+                except NoBucketFits:
+                    if n == 1:
+                        raise
+                    n -= 1
+            out.append((name, ends[:n]))
+            ends = ends[n:]
+        return out
 
+    def _written(self, ends: list[tuple[_Prefill, int]], unwritten: dict[int, int]) -> None:
+        """After a call: each job's chunk written (its start moved on); the blocks it filled are readable by others."""
+        for j, stop in ends:
+            blocks = self._held[j.r.rid]
+            for i in range(j.start // self.block_size, -(-stop // self.block_size)):
+                if (i + 1) * self.block_size <= stop or stop == len(j.seq):
+                    unwritten.pop(blocks[i], None)
+            j.start = stop
     def _context_call(self, reqs: list[Request], seqs: list[list[int]], name: str, got: dict[int, list[int]],
-                      emit: bool) -> None:
+                      emit: list[bool]) -> None:
         bucket = self._ctx_buckets[name]
         self._last = None
         cb = bucket["batch"]
@@ -341,33 +372,36 @@ class BlockEngine(Engine):
         self.prefill_tokens += sum(len(s) for s in seqs)
         self._emit(CONTEXT, name, [ids, mask, positions, table, *self._sampling_inputs(reqs, cb)], reqs, got, emit)
 
-    def _prefix_call(self, r: Request, seq: list[int], start: int, stop: int, name: str, got: dict[int, list[int]],
-                     emit: bool) -> None:
-        """Positions start..stop-1 of `seq` after the start positions already in the request's blocks."""
+    def _prefix_call(self, ends: list[tuple[_Prefill, int]], name: str, got: dict[int, list[int]]) -> None:
+        """Positions start..stop-1 of each job's sequence, after the start positions already in its blocks, one row
+        per job (padding rows: new tokens after nothing, written to the scratch block)."""
         bucket = self.prefix_buckets[name]
         self._last = None
         pb, width, prefix = bucket["batch"], bucket["seq"], bucket["prefix"]
-        n = stop - start
         ids = torch.full((pb, width), self.lm.pad_token_id, dtype=torch.int32)
-        mask = torch.ones((pb, width), dtype=torch.int32)  # padding rows: seq new tokens after nothing
+        mask = torch.ones((pb, width), dtype=torch.int32)
         positions = torch.arange(width, dtype=torch.int32)[None, :].repeat(pb, 1)
         cached = torch.zeros((pb, prefix), dtype=torch.int32)
-        ids[0, width - n:] = torch.tensor(seq[start:stop], dtype=torch.int32)
-        mask[0, : width - n] = 0
-        positions[0] = 1
-        positions[0, width - n:] = torch.arange(start, stop, dtype=torch.int32)
-        cached[0, :start] = 1
-        table = self._rows_input(PREFIX, [r], pb)
-        self.prefill_tokens += n
-        args = [ids, mask, positions, table, cached, *self._sampling_inputs([r], pb)]
-        self._emit(PREFIX, name, args, [r], got, emit)
+        for b, (j, stop) in enumerate(ends):
+            n = stop - j.start
+            ids[b, width - n:] = torch.tensor(j.seq[j.start:stop], dtype=torch.int32)
+            mask[b, : width - n] = 0
+            positions[b] = 1
+            positions[b, width - n:] = torch.arange(j.start, stop, dtype=torch.int32)
+            cached[b, : j.start] = 1
+            self.prefill_tokens += n
+        rows = [j.r for j, _stop in ends]
+        args = [ids, mask, positions, self._rows_input(PREFIX, rows, pb), cached, *self._sampling_inputs(rows, pb)]
+        self._emit(PREFIX, name, args, rows, got, [stop == len(j.seq) for j, stop in ends])
 
     def _emit(self, family: str, name: str, args: list[torch.Tensor], rows: Sequence[Request],
-              got: dict[int, list[int]], emit: bool = True) -> None:
-        if family != PREFIX and emit:
+              got: dict[int, list[int]], emit: Sequence[bool] | None = None) -> None:
+        """One call; the next token of each row whose prefill (or decode) it completes (`emit`: which rows; all by
+        default), a chunk's row only writing its blocks."""
+        if family != PREFIX and (emit is None or all(emit)):
             return super()._emit(family, name, args, rows, got)
+        fn = self._fns.get((family, name))
         if family == PREFIX:
-            fn = self._fns.get((family, name))
             if fn is None:
                 fn = self._fns[(family, name)] = self._prefix.bucket_fn(name)
                 if fn is None:
@@ -375,16 +409,18 @@ class BlockEngine(Engine):
             res = fn(*args, self.kv)
             out = dict(zip(self._prefix_out, [res] if isinstance(res, torch.Tensor) else list(res), strict=True))
         else:
-            fn = self._fns.get((family, name))
             if fn is None:
                 fn = self._fns[(family, name)] = self.lm.fn(family, name)
             out = self.lm.named(family, fn(*args, self.kv))
         self.calls[name] = self.calls.get(name, 0) + 1
         self.kv = out["kv"]
-        if not emit:
+        emit = [True] * len(rows) if emit is None else emit
+        if not any(emit):
             return None
         nxt = (out["tokens"] if "tokens" in out else out["logits"].argmax(-1)).tolist()
         for b, r in enumerate(rows):
+            if not emit[b]:
+                continue
             r.tokens.append(nxt[b])
             got.setdefault(r.rid, []).append(nxt[b])
             if len(r.tokens) >= r.max_new_tokens or (r.eos_token_id is not None and nxt[b] == r.eos_token_id):
