@@ -528,25 +528,29 @@ def test_block_engine_preempts_recomputes_shares_and_chunks_with_unchanged_token
     assert [out[r] for r in rids] == [_greedy(p, n) for p, n in reqs] and eng.counters()["preemptions"] >= 1
 
 
-def test_block_engine_batches_prefix_and_chunk_calls_over_requests_with_unchanged_tokens() -> None:
-    """Prefix and chunk calls run several requests' chunks at once (prefix buckets of 2 rows), round by round; a
-    request sharing blocks that a chunked prompt writes only in its second chunk waits for that chunk."""
+def test_block_engine_batches_chunks_over_requests_and_interleaves_them_with_decodes_with_unchanged_tokens() -> None:
+    """Prefix and chunk calls run several requests' chunks at once (prefix buckets of 2 rows), one chunk per request
+    per step, so a long prompt's chunks alternate with the other requests' decode steps; a request sharing blocks
+    that a chunked prompt writes only in its second chunk waits for that chunk."""
     from neuronbuild.runtime.block_engine import BlockEngine
 
     shared = [40 + i for i in range(16)]  # 4 full blocks: the context bucket's 8 tokens write 2 of them
     reqs = [(shared + [1, 2, 3, 4], 3),  # 20 tokens: chunks 0-8 (context), 8-16, 16-20 (prefix)
             ([60 + i for i in range(18)], 3),  # 18: 0-8, 8-16, 16-18
             (shared + [9], 4),  # 17: its first 16 read from the first request's blocks, 16-17 computed
-            ([30, 31, 32], 5)]  # a whole prompt
+            ([30, 31, 32], 8)]  # a whole prompt
     eng = BlockEngine(_FakeLM(True, num_blocks=24, prefix_batch=2))
     rids = [eng.add(p, max_new_tokens=n, eos_token_id=None) for p, n in reqs]
-    eng.step()  # every prefill in the admission step, then one decode
-    assert all(len(eng.active[line].tokens) == 2 for line in eng.active), eng.active
-    # round 1: the 3 context chunks in 2 context calls; round 2: both long prompts' second chunks in one prefix call
-    # (the third request waits: its blocks 2-3 are being written); round 3: the last chunks of all three (4, 2 and
-    # 1 tokens after 16), 2 + 1 rows of the smaller bucket; one request at a time would take 5 prefix calls
+    for _ in range(3):
+        eng.step()
+    # step 1: the 3 context chunks in 2 context calls, the whole prompt decodes; step 2: both long prompts' second
+    # chunks in one prefix call (the third request waits: its blocks 2-3 are being written), the whole prompt
+    # decodes; step 3: the last chunks of all three (4, 2 and 1 tokens after 16), 2 + 1 rows of the smaller bucket,
+    # then all four decode (one request at a time and each prefilled whole, 5 prefix calls would have run before
+    # the first decode)
     assert eng.calls == {"context_batch2_seq8": 2, "prefix_batch2_seq8_prefix24": 1, "prefix_batch2_seq4_prefix16": 2,
-                         "token_batch4": 1}, eng.calls
+                         "token_batch1": 2, "token_batch4": 1}, eng.calls
+    assert [len(eng.active[line].tokens) for line in sorted(eng.active)] == [2, 2, 2, 4]
     assert eng.counters()["cached_tokens"] == 16 and eng.counters()["prefix_hits"] == 4, eng.counters()
     out = eng.run()
     assert [out[r] for r in rids] == [_greedy(p, n) for p, n in reqs]

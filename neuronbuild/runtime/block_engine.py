@@ -10,7 +10,9 @@ and its tokens so far (recompute), so its tokens are unchanged. Prefix caching: 
 by the hash chain of their tokens; a later prompt starting with the same full blocks references them (prefix_hits).
 With prefix graphs (hf_causal_lm prefix_caching = True) its prefill computes only the tokens after them (a prefix
 call reading them through the block table), and a prompt longer than the longest context bucket is prefilled in
-chunks (a context call, then prefix calls each reading what the previous ones wrote). Without prefix graphs a
+chunks (a context call, then prefix calls each reading what the previous ones wrote). Prefills run in rounds, one per
+step: a chunk of every request prefilling, batched over them (as many rows per call as a bucket holds), then the
+other requests decode, so a long prompt's chunks alternate with their decode steps. Without prefix graphs a
 prefix hit still saves the blocks: the context call recomputes the prompt and writes the scratch block in place of
 the shared ones."""
 
@@ -170,8 +172,9 @@ class _Prefill:
 class BlockEngine(Engine):
     """The Engine over block-layout graphs: the same scheduling (admission FIFO, smallest fitting buckets, one decode
     per step), admission also by free blocks, rows given their block tables; with prefix graphs, prefills that skip
-    a cached prefix and prompts longer than the largest context bucket prefilled in chunks; a request that needs a
-    block when none is left preempts the most recently admitted one (recomputed later)."""
+    a cached prefix and prompts longer than the largest context bucket prefilled in chunks, a round of chunks per
+    step; a request that needs a block when none is left preempts the most recently admitted one that is not
+    prefilling (recomputed later)."""
 
     def __init__(self, lm: Any, seed: int = 0, block_order: Sequence[int] | None = None) -> None:
         super().__init__(lm, seed)
@@ -184,6 +187,8 @@ class BlockEngine(Engine):
         self._skip: dict[int, int] = {}  # rid -> cached leading blocks its context call must not rewrite
         self._start: dict[int, int] = {}  # rid -> cached leading blocks its prefix call reads (prefix graphs)
         self._admitted: dict[int, int] = {}  # rid -> admission count (preemption takes the latest)
+        self._jobs: list[_Prefill] = []  # prefills in progress, in admission order (a chunk each per step)
+        self._unwritten: dict[int, int] = {}  # block a prefill in progress is still to write -> its request
         self._admissions = 0
         self._ctx_longest = max(b["seq"] for b in self._ctx_buckets.values())
         self._prefix: Any = lm.model.family(PREFIX) if PREFIX in lm.model.families else None
@@ -262,8 +267,12 @@ class BlockEngine(Engine):
                 if not reqs:
                     break  # the queue's head waits for blocks
                 admitted = True
-                self._prefill_all(reqs, got)
-            rows = [self.active[line] for line in sorted(self.active)]
+                self._admit(reqs)
+            if self._jobs:
+                admitted = True
+                self._prefill_round(got)
+            prefilling = {j.r.rid for j in self._jobs}
+            rows = [self.active[line] for line in sorted(self.active) if self.active[line].rid not in prefilling]
             ready = self._grow(rows)
             if rows and not ready and not admitted:
                 raise RuntimeError(f"{self.label}: the block pool is exhausted and no running request can be "
@@ -298,35 +307,39 @@ class BlockEngine(Engine):
                 self._start[r.rid] = cached  # its prefill starts after them
         return taken
 
-    def _prefill_all(self, reqs: list[Request], got: dict[int, list[int]]) -> None:
-        """The admitted requests' prefills, in rounds until all are done: a round runs one chunk of every request
-        whose reads are written, first the context chunks (whole prompts; the first chunk of a prompt longer than
-        the longest context bucket) in calls batched as one context bucket holds them, then the prefix chunks (after
-        a cached prefix, or after the request's earlier chunks) in calls batched as one prefix bucket holds them, in
-        admission order. A request sharing full blocks that another request of this step has yet to write (a
-        prefix longer than that one's first chunk) waits for a later round."""
-        jobs: list[_Prefill] = []
+    def _admit(self, reqs: list[Request]) -> None:
+        """The admitted requests take their lines; their prefills start at the next round."""
         for r in reqs:
             cached = self._start.pop(r.rid, 0)
             r.line = self.free.pop(0)
             self.active[r.line] = r
             self.cached_tokens += cached * self.block_size
-            jobs.append(_Prefill(r, r.prompt + r.tokens, cached * self.block_size))
-        # blocks a request of this step is still to write -> that request (another one reading them waits)
-        unwritten = {b: j.r.rid for j in jobs for b in self._held[j.r.rid][j.start // self.block_size:]}
-        while jobs:
-            for group in self._groups([j for j in jobs if j.start == 0], CONTEXT):
-                name, ends = group
-                rows = [j for j, _stop in ends]
-                self._context_call([j.r for j in rows], [j.seq[:stop] for j, stop in ends], name, got,
-                                   emit=[stop == len(j.seq) for j, stop in ends])
-                self._written(ends, unwritten)
-            ready = [j for j in jobs if 0 < j.start < len(j.seq) and not any(
-                unwritten.get(b, j.r.rid) != j.r.rid for b in self._held[j.r.rid][: -(-j.start // self.block_size)])]
-            for name, ends in self._groups(ready, PREFIX):
-                self._prefix_call(ends, name, got)
-                self._written(ends, unwritten)
-            jobs = [j for j in jobs if j.start < len(j.seq)]
+            job = _Prefill(r, r.prompt + r.tokens, cached * self.block_size)
+            self._jobs.append(job)
+            for b in self._held[r.rid][cached:]:
+                self._unwritten[b] = r.rid
+
+    def _prefill_round(self, got: dict[int, list[int]]) -> None:
+        """One chunk of every prefill in progress whose reads are written (one round per step, so that the chunks of
+        a long prompt alternate with the other requests' decode steps): first the context chunks (whole prompts; the
+        first chunk of a prompt longer than the longest context bucket) in calls batched as one context bucket holds
+        them, then the prefix chunks (after a cached prefix, or after the request's earlier chunks) of the others in
+        calls batched as one prefix bucket holds them, in admission order. A request sharing full blocks that
+        another request has yet to write (a prefix longer than that one's first chunk) waits for a later round; a
+        request is not preempted while its prefill is in progress."""
+        jobs, unwritten = self._jobs, self._unwritten
+        first = [j for j in jobs if j.start == 0]
+        started = {j.r.rid for j in first}
+        for name, ends in self._groups(first, CONTEXT):
+            self._context_call([j.r for j, _stop in ends], [j.seq[:stop] for j, stop in ends], name, got,
+                               emit=[stop == len(j.seq) for j, stop in ends])
+            self._written(ends, unwritten)
+        ready = [j for j in jobs if j.r.rid not in started and not any(
+            unwritten.get(b, j.r.rid) != j.r.rid for b in self._held[j.r.rid][: -(-j.start // self.block_size)])]
+        for name, ends in self._groups(ready, PREFIX):
+            self._prefix_call(ends, name, got)
+            self._written(ends, unwritten)
+        self._jobs = [j for j in jobs if j.start < len(j.seq)]
 
     def _groups(self, jobs: list[_Prefill], family: str) -> list[tuple[str, list[tuple[_Prefill, int]]]]:
         """The calls running one chunk of each job, in order: (bucket, [(job, end of its chunk)]), as many rows per
@@ -443,7 +456,8 @@ class BlockEngine(Engine):
                     blocks.append(b)
                     self._last = None
                     continue
-                victims = [v for v in self.active.values() if self._recomputable(v)]
+                prefilling = {j.r.rid for j in self._jobs}
+                victims = [v for v in self.active.values() if v.rid not in prefilling and self._recomputable(v)]
                 if not victims:
                     break
                 victim = max(victims, key=lambda v: self._admitted[v.rid])
