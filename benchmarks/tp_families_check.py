@@ -2,7 +2,7 @@
 against transformers (each rank's HLO on XLA:CPU host devices), with the build's and validate's wall time: the by-hand
 check behind docs/neuron.md's table of TP plans (tests/test_tp_families.py builds a few of these in CI).
 
-    .venv/bin/python benchmarks/tp_families_check.py /tmp/tpf --tp 2 bloom gpt_bigcode_mqa ...   (no names: all that
+    .venv/bin/python benchmarks/tp_families_check.py --tp 2 /tmp/tpf bloom gpt_bigcode_mqa ...   (no names: all that
                                                                                                  the degree divides)
 
 Tiny random configs (as tests/test_llm_families.py and test_llm_new_families.py); every 1-D tensor (biases, norms,

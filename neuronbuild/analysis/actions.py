@@ -19,6 +19,11 @@ TRACE_WEIGHTS = "constants.safetensors"  # the model's weights action's output: 
 # A graph's own tensors (non-persistent buffers, lifted constants: what the program computes, never a checkpoint's
 # values), written beside the graph by the step that compiles or lowers its program; small.
 PROGRAM_CONSTANTS = "program_constants.safetensors"
+# A toolchain step whose spec sets LIGHT true runs no model code, reads its inputs as data and takes milliseconds (a
+# Neuron compile without neuronx-cc: it re-emits the lowering's files and writes compile_flags.json). The local
+# executor runs such a step in the build process, in the sandbox it made, instead of forking a confined action process
+# from a worker (#53: the fork and the namespace cost more than the step). The spec is not in the fingerprint.
+LIGHT = "light"
 
 
 def rank_weights(rank: int) -> str:
@@ -134,6 +139,11 @@ class Action:
     def describe(self) -> str:
         base = f"{self.kind.capitalize()} {self.label}" + ("" if self.kind == WEIGHTS else f" [{self.bucket}]")
         return f"{base} for {self.target or self.platform}" if self.platform else base
+
+
+def is_light(a: Action) -> bool:
+    """A toolchain step its toolchain declared light (LIGHT; traces and weights actions run model code: never)."""
+    return a.spec.get(LIGHT) is True and a.kind not in (TRACE, WEIGHTS)
 
 
 def make_action(kind: str, label: Label, bucket: Bucket, record: Mapping[str, Any], spec: Mapping[str, Any], *,

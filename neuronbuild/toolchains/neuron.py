@@ -10,7 +10,15 @@ from pathlib import Path
 from typing import Any
 
 from neuronbuild import FORMAT_VERSION, plugins
-from neuronbuild.analysis.actions import COMPILE, PROGRAM_CONSTANTS, TRACE_OUTPUT, Action, DepInput, make_action
+from neuronbuild.analysis.actions import (
+    COMPILE,
+    LIGHT,
+    PROGRAM_CONSTANTS,
+    TRACE_OUTPUT,
+    Action,
+    DepInput,
+    make_action,
+)
 from neuronbuild.analysis.plan_settings import PlanSettings
 from neuronbuild.analysis.toolchain_api import WARM_UP, CompileRequest, OptionKey, StepDirs
 from neuronbuild.analysis.toolchain_versions import package_version
@@ -158,8 +166,9 @@ class NeuronToolchain:
         if cc is not None:
             spec["neuronx_cc"] = dict(cc)
             outputs = (*outputs, NEFF_OUTPUT)
-        else:  # the step only writes compile_flags.json: progress says so, estimates count it as nothing
-            spec["skipped"] = "no neuronx-cc"
+        else:  # the step only writes compile_flags.json: progress says so, estimates count it as nothing, and the
+            spec["skipped"] = "no neuronx-cc"  # local executor runs it in the build process (actions.LIGHT)
+            spec[LIGHT] = True
         compile_ = make_action(COMPILE, req.label, req.bucket, record, spec,
                                dep_inputs=tuple(DepInput(lower.fingerprint, f, f) for f in lower_outputs),
                                outputs=outputs, platform=req.platform, target=self.describe_target(req.target),
