@@ -274,6 +274,8 @@ def hf_causal_lm(name, config, weights = None, max_seq = 256, model_type = None,
     head_dim = _field(config, ["head_dim"], hidden // heads)
     _check_size(name, config, layers, hidden, heads, kv_heads, head_dim, max_seq)
     cache_heads, cache_width = kv_heads, head_dim
+    if mt == "falcon" and config.get("new_decoder_architecture", False):
+        cache_heads = heads  # FalconAttention broadcasts each kv group's k and v to its query heads before the cache update
     if config.get("kv_lora_rank"):  # multi-head latent attention: one latent line per token (hf_causal_lm.cache_width)
         if mt in ("deepseek_v2", "deepseek_v3") and "qk_rope_head_dim" not in config:
             fail("hf_causal_lm %s: config field qk_rope_head_dim: a latent-attention config must write it (the cache holds the rotary key beside the kv_lora_rank latent)" % name)

@@ -88,9 +88,14 @@ def test_qwen2_qwen3_gemma3_phi3_qwen2_moe_bloom_gpt_bigcode_gpt_oss_at_tp2_vali
 
 
 REFUSED = {
-    "gpt2": ("gpt2", {"vocab_size": 64, "n_embd": 16, "n_layer": 2, "n_head": 2}, "only hf_causal_lm models of the"),
-    "falcon_alibi": ("falcon", {"vocab_size": 64, "hidden_size": 16, "num_hidden_layers": 2, "num_attention_heads": 2,
-                                "alibi": True}, "falcon with alibi has no sharding plan"),
+    "gpt_neox": ("gpt_neox", {"vocab_size": 64, "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2,
+                              "num_attention_heads": 2}, "only hf_causal_lm models of the"),
+    # 3 kv groups [q q k v] over 2 ranks: a rank's q|k|v would cut a group
+    "falcon_nda_kv3": ("falcon", {"vocab_size": 64, "hidden_size": 24, "num_hidden_layers": 2,
+                                  "num_attention_heads": 6, "new_decoder_architecture": True, "num_kv_heads": 3},
+                       "new_decoder_architecture with num_kv_heads 3: the kv groups must divide by it"),
+    "gpt2_cross": ("gpt2", {"vocab_size": 64, "n_embd": 16, "n_layer": 2, "n_head": 2, "add_cross_attention": True},
+                   "gpt2 with cross-attention has no sharding plan"),
 }
 
 
