@@ -71,6 +71,17 @@ FAMILIES: dict[str, tuple[str, dict[str, object]]] = {
 }
 
 
+# expert parallelism (hf_causal_lm(moe_ep_degree = the tp degree)): "<family>_ep" builds that family's config so
+EP = ("mixtral", "qwen3_moe", "olmoe", "gpt_oss", "deepseek_v3")
+
+
+def _family(name: str) -> tuple[str, dict[str, object], str]:
+    """(model_type, config, extra hf_causal_lm attributes) of a name: a family, or "<family>_ep"."""
+    ep = name.endswith("_ep") and name.removesuffix("_ep") in EP
+    model_type, hf = FAMILIES[name.removesuffix("_ep") if ep else name]
+    return model_type, hf, ", moe_ep_degree = TP" if ep else ""
+
+
 def _heads(hf: dict[str, object]) -> int:
     return int(hf.get("num_attention_heads") or hf.get("n_head") or 0)  # type: ignore[call-overload]
 
@@ -93,7 +104,7 @@ def write_workspace(root: Path, names: list[str], tp: int) -> None:
              'neuron_target(name = "trn2", platform = "trn2")',
              'llm_buckets(name = "serve", batch_sizes = [2], context_lengths = [8])']
     for name in names:
-        model_type, hf = FAMILIES[name]
+        model_type, hf, extra = _family(name)
         torch.manual_seed(0)
         model = hf_model({"model_type": model_type, "hf": hf, "max_seq": 16})
         g = torch.Generator().manual_seed(1)
@@ -101,7 +112,7 @@ def write_workspace(root: Path, names: list[str], tp: int) -> None:
                  if v.dim() == 1 and v.is_floating_point() else v for k, v in model.state_dict().items()}
         save_file({k: v.detach().clone().contiguous() for k, v in state.items()}, str(root / f"{name}.safetensors"))
         lines += [f'hf_causal_lm(name = "{name}", model_type = "{model_type}", config = {json.dumps(hf)}, '
-                  f'weights = "{name}.safetensors", max_seq = 16)',
+                  f'weights = "{name}.safetensors", max_seq = 16{extra.replace("TP", str(tp))})',
                   f'neuron_compile(name = "{name}_tp{tp}", model = ":{name}", target = ":trn2", tp_degree = {tp}, '
                   'buckets = {"context": [":serve_context"], "token": [":serve_token"]})']
     text = "\n".join(lines).replace("true", "True").replace("false", "False") + "\n"
@@ -111,7 +122,8 @@ def write_workspace(root: Path, names: list[str], tp: int) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("workspace", type=Path)
-    ap.add_argument("names", nargs="*", help=f"families (default: all the degree divides): {', '.join(FAMILIES)}")
+    ap.add_argument("names", nargs="*", help=f"families (default: all the degree divides): {', '.join(FAMILIES)}; "
+                    f"expert parallelism: {', '.join(n + '_ep' for n in EP)}")
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--cache-dir", default=None, help="default: <workspace>/.cache")
     args = ap.parse_args()

@@ -2,8 +2,10 @@
 biases, qwen3's per-head q/k norms, gemma3's scaled embedding and sliding-window layers), Phi-3's fused q|k|v and
 gate|up projections (each part split on its own), Qwen2-MoE's experts and shared expert, BLOOM (per-head interleaved
 q|k|v, ALiBi slopes taken by each rank for its heads, row-parallel biases added once), GPT-BigCode's multi-query
-attention (the one k and v head replicated) and gpt-oss (experts with biases, transposed and interleaved, attention
-sinks split by head), built at tp_degree 2 for trn2 in one workspace and one build, their HLO run on 2 XLA:CPU host
+attention (the one k and v head replicated), gpt-oss (experts with biases, transposed and interleaved, attention
+sinks split by head), DeepSeek-V3 (latent attention), Llama 4 (complex RoPE, experts), GPT-2 (Conv1D's transposed
+weights, fused q|k|v) and Falcon's new decoder architecture with ALiBi (kv groups, each rank's slopes), built at
+tp_degree 2 for trn2 in one workspace and one build, their HLO run on 2 XLA:CPU host
 devices by `validate --generate`: logits within tolerance of transformers' own model and greedy tokens equal to
 transformers' `generate` (batch 1 and a padded batch). Biases and norm weights are perturbed from transformers'
 initial 0 and 1, so a bias added on every rank or a norm given another rank's block shows. A family without a
@@ -39,6 +41,24 @@ FAMILIES = {
     "gpt_oss": ("gpt_oss", _BASE | {"intermediate_size": 16, "head_dim": 8, "num_local_experts": 4,
                                     "num_experts_per_tok": 2, "sliding_window": WINDOW,
                                     "max_position_embeddings": 131072}),
+    # latent attention (q_b / kv_b split by head, the latent cache line replicated), grouped routing, shared experts
+    "deepseek_v3": ("deepseek_v3", {"vocab_size": 64, "hidden_size": 16, "intermediate_size": 32,
+                                    "moe_intermediate_size": 8, "num_hidden_layers": 2, "num_attention_heads": 2,
+                                    "num_key_value_heads": 2, "n_routed_experts": 4, "num_experts_per_tok": 2,
+                                    "n_group": 2, "topk_group": 1, "first_k_dense_replace": 1, "kv_lora_rank": 8,
+                                    "q_lora_rank": 12, "qk_rope_head_dim": 4, "qk_nope_head_dim": 4, "v_head_dim": 6,
+                                    "max_position_embeddings": 64}),
+    # complex RoPE, NoPE layers, transposed experts and a shared expert, dense layers' own width
+    "llama4_text": ("llama4_text", _BASE | {"intermediate_size_mlp": 32, "head_dim": 8, "num_local_experts": 2,
+                                            "num_experts_per_tok": 1, "max_position_embeddings": 64}),
+    # GPT-2's Conv1D layers ([in, out]): c_attn's q|k|v each split by head along dim 1, c_proj's biases added once
+    "gpt2": ("gpt2", {"vocab_size": 64, "n_embd": 16, "n_layer": 2, "n_head": 4, "n_positions": 32,
+                      "bos_token_id": 1, "eos_token_id": 1}),
+    # Falcon's new decoder architecture (2 kv groups [q q k v], one per rank; k and v broadcast to every query head,
+    # so the cache holds 4 heads) with ALiBi (each rank's heads of the whole bias)
+    "falcon_nda_alibi": ("falcon", {"vocab_size": 64, "hidden_size": 16, "num_hidden_layers": 2,
+                                    "num_attention_heads": 4, "num_kv_heads": 2, "new_decoder_architecture": True,
+                                    "alibi": True, "bias": True}),
 }
 
 
@@ -67,7 +87,7 @@ def _workspace(root: Path) -> Path:
 
 
 @pytest.mark.timeout(1800)
-def test_qwen2_qwen3_gemma3_phi3_qwen2_moe_bloom_gpt_bigcode_gpt_oss_at_tp2_validate_and_generate_like_transformers(
+def test_every_family_of_the_workspace_at_tp2_validates_and_generates_like_transformers(
         tmp_path: Path, cache_dir: Path) -> None:
     ws = _workspace(tmp_path / "ws")
     proc = run_cli(["build", "//...", "--jobs", "2", "--cache-dir", str(cache_dir)], ws)

@@ -303,17 +303,63 @@ def per_rank_hf(model_type: str, hf: dict[str, Any], tp: int) -> dict[str, Any]:
     return out
 
 
-def shard_hf_model(model: torch.nn.Module, model_type: str, hf: Mapping[str, Any], tp: int) -> None:
+def shard_hf_model(model: torch.nn.Module, model_type: str, hf: Mapping[str, Any], tp: int,
+                   expert_parallel: bool = False) -> None:
     """Make `model` (built from per_rank_hf's config) one rank's model: the patched families' attention cut to the
-    rank's heads, whole-width q/k norms (OLMoE) made tensor-parallel, all-reduces after the row-parallel layers,
-    biases of row-parallel experts added by one rank, the vocabulary-parallel embedding and lm_head, and the fused
-    parameters declared (FUSED_ATTR) for the weights action. ValueError for what no rule covers."""
+    rank's heads, whole-width q/k norms (OLMoE) made tensor-parallel, the experts split by expert instead of by width
+    with `expert_parallel` (hf_causal_lm's moe_ep_degree = tp), all-reduces after the row-parallel layers, biases of
+    width-split experts added by one rank, the vocabulary-parallel embedding and lm_head, and the fused parameters
+    declared (FUSED_ATTR) for the weights action. ValueError for what no rule covers."""
     if model_type in PATCHED:
         _patch_attention(model, model_type, hf, tp)
     _tp_qk_norms(model, hf, tp)
+    if expert_parallel:
+        _expert_parallel(model, hf, tp)
     _row_parallel(model, tp)
     vocab_parallel(model, tp, int(hf.get("vocab_size") or 0))
     declare_fused(model, model_type, hf, tp)
+
+
+# The experts' own attributes set by expert parallelism: the whole model's expert count (the routing's width) and the
+# rank id buffer (which block of experts this rank holds); read by hf_causal_lm's dense experts.
+EP_EXPERTS_ATTR = "nb_ep_experts"
+
+
+def _expert_parallel(model: torch.nn.Module, hf: Mapping[str, Any], tp: int) -> None:
+    """Expert parallelism (NxD Inference's moe_ep_degree, here equal to the tp degree: no tensor split inside an
+    expert): each experts module (transformers' experts interface: [experts, ...] parameters) holds its rank's block
+    of experts (experts/tp of them, rank r: [r*experts/tp, (r+1)*experts/tp)) at their whole width, its routing
+    weights those columns of the whole routing (the router is replicated); its output, the rank's experts' share of
+    every token, is all-reduced as the width-split experts' partial sums are."""
+    import copy
+
+    for name, m in list(model.named_modules()):
+        if not name.endswith(EXPERTS):
+            continue
+        if not isinstance(getattr(m, "down_proj", None), torch.nn.Parameter):
+            raise ValueError(f"{name}: {type(m).__name__} does not hold its experts as [experts, ...] parameters: "
+                             "expert parallelism is not supported for it")
+        cfg = copy.copy(m.config if hasattr(m, "config") else model.config)  # type: ignore[union-attr]
+        for key in WIDTH_KEYS:  # the experts' whole width (per_rank_hf divided it)
+            if hf.get(key):
+                setattr(cfg, key, int(hf[key]))
+        with torch.device("meta"):
+            whole = type(m)(cfg)
+        experts = int(whole.down_proj.shape[0])
+        if experts % tp:
+            raise ValueError(f"{name}: {experts} experts cannot be split by expert over {tp} ranks")
+        for pname, p in list(whole.named_parameters(recurse=False)):
+            held = m._parameters[pname]
+            assert held is not None
+            shape = (experts // tp, *p.shape[1:])
+            m._parameters[pname] = torch.nn.Parameter(torch.empty(shape, dtype=held.dtype, device=held.device),
+                                                      requires_grad=False)
+        for attr in ("intermediate_dim", "intermediate_size", "expert_dim"):
+            if hasattr(whole, attr):
+                setattr(m, attr, getattr(whole, attr))
+        setattr(m, "num_experts", experts // tp)  # noqa: B010
+        setattr(m, EP_EXPERTS_ATTR, experts)
+        m.register_buffer(RANK_BUFFER, torch.zeros(1, dtype=torch.int32), persistent=False)
 
 
 def _is_conv1d(layer: Any) -> bool:
@@ -515,7 +561,7 @@ def _row_parallel(model: torch.nn.Module, tp: int) -> None:
 
     for name, m in list(model.named_modules()):
         if name.endswith(EXPERTS):
-            if getattr(m, "has_bias", False):
+            if getattr(m, "has_bias", False) and not hasattr(m, EP_EXPERTS_ATTR):  # (by expert: each bias once)
                 cls = type(m)
                 m.__class__ = type(f"RankMasked{cls.__name__}", (_RankMaskedDownBias, cls), {})
                 m.register_buffer(RANK_BUFFER, torch.zeros(1, dtype=torch.int32), persistent=False)
@@ -574,7 +620,7 @@ def declare_fused(model: torch.nn.Module, model_type: str, hf: Mapping[str, Any]
             half = p.shape[0] // 2
             fused[name] = (0, ((half * tp, half), (half * tp, half)))
         elif name.endswith(".experts.gate_up_proj") or name.endswith(".experts.gate_up_proj_bias"):
-            if not getattr(owner, "is_concatenated", True):
+            if not getattr(owner, "is_concatenated", True) or hasattr(owner, EP_EXPERTS_ATTR):
                 continue  # interleaved gate/up pairs (gpt-oss): a contiguous block holds whole pairs
             transposed = getattr(owner, "is_transposed", type(owner).__name__ == "Llama4TextExperts")
             dim = p.dim() - 1 if (transposed or name.endswith("_bias")) else p.dim() - 2
