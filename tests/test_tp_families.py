@@ -42,6 +42,7 @@ FAMILIES = {
                                     "num_experts_per_tok": 2, "sliding_window": WINDOW,
                                     "max_position_embeddings": 131072}),
     # latent attention (q_b / kv_b split by head, the latent cache line replicated), grouped routing, shared experts
+    # split by width; its routed experts split by expert (EXPERT_PARALLEL: 2 whole experts per rank)
     "deepseek_v3": ("deepseek_v3", {"vocab_size": 64, "hidden_size": 16, "intermediate_size": 32,
                                     "moe_intermediate_size": 8, "num_hidden_layers": 2, "num_attention_heads": 2,
                                     "num_key_value_heads": 2, "n_routed_experts": 4, "num_experts_per_tok": 2,
@@ -62,6 +63,9 @@ FAMILIES = {
 }
 
 
+EXPERT_PARALLEL = ("deepseek_v3",)  # hf_causal_lm(moe_ep_degree = 2)
+
+
 def _workspace(root: Path) -> Path:
     import torch
     from safetensors.torch import save_file
@@ -80,7 +84,8 @@ def _workspace(root: Path) -> Path:
                  for k, v in model.state_dict().items()}  # (biases, norms, sinks: not transformers' 0 and 1)
         save_file({k: v.detach().clone().contiguous() for k, v in state.items()}, str(root / f"{name}.safetensors"))
         lines += [f'hf_causal_lm(name = "{name}", model_type = "{model_type}", config = {json.dumps(hf)}, '
-                  f'weights = "{name}.safetensors", max_seq = {MAX_SEQ})',
+                  f'weights = "{name}.safetensors", max_seq = {MAX_SEQ}'
+                  f'{", moe_ep_degree = 2" if name in EXPERT_PARALLEL else ""})',
                   f'neuron_compile(name = "{name}_tp2", model = ":{name}", target = ":trn2", tp_degree = 2, '
                   'buckets = {"context": [":serve_context"], "token": [":serve_token"]})']
     return write_ws(root, {"BUILD": "\n".join(lines).replace("true", "True") + "\n"})
@@ -116,7 +121,11 @@ REFUSED = {
                        "new_decoder_architecture with num_kv_heads 3: the kv groups must divide by it"),
     "gpt2_cross": ("gpt2", {"vocab_size": 64, "n_embd": 16, "n_layer": 2, "n_head": 2, "add_cross_attention": True},
                    "gpt2 with cross-attention has no sharding plan"),
+    # expert parallelism: Llama 4's own experts module (not transformers' experts interface); a degree other than tp's
+    "llama4_ep": ("llama4_text", FAMILIES["llama4_text"][1], "moe_ep_degree is supported for the mixtral, "),
+    "qwen2_moe_ep4": ("qwen2_moe", FAMILIES["qwen2_moe"][1], "the model's moe_ep_degree 4 must equal it"),
 }
+EP_DEGREE = {"llama4_ep": 2, "qwen2_moe_ep4": 4}
 
 
 @pytest.mark.parametrize("name", list(REFUSED))
@@ -128,7 +137,8 @@ def test_a_family_or_feature_without_a_sharding_plan_is_refused_tp_at_analysis_w
         'neuron_target(name = "trn2", platform = "trn2")',
         f'llm_buckets(name = "serve", batch_sizes = [1], context_lengths = [{SEQ}])',
         f'hf_causal_lm(name = "{name}", model_type = "{model_type}", config = {json.dumps(hf)}, max_seq = {MAX_SEQ}, '
-        f'weights = "{name}.safetensors")'.replace("true", "True"),
+        f'weights = "{name}.safetensors"{f", moe_ep_degree = {EP_DEGREE[name]}" if name in EP_DEGREE else ""})'
+        .replace("true", "True"),
         f'neuron_compile(name = "{name}_tp2", model = ":{name}", target = ":trn2", tp_degree = 2,',
         '    buckets = {"context": [":serve_context"], "token": [":serve_token"]})']) + "\n",
         f"{name}.safetensors": ""})
