@@ -228,7 +228,7 @@ def _verify_graph(kv, spec, on_device_sampling, output_logits):
 def hf_causal_lm(name, config, weights = None, max_seq = 256, model_type = None, weights_prefix = "", dtype = None,
                  continuous_batching = False, max_batch = None, on_device_sampling = False, output_logits = False,
                  quantization = None, kv_cache_dtype = None, speculation = None, kv_layout = None, block_size = None,
-                 num_blocks = None, prefix_caching = False, tags = []):
+                 num_blocks = None, prefix_caching = False, moe_ep_degree = None, tags = []):
     """A transformers causal LM (llama, mistral, qwen2, gpt2, ...) as served: a `context` graph (prefill: input_ids and
     attention_mask [batch, seq] -> last logits + the KV cache) and a `token` graph (decode: one token per sequence,
     its position, the cache mask and slot, the cache -> logits + the cache, aliased), over a static KV cache of
@@ -251,6 +251,9 @@ def hf_causal_lm(name, config, weights = None, max_seq = 256, model_type = None,
     docs/llm.md "Block KV cache"): the cache is a pool of N blocks of B positions (+ one scratch block) and the
     graphs take a per-row `block_table` instead of seq_ids; max_batch is then optional (the engine's cap on active
     sequences). Without kv_layout (or "contiguous") the graphs are exactly those built without it.
+    `moe_ep_degree = N` (mixture-of-experts families): compiled at tp_degree N, the experts are split by expert
+    across the ranks (each holds N-th of the experts, whole), not by width (docs/llm.md "Tensor parallelism per
+    family"); tp_degree 1 ignores it.
     `prefix_caching = True` (block layout only) adds the `prefix` graph family, bucketed over batch x seq (new tokens)
     x prefix (cached positions read from the blocks): a prefill computing only what follows a cached prefix, and the
     chunks of a prompt longer than the largest context bucket."""
@@ -262,6 +265,8 @@ def hf_causal_lm(name, config, weights = None, max_seq = 256, model_type = None,
     elif output_logits and not on_device_sampling:
         fail("hf_causal_lm %s: output_logits is for on_device_sampling graphs (the others return logits)" % name)
     mt = model_type or _field(config, ["model_type"])
+    if moe_ep_degree != None and (type(moe_ep_degree) != "int" or moe_ep_degree <= 0):
+        fail("hf_causal_lm %s: moe_ep_degree must be a positive int, got %r" % (name, moe_ep_degree))
     dt = _dtype(name, config, dtype)
     for lt in config.get("layer_types") or []:
         if lt not in ("full_attention", "sliding_attention"):
@@ -274,6 +279,8 @@ def hf_causal_lm(name, config, weights = None, max_seq = 256, model_type = None,
     head_dim = _field(config, ["head_dim"], hidden // heads)
     _check_size(name, config, layers, hidden, heads, kv_heads, head_dim, max_seq)
     cache_heads, cache_width = kv_heads, head_dim
+    if mt == "falcon" and config.get("new_decoder_architecture", False):
+        cache_heads = heads  # FalconAttention broadcasts each kv group's k and v to its query heads before the cache update
     if config.get("kv_lora_rank"):  # multi-head latent attention: one latent line per token (hf_causal_lm.cache_width)
         if mt in ("deepseek_v2", "deepseek_v3") and "qk_rope_head_dim" not in config:
             fail("hf_causal_lm %s: config field qk_rope_head_dim: a latent-attention config must write it (the cache holds the rotary key beside the kv_lora_rank latent)" % name)
@@ -333,7 +340,8 @@ def hf_causal_lm(name, config, weights = None, max_seq = 256, model_type = None,
         entry = _GRAPHS_MODULE + ":context",
         config = {"model_type": mt, "hf": hf, "max_seq": max_seq} |
                  ({"quantization": _quantization(name, quantization)} if quantization != None else {}) |
-                 ({"kv_cache_dtype": kv_cache_dtype} if kv_cache_dtype else {}),
+                 ({"kv_cache_dtype": kv_cache_dtype} if kv_cache_dtype else {}) |
+                 ({"moe_ep_degree": moe_ep_degree} if moe_ep_degree != None else {}),
         weights = weights,
         weights_prefix = weights_prefix,
         graphs_only = weights == None,
