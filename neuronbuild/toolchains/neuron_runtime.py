@@ -8,10 +8,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from neuronbuild import plugins
-from neuronbuild.runtime.host import Host, Mismatch
+from neuronbuild.plugin_api import registry as plugins
+from neuronbuild.plugin_api.loader import Host, Loaded, LoadRequest, Mismatch
 from neuronbuild.runtime.layout import FileRef, Graph
-from neuronbuild.runtime.loaders import Loaded, LoadRequest
 
 FORMAT = "neuron-hlo"
 XLA_CPU = "xla-cpu"
