@@ -14,21 +14,8 @@ from neuronbuild.digests import fingerprint
 if TYPE_CHECKING:
     from neuronbuild.loading.labels import Label  # (a leaf value module: it never imports the plug-in API)
 
-__all__ = [
-    "COMPILE",
-    "PROGRAM_CONSTANTS",
-    "TRACE",
-    "TRACE_OUTPUT",
-    "TRACE_WEIGHTS",
-    "WEIGHTS",
-    "Action",
-    "Bucket",
-    "DepInput",
-    "FileInput",
-    "make_action",
-    "rank_weights",
-    "trace_weights",
-]
+__all__ = ["COMPILE", "PROGRAM_CONSTANTS", "TRACE", "TRACE_OUTPUT", "TRACE_WEIGHTS", "WEIGHTS", "Action", "Bucket",
+           "DepInput", "FileInput", "make_action", "rank_weights", "trace_weights"]
 
 TRACE = "trace"
 COMPILE = "compile"
@@ -155,43 +142,17 @@ class Action:
         return f"{base} for {self.target or self.platform}" if self.platform else base
 
 
-def make_action(
-    kind: str,
-    label: Label,
-    bucket: Bucket,
-    record: Mapping[str, Any],
-    spec: Mapping[str, Any],
-    *,
-    files: tuple[FileInput, ...] = (),
-    dep_inputs: tuple[DepInput, ...] = (),
-    outputs: tuple[str, ...] = (),
-    platform: str = "",
-    target: str = "",
-    ships: tuple[DepInput, ...] = (),
-) -> Action:
+def make_action(kind: str, label: Label, bucket: Bucket, record: Mapping[str, Any], spec: Mapping[str, Any], *,
+                files: tuple[FileInput, ...] = (), dep_inputs: tuple[DepInput, ...] = (), outputs: tuple[str, ...] = (),
+                platform: str = "", target: str = "", ships: tuple[DepInput, ...] = ()) -> Action:
     """An Action whose fingerprint is the digest of `record`."""
     # Action(...) as its dataclass __init__ and __post_init__ make it (the same fields in the same order), at a third
     # of the cost: one attribute set instead of a frozen set per field (160,000 actions at 100,000 graphs)
     a = _new(Action)
-    _setattr(
-        a,
-        "__dict__",
-        {
-            "fingerprint": fingerprint(record),
-            "kind": kind,
-            "label": label,
-            "bucket": bucket,
-            "record": record,
-            "spec": spec,
-            "files": files,
-            "dep_inputs": dep_inputs,
-            "outputs": outputs,
-            "platform": platform,
-            "target": target,
-            "ships": ships,
-            "deps": tuple(map(_ACTION, dep_inputs)),
-        },
-    )
+    _setattr(a, "__dict__", {"fingerprint": fingerprint(record), "kind": kind, "label": label, "bucket": bucket,
+                             "record": record, "spec": spec, "files": files, "dep_inputs": dep_inputs,
+                             "outputs": outputs, "platform": platform, "target": target, "ships": ships,
+                             "deps": tuple(map(_ACTION, dep_inputs))})
     return a
 
 
