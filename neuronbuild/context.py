@@ -71,11 +71,11 @@ class BuildContext:
         from neuronbuild.loading.target_graph import load_targets
 
         plugins.load()  # (the rule kinds loading validates against)
-        load_cache = incremental.open_caches(self.cache.dir, self.workspace.root)
+        load_cache = incremental.open_caches(self.cache.dir, self.workspace.root, self.command)
         with incremental.analysis_gc():
             graph = load_targets(self.workspace.root, patterns_or_default(patterns), self.workspace.cwd_package,
                                  load_cache)
-        incremental.save_caches(self.cache.dir, self.workspace.root, load_cache)
+        incremental.save_caches(self.cache.dir, self.workspace.root, load_cache, self.command)
         return graph
 
     def plan(self, graph: TargetGraph, settings: PlanSettings | None = None,
@@ -88,7 +88,7 @@ class BuildContext:
         plugins.load()
         settings = settings if settings is not None else self.settings
         with incremental.analysis_gc():
-            return plan(graph, settings, incremental.analysis_memo(self.workspace.root, settings), errors)
+            return plan(graph, settings, incremental.analysis_memo(self.workspace.root, settings, self.command), errors)
 
     def open_cache(self) -> LocalCache:
         """The cache with every configured tier (local, plus the shared directory or S3 tier)."""
