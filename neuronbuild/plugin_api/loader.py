@@ -1,13 +1,7 @@
 """What a runtime loader is (the plug-in API's serving half): how the serving runtime checks and loads the graphs of
-one artifact format, and the plain data it is handed and returns (`Host`, `Mismatch`, `LoadRequest`, `Loaded`).
-
-The runtime names no format: a graph's manifest entry carries the `format` its toolchain wrote, and the runtime asks
-the registry (runtime/loaders.py `loader_for`) for the loader registered under it. A toolchain declares the module
-that registers its format's loader (`Toolchain.runtime_loader`); that module must import nothing of the build side
-(only the runtime, this package and the base layer), so a serving-only install (no `build` extra) can load its
-graphs. Built-in loader modules are listed in `plugins.RUNTIME_BUILTIN`; out-of-tree ones are found among the modules
-of $NEURONBUILD_PLUGINS (one that cannot be imported in this process, e.g. a build-side module on a serving host, is
-skipped and named in the error of a graph needing it). runtime/loaders.py and runtime/host.py re-export these names."""
+one artifact format (registered under it: runtime/loaders.py finds it by the format a graph's manifest names), and the
+plain data it is handed and returns. Its module imports nothing of the build side, so a serving-only install loads
+those graphs. runtime/loaders.py and runtime/host.py re-export these names."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The cpu toolchain's runtime half: how the serving runtime checks and loads "aoti" graphs (AOTInductor packages).
-Registered under the format by importing this module (plugins.RUNTIME_BUILTIN); imports nothing of the build side."""
+Registered under the format by importing this module (runtime/loaders.RUNTIME_BUILTIN); imports nothing of the build side."""
 
 from __future__ import annotations
 
