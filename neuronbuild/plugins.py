@@ -25,7 +25,9 @@ from neuronbuild.plugin_api.registry import register_toolchain as register_toolc
 TYPE_CHECKING = False  # (not typing's: the build server's client imports this module for toolchain settings)
 if TYPE_CHECKING:
     from collections.abc import Callable
-    from typing import Any, ParamSpec, TypeVar
+    from typing import ParamSpec, TypeVar
+
+    from neuronbuild.plugin_api.toolchain import ToolSettings
 
     P = ParamSpec("P")
     R = TypeVar("R")
@@ -138,7 +140,7 @@ platforms = _loading(registry.platforms)
 toolchain_for = _loading(registry.toolchain_for)
 
 
-def tool_settings(builtin_only: bool = False) -> list[Any]:
+def tool_settings(builtin_only: bool = False) -> list[ToolSettings]:
     """Every toolchain's settings (load_settings first)."""
     load_settings(builtin_only)
     return registry.tool_settings()
