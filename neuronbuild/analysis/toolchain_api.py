@@ -8,7 +8,6 @@ from neuronbuild.plugin_api.toolchain import (  # noqa: F401
     OptionKey,
     StepDirs,
     Toolchain,
-    ToolchainDefaults,
     ToolSettings,
     ignored_options,
     option_warnings,

@@ -37,13 +37,13 @@ class Loaded:
 
 def _complete(obj: object, required: tuple[str, ...], defaults: type, what: str) -> None:
     """TypeError naming what `obj` lacks of `required` (`what` names it, with {!r} for its name); then the optional
-    members it leaves out, filled from `defaults` (a capability's "nothing": no warm-up, no flags, ...)."""
+    members it leaves out, filled from `defaults` and its bases (a capability's "nothing": no warm-up, no flags...)."""
     missing = [m for m in required if not hasattr(obj, m)]
     if missing:
         raise TypeError(
             what.format(getattr(obj, "name", getattr(obj, "format", obj))) + f": missing {', '.join(missing)}"
         )
-    for member, value in vars(defaults).items():
+    for member, value in {k: v for c in reversed(defaults.__mro__) for k, v in vars(c).items()}.items():
         if not member.startswith("_") and not hasattr(obj, member):
             value = types.MethodType(value, obj) if callable(value) else value
             try:
@@ -63,16 +63,12 @@ def register_rule(kind: Rule) -> Rule:
 
 
 def register_toolchain(tc: Toolchain) -> Toolchain:
-    """Register a toolchain (plugin_api/toolchain.py Toolchain; the members ToolchainDefaults has are optional);
+    """Register a toolchain (plugin_api/toolchain.py Toolchain; the members with a default there are optional);
     returns it."""
-    from neuronbuild.plugin_api.toolchain import TOOLCHAIN_REQUIRED, ToolchainDefaults
+    from neuronbuild.plugin_api import toolchain as api
 
-    _complete(
-        tc,
-        TOOLCHAIN_REQUIRED,
-        ToolchainDefaults,
-        "toolchain {!r} does not implement the Toolchain protocol (plugin_api/toolchain.py)",
-    )
+    _complete(tc, api.TOOLCHAIN_REQUIRED, api.Toolchain,
+              "toolchain {!r} does not implement the Toolchain protocol (plugin_api/toolchain.py)")
     with lock:
         for p in tc.platforms:
             owner = _platforms.get(p)

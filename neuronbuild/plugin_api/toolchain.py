@@ -2,8 +2,9 @@
 it plans compile actions for and the plan-wide settings it reads. The registry (plugin_api/registry.py) is typed with
 it, so mypy checks every use of a toolchain against it; `neuronbuild.analysis.toolchain_api` re-exports it.
 
-A toolchain is the sum of small capabilities (`Identity`, `Targets`, `Planning`, `Steps`, `HostSide`); the members
-`ToolchainDefaults` has are optional: the registry fills those a registered toolchain leaves out.
+A toolchain is the sum of small capabilities (`Identity`, `Targets`, `Planning`, `Steps`, `HostSide`). The members
+with a default here are optional: the registry fills those a registered toolchain leaves out (a class subclassing
+`Toolchain` inherits them), so a toolchain says only what it has (no warm-up, options, worker hooks, ...: nothing).
 
 A toolchain serves platforms; for one (trace, target, options, bucket) it plans one or more actions (the last is the
 primary one: its outputs are the graph's artifacts), names the versions that enter their fingerprints, runs its steps
@@ -185,10 +186,10 @@ class Identity(Protocol):
 class Targets(Protocol):
     """The neuron_target side: the attributes it reads and the record entering fingerprints."""
 
-    target_attrs: tuple[Attr, ...]  # neuron_target attributes it reads besides `platform` (e.g. cpu's isa)
+    target_attrs: tuple[Attr, ...] = ()  # neuron_target attributes it reads besides `platform` (e.g. cpu's isa)
     # The tensor-parallel degrees (a neuron_compile's tp_degree) each of its platforms' runtime accepts; a platform
     # not in it: 1 only (its graphs are never sharded).
-    tp_degrees: Mapping[str, tuple[int, ...]]
+    tp_degrees: Mapping[str, tuple[int, ...]] = {}
 
     def target_record(self, platform: str, attrs: Mapping[str, Any]) -> dict[str, Any]:
         """The target as it enters fingerprints (e.g. cpu resolves isa='native' to this machine's level)."""
@@ -202,12 +203,12 @@ class Targets(Protocol):
 class Planning(Protocol):
     """The analysis side: the options it reads, its versions, the actions of one bucket, its estimates and notes."""
 
-    option_keys: tuple[OptionKey, ...]  # the compiler options it reads (the only ones entering its fingerprints)
+    option_keys: tuple[OptionKey, ...] = ()  # the compiler options it reads (the only ones entering its fingerprints)
     estimate_s: float  # assumed seconds of its primary step when nothing was recorded
     estimate_mb: float  # assumed peak MB of its primary step when nothing was recorded
     # MB more per MB of the model's declared weight files, for a step that holds the weights
     # (estimate.default_peak_mb); steps on shapes leave it 0.
-    estimate_mb_per_weight_mb: float
+    estimate_mb_per_weight_mb: float = 0.0
 
     def versions(self, platform: str, settings: PlanSettings) -> dict[str, str]:
         """Toolchain component versions entering the fingerprints of its actions."""
@@ -219,11 +220,11 @@ class Planning(Protocol):
 
     def notes(self, settings: PlanSettings) -> list[str]:
         """Said once per build that has graphs for this toolchain (e.g. 'no neuronx-cc configured')."""
-        ...
+        return []
 
     def option_warnings(self, options: Mapping[str, Any]) -> list[str]:
         """Located warnings about the options it reads (e.g. neuronx-cc flags its compiler does not document)."""
-        ...
+        return []
 
 
 class Steps(Protocol):
@@ -231,7 +232,7 @@ class Steps(Protocol):
 
     # Whether its warm-up leaves something other workers on the machine reuse (files): then it gets a pseudo-action
     # at the start of a build; False: each worker warms itself before its first such step (e.g. an import).
-    warm_up_shared: bool
+    warm_up_shared: bool = False
 
     def run(self, step: str, spec: Mapping[str, Any], sandbox: Path, out_dir: Path) -> dict[str, Any]:
         """Run one of its steps in a worker process (may import torch); returns JSON-able metadata."""
@@ -239,18 +240,18 @@ class Steps(Protocol):
 
     def warm_up_key(self, spec: Mapping[str, Any]) -> Mapping[str, Any] | None:
         """What the step `spec` needs warm on its machine (see the module doc), or None (no warm-up)."""
-        ...
+        return None
 
     def prepare_worker(self) -> None:
         """Once in each worker process before it runs anything (forked workers inherit it): import what its steps
         import, so the actions forked from the worker start warm. It must start no thread and run no torch op (a
         fork copies only the forking thread); a failure here is ignored (the step reports it)."""
-        ...
+        return None
 
     def step_dirs(self, spec: Mapping[str, Any]) -> StepDirs:
         """In the worker, before its step `spec` runs confined: the directories it may use besides its sandbox
         (created by the toolchain when they are its own)."""
-        ...
+        return StepDirs()
 
 
 class HostSide(Protocol):
@@ -258,14 +259,14 @@ class HostSide(Protocol):
 
     # The module registering the runtime loader of `artifact_format` (plugin_api/loader.py `ArtifactLoader`); it
     # imports nothing of the build side, so serving-only installs load these graphs ("" if they are never served).
-    runtime_loader: str
-    validate_note: str  # what `validate` checks of its artifacts when that is less than the real thing ("" if not)
+    runtime_loader: str = ""
+    validate_note: str = ""  # what `validate` checks of its artifacts when that is less than the real thing ("" if not)
 
     def host_status(self) -> dict[str, str | None]:
         """What this machine would build its graphs with, as its fingerprints record it (columns of `farm status`,
         run on each farm worker; may run tools, must not import torch): e.g. {"cxx": ..., "isa": ...}. None: absent
         (e.g. no compiler configured); a broken tool is reported in its value, not raised."""
-        ...
+        return {}
 
     def load_artifact(self, files: Mapping[str, Path]) -> Callable[..., Any]:
         """A callable running the artifacts on this machine, for `neuronbuild validate`."""
@@ -276,39 +277,7 @@ class Toolchain(Identity, Targets, Planning, Steps, HostSide, Protocol):
     """A registered toolchain (neuronbuild.plugins.register_toolchain): every capability."""
 
 
-class ToolchainDefaults:
-    """The optional members of a toolchain and what they are when it leaves them out (the registry fills them): no
-    target attributes, options or tensor parallelism, no weight-dependent memory, no notes or option warnings, no
-    warm-up, worker hooks or farm columns, no runtime loader, nothing to say in `validate`."""
-
-    target_attrs: tuple[Attr, ...] = ()
-    tp_degrees: Mapping[str, tuple[int, ...]] = {}
-    option_keys: tuple[OptionKey, ...] = ()
-    estimate_mb_per_weight_mb = 0.0
-    warm_up_shared = False
-    runtime_loader = ""
-    validate_note = ""
-
-    def notes(self, settings: PlanSettings) -> list[str]:
-        return []
-
-    def option_warnings(self, options: Mapping[str, Any]) -> list[str]:
-        return []
-
-    def warm_up_key(self, spec: Mapping[str, Any]) -> Mapping[str, Any] | None:
-        return None
-
-    def prepare_worker(self) -> None:
-        return None
-
-    def step_dirs(self, spec: Mapping[str, Any]) -> StepDirs:
-        return StepDirs()
-
-    def host_status(self) -> dict[str, str | None]:
-        return {}
-
-
-# What a toolchain must declare itself (the rest: ToolchainDefaults), checked at registration.
+# What a toolchain must declare itself (the rest has defaults above), checked at registration.
 TOOLCHAIN_REQUIRED = (
     "name",
     "platforms",

@@ -8,7 +8,7 @@ from typing import Any
 
 from neuronbuild.analysis.actions import COMPILE, PROGRAM_CONSTANTS, TRACE_OUTPUT, Action, DepInput, make_action
 from neuronbuild.analysis.plan_settings import PlanSettings
-from neuronbuild.analysis.toolchain_api import WARM_UP, CompileRequest, OptionKey, StepDirs, ToolchainDefaults
+from neuronbuild.analysis.toolchain_api import WARM_UP, CompileRequest, OptionKey, StepDirs, Toolchain
 from neuronbuild.loading.schema import STRING, Attr
 from neuronbuild.platforms import cxx_version, resolve_isa
 from neuronbuild.plugin_api import registry as plugins
@@ -25,7 +25,7 @@ OUTPUTS = ("model.pt2", PROGRAM_CONSTANTS)
 IN_PLACE_VERSION = "input-mutation-1"
 
 
-class CpuToolchain(ToolchainDefaults):
+class CpuToolchain(Toolchain):
     name = "aoti"
     platforms: tuple[str, ...] = (CPU_PLATFORM,)
     artifact_format = cpu_runtime.FORMAT

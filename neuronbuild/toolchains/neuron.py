@@ -12,7 +12,7 @@ from typing import Any
 from neuronbuild import FORMAT_VERSION
 from neuronbuild.analysis.actions import COMPILE, PROGRAM_CONSTANTS, TRACE_OUTPUT, Action, DepInput, make_action
 from neuronbuild.analysis.plan_settings import PlanSettings
-from neuronbuild.analysis.toolchain_api import WARM_UP, CompileRequest, OptionKey, StepDirs, ToolchainDefaults
+from neuronbuild.analysis.toolchain_api import WARM_UP, CompileRequest, OptionKey, StepDirs, Toolchain
 from neuronbuild.analysis.toolchain_versions import package_version
 from neuronbuild.errors import UserInputError
 from neuronbuild.loading.schema import INT, STRING, STRING_LIST, Attr
@@ -46,7 +46,7 @@ OPTION_KEYS = (
 )
 
 
-class NeuronToolchain(ToolchainDefaults):
+class NeuronToolchain(Toolchain):
     name = "neuron"
     platforms: tuple[str, ...] = NEURON_PLATFORMS
     artifact_format = neuron_runtime.FORMAT
