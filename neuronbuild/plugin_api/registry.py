@@ -67,8 +67,12 @@ def register_toolchain(tc: Toolchain) -> Toolchain:
     returns it."""
     from neuronbuild.plugin_api import toolchain as api
 
-    _complete(tc, api.TOOLCHAIN_REQUIRED, api.Toolchain,
-              "toolchain {!r} does not implement the Toolchain protocol (plugin_api/toolchain.py)")
+    _complete(
+        tc,
+        api.TOOLCHAIN_REQUIRED,
+        api.Toolchain,
+        "toolchain {!r} does not implement the Toolchain protocol (plugin_api/toolchain.py)",
+    )
     with lock:
         for p in tc.platforms:
             owner = _platforms.get(p)
