@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from neuronbuild import plugins
 from neuronbuild.analysis import tensor_parallel
 from neuronbuild.analysis.actions import Bucket, DepInput
 from neuronbuild.analysis.analysis_context import AnalysisContext
@@ -18,6 +17,7 @@ from neuronbuild.loading.labels import Label
 from neuronbuild.loading.schema import FLOAT, GRAPH_LABEL, GRAPH_LABELS, INT, LABEL, NAME, TAGS, Attr, RuleSchema
 from neuronbuild.loading.target_graph import locate
 from neuronbuild.loading.targets import Target
+from neuronbuild.plugin_api import registry as plugins
 
 SCHEMA = RuleSchema(
     "neuron_compile",

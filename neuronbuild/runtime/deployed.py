@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from neuronbuild import envvars, plugins
+from neuronbuild import envvars
 from neuronbuild.runtime.host import Host, check_graph, current_host, no_loader
 from neuronbuild.runtime.inputs import prepare
 from neuronbuild.runtime.layout import (
@@ -28,7 +28,7 @@ from neuronbuild.runtime.layout import (
     read_manifest,
     read_releases,
 )
-from neuronbuild.runtime.loaders import LoadRequest
+from neuronbuild.runtime.loaders import load_request, loader_for
 from neuronbuild.runtime.router import BucketRouter, NoBucketFits, Route
 from neuronbuild.runtime.signing import SIGNATURE as SIGNATURE_FILE
 from neuronbuild.runtime.signing import TRUSTED_KEYS_ENV, SignatureError, TrustedKey, load_trusted_keys, verify_manifest
@@ -360,10 +360,10 @@ class DeployedCache:
         g = slot.graph
         emulated = False
         try:  # through the runtime loader its toolchain registered for the format (runtime/loaders.py)
-            loader = plugins.loader_for(g.format)
+            loader = loader_for(g.format)
             if loader is None:
                 raise RuntimeError(no_loader(g.format))
-            loaded = loader.load(LoadRequest(g, slot.release.dir, self.emulate, self._weights_ref(slot.release.dir, g),
+            loaded = loader.load(load_request(g, slot.release.dir, self.emulate, self._weights_ref(slot.release.dir, g),
                                              self._scratch))
             slot.fn, emulated = loaded.fn, loaded.emulated
         except Exception as e:  # noqa: BLE001 - any load failure is this graph's error
@@ -397,7 +397,7 @@ class _EagerModel:
 
 
 def _scratch_bytes(g: Graph) -> int:
-    loader = plugins.loader_for(g.format)
+    loader = loader_for(g.format)
     return loader.scratch_bytes(g) if loader is not None else 0
 
 

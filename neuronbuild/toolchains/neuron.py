@@ -9,7 +9,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from neuronbuild import FORMAT_VERSION, plugins
+from neuronbuild import FORMAT_VERSION
 from neuronbuild.analysis.actions import (
     COMPILE,
     LIGHT,
@@ -20,10 +20,11 @@ from neuronbuild.analysis.actions import (
     make_action,
 )
 from neuronbuild.analysis.plan_settings import PlanSettings
-from neuronbuild.analysis.toolchain_api import WARM_UP, CompileRequest, OptionKey, StepDirs
+from neuronbuild.analysis.toolchain_api import WARM_UP, CompileRequest, OptionKey, StepDirs, Toolchain
 from neuronbuild.analysis.toolchain_versions import package_version
 from neuronbuild.errors import UserInputError
 from neuronbuild.loading.schema import INT, STRING, STRING_LIST, Attr
+from neuronbuild.plugin_api import registry as plugins
 from neuronbuild.toolchains import neuron_flags, neuron_runtime, neuron_settings
 from neuronbuild.toolchains.neuron_settings import NAME as NEURONX_CC
 from neuronbuild.vocabulary import AUTO_CAST, NEURON_PLATFORMS, OPT_LEVELS
@@ -53,7 +54,7 @@ OPTION_KEYS = (
 )
 
 
-class NeuronToolchain:
+class NeuronToolchain(Toolchain):
     name = "neuron"
     platforms: tuple[str, ...] = NEURON_PLATFORMS
     artifact_format = neuron_runtime.FORMAT
