@@ -26,7 +26,9 @@ SERVE = f"max_seq = {MAX_SEQ}, continuous_batching = True, max_batch = {MAX_BATC
         "output_logits = True"
 
 
-def _build_file(spec3: str = '{"draft": ":small", "length": 3}', spec5: str = '{"draft": ":same", "length": 5}') -> str:
+def _build_file(spec3: str = '{"draft": ":small", "length": 3}', spec5: str = '{"draft": ":same", "length": 5}',
+                fused5: str = '{"draft": ":small", "length": 5, "fused": True}',
+                fused3: str = '{"draft": ":same", "length": 3, "fused": True}') -> str:
     return f'''load("@neuronbuild//rules:llm.bzl", "hf_causal_lm")
 neuron_target(name = "trn2", platform = "trn2")
 neuron_target(name = "cpu", platform = "cpu", isa = "native")
@@ -36,12 +38,19 @@ hf_causal_lm(name = "llama3", model_type = "llama", config = {json.dumps(HF)}, w
              {SERVE}, speculation = {spec3})
 hf_causal_lm(name = "llama5", model_type = "llama", config = {json.dumps(HF)}, weights = "llama.safetensors",
              {SERVE}, speculation = {spec5})
+# fused (draft steps and verification in one graph): k = 5 with the random draft on cpu, k = 3 with the equal draft
+# on trn2 (the cross-product's other two cells); their context and token graphs are the targets' own
+hf_causal_lm(name = "llama5f", model_type = "llama", config = {json.dumps(HF)}, weights = "llama.safetensors",
+             {SERVE}, speculation = {fused5})
+hf_causal_lm(name = "llama3f", model_type = "llama", config = {json.dumps(HF)}, weights = "llama.safetensors",
+             {SERVE}, speculation = {fused3})
 hf_causal_lm(name = "same", model_type = "llama", config = {json.dumps(HF)}, weights = "llama.safetensors", {SERVE})
 hf_causal_lm(name = "small", model_type = "llama", config = {json.dumps(SMALL)}, weights = "small.safetensors",
              {SERVE})
 neuron_buckets(name = "ctx", shapes = [{{"batch": 2, "seq": 16}}])
 neuron_buckets(name = "tok", shapes = [{{"batch": 4}}])
 TARGET = {{"context": [":ctx"], "token": [":tok"], "verify": [":tok"]}}
+FUSED = {{"context": [":ctx"], "token": [":tok"], "fused": [":tok"]}}
 DRAFT = {{"context": [":ctx"], "token": [":tok"]}}
 # k = 3 on cpu, k = 5 on trn2 (its HLO run on XLA:CPU): 8 graphs in all (the context and token graphs of llama5 and
 # same are one trace)
@@ -49,7 +58,10 @@ neuron_compile(name = "llama3_cpu", model = ":llama3", target = ":cpu", buckets 
 neuron_compile(name = "small_cpu", model = ":small", target = ":cpu", buckets = DRAFT)
 neuron_compile(name = "llama5_trn2", model = ":llama5", target = ":trn2", buckets = TARGET)
 neuron_compile(name = "same_trn2", model = ":same", target = ":trn2", buckets = DRAFT)
-neuron_bundle(name = "release", srcs = [":llama3_cpu", ":small_cpu", ":llama5_trn2", ":same_trn2"])
+neuron_compile(name = "llama5f_cpu", model = ":llama5f", target = ":cpu", buckets = FUSED)
+neuron_compile(name = "llama3f_trn2", model = ":llama3f", target = ":trn2", buckets = FUSED)
+neuron_bundle(name = "release", srcs = [":llama3_cpu", ":small_cpu", ":llama5_trn2", ":same_trn2", ":llama5f_cpu",
+                                        ":llama3f_trn2"])
 '''
 
 

@@ -28,7 +28,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from neuronbuild.runtime.layout import FileRef
+from neuronbuild.runtime.layout import DRAFT_PREFIX, DRAFT_WEIGHTS, FileRef
 
 _CHUNK = 1 << 20
 _PARALLEL_MIN = 64 << 20  # files at least this large are hashed by BLAKE3 on all cores, in bigger chunks
@@ -351,6 +351,19 @@ def weights_mismatch(g: Any, root: Path) -> str | None:
     files = [g.artifacts[n] for n in ranks] if degree > 1 else ([g.weights] if g.weights is not None else [])
     if not files:
         return "it ships no weights (built without weights: bundle it with a model_weights target)"
+    draft = g.artifacts.get(DRAFT_WEIGHTS)
+    if draft is not None:  # a fused speculation graph: its draft's names are checked against the draft's file
+        found = _header_state(Path(root) / draft.path)
+        for name, (dtype, shape) in state.items():
+            if not name.startswith(DRAFT_PREFIX):
+                continue
+            have = found.get(name[len(DRAFT_PREFIX):])
+            if have is None:
+                return f"parameter {name} ({_spec(dtype, shape)}) is not in its draft weights file {draft.path}"
+            if have != (dtype, tuple(shape)):
+                return f"parameter {name}: the graph takes {_spec(dtype, shape)}, its draft weights file " \
+                       f"{draft.path} holds {_spec(*have)}"
+        state = {k: v for k, v in state.items() if not k.startswith(DRAFT_PREFIX)}
     for ref in files:
         found = _header_state(Path(root) / ref.path)
         for name, (dtype, shape) in state.items():
