@@ -11,7 +11,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from neuronbuild.runtime.layout import DRAFT_PREFIX, DRAFT_WEIGHTS
+from neuronbuild.runtime.layout import DRAFT_PREFIX
 from neuronbuild.runtime.verified import with_tied
 
 MODEL_NAME = "model"

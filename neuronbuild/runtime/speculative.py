@@ -85,10 +85,11 @@ def speculative_engine(lm: Any, seed: int, speculation: Mapping[str, Any] | bool
         raise ValueError(f"speculation: unknown key {unknown[0]!r} (known: draft, length, fused)")
     k = int(built["length"])
     if "length" in want and want["length"] != k:
+        what = (f"its fused graph proposes {k} draft tokens and scores {k + 1} positions per row" if built.get("fused")
+                else f"its verify graph scores {k + 1} positions per row")
         raise SpeculationMismatch(
             f"{lm.label}: speculation length {want['length']} requested, but the bundle was built for length {k} "
-            f"(its verify graph scores {k + 1} positions per row; rebuild with speculation length "
-            f"{want['length']} or serve with {k})")
+            f"({what}; rebuild with speculation length {want['length']} or serve with {k})")
     if "fused" in want and bool(want["fused"]) != bool(built.get("fused")):
         has = "a fused graph per bucket (draft steps and verification in one call)" if built.get("fused") else \
             "separate draft token and verify graphs"

@@ -94,13 +94,8 @@ class CpuToolchain:
         return {cpu_settings.CXX: cxx_version(), "isa": resolve_isa("native")}
 
     def load_artifact(self, files: Mapping[str, Path]) -> Callable[..., Any]:
-        from neuronbuild.runtime.aoti_loader import (
-            DRAFT_WEIGHTS,
-            load_package,
-            read_constants,
-            with_draft,
-            with_program_constants,
-        )
+        from neuronbuild.runtime.aoti_loader import load_package, read_constants, with_draft, with_program_constants
+        from neuronbuild.runtime.layout import DRAFT_WEIGHTS
 
         return load_package(files["model.pt2"], constants=with_program_constants(
             with_draft(read_constants(files["constants.safetensors"]), files.get(DRAFT_WEIGHTS)),

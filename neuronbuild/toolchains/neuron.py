@@ -204,7 +204,8 @@ class NeuronToolchain:
             return {NEURONX_CC: f"broken ({e})"}
 
     def load_artifact(self, files: Mapping[str, Path]) -> Callable[..., Any]:
-        from neuronbuild.runtime.aoti_loader import DRAFT_WEIGHTS, read_constants, with_draft, with_program_constants
+        from neuronbuild.runtime.aoti_loader import read_constants, with_draft, with_program_constants
+        from neuronbuild.runtime.layout import DRAFT_WEIGHTS
         from neuronbuild.runtime.xla_cpu import load_graph
 
         own = files.get(PROGRAM_CONSTANTS)
