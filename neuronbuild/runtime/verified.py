@@ -352,25 +352,29 @@ def weights_mismatch(g: Any, root: Path) -> str | None:
     if not files:
         return "it ships no weights (built without weights: bundle it with a model_weights target)"
     draft = g.artifacts.get(DRAFT_WEIGHTS)
-    if draft is not None:  # a fused speculation graph: its draft's names are checked against the draft's file
-        found = _header_state(Path(root) / draft.path)
-        for name, (dtype, shape) in state.items():
-            if not name.startswith(DRAFT_PREFIX):
-                continue
-            have = found.get(name[len(DRAFT_PREFIX):])
-            if have is None:
-                return f"parameter {name} ({_spec(dtype, shape)}) is not in its draft weights file {draft.path}"
-            if have != (dtype, tuple(shape)):
-                return f"parameter {name}: the graph takes {_spec(dtype, shape)}, its draft weights file " \
-                       f"{draft.path} holds {_spec(*have)}"
-        state = {k: v for k, v in state.items() if not k.startswith(DRAFT_PREFIX)}
+    if draft is not None:  # a fused speculation graph: its draft's names are checked against the draft's own file
+        own = {k: v for k, v in state.items() if not k.startswith(DRAFT_PREFIX)}
+        problem = _state_mismatch({k: v for k, v in state.items() if k not in own}, root, draft, "draft weights file",
+                                  DRAFT_PREFIX)
+        if problem:
+            return problem
+        state = own
     for ref in files:
-        found = _header_state(Path(root) / ref.path)
-        for name, (dtype, shape) in state.items():
-            have = found.get(name)
-            if have is None:
-                return f"parameter {name} ({_spec(dtype, shape)}) is not in its weights file {ref.path}"
-            if have != (dtype, tuple(shape)):
-                return f"parameter {name}: the graph takes {_spec(dtype, shape)}, its weights file {ref.path} holds " \
-                       f"{_spec(*have)}"
+        problem = _state_mismatch(state, root, ref, "weights file")
+        if problem:
+            return problem
+    return None
+
+
+def _state_mismatch(state: Mapping[str, tuple[str, tuple[int, ...]]], root: Path, ref: FileRef, what: str,
+                    prefix: str = "") -> str | None:
+    """The first of the graph's parameters (names under `prefix` are the file's without it) that the weights file's
+    header lacks or holds with another dtype or shape, in one line; None when it holds them all."""
+    found = _header_state(Path(root) / ref.path)
+    for name, (dtype, shape) in state.items():
+        have = found.get(name[len(prefix):])
+        if have is None:
+            return f"parameter {name} ({_spec(dtype, shape)}) is not in its {what} {ref.path}"
+        if have != (dtype, tuple(shape)):
+            return f"parameter {name}: the graph takes {_spec(dtype, shape)}, its {what} {ref.path} holds {_spec(*have)}"
     return None
