@@ -212,7 +212,9 @@ def record_noop(key: str, root: Path, cwd_package: str, patterns: Sequence[str],
             if res is None:
                 noop.invalidate(cache_dir, key)
                 return False
-            outputs.extend(f"{out}/{bucket.name}/{n}" for n in (*res.outputs, *(s.path for s in ag.actions[fp].ships)))
+            ships = ct.ships_of(fp)  # (the target's own: a fused speculation graph's draft weights too)
+            ships = ag.actions[fp].ships if ships is None else ships
+            outputs.extend(f"{out}/{bucket.name}/{n}" for n in (*res.outputs, *(s.path for s in ships)))
     if ag.bundles:  # a bundle's archive, its manifest copy and sha256 file: one deleted is rebuilt, not a no-op
         from neuronbuild.packaging.bundle import bundle_paths
 

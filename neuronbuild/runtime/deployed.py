@@ -19,6 +19,8 @@ from neuronbuild import envvars
 from neuronbuild.runtime.host import Host, check_graph, current_host, no_loader
 from neuronbuild.runtime.inputs import prepare
 from neuronbuild.runtime.layout import (
+    DRAFT_PREFIX,
+    DRAFT_WEIGHTS,
     FileRef,
     Graph,
     LayoutError,
@@ -344,6 +346,15 @@ class DeployedCache:
         byte checked; a name in both keeps the weights file's value (a tensor-parallel rank's shard holds its own
         values of per-rank buffers)."""
         own = g.artifacts.get(PROGRAM_CONSTANTS)
+        draft = g.artifacts.get(DRAFT_WEIGHTS)
+        if draft is not None:  # a fused speculation graph: + its draft model's weights under "draft."
+            def both(ref: FileRef) -> Any:
+                tensors = {DRAFT_PREFIX + k: v for k, v in self._weights_for(rdir / draft.path, draft).items()}
+                if own is not None:
+                    tensors.update(self._weights_for(rdir / own.path, own))
+                return {**tensors, **self._weights_for(rdir / ref.path, ref)}
+
+            return both
         if own is None:
             return lambda ref: self._weights_for(rdir / ref.path, ref)
         return lambda ref: {**self._weights_for(rdir / own.path, own), **self._weights_for(rdir / ref.path, ref)}

@@ -94,10 +94,12 @@ class CpuToolchain(Toolchain):
         return {cpu_settings.CXX: cxx_version(), "isa": resolve_isa("native")}
 
     def load_artifact(self, files: Mapping[str, Path]) -> Callable[..., Any]:
-        from neuronbuild.runtime.aoti_loader import load_package, read_constants, with_program_constants
+        from neuronbuild.runtime.aoti_loader import load_package, read_constants, with_draft, with_program_constants
+        from neuronbuild.runtime.layout import DRAFT_WEIGHTS
 
         return load_package(files["model.pt2"], constants=with_program_constants(
-            read_constants(files["constants.safetensors"]), files.get(PROGRAM_CONSTANTS)))
+            with_draft(read_constants(files["constants.safetensors"]), files.get(DRAFT_WEIGHTS)),
+            files.get(PROGRAM_CONSTANTS)))
 
     def notes(self, settings: PlanSettings) -> list[str]:
         return []

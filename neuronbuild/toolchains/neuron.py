@@ -214,7 +214,8 @@ class NeuronToolchain(Toolchain):
             return {NEURONX_CC: f"broken ({e})"}
 
     def load_artifact(self, files: Mapping[str, Path]) -> Callable[..., Any]:
-        from neuronbuild.runtime.aoti_loader import read_constants, with_program_constants
+        from neuronbuild.runtime.aoti_loader import read_constants, with_draft, with_program_constants
+        from neuronbuild.runtime.layout import DRAFT_WEIGHTS
         from neuronbuild.runtime.xla_cpu import load_graph
 
         own = files.get(PROGRAM_CONSTANTS)
@@ -222,8 +223,8 @@ class NeuronToolchain(Toolchain):
             ranks = sorted((n for n in files if n.startswith("rank_")), key=lambda n: int(n[5:].split(".")[0]))
             return load_graph(files[HLO_FILE], files[PARAMS_FILE],
                               [with_program_constants(read_constants(files[n]), own) for n in ranks])
-        return load_graph(files[HLO_FILE], files[PARAMS_FILE],
-                          with_program_constants(read_constants(files[WEIGHTS_FILE]), own))
+        weights = with_draft(read_constants(files[WEIGHTS_FILE]), files.get(DRAFT_WEIGHTS))  # (+ a fused graph's draft)
+        return load_graph(files[HLO_FILE], files[PARAMS_FILE], with_program_constants(weights, own))
 
     def option_warnings(self, options: Mapping[str, Any]) -> list[str]:
         """Raw `flags` the neuronx-cc contract does not document (neuron_flags.DOCUMENTED_FLAGS): a typo would
