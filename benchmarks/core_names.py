@@ -31,7 +31,8 @@ NOT_NAMING = (
     ("runtime/inputs.py", 'device.type != "cpu"'),  # torch's CPU device
     ("noop.py", '"cpu": _cpu_flags()'),  # the host's CPU flags in the no-op stamp
     ("analysis/providers.py", "e.g."),  # an example in a field's comment
-    ("analysis/toolchain_api.py", "e.g."),  # docstring examples
+    ("plugin_api/toolchain.py", "e.g."),  # docstring examples
+    ("plugin_api/flag.py", "(`--neuronx-cc` -> `neuronx_cc`)"),  # a docstring's example of a flag's dest
     ("analysis/explain.py", "toolchain 'aoti'"),  # a docstring's example message
 )
 

@@ -61,7 +61,8 @@ neuron_compile(name = "c", model = ":m", buckets = [":bk"], target = ":t")
 BUILD_N = """neuron_model(name = "m", srcs = ["m.py"], entry = "m:build", inputs = {"x": "float32[b, 16]"})
 neuron_buckets(name = "bk", shapes = [%s])
 neuron_target(name = "t", platform = "trn2")
-neuron_compile(name = "c", model = ":m", buckets = [":bk"], target = ":t")
+compiler_options(name = "o", opt_level = %d)
+neuron_compile(name = "c", model = ":m", buckets = [":bk"], target = ":t", options = ":o")
 """
 
 
@@ -104,7 +105,8 @@ def builds_side_by_side(args: argparse.Namespace, tmp: Path) -> None:
     ws = tmp / "build-ws"
     (ws / "pkg").mkdir(parents=True)
     (ws / "WORKSPACE.neuronbuild").write_text("")
-    (ws / "pkg" / "BUILD").write_text(BUILD_N % ", ".join(f'{{"b": {b}}}' for b in range(1, args.build + 1)))
+    shapes = ", ".join(f'{{"b": {b}}}' for b in range(1, args.build + 1))
+    (ws / "pkg" / "BUILD").write_text(BUILD_N % (shapes, 2))
     (ws / "pkg" / "m.py").write_text(MODEL)
     import subprocess
 
@@ -126,6 +128,7 @@ def builds_side_by_side(args: argparse.Namespace, tmp: Path) -> None:
         sides.append(("this checkout, NEURONBUILD_PREPARED_ACTIONS=0", {"NEURONBUILD_PREPARED_ACTIONS": "0"}))
     figs: dict[str, dict[str, list[float]]] = {name: {} for name, _env in sides}
     walls: dict[str, list[float]] = {name: [] for name, _env in sides}
+    edits: dict[str, list[tuple[float, float]]] = {name: [] for name, _env in sides}  # flags-only rebuild: wall, CPU
     for i in range(args.build_rounds):
         for name, extra in sides if i % 2 == 0 else sides[::-1]:
             cache, events = tmp / f"cache-{i}-{len(walls[name])}-{hash(name) & 0xffff}", tmp / "events.json"
@@ -139,6 +142,16 @@ def builds_side_by_side(args: argparse.Namespace, tmp: Path) -> None:
                 raise SystemExit(f"the build failed ({name}):\n{proc.stderr}")
             for k, v in build_figures(events, deps).items():
                 figs[name].setdefault(k, []).extend(v)
+            for level in (1, 3):  # flags-only edits: every Compile again, nothing else (light steps, #53)
+                (ws / "pkg" / "BUILD").write_text(BUILD_N % (shapes, level))
+                cpu, start = cpu_now(), time.perf_counter()
+                proc = subprocess.run([sys.executable, "-m", "neuronbuild", "--batch", "build", "//pkg:c",
+                                       "--cache-dir", str(cache)], cwd=ws, env=env, capture_output=True, text=True)
+                edits[name].append((time.perf_counter() - start, cpu_now() - cpu))
+                if proc.returncode != 0 or f"{args.build} executed" not in proc.stdout + proc.stderr:
+                    raise SystemExit(f"the flags-only rebuild did not run {args.build} compiles ({name}):\n"
+                                     f"{proc.stdout}{proc.stderr}")
+            (ws / "pkg" / "BUILD").write_text(BUILD_N % (shapes, 2))
             shutil.rmtree(cache, ignore_errors=True)
     n = len(deps)
     print(f"builds of {n} actions ({args.build} buckets: trace, Lower, tiny Compile each; the weights), fresh cache, "
@@ -153,6 +166,10 @@ def builds_side_by_side(args: argparse.Namespace, tmp: Path) -> None:
                   f"{_median(f.get(pre + 'beyond', [])) * 1000:>14.1f}{_median(f.get(pre + 'store', [])) * 1000:>8.1f}"
                   f"{_median(f.get(pre + 'stored', [])) * 1000:>10.1f}"
                   f"{_median(walls[name]):>11.2f}s")
+    print(f"flags-only rebuild ({args.build} Compiles run, the rest cached), median of {len(edits[sides[0][0]])}:")
+    for name, _env in sides:
+        print(f"  {name:<46} wall {_median([w for w, _c in edits[name]]):.3f} s, CPU (the build's process tree) "
+              f"{_median([c for _w, c in edits[name]]):.3f} s")
 
 
 def main() -> None:

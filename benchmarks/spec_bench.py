@@ -1,15 +1,17 @@
 """Speculative decoding (#47), side by side in one run from one deployed cpu bundle: an 8-layer Llama target served by
 the continuous-batching engine without speculation; with a draft made of its first 2 layers (the target's 6 further
 layers have zero o_proj / down_proj weights, so their residual outputs are zero: the draft's logits are the target's
-and every proposal is accepted); and with a random 2-layer draft. Greedy requests; tokens/s (wall and per process
-CPU second), tokens per target call (verify calls with speculation, token calls without) and the draft's acceptance
-rate; every request's tokens are checked equal across the three.
+and every proposal is accepted); and with a random 2-layer draft; each draft unfused (k draft token calls and a
+verify call per round) and fused (`fused = True`: one graph per round running the draft's steps and the
+verification). Greedy requests; tokens/s (wall and per process CPU second), tokens per target call (verify or fused
+calls with speculation, token calls without) and the draft's acceptance rate; every request's tokens are checked
+equal across the five.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/serve_bench.py --speculation [--requests 16] [--length 4] \
         [--hidden 512]
     (or benchmarks/spec_bench.py directly; --workdir DIR keeps the build)
 
-Not part of the test suite: one build of 8 cpu graphs."""
+Not part of the test suite: one build of 10 cpu graphs."""
 
 from __future__ import annotations
 
@@ -48,6 +50,10 @@ hf_causal_lm(name = "target_same", model_type = "llama", config = {json.dumps(HF
              {serve}, speculation = {{"draft": ":draft_same", "length": {k}}})
 hf_causal_lm(name = "target_rand", model_type = "llama", config = {json.dumps(HF)}, weights = "target.safetensors",
              {serve}, speculation = {{"draft": ":draft_rand", "length": {k}}})
+hf_causal_lm(name = "fused_same", model_type = "llama", config = {json.dumps(HF)}, weights = "target.safetensors",
+             {serve}, speculation = {{"draft": ":draft_same", "length": {k}, "fused": True}})
+hf_causal_lm(name = "fused_rand", model_type = "llama", config = {json.dumps(HF)}, weights = "target.safetensors",
+             {serve}, speculation = {{"draft": ":draft_rand", "length": {k}, "fused": True}})
 hf_causal_lm(name = "draft_same", model_type = "llama", config = {json.dumps(DRAFT)}, weights = "draft_same.safetensors",
              {serve})
 hf_causal_lm(name = "draft_rand", model_type = "llama", config = {json.dumps(RANDOM_DRAFT)}, weights = "draft_rand.safetensors",
@@ -55,12 +61,16 @@ hf_causal_lm(name = "draft_rand", model_type = "llama", config = {json.dumps(RAN
 neuron_buckets(name = "ctx", shapes = [{{"batch": 1, "seq": {PROMPT}}}, {{"batch": {SLOTS}, "seq": {PROMPT}}}])
 neuron_buckets(name = "tok", shapes = [{{"batch": {SLOTS}}}])
 TARGET = {{"context": [":ctx"], "token": [":tok"], "verify": [":tok"]}}
+FUSED = {{"context": [":ctx"], "token": [":tok"], "fused": [":tok"]}}
 DRAFT = {{"context": [":ctx"], "token": [":tok"]}}
 neuron_compile(name = "target_same_cpu", model = ":target_same", target = ":cpu", buckets = TARGET)
 neuron_compile(name = "target_rand_cpu", model = ":target_rand", target = ":cpu", buckets = TARGET)
 neuron_compile(name = "draft_same_cpu", model = ":draft_same", target = ":cpu", buckets = DRAFT)
 neuron_compile(name = "draft_rand_cpu", model = ":draft_rand", target = ":cpu", buckets = DRAFT)
-neuron_bundle(name = "release", srcs = [":target_same_cpu", ":target_rand_cpu", ":draft_same_cpu", ":draft_rand_cpu"])
+neuron_compile(name = "fused_same_cpu", model = ":fused_same", target = ":cpu", buckets = FUSED)
+neuron_compile(name = "fused_rand_cpu", model = ":fused_rand", target = ":cpu", buckets = FUSED)
+neuron_bundle(name = "release", srcs = [":target_same_cpu", ":target_rand_cpu", ":draft_same_cpu", ":draft_rand_cpu",
+                                        ":fused_same_cpu", ":fused_rand_cpu"])
 '''
 
 
@@ -99,7 +109,7 @@ def run(lm, reqs, speculation):  # type: ignore[no-untyped-def]
     rids = [eng.add(p, max_new_tokens=n, eos_token_id=None) for p, n in reqs]
     eng.run()
     took, cpu = time.perf_counter() - t0, time.process_time() - c0
-    target_calls = sum(n for b, n in eng.calls.items() if b.startswith(("verify", "token")))
+    target_calls = sum(n for b, n in eng.calls.items() if b.startswith(("verify", "token", "fused")))
     stats = getattr(eng, "stats", {})
     return took, cpu, [eng.finished[r] for r in rids], target_calls, dict(eng.calls), stats
 
@@ -133,17 +143,20 @@ def main(argv: list[str] | None = None) -> None:
 
     cache = open_cache(work / "serve", strict=True)
     same, rand = cache.causal_lm("//:target_same_cpu"), cache.causal_lm("//:target_rand_cpu")
+    fused_same, fused_rand = cache.causal_lm("//:fused_same_cpu"), cache.causal_lm("//:fused_rand_cpu")
     reqs = requests(args.requests)
     wanted = sum(n for _p, n in reqs)
     print(f"{len(reqs)} greedy requests, {wanted} tokens; {SLOTS} slots; target {HF['num_hidden_layers']} layers, "
           f"drafts {DRAFT['num_hidden_layers']}; hidden {args.hidden}; k = {args.length}; torch threads "
           f"{torch.get_num_threads()}", flush=True)
-    for lm in (same, rand):  # warm every graph
+    for lm in (same, rand, fused_same, fused_rand):  # warm every graph
         run(lm, reqs[:SLOTS], None)
     run(same, reqs[:SLOTS], False)
     rows = [("no speculation", *run(same, reqs, False)),
             ("draft = first 2 layers", *run(same, reqs, None)),
-            ("random 2-layer draft", *run(rand, reqs, None))]
+            ("  fused", *run(fused_same, reqs, None)),
+            ("random 2-layer draft", *run(rand, reqs, None)),
+            ("  fused", *run(fused_rand, reqs, None))]
     base_out = rows[0][3]
     print(f"{'':24} {'tokens/s':>9} {'vs none':>8} {'per CPU s':>10} {'vs none':>8} {'tok/call':>9} "
           f"{'tok/row/call':>13} {'accepted':>9}  equal")

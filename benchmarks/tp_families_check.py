@@ -2,7 +2,7 @@
 against transformers (each rank's HLO on XLA:CPU host devices), with the build's and validate's wall time: the by-hand
 check behind docs/neuron.md's table of TP plans (tests/test_tp_families.py builds a few of these in CI).
 
-    .venv/bin/python benchmarks/tp_families_check.py /tmp/tpf --tp 2 bloom gpt_bigcode_mqa ...   (no names: all that
+    .venv/bin/python benchmarks/tp_families_check.py --tp 2 /tmp/tpf bloom gpt_bigcode_mqa ...   (no names: all that
                                                                                                  the degree divides)
 
 Tiny random configs (as tests/test_llm_families.py and test_llm_new_families.py); every 1-D tensor (biases, norms,
@@ -53,6 +53,17 @@ FAMILIES: dict[str, tuple[str, dict[str, object]]] = {
                               "multi_query": True, "parallel_attn": True, "bias": False}),
     "falcon_mha": ("falcon", {"vocab_size": 64, "hidden_size": 16, "num_hidden_layers": 2, "num_attention_heads": 4,
                               "multi_query": False, "parallel_attn": False, "bias": True}),
+    "falcon_alibi": ("falcon", {"vocab_size": 64, "hidden_size": 16, "num_hidden_layers": 2, "num_attention_heads": 4,
+                                "alibi": True, "multi_query": False, "bias": True}),
+    "falcon_alibi_mqa": ("falcon", {"vocab_size": 64, "hidden_size": 16, "num_hidden_layers": 2,
+                                    "num_attention_heads": 4, "alibi": True, "multi_query": True}),
+    # new decoder architecture: kv groups [q.. k v], k and v broadcast to every query head (the cache holds them all)
+    "falcon_nda": ("falcon", {"vocab_size": 64, "hidden_size": 16, "num_hidden_layers": 2, "num_attention_heads": 4,
+                              "new_decoder_architecture": True, "num_kv_heads": 2}),
+    "falcon_nda_kv1": ("falcon", {"vocab_size": 64, "hidden_size": 16, "num_hidden_layers": 2,
+                                  "num_attention_heads": 4, "new_decoder_architecture": True, "num_kv_heads": 1}),
+    "gpt2": ("gpt2", {"vocab_size": 64, "n_embd": 16, "n_layer": 2, "n_head": 4, "n_positions": 32, "bos_token_id": 1,
+                      "eos_token_id": 1}),
     "bloom": ("bloom", {"vocab_size": 64, "hidden_size": 16, "n_layer": 2, "n_head": 4}),
     "gpt_bigcode_mqa": ("gpt_bigcode", {"vocab_size": 64, "n_embd": 16, "n_layer": 2, "n_head": 4, "n_positions": 32}),
     "gpt_bigcode_mha": ("gpt_bigcode", {"vocab_size": 64, "n_embd": 16, "n_layer": 2, "n_head": 4, "n_positions": 32,
@@ -60,8 +71,25 @@ FAMILIES: dict[str, tuple[str, dict[str, object]]] = {
 }
 
 
+# expert parallelism (hf_causal_lm(moe_ep_degree = the tp degree)): "<family>_ep" builds that family's config so
+EP = ("mixtral", "qwen3_moe", "olmoe", "gpt_oss", "deepseek_v3")
+
+
+def _family(name: str) -> tuple[str, dict[str, object], str]:
+    """(model_type, config, extra hf_causal_lm attributes) of a name: a family, or "<family>_ep"."""
+    ep = name.endswith("_ep") and name.removesuffix("_ep") in EP
+    model_type, hf = FAMILIES[name.removesuffix("_ep") if ep else name]
+    return model_type, hf, ", moe_ep_degree = TP" if ep else ""
+
+
 def _heads(hf: dict[str, object]) -> int:
     return int(hf.get("num_attention_heads") or hf.get("n_head") or 0)  # type: ignore[call-overload]
+
+
+def _divides(hf: dict[str, object], tp: int) -> bool:
+    """Whether the degree divides the heads (and Falcon's new-architecture kv groups, unless one)."""
+    groups = int(hf.get("num_kv_heads") or 1) if hf.get("new_decoder_architecture") else 1  # type: ignore[call-overload]
+    return _heads(hf) % tp == 0 and (groups == 1 or groups % tp == 0)
 
 
 def write_workspace(root: Path, names: list[str], tp: int) -> None:
@@ -76,7 +104,7 @@ def write_workspace(root: Path, names: list[str], tp: int) -> None:
              'neuron_target(name = "trn2", platform = "trn2")',
              'llm_buckets(name = "serve", batch_sizes = [2], context_lengths = [8])']
     for name in names:
-        model_type, hf = FAMILIES[name]
+        model_type, hf, extra = _family(name)
         torch.manual_seed(0)
         model = hf_model({"model_type": model_type, "hf": hf, "max_seq": 16})
         g = torch.Generator().manual_seed(1)
@@ -84,7 +112,7 @@ def write_workspace(root: Path, names: list[str], tp: int) -> None:
                  if v.dim() == 1 and v.is_floating_point() else v for k, v in model.state_dict().items()}
         save_file({k: v.detach().clone().contiguous() for k, v in state.items()}, str(root / f"{name}.safetensors"))
         lines += [f'hf_causal_lm(name = "{name}", model_type = "{model_type}", config = {json.dumps(hf)}, '
-                  f'weights = "{name}.safetensors", max_seq = 16)',
+                  f'weights = "{name}.safetensors", max_seq = 16{extra.replace("TP", str(tp))})',
                   f'neuron_compile(name = "{name}_tp{tp}", model = ":{name}", target = ":trn2", tp_degree = {tp}, '
                   'buckets = {"context": [":serve_context"], "token": [":serve_token"]})']
     text = "\n".join(lines).replace("true", "True").replace("false", "False") + "\n"
@@ -94,11 +122,12 @@ def write_workspace(root: Path, names: list[str], tp: int) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("workspace", type=Path)
-    ap.add_argument("names", nargs="*", help=f"families (default: all the degree divides): {', '.join(FAMILIES)}")
+    ap.add_argument("names", nargs="*", help=f"families (default: all the degree divides): {', '.join(FAMILIES)}; "
+                    f"expert parallelism: {', '.join(n + '_ep' for n in EP)}")
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--cache-dir", default=None, help="default: <workspace>/.cache")
     args = ap.parse_args()
-    names = args.names or [n for n, (_t, hf) in FAMILIES.items() if _heads(hf) % args.tp == 0]
+    names = args.names or [n for n, (_t, hf) in FAMILIES.items() if _divides(hf, args.tp)]
     write_workspace(args.workspace, names, args.tp)
     cache = args.cache_dir or str(args.workspace / ".cache")
     for cmd in (["build", "//...", "--jobs", "2"], ["validate", "//...", "--generate", "8"]):

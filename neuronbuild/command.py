@@ -45,6 +45,9 @@ class Command:
     # Where its builds get worker pools (execution/local_executor.Pools): None, a fresh pool per build (batch); the
     # build server's session (server/warm.py WarmState), which keeps one across commands
     pools: Any = field(default=None, repr=False, compare=False)
+    # What its loads and plans keep in memory (incremental.Session): None, nothing (batch); the build server's
+    # session, which keeps the load caches and the analysis engine across commands
+    session: Any = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.config is None:
@@ -56,13 +59,14 @@ class Command:
         return cls(tuple(argv), dict(os.environ), Path(os.getcwd()), sys.stdout, sys.stderr, current_umask())
 
     @classmethod
-    def from_message(cls, msg: Mapping[str, Any], out: Stream, err: Stream, pools: Any = None) -> Command:
+    def from_message(cls, msg: Mapping[str, Any], out: Stream, err: Stream, pools: Any = None,
+                     session: Any = None) -> Command:
         """A command a build server runs for a client (server/protocol.py's command message)."""
         umask = msg.get("umask")
         return cls(tuple(str(a) for a in msg.get("argv") or []),
                    {str(k): str(v) for k, v in (msg.get("env") or {}).items()},
                    Path(str(msg.get("cwd") or "/")), out, err, umask & 0o777 if isinstance(umask, int) else 0o022,
-                   pools=pools)
+                   pools=pools, session=session)
 
     def path(self, p: str | os.PathLike[str]) -> Path:
         """A path given by the user: ~ expanded (the command's $HOME), relative ones against the command's directory,

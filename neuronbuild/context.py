@@ -67,26 +67,28 @@ class BuildContext:
 
     def load(self, patterns: Sequence[str]) -> TargetGraph:
         """Load the targets the patterns select (with the persistent load and digest caches)."""
-        from neuronbuild import incremental
+        from neuronbuild import incremental, plugins
         from neuronbuild.loading.target_graph import load_targets
 
-        load_cache = incremental.open_caches(self.cache.dir, self.workspace.root)
+        plugins.load()  # (the rule kinds loading validates against)
+        load_cache = incremental.open_caches(self.cache.dir, self.workspace.root, self.command)
         with incremental.analysis_gc():
             graph = load_targets(self.workspace.root, patterns_or_default(patterns), self.workspace.cwd_package,
                                  load_cache)
-        incremental.save_caches(self.cache.dir, self.workspace.root, load_cache)
+        incremental.save_caches(self.cache.dir, self.workspace.root, load_cache, self.command)
         return graph
 
     def plan(self, graph: TargetGraph, settings: PlanSettings | None = None,
              errors: list[UserInputError] | None = None) -> ActionGraph:
         """The action graph with this context's settings (or `settings`, for what-if plans). `errors` (--keep-going):
         targets whose analysis fails are left out, their errors appended there (planner.plan)."""
-        from neuronbuild import incremental
+        from neuronbuild import incremental, plugins
         from neuronbuild.analysis.planner import plan
 
+        plugins.load()
         settings = settings if settings is not None else self.settings
         with incremental.analysis_gc():
-            return plan(graph, settings, incremental.analysis_memo(self.workspace.root, settings), errors)
+            return plan(graph, settings, incremental.analysis_memo(self.workspace.root, settings, self.command), errors)
 
     def open_cache(self) -> LocalCache:
         """The cache with every configured tier (local, plus the shared directory or S3 tier)."""
@@ -119,11 +121,13 @@ def make_context(*, cache_dir: str | None = None, remote_cache: str | None = Non
     """The one function that turns the common flags into a BuildContext, for `command` (default: the running one).
     `tool_flags`: the toolchain settings flags' values by dest (plan_settings.tool_values). `signing_key`: the
     --signing-key flag (else the command's $NEURONBUILD_SIGNING_KEY)."""
+    from neuronbuild import plugins
     from neuronbuild.analysis.plan_settings import resolve_settings
     from neuronbuild.cache.local import resolve_cache_dir
     from neuronbuild.command import current
 
     cmd = command if command is not None else current()
+    plugins.load_settings()  # (what the toolchains' settings resolve to: resolve_settings)
 
     ws = workspace
     if ws is None:

@@ -15,7 +15,10 @@ from collections import namedtuple
 
 TYPE_CHECKING = False  # (not typing's: the build server's thin client imports this module and must stay light)
 if TYPE_CHECKING:
-    from collections.abc import Mapping
+    from collections.abc import Callable, Mapping
+    from typing import TypeVar
+
+    T = TypeVar("T")
 
 
 # Types: "text" (a string; empty = unset), "path" (a file or directory; empty = unset), "flag" (unset/empty: the
@@ -129,11 +132,12 @@ class Config:
     """The NEURONBUILD_* variables of one environment, typed (read once, by `of`), and that environment itself
     (`env`: what else a command reads from its caller's environment, e.g. HOME, PATH, --action-env values)."""
 
-    __slots__ = ("env", "_values", "_errors")
+    __slots__ = ("env", "_values", "_errors", "facts")
 
     def __init__(self, env: Mapping[str, str], values: Mapping[str, object],
                  errors: Mapping[str, Exception]) -> None:
         self.env, self._values, self._errors = env, values, errors
+        self.facts: dict[object, object] = {}  # what `fact` computed for this environment
 
     def __repr__(self) -> str:
         return f"Config({sorted(k for k in self.env if k.startswith('NEURONBUILD_'))})"
@@ -198,6 +202,22 @@ def current() -> Config:
     """The running command's Config; outside a command, this process's environment (read now)."""
     cfg = _current.get()
     return cfg if cfg is not None else Config.of(os.environ)
+
+
+_process_facts: dict[object, object] = {}  # `fact` outside a command
+
+
+def fact(key: object, compute: Callable[[], T]) -> T:
+    """A fact of the running command's environment or machine (the host's ISA level, a compiler's version), computed
+    once per command: kept with its Config, which the build server makes anew for each command, so nothing one
+    command learnt reaches the next (as in a batch process); outside a command, once per process."""
+    cfg = _current.get()
+    table = cfg.facts if cfg is not None else _process_facts
+    try:
+        return table[key]  # type: ignore[return-value]
+    except KeyError:
+        value = table[key] = compute()
+        return value
 
 
 def environ() -> Mapping[str, str]:

@@ -36,85 +36,100 @@ def _digest_cache_file(cache_dir: Path, root: Path) -> Path:
     return cache_dir / "v1" / "state" / f"digests-{key}.marshal"
 
 
-# The build server keeps load caches in memory between its commands (their entries are checked by digest on every
-# use, as those read from disk are); None: every command reads them from disk (batch mode).
-_kept: dict[Path, LoadCache] | None = None
-_KEEP_AT_MOST = 4
+class Session:
+    """What the build server keeps between its commands (server/warm.py WarmState.session, handed to each command as
+    `Command.session`): per workspace, its load cache (entries checked by digest on every use, as those read from
+    disk are), and per (workspace, settings) the analysis engine's state (analysis/analysis_nodes.AnalysisMemo); the
+    caches to write once the answer is sent (`flush_saves`). A batch command has none: everything starts from disk
+    and the engine starts empty. Nothing else outlives a command, so forgetting it all is dropping this object."""
+
+    KEEP_AT_MOST = 4
+
+    def __init__(self) -> None:
+        self.load_caches: dict[Path, LoadCache] = {}
+        self.memos: dict[tuple[str, str], Any] = {}  # (workspace, settings key) -> AnalysisMemo, most recent last
+        self.pending_saves: dict[tuple[Path, Path], LoadCache] = {}
+
+    def analysis_memo(self, root: Path, settings: Any) -> Any:
+        """The analysis engine's state for this workspace and settings (analysis/planner.plan)."""
+        from neuronbuild.analysis.analysis_nodes import AnalysisMemo, settings_key
+
+        key = (str(root), settings_key(settings))
+        memo = self.memos.pop(key, None) or AnalysisMemo()
+        while len(self.memos) >= self.KEEP_AT_MOST:
+            del self.memos[next(iter(self.memos))]
+        self.memos[key] = memo  # most recently used last
+        return memo
+
+    def last_plans(self) -> list[Any]:
+        """The action graph each kept analysis memo planned last (the server warms what they need)."""
+        return [m.last for m in self.memos.values() if m.last is not None]
+
+    def stats(self) -> dict[str, int]:
+        return {"load_caches": len(self.load_caches), "analysis_memos": len(self.memos),
+                "memoised_targets": sum(m.memoised_targets() for m in self.memos.values())}
+
+    def flush_saves(self) -> None:
+        """Write the load and digest caches the commands since the last flush used (after their answers)."""
+        while self.pending_saves:
+            (cache_dir, root), lc = self.pending_saves.popitem()
+            _save(cache_dir, root, lc)
+
+
+_process: Session | None = None  # keep_in_memory(True): this process's session, for commands that bring none
 
 
 def keep_in_memory(on: bool) -> None:
-    """The build server's mode (on for each of its commands): caches and analysis memos kept between commands, and
-    the work the user does not wait for (records, pages, no-op stamps) left for after the answer (after_answer)."""
-    global _kept
+    """Library and test use: a session for this process (as the build server keeps one), used by commands whose
+    Command brings none, and the work the user does not wait for (records, pages, no-op stamps) left for after the
+    answer (after_answer); off: forgotten, and what was left runs now."""
+    global _process
     after_answer.defer(on)
-    if not on:
-        _kept = None
-        _memos.clear()
-    elif _kept is None:
-        _kept = {}
+    _process = (_process or Session()) if on else None
 
 
-def kept_count() -> int:
-    return len(_kept or {})
+def session(command: Any = None) -> Session | None:
+    """The session a command's caches live in: its own (`Command.session`: the build server's), else this process's
+    (keep_in_memory), else None (batch)."""
+    own = getattr(command, "session", None) if command is not None else None
+    return own if own is not None else _process
 
 
-# Per (workspace, settings): the analysis engine's memo (analysis/analysis_nodes.AnalysisMemo), kept by the build server.
-_memos: dict[tuple[str, str], Any] = {}
+def analysis_memo(root: Path, settings: Any, command: Any = None) -> Any:
+    """The kept analysis engine state for this workspace and settings, or None in batch mode (the engine then starts
+    empty: analysis/planner.plan)."""
+    kept = session(command)
+    return kept.analysis_memo(root, settings) if kept is not None else None
 
 
-def analysis_memo(root: Path, settings: Any) -> Any:
-    """The build server's analysis engine state for this workspace and settings, or None in batch mode (the engine
-    then starts empty: analysis/planner.plan)."""
-    if _kept is None:
-        return None
-    from neuronbuild.analysis.analysis_nodes import AnalysisMemo, settings_key
-
-    key = (str(root), settings_key(settings))
-    memo = _memos.pop(key, None) or AnalysisMemo()
-    while len(_memos) >= _KEEP_AT_MOST:
-        del _memos[next(iter(_memos))]
-    _memos[key] = memo  # most recently used last
-    return memo
-
-
-def last_plans() -> list[Any]:
-    """The action graph each kept analysis memo planned last (the server warms what they need)."""
-    return [m.last for m in _memos.values() if m.last is not None]
-
-
-def memo_stats() -> dict[str, int]:
-    return {"analysis_memos": len(_memos), "memoised_targets": sum(m.memoised_targets() for m in _memos.values())}
-
-
-def open_caches(cache_dir: Path, root: Path) -> LoadCache:
-    """Load the digest cache into this process and open the workspace's load cache."""
+def open_caches(cache_dir: Path, root: Path, command: Any = None) -> LoadCache:
+    """Load the digest cache into this process and open the workspace's load cache (the session's, when kept)."""
+    kept = session(command)
     file = cache_file(cache_dir, root)
-    if _kept is not None and file in _kept:
-        lc = _kept[file]
+    if kept is not None and file in kept.load_caches:
+        lc = kept.load_caches[file]
         lc.hits = lc.misses = 0
         return lc
     with analysis_gc():  # (reading 35,000 targets back at 100,000 graphs: the collector's passes cost ~40% of it)
         digests.load_persistent(_digest_cache_file(cache_dir, root))
         lc = LoadCache(file)
-    if _kept is not None:
+    if kept is not None:
         lc.dirs = {}  # (directory listings kept with their mtimes: Loader.find_packages)
         lc.keep_checks = True  # (the last accepted graph check: target_graph.CheckedGraph)
-        while len(_kept) >= _KEEP_AT_MOST:
-            del _kept[next(iter(_kept))]
-        _kept[file] = lc
+        while len(kept.load_caches) >= kept.KEEP_AT_MOST:
+            del kept.load_caches[next(iter(kept.load_caches))]
+        kept.load_caches[file] = lc
     return lc
 
 
-_pending_saves: dict[tuple[Path, Path], LoadCache] = {}
-
-
-def save_caches(cache_dir: Path, root: Path, load_cache: LoadCache) -> None:
-    """Persist what this build learnt (failures to write only cost speed next time). The build server writes them
-    after the command has answered its client (`flush_saves`). In batch mode the digest cache is written when the
-    process ends (once), with the digests analysis made after loading (the model sources': without it every process
-    hashed them again, 5,000 files at 100,000 graphs)."""
-    if _kept is not None:
-        _pending_saves[(cache_dir, root)] = load_cache
+def save_caches(cache_dir: Path, root: Path, load_cache: LoadCache, command: Any = None) -> None:
+    """Persist what this build learnt (failures to write only cost speed next time). A kept session writes them
+    after the command has answered its client (`Session.flush_saves`). In batch mode the digest cache is written
+    when the process ends (once), with the digests analysis made after loading (the model sources': without it
+    every process hashed them again, 5,000 files at 100,000 graphs)."""
+    kept = session(command)
+    if kept is not None:
+        kept.pending_saves[(cache_dir, root)] = load_cache
         return
     _save(cache_dir, root, load_cache, with_digests=False)  # (the digests: once, at exit, with analysis's too)
     if not _exit_saves:
@@ -131,12 +146,6 @@ def _save_digests_at_exit() -> None:
         with contextlib.suppress(OSError):
             if file.parent.is_dir():  # (a temporary cache removed meanwhile is not made again)
                 digests.save_persistent(file, root.resolve())
-
-
-def flush_saves() -> None:
-    while _pending_saves:
-        (cache_dir, root), lc = _pending_saves.popitem()
-        _save(cache_dir, root, lc)
 
 
 def _save(cache_dir: Path, root: Path, load_cache: LoadCache, with_digests: bool = True) -> None:
@@ -203,7 +212,9 @@ def record_noop(key: str, root: Path, cwd_package: str, patterns: Sequence[str],
             if res is None:
                 noop.invalidate(cache_dir, key)
                 return False
-            outputs.extend(f"{out}/{bucket.name}/{n}" for n in (*res.outputs, *(s.path for s in ag.actions[fp].ships)))
+            ships = ct.ships_of(fp)  # (the target's own: a fused speculation graph's draft weights too)
+            ships = ag.actions[fp].ships if ships is None else ships
+            outputs.extend(f"{out}/{bucket.name}/{n}" for n in (*res.outputs, *(s.path for s in ships)))
     if ag.bundles:  # a bundle's archive, its manifest copy and sha256 file: one deleted is rebuilt, not a no-op
         from neuronbuild.packaging.bundle import bundle_paths
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import os
 import platform
 import shutil
@@ -31,9 +30,13 @@ def host_cores() -> int:
         return max(1, os.cpu_count() or 1)
 
 
-@functools.lru_cache(maxsize=1)
 def host_isa() -> str:
-    """This machine's CPU ISA level (x86-64-v4 ... x86-64), or the machine name on other architectures."""
+    """This machine's CPU ISA level (x86-64-v4 ... x86-64), or the machine name on other architectures (once per
+    command: envvars.fact)."""
+    return envvars.fact(host_isa, _host_isa)
+
+
+def _host_isa() -> str:
     forced = envvars.current().text(HOST_ISA_ENV)
     if forced:
         return forced
@@ -59,9 +62,12 @@ def resolve_isa(isa: str | None) -> str:
     return host_isa() if isa in (None, "native") else str(isa)
 
 
-@functools.lru_cache(maxsize=1)
 def cxx_version() -> str:
-    """Version of the C++ compiler AOTInductor will use (g++ on PATH), or 'none'."""
+    """Version of the C++ compiler AOTInductor will use (g++ on PATH), or 'none' (once per command: envvars.fact)."""
+    return envvars.fact(cxx_version, _cxx_version)
+
+
+def _cxx_version() -> str:
     env = envvars.environ()  # the command's
     path = env.get("PATH")
     cxx = env.get("CXX") or shutil.which("g++", path=path) or shutil.which("c++", path=path)

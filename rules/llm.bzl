@@ -198,9 +198,6 @@ def _speculation(name, spec):
     fused = spec.get("fused", False)
     if type(fused) != "bool":
         fail("hf_causal_lm %s: speculation fused must be True or False, got %r" % (name, fused))
-    if fused:
-        fail("hf_causal_lm %s: speculation fused = True (one graph running the draft steps and the verification) is " % name +
-             "not supported yet: use fused = False (the draft's own graphs and the target's verify graph)")
     return {"draft": draft, "length": k, "fused": fused}
 
 def _verify_graph(kv, spec, on_device_sampling, output_logits):
@@ -225,10 +222,35 @@ def _verify_graph(kv, spec, on_device_sampling, output_logits):
     return {"entry": _GRAPHS_MODULE + ":" + kind, "inputs": inputs, "outputs": outputs, "aliases": {"kv": "kv"},
             "config": {"speculation": spec}}
 
+def _fused_graph(kv, spec, on_device_sampling, output_logits):
+    """The fused speculation graph (speculation fused = True): the draft's k steps and the target's verification in
+    one call. Its draft cache `draft_kv` (input and output, after `kv`) is declared at analysis as the draft's token
+    graph declares its cache, and the draft's config enters the graph's config as `speculation_draft`
+    (kinds/model.py): the draft's identity and shapes are in this graph's fingerprint alone."""
+    k = spec["length"]
+    inputs = {
+        "input_ids": "int32[batch, 2]",
+        "attention_mask": "int32[batch, max_seq]",
+        "position_ids": "int32[batch, 2]",
+        "seq_ids": "int32[batch]",
+    }
+    if on_device_sampling:
+        inputs.update({"sampling_params": "float32[batch, 3]", "rand": "float32[batch, %d]" % (k + 1),
+                       "draft_rand": "float32[batch, %d]" % k})
+    inputs["kv"] = kv
+    outputs = {"draft_tokens": "int32[batch, %d]" % k, "tokens": "int32[batch, %d]" % (k + 1)}
+    if output_logits or not on_device_sampling:
+        outputs["draft_logits"] = "float32[batch, %d, vocab]" % k
+        outputs["logits"] = "float32[batch, %d, vocab]" % (k + 1)
+    outputs["kv"] = kv
+    kind = ("sampling_logits_fused" if output_logits else "sampling_fused") if on_device_sampling else "serving_fused"
+    return {"entry": _GRAPHS_MODULE + ":" + kind, "inputs": inputs, "outputs": outputs, "aliases": {"kv": "kv"},
+            "config": {"speculation": spec}}
+
 def hf_causal_lm(name, config, weights = None, max_seq = 256, model_type = None, weights_prefix = "", dtype = None,
                  continuous_batching = False, max_batch = None, on_device_sampling = False, output_logits = False,
                  quantization = None, kv_cache_dtype = None, speculation = None, kv_layout = None, block_size = None,
-                 num_blocks = None, prefix_caching = False, tags = []):
+                 num_blocks = None, prefix_caching = False, moe_ep_degree = None, tags = []):
     """A transformers causal LM (llama, mistral, qwen2, gpt2, ...) as served: a `context` graph (prefill: input_ids and
     attention_mask [batch, seq] -> last logits + the KV cache) and a `token` graph (decode: one token per sequence,
     its position, the cache mask and slot, the cache -> logits + the cache, aliased), over a static KV cache of
@@ -246,11 +268,15 @@ def hf_causal_lm(name, config, weights = None, max_seq = 256, model_type = None,
     no weights; a `model_weights(model = ":<name>", weights = <checkpoint>)` target supplies them to a bundle.
     `speculation = {"draft": ":small_lm", "length": k, "fused": False}` (needs continuous_batching; docs/llm.md
     "Speculative decoding"): adds the `verify` graph family (k + 1 positions per row against the cache); the draft
-    is another hf_causal_lm with continuous_batching, compiled and bundled on its own.
+    is another hf_causal_lm with continuous_batching, compiled and bundled on its own. `fused = True` adds the
+    `fused` family instead: the draft's k steps and the verification in one graph binding both models' weights.
     `kv_layout = "block"` with `block_size = B` (dividing max_seq) and `num_blocks = N` (needs continuous_batching;
     docs/llm.md "Block KV cache"): the cache is a pool of N blocks of B positions (+ one scratch block) and the
     graphs take a per-row `block_table` instead of seq_ids; max_batch is then optional (the engine's cap on active
     sequences). Without kv_layout (or "contiguous") the graphs are exactly those built without it.
+    `moe_ep_degree = N` (mixture-of-experts families): compiled at tp_degree N, the experts are split by expert
+    across the ranks (each holds N-th of the experts, whole), not by width (docs/llm.md "Tensor parallelism per
+    family"); tp_degree 1 ignores it.
     `prefix_caching = True` (block layout only) adds the `prefix` graph family, bucketed over batch x seq (new tokens)
     x prefix (cached positions read from the blocks): a prefill computing only what follows a cached prefix, and the
     chunks of a prompt longer than the largest context bucket."""
@@ -262,6 +288,8 @@ def hf_causal_lm(name, config, weights = None, max_seq = 256, model_type = None,
     elif output_logits and not on_device_sampling:
         fail("hf_causal_lm %s: output_logits is for on_device_sampling graphs (the others return logits)" % name)
     mt = model_type or _field(config, ["model_type"])
+    if moe_ep_degree != None and (type(moe_ep_degree) != "int" or moe_ep_degree <= 0):
+        fail("hf_causal_lm %s: moe_ep_degree must be a positive int, got %r" % (name, moe_ep_degree))
     dt = _dtype(name, config, dtype)
     for lt in config.get("layer_types") or []:
         if lt not in ("full_attention", "sliding_attention"):
@@ -274,6 +302,8 @@ def hf_causal_lm(name, config, weights = None, max_seq = 256, model_type = None,
     head_dim = _field(config, ["head_dim"], hidden // heads)
     _check_size(name, config, layers, hidden, heads, kv_heads, head_dim, max_seq)
     cache_heads, cache_width = kv_heads, head_dim
+    if mt == "falcon" and config.get("new_decoder_architecture", False):
+        cache_heads = heads  # FalconAttention broadcasts each kv group's k and v to its query heads before the cache update
     if config.get("kv_lora_rank"):  # multi-head latent attention: one latent line per token (hf_causal_lm.cache_width)
         if mt in ("deepseek_v2", "deepseek_v3") and "qk_rope_head_dim" not in config:
             fail("hf_causal_lm %s: config field qk_rope_head_dim: a latent-attention config must write it (the cache holds the rotary key beside the kv_lora_rank latent)" % name)
@@ -326,14 +356,17 @@ def hf_causal_lm(name, config, weights = None, max_seq = 256, model_type = None,
         graphs = _serving_graphs(name, kv.replace("[layers, 2, batch,", "[layers, 2, lines,"), max_seq, max_batch,
                                  on_device_sampling, output_logits)
         if speculation != None:
-            graphs["verify"] = _verify_graph(graphs["token"]["inputs"]["kv"], _speculation(name, speculation),
-                                             on_device_sampling, output_logits)
+            spec = _speculation(name, speculation)
+            family = _fused_graph if spec["fused"] else _verify_graph  # fused: the `fused` family instead of `verify`
+            graphs["fused" if spec["fused"] else "verify"] = family(graphs["token"]["inputs"]["kv"], spec,
+                                                                    on_device_sampling, output_logits)
     neuron_model(
         name = name,
         entry = _GRAPHS_MODULE + ":context",
         config = {"model_type": mt, "hf": hf, "max_seq": max_seq} |
                  ({"quantization": _quantization(name, quantization)} if quantization != None else {}) |
-                 ({"kv_cache_dtype": kv_cache_dtype} if kv_cache_dtype else {}),
+                 ({"kv_cache_dtype": kv_cache_dtype} if kv_cache_dtype else {}) |
+                 ({"moe_ep_degree": moe_ep_degree} if moe_ep_degree != None else {}),
         weights = weights,
         weights_prefix = weights_prefix,
         graphs_only = weights == None,

@@ -28,6 +28,14 @@ import pytest  # noqa: E402
 from helpers import copy_example, run_cli  # noqa: E402
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _plugins_loaded() -> None:
+    """Tests call loading and analysis directly: the plug-ins registered first, as every command does."""
+    from neuronbuild import plugins
+
+    plugins.load()
+
+
 @pytest.fixture(scope="session")
 def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One cache shared by every test that builds the example (content-addressed, so workspaces can share it)."""

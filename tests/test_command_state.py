@@ -109,3 +109,21 @@ def test_the_signing_key_reaches_the_build_context_and_not_the_process_environme
         ctx = make_context(cache_dir=str(tmp_path / "c"), signing_key="k.pem", need_workspace=False)
     assert ctx.signing_key == Path(os.path.realpath(tmp_path / "k.pem")) and ctx.command is cmd
     assert "NEURONBUILD_SIGNING_KEY" not in os.environ
+
+
+def test_a_server_command_learns_its_own_environment_s_facts_not_the_previous_command_s(
+        server: Any, tmp_path: Path) -> None:
+    """What a command learns of its environment (here the host's ISA level, which cpu targets resolve `native` to)
+    is kept with that command (envvars.fact), so the next command through the same server learns its own, as a batch
+    process would, while the server keeps its session (load caches, analysis engine) for both."""
+    from helpers import copy_example
+
+    ws = copy_example(tmp_path / "ws")
+    base = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(tmp_path / "home"),
+            "NEURONBUILD_CACHE_DIR": str(tmp_path / "cache")}
+    argv = ["--norc", "plan", "//models:llama_tiny_cpu"]
+    outs = [_run_in_server(server, argv, {**base, "NEURONBUILD_HOST_ISA": isa}, ws, 0o022)
+            for isa in ("x86-64-v2", "x86-64-v3", "x86-64-v2")]
+    assert [code for code, _out in outs] == [0, 0, 0], outs
+    assert "cpu/x86-64-v2" in outs[0][1] and "cpu/x86-64-v3" in outs[1][1] and "cpu/x86-64-v2" in outs[2][1]
+    assert "cpu/x86-64-v2" not in outs[1][1] and server.warm.session.stats()["analysis_memos"] == 1

@@ -1,6 +1,9 @@
 """The phases' import order, enforced: loading -> analysis -> (rule kinds, toolchains) -> execution -> cache ->
 packaging, with runtime a production island and commands never importing each other. Every import counts, lazy
-ones inside functions included (only `if TYPE_CHECKING:` blocks are exempt: they never run)."""
+ones inside functions included (only `if TYPE_CHECKING:` blocks are exempt from the layers: they never run). No
+import circle among neuronbuild's modules, counting those blocks too and the modules the plug-in registry imports
+by name (plugins.BUILTIN, runtime/loaders.RUNTIME_BUILTIN, ...: in a module importing by name, every string naming a
+neuronbuild module)."""
 
 from __future__ import annotations
 
@@ -10,9 +13,9 @@ from pathlib import Path
 PKG = Path(__file__).resolve().parent.parent / "neuronbuild"
 
 # What each part of neuronbuild may import besides itself (the base layer: errors, workspace, atomic, digests,
-# platforms, vocabulary, history, plugins, engine, envvars, streams).
+# platforms, vocabulary, history, plugins and the plug-in API, engine, envvars, streams).
 BASE = {"__init__", "errors", "workspace", "atomic", "digests", "platforms", "vocabulary", "history",
-        "plugins", "self_stamp", "jsondata", "engine", "envvars", "streams"}
+        "plugins", "plugin_api", "self_stamp", "jsondata", "engine", "envvars", "streams"}
 ALLOWED = {
     "base": set(),
     "loading": set(),
@@ -112,21 +115,67 @@ def test_the_checker_sees_violations() -> None:
     assert [n for _l, n in _runtime_imports(guarded, "neuronbuild.execution.x") if n.startswith("neuronbuild")] == []
 
 
-def test_no_import_cycles_between_modules() -> None:
-    import networkx as nx
+def _structure_imports(tree: ast.AST, module: str, names: set[str]) -> list[str]:
+    """Every module `module` depends on: its imports, `if TYPE_CHECKING:` ones included, and, in a module importing
+    by name (importlib.import_module: the plug-in registry's loading, the runtime's loaders), every string constant
+    naming a neuronbuild module (plugins.BUILTIN, runtime/loaders.RUNTIME_BUILTIN, ...)."""
+    out = [n for _line, n in _runtime_imports(tree, module)]
+    by_name = "import_module(" in ast.unparse(tree)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            for child in node.body:
+                out.extend(n for _line, n in _runtime_imports(child, module))
+        elif by_name and isinstance(node, ast.Constant) and node.value in names:
+            out.append(node.value)
+    return out
 
+
+def _import_graph() -> dict[str, set[str]]:
     names = {m for m, _p in _modules()}
-    g = nx.DiGraph()
+    edges: dict[str, set[str]] = {}
     for module, path in _modules():
-        for _line, imported in _runtime_imports(ast.parse(path.read_text()), module):
+        for imported in _structure_imports(ast.parse(path.read_text()), module, names):
             target = imported
             while target and target not in names:  # `from neuronbuild.x import name` -> module neuronbuild.x
                 target = target.rpartition(".")[0]
             parent_pkg = module.rpartition(".")[0]
             if target and target != module and target != parent_pkg and not module.startswith(target + "."):
-                g.add_edge(module, target)
-    cycles = [c for c in nx.simple_cycles(g) if len(c) > 1]
+                edges.setdefault(module, set()).add(target)
+    return edges
+
+
+def _cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    import networkx as nx
+
+    g = nx.DiGraph([(a, b) for a, bs in edges.items() for b in bs])
+    return [c for c in nx.simple_cycles(g) if len(c) > 1]
+
+
+def test_no_import_circle_among_modules_counting_type_checking_and_registry_names() -> None:
+    edges = _import_graph()
+    # the registry's names are edges: the plug-in list reaches the kinds, the runtime's the loaders
+    assert "neuronbuild.kinds" in edges["neuronbuild.plugins"]
+    assert "neuronbuild.toolchains.cpu_runtime" in edges["neuronbuild.runtime.loaders"]
+    cycles = _cycles(edges)
     assert not cycles, "\n".join(" -> ".join(c) for c in cycles[:10])
+
+
+def test_the_circle_check_sees_a_type_level_circle_and_a_registry_name() -> None:
+    names = {"neuronbuild.a", "neuronbuild.b"}
+    a = ast.parse("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from neuronbuild.b import B\n")
+    b = ast.parse('import importlib\nPLUGINS = ("neuronbuild.a",)\nimportlib.import_module(PLUGINS[0])\n')
+    edges = {"neuronbuild.a": set(_structure_imports(a, "neuronbuild.a", names)),
+             "neuronbuild.b": set(_structure_imports(b, "neuronbuild.b", names))}
+    assert _cycles(edges) != []
+
+
+def test_the_plug_in_api_imports_only_the_base_layer() -> None:
+    """The protocols plug-ins implement and the plain data they mention sit at the base (plugin_api/): at run time
+    they import nothing above it (the value types they name only for type checking are leaves: the circle test)."""
+    bad = [f"{path.name}:{line}: {imported}" for module, path in _modules() if module.startswith("neuronbuild.plugin_api")
+           for line, imported in _runtime_imports(ast.parse(path.read_text()), module)
+           if imported.startswith("neuronbuild.") and part(imported) != "base"]
+    assert bad == []
 
 
 def test_no_core_module_names_a_built_in_toolchain_platform_or_kind() -> None:

@@ -1,9 +1,11 @@
-"""Speculative decoding (hf_causal_lm speculation = {...}): one tiny workspace built once (8 graphs): a Llama target
+"""Speculative decoding (hf_causal_lm speculation = {...}): one tiny workspace built once (10 graphs): a Llama target
 speculating k = 3 tokens with a random 1-layer draft on cpu, and k = 5 with a draft of the target's own config and
-weights on trn2 (its HLO run on XLA:CPU). Greedy speculative output equals transformers' greedy `generate` of every request of a
-continuous batch; a draft equal to the target gets every proposal accepted; a bundle built for k = 5 refuses to serve
-k = 3 (or another draft) with the reason; the speculation enters only the verify graphs' fingerprints; sampled
-speculation (the rejection-sampling rule) follows the target's sampler distribution."""
+weights on trn2 (its HLO run on XLA:CPU); fused (one graph running the draft's steps and the verification, both
+models' weights bound), k = 5 with the random draft on cpu and k = 3 with the equal draft on trn2. Greedy speculative
+output equals transformers' greedy `generate` of every request of a continuous batch; a draft equal to the target gets
+every proposal accepted; a bundle built for k = 5 refuses to serve k = 3 (or another draft, or fused vs not) with the
+reason; the speculation enters only the verify (fused) graphs' fingerprints; sampled speculation (the
+rejection-sampling rule) follows the target's sampler distribution."""
 
 from __future__ import annotations
 
@@ -26,7 +28,9 @@ SERVE = f"max_seq = {MAX_SEQ}, continuous_batching = True, max_batch = {MAX_BATC
         "output_logits = True"
 
 
-def _build_file(spec3: str = '{"draft": ":small", "length": 3}', spec5: str = '{"draft": ":same", "length": 5}') -> str:
+def _build_file(spec3: str = '{"draft": ":small", "length": 3}', spec5: str = '{"draft": ":same", "length": 5}',
+                fused5: str = '{"draft": ":small", "length": 5, "fused": True}',
+                fused3: str = '{"draft": ":same", "length": 3, "fused": True}') -> str:
     return f'''load("@neuronbuild//rules:llm.bzl", "hf_causal_lm")
 neuron_target(name = "trn2", platform = "trn2")
 neuron_target(name = "cpu", platform = "cpu", isa = "native")
@@ -36,12 +40,19 @@ hf_causal_lm(name = "llama3", model_type = "llama", config = {json.dumps(HF)}, w
              {SERVE}, speculation = {spec3})
 hf_causal_lm(name = "llama5", model_type = "llama", config = {json.dumps(HF)}, weights = "llama.safetensors",
              {SERVE}, speculation = {spec5})
+# fused (draft steps and verification in one graph): k = 5 with the random draft on cpu, k = 3 with the equal draft
+# on trn2 (the cross-product's other two cells); their context and token graphs are the targets' own
+hf_causal_lm(name = "llama5f", model_type = "llama", config = {json.dumps(HF)}, weights = "llama.safetensors",
+             {SERVE}, speculation = {fused5})
+hf_causal_lm(name = "llama3f", model_type = "llama", config = {json.dumps(HF)}, weights = "llama.safetensors",
+             {SERVE}, speculation = {fused3})
 hf_causal_lm(name = "same", model_type = "llama", config = {json.dumps(HF)}, weights = "llama.safetensors", {SERVE})
 hf_causal_lm(name = "small", model_type = "llama", config = {json.dumps(SMALL)}, weights = "small.safetensors",
              {SERVE})
 neuron_buckets(name = "ctx", shapes = [{{"batch": 2, "seq": 16}}])
 neuron_buckets(name = "tok", shapes = [{{"batch": 4}}])
 TARGET = {{"context": [":ctx"], "token": [":tok"], "verify": [":tok"]}}
+FUSED = {{"context": [":ctx"], "token": [":tok"], "fused": [":tok"]}}
 DRAFT = {{"context": [":ctx"], "token": [":tok"]}}
 # k = 3 on cpu, k = 5 on trn2 (its HLO run on XLA:CPU): 8 graphs in all (the context and token graphs of llama5 and
 # same are one trace)
@@ -49,7 +60,10 @@ neuron_compile(name = "llama3_cpu", model = ":llama3", target = ":cpu", buckets 
 neuron_compile(name = "small_cpu", model = ":small", target = ":cpu", buckets = DRAFT)
 neuron_compile(name = "llama5_trn2", model = ":llama5", target = ":trn2", buckets = TARGET)
 neuron_compile(name = "same_trn2", model = ":same", target = ":trn2", buckets = DRAFT)
-neuron_bundle(name = "release", srcs = [":llama3_cpu", ":small_cpu", ":llama5_trn2", ":same_trn2"])
+neuron_compile(name = "llama5f_cpu", model = ":llama5f", target = ":cpu", buckets = FUSED)
+neuron_compile(name = "llama3f_trn2", model = ":llama3f", target = ":trn2", buckets = FUSED)
+neuron_bundle(name = "release", srcs = [":llama3_cpu", ":small_cpu", ":llama5_trn2", ":same_trn2", ":llama5f_cpu",
+                                        ":llama3f_trn2"])
 '''
 
 
@@ -108,17 +122,23 @@ def _lm(deployed: Path, label: str) -> Any:
     return _OPEN[key].causal_lm(label)
 
 
-@pytest.mark.parametrize("label", ["//:llama3_cpu", "//:llama5_trn2"],
-                         ids=["cpu-k3-random-draft", "trn2-xla-cpu-k5-draft-equal-to-target"])
+# label -> (k, draft, fused)
+SPECULATING = {"//:llama3_cpu": (3, "//:small", False), "//:llama5_trn2": (5, "//:same", False),
+               "//:llama5f_cpu": (5, "//:small", True), "//:llama3f_trn2": (3, "//:same", True)}
+
+
+@pytest.mark.parametrize("label", list(SPECULATING),
+                         ids=["cpu-k3-random-draft", "trn2-xla-cpu-k5-draft-equal-to-target", "cpu-fused-k5-random-draft",
+                              "trn2-xla-cpu-fused-k3-draft-equal-to-target"])
 def test_greedy_speculation_equals_transformers_generate_for_every_request_in_a_batch(
         deployed: Path, reference: Any, label: str) -> None:
     from neuronbuild.runtime.speculative import SpeculativeEngine
 
     lm = _lm(deployed, label)
-    k = 3 if "llama3" in label else 5
-    assert lm.speculation == {"draft": "//:small" if k == 3 else "//:same", "length": k, "fused": False}
+    k, draft, fused = SPECULATING[label]
+    assert lm.speculation == {"draft": draft, "length": k, "fused": fused}
     eng = lm.engine()
-    assert isinstance(eng, SpeculativeEngine) and eng.k == k
+    assert isinstance(eng, SpeculativeEngine) and eng.k == k and eng.fused == fused
     rids = [eng.add(p, max_new_tokens=n, eos_token_id=None) for p, n in zip(PROMPTS, NEW, strict=True)]
     served = []  # requests getting tokens in each step
     while eng.pending:
@@ -129,14 +149,18 @@ def test_greedy_speculation_equals_transformers_generate_for_every_request_in_a_
     assert max(served) == MAX_BATCH and eng.free == list(range(MAX_BATCH))  # a continuous batch, every line freed
     stats = [eng.stats[r] for r in rids]
     assert all(s["proposed"] == k * s["verify_calls"] > 0 for s in stats)
-    if k == 5:  # the draft is the target: every proposal accepted, k + 1 tokens per verify call
+    if draft == "//:same":  # the draft is the target: every proposal accepted, k + 1 tokens per verify call (fused:
+        # the draft catches up on the k-th proposal in the next call's first step)
         assert all(s["accepted"] == s["proposed"] for s in stats), stats
         assert all(s["verify_calls"] == -(-(n - 1) // (k + 1)) for s, n in zip(stats, NEW, strict=True)), stats
     else:  # a random draft: some proposals rejected (rolled back), and the output is the target's all the same
         assert sum(s["accepted"] for s in stats) < sum(s["proposed"] for s in stats)
-    # one verify call per step for the whole batch, after k draft token calls (+ catch-ups)
-    assert eng.calls["verify_batch4"] >= max(s["verify_calls"] for s in stats)
-    assert eng.calls["draft_token_batch4"] >= k * eng.calls["verify_batch4"]
+    if fused:  # one fused call per step for the whole batch: no draft token call, no verify call
+        assert eng.calls["fused_batch4"] >= max(s["verify_calls"] for s in stats)
+        assert not any(c.startswith(("draft_token", "verify")) for c in eng.calls), eng.calls
+    else:  # one verify call per step for the whole batch, after k draft token calls (+ catch-ups)
+        assert eng.calls["verify_batch4"] >= max(s["verify_calls"] for s in stats)
+        assert eng.calls["draft_token_batch4"] >= k * eng.calls["verify_batch4"]
     # generate() speculates too, and stays transformers' greedy decoding
     gen = lm.generate([PROMPTS[2], PROMPTS[0]], max_new_tokens=7, eos_token_id=None)
     assert gen[:, -7:].tolist() == [_greedy(reference, PROMPTS[2], 7), _greedy(reference, PROMPTS[0], 7)]
@@ -175,6 +199,29 @@ def test_a_bundle_built_for_k5_refuses_to_serve_k3_or_another_draft_with_the_rea
     assert type(lm.engine(speculation=False)).__name__ == "Engine"
 
 
+def test_a_fused_bundle_refuses_unfused_another_length_or_another_draft_naming_both(deployed: Path) -> None:
+    from neuronbuild.runtime.speculative import SpeculationMismatch, SpeculativeEngine
+
+    fused = _lm(deployed, "//:llama3f_trn2")
+    with pytest.raises(SpeculationMismatch, match=r"speculation fused=False requested, but the bundle was built with "
+                                                  r"fused=True \(a fused graph per bucket"):
+        fused.engine(speculation={"fused": False})
+    with pytest.raises(SpeculationMismatch, match=r"speculation length 5 requested, but the bundle was built for length "
+                                                  r"3 \(its fused graph proposes 3 draft tokens and scores 4 positions"):
+        fused.engine(speculation={"length": 5, "fused": True})
+    with pytest.raises(SpeculationMismatch, match="draft //:small requested, but the bundle was built with draft //:same"):
+        fused.engine(speculation={"draft": "//:small"})
+    with pytest.raises(SpeculationMismatch, match=r"fused=True requested, but the bundle was built with fused=False "
+                                                  r"\(separate draft token and verify graphs"):
+        _lm(deployed, "//:llama5_trn2").engine(speculation={"fused": True})
+    # the fused graph holds its draft's cache: a draft of another shape is refused, both named
+    with pytest.raises(SpeculationMismatch, match=r"its fused graph holds the draft cache float32\[2, 2, 5, 2, 32, 8\], "
+                                                  r"but draft //:small_cpu has float32\[1, 2, 5, 2, 32, 8\]"):
+        SpeculativeEngine(fused, _lm(deployed, "//:small_cpu"), 3)
+    eng = fused.engine(speculation={"length": 3, "fused": True, "draft": "//:same"})  # its own configuration
+    assert eng.fused and eng.k == 3
+
+
 def test_speculation_enters_only_the_verify_graphs_fingerprints(tmp_path: Path) -> None:
     from neuronbuild.analysis.planner import plan
     from neuronbuild.loading.target_graph import load_targets
@@ -203,16 +250,76 @@ def test_speculation_enters_only_the_verify_graphs_fingerprints(tmp_path: Path) 
     assert not base["verify:trace"] & k5["verify:trace"] and not base["verify:trace"] & other_draft["verify:trace"]
 
 
+def test_fused_speculation_enters_only_the_fused_graphs_fingerprints_and_ships_the_drafts_weights(
+        tmp_path: Path) -> None:
+    from neuronbuild.analysis.planner import plan
+    from neuronbuild.loading.target_graph import load_targets
+
+    ws = write_ws(tmp_path / "ws", {"llama.safetensors": "", "small.safetensors": ""})
+
+    def planned(build: str) -> tuple[dict[str, set[str]], dict[str, str]]:
+        (ws / "BUILD").write_text(build)
+        ag = plan(load_targets(ws, ["//:llama5f_cpu", "//:small_cpu"]))
+        out: dict[str, set[str]] = {}
+        shipped: dict[str, str] = {}
+        for ct in ag.compiles:
+            for bucket, fp in ct.buckets:
+                for x in ag.closure(fp, ct.ships_of(fp)):
+                    kind = ag.actions[x].kind
+                    key = f"{ag.actions[x].label}:{kind}" if kind == "weights" else f"{bucket.graph}:{kind}"
+                    out.setdefault(f"{ct.label.name}/{key}", set()).add(x)
+                shipped.update({f"{ct.label.name}/{bucket.graph}/{s.path}": s.action for s in ct.ships_of(fp) or ()})
+        return out, shipped
+
+    base, ships = planned(_build_file())
+    # the fused graph binds both models' weights: the target's file and the draft's own weights action's, shipped
+    assert ships["llama5f_cpu/fused/constants.safetensors"] == ships["llama5f_cpu/token/constants.safetensors"]
+    assert ships["llama5f_cpu/fused/draft.constants.safetensors"] == ships["small_cpu/token/constants.safetensors"]
+    assert "llama5f_cpu/context/draft.constants.safetensors" not in ships  # (only the fused graphs bind the draft)
+    variants = [planned(_build_file(fused5=f))[0] for f in (
+        '{"draft": ":same", "length": 5, "fused": True}',  # another draft
+        '{"draft": ":small", "length": 3, "fused": True}',  # another length
+    )]
+    for run in variants:
+        for key in ("llama5f_cpu///:llama5f:weights", "llama5f_cpu/context:trace", "llama5f_cpu/token:trace",
+                    "small_cpu/token:trace"):
+            assert run[key] == base[key], key
+        assert not run["llama5f_cpu/fused:trace"] & base["llama5f_cpu/fused:trace"]
+    unfused = planned(_build_file(fused5='{"draft": ":small", "length": 5}').replace(
+        'FUSED = {"context": [":ctx"], "token": [":tok"], "fused": [":tok"]}',
+        'FUSED = {"context": [":ctx"], "token": [":tok"], "verify": [":tok"]}'))[0]
+    assert "llama5f_cpu/fused:trace" not in unfused and unfused["llama5f_cpu/context:trace"] == \
+        base["llama5f_cpu/context:trace"]
+
+
 @pytest.mark.parametrize("spec, message", [
     ('{"draft": ":small", "length": 0}', "speculation length must be an int in 1..64"),
     ('{"draft": "small", "length": 3}', "speculation draft must be the label of another hf_causal_lm"),
-    ('{"draft": ":small", "length": 3, "fused": True}', "fused = True (one graph running the draft steps and the "
-                                                        "verification) is not supported yet"),
+    ('{"draft": ":small", "length": 3, "fused": 1}', "speculation fused must be True or False"),
     ('{"draft": ":small", "k": 3}', 'speculation: unknown key "k"'),
-], ids=["length-0", "relative-draft", "fused", "unknown-key"])
+], ids=["length-0", "relative-draft", "fused-not-bool", "unknown-key"])
 def test_a_bad_speculation_attribute_is_one_located_error(tmp_path: Path, spec: str, message: str) -> None:
     ws = write_ws(tmp_path / "ws", {"llama.safetensors": "", "small.safetensors": "", "BUILD": _build_file(spec3=spec)})
     proc = run_cli(["plan", "//:llama3_cpu"], ws)
+    assert proc.returncode != 0 and message in proc.stderr, proc.stderr
+    assert "BUILD:" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("fused5, extra, message", [
+    ('{"draft": ":nope", "length": 5, "fused": True}', "", "speculation draft //:nope is not a target here"),
+    ('{"draft": ":plain", "length": 5, "fused": True}',
+     'hf_causal_lm(name = "plain", model_type = "llama", config = {"vocab_size": 128, "hidden_size": 32, '
+     '"num_hidden_layers": 1, "num_attention_heads": 4}, weights = "small.safetensors", max_seq = 32)\n',
+     "speculation draft //:plain must be an hf_causal_lm with continuous_batching = True"),
+    ('{"draft": ":small", "length": 5, "fused": True}',
+     'neuron_compile(name = "tp2", model = ":llama5f", target = ":trn2", buckets = FUSED, tp_degree = 2)\n',
+     "fused speculation (graph 'fused') with tp_degree > 1 is not supported yet"),
+], ids=["unknown-draft", "draft-without-continuous-batching", "tp-degree-2"])
+def test_a_fused_speculation_the_build_cannot_make_is_one_located_error(tmp_path: Path, fused5: str, extra: str,
+                                                                        message: str) -> None:
+    ws = write_ws(tmp_path / "ws", {"llama.safetensors": "", "small.safetensors": "",
+                                    "BUILD": _build_file(fused5=fused5) + extra})
+    proc = run_cli(["plan", "//:tp2" if "tp_degree" in extra else "//:llama5f_cpu"], ws)
     assert proc.returncode != 0 and message in proc.stderr, proc.stderr
     assert "BUILD:" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
 
@@ -248,9 +355,10 @@ def test_rejection_sampling_rule_draws_each_token_from_the_targets_distribution(
     assert abs(accepted / n - float(torch.minimum(p, q).sum())) < 0.02  # acceptance = sum min(p, q), as the rule says
 
 
+@pytest.mark.parametrize("label", ["//:llama5_trn2", "//:llama3f_trn2"], ids=["unfused", "fused"])
 def test_sampled_speculation_with_a_draft_equal_to_the_target_accepts_and_a_seed_fixes_the_tokens(
-        deployed: Path) -> None:
-    lm = _lm(deployed, "//:llama5_trn2")
+        deployed: Path, label: str) -> None:
+    lm = _lm(deployed, label)
 
     def sampled(neighbours: int) -> tuple[list[int], dict[str, int]]:
         eng = lm.engine(seed=neighbours)
@@ -266,13 +374,17 @@ def test_sampled_speculation_with_a_draft_equal_to_the_target_accepts_and_a_seed
     assert sampled(3)[0] == alone  # the request's own generator: the same tokens whatever shares its batch
 
 
-def test_validate_compares_the_verify_graph_with_transformers(deployed: Path, cache_dir: Path) -> None:
-    proc = run_cli(["validate", "//:llama3_cpu", "--cache-dir", str(cache_dir)], deployed.parent / "ws")
+def test_validate_compares_the_verify_and_fused_graphs_with_transformers(deployed: Path, cache_dir: Path) -> None:
+    proc = run_cli(["validate", "//:llama3_cpu", "//:llama5f_cpu", "--cache-dir", str(cache_dir)],
+                   deployed.parent / "ws")
     out = proc.stdout
     assert proc.returncode == 0, out + proc.stderr[-3000:]
-    rows = [line for line in out.splitlines() if line.startswith("//:llama3_cpu ")]
-    assert len(rows) == 3 and all(r.endswith(" ok") for r in rows), out  # context, token and verify
-    assert any(" verify_batch4 " in r for r in rows), out  # the k + 1 positions' logits against transformers'
+    for label, family in (("//:llama3_cpu", "verify"), ("//:llama5f_cpu", "fused")):
+        rows = [line for line in out.splitlines() if line.startswith(label + " ")]
+        assert len(rows) == 3 and all(r.endswith(" ok") for r in rows), out  # context, token and verify / fused
+        # verify: the k + 1 positions' logits against transformers'; fused: those and the draft's k positions'
+        # logits against transformers' draft model, at the graph's own proposals
+        assert any(f" {family}_batch4 " in r for r in rows), out
 
 
 def test_a_bundle_shipping_verify_graphs_without_their_drafts_graphs_is_refused_at_its_srcs(tmp_path: Path) -> None:

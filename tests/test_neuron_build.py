@@ -100,6 +100,28 @@ def test_flags_only_change_never_relowers(built, tmp_path: Path) -> None:  # typ
     assert sorted(a["description"].split(" ")[0] for a in planned["execute"]) == ["Compile"] * 2 + ["Lower"] * 2
 
 
+def test_compiles_without_neuronx_cc_run_in_the_build_process_with_the_new_flags(built, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """A Neuron compile without neuronx-cc only writes compile_flags.json (a light step, #53): the build process runs
+    it in its sandbox, no worker is forked for it, and what it writes is what a worker wrote."""
+    ws0, cache0, _ = built
+    ws, cache = copy_ws(ws0, tmp_path / "ws"), tmp_path / "cache"
+    shutil.copytree(cache0, cache)
+    edit(ws / "pkg/BUILD", 'opt_level = 2, lnc = 1', 'opt_level = 3, lnc = 1')
+    events = tmp_path / "events.json"
+    out = _ok(run_cli(["build", "//pkg:c_trn2", "--cache-dir", str(cache), "--build-event-json-file", str(events)],
+                      ws, NO_CC))
+    assert "2 executed" in out
+    started = [json.loads(line) for line in events.read_text().splitlines() if '"action_started"' in line]
+    assert [(e["kind"], e["worker"]) for e in started] == [("compile", "build")] * 2
+    assert len({e["pid"] for e in started}) == 1
+    for b in ("batch1_seq8", "batch2_seq4"):
+        new = json.loads((ws / "neuronbuild-out/pkg/c_trn2" / b / "compile_flags.json").read_text())
+        old = json.loads((ws0 / "neuronbuild-out/pkg/c_trn2" / b / "compile_flags.json").read_text())
+        assert "-O3" in new["argv"] and "-O2" in old["argv"]
+        assert [a for a in new["argv"] if a != "-O3"] == [a for a in old["argv"] if a != "-O2"]
+        assert new["hlo_sha256"] == old["hlo_sha256"]
+
+
 def test_validate_runs_the_hlo_on_xla_cpu(built) -> None:  # type: ignore[no-untyped-def]
     ws, cache, _ = built
     proc = run_cli(["validate", "//pkg:c_trn2", "--cache-dir", str(cache)], ws, NO_CC)

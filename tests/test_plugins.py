@@ -75,9 +75,35 @@ def test_a_toolchain_missing_protocol_members_is_refused_at_registration_naming_
         name = "half"
         platforms = ("half",)
 
-    with pytest.raises(TypeError, match=r"toolchain 'half' .*missing artifact_format, .*option_keys.*warm_up_key"):
+    with pytest.raises(TypeError, match=r"toolchain 'half' .*missing artifact_format, estimate_s, .*plan, run, "
+                                        r"load_artifact$"):
         plugins.register_toolchain(Half())  # type: ignore[arg-type]
     assert "half" not in plugins.toolchains() and "half" not in plugins.platforms()
+
+
+def test_a_toolchain_leaving_out_optional_capabilities_gets_their_defaults() -> None:
+    """Only what the toolchain must say is required (plugin_api/toolchain.TOOLCHAIN_REQUIRED); the rest is filled
+    at registration with the capability's "nothing": no warm-up, worker hooks, options or notes."""
+    from neuronbuild import plugins
+    from neuronbuild.plugin_api.toolchain import TOOLCHAIN_REQUIRED, StepDirs, ignored_options, option_warnings
+
+    class Minimal:
+        name, platforms, artifact_format, estimate_s, estimate_mb = "minimal", ("minimal",), "minimal-1", 1.0, 10.0
+
+    tc = Minimal()
+    for member in TOOLCHAIN_REQUIRED[5:]:
+        setattr(tc, member, lambda *a: None)
+    plugins.register_toolchain(tc)  # type: ignore[arg-type]
+    try:
+        got = plugins.toolchain_for("minimal")
+        assert got is tc and got.warm_up_key({}) is None and got.step_dirs({}) == StepDirs()
+        assert got.notes(None) == [] and got.host_status() == {} and got.runtime_loader == ""  # type: ignore[arg-type]
+        assert option_warnings(got, {"opt_level": 2}) == () and ignored_options(got, {"opt_level": 2}) == ("opt_level",)
+    finally:  # (this process's registry: other tests see the built-ins only)
+        from neuronbuild.plugin_api import registry
+
+        registry._toolchains.pop("minimal")
+        registry._platforms.pop("minimal")
 
 
 def test_a_label_attribute_declared_own_package_refuses_another_packages_file_located(tmp_path: Path) -> None:
@@ -95,13 +121,14 @@ def test_a_runtime_loader_missing_protocol_members_is_refused_at_registration_na
     import pytest
 
     from neuronbuild import plugins
+    from neuronbuild.runtime.loaders import loader_for
 
     class Half:
         format = "half-format"
 
     with pytest.raises(TypeError, match=r"runtime loader 'half-format' .*missing host_mismatches, load, scratch_bytes"):
         plugins.register_loader(Half())  # type: ignore[arg-type]
-    assert plugins.loader_for("half-format") is None
+    assert loader_for("half-format") is None
 
 
 def test_a_plug_in_that_raises_while_imported_is_one_line_and_exit_2(tmp_path: Path) -> None:

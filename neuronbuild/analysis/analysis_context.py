@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from neuronbuild import FORMAT_VERSION, digests, plugins
+from neuronbuild import FORMAT_VERSION, digests
 from neuronbuild.analysis.actions import (
     TRACE,
     TRACE_OUTPUT,
@@ -20,6 +20,7 @@ from neuronbuild.analysis.actions import (
     trace_weights,
 )
 from neuronbuild.analysis.analysis_nodes import (
+    _GONE,
     AnalysisMemo,
     _Fresh,
     _Group,
@@ -36,6 +37,7 @@ from neuronbuild.engine import Node
 from neuronbuild.loading.labels import Label
 from neuronbuild.loading.target_graph import TargetGraph
 from neuronbuild.loading.targets import Target
+from neuronbuild.plugin_api import registry as plugins
 
 
 class _Recorder:
@@ -110,6 +112,22 @@ class AnalysisContext:
         if v is None:
             v = self._kinds_volatile[kind] = _volatile(kind)
         return v
+
+    def analyse_volatile(self, label: Label) -> Any:
+        """A volatile target's provider, analysed afresh (the engine's _Fresh nodes; _GONE: the target is gone or no
+        longer volatile); nothing it asks for is an event of an analysis running."""
+        t = self.graph.targets.get(label)
+        if t is None or not self.is_volatile(t.kind):
+            return _GONE
+        n = len(self.actions)
+        frames, self._frames = self._frames, []
+        try:
+            p = plugins.rule(t.kind).analyze(self, t)
+        finally:
+            self._frames = frames
+        if len(self.actions) != n:
+            self._volatile_actions = True
+        return p
 
     def _event(self, ev: tuple[Any, ...]) -> None:
         if self._frames:

@@ -10,9 +10,9 @@ import dataclasses
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
-from neuronbuild import digests, plugins
+from neuronbuild import digests
 from neuronbuild.analysis.action_graph import ActionGraph
 from neuronbuild.analysis.actions import (
     Action,
@@ -22,9 +22,20 @@ from neuronbuild.analysis.providers import BundleInfo, CompileTarget
 from neuronbuild.engine import Engine, Node
 from neuronbuild.loading.labels import Label
 from neuronbuild.loading.targets import Target
+from neuronbuild.plugin_api import registry as plugins
 
 if TYPE_CHECKING:
-    from neuronbuild.analysis.analysis_context import AnalysisContext
+    from neuronbuild.loading.target_graph import TargetGraph
+
+
+class _Running(Protocol):
+    """The plan running (analysis_context.AnalysisContext, which imports this module): what the nodes read of it."""
+
+    graph: TargetGraph
+
+    def analyse_volatile(self, label: Any) -> Any:
+        """A volatile target's provider, analysed afresh (_GONE: the target is gone or no longer volatile)."""
+        ...
 
 
 def _volatile(kind: str) -> bool:
@@ -82,7 +93,7 @@ class _TargetNodes:
     are unchanged (`unchanged`) and every node it asked for is current with the revision it saw."""
 
     def __init__(self) -> None:
-        self.ctx: AnalysisContext | None = None
+        self.ctx: _Running | None = None
 
     @staticmethod
     def equal(old: Any, new: Any) -> bool:
@@ -133,20 +144,8 @@ class _FreshNodes(_TargetNodes):
     volatile = True
 
     def compute(self, key: _Fresh, engine: Engine) -> Any:
-        ctx = self.ctx
-        assert ctx is not None
-        t = ctx.graph.targets.get(key.label)
-        if t is None or not ctx.is_volatile(t.kind):
-            return _GONE
-        n = len(ctx.actions)
-        frames, ctx._frames = ctx._frames, []  # (nothing it asks for is an event of an analysis running)
-        try:
-            p = plugins.rule(t.kind).analyze(ctx, t)
-        finally:
-            ctx._frames = frames
-        if len(ctx.actions) != n:
-            ctx._volatile_actions = True
-        return p
+        assert self.ctx is not None
+        return self.ctx.analyse_volatile(key.label)
 
 
 @dataclass(frozen=True)

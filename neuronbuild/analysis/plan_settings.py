@@ -1,56 +1,21 @@
-"""Plan-wide settings that enter fingerprints: declared action env, what toolchains' settings resolve to (e.g. a
-configured compiler, from their flags: analysis/toolchain_api.ToolSettings), toolchain overrides."""
+"""Plan-wide settings that enter fingerprints (`PlanSettings`: the plug-in API's, plugin_api/toolchain.py, re-exported
+here) read from the command line: declared action env, what toolchains' settings resolve to (e.g. a configured
+compiler, from their flags: ToolSettings), toolchain overrides."""
 
 from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
-from neuronbuild import envvars, plugins
-from neuronbuild.analysis.toolchain_versions import trace_toolchain
+from neuronbuild import envvars
 from neuronbuild.errors import UserInputError
+from neuronbuild.plugin_api import registry as plugins
+from neuronbuild.plugin_api.toolchain import PlanSettings as PlanSettings
+from neuronbuild.plugin_api.toolchain import secret_digest
 
 _ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _DIST_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]*$")  # a distribution a model imports (recorded per trace)
-
-
-@dataclass(frozen=True)
-class PlanSettings:
-    """Everything besides the targets that changes fingerprints. The defaults give the skeleton's fingerprints."""
-
-    action_env: tuple[tuple[str, str | None], ...] = ()  # declared --action-env names and values (None: unset)
-    # (settings name, resolved JSON value) of each toolchain setting that resolved to one (e.g. a configured
-    # compiler: its path, version, timeout), sorted by name
-    tools: tuple[tuple[str, Any], ...] = field(default=(), hash=False)
-    toolchain_overrides: Mapping[str, str] = field(default_factory=dict, hash=False, compare=False)
-
-    def env_record(self) -> dict[str, str | None]:
-        """The declared variables as every action record holds them: names, each with its value's digest (the value
-        changes fingerprints, but records, manifests and reports never hold it: it may be a secret); None: unset."""
-        return {name: secret_digest(value) if value is not None else None for name, value in self.action_env}
-
-    def tool(self, name: str) -> Any:
-        """What the toolchain settings `name` resolved to (ToolSettings.resolve), or None."""
-        return next((v for k, v in self.tools if k == name), None)
-
-    def trace_toolchain(self) -> dict[str, str]:
-        return self.override(trace_toolchain())
-
-    def override(self, tc: dict[str, str]) -> dict[str, str]:
-        """`tc` with the what-if versions (--toolchain NAME=VERSION) of the components it has."""
-        for k, v in self.toolchain_overrides.items():
-            if k in tc:
-                tc[k] = v
-        return tc
-
-
-def secret_digest(value: str) -> str:
-    """What stands for an --action-env value wherever it is written down: 'sha256:<hex>' of its UTF-8 bytes."""
-    import hashlib
-
-    return "sha256:" + hashlib.sha256(value.encode("utf-8", "surrogateescape")).hexdigest()
 
 
 def redact_action_env(items: list[str]) -> list[str]:

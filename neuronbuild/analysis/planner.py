@@ -14,7 +14,6 @@ import functools
 import itertools
 from typing import Any
 
-from neuronbuild import plugins
 from neuronbuild.analysis.action_graph import ActionGraph
 from neuronbuild.analysis.analysis_context import AnalysisContext
 from neuronbuild.analysis.analysis_nodes import GROUP_ROOTS, AnalysisMemo, _make_group
@@ -22,6 +21,7 @@ from neuronbuild.analysis.plan_settings import PlanSettings
 from neuronbuild.errors import UserInputError
 from neuronbuild.loading.labels import Label
 from neuronbuild.loading.target_graph import TargetGraph
+from neuronbuild.plugin_api import registry as plugins
 
 __all__ = ["plan"]
 

@@ -23,8 +23,13 @@ TP_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_
                # experts: OLMoE's whole-width q/k norms; gpt-oss's biased transposed experts and attention sinks;
                # DeepSeek-V3's latent attention (the latent cache replicated) and shared experts; Llama 4's
                "olmoe", "gpt_oss", "deepseek_v3", "llama4_text",
-               # module-patched: fused q|k|v per head (BLOOM with its ALiBi slopes, multi-head Falcon) or multi-query
-               "falcon", "bloom", "gpt_bigcode")
+               # module-patched: fused q|k|v per head (BLOOM with its ALiBi slopes, multi-head Falcon), per kv group
+               # (Falcon's new decoder architecture), multi-query, or [q | k | v] in GPT-2's transposed Conv1D layers
+               "falcon", "bloom", "gpt_bigcode", "gpt2")
+# expert parallelism (hf_causal_lm's moe_ep_degree = tp_degree): the families whose experts go through transformers'
+# experts interface ([experts, ...] parameters; Llama 4's own experts module does not), and their expert-count keys
+EP_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "gpt_oss")
+EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
 # MLP widths each rank holds 1/tp of (config key -> its class default when absent: a multiple of the hidden size)
 WIDTHS = {"intermediate_size": 0, "moe_intermediate_size": 0, "shared_expert_intermediate_size": 0,
           "intermediate_size_mlp": 0, "ffn_hidden_size": 4, "n_inner": 4}
@@ -60,13 +65,15 @@ def _kv_heads(record: Mapping[str, Any]) -> int:
 
 def _family_problem(model_type: str, hf: Mapping[str, Any], tp: int) -> str | None:
     """What of a supported family's config has no sharding plan, or None."""
-    if model_type == "falcon" and (hf.get("alibi") or hf.get("new_decoder_architecture")):
-        what = "alibi" if hf.get("alibi") else "new_decoder_architecture"
-        return f"tp_degree {tp}: falcon with {what} has no sharding plan (falcon with rotary embeddings has)"
+    if model_type == "falcon" and hf.get("new_decoder_architecture"):
+        groups = int(hf.get("num_kv_heads") or _heads(hf))
+        if groups % tp and groups != 1:  # (a rank's q|k|v is a block of whole kv groups, or the one group's k and v)
+            return (f"tp_degree {tp}: falcon's new_decoder_architecture with num_kv_heads {groups}: the kv groups must "
+                    "divide by it (or be one)")
     if model_type == "bloom" and hf.get("slow_but_exact") and int(hf.get("pretraining_tp") or 1) > 1:
         return f"tp_degree {tp}: bloom with slow_but_exact and pretraining_tp > 1 has no sharding plan"
-    if model_type == "gpt_bigcode" and hf.get("add_cross_attention"):
-        return f"tp_degree {tp}: gpt_bigcode with cross-attention has no sharding plan"
+    if model_type in ("gpt_bigcode", "gpt2") and hf.get("add_cross_attention"):
+        return f"tp_degree {tp}: {model_type} with cross-attention has no sharding plan"
     if model_type == "deepseek_v3" and int(hf.get("num_key_value_heads") or _heads(hf)) != _heads(hf):
         return f"tp_degree {tp}: deepseek_v3 with num_key_value_heads != num_attention_heads has no sharding plan"
     return None
@@ -98,12 +105,30 @@ def check(record: Mapping[str, Any], platform: str, tp: int, allowed: tuple[int,
     vocab = int(hf.get("vocab_size") or 0)
     if vocab < tp:  # (each rank holds a block of the vocabulary, padded to a multiple of tp)
         return f"tp_degree {tp}: the model's vocab_size {vocab} is smaller than it"
-    return _family_problem(model_type, hf, tp)
+    return _family_problem(model_type, hf, tp) or _ep_problem(record, model_type, hf, tp)
+
+
+def _ep_problem(record: Mapping[str, Any], model_type: str, hf: Mapping[str, Any], tp: int) -> str | None:
+    """What keeps a model's moe_ep_degree from this tp degree, or None."""
+    config = record.get("config") or {}
+    ep = int(config.get("moe_ep_degree") or 1) if isinstance(config, Mapping) else 1
+    if ep == 1:
+        return None
+    if ep != tp:
+        return (f"tp_degree {tp}: the model's moe_ep_degree {ep} must equal it (experts are split by expert over "
+                "every rank, whole inside; an expert split over several ranks as well is not supported)")
+    if model_type not in EP_FAMILIES:
+        return f"tp_degree {tp}: moe_ep_degree is supported for the {', '.join(EP_FAMILIES)} families ({model_type})"
+    experts = next((int(hf[k]) for k in EXPERT_KEYS if hf.get(k)), 0)
+    if not experts or experts % tp:
+        what = f"its {experts} experts" if experts else "its config's expert count (which it must write)"
+        return f"tp_degree {tp}: moe_ep_degree {ep} does not divide {what}"
+    return None
 
 
 def _uses(model_type: str, key: str) -> bool:
     """Whether the family's config class fills `key` in with its default when the config leaves it out."""
-    return (model_type, key) in (("falcon", "ffn_hidden_size"), ("gpt_bigcode", "n_inner"))
+    return (model_type, key) in (("falcon", "ffn_hidden_size"), ("gpt_bigcode", "n_inner"), ("gpt2", "n_inner"))
 
 
 def kv_heads_per_rank(record: Mapping[str, Any], tp: int) -> int:

@@ -7,17 +7,8 @@ import sys
 from collections.abc import Iterable, Mapping
 from importlib import metadata
 
-
-@functools.cache
-def package_version(name: str) -> str:
-    try:
-        return metadata.version(name)
-    except metadata.PackageNotFoundError:
-        return "not-installed"
-
-
-def trace_toolchain() -> dict[str, str]:
-    return {"python": f"{sys.version_info.major}.{sys.version_info.minor}", "torch": package_version("torch")}
+from neuronbuild.plugin_api.toolchain import package_version as package_version
+from neuronbuild.plugin_api.toolchain import trace_toolchain as trace_toolchain
 
 
 @functools.cache

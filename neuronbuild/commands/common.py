@@ -144,7 +144,7 @@ def run_plan(args: argparse.Namespace) -> int:
     with incremental.analysis_gc():  # (100,000s of long-lived sets, estimates and lines: no collections meanwhile)
         todo, cached = needed_actions(ag, cache, probe=True)
         report = plan_report(ag, todo, cached, ctx.history(cache), args.jobs or default_jobs(),
-                             incremental.analysis_memo(ctx.workspace.root, ctx.settings))
+                             incremental.analysis_memo(ctx.workspace.root, ctx.settings, ctx.command))
         if getattr(args, "output", "text") == "json":
             print(json.dumps(report.to_json(), indent=1, sort_keys=True), file=streams.out())
         else:  # (the matrix first: the build server sends it while the schedule for the summary is computed)

@@ -17,11 +17,12 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 
 
 def run(args: argparse.Namespace) -> int:
-    from neuronbuild import command
+    from neuronbuild import command, plugins
     from neuronbuild.analysis.query import run_query, to_dot, to_json
     from neuronbuild.workspace import find_workspace
 
     ws = find_workspace(command.current().cwd)
+    plugins.load()
     qg, result = run_query(ws.root, " ".join(args.expr), ws.cwd_package)
     if args.output == "json":
         print(json.dumps(to_json(qg, result), indent=1, sort_keys=True), file=streams.out())

@@ -109,8 +109,14 @@ def run(args: argparse.Namespace) -> int:
                 if ct.model not in refs:
                     refs[ct.model] = HfReference(spec, ws.root)
                 names = [str(n) for n, _s in spec.get("outputs") or []]
+                draft = None
+                for s in ct.ships_of(fp) or ():  # a fused speculation graph: its draft model's reference too
+                    if s.path.startswith("draft."):
+                        if ("draft", s.action) not in refs:
+                            refs[("draft", s.action)] = HfReference(dict(ag.actions[s.action].spec["model"]), ws.root)
+                        draft = (refs[("draft", s.action)], dict(spec["inputs"])["draft_kv"])
                 cmp = compare_hf(fn, refs[ct.model], bucket.graph, bucket.as_dict(), names, args.seed,
-                                 verify_width(spec))
+                                 verify_width(spec), draft)
                 loaded.setdefault(ct.label, {}).setdefault(bucket.graph, {})[bucket.name] = (spec, bucket.as_dict(), fn)
             else:
                 key = repr(sorted(spec.items(), key=lambda kv: kv[0]))
@@ -136,7 +142,8 @@ def run(args: argparse.Namespace) -> int:
                       f"{qerr.max_rel:.2e} (the quantization error: reported, not checked)", flush=True, file=streams.out())
     if args.generate > 0:
         for ct in ag.compiles:
-            fams = {f: b for f, b in (loaded.get(ct.label) or {}).items() if f != "verify"}  # (speculation: apart)
+            fams = {f: b for f, b in (loaded.get(ct.label) or {}).items()
+                    if f not in ("verify", "fused")}  # (speculation: apart)
             if ct.model not in refs:
                 continue
             if set(fams) - {"prefix"} != {"context", "token"}:  # (prefix: kv_layout = "block"'s prefix graphs)

@@ -6,10 +6,12 @@ import json
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from neuronbuild.analysis.actions import is_light
 from neuronbuild.execution import sandbox as sandboxes
 from neuronbuild.execution.cache_api import SpawnCache
 from neuronbuild.execution.env import action_environment, with_threads, worker_threads
@@ -62,6 +64,7 @@ class LocalExecutor:
 
     local = True
     name = "local"
+    runs_light = True  # light steps (actions.LIGHT) run in this process at start(): the scheduler warms no worker
 
     def __init__(self, root: Path, cache: SpawnCache, jobs: int, env: dict[str, str],
                  action_timeout: float = 0.0, timeouts: Mapping[str, tuple[float, str]] | None = None,
@@ -76,6 +79,7 @@ class LocalExecutor:
         args, kwargs = pool_args(cache, jobs, env, action_timeout)
         self._pool = pools.make(*args, **kwargs)
         self._running: dict[str, tuple[Job, sandboxes.Sandbox]] = {}
+        self._light: list[Completion] = []  # light steps run in this process at start(), handed back by wait()
         # This build's sandboxes live under one directory, removed whole at the end (even after a Ctrl-C that
         # struck while a sandbox was being made). Made on the first action: a fully cached build writes nothing to
         # the cache, so a read-only (mounted release) cache serves it.
@@ -102,6 +106,10 @@ class LocalExecutor:
     def start(self, job: Job) -> Started:
         a = job.action
         sb = sandboxes.prepare(a, self.root, self.cache, self._scratch)
+        if is_light(a):  # its toolchain's code on data, no model code: no worker, no fork
+            self._running[job.id] = (job, sb)
+            self._light.append(run_light(job, sb))
+            return Started("build", os.getpid())
         msg = {"kind": a.kind, "spec": json.loads(json.dumps(a.spec)), "inputs": str(sb.inputs),
                "outputs": str(sb.outputs), "log": str(job.log), "expect": dict(a.versions)}
         try:
@@ -116,8 +124,8 @@ class LocalExecutor:
         return Started(_worker_name(slot), pid)
 
     def wait(self, timeout: float | None) -> list[Completion]:
-        out = []
-        for r in self._pool.wait(timeout):
+        out, self._light = self._light, []
+        for r in self._pool.wait(0 if out else timeout):
             job, sb = self._running[r.task_id]
             res = r.result
             if sb.linked:
@@ -138,6 +146,7 @@ class LocalExecutor:
             entry[1].remove()
 
     def cancel(self) -> None:
+        self._light.clear()
         self._pool.kill_all()
         for _job, sb in self._running.values():
             sb.remove()
@@ -151,6 +160,33 @@ class LocalExecutor:
 
     def worker_pids(self) -> list[int]:
         return self._pool.pids()
+
+
+def run_light(job: Job, sb: sandboxes.Sandbox) -> Completion:
+    """Run a light toolchain step (actions.LIGHT: its toolchain's own code on its inputs as data, no model code) here,
+    in the build process, reading the sandbox `sb` made for it and writing its outputs there, as a worker's action
+    process would; a failure is the action's, reported the same way. No worker, fork, namespace or confinement: what
+    those protect the build from is model code, which such a step never runs (#53)."""
+    from neuronbuild import plugins
+    from neuronbuild.toolchains.errors import ToolchainError
+
+    a = job.action
+    start, cpu = time.perf_counter(), time.thread_time()
+    error, meta = "", {}
+    try:
+        meta = plugins.toolchain(str(a.spec["toolchain"])).run(str(a.spec["step"]), a.spec, sb.inputs, sb.outputs)
+    except ToolchainError as e:
+        error = str(e)
+    except Exception as e:  # noqa: BLE001 - the step's failure is its action's, as in a worker
+        error = f"{type(e).__name__}: {e}"
+    duration = time.perf_counter() - start
+    with open(job.log, "a", encoding="utf-8") as log:
+        log.write(f"neuronbuild: a light step, run in the build process (pid {os.getpid()}) in {duration:.3f} s\n")
+        if error:
+            log.write(f"{error}\n")
+    return Completion(job, not error, "build", os.getpid(), error.splitlines()[0] if error else "", duration, 0.0,
+                      meta if isinstance(meta, dict) else {}, None if error else sb.outputs,
+                      cpu_s=time.thread_time() - cpu)
 
 
 def _worker_name(slot: int) -> str:

@@ -11,7 +11,7 @@ import networkx as nx
 
 from neuronbuild import plugins
 from neuronbuild.analysis.action_graph import ActionGraph
-from neuronbuild.analysis.actions import Action, Bucket, make_action
+from neuronbuild.analysis.actions import Action, Bucket, is_light, make_action
 from neuronbuild.analysis.estimate import Estimator, declared_weight_mb
 from neuronbuild.analysis.toolchain_api import WARM_UP, warm_up_key
 from neuronbuild.execution import cutoff
@@ -289,7 +289,11 @@ class _Run:
     def loop(self) -> None:
         if not self.todo:
             return
-        self.s.executor.warm(min(len(self.ready), self.s.executor.slots))  # more start on demand
+        ex = self.s.executor  # workers for what is ready (more start on demand); none for light steps run here
+        runs_light = getattr(ex, "runs_light", False)
+        heavy = sum(1 for _p, _n, fp in self.ready if not (runs_light and is_light(self.todo[fp])))
+        if heavy:
+            ex.warm(min(heavy, ex.slots))
         self._start_warm_ups()
         while True:
             self._poll_other_builds()

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from neuronbuild import plugins
 from neuronbuild.analysis import tensor_parallel
 from neuronbuild.analysis.actions import Bucket, DepInput
 from neuronbuild.analysis.analysis_context import AnalysisContext
@@ -12,12 +11,15 @@ from neuronbuild.analysis.providers import BucketsInfo, CompileTarget, ModelInfo
 from neuronbuild.analysis.toolchain_api import CompileRequest, ignored_options, option_warnings, toolchain_options
 from neuronbuild.errors import UserInputError
 from neuronbuild.kinds.base import RuleKind
-from neuronbuild.kinds.model import graphs_only
+from neuronbuild.kinds.model import fused_draft, graphs_only
 from neuronbuild.kinds.options import merged_options
 from neuronbuild.loading.labels import Label
 from neuronbuild.loading.schema import FLOAT, GRAPH_LABEL, GRAPH_LABELS, INT, LABEL, NAME, TAGS, Attr, RuleSchema
 from neuronbuild.loading.target_graph import locate
 from neuronbuild.loading.targets import Target
+from neuronbuild.plugin_api import registry as plugins
+
+DRAFT_PREFIX = "draft."  # a fused speculation graph's draft weights file and names (runtime/layout.py DRAFT_PREFIX)
 
 SCHEMA = RuleSchema(
     "neuron_compile",
@@ -75,6 +77,24 @@ def _per_graph(ctx: AnalysisContext, t: Target, attr: str, names: list[str]) -> 
                                  f"{', '.join(names)})", locate(ctx.graph, t))
 
 
+def _fused_draft_weights(ctx: AnalysisContext, t: Target, graph: ModelInfo, tp: int) -> tuple[DepInput, ...]:
+    """What a fused speculation graph ships beside the target's weights: its draft model's weights file (the draft's
+    own weights action, shared with the draft's compiles), as `draft.constants.safetensors`; the runtime binds its
+    tensors under "draft." (the graph's draft submodule). () for every other graph."""
+    draft = fused_draft(graph.record)
+    if draft is None:
+        return ()
+    if tp > 1:
+        raise UserInputError(f"{t.label}: fused speculation (graph '{graph.record.get('graph')}') with tp_degree > 1 "
+                             "is not supported yet (use fused = False)", locate(ctx.graph, t, "tp_degree"))
+    info: ModelInfo = ctx.provider(draft)
+    if graphs_only(info.record):
+        raise UserInputError(f"{t.label}: the fused speculation graph binds the weights of its draft {draft}, which "
+                             "declares graphs only (no checkpoint)", locate(ctx.graph, t))
+    weights = ctx.add(ctx.weights(info, 1))
+    return tuple(DepInput(weights.fingerprint, out, DRAFT_PREFIX + out) for out in weights.outputs)
+
+
 def analyze(ctx: AnalysisContext, t: Target) -> CompileTarget:
     model: ModelInfo = ctx.provider(t.attrs["model"])
     plat: PlatformInfo = ctx.provider(t.attrs["target"])
@@ -118,6 +138,7 @@ def analyze(ctx: AnalysisContext, t: Target) -> CompileTarget:
         if tp > 1:  # one rank's program: its KV cache holds its heads
             traced = ModelInfo(ginfo.label, tensor_parallel.per_rank_record(ginfo.record, tp), ginfo.files, ginfo.dims)
         inputs: Mapping[str, object] = dict(traced.record["inputs"])  # ordered: the record holds [name, spec] pairs
+        draft_ships = _fused_draft_weights(ctx, t, ginfo, tp) if labels else ()
         for bucket in buckets_of(ctx, t, ginfo, labels, gname):
             trace = ctx.trace(traced, bucket, tp)
             if weights is None and not graphs_only(model.record):  # (graphs only: no weights action, none shipped)
@@ -132,7 +153,7 @@ def analyze(ctx: AnalysisContext, t: Target) -> CompileTarget:
                 raise UserInputError(e.message, locate(ctx.graph, t)) from None
             assert planned, f"toolchain {tc.name} planned no action"
             entries.append((bucket, planned[-1].fingerprint))
-            shipped.append(planned.ships)
+            shipped.append(tuple(planned.ships) + draft_ships)
     first = next(iter(graph_options.values()), None)
     ct = CompileTarget(t.label, model.label, plat.platform, tc.name, plat.target, plat.description,
                        first if first is not None else options_for(""), tuple(entries), float(t.attrs["tolerance"]),

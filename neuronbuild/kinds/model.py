@@ -16,7 +16,7 @@ from neuronbuild.digests import digest_bytes, digest_file
 from neuronbuild.errors import Location, UserInputError
 from neuronbuild.kinds import py_library
 from neuronbuild.kinds.base import RuleKind
-from neuronbuild.loading.labels import Label
+from neuronbuild.loading.labels import Label, parse_label
 from neuronbuild.loading.schema import (
     CONST_DIMS,
     DICT,
@@ -267,9 +267,54 @@ def analyze(ctx: AnalysisContext, model: Target) -> ModelInfo:
             grec["aliases"] = dict(g["aliases"])
         if g.get("config"):  # this graph's own config keys (e.g. hf_causal_lm's speculation): its fingerprint alone
             grec["config"] = dict(record["config"]) | dict(g["config"])
+            _with_fused_draft(ctx, model, name, grec)
         gdims = tuple(dict.fromkeys(d for _k, spec in grec["inputs"] for d in spec["dims"] if isinstance(d, str)))
         graphs.append((name, ModelInfo(model.label, grec, tuple(files), gdims)))
     return ModelInfo(model.label, record, tuple(files), dims, tuple(graphs))
+
+
+DRAFT_KV = "draft_kv"
+
+
+def fused_draft(record: Mapping[str, Any]) -> Label | None:
+    """The draft model a graph's record binds (hf_causal_lm speculation with fused = True), or None."""
+    spec = (record.get("config") or {}).get("speculation")
+    if not isinstance(spec, Mapping) or not spec.get("fused") or not isinstance(spec.get("draft"), str):
+        return None
+    return parse_label(spec["draft"], "")
+
+
+def _with_fused_draft(ctx: AnalysisContext, model: Target, name: str, grec: dict[str, Any]) -> None:
+    """A fused speculation graph (hf_causal_lm speculation fused = True) runs the draft model inside it: the draft's
+    config joins the graph's config (`speculation_draft`: its fingerprint, and the module the trace builds) and its
+    cache `draft_kv` joins the graph's inputs and outputs after `kv` (aliased), as the draft's own token graph declares
+    it. The draft's weights are its own weights action's file, shipped beside the graph (kinds/compile.py)."""
+    draft = fused_draft(grec)
+    if draft is None:
+        return
+    where = locate(ctx.graph, model)
+    if draft not in ctx.graph.targets:
+        raise UserInputError(f"{model.label}: speculation draft {draft} is not a target here (declare it in a "
+                             "package this build loads)", where)
+    info: ModelInfo = ctx.provider(draft)
+    token = dict(info.graphs).get("token") if isinstance(info, ModelInfo) else None
+    kv = dict(token.record["inputs"]).get("kv") if token is not None else None
+    if token is None or kv is None or "seq_ids" not in dict(token.record["inputs"]):
+        raise UserInputError(f"{model.label}: speculation draft {draft} must be an hf_causal_lm with "
+                             "continuous_batching = True (the fused graph runs its token steps on its cache lines)", where)
+    grec["config"] = dict(grec["config"]) | {"speculation_draft": {"config": info.record["config"]}}
+
+    def after_kv(pairs: list[list[Any]]) -> list[list[Any]]:
+        out: list[list[Any]] = []
+        for k, v in pairs:
+            out.append([k, v])
+            if k == "kv":
+                out.append([DRAFT_KV, kv])
+        return out
+
+    grec["inputs"] = after_kv(grec["inputs"])
+    grec["outputs"] = after_kv(grec["outputs"])
+    grec["aliases"] = dict(grec.get("aliases") or {}) | {DRAFT_KV: DRAFT_KV}
 
 
 # Third-party modules a shipped wrapper imports (the wrapper is not scanned: its imports are known).

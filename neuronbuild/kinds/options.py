@@ -10,12 +10,13 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from neuronbuild import plugins
 from neuronbuild.analysis.analysis_context import AnalysisContext
 from neuronbuild.analysis.providers import OptionsInfo
 from neuronbuild.analysis.toolchain_api import OptionKey
 from neuronbuild.loading.schema import LABEL_LIST, NAME, STRING_LIST, TAGS, Attr, RuleSchema
 from neuronbuild.loading.targets import Target
+from neuronbuild.plugin_api import registry as plugins
+from neuronbuild.plugin_api.rules import RuleDefaults
 
 KIND_NAME = "compiler_options"
 LIST_KEYS_CONCATENATE = STRING_LIST  # list-valued options (e.g. flags) concatenate along deps instead of replacing
@@ -85,7 +86,7 @@ def merged_options(info: OptionsInfo | None) -> dict[str, Any]:
 
 
 @dataclass(frozen=True)
-class OptionsKind:
+class OptionsKind(RuleDefaults):
     """The compiler_options rule kind, its schema made from the registered toolchains' option keys when first read
     (toolchains register after the built-in kinds)."""
 

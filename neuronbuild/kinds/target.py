@@ -10,13 +10,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from neuronbuild import plugins
 from neuronbuild.analysis.analysis_context import AnalysisContext
 from neuronbuild.analysis.providers import PlatformInfo
 from neuronbuild.errors import UserInputError
 from neuronbuild.loading.schema import NAME, STRING, TAGS, Attr, AttrError, RuleSchema
 from neuronbuild.loading.target_graph import locate
 from neuronbuild.loading.targets import Target
+from neuronbuild.plugin_api import registry as plugins
 
 KIND_NAME = "neuron_target"
 

@@ -1,37 +1,28 @@
-"""Attribute types and rule schemas, and validation of rule-call attributes against a kind's schema.
+"""Attribute types and validation of rule-call attributes against a kind's schema (`Attr`, `AttrType`, `RuleSchema`:
+the plug-in API's, neuronbuild/plugin_api/rules.py, re-exported here).
 
-The schemas themselves live with their rule kinds (neuronbuild/kinds/), registered through neuronbuild.plugins;
+The schemas themselves live with their rule kinds (neuronbuild/kinds/), registered in the plug-in registry;
 `RULES` is the registry's view of them for loading."""
 
 from __future__ import annotations
 
-import functools
 import math
 import re
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from neuronbuild import plugins
 from neuronbuild.loading.labels import Label, LabelError, parse_label
+from neuronbuild.plugin_api import registry
+from neuronbuild.plugin_api.rules import Attr as Attr
+from neuronbuild.plugin_api.rules import AttrError as AttrError
+from neuronbuild.plugin_api.rules import AttrType as AttrType
+from neuronbuild.plugin_api.rules import RuleSchema as RuleSchema
 from neuronbuild.vocabulary import DTYPES
 
 _DIM = r"(?:[A-Za-z_][A-Za-z0-9_]*|[0-9]+)"
 _INPUT_RE = re.compile(rf"^\s*([a-z0-9_]+)\s*\[\s*({_DIM}(\s*,\s*{_DIM})*)?\s*\]\s*$")
 _DIM_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _ENTRY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$")
-
-
-class AttrError(ValueError):
-    """An attribute value that does not fit the schema; the message is user-facing."""
-
-
-@dataclass(frozen=True)
-class AttrType:
-    """A named attribute type with its checker (raises AttrError, returns the normalised value)."""
-
-    name: str
-    check: Callable[[str, Any, str], Any]  # (attr name, value, current package) -> normalised value
 
 
 def _json_value(attr: str, v: Any, path: str = "") -> Any:
@@ -290,46 +281,6 @@ GRAPH_LABELS = AttrType("graph_labels", _graph_labels)
 GRAPH_LABEL = AttrType("graph_label", _graph_label)
 
 
-@dataclass(frozen=True)
-class Attr:
-    """One attribute of a rule kind."""
-
-    name: str
-    type: AttrType
-    doc: str
-    required: bool = False
-    default: Any = None
-    choices: tuple[Any, ...] = ()
-    kinds: tuple[str, ...] = ()  # for label attributes: the rule kinds allowed ("file" = a source file)
-    own_package: bool = False  # for label attributes: every label must be in the target's own package (loader.py)
-
-
-@dataclass(frozen=True)
-class RuleSchema:
-    """A rule kind: its attributes and a one-line description."""
-
-    kind: str
-    doc: str
-    attrs: tuple[Attr, ...]
-    check: Callable[[Mapping[str, Any]], None] | None = field(default=None, compare=False)
-
-    @functools.cached_property
-    def attr_names(self) -> frozenset[str]:
-        """Its attributes' names (made once: the load cache validates 35,000 targets at 100,000 graphs)."""
-        return frozenset(a.name for a in self.attrs)
-
-    @functools.cached_property
-    def own_package_attrs(self) -> tuple[str, ...]:
-        """Its label attributes whose labels must be in the target's own package (Attr.own_package)."""
-        return tuple(a.name for a in self.attrs if a.own_package)
-
-    def attr(self, name: str) -> Attr | None:
-        for a in self.attrs:
-            if a.name == name:
-                return a
-        return None
-
-
 NAME = Attr("name", STRING, "The target's name, unique in its package.", required=True)
 TAGS = Attr("tags", STRING_LIST, "Free-form tags (e.g. 'manual' keeps a target out of //... and :all).", default=())
 ENTRY_RE = _ENTRY_RE
@@ -339,13 +290,13 @@ class _Rules(Mapping[str, RuleSchema]):
     """Rule kind name -> schema, from the plug-in registry (kinds are discovered on first use)."""
 
     def __getitem__(self, kind: str) -> RuleSchema:
-        return plugins.rules()[kind].schema  # type: ignore[no-any-return]
+        return registry.rules()[kind].schema  # type: ignore[no-any-return]
 
     def __iter__(self) -> Iterator[str]:
-        return iter(plugins.rules())
+        return iter(registry.rules())
 
     def __len__(self) -> int:
-        return len(plugins.rules())
+        return len(registry.rules())
 
 
 RULES: Mapping[str, RuleSchema] = _Rules()

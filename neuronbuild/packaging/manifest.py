@@ -18,7 +18,7 @@ from neuronbuild.cache.cas import CorruptBlob
 from neuronbuild.cache.local import LocalCache
 from neuronbuild.loading.labels import Label
 from neuronbuild.loading.target_graph import TargetGraph
-from neuronbuild.runtime.layout import BUNDLE_FORMAT
+from neuronbuild.runtime.layout import BUNDLE_FORMAT, DRAFT_WEIGHTS
 
 CONSTANTS_OUTPUT = "constants.safetensors"
 _CHUNK = 1 << 20
@@ -136,6 +136,9 @@ def plan_bundle(graph: TargetGraph, ag: ActionGraph, cache: LocalCache, label: L
                 if name == CONSTANTS_OUTPUT:
                     weights = add(ref.digest, lambda sha: f"weights/{sha}.safetensors")
                     weights_models.setdefault(weights["path"], set()).add(str(model_label))
+                elif name == DRAFT_WEIGHTS:  # a fused speculation graph's draft weights: the draft's own file, once
+                    artifacts[name] = add(ref.digest, lambda sha: f"weights/{sha}.safetensors")
+                    weights_models.setdefault(artifacts[name]["path"], set()).add(str(_draft_of(trace.model)))
                 elif _RANK_WEIGHTS.fullmatch(name):  # a tensor-parallel graph's shard: one directory per rank
                     artifacts[name] = add(ref.digest, lambda sha, name=name: f"weights/{name[:-12]}/{sha}.safetensors")
                     weights_models.setdefault(artifacts[name]["path"], set()).add(str(model_label))
@@ -177,6 +180,11 @@ def plan_bundle(graph: TargetGraph, ag: ActionGraph, cache: LocalCache, label: L
     }
     return BundlePlan(label, manifest, tuple(members[p] for p in sorted(members)), tuple(dict.fromkeys(fingerprints)),
                       tuple(sorted(hashed)))
+
+
+def _draft_of(model_record: Mapping[str, Any]) -> str:
+    spec = (model_record.get("config") or {}).get("speculation") or {}
+    return str(spec.get("draft") or "")
 
 
 def requirements(graphs: list[dict[str, Any]]) -> dict[str, Any]:

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
+from neuronbuild.runtime.layout import DRAFT_PREFIX
 from neuronbuild.runtime.verified import with_tied
 
 MODEL_NAME = "model"
@@ -82,6 +83,14 @@ def with_program_constants(weights: Mapping[str, torch.Tensor], path: Path | Non
     if path is None or not Path(path).is_file():
         return dict(weights)
     return {**read_constants(Path(path)), **weights}
+
+
+def with_draft(weights: Mapping[str, torch.Tensor], path: Path | None) -> dict[str, torch.Tensor]:
+    """A fused speculation graph's tensors: `weights` (the target's) and its draft model's weights file at `path`
+    (draft.constants.safetensors) under "draft."; `weights` alone for any other graph (`path` None)."""
+    if path is None:
+        return dict(weights)
+    return {**{DRAFT_PREFIX + k: v for k, v in read_constants(Path(path)).items()}, **weights}
 
 
 def load_package(path: Path, constants: Mapping[str, torch.Tensor] | None = None) -> Callable[..., Any]:

@@ -15,10 +15,12 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from neuronbuild import envvars, plugins
+from neuronbuild import envvars
 from neuronbuild.runtime.host import Host, check_graph, current_host, no_loader
 from neuronbuild.runtime.inputs import prepare
 from neuronbuild.runtime.layout import (
+    DRAFT_PREFIX,
+    DRAFT_WEIGHTS,
     FileRef,
     Graph,
     LayoutError,
@@ -28,7 +30,7 @@ from neuronbuild.runtime.layout import (
     read_manifest,
     read_releases,
 )
-from neuronbuild.runtime.loaders import LoadRequest
+from neuronbuild.runtime.loaders import load_request, loader_for
 from neuronbuild.runtime.router import BucketRouter, NoBucketFits, Route
 from neuronbuild.runtime.signing import SIGNATURE as SIGNATURE_FILE
 from neuronbuild.runtime.signing import TRUSTED_KEYS_ENV, SignatureError, TrustedKey, load_trusted_keys, verify_manifest
@@ -344,6 +346,15 @@ class DeployedCache:
         byte checked; a name in both keeps the weights file's value (a tensor-parallel rank's shard holds its own
         values of per-rank buffers)."""
         own = g.artifacts.get(PROGRAM_CONSTANTS)
+        draft = g.artifacts.get(DRAFT_WEIGHTS)
+        if draft is not None:  # a fused speculation graph: + its draft model's weights under "draft."
+            def both(ref: FileRef) -> Any:
+                tensors = {DRAFT_PREFIX + k: v for k, v in self._weights_for(rdir / draft.path, draft).items()}
+                if own is not None:
+                    tensors.update(self._weights_for(rdir / own.path, own))
+                return {**tensors, **self._weights_for(rdir / ref.path, ref)}
+
+            return both
         if own is None:
             return lambda ref: self._weights_for(rdir / ref.path, ref)
         return lambda ref: {**self._weights_for(rdir / own.path, own), **self._weights_for(rdir / ref.path, ref)}
@@ -360,10 +371,10 @@ class DeployedCache:
         g = slot.graph
         emulated = False
         try:  # through the runtime loader its toolchain registered for the format (runtime/loaders.py)
-            loader = plugins.loader_for(g.format)
+            loader = loader_for(g.format)
             if loader is None:
                 raise RuntimeError(no_loader(g.format))
-            loaded = loader.load(LoadRequest(g, slot.release.dir, self.emulate, self._weights_ref(slot.release.dir, g),
+            loaded = loader.load(load_request(g, slot.release.dir, self.emulate, self._weights_ref(slot.release.dir, g),
                                              self._scratch))
             slot.fn, emulated = loaded.fn, loaded.emulated
         except Exception as e:  # noqa: BLE001 - any load failure is this graph's error
@@ -397,7 +408,7 @@ class _EagerModel:
 
 
 def _scratch_bytes(g: Graph) -> int:
-    loader = plugins.loader_for(g.format)
+    loader = loader_for(g.format)
     return loader.scratch_bytes(g) if loader is not None else 0
 
 

@@ -5,44 +5,17 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable
-from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
-from neuronbuild import plugins
 from neuronbuild.platforms import host_isa  # stdlib-only module (no build-side dependencies)
+from neuronbuild.plugin_api.loader import Host as Host
+from neuronbuild.plugin_api.loader import Mismatch as Mismatch
+from neuronbuild.runtime import loaders
 from neuronbuild.runtime.layout import Graph
 from neuronbuild.vocabulary import NEURON_INSTANCE_FAMILIES
 
 NEURON_PLATFORM_ENV = "NEURON_PLATFORM_TARGET_OVERRIDE"
-ISA_LEVELS = ("x86-64", "x86-64-v2", "x86-64-v3", "x86-64-v4")
-
-
-@dataclass(frozen=True)
-class Host:
-    """The facts a graph's compatibility depends on."""
-
-    torch: str
-    isa: str
-    neuron_platform: str | None  # None: not a Neuron host
-    neuron_cores: int | None = None  # the NeuronCores libnrt makes visible (None: no libnrt here)
-
-    def describe(self) -> str:
-        cores = f" ({self.neuron_cores} NeuronCores visible to libnrt)" if self.neuron_cores is not None else ""
-        return f"torch {self.torch}, cpu {self.isa}, neuron {self.neuron_platform or 'none'}{cores}"
-
-
-@dataclass(frozen=True)
-class Mismatch:
-    """One reason a graph cannot be used here: the record field that differs, what it was built for, what we have."""
-
-    graph: str
-    field: str
-    built: str
-    here: str
-
-    def __str__(self) -> str:
-        return f"{self.graph}: {self.field} differs (built for {self.built}, this host has {self.here})"
 
 
 def torch_version() -> str:
@@ -95,7 +68,7 @@ def check_graph(g: Graph, host: Host, emulate: str | None = None) -> list[Mismat
     built_torch = str(g.toolchain.get("torch", ""))
     if _public(built_torch) != _public(host.torch):
         out.append(Mismatch(g.describe(), "toolchain.torch", built_torch, host.torch))
-    loader = plugins.loader_for(g.format)
+    loader = loaders.loader_for(g.format)
     if loader is None:
         out.append(Mismatch(g.describe(), "format", g.format, no_loader(g.format)))
     else:
@@ -106,9 +79,9 @@ def check_graph(g: Graph, host: Host, emulate: str | None = None) -> list[Mismat
 def no_loader(fmt: str) -> str:
     """Why a graph of format `fmt` cannot be loaded here: no registered runtime loader (and which plug-in modules
     could not be imported)."""
-    skipped = plugins.loader_problems()
+    skipped = loaders.loader_problems()
     return (f"no runtime loader for artifact format {fmt!r} (its toolchain's `runtime_loader` module must be "
-            f"importable here: a built-in, or named in ${plugins.PLUGINS_ENV})"
+            f"importable here: a built-in, or named in ${loaders.PLUGINS_ENV})"
             + (f"; could not import {', '.join(skipped)}" if skipped else ""))
 
 

@@ -27,6 +27,13 @@ _TEXT_RE = re.compile(r"^[^\x00-\x1f\x7f]*$")  # no control characters (newlines
 _HEX_RE = re.compile(r"^[0-9a-f]{64}$")
 
 
+# A fused speculation graph (hf_causal_lm speculation fused = True) binds two models' weights: the target's file
+# (`weights`) under its own names and its draft model's file (this artifact, the draft's own weights file) under
+# DRAFT_PREFIX (the graph's `draft` submodule).
+DRAFT_WEIGHTS = "draft.constants.safetensors"
+DRAFT_PREFIX = "draft."
+
+
 class LayoutError(ValueError):
     """A manifest or deployed directory that cannot be read; the message is user-facing."""
 

@@ -1,67 +1,70 @@
-"""What a runtime loader is: how the serving runtime checks and loads the graphs of one artifact format.
-
-The runtime names no format: a graph's manifest entry carries the `format` its toolchain wrote, and the runtime asks
-the registry (`neuronbuild.plugins.loader_for`) for the loader registered under it. A toolchain declares the module
-that registers its format's loader (`Toolchain.runtime_loader`); that module must import nothing of the build side
-(only the runtime and the base layer), so a serving-only install (no `build` extra) can load its graphs. Built-in
-loader modules are listed in `plugins.RUNTIME_BUILTIN`; out-of-tree ones are found among the modules of
-$NEURONBUILD_PLUGINS (one that cannot be imported in this process, e.g. a build-side module on a serving host, is
-skipped and named in the error of a graph needing it)."""
+"""The runtime's loaders: finding the one registered for an artifact format (importing the built-in loader modules,
+RUNTIME_BUILTIN, and those of $NEURONBUILD_PLUGINS), and the request the runtime hands one, its files only through
+the runtime's checked copies. What a loader is (`ArtifactLoader`, `LoadRequest`, `Loaded`) is the plug-in API's
+(plugin_api/loader.py), re-exported here."""
 
 from __future__ import annotations
 
+import importlib
+import sys
 import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
-from neuronbuild.runtime.host import Host, Mismatch
+from neuronbuild import envvars
+from neuronbuild.plugin_api import registry
+from neuronbuild.plugin_api.loader import ArtifactLoader as ArtifactLoader
+from neuronbuild.plugin_api.loader import Loaded as Loaded
+from neuronbuild.plugin_api.loader import LoadRequest as LoadRequest
 from neuronbuild.runtime.layout import FileRef, Graph
 from neuronbuild.runtime.verified import Scratch, verified_path
 
+# The built-in toolchains' runtime halves (their `runtime_loader` modules): importable without the build side.
+RUNTIME_BUILTIN = ("neuronbuild.toolchains.cpu_runtime", "neuronbuild.toolchains.neuron_runtime")
+PLUGINS_ENV, PLUGIN_PATH_ENV = "NEURONBUILD_PLUGINS", "NEURONBUILD_PLUGIN_PATH"  # (plugins.py's: the runtime's own)
+_tried: dict[str, str | None] = {}  # module -> None (imported) or why it could not be
 
-@dataclass
-class LoadRequest:
-    """One graph to load from a deployed release, with the runtime's checked-file helpers."""
 
-    graph: Graph
-    release_dir: Path
-    emulate: str | None  # the emulation mode the cache was opened with (None: run for real)
-    weights: Callable[[FileRef], Any]  # a weights file's tensors, every byte checked, shared between graphs
-    scratch: Scratch | None = None  # during a strict open: one reused memory file for private copies
+def load_request(graph: Graph, release_dir: Path, emulate: str | None, weights: Callable[[FileRef], Any],
+                 scratch: Scratch | None = None) -> LoadRequest:
+    """The request loading `graph` from a deployed release; `scratch`: during a strict open, one reused memory file
+    for the private copies a loader asks for with `scratch=True`."""
 
     @contextmanager
-    def verified(self, ref: FileRef, scratch: bool = False) -> Iterator[Path]:
-        """A path to a private, checked copy of one of the graph's files (valid inside the block only); `scratch`:
-        in the open's reused memory file (the loader must be done reading it when the block ends)."""
-        with verified_path(self.release_dir / ref.path, ref, Path(tempfile.gettempdir()),
-                           self.scratch if scratch else None) as path:
+    def verified(ref: FileRef, in_scratch: bool) -> Iterator[Path]:
+        with verified_path(release_dir / ref.path, ref, Path(tempfile.gettempdir()),
+                           scratch if in_scratch else None) as path:
             yield path
 
-
-@dataclass(frozen=True)
-class Loaded:
-    """A loaded graph: the callable running it, and whether it runs emulated (counted as `emulated`, not a hit)."""
-
-    fn: Callable[..., Any]
-    emulated: bool = False
+    return LoadRequest(graph, release_dir, emulate, weights, verified)
 
 
-class ArtifactLoader(Protocol):
-    """The runtime half of a toolchain, registered with `plugins.register_loader` under its artifact format."""
+def loader_for(fmt: str) -> ArtifactLoader | None:
+    """The runtime loader registered for artifact format `fmt`, importing the built-in loader modules and those of
+    $NEURONBUILD_PLUGINS not tried yet (never a toolchain registry: the serving runtime has no build side); None
+    when none registers it (`loader_problems` says which modules could not be imported)."""
+    found = registry.loader(fmt)
+    if found is not None:
+        return found
+    with registry.lock:
+        for d in envvars.current().words(PLUGIN_PATH_ENV):
+            if d and d not in sys.path:
+                sys.path.append(d)
+        for name in RUNTIME_BUILTIN + envvars.current().words(PLUGINS_ENV):
+            if name in _tried:
+                continue
+            try:
+                importlib.import_module(name)
+                _tried[name] = None
+            except Exception as e:  # noqa: BLE001 - e.g. a build-side plug-in on a serving-only host
+                _tried[name] = f"{type(e).__name__}: {e}"
+            if registry.loader(fmt) is not None:
+                break
+        return registry.loader(fmt)
 
-    format: str
 
-    def host_mismatches(self, g: Graph, host: Host, emulate: str | None) -> list[Mismatch]:
-        """Every reason (besides the torch version, which the runtime checks) `g` cannot run on `host`."""
-        ...
-
-    def load(self, req: LoadRequest) -> Loaded:
-        """Load `req.graph` (its files only through `req.verified` / `req.weights`); raise on failure."""
-        ...
-
-    def scratch_bytes(self, g: Graph) -> int:
-        """The largest private copy loading `g` makes with `scratch=True` (0: none), to size the open's scratch."""
-        ...
+def loader_problems() -> list[str]:
+    """The plug-in modules the runtime could not import while looking for loaders, with why."""
+    return [f"{m} ({why})" for m, why in _tried.items() if why is not None]

@@ -33,6 +33,7 @@ from neuronbuild.runtime.engine import CONTEXT, PADDING_LINE, TOKEN, Engine, Req
 from neuronbuild.runtime.router import NoBucketFits
 
 VERIFY = "verify"
+FUSED = "fused"  # speculation fused = True: the draft's k steps and the verification in one graph
 SAMPLER_TOP_K = 256  # the graphs' static top-k (toolchains/hf_causal_lm.py SAMPLER_TOP_K)
 
 
@@ -41,10 +42,12 @@ class SpeculationMismatch(ValueError):
 
 
 def speculation_of(model: Any) -> dict[str, Any] | None:
-    """The speculation a deployed model's verify graphs were built for ({"draft", "length", "fused"}), or None."""
-    if VERIFY not in model.families:
+    """The speculation a deployed model's verify (or fused) graphs were built for ({"draft", "length", "fused"}), or
+    None."""
+    family = next((f for f in (FUSED, VERIFY) if f in model.families), None)
+    if family is None:
         return None
-    fam = model.family(VERIFY)
+    fam = model.family(family)
     g = fam.graph(next(iter(fam.buckets)))
     spec = ((g.trace_record.get("model") or {}).get("config") or {}).get("speculation")
     return dict(spec) if isinstance(spec, Mapping) else None
@@ -82,13 +85,17 @@ def speculative_engine(lm: Any, seed: int, speculation: Mapping[str, Any] | bool
         raise ValueError(f"speculation: unknown key {unknown[0]!r} (known: draft, length, fused)")
     k = int(built["length"])
     if "length" in want and want["length"] != k:
+        what = (f"its fused graph proposes {k} draft tokens and scores {k + 1} positions per row" if built.get("fused")
+                else f"its verify graph scores {k + 1} positions per row")
         raise SpeculationMismatch(
             f"{lm.label}: speculation length {want['length']} requested, but the bundle was built for length {k} "
-            f"(its verify graph scores {k + 1} positions per row; rebuild with speculation length "
-            f"{want['length']} or serve with {k})")
+            f"({what}; rebuild with speculation length {want['length']} or serve with {k})")
     if "fused" in want and bool(want["fused"]) != bool(built.get("fused")):
-        raise SpeculationMismatch(f"{lm.label}: speculation fused={want['fused']} requested, but the bundle was built "
-                                  f"with fused={built.get('fused')}")
+        has = "a fused graph per bucket (draft steps and verification in one call)" if built.get("fused") else \
+            "separate draft token and verify graphs"
+        raise SpeculationMismatch(f"{lm.label}: speculation fused={bool(want['fused'])} requested, but the bundle was "
+                                  f"built with fused={bool(built.get('fused'))} ({has}; rebuild with speculation "
+                                  f"fused = {bool(want['fused'])} or serve with fused={bool(built.get('fused'))})")
     draft = want.get("draft")
     if draft is None or isinstance(draft, str):
         if isinstance(draft, str) and draft != built["draft"]:
@@ -145,17 +152,31 @@ class SpeculativeEngine(Engine):
                                       f"{lm.vocab_size}: the models must share a tokenizer")
         self.draft = draft
         self.k = length
-        self._verify = lm.model.family(VERIFY)
+        self.fused = FUSED in lm.model.families  # one fused call per round instead of k draft calls + verify
+        self.family = FUSED if self.fused else VERIFY
+        self._verify = lm.model.family(self.family)
         self.verify_buckets: dict[str, dict[str, int]] = self._verify.buckets
         g = self._verify.graph(next(iter(self.verify_buckets)))
         self._verify_out = [str(o["name"]) for o in g.outputs]
-        width = int(g.inputs["input_ids"]["dims"][1])
-        if width != length + 1:
-            raise SpeculationMismatch(f"{lm.label}: the verify graph scores {width} positions, not length + 1 = "
-                                      f"{length + 1}")
-        self._verify_sampling = "sampling_params" in g.inputs
-        self.logits = "logits" in self._verify_out and "logits" in draft._out_index[TOKEN]
         spec = draft.kv_spec
+        if self.fused:
+            width = next(int(o["shape"][1]) for o in g.outputs if o["name"] == "draft_tokens")
+            if width != length:
+                raise SpeculationMismatch(f"{lm.label}: the fused graph proposes {width} draft tokens, not the "
+                                          f"speculation length {length}")
+            built = g.inputs["draft_kv"]
+            if [int(d) for d in built["dims"]] != [int(d) for d in spec["dims"]] or built["dtype"] != spec["dtype"]:
+                raise SpeculationMismatch(
+                    f"{lm.label}: its fused graph holds the draft cache {built['dtype']}{list(built['dims'])}, but "
+                    f"draft {draft.label} has {spec['dtype']}{list(spec['dims'])} (not the draft it was built with)")
+        else:
+            width = int(g.inputs["input_ids"]["dims"][1])
+            if width != length + 1:
+                raise SpeculationMismatch(f"{lm.label}: the verify graph scores {width} positions, not length + 1 = "
+                                          f"{length + 1}")
+        self._verify_sampling = "sampling_params" in g.inputs
+        self.logits = "logits" in self._verify_out and ("draft_logits" in self._verify_out if self.fused
+                                                        else "logits" in draft._out_index[TOKEN])
         self.draft_kv = torch.zeros([int(d) for d in spec["dims"]], dtype=getattr(torch, str(spec["dtype"])))
         self._draft_fed: dict[int, int] = {}  # rid -> tokens whose keys/values the draft's line holds
         self.stats: dict[int, dict[str, int]] = {}
@@ -163,7 +184,8 @@ class SpeculativeEngine(Engine):
             unusable = [g.describe() for n in self.verify_buckets if self._verify.bucket_fn(n) is None
                         for g in (self._verify.graph(n),)]
             if unusable:
-                raise RuntimeError(f"strict mode: {lm.label}: verify graph(s) cannot run here: {', '.join(unusable)}")
+                raise RuntimeError(f"strict mode: {lm.label}: {self.family} graph(s) cannot run here: "
+                                   f"{', '.join(unusable)}")
 
     # -- requests ------------------------------------------------------------------------------------------------
 
@@ -199,10 +221,11 @@ class SpeculativeEngine(Engine):
             if live:
                 self._draft_prefill(live)
         rows = sorted(self.active.values(), key=lambda r: r.line)
-        largest = min(max(b["batch"] for b in self.verify_buckets.values()),
-                      max(b["batch"] for b in self.draft.token_buckets.values()))
+        largest = max(b["batch"] for b in self.verify_buckets.values())
+        if not self.fused:
+            largest = min(largest, max(b["batch"] for b in self.draft.token_buckets.values()))
         for i in range(0, len(rows), largest):
-            self._speculate(rows[i:i + largest], got)
+            (self._speculate_fused if self.fused else self._speculate)(rows[i:i + largest], got)
         return got
 
     @property
@@ -283,9 +306,16 @@ class SpeculativeEngine(Engine):
                 else:
                     proposals[b].append(int(nxt[b]))
         verified = self._verify_call(rows, seqs, proposals)
+        self._accept(rows, seqs, proposals, q, verified, got)
+
+    def _accept(self, rows: list[Request], seqs: list[list[int]], proposals: list[list[int]],
+                q: list[list[torch.Tensor]], verified: dict[str, torch.Tensor], got: dict[int, list[int]]) -> None:
+        """Per row: the accepted proposals and the target's token (greedy), or the rejection-sampling rule's tokens
+        (sampled); the counters; the request's length moved to the kept tokens (the rollback)."""
+        k = self.k
         for b, r in enumerate(rows):
             p0 = len(seqs[b]) - 1
-            if sampled[b]:
+            if not r.sampling.greedy:
                 new, j = self._reject_sample(r, proposals[b], q[b], verified["logits"][b])
             else:
                 target = [int(t) for t in verified["tokens"][b].tolist()]
@@ -307,6 +337,51 @@ class SpeculativeEngine(Engine):
                     self._draft_fed.pop(r.rid, None)
                     break
 
+    def _speculate_fused(self, rows: list[Request], got: dict[int, list[int]]) -> None:
+        """One fused call for the rows: the draft's k proposals (its first step feeds the tokens at p - 1 and p, so
+        a draft left one token behind by a fully accepted round catches up in the same call) and the target's
+        k + 1 tokens; then acceptance and rollback as unfused."""
+        k = self.k
+        seqs = [r.prompt + r.tokens for r in rows]
+        name = self.lm.pick(FUSED, self.verify_buckets, {"batch": len(rows)})
+        batch = self.verify_buckets[name]["batch"]
+        pad = batch - len(rows)
+        ids = torch.tensor([s[-2:] for s in seqs] + [[self.lm.pad_token_id] * 2] * pad, dtype=torch.int32)
+        pos = torch.tensor([[len(s) - 2, len(s) - 1] for s in seqs] + [[0, 1]] * pad, dtype=torch.int32)
+        seq_ids = torch.tensor([r.line for r in rows] + [PADDING_LINE] * pad, dtype=torch.int32)
+        mask = (torch.arange(self.max_seq, dtype=torch.int32)[None, :] < pos[:, 1:]).to(torch.int32)
+        args = [ids, mask, pos, seq_ids]
+        if self._verify_sampling:  # the draft samples a sampled row's proposals in the graph, from its own draws
+            params = [[1.0, 1.0, 0.0] if r.sampling.greedy else
+                      [float(r.sampling.top_k), float(r.sampling.top_p), float(r.sampling.temperature)] for r in rows]
+            draws = [[0.0] * k if r.sampling.greedy else [r.fresh_draw() for _ in range(k)] for r in rows]
+            args += [torch.tensor(params + [[1.0, 1.0, 0.0]] * pad), torch.zeros((batch, k + 1)),
+                     torch.tensor(draws + [[0.0] * k] * pad, dtype=torch.float32)]
+        out = self._call(name, args + [self.kv, self.draft_kv])
+        self.draft_kv = out["draft_kv"]
+        proposals = [[int(t) for t in out["draft_tokens"][b].tolist()] for b in range(len(rows))]
+        q: list[list[torch.Tensor]] = [[] for _ in rows]
+        for b, r in enumerate(rows):
+            if not r.sampling.greedy:  # the distribution each proposal was drawn from (a greedy draft's: one-hot)
+                if self._verify_sampling:
+                    q[b] = [distribution(out["draft_logits"][b, i], r.sampling) for i in range(k)]
+                else:
+                    q[b] = [torch.nn.functional.one_hot(torch.tensor(x), out["logits"].shape[-1]).double()
+                            for x in proposals[b]]
+        self._accept(rows, seqs, proposals, q, out, got)
+
+    def _call(self, name: str, args: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+        fn = self._verify.bucket_fn(name)
+        if fn is None:
+            raise RuntimeError(f"{self.label}: graph {self._verify.graph(name).describe()} is not usable")
+        with torch.inference_mode():
+            raw = fn(*args)
+        tensors = [raw] if isinstance(raw, torch.Tensor) else list(raw)
+        out = dict(zip(self._verify_out, tensors, strict=True))
+        self.calls[name] = self.calls.get(name, 0) + 1
+        self.kv = out["kv"]  # rejected slots are rolled back by the request's length (never attended, overwritten)
+        return out
+
     def _verify_call(self, rows: list[Request], seqs: list[list[int]], proposals: list[list[int]]
                      ) -> dict[str, torch.Tensor]:
         k = self.k
@@ -322,16 +397,7 @@ class SpeculativeEngine(Engine):
         args = [ids, mask, pos, seq_ids]
         if self._verify_sampling:  # the graph's own tokens serve greedy rows: greedy parameters for every row
             args += [torch.tensor([[1.0, 1.0, 0.0]] * (len(rows) + pad)), torch.zeros((len(rows) + pad, k + 1))]
-        fn = self._verify.bucket_fn(name)
-        if fn is None:
-            raise RuntimeError(f"{self.label}: graph {self._verify.graph(name).describe()} is not usable")
-        with torch.inference_mode():
-            raw = fn(*args, self.kv)
-        tensors = [raw] if isinstance(raw, torch.Tensor) else list(raw)
-        out = dict(zip(self._verify_out, tensors, strict=True))
-        self.calls[name] = self.calls.get(name, 0) + 1
-        self.kv = out["kv"]  # rejected slots are rolled back by the request's length (never attended, overwritten)
-        return out
+        return self._call(name, args + [self.kv])
 
     def _reject_sample(self, r: Request, proposals: list[int], q: list[torch.Tensor], logits: torch.Tensor
                        ) -> tuple[list[int], int]:

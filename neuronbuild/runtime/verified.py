@@ -28,7 +28,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from neuronbuild.runtime.layout import FileRef
+from neuronbuild.runtime.layout import DRAFT_PREFIX, DRAFT_WEIGHTS, FileRef
 
 _CHUNK = 1 << 20
 _PARALLEL_MIN = 64 << 20  # files at least this large are hashed by BLAKE3 on all cores, in bigger chunks
@@ -351,13 +351,30 @@ def weights_mismatch(g: Any, root: Path) -> str | None:
     files = [g.artifacts[n] for n in ranks] if degree > 1 else ([g.weights] if g.weights is not None else [])
     if not files:
         return "it ships no weights (built without weights: bundle it with a model_weights target)"
+    draft = g.artifacts.get(DRAFT_WEIGHTS)
+    if draft is not None:  # a fused speculation graph: its draft's names are checked against the draft's own file
+        own = {k: v for k, v in state.items() if not k.startswith(DRAFT_PREFIX)}
+        problem = _state_mismatch({k: v for k, v in state.items() if k not in own}, root, draft, "draft weights file",
+                                  DRAFT_PREFIX)
+        if problem:
+            return problem
+        state = own
     for ref in files:
-        found = _header_state(Path(root) / ref.path)
-        for name, (dtype, shape) in state.items():
-            have = found.get(name)
-            if have is None:
-                return f"parameter {name} ({_spec(dtype, shape)}) is not in its weights file {ref.path}"
-            if have != (dtype, tuple(shape)):
-                return f"parameter {name}: the graph takes {_spec(dtype, shape)}, its weights file {ref.path} holds " \
-                       f"{_spec(*have)}"
+        problem = _state_mismatch(state, root, ref, "weights file")
+        if problem:
+            return problem
+    return None
+
+
+def _state_mismatch(state: Mapping[str, tuple[str, tuple[int, ...]]], root: Path, ref: FileRef, what: str,
+                    prefix: str = "") -> str | None:
+    """The first of the graph's parameters (names under `prefix` are the file's without it) that the weights file's
+    header lacks or holds with another dtype or shape, in one line; None when it holds them all."""
+    found = _header_state(Path(root) / ref.path)
+    for name, (dtype, shape) in state.items():
+        have = found.get(name[len(prefix):])
+        if have is None:
+            return f"parameter {name} ({_spec(dtype, shape)}) is not in its {what} {ref.path}"
+        if have != (dtype, tuple(shape)):
+            return f"parameter {name}: the graph takes {_spec(dtype, shape)}, its {what} {ref.path} holds {_spec(*have)}"
     return None

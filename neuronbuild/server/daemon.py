@@ -388,7 +388,7 @@ class Server:
             self.cancel_armed.set()
             watcher.start()
             with self.warm.active():
-                code = cli._main(argv, Command.from_message(msg, out, err, self.warm))
+                code = cli._main(argv, Command.from_message(msg, out, err, self.warm, self.warm.session))
         except SystemExit as e:
             code = e.code if isinstance(e.code, int) else EXIT_BUILD_FAILED
         except KeyboardInterrupt:
@@ -434,6 +434,7 @@ def main(config_json: str) -> None:
     # server; the server's own files are private by their modes and the 0700 output base)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    after_answer.defer(True)  # (a server process: what the user does not wait for runs after each answer)
     server = Server(config)
     try:
         server.serve()

@@ -1,16 +1,16 @@
-"""What the server keeps between commands: warm worker pools (torch and inductor imported) and the load and digest
-caches in memory; what it forgets before each command so nothing it keeps can be stale; and what it warms after a
-command's answer, while no command waits (WarmState.warm_in_background, background_steps)."""
+"""What the server keeps between commands: warm worker pools (torch and inductor imported) and its session (the load
+caches and the analysis engine in memory: incremental.Session), each handed to a command in its Command (`pools`,
+`session`); and what it warms after a command's answer, while no command waits (WarmState.warm_in_background,
+background_steps). Nothing else outlives a command: what a command learns of its environment (a compiler's version,
+the host's ISA level) is kept with its Command's config (envvars.fact), which the next command does not see."""
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import gc
 import json
 import os
 import shutil
-import sys
 import tempfile
 import time
 from collections.abc import Generator, Iterator
@@ -21,14 +21,6 @@ from neuronbuild import envvars
 from neuronbuild.errors import UserInputError
 from neuronbuild.execution.pool import WorkerPool
 from neuronbuild.execution.resources import rss_kib
-
-# Process-wide memoised functions must not outlive a command (the host ISA, the C++ compiler's and neuronx-cc's
-# versions depend on the client's environment and files): a batch build computes them afresh, so the server does
-# too. Kept: what the server stamp covers, so a change replaces the server (server/protocol.server_stamp):
-# neuronbuild's own code (self_stamp.code_stamp, computed once per process), and the Python distributions (stat
-# keys of every sys.path entry).
-_KEEP_CACHED = {"neuronbuild.analysis.toolchain_versions.package_version",
-                "neuronbuild.analysis.toolchain_versions._packages_distributions"}
 
 
 class KeptPool(WorkerPool):
@@ -43,6 +35,9 @@ class WarmState:
     """The kept pools (one per pool configuration; only the latest is kept) and in-memory load caches."""
 
     def __init__(self, record: Path | None = None) -> None:
+        from neuronbuild.incremental import Session
+
+        self.session = Session()  # (each command's Command.session)
         self._pool_key: str | None = None
         self._scratch: Path | None = None  # the kept pool's working dir (the cache's scratch) and its logs dir
         self._logs: Path | None = None
@@ -101,19 +96,15 @@ class WarmState:
 
     @contextlib.contextmanager
     def active(self) -> Iterator[None]:
-        """Around one command: fresh memoised toolchain facts, kept pools, load caches and analysis memos."""
-        from neuronbuild import incremental
-
-        forget_memoised()
-        before = {id(ag) for ag in _last_plans()}
+        """Around one command (its Command carries the kept pool and session): what it planned, for the warm-up."""
+        before = {id(ag) for ag in self.session.last_plans()}
         self._wanted = None
         self.wanting = self._pool is None  # (commands name the pool they would make: warmed once answered)
-        incremental.keep_in_memory(True)
         try:
             yield
         finally:
             self.wanting = False
-            planned = next((ag for ag in _last_plans() if id(ag) not in before), None)
+            planned = next((ag for ag in self.session.last_plans() if id(ag) not in before), None)
             if planned is not None:  # (else the last plan's, until a background warm-up takes it)
                 self._planned = planned
             gc.freeze()  # what the command keeps (memos) is not scanned by the collections of the next one
@@ -124,20 +115,16 @@ class WarmState:
     def idle(self) -> None:
         """The server idled for IDLE_GC_S after commands: write the on-disk load and digest caches (for batch commands
         and the next server), and collect if due."""
-        from neuronbuild import incremental
-
         if self.collect_due(idle=True):
             self.collect()  # (writes them first)
         else:
-            incremental.flush_saves()
+            self.session.flush_saves()
         self.pending = 0
 
     def collect(self) -> None:
         """Collect what the commands left behind (analysis freezes its objects: unfreeze them first, since the previous
         commands' action graphs may only now be garbage, and they hold reference cycles)."""
-        from neuronbuild import incremental
-
-        incremental.flush_saves()
+        self.session.flush_saves()
         start = time.perf_counter()
         gc.unfreeze()
         found = gc.collect()
@@ -309,10 +296,7 @@ class WarmState:
             atomic_write_bytes(self._record, json.dumps(data, sort_keys=False).encode(), durable=False)
 
     def describe(self) -> dict[str, Any]:
-        from neuronbuild import incremental
-
-        return {"worker_pool_size": self._pool.size if self._pool is not None else 0,
-                "load_caches": incremental.kept_count(), **incremental.memo_stats()}
+        return {"worker_pool_size": self._pool.size if self._pool is not None else 0, **self.session.stats()}
 
     def close(self) -> None:
         if self._pool is not None:
@@ -337,13 +321,6 @@ def _import(name: str) -> None:
         mod = importlib.import_module(name)
         if name == "neuronbuild.plugins":
             mod.toolchains()
-
-
-def _last_plans() -> list[Any]:
-    """The action graph each kept analysis memo planned last (incremental's memos: the server keeps them)."""
-    from neuronbuild import incremental
-
-    return incremental.last_plans()
 
 
 def _warm_ups_of(ag: Any, out: dict[str, dict[str, Any]], step: int) -> Iterator[None]:
@@ -396,13 +373,3 @@ def _scratch_sentinel(tmpdir: str | None) -> str | None:
     except OSError:
         return None
     return path
-
-
-def forget_memoised() -> None:
-    for name, mod in list(sys.modules.items()):
-        if not name.startswith("neuronbuild.") or mod is None:
-            continue
-        for attr, fn in list(vars(mod).items()):
-            if callable(getattr(fn, "cache_clear", None)) and getattr(fn, "__module__", None) == name and \
-                    f"{name}.{attr}" not in _KEEP_CACHED and isinstance(fn, functools._lru_cache_wrapper):
-                fn.cache_clear()

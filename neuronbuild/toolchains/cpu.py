@@ -6,12 +6,12 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from neuronbuild import plugins
 from neuronbuild.analysis.actions import COMPILE, PROGRAM_CONSTANTS, TRACE_OUTPUT, Action, DepInput, make_action
 from neuronbuild.analysis.plan_settings import PlanSettings
-from neuronbuild.analysis.toolchain_api import WARM_UP, CompileRequest, OptionKey, StepDirs
+from neuronbuild.analysis.toolchain_api import WARM_UP, CompileRequest, OptionKey, StepDirs, Toolchain
 from neuronbuild.loading.schema import STRING, Attr
 from neuronbuild.platforms import cxx_version, resolve_isa
+from neuronbuild.plugin_api import registry as plugins
 from neuronbuild.toolchains import cpu_runtime, cpu_settings
 from neuronbuild.vocabulary import AUTO_CAST, CPU_ISAS, CPU_PLATFORM
 
@@ -25,7 +25,7 @@ OUTPUTS = ("model.pt2", PROGRAM_CONSTANTS)
 IN_PLACE_VERSION = "input-mutation-1"
 
 
-class CpuToolchain:
+class CpuToolchain(Toolchain):
     name = "aoti"
     platforms: tuple[str, ...] = (CPU_PLATFORM,)
     artifact_format = cpu_runtime.FORMAT
@@ -94,10 +94,12 @@ class CpuToolchain:
         return {cpu_settings.CXX: cxx_version(), "isa": resolve_isa("native")}
 
     def load_artifact(self, files: Mapping[str, Path]) -> Callable[..., Any]:
-        from neuronbuild.runtime.aoti_loader import load_package, read_constants, with_program_constants
+        from neuronbuild.runtime.aoti_loader import load_package, read_constants, with_draft, with_program_constants
+        from neuronbuild.runtime.layout import DRAFT_WEIGHTS
 
         return load_package(files["model.pt2"], constants=with_program_constants(
-            read_constants(files["constants.safetensors"]), files.get(PROGRAM_CONSTANTS)))
+            with_draft(read_constants(files["constants.safetensors"]), files.get(DRAFT_WEIGHTS)),
+            files.get(PROGRAM_CONSTANTS)))
 
     def notes(self, settings: PlanSettings) -> list[str]:
         return []

@@ -1,14 +1,14 @@
 """The cpu toolchain's runtime half: how the serving runtime checks and loads "aoti" graphs (AOTInductor packages).
-Registered under the format by importing this module (plugins.RUNTIME_BUILTIN); imports nothing of the build side."""
+Registered under the format by importing this module (runtime/loaders.RUNTIME_BUILTIN); imports nothing of the build side."""
 
 from __future__ import annotations
 
 import platform
 
-from neuronbuild import plugins
-from neuronbuild.runtime.host import ISA_LEVELS, Host, Mismatch
+from neuronbuild.plugin_api import registry as plugins
+from neuronbuild.plugin_api.loader import Host, Loaded, LoadRequest, Mismatch
 from neuronbuild.runtime.layout import Graph
-from neuronbuild.runtime.loaders import Loaded, LoadRequest
+from neuronbuild.vocabulary import X86_LEVELS as ISA_LEVELS
 
 FORMAT = "aoti"  # AOTInductor packages: model.pt2 (+ the weights file, as constants)
 PACKAGE = "model.pt2"

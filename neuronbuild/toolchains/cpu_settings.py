@@ -5,7 +5,7 @@ built-in modules only at import (the command-line parser and the build server's 
 
 from __future__ import annotations
 
-from neuronbuild import plugins
+from neuronbuild.plugin_api import registry as plugins
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:

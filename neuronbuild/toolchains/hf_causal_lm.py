@@ -179,7 +179,8 @@ def hf_model(config: dict[str, Any]) -> nn.Module:
 
         quantize_linears(model, config)
     if tp > 1:
-        shard_hf_model(model, model_type, dict(config.get("hf") or {}), tp)
+        shard_hf_model(model, model_type, dict(config.get("hf") or {}), tp,
+                       expert_parallel=int(config.get("moe_ep_degree") or 1) > 1)
     return model
 
 
@@ -209,9 +210,13 @@ def _dense_experts(self: Any, hidden_states: torch.Tensor, top_k_index: torch.Te
     if getattr(self, "has_post_expert_norm", False):
         down = self.post_expert_norm(down)
     experts = down.shape[0]
-    routing = torch.zeros(hidden_states.shape[0], experts + 1, dtype=down.dtype,
+    whole = int(getattr(self, "nb_ep_experts", experts))  # expert parallelism (tp_ops): this rank's block of them
+    routing = torch.zeros(hidden_states.shape[0], whole + 1, dtype=down.dtype,
                           device=down.device)  # one spare column: transformers marks dropped slots with E
     routing = routing.scatter_add(1, top_k_index, top_k_weights.to(down.dtype))[:, :-1]
+    if whole != experts:  # the rank's experts' columns (its rank id: a buffer each rank's shard gives its value)
+        first = self.nb_tp_rank.to(torch.int64) * experts
+        routing = routing.index_select(1, first + torch.arange(experts, device=routing.device))
     return torch.einsum("eth,te->th", down, routing).to(hidden_states.dtype)
 
 
@@ -561,3 +566,96 @@ def sampling_verify(config: dict[str, Any]) -> nn.Module:
 def sampling_logits_verify(config: dict[str, Any]) -> nn.Module:
     """speculation verification graph with on-device sampling and output_logits: tokens, logits, cache."""
     return _serving(config, _sampling_verify_forward, "SamplingLogitsVerifyGraph", True)
+
+
+# -- fused speculation: the draft's k steps and the target's verification in one graph (speculation fused = True)
+
+DRAFT = "draft"  # the draft model's submodule in a fused graph: its state is the draft's weights file under "draft."
+
+
+def _fused(self: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
+           seq_ids: torch.Tensor, sampled: tuple[torch.Tensor, ...], kv: torch.Tensor, draft_kv: torch.Tensor
+           ) -> dict[str, torch.Tensor]:
+    """One speculation round per row (NxD Inference's enable_fused_speculation). input_ids [batch, 2]: the token
+    before the last accepted one and the last accepted one, at position_ids [batch, 2] = (p - 1, p); attention_mask
+    [batch, max_seq]: the target line's slots before p. The draft (self.draft, a graph module of the draft's config)
+    feeds both tokens in one step (slot p - 1 again: it already holds it, or it is the one the draft never fed after
+    a round that accepted every proposal) and then its own k - 1 proposals one at a time, each step as its token graph
+    computes it; the target scores the last accepted token and the k proposals at p..p + k as the verify graph does.
+    With on-device sampling, a draft step samples its proposal from draft_rand (sampled = (sampling_params, rand,
+    draft_rand)); otherwise it takes the argmax."""
+    draft = getattr(self, DRAFT)
+    k = int(self._nb_spec_length)
+    batch = input_ids.shape[0]
+    p = position_ids[:, 1:2].long()  # [batch, 1]
+    params = sampled[:1]
+
+    def draft_sampled(i: int, width: int) -> tuple[torch.Tensor, ...]:
+        if not sampled:
+            return ()
+        return (params[0], sampled[2][:, i:i + 1].expand(batch, width).contiguous())
+
+    slots = torch.arange(draft._nb_max_seq, device=input_ids.device)[None, :]
+    first = _verify(draft, input_ids, (slots < p - 1).to(torch.int32), position_ids, seq_ids, draft_sampled(0, 2),
+                    draft_kv)
+    proposals, logits = [first["tokens"][:, -1]], [first["logits"][:, -1]]
+    dkv = first["kv"]
+    for i in range(1, k):
+        pos = p + i
+        out = _decode(draft, proposals[-1][:, None].to(torch.int32), (slots <= pos).to(torch.int32), pos, seq_ids,
+                      (params[0], sampled[2][:, i]) if sampled else (), dkv)
+        proposals.append(out["tokens"] if sampled else out["logits"].argmax(-1).to(torch.int32))
+        logits.append(out["logits"])
+        dkv = out["kv"]
+    draft_tokens = torch.stack(proposals, 1).to(torch.int32)  # [batch, k]
+    ids = torch.cat([input_ids[:, 1:2].to(torch.int32), draft_tokens], 1)
+    positions = p + torch.arange(k + 1, device=p.device)[None, :]
+    verified = _verify(self, ids, attention_mask, positions, seq_ids, sampled[:2], kv)
+    result = {"draft_tokens": draft_tokens, "tokens": verified["tokens"]}
+    if "logits" in verified:
+        result["draft_logits"] = torch.stack(logits, 1)  # [batch, k, vocab]
+        result["logits"] = verified["logits"]
+    result["kv"] = verified["kv"]
+    result["draft_kv"] = dkv
+    return result
+
+
+def _serving_fused_forward(self: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                           position_ids: torch.Tensor, seq_ids: torch.Tensor, kv: torch.Tensor, draft_kv: torch.Tensor
+                           ) -> dict[str, torch.Tensor]:
+    return _fused(self, input_ids, attention_mask, position_ids, seq_ids, (), kv, draft_kv)
+
+
+def _sampling_fused_forward(self: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                            position_ids: torch.Tensor, seq_ids: torch.Tensor, sampling_params: torch.Tensor,
+                            rand: torch.Tensor, draft_rand: torch.Tensor, kv: torch.Tensor, draft_kv: torch.Tensor
+                            ) -> dict[str, torch.Tensor]:
+    return _fused(self, input_ids, attention_mask, position_ids, seq_ids, (sampling_params, rand, draft_rand), kv,
+                  draft_kv)
+
+
+def _fused_graph(config: dict[str, Any], forward: Any, suffix: str, logits: bool) -> nn.Module:
+    """The target's graph module with the draft's (its config from the fused graph's `speculation_draft` key, filled
+    in at analysis from the draft hf_causal_lm) as the submodule `draft`: the graph binds the target's weights under
+    their own names and the draft's under "draft." (the draft's weights file, shipped beside the target's)."""
+    model: Any = _serving(config, forward, suffix, logits)
+    draft: Any = _serving(dict(config["speculation_draft"]["config"]), _serving_token_forward, "FusedDraft", True)
+    setattr(model, DRAFT, draft)
+    model._nb_spec_length = int(config["speculation"]["length"])
+    return model  # type: ignore[no-any-return]
+
+
+def serving_fused(config: dict[str, Any]) -> nn.Module:
+    """fused speculation graph (no on-device sampling): the draft's k greedy proposals, the target's tokens and
+    logits (both models'), both caches."""
+    return _fused_graph(config, _serving_fused_forward, "ServingFusedGraph", True)
+
+
+def sampling_fused(config: dict[str, Any]) -> nn.Module:
+    """fused speculation graph with on-device sampling: proposals and tokens, both caches."""
+    return _fused_graph(config, _sampling_fused_forward, "SamplingFusedGraph", False)
+
+
+def sampling_logits_fused(config: dict[str, Any]) -> nn.Module:
+    """fused speculation graph with on-device sampling and output_logits: + both models' logits."""
+    return _fused_graph(config, _sampling_fused_forward, "SamplingLogitsFusedGraph", True)

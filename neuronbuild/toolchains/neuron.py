@@ -9,13 +9,22 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from neuronbuild import FORMAT_VERSION, plugins
-from neuronbuild.analysis.actions import COMPILE, PROGRAM_CONSTANTS, TRACE_OUTPUT, Action, DepInput, make_action
+from neuronbuild import FORMAT_VERSION
+from neuronbuild.analysis.actions import (
+    COMPILE,
+    LIGHT,
+    PROGRAM_CONSTANTS,
+    TRACE_OUTPUT,
+    Action,
+    DepInput,
+    make_action,
+)
 from neuronbuild.analysis.plan_settings import PlanSettings
-from neuronbuild.analysis.toolchain_api import WARM_UP, CompileRequest, OptionKey, StepDirs
+from neuronbuild.analysis.toolchain_api import WARM_UP, CompileRequest, OptionKey, StepDirs, Toolchain
 from neuronbuild.analysis.toolchain_versions import package_version
 from neuronbuild.errors import UserInputError
 from neuronbuild.loading.schema import INT, STRING, STRING_LIST, Attr
+from neuronbuild.plugin_api import registry as plugins
 from neuronbuild.toolchains import neuron_flags, neuron_runtime, neuron_settings
 from neuronbuild.toolchains.neuron_settings import NAME as NEURONX_CC
 from neuronbuild.vocabulary import AUTO_CAST, NEURON_PLATFORMS, OPT_LEVELS
@@ -45,7 +54,7 @@ OPTION_KEYS = (
 )
 
 
-class NeuronToolchain:
+class NeuronToolchain(Toolchain):
     name = "neuron"
     platforms: tuple[str, ...] = NEURON_PLATFORMS
     artifact_format = neuron_runtime.FORMAT
@@ -158,8 +167,9 @@ class NeuronToolchain:
         if cc is not None:
             spec["neuronx_cc"] = dict(cc)
             outputs = (*outputs, NEFF_OUTPUT)
-        else:  # the step only writes compile_flags.json: progress says so, estimates count it as nothing
-            spec["skipped"] = "no neuronx-cc"
+        else:  # the step only writes compile_flags.json: progress says so, estimates count it as nothing, and the
+            spec["skipped"] = "no neuronx-cc"  # local executor runs it in the build process (actions.LIGHT)
+            spec[LIGHT] = True
         compile_ = make_action(COMPILE, req.label, req.bucket, record, spec,
                                dep_inputs=tuple(DepInput(lower.fingerprint, f, f) for f in lower_outputs),
                                outputs=outputs, platform=req.platform, target=self.describe_target(req.target),
@@ -204,7 +214,8 @@ class NeuronToolchain:
             return {NEURONX_CC: f"broken ({e})"}
 
     def load_artifact(self, files: Mapping[str, Path]) -> Callable[..., Any]:
-        from neuronbuild.runtime.aoti_loader import read_constants, with_program_constants
+        from neuronbuild.runtime.aoti_loader import read_constants, with_draft, with_program_constants
+        from neuronbuild.runtime.layout import DRAFT_WEIGHTS
         from neuronbuild.runtime.xla_cpu import load_graph
 
         own = files.get(PROGRAM_CONSTANTS)
@@ -212,8 +223,8 @@ class NeuronToolchain:
             ranks = sorted((n for n in files if n.startswith("rank_")), key=lambda n: int(n[5:].split(".")[0]))
             return load_graph(files[HLO_FILE], files[PARAMS_FILE],
                               [with_program_constants(read_constants(files[n]), own) for n in ranks])
-        return load_graph(files[HLO_FILE], files[PARAMS_FILE],
-                          with_program_constants(read_constants(files[WEIGHTS_FILE]), own))
+        weights = with_draft(read_constants(files[WEIGHTS_FILE]), files.get(DRAFT_WEIGHTS))  # (+ a fused graph's draft)
+        return load_graph(files[HLO_FILE], files[PARAMS_FILE], with_program_constants(weights, own))
 
     def option_warnings(self, options: Mapping[str, Any]) -> list[str]:
         """Raw `flags` the neuronx-cc contract does not document (neuron_flags.DOCUMENTED_FLAGS): a typo would

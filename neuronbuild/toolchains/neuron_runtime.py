@@ -2,16 +2,15 @@
 params.json + weights, + model.neff when built with neuronx-cc). A graph runs on a Neuron device of its platform
 (its NEFF through libnrt, the Neuron runtime's library: runtime/neff_graph.py), or, with `emulate="xla-cpu"`, its
 exact HLO module on XLA:CPU on any host (counted as emulated). Registered by importing this module
-(plugins.RUNTIME_BUILTIN); imports nothing of the build side."""
+(runtime/loaders.RUNTIME_BUILTIN); imports nothing of the build side."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from neuronbuild import plugins
-from neuronbuild.runtime.host import Host, Mismatch
+from neuronbuild.plugin_api import registry as plugins
+from neuronbuild.plugin_api.loader import Host, Loaded, LoadRequest, Mismatch
 from neuronbuild.runtime.layout import FileRef, Graph
-from neuronbuild.runtime.loaders import Loaded, LoadRequest
 
 FORMAT = "neuron-hlo"
 XLA_CPU = "xla-cpu"

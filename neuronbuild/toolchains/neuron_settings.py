@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import os
 
-from neuronbuild import envvars, plugins
+from neuronbuild import envvars
+from neuronbuild.plugin_api import registry as plugins
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:

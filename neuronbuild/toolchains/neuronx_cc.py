@@ -8,7 +8,6 @@ compiler cannot be installed here: tests run a stand-in that enforces this contr
 
 from __future__ import annotations
 
-import functools
 import os
 import re
 import shlex
@@ -38,9 +37,13 @@ def neuronx_cc_command(exe: str, platform: str, options: Mapping[str, Any],
         raise ToolchainError(str(exc)) from None
 
 
-@functools.cache
 def neuronx_cc_version(path: str) -> str:
-    """The version neuronx-cc reports (`neuronx-cc --version`, e.g. 'NeuronX Compiler version 2.15.128.0+...')."""
+    """The version neuronx-cc reports (`neuronx-cc --version`, e.g. 'NeuronX Compiler version 2.15.128.0+...'), once
+    per command (envvars.fact)."""
+    return envvars.fact((neuronx_cc_version, path), lambda: _neuronx_cc_version(path))
+
+
+def _neuronx_cc_version(path: str) -> str:
     from neuronbuild.errors import UserInputError
 
     try:

@@ -262,18 +262,19 @@ def _row_parallel_hook(tp: int) -> Any:
 # - config-driven (llama and every family whose attention reads `head_dim` from its config): the rank's config holds
 #   heads/tp, kv heads/tp (or 1, replicated), the MLP's and experts' widths /tp; transformers then builds the rank's
 #   layers at their per-rank shapes;
-# - module-patched (PATCHED: falcon, bloom, gpt_bigcode, whose attention derives head_dim from hidden_size/heads): the
-#   whole model's config, then each attention's head counts and its q|k|v and output projections are cut to the rank's.
+# - module-patched (PATCHED: falcon, bloom, gpt_bigcode, gpt2, whose attention derives head_dim from hidden_size/heads):
+#   the whole model's config, then each attention's head counts and its q|k|v and output projections are cut to the
+#   rank's (GPT-2's Conv1D layers hold their weights transposed, [in, out]: the same cuts on the other dim).
 # Row-parallel layers (ROW_PARALLEL: attention's output projection, the MLP's down projection, experts) are followed
 # by an all-reduce, their bias added once, after it.
-PATCHED = ("falcon", "bloom", "gpt_bigcode")
+PATCHED = ("falcon", "bloom", "gpt_bigcode", "gpt2")
 # MLP widths split over the ranks, by config key (an expert's and a shared expert's too; Llama 4's dense layers')
 WIDTH_KEYS = ("intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size", "intermediate_size_mlp",
               "ffn_hidden_size", "n_inner")
 ROW_PARALLEL = (".self_attn.o_proj", ".mlp.down_proj", ".shared_expert.down_proj", ".shared_experts.down_proj",
                 ".feed_forward.down_proj", ".feed_forward.shared_expert.down_proj",
                 ".self_attn.dense", ".mlp.fc2",  # phi
-                ".mlp.c_proj", ".attn.c_proj",  # starcoder2, gpt_bigcode
+                ".mlp.c_proj", ".attn.c_proj",  # starcoder2, gpt_bigcode, gpt2 (a Conv1D)
                 ".self_attention.dense", ".mlp.dense_4h_to_h")  # falcon, bloom
 EXPERTS = (".mlp.experts", ".feed_forward.experts")  # experts' intermediate width split: partial sums, all-reduced
 
@@ -285,7 +286,7 @@ def per_rank_hf(model_type: str, hf: dict[str, Any], tp: int) -> dict[str, Any]:
     hidden = int(hf.get("hidden_size") or hf.get("n_embd") or 0)
     if model_type == "falcon":
         out["ffn_hidden_size"] = int(hf.get("ffn_hidden_size") or 4 * hidden) // tp
-    elif model_type == "gpt_bigcode":
+    elif model_type in ("gpt_bigcode", "gpt2"):
         out["n_inner"] = int(hf.get("n_inner") or 4 * hidden) // tp
     if model_type not in PATCHED:
         heads = int(hf["num_attention_heads"])
@@ -302,42 +303,98 @@ def per_rank_hf(model_type: str, hf: dict[str, Any], tp: int) -> dict[str, Any]:
     return out
 
 
-def shard_hf_model(model: torch.nn.Module, model_type: str, hf: Mapping[str, Any], tp: int) -> None:
+def shard_hf_model(model: torch.nn.Module, model_type: str, hf: Mapping[str, Any], tp: int,
+                   expert_parallel: bool = False) -> None:
     """Make `model` (built from per_rank_hf's config) one rank's model: the patched families' attention cut to the
-    rank's heads, whole-width q/k norms (OLMoE) made tensor-parallel, all-reduces after the row-parallel layers,
-    biases of row-parallel experts added by one rank, the vocabulary-parallel embedding and lm_head, and the fused
-    parameters declared (FUSED_ATTR) for the weights action. ValueError for what no rule covers."""
+    rank's heads, whole-width q/k norms (OLMoE) made tensor-parallel, the experts split by expert instead of by width
+    with `expert_parallel` (hf_causal_lm's moe_ep_degree = tp), all-reduces after the row-parallel layers, biases of
+    width-split experts added by one rank, the vocabulary-parallel embedding and lm_head, and the fused parameters
+    declared (FUSED_ATTR) for the weights action. ValueError for what no rule covers."""
     if model_type in PATCHED:
         _patch_attention(model, model_type, hf, tp)
     _tp_qk_norms(model, hf, tp)
+    if expert_parallel:
+        _expert_parallel(model, hf, tp)
     _row_parallel(model, tp)
     vocab_parallel(model, tp, int(hf.get("vocab_size") or 0))
     declare_fused(model, model_type, hf, tp)
 
 
+# The experts' own attributes set by expert parallelism: the whole model's expert count (the routing's width) and the
+# rank id buffer (which block of experts this rank holds); read by hf_causal_lm's dense experts.
+EP_EXPERTS_ATTR = "nb_ep_experts"
+
+
+def _expert_parallel(model: torch.nn.Module, hf: Mapping[str, Any], tp: int) -> None:
+    """Expert parallelism (NxD Inference's moe_ep_degree, here equal to the tp degree: no tensor split inside an
+    expert): each experts module (transformers' experts interface: [experts, ...] parameters) holds its rank's block
+    of experts (experts/tp of them, rank r: [r*experts/tp, (r+1)*experts/tp)) at their whole width, its routing
+    weights those columns of the whole routing (the router is replicated); its output, the rank's experts' share of
+    every token, is all-reduced as the width-split experts' partial sums are."""
+    import copy
+
+    for name, m in list(model.named_modules()):
+        if not name.endswith(EXPERTS):
+            continue
+        if not isinstance(getattr(m, "down_proj", None), torch.nn.Parameter):
+            raise ValueError(f"{name}: {type(m).__name__} does not hold its experts as [experts, ...] parameters: "
+                             "expert parallelism is not supported for it")
+        cfg = copy.copy(m.config if hasattr(m, "config") else model.config)  # type: ignore[union-attr]
+        for key in WIDTH_KEYS:  # the experts' whole width (per_rank_hf divided it)
+            if hf.get(key):
+                setattr(cfg, key, int(hf[key]))
+        with torch.device("meta"):
+            whole = type(m)(cfg)
+        experts = int(whole.down_proj.shape[0])
+        if experts % tp:
+            raise ValueError(f"{name}: {experts} experts cannot be split by expert over {tp} ranks")
+        for pname, p in list(whole.named_parameters(recurse=False)):
+            held = m._parameters[pname]
+            assert held is not None
+            shape = (experts // tp, *p.shape[1:])
+            m._parameters[pname] = torch.nn.Parameter(torch.empty(shape, dtype=held.dtype, device=held.device),
+                                                      requires_grad=False)
+        for attr in ("intermediate_dim", "intermediate_size", "expert_dim"):
+            if hasattr(whole, attr):
+                setattr(m, attr, getattr(whole, attr))
+        setattr(m, "num_experts", experts // tp)  # noqa: B010
+        setattr(m, EP_EXPERTS_ATTR, experts)
+        m.register_buffer(RANK_BUFFER, torch.zeros(1, dtype=torch.int32), persistent=False)
+
+
+def _is_conv1d(layer: Any) -> bool:
+    """transformers' Conv1D (GPT-2): a linear layer whose weight is [in, out] (nx, nf), computing x @ W + b."""
+    from transformers.pytorch_utils import Conv1D
+
+    return isinstance(layer, Conv1D)
+
+
 def _resize(linear: Any, dim: int, size: int) -> None:
-    """Give an nn.Linear `size` output (dim 0) or input (dim 1) features: new (valueless) parameters of the rank's
-    shapes, in the same dtype and device (the weights action fills them)."""
+    """Give an nn.Linear (or a Conv1D, its weight transposed) `size` output (dim 0) or input (dim 1) features: new
+    (valueless) parameters of the rank's shapes, in the same dtype and device (the weights action fills them)."""
+    conv = _is_conv1d(linear)
     weight = linear.weight
     shape = list(weight.shape)
-    shape[dim] = size
+    shape[1 - dim if conv else dim] = size
     linear.weight = torch.nn.Parameter(torch.empty(shape, dtype=weight.dtype, device=weight.device),
                                        requires_grad=False)
     if dim == 0:
-        linear.out_features = size  # type: ignore[assignment]
+        setattr(linear, "nf" if conv else "out_features", size)
         if linear.bias is not None:
             bias = linear.bias
             linear.bias = torch.nn.Parameter(torch.empty(size, dtype=bias.dtype, device=bias.device),
                                              requires_grad=False)
     else:
-        linear.in_features = size  # type: ignore[assignment]
+        setattr(linear, "nx" if conv else "in_features", size)
 
 
 def _patch_attention(model: torch.nn.Module, model_type: str, hf: Mapping[str, Any], tp: int) -> None:
-    """Falcon, BLOOM, GPT-BigCode: each attention's heads cut to the rank's (head_dim kept), its fused q|k|v cut to the
-    rank's heads (per-head interleaved [q k v] per head: a plain block of heads; multi-query [q... | k | v]: the
-    query heads split, the one k and v replicated, declared fused) and its output projection's input to theirs;
-    BLOOM's ALiBi slopes are the whole model's, each rank taking its heads' (its rank id)."""
+    """Falcon, BLOOM, GPT-BigCode, GPT-2: each attention's heads cut to the rank's (head_dim kept), its fused q|k|v cut
+    to the rank's heads (per-head interleaved [q k v] per head, or Falcon's new decoder architecture's kv groups
+    [q.. k v] per group with kv heads dividing by tp: a plain block of heads or groups; multi-query [q... | k | v],
+    one group: the query heads split, the one k and v replicated, declared fused; GPT-2's [q | k | v]: each part split
+    by head, declared fused) and its output projection's input to theirs; ALiBi slopes (BLOOM's, Falcon's) are the
+    whole model's, each rank taking its heads' (its rank id)."""
     for name, m in model.named_modules():
         cls = type(m).__name__
         if cls.endswith("MLP") and model_type == "bloom":
@@ -347,30 +404,64 @@ def _patch_attention(model: torch.nn.Module, model_type: str, hf: Mapping[str, A
             continue
         heads, head_dim = int(m.num_heads), int(m.head_dim)
         m.num_heads = heads // tp
+        rank_q = heads // tp * head_dim
         if model_type == "falcon":
-            if m.new_decoder_architecture:
-                raise ValueError(f"{name}: falcon's new_decoder_architecture is not supported at tp_degree > 1")
-            m.num_kv_heads = 1 if m.multi_query else heads // tp
-            qkv = m.query_key_value
-            dense = m.dense
-            multi_query = bool(m.multi_query)
+            if m.new_decoder_architecture:  # [q.. k v] per kv group; k and v broadcast to the group's query heads
+                kv_r = max(1, int(m.num_kv_heads) // tp)
+                m.num_kv_heads = kv_r
+                qkv_out = rank_q + 2 * kv_r * head_dim
+            else:
+                m.num_kv_heads = 1 if m.multi_query else heads // tp
+                qkv_out = rank_q + 2 * head_dim if m.multi_query else 3 * rank_q
+            qkv, dense = m.query_key_value, m.dense
         elif model_type == "bloom":
-            qkv, dense, multi_query = m.query_key_value, m.dense, False
-        else:  # gpt_bigcode
+            qkv, dense, qkv_out = m.query_key_value, m.dense, 3 * rank_q
+        else:  # gpt_bigcode, gpt2
             if getattr(m, "is_cross_attention", False):
                 raise ValueError(f"{name}: cross-attention is not supported at tp_degree > 1")
-            multi_query = bool(m.multi_query)
-            m.embed_dim = heads // tp * head_dim
-            m.kv_heads = 1 if multi_query else heads // tp
-            m.kv_dim = m.kv_heads * head_dim
-            m.num_key_value_groups = m.num_heads // m.kv_heads
-            m.split_size = m.embed_dim
+            m.embed_dim = m.split_size = rank_q
+            multi_query = bool(getattr(m, "multi_query", False))
+            qkv_out = rank_q + 2 * head_dim if multi_query else 3 * rank_q
+            if model_type == "gpt_bigcode":
+                m.kv_heads = 1 if multi_query else heads // tp
+                m.kv_dim = m.kv_heads * head_dim
+                m.num_key_value_groups = m.num_heads // m.kv_heads
             qkv, dense = m.c_attn, m.c_proj
-        rank_q = heads // tp * head_dim
-        _resize(qkv, 0, rank_q + 2 * head_dim if multi_query else 3 * rank_q)
+        _resize(qkv, 0, qkv_out)
         _resize(dense, 1, rank_q)
     if model_type == "bloom":
         _bloom_alibi(model, tp)
+    if model_type == "falcon" and hf.get("alibi"):
+        _falcon_alibi(model, tp)
+
+
+def _falcon_alibi(model: torch.nn.Module, tp: int) -> None:
+    """Falcon's ALiBi for the rank's heads: FalconModel builds the bias (and the 4-D mask it is merged into) for every
+    head of the whole model, as transformers does; each attention takes its rank's block of heads of both, by the
+    rank id (a buffer of the FalconModel, as the embedding's)."""
+    base: Any = model.transformer
+    base.register_buffer(RANK_BUFFER, torch.zeros(1, dtype=torch.int32), persistent=False)
+    heads = int(base.num_heads)
+
+    def take_heads(m: torch.nn.Module, args: Any, kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+        alibi, mask = kwargs.get("alibi"), kwargs.get("attention_mask")
+        if alibi is None:
+            return args, kwargs
+        per = int(m.num_heads)  # type: ignore[arg-type]
+        index = getattr(base, RANK_BUFFER).to(torch.int64) * per + torch.arange(per, device=alibi.device)
+        if alibi.dim() == 4:  # [batch, heads, 1, kv] (FalconModel's, once merged into a 4-D mask)
+            kwargs["alibi"] = alibi.index_select(1, index)
+        else:  # [batch * heads, 1, kv]
+            batch = alibi.shape[0] // heads
+            whole = alibi.view(batch, heads, *alibi.shape[1:])
+            kwargs["alibi"] = whole.index_select(1, index).reshape(batch * per, *alibi.shape[1:])
+        if mask is not None and mask.dim() == 4 and mask.shape[1] == heads:  # [batch, heads, q, kv]: ALiBi merged in
+            kwargs["attention_mask"] = mask.index_select(1, index)
+        return args, kwargs
+
+    for _name, m in model.named_modules():
+        if type(m).__name__.endswith("Attention"):
+            m.register_forward_pre_hook(take_heads, with_kwargs=True)
 
 
 def _bloom_alibi(model: torch.nn.Module, tp: int) -> None:
@@ -435,9 +526,18 @@ def _tp_qk_norms(model: torch.nn.Module, hf: Mapping[str, Any], tp: int) -> None
 
 
 def _row_parallel_linear(cls: type) -> type:
+    """A row-parallel nn.Linear (or Conv1D: x @ W, its weight [in, out]) with a bias: the partial products
+    all-reduced, the bias added once."""
+    from transformers.pytorch_utils import Conv1D
+
+    conv = issubclass(cls, Conv1D)
+
     def forward(self: Any, x: torch.Tensor) -> torch.Tensor:
-        out = all_reduce(torch.nn.functional.linear(x, self.weight), self.nb_tp)
-        return out + self.bias  # type: ignore[no-any-return]
+        if conv:
+            part = (x.reshape(-1, x.shape[-1]) @ self.weight).view(*x.shape[:-1], self.nf)
+        else:
+            part = torch.nn.functional.linear(x, self.weight)
+        return all_reduce(part, self.nb_tp) + self.bias  # type: ignore[no-any-return]
 
     return type(f"RowParallel{cls.__name__}", (cls,), {"forward": forward})
 
@@ -461,7 +561,7 @@ def _row_parallel(model: torch.nn.Module, tp: int) -> None:
 
     for name, m in list(model.named_modules()):
         if name.endswith(EXPERTS):
-            if getattr(m, "has_bias", False):
+            if getattr(m, "has_bias", False) and not hasattr(m, EP_EXPERTS_ATTR):  # (by expert: each bias once)
                 cls = type(m)
                 m.__class__ = type(f"RankMasked{cls.__name__}", (_RankMaskedDownBias, cls), {})
                 m.register_buffer(RANK_BUFFER, torch.zeros(1, dtype=torch.int32), persistent=False)
@@ -469,7 +569,7 @@ def _row_parallel(model: torch.nn.Module, tp: int) -> None:
         elif name.endswith(ROW_PARALLEL):
             if getattr(m, "bias", None) is None:
                 m.register_forward_hook(reduce)
-            elif isinstance(m, torch.nn.Linear):
+            elif isinstance(m, torch.nn.Linear) or _is_conv1d(m):
                 m.__class__ = _row_parallel_linear(type(m))
                 setattr(m, "nb_tp", tp)  # noqa: B010
             else:
@@ -491,7 +591,8 @@ def vocab_parallel(model: torch.nn.Module, tp: int, vocab: int) -> None:
 
 def declare_fused(model: torch.nn.Module, model_type: str, hf: Mapping[str, Any], tp: int) -> None:
     """Declare one rank's fused column-parallel parameters (FUSED_ATTR) for the weights action: Phi-3's q|k|v (q heads
-    split, kv heads split or replicated), multi-query q|k|v (Falcon's, GPT-BigCode's: k and v replicated), gate|up
+    split, kv heads split or replicated), multi-query q|k|v (Falcon's, GPT-BigCode's: k and v replicated; Falcon's
+    new decoder architecture with one kv group), GPT-2's Conv1D [in, q | k | v] (along dim 1; its bias dim 0), gate|up
     projections, dense ([2 x intermediate, hidden]) or experts' ([experts, 2 x intermediate, hidden], or transposed
     [experts, hidden, 2 x intermediate]): each part split on its own. Interleaved ones (per-head [q k v] of BLOOM and
     multi-head Falcon; gpt-oss's gate/up pairs) need none: a rank's block of the whole is its part."""
@@ -509,17 +610,29 @@ def declare_fused(model: torch.nn.Module, model_type: str, hf: Mapping[str, Any]
                                (kv * head_dim, kv_rank * head_dim)))
         elif name.endswith((".query_key_value.weight", ".query_key_value.bias", ".c_attn.weight", ".c_attn.bias")):
             attn = modules.get(name.rsplit(".", 2)[0])
-            if getattr(attn, "multi_query", False):
+            if _is_conv1d(owner):  # GPT-2: [in, q | k | v], each part split by head
+                rank_q = heads // tp * head_dim
+                fused[name] = (p.dim() - 1, ((heads * head_dim, rank_q),) * 3)
+            elif _one_kv_group(attn, hf):
                 fused[name] = (0, ((heads * head_dim, heads // tp * head_dim), (head_dim, head_dim),
                                    (head_dim, head_dim)))
         elif name.endswith(".mlp.gate_up_proj.weight"):
             half = p.shape[0] // 2
             fused[name] = (0, ((half * tp, half), (half * tp, half)))
         elif name.endswith(".experts.gate_up_proj") or name.endswith(".experts.gate_up_proj_bias"):
-            if not getattr(owner, "is_concatenated", True):
+            if not getattr(owner, "is_concatenated", True) or hasattr(owner, EP_EXPERTS_ATTR):
                 continue  # interleaved gate/up pairs (gpt-oss): a contiguous block holds whole pairs
             transposed = getattr(owner, "is_transposed", type(owner).__name__ == "Llama4TextExperts")
             dim = p.dim() - 1 if (transposed or name.endswith("_bias")) else p.dim() - 2
             half = p.shape[dim] // 2
             fused[name] = (dim, ((half * tp, half), (half * tp, half)))
     setattr(model, FUSED_ATTR, fused)
+
+
+def _one_kv_group(attn: Any, hf: Mapping[str, Any]) -> bool:
+    """Whether a fused q|k|v is [q heads | k | v] (one k and v head: replicated on every rank): multi-query Falcon
+    and GPT-BigCode, Falcon's new decoder architecture with one kv group. Its other kv groups ([q.. k v] per group,
+    kv heads divisible by tp) and per-head interleaved layouts are split as a plain block."""
+    if getattr(attn, "new_decoder_architecture", False):
+        return int(hf.get("num_kv_heads") or 0) == 1
+    return bool(getattr(attn, "multi_query", False))

@@ -231,6 +231,50 @@ class HfReference:
         return args, (out if verify else out[:, -1])
 
 
+    def lines(self, kv: Any, pos: Any, width: int, dims: list[int], dtype: str) -> Any:
+        """A continuous-batching cache of `dims`: row b's left-padded prompt (its pos[b] tokens, from a context
+        graph's `kv` over `width` slots) left-aligned in line b (rows beyond the lines: none)."""
+        import torch
+
+        lines = torch.zeros(dims, dtype=getattr(torch, dtype))
+        for b in range(min(int(pos.shape[0]), dims[2] - 1)):
+            n = int(pos[b, 0])
+            lines[:, :, b, :, :n] = kv[:, :, b, :, width - n:width].to(lines.dtype)
+        return lines
+
+    def fused_case(self, draft: HfReference, gen: Any, batch: int, k: int, draft_dims: list[int], draft_dtype: str,
+                   run: Callable[..., Any], names: list[str]) -> tuple[dict[str, Any], Any, Any]:
+        """A fused speculation graph (hf_causal_lm speculation fused = True) after both models' prefill of the same
+        seeded prompts (n tokens each) and a random last accepted token t at slot n: its outputs, and transformers'
+        logits of the target at [t, d_1..d_k] and of the draft at [t, d_1..d_k-1], where d_i are the graph's own
+        proposals (the draft's logits decide them: compared, they make the proposals transformers' too)."""
+        import torch
+
+        width = max(1, self.max_seq // 2)
+        ids, mask = self.prompts(gen, batch, width)
+        t = torch.randint(0, self.vocab, (batch, 1), generator=gen, dtype=torch.int64)
+        pos = mask.sum(-1, keepdim=True)
+        lines = self.lines(self.context(ids, mask)["kv"], pos, width, self.kv_dims, self.lines_dtype)
+        draft_lines = self.lines(draft.context(ids, mask)["kv"], pos, width, draft_dims, draft_dtype)
+        pair = torch.cat([ids[:, -1:], t], 1)
+        sampling = self.greedy_sampling(batch)
+        args = (pair.int(), (torch.arange(self.max_seq)[None, :] < pos).to(torch.int32),
+                torch.cat([pos - 1, pos], 1).int(), self.seq_ids(batch),
+                *((sampling[0], torch.zeros((batch, k + 1)), torch.zeros((batch, k))) if sampling else ()),
+                lines, draft_lines)
+        out = _named(run(*args), names)
+        proposals = out["draft_tokens"].long()
+
+        def after_prompt(model: Any, new: Any) -> Any:
+            pre = model(input_ids=ids, attention_mask=mask, position_ids=self.positions(mask), use_cache=True)
+            full = torch.cat([mask, torch.ones(new.shape, dtype=torch.int64)], dim=1)
+            return model(input_ids=new, attention_mask=full, position_ids=pos + torch.arange(new.shape[1])[None, :],
+                         past_key_values=pre.past_key_values, use_cache=True).logits
+
+        want = after_prompt(self.model, torch.cat([t, proposals], 1))
+        draft_want = after_prompt(draft.model, torch.cat([t, proposals[:, :-1]], 1))
+        return out, want, draft_want
+
     def seq_ids(self, batch: int) -> Any:
         """Continuous-batching graphs: row b in line b; rows beyond max_batch in the scratch line (-1)."""
         import torch
@@ -261,14 +305,17 @@ def _named(out: Any, names: list[str]) -> dict[str, Any]:
 
 
 def compare_hf(fn: Callable[..., Any], ref: HfReference, graph: str, bucket: Mapping[str, int], output_names: list[str],
-               seed: int, verify: int = 0) -> Comparison:
+               seed: int, verify: int = 0, draft: tuple[HfReference, Mapping[str, Any]] | None = None) -> Comparison:
     """An hf_causal_lm graph against transformers: the context graph's last-position logits against a transformers
     forward over the same left-padded prompts; the token graph's logits against transformers' next logits after a
     prefill of the same prompts; a speculation verify graph's (`verify` = k + 1 positions) logits at its positions
-    likewise."""
+    likewise; a fused speculation graph's (`draft`: the draft's reference and its cache spec) target and draft logits
+    against transformers' models of both (HfReference.fused_case)."""
     import torch
 
     gen = torch.Generator().manual_seed(int(seed))
+    if graph == "fused" and draft is not None:
+        return _compare_fused(fn, ref, draft, int(bucket["batch"]), output_names, verify - 1, gen)
     try:
         with torch.no_grad():
             if ref.block:  # (toolchains/validate_block.py: the pool's blocks shuffled among the rows)
@@ -304,6 +351,32 @@ def compare_hf(fn: Callable[..., Any], ref: HfReference, graph: str, bucket: Map
     max_abs = float((got.float() - want.float()).abs().max())
     scale = float(want.float().abs().max())
     return Comparison(max_abs, max_abs / scale if scale > 0 else max_abs, tuple(want.shape))
+
+
+def _compare_fused(fn: Callable[..., Any], ref: HfReference, draft: tuple[HfReference, Mapping[str, Any]], batch: int,
+                   names: list[str], k: int, gen: Any) -> Comparison:
+    import torch
+
+    dref, kv = draft
+    try:
+        with torch.no_grad():
+            out, want, dwant = ref.fused_case(dref, gen, batch, k, [int(d) for d in kv["dims"]], str(kv["dtype"]), fn,
+                                              names)
+    except Exception as exc:  # noqa: BLE001 - reported as this graph's result
+        first = (str(exc).strip().splitlines() or [""])[0]
+        return Comparison(float("inf"), float("inf"), (), f"{type(exc).__name__}: {first}")
+    rows = min(batch, ref.kv_dims[2] - 1)  # (rows beyond max_batch: the scratch line, no prefill)
+    if "logits" not in out:  # on_device_sampling without logits: greedy tokens, exactly
+        equal = (out["tokens"][:rows].tolist() == want[:rows].argmax(-1).tolist()
+                 and out["draft_tokens"][:rows].tolist() == dwant[:rows].argmax(-1).tolist())
+        return Comparison(0.0 if equal else float("inf"), 0.0 if equal else float("inf"), tuple(want.shape))
+    got = torch.cat([out["logits"][:rows].reshape(-1), out["draft_logits"][:rows].reshape(-1)]).float()
+    ref_t = torch.cat([want[:rows].reshape(-1), dwant[:rows].reshape(-1)]).float()
+    if got.shape != ref_t.shape:
+        return Comparison(float("inf"), float("inf"), tuple(got.shape))
+    max_abs = float((got - ref_t).abs().max())
+    scale = float(ref_t.abs().max())
+    return Comparison(max_abs, max_abs / scale if scale > 0 else max_abs, tuple(ref_t.shape))
 
 
 class _Graph:
@@ -352,7 +425,7 @@ class _Model:
 def verify_width(spec: Mapping[str, Any]) -> int:
     """k + 1 for a speculation verify graph's model spec (hf_causal_lm speculation), else 0."""
     spec_cfg = (spec.get("config") or {}).get("speculation") or {}
-    return int(spec_cfg.get("length") or 0) + 1 if spec.get("graph") == "verify" and spec_cfg else 0
+    return int(spec_cfg.get("length") or 0) + 1 if spec.get("graph") in ("verify", "fused") and spec_cfg else 0
 
 
 def generate_cases(label: str, ref: HfReference, graphs: Mapping[str, Mapping[str, tuple[Mapping[str, Any],
