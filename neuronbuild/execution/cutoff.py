@@ -86,6 +86,13 @@ def remember(action: Action, cache: SpawnCache, known: Mapping[str, CachedResult
 def peek(action: Action, cache: SpawnCache, probe: bool = False,
          known: Mapping[str, CachedResult] | None = None) -> str | None:
     """The fingerprint of an earlier action with the same cutoff key whose result is complete, else None."""
+    found = _earlier(action, cache, probe, known)
+    return found[0] if found is not None else None
+
+
+def _earlier(action: Action, cache: SpawnCache, probe: bool,
+             known: Mapping[str, CachedResult] | None) -> tuple[str, CachedResult] | None:
+    """peek's fingerprint and that earlier action's result."""
     key = cutoff_key(action, cache, probe, known)
     if key is None:
         return None
@@ -98,17 +105,17 @@ def peek(action: Action, cache: SpawnCache, probe: bool = False,
     res = _get(cache, prev, probe)
     if res is None or set(res.outputs) != set(action.outputs):
         return None
-    return prev
+    return prev, res
 
 
 def reuse(action: Action, cache: SpawnCache,
           known: Mapping[str, CachedResult] | None = None) -> tuple[str, CachedResult] | None:
     """When an earlier action with the same cutoff key has a complete result, store it as `action`'s result too and
     return (that earlier fingerprint, the result stored); else None. `known`: as cutoff_key's."""
-    prev = peek(action, cache, known=known)
-    res = cache.lookup(prev) if prev is not None else None
-    if prev is None or res is None:
+    found = _earlier(action, cache, False, known)
+    if found is None:
         return None
+    prev, res = found
     cache.scratch.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix="cutoff-", dir=cache.scratch))
     try:
