@@ -14,7 +14,8 @@
          With --baseline PYTHON (another checkout's venv), the re-analysis runs for both checkouts, edit by edit
          interleaved, each with its own server and cache: old and new under the same machine load.
   edit-ab  the warm server's one bucket-list edit overhead (as in `server`) for this checkout and each --baseline,
-         edit by edit interleaved, each with its own server and its own copy of --cache (under --workdir); --pause S
+         edit by edit interleaved, each with its own server and its own copy of --cache (under --workdir), and after
+         each edit's revert a no-op `build //...` through that server and with --batch (the stamp); --pause S
          waits S seconds before each round (S > 60: each edit is the first after a cached build, whose hits touch
          their records for gc).
   hash   BLAKE3 of a >= 1 GiB file in /tmp: first read (page cache dropped), page-cached, sha256 for comparison, and an
@@ -280,23 +281,29 @@ def section_edit_ab(ws: Path, cache: Path, buckets: int, workdir: Path, baseline
         env = _server_env(workdir / f"edit-root-{i}")
         build(ws, copy, env=env, binary=binary)  # starts the server; everything cached
         _measure_edit(ws, copy, buckets, env, 150_000 + i * 1000 + int(time.time()) % 1000, binary)  # warms it
-        runs.append({"label": label, "bin": binary, "cache": copy, "env": env, "edits": []})
+        runs.append({"label": label, "bin": binary, "cache": copy, "env": env, "edits": [], "noop": [], "batch": []})
     for k in range(edits):
         time.sleep(pause)
         # (each checkout first as often: a server's after-answer work and background warm-ups overlap the next edit)
         for r in runs if k % 2 == 0 else runs[::-1]:
             size = 200_000 + k * 10_000 + runs.index(r) * 100_000 + int(time.time()) % 5_000
             r["edits"].append(_measure_edit(ws, r["cache"], buckets, r["env"], size, r["bin"]))
+            time.sleep(0.5)  # (the revert's no-op stamp is written after its answer)
+            noop = ["build", "//...", "--cache-dir", str(r["cache"])]
+            r["noop"].append(run_cli(noop, ws, env=r["env"], binary=r["bin"])[0])
+            r["batch"].append(run_cli(noop, ws, binary=r["bin"])[0])
     print("| checkout | edit overhead = wall - critical path (median; each) | edit wall (median) | revert wall (median) "
-          "| server's log: edits; reverts |")
-    print("|---|---|---|---|---|")
+          "| server's log: edits; reverts | no-op, warm server (median; min) | no-op, --batch (median; min) |")
+    print("|---|---|---|---|---|---|---|")
     for r in runs:
         over = [float(e["wall"]) - float(e["crit"]) for e in r["edits"]]
-        logged = _log_times(ws, r["env"], r["bin"])[-2 * edits:]
+        logged = _log_times(ws, r["env"], r["bin"])[-3 * edits:]  # (edit, revert, no-op: each round)
         print(f"| {r['label']} | **{statistics.median(over):.2f} s** ({', '.join(f'{o:.2f}' for o in over)}) | "
               f"{statistics.median(float(e['wall']) for e in r['edits']):.2f} s | "
               f"{statistics.median(float(e['revert_wall']) for e in r['edits']):.2f} s | "
-              f"{', '.join(f'{t:.2f}' for t in logged[0::2])}; {', '.join(f'{t:.2f}' for t in logged[1::2])} |")
+              f"{', '.join(f'{t:.2f}' for t in logged[0::3])}; {', '.join(f'{t:.2f}' for t in logged[1::3])} | "
+              f"{statistics.median(r['noop']):.3f} s; {min(r['noop']):.3f} s | "
+              f"{statistics.median(r['batch']):.3f} s; {min(r['batch']):.3f} s |")
         assert all(int(e["executed"]) == 5 for e in r["edits"]), [e["summary"] for e in r["edits"]]
     for r in runs:
         _shutdown(ws, r["env"], r["bin"])

@@ -168,7 +168,7 @@ def run_build(ctx: BuildContext, req: BuildRequest, listeners: Sequence[Listener
     # graphs); the page's path, printed with the answer, is known now.
     invocation.page = invocation.store.page(invocation.id)
     after_answer.later(functools.partial(invocation.finish, "ok" if result.ok else "failed", result.not_started,
-                                         noop_key=noop_key))
+                                         noop_key=noop_key, results=result.results))
     return result
 
 
@@ -202,13 +202,12 @@ def _run_build(ctx: BuildContext, req: BuildRequest, listeners: Sequence[Listene
             bus.close()
         for note in toolchain_notes(ctx.settings, ag, result.executed):
             ctx.report(note)
-        failed = {f.action.fingerprint for f in result.failures}
         start = len(f"{root}/{OUTPUT_DIR}/")  # (materialize's directories are under it: no pathlib per target)
-        outputs = [f"{str(d)[start:]}/" for d in materialize(root, ag, cache, failed)]
+        outputs = [f"{str(d)[start:]}/" for d in materialize(root, ag, cache, result.results)]
         if ag.bundles:
             from neuronbuild.packaging.bundle import build_bundles
 
-            bundles, skipped = build_bundles(root, graph, ag, cache, failed, ctx.signing_key)
+            bundles, skipped = build_bundles(root, graph, ag, cache, result.results, ctx.signing_key)
             outputs += [str(b.archive.relative_to(root / OUTPUT_DIR)) for b in bundles]
             for b in bundles:
                 ctx.report(f"Bundle {b.label}: {b.archive} ({b.size} bytes{'' if b.written else ', up to date'})")
@@ -227,5 +226,6 @@ def _run_build(ctx: BuildContext, req: BuildRequest, listeners: Sequence[Listene
     if noop_key is not None:  # (in the build server: after the answer, before its next command)
         where = result.summary().rpartition("\n")[2] if result.outputs_dir else ""  # "Outputs in ..."
         after_answer.later(functools.partial(incremental.record_noop, noop_key, root, ctx.workspace.cwd_package,
-                                             req.patterns, ctx.cache.dir, graph, ag, cache, result.ok, started, where))
+                                             req.patterns, ctx.cache.dir, graph, ag, cache, result.results, result.ok,
+                                             started, where))
     return result

@@ -6,7 +6,7 @@ import atexit
 import contextlib
 import gc
 import hashlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -187,18 +187,19 @@ def stamp_inputs(root: Path, cwd_package: str, patterns: Sequence[str], graph: A
 
 
 def record_noop(key: str, root: Path, cwd_package: str, patterns: Sequence[str], cache_dir: Path, graph: Any,
-                ag: Any, cache: Any, ok: bool, started_ns: int, where: str = "") -> bool:
+                ag: Any, cache: Any, results: Mapping[str, Any], ok: bool, started_ns: int, where: str = "") -> bool:
     """After a build: write its no-op stamp if it succeeded, else drop any old one. Returns whether one was written.
-    `where`: the summary's line saying where the outputs are, repeated by every no-op the stamp answers."""
+    `results`: the build's (BuildResult.results). `where`: the summary's line saying where the outputs are, repeated
+    by every no-op the stamp answers."""
     if not ok:
         noop.invalidate(cache_dir, key)  # (ignores OSError)
         return False
     from neuronbuild.packaging.materialize import MANIFEST, target_dir_str
 
     outputs: list[str] = []
-    results = {fp: cache.lookup(fp) for fp in ag.actions}
     cached = 0
-    for fp, res in results.items():
+    for fp in ag.actions:
+        res = results.get(fp)
         if res is None:
             continue
         cached += 1

@@ -32,6 +32,12 @@ class CachedResult(Protocol):
     @property
     def record(self) -> Mapping[str, Any]: ...
 
+    @property
+    def duration_s(self) -> float: ...
+
+    @property
+    def metadata(self) -> Mapping[str, Any]: ...
+
 
 class Claim(Protocol):
     """The right to execute an action (held by one build at a time); released when stored or abandoned."""
@@ -71,9 +77,10 @@ class SpawnCache(Protocol):
 
     def store_outputs(self, fp: str, identity: str, record: Mapping[str, Any], out_dir: Path,
                       names: Sequence[str], duration_s: float, metadata: Mapping[str, Any],
-                      expect: Mapping[str, str] | None = None, scratch: bool = False) -> Any:
-        """`scratch`: out_dir is the caller's to remove (files may be linked, not copied); `expect`: {name: digest}
-        the outputs must match (a farm worker's blobs, verified here; CorruptBlob if one does not)."""
+                      expect: Mapping[str, str] | None = None, scratch: bool = False) -> CachedResult:
+        """The result recorded (what a lookup now returns). `scratch`: out_dir is the caller's to remove (files may be
+        linked, not copied); `expect`: {name: digest} the outputs must match (a farm worker's blobs, verified here;
+        CorruptBlob if one does not)."""
 
     def shared_record(self, data: bytes) -> bytes | None:
         """A record's JSON (bytes) as this build writes it to any shared tier, a farm's store included: signed with

@@ -8,13 +8,14 @@ import contextlib
 import re
 import shutil
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from neuronbuild.analysis.actions import Action
 from neuronbuild.analysis.fingerprint import fingerprint
 from neuronbuild.atomic import atomic_write_bytes
-from neuronbuild.execution.cache_api import SpawnCache
+from neuronbuild.execution.cache_api import CachedResult, SpawnCache
 
 CUTOFF_DIR = "cutoff"
 REASON = "trace output unchanged"  # what progress lines and explain say when the input is the trace's program
@@ -27,8 +28,12 @@ def reason(action: Action) -> str:
 _FP_RE = re.compile(r"^[0-9a-f]{64}$")
 
 
-def _get(cache: SpawnCache, fp: str, probe: bool) -> Any:
-    """A result; with `probe` (plan, explain, dry runs) only from the local tier: checking is never fetching."""
+def _get(cache: SpawnCache, fp: str, probe: bool, known: Mapping[str, CachedResult] | None = None) -> Any:
+    """A result; with `probe` (plan, explain, dry runs) only from the local tier: checking is never fetching.
+    `known`: results the caller has already (a build's, BuildResult.results), not asked of the cache again."""
+    res = known.get(fp) if known is not None else None
+    if res is not None:
+        return res
     if not probe:
         return cache.lookup(fp)
     local = getattr(cache, "lookup_local", None)
@@ -38,7 +43,8 @@ def _get(cache: SpawnCache, fp: str, probe: bool) -> Any:
     return None if bad else res
 
 
-def cutoff_key(action: Action, cache: SpawnCache, probe: bool = False) -> str | None:
+def cutoff_key(action: Action, cache: SpawnCache, probe: bool = False,
+               known: Mapping[str, CachedResult] | None = None) -> str | None:
     """The action's record with each input action's fingerprint replaced by the digest of the output it reads, and
     any other action fingerprint it names (provenance, e.g. a Neuron compile's trace, read only through its Lower)
     dropped: a sandboxed action sees only its declared files and the outputs it reads. None when the action reads no
@@ -47,7 +53,7 @@ def cutoff_key(action: Action, cache: SpawnCache, probe: bool = False) -> str | 
         return None
     reads: dict[str, list[str]] = {}
     for d in action.dep_inputs:
-        res = _get(cache, d.action, probe)
+        res = _get(cache, d.action, probe, known)
         if res is None or d.output not in res.outputs:
             return None
         reads.setdefault(d.action, []).append(f"{d.output}={res.outputs[d.output].digest}")
@@ -67,9 +73,9 @@ def reused_from(cache: SpawnCache, fp: str) -> str | None:
     return prev if isinstance(prev, str) else None
 
 
-def remember(action: Action, cache: SpawnCache) -> None:
+def remember(action: Action, cache: SpawnCache, known: Mapping[str, CachedResult] | None = None) -> None:
     """After `action` succeeded: its cutoff key -> its fingerprint (best effort: a speed-up only)."""
-    key = cutoff_key(action, cache)
+    key = cutoff_key(action, cache, known=known)
     if key is None:
         return
     with contextlib.suppress(OSError):
@@ -77,9 +83,17 @@ def remember(action: Action, cache: SpawnCache) -> None:
                            durable=False)
 
 
-def peek(action: Action, cache: SpawnCache, probe: bool = False) -> str | None:
+def peek(action: Action, cache: SpawnCache, probe: bool = False,
+         known: Mapping[str, CachedResult] | None = None) -> str | None:
     """The fingerprint of an earlier action with the same cutoff key whose result is complete, else None."""
-    key = cutoff_key(action, cache, probe)
+    found = _earlier(action, cache, probe, known)
+    return found[0] if found is not None else None
+
+
+def _earlier(action: Action, cache: SpawnCache, probe: bool,
+             known: Mapping[str, CachedResult] | None) -> tuple[str, CachedResult] | None:
+    """peek's fingerprint and that earlier action's result."""
+    key = cutoff_key(action, cache, probe, known)
     if key is None:
         return None
     try:
@@ -91,26 +105,27 @@ def peek(action: Action, cache: SpawnCache, probe: bool = False) -> str | None:
     res = _get(cache, prev, probe)
     if res is None or set(res.outputs) != set(action.outputs):
         return None
-    return prev
+    return prev, res
 
 
-def reuse(action: Action, cache: SpawnCache) -> str | None:
+def reuse(action: Action, cache: SpawnCache,
+          known: Mapping[str, CachedResult] | None = None) -> tuple[str, CachedResult] | None:
     """When an earlier action with the same cutoff key has a complete result, store it as `action`'s result too and
-    return that earlier fingerprint; else None."""
-    prev = peek(action, cache)
-    res = cache.lookup(prev) if prev is not None else None
-    if prev is None or res is None:
+    return (that earlier fingerprint, the result stored); else None. `known`: as cutoff_key's."""
+    found = _earlier(action, cache, False, known)
+    if found is None:
         return None
+    prev, res = found
     cache.scratch.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix="cutoff-", dir=cache.scratch))
     try:
         for name, ref in res.outputs.items():
             cache.place_blob(ref.digest, tmp / name)
         meta = {**dict(getattr(res, "metadata", {}) or {}), "cutoff_from": prev, "cutoff": reason(action)}
-        cache.store_outputs(action.fingerprint, action.identity, action.record, tmp, tuple(action.outputs),
-                            float(getattr(res, "duration_s", 0.0) or 0.0), meta)
+        stored = cache.store_outputs(action.fingerprint, action.identity, action.record, tmp, tuple(action.outputs),
+                                     float(getattr(res, "duration_s", 0.0) or 0.0), meta)
     except OSError:
         return None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return prev
+    return prev, stored

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import heapq
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -16,7 +17,7 @@ from neuronbuild.analysis.estimate import Estimator, declared_weight_mb
 from neuronbuild.analysis.toolchain_api import WARM_UP, warm_up_key
 from neuronbuild.execution import cutoff
 from neuronbuild.execution import events as ev
-from neuronbuild.execution.cache_api import Claim, SpawnCache
+from neuronbuild.execution.cache_api import CachedResult, Claim, SpawnCache
 from neuronbuild.execution.events import EventBus, action_fields
 from neuronbuild.execution.jobs import Completion, Executor, Job
 from neuronbuild.execution.resources import RamBudget
@@ -37,7 +38,11 @@ class Failure:
 class BuildResult:
     """What a build did with each of its `total` actions: executed, cached (or produced by a concurrent build), failed,
     skipped (an input failed), stopped (running when a failure ended the build), not started (the build stopped
-    first), or not needed (only consumers that were cached need it). Every action is in exactly one of these."""
+    first), or not needed (only consumers that were cached need it). Every action is in exactly one of these.
+
+    `results`: {fingerprint: cache entry} of every action the build has a result of (cached, cut off, produced by
+    another build, executed), as the scheduler found or stored it: what materialisation, bundles, the no-op stamp and
+    the invocation record read instead of asking the cache again."""
 
     total: int
     executed: tuple[str, ...] = ()
@@ -51,6 +56,7 @@ class BuildResult:
     outputs: tuple[str, ...] = ()  # their paths relative to outputs_dir
     # --keep-going: the requested targets whose analysis failed (their one-line errors), left out of the plan
     analysis_errors: tuple[str, ...] = ()
+    results: Mapping[str, CachedResult] = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def ok(self) -> bool:
@@ -94,8 +100,10 @@ class SchedulerOptions:
     local_ram_mb: int = 0
 
 
-def needed_actions(ag: ActionGraph, cache: SpawnCache, probe: bool = False) -> tuple[list[Action], list[str]]:
-    """Actions to execute (in topological order) and those satisfied from the cache (any tier).
+def needed_actions(ag: ActionGraph, cache: SpawnCache, probe: bool = False,
+                   results: dict[str, CachedResult] | None = None) -> tuple[list[Action], list[str]]:
+    """Actions to execute (in topological order) and those satisfied from the cache (any tier), whose entries
+    (cached or cut off) go into `results` (not with `probe`).
 
     A producer is only needed when one of its consumers must run: a cached compile never forces its trace.
     With `probe` (plan, explain, dry runs) entries are only checked, never fetched from a shared tier or counted."""
@@ -107,12 +115,19 @@ def needed_actions(ag: ActionGraph, cache: SpawnCache, probe: bool = False) -> t
         return list(order), []
     cached: set[str] = set(hits) if hits is not None else set()
     missing = [a for a in order if a.fingerprint not in cached] if hits is not None else order
+    found: dict[str, CachedResult] = {} if results is None else results
     for a in missing:  # (in topological order: an input cut off is in `cached` before its consumers are asked)
-        if hits is None and cache.lookup(a.fingerprint) is not None:
+        res = cache.lookup(a.fingerprint) if hits is None else None
+        if res is None and a.dep_inputs and all(d.action in cached for d in a.dep_inputs):
+            if probe:
+                if cutoff.peek(a, cache, probe=True) is not None:
+                    cached.add(a.fingerprint)
+                continue
+            reused = cutoff.reuse(a, cache, found)  # early cutoff: its inputs' outputs are an earlier result's
+            res = reused[1] if reused is not None else None
+        if res is not None:
             cached.add(a.fingerprint)
-        elif a.dep_inputs and all(d.action in cached for d in a.dep_inputs) and \
-                (cutoff.peek(a, cache, probe=True) if probe else cutoff.reuse(a, cache)) is not None:
-            cached.add(a.fingerprint)  # early cutoff: its inputs' outputs are those of an earlier result
+            found[a.fingerprint] = res
     need: set[str] = set()
     uncached = [a for a in missing if a.fingerprint not in cached]
     if uncached:
@@ -209,7 +224,8 @@ class Scheduler:
     def run(self, ag: ActionGraph) -> BuildResult:
         start = time.perf_counter()
         t0 = time.time()
-        todo, cached_list = needed_actions(ag, self.cache)
+        results: dict[str, CachedResult] = {}
+        todo, cached_list = needed_actions(ag, self.cache, results=results)
         self.bus.emit(ev.CACHE_CHECKED, start=t0, duration_s=time.time() - t0, lookups=len(ag.actions),
                       hits=len(cached_list))
         est = Estimator(self.cache.history())
@@ -227,7 +243,7 @@ class Scheduler:
                              "critical_path_s": round(prio[a.fingerprint], 3)} for a in todo])
         for fp in cached_list:
             self.bus.emit(ev.ACTION_CACHED, **action_fields(ag.actions[fp]))
-        run = _Run(self, ag, todo, prio, mem)
+        run = _Run(self, ag, todo, prio, mem, results)
         run.duration = duration
         run.mem_recorded = {fp: p.recorded for fp, p in peaks.items()}
         interrupted = False
@@ -242,7 +258,8 @@ class Scheduler:
                     *run.stopped_fps}
             result = BuildResult(len(ag.actions), tuple(run.executed), tuple(cached_list) + tuple(run.reused),
                                  tuple(run.failures), time.perf_counter() - start, tuple(run.skipped),
-                                 tuple(run.stopped_fps), tuple(fp for fp in run.todo if fp not in done))
+                                 tuple(run.stopped_fps), tuple(fp for fp in run.todo if fp not in done),
+                                 results=run.results)
             self.bus.emit(ev.BUILD_FINISHED, ok=result.ok and not interrupted, interrupted=interrupted,
                           executed=len(result.executed), cached=len(result.cached), failed=len(result.failures),
                           skipped=len(result.skipped), stopped=len(result.stopped),
@@ -254,8 +271,9 @@ class _Run:
     """The state of one scheduler run."""
 
     def __init__(self, s: Scheduler, ag: ActionGraph, todo: list[Action], prio: dict[str, float],
-                 mem: dict[str, float]) -> None:
+                 mem: dict[str, float], results: dict[str, CachedResult]) -> None:
         self.s = s
+        self.results = results  # every action's cache entry as found or stored (BuildResult.results)
         self.ag = ag
         self.todo = {a.fingerprint: a for a in todo}
         self.prio = prio
@@ -408,7 +426,7 @@ class _Run:
     def _claim(self, fp: str) -> Claim | None:
         """Our claim on fp, or None when its result exists (done) or another build is running it (waiting)."""
         cache = self.s.cache
-        if cache.lookup(fp) is not None:
+        if self._found(fp):
             self._done(fp, reused=True)
             return None
         claim = cache.try_claim(fp)
@@ -416,29 +434,36 @@ class _Run:
             self.other_build.add(fp)
             self.s.bus.emit(ev.ACTION_WAITING, **action_fields(self.todo[fp]))
             return None
-        if cache.lookup(fp) is not None:
+        if self._found(fp):
             claim.release()
             self._done(fp, reused=True)
             return None
-        prev = cutoff.reuse(self.todo[fp], cache)
-        if prev is not None:  # its inputs re-ran to byte-identical outputs: the earlier result stands
+        reused = cutoff.reuse(self.todo[fp], cache, self.results)
+        if reused is not None:  # its inputs re-ran to byte-identical outputs: the earlier result stands
             claim.release()
-            self._done(fp, reused=True, cutoff_from=prev)
+            self.results[fp] = reused[1]
+            self._done(fp, reused=True, cutoff_from=reused[0])
             return None
         return claim
 
+    def _found(self, fp: str) -> bool:
+        """Whether fp's result is in the cache now (another build's): kept in `results` if so."""
+        res = self.s.cache.lookup(fp)
+        if res is not None:
+            self.results[fp] = res
+        return res is not None
+
     def _poll_other_builds(self) -> None:
         for fp in list(self.other_build):
-            cache = self.s.cache
-            if cache.lookup(fp) is not None:
+            if self._found(fp):
                 self.other_build.discard(fp)
                 self._done(fp, reused=True)
                 continue
-            claim = cache.try_claim(fp)
+            claim = self.s.cache.try_claim(fp)
             if claim is None:
                 continue
             self.other_build.discard(fp)
-            if cache.lookup(fp) is not None:
+            if self._found(fp):
                 claim.release()
                 self._done(fp, reused=True)
             else:  # the other build gave up on it (failed or was stopped): run it ourselves
@@ -482,14 +507,14 @@ class _Run:
             assert c.outputs is not None
             t = time.time()
             try:
-                self.s.cache.store_outputs(fp, a.identity, a.record, c.outputs, a.outputs, c.duration_s,
-                                           {**c.metadata, "peak_rss_mb": round(c.peak_rss_mb, 1)},
-                                           expect=c.digests, scratch=True)
+                self.results[fp] = self.s.cache.store_outputs(
+                    fp, a.identity, a.record, c.outputs, a.outputs, c.duration_s,
+                    {**c.metadata, "peak_rss_mb": round(c.peak_rss_mb, 1)}, expect=c.digests, scratch=True)
             except OSError as e:
                 ok, error = False, f"storing outputs failed: {e}"
             stored_s = time.time() - t
             if ok:
-                cutoff.remember(a, self.s.cache)
+                cutoff.remember(a, self.s.cache, self.results)
                 self.s.bus.emit(ev.OUTPUTS_STORED, at=t + stored_s, fingerprint=fp, start=t, duration_s=stored_s,
                                 worker=c.worker)
         self.s.executor.finish(c.job)
@@ -500,7 +525,8 @@ class _Run:
             self.s.bus.emit(ev.ACTION_FINISHED, **action_fields(a), attempt=c.job.attempt + 1, worker=c.worker,
                             pid=c.pid, start=start, end=ended, duration_s=round(c.duration_s, 3),
                             peak_rss_mb=round(c.peak_rss_mb, 1), estimate_mb=round(r.mem_mb, 1),
-                            cpu_s=round(c.cpu_s, 3), outputs={k: v for k, v in sorted(self._outputs(fp).items())})
+                            cpu_s=round(c.cpu_s, 3),
+                            outputs={k: v.digest for k, v in sorted(self.results[fp].outputs.items())})
             self._done(fp)
             return
         retry = c.worker_died and self.attempts.get(fp, 0) < self.s.options.retries and not self.stopped
@@ -514,10 +540,6 @@ class _Run:
             return
         r.claim.release()
         self._fail(a, error, c.job.log, c.worker_died, emitted=True)
-
-    def _outputs(self, fp: str) -> dict[str, str]:
-        res = self.s.cache.lookup(fp)
-        return {k: v.digest for k, v in res.outputs.items()} if res is not None else {}
 
     def _done(self, fp: str, reused: bool = False, cutoff_from: str | None = None) -> None:
         if cutoff_from is not None:

@@ -10,6 +10,7 @@ import json
 import os
 import re
 import tarfile
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -205,11 +206,11 @@ def write_pin(cache: LocalCache, name: str, plan: BundlePlan) -> Path:
 
 
 def build_bundle(root: Path, graph: TargetGraph, ag: ActionGraph, cache: LocalCache, label: Label,
-                 key: Path | None = None) -> BundleOutput:
-    """Write the bundle from cached results (never compiles); skipped when the archive is already up to date. `key`:
-    the private key its manifest is signed with (the command's --signing-key), or None."""
+                 results: Mapping[str, Any], key: Path | None = None) -> BundleOutput:
+    """Write the bundle from the build's results (BuildResult.results; never compiles); skipped when the archive is
+    already up to date. `key`: the private key its manifest is signed with (the command's --signing-key), or None."""
     compression = ag.bundles[label].compression
-    plan = plan_bundle(graph, ag, cache, label)
+    plan = plan_bundle(graph, ag, cache, label, results)
     docs = render_docs(dict(plan.manifest))
     members = list(plan.members) + [Member(p, hashlib.sha256(b).hexdigest(), len(b), None, b) for p, b in docs.items()]
     manifest_bytes = with_files(plan.manifest, members)
@@ -245,16 +246,17 @@ def build_bundle(root: Path, graph: TargetGraph, ag: ActionGraph, cache: LocalCa
     return BundleOutput(label, archive, digest, archive.stat().st_size, True)
 
 
-def build_bundles(root: Path, graph: TargetGraph, ag: ActionGraph, cache: LocalCache,
-                  failed: set[str], signing_key: Path | None = None) -> tuple[list[BundleOutput], list[str]]:
-    """Every requested neuron_bundle whose graphs all built; returns (outputs, one line per skipped bundle)."""
+def build_bundles(root: Path, graph: TargetGraph, ag: ActionGraph, cache: LocalCache, results: Mapping[str, Any],
+                  signing_key: Path | None = None) -> tuple[list[BundleOutput], list[str]]:
+    """Every requested neuron_bundle whose graphs all built (have `results`); returns (outputs, one line per skipped
+    bundle)."""
     outs: list[BundleOutput] = []
     skipped: list[str] = []
     for lbl in graph.requested:
         if lbl not in ag.bundles:  # (a bundle's analysis registers it; other requested targets are not bundles)
             continue
         try:
-            outs.append(build_bundle(root, graph, ag, cache, lbl, signing_key))
+            outs.append(build_bundle(root, graph, ag, cache, lbl, results, signing_key))
         except MissingResult as e:
             skipped.append(f"bundle {lbl} not written: {e}")
     return outs, skipped

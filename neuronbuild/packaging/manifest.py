@@ -87,8 +87,11 @@ def _tp_entry(model: Any, artifacts: dict[str, Any]) -> dict[str, Any]:
     return {"tp": tp | {"ranks": ranks}}
 
 
-def plan_bundle(graph: TargetGraph, ag: ActionGraph, cache: LocalCache, label: Label) -> BundlePlan:
-    """Collect the bundle's graphs from the cache (never compiles). MissingResult when a graph is not built."""
+def plan_bundle(graph: TargetGraph, ag: ActionGraph, cache: LocalCache, label: Label,
+                results: Mapping[str, Any]) -> BundlePlan:
+    """Collect the bundle's graphs from the build's results (BuildResult.results; blobs from the cache: never
+    compiles). MissingResult when a graph is not built."""
+    lookup = results.get
     by_label: dict[Label, CompileTarget] = {ct.label: ct for ct in ag.compiles}
     hashed: dict[str, tuple[str, int]] = {}
     members: dict[str, Member] = {}
@@ -109,23 +112,23 @@ def plan_bundle(graph: TargetGraph, ag: ActionGraph, cache: LocalCache, label: L
     for src in ag.bundles[label].srcs:
         ct = by_label[src]
         wt = paired.get(src)
-        wres = cache.lookup(wt.action) if wt is not None else None
+        wres = lookup(wt.action) if wt is not None else None
         if wt is not None and (wres is None or any(n not in wres.outputs for n in wt.outputs)):
             raise MissingResult(f"{wt.label} (the weights of {src}) is not built")
         model_label = ct.model
         for bucket, fp in ct.buckets:
-            res = cache.lookup(fp)
+            res = lookup(fp)
             if res is None:
                 raise MissingResult(f"{src} [{bucket}] is not built")
             action = ag.actions[fp]
             trace = ag.trace_of(fp)
-            traced = cache.lookup(trace.fingerprint)
+            traced = lookup(trace.fingerprint)
             traced_meta = traced.metadata if traced is not None else {}
             fingerprints += sorted(ag.closure(fp, ct.ships_of(fp)))
             gdir = f"graphs/{src.package}/{src.name}/{bucket.name}" if src.package else f"graphs/{src.name}/{bucket.name}"
             artifacts: dict[str, Any] = {}
             weights = None
-            outs = ag.shipped_outputs(fp, cache.lookup, ct.ships_of(fp))  # (+ its model's weights, shipped)
+            outs = ag.shipped_outputs(fp, lookup, ct.ships_of(fp))  # (+ its model's weights, shipped)
             if outs is None:
                 raise MissingResult(f"{src} [{bucket}]: its model's weights are not built")
             if wt is not None and wres is not None:  # the bundle's weights target's file(s), not the model's own

@@ -13,6 +13,7 @@ import operator
 import os
 import shutil
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -42,9 +43,9 @@ def target_dir_str(root: Path | str, ct: CompileTarget) -> str:
     return f"{root}/{OUTPUT_DIR}/{pkg}/{ct.label.name}" if pkg else f"{root}/{OUTPUT_DIR}/{ct.label.name}"
 
 
-def _traced_outputs(cache: LocalCache, trace_fp: str) -> list[Any]:
-    """The model's flattened outputs as its trace recorded them (names, shapes, dims that follow bucket dims)."""
-    res = cache.lookup(trace_fp)
+def _traced_outputs(res: Any) -> list[Any]:
+    """The model's flattened outputs as its trace (result `res`) recorded them (names, shapes, dims that follow bucket
+    dims)."""
     return list(res.metadata.get("outputs") or []) if res is not None else []
 
 
@@ -141,41 +142,43 @@ def _snapshot(out: Path, keep: set[str]) -> Snapshot | None:
     return tuple(found) if seen == keep else None
 
 
-def materialize(root: Path, ag: ActionGraph, cache: LocalCache, failed: set[str]) -> list[Path]:
-    """Write outputs of every compile target whose actions all succeeded (unchanged files are not rewritten) and
-    remove what else its directory holds. Returns the directories of the targets materialised."""
+def materialize(root: Path, ag: ActionGraph, cache: LocalCache, results: Mapping[str, Any]) -> list[Path]:
+    """Write outputs of every compile target whose actions all have a result (`results`: the build's,
+    BuildResult.results; unchanged files are not rewritten) and remove what else its directory holds. Returns the
+    directories of the targets materialised."""
     done: list[Path] = []
     copied: set[str] = set()  # digests of blobs verified by a copy of this call (later copies are not hashed again)
-    lookup = cache.lookup
+    lookup = results.get
     for ct in ag.compiles:
-        results: list[Any] = []
+        bucket_results: list[Any] = []
         shipped: list[Any] = []  # the results of what the buckets ship beside their outputs (the model's weights)
         for i, (_b, fp) in enumerate(ct.buckets):
-            res = None if fp in failed else lookup(fp)
+            res = lookup(fp)
             if res is None:
                 break
             for s in ct.ships[i] if i < len(ct.ships) else ag.actions[fp].ships:  # (this target's own weights)
-                other = None if s.action in failed else lookup(s.action)
+                other = lookup(s.action)
                 if other is None or s.output not in other.outputs:
                     res = None
                     break
                 shipped.append(other)
             if res is None:
                 break
-            results.append(res)
-        if len(results) != len(ct.buckets):  # (an action failed or is not cached)
+            bucket_results.append(res)
+        if len(bucket_results) != len(ct.buckets):  # (an action failed or is not cached)
             continue
         out_s = target_dir_str(root, ct)
         done.append(Path(out_s))
         traces = [ag.trace_of(fp).fingerprint for _b, fp in ct.buckets]
-        made_from = (ct, *results, *shipped, *map(lookup, traces))  # (the same objects while records are unchanged)
+        traced = [lookup(t) for t in traces]
+        made_from = (ct, *bucket_results, *shipped, *traced)  # (the same objects while records are unchanged)
         known = _done.get(out_s)
         if known is not None and len(known[2]) == len(made_from) and \
                 all(map(operator.is_, known[2], made_from)) and _unchanged(known[1]):
             continue
         out = Path(out_s)
         buckets = []
-        for (bucket, fp), res, trace_fp in zip(ct.buckets, results, traces, strict=True):
+        for (bucket, fp), res, trace_fp, trace_res in zip(ct.buckets, bucket_results, traces, traced, strict=True):
             assert res is not None
             buckets.append({
                 "name": bucket.name,
@@ -184,7 +187,7 @@ def materialize(root: Path, ag: ActionGraph, cache: LocalCache, failed: set[str]
                     "aliases": dict(ag.trace_of(fp).model.get("aliases") or {})} if bucket.graph else {}),
                 "fingerprint": fp,
                 "trace": trace_fp,
-                "model_outputs": _traced_outputs(cache, trace_fp),
+                "model_outputs": _traced_outputs(trace_res),
                 "outputs": {n: {"digest": r.digest, "size": r.size, "path": f"{bucket.name}/{n}"}
                             for n, r in sorted(_with_shipped(ag, fp, res, lookup, ct.ships_of(fp)).items())},
             })

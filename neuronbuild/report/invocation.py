@@ -101,14 +101,16 @@ class Invocation:
                 "exit_code": EXIT.get(outcome, 1), "started": self.started}
 
     def finish(self, outcome: str, not_started: Iterable[str] = (), planned: Mapping[str, str] | None = None,
-               noop_key: str | None = None, render: bool = True) -> Path | None:
+               noop_key: str | None = None, render: bool = True,
+               results: Mapping[str, Any] | None = None) -> Path | None:
         """Write the record (its page is rendered after the answer, for up to RENDER_UP_TO actions: render_soon);
-        the page's path, None if nothing could be written."""
+        the page's path, None if nothing could be written. `results`: the build's (BuildResult.results), when it
+        returned."""
         from neuronbuild.report.record import build_record
 
         try:
             rec = build_record(**self._base(outcome), ag=self.ag, recorder=self.recorder, cache=self.cache,
-                               not_started=not_started, planned=planned)
+                               not_started=not_started, planned=planned, results=results)
             self.store.write(rec)
             if noop_key is not None and outcome == "ok":
                 self.store.set_base(noop_key, self.id)

@@ -154,8 +154,9 @@ def build_record(*, inv_id: str, command: str, argv: Iterable[str], patterns: It
                  flags: Mapping[str, Any], workspace: Path, cache_dir: Path, outcome: str, exit_code: int,
                  started: float, ag: ActionGraph | None, recorder: InvocationRecorder | None,
                  cache: LocalCache | None, not_started: Iterable[str] = (), planned: Mapping[str, str] | None = None,
-                 extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """The invocation record (format in docs/report.md). `planned` (a plan): {fingerprint: to_build | cached}."""
+                 extra: Mapping[str, Any] | None = None, results: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The invocation record (format in docs/report.md). `planned` (a plan): {fingerprint: to_build | cached}.
+    `results`: the build's (BuildResult.results) when it returned; else cached entries are read from the cache."""
     served: Mapping[str, str] = dict(cache.stats.served) if cache is not None else {}
     actions: list[dict[str, Any]] = []
     heard = recorder.actions if recorder is not None else {}
@@ -174,7 +175,7 @@ def build_record(*, inv_id: str, command: str, argv: Iterable[str], patterns: It
                 tier = served.get(fp)
                 d["state"] = CACHED_SHARED if tier == "shared" else CACHED_LOCAL if tier == "local" else CUTOFF
             if d["state"] in (CACHED_LOCAL, CACHED_SHARED, CUTOFF) and cache is not None and full:
-                res, _bad = cache.lookup_local(fp)
+                res = results.get(fp) if results is not None else cache.lookup_local(fp)[0]
                 if res is not None:
                     d["outputs"] = {k: v.digest for k, v in sorted(res.outputs.items())}
                     d["recorded_s"] = round(res.duration_s, 3)
