@@ -309,6 +309,7 @@ def _parser_of(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentP
 
 def label_candidates(prefix: str, start: Path | None = None) -> list[str]:
     """Completions of a target pattern prefix: `//pkg:` and `//pkg/...` for packages, `//pkg:name` for targets."""
+    from neuronbuild import plugins
     from neuronbuild.errors import NeuronBuildError
     from neuronbuild.loading.loader import Loader
     from neuronbuild.loading.starlark_adapter import run_on_starlark_thread
@@ -318,6 +319,7 @@ def label_candidates(prefix: str, start: Path | None = None) -> list[str]:
         ws = find_workspace(start)
     except NeuronBuildError:
         return []
+    plugins.load()  # the rule kinds a BUILD file calls
     loader = Loader(ws.root)
     if ":" in prefix:
         pkg_part, _, name_part = prefix.rpartition(":")
