@@ -304,7 +304,10 @@ def section_edit_ab(ws: Path, cache: Path, buckets: int, workdir: Path, baseline
               f"{', '.join(f'{t:.2f}' for t in logged[0::3])}; {', '.join(f'{t:.2f}' for t in logged[1::3])} | "
               f"{statistics.median(r['noop']):.3f} s; {min(r['noop']):.3f} s | "
               f"{statistics.median(r['batch']):.3f} s; {min(r['batch']):.3f} s |")
-        assert all(int(e["executed"]) == 5 for e in r["edits"]), [e["summary"] for e in r["edits"]]
+    # (every edit of every checkout executes the same actions: 1 trace + the changed graphs' lowerings and compiles)
+    counts = {int(e["executed"]) for r in runs for e in r["edits"]}
+    assert len(counts) == 1, [e["summary"] for r in runs for e in r["edits"]]
+    print(f"each edit executed {counts.pop()} actions")
     for r in runs:
         _shutdown(ws, r["env"], r["bin"])
         shutil.rmtree(r["cache"], ignore_errors=True)
