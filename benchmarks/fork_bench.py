@@ -74,7 +74,8 @@ def build_figures(events: Path, deps: dict[str, list[str]]) -> dict[str, list[fl
     """Per executed action of one build (its --build-event-json-file), in seconds: `gap`, ready to started (ready:
     its last input stored, or the build's start; and its worker free: the previous action on it handed back);
     `beyond`, started to handed back beyond its own time (duration_s); `store`, its outputs' store; `stored`,
-    started to stored beyond its own time; for the tiny ones (own time under 0.1 s) `tiny_*` the same."""
+    started to stored beyond its own time; `total`, ready to stored beyond its own time (the sum of both overheads,
+    whatever an executor calls its start); for the tiny ones (own time under 0.1 s) `tiny_*` the same."""
     evs = [json.loads(line) for line in events.read_text().splitlines() if line.strip()]
     t0 = next(e["time"] for e in evs if e["event"] == "build_started")
     fp_desc = {e["fingerprint"]: e["description"] for e in evs if "description" in e and "fingerprint" in e}
@@ -85,10 +86,11 @@ def build_figures(events: Path, deps: dict[str, list[str]]) -> dict[str, list[fl
     free: dict[str, float] = {}
     for e in sorted((e for e in evs if e["event"] == "action_finished"), key=lambda e: e["start"]):
         d = e["description"]
-        t_start, w = started[d]
+        _t, w = started[d]  # (a light step's start is when the build process ran it, not when it was queued)
         ready = max([t0, *(stored.get(x, t0) for x in deps.get(d, []))])
-        figs = {"gap": t_start - max(ready, free.get(w, t0)), "beyond": e["end"] - e["start"] - e["duration_s"],
-                "store": store_s[d], "stored": stored[d] - e["start"] - e["duration_s"]}
+        figs = {"gap": e["start"] - max(ready, free.get(w, t0)), "beyond": e["end"] - e["start"] - e["duration_s"],
+                "store": store_s[d], "stored": stored[d] - e["start"] - e["duration_s"],
+                "total": stored[d] - max(ready, free.get(w, t0)) - e["duration_s"]}
         free[w] = e["end"]
         for k, v in figs.items():
             out.setdefault(k, []).append(v)
@@ -157,14 +159,14 @@ def builds_side_by_side(args: argparse.Namespace, tmp: Path) -> None:
     print(f"builds of {n} actions ({args.build} buckets: trace, Lower, tiny Compile each; the weights), fresh cache, "
           f"{args.build_rounds} rounds alternating; load {os.getloadavg()[0]:.1f}")
     print(f"{'per action, median ms':<48}{'ready->started':>15}{'->handed back':>14}{'store':>8}"
-          f"{'->stored':>10}{'build wall':>12}")
-    print(f"{'':<48}{'':>15}{'beyond own':>14}{'':>8}{'beyond own':>10}")
+          f"{'->stored':>10}{'ready->stored':>14}{'build wall':>12}")
+    print(f"{'':<48}{'':>15}{'beyond own':>14}{'':>8}{'beyond own':>10}{'beyond own':>14}")
     for name, _env in sides:
         f = figs[name]
         for label, pre in (("all", ""), ("tiny (own < 0.1 s)", "tiny_")):
             print(f"  {name + ', ' + label:<46}{_median(f.get(pre + 'gap', [])) * 1000:>15.1f}"
                   f"{_median(f.get(pre + 'beyond', [])) * 1000:>14.1f}{_median(f.get(pre + 'store', [])) * 1000:>8.1f}"
-                  f"{_median(f.get(pre + 'stored', [])) * 1000:>10.1f}"
+                  f"{_median(f.get(pre + 'stored', [])) * 1000:>10.1f}{_median(f.get(pre + 'total', [])) * 1000:>14.1f}"
                   f"{_median(walls[name]):>11.2f}s")
     print(f"flags-only rebuild ({args.build} Compiles run, the rest cached), median of {len(edits[sides[0][0]])}:")
     for name, _env in sides:

@@ -148,3 +148,20 @@ def test_a_cached_package_keeps_the_declared_order_of_dict_attributes(tmp_path: 
     assert cached.hits == 1
     for g in (first, second):
         assert list(g.targets[Label("pkg", "m")].attrs["inputs"]) == ["x", "cache"]
+
+
+@pytest.mark.parametrize("size", [0, 1, 4095, digests._CHUNK - 1, digests._CHUNK, digests._CHUNK + 1, 2 * digests._CHUNK + 5])
+def test_a_hashed_copy_has_every_byte_and_their_blake3_whatever_the_size_and_offset(tmp_path: Path, size: int) -> None:
+    import io
+
+    import blake3
+
+    data = os.urandom(size)
+    src = tmp_path / "src"
+    src.write_bytes(b"head" + data)
+    for skip, opener in ((4, lambda: open(src, "rb")), (4, lambda: io.BytesIO(src.read_bytes()))):
+        with opener() as f, open(tmp_path / "out", "wb") as out:
+            f.seek(skip)  # a copy from where the stream is (buffers sized from there)
+            got = digests.copy_hashing(f, out)
+        assert got == (blake3.blake3(data).hexdigest(), size)
+        assert (tmp_path / "out").read_bytes() == data

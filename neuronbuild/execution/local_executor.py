@@ -64,7 +64,7 @@ class LocalExecutor:
 
     local = True
     name = "local"
-    runs_light = True  # light steps (actions.LIGHT) run in this process at start(): the scheduler warms no worker
+    runs_light = True  # light steps (actions.LIGHT) run in this process, in wait(): the scheduler warms no worker
 
     def __init__(self, root: Path, cache: SpawnCache, jobs: int, env: dict[str, str],
                  action_timeout: float = 0.0, timeouts: Mapping[str, tuple[float, str]] | None = None,
@@ -79,7 +79,9 @@ class LocalExecutor:
         args, kwargs = pool_args(cache, jobs, env, action_timeout)
         self._pool = pools.make(*args, **kwargs)
         self._running: dict[str, tuple[Job, sandboxes.Sandbox]] = {}
-        self._light: list[Completion] = []  # light steps run in this process at start(), handed back by wait()
+        # light steps queued by start(), run in this process by wait() one at a time: each is handed back (and so
+        # stored) as soon as it ran, not after every other light step the scheduler started meanwhile
+        self._light: list[Job] = []
         # This build's sandboxes live under one directory, removed whole at the end (even after a Ctrl-C that
         # struck while a sandbox was being made). Made on the first action: a fully cached build writes nothing to
         # the cache, so a read-only (mounted release) cache serves it.
@@ -108,7 +110,7 @@ class LocalExecutor:
         sb = sandboxes.prepare(a, self.root, self.cache, self._scratch)
         if is_light(a):  # its toolchain's code on data, no model code: no worker, no fork
             self._running[job.id] = (job, sb)
-            self._light.append(run_light(job, sb))
+            self._light.append(job)
             return Started("build", os.getpid())
         msg = {"kind": a.kind, "spec": json.loads(json.dumps(a.spec)), "inputs": str(sb.inputs),
                "outputs": str(sb.outputs), "log": str(job.log), "expect": dict(a.versions)}
@@ -124,7 +126,10 @@ class LocalExecutor:
         return Started(_worker_name(slot), pid)
 
     def wait(self, timeout: float | None) -> list[Completion]:
-        out, self._light = self._light, []
+        out = []
+        if self._light:  # one light step, then what the workers finished meanwhile (no waiting for them)
+            job = self._light.pop(0)
+            out.append(run_light(job, self._running[job.id][1]))
         for r in self._pool.wait(0 if out else timeout):
             job, sb = self._running[r.task_id]
             res = r.result
@@ -171,7 +176,7 @@ def run_light(job: Job, sb: sandboxes.Sandbox) -> Completion:
     from neuronbuild.toolchains.errors import ToolchainError
 
     a = job.action
-    start, cpu = time.perf_counter(), time.thread_time()
+    start, cpu, began = time.perf_counter(), time.thread_time(), time.time()
     error, meta = "", {}
     try:
         meta = plugins.toolchain(str(a.spec["toolchain"])).run(str(a.spec["step"]), a.spec, sb.inputs, sb.outputs)
@@ -186,7 +191,7 @@ def run_light(job: Job, sb: sandboxes.Sandbox) -> Completion:
             log.write(f"{error}\n")
     return Completion(job, not error, "build", os.getpid(), error.splitlines()[0] if error else "", duration, 0.0,
                       meta if isinstance(meta, dict) else {}, None if error else sb.outputs,
-                      cpu_s=time.thread_time() - cpu)
+                      cpu_s=time.thread_time() - cpu, started=began, ended=time.time())
 
 
 def _worker_name(slot: int) -> str:
