@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import shutil
 import tempfile
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -86,6 +88,10 @@ class LocalExecutor:
         # struck while a sandbox was being made). Made on the first action: a fully cached build writes nothing to
         # the cache, so a read-only (mounted release) cache serves it.
         self._scratch_dir: Path | None = None
+        # finished actions' sandboxes, removed by a thread (off the scheduler's path to the next action); shutdown
+        # waits for it before removing the build's directory
+        self._trash: queue.SimpleQueue[sandboxes.Sandbox | None] = queue.SimpleQueue()
+        self._remover: threading.Thread | None = None
 
     @property
     def _scratch(self) -> Path:
@@ -147,8 +153,13 @@ class LocalExecutor:
 
     def finish(self, job: Job) -> None:
         entry = self._running.pop(job.id, None)
-        if entry is not None:
-            entry[1].remove()
+        if entry is None:
+            return
+        if self._remover is None:
+            self._remover = threading.Thread(target=_remove_sandboxes, args=(self._trash,), daemon=True,
+                                             name="neuronbuild-sandbox-remover")
+            self._remover.start()
+        self._trash.put(entry[1])
 
     def cancel(self) -> None:
         self._light.clear()
@@ -160,11 +171,21 @@ class LocalExecutor:
     def shutdown(self) -> None:
         self._pool.shutdown()
         self._running.clear()
+        if self._remover is not None:
+            self._trash.put(None)
+            self._remover.join()
+            self._remover = None
         if self._scratch_dir is not None:
             shutil.rmtree(self._scratch_dir, ignore_errors=True)
 
     def worker_pids(self) -> list[int]:
         return self._pool.pids()
+
+
+def _remove_sandboxes(trash: queue.SimpleQueue[sandboxes.Sandbox | None]) -> None:
+    """Remove the sandboxes put in `trash` until a None (the executor's shutdown)."""
+    while (sb := trash.get()) is not None:
+        sb.remove()
 
 
 def run_light(job: Job, sb: sandboxes.Sandbox) -> Completion:
