@@ -133,22 +133,25 @@ def moe_degrees(record: Mapping[str, Any], tp: int) -> tuple[int, int] | str:
     wrong otherwise (a sentence)."""
     config = record.get("config") or {}
     config = config if isinstance(config, Mapping) else {}
-    ep, moe_tp = (config.get(k) for k in MOE_KEYS)
-    if ep is None and moe_tp is None:
-        return 1, tp
-    for key, value in zip(MOE_KEYS, (ep, moe_tp), strict=True):
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
+    written: dict[str, int] = {}
+    for key in MOE_KEYS:
+        value = config.get(key)
+        if value is None:
+            continue
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
             return f"the model's {key} must be a positive int, got {value!r}"
-    if ep is not None and moe_tp is not None:
+        written[key] = value
+    if not written:
+        return 1, tp
+    if len(written) == 2:
+        ep, moe_tp = written["moe_ep_degree"], written["moe_tp_degree"]
         if ep * moe_tp != tp:
             return f"the model's moe_tp_degree {moe_tp} x moe_ep_degree {ep} = {ep * moe_tp} must equal it"
-        return int(ep), int(moe_tp)
-    key, given = ("moe_ep_degree", ep) if ep is not None else ("moe_tp_degree", moe_tp)
-    if tp % int(given):
-        return (f"the model's {key} {given} must equal it or divide it (moe_tp_degree x moe_ep_degree = "
-                "tp_degree)")
-    other = tp // int(given)
-    return (int(given), other) if ep is not None else (other, int(given))
+        return ep, moe_tp
+    ((key, given),) = written.items()
+    if tp % given:
+        return f"the model's {key} {given} must equal it or divide it (moe_tp_degree x moe_ep_degree = tp_degree)"
+    return (given, tp // given) if key == "moe_ep_degree" else (tp // given, given)
 
 
 def for_degree(record: Mapping[str, Any], tp: int) -> dict[str, Any]:
