@@ -182,9 +182,9 @@ def shard(full: torch.Tensor, rank_shape: tuple[int, ...], rank: int, tp: int) -
 # whole tensor is the concatenation of these parts (q|k|v, gate|up), each split over the ranks on its own (as
 # shard_rule splits a tensor: tp blocks, or fewer blocks replicated, e.g. GQA kv heads), and the rank's tensor is the
 # concatenation of its blocks of each part. With `ep` > 1 (experts on an EP x TP grid: hf_causal_lm's moe_ep_degree
-# x moe_tp_degree, EP_GRID), dim 0 is the experts': rank r holds block r // (tp/ep) of ep blocks of them and its parts
-# are split over the tp/ep ranks of its group (coordinate r % (tp/ep)). Set by the toolchain that builds the rank's
-# module (hf_causal_lm); read by the weights action (model_import.rank_values) and the checkpoint check
+# x moe_tp_degree, ep_coordinates), dim 0 is the experts': rank r holds block r // (tp/ep) of ep blocks of them and
+# its parts are split over the tp/ep ranks of its group (coordinate r % (tp/ep)). Set by the toolchain that builds
+# the rank's module (hf_causal_lm); read by the weights action (model_import.rank_values) and the checkpoint check
 # (weights.check_against).
 FUSED_ATTR = "nb_tp_fused"
 Fused = Mapping[str, tuple[Any, ...]]
@@ -205,8 +205,8 @@ def fused_whole_shape(rank_shape: tuple[int, ...], dim: int, parts: tuple[tuple[
 def ep_coordinates(rank: int, tp: int, ep: int) -> tuple[int, int]:
     """Rank `rank`'s (expert-parallel group, rank inside it) on an EP x TP grid of tp ranks in ep groups, as NxD's
     `initialize_model_parallel(tensor_model_parallel_size = tp/ep, expert_model_parallel_size = ep)` lays it out:
-    each group's tp/ep ranks consecutive (the TP dimension contiguous), so rank r is in group r // (tp/ep) at r % (tp/ep).
-    Group g holds experts [g*E/ep, (g+1)*E/ep)."""
+    each group's tp/ep ranks consecutive (the TP dimension contiguous), so rank r is in group r // (tp/ep) at
+    r % (tp/ep). Group g holds experts [g*E/ep, (g+1)*E/ep)."""
     moe_tp = tp // ep
     return rank // moe_tp, rank % moe_tp
 
