@@ -4,9 +4,12 @@ check behind docs/neuron.md's table of TP plans (tests/test_tp_families.py build
 
     .venv/bin/python benchmarks/tp_families_check.py --tp 2 /tmp/tpf bloom gpt_bigcode_mqa ...   (no names: all that
                                                                                                  the degree divides)
+    .venv/bin/python benchmarks/tp_families_check.py --tp 4 /tmp/tpf mixtral_ep2 gpt_oss_ep2 ...  (expert parallelism
+                                                                              x tensor parallelism: a 2 x 2 grid)
 
 Tiny random configs (as tests/test_llm_families.py and test_llm_new_families.py); every 1-D tensor (biases, norms,
-sinks) perturbed from transformers' initial 0/1, so a bias added on every rank or a norm on the wrong rank shows."""
+sinks) and every bias (gpt-oss's experts' [experts, width] ones too) perturbed from transformers' initial 0/1, so a
+bias added on every rank or a norm on the wrong rank shows."""
 
 from __future__ import annotations
 
@@ -43,6 +46,9 @@ FAMILIES: dict[str, tuple[str, dict[str, object]]] = {
                                     "layer_types": ["sliding_attention", "full_attention"]}),
     "olmoe": ("olmoe", _BASE | {"num_attention_heads": 4, "num_key_value_heads": 2, "num_experts": 4,
                                 "num_experts_per_tok": 2}),
+    "qwen2_moe": ("qwen2_moe", _BASE | {"num_attention_heads": 4, "num_key_value_heads": 2, "num_experts": 4,
+                                        "num_experts_per_tok": 2, "moe_intermediate_size": 8,
+                                        "shared_expert_intermediate_size": 16}),
     "gpt_oss": ("gpt_oss", _BASE | {"intermediate_size": 16, "num_attention_heads": 4, "num_key_value_heads": 2,
                                     "head_dim": 4, "num_local_experts": 4, "num_experts_per_tok": 2,
                                     "sliding_window": 4, "max_position_embeddings": 131072}),
@@ -71,15 +77,28 @@ FAMILIES: dict[str, tuple[str, dict[str, object]]] = {
 }
 
 
-# expert parallelism (hf_causal_lm(moe_ep_degree = the tp degree)): "<family>_ep" builds that family's config so
-EP = ("mixtral", "qwen3_moe", "olmoe", "gpt_oss", "deepseek_v3")
+# expert parallelism: "<family>_ep" builds that family's config with hf_causal_lm(moe_ep_degree = the tp degree)
+# (whole experts, one group per rank); "<family>_ep2" with moe_ep_degree = 2, so at tp 4 NxD's EP x TP grid of 2
+# groups x 2 ranks (moe_tp_degree 2: each expert's width split over its group's 2 ranks), with EP2's changes (4 heads;
+# mixtral's expert width 24: 12 per rank). Expert widths 4 does not divide are accepted on a 2 x 2 grid (analysis,
+# tests/test_moe_ep_tp.py) but not checked here: transformers' own experts (validate's reference, grouped_mm on CPU)
+# refuse a width whose rows are not a multiple of 16 bytes ("strides should be multiple of 16 bytes").
+EP = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "deepseek_v3")
+EP2: dict[str, dict[str, object]] = {
+    "mixtral": {"num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 24},
+    "qwen3_moe": {"num_attention_heads": 4, "num_key_value_heads": 2},
+}
 
 
 def _family(name: str) -> tuple[str, dict[str, object], str]:
-    """(model_type, config, extra hf_causal_lm attributes) of a name: a family, or "<family>_ep"."""
-    ep = name.endswith("_ep") and name.removesuffix("_ep") in EP
-    model_type, hf = FAMILIES[name.removesuffix("_ep") if ep else name]
-    return model_type, hf, ", moe_ep_degree = TP" if ep else ""
+    """(model_type, config, extra hf_causal_lm attributes) of a name: a family, "<family>_ep" or "<family>_ep2"."""
+    for suffix, extra in (("_ep", ", moe_ep_degree = TP"), ("_ep2", ", moe_ep_degree = 2")):
+        base = name.removesuffix(suffix)
+        if name.endswith(suffix) and base in EP:
+            model_type, hf = FAMILIES[base]
+            return model_type, hf | (EP2.get(base, {}) if suffix == "_ep2" else {}), extra
+    model_type, hf = FAMILIES[name]
+    return model_type, hf, ""
 
 
 def _heads(hf: dict[str, object]) -> int:
@@ -109,7 +128,8 @@ def write_workspace(root: Path, names: list[str], tp: int) -> None:
         model = hf_model({"model_type": model_type, "hf": hf, "max_seq": 16})
         g = torch.Generator().manual_seed(1)
         state = {k: v + 0.2 * torch.randn(v.shape, generator=g).to(v.dtype)
-                 if v.dim() == 1 and v.is_floating_point() else v for k, v in model.state_dict().items()}
+                 if (v.dim() == 1 or k.endswith("bias")) and v.is_floating_point() else v
+                 for k, v in model.state_dict().items()}
         save_file({k: v.detach().clone().contiguous() for k, v in state.items()}, str(root / f"{name}.safetensors"))
         lines += [f'hf_causal_lm(name = "{name}", model_type = "{model_type}", config = {json.dumps(hf)}, '
                   f'weights = "{name}.safetensors", max_seq = 16{extra.replace("TP", str(tp))})',
@@ -123,7 +143,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("workspace", type=Path)
     ap.add_argument("names", nargs="*", help=f"families (default: all the degree divides): {', '.join(FAMILIES)}; "
-                    f"expert parallelism: {', '.join(n + '_ep' for n in EP)}")
+                    f"expert parallelism: {', '.join(n + '_ep' for n in EP)}; x tensor parallelism (a 2 x 2 grid "
+                    f"at --tp 4): {', '.join(n + '_ep2' for n in EP)}")
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--cache-dir", default=None, help="default: <workspace>/.cache")
     args = ap.parse_args()

@@ -250,7 +250,7 @@ def _fused_graph(kv, spec, on_device_sampling, output_logits):
 def hf_causal_lm(name, config, weights = None, max_seq = 256, model_type = None, weights_prefix = "", dtype = None,
                  continuous_batching = False, max_batch = None, on_device_sampling = False, output_logits = False,
                  quantization = None, kv_cache_dtype = None, speculation = None, kv_layout = None, block_size = None,
-                 num_blocks = None, prefix_caching = False, moe_ep_degree = None, tags = []):
+                 num_blocks = None, prefix_caching = False, moe_ep_degree = None, moe_tp_degree = None, tags = []):
     """A transformers causal LM (llama, mistral, qwen2, gpt2, ...) as served: a `context` graph (prefill: input_ids and
     attention_mask [batch, seq] -> last logits + the KV cache) and a `token` graph (decode: one token per sequence,
     its position, the cache mask and slot, the cache -> logits + the cache, aliased), over a static KV cache of
@@ -274,9 +274,10 @@ def hf_causal_lm(name, config, weights = None, max_seq = 256, model_type = None,
     docs/llm.md "Block KV cache"): the cache is a pool of N blocks of B positions (+ one scratch block) and the
     graphs take a per-row `block_table` instead of seq_ids; max_batch is then optional (the engine's cap on active
     sequences). Without kv_layout (or "contiguous") the graphs are exactly those built without it.
-    `moe_ep_degree = N` (mixture-of-experts families): compiled at tp_degree N, the experts are split by expert
-    across the ranks (each holds N-th of the experts, whole), not by width (docs/llm.md "Tensor parallelism per
-    family"); tp_degree 1 ignores it.
+    `moe_ep_degree = E`, `moe_tp_degree = T` (mixture-of-experts families, NxD Inference's): at tp_degree E x T the
+    ranks form E expert-parallel groups of T ranks, each group holding E-th of the experts, each expert's width split
+    over its group's T ranks (docs/llm.md "Expert parallelism"); one written, the other is tp_degree divided by it;
+    neither, each expert is split by width over every rank. tp_degree 1 ignores them.
     `prefix_caching = True` (block layout only) adds the `prefix` graph family, bucketed over batch x seq (new tokens)
     x prefix (cached positions read from the blocks): a prefill computing only what follows a cached prefix, and the
     chunks of a prompt longer than the largest context bucket."""
@@ -288,8 +289,9 @@ def hf_causal_lm(name, config, weights = None, max_seq = 256, model_type = None,
     elif output_logits and not on_device_sampling:
         fail("hf_causal_lm %s: output_logits is for on_device_sampling graphs (the others return logits)" % name)
     mt = model_type or _field(config, ["model_type"])
-    if moe_ep_degree != None and (type(moe_ep_degree) != "int" or moe_ep_degree <= 0):
-        fail("hf_causal_lm %s: moe_ep_degree must be a positive int, got %r" % (name, moe_ep_degree))
+    for key, degree in (("moe_ep_degree", moe_ep_degree), ("moe_tp_degree", moe_tp_degree)):
+        if degree != None and (type(degree) != "int" or degree <= 0):
+            fail("hf_causal_lm %s: %s must be a positive int, got %r" % (name, key, degree))
     dt = _dtype(name, config, dtype)
     for lt in config.get("layer_types") or []:
         if lt not in ("full_attention", "sliding_attention"):
@@ -366,7 +368,8 @@ def hf_causal_lm(name, config, weights = None, max_seq = 256, model_type = None,
         config = {"model_type": mt, "hf": hf, "max_seq": max_seq} |
                  ({"quantization": _quantization(name, quantization)} if quantization != None else {}) |
                  ({"kv_cache_dtype": kv_cache_dtype} if kv_cache_dtype else {}) |
-                 ({"moe_ep_degree": moe_ep_degree} if moe_ep_degree != None else {}),
+                 ({"moe_ep_degree": moe_ep_degree} if moe_ep_degree != None else {}) |
+                 ({"moe_tp_degree": moe_tp_degree} if moe_tp_degree != None else {}),
         weights = weights,
         weights_prefix = weights_prefix,
         graphs_only = weights == None,

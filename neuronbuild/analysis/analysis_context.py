@@ -31,7 +31,7 @@ from neuronbuild.analysis.analysis_nodes import (
 )
 from neuronbuild.analysis.plan_settings import PlanSettings
 from neuronbuild.analysis.providers import BundleInfo, CompileTarget, ModelInfo
-from neuronbuild.analysis.tensor_parallel import TP_OPS, builtin_digest
+from neuronbuild.analysis.tensor_parallel import TP_OPS, builtin_digest, for_degree
 from neuronbuild.analysis.toolchain_api import CompileRequest, Toolchain
 from neuronbuild.engine import Node
 from neuronbuild.loading.labels import Label
@@ -379,9 +379,7 @@ class AnalysisContext:
         return action
 
     def _make_trace(self, model: ModelInfo, bucket: Bucket, tp_degree: int = 1) -> Action:
-        rec = _without_weights(model.record)
-        if tp_degree <= 1 and "tp_plan" in rec:  # a sharding plan changes only sharded traces
-            rec = {k: v for k, v in rec.items() if k != "tp_plan"}
+        rec = for_degree(_without_weights(model.record), tp_degree)  # (a sharding plan changes only sharded traces)
         record = {
             "format": FORMAT_VERSION,
             "action": TRACE,
@@ -424,11 +422,9 @@ class AnalysisContext:
         known = self._weights.get(key)
         if known is not None and known[0] is model:
             return known[1]
-        rec = {k: v for k, v in model.record.items() if k not in _GRAPH_KEYS}
-        if tp_degree <= 1:
-            rec.pop("tp_plan", None)
-        else:  # the rank shards are cut by tp_ops (fused parts, replicated kv heads, ...): its code is in the record
-            rec["builtin"] = dict(rec.get("builtin") or {}) | {TP_OPS: builtin_digest(TP_OPS)}
+        rec = for_degree({k: v for k, v in model.record.items() if k not in _GRAPH_KEYS}, tp_degree)
+        if tp_degree > 1:  # the rank shards are cut by tp_ops (fused parts, replicated kv heads, ...): its code
+            rec["builtin"] = dict(rec.get("builtin") or {}) | {TP_OPS: builtin_digest(TP_OPS)}  # is in the record
         record = {
             "format": FORMAT_VERSION,
             "action": WEIGHTS,

@@ -26,10 +26,15 @@ TP_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_
                # module-patched: fused q|k|v per head (BLOOM with its ALiBi slopes, multi-head Falcon), per kv group
                # (Falcon's new decoder architecture), multi-query, or [q | k | v] in GPT-2's transposed Conv1D layers
                "falcon", "bloom", "gpt_bigcode", "gpt2")
-# expert parallelism (hf_causal_lm's moe_ep_degree = tp_degree): the families whose experts go through transformers'
-# experts interface ([experts, ...] parameters; Llama 4's own experts module does not), and their expert-count keys
+# expert parallelism (hf_causal_lm's moe_ep_degree x moe_tp_degree = tp_degree): the families whose experts go
+# through transformers' experts interface ([experts, ...] parameters; Llama 4's own experts module does not), the
+# config key of their expert count and of each expert's intermediate width (split over moe_tp_degree ranks)
 EP_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "gpt_oss")
 EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
+EXPERT_WIDTH = {"mixtral": "intermediate_size", "olmoe": "intermediate_size", "gpt_oss": "intermediate_size",
+                "qwen2_moe": "moe_intermediate_size", "qwen3_moe": "moe_intermediate_size",
+                "deepseek_v3": "moe_intermediate_size"}
+MOE_KEYS = ("moe_ep_degree", "moe_tp_degree")  # hf_causal_lm's config keys: read at tp_degree > 1 only
 # MLP widths each rank holds 1/tp of (config key -> its class default when absent: a multiple of the hidden size)
 WIDTHS = {"intermediate_size": 0, "moe_intermediate_size": 0, "shared_expert_intermediate_size": 0,
           "intermediate_size_mlp": 0, "ffn_hidden_size": 4, "n_inner": 4}
@@ -97,30 +102,86 @@ def check(record: Mapping[str, Any], platform: str, tp: int, allowed: tuple[int,
         return f"tp_degree {tp} does not divide the model's {heads} attention heads"
     if kv % tp and tp % kv:
         return f"tp_degree {tp}: the model's {kv} key/value heads neither divide by it nor divide it"
+    degrees = moe_degrees(record, tp)
+    if isinstance(degrees, str):
+        return f"tp_degree {tp}: {degrees}"
+    ep, moe_tp = degrees
+    problem = _ep_problem(model_type, hf, tp, ep)
+    if problem:
+        return problem
     hidden = int(hf.get("hidden_size") or hf.get("n_embd") or 0)
     for key, default in WIDTHS.items():
         width = int(hf.get(key) or 0) or (default * hidden if _uses(model_type, key) else 0)
+        if ep > 1 and key == EXPERT_WIDTH.get(model_type):  # each expert whole on its EP group, split over moe_tp
+            if width % moe_tp:
+                return (f"tp_degree {tp}: moe_tp_degree {moe_tp} does not divide the model's {key} {width} (each "
+                        "expert's intermediate width is split over moe_tp_degree ranks)")
+            if not (model_type == "deepseek_v3" and hf.get("n_shared_experts", 1)):
+                continue  # (DeepSeek's shared experts are moe_intermediate_size x n_shared_experts wide, over tp)
         if width % tp:
             return f"tp_degree {tp} does not divide the model's {key} {width}"
     vocab = int(hf.get("vocab_size") or 0)
     if vocab < tp:  # (each rank holds a block of the vocabulary, padded to a multiple of tp)
         return f"tp_degree {tp}: the model's vocab_size {vocab} is smaller than it"
-    return _family_problem(model_type, hf, tp) or _ep_problem(record, model_type, hf, tp)
+    return _family_problem(model_type, hf, tp)
 
 
-def _ep_problem(record: Mapping[str, Any], model_type: str, hf: Mapping[str, Any], tp: int) -> str | None:
-    """What keeps a model's moe_ep_degree from this tp degree, or None."""
+def moe_degrees(record: Mapping[str, Any], tp: int) -> tuple[int, int] | str:
+    """(moe_ep_degree, moe_tp_degree) of a model compiled at tp_degree `tp` > 1, as NxD Inference's: the experts on an
+    EP x TP grid of the tp ranks, moe_ep_degree x moe_tp_degree = tp. Neither written: (1, tp), each expert split by
+    width over every rank; one written: the other is tp divided by it; both: their product must be tp. What is
+    wrong otherwise (a sentence)."""
     config = record.get("config") or {}
-    ep = int(config.get("moe_ep_degree") or 1) if isinstance(config, Mapping) else 1
+    config = config if isinstance(config, Mapping) else {}
+    written: dict[str, int] = {}
+    for key in MOE_KEYS:
+        value = config.get(key)
+        if value is None:
+            continue
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            return f"the model's {key} must be a positive int, got {value!r}"
+        written[key] = value
+    if not written:
+        return 1, tp
+    if len(written) == 2:
+        ep, moe_tp = written["moe_ep_degree"], written["moe_tp_degree"]
+        if ep * moe_tp != tp:
+            return f"the model's moe_tp_degree {moe_tp} x moe_ep_degree {ep} = {ep * moe_tp} must equal it"
+        return ep, moe_tp
+    ((key, given),) = written.items()
+    if tp % given:
+        return f"the model's {key} {given} must equal it or divide it (moe_tp_degree x moe_ep_degree = tp_degree)"
+    return (given, tp // given) if key == "moe_ep_degree" else (tp // given, given)
+
+
+def for_degree(record: Mapping[str, Any], tp: int) -> dict[str, Any]:
+    """A model record as a build at tp_degree `tp` reads it (its trace's and weights action's records): at tp 1 without
+    what only sharding reads (a tp_plan, hf_causal_lm's moe degrees), so writing them changes no unsharded
+    fingerprint; at tp > 1 with the moe degrees resolved (moe_degrees): none when the experts are split by width only
+    (the record as if not written), both otherwise, so one plan written two ways is one record."""
+    config = record.get("config")
+    rec = dict(record)
+    if tp <= 1:
+        rec.pop("tp_plan", None)
+    if not isinstance(config, Mapping) or not any(k in config for k in MOE_KEYS):
+        return rec
+    degrees = (1, 1) if tp <= 1 else moe_degrees(record, tp)
+    if isinstance(degrees, str):  # (refused by check: left as written)
+        return rec
+    ep, moe_tp = degrees
+    rec["config"] = {k: v for k, v in config.items() if k not in MOE_KEYS} | (
+        {"moe_ep_degree": ep, "moe_tp_degree": moe_tp} if ep > 1 else {})
+    return rec
+
+
+def _ep_problem(model_type: str, hf: Mapping[str, Any], tp: int, ep: int) -> str | None:
+    """What keeps a model's experts from being split over `ep` expert-parallel groups, or None."""
     if ep == 1:
         return None
-    if ep != tp:
-        return (f"tp_degree {tp}: the model's moe_ep_degree {ep} must equal it (experts are split by expert over "
-                "every rank, whole inside; an expert split over several ranks as well is not supported)")
     if model_type not in EP_FAMILIES:
         return f"tp_degree {tp}: moe_ep_degree is supported for the {', '.join(EP_FAMILIES)} families ({model_type})"
     experts = next((int(hf[k]) for k in EXPERT_KEYS if hf.get(k)), 0)
-    if not experts or experts % tp:
+    if not experts or experts % ep:
         what = f"its {experts} experts" if experts else "its config's expert count (which it must write)"
         return f"tp_degree {tp}: moe_ep_degree {ep} does not divide {what}"
     return None
@@ -164,6 +225,7 @@ def per_rank_record(record: Mapping[str, Any], tp: int) -> dict[str, Any]:
     `blocks` equal blocks along that dim (kv heads replicated over tp/blocks ranks when fewer than ranks); outputs in
     `output_rank_dims` (index -> dim) are joined back from one rank per block."""
     # the rank's program is made by tp_ops (the plan's, or the family's sharding): its code is in the trace's record
+    record = for_degree(record, tp)
     builtin = dict(record.get("builtin") or {}) | {TP_OPS: builtin_digest(TP_OPS)}
     if record.get("tp_plan"):  # a plain model with a declared plan: every input and output the same on every rank
         return dict(record) | {"whole_inputs": record["inputs"], "builtin": builtin,

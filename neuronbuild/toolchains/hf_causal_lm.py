@@ -180,7 +180,7 @@ def hf_model(config: dict[str, Any]) -> nn.Module:
         quantize_linears(model, config)
     if tp > 1:
         shard_hf_model(model, model_type, dict(config.get("hf") or {}), tp,
-                       expert_parallel=int(config.get("moe_ep_degree") or 1) > 1)
+                       moe_ep_degree=int(config.get("moe_ep_degree") or 1))
     return model
 
 
@@ -214,8 +214,8 @@ def _dense_experts(self: Any, hidden_states: torch.Tensor, top_k_index: torch.Te
     routing = torch.zeros(hidden_states.shape[0], whole + 1, dtype=down.dtype,
                           device=down.device)  # one spare column: transformers marks dropped slots with E
     routing = routing.scatter_add(1, top_k_index, top_k_weights.to(down.dtype))[:, :-1]
-    if whole != experts:  # the rank's experts' columns (its rank id: a buffer each rank's shard gives its value)
-        first = self.nb_tp_rank.to(torch.int64) * experts
+    if whole != experts:  # its group's experts' columns (rank id // the group's ranks: tp_ops.ep_coordinates)
+        first = (self.nb_tp_rank.to(torch.int64) // int(getattr(self, "nb_moe_tp", 1))) * experts
         routing = routing.index_select(1, first + torch.arange(experts, device=routing.device))
     return torch.einsum("eth,te->th", down, routing).to(hidden_states.dtype)
 

@@ -178,13 +178,16 @@ def shard(full: torch.Tensor, rank_shape: tuple[int, ...], rank: int, tp: int) -
     return full if dim < 0 else padded(full.narrow(dim, start, held), tuple(rank_shape), dim)
 
 
-# A per-rank module's fused parameters: {state name: (dim, ((whole length, rank length), ...))}: along `dim` the
+# A per-rank module's fused parameters: {state name: (dim, ((whole length, rank length), ...)[, ep])}: along `dim` the
 # whole tensor is the concatenation of these parts (q|k|v, gate|up), each split over the ranks on its own (as
 # shard_rule splits a tensor: tp blocks, or fewer blocks replicated, e.g. GQA kv heads), and the rank's tensor is the
-# concatenation of its blocks of each part. Set by the toolchain that builds the rank's module (hf_causal_lm);
-# read by the weights action (model_import.rank_values) and the checkpoint check (weights.check_against).
+# concatenation of its blocks of each part. With `ep` > 1 (experts on an EP x TP grid: hf_causal_lm's moe_ep_degree
+# x moe_tp_degree, ep_coordinates), dim 0 is the experts': rank r holds block r // (tp/ep) of ep blocks of them and
+# its parts are split over the tp/ep ranks of its group (coordinate r % (tp/ep)). Set by the toolchain that builds
+# the rank's module (hf_causal_lm); read by the weights action (model_import.rank_values) and the checkpoint check
+# (weights.check_against).
 FUSED_ATTR = "nb_tp_fused"
-Fused = Mapping[str, tuple[int, tuple[tuple[int, int], ...]]]
+Fused = Mapping[str, tuple[Any, ...]]
 
 
 def fused_params(module: torch.nn.Module) -> Fused:
@@ -192,14 +195,29 @@ def fused_params(module: torch.nn.Module) -> Fused:
     return dict(getattr(module, FUSED_ATTR, None) or {})
 
 
-def fused_whole_shape(rank_shape: tuple[int, ...], dim: int, parts: tuple[tuple[int, int], ...]) -> tuple[int, ...]:
+def fused_whole_shape(rank_shape: tuple[int, ...], dim: int, parts: tuple[tuple[int, int], ...],
+                      ep: int = 1) -> tuple[int, ...]:
     """The whole tensor's shape of a fused parameter."""
-    return (*rank_shape[:dim], sum(w for w, _r in parts), *rank_shape[dim + 1:])
+    shape = (*rank_shape[:dim], sum(w for w, _r in parts), *rank_shape[dim + 1:])
+    return (shape[0] * ep, *shape[1:])
+
+
+def ep_coordinates(rank: int, tp: int, ep: int) -> tuple[int, int]:
+    """Rank `rank`'s (expert-parallel group, rank inside it) on an EP x TP grid of tp ranks in ep groups, as NxD's
+    `initialize_model_parallel(tensor_model_parallel_size = tp/ep, expert_model_parallel_size = ep)` lays it out:
+    each group's tp/ep ranks consecutive (the TP dimension contiguous), so rank r is in group r // (tp/ep) at
+    r % (tp/ep). Group g holds experts [g*E/ep, (g+1)*E/ep)."""
+    moe_tp = tp // ep
+    return rank // moe_tp, rank % moe_tp
 
 
 def fused_shard(full: torch.Tensor, rank_shape: tuple[int, ...], rank: int, tp: int, dim: int,
-                parts: tuple[tuple[int, int], ...]) -> torch.Tensor:
-    """Rank `rank`'s part of a fused parameter: its block of each part along dim, concatenated."""
+                parts: tuple[tuple[int, int], ...], ep: int = 1) -> torch.Tensor:
+    """Rank `rank`'s part of a fused parameter: its block of each part along dim, concatenated (with `ep` > 1: of its
+    expert-parallel group's block of experts, split over the group's ranks)."""
+    if ep > 1:
+        group, rank = ep_coordinates(rank, tp, ep)
+        full, tp = full.narrow(0, group * rank_shape[0], rank_shape[0]), tp // ep
     out, start = [], 0
     for whole, held in parts:
         piece = full.narrow(dim, start, whole)
@@ -304,62 +322,90 @@ def per_rank_hf(model_type: str, hf: dict[str, Any], tp: int) -> dict[str, Any]:
 
 
 def shard_hf_model(model: torch.nn.Module, model_type: str, hf: Mapping[str, Any], tp: int,
-                   expert_parallel: bool = False) -> None:
+                   moe_ep_degree: int = 1) -> None:
     """Make `model` (built from per_rank_hf's config) one rank's model: the patched families' attention cut to the
-    rank's heads, whole-width q/k norms (OLMoE) made tensor-parallel, the experts split by expert instead of by width
-    with `expert_parallel` (hf_causal_lm's moe_ep_degree = tp), all-reduces after the row-parallel layers, biases of
-    width-split experts added by one rank, the vocabulary-parallel embedding and lm_head, and the fused parameters
-    declared (FUSED_ATTR) for the weights action. ValueError for what no rule covers."""
+    rank's heads, whole-width q/k norms (OLMoE) made tensor-parallel, the experts on an EP x TP grid with
+    `moe_ep_degree` > 1 (hf_causal_lm's; moe_tp_degree = tp / it: _expert_parallel), all-reduces after the
+    row-parallel layers, biases of width-split experts added by one rank of each expert-parallel group, the
+    vocabulary-parallel embedding and lm_head, and the fused parameters declared (FUSED_ATTR) for the weights action.
+    ValueError for what no rule covers."""
+    if tp % moe_ep_degree:
+        raise ValueError(f"moe_ep_degree {moe_ep_degree} does not divide tp_degree {tp}")
     if model_type in PATCHED:
         _patch_attention(model, model_type, hf, tp)
     _tp_qk_norms(model, hf, tp)
-    if expert_parallel:
-        _expert_parallel(model, hf, tp)
-    _row_parallel(model, tp)
+    experts = _expert_parallel(model, hf, tp, moe_ep_degree) if moe_ep_degree > 1 else {}
+    _row_parallel(model, tp, tp // moe_ep_degree)
     vocab_parallel(model, tp, int(hf.get("vocab_size") or 0))
-    declare_fused(model, model_type, hf, tp)
+    declare_fused(model, model_type, hf, tp, experts)
 
 
 # The experts' own attributes set by expert parallelism: the whole model's expert count (the routing's width) and the
-# rank id buffer (which block of experts this rank holds); read by hf_causal_lm's dense experts.
+# ranks of an expert-parallel group (MOE_TP_ATTR: which block of experts rank r holds, r // it, and which rank of the
+# group adds a down bias); read by hf_causal_lm's dense experts with the rank id buffer.
 EP_EXPERTS_ATTR = "nb_ep_experts"
+MOE_TP_ATTR = "nb_moe_tp"
 
 
-def _expert_parallel(model: torch.nn.Module, hf: Mapping[str, Any], tp: int) -> None:
-    """Expert parallelism (NxD Inference's moe_ep_degree, here equal to the tp degree: no tensor split inside an
-    expert): each experts module (transformers' experts interface: [experts, ...] parameters) holds its rank's block
-    of experts (experts/tp of them, rank r: [r*experts/tp, (r+1)*experts/tp)) at their whole width, its routing
-    weights those columns of the whole routing (the router is replicated); its output, the rank's experts' share of
-    every token, is all-reduced as the width-split experts' partial sums are."""
+def _expert_parallel(model: torch.nn.Module, hf: Mapping[str, Any], tp: int, ep: int) -> dict[str, tuple[Any, ...]]:
+    """Expert parallelism as NxD Inference's moe_ep_degree x moe_tp_degree = tp: the ranks form ep groups of
+    moe_tp = tp/ep consecutive ranks (ep_coordinates); each experts module (transformers' experts interface:
+    [experts, ...] parameters) holds its group's block of experts (experts/ep of them, group g: [g*E/ep, (g+1)*E/ep)),
+    each expert's intermediate width split over the group's ranks as the width split does over all of them
+    (column-parallel gate/up, fused gate|up part by part, row-parallel down; moe_tp 1: whole experts); its routing
+    weights those experts' columns of the whole routing (the router is replicated). Its output, the rank's share of
+    every token, is all-reduced over every rank as the width-split experts' partial sums are. Returns the experts'
+    parameters as fused declarations with the grid (FUSED_ATTR), for the weights action."""
     import copy
 
+    moe_tp = tp // ep
+    fused: dict[str, tuple[Any, ...]] = {}
     for name, m in list(model.named_modules()):
         if not name.endswith(EXPERTS):
             continue
         if not isinstance(getattr(m, "down_proj", None), torch.nn.Parameter):
             raise ValueError(f"{name}: {type(m).__name__} does not hold its experts as [experts, ...] parameters: "
                              "expert parallelism is not supported for it")
-        cfg = copy.copy(m.config if hasattr(m, "config") else model.config)  # type: ignore[union-attr]
-        for key in WIDTH_KEYS:  # the experts' whole width (per_rank_hf divided it)
-            if hf.get(key):
-                setattr(cfg, key, int(hf[key]))
-        with torch.device("meta"):
-            whole = type(m)(cfg)
+        built = []
+        for split in (1, moe_tp):  # the experts at their whole width, and at a rank's of its group
+            cfg = copy.copy(m.config if hasattr(m, "config") else model.config)  # type: ignore[union-attr]
+            for key in WIDTH_KEYS:  # (per_rank_hf divided them by tp)
+                if hf.get(key):
+                    setattr(cfg, key, int(hf[key]) // split)
+            with torch.device("meta"):
+                built.append(type(m)(cfg))
+        whole, part = built
         experts = int(whole.down_proj.shape[0])
-        if experts % tp:
-            raise ValueError(f"{name}: {experts} experts cannot be split by expert over {tp} ranks")
+        if experts % ep:
+            raise ValueError(f"{name}: {experts} experts cannot be split by expert over {ep} groups")
+        concatenated = bool(getattr(m, "is_concatenated", True))  # (gpt-oss: interleaved gate/up pairs)
         for pname, p in list(whole.named_parameters(recurse=False)):
             held = m._parameters[pname]
             assert held is not None
-            shape = (experts // tp, *p.shape[1:])
+            shape = (experts // ep, *part._parameters[pname].shape[1:])  # type: ignore[union-attr]
             m._parameters[pname] = torch.nn.Parameter(torch.empty(shape, dtype=held.dtype, device=held.device),
                                                       requires_grad=False)
+            fused[f"{name}.{pname}"] = _expert_split(tuple(p.shape), shape, concatenated and "gate_up" in pname, ep)
         for attr in ("intermediate_dim", "intermediate_size", "expert_dim"):
-            if hasattr(whole, attr):
-                setattr(m, attr, getattr(whole, attr))
-        setattr(m, "num_experts", experts // tp)  # noqa: B010
+            if hasattr(part, attr):
+                setattr(m, attr, getattr(part, attr))
+        setattr(m, "num_experts", experts // ep)  # noqa: B010
         setattr(m, EP_EXPERTS_ATTR, experts)
+        setattr(m, MOE_TP_ATTR, moe_tp)
         m.register_buffer(RANK_BUFFER, torch.zeros(1, dtype=torch.int32), persistent=False)
+    return fused
+
+
+def _expert_split(whole: tuple[int, ...], rank: tuple[int, ...], gate_up: bool, ep: int) -> tuple[Any, ...]:
+    """The fused declaration (FUSED_ATTR, with the grid) of one expert parameter: its width dim (the one besides the
+    experts' that differs; gate|up concatenated: two parts) split over the group's ranks, or none (a down bias)."""
+    dims = [d for d in range(1, len(whole)) if whole[d] != rank[d]]
+    if not dims:
+        return (len(whole) - 1, ((whole[-1], whole[-1]),), ep)
+    d = dims[0]
+    if gate_up:
+        return (d, ((whole[d] // 2, rank[d] // 2),) * 2, ep)
+    return (d, ((whole[d], rank[d]),), ep)
 
 
 def _is_conv1d(layer: Any) -> bool:
@@ -543,27 +589,30 @@ def _row_parallel_linear(cls: type) -> type:
 
 
 class _RankMaskedDownBias:
-    """Experts whose down projection has a bias (gpt-oss): each rank's experts output a partial sum over its slice of
-    the intermediate width, all-reduced; the bias is added by rank 0 only (its value times rank == 0), so the sum
-    holds it once. The parameter keeps its name (the checkpoint's)."""
+    """Width-split experts whose down projection has a bias (gpt-oss): each rank's experts output a partial sum over
+    its slice of the intermediate width, all-reduced; the bias is added by the first rank of each expert-parallel
+    group only (its value times rank % MOE_TP_ATTR == 0; without expert parallelism, rank 0), so the sum holds it
+    once. The parameter keeps its name (the checkpoint's)."""
 
     @property
     def down_proj_bias(self) -> torch.Tensor:
         bias = self._parameters["down_proj_bias"]  # type: ignore[attr-defined]
         rank = getattr(self, RANK_BUFFER)
-        return bias * (rank == 0).to(bias.dtype)  # type: ignore[no-any-return]
+        return bias * (rank % getattr(self, MOE_TP_ATTR) == 0).to(bias.dtype)  # type: ignore[no-any-return]
 
 
-def _row_parallel(model: torch.nn.Module, tp: int) -> None:
-    """An all-reduce after every row-parallel layer (ROW_PARALLEL linears, EXPERTS modules), the bias added once."""
+def _row_parallel(model: torch.nn.Module, tp: int, moe_tp: int) -> None:
+    """An all-reduce after every row-parallel layer (ROW_PARALLEL linears, EXPERTS modules), the bias added once
+    (experts split by width over `moe_tp` ranks: by one rank of each group of them)."""
     def reduce(_m: torch.nn.Module, _args: Any, out: torch.Tensor) -> torch.Tensor:
         return all_reduce(out, tp)  # type: ignore[no-any-return]
 
     for name, m in list(model.named_modules()):
         if name.endswith(EXPERTS):
-            if getattr(m, "has_bias", False) and not hasattr(m, EP_EXPERTS_ATTR):  # (by expert: each bias once)
+            if getattr(m, "has_bias", False) and moe_tp > 1:  # (moe_tp 1: whole experts, each bias on one rank)
                 cls = type(m)
                 m.__class__ = type(f"RankMasked{cls.__name__}", (_RankMaskedDownBias, cls), {})
+                setattr(m, MOE_TP_ATTR, moe_tp)
                 m.register_buffer(RANK_BUFFER, torch.zeros(1, dtype=torch.int32), persistent=False)
             m.register_forward_hook(reduce)
         elif name.endswith(ROW_PARALLEL):
@@ -589,19 +638,21 @@ def vocab_parallel(model: torch.nn.Module, tp: int, vocab: int) -> None:
     gather_vocab(head, tp, vocab)
 
 
-def declare_fused(model: torch.nn.Module, model_type: str, hf: Mapping[str, Any], tp: int) -> None:
+def declare_fused(model: torch.nn.Module, model_type: str, hf: Mapping[str, Any], tp: int,
+                  experts: Mapping[str, tuple[Any, ...]] | None = None) -> None:
     """Declare one rank's fused column-parallel parameters (FUSED_ATTR) for the weights action: Phi-3's q|k|v (q heads
     split, kv heads split or replicated), multi-query q|k|v (Falcon's, GPT-BigCode's: k and v replicated; Falcon's
     new decoder architecture with one kv group), GPT-2's Conv1D [in, q | k | v] (along dim 1; its bias dim 0), gate|up
     projections, dense ([2 x intermediate, hidden]) or experts' ([experts, 2 x intermediate, hidden], or transposed
     [experts, hidden, 2 x intermediate]): each part split on its own. Interleaved ones (per-head [q k v] of BLOOM and
-    multi-head Falcon; gpt-oss's gate/up pairs) need none: a rank's block of the whole is its part."""
+    multi-head Falcon; gpt-oss's gate/up pairs) need none: a rank's block of the whole is its part. `experts`:
+    the expert-parallel experts' parameters, declared with their grid by _expert_parallel."""
     heads = int(hf.get("num_attention_heads") or hf.get("n_head") or 0)
     kv = int(hf.get("num_key_value_heads") or heads)
     hidden = int(hf.get("hidden_size") or hf.get("n_embd") or 0)
     head_dim = int(hf.get("head_dim") or (hidden // max(heads, 1)))
     modules = dict(model.named_modules())
-    fused: dict[str, tuple[int, tuple[tuple[int, int], ...]]] = {}
+    fused: dict[str, tuple[Any, ...]] = dict(experts or {})
     for name, p in model.named_parameters():
         owner = modules.get(name.rpartition(".")[0])
         if name.endswith(".self_attn.qkv_proj.weight"):
@@ -620,7 +671,7 @@ def declare_fused(model: torch.nn.Module, model_type: str, hf: Mapping[str, Any]
             half = p.shape[0] // 2
             fused[name] = (0, ((half * tp, half), (half * tp, half)))
         elif name.endswith(".experts.gate_up_proj") or name.endswith(".experts.gate_up_proj_bias"):
-            if not getattr(owner, "is_concatenated", True) or hasattr(owner, EP_EXPERTS_ATTR):
+            if not getattr(owner, "is_concatenated", True) or name in fused:
                 continue  # interleaved gate/up pairs (gpt-oss): a contiguous block holds whole pairs
             transposed = getattr(owner, "is_transposed", type(owner).__name__ == "Llama4TextExperts")
             dim = p.dim() - 1 if (transposed or name.endswith("_bias")) else p.dim() - 2
