@@ -3,7 +3,7 @@
 import importlib.util
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 # A test process may start XLA:CPU before any tp test runs (an in-process lowering): it starts with as many host
@@ -80,6 +80,12 @@ def _scope(rootpath: Path, nodeid: str) -> str:
     return "built_example" if _uses_built_example(rootpath, nodeid) else nodeid.split("::", 1)[0]
 
 
+def longest_unit(queue: Mapping[str, Mapping[str, bool]], seconds: Mapping[str, float]) -> str:
+    """The unit of `queue` (unit -> its tests) to hand out next: the one of most seconds, a unit without a figure
+    counting one second a test; the queue's first among equals (xdist's order: most tests first)."""
+    return max(queue, key=lambda unit: seconds.get(unit, len(queue[unit])))
+
+
 if importlib.util.find_spec("xdist") is not None:  # (pytest refuses the hook of a plug-in it does not have)
 
     def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
@@ -100,8 +106,7 @@ if importlib.util.find_spec("xdist") is not None:  # (pytest refuses the hook of
 
             def _assign_work_unit(self, node: object) -> None:
                 """The longest unit still waiting first (the queue's own order, most tests first, among equals)."""
-                longest = max(self.workqueue, key=lambda scope: seconds.get(scope, len(self.workqueue[scope])))
-                self.workqueue.move_to_end(longest, last=False)
+                self.workqueue.move_to_end(longest_unit(self.workqueue, seconds), last=False)
                 super()._assign_work_unit(node)  # type: ignore[arg-type]
 
         return ExampleAwareFileScheduling(config, log)  # type: ignore[arg-type]
