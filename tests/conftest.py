@@ -65,10 +65,12 @@ def _uses_built_example(rootpath: Path, nodeid: str, _seen: dict[str, bool] = {}
 
 # Seconds a test file takes on a worker of `make test` (its module fixtures' builds included), for the order files are
 # handed out in: longest first, so the last files to start are short and the two workers end near the same time
-# (xdist's own order, most tests first, started the 160-second tp families file among the last). Taken from the last
-# run's own figures where pytest's cache has them (CACHE_KEY, written by the controller at the end of a run); these
-# figures (CI, 2 workers, 2 cores) stand in for a fresh checkout. Files not listed: their test count, as xdist does.
-FILE_SECONDS = {"built_example": 600, "tests/test_tp_families.py": 175, "tests/test_llm_block_families.py": 175,
+# (xdist's own order, most tests first, started the 160-second tp families file, 6 tests, among the last). Taken from
+# the last run's own figures where pytest's cache has them (CACHE_KEY, written by the controller at the end of a
+# passing distributed run); these stand in for a fresh checkout: the CI run's durations (2 workers, 2 cores) where it
+# listed them, the example's 17 files measured in one process (1,338 s at load 7-10, scaled to CI's pace: 900), the
+# two other tp / family files guessed. Files not listed: their test count, as xdist does.
+FILE_SECONDS = {"built_example": 900, "tests/test_tp_families.py": 175, "tests/test_llm_block_families.py": 175,
                 "tests/test_llm_families.py": 140, "tests/test_llm_speculation.py": 150,
                 "tests/test_quantization.py": 120, "tests/test_tensor_parallel.py": 120,
                 "tests/test_llm_new_families.py": 120}
