@@ -3,7 +3,7 @@
 import importlib.util
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 # A test process may start XLA:CPU before any tp test runs (an in-process lowering): it starts with as many host
@@ -63,22 +63,73 @@ def _uses_built_example(rootpath: Path, nodeid: str, _seen: dict[str, bool] = {}
     return _seen[file]
 
 
+# Seconds a test file takes on a worker of `make test` (its module fixtures' builds included), for the order files are
+# handed out in: longest first, so the last files to start are short and the two workers end near the same time
+# (xdist's own order, most tests first, started the 160-second tp families file, 6 tests, among the last). Taken from
+# the last run's own figures where pytest's cache has them (CACHE_KEY, written by the controller at the end of a
+# passing distributed run); these stand in for a fresh checkout: the CI run's durations (2 workers, 2 cores) where it
+# listed them, the example's 17 files measured in one process (1,338 s at load 7-10, scaled to CI's pace: 900), the
+# two other tp / family files guessed. Files not listed: their test count, as xdist does.
+FILE_SECONDS = {"built_example": 900, "tests/test_tp_families.py": 175, "tests/test_llm_block_families.py": 175,
+                "tests/test_llm_families.py": 140, "tests/test_llm_speculation.py": 150,
+                "tests/test_quantization.py": 120, "tests/test_tensor_parallel.py": 120,
+                "tests/test_llm_new_families.py": 120}
+CACHE_KEY = "neuronbuild/file_seconds"
+
+
+def _scope(rootpath: Path, nodeid: str) -> str:
+    """The unit `--dist loadfile` hands a worker: the test's file, or "built_example" for every file using it."""
+    return "built_example" if _uses_built_example(rootpath, nodeid) else nodeid.split("::", 1)[0]
+
+
+def longest_unit(queue: Mapping[str, Mapping[str, bool]], seconds: Mapping[str, float]) -> str:
+    """The unit of `queue` (unit -> its tests) to hand out next: the one of most seconds, a unit without a figure
+    counting one second a test; the queue's first among equals (xdist's order: most tests first)."""
+    return max(queue, key=lambda unit: seconds.get(unit, len(queue[unit])))
+
+
 if importlib.util.find_spec("xdist") is not None:  # (pytest refuses the hook of a plug-in it does not have)
 
     def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
         """`make test TEST_WORKERS=2` runs the suite on two pytest-xdist workers with `--dist loadfile`: each test file runs
         whole on one worker (its module fixtures are made once, its tests run in file order), and every file using the
         session's `built_example` runs on the same worker, which builds the example once for all of them (they share its
-        workspace and cache; some rebuild in that workspace). Other session fixtures are per worker, as in a serial run."""
+        workspace and cache; some rebuild in that workspace). Other session fixtures are per worker, as in a serial run.
+        Files are handed out longest first (FILE_SECONDS, or the last run's figures)."""
         if config.getvalue("dist") != "loadfile":
             return None
         from xdist.scheduler import LoadFileScheduling
 
+        seconds = {**FILE_SECONDS, **(config.cache.get(CACHE_KEY, {}) if config.cache is not None else {})}
+
         class ExampleAwareFileScheduling(LoadFileScheduling):
             def _split_scope(self, nodeid: str) -> str:
-                return "built_example" if _uses_built_example(config.rootpath, nodeid) else super()._split_scope(nodeid)
+                return _scope(config.rootpath, nodeid)
+
+            def _assign_work_unit(self, node: object) -> None:
+                """The longest unit still waiting first (the queue's own order, most tests first, among equals)."""
+                self.workqueue.move_to_end(longest_unit(self.workqueue, seconds), last=False)
+                super()._assign_work_unit(node)  # type: ignore[arg-type]
 
         return ExampleAwareFileScheduling(config, log)  # type: ignore[arg-type]
+
+    _FILE_SECONDS_RUN: dict[str, float] = {}
+
+    def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+        """(In the controller of a distributed run:) each file's seconds, setup and teardown included."""
+        if hasattr(report, "node"):
+            _FILE_SECONDS_RUN[report.nodeid] = _FILE_SECONDS_RUN.get(report.nodeid, 0.0) + report.duration
+
+    def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+        """A distributed run's per-unit seconds, for the next run's order (not a run that failed or stopped)."""
+        if not _FILE_SECONDS_RUN or exitstatus != 0 or session.config.cache is None:
+            return
+        units: dict[str, float] = {}
+        for nodeid, took in _FILE_SECONDS_RUN.items():
+            unit = _scope(session.config.rootpath, nodeid)
+            units[unit] = units.get(unit, 0.0) + took
+        known = session.config.cache.get(CACHE_KEY, {})  # (a run of some files keeps the others' figures)
+        session.config.cache.set(CACHE_KEY, known | {k: round(v) for k, v in units.items()})
 
 
 @pytest.fixture(scope="module")
