@@ -80,8 +80,10 @@ def _workspace(root: Path) -> Path:
         torch.manual_seed(0)
         model = hf_model({"model_type": model_type, "hf": hf, "max_seq": MAX_SEQ})
         g = torch.Generator().manual_seed(1)
-        state = {k: v + 0.2 * torch.randn(v.shape, generator=g) if v.dim() == 1 and v.is_floating_point() else v
-                 for k, v in model.state_dict().items()}  # (biases, norms, sinks: not transformers' 0 and 1)
+        state = {k: v + 0.2 * torch.randn(v.shape, generator=g)
+                 if (v.dim() == 1 or k.endswith("bias")) and v.is_floating_point() else v
+                 for k, v in model.state_dict().items()}  # (biases, experts' [E, out] biases too, norms, sinks:
+        # not transformers' 0 and 1)
         save_file({k: v.detach().clone().contiguous() for k, v in state.items()}, str(root / f"{name}.safetensors"))
         lines += [f'hf_causal_lm(name = "{name}", model_type = "{model_type}", config = {json.dumps(hf)}, '
                   f'weights = "{name}.safetensors", max_seq = {MAX_SEQ}'
