@@ -81,8 +81,7 @@ def known_model_types() -> frozenset[str] | None:
 
 def config_problem(entry: str, config: object) -> str | None:
     """Why an hf_causal_lm model's config cannot be built, as far as analysis tells without transformers: a model
-    type transformers does not know (with the nearest ones), or chunked attention (its `attention_chunk_size`, written
-    or its config class's default) with chunks shorter than max_seq. None when neither."""
+    type transformers does not know (with the nearest ones). None otherwise."""
     if not entry.startswith(HF_CAUSAL_LM + ":") or not isinstance(config, dict):
         return None
     model_type = config.get("model_type")
@@ -93,16 +92,6 @@ def config_problem(entry: str, config: object) -> str | None:
         near = difflib.get_close_matches(model_type, sorted(known), n=3, cutoff=0.6)
         hint = f" (did you mean {', '.join(repr(n) for n in near)}?)" if near else ""
         return f"config field model_type: {model_type!r} is not a model type the installed transformers knows{hint}"
-    given = config.get("hf")
-    hf: dict[str, object] = given if isinstance(given, dict) else {}
-    max_seq = config.get("max_seq")
-    written = "attention_chunk_size" in hf
-    chunk = hf.get("attention_chunk_size") if written else class_defaults(model_type).get("attention_chunk_size")
-    if isinstance(chunk, int) and not isinstance(chunk, bool) and isinstance(max_seq, int) and chunk < max_seq:
-        where = "" if written else f" (the {model_type} config's default)"
-        return (f"config field attention_chunk_size: chunked attention with chunks of {chunk}{where} is not "
-                f"supported beyond one chunk: max_seq {max_seq} exceeds it (a max_seq within one chunk is served "
-                "as full attention, which it then equals)")
     return None
 
 

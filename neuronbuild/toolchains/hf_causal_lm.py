@@ -55,16 +55,20 @@ class _SlotLayer(CacheLayerMixin):
         return self.owner.max_seq
 
 
+SERVED_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
+
+
 def layer_types(config: Any) -> list[str]:
     """The attention type of every layer, as transformers' own caches read them from the config object (layer_types,
-    or sliding_window for all layers; use_sliding_window=False already cleared it). Only full and sliding attention
-    are served: anything else is a ValueError naming the field."""
+    or sliding_window for all layers; use_sliding_window=False already cleared it). Full, sliding and chunked
+    attention are served (chunked: Llama 4's attention_chunk_size; transformers builds its mask, chunks counted from
+    each row's first attended slot, which every cache view here makes the row's position 0): anything else is a
+    ValueError naming the field."""
     types, _kwargs = get_layer_types_and_kwargs(config)
-    bad = sorted({t for t in types if t not in ("full_attention", "sliding_attention")})
+    bad = sorted({t for t in types if t not in SERVED_LAYER_TYPES})
     if bad:
-        field = "attention_chunk_size" if "chunked_attention" in bad else "layer_types"
-        raise ValueError(f"config field {field}: layer type(s) {', '.join(bad)} are not supported by hf_causal_lm "
-                         "(full_attention and sliding_attention are)")
+        raise ValueError(f"config field layer_types: layer type(s) {', '.join(bad)} are not supported by hf_causal_lm "
+                         f"({', '.join(SERVED_LAYER_TYPES)} are)")
     return list(types)
 
 
@@ -233,7 +237,8 @@ def _use_dense_experts(model: nn.Module) -> None:
 
 def _within_one_chunk(cfg: Any, max_seq: int) -> None:
     """Chunked-attention layers (Llama 4) as full attention when every sequence the graphs hold fits one chunk
-    (attention_chunk_size >= max_seq; analysis refuses shorter chunks): the chunked mask is then the causal one. The
+    (attention_chunk_size >= max_seq): the chunked mask is then the causal one, and the graph needs no chunk
+    arithmetic. Shorter chunks keep their layers chunked (transformers' chunked mask over the cache's view). The
     graphs' config only: validate's transformers keeps its chunked layers and masks."""
     types = getattr(cfg, "layer_types", None)
     chunk = getattr(cfg, "attention_chunk_size", None)
