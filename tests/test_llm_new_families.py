@@ -29,7 +29,8 @@ DEEPSEEK_V3 = {"vocab_size": 64, "hidden_size": 16, "intermediate_size": 32, "mo
                "max_position_embeddings": 64}
 # Chunks of 3 (6 over max_seq 16: the prompt spans 3, generation 3 more; a padded row's chunks start at its first
 # token), layer 0 chunked (RoPE), layer 1 full (NoPE) with temperature tuning at positions >= floor_scale - 1
-LLAMA4_CHUNKED = LLAMA4 | {"attention_chunk_size": 3, "no_rope_layers": [1, 0], "floor_scale": 4, "attn_scale": 0.5}
+LLAMA4_CHUNKED = LLAMA4 | {"attention_chunk_size": 3, "no_rope_layers": [1, 0], "floor_scale": 4, "attn_scale": 0.5,
+                          "initializer_range": 0.2}  # (10x the default: a wrong mask or scale changes tokens)
 FAMILIES = {"l4": ("llama4_text", LLAMA4), "l4c": ("llama4_text", LLAMA4_CHUNKED), "goss": ("gpt_oss", GPT_OSS),
             "dsv3": ("deepseek_v3", DEEPSEEK_V3)}
 
@@ -74,3 +75,53 @@ def test_llama4_gpt_oss_and_deepseek_v3_build_for_trn2_and_generate_transformers
         assert len(rows) == 2 and all(r.endswith(" ok") for r in rows), (name, out)
         gen = [line for line in out.splitlines() if line.startswith(f"//:{name}_trn2: generate ")]
         assert len(gen) == 2 and all(f": ok ({NEW} tokens x " in g and "tie" not in g for g in gen), (name, out)
+
+
+@pytest.mark.parametrize("layout", ["lines", "blocks"])
+def test_chunked_llama4_serving_graphs_give_each_request_transformers_logits_and_tokens(layout: str) -> None:
+    """The continuous-batching graphs (one line per sequence, or blocks through a shuffled table; eager: their traced
+    program is what the build above compiles for the static graphs) of the chunks-of-3 Llama 4: a full and a 5-token
+    prompt prefilled together, then decoded side by side to max_seq, each row at its own position. Every step's
+    logits are transformers' for that request alone: chunks start at each row's first token, and the NoPE layer's
+    temperature tuning follows each row's own position (not one slot of the graph's rotated view)."""
+    import torch
+
+    from neuronbuild.toolchains import hf_block_kv, hf_causal_lm
+
+    cfg = {"model_type": "llama4_text", "hf": LLAMA4_CHUNKED, "max_seq": MAX_SEQ}
+    torch.manual_seed(0)
+    ref = hf_causal_lm.hf_model(cfg).eval()
+    if layout == "lines":
+        graphs = (hf_causal_lm.serving_context(cfg), hf_causal_lm.serving_token(cfg))
+        where = torch.tensor([0, 1], dtype=torch.int32)  # seq_ids
+        kv = torch.zeros(2, 2, 3, 1, MAX_SEQ, 8)  # [layers, 2, lines, kv_heads, max_seq, head_dim]
+    else:
+        graphs = (hf_block_kv.block_serving_context(cfg), hf_block_kv.block_serving_token(cfg))
+        where = torch.tensor([[5, 2, 7, 0], [1, 6, 3, 4]], dtype=torch.int32)  # block tables, 4 blocks of 4 per row
+        kv = torch.zeros(2, 2, 9, 1, 4, 8)  # 8 blocks + the scratch one
+    ctx, tok = (g.eval() for g in graphs)
+    for g in (ctx, tok):
+        g.load_state_dict(ref.state_dict())
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.randint(1, 64, (2, SEQ), generator=gen)
+    mask = torch.ones(2, SEQ, dtype=torch.int64)
+    mask[1, :3] = 0
+    ids = ids.masked_fill(mask == 0, 0)
+    new = MAX_SEQ - SEQ + 1  # row 0 decodes up to max_seq
+    with torch.no_grad():
+        want = [ref.generate(ids[b:b + 1, SEQ - int(mask[b].sum()):], max_new_tokens=new, min_new_tokens=new,
+                             do_sample=False, eos_token_id=None, pad_token_id=0, return_dict_in_generate=True,
+                             output_logits=True) for b in range(2)]
+        out = ctx(ids.int(), mask.int(), ((mask.cumsum(-1) - 1) * mask).int(), where, kv)
+        pos = mask.sum(-1)
+        for step in range(new):
+            for b in range(2):
+                err = (out["logits"][b] - want[b].logits[step][0]).abs().max().item()
+                assert err < 1e-4, (layout, step, b, err)
+                assert int(out["logits"][b].argmax()) == int(want[b].sequences[0, -new + step]), (layout, step, b)
+            if step == new - 1:
+                break
+            nxt = torch.stack([w.sequences[0, -new + step] for w in want])[:, None].int()
+            attend = (torch.arange(MAX_SEQ)[None, :] <= pos[:, None]).int()
+            out = tok(nxt, attend, pos[:, None].int(), where, out["kv"])
+            pos = pos + 1

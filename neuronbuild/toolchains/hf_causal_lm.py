@@ -117,6 +117,19 @@ class StaticKV(Cache):
         self.updated[layer_idx] = (k, v)
         return k, v
 
+    # Whether each row's tokens sit at slot = position (LineKV and the block caches: rows left-aligned in their lines)
+    # rather than at their slot in a left-padded batch (this class: the static context and token graphs)
+    left_aligned = False
+
+    def query_positions(self, position_ids: torch.Tensor, q_len: int) -> torch.Tensor:
+        """[batch or 1, q_len]: each query's position as transformers' Llama 4 counts it for its NoPE layers'
+        temperature tuning (the cache's length before it: its slot in a left-padded batch, as `generate` pads it; for
+        left-aligned rows, the row's own position)."""
+        if self.left_aligned:
+            return position_ids.long()
+        start = 0 if self.kv is None or self.slot is None else self.slot[0]
+        return (start + torch.arange(q_len, device=position_ids.device))[None, :]
+
     def stacked(self) -> torch.Tensor:
         if any(u is None for u in self.updated):
             raise RuntimeError("the model did not update every layer's cache (unsupported architecture)")
@@ -124,10 +137,33 @@ class StaticKV(Cache):
         return out if self.kv_dtype is None else out.to(self.kv_dtype)
 
 
-def _model_forward(self: Any, **kwargs: Any) -> Any:
+def _model_forward(self: Any, logits_to_keep: int = 1, **kwargs: Any) -> Any:
     """The transformers model's own causal-LM forward (its masks, final norm, logit scaling and soft-capping), for the
-    last position only."""
-    return super(type(self), self).forward(use_cache=True, logits_to_keep=1, **kwargs)
+    last position only (or the last `logits_to_keep`)."""
+    self._nb_query_positions = kwargs["past_key_values"].query_positions(kwargs["position_ids"],
+                                                                        int(kwargs["input_ids"].shape[1]))
+    return super(type(self), self).forward(use_cache=True, logits_to_keep=logits_to_keep, **kwargs)
+
+
+def _temperature_tuning(model: Any) -> None:
+    """Llama 4's NoPE layers scale their queries by log1p(floor((p + 1) / floor_scale)) * attn_scale + 1, p counted by
+    transformers as the cache's length before the query: one vector for the whole batch, which holds for a
+    left-padded batch (the static graphs) but not for rows left-aligned in their own lines at different positions
+    (continuous batching, block KV, speculation: a graph's `get_seq_length` is then one slot of the rotated view).
+    So the graphs scale q_proj's output themselves, per row, by the positions the cache gives (`query_positions`,
+    set by _model_forward), and the attention's own scaling is turned off; other families are untouched."""
+    for module in model.modules():
+        if not getattr(module, "attn_temperature_tuning", False) or getattr(module, "use_rope", True):
+            continue
+        module.attn_temperature_tuning = False
+        floor, scale = float(module.floor_scale), float(module.attn_scale)
+
+        def hook(_m: nn.Module, _args: Any, out: torch.Tensor, floor: float = floor, scale: float = scale) -> Any:
+            pos = model._nb_query_positions.float()
+            scales = torch.log1p(torch.floor((pos + 1.0) / floor)) * scale + 1.0  # [batch or 1, q_len]
+            return (out * scales[..., None]).to(out.dtype)
+
+        module.q_proj.register_forward_hook(hook)
 
 
 def _context_forward(self: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -249,6 +285,7 @@ def _within_one_chunk(cfg: Any, max_seq: int) -> None:
 def _graph(config: dict[str, Any], forward: Any, suffix: str) -> nn.Module:
     model: Any = hf_model(config)
     _within_one_chunk(model.config, int(config["max_seq"]))
+    _temperature_tuning(model)
     _use_dense_experts(model)
     cls = type(model)
     # A subclass whose forward is the graph's: same parameters and state-dict keys as the checkpoint.
@@ -325,6 +362,8 @@ class LineKV(StaticKV):
     line. Token graphs give each row a view of its line rotated so that the slot it writes (its position) is the
     last one: transformers then sees every row as a left-padded sequence whose query is at slot max_seq - 1 (one
     query offset for the batch), so its own masks (causal, sliding windows, ALiBi from the 2-D mask) hold per row."""
+
+    left_aligned = True
 
     def __init__(self, config: Any, kv: torch.Tensor, seq_ids: torch.Tensor, max_seq: int,
                  positions: torch.Tensor | None, kv_dtype: torch.dtype | None = None) -> None:
@@ -529,9 +568,8 @@ def _verify(self: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, po
     cache = VerifyKV(self.config, kv, seq_ids, self._nb_max_seq, position_ids, self._nb_kv_dtype)
     view_mask = attention_mask.long().gather(1, cache.view)[:, :-n]  # the written slots: always attended (causally,
     view_mask = torch.cat([view_mask, view_mask.new_ones((view_mask.shape[0], n))], 1)  # by transformers' own mask)
-    out = super(type(self), self).forward(use_cache=True, logits_to_keep=n, input_ids=input_ids.long(),
-                                          attention_mask=view_mask, position_ids=position_ids.long(),
-                                          past_key_values=cache)
+    out = _model_forward(self, logits_to_keep=n, input_ids=input_ids.long(), attention_mask=view_mask,
+                         position_ids=position_ids.long(), past_key_values=cache)
     logits = out.logits[:, -n:].float()  # [batch, n, vocab]
     batch, vocab = logits.shape[0], logits.shape[2]
     if sampled:
