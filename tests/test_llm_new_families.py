@@ -26,7 +26,7 @@ DEEPSEEK_V3 = {"vocab_size": 64, "hidden_size": 16, "intermediate_size": 32, "mo
                "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 2, "n_routed_experts": 4,
                "num_experts_per_tok": 2, "n_group": 2, "topk_group": 1, "first_k_dense_replace": 1,
                "kv_lora_rank": 8, "q_lora_rank": 12, "qk_rope_head_dim": 4, "qk_nope_head_dim": 4, "v_head_dim": 6,
-               "max_position_embeddings": 64}
+               "max_position_embeddings": 64, "initializer_range": 0.2}  # (10x: see LLAMA4_CHUNKED)
 # Chunks of 3 (6 over max_seq 16: the prompt spans 3, generation 3 more; a padded row's chunks start at its first
 # token), layer 0 chunked (RoPE), layer 1 full (NoPE) with temperature tuning at positions >= floor_scale - 1
 LLAMA4_CHUNKED = LLAMA4 | {"attention_chunk_size": 3, "no_rope_layers": [1, 0], "floor_scale": 4, "attn_scale": 0.5,
@@ -77,31 +77,38 @@ def test_llama4_gpt_oss_and_deepseek_v3_build_for_trn2_and_generate_transformers
         assert len(gen) == 2 and all(f": ok ({NEW} tokens x " in g and "tie" not in g for g in gen), (name, out)
 
 
-@pytest.mark.parametrize("layout", ["lines", "blocks"])
-def test_chunked_llama4_serving_graphs_give_each_request_transformers_logits_and_tokens(layout: str) -> None:
+@pytest.mark.parametrize("name, layout", [("l4c", "lines"), ("l4c", "blocks"), ("dsv3", "lines"), ("dsv3", "blocks")])
+def test_serving_graphs_of_chunked_llama4_and_absorbed_mla_give_each_request_transformers_logits_and_tokens(
+        name: str, layout: str) -> None:
     """The continuous-batching graphs (one line per sequence, or blocks through a shuffled table; eager: their traced
-    program is what the build above compiles for the static graphs) of the chunks-of-3 Llama 4: a full and a 5-token
-    prompt prefilled together, then decoded side by side to max_seq, each row at its own position. Every step's
-    logits are transformers' for that request alone: chunks start at each row's first token, and the NoPE layer's
-    temperature tuning follows each row's own position (not one slot of the graph's rotated view)."""
+    program is what the build above compiles for the static graphs) of the chunks-of-3 Llama 4 and of DeepSeek-V3
+    (its decode absorbed: attention over the latent): a full and a 5-token prompt prefilled together, then decoded
+    side by side to max_seq, each row at its own position. Every step's logits are transformers' for that request
+    alone: chunks start at each row's first token, and the NoPE layer's temperature tuning follows each row's own
+    position (not one slot of the graph's rotated view)."""
     import torch
 
     from neuronbuild.toolchains import hf_block_kv, hf_causal_lm
 
-    cfg = {"model_type": "llama4_text", "hf": LLAMA4_CHUNKED, "max_seq": MAX_SEQ}
+    model_type, hf = FAMILIES[name]
+    cfg = {"model_type": model_type, "hf": hf, "max_seq": MAX_SEQ}
     torch.manual_seed(0)
     ref = hf_causal_lm.hf_model(cfg).eval()
     if layout == "lines":
         graphs = (hf_causal_lm.serving_context(cfg), hf_causal_lm.serving_token(cfg))
         where = torch.tensor([0, 1], dtype=torch.int32)  # seq_ids
-        kv = torch.zeros(2, 2, 3, 1, MAX_SEQ, 8)  # [layers, 2, lines, kv_heads, max_seq, head_dim]
+        kv = torch.zeros(2, 2, 3, 1, MAX_SEQ, 8)  # [layers, 2, lines, kv_heads, max_seq, head_dim] (both: 1 x 8)
     else:
         graphs = (hf_block_kv.block_serving_context(cfg), hf_block_kv.block_serving_token(cfg))
         where = torch.tensor([[5, 2, 7, 0], [1, 6, 3, 4]], dtype=torch.int32)  # block tables, 4 blocks of 4 per row
         kv = torch.zeros(2, 2, 9, 1, 4, 8)  # 8 blocks + the scratch one
     ctx, tok = (g.eval() for g in graphs)
-    for g in (ctx, tok):
+    calls = {"context": 0, "token": 0}  # DeepSeek-V3's per-head up-projection of the latent (kv_b_proj) runs
+    for key, g in (("context", ctx), ("token", tok)):  # in the context graph only: decode is absorbed
         g.load_state_dict(ref.state_dict())
+        for m in g.modules():
+            if type(m).__name__ == "DeepseekV3Attention":
+                m.kv_b_proj.register_forward_hook(lambda *_a, key=key: calls.__setitem__(key, calls[key] + 1))
     gen = torch.Generator().manual_seed(3)
     ids = torch.randint(1, 64, (2, SEQ), generator=gen)
     mask = torch.ones(2, SEQ, dtype=torch.int64)
@@ -117,11 +124,12 @@ def test_chunked_llama4_serving_graphs_give_each_request_transformers_logits_and
         for step in range(new):
             for b in range(2):
                 err = (out["logits"][b] - want[b].logits[step][0]).abs().max().item()
-                assert err < 1e-4, (layout, step, b, err)
-                assert int(out["logits"][b].argmax()) == int(want[b].sequences[0, -new + step]), (layout, step, b)
+                assert err < 1e-4, (name, layout, step, b, err)
+                assert int(out["logits"][b].argmax()) == int(want[b].sequences[0, -new + step]), (name, layout, step)
             if step == new - 1:
                 break
             nxt = torch.stack([w.sequences[0, -new + step] for w in want])[:, None].int()
             attend = (torch.arange(MAX_SEQ)[None, :] <= pos[:, None]).int()
             out = tok(nxt, attend, pos[:, None].int(), where, out["kv"])
             pos = pos + 1
+    assert calls == ({"context": 2, "token": 0} if name == "dsv3" else {"context": 0, "token": 0}), calls

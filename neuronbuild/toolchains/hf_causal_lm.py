@@ -13,6 +13,8 @@ The module is the transformers model itself with its forward replaced, so its st
 
 from __future__ import annotations
 
+import sys
+import types
 from typing import Any
 
 import torch
@@ -282,10 +284,71 @@ def _within_one_chunk(cfg: Any, max_seq: int) -> None:
         cfg.layer_types = ["full_attention" if t == "chunked_attention" else t for t in types]
 
 
+def _dense_weight(linear: nn.Module) -> torch.Tensor:
+    """A linear layer's [out, in] weight in its compute dtype (a quantized one's dequantized, as its forward does)."""
+    scale = getattr(linear, "scale", None)
+    if scale is None:
+        return linear.weight  # type: ignore[return-value]
+    from neuronbuild.toolchains.quantize import dequantize
+
+    return dequantize(linear.weight, scale, linear.compute_dtype)  # type: ignore[arg-type]
+
+
+def _absorbed_mla_forward(self: Any, hidden_states: torch.Tensor,
+                          position_embeddings: tuple[torch.Tensor, torch.Tensor], attention_mask: torch.Tensor | None,
+                          past_key_values: Any = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """DeepSeek-V3's multi-head latent attention with kv_b's weights absorbed (NxD Inference's and vLLM's MLA decode),
+    for the graphs that attend over a cache: kv_b_proj's key half is folded into the query (q_nope @ W_UK, per head:
+    [nope] -> [kv_lora_rank]), scores are taken against the cached latent and rotary key as one shared key/value head
+    (the latent is the value too), and W_UV maps each head's attention-weighted latent to its value width: no
+    per-head key or value is materialised (transformers up-projects the whole cache every step). Context graphs (no
+    cache to read: the prompt's own keys) keep transformers' forward, as vLLM's prefill does. Equal to transformers'
+    up to float rounding: q.k = q_nope.(W_UK c) + q_rot.k_rot = (q_nope W_UK).c + q_rot.k_rot; p.(W_UV c) = W_UV (p.c)."""
+    cache = past_key_values
+    q_len = hidden_states.shape[1]
+    if cache is None or getattr(cache, "kv", None) is None or (attention_mask is None and q_len > 1):
+        return type(self).forward(self, hidden_states, position_embeddings, attention_mask, past_key_values,
+                                  **kwargs)  # type: ignore[no-any-return]
+    batch = hidden_states.shape[0]
+    nope, rope, rank, v_dim = self.qk_nope_head_dim, self.qk_rope_head_dim, self.kv_lora_rank, self.v_head_dim
+    if self.q_lora_rank is None:
+        q = self.q_proj(hidden_states)
+    else:
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden_states)))
+    q = q.view(batch, q_len, -1, self.qk_head_dim).transpose(1, 2)
+    q_pass, q_rot = torch.split(q, [nope, rope], dim=-1)
+    latent, k_rot = torch.split(self.kv_a_proj_with_mqa(hidden_states), [rank, rope], dim=-1)
+    latent = self.kv_a_layernorm(latent).view(batch, 1, q_len, rank)
+    k_rot = k_rot.view(batch, 1, q_len, rope)
+    family = sys.modules[type(self).__module__]  # (the family's own rotary functions)
+    rotate = family.apply_rotary_pos_emb_interleave if self.config.rope_interleave else family.apply_rotary_pos_emb
+    q_rot, k_rot = rotate(q_rot, k_rot, *position_embeddings)
+    latent, k_rot = cache.update(latent, k_rot, self.layer_idx)  # [batch, 1, slots, rank], [batch, 1, slots, rope]
+    heads = q.shape[1]  # (this rank's, at tp > 1: q_b and kv_b are split by head)
+    w = _dense_weight(self.kv_b_proj).view(heads, nope + v_dim, rank)
+    lat, kr = latent[:, 0], k_rot[:, 0]
+    q_lat = torch.einsum("bhqd,hdr->bhqr", q_pass, w[:, :nope])
+    scores = (torch.einsum("bhqr,bsr->bhqs", q_lat, lat) + torch.einsum("bhqd,bsd->bhqs", q_rot, kr)) * self.scaling
+    if attention_mask is not None:  # transformers' 4-D mask: boolean (sdpa) or additive (eager)
+        mask = attention_mask[:, :, :, : scores.shape[-1]]
+        scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min) if mask.dtype == torch.bool else scores + mask
+    probs = nn.functional.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    out = torch.einsum("bhqr,hvr->bqhv", torch.einsum("bhqs,bsr->bhqr", probs, lat), w[:, nope:])
+    return self.o_proj(out.reshape(batch, q_len, heads * v_dim)), None
+
+
+def _absorbed_latent_attention(model: nn.Module) -> None:
+    """DeepSeek-V3's attention modules decode with absorbed weights (_absorbed_mla_forward); other families untouched."""
+    for module in model.modules():
+        if type(module).__name__ == "DeepseekV3Attention":
+            module.forward = types.MethodType(_absorbed_mla_forward, module)
+
+
 def _graph(config: dict[str, Any], forward: Any, suffix: str) -> nn.Module:
     model: Any = hf_model(config)
     _within_one_chunk(model.config, int(config["max_seq"]))
     _temperature_tuning(model)
+    _absorbed_latent_attention(model)
     _use_dense_experts(model)
     cls = type(model)
     # A subclass whose forward is the graph's: same parameters and state-dict keys as the checkpoint.
