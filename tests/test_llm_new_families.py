@@ -4,8 +4,9 @@ lowered as real pairs, NoPE layers, mixture of experts; chunked attention layers
 fits one chunk, with the chunk size its config class sets by default, and as chunks when it does not: chunks of 3
 over max_seq 16, NoPE layers' temperature tuning from position 3 on) and gpt-oss (experts with biases, transposed
 weights and its clamped SwiGLU, attention sinks, alternating sliding windows) and DeepSeek-V3 (multi-head latent
-attention: the cache holds transformers' compressed latent and rotary key, one line per token; grouped expert routing;
-a dense first layer)."""
+attention: the cache holds transformers' compressed latent and rotary key, one line per token, and decode attends
+over the latent with kv_b's weights absorbed; grouped expert routing; a dense first layer). The continuous-batching
+and block graphs of the chunked Llama 4 and of DeepSeek-V3 run eagerly against transformers (no compile)."""
 
 from __future__ import annotations
 
@@ -35,13 +36,13 @@ FAMILIES = {"l4": ("llama4_text", LLAMA4), "l4c": ("llama4_text", LLAMA4_CHUNKED
             "dsv3": ("deepseek_v3", DEEPSEEK_V3)}
 
 
-def _build_file(models: dict[str, tuple[str, dict[str, object]]], max_seq: int = MAX_SEQ) -> str:
+def _build_file(models: dict[str, tuple[str, dict[str, object]]]) -> str:
     lines = ['load("@neuronbuild//rules:llm.bzl", "hf_causal_lm", "llm_buckets", "llm_compile")',
              'neuron_target(name = "trn2", platform = "trn2")',
              f'llm_buckets(name = "serve", batch_sizes = [2], context_lengths = [{SEQ}])']
     for name, (model_type, hf) in models.items():
         lines += [f'hf_causal_lm(name = "{name}", model_type = "{model_type}", config = {json.dumps(hf)}, '
-                  f'max_seq = {max_seq}, weights = "{name}.safetensors")',
+                  f'max_seq = {MAX_SEQ}, weights = "{name}.safetensors")',
                   f'llm_compile(name = "{name}", model = ":{name}", targets = [":trn2"], '
                   'buckets = {"context": [":serve_context"], "token": [":serve_token"]})']
     return "\n".join(lines) + "\n"
