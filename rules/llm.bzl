@@ -294,9 +294,8 @@ def hf_causal_lm(name, config, weights = None, max_seq = 256, model_type = None,
             fail("hf_causal_lm %s: %s must be a positive int, got %r" % (name, key, degree))
     dt = _dtype(name, config, dtype)
     for lt in config.get("layer_types") or []:
-        if lt not in ("full_attention", "sliding_attention"):
-            fail("hf_causal_lm %s: config field layer_types: %r is not supported (full_attention and sliding_attention are)" % (name, lt))
-    # (attention_chunk_size, written or its config class's default, is checked at analysis against max_seq)
+        if lt not in ("full_attention", "sliding_attention", "chunked_attention"):
+            fail("hf_causal_lm %s: config field layer_types: %r is not supported (full_attention, sliding_attention and chunked_attention are)" % (name, lt))
     layers = _positive(name, "num_hidden_layers", _field(config, ["num_hidden_layers", "n_layer"]))
     heads = _positive(name, "num_attention_heads", _field(config, ["num_attention_heads", "n_head"]))
     hidden = _positive(name, "hidden_size", _field(config, ["hidden_size", "n_embd"]))

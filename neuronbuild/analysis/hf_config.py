@@ -81,8 +81,7 @@ def known_model_types() -> frozenset[str] | None:
 
 def config_problem(entry: str, config: object) -> str | None:
     """Why an hf_causal_lm model's config cannot be built, as far as analysis tells without transformers: a model
-    type transformers does not know (with the nearest ones), or chunked attention (its `attention_chunk_size`, written
-    or its config class's default) with chunks shorter than max_seq. None when neither."""
+    type transformers does not know (with the nearest ones). None otherwise."""
     if not entry.startswith(HF_CAUSAL_LM + ":") or not isinstance(config, dict):
         return None
     model_type = config.get("model_type")
@@ -93,76 +92,5 @@ def config_problem(entry: str, config: object) -> str | None:
         near = difflib.get_close_matches(model_type, sorted(known), n=3, cutoff=0.6)
         hint = f" (did you mean {', '.join(repr(n) for n in near)}?)" if near else ""
         return f"config field model_type: {model_type!r} is not a model type the installed transformers knows{hint}"
-    given = config.get("hf")
-    hf: dict[str, object] = given if isinstance(given, dict) else {}
-    max_seq = config.get("max_seq")
-    written = "attention_chunk_size" in hf
-    chunk = hf.get("attention_chunk_size") if written else class_defaults(model_type).get("attention_chunk_size")
-    if isinstance(chunk, int) and not isinstance(chunk, bool) and isinstance(max_seq, int) and chunk < max_seq:
-        where = "" if written else f" (the {model_type} config's default)"
-        return (f"config field attention_chunk_size: chunked attention with chunks of {chunk}{where} is not "
-                f"supported beyond one chunk: max_seq {max_seq} exceeds it (a max_seq within one chunk is served "
-                "as full attention, which it then equals)")
     return None
 
-
-def _literal_pairs(source: str, name: str) -> dict[str, str]:
-    """{key: value} of the string pairs in literals assigned to or updated into the mapping `name`."""
-    out: dict[str, str] = {}
-    for node in ast.walk(ast.parse(source)):
-        target = None
-        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == name for t in node.targets):
-            target = node.value
-        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "update"
-              and isinstance(node.func.value, ast.Name) and node.func.value.id == name and node.args):
-            target = node.args[0]
-        if target is None:
-            continue
-        for sub in ast.walk(target):
-            if isinstance(sub, ast.Dict):
-                out.update({k.value: v.value for k, v in zip(sub.keys, sub.values, strict=True)
-                            if isinstance(k, ast.Constant) and isinstance(v, ast.Constant)
-                            and isinstance(k.value, str) and isinstance(v.value, str)})
-            elif isinstance(sub, ast.Tuple) and len(sub.elts) == 2 and all(
-                    isinstance(e, ast.Constant) and isinstance(e.value, str) for e in sub.elts):
-                out[sub.elts[0].value] = sub.elts[1].value  # type: ignore[attr-defined]
-    return out
-
-
-@functools.cache
-def _class_defaults(model_type: str, stamp: tuple[tuple[str, int, int], ...]) -> dict[str, object]:
-    classes: dict[str, str] = {}
-    modules: dict[str, str] = {}
-    for path, _mtime, _size in stamp:
-        try:
-            source = Path(path).read_text(encoding="utf-8")
-            classes.update(_literal_pairs(source, _MAPPING))
-            modules.update(_literal_pairs(source, "SPECIAL_MODEL_TYPE_TO_MODULE_NAME"))
-        except (OSError, SyntaxError, ValueError, UnicodeDecodeError):
-            return {}
-    cls = classes.get(model_type)
-    module = modules.get(model_type, model_type.replace("-", "_"))
-    if cls is None or not stamp:
-        return {}
-    models = Path(stamp[0][0]).parents[1]  # (.../transformers/models/auto/x.py -> .../transformers/models)
-    try:
-        tree = ast.parse((models / module / f"configuration_{module}.py").read_text(encoding="utf-8"))
-    except (OSError, SyntaxError, ValueError, UnicodeDecodeError):
-        return {}
-    out: dict[str, object] = {}
-    for node in ast.walk(tree):
-        if isinstance(node, ast.ClassDef) and node.name == cls:
-            for stmt in node.body:
-                if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name) and stmt.value is not None:
-                    try:
-                        out[stmt.target.id] = ast.literal_eval(stmt.value)
-                    except ValueError:
-                        continue
-    return out
-
-
-def class_defaults(model_type: str) -> dict[str, object]:
-    """The literal defaults the installed transformers' config class of `model_type` declares as class fields
-    (transformers 5's dataclass-style configs), read from its source without importing it; {} when not found."""
-    stamp = _stamp()
-    return _class_defaults(model_type, stamp) if stamp else {}

@@ -88,6 +88,8 @@ class PrefixKV(StaticKV):
     tokens' keys and values are then written through the block table (NxD Inference's slot_mapping, derived here from
     the positions); padding queries write zeros into the scratch block."""
 
+    left_aligned = True  # (a row's positions are its own: query_positions are its position_ids)
+
     def __init__(self, config: Any, pool: torch.Tensor, block_table: torch.Tensor, prefix_mask: torch.Tensor,
                  new_mask: torch.Tensor, position_ids: torch.Tensor) -> None:
         table = block_table.long()

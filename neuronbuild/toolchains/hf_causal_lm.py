@@ -13,6 +13,8 @@ The module is the transformers model itself with its forward replaced, so its st
 
 from __future__ import annotations
 
+import sys
+import types
 from typing import Any
 
 import torch
@@ -55,16 +57,20 @@ class _SlotLayer(CacheLayerMixin):
         return self.owner.max_seq
 
 
+SERVED_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
+
+
 def layer_types(config: Any) -> list[str]:
     """The attention type of every layer, as transformers' own caches read them from the config object (layer_types,
-    or sliding_window for all layers; use_sliding_window=False already cleared it). Only full and sliding attention
-    are served: anything else is a ValueError naming the field."""
+    or sliding_window for all layers; use_sliding_window=False already cleared it). Full, sliding and chunked
+    attention are served (chunked: Llama 4's attention_chunk_size; transformers builds its mask, chunks counted from
+    each row's first attended slot, which every cache view here makes the row's position 0): anything else is a
+    ValueError naming the field."""
     types, _kwargs = get_layer_types_and_kwargs(config)
-    bad = sorted({t for t in types if t not in ("full_attention", "sliding_attention")})
+    bad = sorted({t for t in types if t not in SERVED_LAYER_TYPES})
     if bad:
-        field = "attention_chunk_size" if "chunked_attention" in bad else "layer_types"
-        raise ValueError(f"config field {field}: layer type(s) {', '.join(bad)} are not supported by hf_causal_lm "
-                         "(full_attention and sliding_attention are)")
+        raise ValueError(f"config field layer_types: layer type(s) {', '.join(bad)} are not supported by hf_causal_lm "
+                         f"({', '.join(SERVED_LAYER_TYPES)} are)")
     return list(types)
 
 
@@ -113,6 +119,19 @@ class StaticKV(Cache):
         self.updated[layer_idx] = (k, v)
         return k, v
 
+    # Whether each row's tokens sit at slot = position (LineKV and the block caches: rows left-aligned in their lines)
+    # rather than at their slot in a left-padded batch (this class: the static context and token graphs)
+    left_aligned = False
+
+    def query_positions(self, position_ids: torch.Tensor, q_len: int) -> torch.Tensor:
+        """[batch or 1, q_len]: each query's position as transformers' Llama 4 counts it for its NoPE layers'
+        temperature tuning (the cache's length before it: its slot in a left-padded batch, as `generate` pads it; for
+        left-aligned rows, the row's own position)."""
+        if self.left_aligned:
+            return position_ids.long()
+        start = 0 if self.kv is None or self.slot is None else self.slot[0]
+        return (start + torch.arange(q_len, device=position_ids.device))[None, :]
+
     def stacked(self) -> torch.Tensor:
         if any(u is None for u in self.updated):
             raise RuntimeError("the model did not update every layer's cache (unsupported architecture)")
@@ -120,10 +139,33 @@ class StaticKV(Cache):
         return out if self.kv_dtype is None else out.to(self.kv_dtype)
 
 
-def _model_forward(self: Any, **kwargs: Any) -> Any:
+def _model_forward(self: Any, logits_to_keep: int = 1, **kwargs: Any) -> Any:
     """The transformers model's own causal-LM forward (its masks, final norm, logit scaling and soft-capping), for the
-    last position only."""
-    return super(type(self), self).forward(use_cache=True, logits_to_keep=1, **kwargs)
+    last position only (or the last `logits_to_keep`)."""
+    self._nb_query_positions = kwargs["past_key_values"].query_positions(kwargs["position_ids"],
+                                                                        int(kwargs["input_ids"].shape[1]))
+    return super(type(self), self).forward(use_cache=True, logits_to_keep=logits_to_keep, **kwargs)
+
+
+def _temperature_tuning(model: Any) -> None:
+    """Llama 4's NoPE layers scale their queries by log1p(floor((p + 1) / floor_scale)) * attn_scale + 1, p counted by
+    transformers as the cache's length before the query: one vector for the whole batch, which holds for a
+    left-padded batch (the static graphs) but not for rows left-aligned in their own lines at different positions
+    (continuous batching, block KV, speculation: a graph's `get_seq_length` is then one slot of the rotated view).
+    So the graphs scale q_proj's output themselves, per row, by the positions the cache gives (`query_positions`,
+    set by _model_forward), and the attention's own scaling is turned off; other families are untouched."""
+    for module in model.modules():
+        if not getattr(module, "attn_temperature_tuning", False) or getattr(module, "use_rope", True):
+            continue
+        module.attn_temperature_tuning = False
+        floor, scale = float(module.floor_scale), float(module.attn_scale)
+
+        def hook(_m: nn.Module, _args: Any, out: torch.Tensor, floor: float = floor, scale: float = scale) -> Any:
+            pos = model._nb_query_positions.float()
+            scales = torch.log1p(torch.floor((pos + 1.0) / floor)) * scale + 1.0  # [batch or 1, q_len]
+            return (out * scales[..., None]).to(out.dtype)
+
+        module.q_proj.register_forward_hook(hook)
 
 
 def _context_forward(self: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -233,7 +275,8 @@ def _use_dense_experts(model: nn.Module) -> None:
 
 def _within_one_chunk(cfg: Any, max_seq: int) -> None:
     """Chunked-attention layers (Llama 4) as full attention when every sequence the graphs hold fits one chunk
-    (attention_chunk_size >= max_seq; analysis refuses shorter chunks): the chunked mask is then the causal one. The
+    (attention_chunk_size >= max_seq): the chunked mask is then the causal one, and the graph needs no chunk
+    arithmetic. Shorter chunks keep their layers chunked (transformers' chunked mask over the cache's view). The
     graphs' config only: validate's transformers keeps its chunked layers and masks."""
     types = getattr(cfg, "layer_types", None)
     chunk = getattr(cfg, "attention_chunk_size", None)
@@ -241,9 +284,71 @@ def _within_one_chunk(cfg: Any, max_seq: int) -> None:
         cfg.layer_types = ["full_attention" if t == "chunked_attention" else t for t in types]
 
 
+def _dense_weight(linear: nn.Module) -> torch.Tensor:
+    """A linear layer's [out, in] weight in its compute dtype (a quantized one's dequantized, as its forward does)."""
+    scale = getattr(linear, "scale", None)
+    if scale is None:
+        return linear.weight  # type: ignore[return-value]
+    from neuronbuild.toolchains.quantize import dequantize
+
+    return dequantize(linear.weight, scale, linear.compute_dtype)  # type: ignore[arg-type]
+
+
+def _absorbed_mla_forward(self: Any, hidden_states: torch.Tensor,
+                          position_embeddings: tuple[torch.Tensor, torch.Tensor], attention_mask: torch.Tensor | None,
+                          past_key_values: Any = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """DeepSeek-V3's multi-head latent attention with kv_b's weights absorbed (NxD Inference's and vLLM's MLA decode),
+    for the graphs that attend over a cache: kv_b_proj's key half is folded into the query (q_nope @ W_UK, per head:
+    [nope] -> [kv_lora_rank]), scores are taken against the cached latent and rotary key as one shared key/value head
+    (the latent is the value too), and W_UV maps each head's attention-weighted latent to its value width: no
+    per-head key or value is materialised (transformers up-projects the whole cache every step). Context graphs (no
+    cache to read: the prompt's own keys) keep transformers' forward, as vLLM's prefill does. Equal to transformers'
+    up to float rounding: q.k = q_nope.(W_UK c) + q_rot.k_rot = (q_nope W_UK).c + q_rot.k_rot; p.(W_UV c) = W_UV (p.c)."""
+    cache = past_key_values
+    q_len = hidden_states.shape[1]
+    if cache is None or getattr(cache, "kv", None) is None or (attention_mask is None and q_len > 1):
+        return type(self).forward(self, hidden_states, position_embeddings, attention_mask, past_key_values,
+                                  **kwargs)  # type: ignore[no-any-return]
+    batch = hidden_states.shape[0]
+    nope, rope, rank, v_dim = self.qk_nope_head_dim, self.qk_rope_head_dim, self.kv_lora_rank, self.v_head_dim
+    if self.q_lora_rank is None:
+        q = self.q_proj(hidden_states)
+    else:
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden_states)))
+    q = q.view(batch, q_len, -1, self.qk_head_dim).transpose(1, 2)
+    q_pass, q_rot = torch.split(q, [nope, rope], dim=-1)
+    latent, k_rot = torch.split(self.kv_a_proj_with_mqa(hidden_states), [rank, rope], dim=-1)
+    latent = self.kv_a_layernorm(latent).view(batch, 1, q_len, rank)
+    k_rot = k_rot.view(batch, 1, q_len, rope)
+    family = sys.modules[type(self).__module__]  # (the family's own rotary functions)
+    rotate = family.apply_rotary_pos_emb_interleave if self.config.rope_interleave else family.apply_rotary_pos_emb
+    q_rot, k_rot = rotate(q_rot, k_rot, *position_embeddings)
+    latent, k_rot = cache.update(latent, k_rot, self.layer_idx)  # [batch, 1, slots, rank], [batch, 1, slots, rope]
+    heads = q.shape[1]  # (this rank's, at tp > 1: q_b and kv_b are split by head)
+    w = _dense_weight(self.kv_b_proj).view(heads, nope + v_dim, rank)
+    lat, kr = latent[:, 0], k_rot[:, 0]
+    q_lat = torch.einsum("bhqd,hdr->bhqr", q_pass, w[:, :nope])
+    scores = (torch.einsum("bhqr,bsr->bhqs", q_lat, lat) + torch.einsum("bhqd,bsd->bhqs", q_rot, kr)) * self.scaling
+    if attention_mask is not None:  # transformers' 4-D mask: boolean (sdpa) or additive (eager)
+        mask = attention_mask[:, :, :, : scores.shape[-1]]
+        scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min) if mask.dtype == torch.bool else scores + mask
+    probs = nn.functional.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    out = torch.einsum("bhqr,hvr->bqhv", torch.einsum("bhqs,bsr->bhqr", probs, lat), w[:, nope:])
+    return self.o_proj(out.reshape(batch, q_len, heads * v_dim)), None
+
+
+def _absorbed_latent_attention(model: nn.Module) -> None:
+    """DeepSeek-V3's attention modules decode with absorbed weights (_absorbed_mla_forward); other families untouched."""
+    for module in model.modules():
+        if type(module).__name__ == "DeepseekV3Attention":
+            module.forward = types.MethodType(_absorbed_mla_forward, module)
+
+
 def _graph(config: dict[str, Any], forward: Any, suffix: str) -> nn.Module:
     model: Any = hf_model(config)
     _within_one_chunk(model.config, int(config["max_seq"]))
+    _temperature_tuning(model)
+    _absorbed_latent_attention(model)
     _use_dense_experts(model)
     cls = type(model)
     # A subclass whose forward is the graph's: same parameters and state-dict keys as the checkpoint.
@@ -320,6 +425,8 @@ class LineKV(StaticKV):
     line. Token graphs give each row a view of its line rotated so that the slot it writes (its position) is the
     last one: transformers then sees every row as a left-padded sequence whose query is at slot max_seq - 1 (one
     query offset for the batch), so its own masks (causal, sliding windows, ALiBi from the 2-D mask) hold per row."""
+
+    left_aligned = True
 
     def __init__(self, config: Any, kv: torch.Tensor, seq_ids: torch.Tensor, max_seq: int,
                  positions: torch.Tensor | None, kv_dtype: torch.dtype | None = None) -> None:
@@ -524,9 +631,8 @@ def _verify(self: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, po
     cache = VerifyKV(self.config, kv, seq_ids, self._nb_max_seq, position_ids, self._nb_kv_dtype)
     view_mask = attention_mask.long().gather(1, cache.view)[:, :-n]  # the written slots: always attended (causally,
     view_mask = torch.cat([view_mask, view_mask.new_ones((view_mask.shape[0], n))], 1)  # by transformers' own mask)
-    out = super(type(self), self).forward(use_cache=True, logits_to_keep=n, input_ids=input_ids.long(),
-                                          attention_mask=view_mask, position_ids=position_ids.long(),
-                                          past_key_values=cache)
+    out = _model_forward(self, logits_to_keep=n, input_ids=input_ids.long(), attention_mask=view_mask,
+                         position_ids=position_ids.long(), past_key_values=cache)
     logits = out.logits[:, -n:].float()  # [batch, n, vocab]
     batch, vocab = logits.shape[0], logits.shape[2]
     if sampled:
