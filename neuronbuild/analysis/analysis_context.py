@@ -9,6 +9,8 @@ from typing import Any
 
 from neuronbuild import FORMAT_VERSION, digests
 from neuronbuild.analysis.actions import (
+    CORE_STEPS,
+    PROVIDER,
     TRACE,
     TRACE_OUTPUT,
     WEIGHTS,
@@ -392,7 +394,8 @@ class AnalysisContext:
         spec = {"model": {k: rec[k] for k in ("package", "entry", "config", "seed")}
                 | {"srcs": list(rec["srcs"]), "libraries": sorted(rec.get("deps") or {})}
                 | ({"tp_plan": rec["tp_plan"]} if rec.get("tp_plan") else {}),
-                "inputs": rec["inputs"], "outputs": rec.get("outputs") or [], "bucket": bucket.as_dict()}
+                "inputs": rec["inputs"], "outputs": rec.get("outputs") or [], "bucket": bucket.as_dict(),
+                PROVIDER: CORE_STEPS, "step": TRACE}
         if tp_degree > 1:
             record["tp_degree"] = spec["tp_degree"] = tp_degree
         return self.add(make_action(TRACE, model.label, bucket, record, spec, files=_source_files(model),
@@ -435,7 +438,7 @@ class AnalysisContext:
         spec: dict[str, Any] = {"model": {k: rec[k] for k in ("package", "entry", "config", "seed")}
                 | {"srcs": list(rec["srcs"]), "weights": rec.get("weights"),
                    "weights_prefix": rec.get("weights_prefix", ""), "libraries": sorted(rec.get("deps") or {})}
-                | ({"tp_plan": rec["tp_plan"]} if rec.get("tp_plan") else {})}
+                | ({"tp_plan": rec["tp_plan"]} if rec.get("tp_plan") else {}), PROVIDER: CORE_STEPS, "step": WEIGHTS}
         if tp_degree > 1:
             record["tp_degree"] = spec["tp_degree"] = tp_degree
         action = make_action(WEIGHTS, model.label, Bucket(()), record, spec, files=model.files,

@@ -200,7 +200,7 @@ def run_light(job: Job, sb: sandboxes.Sandbox) -> Completion:
     start, cpu, began = time.perf_counter(), time.thread_time(), time.time()
     error, meta = "", {}
     try:
-        meta = plugins.toolchain(str(a.spec["toolchain"])).run(str(a.spec["step"]), a.spec, sb.inputs, sb.outputs)
+        meta = plugins.run_step(a.spec, sb.inputs, sb.outputs)
     except ToolchainError as e:
         error = str(e)
     except Exception as e:  # noqa: BLE001 - the step's failure is its action's, as in a worker

@@ -1,5 +1,5 @@
-"""The plug-in registry: rule kinds, toolchains, their settings and runtime loaders, each registered by its module when
-that module is imported. This module names no plug-in and imports none: `neuronbuild.plugins.load()` (called by
+"""The plug-in registry: rule kinds, toolchains, step providers, toolchain settings and runtime loaders, each registered
+by its module when that module is imported. This module names no plug-in and imports none: `neuronbuild.plugins.load()` (called by
 every command before it loads or plans, by workers, and by the runtime for loaders) imports the built-in and
 $NEURONBUILD_PLUGINS modules, and the lookups here answer from what they registered, so loading, analysis and the
 runtime, which ask, never import a plug-in (tests/test_layering.py: no import circle)."""
@@ -15,13 +15,18 @@ from neuronbuild.plugin_api.flag import SettingsDefaults
 
 TYPE_CHECKING = False  # (not typing's: the build server's client imports this module for toolchain settings)
 if TYPE_CHECKING:
+    from collections.abc import Mapping
+    from pathlib import Path
+    from typing import Any
+
     from neuronbuild.plugin_api.loader import ArtifactLoader
     from neuronbuild.plugin_api.rules import Rule
-    from neuronbuild.plugin_api.toolchain import Toolchain, ToolSettings
+    from neuronbuild.plugin_api.toolchain import StepProvider, Toolchain, ToolSettings
 
 _rules: dict[str, Rule] = {}  # kind name -> its rule kind
 _toolchains: dict[str, Toolchain] = {}  # toolchain name -> Toolchain
 _platforms: dict[str, str] = {}  # platform -> toolchain name
+_steps: dict[str, StepProvider] = {}  # step provider name -> it (every toolchain, and the core's trace and weights)
 _loaders: dict[str, ArtifactLoader] = {}  # artifact format -> the runtime's loader for it
 _settings: dict[str, ToolSettings] = {}  # settings name -> a toolchain's settings
 lock = RLock()
@@ -80,7 +85,23 @@ def register_toolchain(tc: Toolchain) -> Toolchain:
                 raise ValueError(f"platform {p!r} is served by toolchain {owner!r} already; {tc.name!r} cannot")
             _platforms[p] = tc.name
         _toolchains[tc.name] = tc
+        _steps[tc.name] = tc
     return tc
+
+
+def register_steps(provider: StepProvider) -> StepProvider:
+    """Register a step provider that is not a toolchain (plugin_api/toolchain.py StepProvider: `name` and `run`; the
+    rest optional): the steps of actions whose spec names it as their `provider` (the core's trace and weights,
+    toolchains/torch_export.py), run by the workers as a toolchain's are (run_step). Returns it."""
+    from neuronbuild.plugin_api import toolchain as api
+
+    _complete(provider, api.STEPS_REQUIRED, api.Steps, "step provider {!r} does not implement StepProvider "
+              "(plugin_api/toolchain.py)")
+    with lock:
+        if provider.name in _toolchains:
+            raise ValueError(f"step provider {provider.name!r}: a toolchain has that name already")
+        _steps[provider.name] = provider
+    return provider
 
 
 def register_loader(loader: ArtifactLoader) -> ArtifactLoader:
@@ -144,6 +165,31 @@ def toolchains() -> dict[str, Toolchain]:
 
 def toolchain(name: str) -> Toolchain:
     return toolchains()[name]
+
+
+def step_providers() -> dict[str, StepProvider]:
+    """Every step provider, in registration order (the core's first: plugins.BUILTIN)."""
+    _build_side()
+    return _steps
+
+
+def step_provider(spec: Mapping[str, Any]) -> StepProvider | None:
+    """The provider running the step `spec` describes: the one its `provider` names, or its `toolchain` (a toolchain
+    runs its own steps); None when it names none."""
+    from neuronbuild.plugin_api.actions import provider_name
+
+    name = provider_name(spec)
+    return step_providers()[name] if name else None
+
+
+def run_step(spec: Mapping[str, Any], sandbox: Path, out_dir: Path) -> dict[str, Any]:
+    """Run the step `spec` describes (its provider's `run(spec["step"], ...)`), in this process: every action kind,
+    the core's trace and weights as a toolchain's Lower or Compile (execution/worker.py, and light steps in the build
+    process). Returns the step's JSON-able metadata."""
+    provider = step_provider(spec)
+    if provider is None:
+        raise KeyError(f"the action's spec names no step provider (keys: {', '.join(sorted(spec))})")
+    return provider.run(str(spec["step"]), spec, sandbox, out_dir)
 
 
 def platforms() -> tuple[str, ...]:

@@ -254,6 +254,18 @@ class Steps(Protocol):
         return StepDirs()
 
 
+class StepProvider(Steps, Protocol):
+    """What runs steps in a worker: every toolchain (its own steps), and providers that plan nothing themselves
+    (`plugins.register_steps`: the core's trace and weights, toolchains/torch_export.py), whose steps an action's spec
+    names by `provider` (plugin_api/actions.py PROVIDER). The worker runs every action through it (registry.run_step)."""
+
+    name: str
+
+
+# What a step provider registered with register_steps must declare itself (the rest: Steps' defaults).
+STEPS_REQUIRED = ("name", "run")
+
+
 class HostSide(Protocol):
     """What runs its artifacts on a machine: its runtime loader's module, `validate`'s loader, `farm status`."""
 
@@ -273,7 +285,7 @@ class HostSide(Protocol):
         ...
 
 
-class Toolchain(Identity, Targets, Planning, Steps, HostSide, Protocol):
+class Toolchain(Identity, Targets, Planning, StepProvider, HostSide, Protocol):
     """A registered toolchain (neuronbuild.plugins.register_toolchain): every capability."""
 
 
@@ -327,8 +339,8 @@ class ToolSettings(Protocol):
     def worker_versions(self, expect: Mapping[str, str]) -> dict[str, str]: ...
 
 
-def warm_up_key(tc: Toolchain, spec: Mapping[str, Any]) -> dict[str, Any] | None:
-    """What a toolchain's step needs warm on the machine that runs it (JSON-able; steps with equal keys share one
+def warm_up_key(tc: StepProvider, spec: Mapping[str, Any]) -> dict[str, Any] | None:
+    """What a step provider's (a toolchain's) step needs warm on the machine that runs it (JSON-able; steps with equal keys share one
     warm-up), or None: nothing, or the toolchain has no warm-up. Called in the build process: must not import torch.
     The key only groups steps: what the artifact is keyed by on disk (flags, ISA, compiler and torch versions) is
     the toolchain's business, so a warm-up can never hand a step an artifact made for other flags."""
