@@ -8,7 +8,24 @@ from collections.abc import Mapping
 from typing import Any
 
 from neuronbuild import FORMAT_VERSION, digests
-from neuronbuild.analysis.actions import (
+from neuronbuild.analysis.analysis_nodes import (
+    _GONE,
+    AnalysisMemo,
+    _Fresh,
+    _Group,
+    _Memo,
+    _Segment,
+    _versions,
+    _volatile,
+)
+from neuronbuild.analysis.providers import BundleInfo, CompileTarget, ModelInfo
+from neuronbuild.analysis.tensor_parallel import TP_OPS, builtin_digest, for_degree
+from neuronbuild.engine import Node
+from neuronbuild.loading.labels import Label
+from neuronbuild.loading.target_graph import TargetGraph
+from neuronbuild.loading.targets import Target
+from neuronbuild.plugin_api import registry as plugins
+from neuronbuild.plugin_api.actions import (
     CORE_STEPS,
     PROVIDER,
     TRACE,
@@ -21,25 +38,7 @@ from neuronbuild.analysis.actions import (
     make_action,
     trace_weights,
 )
-from neuronbuild.analysis.analysis_nodes import (
-    _GONE,
-    AnalysisMemo,
-    _Fresh,
-    _Group,
-    _Memo,
-    _Segment,
-    _versions,
-    _volatile,
-)
-from neuronbuild.analysis.plan_settings import PlanSettings
-from neuronbuild.analysis.providers import BundleInfo, CompileTarget, ModelInfo
-from neuronbuild.analysis.tensor_parallel import TP_OPS, builtin_digest, for_degree
-from neuronbuild.analysis.toolchain_api import CompileRequest, Toolchain
-from neuronbuild.engine import Node
-from neuronbuild.loading.labels import Label
-from neuronbuild.loading.target_graph import TargetGraph
-from neuronbuild.loading.targets import Target
-from neuronbuild.plugin_api import registry as plugins
+from neuronbuild.plugin_api.toolchain import CompileRequest, PlanSettings, Toolchain
 
 
 class _Recorder:

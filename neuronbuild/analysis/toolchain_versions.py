@@ -7,8 +7,7 @@ import sys
 from collections.abc import Iterable, Mapping
 from importlib import metadata
 
-from neuronbuild.plugin_api.toolchain import package_version as package_version
-from neuronbuild.plugin_api.toolchain import trace_toolchain as trace_toolchain
+from neuronbuild.plugin_api.toolchain import package_version
 
 
 @functools.cache

@@ -25,7 +25,6 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from neuronbuild.analysis.toolchain_api import WARM_UP
 from neuronbuild.digests import digest_file
 from neuronbuild.errors import NeuronBuildError
 from neuronbuild.execution.cache_api import SpawnCache
@@ -35,6 +34,7 @@ from neuronbuild.execution.limits import LimitSettings, for_action
 from neuronbuild.execution.pool import WorkerPool
 from neuronbuild.execution.sandbox import InputChanged, place_input
 from neuronbuild.execution.worker import first_lines
+from neuronbuild.plugin_api.toolchain import WARM_UP
 
 _LOG_TAIL = 200_000
 SLOTS_REFRESH_S = 2.0
@@ -679,7 +679,7 @@ def worker_toolchain() -> dict[str, Any]:
     versions, then what each registered toolchain reports (Toolchain.host_status), under "status" in registry order
     (a key two toolchains report is shown once)."""
     from neuronbuild import plugins
-    from neuronbuild.analysis.toolchain_versions import trace_toolchain
+    from neuronbuild.plugin_api.toolchain import trace_toolchain
 
     status: dict[str, str | None] = {}
     for tc in plugins.toolchains().values():

@@ -13,13 +13,13 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from neuronbuild.analysis.actions import is_light
 from neuronbuild.execution import sandbox as sandboxes
 from neuronbuild.execution.cache_api import SpawnCache
 from neuronbuild.execution.env import action_environment, with_threads, worker_threads
 from neuronbuild.execution.jobs import Completion, Job, Started
 from neuronbuild.execution.limits import LimitSettings, for_action
 from neuronbuild.execution.pool import WorkerPool
+from neuronbuild.plugin_api.actions import is_light
 
 
 class Pools:

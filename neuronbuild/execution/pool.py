@@ -37,7 +37,7 @@ _START_GRACE = 300.0
 
 
 def _is_warm_up(msg: dict[str, Any]) -> bool:
-    from neuronbuild.analysis.toolchain_api import WARM_UP
+    from neuronbuild.plugin_api.toolchain import WARM_UP
 
     spec = msg.get("spec")
     return msg.get("kind") == WARM_UP or (isinstance(spec, dict) and spec.get("step") == WARM_UP)

@@ -123,7 +123,7 @@ def toolchain_mismatch(expect: Mapping[str, str]) -> str | None:
     and the C++ compiler differ from this worker's), or None. A farm worker with another toolchain must refuse rather
     than store an artifact under a fingerprint that names other versions."""
     from neuronbuild import plugins
-    from neuronbuild.analysis.toolchain_versions import trace_toolchain
+    from neuronbuild.plugin_api.toolchain import trace_toolchain
 
     here = trace_toolchain()
     for settings in plugins.tool_settings():  # each toolchain's components this worker has (e.g. its C++ compiler)

@@ -1,5 +1,5 @@
 """Action values: one trace per (model, bucket), one compile per (trace, target, effective options). Part of the plug-in
-API (a toolchain plans Actions); `neuronbuild.analysis.actions` re-exports them."""
+API (a toolchain plans Actions)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The toolchain protocol (the plug-in API's toolchain half): what a registered toolchain tells analysis, the request
 it plans compile actions for and the plan-wide settings it reads. The registry (plugin_api/registry.py) is typed with
-it, so mypy checks every use of a toolchain against it; `neuronbuild.analysis.toolchain_api` re-exports it.
+it, so mypy checks every use of a toolchain against it.
 
 A toolchain is the sum of small capabilities (`Identity`, `Targets`, `Planning`, `Steps`, `HostSide`). The members
 with a default here are optional: the registry fills those a registered toolchain leaves out (a class subclassing
