@@ -32,7 +32,7 @@ from neuronbuild.execution.confine import (
 from neuronbuild.execution.sandbox import foreign_entry, private_dirs, read_only_dir
 from neuronbuild.platforms import SHARED_TMP_VAR
 from neuronbuild.plugin_api.actions import PROVIDER, provider_name
-from neuronbuild.plugin_api.toolchain import WARM_UP, StepDirs, warm_up_key
+from neuronbuild.plugin_api.toolchain import WARM_UP, StepDirs, is_warm_up, warm_up_key
 
 HOST = socket.gethostname()
 
@@ -998,7 +998,7 @@ def serve(conn_in: Connection, conn_out: Connection, installation: tuple[str, ..
             _exit_now()
         if msg is None:
             _exit_now()
-        if _is_warm_up(msg):
+        if is_warm_up(msg):
             discard_prepared()  # (forked before the warm-up: it would lack it)
             result = run_warm_up(msg, warmed)
         else:
@@ -1008,7 +1008,7 @@ def serve(conn_in: Connection, conn_out: Connection, installation: tuple[str, ..
             if implicit is not None:
                 result["duration_s"] = float(result.get("duration_s") or 0.0) + implicit
         end_descendants(spare=_DEFERRED)  # nothing an action started outlives it (its init: exiting, reaped below)
-        if not _is_warm_up(msg):
+        if not is_warm_up(msg):
             result = _without_foreign_entries(msg, result)
         cap_log(msg["log"])
         result["warmed"] = sorted(warmed)
@@ -1052,12 +1052,6 @@ def _exit_now() -> None:
     os._exit(0)
 
 
-def _is_warm_up(msg: Mapping[str, Any]) -> bool:
-    return msg.get("kind") == WARM_UP or (isinstance(msg.get("spec"), Mapping) and msg["spec"].get("step") == WARM_UP)
-
-
-def _key(spec: Mapping[str, Any]) -> str:
-    return json.dumps([provider_name(spec) or None, spec.get("key")], sort_keys=True, default=str)
 
 
 def run_warm_up(msg: Mapping[str, Any], warmed: set[str]) -> dict[str, Any]:
@@ -1071,7 +1065,7 @@ def run_warm_up(msg: Mapping[str, Any], warmed: set[str]) -> dict[str, Any]:
     res["cpu_s"] = round(_cpu_here() - before, 3)
     _CHANGES[0] += 1  # (an action process prepared before it lacks what it left in memory)
     if res.get("ok"):
-        warmed.add(_key(msg["spec"]))
+        warmed.add(warm_key(msg["spec"]))
     res["action_pid"] = os.getpid()
     return res
 
@@ -1133,8 +1127,8 @@ def warm_up_spec(msg: Mapping[str, Any]) -> dict[str, Any] | None:
 
 
 def warm_key(spec: Mapping[str, Any]) -> str:
-    """The identity of a warm-up (its toolchain and key) in a process's set of warm-ups done."""
-    return _key(spec)
+    """The identity of a warm-up (its step provider, a toolchain, and key) in a process's set of warm-ups done."""
+    return json.dumps([provider_name(spec) or None, spec.get("key")], sort_keys=True, default=str)
 
 
 def warm_before(msg: Mapping[str, Any], warmed: set[str]) -> float | None:
@@ -1143,13 +1137,13 @@ def warm_before(msg: Mapping[str, Any], warmed: set[str]) -> float | None:
     pseudo-action; with several, a worker that did not run it still fills its memo from the files on disk). Returns
     its seconds, or None when nothing ran. A failed warm-up is not the step's failure: the step builds what it needs."""
     w_spec = warm_up_spec(msg)
-    if w_spec is None or _key(w_spec) in warmed:
+    if w_spec is None or warm_key(w_spec) in warmed:
         return None
     start = time.perf_counter()
     with open(str(msg["log"]), "a", encoding="utf-8") as log:
         log.write("# warm-up in the worker process before its first step of this kind\n")
     res = run_warm_up({**msg, "kind": WARM_UP, "spec": w_spec}, warmed)
-    warmed.add(_key(w_spec))  # tried once per worker, failed or not
+    warmed.add(warm_key(w_spec))  # tried once per worker, failed or not
     seconds = time.perf_counter() - start
     with open(str(msg["log"]), "a", encoding="utf-8") as log:
         log.write(f"# warm-up {'done' if res.get('ok') else 'failed'} in {seconds:.1f} s: "

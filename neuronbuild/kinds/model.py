@@ -10,7 +10,6 @@ from neuronbuild import jsondata
 from neuronbuild.analysis.analysis_context import AnalysisContext
 from neuronbuild.analysis.hf_config import config_problem
 from neuronbuild.analysis.providers import ModelInfo
-from neuronbuild.analysis.toolchain_versions import distributions_of
 from neuronbuild.digests import digest_bytes, digest_file
 from neuronbuild.errors import Location, UserInputError
 from neuronbuild.kinds import py_library
@@ -34,6 +33,7 @@ from neuronbuild.loading.target_graph import locate
 from neuronbuild.loading.targets import Target
 from neuronbuild.plugin_api.actions import FileInput
 from neuronbuild.plugin_api.rules import Attr, AttrError, AttrType, RuleKind, RuleSchema
+from neuronbuild.plugin_api.toolchain import distributions_of
 
 
 def _weights(attr: str, v: Any, pkg: str) -> tuple[Label, ...]:

@@ -31,15 +31,12 @@ PROGRAM_CONSTANTS = "program_constants.safetensors"
 # executor runs such a step in the build process, in the sandbox it made, instead of forking a confined action process
 # from a worker (#53: the fork and the namespace cost more than the step). The spec is not in the fingerprint.
 LIGHT = "light"
-# Who runs an action's step (its spec's `step`): the step provider its spec names under PROVIDER, or the toolchain
-# under "toolchain" (a toolchain is the provider of its own steps). The core's trace and weights are steps of the
-# built-in provider CORE_STEPS (toolchains/torch_export.py), dispatched as a toolchain's Lower and Compile are.
-PROVIDER = "provider"
-CORE_STEPS = "torch_export"
+# Who runs an action's `step`: the step provider its spec names under PROVIDER (the core's trace and weights:
+# CORE_STEPS, toolchains/torch_export.py), else its "toolchain" (a toolchain is the provider of its own steps).
+PROVIDER, CORE_STEPS = "provider", "torch_export"
 
 
 def provider_name(spec: Mapping[str, Any]) -> str:
-    """The step provider a spec names ("" when none)."""
     return str(spec.get(PROVIDER) or spec.get("toolchain") or "")
 
 

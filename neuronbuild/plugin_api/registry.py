@@ -1,5 +1,5 @@
-"""The plug-in registry: rule kinds, toolchains, step providers, toolchain settings and runtime loaders, each registered
-by its module when that module is imported. This module names no plug-in and imports none: `neuronbuild.plugins.load()` (called by
+"""The plug-in registry: rule kinds, toolchains, step providers, their settings and runtime loaders, each registered by
+its module when imported. This module names no plug-in and imports none: `neuronbuild.plugins.load()` (called by
 every command before it loads or plans, by workers, and by the runtime for loaders) imports the built-in and
 $NEURONBUILD_PLUGINS modules, and the lookups here answer from what they registered, so loading, analysis and the
 runtime, which ask, never import a plug-in (tests/test_layering.py: no import circle)."""
@@ -90,13 +90,11 @@ def register_toolchain(tc: Toolchain) -> Toolchain:
 
 
 def register_steps(provider: StepProvider) -> StepProvider:
-    """Register a step provider that is not a toolchain (plugin_api/toolchain.py StepProvider: `name` and `run`; the
-    rest optional): the steps of actions whose spec names it as their `provider` (the core's trace and weights,
-    toolchains/torch_export.py), run by the workers as a toolchain's are (run_step). Returns it."""
+    """Register a step provider that is not a toolchain (plugin_api/toolchain.py StepProvider), e.g. the core's trace
+    and weights (toolchains/torch_export.py); returns it."""
     from neuronbuild.plugin_api import toolchain as api
 
-    _complete(provider, api.STEPS_REQUIRED, api.Steps, "step provider {!r} does not implement StepProvider "
-              "(plugin_api/toolchain.py)")
+    _complete(provider, api.STEPS_REQUIRED, api.Steps, "step provider {!r} does not implement StepProvider")
     with lock:
         if provider.name in _toolchains:
             raise ValueError(f"step provider {provider.name!r}: a toolchain has that name already")
@@ -168,28 +166,23 @@ def toolchain(name: str) -> Toolchain:
 
 
 def step_providers() -> dict[str, StepProvider]:
-    """Every step provider, in registration order (the core's first: plugins.BUILTIN)."""
+    """Every step provider (every toolchain too), in registration order (plugins.BUILTIN: the core's first)."""
     _build_side()
     return _steps
 
 
 def step_provider(spec: Mapping[str, Any]) -> StepProvider | None:
-    """The provider running the step `spec` describes: the one its `provider` names, or its `toolchain` (a toolchain
-    runs its own steps); None when it names none."""
+    """The provider of the step `spec` describes (plugin_api/actions.py provider_name); None: it names none."""
     from neuronbuild.plugin_api.actions import provider_name
 
-    name = provider_name(spec)
-    return step_providers()[name] if name else None
+    return step_providers()[provider_name(spec)] if provider_name(spec) else None
 
 
 def run_step(spec: Mapping[str, Any], sandbox: Path, out_dir: Path) -> dict[str, Any]:
-    """Run the step `spec` describes (its provider's `run(spec["step"], ...)`), in this process: every action kind,
-    the core's trace and weights as a toolchain's Lower or Compile (execution/worker.py, and light steps in the build
-    process). Returns the step's JSON-able metadata."""
-    provider = step_provider(spec)
-    if provider is None:
-        raise KeyError(f"the action's spec names no step provider (keys: {', '.join(sorted(spec))})")
-    return provider.run(str(spec["step"]), spec, sandbox, out_dir)
+    """Run the step `spec` describes in this process: every action kind alike (execution/worker.py; light steps)."""
+    from neuronbuild.plugin_api.actions import provider_name
+
+    return step_providers()[provider_name(spec)].run(str(spec["step"]), spec, sandbox, out_dir)
 
 
 def platforms() -> tuple[str, ...]:

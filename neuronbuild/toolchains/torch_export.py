@@ -1,11 +1,7 @@
-"""The core's own steps, trace and weights, as a built-in step provider (plugin_api/toolchain.py StepProvider),
-registered like a toolchain's steps and run through the same dispatch (registry.run_step): the trace exports a model
-at one bucket's static shape (torch.export), the weights action streams its checkpoint into the weights file(s). The
-actions are planned by analysis (AnalysisContext.trace/weights), whose specs name this provider (`provider`). A
-toolchain starting from a front end of its own plans its own first step instead, run by its own `run`.
-
-Imports no torch here (the build process loads the plug-ins): toolchains/trace.py is imported by the step, and by
-each worker once (prepare_worker)."""
+"""The core's own steps, trace (torch.export at one bucket's static shape) and weights (the checkpoint streamed into the
+weights file(s)): a built-in step provider, registered like a toolchain's steps and run through the same dispatch
+(registry.run_step). Analysis plans them (AnalysisContext.trace/weights: their specs name this provider); a toolchain
+starting from a front end of its own plans its own first step instead. No torch here (the build process loads it)."""
 
 from __future__ import annotations
 
@@ -24,14 +20,12 @@ class TorchExportSteps(StepProvider):
     def run(self, step: str, spec: Mapping[str, Any], sandbox: Path, out_dir: Path) -> dict[str, Any]:
         from neuronbuild.toolchains import trace
 
-        if step == TRACE:
-            return trace.run_trace(dict(spec), sandbox, out_dir)
-        if step == WEIGHTS:
-            return trace.run_weights(dict(spec), sandbox, out_dir)
-        raise ValueError(f"step provider {self.name!r} has no step {step!r} (its steps: {TRACE}, {WEIGHTS})")
+        if step not in (TRACE, WEIGHTS):
+            raise ValueError(f"step provider {self.name!r} has no step {step!r} (its steps: {TRACE}, {WEIGHTS})")
+        return (trace.run_trace if step == TRACE else trace.run_weights)(dict(spec), sandbox, out_dir)
 
     def prepare_worker(self) -> None:
         import neuronbuild.toolchains.trace  # noqa: F401  (torch, torch.export, the model import helpers)
 
 
-STEPS = registry.register_steps(TorchExportSteps())
+registry.register_steps(TorchExportSteps())
