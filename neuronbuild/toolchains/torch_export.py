@@ -18,10 +18,10 @@ class TorchExportSteps(StepProvider):
     name = CORE_STEPS
 
     def run(self, step: str, spec: Mapping[str, Any], sandbox: Path, out_dir: Path) -> dict[str, Any]:
-        from neuronbuild.toolchains import trace
-
         if step not in (TRACE, WEIGHTS):
             raise ValueError(f"step provider {self.name!r} has no step {step!r} (its steps: {TRACE}, {WEIGHTS})")
+        from neuronbuild.toolchains import trace
+
         return (trace.run_trace if step == TRACE else trace.run_weights)(dict(spec), sandbox, out_dir)
 
     def prepare_worker(self) -> None:
