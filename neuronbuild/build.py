@@ -13,20 +13,20 @@ from typing import TYPE_CHECKING
 from neuronbuild import after_answer, incremental, plugins, streams
 from neuronbuild.analysis.action_graph import ActionGraph
 from neuronbuild.analysis.explain import ignored_option_warnings
-from neuronbuild.analysis.plan_settings import PlanSettings
 from neuronbuild.cache.farm_store import open_farm_store
 from neuronbuild.cache.gc import auto_gc
 from neuronbuild.cache.local import LocalCache
 from neuronbuild.cache.roots import record_roots
 from neuronbuild.context import BuildContext
 from neuronbuild.errors import UserInputError
-from neuronbuild.execution.env import action_environment, default_jobs, undeclared_warning  # noqa: F401 (default_jobs: re-exported)
+from neuronbuild.execution.env import action_environment, undeclared_warning
 from neuronbuild.execution.events import EventBus, JsonLinesWriter, Listener
 from neuronbuild.execution.jobs import Executor
 from neuronbuild.execution.limits import LimitSettings
 from neuronbuild.execution.progress import make_progress
 from neuronbuild.execution.scheduler import BuildResult, Scheduler, SchedulerOptions
 from neuronbuild.packaging.materialize import materialize
+from neuronbuild.plugin_api.toolchain import PlanSettings
 from neuronbuild.workspace import OUTPUT_DIR
 
 if TYPE_CHECKING:

@@ -30,7 +30,7 @@ def version_text() -> str:
     import platform
 
     from neuronbuild import __version__
-    from neuronbuild.analysis.toolchain_versions import package_version
+    from neuronbuild.plugin_api.toolchain import package_version
 
     deps = ", ".join(f"{name} {package_version(name).replace('not-installed', 'not installed')}"
                      for name in VERSIONED_PACKAGES)

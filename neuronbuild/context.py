@@ -16,11 +16,11 @@ from neuronbuild.workspace import Workspace, find_workspace
 
 if TYPE_CHECKING:
     from neuronbuild.analysis.action_graph import ActionGraph
-    from neuronbuild.analysis.plan_settings import PlanSettings
     from neuronbuild.cache.local import LocalCache
     from neuronbuild.command import Command
     from neuronbuild.history import History
     from neuronbuild.loading.target_graph import TargetGraph
+    from neuronbuild.plugin_api.toolchain import PlanSettings
 
 QUIET, NORMAL, VERBOSE = 0, 1, 2  # verbosity levels (the progress display uses the same numbers)
 

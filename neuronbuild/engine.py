@@ -148,15 +148,6 @@ class Engine:
         if self._frames:
             self._frames[-1][1].append((key, node.changed_at))
 
-    @contextmanager
-    def untracked(self) -> Iterator[None]:
-        """Reads meanwhile are no dependency of the running computation (e.g. replaying a valid node's events)."""
-        frames, self._frames = self._frames, []
-        try:
-            yield
-        finally:
-            self._frames = frames
-
     def valid(self, key: Hashable) -> bool:
         """Whether `key` has a node that is current, recomputing nothing but volatile keys."""
         return self.fresh(key, recompute=False) is not None

@@ -228,7 +228,4 @@ def record_noop(key: str, root: Path, cwd_package: str, patterns: Sequence[str],
         return False  # a read-only cache (a mounted release cache): the stamp is only a speed-up
 
 
-def flags_of(args: Any) -> dict[str, Any]:
-    """The parsed command-line flags of a build command, as a plain dict (for noop.request_key)."""
-    return {k: v for k, v in sorted(vars(args).items()) if not callable(v)}
 

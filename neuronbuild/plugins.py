@@ -1,4 +1,5 @@
-"""The plug-ins: which modules register rule kinds, toolchains, their settings and runtime loaders, and loading them.
+"""The plug-ins: which modules register rule kinds, toolchains, step providers, toolchain settings and runtime loaders,
+and loading them.
 
 A rule kind is one module under neuronbuild/kinds/ holding its attribute schema and its analysis implementation; a
 toolchain is one module under neuronbuild/toolchains/ implementing the Toolchain protocol (plugin_api/toolchain.py).
@@ -20,6 +21,7 @@ from neuronbuild.plugin_api.flag import Flag as Flag
 from neuronbuild.plugin_api.registry import register_loader as register_loader
 from neuronbuild.plugin_api.registry import register_rule as register_rule
 from neuronbuild.plugin_api.registry import register_settings as register_settings
+from neuronbuild.plugin_api.registry import register_steps as register_steps
 from neuronbuild.plugin_api.registry import register_toolchain as register_toolchain
 
 TYPE_CHECKING = False  # (not typing's: the build server's client imports this module for toolchain settings)
@@ -32,7 +34,9 @@ if TYPE_CHECKING:
     P = ParamSpec("P")
     R = TypeVar("R")
 
-BUILTIN = ("neuronbuild.kinds", "neuronbuild.toolchains.cpu", "neuronbuild.toolchains.neuron")
+# (the core's step provider first: workers prepare the providers in this order, its trace imports first)
+BUILTIN = ("neuronbuild.kinds", "neuronbuild.toolchains.torch_export", "neuronbuild.toolchains.cpu",
+           "neuronbuild.toolchains.neuron")
 # The built-in toolchains' settings (flags, tool files, components: plugin_api/toolchain.ToolSettings), in modules
 # importing built-in modules only: the command-line parser, the no-op stamp and the build server's client read them.
 SETTINGS_BUILTIN = ("neuronbuild.toolchains.cpu_settings", "neuronbuild.toolchains.neuron_settings")
@@ -138,6 +142,9 @@ toolchains = _loading(registry.toolchains)
 toolchain = _loading(registry.toolchain)
 platforms = _loading(registry.platforms)
 toolchain_for = _loading(registry.toolchain_for)
+step_providers = _loading(registry.step_providers)
+step_provider = _loading(registry.step_provider)
+run_step = _loading(registry.run_step)
 
 
 def tool_settings(builtin_only: bool = False) -> list[ToolSettings]:

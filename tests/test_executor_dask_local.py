@@ -104,13 +104,13 @@ def test_farm_workers_get_their_hosts_cores_divided_among_the_dask_threads_on_it
 def test_a_warm_up_whose_dask_worker_is_gone_ends_as_failed_instead_of_waiting_for_it(tmp_path: Path) -> None:
     """A warm-up runs on its Dask worker only (it warms that worker's zygote); if that worker leaves the cluster, the
     build must not wait for it forever: the warm-up ends as failed (the steps held back for it then go)."""
-    from neuronbuild.analysis.actions import Bucket, make_action
-    from neuronbuild.analysis.toolchain_api import WARM_UP
     from neuronbuild.cache.farm_store import open_farm_store
     from neuronbuild.cache.local import LocalCache
     from neuronbuild.execution.dask_executor import DaskExecutor
     from neuronbuild.execution.jobs import Job
     from neuronbuild.loading.labels import Label
+    from neuronbuild.plugin_api.actions import Bucket, make_action
+    from neuronbuild.plugin_api.toolchain import WARM_UP
 
     cache = LocalCache(tmp_path / "cache")
     ex = DaskExecutor(tmp_path, cache, str(cache.root), None, 1, open_farm_store, same=True,

@@ -10,8 +10,6 @@ import networkx as nx
 
 from neuronbuild import plugins
 from neuronbuild.analysis.action_graph import ActionGraph
-from neuronbuild.analysis.actions import COMPILE, TRACE, WEIGHTS, Action, Bucket, DepInput
-from neuronbuild.analysis.toolchain_api import StepDirs
 from neuronbuild.cache.action_cache import ActionResult
 from neuronbuild.cache.identity_index import IdentityIndex
 from neuronbuild.cache.local import LocalCache
@@ -20,6 +18,8 @@ from neuronbuild.execution.events import BuildEvent, EventBus
 from neuronbuild.execution.jobs import Completion, Job, Started
 from neuronbuild.execution.scheduler import Scheduler, SchedulerOptions
 from neuronbuild.loading.labels import Label
+from neuronbuild.plugin_api.actions import COMPILE, TRACE, WEIGHTS, Action, Bucket, DepInput
+from neuronbuild.plugin_api.toolchain import StepDirs
 
 
 class RecordingExecutor:

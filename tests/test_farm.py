@@ -18,7 +18,7 @@ import pytest
 from helpers import MODEL_SRC, run_cli, user_signals, write_ws
 from introspect_ws import tiny_ws
 
-from neuronbuild.analysis.toolchain_versions import package_version
+from neuronbuild.plugin_api.toolchain import package_version
 
 DASK = str(Path(sys.executable).parent / "dask")
 SLEEPY_SRC = MODEL_SRC + "\n\ndef sleepy(config):\n    import time\n    time.sleep(600)\n    return build_model(config)\n"

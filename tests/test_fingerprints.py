@@ -83,7 +83,7 @@ def test_canonical_json_is_exactly_json_dumps_canonical_form() -> None:
     import math
     import random
 
-    from neuronbuild.analysis.fingerprint import canonical_json
+    from neuronbuild.digests import canonical_json
 
     rng = random.Random(1234)
     atoms = [0, -7, 2**70, 1.5, -0.0, 1e-300, 3.141592653589793, True, False, None, "", "plain", "é ü", "tab\t\"q\"\\",

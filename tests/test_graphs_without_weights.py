@@ -295,10 +295,10 @@ def test_a_plain_graphs_only_neuron_model_plans_no_weights_action_and_refuses_we
     """`neuron_model(graphs_only = True)`: its compiles plan traces and compiles alone (the factory's own parameter
     shapes; no seeded weights are made), with the keys of the same model's compile that ships seeded weights; a
     checkpoint declared beside it is a located error."""
-    from neuronbuild.analysis.actions import WEIGHTS
     from neuronbuild.analysis.planner import plan
     from neuronbuild.errors import UserInputError
     from neuronbuild.loading.target_graph import load_targets
+    from neuronbuild.plugin_api.actions import WEIGHTS
 
     build = """neuron_model(name = "net", srcs = ["net.py"], entry = "net:build", inputs = {{"x": "float32[batch, 8]"}}{extra})
 neuron_buckets(name = "b", shapes = [{{"batch": 2}}])

@@ -259,8 +259,8 @@ def test_the_plan_matrix_renders_each_cell_as_row_by_row(action_graph: Any) -> N
 
 def test_a_missing_dependency_becomes_a_node_as_add_edge_makes_it(tmp_path: Path) -> None:
     from neuronbuild.analysis.action_graph import action_digraph
-    from neuronbuild.analysis.actions import Action, Bucket, DepInput
     from neuronbuild.loading.labels import Label
+    from neuronbuild.plugin_api.actions import Action, Bucket, DepInput
 
     def act(fp: str, *deps: str) -> Action:
         return Action(fp, "compile", Label("p", "t"), Bucket(()), {}, {},
@@ -279,8 +279,8 @@ def test_a_missing_dependency_becomes_a_node_as_add_edge_makes_it(tmp_path: Path
 
 def test_a_cycle_in_the_action_graph_is_refused() -> None:
     from neuronbuild.analysis.action_graph import ActionGraph, action_digraph
-    from neuronbuild.analysis.actions import Action, Bucket, DepInput
     from neuronbuild.loading.labels import Label
+    from neuronbuild.plugin_api.actions import Action, Bucket, DepInput
 
     def act(fp: str, *deps: str) -> Action:
         return Action(fp, "compile", Label("p", "t"), Bucket(()), {}, {},
@@ -298,8 +298,8 @@ def test_an_action_registered_before_its_input_is_ordered_after_it_smallest_read
     """Registration order is the topological order only when it is one; otherwise Kahn's, smallest ready first
     (networkx's lexicographical_topological_sort)."""
     from neuronbuild.analysis.action_graph import ActionGraph, action_digraph
-    from neuronbuild.analysis.actions import Action, Bucket, DepInput
     from neuronbuild.loading.labels import Label
+    from neuronbuild.plugin_api.actions import Action, Bucket, DepInput
 
     def act(fp: str, *deps: str) -> Action:
         return Action(fp, "compile", Label("p", "t"), Bucket(()), {}, {},
@@ -316,9 +316,9 @@ def test_the_neuron_toolchain_shares_one_lower_action_per_distinct_lowering(
     """The Lower actions a plan shares between compiles (toolchains/neuron.py `_lowers`) against one made per
     compile, as before: the same actions (fingerprints, records, specs, labels, edges) in the same order; and with
     other settings (an action env) no Lower of the first plan is reused."""
-    from neuronbuild.analysis.plan_settings import PlanSettings
     from neuronbuild.analysis.planner import plan
     from neuronbuild.loading.target_graph import load_targets
+    from neuronbuild.plugin_api.toolchain import PlanSettings
     from neuronbuild.toolchains.neuron import LOWER, NeuronToolchain
 
     gen_monorepo.generate(tmp_path, 24, 3, 3)
@@ -348,7 +348,7 @@ def test_loadings_path_checks_answer_as_pathlib_did(tmp_path: Path) -> None:
 
     from neuronbuild.loading.labels import Label
     from neuronbuild.loading.loader import Loader
-    from neuronbuild.loading.schema import AttrError
+    from neuronbuild.plugin_api.rules import AttrError
     from neuronbuild.workspace import BUILD_FILE, MARKER
 
     ws, outside = tmp_path / "ws", tmp_path / "outside"

@@ -107,7 +107,7 @@ def test_a_toolchain_leaving_out_optional_capabilities_gets_their_defaults() -> 
 
 
 def test_a_label_attribute_declared_own_package_refuses_another_packages_file_located(tmp_path: Path) -> None:
-    # neuron_model's srcs declare own_package (loading/schema.Attr): the loader checks the declaration, not the kind.
+    # neuron_model's srcs declare own_package (plugin_api/rules.Attr): the loader checks the declaration, not the kind.
     ws = write_ws(tmp_path / "ws", {"n/a.py": "x = 1\n", "n/BUILD": "",
                                     "m/BUILD": 'neuron_model(name = "tiny", srcs = ["//n:a.py"], entry = "a:b",\n'
                                                '             inputs = {"x": "float32[2]"})\n'})

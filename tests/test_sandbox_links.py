@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from neuronbuild.analysis.actions import Bucket, FileInput, make_action
 from neuronbuild.cache.local import LocalCache
 from neuronbuild.digests import digest_file
 from neuronbuild.execution import sandbox
 from neuronbuild.execution.confine import confine, installation_roots
 from neuronbuild.execution.worker import action_policy
 from neuronbuild.loading.labels import parse_label
+from neuronbuild.plugin_api.actions import Bucket, FileInput, make_action
 
 pytestmark = pytest.mark.skipif(not sandbox._confined_read_only(), reason="needs Landlock ABI >= 3")
 

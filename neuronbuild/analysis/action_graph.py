@@ -11,14 +11,9 @@ from typing import Any
 
 import networkx as nx
 
-from neuronbuild.analysis.actions import (
-    TRACE,
-    WEIGHTS,
-    Action,
-    DepInput,
-)
 from neuronbuild.analysis.providers import BundleInfo, CompileTarget
 from neuronbuild.loading.labels import Label
+from neuronbuild.plugin_api.actions import TRACE, WEIGHTS, Action, DepInput
 
 
 @dataclass(frozen=True)

@@ -8,17 +8,6 @@ from collections.abc import Mapping
 from typing import Any
 
 from neuronbuild import FORMAT_VERSION, digests
-from neuronbuild.analysis.actions import (
-    TRACE,
-    TRACE_OUTPUT,
-    WEIGHTS,
-    Action,
-    Bucket,
-    DepInput,
-    FileInput,
-    make_action,
-    trace_weights,
-)
 from neuronbuild.analysis.analysis_nodes import (
     _GONE,
     AnalysisMemo,
@@ -29,15 +18,27 @@ from neuronbuild.analysis.analysis_nodes import (
     _versions,
     _volatile,
 )
-from neuronbuild.analysis.plan_settings import PlanSettings
 from neuronbuild.analysis.providers import BundleInfo, CompileTarget, ModelInfo
 from neuronbuild.analysis.tensor_parallel import TP_OPS, builtin_digest, for_degree
-from neuronbuild.analysis.toolchain_api import CompileRequest, Toolchain
 from neuronbuild.engine import Node
 from neuronbuild.loading.labels import Label
 from neuronbuild.loading.target_graph import TargetGraph
 from neuronbuild.loading.targets import Target
 from neuronbuild.plugin_api import registry as plugins
+from neuronbuild.plugin_api.actions import (
+    CORE_STEPS,
+    PROVIDER,
+    TRACE,
+    TRACE_OUTPUT,
+    WEIGHTS,
+    Action,
+    Bucket,
+    DepInput,
+    FileInput,
+    make_action,
+    trace_weights,
+)
+from neuronbuild.plugin_api.toolchain import CompileRequest, PlanSettings, Toolchain
 
 
 class _Recorder:
@@ -392,7 +393,8 @@ class AnalysisContext:
         spec = {"model": {k: rec[k] for k in ("package", "entry", "config", "seed")}
                 | {"srcs": list(rec["srcs"]), "libraries": sorted(rec.get("deps") or {})}
                 | ({"tp_plan": rec["tp_plan"]} if rec.get("tp_plan") else {}),
-                "inputs": rec["inputs"], "outputs": rec.get("outputs") or [], "bucket": bucket.as_dict()}
+                "inputs": rec["inputs"], "outputs": rec.get("outputs") or [], "bucket": bucket.as_dict(),
+                PROVIDER: CORE_STEPS, "step": TRACE}
         if tp_degree > 1:
             record["tp_degree"] = spec["tp_degree"] = tp_degree
         return self.add(make_action(TRACE, model.label, bucket, record, spec, files=_source_files(model),
@@ -435,7 +437,7 @@ class AnalysisContext:
         spec: dict[str, Any] = {"model": {k: rec[k] for k in ("package", "entry", "config", "seed")}
                 | {"srcs": list(rec["srcs"]), "weights": rec.get("weights"),
                    "weights_prefix": rec.get("weights_prefix", ""), "libraries": sorted(rec.get("deps") or {})}
-                | ({"tp_plan": rec["tp_plan"]} if rec.get("tp_plan") else {})}
+                | ({"tp_plan": rec["tp_plan"]} if rec.get("tp_plan") else {}), PROVIDER: CORE_STEPS, "step": WEIGHTS}
         if tp_degree > 1:
             record["tp_degree"] = spec["tp_degree"] = tp_degree
         action = make_action(WEIGHTS, model.label, Bucket(()), record, spec, files=model.files,

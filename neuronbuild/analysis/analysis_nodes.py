@@ -14,15 +14,13 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from neuronbuild import digests
 from neuronbuild.analysis.action_graph import ActionGraph
-from neuronbuild.analysis.actions import (
-    Action,
-)
-from neuronbuild.analysis.plan_settings import PlanSettings
 from neuronbuild.analysis.providers import BundleInfo, CompileTarget
 from neuronbuild.engine import Engine, Node
 from neuronbuild.loading.labels import Label
 from neuronbuild.loading.targets import Target
 from neuronbuild.plugin_api import registry as plugins
+from neuronbuild.plugin_api.actions import Action
+from neuronbuild.plugin_api.toolchain import PlanSettings
 
 if TYPE_CHECKING:
     from neuronbuild.loading.target_graph import TargetGraph

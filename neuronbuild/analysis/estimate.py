@@ -14,9 +14,9 @@ from typing import Any
 
 import networkx as nx
 
-from neuronbuild.analysis.actions import TRACE, WEIGHTS, Action
 from neuronbuild.history import History, LatestEntry
 from neuronbuild.plugin_api import registry as plugins
+from neuronbuild.plugin_api.actions import TRACE, WEIGHTS, Action
 
 TRACE_DEFAULT_S = 4.0  # a trace of a small model, when nothing was recorded
 TRACE_DEFAULT_MB = 800.0

@@ -8,10 +8,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from neuronbuild.analysis.action_graph import ActionGraph
-from neuronbuild.analysis.actions import COMPILE, TRACE, WEIGHTS, Action
 from neuronbuild.analysis.providers import CompileTarget
 from neuronbuild.history import History, LatestEntry
 from neuronbuild.loading.target_graph import TargetGraph, locate
+from neuronbuild.plugin_api.actions import COMPILE, TRACE, WEIGHTS, Action
 
 NEW = "new"  # no previous result for this identity
 CHANGED = "changed"  # fields changed against the identity's most recent result

@@ -19,9 +19,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from neuronbuild.analysis.actions import Action
 from neuronbuild.loading.labels import Label
 from neuronbuild.loading.target_graph import TargetGraph
+from neuronbuild.plugin_api.actions import Action
 
 OK, OVER, UNDER = "ok", "over-keyed", "UNDER-KEYED"
 UNKEYED = "unkeyed?"  # quick mode: declared to change an output, changes no key (full mode judges: --only NAME)

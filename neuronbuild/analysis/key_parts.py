@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from neuronbuild.analysis.fingerprint import fingerprint
+from neuronbuild.digests import fingerprint
 
 SPLIT = ("model",)  # record fields shown one entry per part (a model record: srcs, config, seed, inputs, ...)
 _ABSENT = "(absent)"

@@ -10,11 +10,11 @@ from itertools import compress, count
 from typing import Any
 
 from neuronbuild.analysis.action_graph import ActionGraph
-from neuronbuild.analysis.actions import Action
 from neuronbuild.analysis.estimate import Estimate, Estimator, schedule, schedule_from
 from neuronbuild.analysis.providers import CompileTarget
 from neuronbuild.engine import Projection
 from neuronbuild.history import History
+from neuronbuild.plugin_api.actions import Action
 
 BUILD = "build"
 CACHED = "cached"

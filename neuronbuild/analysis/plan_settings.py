@@ -1,5 +1,4 @@
-"""Plan-wide settings that enter fingerprints (`PlanSettings`: the plug-in API's, plugin_api/toolchain.py, re-exported
-here) read from the command line: declared action env, what toolchains' settings resolve to (e.g. a configured
+"""Plan-wide settings that enter fingerprints (`PlanSettings`: the plug-in API's, plugin_api/toolchain.py) read from the command line: declared action env, what toolchains' settings resolve to (e.g. a configured
 compiler, from their flags: ToolSettings), toolchain overrides."""
 
 from __future__ import annotations
@@ -11,8 +10,7 @@ from typing import Any
 from neuronbuild import envvars
 from neuronbuild.errors import UserInputError
 from neuronbuild.plugin_api import registry as plugins
-from neuronbuild.plugin_api.toolchain import PlanSettings as PlanSettings
-from neuronbuild.plugin_api.toolchain import secret_digest
+from neuronbuild.plugin_api.toolchain import PlanSettings, secret_digest
 
 _ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _DIST_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]*$")  # a distribution a model imports (recorded per trace)

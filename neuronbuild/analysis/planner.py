@@ -17,11 +17,11 @@ from typing import Any
 from neuronbuild.analysis.action_graph import ActionGraph
 from neuronbuild.analysis.analysis_context import AnalysisContext
 from neuronbuild.analysis.analysis_nodes import GROUP_ROOTS, AnalysisMemo, _make_group
-from neuronbuild.analysis.plan_settings import PlanSettings
 from neuronbuild.errors import UserInputError
 from neuronbuild.loading.labels import Label
 from neuronbuild.loading.target_graph import TargetGraph
 from neuronbuild.plugin_api import registry as plugins
+from neuronbuild.plugin_api.toolchain import PlanSettings
 
 __all__ = ["plan"]
 

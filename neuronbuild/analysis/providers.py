@@ -6,8 +6,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from neuronbuild.analysis.actions import Bucket, DepInput, FileInput
 from neuronbuild.loading.labels import Label
+from neuronbuild.plugin_api.actions import Bucket, DepInput, FileInput
 
 
 @dataclass(frozen=True)

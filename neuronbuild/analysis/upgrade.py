@@ -7,10 +7,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from neuronbuild.analysis.action_graph import ActionGraph
-from neuronbuild.analysis.actions import Action
 from neuronbuild.analysis.estimate import Estimate, Estimator, wall_time
 from neuronbuild.analysis.explain import target_actions
 from neuronbuild.history import History
+from neuronbuild.plugin_api.actions import Action
 
 
 @dataclass(frozen=True)

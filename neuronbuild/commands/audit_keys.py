@@ -89,7 +89,7 @@ class _Audit:
     """One audit: a scratch copy of the workspace, the baseline plan, and a fresh scratch cache per run."""
 
     def __init__(self, ctx: BuildContext, scratch: Path, patterns: tuple[str, ...], jobs: int | None) -> None:
-        from neuronbuild.build import default_jobs
+        from neuronbuild.execution.env import default_jobs
         from neuronbuild.workspace import OUTPUT_DIR
 
         self.user, self.scratch, self.patterns = ctx, scratch, patterns
@@ -253,8 +253,8 @@ class _Audit:
             tool_variations,
             toolchain_variations,
         )
-        from neuronbuild.analysis.toolchain_api import UNSET
         from neuronbuild.loading.schema import label_values
+        from neuronbuild.plugin_api.toolchain import UNSET
 
         declared: dict[Any, frozenset[str]] = {}
         defaults: dict[Any, Any] = {}

@@ -182,7 +182,8 @@ def run(args: argparse.Namespace) -> int:
         _want_workers(args, cache_dir)
         return EXIT_OK
 
-    from neuronbuild.build import BuildRequest, default_jobs, run_build
+    from neuronbuild.build import BuildRequest, run_build
+    from neuronbuild.execution.env import default_jobs
     from neuronbuild.execution.resources import default_local_ram_mb
     from neuronbuild.execution.scheduler import describe_failure
 

@@ -121,8 +121,9 @@ def run_plan(args: argparse.Namespace) -> int:
     import json
 
     from neuronbuild.analysis.plan_report import plan_report
-    from neuronbuild.build import default_jobs, settings_notes
+    from neuronbuild.build import settings_notes
     from neuronbuild.errors import EXIT_BAD_INPUT, EXIT_OK
+    from neuronbuild.execution.env import default_jobs
 
     err = bad_jobs(args)
     if err:

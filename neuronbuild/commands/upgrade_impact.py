@@ -21,8 +21,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 
 def run(args: argparse.Namespace) -> int:
     from neuronbuild.analysis.upgrade import upgrade_impact
-    from neuronbuild.build import default_jobs
     from neuronbuild.commands.common import bad_jobs, context_from_args
+    from neuronbuild.execution.env import default_jobs
     from neuronbuild.execution.scheduler import needed_actions
 
     if not args.toolchain:

@@ -12,10 +12,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from neuronbuild.analysis.actions import Action
-from neuronbuild.analysis.fingerprint import fingerprint
 from neuronbuild.atomic import atomic_write_bytes
+from neuronbuild.digests import fingerprint
 from neuronbuild.execution.cache_api import CachedResult, SpawnCache
+from neuronbuild.plugin_api.actions import Action
 
 CUTOFF_DIR = "cutoff"
 REASON = "trace output unchanged"  # what progress lines and explain say when the input is the trace's program

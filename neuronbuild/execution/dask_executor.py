@@ -25,7 +25,6 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from neuronbuild.analysis.toolchain_api import WARM_UP
 from neuronbuild.digests import digest_file
 from neuronbuild.errors import NeuronBuildError
 from neuronbuild.execution.cache_api import SpawnCache
@@ -35,6 +34,7 @@ from neuronbuild.execution.limits import LimitSettings, for_action
 from neuronbuild.execution.pool import WorkerPool
 from neuronbuild.execution.sandbox import InputChanged, place_input
 from neuronbuild.execution.worker import first_lines
+from neuronbuild.plugin_api.toolchain import WARM_UP, is_warm_up
 
 _LOG_TAIL = 200_000
 SLOTS_REFRESH_S = 2.0
@@ -439,7 +439,7 @@ class FarmPool:
                 kills, self._kills = self._kills, []
                 warm, self._warm = self._warm, False
                 idle = self.pool.idle_slot() is not None
-                take = [t for t in self._inbox if (self.pool.warms_apart and _is_warm_up_msg(t[1])) or idle][:1]
+                take = [t for t in self._inbox if (self.pool.warms_apart and is_warm_up(t[1])) or idle][:1]
                 for t in take:
                     self._inbox.remove(t)
                 if not (kills or warm or take or self._pending or self.pool.busy):
@@ -471,10 +471,6 @@ class FarmPool:
             if task_id in self._pending:  # else abandoned (cancelled): dropped
                 self._results[task_id] = result
                 self._cond.notify_all()
-
-
-def _is_warm_up_msg(msg: dict[str, Any]) -> bool:
-    return msg.get("kind") == WARM_UP
 
 
 def quiet_dask_logs() -> dict[str, int]:
@@ -596,7 +592,7 @@ def farm_run(payload: dict[str, Any]) -> dict[str, Any]:
         limit, source = payload.get("timeout") or (0.0, "")  # the pool kills the action's process tree after it
         msg = {"kind": payload["kind"], "spec": payload["spec"], "inputs": str(inputs), "outputs": str(outputs),
                "log": str(log), "expect": payload.get("expect"), "limits": payload.get("limits")}
-        apart = pool.warms_apart and _is_warm_up_msg(msg)
+        apart = pool.warms_apart and is_warm_up(msg)
         if apart and dask_worker is not None:
             _secede()  # its slot runs other tasks (traces) now
             where = f"zygote@{where}"
@@ -679,7 +675,7 @@ def worker_toolchain() -> dict[str, Any]:
     versions, then what each registered toolchain reports (Toolchain.host_status), under "status" in registry order
     (a key two toolchains report is shown once)."""
     from neuronbuild import plugins
-    from neuronbuild.analysis.toolchain_versions import trace_toolchain
+    from neuronbuild.plugin_api.toolchain import trace_toolchain
 
     status: dict[str, str | None] = {}
     for tc in plugins.toolchains().values():

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Protocol
 
-from neuronbuild.analysis.actions import Action
+from neuronbuild.plugin_api.actions import Action
 
 EVENT_FORMAT = 1
 

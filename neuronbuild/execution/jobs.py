@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from neuronbuild.analysis.actions import Action
+from neuronbuild.plugin_api.actions import Action
 
 
 @dataclass(frozen=True)

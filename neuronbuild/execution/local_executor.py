@@ -13,13 +13,13 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from neuronbuild.analysis.actions import is_light
 from neuronbuild.execution import sandbox as sandboxes
 from neuronbuild.execution.cache_api import SpawnCache
 from neuronbuild.execution.env import action_environment, with_threads, worker_threads
 from neuronbuild.execution.jobs import Completion, Job, Started
 from neuronbuild.execution.limits import LimitSettings, for_action
 from neuronbuild.execution.pool import WorkerPool
+from neuronbuild.plugin_api.actions import is_light
 
 
 class Pools:
@@ -200,7 +200,7 @@ def run_light(job: Job, sb: sandboxes.Sandbox) -> Completion:
     start, cpu, began = time.perf_counter(), time.thread_time(), time.time()
     error, meta = "", {}
     try:
-        meta = plugins.toolchain(str(a.spec["toolchain"])).run(str(a.spec["step"]), a.spec, sb.inputs, sb.outputs)
+        meta = plugins.run_step(a.spec, sb.inputs, sb.outputs)
     except ToolchainError as e:
         error = str(e)
     except Exception as e:  # noqa: BLE001 - the step's failure is its action's, as in a worker

@@ -25,6 +25,7 @@ from neuronbuild import envvars
 from neuronbuild.execution import channel
 from neuronbuild.execution import zygote as zy
 from neuronbuild.execution.env import hide_process_environ
+from neuronbuild.plugin_api.toolchain import is_warm_up
 
 # The package's parent directory, so the worker imports this very neuronbuild (as spawn would, via sys.path).
 _PKG_PARENT = str(Path(neuronbuild.__file__).resolve().parent.parent)
@@ -34,13 +35,6 @@ _BOOT = ("import os, sys; sys.path[:] = [p for p in sys.path if os.path.isabs(p)
 # A task sent to a worker still starting (importing torch) gets this much time for the start on top of its timeout:
 # the timeout is the action's own, but a start that hangs must still end.
 _START_GRACE = 300.0
-
-
-def _is_warm_up(msg: dict[str, Any]) -> bool:
-    from neuronbuild.analysis.toolchain_api import WARM_UP
-
-    spec = msg.get("spec")
-    return msg.get("kind") == WARM_UP or (isinstance(spec, dict) and spec.get("step") == WARM_UP)
 
 
 @dataclass(frozen=True)
@@ -319,7 +313,7 @@ class WorkerPool:
                 timeout_source: str = "") -> tuple[int, int]:
         """Hand a task to an idle worker (starting one if needed); returns (slot, pid). `timeout` (seconds, from a
         target's `timeout` attribute, named by `timeout_source`) replaces the pool's action timeout for this task."""
-        if self._use_zygote and _is_warm_up(msg):
+        if self._use_zygote and is_warm_up(msg):
             apart = self._submit_apart(task_id, msg)
             if apart is not None:
                 return apart

@@ -14,9 +14,9 @@ from typing import Any
 
 import blake3
 
-from neuronbuild.analysis.actions import Action, FileInput
 from neuronbuild.digests import copy_hashing
 from neuronbuild.execution.cache_api import SpawnCache
+from neuronbuild.plugin_api.actions import Action, FileInput
 
 # Declared source files at least this big (a checkpoint) are not copied into the sandbox where Landlock can keep the
 # action from writing them: a hard link of the workspace file in the sandbox's read-only sibling directory

@@ -12,9 +12,7 @@ import networkx as nx
 
 from neuronbuild import plugins
 from neuronbuild.analysis.action_graph import ActionGraph
-from neuronbuild.analysis.actions import Action, Bucket, is_light, make_action
 from neuronbuild.analysis.estimate import Estimator, declared_weight_mb
-from neuronbuild.analysis.toolchain_api import WARM_UP, warm_up_key
 from neuronbuild.execution import cutoff
 from neuronbuild.execution import events as ev
 from neuronbuild.execution.cache_api import CachedResult, Claim, SpawnCache
@@ -22,6 +20,8 @@ from neuronbuild.execution.events import EventBus, action_fields
 from neuronbuild.execution.jobs import Completion, Executor, Job
 from neuronbuild.execution.resources import RamBudget
 from neuronbuild.execution.sandbox import InputChanged
+from neuronbuild.plugin_api.actions import Action, Bucket, is_light, make_action
+from neuronbuild.plugin_api.toolchain import WARM_UP, warm_up_key
 
 
 @dataclass(frozen=True)
@@ -152,7 +152,7 @@ def critical_paths(ag: ActionGraph, todo: list[Action], duration: dict[str, floa
 
 def warm_ups(todo: list[Action], apart: bool = False) -> dict[str, Action]:
     """{fingerprint of an action to run: the warm-up pseudo-action it benefits from}, one pseudo-action per
-    (toolchain, warm-up key) among the toolchain steps to run (see analysis/toolchain_api.py). A pseudo-action
+    (toolchain, warm-up key) among the toolchain steps to run (see plugin_api/toolchain.py). A pseudo-action
     carries the toolchain versions of the first step needing it, so a farm worker with another toolchain refuses it.
 
     Only warm-ups that leave something for the machine's other workers (files: inductor's precompiled headers) get

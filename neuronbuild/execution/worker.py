@@ -18,7 +18,6 @@ from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any
 
-from neuronbuild.analysis.toolchain_api import StepDirs
 from neuronbuild.atomic import atomic_write_bytes, umask_mode
 from neuronbuild.execution import channel, confine_ns, limits
 from neuronbuild.execution.confine import (
@@ -32,6 +31,8 @@ from neuronbuild.execution.confine import (
 )
 from neuronbuild.execution.sandbox import foreign_entry, private_dirs, read_only_dir
 from neuronbuild.platforms import SHARED_TMP_VAR
+from neuronbuild.plugin_api.actions import PROVIDER, provider_name
+from neuronbuild.plugin_api.toolchain import WARM_UP, StepDirs, is_warm_up, warm_up_key
 
 HOST = socket.gethostname()
 
@@ -122,7 +123,7 @@ def toolchain_mismatch(expect: Mapping[str, str]) -> str | None:
     and the C++ compiler differ from this worker's), or None. A farm worker with another toolchain must refuse rather
     than store an artifact under a fingerprint that names other versions."""
     from neuronbuild import plugins
-    from neuronbuild.analysis.toolchain_versions import trace_toolchain
+    from neuronbuild.plugin_api.toolchain import trace_toolchain
 
     here = trace_toolchain()
     for settings in plugins.tool_settings():  # each toolchain's components this worker has (e.g. its C++ compiler)
@@ -137,7 +138,8 @@ def toolchain_mismatch(expect: Mapping[str, str]) -> str | None:
 def run_action(kind: str, spec: dict[str, Any], inputs: str, outputs: str, log_path: str,
                expect: Mapping[str, str] | None = None, policy: Policy | None = None,
                notes: Sequence[str] = ()) -> dict[str, Any]:
-    """Run a trace, a weights action or a toolchain step in this process, after checking this worker's toolchain against `expect` (the
+    """Run an action's step (a trace, a weights action, a toolchain's step: `kind` is informational, the spec names
+    its step provider and step) in this process, after checking this worker's toolchain against `expect` (the
     versions in the action's fingerprint) and, with a `policy`, confining this process to it for good (so: only in
     a per-action child, see run_isolated). Returns {"ok", "metadata"|"error", "duration_s", "pid", "peak_rss_mb"}."""
     start = time.perf_counter()
@@ -157,20 +159,10 @@ def run_action(kind: str, spec: dict[str, Any], inputs: str, outputs: str, log_p
                 if why is not None:
                     print(f"neuronbuild: {why}; only Python-level file checks apply to this action", file=sys.stderr)
             os.chdir(inputs)
-            try:
-                if kind == "trace":
-                    from neuronbuild.toolchains.trace import run_trace
+            try:  # every kind alike: the step provider its spec names runs it (a toolchain, or the core's trace)
+                from neuronbuild import plugins
 
-                    meta = run_trace(spec, Path(inputs), Path(outputs))
-                elif kind == "weights":
-                    from neuronbuild.toolchains.trace import run_weights
-
-                    meta = run_weights(spec, Path(inputs), Path(outputs))
-                else:  # a toolchain's step: the registered toolchain named in the spec runs it
-                    from neuronbuild import plugins
-
-                    tc = plugins.toolchain(str(spec["toolchain"]))
-                    meta = tc.run(str(spec["step"]), spec, Path(inputs), Path(outputs))
+                meta = plugins.run_step(spec, Path(inputs), Path(outputs))
             finally:
                 os.chdir(cwd)
         violation = first_violation() if policy is not None else None
@@ -830,16 +822,14 @@ def close_inherited_fds(keep: tuple[int, ...] = ()) -> None:
 
 
 def step_dirs(spec: Mapping[str, Any]) -> StepDirs:
-    """What the step `spec` may use besides its sandbox, as its toolchain declares (Toolchain.step_dirs): e.g. the
+    """What the step `spec` may use besides its sandbox, as its step provider declares (StepProvider.step_dirs): the
     cpu toolchain's inductor working dir (writable) and precompiled headers (read-only: written by warm-ups, in this
-    process). A trace (no toolchain) gets nothing more."""
-    name = spec.get("toolchain")
-    if not isinstance(name, str):
-        return StepDirs()
+    process). A step of a provider that declares none (the core's trace and weights) gets nothing more."""
     try:
         from neuronbuild import plugins
 
-        return plugins.toolchain(name).step_dirs(spec)
+        provider = plugins.step_provider(spec)
+        return provider.step_dirs(spec) if provider is not None else StepDirs()
     except Exception:  # noqa: BLE001 - a broken toolchain import is reported by the action itself
         return StepDirs()
 
@@ -940,12 +930,11 @@ def prepare_process() -> tuple[str, ...]:
             Path(os.environ[var]).mkdir(parents=True, exist_ok=True)
     no_monitor_thread()
     with contextlib.suppress(Exception):  # a broken toolchain import is reported by the first action instead
-        import neuronbuild.toolchains.trace  # noqa: F401
         from neuronbuild import plugins
 
-        for tc in plugins.toolchains().values():  # what each toolchain's steps import (Toolchain.prepare_worker)
+        for provider in plugins.step_providers().values():  # what each one's steps import (the core's trace first)
             with contextlib.suppress(Exception):
-                tc.prepare_worker()
+                provider.prepare_worker()
         warm_imports()
     return installation_roots()
 
@@ -1009,7 +998,7 @@ def serve(conn_in: Connection, conn_out: Connection, installation: tuple[str, ..
             _exit_now()
         if msg is None:
             _exit_now()
-        if _is_warm_up(msg):
+        if is_warm_up(msg):
             discard_prepared()  # (forked before the warm-up: it would lack it)
             result = run_warm_up(msg, warmed)
         else:
@@ -1019,7 +1008,7 @@ def serve(conn_in: Connection, conn_out: Connection, installation: tuple[str, ..
             if implicit is not None:
                 result["duration_s"] = float(result.get("duration_s") or 0.0) + implicit
         end_descendants(spare=_DEFERRED)  # nothing an action started outlives it (its init: exiting, reaped below)
-        if not _is_warm_up(msg):
+        if not is_warm_up(msg):
             result = _without_foreign_entries(msg, result)
         cap_log(msg["log"])
         result["warmed"] = sorted(warmed)
@@ -1063,14 +1052,6 @@ def _exit_now() -> None:
     os._exit(0)
 
 
-def _is_warm_up(msg: Mapping[str, Any]) -> bool:
-    from neuronbuild.analysis.toolchain_api import WARM_UP
-
-    return msg.get("kind") == WARM_UP or (isinstance(msg.get("spec"), Mapping) and msg["spec"].get("step") == WARM_UP)
-
-
-def _key(spec: Mapping[str, Any]) -> str:
-    return json.dumps([spec.get("toolchain"), spec.get("key")], sort_keys=True, default=str)
 
 
 def run_warm_up(msg: Mapping[str, Any], warmed: set[str]) -> dict[str, Any]:
@@ -1084,7 +1065,7 @@ def run_warm_up(msg: Mapping[str, Any], warmed: set[str]) -> dict[str, Any]:
     res["cpu_s"] = round(_cpu_here() - before, 3)
     _CHANGES[0] += 1  # (an action process prepared before it lacks what it left in memory)
     if res.get("ok"):
-        warmed.add(_key(msg["spec"]))
+        warmed.add(warm_key(msg["spec"]))
     res["action_pid"] = os.getpid()
     return res
 
@@ -1128,26 +1109,26 @@ def import_builtin_factory(msg: Mapping[str, Any]) -> None:
 
 
 def warm_up_spec(msg: Mapping[str, Any]) -> dict[str, Any] | None:
-    """The spec of the warm-up pseudo-action a task's step benefits from ({"toolchain", "step", "key"}; its identity:
-    warm_key), or None (a trace, a step without a warm-up, a toolchain whose hook fails)."""
+    """The spec of the warm-up pseudo-action a task's step benefits from ({"toolchain" (or "provider"), "step", "key"};
+    its identity: warm_key), or None (a step without a warm-up, such as the core's trace, or whose hook fails)."""
     spec = msg.get("spec")
-    if msg.get("kind") == "trace" or not isinstance(spec, Mapping) or not spec.get("toolchain"):
+    if not isinstance(spec, Mapping):
         return None
     from neuronbuild import plugins
-    from neuronbuild.analysis.toolchain_api import WARM_UP, warm_up_key
 
     try:
-        key = warm_up_key(plugins.toolchain(str(spec["toolchain"])), spec)
+        provider = plugins.step_provider(spec)
+        key = warm_up_key(provider, spec) if provider is not None else None
     except Exception:  # noqa: BLE001 - a broken hook costs the warm-up, never the step
         return None
     if key is None:
         return None
-    return {"toolchain": spec["toolchain"], "step": WARM_UP, "key": key}
+    return {k: spec[k] for k in (PROVIDER, "toolchain") if spec.get(k)} | {"step": WARM_UP, "key": key}
 
 
 def warm_key(spec: Mapping[str, Any]) -> str:
-    """The identity of a warm-up (its toolchain and key) in a process's set of warm-ups done."""
-    return _key(spec)
+    """The identity of a warm-up (its step provider, a toolchain, and key) in a process's set of warm-ups done."""
+    return json.dumps([provider_name(spec) or None, spec.get("key")], sort_keys=True, default=str)
 
 
 def warm_before(msg: Mapping[str, Any], warmed: set[str]) -> float | None:
@@ -1155,16 +1136,14 @@ def warm_before(msg: Mapping[str, Any], warmed: set[str]) -> float | None:
     so this step and the later ones forked from here start with it done (with one worker there is no warm-up
     pseudo-action; with several, a worker that did not run it still fills its memo from the files on disk). Returns
     its seconds, or None when nothing ran. A failed warm-up is not the step's failure: the step builds what it needs."""
-    from neuronbuild.analysis.toolchain_api import WARM_UP
-
     w_spec = warm_up_spec(msg)
-    if w_spec is None or _key(w_spec) in warmed:
+    if w_spec is None or warm_key(w_spec) in warmed:
         return None
     start = time.perf_counter()
     with open(str(msg["log"]), "a", encoding="utf-8") as log:
         log.write("# warm-up in the worker process before its first step of this kind\n")
     res = run_warm_up({**msg, "kind": WARM_UP, "spec": w_spec}, warmed)
-    warmed.add(_key(w_spec))  # tried once per worker, failed or not
+    warmed.add(warm_key(w_spec))  # tried once per worker, failed or not
     seconds = time.perf_counter() - start
     with open(str(msg["log"]), "a", encoding="utf-8") as log:
         log.write(f"# warm-up {'done' if res.get('ok') else 'failed'} in {seconds:.1f} s: "

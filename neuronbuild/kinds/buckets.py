@@ -9,9 +9,9 @@ from typing import Any
 
 from neuronbuild.analysis.analysis_context import AnalysisContext
 from neuronbuild.analysis.providers import BucketsInfo
-from neuronbuild.kinds.base import RuleKind
-from neuronbuild.loading.schema import DIMS, NAME, SHAPES, TAGS, Attr, AttrError, RuleSchema
+from neuronbuild.loading.schema import DIMS, NAME, SHAPES, TAGS
 from neuronbuild.loading.targets import Target
+from neuronbuild.plugin_api.rules import Attr, AttrError, RuleKind, RuleSchema
 
 MAX_BUCKETS = 10_000  # per neuron_buckets target: far above any real bucket set, far below what exhausts a build
 

@@ -9,13 +9,13 @@ from typing import Any
 from neuronbuild.analysis.analysis_context import AnalysisContext
 from neuronbuild.analysis.providers import BundleInfo, CompileTarget, ModelInfo
 from neuronbuild.errors import UserInputError
-from neuronbuild.kinds.base import RuleKind
 from neuronbuild.kinds.model import graphs_only
 from neuronbuild.kinds.weights import WeightsTarget
 from neuronbuild.loading.labels import Label
-from neuronbuild.loading.schema import LABEL_LIST, NAME, STRING, TAGS, Attr, AttrError, RuleSchema
+from neuronbuild.loading.schema import LABEL_LIST, NAME, STRING, TAGS
 from neuronbuild.loading.target_graph import locate
 from neuronbuild.loading.targets import Target
+from neuronbuild.plugin_api.rules import Attr, AttrError, RuleKind, RuleSchema
 
 
 def _check(a: Mapping[str, Any]) -> None:

@@ -5,19 +5,19 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from neuronbuild.analysis import tensor_parallel
-from neuronbuild.analysis.actions import Bucket, DepInput
 from neuronbuild.analysis.analysis_context import AnalysisContext
 from neuronbuild.analysis.providers import BucketsInfo, CompileTarget, ModelInfo, PlatformInfo
-from neuronbuild.analysis.toolchain_api import CompileRequest, ignored_options, option_warnings, toolchain_options
 from neuronbuild.errors import UserInputError
-from neuronbuild.kinds.base import RuleKind
 from neuronbuild.kinds.model import fused_draft, graphs_only
 from neuronbuild.kinds.options import merged_options
 from neuronbuild.loading.labels import Label
-from neuronbuild.loading.schema import FLOAT, GRAPH_LABEL, GRAPH_LABELS, INT, LABEL, NAME, TAGS, Attr, RuleSchema
+from neuronbuild.loading.schema import FLOAT, GRAPH_LABEL, GRAPH_LABELS, INT, LABEL, NAME, TAGS
 from neuronbuild.loading.target_graph import locate
 from neuronbuild.loading.targets import Target
 from neuronbuild.plugin_api import registry as plugins
+from neuronbuild.plugin_api.actions import Bucket, DepInput
+from neuronbuild.plugin_api.rules import Attr, RuleKind, RuleSchema
+from neuronbuild.plugin_api.toolchain import CompileRequest, ignored_options, option_warnings, toolchain_options
 
 DRAFT_PREFIX = "draft."  # a fused speculation graph's draft weights file and names (runtime/layout.py DRAFT_PREFIX)
 

@@ -7,15 +7,12 @@ from collections.abc import Mapping
 from typing import Any
 
 from neuronbuild import jsondata
-from neuronbuild.analysis.actions import FileInput
 from neuronbuild.analysis.analysis_context import AnalysisContext
 from neuronbuild.analysis.hf_config import config_problem
 from neuronbuild.analysis.providers import ModelInfo
-from neuronbuild.analysis.toolchain_versions import distributions_of
 from neuronbuild.digests import digest_bytes, digest_file
 from neuronbuild.errors import Location, UserInputError
 from neuronbuild.kinds import py_library
-from neuronbuild.kinds.base import RuleKind
 from neuronbuild.loading.labels import Label, parse_label
 from neuronbuild.loading.schema import (
     CONST_DIMS,
@@ -30,14 +27,13 @@ from neuronbuild.loading.schema import (
     OUTPUTS,
     STRING,
     TAGS,
-    Attr,
-    AttrError,
-    AttrType,
-    RuleSchema,
     parse_input_spec,
 )
 from neuronbuild.loading.target_graph import locate
 from neuronbuild.loading.targets import Target
+from neuronbuild.plugin_api.actions import FileInput
+from neuronbuild.plugin_api.rules import Attr, AttrError, AttrType, RuleKind, RuleSchema
+from neuronbuild.plugin_api.toolchain import distributions_of
 
 
 def _weights(attr: str, v: Any, pkg: str) -> tuple[Label, ...]:
@@ -353,7 +349,7 @@ def weights_record(ctx: AnalysisContext, model: Target, files: list[FileInput],
         files.append(FileInput(p, d))
     if len(digests) == 1:
         return {"path": digests[0][0], "digest": digests[0][1]}
-    from neuronbuild.analysis.fingerprint import fingerprint
+    from neuronbuild.digests import fingerprint
 
     return {"path": paths[0], "digest": fingerprint({"shards": digests}), "shards": digests}
 

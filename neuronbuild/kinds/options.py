@@ -1,7 +1,7 @@
 """The compiler_options rule: a composable option set (deps merge in order, own values win, flags concatenate).
 
 Its option attributes are not named here: they are the union of the option keys the registered toolchains declare
-(analysis/toolchain_api.OptionKey), and each compile passes a toolchain only the keys it declared."""
+(plugin_api/toolchain.OptionKey), and each compile passes a toolchain only the keys it declared."""
 
 from __future__ import annotations
 
@@ -12,11 +12,11 @@ from typing import Any
 
 from neuronbuild.analysis.analysis_context import AnalysisContext
 from neuronbuild.analysis.providers import OptionsInfo
-from neuronbuild.analysis.toolchain_api import OptionKey
-from neuronbuild.loading.schema import LABEL_LIST, NAME, STRING_LIST, TAGS, Attr, RuleSchema
+from neuronbuild.loading.schema import LABEL_LIST, NAME, STRING_LIST, TAGS
 from neuronbuild.loading.targets import Target
 from neuronbuild.plugin_api import registry as plugins
-from neuronbuild.plugin_api.rules import RuleDefaults
+from neuronbuild.plugin_api.rules import Attr, RuleDefaults, RuleSchema
+from neuronbuild.plugin_api.toolchain import OptionKey
 
 KIND_NAME = "compiler_options"
 LIST_KEYS_CONCATENATE = STRING_LIST  # list-valued options (e.g. flags) concatenate along deps instead of replacing

@@ -6,13 +6,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from neuronbuild.analysis.actions import FileInput
 from neuronbuild.analysis.analysis_context import AnalysisContext
 from neuronbuild.digests import digest_file
-from neuronbuild.kinds.base import RuleKind
 from neuronbuild.loading.labels import Label
-from neuronbuild.loading.schema import LABEL_LIST, NAME, TAGS, Attr, AttrError, RuleSchema
+from neuronbuild.loading.schema import LABEL_LIST, NAME, TAGS
 from neuronbuild.loading.targets import Target
+from neuronbuild.plugin_api.actions import FileInput
+from neuronbuild.plugin_api.rules import Attr, AttrError, RuleKind, RuleSchema
 
 KIND_NAME = "neuron_py_library"
 

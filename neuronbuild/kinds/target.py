@@ -13,10 +13,11 @@ from typing import Any
 from neuronbuild.analysis.analysis_context import AnalysisContext
 from neuronbuild.analysis.providers import PlatformInfo
 from neuronbuild.errors import UserInputError
-from neuronbuild.loading.schema import NAME, STRING, TAGS, Attr, AttrError, RuleSchema
+from neuronbuild.loading.schema import NAME, STRING, TAGS
 from neuronbuild.loading.target_graph import locate
 from neuronbuild.loading.targets import Target
 from neuronbuild.plugin_api import registry as plugins
+from neuronbuild.plugin_api.rules import Attr, AttrError, RuleSchema
 
 KIND_NAME = "neuron_target"
 

@@ -13,12 +13,12 @@ from neuronbuild.analysis import tensor_parallel
 from neuronbuild.analysis.analysis_context import AnalysisContext
 from neuronbuild.analysis.providers import ModelInfo
 from neuronbuild.errors import UserInputError
-from neuronbuild.kinds.base import RuleKind
 from neuronbuild.kinds.model import WEIGHTS, graphs_only, weights_record
 from neuronbuild.loading.labels import Label
-from neuronbuild.loading.schema import INT, LABEL, NAME, STRING, TAGS, Attr, RuleSchema
+from neuronbuild.loading.schema import INT, LABEL, NAME, STRING, TAGS
 from neuronbuild.loading.target_graph import locate
 from neuronbuild.loading.targets import Target
+from neuronbuild.plugin_api.rules import Attr, RuleKind, RuleSchema
 
 SCHEMA = RuleSchema(
     "model_weights",

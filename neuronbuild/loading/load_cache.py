@@ -27,8 +27,9 @@ from neuronbuild.digests import digest_file, is_racy, stat_key
 from neuronbuild.errors import Location, UserInputError
 from neuronbuild.loading.labels import Label, LabelError, parse_label
 from neuronbuild.loading.loader import Loader, validate_rule
-from neuronbuild.loading.schema import RULES, AttrError
+from neuronbuild.loading.schema import RULES
 from neuronbuild.loading.targets import Package, Target
+from neuronbuild.plugin_api.rules import AttrError
 from neuronbuild.self_stamp import code_stamp
 
 _FORMAT = "nb-load-cache-2"

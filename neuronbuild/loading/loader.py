@@ -16,9 +16,10 @@ from typing import Any
 from neuronbuild.digests import RACY_NS
 from neuronbuild.errors import Location, UserInputError
 from neuronbuild.loading.labels import BUILTIN_REPO, Label, LabelError, canonical_label, check_target_name, parse_label
-from neuronbuild.loading.schema import RULES, AttrError, validate_call
+from neuronbuild.loading.schema import RULES, validate_call
 from neuronbuild.loading.starlark_adapter import RESERVED_PREFIX, Frame, Interpreter, StarlarkFailure
 from neuronbuild.loading.targets import Package, Target
+from neuronbuild.plugin_api.rules import AttrError
 from neuronbuild.workspace import BUILD_FILE, MARKER, OUTPUT_DIR, builtin_rules_dir
 
 

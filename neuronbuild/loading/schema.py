@@ -1,5 +1,5 @@
 """Attribute types and validation of rule-call attributes against a kind's schema (`Attr`, `AttrType`, `RuleSchema`:
-the plug-in API's, neuronbuild/plugin_api/rules.py, re-exported here).
+the plug-in API's, neuronbuild/plugin_api/rules.py).
 
 The schemas themselves live with their rule kinds (neuronbuild/kinds/), registered in the plug-in registry;
 `RULES` is the registry's view of them for loading."""
@@ -13,10 +13,7 @@ from typing import Any, TypeVar
 
 from neuronbuild.loading.labels import Label, LabelError, parse_label
 from neuronbuild.plugin_api import registry
-from neuronbuild.plugin_api.rules import Attr as Attr
-from neuronbuild.plugin_api.rules import AttrError as AttrError
-from neuronbuild.plugin_api.rules import AttrType as AttrType
-from neuronbuild.plugin_api.rules import RuleSchema as RuleSchema
+from neuronbuild.plugin_api.rules import Attr, AttrError, AttrType, RuleSchema
 from neuronbuild.vocabulary import DTYPES
 
 _DIM = r"(?:[A-Za-z_][A-Za-z0-9_]*|[0-9]+)"

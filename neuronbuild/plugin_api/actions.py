@@ -1,5 +1,5 @@
 """Action values: one trace per (model, bucket), one compile per (trace, target, effective options). Part of the plug-in
-API (a toolchain plans Actions); `neuronbuild.analysis.actions` re-exports them."""
+API (a toolchain plans Actions)."""
 
 from __future__ import annotations
 
@@ -14,8 +14,9 @@ from neuronbuild.digests import fingerprint
 if TYPE_CHECKING:
     from neuronbuild.loading.labels import Label  # (a leaf value module: it never imports the plug-in API)
 
-__all__ = ["COMPILE", "LIGHT", "PROGRAM_CONSTANTS", "TRACE", "TRACE_OUTPUT", "TRACE_WEIGHTS", "WEIGHTS", "Action", "Bucket",
-           "DepInput", "FileInput", "is_light", "make_action", "rank_weights", "trace_weights"]
+__all__ = ["COMPILE", "CORE_STEPS", "LIGHT", "PROGRAM_CONSTANTS", "PROVIDER", "TRACE", "TRACE_OUTPUT", "TRACE_WEIGHTS",
+           "WEIGHTS", "Action", "Bucket", "DepInput", "FileInput", "is_light", "make_action", "provider_name",
+           "rank_weights", "trace_weights"]
 
 TRACE = "trace"
 COMPILE = "compile"
@@ -30,6 +31,13 @@ PROGRAM_CONSTANTS = "program_constants.safetensors"
 # executor runs such a step in the build process, in the sandbox it made, instead of forking a confined action process
 # from a worker (#53: the fork and the namespace cost more than the step). The spec is not in the fingerprint.
 LIGHT = "light"
+# Who runs an action's `step`: the step provider its spec names under PROVIDER (the core's trace and weights:
+# CORE_STEPS, toolchains/torch_export.py), else its "toolchain" (a toolchain is the provider of its own steps).
+PROVIDER, CORE_STEPS = "provider", "torch_export"
+
+
+def provider_name(spec: Mapping[str, Any]) -> str:
+    return str(spec.get(PROVIDER) or spec.get("toolchain") or "")
 
 
 def rank_weights(rank: int) -> str:

@@ -1,7 +1,7 @@
 """What a runtime loader is (the plug-in API's serving half): how the serving runtime checks and loads the graphs of
 one artifact format (registered under it: runtime/loaders.py finds it by the format a graph's manifest names), and the
 plain data it is handed and returns. Its module imports nothing of the build side, so a serving-only install loads
-those graphs. runtime/loaders.py and runtime/host.py re-export these names."""
+those graphs."""
 
 from __future__ import annotations
 

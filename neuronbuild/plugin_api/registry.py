@@ -1,5 +1,5 @@
-"""The plug-in registry: rule kinds, toolchains, their settings and runtime loaders, each registered by its module when
-that module is imported. This module names no plug-in and imports none: `neuronbuild.plugins.load()` (called by
+"""The plug-in registry: rule kinds, toolchains, step providers, their settings and runtime loaders, each registered by
+its module when imported. This module names no plug-in and imports none: `neuronbuild.plugins.load()` (called by
 every command before it loads or plans, by workers, and by the runtime for loaders) imports the built-in and
 $NEURONBUILD_PLUGINS modules, and the lookups here answer from what they registered, so loading, analysis and the
 runtime, which ask, never import a plug-in (tests/test_layering.py: no import circle)."""
@@ -15,13 +15,18 @@ from neuronbuild.plugin_api.flag import SettingsDefaults
 
 TYPE_CHECKING = False  # (not typing's: the build server's client imports this module for toolchain settings)
 if TYPE_CHECKING:
+    from collections.abc import Mapping
+    from pathlib import Path
+    from typing import Any
+
     from neuronbuild.plugin_api.loader import ArtifactLoader
     from neuronbuild.plugin_api.rules import Rule
-    from neuronbuild.plugin_api.toolchain import Toolchain, ToolSettings
+    from neuronbuild.plugin_api.toolchain import StepProvider, Toolchain, ToolSettings
 
 _rules: dict[str, Rule] = {}  # kind name -> its rule kind
 _toolchains: dict[str, Toolchain] = {}  # toolchain name -> Toolchain
 _platforms: dict[str, str] = {}  # platform -> toolchain name
+_steps: dict[str, StepProvider] = {}  # step provider name -> it (every toolchain, and the core's trace and weights)
 _loaders: dict[str, ArtifactLoader] = {}  # artifact format -> the runtime's loader for it
 _settings: dict[str, ToolSettings] = {}  # settings name -> a toolchain's settings
 lock = RLock()
@@ -80,7 +85,21 @@ def register_toolchain(tc: Toolchain) -> Toolchain:
                 raise ValueError(f"platform {p!r} is served by toolchain {owner!r} already; {tc.name!r} cannot")
             _platforms[p] = tc.name
         _toolchains[tc.name] = tc
+        _steps[tc.name] = tc
     return tc
+
+
+def register_steps(provider: StepProvider) -> StepProvider:
+    """Register a step provider that is not a toolchain (plugin_api/toolchain.py StepProvider), e.g. the core's trace
+    and weights (toolchains/torch_export.py); returns it."""
+    from neuronbuild.plugin_api import toolchain as api
+
+    _complete(provider, api.STEPS_REQUIRED, api.Steps, "step provider {!r} does not implement StepProvider")
+    with lock:
+        if provider.name in _toolchains:
+            raise ValueError(f"step provider {provider.name!r}: a toolchain has that name already")
+        _steps[provider.name] = provider
+    return provider
 
 
 def register_loader(loader: ArtifactLoader) -> ArtifactLoader:
@@ -144,6 +163,26 @@ def toolchains() -> dict[str, Toolchain]:
 
 def toolchain(name: str) -> Toolchain:
     return toolchains()[name]
+
+
+def step_providers() -> dict[str, StepProvider]:
+    """Every step provider (every toolchain too), in registration order (plugins.BUILTIN: the core's first)."""
+    _build_side()
+    return _steps
+
+
+def step_provider(spec: Mapping[str, Any]) -> StepProvider | None:
+    """The provider of the step `spec` describes (plugin_api/actions.py provider_name); None: it names none."""
+    from neuronbuild.plugin_api.actions import provider_name
+
+    return step_providers()[provider_name(spec)] if provider_name(spec) else None
+
+
+def run_step(spec: Mapping[str, Any], sandbox: Path, out_dir: Path) -> dict[str, Any]:
+    """Run the step `spec` describes in this process: every action kind alike (execution/worker.py; light steps)."""
+    from neuronbuild.plugin_api.actions import provider_name
+
+    return step_providers()[provider_name(spec)].run(str(spec["step"]), spec, sandbox, out_dir)
 
 
 def platforms() -> tuple[str, ...]:

@@ -1,6 +1,6 @@
 """What a rule kind is (the plug-in API's rule half): its attribute schema (`RuleSchema` of `Attr`s, each of an
 `AttrType`) plus its analysis (`RuleKind`). The attribute types themselves (STRING, LABEL, ...) and rule-call
-validation are loading's (loading/schema.py, which re-exports these names)."""
+validation are loading's (loading/schema.py)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The toolchain protocol (the plug-in API's toolchain half): what a registered toolchain tells analysis, the request
 it plans compile actions for and the plan-wide settings it reads. The registry (plugin_api/registry.py) is typed with
-it, so mypy checks every use of a toolchain against it; `neuronbuild.analysis.toolchain_api` re-exports it.
+it, so mypy checks every use of a toolchain against it.
 
 A toolchain is the sum of small capabilities (`Identity`, `Targets`, `Planning`, `Steps`, `HostSide`). The members
 with a default here are optional: the registry fills those a registered toolchain leaves out (a class subclassing
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import functools
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
@@ -36,6 +36,11 @@ if TYPE_CHECKING:
     from neuronbuild.loading.labels import Label  # (a leaf value module: it never imports the plug-in API)
 
 WARM_UP = "warm_up"  # the step (and pseudo-action kind) of a toolchain's per-machine warm-up
+
+
+def is_warm_up(msg: Mapping[str, Any]) -> bool:
+    """Whether a worker's message (its "kind" and "spec") is a warm-up rather than an action."""
+    return msg.get("kind") == WARM_UP or (isinstance(msg.get("spec"), Mapping) and msg["spec"].get("step") == WARM_UP)
 
 
 class _Unset:
@@ -70,13 +75,34 @@ class StepDirs:
     read: tuple[str, ...] = ()
 
 
-@functools.cache
+@functools.cache  # (versions of the components entering fingerprints: from package metadata, never importing them)
 def package_version(name: str) -> str:
     """An installed distribution's version from package metadata (never importing it), or 'not-installed'."""
     try:
         return metadata.version(name)
     except metadata.PackageNotFoundError:
         return "not-installed"
+
+
+def distributions_of(modules: Iterable[str]) -> dict[str, str]:
+    """Installed distributions (name -> version) providing these top-level modules; torch is in every trace record
+    already, modules no distribution provides (the standard library, the workspace's own) are left out."""
+    wanted = [m for m in modules if m not in sys.stdlib_module_names and m not in ("torch", "neuronbuild")]
+    if not wanted:
+        return {}  # (no scan of every installed distribution: ~1 s per process with torch's environment)
+    dists = _packages_distributions()
+    out: dict[str, str] = {}
+    for mod in wanted:
+        for dist in dists.get(mod, ()):
+            name = dist.lower().replace("_", "-")
+            if name != "torch":
+                out[name] = package_version(dist)
+    return dict(sorted(out.items()))
+
+
+@functools.cache
+def _packages_distributions() -> Mapping[str, list[str]]:
+    return metadata.packages_distributions()
 
 
 def trace_toolchain() -> dict[str, str]:
@@ -254,6 +280,16 @@ class Steps(Protocol):
         return StepDirs()
 
 
+class StepProvider(Steps, Protocol):
+    """What runs an action's step in a worker (registry.run_step): a toolchain (its own steps), or a provider planning
+    nothing (`plugins.register_steps`: the core's trace and weights), named by the spec (actions.provider_name)."""
+
+    name: str
+
+
+STEPS_REQUIRED = ("name", "run")  # (checked by register_steps; the rest: Steps' defaults)
+
+
 class HostSide(Protocol):
     """What runs its artifacts on a machine: its runtime loader's module, `validate`'s loader, `farm status`."""
 
@@ -273,7 +309,7 @@ class HostSide(Protocol):
         ...
 
 
-class Toolchain(Identity, Targets, Planning, Steps, HostSide, Protocol):
+class Toolchain(Identity, Targets, Planning, StepProvider, HostSide, Protocol):
     """A registered toolchain (neuronbuild.plugins.register_toolchain): every capability."""
 
 
@@ -327,7 +363,7 @@ class ToolSettings(Protocol):
     def worker_versions(self, expect: Mapping[str, str]) -> dict[str, str]: ...
 
 
-def warm_up_key(tc: Toolchain, spec: Mapping[str, Any]) -> dict[str, Any] | None:
+def warm_up_key(tc: StepProvider, spec: Mapping[str, Any]) -> dict[str, Any] | None:
     """What a toolchain's step needs warm on the machine that runs it (JSON-able; steps with equal keys share one
     warm-up), or None: nothing, or the toolchain has no warm-up. Called in the build process: must not import torch.
     The key only groups steps: what the artifact is keyed by on disk (flags, ISA, compiler and torch versions) is

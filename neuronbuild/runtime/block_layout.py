@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from neuronbuild.runtime.host import Mismatch
+from neuronbuild.plugin_api.loader import Mismatch
 from neuronbuild.runtime.layout import Graph
 
 NUM_BLOCKS_ENV = "NEURONBUILD_NUM_BLOCKS"

@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from neuronbuild import envvars
-from neuronbuild.runtime.host import Host, check_graph, current_host, no_loader
+from neuronbuild.plugin_api.loader import Host
+from neuronbuild.runtime.host import check_graph, current_host, no_loader
 from neuronbuild.runtime.inputs import prepare
 from neuronbuild.runtime.layout import (
     DRAFT_PREFIX,

@@ -9,8 +9,7 @@ from importlib import metadata
 from pathlib import Path
 
 from neuronbuild.platforms import host_isa  # stdlib-only module (no build-side dependencies)
-from neuronbuild.plugin_api.loader import Host as Host
-from neuronbuild.plugin_api.loader import Mismatch as Mismatch
+from neuronbuild.plugin_api.loader import Host, Mismatch
 from neuronbuild.runtime import loaders
 from neuronbuild.runtime.layout import Graph
 from neuronbuild.vocabulary import NEURON_INSTANCE_FAMILIES

@@ -1,7 +1,7 @@
 """The runtime's loaders: finding the one registered for an artifact format (importing the built-in loader modules,
 RUNTIME_BUILTIN, and those of $NEURONBUILD_PLUGINS), and the request the runtime hands one, its files only through
 the runtime's checked copies. What a loader is (`ArtifactLoader`, `LoadRequest`, `Loaded`) is the plug-in API's
-(plugin_api/loader.py), re-exported here."""
+(plugin_api/loader.py)."""
 
 from __future__ import annotations
 
@@ -15,9 +15,7 @@ from typing import Any
 
 from neuronbuild import envvars
 from neuronbuild.plugin_api import registry
-from neuronbuild.plugin_api.loader import ArtifactLoader as ArtifactLoader
-from neuronbuild.plugin_api.loader import Loaded as Loaded
-from neuronbuild.plugin_api.loader import LoadRequest as LoadRequest
+from neuronbuild.plugin_api.loader import ArtifactLoader, LoadRequest
 from neuronbuild.runtime.layout import FileRef, Graph
 from neuronbuild.runtime.verified import Scratch, verified_path
 

@@ -211,7 +211,7 @@ class WarmState:
         (toolchain code only, never model code: worker.run_warm_up, as a build's warm-up pseudo-actions do), then
         the idle workers are replaced by forks that inherit them (pool.settle). Nothing of it reaches a build's
         results: a build's own warm-up still runs and finds the work done."""
-        from neuronbuild.analysis.toolchain_api import WARM_UP
+        from neuronbuild.plugin_api.toolchain import WARM_UP
 
         pool = self._pool
         if pool is None or self._scratch is None or not self._scratch_intact():
@@ -328,8 +328,8 @@ def _warm_ups_of(ag: Any, out: dict[str, dict[str, Any]], step: int) -> Iterator
     "versions"}}: the versions of the first step needing it, which the zygote checks as it checks a step's), as
     scheduler.warm_ups would for warm-ups run apart; yields every `step` actions."""
     from neuronbuild import plugins
-    from neuronbuild.analysis.toolchain_api import WARM_UP, warm_up_key
     from neuronbuild.execution.worker import warm_key
+    from neuronbuild.plugin_api.toolchain import WARM_UP, warm_up_key
 
     for i, a in enumerate(ag.actions.values()):
         if i and i % step == 0:

@@ -18,8 +18,8 @@ from typing import Any
 import torch
 
 from neuronbuild import envvars
-from neuronbuild.analysis.toolchain_api import StepDirs
 from neuronbuild.platforms import SHARED_TMP_VAR, THREADS_VAR, host_cores
+from neuronbuild.plugin_api.toolchain import StepDirs
 from neuronbuild.toolchains.errors import ToolchainError
 from neuronbuild.toolchains.model_import import example_inputs
 from neuronbuild.toolchains.passes import apply_passes

@@ -6,12 +6,12 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from neuronbuild.analysis.actions import COMPILE, PROGRAM_CONSTANTS, TRACE_OUTPUT, Action, DepInput, make_action
-from neuronbuild.analysis.plan_settings import PlanSettings
-from neuronbuild.analysis.toolchain_api import WARM_UP, CompileRequest, OptionKey, StepDirs, Toolchain
-from neuronbuild.loading.schema import STRING, Attr
+from neuronbuild.loading.schema import STRING
 from neuronbuild.platforms import cxx_version, resolve_isa
 from neuronbuild.plugin_api import registry as plugins
+from neuronbuild.plugin_api.actions import COMPILE, PROGRAM_CONSTANTS, TRACE_OUTPUT, Action, DepInput, make_action
+from neuronbuild.plugin_api.rules import Attr
+from neuronbuild.plugin_api.toolchain import WARM_UP, CompileRequest, OptionKey, PlanSettings, StepDirs, Toolchain
 from neuronbuild.toolchains import cpu_runtime, cpu_settings
 from neuronbuild.vocabulary import AUTO_CAST, CPU_ISAS, CPU_PLATFORM
 

@@ -1,6 +1,6 @@
 """The cpu (AOTInductor) toolchain's settings: the C++ compiler. No flags of its own; the executables the no-op and
 server stamps watch (g++, c++, $CXX, $CC: what inductor may run), the `cxx` component a what-if may set, and the
-version a farm worker compares with an action's. A toolchain settings declaration (analysis/toolchain_api.ToolSettings):
+version a farm worker compares with an action's. A toolchain settings declaration (plugin_api/toolchain.ToolSettings):
 built-in modules only at import (the command-line parser and the build server's client read it)."""
 
 from __future__ import annotations

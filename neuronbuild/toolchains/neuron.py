@@ -10,7 +10,10 @@ from pathlib import Path
 from typing import Any
 
 from neuronbuild import FORMAT_VERSION
-from neuronbuild.analysis.actions import (
+from neuronbuild.errors import UserInputError
+from neuronbuild.loading.schema import INT, STRING, STRING_LIST
+from neuronbuild.plugin_api import registry as plugins
+from neuronbuild.plugin_api.actions import (
     COMPILE,
     LIGHT,
     PROGRAM_CONSTANTS,
@@ -19,12 +22,16 @@ from neuronbuild.analysis.actions import (
     DepInput,
     make_action,
 )
-from neuronbuild.analysis.plan_settings import PlanSettings
-from neuronbuild.analysis.toolchain_api import WARM_UP, CompileRequest, OptionKey, StepDirs, Toolchain
-from neuronbuild.analysis.toolchain_versions import package_version
-from neuronbuild.errors import UserInputError
-from neuronbuild.loading.schema import INT, STRING, STRING_LIST, Attr
-from neuronbuild.plugin_api import registry as plugins
+from neuronbuild.plugin_api.rules import Attr
+from neuronbuild.plugin_api.toolchain import (
+    WARM_UP,
+    CompileRequest,
+    OptionKey,
+    PlanSettings,
+    StepDirs,
+    Toolchain,
+    package_version,
+)
 from neuronbuild.toolchains import neuron_flags, neuron_runtime, neuron_settings
 from neuronbuild.toolchains.neuron_settings import NAME as NEURONX_CC
 from neuronbuild.vocabulary import AUTO_CAST, NEURON_PLATFORMS, OPT_LEVELS

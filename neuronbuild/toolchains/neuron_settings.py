@@ -1,7 +1,7 @@
 """The Neuron toolchain's settings: neuronx-cc. Its flags (--neuronx-cc PATH, --neuronx-cc-timeout SECONDS), the
 variable read when the flag is absent ($NEURONX_CC, else neuronx-cc on PATH), the executable the no-op and server
 stamps watch, and what enters the Neuron compiles' fingerprints (its version; path and timeout reach the step's
-spec). A toolchain settings declaration (analysis/toolchain_api.ToolSettings): built-in modules only at import (the
+spec). A toolchain settings declaration (plugin_api/toolchain.ToolSettings): built-in modules only at import (the
 command-line parser and the build server's client read it)."""
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ HLO_FILE = neuron_flags.HLO_FILE
 PARAMS_FILE = "params.json"
 FLAGS_FILE = "compile_flags.json"
 NEFF_FILE = neuron_flags.NEFF_FILE
-PROGRAM_CONSTANTS = "program_constants.safetensors"  # the program's own tensors (analysis.actions.PROGRAM_CONSTANTS)
+PROGRAM_CONSTANTS = "program_constants.safetensors"  # the program's own tensors (plugin_api.actions.PROGRAM_CONSTANTS)
 LOWER_OUTPUTS = (HLO_FILE, PARAMS_FILE, PROGRAM_CONSTANTS)
 COMPILE_OUTPUTS = (*LOWER_OUTPUTS, FLAGS_FILE)  # (+ model.neff): the weights ship from the weights action
 # What neuronx-cc needs in its environment to compile a module with fp8 parameters (AWS's fp8 tutorials set it;

@@ -156,7 +156,7 @@ def _write_shards(out_dir: Path, tp: int, entries: list[Any], constants: Mapping
                   state: Mapping[str, Any], part: Any, stored_as: Mapping[str, str]) -> int:
     """rank_<r>.safetensors for every rank: each tensor of the rank's program, its part of the whole one
     (model_import.rank_values: one tensor at a time, never the whole model in memory); returns the bytes written."""
-    from neuronbuild.analysis.actions import rank_weights
+    from neuronbuild.plugin_api.actions import rank_weights
     from neuronbuild.toolchains.tp_ops import is_rank_buffer, rank_value
     from neuronbuild.toolchains.weights import write_safetensors
 

@@ -9,9 +9,8 @@ from pathlib import Path
 from typing import Any
 
 from neuronbuild import FORMAT_VERSION, plugins
-from neuronbuild.analysis.actions import TRACE_OUTPUT, Action, DepInput, make_action
-from neuronbuild.analysis.plan_settings import PlanSettings
-from neuronbuild.analysis.toolchain_api import CompileRequest, StepDirs
+from neuronbuild.plugin_api.actions import TRACE_OUTPUT, Action, DepInput, make_action
+from neuronbuild.plugin_api.toolchain import CompileRequest, PlanSettings, StepDirs
 
 
 class EchoToolchain:

@@ -8,11 +8,11 @@ from __future__ import annotations
 from neuronbuild import plugins
 from neuronbuild.analysis.analysis_context import AnalysisContext
 from neuronbuild.analysis.providers import CompileTarget, ModelInfo
-from neuronbuild.analysis.toolchain_api import CompileRequest, toolchain_options
-from neuronbuild.kinds.base import RuleKind
 from neuronbuild.kinds.compile import buckets_of
-from neuronbuild.loading.schema import LABEL, LABEL_LIST, NAME, TAGS, Attr, RuleSchema
+from neuronbuild.loading.schema import LABEL, LABEL_LIST, NAME, TAGS
 from neuronbuild.loading.targets import Target
+from neuronbuild.plugin_api.rules import Attr, RuleKind, RuleSchema
+from neuronbuild.plugin_api.toolchain import CompileRequest, toolchain_options
 
 PLATFORM = "cpu-portable"
 

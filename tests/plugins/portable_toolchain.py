@@ -17,13 +17,12 @@ from pathlib import Path
 from typing import Any
 
 from neuronbuild import plugins
-from neuronbuild.analysis.actions import COMPILE, PROGRAM_CONSTANTS, TRACE_OUTPUT, Action, DepInput, make_action
-from neuronbuild.analysis.plan_settings import PlanSettings
-from neuronbuild.analysis.toolchain_api import WARM_UP, CompileRequest, OptionKey, StepDirs
-from neuronbuild.loading.schema import STRING, Attr
-from neuronbuild.runtime.host import Host, Mismatch
+from neuronbuild.loading.schema import STRING
+from neuronbuild.plugin_api.actions import COMPILE, PROGRAM_CONSTANTS, TRACE_OUTPUT, Action, DepInput, make_action
+from neuronbuild.plugin_api.loader import Host, Loaded, LoadRequest, Mismatch
+from neuronbuild.plugin_api.rules import Attr
+from neuronbuild.plugin_api.toolchain import WARM_UP, CompileRequest, OptionKey, PlanSettings, StepDirs
 from neuronbuild.runtime.layout import Graph
-from neuronbuild.runtime.loaders import Loaded, LoadRequest
 
 ISA = "x86-64"  # the baseline every x86-64 machine runs
 FORMAT = "aoti-x86-64"  # a format no built-in runtime loader knows
@@ -104,7 +103,7 @@ class PortableToolchain:
 
 
 class PortableSettings:
-    """Its settings (analysis/toolchain_api.ToolSettings): one flag, read by every command that plans and accepted in
+    """Its settings (plugin_api/toolchain.ToolSettings): one flag, read by every command that plans and accepted in
     rc files; the value enters this toolchain's fingerprints (and no other's)."""
 
     name = "portable-release"
