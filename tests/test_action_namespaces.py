@@ -411,7 +411,7 @@ def test_a_prepared_action_process_runs_the_next_action_alone_and_nothing_of_it_
         return worker._children(os.getpid())
 
     monkeypatch.setattr(worker, "FREEZE", [False])
-    seen = []
+    seen, held = [], []
     for name in ("a", "b"):
         def fake_run_action(kind: str, spec: dict[str, Any], inputs: str, outputs: str, log_path: str,
                             expect: Any = None, policy: Any = None, notes: Any = ()) -> dict[str, Any]:
@@ -422,6 +422,13 @@ def test_a_prepared_action_process_runs_the_next_action_alone_and_nothing_of_it_
         prep = worker.prepare(installation)
         assert prep is not None and children() == [prep.pid]
         assert worker.prepare(installation) is prep  # (one at a time)
+        # hold its namespaces open until the end: the kernel numbers a namespace with the lowest free id, so a dead
+        # action's number could come back for the next one (ci81) and the comparison below would prove nothing
+        deadline = time.monotonic() + 30
+        while os.readlink(f"/proc/{prep.pid}/ns/mnt") == os.readlink("/proc/self/ns/mnt"):  # (its own, once set up)
+            assert time.monotonic() < deadline, "the prepared init never entered its own mount namespace"
+            time.sleep(0.01)
+        held += [os.open(f"/proc/{prep.pid}/ns/{ns}", os.O_RDONLY) for ns in ("pid", "mnt")]
         # the prepared one waits: it runs nothing before its action comes (its init and the action's process)
         base = tmp_path / f"sandbox-{name}"
         (base / "in").mkdir(parents=True)
@@ -436,6 +443,8 @@ def test_a_prepared_action_process_runs_the_next_action_alone_and_nothing_of_it_
         worker.end_descendants()
         assert children() == []
     assert seen[0]["ns"] != seen[1]["ns"] and seen[0]["mnt"] != seen[1]["mnt"]
+    for fd in held:
+        os.close(fd)
     prep = worker.prepare(installation)
     assert prep is not None and children() == [prep.pid]
     worker.discard_prepared()
