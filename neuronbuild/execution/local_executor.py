@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import json
 import os
-import queue
 import shutil
 import tempfile
-import threading
 import time
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -90,8 +89,7 @@ class LocalExecutor:
         self._scratch_dir: Path | None = None
         # finished actions' sandboxes, removed by a thread (off the scheduler's path to the next action); shutdown
         # waits for it before removing the build's directory
-        self._trash: queue.SimpleQueue[sandboxes.Sandbox | None] = queue.SimpleQueue()
-        self._remover: threading.Thread | None = None
+        self._remover: ThreadPoolExecutor | None = None
 
     @property
     def _scratch(self) -> Path:
@@ -156,10 +154,8 @@ class LocalExecutor:
         if entry is None:
             return
         if self._remover is None:
-            self._remover = threading.Thread(target=_remove_sandboxes, args=(self._trash,), daemon=True,
-                                             name="neuronbuild-sandbox-remover")
-            self._remover.start()
-        self._trash.put(entry[1])
+            self._remover = ThreadPoolExecutor(1, thread_name_prefix="neuronbuild-sandbox-remover")
+        self._remover.submit(entry[1].remove)
 
     def cancel(self) -> None:
         self._light.clear()
@@ -172,20 +168,13 @@ class LocalExecutor:
         self._pool.shutdown()
         self._running.clear()
         if self._remover is not None:
-            self._trash.put(None)
-            self._remover.join()
+            self._remover.shutdown(wait=True)
             self._remover = None
         if self._scratch_dir is not None:
             shutil.rmtree(self._scratch_dir, ignore_errors=True)
 
     def worker_pids(self) -> list[int]:
         return self._pool.pids()
-
-
-def _remove_sandboxes(trash: queue.SimpleQueue[sandboxes.Sandbox | None]) -> None:
-    """Remove the sandboxes put in `trash` until a None (the executor's shutdown)."""
-    while (sb := trash.get()) is not None:
-        sb.remove()
 
 
 def run_light(job: Job, sb: sandboxes.Sandbox) -> Completion:
