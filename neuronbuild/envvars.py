@@ -69,6 +69,8 @@ VARIABLES: tuple[Var, ...] = (
         "build"),
     Var("NEURONBUILD_ACTION_CGROUPS", "flag", True, "0: limit actions by the worker's watch only, no cgroups",
         "build"),
+    Var("NEURONBUILD_LIGHT_STEPS", "flag", True, "0: light steps run in workers like every other action instead of in "
+        "the build process (for A/B measurements)", "build"),
     # -- build server ----------------------------------------------------------------------------------------------
     Var("NEURONBUILD_NO_SERVER", "flag", False, "run every command in its own process (as --batch)", "server"),
     Var("NEURONBUILD_OUTPUT_USER_ROOT", "path", None, "where servers keep their output bases (--output-user-root "

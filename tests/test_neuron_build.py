@@ -120,6 +120,13 @@ def test_compiles_without_neuronx_cc_run_in_the_build_process_with_the_new_flags
         assert "-O3" in new["argv"] and "-O2" in old["argv"]
         assert [a for a in new["argv"] if a != "-O3"] == [a for a in old["argv"] if a != "-O2"]
         assert new["hlo_sha256"] == old["hlo_sha256"]
+    # $NEURONBUILD_LIGHT_STEPS=0 (A/B measurements): the same steps run in a worker, as every other action
+    edit(ws / "pkg/BUILD", 'opt_level = 3, lnc = 1', 'opt_level = 1, lnc = 1')
+    out = _ok(run_cli(["build", "//pkg:c_trn2", "--cache-dir", str(cache), "--build-event-json-file", str(events)],
+                      ws, {**NO_CC, "NEURONBUILD_LIGHT_STEPS": "0"}))
+    assert "2 executed" in out
+    started = [json.loads(line) for line in events.read_text().splitlines() if '"action_started"' in line]
+    assert [e["kind"] for e in started] == ["compile"] * 2 and all(e["worker"] != "build" for e in started)
 
 
 def test_validate_runs_the_hlo_on_xla_cpu(built) -> None:  # type: ignore[no-untyped-def]

@@ -12,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from neuronbuild import envvars
 from neuronbuild.execution import sandbox as sandboxes
 from neuronbuild.execution.cache_api import SpawnCache
 from neuronbuild.execution.env import action_environment, with_threads, worker_threads
@@ -75,6 +76,7 @@ class LocalExecutor:
         self.limits = limits if limits is not None else LimitSettings(timeout_s=action_timeout or None)
         self._timeouts = dict(timeouts or {})  # fingerprint -> (seconds, the attribute that set it)
         self.cache = cache
+        self.runs_light = envvars.current().flag("NEURONBUILD_LIGHT_STEPS")  # (0: in workers, for A/B measurements)
         self.slots = max(1, jobs)
         self.threads = worker_threads(self.slots)  # each worker's share of the machine's cores
         args, kwargs = pool_args(cache, jobs, env, action_timeout)
@@ -112,7 +114,7 @@ class LocalExecutor:
     def start(self, job: Job) -> Started:
         a = job.action
         sb = sandboxes.prepare(a, self.root, self.cache, self._scratch)
-        if is_light(a):  # its toolchain's code on data, no model code: no worker, no fork
+        if self.runs_light and is_light(a):  # its toolchain's code on data, no model code: no worker, no fork
             self._running[job.id] = (job, sb)
             self._light.append(job)
             return Started("build", os.getpid())
