@@ -117,10 +117,26 @@ def accepted_error(tolerance: float, dtype: str, cmp: Comparison) -> float:
     return max(tolerance, rel * scale)
 
 
+def reference_model(config: Mapping[str, Any]) -> Any:
+    """transformers' model of an hf_causal_lm config (hf_causal_lm.hf_model: random weights, in eval mode) computing
+    its mixture-of-experts layers with transformers' eager experts. transformers picks its `grouped_mm` experts by
+    default, whose CPU kernel refuses an expert whose intermediate rows are not a multiple of 16 bytes (e.g. an
+    expert width of 6 in float32: "RuntimeError: strides should be multiple of 16 bytes"); the eager experts (each
+    expert hit, its own linear layers) compute the same for any width, in every family whose experts go through
+    transformers' experts interface. A model without experts is unchanged. The graphs themselves trace neuronbuild's
+    dense experts (hf_causal_lm.EXPERTS), not these."""
+    from neuronbuild.toolchains import hf_causal_lm
+
+    model: Any = hf_causal_lm.hf_model(dict(config)).eval()
+    model.set_experts_implementation("eager")
+    return model
+
+
 class HfReference:
     """transformers' model class of an hf_causal_lm built from the same config with the graphs' weights (as
-    neuronbuild loads them for the trace), plus the wrapper's eager context graph (only to fill the token graph's
-    cache input: its errors reach the token logits compared with transformers')."""
+    neuronbuild loads them for the trace; its experts transformers' eager ones: reference_model), plus the wrapper's
+    eager context graph (only to fill the token graph's cache input: its errors reach the token logits compared with
+    transformers')."""
 
     def __init__(self, model_spec: Mapping[str, Any], workspace: Path) -> None:
         from neuronbuild.toolchains import hf_causal_lm
@@ -129,7 +145,7 @@ class HfReference:
         self.config = dict(model_spec.get("config") or {})
         eager: Any = build_eager_model(dict(model_spec), workspace)
         state = eager.state_dict()
-        model: Any = hf_causal_lm.hf_model(self.config).eval()
+        model = reference_model(self.config)
         model.load_state_dict(state)
         self.model = model
         self.context: Any = hf_causal_lm.context(self.config).eval()
