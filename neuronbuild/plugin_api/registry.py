@@ -30,6 +30,8 @@ _steps: dict[str, StepProvider] = {}  # step provider name -> it (every toolchai
 _loaders: dict[str, ArtifactLoader] = {}  # artifact format -> the runtime's loader for it
 _settings: dict[str, ToolSettings] = {}  # settings name -> a toolchain's settings
 lock = RLock()
+_TABLES: dict[str, dict[str, Any]] = {"rules": _rules, "toolchains": _toolchains, "platforms": _platforms,
+                                      "steps": _steps, "loaders": _loaders, "settings": _settings}  # (snapshot)
 
 
 class Loaded:
@@ -128,6 +130,22 @@ def register_settings(settings: ToolSettings) -> ToolSettings:
             raise ValueError(f"toolchain settings {settings.name!r}: flag {clash[0]} is declared already")
         _settings[settings.name] = settings
     return settings
+
+
+def snapshot() -> dict[str, dict[str, Any]]:
+    """A copy of what is registered now, table by table, for `restore` (the tests put the registry back after each
+    test: tests/conftest.py)."""
+    with lock:
+        return {name: dict(table) for name, table in _TABLES.items()}
+
+
+def restore(saved: Mapping[str, Mapping[str, Any]]) -> None:
+    """Make the registry hold what `snapshot` returned, in its order (the tables stay the same objects: what
+    `rules()`, `toolchains()`, ... returned before sees the change)."""
+    with lock:
+        for name, table in _TABLES.items():
+            table.clear()
+            table.update(saved[name])
 
 
 def _build_side() -> None:
