@@ -3,7 +3,7 @@
 import importlib.util
 import os
 import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Generator, Iterator, Mapping
 from pathlib import Path
 
 # A test process may start XLA:CPU before any tp test runs (an in-process lowering): it starts with as many host
@@ -34,6 +34,61 @@ def _plugins_loaded() -> None:
     from neuronbuild import plugins
 
     plugins.load()
+
+
+# The plug-in registry (neuronbuild/plugin_api/registry.py) is one per process, and an xdist worker runs many files:
+# what a test registers (a toolchain, rule kind, step provider, loader, settings) is gone after it, and what a test
+# module registers when imported (at collection, before any test runs) is there for its own tests only, after the
+# built-ins as a command would see them (ci80: a module's toolchain, registered ahead of plugins.load(), came first in
+# another file's step providers).
+_IMPORT_REGISTRATIONS: dict[str, dict[str, dict[str, object]]] = {}  # test module's path -> what its import added
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_make_collect_report(collector: pytest.Collector) -> Generator[None, pytest.CollectReport,
+                                                                         pytest.CollectReport]:
+    """Collecting a test module imports it: what that registers is kept aside (_module_registrations) and taken out."""
+    if not isinstance(collector, pytest.Module):
+        return (yield)
+    from neuronbuild import plugins
+    from neuronbuild.plugin_api import registry
+
+    plugins.load()  # (the built-ins first: a module's own registrations come after them, and are told apart)
+    before = registry.snapshot()
+    try:
+        return (yield)
+    finally:
+        after = registry.snapshot()
+        added = {table: {k: v for k, v in entries.items() if before[table].get(k) is not v}
+                 for table, entries in after.items()}
+        if any(added.values()):
+            _IMPORT_REGISTRATIONS[str(collector.path)] = added
+        registry.restore(before)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _module_registrations(request: pytest.FixtureRequest) -> Iterator[None]:
+    """What the test module registered when imported, registered again for its own tests (and gone after them)."""
+    added = _IMPORT_REGISTRATIONS.get(str(request.path))
+    if not added:
+        yield
+        return
+    from neuronbuild.plugin_api import registry
+
+    saved = registry.snapshot()
+    registry.restore({table: {**entries, **added[table]} for table, entries in saved.items()})
+    yield
+    registry.restore(saved)
+
+
+@pytest.fixture(autouse=True)
+def _registry_restored() -> Iterator[None]:
+    """The registry after each test as before it: what the test (or its fixtures) registered or removed is undone."""
+    from neuronbuild.plugin_api import registry
+
+    saved = registry.snapshot()
+    yield
+    registry.restore(saved)
 
 
 @pytest.fixture(scope="session")
