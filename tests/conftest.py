@@ -128,7 +128,7 @@ def _uses_built_example(rootpath: Path, nodeid: str, _seen: dict[str, bool] = {}
 FILE_SECONDS = {"built_example": 900, "tests/test_tp_families.py": 175, "tests/test_llm_block_families.py": 175,
                 "tests/test_llm_families.py": 140, "tests/test_llm_speculation.py": 150,
                 "tests/test_quantization.py": 120, "tests/test_tensor_parallel.py": 120,
-                "tests/test_llm_new_families.py": 120}
+                "tests/test_llm_new_families.py": 120, "tests/test_validate_moe.py": 90}
 CACHE_KEY = "neuronbuild/file_seconds"
 
 
