@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from neuronbuild.runtime.block_layout import served_layout
-from neuronbuild.runtime.engine import Engine, serving_spec
+from neuronbuild.runtime.engine import Engine, left_padded, serving_spec
 from neuronbuild.runtime.inputs import from_numpy
 from neuronbuild.runtime.router import NoBucketFits
 
@@ -244,11 +244,8 @@ class CausalLM:
         ctx_fn, tok_fn = self._fn(self._context, ctx_name), self._fn(self._token, tok_name)
 
         # Prefill: prompts left-padded to the bucket's seq; dummy rows attend to their own pad tokens.
-        ids = torch.full((cb, seq), pad_token_id, dtype=torch.int64)
-        mask = torch.ones((cb, seq), dtype=torch.int64)
-        for i, r in enumerate(rows):
-            ids[i, seq - len(r):] = torch.tensor(r, dtype=torch.int64)
-            mask[i, : seq - len(r)] = 0
+        ids, mask, _positions = left_padded(rows, cb, seq, pad_token_id)
+        ids, mask = ids.long(), mask.long()
         with torch.inference_mode():
             out = self.named(CONTEXT, ctx_fn(ids, mask))
             kv = self._resize_batch(out["kv"], tb)  # declared state: the token graph's own output from now on
