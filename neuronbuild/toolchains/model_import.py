@@ -234,25 +234,28 @@ def build_shape_model(model: dict[str, Any], sandbox: Path, tp: int = 1) -> tupl
                       fused_params(module))
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     fakes: dict[int, torch.Tensor] = {}
-
-    def fake(t: torch.Tensor, param: bool) -> torch.Tensor:
-        made = fakes.get(id(t))
-        if made is None:
-            with mode:
-                made = torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype)
-            if param:
-                made = torch.nn.Parameter(made, requires_grad=t.requires_grad)
-            fakes[id(t)] = made
-        return made
-
     for mod in module.modules():
         for name, p in list(mod._parameters.items()):
             if p is not None:
-                mod._parameters[name] = fake(p, True)  # type: ignore[assignment]
+                mod._parameters[name] = without_values(p, fakes, mode)  # type: ignore[assignment]
         for name, b in list(mod._buffers.items()):
             if b is not None and name not in mod._non_persistent_buffers_set:
-                mod._buffers[name] = fake(b, False)
+                mod._buffers[name] = without_values(b, fakes, mode)
     return module, mode
+
+
+def without_values(t: torch.Tensor, made: dict[int, torch.Tensor], mode: Any = None) -> torch.Tensor:
+    """A tensor of `t`'s shape, stride and dtype holding no values: a fake CPU tensor of FakeTensorMode `mode`, or
+    (mode None) a meta tensor; a Parameter when `t` is one. One per tensor in `made` (tied tensors stay one)."""
+    new = made.get(id(t))
+    if new is None:
+        with mode if mode is not None else nullcontext():
+            new = torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype,
+                                      device=None if mode is not None else "meta")
+        if isinstance(t, torch.nn.Parameter):
+            new = torch.nn.Parameter(new, requires_grad=t.requires_grad)
+        made[id(t)] = new
+    return new
 
 
 def state_values(model: dict[str, Any], sandbox: Path, wanted: Mapping[str, torch.dtype],

@@ -18,6 +18,7 @@ from neuronbuild.toolchains.model_import import (
     rank_values,
     state_values,
     tied_aliases,
+    without_values,
 )
 from neuronbuild.toolchains.outputs import FlatForward, declared_follows, describe, inferred_follows
 
@@ -110,16 +111,8 @@ def load_program(path: Path) -> torch.export.ExportedProgram:
     mode = _detect_fake_mode_from_gm(ep.graph_module) or FakeTensorMode(allow_non_fake_inputs=True)
     made: dict[int, torch.Tensor] = {}
     for name, t in list(ep.state_dict.items()):
-        if t.device.type != "meta":
-            continue
-        fake = made.get(id(t))
-        if fake is None:
-            with mode:
-                fake = torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype)
-            if isinstance(t, torch.nn.Parameter):
-                fake = torch.nn.Parameter(fake, requires_grad=t.requires_grad)
-            made[id(t)] = fake
-        ep.state_dict[name] = fake
+        if t.device.type == "meta":
+            ep.state_dict[name] = without_values(t, made, mode)
     return ep
 
 
@@ -128,13 +121,7 @@ def _shapes_only(ep: torch.export.ExportedProgram, args: tuple[torch.Tensor, ...
     dtype and stride, no bytes; tied ones stay one tensor), example inputs the real zeros of the bucket."""
     made: dict[int, torch.Tensor] = {}
     for name, t in list(ep.state_dict.items()):
-        meta = made.get(id(t))
-        if meta is None:
-            meta = torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype, device="meta")
-            if isinstance(t, torch.nn.Parameter):
-                meta = torch.nn.Parameter(meta, requires_grad=t.requires_grad)
-            made[id(t)] = meta
-        ep.state_dict[name] = meta
+        ep.state_dict[name] = without_values(t, made)
     ep.example_inputs = (tuple(args), {})
 
 
