@@ -17,9 +17,8 @@ from neuronbuild.runtime.verified import with_tied
 MODEL_NAME = "model"
 CONSTANTS_FILE = "constants.safetensors"  # next to model.pt2: the model's weights (its weights action's)
 PROGRAM_CONSTANTS_FILE = "program_constants.safetensors"  # the graph's own tensors (absent in older outputs)
-# Package metadata of a graph compiled with outputs written in place (toolchains/compile.py write_in_place; the same
-# strings, not imported: the runtime imports nothing of the build side): which output is which input, and the
-# program's output structure with them.
+# Package metadata of a graph compiled with outputs written in place (toolchains/compile.py write_in_place writes
+# them): which output is which input, and the program's output structure with them.
 IN_PLACE_KEY = "neuronbuild.in_place"
 OUT_SPEC_KEY = "neuronbuild.out_spec"
 
