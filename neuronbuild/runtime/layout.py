@@ -32,6 +32,7 @@ _HEX_RE = re.compile(r"^[0-9a-f]{64}$")
 # DRAFT_PREFIX (the graph's `draft` submodule).
 DRAFT_WEIGHTS = "draft.constants.safetensors"
 DRAFT_PREFIX = "draft."
+PROGRAM_CONSTANTS = "program_constants.safetensors"  # a graph's own tensors (non-persistent buffers, lifted constants)
 
 
 class LayoutError(ValueError):
