@@ -10,6 +10,7 @@ from neuronbuild import jsondata
 from neuronbuild.analysis.analysis_context import AnalysisContext
 from neuronbuild.analysis.hf_config import config_problem
 from neuronbuild.analysis.providers import ModelInfo
+from neuronbuild.analysis.tensor_parallel import builtin_digest
 from neuronbuild.digests import digest_bytes, digest_file
 from neuronbuild.errors import Location, UserInputError
 from neuronbuild.kinds import py_library
@@ -318,15 +319,10 @@ _BUILTIN_IMPORTS = {"transformers": "hf_causal_lm"}
 
 
 def _builtin_digest(module: str) -> str:
-    """The digest of a shipped wrapper module's file (found without importing it: it imports torch)."""
-    from pathlib import Path
-
-    import neuronbuild
-
-    path = Path(neuronbuild.__file__).resolve().parent.joinpath(*module.split(".")[1:]).with_suffix(".py")
-    if not path.is_file():
-        raise UserInputError(f"entry module {module} is not a module neuronbuild ships")
-    return digest_file(path)
+    try:
+        return builtin_digest(module)
+    except OSError:
+        raise UserInputError(f"entry module {module} is not a module neuronbuild ships") from None
 
 
 def weights_record(ctx: AnalysisContext, model: Target, files: list[FileInput],
