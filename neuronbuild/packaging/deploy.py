@@ -218,13 +218,9 @@ def read_bundle(archive: Path, sink: Callable[[str, IO[bytes], int], tuple[str, 
     return manifest, manifest_bytes
 
 
-def _hash_only(_path: str, f: IO[bytes], _size: int) -> tuple[str, int]:
-    return sha256_of(f)
-
-
 def check_bundle(archive: Path, trusted_keys: list[TrustedKey] | None = None) -> tuple[Manifest, bytes]:
     """Verify every digest (and, with trusted keys, the signature) of a bundle without writing anything."""
-    return read_bundle(archive, _hash_only, trusted_keys)
+    return read_bundle(archive, lambda _path, f, _size: sha256_of(f), trusted_keys)
 
 
 def _writer(root: Path) -> Callable[[str, IO[bytes], int], tuple[str, int]]:
