@@ -220,17 +220,14 @@ class CausalLM:
             if mask.shape != ids.shape:
                 raise ValueError(f"attention_mask {list(mask.shape)} does not match input_ids {list(ids.shape)}")
             rows = [ids[i][mask[i] != 0].tolist() for i in range(ids.shape[0])]
-            prefix = ids
         else:
             rows = [[_token_id(t) for t in r] for r in input_ids]
-            width = max((len(r) for r in rows), default=0)
-            prefix = torch.full((len(rows), width), pad_token_id, dtype=torch.int64)
-            for i, r in enumerate(rows):
-                if r:
-                    prefix[i, width - len(r):] = torch.tensor(r, dtype=torch.int64)
         if not rows or any(not r for r in rows):
             raise ValueError("every prompt needs at least one token")
         self.check_ids(rows, int(pad_token_id))
+        # the prompts as given, or ragged lists left-padded to the longest
+        prefix = ids if isinstance(input_ids, torch.Tensor) else \
+            left_padded(rows, len(rows), max(map(len, rows)), pad_token_id)[0].long()
         if self.serving:
             return torch.cat([prefix, self._generate_serving(rows, max_new_tokens, eos_token_id, pad_token_id)], 1)
         batch, longest = len(rows), max(len(r) for r in rows)
