@@ -200,52 +200,38 @@ def _speculation(name, spec):
         fail("hf_causal_lm %s: speculation fused must be True or False, got %r" % (name, fused))
     return {"draft": draft, "length": k, "fused": fused}
 
-def _verify_graph(kv, spec, on_device_sampling, output_logits):
-    """The target's verification graph: the last accepted token and k draft tokens per row (k + 1 positions), written
-    into the row's cache line like the token graph, returning the target's token at each position."""
-    positions = spec["length"] + 1
+def _speculation_graph(kv, spec, on_device_sampling, output_logits):
+    """The target's verification graph (`verify`): the last accepted token and k draft tokens per row (k + 1
+    positions), written into the row's cache line like the token graph, returning the target's token at each position.
+    With speculation fused = True, the `fused` graph instead: the draft's k steps (fed 2 positions, `draft_tokens`,
+    `draft_rand`, `draft_logits`) and the target's verification in one call. Its draft cache `draft_kv` (input and
+    output, after `kv`) is declared at analysis as the draft's token graph declares its cache, and the draft's config
+    enters the graph's config as `speculation_draft` (kinds/model.py): the draft's identity and shapes are in this
+    graph's fingerprint alone."""
+    k, fused = spec["length"], spec["fused"]
+    fed = 2 if fused else k + 1
     inputs = {
-        "input_ids": "int32[batch, %d]" % positions,
+        "input_ids": "int32[batch, %d]" % fed,
         "attention_mask": "int32[batch, max_seq]",
-        "position_ids": "int32[batch, %d]" % positions,
+        "position_ids": "int32[batch, %d]" % fed,
         "seq_ids": "int32[batch]",
     }
     if on_device_sampling:
-        inputs.update({"sampling_params": "float32[batch, 3]", "rand": "float32[batch, %d]" % positions})
+        inputs.update({"sampling_params": "float32[batch, 3]", "rand": "float32[batch, %d]" % (k + 1)})
+        if fused:
+            inputs["draft_rand"] = "float32[batch, %d]" % k
     inputs["kv"] = kv
-    outputs = {"tokens": "int32[batch, %d]" % positions}
+    outputs = {"draft_tokens": "int32[batch, %d]" % k} if fused else {}
+    outputs["tokens"] = "int32[batch, %d]" % (k + 1)
     if output_logits or not on_device_sampling:
-        outputs["logits"] = "float32[batch, %d, vocab]" % positions
-    outputs["kv"] = kv
-    kind = ("sampling_logits_verify" if output_logits else "sampling_verify") if on_device_sampling else "serving_verify"
-    # the speculation enters this graph's config (its fingerprint and the bundle's record) and no other graph's
-    return {"entry": _GRAPHS_MODULE + ":" + kind, "inputs": inputs, "outputs": outputs, "aliases": {"kv": "kv"},
-            "config": {"speculation": spec}}
-
-def _fused_graph(kv, spec, on_device_sampling, output_logits):
-    """The fused speculation graph (speculation fused = True): the draft's k steps and the target's verification in
-    one call. Its draft cache `draft_kv` (input and output, after `kv`) is declared at analysis as the draft's token
-    graph declares its cache, and the draft's config enters the graph's config as `speculation_draft`
-    (kinds/model.py): the draft's identity and shapes are in this graph's fingerprint alone."""
-    k = spec["length"]
-    inputs = {
-        "input_ids": "int32[batch, 2]",
-        "attention_mask": "int32[batch, max_seq]",
-        "position_ids": "int32[batch, 2]",
-        "seq_ids": "int32[batch]",
-    }
-    if on_device_sampling:
-        inputs.update({"sampling_params": "float32[batch, 3]", "rand": "float32[batch, %d]" % (k + 1),
-                       "draft_rand": "float32[batch, %d]" % k})
-    inputs["kv"] = kv
-    outputs = {"draft_tokens": "int32[batch, %d]" % k, "tokens": "int32[batch, %d]" % (k + 1)}
-    if output_logits or not on_device_sampling:
-        outputs["draft_logits"] = "float32[batch, %d, vocab]" % k
+        if fused:
+            outputs["draft_logits"] = "float32[batch, %d, vocab]" % k
         outputs["logits"] = "float32[batch, %d, vocab]" % (k + 1)
     outputs["kv"] = kv
-    kind = ("sampling_logits_fused" if output_logits else "sampling_fused") if on_device_sampling else "serving_fused"
-    return {"entry": _GRAPHS_MODULE + ":" + kind, "inputs": inputs, "outputs": outputs, "aliases": {"kv": "kv"},
-            "config": {"speculation": spec}}
+    kind = ("sampling_logits_" if output_logits else "sampling_") if on_device_sampling else "serving_"
+    # the speculation enters this graph's config (its fingerprint and the bundle's record) and no other graph's
+    return {"entry": _GRAPHS_MODULE + ":" + kind + ("fused" if fused else "verify"), "inputs": inputs,
+            "outputs": outputs, "aliases": {"kv": "kv"}, "config": {"speculation": spec}}
 
 def hf_causal_lm(name, config, weights = None, max_seq = 256, model_type = None, weights_prefix = "", dtype = None,
                  continuous_batching = False, max_batch = None, on_device_sampling = False, output_logits = False,
@@ -358,9 +344,8 @@ def hf_causal_lm(name, config, weights = None, max_seq = 256, model_type = None,
                                  on_device_sampling, output_logits)
         if speculation != None:
             spec = _speculation(name, speculation)
-            family = _fused_graph if spec["fused"] else _verify_graph  # fused: the `fused` family instead of `verify`
-            graphs["fused" if spec["fused"] else "verify"] = family(graphs["token"]["inputs"]["kv"], spec,
-                                                                    on_device_sampling, output_logits)
+            graphs["fused" if spec["fused"] else "verify"] = _speculation_graph(graphs["token"]["inputs"]["kv"], spec,
+                                                                                on_device_sampling, output_logits)
     neuron_model(
         name = name,
         entry = _GRAPHS_MODULE + ":context",

@@ -10,6 +10,7 @@ from neuronbuild import jsondata
 from neuronbuild.analysis.analysis_context import AnalysisContext
 from neuronbuild.analysis.hf_config import config_problem
 from neuronbuild.analysis.providers import ModelInfo
+from neuronbuild.analysis.tensor_parallel import builtin_digest
 from neuronbuild.digests import digest_bytes, digest_file
 from neuronbuild.errors import Location, UserInputError
 from neuronbuild.kinds import py_library
@@ -85,8 +86,8 @@ def _check(a: Mapping[str, Any]) -> None:
     if not ENTRY_RE.match(a["entry"]):
         raise AttrError("attribute 'entry' must look like 'module:function' (e.g. 'llama:build_model')")
     entries = [a["entry"], *(g["entry"] for g in (a.get("graphs") or {}).values() if "entry" in g)]
-    if not a["srcs"] and not all(is_builtin(e) for e in entries):
-        raise AttrError("attribute 'srcs' must list at least one .py file")
+    if a["srcs"] or not all(is_builtin(e) for e in entries):
+        py_library.check_srcs(a)  # (srcs may be empty when every entry is a wrapper neuronbuild ships)
     for name, g in (a.get("graphs") or {}).items():
         inputs = g.get("inputs") or a["inputs"]
         outputs = g.get("outputs") or a["outputs"]
@@ -104,9 +105,6 @@ def _check(a: Mapping[str, Any]) -> None:
         if not pattern or not isinstance(dim, int) or isinstance(dim, bool) or dim < 0:
             raise AttrError(f"attribute 'tp_plan': {pattern!r}: want a parameter name pattern -> a dim (an int >= 0), "
                             f"got {dim!r}")
-    for src in a["srcs"]:
-        if not src.name.endswith(".py"):
-            raise AttrError(f"attribute 'srcs': '{src}' is not a .py file")
     all_inputs = dict(a["inputs"])
     for g in (a.get("graphs") or {}).values():
         all_inputs.update(g.get("inputs") or {})  # ranges may name any graph family's inputs
@@ -318,15 +316,10 @@ _BUILTIN_IMPORTS = {"transformers": "hf_causal_lm"}
 
 
 def _builtin_digest(module: str) -> str:
-    """The digest of a shipped wrapper module's file (found without importing it: it imports torch)."""
-    from pathlib import Path
-
-    import neuronbuild
-
-    path = Path(neuronbuild.__file__).resolve().parent.joinpath(*module.split(".")[1:]).with_suffix(".py")
-    if not path.is_file():
-        raise UserInputError(f"entry module {module} is not a module neuronbuild ships")
-    return digest_file(path)
+    try:
+        return builtin_digest(module)
+    except OSError:
+        raise UserInputError(f"entry module {module} is not a module neuronbuild ships") from None
 
 
 def weights_record(ctx: AnalysisContext, model: Target, files: list[FileInput],

@@ -60,20 +60,14 @@ def analyze(ctx: AnalysisContext, t: Target) -> OptionsInfo:
     lists: dict[str, list[Any]] = {}
     schema = plugins.rule(t.kind).schema
     concat = {a.name for a in schema.attrs if a.type is LIST_KEYS_CONCATENATE and a.name != "tags"}
-    for dep in t.attrs.get("deps") or ():
-        d = ctx.provider(dep).merged
+    own = {a.name: t.attrs[a.name] for a in schema.attrs
+           if a.name not in ("name", "deps", "tags") and t.attrs.get(a.name) is not None}
+    for d in [*(ctx.provider(dep).merged for dep in t.attrs.get("deps") or ()), own]:  # deps in order, then its own
         for k, v in d.items():
             if k in concat:
                 lists.setdefault(k, []).extend(v)
             else:
                 merged[k] = v
-    own = {a.name: t.attrs[a.name] for a in schema.attrs
-           if a.name not in ("name", "deps", "tags") and t.attrs.get(a.name) is not None}
-    for k, v in own.items():
-        if k in concat:
-            lists.setdefault(k, []).extend(v)
-        else:
-            merged[k] = v
     for k, v in lists.items():
         if v:
             merged[k] = v

@@ -26,7 +26,7 @@ class PyLibraryInfo:
     files: tuple[FileInput, ...] = ()
 
 
-def _check(a: Mapping[str, Any]) -> None:
+def check_srcs(a: Mapping[str, Any]) -> None:
     if not a["srcs"]:
         raise AttrError("attribute 'srcs' must list at least one .py file")
     for src in a["srcs"]:
@@ -45,7 +45,7 @@ SCHEMA = RuleSchema(
              kinds=(KIND_NAME,)),
         TAGS,
     ),
-    _check,
+    check_srcs,
 )
 
 

@@ -322,33 +322,13 @@ class Loader:
         return os.path.join(real_head, name)
 
     def find_packages(self, base: str = "", dirs: dict[str, Any] | None = None) -> list[str]:
-        """Every package at or under `base` (directories with a BUILD file), skipping outputs and hidden dirs.
-        `dirs` (the build server's, kept between loads): per directory, what a walk found there, reused while the
-        directory's mtime is unchanged (creating, removing or renaming an entry changes it; see _walk_kept)."""
-        if dirs is not None:
-            return self._walk_kept(base, dirs)
-        start = self.root / base if base else self.root
-        found: list[str] = []
-        root = str(self.root)
-        cut = len(root.rstrip("/")) + 1
-        for dirpath, dirnames, filenames in os.walk(start):
-            rel = dirpath[cut:] if dirpath != root else ""  # (os.walk joins onto `start`: a prefix of root's text)
-            if os.sep != "/":
-                rel = rel.replace(os.sep, "/")
-            if rel and MARKER in filenames:  # a nested workspace is not part of this one
-                dirnames[:] = []
-                continue
-            dirnames[:] = sorted(d for d in dirnames if not d.startswith(".") and d != OUTPUT_DIR
-                                 and not d.startswith("bazel-") and d != "__pycache__")
-            if BUILD_FILE in filenames and os.path.isfile(os.path.join(dirpath, BUILD_FILE)):
-                found.append(rel)
-        return found
-
-    def _walk_kept(self, base: str, dirs: dict[str, Any]) -> list[str]:
-        """find_packages' walk with one stat per directory: a directory's listing (the subdirectories walked into
-        and whether it has a regular BUILD file or a workspace marker) is kept with its mtime, unless that mtime is
-        within the racy window (a second change in the same tick could hide) or its BUILD file is not a regular
-        file (a link's target can change without the directory); a changed directory is listed again."""
+        """Every package at or under `base` (directories with a BUILD file), skipping outputs and hidden dirs, in
+        os.walk's order (sorted, top-down). `dirs` (the build server's, kept between loads): per directory, its listing
+        (the subdirectories walked into and whether it has a regular BUILD file or a workspace marker), reused while
+        the directory's mtime is unchanged (creating, removing or renaming an entry changes it), unless that mtime is
+        within the racy window (a second change in the same tick could hide) or its BUILD file is not a regular file
+        (a link's target can change without the directory)."""
+        dirs = {} if dirs is None else dirs
         root = self._root_text.rstrip("/") or "/"
         now = time.time_ns()
         found: list[str] = []

@@ -24,7 +24,7 @@ from neuronbuild.loading.labels import Label
 from neuronbuild.loading.target_graph import TargetGraph
 from neuronbuild.packaging.envfile import render_env
 from neuronbuild.packaging.manifest import BundlePlan, Member, MissingResult, plan_bundle, with_files
-from neuronbuild.runtime.layout import ENV_FILE, MANIFEST, README
+from neuronbuild.runtime.layout import ENV_FILE, MANIFEST, README, sha256_file
 from neuronbuild.runtime.signing import SIGNATURE, SignatureError, sign_manifest
 from neuronbuild.workspace import OUTPUT_DIR
 
@@ -41,7 +41,6 @@ ZSTD_WINDOW_LOG = 27
 ZSTD_MAX_THREADS = 8
 ZSTD_HIGH_JOB_SIZE = 32 << 20
 SUFFIX = {"zstd": ".tar.zst", "gzip": ".tar.gz"}
-_CHUNK = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -181,14 +180,6 @@ class _HashingWriter:
         self._out.flush()
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def pin_name(root: Path, label: Label) -> str:
     """One pin per (workspace, bundle label): rebuilding a bundle moves its pin to the new contents."""
     ws = hashlib.sha256(str(root).encode()).hexdigest()[:10]
@@ -225,7 +216,7 @@ def build_bundle(root: Path, graph: TargetGraph, ag: ActionGraph, cache: LocalCa
         if manifest_copy.read_bytes() == manifest_bytes and (
                 sig_copy.read_bytes() == signature if signature is not None else not sig_copy.exists()):
             recorded = sha_file.read_text().split()[0]
-            if archive.is_file() and _sha256(archive) == recorded:
+            if archive.is_file() and sha256_file(archive)[0] == recorded:
                 return BundleOutput(label, archive, recorded, archive.stat().st_size, False)
     archive.parent.mkdir(parents=True, exist_ok=True)
     mode = umask_mode()

@@ -30,6 +30,7 @@ from neuronbuild.runtime.layout import (
     read_index,
     safe_path,
     sha256_file,
+    sha256_of,
 )
 from neuronbuild.runtime.signing import MAX_SIGNATURE_BYTES, SIGNATURE, SignatureError, TrustedKey, verify_manifest
 from neuronbuild.runtime.verified import BadWeights, weights_mismatch
@@ -171,8 +172,7 @@ def read_bundle(archive: Path, sink: Callable[[str, IO[bytes], int], tuple[str, 
                     manifest_bytes = f.read(m.size)
                     if len(manifest_bytes) != m.size:
                         raise BundleError(f"{archive.name}: truncated archive (in {MANIFEST})")
-                    manifest = parse_manifest(manifest_bytes, f"{archive.name}:{MANIFEST}")
-                    _check_references(manifest)
+                    manifest = parse_manifest(manifest_bytes, f"{archive.name}:{MANIFEST}")  # (checks references)
                     continue
                 if path == SIGNATURE and not accepted and signature is None:
                     if m.size > MAX_SIGNATURE_BYTES:
@@ -218,27 +218,9 @@ def read_bundle(archive: Path, sink: Callable[[str, IO[bytes], int], tuple[str, 
     return manifest, manifest_bytes
 
 
-def _check_references(manifest: Manifest) -> None:
-    for p in manifest.files:
-        safe_member_path(p)
-    for g in manifest.graphs:
-        for ref in [*g.artifacts.values(), *([g.weights] if g.weights else [])]:
-            listed = manifest.files.get(ref.path)
-            if listed is None or listed.sha256 != ref.sha256 or listed.size != ref.size:
-                raise BundleError(f"{MANIFEST}: {g.describe()} refers to {ref.path!r}, which the file list does not hold")
-
-
-def _hash_only(_path: str, f: IO[bytes], _size: int) -> tuple[str, int]:
-    h, n = hashlib.sha256(), 0
-    while chunk := f.read(_CHUNK):
-        h.update(chunk)
-        n += len(chunk)
-    return h.hexdigest(), n
-
-
 def check_bundle(archive: Path, trusted_keys: list[TrustedKey] | None = None) -> tuple[Manifest, bytes]:
     """Verify every digest (and, with trusted keys, the signature) of a bundle without writing anything."""
-    return read_bundle(archive, _hash_only, trusted_keys)
+    return read_bundle(archive, lambda _path, f, _size: sha256_of(f), trusted_keys)
 
 
 def _writer(root: Path) -> Callable[[str, IO[bytes], int], tuple[str, int]]:
@@ -327,8 +309,7 @@ def deploy(archive: Path, dest: Path, expect_sha256: str | None = None,
     if not archive.is_file():
         raise BundleError(f"no bundle at {archive}")
     if expect_sha256:
-        with open(archive, "rb") as f:
-            sha, _ = _hash_only("", f, 0)
+        sha, _ = sha256_file(archive)
         if sha != expect_sha256.strip().lower():
             raise BundleError(f"{archive.name}: sha256 {sha} differs from the expected {expect_sha256}")
     if dest.is_symlink():

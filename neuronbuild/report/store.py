@@ -80,10 +80,7 @@ class InvocationStore:
 
     def index(self) -> list[dict[str, Any]]:
         """The kept invocations' summaries (what trend plots need), oldest first."""
-        try:
-            data = jsondata.loads((self.dir / "index.json").read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            return []
+        data = _read_json(self.dir / "index.json")
         return [e for e in data if isinstance(e, dict)] if isinstance(data, list) else []
 
     def ids(self) -> list[str]:
@@ -95,10 +92,7 @@ class InvocationStore:
         return sorted(n[:-5] for n in names if n.endswith(".json") and _owner(n))
 
     def load(self, inv_id: str) -> dict[str, Any] | None:
-        try:
-            data = jsondata.loads(self.path(inv_id).read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            return None
+        data = _read_json(self.path(inv_id))
         return data if isinstance(data, dict) and data.get("format") == FORMAT else None
 
     def resolve(self, ref: str) -> str | None:
@@ -131,10 +125,7 @@ class InvocationStore:
 
     def bases(self) -> dict[str, str]:
         """{request key digest: the last full build of that request}, for no-ops to stand for."""
-        try:
-            data = jsondata.loads(self._bases_file().read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            return {}
+        data = _read_json(self._bases_file())
         return {str(k): str(v) for k, v in data.items()} if isinstance(data, dict) else {}
 
     def set_base(self, key: str, inv_id: str) -> None:
@@ -172,6 +163,14 @@ class InvocationStore:
             if owner and owner not in keep:
                 with contextlib.suppress(OSError):
                     os.unlink(self.dir / n)
+
+
+def _read_json(path: Path) -> Any:
+    """A store file's JSON value; None when it is absent or unreadable."""
+    try:
+        return jsondata.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
 
 
 def _digest(key: str) -> str:

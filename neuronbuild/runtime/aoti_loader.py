@@ -11,15 +11,13 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from neuronbuild.runtime.layout import DRAFT_PREFIX
+from neuronbuild.runtime.layout import DRAFT_PREFIX, PROGRAM_CONSTANTS
 from neuronbuild.runtime.verified import with_tied
 
 MODEL_NAME = "model"
 CONSTANTS_FILE = "constants.safetensors"  # next to model.pt2: the model's weights (its weights action's)
-PROGRAM_CONSTANTS_FILE = "program_constants.safetensors"  # the graph's own tensors (absent in older outputs)
-# Package metadata of a graph compiled with outputs written in place (toolchains/compile.py write_in_place; the same
-# strings, not imported: the runtime imports nothing of the build side): which output is which input, and the
-# program's output structure with them.
+# Package metadata of a graph compiled with outputs written in place (toolchains/compile.py write_in_place writes
+# them): which output is which input, and the program's output structure with them.
 IN_PLACE_KEY = "neuronbuild.in_place"
 OUT_SPEC_KEY = "neuronbuild.out_spec"
 
@@ -106,7 +104,7 @@ def load_package(path: Path, constants: Mapping[str, torch.Tensor] | None = None
         raise FileNotFoundError(f"no AOTInductor package at {path}")
     if constants is None and (path.parent / CONSTANTS_FILE).is_file():
         constants = with_program_constants(read_constants(path.parent / CONSTANTS_FILE),
-                                           path.parent / PROGRAM_CONSTANTS_FILE)
+                                           path.parent / PROGRAM_CONSTANTS)
     try:
         loader = torch._C._aoti.AOTIModelPackageLoader(str(path), MODEL_NAME, False, 1, -1)
     except (AttributeError, RuntimeError, TypeError):

@@ -407,38 +407,16 @@ class BlockEngine(Engine):
         args = [ids, mask, positions, self._rows_input(PREFIX, rows, pb), cached, *self._sampling_inputs(rows, pb)]
         self._emit(PREFIX, name, args, rows, got, [stop == len(j.seq) for j, stop in ends])
 
-    def _emit(self, family: str, name: str, args: list[torch.Tensor], rows: Sequence[Request],
-              got: dict[int, list[int]], emit: Sequence[bool] | None = None) -> None:
-        """One call; the next token of each row whose prefill (or decode) it completes (`emit`: which rows; all by
-        default), a chunk's row only writing its blocks."""
-        if family != PREFIX and (emit is None or all(emit)):
-            return super()._emit(family, name, args, rows, got)
+    def _run_graph(self, family: str, name: str, args: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+        if family != PREFIX:
+            return super()._run_graph(family, name, args)
         fn = self._fns.get((family, name))
-        if family == PREFIX:
+        if fn is None:
+            fn = self._fns[(family, name)] = self._prefix.bucket_fn(name)
             if fn is None:
-                fn = self._fns[(family, name)] = self._prefix.bucket_fn(name)
-                if fn is None:
-                    raise RuntimeError(f"{self.label}: graph {self._prefix.graph(name).describe()} is not usable")
-            res = fn(*args, self.kv)
-            out = dict(zip(self._prefix_out, [res] if isinstance(res, torch.Tensor) else list(res), strict=True))
-        else:
-            if fn is None:
-                fn = self._fns[(family, name)] = self.lm.fn(family, name)
-            out = self.lm.named(family, fn(*args, self.kv))
-        self.calls[name] = self.calls.get(name, 0) + 1
-        self.kv = out["kv"]
-        emit = [True] * len(rows) if emit is None else emit
-        if not any(emit):
-            return None
-        nxt = (out["tokens"] if "tokens" in out else out["logits"].argmax(-1)).tolist()
-        for b, r in enumerate(rows):
-            if not emit[b]:
-                continue
-            r.tokens.append(nxt[b])
-            got.setdefault(r.rid, []).append(nxt[b])
-            if len(r.tokens) >= r.max_new_tokens or (r.eos_token_id is not None and nxt[b] == r.eos_token_id):
-                self._finish(r)
-        return None
+                raise RuntimeError(f"{self.label}: graph {self._prefix.graph(name).describe()} is not usable")
+        res = fn(*args, self.kv)
+        return dict(zip(self._prefix_out, [res] if isinstance(res, torch.Tensor) else list(res), strict=True))
 
     def _grow(self, rows: list[Request]) -> list[Request]:
         """Each running request's block for the position its next decode writes, taken from the pool; when none is

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from neuronbuild.runtime.block_layout import served_layout
-from neuronbuild.runtime.engine import Engine, serving_spec
+from neuronbuild.runtime.engine import Engine, left_padded, serving_spec
 from neuronbuild.runtime.inputs import from_numpy
 from neuronbuild.runtime.router import NoBucketFits
 
@@ -220,17 +220,14 @@ class CausalLM:
             if mask.shape != ids.shape:
                 raise ValueError(f"attention_mask {list(mask.shape)} does not match input_ids {list(ids.shape)}")
             rows = [ids[i][mask[i] != 0].tolist() for i in range(ids.shape[0])]
-            prefix = ids
         else:
             rows = [[_token_id(t) for t in r] for r in input_ids]
-            width = max((len(r) for r in rows), default=0)
-            prefix = torch.full((len(rows), width), pad_token_id, dtype=torch.int64)
-            for i, r in enumerate(rows):
-                if r:
-                    prefix[i, width - len(r):] = torch.tensor(r, dtype=torch.int64)
         if not rows or any(not r for r in rows):
             raise ValueError("every prompt needs at least one token")
         self.check_ids(rows, int(pad_token_id))
+        # the prompts as given, or ragged lists left-padded to the longest
+        prefix = ids if isinstance(input_ids, torch.Tensor) else \
+            left_padded(rows, len(rows), max(map(len, rows)), pad_token_id)[0].long()
         if self.serving:
             return torch.cat([prefix, self._generate_serving(rows, max_new_tokens, eos_token_id, pad_token_id)], 1)
         batch, longest = len(rows), max(len(r) for r in rows)
@@ -244,11 +241,8 @@ class CausalLM:
         ctx_fn, tok_fn = self._fn(self._context, ctx_name), self._fn(self._token, tok_name)
 
         # Prefill: prompts left-padded to the bucket's seq; dummy rows attend to their own pad tokens.
-        ids = torch.full((cb, seq), pad_token_id, dtype=torch.int64)
-        mask = torch.ones((cb, seq), dtype=torch.int64)
-        for i, r in enumerate(rows):
-            ids[i, seq - len(r):] = torch.tensor(r, dtype=torch.int64)
-            mask[i, : seq - len(r)] = 0
+        ids, mask, _positions = left_padded(rows, cb, seq, pad_token_id)
+        ids, mask = ids.long(), mask.long()
         with torch.inference_mode():
             out = self.named(CONTEXT, ctx_fn(ids, mask))
             kv = self._resize_batch(out["kv"], tb)  # declared state: the token graph's own output from now on

@@ -22,6 +22,7 @@ from neuronbuild.runtime.inputs import prepare
 from neuronbuild.runtime.layout import (
     DRAFT_PREFIX,
     DRAFT_WEIGHTS,
+    PROGRAM_CONSTANTS,
     FileRef,
     Graph,
     LayoutError,
@@ -41,7 +42,6 @@ STRICT_ENV = "NEURONBUILD_STRICT"
 REQUIRE_ENV = "NEURONBUILD_REQUIRE"
 EMULATE_ENV = "NEURONBUILD_EMULATE"
 EMULATE_MODES = ("xla-cpu",)
-PROGRAM_CONSTANTS = "program_constants.safetensors"  # a graph's own tensors beside the model's weights
 log = logging.getLogger("neuronbuild.runtime")
 
 

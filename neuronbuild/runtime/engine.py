@@ -272,21 +272,34 @@ class Engine:
         (runtime/block_engine.py) returns block tables instead."""
         return torch.tensor([r.line for r in rows] + [PADDING_LINE] * (batch - len(rows)), dtype=torch.int32)
 
-    def _emit(self, family: str, name: str, args: list[torch.Tensor], rows: Sequence[Request],
-              got: dict[int, list[int]]) -> None:
+    def _run_graph(self, family: str, name: str, args: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+        """One call of a graph with the cache, its outputs by name."""
         fn = self._fns.get((family, name))
         if fn is None:
             fn = self._fns[(family, name)] = self.lm.fn(family, name)
-        out = self.lm.named(family, fn(*args, self.kv))
+        return self.lm.named(family, fn(*args, self.kv))  # type: ignore[no-any-return]
+
+    def _emit(self, family: str, name: str, args: list[torch.Tensor], rows: Sequence[Request],
+              got: dict[int, list[int]], emit: Sequence[bool] | None = None) -> None:
+        """One call; the next token of each row (`emit`: of the rows whose prefill or decode it completes)."""
+        out = self._run_graph(family, name, args)
         self.calls[name] = self.calls.get(name, 0) + 1
         self.kv = out["kv"]  # the output aliasing the kv input (on cpu: that very tensor, written in place)
+        if emit is not None and not any(emit):
+            return
         nxt = (out["tokens"] if "tokens" in out else out["logits"].argmax(-1)).tolist()
         for b, r in enumerate(rows):
-            t = nxt[b]
-            r.tokens.append(t)
-            got.setdefault(r.rid, []).append(t)
-            if len(r.tokens) >= r.max_new_tokens or (r.eos_token_id is not None and t == r.eos_token_id):
-                self._finish(r)
+            if emit is None or emit[b]:
+                self._take(r, nxt[b], got)
+
+    def _take(self, r: Request, t: int, got: dict[int, list[int]]) -> bool:
+        """Append token `t` to the request's; finish it at its limit or its eos token (then True)."""
+        r.tokens.append(t)
+        got.setdefault(r.rid, []).append(t)
+        if len(r.tokens) >= r.max_new_tokens or (r.eos_token_id is not None and t == r.eos_token_id):
+            self._finish(r)
+            return True
+        return False
 
     def _finish(self, r: Request) -> None:
         r.done = True

@@ -10,7 +10,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 BUNDLE_FORMAT = 1  # bumped when the manifest's meaning changes; readers refuse other versions
 MANIFEST = "manifest.json"
@@ -32,20 +32,25 @@ _HEX_RE = re.compile(r"^[0-9a-f]{64}$")
 # DRAFT_PREFIX (the graph's `draft` submodule).
 DRAFT_WEIGHTS = "draft.constants.safetensors"
 DRAFT_PREFIX = "draft."
+PROGRAM_CONSTANTS = "program_constants.safetensors"  # a graph's own tensors (non-persistent buffers, lifted constants)
 
 
 class LayoutError(ValueError):
     """A manifest or deployed directory that cannot be read; the message is user-facing."""
 
 
-def sha256_file(path: Path) -> tuple[str, int]:
-    h = hashlib.sha256()
-    size = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            h.update(chunk)
-            size += len(chunk)
+def sha256_of(f: IO[bytes]) -> tuple[str, int]:
+    """sha256 and size of what `f` holds from where it is."""
+    h, size = hashlib.sha256(), 0
+    while chunk := f.read(_CHUNK):
+        h.update(chunk)
+        size += len(chunk)
     return h.hexdigest(), size
+
+
+def sha256_file(path: Path) -> tuple[str, int]:
+    with open(path, "rb") as f:
+        return sha256_of(f)
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from neuronbuild.runtime.libnrt import DTYPES, USAGE_INPUT, USAGE_OUTPUT, NrtError, Session, session
-from neuronbuild.runtime.xla_cpu import ParamSpec, read_params, read_tp
+from neuronbuild.runtime.xla_cpu import ParamSpec, RankIO, as_dtype, read_params
 
 
 class NeffMismatch(RuntimeError):
@@ -93,33 +93,24 @@ def _dtype(name: str) -> torch.dtype:
 def _host_bytes(t: torch.Tensor, p: ParamSpec, what: str) -> torch.Tensor:
     """`t` as the module's parameter takes it: its dtype, contiguous, on the CPU (int64 ids narrowed to int32 only
     when every value fits)."""
-    want = _dtype(p.dtype)
-    t = t.detach().cpu()
-    if t.dtype != want:
-        if t.dtype in (torch.int64, torch.uint64) and want == torch.int32 and t.numel():
-            lo, hi = int(t.min()), int(t.max())
-            if lo < -(2**31) or hi >= 2**31:
-                raise ValueError(f"{what}: value {hi if hi >= 2**31 else lo} does not fit the module's int32 parameter")
-        t = t.to(want)
-    return t.contiguous()
+    try:
+        return as_dtype(t.detach().cpu(), _dtype(p.dtype)).contiguous()
+    except ValueError as exc:
+        raise ValueError(f"{what}: {exc}") from None
 
 
 def _nbytes(shape: Sequence[int], dtype: str) -> int:
     return math.prod(shape) * torch.empty((), dtype=_dtype(dtype)).element_size()
 
 
-class NeffGraph:
+class NeffGraph(RankIO):
     """A NEFF loaded on its NeuronCores (one model per rank); call with the user inputs (whole tensors)."""
 
     def __init__(self, describe: str, neff: bytes, params_json: bytes, outputs: Sequence[Mapping[str, Any]],
                  aliases: Mapping[str, str], weights: Sequence[Mapping[str, torch.Tensor]]) -> None:
         self.describe = describe
         self.params, self.outputs = read_params(params_json)
-        tp = read_tp(params_json)
-        self.tp = int(tp.get("degree") or 1)
-        self.rank_dims = {str(k): int(v) for k, v in dict(tp.get("rank_dims") or {}).items()}
-        self.output_rank_dims = {int(k): int(v) for k, v in dict(tp.get("output_rank_dims") or {}).items()}
-        self.blocks = int(tp.get("blocks") or self.tp)
+        self._read_ranks(params_json)
         self.output_names = [str(o.get("name", f"output{j}")) for j, o in enumerate(outputs)]
         if len(self.output_names) != len(self.outputs):
             raise NeffMismatch(f"{describe}: the manifest lists {len(self.output_names)} output(s), params.json "
@@ -230,15 +221,6 @@ class NeffGraph:
         self.out_dev.append(outs)
 
     # -- running -----------------------------------------------------------------------------------------------------
-    def _rank_parts(self, p: ParamSpec, t: torch.Tensor) -> list[torch.Tensor]:
-        dim = self.rank_dims.get(p.name)
-        if self.tp == 1 or dim is None:
-            return [t] * self.tp
-        size = p.shape[dim] if dim < len(p.shape) else 0
-        if t.dim() != len(p.shape) or t.shape[dim] != size * self.blocks:
-            return [t]
-        return [t.narrow(dim, (r * self.blocks // self.tp) * size, size) for r in range(self.tp)]
-
     def __call__(self, *inputs: Any) -> Any:
         specs = [p for p in self.params if p.kind == "input"]
         if len(inputs) != len(specs):
@@ -252,13 +234,7 @@ class NeffGraph:
                 if resident is not None:
                     bound[k] = resident
                     continue
-                parts = self._rank_parts(p, t) if isinstance(t, torch.Tensor) else []
-                if len(parts) != self.tp or not all(tuple(x.shape) == p.shape for x in parts):
-                    got = list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-                    want = list(p.shape)
-                    if p.name in self.rank_dims and self.tp > 1:
-                        want[self.rank_dims[p.name]] *= self.blocks
-                    raise ValueError(f"{self.describe}: input {p.name} must have shape {want}, got {got}")
+                parts = self._rank_inputs(p, t, lambda msg: ValueError(f"{self.describe}: {msg}"))
                 for r, x in enumerate(parts):
                     host = _host_bytes(x, p, p.name)
                     s.write(own[r].handle, host.data_ptr(), own[r].size, p.name)

@@ -330,10 +330,7 @@ class SpeculativeEngine(Engine):
             # the draft's line holds the fed tokens through the last accepted proposal (or d_{k-1}): roll back the rest
             self._draft_fed[r.rid] = p0 + 1 + min(j, k - 1)
             for t in new:
-                r.tokens.append(t)
-                got.setdefault(r.rid, []).append(t)
-                if len(r.tokens) >= r.max_new_tokens or (r.eos_token_id is not None and t == r.eos_token_id):
-                    self._finish(r)
+                if self._take(r, t, got):
                     self._draft_fed.pop(r.rid, None)
                     break
 

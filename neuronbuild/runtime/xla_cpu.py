@@ -6,7 +6,7 @@ Neuron execution. Relies on private jaxlib APIs, hence the pinned jax/jaxlib ver
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -76,6 +76,18 @@ def read_params(data: bytes | str) -> tuple[list[ParamSpec], list[dict[str, Any]
     return params, outputs
 
 
+def as_dtype(t: torch.Tensor, want: torch.dtype) -> torch.Tensor:
+    """`t` in the module parameter's dtype `want`: int64 ids narrowed to int32 only when every value fits (ValueError
+    otherwise)."""
+    if t.dtype != want:
+        if t.dtype in (torch.int64, torch.uint64) and want == torch.int32 and t.numel():
+            lo, hi = int(t.min()), int(t.max())
+            if lo < -(2**31) or hi >= 2**31:
+                raise ValueError(f"value {hi if hi >= 2**31 else lo} does not fit the module's int32 parameter")
+        t = t.to(want)
+    return t
+
+
 def _to_numpy(t: torch.Tensor, dtype: str) -> np.ndarray:
     import ml_dtypes
 
@@ -84,14 +96,10 @@ def _to_numpy(t: torch.Tensor, dtype: str) -> np.ndarray:
         return t.to(torch.bfloat16).view(torch.int16).numpy().view(ml_dtypes.bfloat16)
     if dtype in ("float8_e4m3fn", "float8_e5m2"):  # fp8 weights (numpy has no fp8: ml_dtypes' of the same bits)
         return t.to(getattr(torch, dtype)).view(torch.uint8).numpy().view(getattr(ml_dtypes, dtype))
-    want = getattr(torch, dtype)
-    if t.dtype != want:
-        if t.dtype in (torch.int64, torch.uint64) and want == torch.int32 and t.numel():
-            lo, hi = int(t.min()), int(t.max())
-            if lo < -(2**31) or hi >= 2**31:
-                raise XlaCpuError(f"value {hi if hi >= 2**31 else lo} does not fit the module's int32 parameter")
-        t = t.to(want)
-    return t.numpy()
+    try:
+        return as_dtype(t, getattr(torch, dtype)).numpy()
+    except ValueError as exc:
+        raise XlaCpuError(str(exc)) from None
 
 
 def _to_torch(a: Any, source_dtype: str | None) -> torch.Tensor:
@@ -107,7 +115,33 @@ def _to_torch(a: Any, source_dtype: str | None) -> torch.Tensor:
     return out
 
 
-class XlaCpuModule:
+class RankIO:
+    """How a module's ranks hold its user inputs and outputs (params.json's "tp" entry; XlaCpuModule's and
+    neff_graph.NeffGraph's): callers hold them whole; along its rank dim, rank r takes block r*blocks//tp of `blocks`
+    (several ranks share one when there are fewer blocks than ranks); any other input is the same on every rank."""
+
+    def _read_ranks(self, params_json: bytes | str) -> None:
+        tp = read_tp(params_json)
+        self.tp = int(tp.get("degree") or 1)
+        self.rank_dims = {str(k): int(v) for k, v in dict(tp.get("rank_dims") or {}).items()}
+        self.output_rank_dims = {int(k): int(v) for k, v in dict(tp.get("output_rank_dims") or {}).items()}
+        self.blocks = int(tp.get("blocks") or self.tp)  # distinct shards of a per-rank input/output (<= tp)
+
+    def _rank_inputs(self, p: ParamSpec, t: Any, error: Callable[[str], Exception]) -> list[torch.Tensor]:
+        """Input `t` as each rank takes it; error(message) is raised when `t` does not have the (whole) shape."""
+        dim = self.rank_dims.get(p.name) if self.tp > 1 else None
+        want = list(p.shape)
+        if dim is not None:
+            want[dim] *= self.blocks
+        if not isinstance(t, torch.Tensor) or list(t.shape) != want:
+            raise error(f"input {p.name} must have shape {want}, got "
+                        f"{list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
+        if dim is None:
+            return [t] * self.tp
+        return [t.narrow(dim, (r * self.blocks // self.tp) * p.shape[dim], p.shape[dim]) for r in range(self.tp)]
+
+
+class XlaCpuModule(RankIO):
     """One compiled module: call with the user inputs (torch tensors) after bind() supplied the state."""
 
     def __init__(self, proto: bytes, params_json: bytes | str, *, source: str = "model.hlo.pb") -> None:
@@ -124,11 +158,7 @@ class XlaCpuModule:
                 raise XlaCpuError(f"params.json says parameter {p.index} ({p.name}) is {p.dtype}{list(p.shape)}, "
                                   f"{source} says {shape}")
         self.summary = summary
-        tp = read_tp(params_json)
-        self.tp = int(tp.get("degree") or 1)
-        self.rank_dims = {str(k): int(v) for k, v in dict(tp.get("rank_dims") or {}).items()}
-        self.output_rank_dims = {int(k): int(v) for k, v in dict(tp.get("output_rank_dims") or {}).items()}
-        self.blocks = int(tp.get("blocks") or self.tp)  # distinct shards of a per-rank input/output (<= tp)
+        self._read_ranks(params_json)
         self._devices = cpu_devices(self.tp)
         import jax
         from jax._src import xla_bridge
@@ -194,18 +224,6 @@ class XlaCpuModule:
             return self._jax.make_array_from_single_device_arrays((), self._replicated, bufs)
         return self._jax.make_array_from_single_device_arrays((self.tp * shape[0], *shape[1:]), self._sharding, bufs)
 
-    def _rank_parts(self, p: ParamSpec, t: torch.Tensor) -> list[torch.Tensor]:
-        """An input as each rank takes it: the caller holds it whole; along its rank dim, rank r takes block
-        r*blocks//tp of `blocks` (several ranks share one when there are fewer blocks than ranks); any other input
-        is the same tensor on every rank."""
-        dim = self.rank_dims.get(p.name)
-        if self.tp == 1 or dim is None:
-            return [t] * self.tp
-        size = p.shape[dim] if dim < len(p.shape) else 0
-        if t.dim() != len(p.shape) or t.shape[dim] != size * self.blocks:
-            return [t]  # (the shape check names what was expected)
-        return [t.narrow(dim, (r * self.blocks // self.tp) * size, size) for r in range(self.tp)]
-
     def __call__(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         specs = self.input_params
         if len(self._state) != len(self.params) - len(specs):
@@ -214,14 +232,7 @@ class XlaCpuModule:
             raise XlaCpuError(f"the module takes {len(specs)} input(s), got {len(inputs)}")
         args = list(self._state)
         for p, t in zip(specs, inputs, strict=True):
-            parts = self._rank_parts(p, t) if isinstance(t, torch.Tensor) else [t]
-            if not all(isinstance(x, torch.Tensor) and tuple(x.shape) == p.shape for x in parts) \
-                    or len(parts) != self.tp:
-                got = list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-                want = list(p.shape)
-                if p.name in self.rank_dims and self.tp > 1:
-                    want[self.rank_dims[p.name]] *= self.blocks
-                raise XlaCpuError(f"input {p.name} must have shape {want}, got {got}")
+            parts = self._rank_inputs(p, t, XlaCpuError)
             args.append(self._put([self._jax.device_put(_to_numpy(x, p.dtype), d)
                                    for x, d in zip(parts, self._devices, strict=True)], p.shape))
         if self.tp == 1:

@@ -19,7 +19,9 @@ import torch
 
 from neuronbuild import envvars
 from neuronbuild.platforms import SHARED_TMP_VAR, THREADS_VAR, host_cores
+from neuronbuild.plugin_api.actions import PROGRAM_CONSTANTS
 from neuronbuild.plugin_api.toolchain import StepDirs
+from neuronbuild.runtime.aoti_loader import IN_PLACE_KEY, OUT_SPEC_KEY  # package metadata the loader reads
 from neuronbuild.toolchains.errors import ToolchainError
 from neuronbuild.toolchains.model_import import example_inputs
 from neuronbuild.toolchains.passes import apply_passes
@@ -42,7 +44,6 @@ from neuronbuild.toolchains.weights import read_header
 TORCH_DIR = Path(torch.__file__).resolve().parent
 PACKAGE_MODEL_NAME = "model"
 CONSTANTS_FILE = "constants.safetensors"  # the model's weights by FQN (the weights action's, shipped beside)
-PROGRAM_CONSTANTS_FILE = "program_constants.safetensors"  # the compile's second output: the program's own tensors
 _ZIP_EPOCH = (1980, 1, 1, 0, 0, 0)
 _KERNEL_NOTE = "// Triton kernels are embedded as comments in "  # how inductor opens an AOT kernel source
 
@@ -79,7 +80,7 @@ def run_cpu_compile(spec: dict[str, Any], sandbox: Path, out_dir: Path) -> dict[
 
     ep, args = _program_and_args(spec, sandbox)
     Path(out_dir).mkdir(parents=True, exist_ok=True)
-    write_program_constants(ep, Path(out_dir) / PROGRAM_CONSTANTS_FILE)
+    write_program_constants(ep, Path(out_dir) / PROGRAM_CONSTANTS)
     return compile_cpu(ep, args, str(spec.get("isa", "")), spec.get("options") or {}, Path(out_dir),
                        in_place=[(int(p[1]), int(p[3])) for p in spec.get("in_place") or ()])
 
@@ -135,7 +136,7 @@ def compile_cpu(
         data = canonical_package(raw.read_bytes())
         # The program's state (what the weights action writes: the same module's parameters and persistent
         # buffers by FQN) and its own tensors hold every tensor the package asks for at load.
-        own = out_dir / PROGRAM_CONSTANTS_FILE
+        own = out_dir / PROGRAM_CONSTANTS
         held = {*ep.state_dict, *(read_header(own) if own.is_file() else {})}
         missing = [n for n in _constant_fqns(raw) if n not in held]
         if missing:
@@ -170,10 +171,6 @@ def _scatters_into_input(ep: torch.export.ExportedProgram, out_i: int, in_i: int
     dest = value.args[0]
     return op in _SCATTERS and isinstance(dest, torch.fx.Node) and dest.op == "placeholder" \
         and dest.name == user_in[in_i]
-
-
-IN_PLACE_KEY = "neuronbuild.in_place"  # package metadata: JSON [[output index, input index], ...] (aoti_loader)
-OUT_SPEC_KEY = "neuronbuild.out_spec"  # package metadata: the program's output treespec before write_in_place
 
 
 def write_in_place(ep: torch.export.ExportedProgram, pairs: list[tuple[int, int]]) -> dict[str, str]:
@@ -405,7 +402,6 @@ def warm_codegen() -> float:
     import time
 
     start = time.perf_counter()
-    import safetensors.torch  # noqa: F401  (constants_bytes)
     import sympy.physics.units  # noqa: F401  (what sympy's simplify imports on first use)
     import torch._dynamo.repro.aoti  # noqa: F401
     import torch._inductor.bounds  # noqa: F401
@@ -432,20 +428,6 @@ def _constant_fqns(package: Path) -> list[str]:
 def held_tensors(ep: torch.export.ExportedProgram) -> dict[str, torch.Tensor]:
     """Every tensor a program holds by FQN: parameters, buffers and lifted tensor constants."""
     return {**dict(ep.state_dict), **{k: v for k, v in ep.constants.items() if isinstance(v, torch.Tensor)}}
-
-
-def constants_bytes(available: Mapping[str, torch.Tensor], fqns: list[str]) -> bytes:
-    """The constants a constants-free package needs (parameters, buffers, lifted constants by FQN) as safetensors,
-    from a program's held_tensors().
-
-    Bytes depend only on the tensors (sorted names, no metadata), so every bucket of a model yields the same file."""
-    from safetensors.torch import save
-
-    missing = [n for n in fqns if n not in available]
-    if missing:
-        raise ToolchainError(f"the compiled package needs constant(s) the program does not hold: {', '.join(missing[:5])}")
-    # Clone: tied weights share storage, which safetensors refuses to save.
-    return save({n: available[n].detach().contiguous().clone() for n in fqns})
 
 
 @contextmanager

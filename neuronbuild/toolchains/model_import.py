@@ -7,7 +7,7 @@ import importlib.util
 import re
 import sys
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -107,9 +107,9 @@ def load_factory(model: Mapping[str, Any], sandbox: Path) -> Callable[..., Any]:
     return factory  # type: ignore[no-any-return]
 
 
-def build_eager_model(model: dict[str, Any], sandbox: Path) -> torch.nn.Module:
-    """Seeded factory(config) -> eval-mode nn.Module, with weights loaded (strict) when the model names a file."""
-    sandbox = Path(sandbox)
+def _factory_module(model: Mapping[str, Any], sandbox: Path, shapes_only: bool = False) -> torch.nn.Module:
+    """The seeded factory(config)'s eval-mode module, a plain model's `quantization` applied (`shapes_only`: its
+    parameters registered without values, _parameters_without_values)."""
     package = str(model.get("package", ""))
     package_dir = (sandbox / package) if package else sandbox
     # Libraries (neuron_py_library deps) import by workspace path: the sandbox root goes on sys.path after the package.
@@ -118,22 +118,36 @@ def build_eager_model(model: dict[str, Any], sandbox: Path) -> torch.nn.Module:
         factory = load_factory(model, sandbox)
         torch.manual_seed(int(model.get("seed", 0) or 0))
         config = dict(model.get("config") or {})
-        try:
-            module = factory(config)
-        except KeyError as e:
-            missing = _missing_config_key(e, model, config, sandbox)
-            if missing is None:
-                raise
-            raise missing from e
+        with _parameters_without_values() if shapes_only else nullcontext():
+            try:
+                module = factory(config)
+            except KeyError as e:
+                missing = _missing_config_key(e, model, config, sandbox)
+                if missing is None:
+                    raise
+                raise missing from e
+            _quantize_plain(module, model)
     if not isinstance(module, torch.nn.Module):
         raise ToolchainError(f"factory {model.get('entry')} returned {type(module).__name__}, not a torch.nn.Module")
-    _quantize_plain(module, model)
-    module.eval()
+    return module.eval()
+
+
+def build_eager_model(model: dict[str, Any], sandbox: Path) -> torch.nn.Module:
+    """Seeded factory(config) -> eval-mode nn.Module, with the model's weight files loaded (strict: keys and shapes
+    checked) when it names any: a quantized model's quantized weights and scales through the view the weights action
+    writes them with (toolchains/quantize.py, the dequantized reference), the rest as stored."""
+    from neuronbuild.toolchains.quantize import open_checkpoint
+    from neuronbuild.toolchains.weights import check_against
+
+    sandbox = Path(sandbox)
+    module = _factory_module(model, sandbox)
     files = _weight_files(model, sandbox)
-    if files is not None and (model.get("config") or {}).get("quantization"):
-        _load_quantized(module, model, files[0], files[1])  # the weights action's values: the dequantized reference
-    elif files is not None:
-        _load_weights(module, files[0], files[1], str(model.get("weights_prefix") or ""))
+    if files is not None:
+        held = module.state_dict()
+        ckpt = open_checkpoint(model, files[0], files[1], {k: v.dtype for k, v in held.items()})
+        check_against({k: tuple(v.shape) for k, v in held.items()}, tied_aliases(module), ckpt)
+        state = {k: ckpt.tensor(k).to(v.dtype) for k, v in held.items() if k in ckpt.index}
+        module.load_state_dict(state, strict=not (set(held) - set(state)))
     return module
 
 
@@ -208,25 +222,7 @@ def build_shape_model(model: dict[str, Any], sandbox: Path, tp: int = 1) -> tupl
     from neuronbuild.toolchains.weights import check_against
 
     sandbox = Path(sandbox)
-    package = str(model.get("package", ""))
-    package_dir = (sandbox / package) if package else sandbox
-    dirs = (package_dir, sandbox) if model.get("libraries") else (package_dir,)
-    with _isolated_import_path(*dirs):
-        factory = load_factory(model, sandbox)
-        torch.manual_seed(int(model.get("seed", 0) or 0))
-        config = dict(model.get("config") or {})
-        with _parameters_without_values():
-            try:
-                module = factory(config)
-            except KeyError as e:
-                missing = _missing_config_key(e, model, config, sandbox)
-                if missing is None:
-                    raise
-                raise missing from e
-            _quantize_plain(module, model)
-    if not isinstance(module, torch.nn.Module):
-        raise ToolchainError(f"factory {model.get('entry')} returned {type(module).__name__}, not a torch.nn.Module")
-    module.eval()
+    module = _factory_module(model, sandbox, shapes_only=True)
     files = _weight_files(model, sandbox)
     if files is not None:
         held = module.state_dict(keep_vars=True)
@@ -238,25 +234,28 @@ def build_shape_model(model: dict[str, Any], sandbox: Path, tp: int = 1) -> tupl
                       fused_params(module))
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     fakes: dict[int, torch.Tensor] = {}
-
-    def fake(t: torch.Tensor, param: bool) -> torch.Tensor:
-        made = fakes.get(id(t))
-        if made is None:
-            with mode:
-                made = torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype)
-            if param:
-                made = torch.nn.Parameter(made, requires_grad=t.requires_grad)
-            fakes[id(t)] = made
-        return made
-
     for mod in module.modules():
         for name, p in list(mod._parameters.items()):
             if p is not None:
-                mod._parameters[name] = fake(p, True)  # type: ignore[assignment]
+                mod._parameters[name] = without_values(p, fakes, mode)  # type: ignore[assignment]
         for name, b in list(mod._buffers.items()):
             if b is not None and name not in mod._non_persistent_buffers_set:
-                mod._buffers[name] = fake(b, False)
+                mod._buffers[name] = without_values(b, fakes, mode)
     return module, mode
+
+
+def without_values(t: torch.Tensor, made: dict[int, torch.Tensor], mode: Any = None) -> torch.Tensor:
+    """A tensor of `t`'s shape, stride and dtype holding no values: a fake CPU tensor of FakeTensorMode `mode`, or
+    (mode None) a meta tensor; a Parameter when `t` is one. One per tensor in `made` (tied tensors stay one)."""
+    new = made.get(id(t))
+    if new is None:
+        with mode if mode is not None else nullcontext():
+            new = torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype,
+                                      device=None if mode is not None else "meta")
+        if isinstance(t, torch.nn.Parameter):
+            new = torch.nn.Parameter(new, requires_grad=t.requires_grad)
+        made[id(t)] = new
+    return new
 
 
 def state_values(model: dict[str, Any], sandbox: Path, wanted: Mapping[str, torch.dtype],
@@ -326,60 +325,6 @@ def tied_aliases(module: torch.nn.Module) -> dict[str, set[str]]:
     for name, t in module.state_dict(keep_vars=True).items():
         by_tensor.setdefault(id(t), set()).add(name)
     return {k: group - {k} for group in by_tensor.values() for k in group}
-
-
-def _load_quantized(module: torch.nn.Module, model: Mapping[str, Any], paths: list[Path], label: str) -> None:
-    """A quantized model's eager module (validate's reference) with the values the weights action writes: quantized
-    weights and scales through the same view (toolchains/quantize.py), the rest as stored; keys and shapes checked."""
-    from neuronbuild.toolchains.quantize import open_checkpoint
-    from neuronbuild.toolchains.weights import check_against
-
-    held = module.state_dict()
-    ckpt = open_checkpoint(model, paths, label, {k: v.dtype for k, v in held.items()})
-    check_against({k: tuple(v.shape) for k, v in held.items()}, tied_aliases(module), ckpt)
-    state = {k: ckpt.tensor(k).to(v.dtype) for k, v in held.items() if k in ckpt.index}
-    module.load_state_dict(state, strict=not (set(held) - set(state)))
-
-
-def _load_weights(module: torch.nn.Module, paths: list[Path], label: str, prefix: str = "") -> None:
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    state: dict[str, torch.Tensor] = {}
-    for path in paths:
-        if not path.is_file():
-            raise ToolchainError(f"weights file {path.name} of {label} not found")
-        try:
-            part = load_file(str(path))
-        except (SafetensorError, OSError) as exc:
-            raise ToolchainError(f"cannot read weights {path.name}: {exc}") from exc
-        dup = sorted(set(part) & set(state))
-        if dup:
-            raise ToolchainError(f"weights {label}: key {dup[0]} is in more than one shard")
-        state.update(part)
-    if prefix:
-        state = {(k[len(prefix):] if k.startswith(prefix) else k): v for k, v in state.items()}
-    expected = module.state_dict()
-    tied = tied_aliases(module)
-    # A tied weight is loaded through the key it shares its tensor with (HF files store it once).
-    missing = sorted(k for k in set(expected) - set(state) if not tied.get(k, set()) & set(state))
-    unexpected = sorted(set(state) - set(expected))
-    if missing or unexpected:
-        parts = []
-        if missing:
-            parts.append(f"missing {len(missing)} key(s): {', '.join(missing[:5])}{', ...' if len(missing) > 5 else ''}")
-        if unexpected:
-            more = ", ..." if len(unexpected) > 5 else ""
-            parts.append(f"unexpected {len(unexpected)} key(s): {', '.join(unexpected[:5])}{more}")
-        raise ToolchainError(f"weights {label} do not match the model: {'; '.join(parts)}")
-    bad = [k for k in sorted(state) if tuple(state[k].shape) != tuple(expected[k].shape)]
-    if bad:
-        k = bad[0]
-        raise ToolchainError(
-            f"weights {label} do not match the model: {len(bad)} shape mismatch(es), e.g. {k}: "
-            f"file {list(state[k].shape)} vs model {list(expected[k].shape)}"
-        )
-    module.load_state_dict(state, strict=not (set(expected) - set(state)))
 
 
 def input_pairs(inputs: Any) -> list[tuple[str, Any]]:

@@ -34,14 +34,11 @@ from neuronbuild.plugin_api.toolchain import (
 )
 from neuronbuild.toolchains import neuron_flags, neuron_runtime, neuron_settings
 from neuronbuild.toolchains.neuron_settings import NAME as NEURONX_CC
+from neuronbuild.toolchains.neuron_steps import FLAGS_FILE, HLO_FILE, LOWER_OUTPUTS, PARAMS_FILE
 from neuronbuild.vocabulary import AUTO_CAST, NEURON_PLATFORMS, OPT_LEVELS
 
 LOWER = "lower"
-HLO_FILE = neuron_flags.HLO_FILE
-PARAMS_FILE = "params.json"
 WEIGHTS_FILE = "constants.safetensors"
-FLAGS_FILE = "compile_flags.json"
-LOWER_OUTPUTS = (HLO_FILE, PARAMS_FILE, PROGRAM_CONSTANTS)  # from shapes only: no weights file
 OUTPUTS = (*LOWER_OUTPUTS, FLAGS_FILE)  # the Compile's (+ the NEFF); it ships the weights action's file(s)
 NEFF_OUTPUT = neuron_flags.NEFF_FILE  # when a neuronx-cc is configured
 NEURON_CC_FLAGS_ENV = "NEURON_CC_FLAGS"
@@ -134,8 +131,6 @@ class NeuronToolchain(Toolchain):
         # per rank) ship beside the Compile's outputs (Action.ships) without being its input: a weights-only
         # change re-runs the weights action and nothing else.
         weights = req.weights_shipped()
-        lower_outputs = LOWER_OUTPUTS
-        outputs_ = (*LOWER_OUTPUTS, FLAGS_FILE)
         lower_record = {
             "format": FORMAT_VERSION,
             "action": LOWER,
@@ -161,13 +156,13 @@ class NeuronToolchain(Toolchain):
             lower = lowers[key] = make_action(LOWER, req.trace.label, req.bucket, lower_record, lower_spec,
                                               dep_inputs=(DepInput(req.trace.fingerprint, TRACE_OUTPUT,
                                                                            TRACE_OUTPUT),),
-                                              outputs=lower_outputs)
+                                              outputs=LOWER_OUTPUTS)
         record = req.record(COMPILE, self.versions(req.platform, req.settings), lowering=lower.fingerprint,
                             weights="shipped-1",  # bound at load: the weights action's file(s), not read here
                             options=neuron_flags.compile_options(req.options))
         spec: dict[str, Any] = {"toolchain": self.name, "step": COMPILE, "platform": req.platform,
                                 "options": dict(req.options), "env_flags": env_flags, "neuronx_cc": None}
-        outputs: tuple[str, ...] = outputs_
+        outputs: tuple[str, ...] = OUTPUTS
         if tp > 1:
             spec["tp_degree"] = tp
         cc = req.settings.tool(NEURONX_CC)
@@ -178,7 +173,7 @@ class NeuronToolchain(Toolchain):
             spec["skipped"] = "no neuronx-cc"  # local executor runs it in the build process (actions.LIGHT)
             spec[LIGHT] = True
         compile_ = make_action(COMPILE, req.label, req.bucket, record, spec,
-                               dep_inputs=tuple(DepInput(lower.fingerprint, f, f) for f in lower_outputs),
+                               dep_inputs=tuple(DepInput(lower.fingerprint, f, f) for f in LOWER_OUTPUTS),
                                outputs=outputs, platform=req.platform, target=self.describe_target(req.target),
                                ships=weights)
         return [lower, compile_]

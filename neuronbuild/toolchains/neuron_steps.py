@@ -12,16 +12,14 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from neuronbuild.plugin_api.actions import PROGRAM_CONSTANTS
 from neuronbuild.toolchains import neuron_flags
 from neuronbuild.toolchains.errors import ToolchainError
 
 HLO_FILE = neuron_flags.HLO_FILE
 PARAMS_FILE = "params.json"
 FLAGS_FILE = "compile_flags.json"
-NEFF_FILE = neuron_flags.NEFF_FILE
-PROGRAM_CONSTANTS = "program_constants.safetensors"  # the program's own tensors (plugin_api.actions.PROGRAM_CONSTANTS)
-LOWER_OUTPUTS = (HLO_FILE, PARAMS_FILE, PROGRAM_CONSTANTS)
-COMPILE_OUTPUTS = (*LOWER_OUTPUTS, FLAGS_FILE)  # (+ model.neff): the weights ship from the weights action
+LOWER_OUTPUTS = (HLO_FILE, PARAMS_FILE, PROGRAM_CONSTANTS)  # from shapes only: no weights file
 # What neuronx-cc needs in its environment to compile a module with fp8 parameters (AWS's fp8 tutorials set it;
 # toolchains/quantize.py): a function of the module, so of the Compile's inputs, and written to compile_flags.json.
 FP8_ENV = {"XLA_HANDLE_SPECIAL_SCALAR": "1"}
@@ -104,7 +102,7 @@ def run_neuron_compile(spec: Mapping[str, Any], sandbox: Path, out_dir: Path) ->
     out_dir.mkdir(parents=True, exist_ok=True)
     # No weights here: they are the module's parameters, bound at load (the weights action's file(s) ship beside
     # these outputs; the runtime's bind checks them against params.json at load).
-    for name in (HLO_FILE, PARAMS_FILE, PROGRAM_CONSTANTS):
+    for name in LOWER_OUTPUTS:
         if not (sandbox / name).is_file():
             raise ToolchainError(f"the lowering's {name} is missing from the sandbox")
         _place(sandbox / name, out_dir / name)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import io
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +18,7 @@ from neuronbuild.toolchains.model_import import (
     rank_values,
     state_values,
     tied_aliases,
+    without_values,
 )
 from neuronbuild.toolchains.outputs import FlatForward, declared_follows, describe, inferred_follows
 
@@ -30,13 +31,17 @@ def strip_unstable_meta(ep: torch.export.ExportedProgram, keep_stack_traces: boo
     """Drop path/line-dependent node metadata from every graph in the program (in place); keep_stack_traces keeps
     stack traces already made workspace-relative by relative_stack_traces."""
     keys = tuple(k for k in _UNSTABLE_META_KEYS if not (keep_stack_traces and k == "stack_trace"))
+    for node in _nodes(ep):
+        for key in keys:
+            node.meta.pop(key, None)
+
+
+def _nodes(ep: torch.export.ExportedProgram) -> Iterator[torch.fx.Node]:
+    """Every node of every graph in the program."""
     for gm in ep.graph_module.modules():
         graph = getattr(gm, "graph", None)
-        if not isinstance(graph, torch.fx.Graph):
-            continue
-        for node in graph.nodes:
-            for key in keys:
-                node.meta.pop(key, None)
+        if isinstance(graph, torch.fx.Graph):
+            yield from graph.nodes
 
 
 _FRAME = re.compile(r'File "([^"]+)", line (\d+), in ([^\n]+)\n([^\n]*)')
@@ -46,22 +51,18 @@ def relative_stack_traces(ep: torch.export.ExportedProgram, root: Path) -> None:
     """Rewrite each node's stack trace to its frames in files under `root` (the sandbox), named relative to it: the
     model source lines a lowering error can cite, the same bytes wherever the workspace is."""
     base = root.resolve()
-    for gm in ep.graph_module.modules():
-        graph = getattr(gm, "graph", None)
-        if not isinstance(graph, torch.fx.Graph):
-            continue
-        for node in graph.nodes:
-            kept = []
-            for path, line, func, code in _FRAME.findall(node.meta.get("stack_trace") or ""):
-                try:
-                    rel = Path(path).resolve().relative_to(base).as_posix()
-                except (ValueError, OSError):
-                    continue
-                kept.append(f'File "{rel}", line {line}, in {func}\n    {code.strip()}')
-            if kept:
-                node.meta["stack_trace"] = "\n".join(kept)
-            else:
-                node.meta.pop("stack_trace", None)
+    for node in _nodes(ep):
+        kept = []
+        for path, line, func, code in _FRAME.findall(node.meta.get("stack_trace") or ""):
+            try:
+                rel = Path(path).resolve().relative_to(base).as_posix()
+            except (ValueError, OSError):
+                continue
+            kept.append(f'File "{rel}", line {line}, in {func}\n    {code.strip()}')
+        if kept:
+            node.meta["stack_trace"] = "\n".join(kept)
+        else:
+            node.meta.pop("stack_trace", None)
 
 
 def program_bytes(ep: torch.export.ExportedProgram, keep_stack_traces: bool = False) -> bytes:
@@ -110,16 +111,8 @@ def load_program(path: Path) -> torch.export.ExportedProgram:
     mode = _detect_fake_mode_from_gm(ep.graph_module) or FakeTensorMode(allow_non_fake_inputs=True)
     made: dict[int, torch.Tensor] = {}
     for name, t in list(ep.state_dict.items()):
-        if t.device.type != "meta":
-            continue
-        fake = made.get(id(t))
-        if fake is None:
-            with mode:
-                fake = torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype)
-            if isinstance(t, torch.nn.Parameter):
-                fake = torch.nn.Parameter(fake, requires_grad=t.requires_grad)
-            made[id(t)] = fake
-        ep.state_dict[name] = fake
+        if t.device.type == "meta":
+            ep.state_dict[name] = without_values(t, made, mode)
     return ep
 
 
@@ -128,13 +121,7 @@ def _shapes_only(ep: torch.export.ExportedProgram, args: tuple[torch.Tensor, ...
     dtype and stride, no bytes; tied ones stay one tensor), example inputs the real zeros of the bucket."""
     made: dict[int, torch.Tensor] = {}
     for name, t in list(ep.state_dict.items()):
-        meta = made.get(id(t))
-        if meta is None:
-            meta = torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype, device="meta")
-            if isinstance(t, torch.nn.Parameter):
-                meta = torch.nn.Parameter(meta, requires_grad=t.requires_grad)
-            made[id(t)] = meta
-        ep.state_dict[name] = meta
+        ep.state_dict[name] = without_values(t, made)
     ep.example_inputs = (tuple(args), {})
 
 
@@ -186,25 +173,33 @@ def write_program_constants(ep: torch.export.ExportedProgram, path: Path) -> int
                              lambda e: constants[e.name])
 
 
-def run_trace(spec: dict[str, Any], sandbox: Path, out_dir: Path) -> dict[str, Any]:
-    """Export spec["model"] at spec["bucket"] (zeros example inputs) from shapes only (build_shape_model) to
-    out_dir/program.pt2. No weight file is read or written here (the sandbox holds none): the model's weights action
-    (run_weights) streams them once for every graph and bucket. Returns metadata, with the flattened outputs
-    (names, shapes, which dims follow which bucket dim)."""
-    sandbox, out_dir = Path(sandbox), Path(out_dir)
+def _rank_module(spec: Mapping[str, Any], sandbox: Path) -> tuple[torch.nn.Module, Any]:
+    """The module a trace or weights action works on, from shapes only (build_shape_model), and its fake mode. At
+    tp_degree > 1 it is one rank's: the factory builds that rank's model (its config's tp_degree), or a plain model's
+    declared tp_plan makes its parameters one rank's shards."""
     model_spec = spec["model"]
     tp = int(spec.get("tp_degree") or 1)
     plan = dict(model_spec.get("tp_plan") or {}) if tp > 1 else {}
-    if tp > 1 and not plan:  # one rank's program (the factory builds that rank's model); weights: a shard per rank
+    if tp > 1 and not plan:
         model_spec = {**model_spec, "config": {**dict(model_spec.get("config") or {}), "tp_degree": tp}}
     module, mode = build_shape_model(model_spec, sandbox, tp)
-    if plan:  # a plain model's declared plan: its parameters become one rank's shards
+    if plan:
         from neuronbuild.toolchains.tp_ops import apply_plan
 
         try:
             apply_plan(module, mode, plan, tp)
         except ValueError as exc:
             raise ToolchainError(str(exc)) from None
+    return module, mode
+
+
+def run_trace(spec: dict[str, Any], sandbox: Path, out_dir: Path) -> dict[str, Any]:
+    """Export spec["model"] at spec["bucket"] (zeros example inputs) from shapes only (build_shape_model) to
+    out_dir/program.pt2. No weight file is read or written here (the sandbox holds none): the model's weights action
+    (run_weights) streams them once for every graph and bucket. Returns metadata, with the flattened outputs
+    (names, shapes, which dims follow which bucket dim)."""
+    sandbox, out_dir = Path(sandbox), Path(out_dir)
+    module, mode = _rank_module(spec, sandbox)
     # The weights the graph binds at load, as the weights action writes them (its state: parameters and persistent
     # buffers by name, one rank's shapes at tp > 1): bundles record them, deploy and strict open_cache check a
     # weights file against them (#51: graphs and weights may be built apart).
@@ -263,20 +258,8 @@ def run_weights(spec: dict[str, Any], sandbox: Path, out_dir: Path) -> dict[str,
     from neuronbuild.toolchains.weights import Entry, write_safetensors
 
     sandbox, out_dir = Path(sandbox), Path(out_dir)
-    model_spec = spec["model"]
+    module, _mode = _rank_module(spec, sandbox)
     tp = int(spec.get("tp_degree") or 1)
-    whole_spec = model_spec
-    plan = dict(model_spec.get("tp_plan") or {}) if tp > 1 else {}
-    if tp > 1 and not plan:  # one rank's module (the factory builds that rank's model): its shapes are the shards'
-        model_spec = {**model_spec, "config": {**dict(model_spec.get("config") or {}), "tp_degree": tp}}
-    module, mode = build_shape_model(model_spec, sandbox, tp)
-    if plan:
-        from neuronbuild.toolchains.tp_ops import apply_plan
-
-        try:
-            apply_plan(module, mode, plan, tp)
-        except ValueError as exc:
-            raise ToolchainError(str(exc)) from None
     tied = tied_aliases(module)
     held = module.state_dict(keep_vars=True)
     state = {name: (t.dtype, tuple(t.shape)) for name, t in held.items()}
@@ -298,9 +281,9 @@ def run_weights(spec: dict[str, Any], sandbox: Path, out_dir: Path) -> dict[str,
         from neuronbuild.toolchains.tp_ops import fused_params
 
         size = _write_shards(out_dir, tp, entries, own, state,
-                             rank_values(whole_spec, sandbox, wanted, tied, tp, fused_params(module)), stored_as)
+                             rank_values(spec["model"], sandbox, wanted, tied, tp, fused_params(module)), stored_as)
     else:
-        value = state_values(model_spec, sandbox, wanted, tied)
+        value = state_values(spec["model"], sandbox, wanted, tied)
         size = write_safetensors(out_dir / WEIGHTS_FILE, entries, lambda e: value(e.name), stored_as)
     return {"tensors": len(entries), "tied": len(stored_as), "weights_bytes": size,
             **({"tp_degree": tp} if tp > 1 else {})}
