@@ -81,8 +81,7 @@ FAMILIES: dict[str, tuple[str, dict[str, object]]] = {
 # (whole experts, one group per rank); "<family>_ep2" with moe_ep_degree = 2, so at tp 4 NxD's EP x TP grid of 2
 # groups x 2 ranks (moe_tp_degree 2: each expert's width split over its group's 2 ranks), with EP2's changes (4 heads;
 # mixtral's expert width 24: 12 per rank). Expert widths 4 does not divide are accepted on a 2 x 2 grid (analysis,
-# tests/test_moe_ep_tp.py) but not checked here: transformers' own experts (validate's reference, grouped_mm on CPU)
-# refuse a width whose rows are not a multiple of 16 bytes ("strides should be multiple of 16 bytes").
+# tests/test_moe_ep_tp.py); validate's reference runs transformers' eager experts, so any width is checked the same.
 EP = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "deepseek_v3")
 EP2: dict[str, dict[str, object]] = {
     "mixtral": {"num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 24},
