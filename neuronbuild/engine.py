@@ -22,15 +22,18 @@ stale dependency as stale, for callers whose computations have ordered side effe
 node's events in order and recomputes the rest in the order a fresh analysis would). A key asked for while it is
 being computed is a cycle: `CycleError`, naming the keys around it.
 
-A **projection key** (`Projection`) holds a value derived from nodes that its own module keeps and re-checks, where
-that module reuses part of an old value (the wall-time schedule resumed where its actions are unchanged, the plan
-report's rows per history stamp): `keep` / `kept`, no dependencies, dropped with the rest by `clear()`. Each is a
-specialised path declared as such, kept because the generic all-or-nothing reuse of a key would recompute the whole
-value after any edit (docs/server.md)."""
+A **projection key** (`Projection`) holds a value derived from nodes that its own module reuses in part, where the
+generic all-or-nothing reuse of a key would recompute all of it after any edit (docs/server.md): `keep` / `kept`, no
+dependencies, dropped with the rest by `clear()`. A projection may hold the nodes it was made from (current then); its
+one staleness rule is the engine's: `replaced(nodes)`, true once any of them has been replaced since (a store of its
+key, even of an equal value, or `clear()`: `Node.replaced`, the revision it was replaced in). The declared ones: the
+planner's segments and groups (analysis_nodes.SEGMENTS, GROUPS), the wall-time schedule and the plan report's rows
+(plan_report.SCHEDULE, REPORT)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Iterator, Mapping
+import operator
+from collections.abc import Hashable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any, Protocol
 
@@ -66,15 +69,17 @@ class Projection:
 
 
 class Node:
-    """A key's memoised value and what it read: (key, changed_at seen) in the order read."""
+    """A key's memoised value and what it read: (key, changed_at seen) in the order read; `replaced`: 0 while it is
+    its key's node, then the revision it stopped being (its key stored again, or the engine cleared)."""
 
-    __slots__ = ("changed_at", "deps", "value", "verified_at")
+    __slots__ = ("changed_at", "deps", "replaced", "value", "verified_at")
 
     def __init__(self, value: Any, deps: tuple[tuple[Hashable, int], ...], changed_at: int, verified_at: int) -> None:
         self.value = value
         self.deps = deps
         self.changed_at = changed_at
         self.verified_at = verified_at
+        self.replaced = 0
 
     def __repr__(self) -> str:
         return f"Node({self.value!r}, changed_at={self.changed_at}, verified_at={self.verified_at})"
@@ -115,8 +120,6 @@ class Engine:
         self._frames: list[tuple[Hashable, list[tuple[Hashable, int]]]] = []  # computations running, innermost last
         self._running: set[Hashable] = set()
         self.computed = self.cutoffs = 0  # (counters since the last advance())
-        # called with (key, old node or None, new node) whenever a computation stores a node
-        self.on_store: Callable[[Hashable, Node | None, Node], None] | None = None
 
     def function(self, key: Hashable) -> Any:
         fn = self.functions.get(type(key))
@@ -131,7 +134,9 @@ class Engine:
         self.computed = self.cutoffs = 0
 
     def clear(self) -> None:
-        """Forget every node (a changed input the nodes do not record, e.g. the settings)."""
+        """Forget every node, projections too (a changed input the nodes do not record, e.g. the settings)."""
+        for node in self.nodes.values():
+            node.replaced = self.revision
         self.nodes.clear()
         self._stale.clear()
 
@@ -222,6 +227,11 @@ class Engine:
         else:
             self.nodes[key] = Node(value, (), self.revision, self.revision)
 
+    @staticmethod
+    def replaced(nodes: Iterable[Node]) -> bool:
+        """Whether any of `nodes` (held by a projection made when they were current) has been replaced since."""
+        return any(map(_REPLACED, nodes))
+
     # --- computing -----------------------------------------------------------------------------------------------
     def compute(self, key: Hashable) -> Node:
         """Compute `key` now (whatever its node says), store its node and return it; a value equal to the old one
@@ -254,10 +264,10 @@ class Engine:
             if getattr(fn, "keep_equal", False):
                 value = old.value
         node = self.nodes[key] = Node(value, deps, changed_at, rev)
+        if old is not None:
+            old.replaced = rev
         self._stale.discard(key)
         self.computed += 1
-        if self.on_store is not None:
-            self.on_store(key, old, node)
         return node
 
     @contextmanager
@@ -279,3 +289,6 @@ class Engine:
 
 def _always(_key: Any, _node: Node) -> bool:
     return True
+
+
+_REPLACED = operator.attrgetter("replaced")

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from neuronbuild.engine import CycleError, Engine, Node
+from neuronbuild.engine import CycleError, Engine, Node, Projection
 
 WORLD: dict[str, Any] = {}  # the fake outside world the volatile keys read
 RUNS: Counter[Any] = Counter()  # computations per key
@@ -297,11 +297,9 @@ def test_functions_registered_by_key_type_compute_plain_keys() -> None:
         def equal(old: int, new: int) -> bool:
             return old == new
 
-    stored: list[Any] = []
     e = Engine({int: Double()})
-    e.on_store = lambda key, old, new: stored.append((key, old is None))
     assert e.get(3) == 6
-    assert stored == [(0, True), (1, True), (2, True), (3, True)]
+    assert list(e.nodes) == [0, 1, 2, 3] and e.computed == 4  # (stored in the order their computations ended)
     assert e.nodes[3].deps == ((2, 1),)
     with pytest.raises(KeyError):
         e.get("no function")
@@ -329,6 +327,54 @@ def test_an_equal_value_of_a_keep_equal_key_is_the_old_object() -> None:
     WORLD["x"] = 2.2
     e.advance()
     assert e.get(Rounded(Cell("x"))) == [2]
+
+
+HELD = Projection("nodes held")  # (as the planner's segments and groups hold the target nodes they were made from)
+
+
+def test_a_projection_is_stale_once_a_node_it_holds_is_replaced_after_it_was_made() -> None:
+    WORLD.update(a=1, b=2)
+    e = Engine()
+    left, right = Sum((Cell("a"),)), Sum((Cell("b"),))
+    assert e.get(left) == 1 and e.get(right) == 2
+    e.keep(HELD, (e.nodes[left], e.nodes[right]))
+    for _ in range(2):  # (new revisions, nothing changed: each node verified again, none replaced)
+        e.advance()
+        assert e.get(left) == 1 and e.get(right) == 2
+        assert not e.replaced(e.kept(HELD))
+    WORLD["b"] = 5
+    e.advance()
+    assert e.valid(left) and e.get(right) == 5  # (right's node stored anew)
+    assert e.replaced(e.kept(HELD))
+    assert not e.replaced(e.kept(HELD)[:1])  # (left's node is still its key's)
+
+
+def test_a_node_replaced_before_a_projection_was_made_leaves_it_current() -> None:
+    WORLD.update(a=1)
+    e = Engine()
+    key = Sum((Cell("a"),))
+    assert e.get(key) == 1
+    first = e.nodes[key]
+    WORLD["a"] = 2
+    e.advance()
+    assert e.get(key) == 2 and e.replaced([first])
+    e.keep(HELD, (e.nodes[key],))  # (made from the current node, after the replacement)
+    e.advance()
+    assert e.get(key) == 2 and not e.replaced(e.kept(HELD))
+
+
+def test_clear_drops_projections_and_marks_every_node_replaced() -> None:
+    WORLD.update(a=1)
+    e = Engine()
+    key = Sum((Cell("a"),))
+    e.get(key)
+    held = (e.nodes[key],)
+    e.keep(HELD, held)
+    assert e.kept(HELD) is held
+    e.clear()
+    assert e.kept(HELD) is None and e.replaced(held)  # (a value holding them outside the engine is stale too)
+    e.advance()
+    assert e.get(key) == 1 and not e.replaced([e.nodes[key]])
 
 
 @dataclass(frozen=True)

@@ -82,7 +82,7 @@ class PlannedBucket(list):  # type: ignore[type-arg]
 class AnalysisContext:
     """What a rule kind's analysis sees: targets, settings, other targets' providers, and where to add actions."""
 
-    def __init__(self, graph: TargetGraph, settings: PlanSettings, memo: AnalysisMemo | None = None) -> None:
+    def __init__(self, graph: TargetGraph, settings: PlanSettings, memo: AnalysisMemo) -> None:
         self.graph = graph
         self.settings = settings
         self.common: dict[str, Any] = {"env": settings.env_record()} if settings.action_env else {}
@@ -90,9 +90,6 @@ class AnalysisContext:
         self.compiles: list[CompileTarget] = _Compiles(self)
         self.bundles: dict[Label, BundleInfo] = _Bundles(self)
         self._providers: dict[Label, Any] = {}
-        if memo is None:
-            memo = AnalysisMemo(segments=False)
-            memo.begin(settings)
         self.memo = memo
         self.engine = memo.engine
         memo.nodes_fn.ctx = memo.fresh_fn.ctx = self
@@ -184,33 +181,20 @@ class AnalysisContext:
             self._providers[label] = self.engine.fresh(_Fresh(label)).value  # type: ignore[union-attr]
         return self._providers[label]
 
-    def _fresh_same(self, volatile: tuple[tuple[_Fresh, int], ...]) -> bool:
-        """Whether each volatile provider a segment or group saw still has the revision it saw (computed once per
-        plan; an equal provider keeps its revision)."""
-        fresh = self.engine.fresh
-        for key, seen in volatile:
-            node = fresh(key)
-            if node is None or node.changed_at != seen:
-                return False
-        return True
-
-    def _surface_bad(self) -> set[int]:
-        """id() of the memoised nodes whose own inputs changed: their Target value (or the target is gone) or a file
-        their analysis digested (the engine function's `unchanged`, over every target node at once)."""
-        return self.memo.nodes_fn.stale_ids(self.engine.nodes)
-
-    def use_segment(self, root: Label) -> bool:
-        """Provide `root` from its segment (_Segment) if that is valid; whether it was."""
-        memo = self.memo
-        seg = memo.segments.get(root) if memo is not None else None
-        if seg is None or root in self._providers:
-            return False
-        assert memo is not None
+    def _current(self, held: _Segment | _Group) -> bool:
+        """Whether every node a segment or group holds is current: none replaced since it was made (the engine's rule
+        for projections), none whose own inputs changed (the engine function's `unchanged`, over every target node at
+        once, on first need), each volatile provider it saw at the revision seen (computed once per plan)."""
         if self._bad is None:
-            self._bad = self._surface_bad()
-        if not self._bad.isdisjoint(seg.ids) or not memo.retired.isdisjoint(seg.ids):
-            return False  # (a node whose inputs changed, or replaced since: not every node is the current valid one)
-        if seg.volatile and not self._fresh_same(seg.volatile):
+            self._bad = self.memo.nodes_fn.stale_ids(self.engine.nodes)
+        if not self._bad.isdisjoint(held.ids) or self.engine.replaced(held.memos):
+            return False
+        fresh = self.engine.fresh
+        return all((node := fresh(key)) is not None and node.changed_at == seen for key, seen in held.volatile)
+
+    def use_segment(self, seg: _Segment) -> bool:
+        """Provide its root from a segment if that is valid and the root is not provided yet; whether it was."""
+        if seg.labels[0] in self._providers or not self._current(seg):
             return False
         providers, done = self._providers, self._from_segments
         if done.isdisjoint(seg.ids) and self._all_from_segments:
@@ -239,7 +223,7 @@ class AnalysisContext:
         for lbl, m in new:
             providers[lbl] = m.value.provider
         done |= seg.ids
-        memo.reused += len(new)
+        self.memo.reused += len(new)
         return True
 
     def use_group(self, group: _Group) -> bool:
@@ -247,15 +231,9 @@ class AnalysisContext:
         a segment or group: this adds what providing each root from its segment would (the nodes provided already,
         shared with earlier roots, and their events left out; an action added already keeping its place and
         object); whether it did."""
-        memo = self.memo
-        assert memo is not None
-        if self._bad is None:
-            self._bad = self._surface_bad()
-        ids = group.ids
-        if not self._bad.isdisjoint(ids) or not memo.retired.isdisjoint(ids):
+        if not self._current(group):
             return False
-        if group.volatile and not self._fresh_same(group.volatile):
-            return False
+        memo, ids = self.memo, group.ids
         actions, done, providers = self.actions, self._from_segments, self._providers
         # (shared: e.g. the traces of a package whose roots two slices split)
         kept = {fp: actions[fp] for fp in actions.keys() & group.actions.keys()}
@@ -288,7 +266,6 @@ class AnalysisContext:
     def make_segment(self, root: Label) -> _Segment | None:
         """The segment of `root` from the memo's current nodes (after a plan that provided it), as a fresh analysis
         would provide it: each node's events in order, a dependency's expanded where it is first asked for."""
-        assert self.memo is not None
         entries, targets = self.memo.entries, self.graph.targets
         m = entries.get(root)
         if m is None:

@@ -1,8 +1,8 @@
 """The analysis engine's nodes (the engine is neuronbuild/engine.py): one per analysed target (key: its Label, value:
 `_Memo`: its provider and what it did, in order, and the files it digested), one per volatile provider (`_Fresh`),
-the plan's action graph (`_PlanKey`, kept when equal), and per requested root its segment and per slice of roots its
-group (a root's whole analysis reused in one step). `AnalysisMemo` holds them between plans (the build server) or
-for one plan (batch commands). The kinds' API that computes target nodes is analysis/analysis_context.py."""
+the plan's action graph (`_PlanKey`, kept when equal), and the build server's projections: per requested root its
+segment, per slice of roots its group (their whole analysis reused in one step). `AnalysisMemo` holds them between
+plans (the build server) or for one plan (batch). The kinds' API that computes target nodes: analysis_context.py."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from neuronbuild import digests
 from neuronbuild.analysis.action_graph import ActionGraph
 from neuronbuild.analysis.providers import BundleInfo, CompileTarget
-from neuronbuild.engine import Engine, Node
+from neuronbuild.engine import Engine, Node, Projection
 from neuronbuild.loading.labels import Label
 from neuronbuild.loading.targets import Target
 from neuronbuild.plugin_api import registry as plugins
@@ -148,12 +148,13 @@ class _FreshNodes(_TargetNodes):
 
 @dataclass(frozen=True)
 class _Segment:
-    """A requested root's whole analysis as one node of the engine: every memoised node of its closure (label and
-    the `_Memo` it was made from, in the order a fresh analysis provides them), the volatile targets it asked for
-    with the providers seen, every action its closure adds (in the order a fresh analysis adds them first), and the
-    compile targets and bundles each node registers. It is valid exactly when each of those nodes still has the
-    same `_Memo` and its own inputs (Target value, files) are unchanged and each volatile provider is equal: then
-    each node is valid by the engine's rule, and providing the root adds what the segment holds, in its order."""
+    """A requested root's whole analysis (an entry of the projection SEGMENTS): every memoised node of its closure
+    (label and the engine node it was made from, in the order a fresh analysis provides them), the volatile targets
+    it asked for with the revisions seen, every action its closure adds (in the order a fresh analysis adds them
+    first), and the compile targets and bundles each node registers. It is valid exactly when none of those nodes was
+    replaced since (`Engine.replaced`), their own inputs (Target value, files) are unchanged and each volatile
+    provider is at the revision seen: then each node is valid by the engine's rule, and providing the root adds what
+    the segment holds, in its order."""
 
     labels: tuple[Label, ...]
     memos: tuple[Node, ...]  # (engine nodes, values _Memo)
@@ -166,12 +167,11 @@ class _Segment:
 
 @dataclass(frozen=True)
 class _Group:
-    """Consecutive requested roots (at most GROUP_ROOTS, the same slice of the plan's roots every time) provided from
-    their segments as one node of the engine: what providing them in order from their segments adds, starting from
-    nothing provided (the nodes with their providers, the actions in order, the compile targets and bundles), made
-    from those segments. It reads exactly what they read, so it is valid exactly when each of them is: each node is
-    still current (`ids`) and each volatile provider is equal. A re-plan provides a valid group in one step when none
-    of its nodes or actions is provided yet; else root by root from the segments, as before."""
+    """Consecutive requested roots (at most GROUP_ROOTS, the same slice of the plan's roots every time; an entry of
+    the projection GROUPS): what providing them in order from their segments adds, starting from nothing provided
+    (the nodes with their providers, the actions in order, the compile targets and bundles). It reads exactly what
+    those segments read, so it is valid exactly when each of them is. A re-plan provides a valid group in one step,
+    leaving out what is provided already (as providing each root from its segment would)."""
 
     roots: tuple[Label, ...]
     memos: tuple[Node, ...]  # the nodes, in the order provided (held, so their ids are not reused)
@@ -188,6 +188,8 @@ class _Group:
 
 
 GROUP_ROOTS = 64
+SEGMENTS = Projection("segments")  # (the server's, engine.py) {requested root: _Segment}
+GROUPS = Projection("groups")  # {index of a slice's first root: _Group, or None}
 
 
 def _make_group(roots: tuple[Label, ...], segments: Mapping[Label, _Segment]) -> _Group | None:
@@ -238,20 +240,10 @@ class AnalysisMemo:
     see unchanged to reuse any of it: the settings and, per (toolchain, platform) the memoised analyses used, the
     versions the toolchain reports now (a C++ compiler or neuronx-cc replaced between commands empties the memo)."""
 
-    def __init__(self, segments: bool = True) -> None:
+    def __init__(self) -> None:
         self.nodes_fn = _TargetNodes()
         self.fresh_fn = _FreshNodes()
         self.engine = Engine({Label: self.nodes_fn, _Fresh: self.fresh_fn})
-        self.engine.on_store = self._stored
-        # Per requested root: its segment (_Segment), made after each plan when `segments` (the build server: a batch
-        # command's engine is used once, so it makes none).
-        self.keep_segments = segments
-        self.segments: dict[Label, _Segment] = {}
-        # Per slice of GROUP_ROOTS requested roots (by its index): the group made from their segments (_Group)
-        self.groups: dict[int, _Group] = {}
-        # id() of every _Memo replaced since the segments were made (a segment holding one is stale; segments hold
-        # their nodes, so such an id is not reused while a segment could ask)
-        self.retired: set[int] = set()
         self.env: dict[tuple[str, str], dict[str, str]] = {}
         self.settings_key: str | None = None
         self.trace_toolchain: dict[str, str] = {}
@@ -263,9 +255,6 @@ class AnalysisMemo:
         if key != self.settings_key or trace_tc != self.trace_toolchain or \
                 any(_versions(tc, platform, settings) != v for (tc, platform), v in self.env.items()):
             self.engine.clear()
-            self.segments.clear()
-            self.groups.clear()
-            self.retired.clear()
             self.env.clear()
         self.settings_key, self.trace_toolchain = key, trace_tc
         self.engine.advance()
@@ -278,10 +267,6 @@ class AnalysisMemo:
 
     def memoised_targets(self) -> int:
         return sum(type(k) is Label for k in self.engine.nodes)
-
-    def _stored(self, key: Any, old: Node | None, new: Node) -> None:
-        if old is not None and type(key) is Label:
-            self.retired.add(id(old))  # (a segment holding it is stale)
 
     def action_graph(self, actions: dict[str, Action], compiles: tuple[CompileTarget, ...],
                      bundles: dict[Label, BundleInfo], topological: bool = False) -> ActionGraph:

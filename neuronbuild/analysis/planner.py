@@ -5,8 +5,11 @@ Analysis runs on the generic engine (neuronbuild/engine.py; `AnalysisMemo` holds
 Label) holding its provider and what it did, in order (providers it asked for, actions it added, compile targets and
 bundles it registered), and what it read: its Target value and the files it digested (checked by the node function's
 `unchanged`) and, recorded by the engine, the revision of every node it asked for. A node is replayed only when the
-engine finds it valid; an analysis run again with an equal result keeps its revision (early cutoff). Batch commands run the same engine starting empty, the build server keeps it between commands: so the
-server's plan is the one a fresh process makes, by construction."""
+engine finds it valid; an analysis run again with an equal result keeps its revision (early cutoff). Batch commands
+run the same engine starting empty, the build server keeps it between commands: so the server's plan is the one a fresh
+process makes, by construction. The server's engine also keeps two declared projections (analysis_nodes.SEGMENTS,
+GROUPS): each requested root's whole analysis and each slice of GROUP_ROOTS roots', provided in one step while every
+node they hold is current."""
 
 from __future__ import annotations
 
@@ -16,7 +19,7 @@ from typing import Any
 
 from neuronbuild.analysis.action_graph import ActionGraph
 from neuronbuild.analysis.analysis_context import AnalysisContext
-from neuronbuild.analysis.analysis_nodes import GROUP_ROOTS, AnalysisMemo, _make_group
+from neuronbuild.analysis.analysis_nodes import GROUP_ROOTS, GROUPS, SEGMENTS, AnalysisMemo, _make_group
 from neuronbuild.errors import UserInputError
 from neuronbuild.loading.labels import Label
 from neuronbuild.loading.target_graph import TargetGraph
@@ -40,67 +43,59 @@ def plan(graph: TargetGraph, settings: PlanSettings | None = None, memo: Analysi
     `memo`: the analysis engine's state (the build server keeps one per workspace and settings); None starts it empty
     (batch mode). Either way the same engine runs, so the plan is the one a fresh process makes."""
     settings = settings or PlanSettings()
+    kept = memo is not None  # (the server's engine: it keeps segments and groups; a batch one is used once, without)
     if memo is None:
-        memo = AnalysisMemo(segments=False)
+        memo = AnalysisMemo()
     memo.begin(settings)
     ctx = AnalysisContext(graph, settings, memo)
-    segments = memo.segments if memo.keep_segments else None
     plans_actions = {kind: bool(r.plans_actions) for kind, r in plugins.rules().items()}
     targets = graph.targets
     roots = [lbl for lbl in graph.requested if plans_actions[targets[lbl].kind]]
-    made: list[Label] = []
     provide = ctx.provider if errors is None else functools.partial(_provide_or_drop, ctx, errors)
-    if segments is None:
+    if not kept:
         for lbl in roots:
             provide(lbl)
         return memo.action_graph(ctx.actions, tuple(ctx.compiles), dict(ctx.bundles))
-    groups = memo.groups
+    engine = memo.engine
+    segments, groups = engine.kept(SEGMENTS) or {}, engine.kept(GROUPS) or {}
+    made: list[Label] = []  # (roots provided otherwise: their segments are made afresh)
     regroup: list[int] = []  # (slices provided otherwise: their groups are made afresh)
     closed = True  # (every root provided from a closed segment or group so far)
     for start in range(0, len(roots), GROUP_ROOTS):
-        chunk = roots[start:start + GROUP_ROOTS]
+        chunk = tuple(roots[start:start + GROUP_ROOTS])
         g = groups.get(start)
-        if g is not None and g.roots == tuple(chunk) and ctx.use_group(g):
+        if g is not None and g.roots == chunk and ctx.use_group(g):
             closed = closed and g.closed
             continue
         regroup.append(start)
         for lbl in chunk:
-            if not ctx.use_segment(lbl):
+            seg = segments.get(lbl)
+            if seg is None or not ctx.use_segment(seg):
                 if provide(lbl) is _DROPPED:
                     segments.pop(lbl, None)  # (no segment: a group made over this slice is none either)
                 else:
                     made.append(lbl)
-    topological = False
     if ctx._volatile_actions:  # (a volatile analysis added actions: they are in no segment)
-        segments.clear()
-        groups.clear()
-    else:
-        for lbl in made:
-            seg = ctx.make_segment(lbl)
-            if seg is None:
-                segments.pop(lbl, None)
-            else:
-                segments[lbl] = seg
-        if len(segments) > 2 * len(memo.entries) + 1000:  # (roots gone: keep the memory bounded)
-            for lbl in [k for k in segments if k not in memo.entries]:
-                del segments[lbl]
-        if len(memo.retired) > 100_000:  # (forgetting them needs every segment gone that could hold one)
-            segments.clear()
-            groups.clear()
-            memo.retired.clear()
-        for start in regroup:
-            g = _make_group(tuple(roots[start:start + GROUP_ROOTS]), segments)
-            if g is None:
-                groups.pop(start, None)
-            else:
-                groups[start] = g
-            closed = closed and g is not None and g.closed
-        for start in [k for k in groups if k >= len(roots)]:  # (fewer roots than before)
-            del groups[start]
-        # Providing the roots in order adds each one's segment's actions not yet added, in its order: the
-        # registration order is topological when every segment's is (a group's is when its segments' are).
-        topological = closed
-    return memo.action_graph(ctx.actions, tuple(ctx.compiles), dict(ctx.bundles), topological)
+        engine.keep(SEGMENTS, None)
+        engine.keep(GROUPS, None)
+        return memo.action_graph(ctx.actions, tuple(ctx.compiles), dict(ctx.bundles))
+    for lbl in made:
+        seg = ctx.make_segment(lbl)
+        if seg is None:
+            segments.pop(lbl, None)
+        else:
+            segments[lbl] = seg
+    if len(segments) > 2 * len(memo.entries) + 1000:  # (roots gone: keep the memory bounded)
+        segments = {lbl: seg for lbl, seg in segments.items() if lbl in memo.entries}
+    groups = {start: g for start, g in groups.items() if start < len(roots)}  # (fewer roots than before)
+    for start in regroup:
+        g = groups[start] = _make_group(tuple(roots[start:start + GROUP_ROOTS]), segments)
+        closed = closed and g is not None and g.closed
+    engine.keep(SEGMENTS, segments)
+    engine.keep(GROUPS, groups)  # (a slice without a group: None)
+    # Providing the roots in order adds each one's segment's actions not yet added, in its order: the registration
+    # order is topological when every segment's is (a group's is when its segments' are).
+    return memo.action_graph(ctx.actions, tuple(ctx.compiles), dict(ctx.bundles), closed)
 
 
 _DROPPED = object()
