@@ -27,8 +27,8 @@ generic all-or-nothing reuse of a key would recompute all of it after any edit (
 dependencies, dropped with the rest by `clear()`. A projection may hold the nodes it was made from (current then); its
 one staleness rule is the engine's: `replaced(nodes)`, true once any of them has been replaced since (a store of its
 key, even of an equal value, or `clear()`: `Node.replaced`, the revision it was replaced in). The declared ones: the
-planner's segments and groups (analysis_nodes.SEGMENTS, GROUPS), the wall-time schedule and the plan report's rows
-(plan_report.SCHEDULE, REPORT)."""
+planner's segments and groups (analysis_nodes.SEGMENTS, GROUPS), the wall-time schedule, the plan report's rows and
+matrix layouts (plan_report.SCHEDULE, REPORT, LAYOUTS)."""
 
 from __future__ import annotations
 

@@ -26,6 +26,7 @@ _DEPS = operator.attrgetter("deps")
 # The engine's projection keys this module keeps (engine.py: their reuse is decided here, partly)
 SCHEDULE = Projection("wall-time schedule")  # estimate.Schedule: resumed where the actions are unchanged
 REPORT = Projection("plan report")  # ReportMemo: estimates per action, matrix rows per compile target, per stamp
+LAYOUTS = Projection("matrix layouts")  # {id(CompileTarget): (it, its _Layout)}: a function of the target's value
 _MISSING: Any = object()
 
 
@@ -162,14 +163,14 @@ class PlanReport:
             if len(rows) >= _MAX_LAYOUTS:
                 rows.clear()
             # (tuples of strings: the collector stops tracking them; one tracked tuple per target)
-            rows[id(ct)] = (ct, (*_layout(ct, self.ag)[2], *(fp for _b, fp in ct.buckets)), tuple(lines), gen)
+            rows[id(ct)] = (ct, (*self._layout(ct)[2], *(fp for _b, fp in ct.buckets)), tuple(lines), gen)
         return out
 
     def _target_lines(self, ct: CompileTarget, seen: dict[tuple[int, int, bool, bool], str]) -> list[str]:
         """One compile target's heading and matrix rows. `seen`: the status and estimate cells made so far, by their
         estimates' objects and the cached flags (estimates are shared: few distinct rows)."""
         estimates, cached = self.estimates, self.cached
-        head, prefixes, traces = _layout(ct, self.ag)
+        head, prefixes, traces = self._layout(ct)
         out = list(head)
         for prefix, (_bucket, fp), trace_fp in zip(prefixes, ct.buckets, traces, strict=True):
             te, ce = estimates.get(trace_fp), estimates.get(fp)  # (inlined status(): 100,000s)
@@ -178,6 +179,30 @@ class PlanReport:
             if cells is None:
                 cells = seen[key] = self._cells(te, ce, key[2], key[3])
             out.append(prefix + cells)
+        return out
+
+    @cached_property
+    def _layouts(self) -> dict[int, tuple[CompileTarget, _Layout]]:
+        """The compile targets' matrix layouts made so far: kept by the server's engine (LAYOUTS), else this report's."""
+        if self.engine is None:
+            return {}
+        layouts = self.engine.engine.kept(LAYOUTS)
+        if layouts is None:
+            self.engine.engine.keep(LAYOUTS, layouts := {})
+        return layouts
+
+    def _layout(self, ct: CompileTarget) -> _Layout:
+        """A compile target's matrix heading, its rows' starts and the trace of each bucket's compile: a function of
+        its value alone (fingerprints are content addresses: a compile's fixes its inputs' actions), kept per object
+        (analysis replays the same objects for unchanged targets; the entry holds it, so its id is not reused)."""
+        layouts = self._layouts
+        known = layouts.get(id(ct))
+        if known is not None and known[0] is ct:
+            return known[1]
+        out = (*_make_layout(ct), _traces(ct, self.ag))
+        if len(layouts) >= _MAX_LAYOUTS:
+            layouts.clear()
+        layouts[id(ct)] = (ct, out)
         return out
 
     def summary_line(self) -> str:
@@ -203,23 +228,8 @@ class _Deps(Sequence[tuple[str, ...]]):
         return list(map(_DEPS, self.todo[i])) if isinstance(i, slice) else self.todo[i].deps
 
 
-# A compile target's matrix layout and the trace of each of its buckets' compile are a function of its value alone
-# (fingerprints are content addresses: a compile's fingerprint fixes its inputs' actions): kept per CompileTarget
-# object (analysis replays the same objects for unchanged targets), held with it so its id is not reused.
-_Layout = tuple[tuple[str, str], tuple[str, ...], tuple[str, ...]]
-_layouts: dict[int, tuple[CompileTarget, _Layout]] = {}
+_Layout = tuple[tuple[str, str], tuple[str, ...], tuple[str, ...]]  # (PlanReport._layout)
 _MAX_LAYOUTS = 200_000
-
-
-def _layout(ct: CompileTarget, ag: ActionGraph) -> _Layout:
-    known = _layouts.get(id(ct))
-    if known is not None and known[0] is ct:
-        return known[1]
-    out = (*_make_layout(ct), _traces(ct, ag))
-    if len(_layouts) >= _MAX_LAYOUTS:
-        _layouts.clear()
-    _layouts[id(ct)] = (ct, out)
-    return out
 
 
 def _make_layout(ct: CompileTarget) -> tuple[tuple[str, str], tuple[str, ...]]:
