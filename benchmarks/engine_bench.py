@@ -6,7 +6,8 @@ digests). CPU seconds, printed side by side:
 
   build      the first computation of every node (a cold plan's analysis pays this on top of the kinds' work)
   no-op      a new revision with nothing changed: `valid` over every node (the validity walk the planner's segments
-             and groups stand in for at scale: they check every node's own inputs in one pass and the rest by sets)
+             and groups stand in for at scale: they check every node's own inputs in one pass and the rest below)
+  replaced   `replaced` over every node, none replaced (a projection's staleness check, e.g. the planner's groups')
   edit       one package's outside input changed: `get` of every root (its nodes recomputed, the others verified)
   cutoff     that input changed again, its node's value equal: that node recomputed, cut off, the rest verified
 
@@ -65,13 +66,15 @@ def main() -> None:
     a = ap.parse_args()
     n, size = a.nodes, a.package
     roots = range(size - 1, n, size)  # (each package's last node: it reads the whole package)
-    rows: dict[str, list[float]] = {"build": [], "no-op": [], "edit": [], "cutoff": []}
+    rows: dict[str, list[float]] = {"build": [], "no-op": [], "replaced": [], "edit": [], "cutoff": []}
     for _ in range(a.runs):
         g = Graph(size)
         e = Engine({int: g})
         rows["build"].append(timed(lambda: [e.get(r) for r in roots]))  # noqa: B023
         e.advance()
         rows["no-op"].append(timed(lambda: all(e.valid(r) for r in roots)))  # noqa: B023
+        held = tuple(e.nodes.values())
+        rows["replaced"].append(timed(lambda: e.replaced(held)))  # noqa: B023
         g.world[len(roots) // 2] = 1
         e.advance()
         rows["edit"].append(timed(lambda: [e.get(r) for r in roots]))  # noqa: B023
