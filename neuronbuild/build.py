@@ -33,8 +33,6 @@ if TYPE_CHECKING:
     from neuronbuild.loading.target_graph import TargetGraph
     from neuronbuild.report.invocation import Invocation
 
-EXECUTORS = ("local", "dask", "dask-local")
-
 
 @dataclass(frozen=True)
 class BuildRequest:

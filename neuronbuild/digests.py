@@ -23,7 +23,6 @@ import blake3
 
 from neuronbuild.atomic import atomic_write_bytes, read_own_state
 
-DIGEST_ALGO = "blake3"
 _MMAP_THRESHOLD = 4 << 20
 # Kernel file timestamps come from a coarse clock (one jiffy, <= 10 ms behind); twice that is the racy window.
 RACY_NS = 20_000_000

@@ -42,9 +42,3 @@ class UserInputError(NeuronBuildError):
     """Bad BUILD input or bad command line: exit code 2."""
 
     exit_code = EXIT_BAD_INPUT
-
-
-class BuildFailure(NeuronBuildError):
-    """One or more actions failed: exit code 1."""
-
-    exit_code = EXIT_BUILD_FAILED

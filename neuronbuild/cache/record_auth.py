@@ -61,16 +61,6 @@ def sign_record(data: bytes, signer: RecordSigner) -> bytes:
     return json.dumps(d, sort_keys=True, indent=1).encode()
 
 
-def record_writer(data: bytes) -> str:
-    """The writer a record names (its signing key's id), or "" (unsigned, or not a record)."""
-    try:
-        d = jsondata.loads(data)
-    except ValueError:
-        return ""
-    w = d.get("writer") if isinstance(d, dict) else None
-    return w[:100] if isinstance(w, str) else ""
-
-
 def check_record(data: bytes, trusted: RecordVerifier) -> tuple[str, str | None]:
     """(the id of the trusted key that signed the record, None), or ("", why not: one short phrase)."""
     try:

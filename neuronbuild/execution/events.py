@@ -13,8 +13,6 @@ from typing import IO, Any, Protocol
 
 from neuronbuild.plugin_api.actions import Action
 
-EVENT_FORMAT = 1
-
 BUILD_STARTED = "build_started"
 CACHE_CHECKED = "cache_checked"
 ACTION_CACHED = "action_cached"
