@@ -15,7 +15,7 @@ from neuronbuild import plugins
 from neuronbuild.execution import worker
 from neuronbuild.plugin_api import registry
 from neuronbuild.plugin_api.actions import CORE_STEPS, LIGHT, PROVIDER, TRACE, WEIGHTS, Bucket, is_light, make_action
-from neuronbuild.plugin_api.toolchain import StepDirs
+from neuronbuild.plugin_api.toolchain import WARM_UP, StepDirs, warm_up_spec
 
 
 class Onnxish:
@@ -72,12 +72,42 @@ def test_the_core_trace_and_weights_are_a_registered_step_provider_and_never_lig
     cpu = plugins.toolchain_for("cpu")
     assert plugins.step_provider({"toolchain": cpu.name, "step": "compile"}) is cpu
     assert worker.step_dirs({PROVIDER: CORE_STEPS, "step": TRACE}) == StepDirs()
-    assert worker.warm_up_spec({"kind": TRACE, "spec": {PROVIDER: CORE_STEPS, "step": TRACE}}) is None
+    assert warm_up_spec(plugins.step_providers(), {PROVIDER: CORE_STEPS, "step": TRACE}) is None
     for kind in (TRACE, WEIGHTS):  # model code runs in them: never in the build process, whatever the spec says
         a = make_action(kind, None, Bucket(()), {"k": kind}, {PROVIDER: CORE_STEPS, "step": kind, LIGHT: True})  # type: ignore[arg-type]
         assert not is_light(a)
     with pytest.raises(ValueError, match="has no step 'compile'"):
         core.run("compile", {}, Path("/nonexistent"), Path("/nonexistent"))
+
+
+class WarmOnnxish(Onnxish):
+    """One whose steps share a per-machine artifact (files other workers reuse): a warm-up, as a toolchain's."""
+
+    name = "warm_onnxish"
+    warm_up_shared = True
+
+    def warm_up_key(self, spec: Mapping[str, Any]) -> dict[str, Any] | None:
+        return {"opset": spec["opset"]}
+
+
+def test_a_step_provider_that_is_not_a_toolchain_gets_its_shared_warm_up_like_a_toolchain() -> None:
+    from neuronbuild.execution.scheduler import warm_up_description, warm_ups
+
+    plugins.load()
+    plugins.register_steps(WarmOnnxish())  # type: ignore[arg-type]
+    try:
+        steps = [make_action("import", None, Bucket(()), {"graph": g},  # type: ignore[arg-type]
+                             {PROVIDER: "warm_onnxish", "step": "import", "graph": g, "opset": 17}) for g in "ab"]
+        trace = make_action(TRACE, None, Bucket(()), {"k": 1}, {PROVIDER: CORE_STEPS, "step": TRACE})  # type: ignore[arg-type]
+        needs = warm_ups([trace, *steps])
+        assert set(needs) == {a.fingerprint for a in steps}  # the trace's provider has no warm-up
+        assert len({w.fingerprint for w in needs.values()}) == 1  # one per (provider, key)
+        w = needs[steps[0].fingerprint]
+        assert w.spec == {PROVIDER: "warm_onnxish", "step": WARM_UP, "key": {"opset": 17}}
+        assert warm_up_spec(plugins.step_providers(), steps[1].spec) == w.spec  # what a worker warms before a step
+        assert warm_up_description(w) == "Warm up warm_onnxish"
+    finally:
+        registry._steps.pop("warm_onnxish", None)
 
 
 def test_a_step_provider_is_refused_without_run_or_under_a_toolchains_name() -> None:

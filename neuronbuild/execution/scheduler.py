@@ -20,8 +20,8 @@ from neuronbuild.execution.events import EventBus, action_fields
 from neuronbuild.execution.jobs import Completion, Executor, Job
 from neuronbuild.execution.resources import RamBudget
 from neuronbuild.execution.sandbox import InputChanged
-from neuronbuild.plugin_api.actions import Action, Bucket, is_light, make_action
-from neuronbuild.plugin_api.toolchain import WARM_UP, warm_up_key
+from neuronbuild.plugin_api.actions import Action, Bucket, is_light, make_action, provider_name
+from neuronbuild.plugin_api.toolchain import WARM_UP, warm_up_spec
 
 
 @dataclass(frozen=True)
@@ -152,7 +152,7 @@ def critical_paths(ag: ActionGraph, todo: list[Action], duration: dict[str, floa
 
 def warm_ups(todo: list[Action], apart: bool = False) -> dict[str, Action]:
     """{fingerprint of an action to run: the warm-up pseudo-action it benefits from}, one pseudo-action per
-    (toolchain, warm-up key) among the toolchain steps to run (see plugin_api/toolchain.py). A pseudo-action
+    (step provider, warm-up key) among the steps to run (see plugin_api/toolchain.py). A pseudo-action
     carries the toolchain versions of the first step needing it, so a farm worker with another toolchain refuses it.
 
     Only warm-ups that leave something for the machine's other workers (files: inductor's precompiled headers) get
@@ -162,21 +162,14 @@ def warm_ups(todo: list[Action], apart: bool = False) -> dict[str, Action]:
     zygote, which every worker is forked from: there the process's state is what is shared)."""
     made: dict[str, Action] = {}
     out: dict[str, Action] = {}
+    providers = plugins.step_providers()
     for a in todo:
-        if not a.toolchain:
-            continue
-        try:
-            tc = plugins.toolchain(a.toolchain)
-            key = warm_up_key(tc, a.spec) if apart or tc.warm_up_shared else None
-        except Exception:  # noqa: BLE001 - a plug-in's broken hook costs its warm-up, never the build
-            key = None
-        if key is None:
-            continue
-        w = make_action(WARM_UP, a.label, Bucket(()), {"warm_up": a.toolchain, "key": key,
-                                                        "toolchain": dict(a.versions)},
-                        {"toolchain": a.toolchain, "step": WARM_UP, "key": key}, platform=a.platform,
-                        target=a.target)
-        out[a.fingerprint] = made.setdefault(w.fingerprint, w)
+        spec = warm_up_spec(providers, a.spec, shared_only=not apart)
+        if spec is not None:
+            w = make_action(WARM_UP, a.label, Bucket(()), {"warm_up": provider_name(spec), "key": spec["key"],
+                                                            "toolchain": dict(a.versions)},
+                            spec, platform=a.platform, target=a.target)
+            out[a.fingerprint] = made.setdefault(w.fingerprint, w)
     return out
 
 
@@ -184,7 +177,7 @@ def warm_up_description(a: Action, host: str = "") -> str:
     """"Warm up aoti for cpu/x86-64-v3 on HOST"; a warm-up for steps without a target (the Neuron lowering, shared
     by every Neuron platform) names none."""
     where = a.target or a.platform
-    return f"Warm up {a.toolchain}" + (f" for {where}" if where else "") + (f" on {host}" if host else "")
+    return f"Warm up {provider_name(a.spec)}" + (f" for {where}" if where else "") + (f" on {host}" if host else "")
 
 
 @dataclass
@@ -372,7 +365,7 @@ class _Run:
                 self.warming[job.id] = _Warming(job, started.worker, started.pid, time.time(), runs_apart)
                 if runs_apart:
                     self.warm_for.update({fp: a.fingerprint for fp, w in needs.items() if w.fingerprint == a.fingerprint})
-                self.s.bus.emit(ev.WARM_UP_STARTED, description=desc, toolchain=a.toolchain,
+                self.s.bus.emit(ev.WARM_UP_STARTED, description=desc, toolchain=provider_name(a.spec),
                                 key=dict(a.spec["key"]), host=host, worker=started.worker, pid=started.pid)
 
     def _warmed(self, c: Completion) -> None:
@@ -385,9 +378,9 @@ class _Run:
             self.warm_for = {fp: k for fp, k in self.warm_for.items() if k != a.fingerprint}
         self.s.executor.finish(c.job)
         desc = warm_up_description(a, c.job.host)
-        self.s.bus.emit(ev.WARM_UP_FINISHED, description=desc, toolchain=a.toolchain, key=dict(a.spec["key"]),
-                        host=c.job.host, worker=c.worker or w.worker, pid=c.pid or w.pid, start=w.started,
-                        duration_s=round(c.duration_s, 3), cpu_s=round(c.cpu_s, 3), ok=c.ok, error=c.error,
+        self.s.bus.emit(ev.WARM_UP_FINISHED, description=desc, toolchain=provider_name(a.spec),
+                        key=dict(a.spec["key"]), host=c.job.host, worker=c.worker or w.worker, pid=c.pid or w.pid,
+                        start=w.started, duration_s=round(c.duration_s, 3), cpu_s=round(c.cpu_s, 3), ok=c.ok, error=c.error,
                         metadata=dict(c.metadata), log=str(c.job.log))
 
     def _dispatch(self) -> None:

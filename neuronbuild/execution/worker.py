@@ -31,8 +31,8 @@ from neuronbuild.execution.confine import (
 )
 from neuronbuild.execution.sandbox import foreign_entry, private_dirs, read_only_dir
 from neuronbuild.platforms import SHARED_TMP_VAR
-from neuronbuild.plugin_api.actions import PROVIDER, provider_name
-from neuronbuild.plugin_api.toolchain import WARM_UP, StepDirs, is_warm_up, warm_up_key
+from neuronbuild.plugin_api.actions import provider_name
+from neuronbuild.plugin_api.toolchain import WARM_UP, StepDirs, is_warm_up, warm_up_spec
 
 HOST = socket.gethostname()
 
@@ -1108,24 +1108,6 @@ def import_builtin_factory(msg: Mapping[str, Any]) -> None:
         _PRE_IMPORTED.extend(sorted(set(sys.modules) - before))
 
 
-def warm_up_spec(msg: Mapping[str, Any]) -> dict[str, Any] | None:
-    """The spec of the warm-up pseudo-action a task's step benefits from ({"toolchain" (or "provider"), "step", "key"};
-    its identity: warm_key), or None (a step without a warm-up, such as the core's trace, or whose hook fails)."""
-    spec = msg.get("spec")
-    if not isinstance(spec, Mapping):
-        return None
-    from neuronbuild import plugins
-
-    try:
-        provider = plugins.step_provider(spec)
-        key = warm_up_key(provider, spec) if provider is not None else None
-    except Exception:  # noqa: BLE001 - a broken hook costs the warm-up, never the step
-        return None
-    if key is None:
-        return None
-    return {k: spec[k] for k in (PROVIDER, "toolchain") if spec.get(k)} | {"step": WARM_UP, "key": key}
-
-
 def warm_key(spec: Mapping[str, Any]) -> str:
     """The identity of a warm-up (its step provider, a toolchain, and key) in a process's set of warm-ups done."""
     return json.dumps([provider_name(spec) or None, spec.get("key")], sort_keys=True, default=str)
@@ -1136,7 +1118,10 @@ def warm_before(msg: Mapping[str, Any], warmed: set[str]) -> float | None:
     so this step and the later ones forked from here start with it done (with one worker there is no warm-up
     pseudo-action; with several, a worker that did not run it still fills its memo from the files on disk). Returns
     its seconds, or None when nothing ran. A failed warm-up is not the step's failure: the step builds what it needs."""
-    w_spec = warm_up_spec(msg)
+    from neuronbuild import plugins
+
+    spec = msg.get("spec")
+    w_spec = warm_up_spec(plugins.step_providers(), spec) if isinstance(spec, Mapping) else None
     if w_spec is None or warm_key(w_spec) in warmed:
         return None
     start = time.perf_counter()

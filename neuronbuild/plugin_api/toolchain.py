@@ -13,9 +13,9 @@ in workers, and says how validate loads its artifacts. See neuronbuild/toolchain
 Optional warm-up: a toolchain whose steps share a per-machine artifact that is costly to make the first time (the cpu
 toolchain: inductor's precompiled headers, ~10 s of a machine's first compile) defines `warm_up_key(spec)`. At the
 start of a build that will run such steps on >= 2 workers, the scheduler sends one pseudo-task per distinct key (per
-host on Dask) to a worker beside the traces: the worker calls `run(WARM_UP, {"toolchain", "step", "key"}, ...)`,
-which builds the artifact under a per-machine lock, keyed so that it can only be reused by steps it fits (see
-`warm_up_key`)."""
+host on Dask) to a worker beside the traces: the worker calls `run(WARM_UP, warm_up_spec(...), ...)`, which builds
+the artifact under a per-machine lock, keyed so that it can only be reused by steps it fits (see `warm_up_spec`). A
+step provider that is not a toolchain may define the same."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from neuronbuild import FORMAT_VERSION
-from neuronbuild.plugin_api.actions import Action, Bucket, DepInput
+from neuronbuild.plugin_api.actions import PROVIDER, Action, Bucket, DepInput, provider_name
 from neuronbuild.plugin_api.flag import Flag
 from neuronbuild.plugin_api.rules import Attr, AttrType
 
@@ -363,13 +363,25 @@ class ToolSettings(Protocol):
     def worker_versions(self, expect: Mapping[str, str]) -> dict[str, str]: ...
 
 
-def warm_up_key(tc: StepProvider, spec: Mapping[str, Any]) -> dict[str, Any] | None:
-    """What a toolchain's step needs warm on the machine that runs it (JSON-able; steps with equal keys share one
-    warm-up), or None: nothing, or the toolchain has no warm-up. Called in the build process: must not import torch.
-    The key only groups steps: what the artifact is keyed by on disk (flags, ISA, compiler and torch versions) is
-    the toolchain's business, so a warm-up can never hand a step an artifact made for other flags."""
-    key = tc.warm_up_key(spec)
-    return dict(key) if key is not None else None
+def warm_up_spec(providers: Mapping[str, StepProvider], spec: Mapping[str, Any],
+                 shared_only: bool = False) -> dict[str, Any] | None:
+    """The spec of the warm-up the step `spec` benefits from on the machine that runs it: its provider (as `spec`
+    names it, one of `providers`: plugins.step_providers()), WARM_UP and the provider's key (JSON-able; steps with
+    equal ones share one warm-up). None: its provider has no warm-up (`shared_only`: none that leaves files for the
+    machine's other workers, `warm_up_shared`), or its hook failed (that costs the warm-up, never the step). Called
+    in the build process: must not import torch. The key only groups steps: what the artifact is keyed by on disk
+    (flags, ISA, compiler and torch versions) is the provider's business, so a warm-up can never hand a step an
+    artifact made for other flags."""
+    provider = providers.get(provider_name(spec))
+    if provider is None or (shared_only and not provider.warm_up_shared):
+        return None
+    try:
+        key = provider.warm_up_key(spec)
+    except Exception:  # noqa: BLE001 - a plug-in's broken hook
+        return None
+    if key is None:
+        return None
+    return {k: spec[k] for k in (PROVIDER, "toolchain") if spec.get(k)} | {"step": WARM_UP, "key": dict(key)}
 
 
 def toolchain_options(tc: Toolchain, merged: Mapping[str, Any]) -> dict[str, Any]:

@@ -21,6 +21,7 @@ from neuronbuild import envvars
 from neuronbuild.errors import UserInputError
 from neuronbuild.execution.pool import WorkerPool
 from neuronbuild.execution.resources import rss_kib
+from neuronbuild.plugin_api.actions import provider_name
 
 
 class KeptPool(WorkerPool):
@@ -244,14 +245,15 @@ class WarmState:
                 io = work / str(self._seq)
                 (io / "in").mkdir(parents=True)
                 (io / "out").mkdir()
-                log = (self._logs or work) / "warm_up" / f"between-{spec['toolchain']}-{self._seq % 4}.log"
+                name = provider_name(spec)
+                log = (self._logs or work) / "warm_up" / f"between-{name}-{self._seq % 4}.log"
                 log.parent.mkdir(parents=True, exist_ok=True)
-                log.write_text(f"# warm up {spec['toolchain']} between commands (build server)\n", encoding="utf-8")
-                msg = {"kind": WARM_UP, "spec": {k: spec[k] for k in ("toolchain", "step", "key")},
+                log.write_text(f"# warm up {name} between commands (build server)\n", encoding="utf-8")
+                msg = {"kind": WARM_UP, "spec": {k: v for k, v in spec.items() if k != "versions"},
                        "inputs": str(io / "in"), "outputs": str(io / "out"), "log": str(log),
                        "expect": dict(spec["versions"])}
                 if pool.warm_up_between(f"between-{self._seq}", msg):
-                    sent.append(str(spec["toolchain"]))
+                    sent.append(name)
             if sent:
                 print(f"{time.strftime('%H:%M:%S')} toolchain warm-ups in the zygote in the background "
                       f"({', '.join(sent)})", flush=True)
@@ -272,8 +274,8 @@ class WarmState:
         try:
             data = json.loads(self._record.read_text(encoding="utf-8"))
             got = data.get(str(self._scratch)) or {}
-            return {str(k): dict(v) for k, v in got.items() if isinstance(v, dict) and
-                    {"toolchain", "step", "key", "versions"} <= v.keys() and isinstance(v["versions"], dict)}
+            return {str(k): dict(v) for k, v in got.items() if isinstance(v, dict) and provider_name(v) and
+                    {"step", "key", "versions"} <= v.keys() and isinstance(v["versions"], dict)}
         except (OSError, ValueError, AttributeError):
             return {}
 
@@ -324,26 +326,20 @@ def _import(name: str) -> None:
 
 
 def _warm_ups_of(ag: Any, out: dict[str, dict[str, Any]], step: int) -> Iterator[None]:
-    """Fill `out` with the toolchain warm-ups the plan's steps need ({warm key: {"toolchain", "step", "key",
-    "versions"}}: the versions of the first step needing it, which the zygote checks as it checks a step's), as
-    scheduler.warm_ups would for warm-ups run apart; yields every `step` actions."""
+    """Fill `out` with the warm-ups the plan's steps need ({warm key: its spec (toolchain.warm_up_spec) and "versions"}:
+    the versions of the first step needing it, which the zygote checks as it checks a step's), as scheduler.warm_ups
+    would for warm-ups run apart; yields every `step` actions."""
     from neuronbuild import plugins
     from neuronbuild.execution.worker import warm_key
-    from neuronbuild.plugin_api.toolchain import WARM_UP, warm_up_key
+    from neuronbuild.plugin_api.toolchain import warm_up_spec
 
+    providers = plugins.step_providers()
     for i, a in enumerate(ag.actions.values()):
         if i and i % step == 0:
             yield
-        if not a.toolchain:
-            continue
-        try:
-            key = warm_up_key(plugins.toolchain(a.toolchain), a.spec)
-        except Exception:  # noqa: BLE001 - a plug-in's broken hook costs its warm-up, never the server
-            continue
-        if key is None:
-            continue
-        spec = {"toolchain": a.toolchain, "step": WARM_UP, "key": key}
-        out.setdefault(warm_key(spec), {**spec, "versions": dict(a.versions)})
+        spec = warm_up_spec(providers, a.spec)
+        if spec is not None:
+            out.setdefault(warm_key(spec), {**spec, "versions": dict(a.versions)})
 
 
 def _env_secs(name: str, default: float) -> float:
