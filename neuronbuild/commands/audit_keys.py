@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from neuronbuild import streams
-from neuronbuild.commands.common import add_context_args, add_output_arg
-from neuronbuild.errors import EXIT_BAD_INPUT, EXIT_BUILD_FAILED, EXIT_OK
+from neuronbuild.commands.common import add_context_args, add_output_arg, bad_input
+from neuronbuild.errors import EXIT_BUILD_FAILED, EXIT_OK
 
 if TYPE_CHECKING:
     from neuronbuild.analysis.action_graph import ActionGraph
@@ -50,15 +50,11 @@ def run(args: argparse.Namespace) -> int:
     from neuronbuild.analysis.key_audit import AuditReport
     from neuronbuild.commands.common import bad_jobs, context_from_args
 
-    err = bad_jobs(args)
-    if err:
-        print(f"neuronbuild: error: {err}", file=streams.err())
-        return EXIT_BAD_INPUT
+    if err := bad_jobs(args):
+        return bad_input(err)
     ctx = context_from_args(args)
     if args.scratch and (Path(args.scratch) / "ws").exists():
-        print(f"neuronbuild: error: --scratch {args.scratch}: holds an earlier audit's files; give an empty or new "
-              "directory", file=streams.err())
-        return EXIT_BAD_INPUT
+        return bad_input(f"--scratch {args.scratch}: holds an earlier audit's files; give an empty or new directory")
     scratch = Path(args.scratch).resolve() if args.scratch else Path(tempfile.mkdtemp(prefix="neuronbuild-audit-"))
     try:
         audit = _Audit(ctx, scratch, tuple(args.patterns), args.jobs)

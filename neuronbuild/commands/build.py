@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from neuronbuild import streams
-from neuronbuild.commands.common import add_context_args, add_limit_args, context_from_args, limit_settings
+from neuronbuild.commands.common import add_context_args, add_limit_args, bad_input, context_from_args, limit_settings
 from neuronbuild.errors import EXIT_BAD_INPUT, EXIT_BUILD_FAILED, EXIT_OK
 
 
@@ -36,11 +36,6 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     b.add_argument("--signing-key", metavar="FILE",
                    help="sign bundles' manifests with this Ed25519 private key (default: $NEURONBUILD_SIGNING_KEY)")
     add_context_args(b)
-
-
-def _bad(msg: str) -> int:
-    print(f"neuronbuild: error: {msg}", file=streams.err())
-    return EXIT_BAD_INPUT
 
 
 def _raise_interrupt(signum: int, frame: Any) -> None:
@@ -122,29 +117,29 @@ def run(args: argparse.Namespace) -> int:
     from neuronbuild import command, noop
 
     if args.jobs is not None and args.jobs < 1:
-        return _bad("--jobs must be at least 1")
+        return bad_input("--jobs must be at least 1")
     if args.retries < 0:
-        return _bad("--retries must be 0 or more")
+        return bad_input("--retries must be 0 or more")
     try:
         limits = limit_settings(args)
     except ValueError as e:
-        return _bad(str(e))
+        return bad_input(str(e))
     if args.executor == "dask" and not args.scheduler:
-        return _bad("--executor dask needs --scheduler tcp://HOST:PORT")
+        return bad_input("--executor dask needs --scheduler tcp://HOST:PORT")
     if args.executor == "dask" and not args.remote_cache:
-        return _bad("--executor dask needs --remote-cache PATH|s3://bucket/prefix (a store every worker can read "
-                    "and write)")
+        return bad_input("--executor dask needs --remote-cache PATH|s3://bucket/prefix (a store every worker can "
+                         "read and write)")
     if args.scheduler and args.executor != "dask":
-        return _bad("--scheduler is only used with --executor dask")
+        return bad_input("--scheduler is only used with --executor dask")
     if args.executor != "local" and args.remote_cache and "://" in args.remote_cache and \
             not args.remote_cache.startswith("s3://"):
-        return _bad("the Dask executor needs --remote-cache to be a shared directory or s3://bucket/prefix")
+        return bad_input("the Dask executor needs --remote-cache to be a shared directory or s3://bucket/prefix")
     if args.executor != "local" and args.remote_cache and "://" not in args.remote_cache and \
             not Path(args.remote_cache).expanduser().is_dir():
         # A build without Dask warns and continues without a missing shared tier; a farm cannot work without one,
         # and creating it here could put the farm's cache on a local disk where the share is not mounted.
-        return _bad(f"--remote-cache {args.remote_cache}: no such directory (the Dask executor needs a directory "
-                    "every worker can read and write; create it, or mount the share)")
+        return bad_input(f"--remote-cache {args.remote_cache}: no such directory (the Dask executor needs a "
+                         "directory every worker can read and write; create it, or mount the share)")
     from neuronbuild.cache.local import resolve_cache_dir
     from neuronbuild.context import NORMAL, QUIET, VERBOSE, patterns_or_default
     from neuronbuild.execution.resources import parse_local_ram
@@ -153,7 +148,7 @@ def run(args: argparse.Namespace) -> int:
     try:  # every flag is checked before any fast path: a no-op build must not accept what a full one refuses
         ram = parse_local_ram(args.local_ram) if args.local_ram is not None else 0
     except ValueError as e:
-        return _bad(str(e))
+        return bad_input(str(e))
     _check_settings_flags(args)
     if args.dry_run:
         from neuronbuild.commands.common import run_plan

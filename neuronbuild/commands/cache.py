@@ -6,8 +6,8 @@ import argparse
 from typing import Any
 
 from neuronbuild import streams
-from neuronbuild.commands.common import add_cache_args
-from neuronbuild.errors import EXIT_BAD_INPUT, EXIT_BUILD_FAILED, EXIT_OK
+from neuronbuild.commands.common import add_cache_args, bad_input
+from neuronbuild.errors import EXIT_BUILD_FAILED, EXIT_OK
 
 # `cache gc` with neither --max-size nor --max-age: the cache's configured automatic limits ($NEURONBUILD_CACHE_MAX_*,
 # <cache>/config.json), else these (docs/cache.md); a `.neuronbuildrc` line `cache --max-size 50G` replaces them.
@@ -39,11 +39,6 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     u.add_argument("name")
     for q in (v, g, s, p, u):
         add_cache_args(q)
-
-
-def _err(msg: str) -> int:
-    print(f"neuronbuild: error: {msg}", file=streams.err())
-    return EXIT_BAD_INPUT
 
 
 def run(args: argparse.Namespace) -> int:
@@ -113,7 +108,7 @@ def _gc(ctx: Any, args: argparse.Namespace) -> int:
         max_size = parse_size(args.max_size) if args.max_size else None
         max_age = parse_age(args.max_age) if args.max_age else None
     except ValueError as e:
-        return _err(str(e))
+        return bad_input(str(e))
     if max_size is None and max_age is None:
         from neuronbuild.cache.gc import configured_limits
 
@@ -132,7 +127,7 @@ def _gc(ctx: Any, args: argparse.Namespace) -> int:
     try:
         result = collect(cache, max_size, max_age, protect_roots=not args.no_workspace)
     except PinError as e:
-        return _err(str(e))
+        return bad_input(str(e))
     print(result.summary(), file=streams.out())
     return EXIT_OK
 
@@ -205,7 +200,7 @@ def _pin(ctx: Any, args: argparse.Namespace) -> int:
     try:
         check_name(args.name)
     except PinError as e:
-        return _err(str(e))
+        return bad_input(str(e))
     fps = set(args.fingerprint)
     if args.patterns or not fps:
         graph = ctx.load(args.patterns)
@@ -214,10 +209,10 @@ def _pin(ctx: Any, args: argparse.Namespace) -> int:
                   plugins.rule(graph.targets[lbl].kind).plans_actions]
         missing = [lbl for lbl in wanted if lbl not in built]
         if missing:
-            return _err(f"{missing[0]} has no successful build in this workspace to pin (run `neuronbuild build "
-                        f"{missing[0]}` first{'' if len(missing) == 1 else f'; {len(missing) - 1} more'})")
+            return bad_input(f"{missing[0]} has no successful build in this workspace to pin (run `neuronbuild "
+                             f"build {missing[0]}` first{'' if len(missing) == 1 else f'; {len(missing) - 1} more'})")
         if not wanted:
-            return _err("the patterns select no target that compiles graphs or bundles them")
+            return bad_input("the patterns select no target that compiles graphs or bundles them")
         for lbl in wanted:
             fps.update(built[lbl])
     path = write_pin(cache.root, args.name, fps)
@@ -232,8 +227,8 @@ def _unpin(ctx: Any, args: argparse.Namespace) -> int:
     try:
         found = remove_pin(cache.root, args.name)
     except PinError as e:
-        return _err(str(e))
+        return bad_input(str(e))
     if not found:
-        return _err(f"no pin named '{args.name}'")
+        return bad_input(f"no pin named '{args.name}'")
     print(f"unpinned '{args.name}'", file=streams.out())
     return EXIT_OK

@@ -8,6 +8,7 @@ from collections.abc import Iterator, Mapping, Sequence, ValuesView
 from typing import TYPE_CHECKING, Any
 
 from neuronbuild import envvars, streams
+from neuronbuild.errors import EXIT_BAD_INPUT
 
 if TYPE_CHECKING:
     from neuronbuild.context import BuildContext
@@ -111,6 +112,12 @@ def context_from_args(args: argparse.Namespace, verbosity: int | None = None,
     )
 
 
+def bad_input(msg: str) -> int:
+    """Say a command's bad input (a flag, an argument) in one line; returns its exit code."""
+    print(f"neuronbuild: error: {msg}", file=streams.err())
+    return EXIT_BAD_INPUT
+
+
 def bad_jobs(args: argparse.Namespace) -> str | None:
     jobs = getattr(args, "jobs", None)
     return "--jobs must be at least 1" if jobs is not None and jobs < 1 else None
@@ -122,13 +129,11 @@ def run_plan(args: argparse.Namespace) -> int:
 
     from neuronbuild.analysis.plan_report import plan_report
     from neuronbuild.build import settings_notes
-    from neuronbuild.errors import EXIT_BAD_INPUT, EXIT_OK
+    from neuronbuild.errors import EXIT_OK
     from neuronbuild.execution.env import default_jobs
 
-    err = bad_jobs(args)
-    if err:
-        print(f"neuronbuild: error: {err}", file=streams.err())
-        return EXIT_BAD_INPUT
+    if err := bad_jobs(args):
+        return bad_input(err)
     ctx = context_from_args(args)
     graph = ctx.load(args.patterns)
     ag = ctx.plan(graph)

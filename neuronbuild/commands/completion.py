@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 
 from neuronbuild import command, streams
-from neuronbuild.errors import EXIT_BAD_INPUT, EXIT_OK
+from neuronbuild.commands.common import bad_input
+from neuronbuild.errors import EXIT_OK
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -24,8 +25,7 @@ def run(args: argparse.Namespace) -> int:
             print(cand, file=streams.out())
         return EXIT_OK
     if args.shell is None:
-        print("neuronbuild: error: give a shell: neuronbuild completion bash|zsh|fish", file=streams.err())
-        return EXIT_BAD_INPUT
+        return bad_input("give a shell: neuronbuild completion bash|zsh|fish")
     parser, _ = make_parser()
     script = {"bash": completion.bash_script, "zsh": completion.zsh_script, "fish": completion.fish_script}
     print(script[args.shell](parser), end="", file=streams.out())

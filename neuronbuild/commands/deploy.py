@@ -7,7 +7,8 @@ import signal
 from typing import Any
 
 from neuronbuild import streams
-from neuronbuild.errors import EXIT_BAD_INPUT, EXIT_BUILD_FAILED, EXIT_OK
+from neuronbuild.commands.common import bad_input
+from neuronbuild.errors import EXIT_BUILD_FAILED, EXIT_OK
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -58,15 +59,13 @@ def run(args: argparse.Namespace) -> int:
     try:
         keys = load_trusted_keys(args.trusted_keys) if args.trusted_keys else None
     except SignatureError as e:
-        print(f"neuronbuild: error: {e}", file=streams.err())
-        return EXIT_BAD_INPUT
+        return bad_input(str(e))
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)  # `kill` cleans up like Ctrl-C does
     try:
         res = deploy(Path(args.bundle), Path(args.dest), args.sha256, keys, check=check_host,
                      allow_downgrade=True if args.allow_downgrade else None)
     except BundleError as e:
-        print(f"neuronbuild: error: {e} (nothing was installed)", file=streams.err())
-        return EXIT_BAD_INPUT
+        return bad_input(f"{e} (nothing was installed)")
     except _HostCannotRun as e:
         print(f"neuronbuild: error: {e}", file=streams.err())
         return EXIT_BUILD_FAILED

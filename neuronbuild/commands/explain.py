@@ -7,8 +7,8 @@ import json
 from typing import Any
 
 from neuronbuild import streams
-from neuronbuild.commands.common import add_context_args, add_limit_args, add_output_arg
-from neuronbuild.errors import EXIT_BAD_INPUT, EXIT_OK
+from neuronbuild.commands.common import add_context_args, add_limit_args, add_output_arg, bad_input
+from neuronbuild.errors import EXIT_OK
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -31,8 +31,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         settings = limit_settings(args)
     except ValueError as bad:
-        print(f"neuronbuild: error: {bad}", file=streams.err())
-        return EXIT_BAD_INPUT
+        return bad_input(str(bad))
     ctx = context_from_args(args)
     graph = ctx.load(args.patterns)
     ag = ctx.plan(graph)
@@ -98,15 +97,12 @@ def _key(args: argparse.Namespace, ag: Any, cache: Any, history: Any) -> int:
     """`explain --key FP`: the action's key as named parts, and which differ from the nearest earlier record."""
 
     from neuronbuild.analysis.key_parts import differing, key_parts
-    from neuronbuild.errors import EXIT_BAD_INPUT
 
     prefix = args.key.strip().lower()
     found = [a for fp, a in ag.actions.items() if fp.startswith(prefix)] if prefix else []
     if len(found) != 1:
         why = "no action of this plan has" if not found else f"{len(found)} actions of this plan have"
-        print(f"neuronbuild: error: --key {args.key}: {why} a fingerprint starting so (explain lists them)",
-              file=streams.err())
-        return EXIT_BAD_INPUT
+        return bad_input(f"--key {args.key}: {why} a fingerprint starting so (explain lists them)")
     a = found[0]
     parts = key_parts(a.record)
     latest = history.latest(a.identity)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 
 from neuronbuild import streams
-from neuronbuild.errors import EXIT_BAD_INPUT, EXIT_OK
+from neuronbuild.commands.common import bad_input
+from neuronbuild.errors import EXIT_OK
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -39,8 +40,7 @@ def run(args: argparse.Namespace) -> int:
             near = difflib.get_close_matches(word, list(subs), n=1)
             where = "neuronbuild" if target is parser else target.prog
             hint = f" (did you mean '{near[0]}'?)" if near else f" (commands: {', '.join(subs)})" if subs else ""
-            print(f"neuronbuild: error: {where} has no command '{word}'{hint}", file=streams.err())
-            return EXIT_BAD_INPUT
+            return bad_input(f"{where} has no command '{word}'{hint}")
         target = subs[word]
     target.print_help()
     return EXIT_OK

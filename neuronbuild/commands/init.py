@@ -6,7 +6,8 @@ from __future__ import annotations
 import argparse
 
 from neuronbuild import streams
-from neuronbuild.errors import EXIT_BAD_INPUT, EXIT_OK
+from neuronbuild.commands.common import bad_input
+from neuronbuild.errors import EXIT_OK
 
 PACKAGE = "models"
 
@@ -100,8 +101,7 @@ def run(args: argparse.Namespace) -> int:
         return shown_root / p.relative_to(root) if p.is_relative_to(root) else p
 
     if root.exists() and not root.is_dir():
-        print(f"neuronbuild: error: {shown_root} exists and is not a directory", file=streams.err())
-        return EXIT_BAD_INPUT
+        return bad_input(f"{shown_root} exists and is not a directory")
     todo = files()
     if (root / ".gitignore").exists():
         del todo[".gitignore"]  # (a project's own: left as it is)
@@ -109,15 +109,12 @@ def run(args: argparse.Namespace) -> int:
     for rel in todo:  # (a directory on the way that is a symlink leading out would take the files elsewhere)
         parent = (root / rel).parent
         if parent.exists() and not parent.resolve().is_relative_to(real_root):
-            print(f"neuronbuild: error: {show(parent)} leads outside {shown_root} (to {parent.resolve()}); init writes "
-                  "only inside the new workspace", file=streams.err())
-            return EXIT_BAD_INPUT
+            return bad_input(f"{show(parent)} leads outside {shown_root} (to {parent.resolve()}); init writes only "
+                             "inside the new workspace")
     there = [rel for rel in todo if (root / rel).exists() or (root / rel).is_symlink()]
     if there:
         what = "is already a workspace" if MARKER in there else f"already has {', '.join(there)}"
-        print(f"neuronbuild: error: {shown_root} {what}; init writes only new files (choose another DIR)",
-              file=streams.err())
-        return EXIT_BAD_INPUT
+        return bad_input(f"{shown_root} {what}; init writes only new files (choose another DIR)")
     for rel, text in todo.items():
         path = root / rel
         made = [d for d in (path.parent, *path.parent.parents) if not d.exists()]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 
 from neuronbuild import streams
+from neuronbuild.commands.common import bad_input
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -24,7 +25,7 @@ def run(args: argparse.Namespace) -> int:
     import time
 
     from neuronbuild import command
-    from neuronbuild.errors import EXIT_BAD_INPUT, EXIT_OK
+    from neuronbuild.errors import EXIT_OK
     from neuronbuild.report.invocation import page_inputs, page_url, render_invocation
     from neuronbuild.report.store import InvocationStore, output_base
     from neuronbuild.workspace import find_workspace
@@ -44,8 +45,7 @@ def run(args: argparse.Namespace) -> int:
         known = store.ids()
         hint = f" (recorded: {known[0]} .. {known[-1]}; `neuronbuild report --list`)" if known else \
             " (no invocation of this workspace is recorded yet: run a build)"
-        print(f"neuronbuild: error: no recorded invocation {args.invocation!r}{hint}", file=streams.err())
-        return EXIT_BAD_INPUT
+        return bad_input(f"no recorded invocation {args.invocation!r}{hint}")
     try:
         if args.output == "json":
             from neuronbuild.report.view import page_context
@@ -57,7 +57,6 @@ def run(args: argparse.Namespace) -> int:
             return EXIT_OK
         page = render_invocation(store, rec, args.compare)
     except LookupError as e:
-        print(f"neuronbuild: error: {e.args[0]}", file=streams.err())
-        return EXIT_BAD_INPUT
+        return bad_input(str(e.args[0]))
     print(page_url(page), file=streams.out())
     return EXIT_OK

@@ -6,8 +6,8 @@ import argparse
 import json
 
 from neuronbuild import streams
-from neuronbuild.commands.common import add_context_args, add_output_arg
-from neuronbuild.errors import EXIT_BAD_INPUT, EXIT_OK
+from neuronbuild.commands.common import add_context_args, add_output_arg, bad_input
+from neuronbuild.errors import EXIT_OK
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -26,12 +26,9 @@ def run(args: argparse.Namespace) -> int:
     from neuronbuild.execution.scheduler import needed_actions
 
     if not args.toolchain:
-        print("neuronbuild: error: upgrade-impact needs at least one --toolchain COMPONENT=VERSION", file=streams.err())
-        return EXIT_BAD_INPUT
-    err = bad_jobs(args)
-    if err:
-        print(f"neuronbuild: error: {err}", file=streams.err())
-        return EXIT_BAD_INPUT
+        return bad_input("upgrade-impact needs at least one --toolchain COMPONENT=VERSION")
+    if err := bad_jobs(args):
+        return bad_input(err)
     ctx = context_from_args(args)
     base_ctx = ctx.without_overrides()
     graph = ctx.load(args.patterns)
@@ -42,10 +39,8 @@ def run(args: argparse.Namespace) -> int:
     recorded = {k for a in base.actions.values() for k in a.versions}
     for name in ctx.settings.toolchain_overrides:
         if name not in known and name not in recorded:
-            print(f"neuronbuild: error: --toolchain: unknown component {name!r} (known: "
-                  f"{', '.join(known)}, or a distribution a model imports; no model here imports it)",
-                  file=streams.err())
-            return EXIT_BAD_INPUT
+            return bad_input(f"--toolchain: unknown component {name!r} (known: {', '.join(known)}, or a distribution "
+                             "a model imports; no model here imports it)")
     cache = ctx.open_cache()
     _todo, cached = needed_actions(base, cache, probe=True)
     impact = upgrade_impact(base, new, ctx.settings.toolchain_overrides, ctx.history(cache), set(cached),

@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 
 from neuronbuild import envvars, streams
-from neuronbuild.errors import EXIT_BAD_INPUT, EXIT_BUILD_FAILED, EXIT_OK
+from neuronbuild.commands.common import bad_input
+from neuronbuild.errors import EXIT_BUILD_FAILED, EXIT_OK
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -33,14 +34,12 @@ def run(args: argparse.Namespace) -> int:
         asked = parse_num_blocks(args.num_blocks if args.num_blocks is not None else envvars.current().text(NUM_BLOCKS_ENV),
                                  source)
     except ValueError as e:
-        print(f"neuronbuild: error: {e}", file=streams.err())
-        return EXIT_BAD_INPUT
+        return bad_input(str(e))
     try:
         keys = load_trusted_keys(args.trusted_keys) if args.trusted_keys else None
         manifest, _ = check_bundle(Path(args.bundle), keys)
     except (BundleError, SignatureError) as e:
-        print(f"neuronbuild: error: {e}", file=streams.err())
-        return EXIT_BAD_INPUT
+        return bad_input(str(e))
     print(f"{manifest.label}: {len(manifest.graphs)} graph(s), {len(manifest.files) + 1} files, every digest matches"
           + (", signed by a trusted key" if keys else ""), file=streams.out())
     if not args.host:

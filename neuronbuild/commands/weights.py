@@ -6,7 +6,8 @@ from __future__ import annotations
 import argparse
 
 from neuronbuild import streams
-from neuronbuild.errors import EXIT_BAD_INPUT, EXIT_OK
+from neuronbuild.commands.common import bad_input
+from neuronbuild.errors import EXIT_OK
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -39,20 +40,15 @@ def run(args: argparse.Namespace) -> int:
 
     src, dest = Path(args.src), Path(args.dest)
     if not dest.name.endswith(".safetensors"):
-        return _err(f"{dest}: the output must be a .safetensors file (a neuron_model's `weights` takes those)")
+        return bad_input(f"{dest}: the output must be a .safetensors file (a neuron_model's `weights` takes those)")
     if dest.exists() and not args.force:
-        return _err(f"{dest} exists (pass --force to replace it)")
+        return bad_input(f"{dest} exists (pass --force to replace it)")
     try:
         report, dropped = convert(src, dest, allow_pickle=args.allow_pickle, prefix=args.prefix, drop=args.drop)
     except ToolchainError as e:
-        return _err(str(e))
+        return bad_input(str(e))
     print(report, file=streams.out())
     if args.verbose:
         for key in dropped:
             print(f"  left out: {key}", file=streams.out())
     return EXIT_OK
-
-
-def _err(msg: str) -> int:
-    print(f"neuronbuild: error: {msg}", file=streams.err())
-    return EXIT_BAD_INPUT
