@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from neuronbuild import envvars, jsondata, streams
+from neuronbuild import envvars, streams
 from neuronbuild.atomic import atomic_write_bytes, try_lock, unlock
 from neuronbuild.cache.action_cache import ActionCache, ActionResult, OutputRef
 from neuronbuild.cache.cas import BlobStore, CorruptBlob
@@ -211,7 +211,7 @@ class LocalCache:
         self.stats.save(fp)
         self._touched.add(fp)
         with contextlib.suppress(OSError):
-            os.unlink(self.failures / fp[:2] / f"{fp}.json")
+            os.unlink(self.failure_path(fp))
         return res
 
     def record_stored(self, fp: str, identity: str, record: Mapping[str, Any], outputs: Mapping[str, tuple[str, int]],
@@ -266,15 +266,6 @@ class LocalCache:
 
     def failure_path(self, fp: str) -> Path:
         return self.failures / fp[:2] / f"{fp}.json"
-
-    def failure(self, fp: str) -> dict[str, Any] | None:
-        """The recorded failure of action `fp` (for explain/reports), or None."""
-        try:
-            d = jsondata.loads(self.failure_path(fp).read_bytes())
-        except (OSError, ValueError):
-            return None
-        return d if isinstance(d, dict) else None
-
     def try_claim(self, fp: str) -> Claim | None:
         """Claim the right to execute action `fp`, so concurrent builds execute it once.
 
