@@ -40,7 +40,8 @@ def _err(what: str) -> str:
     return f"{what}: {os.strerror(ctypes.get_errno())}"
 
 
-def _write(path: str, text: str) -> None:
+def write_once(path: str, text: str) -> None:
+    """`text` written in one write(2) (a /proc map, a cgroup file: each takes one write whole)."""
     fd = os.open(path, os.O_WRONLY)
     try:
         os.write(fd, text.encode())
@@ -63,9 +64,9 @@ def enter() -> str | None:
             continue
         if flags & CLONE_NEWUSER:
             try:
-                _write("/proc/self/setgroups", "deny")
-                _write("/proc/self/uid_map", f"{uid} {uid} 1\n")
-                _write("/proc/self/gid_map", f"{gid} {gid} 1\n")
+                write_once("/proc/self/setgroups", "deny")
+                write_once("/proc/self/uid_map", f"{uid} {uid} 1\n")
+                write_once("/proc/self/gid_map", f"{gid} {gid} 1\n")
             except OSError as e:
                 return f"user namespace maps: {e.strerror}"
         return None

@@ -25,6 +25,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from neuronbuild.execution.confine_ns import write_once
 from neuronbuild.execution.resources import host_ram_mb
 
 # The automatic wall-clock limit: TIMEOUT_FACTOR times the action's estimate, at least the kind's minimum.
@@ -224,14 +225,6 @@ def _read(path: str) -> str:
         return ""
 
 
-def _write(path: str, text: str) -> None:
-    fd = os.open(path, os.O_WRONLY)
-    try:
-        os.write(fd, text.encode())
-    finally:
-        os.close(fd)
-
-
 def _field(text: str, name: str) -> int:
     for line in text.splitlines():
         parts = line.split()
@@ -344,20 +337,20 @@ class ActionCgroup:
 
     def _set(self, pids: int, memory_mb: int) -> None:
         if pids and "pids" in self.dirs:
-            _write(os.path.join(self.dirs["pids"], "pids.max"), str(pids + OVERHEAD_PIDS))
+            write_once(os.path.join(self.dirs["pids"], "pids.max"), str(pids + OVERHEAD_PIDS))
         elif "pids" in self.dirs and not self.v2:
             self.dirs.pop("pids")
         if memory_mb and "memory" in self.dirs:
             d = self.dirs["memory"]
             size = str(int(memory_mb) << 20)
             if self.v2:
-                _write(os.path.join(d, "memory.max"), size)
+                write_once(os.path.join(d, "memory.max"), size)
                 with contextlib.suppress(OSError):
-                    _write(os.path.join(d, "memory.swap.max"), "0")
+                    write_once(os.path.join(d, "memory.swap.max"), "0")
             else:
-                _write(os.path.join(d, "memory.limit_in_bytes"), size)
+                write_once(os.path.join(d, "memory.limit_in_bytes"), size)
                 with contextlib.suppress(OSError):  # (only with swap accounting)
-                    _write(os.path.join(d, "memory.memsw.limit_in_bytes"), size)
+                    write_once(os.path.join(d, "memory.memsw.limit_in_bytes"), size)
 
     def apply(self, pids: int, memory_mb: int) -> str | None:
         """A cgroup made `ahead`, once its action is known: its limits set (0: none), and only those checked by
@@ -374,7 +367,7 @@ class ActionCgroup:
     def join(self) -> None:
         """Move the calling process (just forked; nothing started yet) into the action's cgroups."""
         for d in sorted(self.made):
-            _write(os.path.join(d, "cgroup.procs"), "0")
+            write_once(os.path.join(d, "cgroup.procs"), "0")
 
     def exceeded(self) -> str | None:
         """'pids' when a fork or thread was refused for the limit, 'memory' when a process was OOM-killed for it."""
