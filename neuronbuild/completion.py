@@ -118,6 +118,21 @@ def _table(specs: list[CommandSpec]) -> str:
     return "\n".join(rows)
 
 
+# The loop body (bash and zsh alike) finding the command words typed so far: `key` is the table's key for them
+# ("-", "build", "cache:gc"; _key), `cmd` the command.
+_KEY_LOOP = """        w="${words[i]}"
+        if [[ -z "$cmd" ]]; then
+            case "$w" in
+                -C) ((i++)) ;;
+                -*) ;;
+                *) cmd="$w"; key="$w" ;;
+            esac
+        elif [[ "$key" == "$cmd" && " ${_nb_subs[$cmd]} " == *" $w "* ]]; then
+            key="$cmd:$w"
+        fi
+    done"""
+
+
 def bash_script(parser: argparse.ArgumentParser) -> str:
     specs = command_specs(parser)
     top = specs[0]
@@ -139,17 +154,7 @@ _neuronbuild() {{
     prev="${{words[${{#words[@]}}-1]}}"
     local -a reply=()
     for ((i = 1; i < ${{#words[@]}}; i++)); do
-        w="${{words[i]}}"
-        if [[ -z "$cmd" ]]; then
-            case "$w" in
-                -C) ((i++)) ;;
-                -*) ;;
-                *) cmd="$w"; key="$w" ;;
-            esac
-        elif [[ "$key" == "$cmd" && " ${{_nb_subs[$cmd]}} " == *" $w "* ]]; then
-            key="$cmd:$w"
-        fi
-    done
+{_KEY_LOOP}
     if [[ " ${{_nb_values[$key]}} " == *" $prev "* ]]; then
         if [[ -n "${{_nb_choices[$key@$prev]}}" ]]; then
             reply=($(compgen -W "${{_nb_choices[$key@$prev]}}" -- "$cur"))
@@ -196,17 +201,7 @@ _nb_described=({described})
 _neuronbuild() {{
     local cur="${{words[CURRENT]}}" prev="${{words[CURRENT-1]}}" cmd="" key="-" w i
     for ((i = 2; i < CURRENT; i++)); do
-        w="${{words[i]}}"
-        if [[ -z "$cmd" ]]; then
-            case "$w" in
-                -C) ((i++)) ;;
-                -*) ;;
-                *) cmd="$w"; key="$w" ;;
-            esac
-        elif [[ "$key" == "$cmd" && " ${{_nb_subs[$cmd]}} " == *" $w "* ]]; then
-            key="$cmd:$w"
-        fi
-    done
+{_KEY_LOOP}
     if [[ " ${{_nb_values[$key]}} " == *" $prev "* ]]; then
         if [[ -n "${{_nb_choices[$key@$prev]}}" ]]; then
             compadd -- ${{=_nb_choices[$key@$prev]}}
