@@ -20,10 +20,6 @@ from typing import BinaryIO
 
 def current_umask() -> int:
     """This process's umask (read without changing it where Linux allows)."""
-    return _umask()
-
-
-def _umask() -> int:
     try:  # Linux: read it without changing it (os.umask would, for a moment, for every thread)
         with open("/proc/self/status", encoding="ascii", errors="replace") as f:
             for line in f:
@@ -38,7 +34,7 @@ def _umask() -> int:
 
 def umask_mode(base: int = 0o666) -> int:
     """`base` as the process umask leaves it: the mode a plain open() would give a new file."""
-    return base & ~_umask()
+    return base & ~current_umask()
 
 
 @contextlib.contextmanager
