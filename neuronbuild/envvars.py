@@ -165,11 +165,6 @@ class Config:
             raise self._errors[name]
         return self._values[name]
 
-    def is_set(self, name: str) -> bool:
-        """Whether the variable is in the environment with a non-empty value."""
-        assert name in BY_NAME, name
-        return bool(self.env.get(name, "").strip())
-
     def text(self, name: str) -> str | None:
         v = self._get(name, "text", "path")
         return None if v is None else str(v)

@@ -48,9 +48,6 @@ class DiskUsage:
     def total(self) -> int:
         return sum(b for _p, b in self.parts)
 
-    def part(self, label: str) -> int:
-        return sum(b for p, b in self.parts if p == label)
-
 
 def disk_usage(base: Path) -> DiskUsage:
     by: dict[str, int] = {}
