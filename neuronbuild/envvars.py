@@ -24,9 +24,6 @@ if TYPE_CHECKING:
 # Types: "text" (a string; empty = unset), "path" (a file or directory; empty = unset), "flag" (unset/empty: the
 # default; 0, false, no, off: false; anything else: true), "seconds" (a number >= 0), "int" (a whole number),
 # "list" (comma-separated words), "paths" (os.pathsep-separated directories).
-KINDS = ("text", "path", "flag", "seconds", "int", "list", "paths")
-
-
 # scope: who reads it: build (commands), server, worker (set by neuronbuild for its workers), runtime, release
 Var = namedtuple("Var", "name kind default meaning scope")
 
