@@ -13,7 +13,6 @@ import contextlib
 import os
 import signal
 import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
@@ -67,7 +66,8 @@ class WorkerProcess:
                 if pid is not None:
                     self.proc, self.forked = zy.ForkedProc(pid, zygote), True
             if self.proc is None:
-                self.proc = self._spawn(to_child_r, from_child_w, env, cwd, stderr_path)
+                self.proc = zy.spawn(_BOOT, [_PKG_PARENT, str(to_child_r), str(from_child_w), "neuronbuild-worker"],
+                                     (to_child_r, from_child_w), env, cwd, stderr_path)
         except BaseException:  # e.g. Ctrl-C while the zygote imports: a worker forked later reads EOF and exits
             os.close(to_child_w)
             os.close(from_child_r)
@@ -87,24 +87,6 @@ class WorkerProcess:
         self.timeout_source = ""
         self.ready = False  # warm (imports done): a task's timeout clock runs from then (see deadline)
         self.keys: set[str] = set(zygote.keys) if self.forked and zygote is not None else set()  # its warm-ups
-
-    @staticmethod
-    def _spawn(read_fd: int, write_fd: int, env: dict[str, str], cwd: Path,
-               stderr_path: Path | None) -> subprocess.Popen[bytes]:
-        cwd.mkdir(parents=True, exist_ok=True)
-        err: Any = subprocess.DEVNULL
-        if stderr_path is not None:
-            stderr_path.parent.mkdir(parents=True, exist_ok=True)
-            err = open(stderr_path, "ab")  # noqa: SIM115 - handed to the child
-        try:
-            return subprocess.Popen(
-                [sys.executable, "-P", "-s", "-c", _BOOT, _PKG_PARENT, str(read_fd), str(write_fd), "neuronbuild-worker"],
-                pass_fds=(read_fd, write_fd), env=env, cwd=cwd, start_new_session=True,
-                stdin=subprocess.DEVNULL, stdout=err, stderr=err,
-            )
-        finally:
-            if err is not subprocess.DEVNULL:
-                err.close()
 
     def returncode(self) -> int | None:
         """How it exited (None when a forked worker's status was not reported)."""

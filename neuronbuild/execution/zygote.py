@@ -38,6 +38,23 @@ _MAX_MSG = 1 << 20
 _EXIT_REPORT_S = 2.0
 
 
+def spawn(boot: str, args: list[str], fds: tuple[int, ...], env: dict[str, str], cwd: Path,
+          stderr_path: Path | None) -> subprocess.Popen[bytes]:
+    """`python -P -s -c boot *args` (a worker, or the zygote) in its own session, passed `fds`; its output appended to
+    `stderr_path` (None: discarded)."""
+    cwd.mkdir(parents=True, exist_ok=True)
+    err: Any = subprocess.DEVNULL
+    if stderr_path is not None:
+        stderr_path.parent.mkdir(parents=True, exist_ok=True)
+        err = open(stderr_path, "ab")  # noqa: SIM115 - handed to the child
+    try:
+        return subprocess.Popen([sys.executable, "-P", "-s", "-c", boot, *args], pass_fds=fds, env=env, cwd=cwd,
+                                start_new_session=True, stdin=subprocess.DEVNULL, stdout=err, stderr=err)
+    finally:
+        if err is not subprocess.DEVNULL:
+            err.close()
+
+
 def supported() -> bool:
     """Pidfds (Linux >= 5.3) and fd passing: what the pool needs to use forked workers."""
     if not hasattr(os, "pidfd_open") or not hasattr(socket, "send_fds"):
@@ -63,22 +80,12 @@ class Zygote:
 
     def __init__(self, pkg_parent: str, env: dict[str, str], cwd: Path, stderr_path: Path | None = None) -> None:
         self.sock, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        cwd.mkdir(parents=True, exist_ok=True)
-        err: Any = subprocess.DEVNULL
-        if stderr_path is not None:
-            stderr_path.parent.mkdir(parents=True, exist_ok=True)
-            err = open(stderr_path, "ab")  # noqa: SIM115 - handed to the child
         try:
             # "neuronbuild-worker-zygote": a search for the build's worker processes finds it too.
-            self.proc = subprocess.Popen(
-                [sys.executable, "-P", "-s", "-c", _BOOT, pkg_parent, str(child.fileno()), "neuronbuild-worker-zygote"],
-                pass_fds=(child.fileno(),), env=env, cwd=cwd, start_new_session=True,
-                stdin=subprocess.DEVNULL, stdout=err, stderr=err,
-            )
+            self.proc = spawn(_BOOT, [pkg_parent, str(child.fileno()), "neuronbuild-worker-zygote"], (child.fileno(),),
+                              env, cwd, stderr_path)
         finally:
             child.close()
-            if err is not subprocess.DEVNULL:
-                err.close()
         self.ready = False
         self.closed = False
         self._seq = 0  # fork requests sent (each answer names its request)
