@@ -17,7 +17,7 @@ from neuronbuild.loading.targets import Target
 from neuronbuild.plugin_api import registry as plugins
 from neuronbuild.plugin_api.actions import Bucket, DepInput
 from neuronbuild.plugin_api.rules import Attr, RuleKind, RuleSchema
-from neuronbuild.plugin_api.toolchain import CompileRequest, ignored_options, option_warnings, toolchain_options
+from neuronbuild.plugin_api.toolchain import CompileRequest, toolchain_options
 
 DRAFT_PREFIX = "draft."  # a fused speculation graph's draft weights file and names (runtime/layout.py DRAFT_PREFIX)
 
@@ -104,16 +104,17 @@ def analyze(ctx: AnalysisContext, t: Target) -> CompileTarget:
     opts_attr = t.attrs.get("options")
 
     tc = plugins.toolchain(plat.toolchain)
-    ignored: dict[str, None] = {}
+    known = {key.name for key in tc.option_keys}
+    ignored: dict[str, None] = {}  # options set that the toolchain does not read (they change none of its graphs)
     warned: dict[str, None] = {}
 
     def options_for(graph: str) -> Mapping[str, object]:
         """The options this toolchain reads (its declared keys and defaults): only those reach its fingerprints."""
         lbl = opts_attr.get(graph) if isinstance(opts_attr, dict) else opts_attr
         merged = merged_options(ctx.provider(lbl) if lbl is not None else None)
-        ignored.update(dict.fromkeys(ignored_options(tc, merged)))
+        ignored.update(dict.fromkeys(k for k in merged if k not in known))
         read = toolchain_options(tc, merged)
-        warned.update(dict.fromkeys(option_warnings(tc, read)))
+        warned.update(dict.fromkeys(tc.option_warnings(read)))
         return read
 
     tp = int(t.attrs["tp_degree"])

@@ -393,14 +393,3 @@ def toolchain_options(tc: Toolchain, merged: Mapping[str, Any]) -> dict[str, Any
             continue
         out[key.name] = list(value) if isinstance(value, list | tuple) else value
     return out
-
-
-def option_warnings(tc: Toolchain, options: Mapping[str, Any]) -> tuple[str, ...]:
-    """What the toolchain warns of in the options it reads (e.g. raw flags its compiler does not document)."""
-    return tuple(tc.option_warnings(options))
-
-
-def ignored_options(tc: Toolchain, merged: Mapping[str, Any]) -> tuple[str, ...]:
-    """The keys set in `merged` that `tc` does not read (they change none of its graphs)."""
-    known = {key.name for key in tc.option_keys}
-    return tuple(k for k in merged if k not in known)
