@@ -131,14 +131,13 @@ def test_partial_rebuild_matrix_has_one_cell_per_bucket_and_target_with_its_stat
     assert "compile skipped (no neuronx-cc)" in next(c["text"] for c in cells if c["state"] == "executed")
     assert re.search(r"1\s+executed action skipped its step \(no neuronx-cc\).*no NEFF was built", summary), summary
     # One wall time: the timeline spans the summary's, widened (to the left) only by a worker warm-up begun before
-    # the cache check (the build's record: its t0 and the slices). The slices are wall-clock stamps, the wall a
-    # monotonic clock's: a system clock being slewed (this VM's, seen at 0.3-0.5 %) moves them apart by up to 1 %.
+    # the cache check (the build's record: its t0 and the slices; ci1 saw 11.26 vs 11.20 s when t0 was the recorder's
+    # creation, before the executor's start-up, instead of the cache check)
     wall = float(re.search(r"([\d.]+) s\s+wall", summary)[1])  # type: ignore[index]
     span = float(re.search(r"Timeline \(([\d.]+) s", page.page.inner_text("#timeline"))[1])  # type: ignore[index]
     rec = json.loads(Path(unquote(urlparse(tiny_runs["partial"]).path)).with_suffix(".json").read_text())
     early = max(0.0, float(rec["t0"]) - min(float(s["start"]) for s in rec["slices"]))
-    slew = 0.051 + 0.01 * wall
-    assert wall - slew <= span <= wall + early + slew, (span, wall, early)
+    assert wall - 0.051 <= span <= wall + early + 0.051, (span, wall, early)
     # a cell links to its action's details: the fingerprint record's fields are there
     href = page.page.get_attribute("td.cell[data-state=executed] a", "href")
     page.page.click("td.cell[data-state=executed] a")

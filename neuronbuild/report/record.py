@@ -66,8 +66,8 @@ class InvocationRecorder:
     def on_event(self, e: BuildEvent) -> None:
         f = e.fields
         k = e.kind
-        if k == ev.CACHE_CHECKED:
-            self.started = min(self.started, float(f["start"]))
+        if k == ev.CACHE_CHECKED:  # the build's wall time (the summary's) starts here: so does the timeline's axis
+            self.started = float(f["start"])
         elif k == ev.BUILD_STARTED:
             self.jobs = int(f.get("jobs") or 1)
             self.executor = str(f.get("executor") or "")
