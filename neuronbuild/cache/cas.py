@@ -44,6 +44,31 @@ def _removed_on_failure(tmp: str) -> Iterator[None]:
         raise
 
 
+@contextlib.contextmanager
+def linked_beside(src: Path, dest: Path) -> Iterator[Path | None]:
+    """A hard link to `src` made beside `dest` for the block, then renamed onto it (a directory there removed); None
+    where the filesystem cannot link. A missing `src` is FileNotFoundError; if the block fails, the link goes."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.with_name(f"{COPY_TEMP_PREFIX}{dest.name}.{os.getpid()}")
+    linked = True
+    try:
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+        os.link(src, tmp)
+    except FileNotFoundError:
+        raise
+    except OSError:
+        linked = False
+    if not linked:
+        yield None
+        return
+    with _removed_on_failure(str(tmp)):
+        yield tmp
+        if dest.is_dir() and not dest.is_symlink():
+            shutil.rmtree(dest)
+        os.replace(tmp, dest)
+
+
 def _sync_all(paths: Sequence[str]) -> None:
     """fsync every file of `paths`, issued at once from a thread each (a group commit: the filesystem's journal
     takes them in one commit). Raises the first failure, after every sync ended."""
@@ -438,18 +463,9 @@ class BlobStore:
         where the filesystem cannot link (the caller copies). The cache does not trust the link: the blob is hashed
         after it is made, and the stamp then written holds its ctime, which anything done through the link moves (the
         next check hashes it again: a changed blob is found corrupt and evicted, never used)."""
-        src = self.path(digest)
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        tmp = dest.with_name(f"{COPY_TEMP_PREFIX}{dest.name}.{os.getpid()}")
-        try:
-            with contextlib.suppress(FileNotFoundError):
-                tmp.unlink()
-            os.link(src, tmp)
-        except FileNotFoundError:
-            raise
-        except OSError:
-            return None
-        try:
+        with linked_beside(self.path(digest), dest) as tmp:
+            if tmp is None:
+                return None
             if os.stat(tmp).st_mode & 0o222:
                 os.chmod(tmp, 0o444)
             got, size = hash_file(tmp)
@@ -457,13 +473,6 @@ class BlobStore:
                 self.evict(digest)
                 raise CorruptBlob(f"blob {digest[:16]} is corrupt (digest mismatch); evicted")
             self._write_stamp(digest)
-            if dest.is_dir() and not dest.is_symlink():
-                shutil.rmtree(dest)
-            os.replace(tmp, dest)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                tmp.unlink()
-            raise
         return size
 
     def copy_read_only(self, digest: str, dest: Path) -> None:
