@@ -44,6 +44,16 @@ def _removed_on_failure(tmp: str) -> Iterator[None]:
         raise
 
 
+def remove_entry(p: Path) -> None:
+    """Remove `p` whatever it is: a file, a link, or a directory where a blob or record belongs (damage), whole; a
+    failure is ignored (the next check finds what is left)."""
+    with contextlib.suppress(OSError):
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p)
+        else:
+            os.unlink(p)
+
+
 @contextlib.contextmanager
 def linked_beside(src: Path, dest: Path) -> Iterator[Path | None]:
     """A hard link to `src` made beside `dest` for the block, then renamed onto it (a directory there removed); None
@@ -442,11 +452,7 @@ class BlobStore:
         _verified.pop(str(self.path(digest)), None)
         _hashed.pop(str(self.path(digest)), None)
         for p in (self.path(digest), self.stamp_path(digest), self.sha256_path(digest)):
-            with contextlib.suppress(OSError):
-                if p.is_dir() and not p.is_symlink():  # a directory where a blob belongs (damage): remove it whole
-                    shutil.rmtree(p)
-                else:
-                    os.unlink(p)
+            remove_entry(p)
 
     def link_unverified(self, digest: str, dest: Path) -> None:
         """A hard link (else a copy) of a blob at `dest`, not read: the caller verifies it (BlobStore.adopt)."""
