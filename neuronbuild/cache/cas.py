@@ -19,7 +19,7 @@ from typing import BinaryIO
 
 import blake3
 
-from neuronbuild.atomic import atomic_write_bytes, atomic_writer, umask_mode
+from neuronbuild.atomic import atomic_write_bytes, atomic_writer, fsync_path, umask_mode
 from neuronbuild.digests import copy_hashing
 
 _CHUNK = 4 << 20
@@ -82,21 +82,14 @@ def linked_beside(src: Path, dest: Path) -> Iterator[Path | None]:
 def _sync_all(paths: Sequence[str]) -> None:
     """fsync every file of `paths`, issued at once from a thread each (a group commit: the filesystem's journal
     takes them in one commit). Raises the first failure, after every sync ended."""
-    def sync(path: str) -> None:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
     if len(paths) < 2:
         for path in paths:
-            sync(path)
+            fsync_path(path)
         return
     from concurrent.futures import ThreadPoolExecutor
 
     with ThreadPoolExecutor(max_workers=min(8, len(paths)), thread_name_prefix="neuronbuild-sync") as ex:
-        for f in [ex.submit(sync, path) for path in paths]:
+        for f in [ex.submit(fsync_path, path) for path in paths]:
             f.result()
 
 
@@ -271,11 +264,7 @@ class BlobStore:
                 os.unlink(tmp)
                 self._touch(digest)
                 return digest, size
-            fd = os.open(tmp, os.O_RDONLY)
-            try:
-                os.fsync(fd)  # an action's fresh output is in the page cache only; a synced blob returns at once
-            finally:
-                os.close(fd)
+            fsync_path(tmp)  # an action's fresh output is in the page cache only; a synced blob returns at once
             self._commit(tmp, digest)
             return digest, size
 
