@@ -77,6 +77,15 @@ def atomic_write_bytes(dest: Path | str, data: bytes, tmp_dir: Path | str | None
         f.write(data)
 
 
+def fsync_path(path: Path | str) -> None:
+    """fsync the file or directory (its entries: a rename into it) at `path`."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def try_lock(path: Path | str, *, shared: bool = False, blocking: bool = True, directory: bool = False) -> int | None:
     """An flock on `path` held by the returned descriptor until `unlock(fd)` (or the process dies); None when
     `blocking=False` and another holder has it. `path` is created if missing, unless `directory=True`: then the

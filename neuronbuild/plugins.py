@@ -13,11 +13,11 @@ plug-in registers through the names re-exported here (plugins.register_toolchain
 from __future__ import annotations
 
 import importlib
-import sys
 
 from neuronbuild import envvars
 from neuronbuild.plugin_api import registry
 from neuronbuild.plugin_api.flag import Flag as Flag
+from neuronbuild.plugin_api.registry import PLUGINS_ENV as PLUGINS_ENV
 from neuronbuild.plugin_api.registry import register_loader as register_loader
 from neuronbuild.plugin_api.registry import register_rule as register_rule
 from neuronbuild.plugin_api.registry import register_settings as register_settings
@@ -40,8 +40,6 @@ BUILTIN = ("neuronbuild.kinds", "neuronbuild.toolchains.torch_export", "neuronbu
 # The built-in toolchains' settings (flags, tool files, components: plugin_api/toolchain.ToolSettings), in modules
 # importing built-in modules only: the command-line parser, the no-op stamp and the build server's client read them.
 SETTINGS_BUILTIN = ("neuronbuild.toolchains.cpu_settings", "neuronbuild.toolchains.neuron_settings")
-PLUGINS_ENV = "NEURONBUILD_PLUGINS"
-PLUGIN_PATH_ENV = "NEURONBUILD_PLUGIN_PATH"
 
 _settings_modules_tried: set[str] = set()
 _settings_import_errors: dict[str, str] = {}  # plug-in module -> why its settings could not be imported
@@ -49,12 +47,6 @@ _settings_import_errors: dict[str, str] = {}  # plug-in module -> why its settin
 
 def plugin_modules() -> tuple[str, ...]:
     return BUILTIN + envvars.current().words(PLUGINS_ENV)
-
-
-def _plugin_path() -> None:
-    for d in envvars.current().words(PLUGIN_PATH_ENV):
-        if d and d not in sys.path:
-            sys.path.append(d)
 
 
 def load() -> None:
@@ -66,7 +58,7 @@ def load() -> None:
         if registry.Loaded.build:
             return
         load_settings()
-        _plugin_path()
+        registry.add_plugin_path()
         from neuronbuild.errors import UserInputError
 
         registry.Loaded.build = True  # (a plug-in's import may ask for what registered before it)
@@ -104,7 +96,7 @@ def load_settings(builtin_only: bool = False) -> None:
         extra = () if builtin_only else plugin_modules()[len(BUILTIN):]
         todo = [m for m in SETTINGS_BUILTIN + extra if m not in _settings_modules_tried]
         if extra and todo:
-            _plugin_path()
+            registry.add_plugin_path()
         for name in todo:
             _settings_modules_tried.add(name)
             try:

@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 
-from neuronbuild.execution import confine_ns, worker
+from neuronbuild.execution import confine_ns, limits, worker
 from neuronbuild.execution.confine import confine, installation_roots
 
 
@@ -408,7 +408,7 @@ def test_a_prepared_action_process_runs_the_next_action_alone_and_nothing_of_it_
                 "pids": sorted(int(p) for p in os.listdir("/proc") if p.isdigit())}
 
     def children() -> list[int]:
-        return worker._children(os.getpid())
+        return limits.children(os.getpid())
 
     monkeypatch.setattr(worker, "FREEZE", [False])
     seen, held = [], []
@@ -492,4 +492,4 @@ def test_nothing_an_action_started_still_writes_once_its_result_is_handed_on(
     finally:
         worker.reap_deferred()
         worker.end_descendants()
-    assert worker._children(os.getpid()) == []
+    assert limits.children(os.getpid()) == []

@@ -528,6 +528,31 @@ def test_block_engine_preempts_recomputes_shares_and_chunks_with_unchanged_token
     assert [out[r] for r in rids] == [_greedy(p, n) for p, n in reqs] and eng.counters()["preemptions"] >= 1
 
 
+def test_generate_left_pads_prompts_and_pads_each_row_after_its_eos() -> None:
+    """What a caller of generate() reads off its tensor (transformers' layout): the prompts right-aligned, left-padded
+    with the pad id to the longest, then each row's new tokens, those of its prompt alone; a row that reached eos
+    stops there and is padded to the longest row; the prompts as a tensor with a mask give the same."""
+    import torch
+
+    from neuronbuild.runtime.block_engine import BlockEngine
+    from neuronbuild.runtime.causal_lm import CausalLM
+
+    lm = _FakeLM(False, ctx_seq=12)  # CausalLM's generate over the fake's engine
+    lm.engine, lm._generate_serving = lambda: BlockEngine(lm), CausalLM._generate_serving.__get__(lm)
+    generate = CausalLM.generate.__get__(lm)
+    prompts, new = [[5, 6, 7, 8, 9], [20, 21], [30, 31, 32]], 6
+    alone = [_greedy(p, new) for p in prompts]
+    eos = alone[1][2]  # the second row ends at its third token
+    ends = [a.index(eos) + 1 if eos in a else new for a in alone]
+    assert ends[0] == new and ends[1] == 3, ends
+    pad = 0
+    got = generate(prompts, max_new_tokens=new, eos_token_id=eos)
+    assert got.tolist() == [[pad] * (5 - len(p)) + p + a[:end] + [pad] * (new - end)
+                            for p, a, end in zip(prompts, alone, ends, strict=True)]
+    ids = got[:, :5]
+    assert torch.equal(generate(ids, attention_mask=(ids != pad).long(), max_new_tokens=new, eos_token_id=eos), got)
+
+
 def test_block_engine_batches_chunks_over_requests_and_interleaves_them_with_decodes_with_unchanged_tokens() -> None:
     """Prefix and chunk calls run several requests' chunks at once (prefix buckets of 2 rows), one chunk per request
     per step, so a long prompt's chunks alternate with the other requests' decode steps; a request sharing blocks

@@ -93,17 +93,11 @@ def test_a_toolchain_leaving_out_optional_capabilities_gets_their_defaults() -> 
     tc = Minimal()
     for member in TOOLCHAIN_REQUIRED[5:]:
         setattr(tc, member, lambda *a: None)
-    plugins.register_toolchain(tc)  # type: ignore[arg-type]
-    try:
-        got = plugins.toolchain_for("minimal")
-        assert got is tc and got.warm_up_key({}) is None and got.step_dirs({}) == StepDirs()
-        assert got.notes(None) == [] and got.host_status() == {} and got.runtime_loader == ""  # type: ignore[arg-type]
-        assert got.option_warnings({"opt_level": 2}) == [] and tuple(got.option_keys) == ()
-    finally:  # (this process's registry: other tests see the built-ins only)
-        from neuronbuild.plugin_api import registry
-
-        registry._toolchains.pop("minimal")
-        registry._platforms.pop("minimal")
+    plugins.register_toolchain(tc)  # type: ignore[arg-type]  # (unregistered after the test: tests/conftest.py)
+    got = plugins.toolchain_for("minimal")
+    assert got is tc and got.warm_up_key({}) is None and got.step_dirs({}) == StepDirs()
+    assert got.notes(None) == [] and got.host_status() == {} and got.runtime_loader == ""  # type: ignore[arg-type]
+    assert got.option_warnings({"opt_level": 2}) == [] and tuple(got.option_keys) == ()
 
 
 def test_a_label_attribute_declared_own_package_refuses_another_packages_file_located(tmp_path: Path) -> None:

@@ -5,7 +5,7 @@ provider registered from outside neuronbuild/ (a front end of its own) runs in t
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +13,6 @@ import pytest
 
 from neuronbuild import plugins
 from neuronbuild.execution import worker
-from neuronbuild.plugin_api import registry
 from neuronbuild.plugin_api.actions import CORE_STEPS, LIGHT, PROVIDER, TRACE, WEIGHTS, Bucket, is_light, make_action
 from neuronbuild.plugin_api.toolchain import WARM_UP, StepDirs, warm_up_spec
 
@@ -36,13 +35,9 @@ class Onnxish:
 
 
 @pytest.fixture()
-def onnxish() -> Iterator[Onnxish]:
-    plugins.load()
-    provider = plugins.register_steps(Onnxish())  # type: ignore[arg-type]
-    try:
-        yield provider
-    finally:
-        registry._steps.pop("onnxish", None)
+def onnxish() -> Onnxish:
+    """Registered for one test (tests/conftest.py restores the registry after each)."""
+    return plugins.register_steps(Onnxish())  # type: ignore[arg-type,return-value]
 
 
 def test_an_out_of_tree_step_provider_runs_through_the_workers_dispatch(onnxish: Onnxish, tmp_path: Path) -> None:
@@ -62,12 +57,9 @@ def test_an_out_of_tree_step_provider_runs_through_the_workers_dispatch(onnxish:
 
 
 def test_the_core_trace_and_weights_are_a_registered_step_provider_and_never_light() -> None:
-    plugins.load()
     core = plugins.step_providers()[CORE_STEPS]
-    # workers prepare it (import the trace) first: the first of the built-in providers (a test run in this process
-    # before may have registered its own ahead of plugins.load())
-    builtin = [n for n, p in plugins.step_providers().items() if type(p).__module__.startswith("neuronbuild.")]
-    assert builtin[0] == CORE_STEPS, builtin
+    # workers prepare it (import the trace) first: the first provider (tests/conftest.py: the built-ins, in order)
+    assert next(iter(plugins.step_providers())) == CORE_STEPS, list(plugins.step_providers())
     assert plugins.step_provider({PROVIDER: CORE_STEPS, "step": TRACE}) is core
     cpu = plugins.toolchain_for("cpu")
     assert plugins.step_provider({"toolchain": cpu.name, "step": "compile"}) is cpu
@@ -93,26 +85,20 @@ class WarmOnnxish(Onnxish):
 def test_a_step_provider_that_is_not_a_toolchain_gets_its_shared_warm_up_like_a_toolchain() -> None:
     from neuronbuild.execution.scheduler import warm_up_description, warm_ups
 
-    plugins.load()
     plugins.register_steps(WarmOnnxish())  # type: ignore[arg-type]
-    try:
-        steps = [make_action("import", None, Bucket(()), {"graph": g},  # type: ignore[arg-type]
-                             {PROVIDER: "warm_onnxish", "step": "import", "graph": g, "opset": 17}) for g in "ab"]
-        trace = make_action(TRACE, None, Bucket(()), {"k": 1}, {PROVIDER: CORE_STEPS, "step": TRACE})  # type: ignore[arg-type]
-        needs = warm_ups([trace, *steps])
-        assert set(needs) == {a.fingerprint for a in steps}  # the trace's provider has no warm-up
-        assert len({w.fingerprint for w in needs.values()}) == 1  # one per (provider, key)
-        w = needs[steps[0].fingerprint]
-        assert w.spec == {PROVIDER: "warm_onnxish", "step": WARM_UP, "key": {"opset": 17}}
-        assert warm_up_spec(plugins.step_providers(), steps[1].spec) == w.spec  # what a worker warms before a step
-        assert warm_up_description(w) == "Warm up warm_onnxish"
-    finally:
-        registry._steps.pop("warm_onnxish", None)
+    steps = [make_action("import", None, Bucket(()), {"graph": g},  # type: ignore[arg-type]
+                         {PROVIDER: "warm_onnxish", "step": "import", "graph": g, "opset": 17}) for g in "ab"]
+    trace = make_action(TRACE, None, Bucket(()), {"k": 1}, {PROVIDER: CORE_STEPS, "step": TRACE})  # type: ignore[arg-type]
+    needs = warm_ups([trace, *steps])
+    assert set(needs) == {a.fingerprint for a in steps}  # the trace's provider has no warm-up
+    assert len({w.fingerprint for w in needs.values()}) == 1  # one per (provider, key)
+    w = needs[steps[0].fingerprint]
+    assert w.spec == {PROVIDER: "warm_onnxish", "step": WARM_UP, "key": {"opset": 17}}
+    assert warm_up_spec(plugins.step_providers(), steps[1].spec) == w.spec  # what a worker warms before a step
+    assert warm_up_description(w) == "Warm up warm_onnxish"
 
 
 def test_a_step_provider_is_refused_without_run_or_under_a_toolchains_name() -> None:
-    plugins.load()
-
     class NoRun:
         name = "norun"
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -146,29 +146,33 @@ def describe_change(path: tuple[str, ...], old: Any, new: Any, new_record: Mappi
 DEP_FIELDS = ("trace", "lowering", "weights")
 
 
-def _caused_changes(ag: ActionGraph, old: Mapping[str, Any], new: Mapping[str, Any], history: History,
-                    depth: int = 0) -> list[tuple[tuple[str, ...], Any, Any]]:
+def caused_changes(old: Mapping[str, Any], new: Mapping[str, Any], old_record: Callable[[str], Mapping[str, Any] | None],
+                   new_record: Callable[[str], Mapping[str, Any] | None],
+                   depth: int = 0) -> list[tuple[tuple[str, ...], Any, Any]]:
+    """The changed fields of two records (`diff`); a changed dependency fingerprint (DEP_FIELDS) is replaced by that
+    dependency's own changed fields (the cause) when both its records are known (`old_record`/`new_record`: the record
+    of a fingerprint, or None)."""
     found = diff(dict(old), dict(new))
     for dep in DEP_FIELDS:
         if depth > 3 or not any(p == (dep,) for p, _o, _n in found):
             continue
-        prev = history.result(str(old.get(dep)))
-        cur = ag.actions.get(str(new.get(dep)))
+        prev, cur = old_record(str(old.get(dep))), new_record(str(new.get(dep)))
         if prev is None or cur is None:
             continue
         seen = {p for p, _o, _n in found}
         found = [c for c in found if c[0] != (dep,)]
-        found += [c for c in _caused_changes(ag, prev.record, cur.record, history, depth + 1) if c[0] not in seen]
+        found += [c for c in caused_changes(prev, cur, old_record, new_record, depth + 1) if c[0] not in seen]
     found.sort(key=lambda c: c[0])
     return found
 
 
 def record_changes(ag: ActionGraph, action: Action, old: Mapping[str, Any], history: History) -> tuple[Change, ...]:
-    """Changed fields of `action`'s record against `old`. A changed dependency fingerprint (`trace`, `lowering`) is
-    replaced by that dependency's own changed fields (the cause), when its old record is still in the cache."""
+    """Changed fields of `action`'s record against `old` (caused_changes: a dependency's old record from the cache,
+    when it is still there, its new one from the plan)."""
     new = action.record
-    found = (_caused_changes(ag, old, new, history) if action.kind not in (TRACE, WEIGHTS)
-             else diff(dict(old), dict(new)))
+    found = (caused_changes(old, new, lambda fp: getattr(history.result(fp), "record", None),
+                            lambda fp: getattr(ag.actions.get(fp), "record", None))
+             if action.kind not in (TRACE, WEIGHTS) else diff(dict(old), dict(new)))
     return tuple(Change(p, o, n, describe_change(p, o, n, new)) for p, o, n in found)
 
 

@@ -19,7 +19,7 @@ from typing import BinaryIO
 
 import blake3
 
-from neuronbuild.atomic import atomic_write_bytes, atomic_writer, umask_mode
+from neuronbuild.atomic import atomic_write_bytes, atomic_writer, fsync_path, umask_mode
 from neuronbuild.digests import copy_hashing
 
 _CHUNK = 4 << 20
@@ -44,24 +44,52 @@ def _removed_on_failure(tmp: str) -> Iterator[None]:
         raise
 
 
+def remove_entry(p: Path) -> None:
+    """Remove `p` whatever it is: a file, a link, or a directory where a blob or record belongs (damage), whole; a
+    failure is ignored (the next check finds what is left)."""
+    with contextlib.suppress(OSError):
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p)
+        else:
+            os.unlink(p)
+
+
+@contextlib.contextmanager
+def linked_beside(src: Path, dest: Path) -> Iterator[Path | None]:
+    """A hard link to `src` made beside `dest` for the block, then renamed onto it (a directory there removed); None
+    where the filesystem cannot link. A missing `src` is FileNotFoundError; if the block fails, the link goes."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.with_name(f"{COPY_TEMP_PREFIX}{dest.name}.{os.getpid()}")
+    linked = True
+    try:
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+        os.link(src, tmp)
+    except FileNotFoundError:
+        raise
+    except OSError:
+        linked = False
+    if not linked:
+        yield None
+        return
+    with _removed_on_failure(str(tmp)):
+        yield tmp
+        if dest.is_dir() and not dest.is_symlink():
+            shutil.rmtree(dest)
+        os.replace(tmp, dest)
+
+
 def _sync_all(paths: Sequence[str]) -> None:
     """fsync every file of `paths`, issued at once from a thread each (a group commit: the filesystem's journal
     takes them in one commit). Raises the first failure, after every sync ended."""
-    def sync(path: str) -> None:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
     if len(paths) < 2:
         for path in paths:
-            sync(path)
+            fsync_path(path)
         return
     from concurrent.futures import ThreadPoolExecutor
 
     with ThreadPoolExecutor(max_workers=min(8, len(paths)), thread_name_prefix="neuronbuild-sync") as ex:
-        for f in [ex.submit(sync, path) for path in paths]:
+        for f in [ex.submit(fsync_path, path) for path in paths]:
             f.result()
 
 
@@ -236,11 +264,7 @@ class BlobStore:
                 os.unlink(tmp)
                 self._touch(digest)
                 return digest, size
-            fd = os.open(tmp, os.O_RDONLY)
-            try:
-                os.fsync(fd)  # an action's fresh output is in the page cache only; a synced blob returns at once
-            finally:
-                os.close(fd)
+            fsync_path(tmp)  # an action's fresh output is in the page cache only; a synced blob returns at once
             self._commit(tmp, digest)
             return digest, size
 
@@ -417,11 +441,7 @@ class BlobStore:
         _verified.pop(str(self.path(digest)), None)
         _hashed.pop(str(self.path(digest)), None)
         for p in (self.path(digest), self.stamp_path(digest), self.sha256_path(digest)):
-            with contextlib.suppress(OSError):
-                if p.is_dir() and not p.is_symlink():  # a directory where a blob belongs (damage): remove it whole
-                    shutil.rmtree(p)
-                else:
-                    os.unlink(p)
+            remove_entry(p)
 
     def link_unverified(self, digest: str, dest: Path) -> None:
         """A hard link (else a copy) of a blob at `dest`, not read: the caller verifies it (BlobStore.adopt)."""
@@ -438,18 +458,9 @@ class BlobStore:
         where the filesystem cannot link (the caller copies). The cache does not trust the link: the blob is hashed
         after it is made, and the stamp then written holds its ctime, which anything done through the link moves (the
         next check hashes it again: a changed blob is found corrupt and evicted, never used)."""
-        src = self.path(digest)
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        tmp = dest.with_name(f"{COPY_TEMP_PREFIX}{dest.name}.{os.getpid()}")
-        try:
-            with contextlib.suppress(FileNotFoundError):
-                tmp.unlink()
-            os.link(src, tmp)
-        except FileNotFoundError:
-            raise
-        except OSError:
-            return None
-        try:
+        with linked_beside(self.path(digest), dest) as tmp:
+            if tmp is None:
+                return None
             if os.stat(tmp).st_mode & 0o222:
                 os.chmod(tmp, 0o444)
             got, size = hash_file(tmp)
@@ -457,13 +468,6 @@ class BlobStore:
                 self.evict(digest)
                 raise CorruptBlob(f"blob {digest[:16]} is corrupt (digest mismatch); evicted")
             self._write_stamp(digest)
-            if dest.is_dir() and not dest.is_symlink():
-                shutil.rmtree(dest)
-            os.replace(tmp, dest)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                tmp.unlink()
-            raise
         return size
 
     def copy_read_only(self, digest: str, dest: Path) -> None:

@@ -4,15 +4,13 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import os
-import shutil
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import BinaryIO
 
 from neuronbuild.atomic import atomic_write_bytes
 from neuronbuild.cache.action_cache import ActionCache, listed_records
-from neuronbuild.cache.cas import BlobStore
+from neuronbuild.cache.cas import BlobStore, remove_entry
 from neuronbuild.cache.locks import LockDir, LockFile
 from neuronbuild.cache.tier import MAX_RECORD_BYTES, SharedTier, TierReadOnly, TierUnavailable
 
@@ -90,12 +88,7 @@ class SharedDirTier(SharedTier):
             self.blobstore.evict(digest)
 
     def evict_record(self, fp: str) -> None:
-        p = self.record_path(fp)
-        with contextlib.suppress(OSError):
-            if p.is_dir() and not p.is_symlink():
-                shutil.rmtree(p)
-            else:
-                os.unlink(p)
+        remove_entry(self.record_path(fp))
 
     def try_claim(self, fp: str) -> LockFile | None:
         return self._write(self.locks.try_acquire, fp)  # type: ignore[no-any-return]

@@ -301,23 +301,13 @@ class TieredCache(LocalCache):
     def try_claim(self, fp: str) -> Claim | TieredClaim | None:  # type: ignore[override]
         """Local claim first (cheap, same machine), then the shared tier's lease (other machines)."""
         local = super().try_claim(fp)
-        if local is None:
-            return None
-        if self.shared is None or self.readonly:
+        if local is None or self.shared is None or self.readonly:
             return local
-        shared = self.shared
-        try:
-            lease = shared.try_claim(fp)
-        except TierReadOnly as e:
-            self._read_only(e)
-            return local
-        except Exception as e:  # noqa: BLE001 - a shared tier never fails the build
-            self._unreachable(e)
-            return local
-        if lease is None:
+        lease = self._remote(self.shared.try_claim, fp)
+        if lease is None and self.shared is not None and not self.readonly:  # another machine holds it
             local.release()
             return None
-        return TieredClaim(local, lease)
+        return local if lease is None else TieredClaim(local, lease)  # (the tier failed: this machine's claim)
 
 
 def open_shared(url: str, s3_endpoint_url: str | None = None) -> SharedTier:

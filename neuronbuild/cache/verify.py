@@ -4,10 +4,7 @@ bad."""
 
 from __future__ import annotations
 
-import contextlib
-import os
 import re
-import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +12,7 @@ from pathlib import Path
 import blake3
 
 from neuronbuild.cache.action_cache import ActionResult
+from neuronbuild.cache.cas import remove_entry
 from neuronbuild.cache.record_auth import RecordVerifier, check_record
 from neuronbuild.cache.tier import SharedTier
 
@@ -76,14 +74,6 @@ def foreign_files(root: Path) -> Iterator[Path]:
                 if not (_HEX64.match(name) and name[:2] == sub.name) or p.is_symlink():
                     yield p
                 # a directory where a blob or record belongs is reported (and repaired) as a corrupt blob / bad record
-
-
-def _remove(p: Path) -> None:
-    with contextlib.suppress(OSError):
-        if p.is_dir() and not p.is_symlink():
-            shutil.rmtree(p)
-        else:
-            os.unlink(p)
 
 
 def verify_tier(tier: SharedTier, repair: bool = False, trusted: RecordVerifier | None = None) -> VerifyReport:
@@ -153,7 +143,7 @@ def verify_tier(tier: SharedTier, repair: bool = False, trusted: RecordVerifier 
                                 "does not belong in the store (not a blob or a record at its place)"))
     if repair:
         for p in foreign:
-            _remove(p)
+            remove_entry(p)
         for fp in bad_records:
             tier.evict_record(fp)
         for digest in bad:

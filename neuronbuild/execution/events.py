@@ -23,7 +23,7 @@ ACTION_FAILED = "action_failed"
 ACTION_SKIPPED = "action_skipped"  # an input failed
 OUTPUTS_STORED = "outputs_stored"
 BUILD_FINISHED = "build_finished"
-WARM_UP_STARTED = "warm_up_started"  # a toolchain's per-machine warm-up (precompiled headers) sent to a worker
+WARM_UP_STARTED = "warm_up_started"  # a step provider's warm-up (field `toolchain`: its name) sent to a worker
 WARM_UP_FINISHED = "warm_up_finished"
 
 

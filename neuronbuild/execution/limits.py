@@ -417,12 +417,18 @@ def tree(pid: int) -> list[int]:
     out: list[int] = []
     todo = [pid]
     while todo and len(out) < 100_000:
-        p = todo.pop()
-        out.append(p)
-        with contextlib.suppress(OSError):
-            for task in os.listdir(f"/proc/{p}/task"):
-                with contextlib.suppress(OSError), open(f"/proc/{p}/task/{task}/children", "rb") as f:
-                    todo += [int(x) for x in f.read().split()]
+        out.append(todo.pop())
+        todo += children(out[-1])
+    return out
+
+
+def children(pid: int) -> list[int]:
+    """The processes `pid`'s threads started (as /proc shows them now)."""
+    out: list[int] = []
+    with contextlib.suppress(OSError):
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{task}/children", "rb") as f:
+                out += [int(x) for x in f.read().split()]
     return out
 
 

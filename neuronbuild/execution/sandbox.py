@@ -14,7 +14,7 @@ from typing import Any
 
 import blake3
 
-from neuronbuild.digests import copy_hashing
+from neuronbuild.digests import StatKey, copy_hashing, stat_key
 from neuronbuild.execution.cache_api import SpawnCache
 from neuronbuild.plugin_api.actions import Action, FileInput
 
@@ -91,10 +91,6 @@ def _confined_read_only() -> bool:
     return landlock_abi() >= 3
 
 
-def _signature(st: os.stat_result) -> tuple[int, int, int, int]:
-    return (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
-
-
 @dataclass(frozen=True)
 class Sandbox:
     """Where one action runs: `inputs` (its cwd) and `outputs`, removed after the action. `linked`: the big source
@@ -103,7 +99,7 @@ class Sandbox:
     base: Path
     inputs: Path
     outputs: Path
-    linked: tuple[tuple[str, tuple[int, int, int, int]], ...] = ()
+    linked: tuple[tuple[str, StatKey], ...] = ()
     linked_meta: tuple[tuple[str, int, int, int], ...] = ()  # (path, mode, atime_ns, mtime_ns) when linked
 
     def remove(self) -> None:
@@ -136,14 +132,14 @@ class Sandbox:
         ro = read_only_dir(self.inputs)
         for path, sig in self.linked:
             try:
-                if _signature(os.stat(ro / path)) != sig:
+                if stat_key(os.stat(ro / path)) != sig:
                     return path
             except OSError:
                 return path
         return None
 
 
-def _link_read_only(src: Path, ro: Path, dest: Path, f: FileInput) -> tuple[int, int, int, int] | None:
+def _link_read_only(src: Path, ro: Path, dest: Path, f: FileInput) -> StatKey | None:
     """`src` hard-linked at `ro` (read-only for the action), hashed there and named at `dest` by a symlink; its stat
     signature. None when it is not a big regular file or cannot be linked (the caller copies)."""
     try:
@@ -157,10 +153,10 @@ def _link_read_only(src: Path, ro: Path, dest: Path, f: FileInput) -> tuple[int,
     before = os.stat(ro)
     h = blake3.blake3(max_threads=blake3.blake3.AUTO)
     h.update_mmap(str(ro))
-    if h.hexdigest() != f.digest or _signature(os.stat(ro)) != _signature(before):
+    if h.hexdigest() != f.digest or stat_key(os.stat(ro)) != stat_key(before):
         raise InputChanged(f"input '{f.path}' changed during the build; run the build again")
     dest.symlink_to(ro)
-    return _signature(before)
+    return stat_key(before)
 
 
 def place_input(store: Any, digest: str, dest: Path) -> None:
@@ -177,7 +173,7 @@ def prepare(action: Action, root: Path, cache: SpawnCache, parent: Path | None =
     parent.mkdir(parents=True, exist_ok=True)
     base = Path(tempfile.mkdtemp(dir=parent, prefix=f"{action.fingerprint[:12]}-"))
     sb = Sandbox(base, base / "in", base / "out")
-    linked: list[tuple[str, tuple[int, int, int, int]]] = []
+    linked: list[tuple[str, StatKey]] = []
     meta: list[tuple[str, int, int, int]] = []
     try:
         sb.inputs.mkdir()

@@ -846,15 +846,6 @@ def become_subreaper() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
 
 
-def _children(pid: int) -> list[int]:
-    out: list[int] = []
-    with contextlib.suppress(OSError):
-        for task in os.listdir(f"/proc/{pid}/task"):
-            with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{task}/children", "rb") as f:
-                out += [int(x) for x in f.read().split()]
-    return out
-
-
 def end_descendants(spare: Sequence[int] = ()) -> int:
     """Kill every process the last action left behind (orphans re-parented to this worker, a subreaper, and
     inductor's compile workers started in the action's process); reap them. Returns how many were killed."""
@@ -862,7 +853,7 @@ def end_descendants(spare: Sequence[int] = ()) -> int:
 
     killed = 0
     for _ in range(50):  # killing a process re-parents its children to us: repeat until none is left
-        victims = [c for c in _children(os.getpid()) if c not in spare]
+        victims = [c for c in limits.children(os.getpid()) if c not in spare]
         if not victims:
             break
         for c in victims:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import IO, Any
 
-from neuronbuild.atomic import atomic_write_bytes, try_lock, unlock
+from neuronbuild.atomic import atomic_write_bytes, fsync_path, try_lock, unlock
 from neuronbuild.packaging.envfile import EnvFileError, render_env
 from neuronbuild.runtime.layout import (
     DEPLOY_FORMAT,
@@ -386,7 +386,7 @@ def deploy(archive: Path, dest: Path, expect_sha256: str | None = None,
             if not already and not repaired:
                 shutil.rmtree(target, ignore_errors=True)
             raise
-        _fsync_dir(dest)
+        fsync_path(dest)
         return Deployed(rid, target, manifest.label, len(manifest.files) + 1, already, repaired, downgraded_from)
     except BaseException:
         if created_releases:
@@ -405,11 +405,3 @@ def deploy(archive: Path, dest: Path, expect_sha256: str | None = None,
 def _write_index(dest: Path, entries: list[dict[str, Any]]) -> None:
     data = (json.dumps({"format": DEPLOY_FORMAT, "releases": entries}, indent=1, sort_keys=True) + "\n").encode()
     atomic_write_bytes(dest / INDEX, data, dest, mode=0o644)
-
-
-def _fsync_dir(d: Path) -> None:
-    fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -21,7 +21,7 @@ from neuronbuild import FORMAT_VERSION
 from neuronbuild.analysis.action_graph import ActionGraph
 from neuronbuild.analysis.providers import CompileTarget
 from neuronbuild.atomic import atomic_write_bytes
-from neuronbuild.cache.cas import COPY_TEMP_PREFIX, CorruptBlob, umask_mode
+from neuronbuild.cache.cas import COPY_TEMP_PREFIX, CorruptBlob, linked_beside, umask_mode
 from neuronbuild.cache.local import LocalCache
 from neuronbuild.digests import StatKey, is_racy, stat_key
 from neuronbuild.workspace import OUTPUT_DIR
@@ -230,24 +230,13 @@ def _with_shipped(ag: ActionGraph, fp: str, res: Any, lookup: Any,
 def _link_to(first: Path, dest: Path) -> bool:
     """Make `dest` a hard link to `first` (already checked or copied: the same blob); False where the filesystem
     cannot link (then it gets a copy of its own)."""
-    try:
+    with contextlib.suppress(OSError):
         if os.path.samefile(first, dest):
             return True
-    except OSError:
-        pass
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dest.with_name(f"{COPY_TEMP_PREFIX}{dest.name}.{os.getpid()}")
     try:
-        with contextlib.suppress(FileNotFoundError):
-            tmp.unlink()
-        os.link(first, tmp)
-        if dest.is_dir() and not dest.is_symlink():
-            shutil.rmtree(dest)
-        os.replace(tmp, dest)
-        return True
+        with linked_beside(first, dest) as tmp:
+            return tmp is not None
     except OSError:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
         return False
 
 

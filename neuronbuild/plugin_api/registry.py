@@ -6,6 +6,7 @@ runtime, which ask, never import a plug-in (tests/test_layering.py: no import ci
 
 from __future__ import annotations
 
+import sys
 import types
 from _thread import RLock  # (threading's RLock; importing threading costs the build server's client milliseconds)
 
@@ -40,6 +41,16 @@ class Loaded:
 
     build = False
     settings = False
+
+
+PLUGINS_ENV, PLUGIN_PATH_ENV = "NEURONBUILD_PLUGINS", "NEURONBUILD_PLUGIN_PATH"
+
+
+def add_plugin_path() -> None:
+    """$NEURONBUILD_PLUGIN_PATH's directories appended to sys.path (plugins.load and loaders.loader_for import)."""
+    for d in envvars.current().words(PLUGIN_PATH_ENV):
+        if d and d not in sys.path:
+            sys.path.append(d)
 
 
 def _complete(obj: object, required: tuple[str, ...], defaults: type, what: str) -> None:

@@ -154,27 +154,6 @@ def _frange(a: float, b: float, step: float) -> list[float]:
     return out
 
 
-def _changes(old: Mapping[str, Any], new: Mapping[str, Any], old_fp: Mapping[str, Mapping[str, Any]],
-             new_fp: Mapping[str, Mapping[str, Any]], depth: int = 0) -> list[tuple[tuple[str, ...], Any, Any]]:
-    """explain's field diff of two records; a changed input fingerprint (`trace`, `lowering`) is replaced by that
-    input's own changed fields when both its records are known (the cause)."""
-    from neuronbuild.analysis.explain import DEP_FIELDS, diff
-
-    found = diff(dict(old), dict(new))
-    for dep in DEP_FIELDS:
-        if depth > 3 or not any(p == (dep,) for p, _o, _n in found):
-            continue
-        prev = (old_fp.get(str(old.get(dep))) or {}).get("record")
-        cur = (new_fp.get(str(new.get(dep))) or {}).get("record")
-        if prev is None or cur is None:
-            continue
-        seen = {p for p, _o, _n in found}
-        found = [c for c in found if c[0] != (dep,)]
-        found += [c for c in _changes(prev, cur, old_fp, new_fp, depth + 1) if c[0] not in seen]
-    found.sort(key=lambda c: c[0])
-    return found
-
-
 def _group(a: Mapping[str, Any]) -> tuple[str, str, str, str, tuple[str, ...]]:
     return (a["kind"], a["label"], a.get("platform") or "", a.get("graph") or "", tuple(sorted(a.get("dims") or {})))
 
@@ -182,7 +161,7 @@ def _group(a: Mapping[str, Any]) -> tuple[str, str, str, str, tuple[str, ...]]:
 def compare(new: Mapping[str, Any], old: Mapping[str, Any]) -> dict[str, Any]:
     """Which actions changed between two invocations (by identity: a new fingerprint, or a new identity compared
     with the closest bucket no longer built), which fields of their records, and how their time moved."""
-    from neuronbuild.analysis.explain import ABSENT, describe_change
+    from neuronbuild.analysis.explain import ABSENT, caused_changes, describe_change
 
     old_acts = list(old.get("actions") or ())
     new_acts = list(new.get("actions") or ())
@@ -210,7 +189,8 @@ def compare(new: Mapping[str, Any], old: Mapping[str, Any]) -> dict[str, Any]:
             continue
         fields = []
         if prev.get("record") is not None and a.get("record") is not None:
-            for p, o, n in _changes(prev["record"], a["record"], old_fp, new_fp):
+            for p, o, n in caused_changes(prev["record"], a["record"], lambda fp: old_fp.get(fp, {}).get("record"),
+                                          lambda fp: new_fp.get(fp, {}).get("record")):
                 fields.append({"field": ".".join(p), "text": describe_change(p, o, n, a["record"]),
                                "old": None if o is ABSENT else o, "new": None if n is ABSENT else n})
         changed.append({"description": a["description"], "anchor": anchor(a["fingerprint"]), "note": note,

@@ -80,7 +80,7 @@ def no_loader(fmt: str) -> str:
     could not be imported)."""
     skipped = loaders.loader_problems()
     return (f"no runtime loader for artifact format {fmt!r} (its toolchain's `runtime_loader` module must be "
-            f"importable here: a built-in, or named in ${loaders.PLUGINS_ENV})"
+            f"importable here: a built-in, or named in $NEURONBUILD_PLUGINS)"
             + (f"; could not import {', '.join(skipped)}" if skipped else ""))
 
 

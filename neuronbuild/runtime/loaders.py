@@ -6,7 +6,6 @@ the runtime's checked copies. What a loader is (`ArtifactLoader`, `LoadRequest`,
 from __future__ import annotations
 
 import importlib
-import sys
 import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -21,7 +20,6 @@ from neuronbuild.runtime.verified import Scratch, verified_path
 
 # The built-in toolchains' runtime halves (their `runtime_loader` modules): importable without the build side.
 RUNTIME_BUILTIN = ("neuronbuild.toolchains.cpu_runtime", "neuronbuild.toolchains.neuron_runtime")
-PLUGINS_ENV, PLUGIN_PATH_ENV = "NEURONBUILD_PLUGINS", "NEURONBUILD_PLUGIN_PATH"  # (plugins.py's: the runtime's own)
 _tried: dict[str, str | None] = {}  # module -> None (imported) or why it could not be
 
 
@@ -47,10 +45,8 @@ def loader_for(fmt: str) -> ArtifactLoader | None:
     if found is not None:
         return found
     with registry.lock:
-        for d in envvars.current().words(PLUGIN_PATH_ENV):
-            if d and d not in sys.path:
-                sys.path.append(d)
-        for name in RUNTIME_BUILTIN + envvars.current().words(PLUGINS_ENV):
+        registry.add_plugin_path()
+        for name in RUNTIME_BUILTIN + envvars.current().words(registry.PLUGINS_ENV):
             if name in _tried:
                 continue
             try:
