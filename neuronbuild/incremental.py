@@ -38,10 +38,10 @@ def _digest_cache_file(cache_dir: Path, root: Path) -> Path:
 
 class Session:
     """What the build server keeps between its commands (server/warm.py WarmState.session, handed to each command as
-    `Command.session`): per workspace, its load cache (entries checked by digest on every use, as those read from
-    disk are), and per (workspace, settings) the analysis engine's state (analysis/analysis_nodes.AnalysisMemo); the
-    caches to write once the answer is sent (`flush_saves`). A batch command has none: everything starts from disk
-    and the engine starts empty. Nothing else outlives a command, so forgetting it all is dropping this object."""
+    `Command.session`): per workspace, its load cache with its loading engine (packages, listings, graph check), and
+    per (workspace, settings) the analysis engine's state (analysis/analysis_nodes.AnalysisMemo); the caches to write
+    once the answer is sent (`flush_saves`). A batch command has none: everything starts from disk and the engine
+    starts empty. Nothing else outlives a command, so forgetting it all is dropping this object."""
 
     KEEP_AT_MOST = 4
 

@@ -69,7 +69,7 @@ def cache_file(cache_base: Path, root: Path) -> Path:
 @dataclass(frozen=True)
 class PackageKey:
     """A package's load, a key of a kept session's loading engine (LoadCache.engine): value (entry, Package), current
-    while every file it read has the digest recorded and its source files exist (`_PackageNodes.unchanged`)."""
+    while every file it read has the digest recorded and its source files exist (`LoadCache.unchanged`)."""
 
     name: str
 
@@ -92,34 +92,13 @@ class ListingKey:
         return Loader.listing(self.path)
 
 
-class _PackageNodes:
-    """The loading engine's function for PackageKey, bound to the loading running (`loader`); a recomputed package
-    with the same entry keeps its Package object (`keep_equal`): analysis checks an unchanged Target by identity."""
-
-    keep_equal = True
-
-    def __init__(self, cache: LoadCache) -> None:
-        self.cache = cache
-        self.loader: Loader | None = None
-
-    def compute(self, key: PackageKey, _ctx: Engine) -> tuple[_Entry, Package]:
-        assert self.loader is not None
-        return self.cache.load(self.loader, key.name)
-
-    @staticmethod
-    def equal(old: tuple[_Entry, Package], new: tuple[_Entry, Package]) -> bool:
-        return old[0] == new[0]
-
-    def unchanged(self, _key: PackageKey, node: Node) -> bool:
-        assert self.loader is not None
-        current = self.cache.current(self.loader, node.value[0])
-        self.cache.hits += current
-        return current
-
-
 class LoadCache:
     """Evaluated packages of one workspace, reused while their inputs are unchanged; in a kept session (the build
-    server), `engine` holds the packages and directory listings of every load as keys (PackageKey, ListingKey)."""
+    server), `engine` holds the packages and directory listings of every load as keys (PackageKey, ListingKey), this
+    cache being PackageKey's function, bound to the loading running (`loader`). A recomputed package with the same
+    entry keeps its Package object (`keep_equal`): analysis checks an unchanged Target by identity."""
+
+    keep_equal = True
 
     def __init__(self, file: Path | None, keep: bool = False) -> None:
         self.file = file
@@ -127,10 +106,8 @@ class LoadCache:
         self._dirty = False
         self.hits = 0
         self.misses = 0
-        self.engine: Engine | None = None
-        if keep:
-            self._nodes = _PackageNodes(self)
-            self.engine = Engine({PackageKey: self._nodes})
+        self.engine = Engine({PackageKey: self}) if keep else None
+        self.loader: Loader | None = None
         if file is not None:
             try:
                 self._entries = _read(file)
@@ -144,25 +121,35 @@ class LoadCache:
 
     def begin(self, loader: Loader) -> None:
         """A new load by `loader`: the engine's next revision (every node is checked again before it is used)."""
+        self.loader = loader
         if self.engine is not None:
             self.engine.advance()
-            self._nodes.loader = loader
 
     def listing(self, path: str) -> Any:
-        """Loader.find_packages' listing of a directory: the engine's ListingKey, kept between loads."""
+        """Loader.find_packages' listing of a directory (kept between loads: ListingKey)."""
         return Loader.listing(path) if self.engine is None else self.engine.get(ListingKey(path))
 
-    def package(self, loader: Loader, name: str) -> tuple[Package, Node | None]:
-        """Package `name` (cached if its inputs are unchanged, else evaluated and cached) and, in a kept session, its
-        engine node (replaced when the package is loaded again with other inputs)."""
-        if self.engine is None:
-            return self.load(loader, name)[1], None
-        node = self.engine.fresh(PackageKey(name))
-        assert node is not None
-        return node.value[1], node
+    def package(self, name: str) -> Package:
+        """Package `name`: cached if its inputs are unchanged, else evaluated and cached (kept between loads:
+        PackageKey)."""
+        return (self.load(name) if self.engine is None else self.engine.get(PackageKey(name)))[1]
 
-    def current(self, loader: Loader, e: _Entry) -> bool:
+    def compute(self, key: PackageKey, _ctx: Engine) -> tuple[_Entry, Package]:
+        return self.load(key.name)
+
+    @staticmethod
+    def equal(old: tuple[_Entry, Package], new: tuple[_Entry, Package]) -> bool:
+        return old[0] == new[0]
+
+    def unchanged(self, _key: PackageKey, node: Node) -> bool:
+        current = self.current(node.value[0])
+        self.hits += current
+        return current
+
+    def current(self, e: _Entry) -> bool:
         """Whether every input file of entry `e` is unchanged and its source files exist."""
+        loader = self.loader
+        assert loader is not None
         if not e.digests:
             return False  # (evaluated while its files changed: not cached)
         try:
@@ -181,18 +168,19 @@ class LoadCache:
             return False
         return True
 
-    def load(self, loader: Loader, name: str) -> tuple[_Entry, Package]:
+    def load(self, name: str) -> tuple[_Entry, Package]:
         """Package `name` from its entry if that is current, else evaluated (and cached if its files did not change
         meanwhile): with the entry it came from."""
         e = self._entries.get(name)
-        if e is not None and self.current(loader, e):
+        if e is not None and self.current(e):
             self.hits += 1
             return e, Package(name, e.build_file, tuple(Target(label, kind, MappingProxyType(attrs), build_file, index)
                                                         for label, kind, attrs, build_file, index in e.targets), e.files)
         self.misses += 1
         started = time.time_ns()
-        pkg = loader.load_package(name)
-        return self.put(loader, pkg, started), pkg
+        assert self.loader is not None
+        pkg = self.loader.load_package(name)
+        return self.put(self.loader, pkg, started), pkg
 
     def put(self, loader: Loader, pkg: Package, started_ns: int) -> _Entry:
         """Remember a package evaluated after `started_ns` (time.time_ns()). Skipped if any of its files changed since

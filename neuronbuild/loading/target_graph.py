@@ -7,21 +7,17 @@ import operator
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from neuronbuild import streams
 from neuronbuild.engine import Node, Projection
 from neuronbuild.errors import Location, UserInputError
 from neuronbuild.loading.labels import Label, LabelError, TargetPattern, parse_pattern
+from neuronbuild.loading.load_cache import LoadCache, PackageKey
 from neuronbuild.loading.loader import Loader
 from neuronbuild.loading.schema import RULES
 from neuronbuild.loading.starlark_adapter import run_on_starlark_thread
 from neuronbuild.loading.targets import Package, Target
 from neuronbuild.plugin_api import registry as plugins
-
-if TYPE_CHECKING:
-    from neuronbuild.loading.load_cache import LoadCache
-
 
 
 def _buildable(t: Target) -> bool:
@@ -168,7 +164,6 @@ def _load(root: Path, patterns: list[TargetPattern], load_cache: LoadCache | Non
           cwd_package: str = "") -> tuple[TargetGraph, list[str]]:
     loader = Loader(root)
     packages: dict[str, Package] = {}
-    nodes: dict[str, Node] = {}  # (a kept session's: the engine's node of each package)
     engine = load_cache.engine if load_cache is not None else None
     if load_cache is not None:
         load_cache.begin(loader)
@@ -177,12 +172,7 @@ def _load(root: Path, patterns: list[TargetPattern], load_cache: LoadCache | Non
         if name not in packages:
             if not loader.has_package(name):
                 return None
-            if load_cache is None:
-                packages[name] = loader.load_package(name)
-            else:
-                packages[name], node = load_cache.package(loader, name)
-                if node is not None:
-                    nodes[name] = node
+            packages[name] = load_cache.package(name) if load_cache is not None else loader.load_package(name)
         return packages[name]
 
     requested: list[Label] = []
@@ -280,6 +270,7 @@ def _load(root: Path, patterns: list[TargetPattern], load_cache: LoadCache | Non
     if engine is None:
         _check_cycles(graph, seen, loader, deps_of)
     else:
+        nodes = {name: engine.nodes[PackageKey(name)] for name in packages}
         engine.keep(GRAPH_CHECK, _check_acyclic(graph, seen, loader, deps_of, prev, nodes, engine.revision)
                     .completed(stable, packages))
     return graph, warnings
