@@ -13,7 +13,6 @@ file is, and anything that does not fit makes the whole file a miss. Nothing in 
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import os
@@ -68,16 +67,15 @@ def cache_file(cache_base: Path, root: Path) -> Path:
 
 @dataclass(frozen=True)
 class PackageKey:
-    """A package's load, a key of a kept session's loading engine (LoadCache.engine): value (entry, Package), current
-    while every file it read has the digest recorded and its source files exist (`LoadCache.unchanged`)."""
+    """A package's load in the loading engine: (entry, Package), current while `LoadCache.current(entry)`."""
 
     name: str
 
 
 @dataclass(frozen=True)
 class ListingKey:
-    """A directory's listing (Loader.listing), a key of the loading engine: current while the directory's mtime is the
-    one listed (creating, removing or renaming an entry changes it) and the listing was `reusable` then."""
+    """A directory's listing (Loader.listing) in the loading engine: current while it was `reusable` and the
+    directory's mtime is the one listed (creating, removing or renaming an entry changes it)."""
 
     path: str
 
@@ -130,28 +128,27 @@ class LoadCache:
         return Loader.listing(path) if self.engine is None else self.engine.get(ListingKey(path))
 
     def package(self, name: str) -> Package:
-        """Package `name`: cached if its inputs are unchanged, else evaluated and cached (kept between loads:
-        PackageKey)."""
+        """Package `name`: cached if its inputs are unchanged, else evaluated and cached (kept: PackageKey)."""
         return (self.load(name) if self.engine is None else self.engine.get(PackageKey(name)))[1]
 
-    def compute(self, key: PackageKey, _ctx: Engine) -> tuple[_Entry, Package]:
+    def compute(self, key: PackageKey, _ctx: Engine) -> tuple[_Entry | None, Package]:
         return self.load(key.name)
 
     @staticmethod
-    def equal(old: tuple[_Entry, Package], new: tuple[_Entry, Package]) -> bool:
-        return old[0] == new[0]
+    def equal(old: tuple[_Entry | None, Package], new: tuple[_Entry | None, Package]) -> bool:
+        return old[0] is not None and old[0] == new[0]
 
     def unchanged(self, _key: PackageKey, node: Node) -> bool:
         current = self.current(node.value[0])
         self.hits += current
         return current
 
-    def current(self, e: _Entry) -> bool:
-        """Whether every input file of entry `e` is unchanged and its source files exist."""
+    def current(self, e: _Entry | None) -> bool:
+        """Whether every input file of entry `e` is unchanged and its source files exist (None: not cached)."""
         loader = self.loader
         assert loader is not None
-        if not e.digests:
-            return False  # (evaluated while its files changed: not cached)
+        if e is None:
+            return False
         try:
             known = loader.digests_now  # (a .bzl many packages load is digested once per load)
             for display, digest in e.digests:
@@ -168,11 +165,12 @@ class LoadCache:
             return False
         return True
 
-    def load(self, name: str) -> tuple[_Entry, Package]:
+    def load(self, name: str) -> tuple[_Entry | None, Package]:
         """Package `name` from its entry if that is current, else evaluated (and cached if its files did not change
         meanwhile): with the entry it came from."""
         e = self._entries.get(name)
-        if e is not None and self.current(e):
+        if self.current(e):
+            assert e is not None
             self.hits += 1
             return e, Package(name, e.build_file, tuple(Target(label, kind, MappingProxyType(attrs), build_file, index)
                                                         for label, kind, attrs, build_file, index in e.targets), e.files)
@@ -182,20 +180,18 @@ class LoadCache:
         pkg = self.loader.load_package(name)
         return self.put(self.loader, pkg, started), pkg
 
-    def put(self, loader: Loader, pkg: Package, started_ns: int) -> _Entry:
+    def put(self, loader: Loader, pkg: Package, started_ns: int) -> _Entry | None:
         """Remember a package evaluated after `started_ns` (time.time_ns()). Skipped if any of its files changed since
-        shortly before then: the contents evaluated might not be the contents digested now (the entry returned, with
-        no digests, is then never current)."""
-        e = _Entry((), pkg.build_file, tuple(
-            (t.label, t.kind, dict(t.attrs), t.build_file, t.index) for t in pkg.targets), pkg.files)
+        shortly before then: the contents evaluated might not be the contents digested now."""
         try:
             paths = [self._path(loader, d) for d in pkg.files]
             if any(is_racy(stat_key(os.stat(p)), started_ns) for p in paths):
-                return e
-            e = dataclasses.replace(e, digests=tuple((d, digest_file(p)) for d, p in zip(pkg.files, paths, strict=True)))
+                return None
+            digests = tuple((d, digest_file(p)) for d, p in zip(pkg.files, paths, strict=True))
         except (OSError, UserInputError):
-            return e
-        self._entries[pkg.name] = e
+            return None
+        e = self._entries[pkg.name] = _Entry(digests, pkg.build_file, tuple(
+            (t.label, t.kind, dict(t.attrs), t.build_file, t.index) for t in pkg.targets), pkg.files)
         self._dirty = True
         return e
 
