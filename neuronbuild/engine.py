@@ -28,7 +28,7 @@ dependencies, dropped with the rest by `clear()`. A projection may hold the node
 one staleness rule is the engine's: `replaced(nodes)`, true once any of them has been replaced since (a store of its
 key, even of an equal value, or `clear()`: `Node.replaced`, the revision it was replaced in). The declared ones: the
 planner's segments and groups (analysis_nodes.SEGMENTS, GROUPS), the wall-time schedule, the plan report's rows and
-matrix layouts (plan_report.SCHEDULE, REPORT, LAYOUTS)."""
+matrix layouts (plan_report.SCHEDULE, REPORT, LAYOUTS), loading's graph check (target_graph.GRAPH_CHECK)."""
 
 from __future__ import annotations
 

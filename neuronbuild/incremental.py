@@ -38,10 +38,10 @@ def _digest_cache_file(cache_dir: Path, root: Path) -> Path:
 
 class Session:
     """What the build server keeps between its commands (server/warm.py WarmState.session, handed to each command as
-    `Command.session`): per workspace, its load cache (entries checked by digest on every use, as those read from
-    disk are), and per (workspace, settings) the analysis engine's state (analysis/analysis_nodes.AnalysisMemo); the
-    caches to write once the answer is sent (`flush_saves`). A batch command has none: everything starts from disk
-    and the engine starts empty. Nothing else outlives a command, so forgetting it all is dropping this object."""
+    `Command.session`): per workspace, its load cache with its loading engine (packages, listings, graph check), and
+    per (workspace, settings) the analysis engine's state (analysis/analysis_nodes.AnalysisMemo); the caches to write
+    once the answer is sent (`flush_saves`). A batch command has none: everything starts from disk and the engine
+    starts empty. Nothing else outlives a command, so forgetting it all is dropping this object."""
 
     KEEP_AT_MOST = 4
 
@@ -112,10 +112,8 @@ def open_caches(cache_dir: Path, root: Path, command: Any = None) -> LoadCache:
         return lc
     with analysis_gc():  # (reading 35,000 targets back at 100,000 graphs: the collector's passes cost ~40% of it)
         digests.load_persistent(_digest_cache_file(cache_dir, root))
-        lc = LoadCache(file)
+        lc = LoadCache(file, keep=kept is not None)  # (kept: with its engine, the packages, listings and graph check)
     if kept is not None:
-        lc.dirs = {}  # (directory listings kept with their mtimes: Loader.find_packages)
-        lc.keep_checks = True  # (the last accepted graph check: target_graph.CheckedGraph)
         while len(kept.load_caches) >= kept.KEEP_AT_MOST:
             del kept.load_caches[next(iter(kept.load_caches))]
         kept.load_caches[file] = lc

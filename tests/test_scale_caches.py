@@ -165,3 +165,68 @@ def test_a_hashed_copy_has_every_byte_and_their_blake3_whatever_the_size_and_off
             got = digests.copy_hashing(f, out)
         assert got == (blake3.blake3(data).hexdigest(), size)
         assert (tmp_path / "out").read_bytes() == data
+
+
+def _kept_ws(tmp_path: Path) -> Path:
+    return write_ws(tmp_path / "ws", {
+        "a/BUILD": 'load("//tools:defs.bzl", "my_model")\nmy_model(name = "m")\n', "a/m.py": "def build(c): pass\n",
+        "b/BUILD": 'load("//tools:defs.bzl", "my_model")\nmy_model(name = "m")\n', "b/m.py": "def build(c): pass\n",
+        "c/BUILD": 'neuron_buckets(name = "b", shapes = [{"batch": 1}])\n',
+        "tools/BUILD": "", "tools/defs.bzl": DEFS, "tools/seeds.bzl": "SEED = 1\n"})
+
+
+def _kept_load(root: Path, lc: LoadCache) -> dict[str, object]:
+    return dict(load_targets(root, ["//..."], "", lc).packages)
+
+
+def test_a_kept_load_cache_reuses_each_unchanged_package_node_and_recomputes_what_an_edited_bzl_reached(
+        tmp_path: Path) -> None:
+    """The loading engine (a kept session's LoadCache): an unchanged package is its node's same Package object (so
+    analysis checks its Targets by identity) and is not loaded again; an edited .bzl makes every package that loaded it
+    (through another .bzl too) stale, and only those."""
+    root = _kept_ws(tmp_path)
+    _settle()
+    lc = LoadCache(None, keep=True)
+    assert lc.engine is not None
+    first = _kept_load(root, lc)
+    again = _kept_load(root, lc)
+    assert all(again[n] is first[n] for n in first) and lc.engine.computed == 0
+    _edit(root / "tools/seeds.bzl", "SEED = 1", "SEED = 3")
+    after = _kept_load(root, lc)
+    assert {n for n in first if after[n] is not first[n]} == {"a", "b"}
+    assert after["a"].targets[0].attrs["seed"] == 3  # type: ignore[attr-defined]
+
+
+def test_a_kept_load_cache_sees_a_new_build_file_in_a_listed_directory(tmp_path: Path) -> None:
+    """Directory listings are engine nodes valid while the directory's mtime is unchanged: a BUILD file created in a
+    directory listed before (or in a new subdirectory) is found by the next //... load."""
+    root = _kept_ws(tmp_path)
+    _settle()
+    lc = LoadCache(None, keep=True)
+    assert sorted(_kept_load(root, lc)) == ["a", "b", "c", "tools"]
+    (root / "c/BUILD").unlink()
+    (root / "d/e").mkdir(parents=True)
+    (root / "d/e/BUILD").write_text('neuron_buckets(name = "b", shapes = [{"batch": 2}])\n')
+    _settle()
+    assert sorted(_kept_load(root, lc)) == ["a", "b", "d/e", "tools"]
+
+
+def test_a_kept_graph_check_rechecks_an_unchanged_package_whose_reference_went_away(tmp_path: Path) -> None:
+    """The kept graph check skips only packages whose node and referred packages' nodes are current: removing the
+    target an unchanged package refers to is the same located error a fresh load reports."""
+    root = write_ws(tmp_path / "ws", {
+        "p/BUILD": 'neuron_target(name = "t", platform = "trn2")\n',
+        "q/BUILD": 'neuron_model(name = "m", srcs = ["m.py"], entry = "m:build", inputs = {"x": "float32[batch]"})\n'
+                   'neuron_buckets(name = "b", shapes = [{"batch": 1}])\n'
+                   'neuron_compile(name = "c", model = ":m", buckets = [":b"], target = "//p:t")\n',
+        "q/m.py": "def build(c): pass\n"})
+    _settle()
+    lc = LoadCache(None, keep=True)
+    _kept_load(root, lc)
+    _kept_load(root, lc)
+    _edit(root / "p/BUILD", 'name = "t"', 'name = "u"')
+    with pytest.raises(UserInputError) as kept:
+        _kept_load(root, lc)
+    with pytest.raises(UserInputError) as fresh:
+        load_targets(root, ["//..."], "", None)
+    assert "refers to '//p:t', which does not exist" in str(kept.value) and str(kept.value) == str(fresh.value)

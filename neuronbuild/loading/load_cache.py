@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import time
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -24,6 +25,7 @@ from typing import Any
 
 from neuronbuild.atomic import atomic_write_bytes
 from neuronbuild.digests import digest_file, is_racy, stat_key
+from neuronbuild.engine import Engine, Node
 from neuronbuild.errors import Location, UserInputError
 from neuronbuild.loading.labels import Label, LabelError, parse_label
 from neuronbuild.loading.loader import Loader, validate_rule
@@ -63,21 +65,47 @@ def cache_file(cache_base: Path, root: Path) -> Path:
     return cache_base / "v1" / "state" / f"load-{key}.json"
 
 
-class LoadCache:
-    """Evaluated packages of one workspace, reused while their inputs are unchanged."""
+@dataclass(frozen=True)
+class PackageKey:
+    """A package's load in the loading engine: (entry, Package), current while `LoadCache.current(entry)`."""
 
-    def __init__(self, file: Path | None) -> None:
+    name: str
+
+
+@dataclass(frozen=True)
+class ListingKey:
+    """A directory's listing (Loader.listing) in the loading engine: current while it was `reusable` and the
+    directory's mtime is the one listed (creating, removing or renaming an entry changes it)."""
+
+    path: str
+
+    def unchanged(self, node: Node) -> bool:
+        v = node.value
+        try:
+            return v is not None and v[4] and os.stat(self.path).st_mtime_ns == v[0]
+        except OSError:
+            return False
+
+    def compute(self, _ctx: Engine) -> Any:
+        return Loader.listing(self.path)
+
+
+class LoadCache:
+    """Evaluated packages of one workspace, reused while their inputs are unchanged; in a kept session (the build
+    server), `engine` holds the packages and directory listings of every load as keys (PackageKey, ListingKey), this
+    cache being PackageKey's function, bound to the loading running (`loader`). A recomputed package with the same
+    entry keeps its Package object (`keep_equal`): analysis checks an unchanged Target by identity."""
+
+    keep_equal = True
+
+    def __init__(self, file: Path | None, keep: bool = False) -> None:
         self.file = file
         self._entries: dict[str, _Entry] = {}
-        # The Package last handed out per entry: an unchanged package is the same object in every later load of a
-        # process that keeps this cache (the build server), so analysis memoised per Target can check it by identity.
-        self._packages: dict[str, tuple[_Entry, Package]] = {}
         self._dirty = False
-        self.dirs: dict[str, Any] | None = None  # the build server's kept directory listings (Loader.find_packages)
-        self.keep_checks = False  # (the build server: keep the last accepted graph check, target_graph.CheckedGraph)
-        self.checked: Any = None
         self.hits = 0
         self.misses = 0
+        self.engine = Engine({PackageKey: self}) if keep else None
+        self.loader: Loader | None = None
         if file is not None:
             try:
                 self._entries = _read(file)
@@ -89,12 +117,38 @@ class LoadCache:
             return loader._bzl_source(display, "", Location(display))[1]
         return f"{loader._root_text}/{display}"  # (= loader.root / display, without pathlib's cost)
 
-    def get(self, loader: Loader, package: str) -> Package | None:
-        """The cached package if every input file is unchanged and its source files exist, else None."""
-        e = self._entries.get(package)
+    def begin(self, loader: Loader) -> None:
+        """A new load by `loader`: the engine's next revision (every node is checked again before it is used)."""
+        self.loader = loader
+        if self.engine is not None:
+            self.engine.advance()
+
+    def listing(self, path: str) -> Any:
+        """Loader.find_packages' listing of a directory (kept between loads: ListingKey)."""
+        return Loader.listing(path) if self.engine is None else self.engine.get(ListingKey(path))
+
+    def package(self, name: str) -> Package:
+        """Package `name`: cached if its inputs are unchanged, else evaluated and cached (kept: PackageKey)."""
+        return (self.load(name) if self.engine is None else self.engine.get(PackageKey(name)))[1]
+
+    def compute(self, key: PackageKey, _ctx: Engine) -> tuple[_Entry | None, Package]:
+        return self.load(key.name)
+
+    @staticmethod
+    def equal(old: tuple[_Entry | None, Package], new: tuple[_Entry | None, Package]) -> bool:
+        return old[0] is not None and old[0] == new[0]
+
+    def unchanged(self, _key: PackageKey, node: Node) -> bool:
+        current = self.current(node.value[0])
+        self.hits += current
+        return current
+
+    def current(self, e: _Entry | None) -> bool:
+        """Whether every input file of entry `e` is unchanged and its source files exist (None: not cached)."""
+        loader = self.loader
+        assert loader is not None
         if e is None:
-            self.misses += 1
-            return None
+            return False
         try:
             known = loader.digests_now  # (a .bzl many packages load is digested once per load)
             for display, digest in e.digests:
@@ -104,35 +158,42 @@ class LoadCache:
                     if display.endswith(".bzl"):
                         known[display] = now
                 if now != digest:
-                    raise LookupError(display)
+                    return False
             for lbl, name in e.sources:
                 loader.check_source_file(lbl, name)
         except (OSError, LookupError, AttrError, UserInputError):
-            self.misses += 1
-            return None
-        self.hits += 1
-        kept = self._packages.get(package)
-        if kept is not None and kept[0] is e:
-            return kept[1]
-        pkg = Package(package, e.build_file, tuple(Target(label, kind, MappingProxyType(attrs), build_file, index)
-                                                    for label, kind, attrs, build_file, index in e.targets), e.files)
-        self._packages[package] = (e, pkg)
-        return pkg
+            return False
+        return True
 
-    def put(self, loader: Loader, pkg: Package, started_ns: int) -> None:
+    def load(self, name: str) -> tuple[_Entry | None, Package]:
+        """Package `name` from its entry if that is current, else evaluated (and cached if its files did not change
+        meanwhile): with the entry it came from."""
+        e = self._entries.get(name)
+        if self.current(e):
+            assert e is not None
+            self.hits += 1
+            return e, Package(name, e.build_file, tuple(Target(label, kind, MappingProxyType(attrs), build_file, index)
+                                                        for label, kind, attrs, build_file, index in e.targets), e.files)
+        self.misses += 1
+        started = time.time_ns()
+        assert self.loader is not None
+        pkg = self.loader.load_package(name)
+        return self.put(self.loader, pkg, started), pkg
+
+    def put(self, loader: Loader, pkg: Package, started_ns: int) -> _Entry | None:
         """Remember a package evaluated after `started_ns` (time.time_ns()). Skipped if any of its files changed since
         shortly before then: the contents evaluated might not be the contents digested now."""
         try:
             paths = [self._path(loader, d) for d in pkg.files]
             if any(is_racy(stat_key(os.stat(p)), started_ns) for p in paths):
-                return
+                return None
             digests = tuple((d, digest_file(p)) for d, p in zip(pkg.files, paths, strict=True))
         except (OSError, UserInputError):
-            return
+            return None
         e = self._entries[pkg.name] = _Entry(digests, pkg.build_file, tuple(
             (t.label, t.kind, dict(t.attrs), t.build_file, t.index) for t in pkg.targets), pkg.files)
-        self._packages[pkg.name] = (e, pkg)
         self._dirty = True
+        return e
 
     def save(self) -> None:
         """Write the cache atomically if anything changed (concurrent builds: the last writer wins; nothing breaks)."""

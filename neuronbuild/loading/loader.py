@@ -321,35 +321,21 @@ class Loader:
             real_head = self._real_dirs[head] = self._real_path(head)
         return os.path.join(real_head, name)
 
-    def find_packages(self, base: str = "", dirs: dict[str, Any] | None = None) -> list[str]:
+    def find_packages(self, base: str = "", listing: Callable[[str], Any] | None = None) -> list[str]:
         """Every package at or under `base` (directories with a BUILD file), skipping outputs and hidden dirs, in
-        os.walk's order (sorted, top-down). `dirs` (the build server's, kept between loads): per directory, its listing
-        (the subdirectories walked into and whether it has a regular BUILD file or a workspace marker), reused while
-        the directory's mtime is unchanged (creating, removing or renaming an entry changes it), unless that mtime is
-        within the racy window (a second change in the same tick could hide) or its BUILD file is not a regular file
-        (a link's target can change without the directory)."""
-        dirs = {} if dirs is None else dirs
+        os.walk's order (sorted, top-down); each directory listed by `listing` (the build server's keeps them:
+        LoadCache.listing)."""
+        listing = listing or self.listing
         root = self._root_text.rstrip("/") or "/"
-        now = time.time_ns()
         found: list[str] = []
         stack = [base]
         while stack:
             rel = stack.pop()
             path = f"{root}/{rel}" if rel else root
-            try:
-                mtime = os.stat(path).st_mtime_ns
-            except OSError:
+            kept = listing(path)
+            if kept is None:
                 continue  # (os.walk skips what it cannot list)
-            kept = dirs.get(path)
-            if kept is None or kept[0] != mtime:
-                kept = self._list_dir(path, mtime)
-                if kept is None:
-                    continue
-                if mtime < now - RACY_NS and kept[2] is not None:
-                    dirs[path] = kept
-                else:
-                    dirs.pop(path, None)
-            _m, subdirs, build, marker = kept
+            _m, subdirs, build, marker, _r = kept
             if rel and marker:  # a nested workspace is not part of this one
                 continue
             if build is None:  # (a BUILD that is not a regular file: asked every time, as os.path.isfile)
@@ -360,8 +346,15 @@ class Loader:
         return found
 
     @staticmethod
-    def _list_dir(path: str, mtime: int) -> tuple[int, tuple[str, ...], bool | None, bool] | None:
+    def listing(path: str) -> tuple[int, tuple[str, ...], bool | None, bool, bool] | None:
+        """A directory's (mtime, subdirectories walked into, whether it has a regular BUILD file (None: a BUILD that
+        is not a regular file), whether it has a workspace marker, `reusable`); None if it cannot be listed.
+        `reusable`: the listing may be kept while the mtime is unchanged: not if that mtime is within the racy window
+        (a second change in the same tick could hide) or its BUILD file is not a regular file (a link's target can
+        change without the directory)."""
+        now = time.time_ns()
         try:
+            mtime = os.stat(path).st_mtime_ns
             with os.scandir(path) as it:
                 entries = list(it)
         except OSError:
@@ -387,7 +380,7 @@ class Loader:
                     subdirs.append(n)
             except OSError:
                 continue
-        return mtime, tuple(sorted(subdirs)), build, marker
+        return mtime, tuple(sorted(subdirs)), build, marker, mtime < now - RACY_NS and build is not None
 
     def _bzl_source(self, text: str, current_package: str, loc: Location) -> tuple[str, Path, str]:
         try:

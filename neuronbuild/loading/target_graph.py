@@ -4,24 +4,20 @@ from __future__ import annotations
 
 import difflib
 import operator
-import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from neuronbuild import streams
+from neuronbuild.engine import Node, Projection
 from neuronbuild.errors import Location, UserInputError
 from neuronbuild.loading.labels import Label, LabelError, TargetPattern, parse_pattern
+from neuronbuild.loading.load_cache import LoadCache, PackageKey
 from neuronbuild.loading.loader import Loader
 from neuronbuild.loading.schema import RULES
 from neuronbuild.loading.starlark_adapter import run_on_starlark_thread
 from neuronbuild.loading.targets import Package, Target
 from neuronbuild.plugin_api import registry as plugins
-
-if TYPE_CHECKING:
-    from neuronbuild.loading.load_cache import LoadCache
-
 
 
 def _buildable(t: Target) -> bool:
@@ -168,25 +164,22 @@ def _load(root: Path, patterns: list[TargetPattern], load_cache: LoadCache | Non
           cwd_package: str = "") -> tuple[TargetGraph, list[str]]:
     loader = Loader(root)
     packages: dict[str, Package] = {}
+    engine = load_cache.engine if load_cache is not None else None
+    if load_cache is not None:
+        load_cache.begin(loader)
 
     def get_package(name: str) -> Package | None:
         if name not in packages:
             if not loader.has_package(name):
                 return None
-            cached = load_cache.get(loader, name) if load_cache is not None else None
-            if cached is None:
-                started = time.time_ns()
-                cached = loader.load_package(name)
-                if load_cache is not None:
-                    load_cache.put(loader, cached, started)
-            packages[name] = cached
+            packages[name] = load_cache.package(name) if load_cache is not None else loader.load_package(name)
         return packages[name]
 
     requested: list[Label] = []
     warnings: list[str] = []
     for pat in patterns:
         if pat.recursive:
-            names = loader.find_packages(pat.package, load_cache.dirs if load_cache is not None else None)
+            names = loader.find_packages(pat.package, load_cache.listing if load_cache is not None else None)
             if not names and not (root / pat.package).is_dir():
                 raise UserInputError(f"no such package '{pat.package}' (pattern '{pat}')"
                                      + _did_you_mean(f"//{pat.package}/...",
@@ -229,8 +222,9 @@ def _load(root: Path, patterns: list[TargetPattern], load_cache: LoadCache | Non
         targets.update(_summary(pkg).by_label)  # (a dict's update reuses its stored hashes)
     graph = TargetGraph(root, targets, packages, tuple(requested))
     # Transitive closure with reference and kind checks (skipped for the targets of a package the last accepted load
-    # checked, when it and every package it refers to are the same objects: CheckedGraph.unchanged).
-    prev: CheckedGraph | None = load_cache.checked if load_cache is not None and load_cache.keep_checks else None
+    # checked, when its node and those of every package it refers to are current and not replaced since:
+    # CheckedGraph.unchanged).
+    prev: CheckedGraph | None = engine.kept(GRAPH_CHECK) if engine is not None else None
     stable: dict[str, bool] = {}
     todo = list(requested)
     seen: set[Label] = set()
@@ -245,7 +239,7 @@ def _load(root: Path, patterns: list[TargetPattern], load_cache: LoadCache | Non
         if prev is not None:
             ok = stable.get(lbl.package)
             if ok is None:
-                ok = stable[lbl.package] = prev.unchanged(lbl.package, packages)
+                ok = stable[lbl.package] = prev.unchanged(lbl.package, engine.revision)  # type: ignore[union-attr]
             if ok:  # (these checks passed in prev against the same targets: they pass again)
                 todo.extend(map(_DEP_LABEL, label_deps))
                 continue
@@ -273,42 +267,52 @@ def _load(root: Path, patterns: list[TargetPattern], load_cache: LoadCache | Non
                 raise UserInputError(f"attribute '{attr}' of '{lbl}' must be a {' or '.join(schema_attr.kinds)} "
                                      f"target, but '{dep}' is a {kind}", loader.locate(t, attr))
             todo.append(dep)
-    checked = _check_acyclic(graph, seen, loader, deps_of, prev)
-    if load_cache is not None and load_cache.keep_checks:
-        load_cache.checked = checked.completed(stable)
+    if engine is None:
+        _check_cycles(graph, seen, loader, deps_of)
+    else:
+        nodes = {name: engine.nodes[PackageKey(name)] for name in packages}
+        engine.keep(GRAPH_CHECK, _check_acyclic(graph, seen, loader, deps_of, prev, nodes, engine.revision)
+                    .completed(stable, packages))
     return graph, warnings
 
 
 _DEP_LABEL = operator.itemgetter(1)
 
 
+GRAPH_CHECK = Projection("graph check")  # (a kept session's loading engine: the last accepted CheckedGraph)
+
+
+def _current(node: Node | None, rev: int) -> bool:
+    """Whether a package node a check holds is the one this load (revision `rev`) verified, not replaced since."""
+    return node is not None and node.verified_at == rev and not node.replaced
+
+
 @dataclass(frozen=True)
 class CheckedGraph:
-    """Loading's check node (kept by the build server with its load cache): the targets a load found free of cycles
-    and of chains longer than MAX_DEPS_DEPTH (`seen`, each from its Package object in `packages`), and `height`, an
-    upper bound of the longest chain among them (exact after a full check). `complete`: per package whose every
-    target was in `seen` (so had its references and kinds checked), the packages its targets refer to."""
+    """Loading's graph check, a projection of a kept session's loading engine (GRAPH_CHECK): the targets a load found
+    free of cycles and of chains longer than MAX_DEPS_DEPTH (`seen`, from the package nodes in `packages`), and
+    `height`, an upper bound of the longest chain among them (exact after a full check). `complete`: per package whose
+    every target was in `seen` (so had its references and kinds checked), the packages its targets refer to."""
 
-    packages: Mapping[str, Package] = field(hash=False)
+    packages: Mapping[str, Node] = field(hash=False)
     seen: frozenset[Label] | set[Label] = field(hash=False)
     height: int = 0
     complete: Mapping[str, frozenset[str]] = field(default_factory=dict, hash=False)
 
-    def unchanged(self, name: str, packages: Mapping[str, Package]) -> bool:
-        """Whether package `name`'s targets were all checked here, and it and every package they refer to are the
-        same objects in `packages` (then each reference resolves to the same Target: the checks pass again)."""
-        pkg = packages.get(name)
-        if pkg is None or self.packages.get(name) is not pkg:
-            return False
+    def unchanged(self, name: str, rev: int) -> bool:
+        """Whether package `name`'s targets were all checked here, and its node and those of every package they refer
+        to are still current in this load (`rev`): then each reference resolves to the same Target, the checks pass
+        again."""
         refers = self.complete.get(name)
-        return refers is not None and all(
-            (p := packages.get(n)) is not None and self.packages.get(n) is p for n in refers)
+        nodes = self.packages
+        return refers is not None and _current(nodes.get(name), rev) and all(_current(nodes.get(n), rev)
+                                                                              for n in refers)
 
-    def completed(self, stable: Mapping[str, bool]) -> CheckedGraph:
+    def completed(self, stable: Mapping[str, bool], packages: Mapping[str, Package]) -> CheckedGraph:
         """This check with `complete` made for its packages (carried over for the `stable` ones)."""
         seen, complete = self.seen, {}
         old = self.complete
-        for name, pkg in self.packages.items():
+        for name, pkg in packages.items():
             if stable.get(name) and name in old:
                 complete[name] = old[name]
             elif all(t.label in seen for t in pkg.targets):
@@ -317,10 +321,10 @@ class CheckedGraph:
 
 
 def _check_acyclic(graph: TargetGraph, seen: set[Label], loader: Loader, deps_of: Mapping[Label, list[tuple[str, Label]]],
-                   prev: CheckedGraph | None) -> CheckedGraph:
+                   prev: CheckedGraph | None, nodes: Mapping[str, Node], rev: int) -> CheckedGraph:
     """_check_cycles over `seen`, re-checking only what changed since `prev` when that proves the same answer.
 
-    A target is unchanged when it was checked in `prev` and comes from the same Package object (so the same Target,
+    A target is unchanged when it was checked in `prev` and its package's node is still current (so the same Target,
     with the same references). A cycle made only of unchanged targets would have been found in `prev`, so every new
     cycle goes through a changed target: a search from the changed ones finds it. A chain is a run of unchanged
     targets (at most prev.height: it was a chain then) followed, from its first changed target on, by at most the
@@ -329,7 +333,8 @@ def _check_acyclic(graph: TargetGraph, seen: set[Label], loader: Loader, deps_of
     process reports too."""
     if prev is not None:
         old = prev.packages
-        changed = {t.label for name, pkg in graph.packages.items() if old.get(name) is not pkg for t in pkg.targets}
+        changed = {t.label for name, pkg in graph.packages.items() if not _current(old.get(name), rev)
+                   for t in pkg.targets}
         changed &= seen
         changed |= seen - prev.seen
         if len(changed) * 4 <= len(seen):
@@ -339,8 +344,8 @@ def _check_acyclic(graph: TargetGraph, seen: set[Label], loader: Loader, deps_of
                 reach = MAX_DEPS_DEPTH + 1
             bound = prev.height + reach
             if bound <= MAX_DEPS_DEPTH:
-                return CheckedGraph(dict(graph.packages), seen, bound, prev.complete)
-    return CheckedGraph(dict(graph.packages), seen, _check_cycles(graph, seen, loader, deps_of),
+                return CheckedGraph(dict(nodes), seen, bound, prev.complete)
+    return CheckedGraph(dict(nodes), seen, _check_cycles(graph, seen, loader, deps_of),
                         prev.complete if prev is not None else {})
 
 
