@@ -16,11 +16,12 @@ A **node** holds a key's value, the keys it read in order with the `changed_at` 
 (the revision its value last changed) and `verified_at` (the last revision it was known current in). `advance()`
 starts a revision; nothing is recomputed eagerly. The **validity walk** (iterative, so chains of any length are
 fine) decides whether a node is current: its own inputs unchanged and each dependency current with the `changed_at`
-it saw. `get` recomputes a stale dependency during the walk (Salsa's deep verification: an equal value keeps its
-revision, so what read it stays valid); `valid` recomputes nothing (only volatile keys) and reports a node with a
-stale dependency as stale, for callers whose computations have ordered side effects (the planner replays a valid
-node's events in order and recomputes the rest in the order a fresh analysis would). A key asked for while it is
-being computed is a cycle: `CycleError`, naming the keys around it.
+it saw (a leaf, a node that read no key, e.g. a package load: its own inputs alone, without the walk's stack). `get`
+recomputes a stale dependency during the walk (Salsa's deep verification: an equal value keeps its revision, so what
+read it stays valid); `valid` recomputes nothing (only volatile keys) and reports a node with a stale dependency as
+stale, for callers whose computations have ordered side effects (the planner replays a valid node's events in order
+and recomputes the rest in the order a fresh analysis would). A key asked for while it is being computed is a cycle:
+`CycleError`, naming the keys around it.
 
 A **projection key** (`Projection`) holds a value derived from nodes that its own module reuses in part, where the
 generic all-or-nothing reuse of a key would recompute all of it after any edit (docs/server.md): `keep` / `kept`, no
@@ -119,6 +120,7 @@ class Engine:
         self._stale: set[Hashable] = set()  # (this revision: nodes found stale by `valid`, not recomputed)
         self._frames: list[tuple[Hashable, list[tuple[Hashable, int]]]] = []  # computations running, innermost last
         self._running: set[Hashable] = set()
+        self._checks: dict[type, Any] = {}  # per key type: its function's `unchanged` (_always: none), None if volatile
         self.computed = self.cutoffs = 0  # (counters since the last advance())
 
     def function(self, key: Hashable) -> Any:
@@ -126,6 +128,16 @@ class Engine:
         if fn is None and (hasattr(key, "compute") or hasattr(key, "equal")):  # (a key only stored has no compute)
             fn = self.functions[type(key)] = _SelfFunction(type(key))
         return fn
+
+    def _check(self, key: Hashable) -> Any:
+        """The `unchanged` of `key`'s function (_always: it has none), None when it is volatile (looked up once)."""
+        try:
+            return self._checks[type(key)]
+        except KeyError:
+            fn = self.function(key)
+            check = self._checks[type(key)] = None if getattr(fn, "volatile", False) else \
+                getattr(fn, "unchanged", _always)
+            return check
 
     def advance(self) -> None:
         """Start a new revision: every node is to be verified again before it is used."""
@@ -167,17 +179,27 @@ class Engine:
         stale = self._stale
         if not recompute and key in stale:
             return None
+        if node is not None and not node.deps:  # (a leaf, e.g. a package load: only its own inputs to check)
+            check = self._check(key)
+            if check is not None:
+                if check(key, node):
+                    node.verified_at = rev
+                    return node
+                if not recompute:
+                    stale.add(key)
+                    return None
+            return self.compute(key)
         # Depth first over [key, node, index of the next dependency to check (-1: its own inputs first)]
         stack: list[tuple[Hashable, Node | None, int]] = [(key, node, -1)]
         on_stack = {key}
-        function = self.function
+        checks = self._check
         while stack:
             k, n, i = stack[-1]
-            fn = function(k)
-            volatile = getattr(fn, "volatile", False)
+            check = checks(k)
+            volatile = check is None
             ok = n is not None and not volatile
             if n is not None and ok and i < 0:
-                ok = getattr(fn, "unchanged", _always)(k, n)
+                ok = check(k, n)
                 i = 0
             if ok:
                 assert n is not None

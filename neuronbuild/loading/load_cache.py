@@ -65,19 +65,41 @@ def cache_file(cache_base: Path, root: Path) -> Path:
     return cache_base / "v1" / "state" / f"load-{key}.json"
 
 
-@dataclass(frozen=True)
-class PackageKey:
+class _Key(tuple):  # type: ignore[type-arg]
+    """A loading engine key: (its class, a string). A tuple, so it is made, hashed and compared in C (two per
+    package per load: 10,000s at scale); keys of two classes never compare equal."""
+
+    __slots__ = ()
+
+    def __new__(cls, text: str) -> Any:
+        return tuple.__new__(cls, (cls, text))
+
+    def __getnewargs__(self) -> tuple[str]:  # type: ignore[override]
+        return (self[1],)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self[1]!r})"
+
+
+class PackageKey(_Key):
     """A package's load in the loading engine: (entry, Package), current while `LoadCache.current(entry)`."""
 
-    name: str
+    __slots__ = ()
+
+    @property
+    def name(self) -> str:
+        return str(self[1])
 
 
-@dataclass(frozen=True)
-class ListingKey:
+class ListingKey(_Key):
     """A directory's listing (Loader.listing) in the loading engine: current while it was `reusable` and the
     directory's mtime is the one listed (creating, removing or renaming an entry changes it)."""
 
-    path: str
+    __slots__ = ()
+
+    @property
+    def path(self) -> str:
+        return str(self[1])
 
     def unchanged(self, node: Node) -> bool:
         v = node.value
@@ -106,6 +128,7 @@ class LoadCache:
         self.misses = 0
         self.engine = Engine({PackageKey: self}) if keep else None
         self.loader: Loader | None = None
+        self.loaded: dict[str, Node] = {}  # (kept: this load's package nodes, by name; the graph check holds them)
         if file is not None:
             try:
                 self._entries = _read(file)
@@ -120,6 +143,7 @@ class LoadCache:
     def begin(self, loader: Loader) -> None:
         """A new load by `loader`: the engine's next revision (every node is checked again before it is used)."""
         self.loader = loader
+        self.loaded = {}
         if self.engine is not None:
             self.engine.advance()
 
@@ -129,7 +153,12 @@ class LoadCache:
 
     def package(self, name: str) -> Package:
         """Package `name`: cached if its inputs are unchanged, else evaluated and cached (kept: PackageKey)."""
-        return (self.load(name) if self.engine is None else self.engine.get(PackageKey(name)))[1]
+        if self.engine is None:
+            return self.load(name)[1]
+        node = self.engine.fresh(PackageKey(name))  # (no computation is running: nothing to record)
+        assert node is not None
+        self.loaded[name] = node
+        return node.value[1]  # type: ignore[no-any-return]
 
     def compute(self, key: PackageKey, _ctx: Engine) -> tuple[_Entry | None, Package]:
         return self.load(key.name)

@@ -12,7 +12,7 @@ from neuronbuild import streams
 from neuronbuild.engine import Node, Projection
 from neuronbuild.errors import Location, UserInputError
 from neuronbuild.loading.labels import Label, LabelError, TargetPattern, parse_pattern
-from neuronbuild.loading.load_cache import LoadCache, PackageKey
+from neuronbuild.loading.load_cache import LoadCache
 from neuronbuild.loading.loader import Loader
 from neuronbuild.loading.schema import RULES
 from neuronbuild.loading.starlark_adapter import run_on_starlark_thread
@@ -270,8 +270,9 @@ def _load(root: Path, patterns: list[TargetPattern], load_cache: LoadCache | Non
     if engine is None:
         _check_cycles(graph, seen, loader, deps_of)
     else:
-        nodes = {name: engine.nodes[PackageKey(name)] for name in packages}
-        engine.keep(GRAPH_CHECK, _check_acyclic(graph, seen, loader, deps_of, prev, nodes, engine.revision)
+        assert load_cache is not None
+        engine.keep(GRAPH_CHECK, _check_acyclic(graph, seen, loader, deps_of, prev, load_cache.loaded,
+                                                engine.revision)
                     .completed(stable, packages))
     return graph, warnings
 
