@@ -1,10 +1,6 @@
-"""Content digests (BLAKE3) of files and bytes, with a stat-keyed digest cache kept in process and on disk.
-
-A file's cached digest is reused only while its (path, size, mtime_ns, inode, ctime_ns) are unchanged. ctime cannot be
-set by user tools, so `cp -p`, `touch -d` or `rsync -t` cannot fake an unchanged file. A file modified within RACY_NS of
-being hashed ("racily clean", as git calls it) is never cached: a second write in the same timestamp tick could
-otherwise keep its key. The on-disk cache (`load_persistent` / `save_persistent`) lets a new process skip re-reading
-unchanged large weights."""
+"""Content digests (BLAKE3) of files and bytes; `StatMemo`, the one rule by which the process keeps what it made from a
+file's bytes (a digest, a parse) by the file's stat; the digest cache, kept in process and on disk (`load_persistent` /
+`save_persistent`: a new process skips re-reading unchanged large weights, its entries checked as the process's own)."""
 
 from __future__ import annotations
 
@@ -15,13 +11,15 @@ import marshal
 import os
 import time
 from collections.abc import Callable, Iterator, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO, Generic, TypeVar
 
 import blake3
 
 from neuronbuild.atomic import atomic_write_bytes, read_own_state
+
+if TYPE_CHECKING:
+    from concurrent.futures import Future, ThreadPoolExecutor
 
 _MMAP_THRESHOLD = 4 << 20
 # Kernel file timestamps come from a coarse clock (one jiffy, <= 10 ms behind); twice that is the racy window.
@@ -29,7 +27,7 @@ RACY_NS = 20_000_000
 _PERSIST_FORMAT = "nb-digests-1"
 
 StatKey = tuple[int, int, int, int]  # size, mtime_ns, inode, ctime_ns
-_stat_cache: dict[str, tuple[StatKey, str]] = {}
+V = TypeVar("V")
 _dirty = False
 # The files digested in this thread while a `recording()` is open (analysis memoisation keys on them).
 _recording: contextvars.ContextVar[list[tuple[str, str]] | None] = contextvars.ContextVar("digests_read", default=None)
@@ -91,6 +89,42 @@ def is_racy(key: StatKey, now_ns: int) -> bool:
     return max(key[1], key[3]) >= now_ns - RACY_NS
 
 
+class StatMemo(Generic[V]):
+    """Values made from files' bytes (a digest, a parse) by path, each returned while the file has the stat key
+    (`stat_key`) it was read with: such a file holds the bytes read then (a write in place moves its mtime and ctime,
+    and ctime no user tool can set: `cp -p`, `touch -d` or `rsync -t` cannot fake an unchanged file; a replacement is
+    a new inode), unless written within RACY_NS of the read ("racily clean", as git calls it: a second write in the
+    same timestamp tick could keep its key), which is not kept. At most `size` paths (None: no bound); full, the paths
+    kept first stay kept (a build reading more files than fit, in the same order each time, still finds those)."""
+
+    def __init__(self, size: int | None = None) -> None:
+        self._entries: dict[str, tuple[StatKey, V]] = {}
+        self.size = size
+
+    def get(self, path: str, key: StatKey) -> V | None:
+        """The value kept for `path` if `key` (the file's stat key now) is the one it was read with."""
+        hit = self._entries.get(path)
+        return hit[1] if hit is not None and hit[0] == key else None
+
+    def put(self, path: str, key: StatKey, value: V, read_ns: int | None) -> bool:
+        """Keep `value`, made from the bytes of `path` read with stat key `key` (its stat or fstat, taken after
+        `read_ns`, time.time_ns(), and before the read); `read_ns` None: the caller vouches for the bytes whatever the
+        window (a content-addressed blob, never written in place; a file whose times it just set itself). Returns
+        whether it is kept."""
+        kept = (read_ns is None or not is_racy(key, read_ns)) and \
+            (self.size is None or len(self._entries) < self.size or path in self._entries)
+        if kept:
+            self._entries[path] = (key, value)
+        return kept
+
+    def forget(self, path: str) -> None:
+        self._entries.pop(path, None)
+
+
+# The digest cache: each file's BLAKE3 digest (ever growing; persisted by save_persistent).
+_stat_cache: StatMemo[str] = StatMemo()
+
+
 def _hash_path(p: str, size: int) -> str:
     if size >= _MMAP_THRESHOLD:
         h = blake3.blake3(max_threads=blake3.blake3.AUTO)
@@ -111,13 +145,10 @@ def digest_file(path: Path | str) -> str:
     now = time.time_ns()
     st = os.stat(p)
     key = stat_key(st)
-    hit = _stat_cache.get(p)
-    if hit is not None and hit[0] == key:
-        d = hit[1]
-    else:
+    d = _stat_cache.get(p, key)
+    if d is None:
         d = _hash_path(p, st.st_size)
-        if not is_racy(key, now) and stat_key(os.stat(p)) == key:
-            _stat_cache[p] = (key, d)
+        if stat_key(os.stat(p)) == key and _stat_cache.put(p, key, d, now):
             _dirty = True
     rec = _recording.get()
     if rec is not None:
@@ -136,7 +167,7 @@ def load_persistent(file: Path) -> None:
     entries = data.get("entries")
     if isinstance(entries, dict):
         for p, (key, d) in entries.items():
-            _stat_cache.setdefault(p, (tuple(key), d))  # type: ignore[arg-type]
+            _stat_cache._entries.setdefault(p, (tuple(key), d))  # type: ignore[arg-type]
 
 
 def save_persistent(file: Path, under: Path) -> None:
@@ -145,14 +176,14 @@ def save_persistent(file: Path, under: Path) -> None:
     if not _dirty:
         return
     prefix = str(under).rstrip("/") + "/"
-    entries = {p: v for p, v in _stat_cache.items() if p.startswith(prefix)}
+    entries = {p: v for p, v in _stat_cache._entries.items() if p.startswith(prefix)}
     blob = marshal.dumps({"format": _PERSIST_FORMAT, "entries": entries})
     atomic_write_bytes(file, blob, file.parent, durable=False)  # a speed-up only: no fsync
     _dirty = False
 
 
 _CHUNK = 4 << 20
-_HASH_POOL = ThreadPoolExecutor(1, thread_name_prefix="neuronbuild-hash")
+_hash_pool: ThreadPoolExecutor | None = None  # (made at the first copy: concurrent.futures imports logging)
 
 
 def copy_hashing(src: BinaryIO, out: BinaryIO) -> tuple[str, int]:
@@ -161,6 +192,11 @@ def copy_hashing(src: BinaryIO, out: BinaryIO) -> tuple[str, int]:
     Each chunk is read once; it is hashed on a helper thread (BLAKE3 releases the GIL) while it is written, so a
     verified copy costs about as much as a plain one when a second core is free. A file smaller than a chunk gets
     buffers of its size (most copies are of small files: zeroing two 4 MiB buffers cost more than copying them)."""
+    global _hash_pool
+    if _hash_pool is None:  # (two threads may each make one: a pool never used starts no thread)
+        from concurrent.futures import ThreadPoolExecutor
+        _hash_pool = ThreadPoolExecutor(1, thread_name_prefix="neuronbuild-hash")
+    pool = _hash_pool
     h = blake3.blake3()
     size = 0
     chunk = _CHUNK
@@ -178,7 +214,7 @@ def copy_hashing(src: BinaryIO, out: BinaryIO) -> tuple[str, int]:
                 pending = None
             if not n:
                 break
-            pending = _HASH_POOL.submit(h.update, view[:n])
+            pending = pool.submit(h.update, view[:n])
             out.write(view[:n])
             size += n
             k ^= 1

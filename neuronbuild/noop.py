@@ -13,8 +13,8 @@ The stamp (one file per workspace + request + cache directory, under <cache>/v1/
   when a pattern is recursive, of every directory of the workspace: a new, removed or renamed package is seen;
 - stat keys of every action record and output blob in the cache, and of every materialised output and manifest.
 Any difference, missing file or unreadable stamp sends the build down the normal path, which rewrites the stamp.
-A stamp is not written when an input changed within RACY_NS of the build's start (its contents might not be what the
-build read), so an edit during a build is never hidden.
+A stamp is not written when an input changed within digests.RACY_NS of the build's start (its contents might not be
+what the build read), so an edit during a build is never hidden.
 
 If you add an input to fingerprints, make sure it is covered here (a file, a tool, an environment variable or a flag).
 """
@@ -36,17 +36,16 @@ from typing import Any
 
 from neuronbuild import envvars
 from neuronbuild.atomic import atomic_write_bytes, read_own_state_stat
+from neuronbuild.digests import StatKey, StatMemo, is_racy, stat_key
 from neuronbuild.self_stamp import checkout_dir, code_stamp
 from neuronbuild.workspace import BUILD_FILE, MARKER
 
 FORMAT = "nb-noop-1"
-RACY_NS = 20_000_000  # as analysis/digests.py: twice the kernel's coarse timestamp clock tick
 ENV_PREFIXES = ("NEURON", "TORCH", "AOTI", "ATEN_", "OMP_", "PYTHON")
 ENV_NAMES = ("PATH", "CXX", "CC", "LD_LIBRARY_PATH", "TMPDIR", "HOME")
 IGNORED_FLAGS = ("jobs", "keep_going", "command", "directory")
 _SKIP_DIRS = ("neuronbuild-out", "__pycache__")
 
-Key = tuple[int, int, int, int]
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
@@ -62,7 +61,8 @@ def request_key(root: Path, cwd_package: str, patterns: Sequence[str], cache_dir
         rest["action_env"] = [f"{n}={_secret(v)}" if eq else n
                               for n, eq, v in (str(x).partition("=") for x in rest["action_env"])]
     # A flag naming a file (e.g. --neuronx-cc PATH) makes that file an input too: its stat key enters the request key.
-    files = {v: list(_key(v)) for v in rest.values() if isinstance(v, str) and os.sep in v and os.path.isfile(v)}
+    files = {v: list(stat_key(os.stat(v))) for v in rest.values()
+             if isinstance(v, str) and os.sep in v and os.path.isfile(v)}
     return json.dumps({"root": str(root), "cwd": cwd_package, "patterns": list(patterns), "cache": str(cache_dir),
                        "flags": rest, "named_env": named, "flag_files": files}, sort_keys=True, default=str)
 
@@ -118,30 +118,21 @@ def toolchain_paths() -> list[str]:
     return list(dict.fromkeys(out))
 
 
-def _key(p: str) -> Key:
-    st = os.stat(p)
-    return (st.st_size, st.st_mtime_ns, st.st_ino, st.st_ctime_ns)
-
-
-# Stamps this process read, by path: (inode, size, mtime_ns, ctime_ns) of the file and what it held. A build server
-# answers no-op after no-op from one stamp: one stat instead of reading and unmarshalling ~8,000 entries each time.
-# Stamps are only replaced by rename (a new inode); one written within RACY_NS of its read is not kept.
-_read: dict[str, tuple[tuple[int, int, int, int], Any]] = {}
+# Stamps this process read: a build server answers no-op after no-op from one stamp, one stat instead of reading and
+# unmarshalling ~8,000 entries each time (while it is still this user's own: as read_own_state_stat reads it).
+_read: StatMemo[Any] = StatMemo(16)
 
 
 def _load(path: Path) -> Any:
     p = str(path)
     st = os.stat(p)
-    known = _read.get(p)
-    if known is not None and known[0] == (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns) and \
-            st.st_uid == os.geteuid() and not st.st_mode & 0o022:
-        return known[1]
+    known = _read.get(p, stat_key(st))
+    if known is not None and st.st_uid == os.geteuid() and not st.st_mode & 0o022:
+        return known
+    now = time.time_ns()
     raw, st = read_own_state_stat(p)
     data = marshal.loads(raw)
-    if max(st.st_mtime_ns, st.st_ctime_ns) < time.time_ns() - RACY_NS:
-        if len(_read) >= 16:
-            _read.clear()
-        _read[p] = ((st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns), data)
+    _read.put(p, stat_key(st), data, now)
     return data
 
 
@@ -206,17 +197,17 @@ def write(cache_dir: Path, key: str, started_ns: int, inputs: Iterable[str], dir
     target = stamp_file(cache_dir, key)
     tools = toolchain_paths()
     paths: list[str] = []
-    keys: list[Key] = []
+    keys: list[StatKey] = []
     try:
         for p in dict.fromkeys([*inputs, *tools]):
-            k = _key(p)
-            if max(k[1], k[3]) >= started_ns - RACY_NS:
+            k = stat_key(os.stat(p))
+            if is_racy(k, started_ns):
                 raise LookupError(p)
             paths.append(p)
             keys.append(k)
         for p in dict.fromkeys(outputs):
             paths.append(p)
-            keys.append(_key(p))
+            keys.append(stat_key(os.stat(p)))
         dir_list = list(dict.fromkeys(dirs))
         sigs = [dir_signature(d) for d in dir_list]
     except (OSError, LookupError):

@@ -14,7 +14,7 @@ from typing import Any
 
 from neuronbuild import jsondata
 from neuronbuild.atomic import atomic_write_bytes
-from neuronbuild.digests import StatKey, fingerprint, is_racy, stat_key
+from neuronbuild.digests import StatMemo, fingerprint, stat_key
 
 RECORD_VERSION = 1
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
@@ -93,14 +93,10 @@ class ActionResult:
             return "none"
 
 
-# Records parsed by this process, by path: the stat key (digests.stat_key) of the file read, and its result. A record
-# is only ever replaced by a rename (a new inode) and touched by utime (new times), so a file with the same stat key
-# holds the bytes parsed then (the digest cache's rule); a record changed within RACY_NS of its read is not kept. A
-# build server looks 2,375 records up per build at 1,000 graphs: one stat each instead of an open, read and parse.
-# This process's own touch (ActionCache.touch) keeps its parsed copy: made through a descriptor of the file whose
-# stat key it holds (the inode parsed, unchanged up to the utime), its new key names the same bytes.
-_parsed: dict[str, tuple[StatKey, ActionResult]] = {}
-_MAX_PARSED = 20_000  # ~6 KiB each (a record holds its action's full input record): at most ~120 MiB
+# Records parsed by this process (a build server looks 2,375 up per build at 1,000 graphs: one stat each instead of an
+# open, read and parse). ActionCache.touch keeps its parsed copy. At most 20,000: ~6 KiB each (a record holds its
+# action's full input record), ~120 MiB.
+_parsed: StatMemo[ActionResult] = StatMemo(20_000)
 
 
 _LIST_ALL_OVER = 8192  # fingerprints asked beyond which every shard is listed at once
@@ -180,10 +176,11 @@ class ActionCache:
             st = os.stat(p)
         except OSError:
             return None
-        known = _parsed.get(p)
-        if known is not None and known[0] == stat_key(st):
+        known = _parsed.get(p, stat_key(st))
+        if known is not None:
             self.mtimes[fp] = st.st_mtime_ns
-            return known[1]
+            return known
+        now = time.time_ns()
         try:
             with open(p, "rb") as f:
                 st = os.fstat(f.fileno())  # the file read (a rename since the stat above is a new inode)
@@ -199,10 +196,7 @@ class ActionCache:
         if res.fingerprint != fp:
             return None
         self.mtimes[fp] = st.st_mtime_ns
-        key = stat_key(st)
-        if not is_racy(key, time.time_ns()) and \
-                (p in _parsed or len(_parsed) < _MAX_PARSED):  # full: the records kept first stay kept
-            _parsed[p] = (key, res)
+        _parsed.put(p, stat_key(st), res, now)
         return res
 
     def touch(self, fp: str) -> None:
@@ -224,9 +218,9 @@ class ActionCache:
         finally:
             os.close(fd)
         self.mtimes[fp] = after.st_mtime_ns
-        known = _parsed.get(p)
-        if known is not None and known[0] == stat_key(before):
-            _parsed[p] = (stat_key(after), known[1])
+        known = _parsed.get(p, stat_key(before))
+        if known is not None:
+            _parsed.put(p, stat_key(after), known, None)
 
     def put(self, result: ActionResult, data: bytes | None = None, durable: bool = True) -> None:
         """Write `result`'s record: its JSON, or `data` (the same record signed: record_auth.sign_record); synced

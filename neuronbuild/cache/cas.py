@@ -20,7 +20,7 @@ from typing import BinaryIO
 import blake3
 
 from neuronbuild.atomic import atomic_write_bytes, atomic_writer, fsync_path, umask_mode
-from neuronbuild.digests import copy_hashing
+from neuronbuild.digests import StatMemo, copy_hashing, stat_key
 
 _CHUNK = 4 << 20
 
@@ -108,27 +108,13 @@ def _signature(st: os.stat_result) -> str:
     return f"{st.st_ino} {st.st_size} {st.st_mtime_ns} {st.st_ctime_ns}"
 
 
-# Blobs this process verified (hashed, or found with a verification stamp matching them), by path: the signature
-# they had then. A blob with the same signature now passes `check` without reading its stamp again: the same test the
-# stamp makes (a build server checks ~7,000 blobs per build at 1,000 graphs: one stat each).
-_verified: dict[str, str] = {}
-_MAX_VERIFIED = 200_000  # ~250 bytes each: at most ~50 MiB
+# Blobs this process verified (by stat key: its signature's fields; kept racy or not, a blob is never written in
+# place): True where it hashed them itself (stored, or verified reading them), False where their stamp matched. `check`
+# passes them without reading the stamp (a build server checks ~7,000 blobs per build at 1,000 graphs: one stat each);
+# copy_read_only copies one it hashed through the kernel, not hashing it again (a trace's program, placed in each of
+# its lowerings' sandboxes moments after the trace stored it). At most 200,000: ~250 bytes each, ~50 MiB.
+_verified: StatMemo[bool] = StatMemo(200_000)
 _TOUCH_NS = 60 * 1_000_000_000  # a blob marked used this recently is not marked again (as local.TOUCH_NS for records)
-
-
-# Blobs this process itself hashed (stored, or verified on reading them), by path: the signature they had then. A blob
-# with that signature still holds the bytes hashed: copy_read_only copies it through the kernel without hashing them
-# again (a trace's program, placed in each of its lowerings' sandboxes moments after the trace stored it).
-_hashed: dict[str, str] = {}
-
-
-def _remember(path: str, sig: str, hashed: bool = False) -> None:
-    if path in _verified or len(_verified) < _MAX_VERIFIED:  # full: the blobs kept first stay kept
-        _verified[path] = sig
-        if hashed:
-            _hashed[path] = sig
-        else:
-            _hashed.pop(path, None)
 
 
 def hash_file(path: Path) -> tuple[str, int]:
@@ -384,13 +370,13 @@ class BlobStore:
             return "missing"
         if size is not None and st.st_size != size:
             return "corrupt"
-        sig = _signature(st)
-        if _verified.get(p) == sig:
+        key = stat_key(st)
+        if _verified.get(p, key) is not None:
             return "ok"
         try:
             with open(f"{self._stamps}/{digest[:2]}/{digest}", encoding="utf-8") as f:
-                if f.read() == sig:
-                    _remember(p, sig)
+                if f.read() == _signature(st):
+                    _verified.put(p, key, False, None)
                     return "ok"
         except (OSError, ValueError):
             pass
@@ -403,9 +389,9 @@ class BlobStore:
         """Record that the blob, as it is now, was just verified (the caller hashed it; not `hashed`: it passed
         `check` and only its times were changed since)."""
         with contextlib.suppress(OSError):
-            sig = _signature(self.path(digest).stat())
-            _remember(str(self.path(digest)), sig, hashed)
-            atomic_write_bytes(self.stamp_path(digest), sig.encode(), durable=False, mode=umask_mode())
+            st = self.path(digest).stat()
+            _verified.put(str(self.path(digest)), stat_key(st), hashed, None)
+            atomic_write_bytes(self.stamp_path(digest), _signature(st).encode(), durable=False, mode=umask_mode())
 
     def copy_out(self, digest: str, dest: Path, verified_size: int | None = None) -> int:
         """Copy a blob to `dest` atomically, verifying its digest on the way; a corrupt blob is evicted.
@@ -438,8 +424,7 @@ class BlobStore:
             return False
 
     def evict(self, digest: str) -> None:
-        _verified.pop(str(self.path(digest)), None)
-        _hashed.pop(str(self.path(digest)), None)
+        _verified.forget(str(self.path(digest)))
         for p in (self.path(digest), self.stamp_path(digest), self.sha256_path(digest)):
             remove_entry(p)
 
@@ -481,9 +466,8 @@ class BlobStore:
         dest.parent.mkdir(parents=True, exist_ok=True)
         p = self.path_str(digest)
         with open(p, "rb") as src, open(dest, "wb") as out:
-            sig = _hashed.get(p)
-            if sig is not None and _signature(os.fstat(src.fileno())) == sig and _kernel_copy(src, out) and \
-                    _signature(os.fstat(src.fileno())) == sig:
+            key = stat_key(os.fstat(src.fileno()))
+            if _verified.get(p, key) and _kernel_copy(src, out) and stat_key(os.fstat(src.fileno())) == key:
                 got = digest
             else:
                 src.seek(0)

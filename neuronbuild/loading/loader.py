@@ -13,7 +13,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from neuronbuild.digests import RACY_NS
+from neuronbuild.digests import RACY_NS, StatMemo, stat_key
 from neuronbuild.errors import Location, UserInputError
 from neuronbuild.loading.labels import BUILTIN_REPO, Label, LabelError, canonical_label, check_target_name, parse_label
 from neuronbuild.loading.schema import RULES, validate_call
@@ -188,17 +188,18 @@ def _parse_source(display: str, path: Path, package: str) -> _SourceFile:
                        frozenset(stored))
 
 
-_bzl_parses: dict[tuple[str, str, str, int, int, int, int], _SourceFile] = {}
+_bzl_parses: StatMemo[_SourceFile] = StatMemo(20_000)
 
 
 def _parse_bzl(display: str, path: Path, package: str) -> _SourceFile:
-    """_parse_source for .bzl files, memoised per (file, stat key): a macro file loaded by many BUILD files is parsed
+    """_parse_source for .bzl files, kept by the file's stat key: a macro file loaded by many BUILD files is parsed
     once per process (the parse is a frozen value; each BUILD file still executes it in its own interpreter)."""
-    st = path.stat()
-    key = (display, str(path), package, st.st_size, st.st_mtime_ns, st.st_ino, st.st_ctime_ns)
-    hit = _bzl_parses.get(key)
-    if hit is None:
-        hit = _bzl_parses[key] = _parse_source(display, path, package)
+    now = time.time_ns()
+    key = stat_key(path.stat())
+    hit = _bzl_parses.get(str(path), key)
+    if hit is None or hit.display != display or hit.package != package:
+        hit = _parse_source(display, path, package)
+        _bzl_parses.put(str(path), key, hit, now)
     return hit
 
 

@@ -16,7 +16,7 @@ from neuronbuild.loading.load_cache import LoadCache
 from neuronbuild.loading.loader import Loader
 from neuronbuild.loading.schema import RULES
 from neuronbuild.loading.starlark_adapter import run_on_starlark_thread
-from neuronbuild.loading.targets import Package, Target
+from neuronbuild.loading.targets import Package, PackageSummary, Target
 from neuronbuild.plugin_api import registry as plugins
 
 
@@ -111,40 +111,7 @@ def _selection_warnings(pat: TargetPattern, matched: list[Target], selected: lis
             if _buildable(t) and "buckets" in t.attrs and not t.attrs["buckets"]]
 
 
-@dataclass(frozen=True)
-class _Summary:
-    """What loading asks of a package as a whole, made once per Package object (the build server's load cache hands
-    out an unchanged package as the same object): its targets by label, the ones a whole-package pattern selects (not
-    tagged manual), and what _selection_warnings asks of them."""
-
-    by_label: dict[Label, Target]
-    selected_labels: tuple[Label, ...]
-    manual_buildable: Target | None  # the first buildable target tagged manual
-    any_buildable_selected: bool
-    selected_kinds: frozenset[str]
-    no_buckets: tuple[Target, ...]  # selected buildable targets with buckets = []
-
-
-_summaries: dict[int, tuple[Package, _Summary]] = {}
-_MAX_SUMMARIES = 200_000
-
-
-def _summary(pkg: Package) -> _Summary:
-    known = _summaries.get(id(pkg))
-    if known is not None and known[0] is pkg:
-        return known[1]
-    selected = [t for t in pkg.targets if "manual" not in t.tags]
-    out = _Summary({t.label: t for t in pkg.targets}, tuple(t.label for t in selected),
-                   next((t for t in pkg.targets if _buildable(t) and "manual" in t.tags), None),
-                   any(_buildable(t) for t in selected), frozenset(t.kind for t in selected),
-                   tuple(t for t in selected if _buildable(t) and "buckets" in t.attrs and not t.attrs["buckets"]))
-    if len(_summaries) >= _MAX_SUMMARIES:
-        _summaries.clear()
-    _summaries[id(pkg)] = (pkg, out)  # (held with its package, so the id is not reused meanwhile)
-    return out
-
-
-def _whole_package_warnings(pat: TargetPattern, whole: list[_Summary]) -> list[str]:
+def _whole_package_warnings(pat: TargetPattern, whole: list[PackageSummary]) -> list[str]:
     """_selection_warnings for a pattern selecting whole packages, from their summaries (the same warnings)."""
     if not any(sm.by_label for sm in whole):
         raise UserInputError(f"pattern '{pat}' matches no targets (its BUILD files declare none)")
@@ -188,7 +155,7 @@ def _load(root: Path, patterns: list[TargetPattern], load_cache: LoadCache | Non
             names = [pat.package]
         matched: list[Target] = []
         selected: list[Target] = []
-        whole: list[_Summary] = []  # (pat.name is None: each package's summary, in order)
+        whole: list[PackageSummary] = []  # (pat.name is None: each package's summary, in order)
         for name in names:
             pkg = get_package(name)
             if pkg is None:
@@ -196,7 +163,7 @@ def _load(root: Path, patterns: list[TargetPattern], load_cache: LoadCache | Non
                                      + (_target_hint(name, cwd_package, get_package) or _did_you_mean(
                                          f"//{name}", [f"//{n}" for n in loader.find_packages("")])))
             if pat.name is None:
-                whole.append(_summary(pkg))
+                whole.append(pkg.summary)
             else:
                 found = [t for t in pkg.targets if t.label.name == pat.name]
                 if not found:
@@ -219,7 +186,7 @@ def _load(root: Path, patterns: list[TargetPattern], load_cache: LoadCache | Non
 
     targets: dict[Label, Target] = {}
     for pkg in packages.values():
-        targets.update(_summary(pkg).by_label)  # (a dict's update reuses its stored hashes)
+        targets.update(pkg.summary.by_label)  # (a dict's update reuses its stored hashes)
     graph = TargetGraph(root, targets, packages, tuple(requested))
     # Transitive closure with reference and kind checks (skipped for the targets of a package the last accepted load
     # checked, when its node and those of every package it refers to are current and not replaced since:

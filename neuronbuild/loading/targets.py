@@ -39,6 +39,19 @@ class Target:
 
 
 @dataclass(frozen=True)
+class PackageSummary:
+    """What loading asks of a package as a whole (Package.summary): its targets by label, the ones a whole-package
+    pattern selects (not tagged manual), and what target_graph's selection warnings ask of them."""
+
+    by_label: dict[Label, Target]
+    selected_labels: tuple[Label, ...]
+    manual_buildable: Target | None  # the first buildable target tagged manual
+    any_buildable_selected: bool
+    selected_kinds: frozenset[str]
+    no_buckets: tuple[Target, ...]  # selected buildable targets with buckets = []
+
+
+@dataclass(frozen=True)
 class Package:
     """A loaded BUILD file: its targets and every file that went into evaluating it."""
 
@@ -46,3 +59,16 @@ class Package:
     build_file: str
     targets: tuple[Target, ...]
     files: tuple[str, ...]  # workspace-relative (or @neuronbuild//...) paths of the BUILD file and loaded .bzl files
+
+    @cached_property
+    def summary(self) -> PackageSummary:
+        """Made once per object (the build server's load cache hands out an unchanged package as the same object)."""
+        from neuronbuild.plugin_api import registry as plugins
+
+        buildable = {k: bool(plugins.rule(k).plans_actions) for k in {t.kind for t in self.targets}}
+        selected = [t for t in self.targets if "manual" not in t.tags]
+        return PackageSummary(
+            {t.label: t for t in self.targets}, tuple(t.label for t in selected),
+            next((t for t in self.targets if buildable[t.kind] and "manual" in t.tags), None),
+            any(buildable[t.kind] for t in selected), frozenset(t.kind for t in selected),
+            tuple(t for t in selected if buildable[t.kind] and "buckets" in t.attrs and not t.attrs["buckets"]))
