@@ -18,7 +18,7 @@ from typing import Any
 import networkx as nx
 
 from neuronbuild.errors import UserInputError
-from neuronbuild.loading.labels import Label, LabelError, TargetPattern, parse_pattern
+from neuronbuild.loading.labels import Label, LabelError, TargetPattern, json_value, parse_pattern
 from neuronbuild.loading.schema import RULES, label_values
 from neuronbuild.loading.target_graph import TargetGraph, load_targets
 
@@ -382,18 +382,8 @@ def run_query(root: Path, expr: str, cwd_package: str = "") -> tuple[QueryGraph,
 # ------------------------------------------------------------------------------------------------------- output
 
 
-def _jsonable(v: Any) -> Any:
-    if isinstance(v, Label):
-        return str(v)
-    if isinstance(v, (list, tuple)):
-        return [_jsonable(x) for x in v]
-    if isinstance(v, dict):
-        return {str(k): _jsonable(x) for k, x in v.items()}
-    return v
-
-
 def to_json(qg: QueryGraph, result: list[str]) -> list[dict[str, Any]]:
-    return [{"label": n, "kind": qg.kinds.get(n, SOURCE_FILE), "attrs": _jsonable(dict(qg.attrs.get(n, {}))),
+    return [{"label": n, "kind": qg.kinds.get(n, SOURCE_FILE), "attrs": json_value(dict(qg.attrs.get(n, {}))),
              "deps": sorted(qg.graph.successors(n)) if n in qg.graph else []} for n in result]
 
 

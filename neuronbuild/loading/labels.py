@@ -6,6 +6,7 @@ import re
 import zlib
 from dataclasses import dataclass
 from functools import cached_property
+from typing import Any
 
 _PKG_RE = re.compile(r"^[A-Za-z0-9_\-.]+(/[A-Za-z0-9_\-.]+)*$")
 _NAME_RE = re.compile(r"^[A-Za-z0-9_\-.+=,@~]+(/[A-Za-z0-9_\-.+=,@~]+)*$")
@@ -46,6 +47,18 @@ class Label:
     def path(self) -> str:
         """Workspace-relative path of a file label (e.g. a .bzl file)."""
         return f"{self.package}/{self.name}" if self.package else self.name
+
+
+def json_value(v: Any) -> Any:
+    """An attribute value as JSON: labels as canonical strings, tuples as lists (a BUILD file's dicts keep their
+    order)."""
+    if isinstance(v, Label):
+        return str(v)
+    if isinstance(v, (tuple, list)):
+        return [json_value(x) for x in v]
+    if isinstance(v, dict):
+        return {str(k): json_value(x) for k, x in v.items()}
+    return v
 
 
 # Package and target names found valid (a pure check; the same names recur in 100,000s of labels at scale)

@@ -27,7 +27,7 @@ from neuronbuild.atomic import atomic_write_bytes
 from neuronbuild.digests import digest_file, is_racy, stat_key
 from neuronbuild.engine import Engine, Node
 from neuronbuild.errors import Location, UserInputError
-from neuronbuild.loading.labels import Label, LabelError, parse_label
+from neuronbuild.loading.labels import Label, LabelError, json_value, parse_label
 from neuronbuild.loading.loader import Loader, validate_rule
 from neuronbuild.loading.schema import RULES
 from neuronbuild.loading.targets import Package, Target
@@ -66,16 +66,13 @@ def cache_file(cache_base: Path, root: Path) -> Path:
 
 
 class _Key(tuple):  # type: ignore[type-arg]
-    """A loading engine key: (its class, a string). A tuple, so it is made, hashed and compared in C (two per
-    package per load: 10,000s at scale); keys of two classes never compare equal."""
+    """A loading engine key: (its class, a name or path: key[1]). A tuple, so it is made, hashed and compared in C
+    (two per package per load: 10,000s at scale); keys of two classes never compare equal."""
 
     __slots__ = ()
 
     def __new__(cls, text: str) -> Any:
         return tuple.__new__(cls, (cls, text))
-
-    def __getnewargs__(self) -> tuple[str]:  # type: ignore[override]
-        return (self[1],)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self[1]!r})"
@@ -84,32 +81,20 @@ class _Key(tuple):  # type: ignore[type-arg]
 class PackageKey(_Key):
     """A package's load in the loading engine: (entry, Package), current while `LoadCache.current(entry)`."""
 
-    __slots__ = ()
-
-    @property
-    def name(self) -> str:
-        return str(self[1])
-
 
 class ListingKey(_Key):
     """A directory's listing (Loader.listing) in the loading engine: current while it was `reusable` and the
     directory's mtime is the one listed (creating, removing or renaming an entry changes it)."""
 
-    __slots__ = ()
-
-    @property
-    def path(self) -> str:
-        return str(self[1])
-
     def unchanged(self, node: Node) -> bool:
         v = node.value
         try:
-            return v is not None and v[4] and os.stat(self.path).st_mtime_ns == v[0]
+            return v is not None and v[4] and os.stat(self[1]).st_mtime_ns == v[0]
         except OSError:
             return False
 
     def compute(self, _ctx: Engine) -> Any:
-        return Loader.listing(self.path)
+        return Loader.listing(self[1])
 
 
 class LoadCache:
@@ -161,7 +146,7 @@ class LoadCache:
         return node.value[1]  # type: ignore[no-any-return]
 
     def compute(self, key: PackageKey, _ctx: Engine) -> tuple[_Entry | None, Package]:
-        return self.load(key.name)
+        return self.load(key[1])
 
     @staticmethod
     def equal(old: tuple[_Entry | None, Package], new: tuple[_Entry | None, Package]) -> bool:
@@ -246,20 +231,9 @@ def _file_attrs(kind: str) -> tuple[str, ...]:
     return names
 
 
-def _attr_json(v: Any) -> Any:
-    """A validated attribute value as JSON: labels as canonical strings, tuples as lists."""
-    if isinstance(v, Label):
-        return str(v)
-    if isinstance(v, (tuple, list)):
-        return [_attr_json(x) for x in v]
-    if isinstance(v, dict):
-        return {k: _attr_json(x) for k, x in v.items()}
-    return v
-
-
 def _encode(e: _Entry) -> dict[str, Any]:
     return {"digests": [list(d) for d in e.digests], "build_file": e.build_file, "files": list(e.files),
-            "targets": [[str(label), kind, {k: _attr_json(v) for k, v in attrs.items()}, bf, index]
+            "targets": [[str(label), kind, json_value(attrs), bf, index]
                         for label, kind, attrs, bf, index in e.targets]}
 
 
