@@ -215,7 +215,7 @@ def _server_info(ws: Path, env: dict[str, str], binary: Path = BIN) -> dict:  # 
 
 
 def section_server(ws: Path | None, cache: Path | None, buckets: int, runs: int, graphs: int, plan_buckets: int,
-                   plan_compiles: int, workdir: Path, baselines: list[Path] | None = None) -> None:
+                   plan_compiles: int, workdir: Path, baselines: list[Path] | None = None, warm_runs: int = 5) -> None:
     root = workdir / "server-root"
     env = _server_env(root)
     if ws is not None and cache is not None:
@@ -259,7 +259,7 @@ def section_server(ws: Path | None, cache: Path | None, buckets: int, runs: int,
     if graphs <= 0:  # --server-graphs 0: the no-op and edit measures only
         return
     section_replan(graphs, plan_buckets, plan_compiles, workdir, [("this checkout", Path(sys.executable))] +
-                   [(f"baseline {b.parent}", b) for b in baselines or ()])
+                   [(f"baseline {b.parent}", b) for b in baselines or ()], warm_runs)
 
 
 def section_edit_ab(ws: Path, cache: Path, buckets: int, workdir: Path, baselines: list[Path], pause: float,
@@ -514,6 +514,7 @@ def main() -> None:
                     help="the Python of another checkout's venv (e.g. /work/main/.venv/bin/python; its directory's "
                          "`neuronbuild` is run; repeatable): the server re-analysis runs with it too, interleaved "
                          "edit by edit, each with its own server and cache")
+    ap.add_argument("--warm-runs", type=int, default=5, help="server: warm re-analyses per checkout (interleaved)")
     ap.add_argument("--edits", type=int, default=4, help="edit-ab: edits per checkout")
     ap.add_argument("--pause", type=float, default=0.0,
                     help="edit-ab: seconds to wait before each round of edits (> 60: each edit is the first "
@@ -534,7 +535,7 @@ def main() -> None:
         section_plan(a.plan_graphs, a.plan_buckets, a.plan_compiles, a.workdir)
     if "server" in sections:
         section_server(a.ws.resolve() if a.ws else None, a.cache.resolve() if a.cache else None, a.buckets, a.runs,
-                       a.server_graphs, a.plan_buckets, a.plan_compiles, a.workdir, a.baseline)
+                       a.server_graphs, a.plan_buckets, a.plan_compiles, a.workdir, a.baseline, a.warm_runs)
     if "edit-ab" in sections:
         section_edit_ab(a.ws.resolve(), a.cache.resolve(), a.buckets, a.workdir, a.baseline or [], a.pause, a.edits)
     if "hash" in sections:
