@@ -202,7 +202,7 @@ def _load(root: Path, patterns: list[TargetPattern], load_cache: LoadCache | Non
             continue
         seen.add(lbl)
         t = targets[lbl]
-        deps_of[lbl] = label_deps = graph.label_deps(t)
+        deps_of[lbl] = label_deps = t.label_deps  # (made once per Target object)
         if prev is not None:
             ok = stable.get(lbl.package)
             if ok is None:
