@@ -232,7 +232,7 @@ def load_query_graph(root: Path, patterns: Iterable[str], cwd_package: str = "")
         load.append(str(tp) if tp.recursive or tp.name is None else f"//{tp.package}:all")
     tg = load_targets(root, list(dict.fromkeys(load)), cwd_package, warn=None)
     for _round in range(100):
-        missing = [d for t in tg.targets.values() for _a, d in tg.label_deps(t) if d not in tg.targets]
+        missing = [d for t in tg.targets.values() for _a, d in t.label_deps if d not in tg.targets]
         if not missing:
             break
         tg = load_targets(root, [*dict.fromkeys(load), *(str(lbl) for lbl in tg.targets)], cwd_package,

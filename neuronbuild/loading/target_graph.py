@@ -65,15 +65,6 @@ class TargetGraph:
     packages: Mapping[str, Package] = field(hash=False)
     requested: tuple[Label, ...] = ()
 
-    def label_deps(self, target: Target) -> list[tuple[str, Label]]:
-        """(attribute, label) for every rule-target reference of `target` (source files excluded)."""
-        return _label_deps(target)
-
-
-def _label_deps(target: Target) -> list[tuple[str, Label]]:
-    """TargetGraph.label_deps (Target.label_deps, made once per Target object)."""
-    return target.label_deps
-
 
 def load_targets(root: Path, patterns: Sequence[str], cwd_package: str = "",
                  load_cache: LoadCache | None = None, warn: Callable[[str], None] | None = _stderr) -> TargetGraph:
@@ -284,7 +275,7 @@ class CheckedGraph:
             if stable.get(name) and name in old:
                 complete[name] = old[name]
             elif all(t.label in seen for t in pkg.targets):
-                complete[name] = frozenset(dep.package for t in pkg.targets for _a, dep in _label_deps(t))
+                complete[name] = frozenset(dep.package for t in pkg.targets for _a, dep in t.label_deps)
         return CheckedGraph(self.packages, seen, self.height, complete)
 
 
@@ -331,7 +322,7 @@ def _check_cycles(graph: TargetGraph, labels: set[Label], loader: Loader,
 
     def deps(lbl: Label) -> list[tuple[str, Label]]:
         d = known.get(lbl)
-        return d if d is not None else graph.label_deps(graph.targets[lbl])
+        return d if d is not None else graph.targets[lbl].label_deps
 
     state: dict[Label, int] = {}
     height: dict[Label, int] = {}  # longest chain starting at a checked target (counted in targets)
