@@ -45,11 +45,6 @@ def collective(target: object) -> str | None:
     return {OP_NAME: "all_reduce", GATHER_OP_NAME: "all_gather"}.get(name)
 
 
-def is_all_reduce(target: object) -> bool:
-    """Whether an FX node target is the all-reduce op (its overload or packet)."""
-    return collective(target) == "all_reduce"
-
-
 def is_rank_buffer(name: str) -> bool:
     """Whether a program's state name is its rank id (RANK_BUFFER), whose value differs per rank."""
     return name.rpartition(".")[2] == RANK_BUFFER
