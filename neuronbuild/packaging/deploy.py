@@ -13,7 +13,7 @@ import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import IO, Any
+from typing import IO
 
 from neuronbuild.atomic import atomic_write_bytes, fsync_path, try_lock, unlock
 from neuronbuild.packaging.envfile import EnvFileError, render_env
@@ -381,7 +381,8 @@ def deploy(archive: Path, dest: Path, expect_sha256: str | None = None,
             1 + max((n for n in seq.values() if isinstance(n, int)), default=0)
         entries = [{"id": rid, "label": manifest.label, "installed": order}] + [r for r in index if r.get("id") != rid]
         try:
-            _write_index(dest, entries)
+            text = json.dumps({"format": DEPLOY_FORMAT, "releases": entries}, indent=1, sort_keys=True) + "\n"
+            atomic_write_bytes(dest / INDEX, text.encode(), dest, mode=0o644)
         except BaseException:
             if not already and not repaired:
                 shutil.rmtree(target, ignore_errors=True)
@@ -400,8 +401,3 @@ def deploy(archive: Path, dest: Path, expect_sha256: str | None = None,
             with contextlib.suppress(OSError):
                 if not any(dest.iterdir()):
                     dest.rmdir()
-
-
-def _write_index(dest: Path, entries: list[dict[str, Any]]) -> None:
-    data = (json.dumps({"format": DEPLOY_FORMAT, "releases": entries}, indent=1, sort_keys=True) + "\n").encode()
-    atomic_write_bytes(dest / INDEX, data, dest, mode=0o644)
