@@ -281,17 +281,13 @@ def _reclaim_staging(dest: Path) -> None:
                 shutil.rmtree(e.path, ignore_errors=True)
 
 
-def _check_space(dest: Path, manifest: Manifest, manifest_bytes_len: int) -> None:
-    need = sum(f.size for f in manifest.files.values()) + manifest_bytes_len
-    free = shutil.disk_usage(dest).free
-    if need > free:
-        raise BundleError(f"not enough free space in {dest}: the bundle needs {need} bytes, {free} are free")
-
-
 def _accept(manifest: Manifest, dest: Path, check: Callable[[Manifest], None] | None) -> None:
     if check is not None:
         check(manifest)
-    _check_space(dest, manifest, 0)
+    need = sum(f.size for f in manifest.files.values())
+    free = shutil.disk_usage(dest).free
+    if need > free:
+        raise BundleError(f"not enough free space in {dest}: the bundle needs {need} bytes, {free} are free")
 
 
 def deploy(archive: Path, dest: Path, expect_sha256: str | None = None,
