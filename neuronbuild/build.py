@@ -146,16 +146,16 @@ def built_roots(ag: ActionGraph) -> dict[str, set[str]]:
     return out
 
 
-def run_build(ctx: BuildContext, req: BuildRequest, listeners: Sequence[Listener] | None = None,
-              noop_key: str | None = None, invocation: Invocation | None = None) -> BuildResult:
+def run_build(ctx: BuildContext, req: BuildRequest, noop_key: str | None = None,
+              invocation: Invocation | None = None) -> BuildResult:
     """Raises KeyboardInterrupt after ending running actions cleanly if interrupted (nothing half-written is cached).
 
     With `noop_key` (see neuronbuild.noop), a successful build leaves a stamp that lets the next no-op skip it all.
     With `invocation` (neuronbuild.report), the build is recorded in the output base, also when it fails or stops."""
     if invocation is None:
-        return _run_build(ctx, req, listeners, noop_key, None)
+        return _run_build(ctx, req, noop_key, None)
     try:
-        result = _run_build(ctx, req, listeners, noop_key, invocation)
+        result = _run_build(ctx, req, noop_key, invocation)
     except BaseException as e:
         if invocation.ag is not None:  # (bad input before planning is not an invocation worth a page)
             invocation.page = invocation.store.page(invocation.id)
@@ -170,8 +170,8 @@ def run_build(ctx: BuildContext, req: BuildRequest, listeners: Sequence[Listener
     return result
 
 
-def _run_build(ctx: BuildContext, req: BuildRequest, listeners: Sequence[Listener] | None,
-               noop_key: str | None, invocation: Invocation | None) -> BuildResult:
+def _run_build(ctx: BuildContext, req: BuildRequest, noop_key: str | None,
+               invocation: Invocation | None) -> BuildResult:
     started = time.time_ns()
     root = ctx.workspace.root
     graph = ctx.load(req.patterns)
@@ -184,7 +184,7 @@ def _run_build(ctx: BuildContext, req: BuildRequest, listeners: Sequence[Listene
     for note in ignored_option_warnings(graph, ag):
         ctx.report(note)
     cache = ctx.open_cache()
-    bus = EventBus(default_listeners(ctx, req) if listeners is None else listeners)
+    bus = EventBus(default_listeners(ctx, req))
     if invocation is not None:
         invocation.ag, invocation.cache = ag, cache
         bus.listeners.append(invocation.recorder)

@@ -260,7 +260,9 @@ def _run(argv: list[str], cmd: Command) -> int:
             cmd = cmd.in_directory(args.directory)
         _absolute_paths(args, cmd)
         with cmd.active():
-            return _run_command(owners[args.command], args)
+            import importlib
+
+            return int(importlib.import_module(f"neuronbuild.commands.{owners[args.command]}").run(args))
     except NeuronBuildError as e:
         print(str(e), file=streams.err())
         return e.exit_code
@@ -292,12 +294,6 @@ def _absolute_paths(args: argparse.Namespace, cmd: Command) -> None:
             v = getattr(args, f.dest, None)
             if f.metavar == "PATH" and isinstance(v, str) and (os.sep in v or v.startswith("~")):
                 setattr(args, f.dest, str(cmd.path(v)))
-
-
-def _run_command(module: str, args: argparse.Namespace) -> int:
-    import importlib
-
-    return int(importlib.import_module(f"neuronbuild.commands.{module}").run(args))
 
 
 def entry() -> None:

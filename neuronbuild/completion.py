@@ -237,12 +237,14 @@ def _fish_q(text: str) -> str:
 
 def fish_script(parser: argparse.ArgumentParser) -> str:
     """`complete` lines per command, guarded by the command words typed so far (`__nb_key_is cache:gc`)."""
+    from neuronbuild.rcfile import target_parser
+
     specs = command_specs(parser)
     lines: list[str] = []
     for s in specs:
         key = _key(s.name)
         cond = f"-n {_fish_q(f'__nb_key_is {key}')}"
-        subs, helps = _subparsers(_parser_of(parser, s.name))
+        subs, helps = _subparsers(target_parser(parser, s.name.split()))
         for sub in s.subcommands:
             if sub in helps:
                 lines.append(f"complete -c neuronbuild {cond} -a {_fish_q(sub)} -d {_fish_q(helps[sub])}")
@@ -294,12 +296,6 @@ end
 complete -c neuronbuild -f
 {body}
 """
-
-
-def _parser_of(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
-    for word in name.split():
-        parser = _subparsers(parser)[0][word]
-    return parser
 
 
 def label_candidates(prefix: str, start: Path | None = None) -> list[str]:

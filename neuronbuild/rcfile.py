@@ -180,7 +180,7 @@ class Command:
     norc: bool
 
 
-def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+def subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
     for a in parser._actions:
         if isinstance(a, argparse._SubParsersAction):
             return dict(a.choices)
@@ -190,7 +190,7 @@ def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentP
 def split_command(argv: Sequence[str], parser: argparse.ArgumentParser) -> Command | None:
     """Find the command in argv (after global options: -C DIR, --norc, --version, -h); None if there is none."""
     argv = list(argv)
-    commands = _subparsers(parser)
+    commands = subparsers(parser)
     i = 0
     directory: str | None = None
     norc = False
@@ -219,7 +219,7 @@ def split_command(argv: Sequence[str], parser: argparse.ArgumentParser) -> Comma
     if i >= len(argv) or argv[i] not in commands:
         return None
     cmd = argv[i]
-    nested = _subparsers(commands[cmd])
+    nested = subparsers(commands[cmd])
     if not nested:
         return Command(tuple(argv[:i]), (cmd,), tuple(argv[i + 1:]), directory, norc)
     j = i + 1
@@ -230,16 +230,16 @@ def split_command(argv: Sequence[str], parser: argparse.ArgumentParser) -> Comma
     return Command(tuple(argv[:i]), (cmd, argv[j]), tuple(argv[i + 1:j] + argv[j + 1:]), directory, norc)
 
 
-def _target_parser(parser: argparse.ArgumentParser, words: Sequence[str]) -> argparse.ArgumentParser:
+def target_parser(parser: argparse.ArgumentParser, words: Sequence[str]) -> argparse.ArgumentParser:
     for w in words:
-        parser = _subparsers(parser)[w]
+        parser = subparsers(parser)[w]
     return parser
 
 
 def _all_options(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
     """Every option of every (sub-)command, to know which take a value."""
     out: dict[str, argparse.Action] = {}
-    for sub in _subparsers(parser).values():
+    for sub in subparsers(parser).values():
         out = {**_options(sub), **_all_options(sub), **out}
     return out
 
@@ -254,10 +254,10 @@ def expand(argv: Sequence[str], parser: argparse.ArgumentParser, cwd: Path | Non
     files = rc_files(start)
     if not files:
         return list(argv)
-    commands = _subparsers(parser)
+    commands = subparsers(parser)
     sections = [COMMON, *commands]
     lines = [ln for f in files for ln in read_rc(f, sections)]
-    target = _target_parser(parser, cmd.words)
+    target = target_parser(parser, cmd.words)
     known = _options(target)
     everywhere = _all_options(parser)
     chain = [COMMON, *(["build"] if cmd.words[0] in INHERITS_BUILD else []), cmd.words[0]]

@@ -219,15 +219,12 @@ def explain(ag: ActionGraph, todo: Sequence[Action], history: History) -> list[E
 KIND_ORDER = {WEIGHTS: -1, TRACE: 0, "lower": 1, COMPILE: 2}
 
 
-def _kind_rank(a: Action) -> tuple[int, str]:
-    return KIND_ORDER.get(a.kind, 1), a.fingerprint
-
-
 def target_actions(ag: ActionGraph, ct: CompileTarget) -> list[str]:
     """A compile target's actions as people read them: by graph family, then bucket, then trace -> lower -> compile."""
     out: dict[str, None] = {}
     for _bucket, fp in sorted(ct.buckets, key=lambda b: (b[0].graph, b[0].dims)):
-        for a in sorted((ag.actions[x] for x in ag.closure(fp)), key=_kind_rank):
+        for a in sorted((ag.actions[x] for x in ag.closure(fp)),
+                        key=lambda b: (KIND_ORDER.get(b.kind, 1), b.fingerprint)):
             out.setdefault(a.fingerprint, None)
     return list(out)
 

@@ -25,10 +25,9 @@ def redact_action_env(items: list[str]) -> list[str]:
     return out
 
 
-def parse_action_env(items: list[str] | None, environ: Mapping[str, str] | None = None) -> tuple[
-        tuple[str, str | None], ...]:
+def parse_action_env(items: list[str] | None) -> tuple[tuple[str, str | None], ...]:
     """`--action-env NAME` (value from the caller's environment) or `--action-env NAME=VALUE`; sorted by name."""
-    environ = envvars.environ() if environ is None else environ  # (the command's)
+    environ = envvars.environ()  # (the command's)
     out: dict[str, str | None] = {}
     for item in items or ():
         name, eq, value = item.partition("=")

@@ -29,10 +29,6 @@ _CHUNK = 4 << 20
 COPY_TEMP_PREFIX = ".nb-"
 
 
-def _hasher() -> blake3.blake3:
-    return blake3.blake3()
-
-
 @contextlib.contextmanager
 def _removed_on_failure(tmp: str) -> Iterator[None]:
     """A staged or temporary file the block fills: removed if the block fails, so no half-written name is left."""
@@ -118,7 +114,7 @@ _TOUCH_NS = 60 * 1_000_000_000  # a blob marked used this recently is not marked
 
 
 def hash_file(path: Path) -> tuple[str, int]:
-    h = _hasher()
+    h = blake3.blake3()
     size = 0
     with open(path, "rb") as f:
         buf = bytearray(_CHUNK)

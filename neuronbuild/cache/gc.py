@@ -27,8 +27,6 @@ if TYPE_CHECKING:
 def grace_s() -> float:
     return envvars.current().seconds("NEURONBUILD_CACHE_GC_GRACE_S")
 SANDBOX_MAX_AGE_S = 24 * 3600.0
-def auto_interval_s() -> float:
-    return envvars.current().seconds("NEURONBUILD_CACHE_GC_INTERVAL_S")
 CONFIG = "config.json"
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 _AGES = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
@@ -237,7 +235,7 @@ def auto_gc(cache: LocalCache, keep: set[str]) -> GcResult | None:
         return None
     marker = cache.root / "gc.last"
     with contextlib.suppress(OSError):
-        if time.time() - marker.stat().st_mtime < auto_interval_s():
+        if time.time() - marker.stat().st_mtime < envvars.current().seconds("NEURONBUILD_CACHE_GC_INTERVAL_S"):
             return None
     try:
         marker.parent.mkdir(parents=True, exist_ok=True)

@@ -17,7 +17,7 @@ from pathlib import Path
 from neuronbuild import jsondata
 from neuronbuild.atomic import atomic_write_bytes
 from neuronbuild.cache.action_cache import ActionCache, ActionResult
-from neuronbuild.digests import RACY_NS, digest_bytes
+from neuronbuild.digests import digest_bytes, is_racy, stat_key
 from neuronbuild.history import LatestEntry, PastResult, identity_group
 
 
@@ -177,7 +177,7 @@ def history_stamp(root: Path) -> tuple[object, ...] | None:
             continue
         except OSError:
             return None
-        if max(st.st_mtime_ns, st.st_ctime_ns) >= now - RACY_NS:
+        if is_racy(stat_key(st), now):
             return None
         out.append((st.st_ino, st.st_mtime_ns, st.st_ctime_ns))
         base = f"{top}/"
@@ -186,7 +186,7 @@ def history_stamp(root: Path) -> tuple[object, ...] | None:
                 sub = os.stat(base + name)
             except OSError:
                 return None
-            if max(sub.st_mtime_ns, sub.st_ctime_ns) >= now - RACY_NS:
+            if is_racy(stat_key(sub), now):
                 return None
             out.append((name, sub.st_ino, sub.st_mtime_ns, sub.st_ctime_ns))
     return tuple(out)

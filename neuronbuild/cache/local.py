@@ -45,10 +45,6 @@ def resolve_cache_dir(flag: str | None) -> Path:
     return default_cache_dir()
 
 
-def _warn(msg: str) -> None:
-    print(msg, file=streams.err(), flush=True)
-
-
 class LocalCache:
     """A cache directory shared by any number of workspaces and concurrent builds.
 
@@ -57,7 +53,7 @@ class LocalCache:
 
     def __init__(self, base: Path, report: Callable[[str], None] | None = None) -> None:
         self.base = base
-        self.report = report or _warn
+        self.report = report or (lambda msg: print(msg, file=streams.err(), flush=True))
         self.stats = StatsCounter()
         self._reported: set[str] = set()
         self._complete: dict[str, ActionResult] = {}  # entries found complete during this build

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from neuronbuild import streams
+from neuronbuild.commands import common
 from neuronbuild.commands.common import add_context_args, add_limit_args, bad_input, context_from_args, limit_settings
 from neuronbuild.errors import EXIT_BAD_INPUT, EXIT_BUILD_FAILED, EXIT_OK
 
@@ -36,10 +37,6 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     b.add_argument("--signing-key", metavar="FILE",
                    help="sign bundles' manifests with this Ed25519 private key (default: $NEURONBUILD_SIGNING_KEY)")
     add_context_args(b)
-
-
-def _raise_interrupt(signum: int, frame: Any) -> None:
-    raise KeyboardInterrupt
 
 
 # Flags that change how a build runs or reports, never what a finished no-op build would contain.
@@ -195,7 +192,7 @@ def run(args: argparse.Namespace) -> int:
     from neuronbuild.report.invocation import Invocation, note_line
 
     inv = Invocation.from_args("build", args, ws.root, cache_dir, patterns)
-    previous = signal.signal(signal.SIGTERM, _raise_interrupt)  # `kill` ends a build like Ctrl-C does
+    previous = signal.signal(signal.SIGTERM, common.raise_interrupt)  # `kill` ends a build like Ctrl-C does
     try:
         result = run_build(ctx, req, noop_key=key, invocation=inv)
     except KeyboardInterrupt:

@@ -118,6 +118,10 @@ def bad_input(msg: str) -> int:
     return EXIT_BAD_INPUT
 
 
+def raise_interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
 def bad_jobs(args: argparse.Namespace) -> str | None:
     jobs = getattr(args, "jobs", None)
     return "--jobs must be at least 1" if jobs is not None and jobs < 1 else None

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import argparse
 import signal
-from typing import Any
 
 from neuronbuild import streams
-from neuronbuild.commands.common import bad_input
+from neuronbuild.commands.common import bad_input, raise_interrupt
 from neuronbuild.errors import EXIT_BUILD_FAILED, EXIT_OK
 
 
@@ -28,10 +27,6 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                    help="refuse the bundle (nothing is installed) unless this host can run every graph in it (torch "
                         "version, CPU ISA, Neuron platform), as `verify --host` checks; without it such a bundle is "
                         "installed with a warning")
-
-
-def _raise_interrupt(signum: int, frame: Any) -> None:
-    raise KeyboardInterrupt
 
 
 class _HostCannotRun(Exception):
@@ -60,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
         keys = load_trusted_keys(args.trusted_keys) if args.trusted_keys else None
     except SignatureError as e:
         return bad_input(str(e))
-    previous = signal.signal(signal.SIGTERM, _raise_interrupt)  # `kill` cleans up like Ctrl-C does
+    previous = signal.signal(signal.SIGTERM, raise_interrupt)  # `kill` cleans up like Ctrl-C does
     try:
         res = deploy(Path(args.bundle), Path(args.dest), args.sha256, keys, check=check_host,
                      allow_downgrade=True if args.allow_downgrade else None)

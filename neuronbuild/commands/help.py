@@ -7,19 +7,13 @@ import argparse
 from neuronbuild import streams
 from neuronbuild.commands.common import bad_input
 from neuronbuild.errors import EXIT_OK
+from neuronbuild.rcfile import subparsers
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     h = sub.add_parser("help", help="show the commands, or one command's flags: neuronbuild help cache gc")
     h.add_argument("topic", nargs="*", metavar="COMMAND", help="a command (and sub-command) to show the flags of")
     sub.add_parser("version", help="print neuronbuild's version (= neuronbuild --version)")
-
-
-def _subparsers(p: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
-    for a in p._actions:
-        if isinstance(a, argparse._SubParsersAction):
-            return dict(a.choices)
-    return {}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -35,7 +29,7 @@ def run(args: argparse.Namespace) -> int:
     parser, _ = make_parser()
     target = parser
     for word in args.topic:
-        subs = _subparsers(target)
+        subs = subparsers(target)
         if word not in subs:
             near = difflib.get_close_matches(word, list(subs), n=1)
             where = "neuronbuild" if target is parser else target.prog

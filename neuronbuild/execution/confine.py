@@ -386,14 +386,10 @@ def _seccomp_program(arch: int) -> list[tuple[int, int, int, int]]:
     return prog
 
 
-def _audit_arch() -> int | None:
-    return {"x86_64": 0xC000003E, "aarch64": 0xC00000B7}.get(os.uname().machine)
-
-
 def apply_seccomp() -> str | None:
     """Refuse new sockets of every family but netlink (and io_uring) to this process and its children for good; None
     when applied, else why not. Needs no_new_privs (set by apply_landlock; set here too when Landlock was not applied)."""
-    arch = _audit_arch()
+    arch = {"x86_64": 0xC000003E, "aarch64": 0xC00000B7}.get(os.uname().machine)
     if arch is None:
         return "no seccomp filter for this architecture"
     prog = _seccomp_program(arch)

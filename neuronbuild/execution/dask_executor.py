@@ -61,7 +61,6 @@ class DaskExecutor:
                 from None
         self.root = root
         self.cache = cache
-        self._action_timeout = action_timeout
         self._timeouts = dict(timeouts or {})
         # each action's limits (execution/limits.py), enforced by the farm worker's pool as locally
         self.limits = limits if limits is not None else LimitSettings(timeout_s=action_timeout or None)

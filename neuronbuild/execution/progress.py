@@ -255,10 +255,8 @@ class RichProgress:
             self._live.stop()
 
 
-def make_progress(level: int, tty: bool | None = None) -> PlainProgress | RichProgress:
+def make_progress(level: int) -> PlainProgress | RichProgress:
     """Rich on a terminal (unless --quiet), plain lines otherwise."""
-    if tty is None:
-        tty = streams.err().isatty()
-    if tty and level >= NORMAL:
+    if streams.err().isatty() and level >= NORMAL:
         return RichProgress(level)
     return PlainProgress(level)

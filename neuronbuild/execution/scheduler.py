@@ -70,14 +70,10 @@ class BuildResult:
     def summary(self) -> str:
         s = (f"{self.total} actions: {len(self.executed)} executed, {len(self.cached)} cached "
              f"({self.wall_s:.1f} s)")
-        if self.failures:
-            s += f", {len(self.failures)} failed"
-        if self.skipped:
-            s += f", {len(self.skipped)} not run (an input failed)"
-        if self.stopped:
-            s += f", {len(self.stopped)} stopped"
-        if self.not_started:
-            s += f", {len(self.not_started)} not started"
+        for some, what in ((self.failures, "failed"), (self.skipped, "not run (an input failed)"),
+                           (self.stopped, "stopped"), (self.not_started, "not started")):
+            if some:
+                s += f", {len(some)} {what}"
         if self.stopped or self.not_started:
             s += " (the first failure ends a build; --keep-going runs everything that does not need the failed one)"
         if self.not_needed > 0:

@@ -194,19 +194,12 @@ def analyze(ctx: AnalysisContext, model: Target) -> ModelInfo:
     problem = config_problem(str(model.attrs["entry"]), model.attrs["config"])
     if problem is not None:  # (an hf_causal_lm's misspelt model_type, ...: at its BUILD line, before any action)
         raise UserInputError(f"{model.label}: {problem}", locate(ctx.graph, model))
-    files: list[FileInput] = []
-    srcs: dict[str, str] = {}
-    for lbl in model.attrs["srcs"]:
-        d = digest_file(root / lbl.path)
-        srcs[lbl.path] = d
-        files.append(FileInput(lbl.path, d))
+    srcs = {lbl.path: digest_file(root / lbl.path) for lbl in model.attrs["srcs"]}
+    files = [FileInput(lbl.path, srcs[lbl.path]) for lbl in model.attrs["srcs"]]
     weights = (weights_record(ctx, model, files) if model.attrs.get("weights")
                else dict(GRAPHS_ONLY) if model.attrs.get("graphs_only") else None)
-    data: dict[str, str] = {}
-    for lbl in model.attrs["data"]:
-        d = digest_file(root / lbl.path)
-        data[lbl.path] = d
-        files.append(FileInput(lbl.path, d))
+    data = {lbl.path: digest_file(root / lbl.path) for lbl in model.attrs["data"]}
+    files += [FileInput(lbl.path, data[lbl.path]) for lbl in model.attrs["data"]]
     lib_srcs, lib_files = py_library.collect(ctx, tuple(model.attrs["deps"]))
     files.extend(f for f in lib_files if f.path not in srcs)
     consts: Mapping[str, int] = model.attrs["dims"]

@@ -96,11 +96,6 @@ def attr_location(text: str, call: Location, attr: str) -> Location:
 MAX_SOURCE_BYTES = 4 << 20  # BUILD/.bzl files larger than this are refused (parsing costs ~250x the file in memory)
 
 
-def _nul_location(display: str, raw: str, at: int) -> Location:
-    line = raw.count("\n", 0, at) + 1
-    return Location(display, line, at - (raw.rfind("\n", 0, at) + 1) + 1)
-
-
 def _parse_source(display: str, path: Path, package: str) -> _SourceFile:
     try:
         with open(path, "rb") as f:
@@ -115,7 +110,9 @@ def _parse_source(display: str, path: Path, package: str) -> _SourceFile:
     except UnicodeDecodeError:
         raise UserInputError("file is not valid UTF-8", Location(display)) from None
     if "\x00" in raw:
-        raise UserInputError("NUL byte in file", _nul_location(display, raw, raw.index("\x00")))
+        at = raw.index("\x00")
+        line = raw.count("\n", 0, at) + 1
+        raise UserInputError("NUL byte in file", Location(display, line, at - raw.rfind("\n", 0, at)))
     try:
         tree = ast.parse(raw, filename=display)
     except (RecursionError, MemoryError):

@@ -196,12 +196,12 @@ def write_pin(cache: LocalCache, name: str, plan: BundlePlan) -> Path:
     return dest
 
 
-def build_bundle(root: Path, graph: TargetGraph, ag: ActionGraph, cache: LocalCache, label: Label,
-                 results: Mapping[str, Any], key: Path | None = None) -> BundleOutput:
+def build_bundle(root: Path, ag: ActionGraph, cache: LocalCache, label: Label, results: Mapping[str, Any],
+                 key: Path | None = None) -> BundleOutput:
     """Write the bundle from the build's results (BuildResult.results; never compiles); skipped when the archive is
     already up to date. `key`: the private key its manifest is signed with (the command's --signing-key), or None."""
     compression = ag.bundles[label].compression
-    plan = plan_bundle(graph, ag, cache, label, results)
+    plan = plan_bundle(ag, cache, label, results)
     docs = render_docs(dict(plan.manifest))
     members = list(plan.members) + [Member(p, hashlib.sha256(b).hexdigest(), len(b), None, b) for p, b in docs.items()]
     manifest_bytes = with_files(plan.manifest, members)
@@ -247,7 +247,7 @@ def build_bundles(root: Path, graph: TargetGraph, ag: ActionGraph, cache: LocalC
         if lbl not in ag.bundles:  # (a bundle's analysis registers it; other requested targets are not bundles)
             continue
         try:
-            outs.append(build_bundle(root, graph, ag, cache, lbl, results, signing_key))
+            outs.append(build_bundle(root, ag, cache, lbl, results, signing_key))
         except MissingResult as e:
             skipped.append(f"bundle {lbl} not written: {e}")
     return outs, skipped

@@ -13,7 +13,7 @@ import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import IO, Any
+from typing import IO
 
 from neuronbuild.atomic import atomic_write_bytes, fsync_path, try_lock, unlock
 from neuronbuild.packaging.envfile import EnvFileError, render_env
@@ -281,17 +281,13 @@ def _reclaim_staging(dest: Path) -> None:
                 shutil.rmtree(e.path, ignore_errors=True)
 
 
-def _check_space(dest: Path, manifest: Manifest, manifest_bytes_len: int) -> None:
-    need = sum(f.size for f in manifest.files.values()) + manifest_bytes_len
-    free = shutil.disk_usage(dest).free
-    if need > free:
-        raise BundleError(f"not enough free space in {dest}: the bundle needs {need} bytes, {free} are free")
-
-
 def _accept(manifest: Manifest, dest: Path, check: Callable[[Manifest], None] | None) -> None:
     if check is not None:
         check(manifest)
-    _check_space(dest, manifest, 0)
+    need = sum(f.size for f in manifest.files.values())
+    free = shutil.disk_usage(dest).free
+    if need > free:
+        raise BundleError(f"not enough free space in {dest}: the bundle needs {need} bytes, {free} are free")
 
 
 def deploy(archive: Path, dest: Path, expect_sha256: str | None = None,
@@ -381,7 +377,8 @@ def deploy(archive: Path, dest: Path, expect_sha256: str | None = None,
             1 + max((n for n in seq.values() if isinstance(n, int)), default=0)
         entries = [{"id": rid, "label": manifest.label, "installed": order}] + [r for r in index if r.get("id") != rid]
         try:
-            _write_index(dest, entries)
+            text = json.dumps({"format": DEPLOY_FORMAT, "releases": entries}, indent=1, sort_keys=True) + "\n"
+            atomic_write_bytes(dest / INDEX, text.encode(), dest, mode=0o644)
         except BaseException:
             if not already and not repaired:
                 shutil.rmtree(target, ignore_errors=True)
@@ -400,8 +397,3 @@ def deploy(archive: Path, dest: Path, expect_sha256: str | None = None,
             with contextlib.suppress(OSError):
                 if not any(dest.iterdir()):
                     dest.rmdir()
-
-
-def _write_index(dest: Path, entries: list[dict[str, Any]]) -> None:
-    data = (json.dumps({"format": DEPLOY_FORMAT, "releases": entries}, indent=1, sort_keys=True) + "\n").encode()
-    atomic_write_bytes(dest / INDEX, data, dest, mode=0o644)

@@ -17,7 +17,6 @@ from neuronbuild.analysis.providers import CompileTarget
 from neuronbuild.cache.cas import CorruptBlob
 from neuronbuild.cache.local import LocalCache
 from neuronbuild.loading.labels import Label
-from neuronbuild.loading.target_graph import TargetGraph
 from neuronbuild.runtime.layout import BUNDLE_FORMAT, DRAFT_WEIGHTS
 
 CONSTANTS_OUTPUT = "constants.safetensors"
@@ -87,8 +86,7 @@ def _tp_entry(model: Any, artifacts: dict[str, Any]) -> dict[str, Any]:
     return {"tp": tp | {"ranks": ranks}}
 
 
-def plan_bundle(graph: TargetGraph, ag: ActionGraph, cache: LocalCache, label: Label,
-                results: Mapping[str, Any]) -> BundlePlan:
+def plan_bundle(ag: ActionGraph, cache: LocalCache, label: Label, results: Mapping[str, Any]) -> BundlePlan:
     """Collect the bundle's graphs from the build's results (BuildResult.results; blobs from the cache: never
     compiles). MissingResult when a graph is not built."""
     lookup = results.get

@@ -42,10 +42,6 @@ def truncate(s: str, length: int = TRUNCATE_AT, leeway: int = 5) -> str:
     return s[:length - 3].rsplit(" ", 1)[0] + "..."
 
 
-def _num(v: Any) -> str:
-    return "" if v is None else _e(v)
-
-
 def actions_html(details: Sequence[Mapping[str, Any]]) -> str:
     """The actions section: a sortable table (one row per action) and each action's details block."""
     out = [f'<section id="actions">\n<h2>Actions ({len(details)})</h2>\n<table id="actions-table">\n'
@@ -56,7 +52,7 @@ def actions_html(details: Sequence[Mapping[str, Any]]) -> str:
     for a in details:
         peak = f"{float(a['peak_rss_mb']):.0f}" if a.get("peak_rss_mb") else ""
         add(f'<tr class="st-{_e(a["state"])}"><td><a href="#{_e(a["anchor"])}">{_e(a["description"])}</a></td>'
-            f'<td>{_e(a["text"])}</td><td class="num">{_num(a.get("seconds"))}</td>'
+            f'<td>{_e(a["text"])}</td><td class="num">{"" if a.get("seconds") is None else _e(a["seconds"])}</td>'
             f'<td class="num">{_e(a.get("cpu_s") or "")}</td><td class="num">{peak}</td>'
             f'<td class="mono">{_e(a.get("worker") or "")}</td></tr>\n')
     add("</tbody>\n</table>\n")

@@ -40,10 +40,9 @@ class LoadedPackage:
 
     def __init__(self, loader: Any) -> None:
         self._loader = loader
-        in_spec, out_spec = loader.get_call_spec()
+        _in_spec, out_spec = loader.get_call_spec()
         self._in_place, full = in_place_outputs(dict(loader.get_metadata()))
         self._out_spec = full if full is not None else pytree.treespec_loads(out_spec)
-        self._in_spec = in_spec
         # a flat tuple of tensors (every graph of a FlatForward trace): built directly, not through pytree (a
         # serving step's host work is of the order of a small graph's call)
         self._flat_tuple = self._out_spec == pytree.tree_flatten(tuple(range(self._out_spec.num_leaves)))[1]

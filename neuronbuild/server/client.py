@@ -85,10 +85,6 @@ def prescan(argv: Sequence[str]) -> Invocation:
     return Invocation(None, True, directory, root, idle)
 
 
-def no_server_env() -> bool:
-    return envvars.current().flag("NEURONBUILD_NO_SERVER")
-
-
 def startup_options(output_user_root: str | None, max_idle_secs: int | None) -> StartupOptions:
     root = os.path.abspath(os.path.expanduser(output_user_root)) if output_user_root else \
         protocol.default_output_user_root()
@@ -115,7 +111,7 @@ def maybe_run(argv: Sequence[str], check: Callable[[list[str]], int | None] | No
     if inv.error:
         print(f"neuronbuild: error: {inv.error}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    if inv.batch or inv.command not in protocol.SERVER_COMMANDS or no_server_env():
+    if inv.batch or inv.command not in protocol.SERVER_COMMANDS or envvars.current().flag("NEURONBUILD_NO_SERVER"):
         return None
     found = workspace_paths(inv)
     if found is None:

@@ -138,7 +138,6 @@ class Server:
         self.commands = 0
         self.queue: queue.Queue[tuple[socket.socket, dict[str, Any]]] = queue.Queue()
         self.busy = threading.Event()
-        self.running_client = 0
         self.stopping = False
         self.main_thread = threading.get_ident()
         self.cancel_armed = threading.Event()

@@ -138,7 +138,8 @@ def compile_cpu(
         # buffers by FQN) and its own tensors hold every tensor the package asks for at load.
         own = out_dir / PROGRAM_CONSTANTS
         held = {*ep.state_dict, *(read_header(own) if own.is_file() else {})}
-        missing = [n for n in _constant_fqns(raw) if n not in held]
+        loader = torch._C._aoti.AOTIModelPackageLoader(str(raw), PACKAGE_MODEL_NAME, False, 1, -1)
+        missing = [n for n in sorted(str(n) for n in loader.get_constant_fqns()) if n not in held]
         if missing:
             raise ToolchainError(f"the compiled package needs constant(s) the model's {CONSTANTS_FILE} does not "
                                  f"hold: {', '.join(missing[:5])}")
@@ -418,11 +419,6 @@ def warm_codegen() -> float:
     joint_graph.lazy_init(torch.device("cpu"))
     post_grad.lazy_init()
     return round(time.perf_counter() - start, 3)
-
-
-def _constant_fqns(package: Path) -> list[str]:
-    loader = torch._C._aoti.AOTIModelPackageLoader(str(package), PACKAGE_MODEL_NAME, False, 1, -1)
-    return sorted(str(n) for n in loader.get_constant_fqns())
 
 
 def held_tensors(ep: torch.export.ExportedProgram) -> dict[str, torch.Tensor]:

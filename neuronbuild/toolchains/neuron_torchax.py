@@ -12,7 +12,6 @@ from typing import Any
 # answered with an inert placeholder while torchax imports. Any other missing overload still fails the import.
 _NAMED_OVERLOAD = re.compile(r"(?i)dimname|names")
 _lock = threading.Lock()
-_missing: list[str] = []
 
 
 class MissingOverload:
@@ -66,7 +65,6 @@ def import_torchax() -> tuple[ModuleType, ModuleType]:
             except AttributeError:
                 if key.startswith("__") or not _NAMED_OVERLOAD.search(key):
                     raise
-                _missing.append(f"{self}.{key}")
                 return MissingOverload(self, key)
 
         torch._ops.OpOverloadPacket.__getattr__ = tolerant  # type: ignore[method-assign]
@@ -82,8 +80,3 @@ def import_torchax() -> tuple[ModuleType, ModuleType]:
 
         jax.config.update("jax_enable_x64", False)
         return ops_registry, decompositions
-
-
-def shimmed_overloads() -> tuple[str, ...]:
-    """The overloads the shim answered with placeholders in this process (for diagnostics)."""
-    return tuple(_missing)
