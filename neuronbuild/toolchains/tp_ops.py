@@ -45,6 +45,11 @@ def collective(target: object) -> str | None:
     return {OP_NAME: "all_reduce", GATHER_OP_NAME: "all_gather"}.get(name)
 
 
+def is_all_reduce(target: object) -> bool:
+    """Whether an FX node target is the all-reduce op (its overload or packet)."""
+    return collective(target) == "all_reduce"
+
+
 def is_rank_buffer(name: str) -> bool:
     """Whether a program's state name is its rank id (RANK_BUFFER), whose value differs per rank."""
     return name.rpartition(".")[2] == RANK_BUFFER
@@ -73,12 +78,8 @@ class VocabParallelEmbedding(torch.nn.Embedding):
         local = ids - getattr(self, RANK_BUFFER).to(ids.dtype) * rows
         inside = (local >= 0) & (local < rows)
         out = torch.nn.functional.embedding(torch.where(inside, local, torch.zeros_like(local)), self.weight)
-        out = self._scaled(out)
         out = torch.where(inside.unsqueeze(-1), out, torch.zeros((), dtype=out.dtype))
         return all_reduce(out, self.nb_tp)  # type: ignore[no-any-return]
-
-    def _scaled(self, out: torch.Tensor) -> torch.Tensor:
-        return out
 
 
 class ScaledVocabParallelEmbedding(VocabParallelEmbedding):
@@ -86,8 +87,14 @@ class ScaledVocabParallelEmbedding(VocabParallelEmbedding):
     `embed_scale` buffer, in the weight's dtype), scaled as they do after the lookup: on each rank's block, before the
     all-reduce (the other ranks' zeros stay zeros, so the sum is the whole model's scaled lookup)."""
 
-    def _scaled(self, out: torch.Tensor) -> torch.Tensor:
-        return out * self.embed_scale.to(self.weight.dtype)  # type: ignore[no-any-return,operator]
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = self.weight.shape[0]
+        local = ids - getattr(self, RANK_BUFFER).to(ids.dtype) * rows
+        inside = (local >= 0) & (local < rows)
+        out = torch.nn.functional.embedding(torch.where(inside, local, torch.zeros_like(local)), self.weight)
+        out = out * self.embed_scale.to(self.weight.dtype)  # type: ignore[operator]
+        out = torch.where(inside.unsqueeze(-1), out, torch.zeros((), dtype=out.dtype))
+        return all_reduce(out, self.nb_tp)  # type: ignore[no-any-return]
 
 
 def _is_scaled_embedding(embedding: torch.nn.Module) -> bool:
