@@ -3,11 +3,16 @@ version change, new package or missing output is ever answered from it."""
 
 from __future__ import annotations
 
+import contextlib
+import json
+import marshal
+import os
 import re
 import shutil
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from helpers import REPO, run_cli
@@ -25,22 +30,84 @@ def _imports(stderr: str) -> set[str]:
 class Ws:
     def __init__(self, root: Path, cache: Path, pythonpath: Path) -> None:
         self.root, self.cache, self.env = root, cache, {"PYTHONPATH": str(pythonpath)}
+        self.last: tuple[int, dict[str, Any] | None] = (0, None)  # (when the last build began, the stamp it left)
 
     def build(self, expect_rc: int = 0) -> tuple[int, set[str], str]:
         """(executed actions, modules imported, stdout) of one `build //...`."""
         time.sleep(0.05)  # edits made just before a build are in its racy window: the stamp would not be written
+        began = time.time_ns()
         proc = run_cli(["build", "//...", "--jobs", "2", "--cache-dir", str(self.cache)], self.root, self.env,
                        ("-X", "importtime"))
+        self.last = (began, self.stamp())
         assert proc.returncode == expect_rc, proc.stdout + proc.stderr[-4000:]
         m = re.search(r"(\d+) executed", proc.stdout)
         return (int(m.group(1)) if m else -1), _imports(proc.stderr), proc.stdout
 
     def noop(self) -> None:
         """A build that must take the fast path: nothing executed, no analysis, no torch."""
+        began, stamp = self.last
+        stale = self.stale(stamp)  # (before this build, whose normal path would rewrite what it finds stale)
         n, mods, out = self.build()
         assert n == 0, out
-        assert "neuronbuild.build" not in mods and "networkx" not in mods, out
+        assert "neuronbuild.build" not in mods and "networkx" not in mods, out + self.why_not_noop(began, stamp, stale)
         assert not any(m == "torch" or m.startswith("torch.") for m in mods)
+
+    def stamp(self) -> dict[str, Any] | None:
+        """The no-op stamp of this workspace's `build //...` (noop.write's data), None if there is none."""
+        for f in (self.cache / "v1" / "state").glob("noop-*.marshal"):
+            try:
+                data = marshal.loads(f.read_bytes())
+                if Path(json.loads(data["key"])["root"]).resolve() == self.root.resolve():
+                    return dict(data)
+            except (OSError, ValueError, EOFError, KeyError, TypeError):
+                continue
+        return None
+
+    @staticmethod
+    def stale(stamp: dict[str, Any] | None) -> list[str]:
+        """The stamp's files and directories that differ now from what it holds."""
+        from neuronbuild import noop
+        from neuronbuild.digests import stat_key
+
+        out = []
+        for p, k in zip(*((stamp["paths"], stamp["keys"]) if stamp else ((), ())), strict=True):
+            try:
+                now: Any = stat_key(os.stat(p))
+            except OSError as e:
+                now = e
+            if now != tuple(k):
+                out.append(f"{p}: {tuple(k)} -> {now}")
+        for d, sig in zip(*((stamp["dirs"], stamp["dirsigs"]) if stamp else ((), ())), strict=True):
+            if noop.dir_signature(d) != sig:
+                out.append(f"directory {d}: {sig!r} -> {noop.dir_signature(d)!r}")
+        return out
+
+    def why_not_noop(self, began: int, stamp: dict[str, Any] | None, stale: list[str]) -> str:
+        """Why the stamp the build before left (begun at `began`, time.time_ns()) did not answer (`stale`: its files
+        that differed just before), for a failure's message: a flake under load was never explained by its output."""
+        from neuronbuild.digests import RACY_NS, stat_key
+
+        probe = run_cli([], self.root, self.env, ("-c", "import json; from neuronbuild import noop; "
+                                                  "print(json.dumps([noop.environment(), noop.toolchain_paths()]))"))
+        env, tools = json.loads(probe.stdout) if probe.returncode == 0 else ("{}", [])
+        if stamp is None:
+            recent = []
+            for p in [*map(str, self.root.rglob("*")), *tools]:
+                with contextlib.suppress(OSError):
+                    k = stat_key(os.stat(p))
+                    if max(k[1], k[3]) >= began - RACY_NS and "neuronbuild-out" not in p:
+                        recent.append(f"{p} (mtime {k[1] - began:+} ns, ctime {k[3] - began:+} ns from its start)")
+            return ("\nno-op miss: the build before left no stamp (noop.write refused it: an input missing, or "
+                    f"changed within RACY_NS of its start); changed since shortly before it began: {recent}")
+        why = list(stale)
+        old, new = json.loads(stamp["env"]), json.loads(env)
+        old_vars, new_vars = dict(old.pop("env", ())), dict(new.pop("env", ()))  # ((name, value), ...)
+        for d, a, b in (("", old, new), ("variable ", old_vars, new_vars)):
+            why += [f"environment {d}{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in sorted(a.keys() | b.keys())
+                    if a.get(k) != b.get(k)]
+        if stamp["tools"] != tools:
+            why.append(f"toolchain paths: {stamp['tools']} -> {tools}")
+        return f"\nno-op miss; the stamp the build before left differs: {why or 'in nothing seen from here'}"
 
 
 @pytest.fixture(scope="module")
