@@ -150,8 +150,7 @@ def check(cache_dir: Path, key: str) -> str | None:
     paths, keys = data["paths"], data["keys"]
     try:
         for p, k in zip(paths, keys, strict=True):
-            st = os.stat(p)
-            if (st.st_size, st.st_mtime_ns, st.st_ino, st.st_ctime_ns) != k:
+            if stat_key(os.stat(p)) != k:
                 return None
         for d, sig in zip(data["dirs"], data["dirsigs"], strict=True):
             if dir_signature(d) != sig:
